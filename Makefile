@@ -1,0 +1,36 @@
+# Two entry points (see README): `make demo` runs the main job, `make test` runs the tests.
+# Both create .venv on first use. On a CPU-only machine torch==2.13.0 is the CPU build that
+# pip finds locally; Triton is pinned to the version the GPU machine has (3.6.0).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.fastmamba-installed
+
+.PHONY: demo test test-gpu bench-kernels clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0" "triton==3.6.0"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+# Main job: the decode-kernel benchmark. With a GPU: full shapes, peers side by side.
+# Without one: small shapes through the Triton interpreter on the CPU (it says so).
+demo: $(STAMP)
+	@if $(PY) -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		$(PY) -m fastmamba.bench kernels; \
+	else \
+		TRITON_INTERPRET=1 $(PY) -m fastmamba.bench kernels; \
+	fi
+
+# CPU tests run the real Triton kernels under the interpreter; GPU-marked tests skip cleanly.
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" tests
+
+# On a machine with a GPU and torch/triton already installed (no venv, no network needed).
+test-gpu:
+	$(PYTHON) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,8 @@
+"""Public drop-in ops: same names and positional signatures as mamba_ssm / causal_conv1d.
+
+Swap ``from mamba_ssm.ops.triton.selective_state_update import selective_state_update`` for
+``from fastmamba.ops import selective_state_update`` (and likewise for the others).
+"""
+from fastmamba.ops.state_update import selective_state_update
+
+__all__ = ["selective_state_update"]

@@ -1,0 +1,1 @@
+"""Helpers shared by every op: input checks, CPU/GPU dispatch, jit math, index buffers."""

@@ -1,0 +1,80 @@
+"""Input validation shared by the ops' api modules.
+
+Every check raises before any kernel runs, so a bad call never leaves state half written.
+Messages name the op, the argument, what was expected and what came.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _fmt_shape(shape: Sequence[object]) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def check_shape(op: str, name: str, t: torch.Tensor, expected: Sequence[tuple[str, int | None]]) -> None:
+    """Raise ValueError unless ``t.shape`` matches ``expected``.
+
+    ``expected`` is a sequence of (letter, size) pairs; a size of None accepts any extent.
+    """
+    want = [s for _, s in expected]
+    ok = t.dim() == len(want) and all(w is None or w == g for w, g in zip(want, t.shape))
+    if not ok:
+        desc = _fmt_shape(f"{k}={v}" if v is not None else k for k, v in expected)
+        raise ValueError(f"{op}: `{name}` expected shape {desc}, got {_fmt_shape(tuple(t.shape))}")
+
+
+def check_dtype(op: str, name: str, t: torch.Tensor, allowed: Iterable[torch.dtype]) -> None:
+    allowed = tuple(allowed)
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise TypeError(f"{op}: `{name}` expected dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+
+
+def check_same_dtype(op: str, names_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    ref_name, ref = names_tensors[0]
+    for name, t in names_tensors[1:]:
+        if t.dtype != ref.dtype:
+            raise TypeError(
+                f"{op}: `{name}` has dtype {str(t.dtype).replace('torch.', '')} but `{ref_name}` has "
+                f"{str(ref.dtype).replace('torch.', '')}; they must match"
+            )
+
+
+def check_same_device(op: str, names_tensors: Sequence[tuple[str, torch.Tensor | None]]) -> torch.device:
+    present = [(n, t) for n, t in names_tensors if t is not None]
+    ref_name, ref = present[0]
+    for name, t in present[1:]:
+        if t.device != ref.device:
+            raise ValueError(f"{op}: `{name}` is on {t.device} but `{ref_name}` is on {ref.device}; all tensors must share a device")
+    return ref.device
+
+
+def check_unit_stride(op: str, name: str, t: torch.Tensor, dim: int) -> None:
+    if t.size(dim) > 1 and t.stride(dim) != 1:
+        raise ValueError(
+            f"{op}: `{name}` must be contiguous in dim {dim} (stride 1), got strides {tuple(t.stride())}"
+        )
+
+
+def check_indices(op: str, name: str, idx: torch.Tensor, batch: int, num_slots: int, pad_slot_id: int) -> None:
+    """Slot indices: shape (B,), int32/int64, each in [0, num_slots) or equal to pad_slot_id.
+
+    The range check reads the indices on the host (one small device sync); it is skipped while a
+    CUDA graph is being captured, where a sync is not allowed.
+    """
+    check_dtype(op, name, idx, INDEX_DTYPES)
+    check_shape(op, name, idx, [("B", batch)])
+    if idx.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    valid = (idx == pad_slot_id) | ((idx >= 0) & (idx < num_slots))
+    if not bool(valid.all()):
+        bad = idx[~valid][:4].tolist()
+        raise ValueError(
+            f"{op}: `{name}` values must lie in [0, {num_slots}) or equal pad_slot_id={pad_slot_id}; got {bad}"
+        )

@@ -1,0 +1,41 @@
+"""Small @triton.jit helpers used by several kernels (inlined at compile time)."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def softplus(x):
+    """log(1 + exp(x)) in fp32; returns x itself above 20, where the two agree to fp32 precision."""
+    return tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
+
+
+@triton.jit
+def silu(x):
+    """x * sigmoid(x) in fp32."""
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def stochastic_round(v, u, OUT_DTYPE: tl.constexpr):
+    """Round fp32 ``v`` to ``OUT_DTYPE`` (fp16 or bf16) up or down at random, unbiased.
+
+    Done in software so it runs on Hopper (the PTX ``cvt.rs`` instruction is Blackwell-only).
+    ``lo`` is the round-to-nearest result; ``other`` is its neighbour on the far side of ``v``
+    (one unit in the last place, by stepping the integer bits, which also covers subnormals and
+    zero). ``v`` rounds to ``other`` with probability |v - lo| / |other - lo|, so the expected
+    result equals ``v``. ``u`` holds uniform random fp32 numbers in [0, 1), one per element.
+    Non-finite values and values beyond the largest finite ``OUT_DTYPE`` take the plain rounding.
+    """
+    lo = v.to(OUT_DTYPE)
+    lo_f = lo.to(tl.float32)
+    lo_bits = lo.to(tl.int16, bitcast=True)
+    # magnitude of lo below |v| -> neighbour is one step away from zero (bits + 1), else toward it
+    step = tl.where(tl.abs(lo_f) < tl.abs(v), 1, -1).to(tl.int16)
+    other = (lo_bits + step).to(OUT_DTYPE, bitcast=True)
+    other_f = other.to(tl.float32)
+    gap = tl.abs(other_f - lo_f)
+    p = tl.abs(v - lo_f) / tl.where(gap > 0, gap, 1.0)
+    take_other = (u < p) & (lo_f == lo_f) & (tl.abs(other_f) < float("inf")) & (lo_f != v)
+    return tl.where(take_other, other, lo)

@@ -1,0 +1,213 @@
+"""Public entry of the SSM state update: checks, shape normalisation, allocation, launch."""
+from __future__ import annotations
+
+import torch
+
+from fastmamba.ops._common.checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_indices,
+    check_same_device,
+    check_same_dtype,
+    check_shape,
+)
+from fastmamba.ops._common.dispatch import use_triton
+from fastmamba.ops.state_update.configs import pick_config
+from fastmamba.ops.state_update.kernel import launch_selective_state_update
+from fastmamba.ops.state_update.ref import selective_state_update_ref
+
+OP = "selective_state_update"
+
+
+def _tied(t: torch.Tensor | None, dims: tuple[int, ...]) -> bool:
+    """True if ``t`` does not vary along ``dims`` (stride 0 or extent 1)."""
+    return t is None or all(t.size(d) == 1 or t.stride(d) == 0 for d in dims)
+
+
+def _per_head(name: str, t: torch.Tensor | None, H: int, P: int) -> torch.Tensor | None:
+    """Accept (H,) or (H, P) for D / dt_bias; returns an (H, P) view (stride 0 over P for (H,))."""
+    if t is None:
+        return None
+    if t.dim() == 1:
+        check_shape(OP, name, t, [("H", H)])
+        return t.unsqueeze(-1).expand(H, P)
+    check_shape(OP, name, t, [("H", H), ("P", P)])
+    return t
+
+
+@torch.library.custom_op("fastmamba::selective_state_update_", mutates_args=("state", "out", "intermediate_states"))
+def _selective_state_update_op(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    dt_softplus: bool,
+    state_batch_indices: torch.Tensor | None,
+    pad_slot_id: int,
+    out: torch.Tensor,
+    dst_state_batch_indices: torch.Tensor | None,
+    intermediate_states: torch.Tensor | None,
+    rand_seed: torch.Tensor | None,
+) -> None:
+    """In-place op on normalised 4-D views (see launch_selective_state_update)."""
+    if not use_triton(x):
+        selective_state_update_ref(
+            state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
+            pad_slot_id=pad_slot_id, out=out, dst_state_batch_indices=dst_state_batch_indices,
+            intermediate_states=intermediate_states,
+        )
+        return
+    nreq, _, nheads, headdim = x.shape
+    block_p, num_warps = pick_config(
+        programs_per_block=nreq * nheads, headdim=headdim, dstate=B.shape[-1], state_bytes=state.element_size()
+    )
+    tie_hdim = _tied(A, (1, 2)) and _tied(dt, (3,)) and _tied(dt_bias, (1,)) and _tied(D, (1,))
+    launch_selective_state_update(
+        state, x, dt, dt_bias, A, B, C, D, z, out,
+        state_batch_indices, dst_state_batch_indices, intermediate_states, rand_seed,
+        dt_softplus=dt_softplus, tie_hdim=tie_hdim, pad_slot_id=pad_slot_id,
+        block_p=block_p, num_warps=num_warps,
+    )
+
+
+@_selective_state_update_op.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
+def selective_state_update(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    state_batch_indices: torch.Tensor | None = None,
+    *,
+    pad_slot_id: int = -1,
+    out: torch.Tensor | None = None,
+    dst_state_batch_indices: torch.Tensor | None = None,
+    intermediate_states: torch.Tensor | None = None,
+    rand_seed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Advance the SSM by one (or T) tokens for each of B requests (drop-in for mamba_ssm's op).
+
+    Three forms, told apart by ``x.dim()``:
+      single token     x [B, H, P]      B, C [B, G, N]      state [S, H, P, N]
+      no heads axis    x [B, P]         B, C [B, N]         state [S, P, N]    (mamba_ssm's (B, D) form)
+      T tokens         x [B, T, H, P]   B, C [B, T, G, N]   state [S, H, P, N]
+
+    state   fp32, bf16 or fp16; row ``state_batch_indices[b]`` is read and row
+            ``dst_state_batch_indices[b]`` (default: the same row) is written, in place
+    x       activation dtype (fp32/bf16/fp16); y has the same shape and dtype
+    dt      x's shape (usually a stride-0 broadcast of [B, H] / [B, T, H]) or [B, H] / [B, T, H];
+            dt' = softplus(dt + dt_bias) when dt_softplus, else dt + dt_bias
+    A       [H, P, N] (usually a stride-0 broadcast of [H] = -exp(A_log); see ``expanded_A``) or [H]
+    B, C    same dtype as x; G divides H, head h reads group h // (H // G)
+    D       [H, P] or [H] or None;   dt_bias [H, P] or [H] or None;   z like x or None (y *= silu(z))
+    state_batch_indices     [B] int32/int64 or None (row b); rows equal to ``pad_slot_id`` are
+                            skipped: no state read or write, y row zeroed
+    dst_state_batch_indices [B] int32/int64 or None: where the new state goes (pad: not written)
+    intermediate_states     [B, T, H, P, N] float or None: written with the state after every token
+                            (the per-position buffers of speculative verification)
+    rand_seed               one-element int64 tensor on x's device or None: with a 16-bit state, the
+                            stored state is rounded stochastically (unbiased, software, works on
+                            Hopper); read on the device, so a CUDA graph may change it between replays.
+                            Advance it every step, or the same random numbers repeat.
+    out                     like x, or None (allocated)
+
+    When A, dt, dt_bias and D are stride-0 over P (and A over N), they are loaded as one scalar per
+    head. Returns y (``out`` when given). Reference: ``fastmamba.ops.state_update.ref``.
+    """
+    check_dtype(OP, "x", x, FLOAT_DTYPES)
+    check_dtype(OP, "state", state, FLOAT_DTYPES)
+    no_heads = x.dim() == 2
+    if x.dim() not in (2, 3, 4):
+        raise ValueError(f"{OP}: `x` must be (B, P), (B, H, P) or (B, T, H, P); got shape {tuple(x.shape)}")
+    if no_heads:  # mamba_ssm's headless form: one head of P = D channels
+        state = state.unsqueeze(1)
+        x, B, C = x.unsqueeze(1), B.unsqueeze(1), C.unsqueeze(1)
+        dt = dt.unsqueeze(1)
+        A = A.unsqueeze(0)
+        z = z.unsqueeze(1) if z is not None else None
+        D = D.unsqueeze(0) if D is not None else None
+        dt_bias = dt_bias.unsqueeze(0) if dt_bias is not None else None
+        if out is not None:
+            out = out.unsqueeze(1)
+    multi_token = x.dim() == 4
+    x4 = x if multi_token else x.unsqueeze(1)
+    nreq, ntok, nheads, headdim = x4.shape
+    if state.dim() != 4:
+        raise ValueError(f"{OP}: `state` expected shape (S, H={nheads}, P={headdim}, N), got {tuple(state.shape)}")
+    nslots, dstate = state.shape[0], state.shape[3]
+    check_shape(OP, "state", state, [("S", None), ("H", nheads), ("P", headdim), ("N", None)])
+
+    tok = [("T", ntok)] if multi_token else []
+    bc_expected = [("B", nreq)] + tok + [("G", None), ("N", dstate)]
+    check_shape(OP, "B", B, bc_expected)
+    ngroups = B.shape[-2]
+    check_shape(OP, "C", C, bc_expected[:-2] + [("G", ngroups), ("N", dstate)])
+    if nheads % ngroups != 0:
+        raise ValueError(f"{OP}: the number of groups G={ngroups} (from `B`) must divide the number of heads H={nheads}")
+    check_same_dtype(OP, [("x", x), ("B", B), ("C", C)] + ([("z", z)] if z is not None else []))
+
+    if dt.dim() == x.dim() - 1 and not no_heads:  # [B, H] / [B, T, H]: broadcast over P
+        check_shape(OP, "dt", dt, [("B", nreq)] + tok + [("H", nheads)])
+        dt = dt.unsqueeze(-1).expand(*dt.shape, headdim)
+    check_shape(OP, "dt", dt, [("B", nreq)] + tok + [("H", nheads), ("P", headdim)])
+    check_dtype(OP, "dt", dt, FLOAT_DTYPES)
+    if A.dim() == 1:
+        check_shape(OP, "A", A, [("H", nheads)])
+        A = A[:, None, None].expand(nheads, headdim, dstate)
+    check_shape(OP, "A", A, [("H", nheads), ("P", headdim), ("N", dstate)])
+    D = _per_head("D", D, nheads, headdim)
+    dt_bias = _per_head("dt_bias", dt_bias, nheads, headdim)
+    if z is not None:
+        check_shape(OP, "z", z, [(k, v) for k, v in zip("BTHP" if multi_token else "BHP", x.shape)])
+
+    check_same_device(OP, [("x", x), ("state", state), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D),
+                           ("z", z), ("dt_bias", dt_bias), ("state_batch_indices", state_batch_indices),
+                           ("dst_state_batch_indices", dst_state_batch_indices),
+                           ("intermediate_states", intermediate_states), ("rand_seed", rand_seed), ("out", out)])
+    if state_batch_indices is not None:
+        check_indices(OP, "state_batch_indices", state_batch_indices, nreq, nslots, pad_slot_id)
+    elif nslots < nreq:
+        raise ValueError(f"{OP}: without state_batch_indices, `state` needs at least B={nreq} rows, got {nslots}")
+    if dst_state_batch_indices is not None:
+        check_indices(OP, "dst_state_batch_indices", dst_state_batch_indices, nreq, nslots, pad_slot_id)
+    if intermediate_states is not None:
+        check_shape(OP, "intermediate_states", intermediate_states,
+                    [("B", nreq), ("T", ntok), ("H", nheads), ("P", headdim), ("N", dstate)])
+        check_dtype(OP, "intermediate_states", intermediate_states, FLOAT_DTYPES)
+    if rand_seed is not None:
+        check_dtype(OP, "rand_seed", rand_seed, (torch.int64,))
+        if rand_seed.numel() != 1:
+            raise ValueError(f"{OP}: `rand_seed` must hold one element, got shape {tuple(rand_seed.shape)}")
+        if state.dtype == torch.float32:
+            rand_seed = None  # nothing to round: fp32 state is stored exactly
+
+    if out is None:
+        out4 = torch.empty_like(x4)
+    else:
+        check_shape(OP, "out", out, [(k, v) for k, v in zip("BTHP" if multi_token else "BHP", x.shape)])
+        check_same_dtype(OP, [("x", x), ("out", out)])
+        out4 = out if multi_token else out.unsqueeze(1)
+
+    def tokens(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t if t is None or multi_token else t.unsqueeze(1)
+
+    _selective_state_update_op(
+        state, x4, tokens(dt), A, tokens(B), tokens(C), D, tokens(z), dt_bias, bool(dt_softplus),
+        state_batch_indices, int(pad_slot_id), out4, dst_state_batch_indices, intermediate_states, rand_seed,
+    )
+    y = out4 if multi_token else out4.squeeze(1)
+    return y.squeeze(1) if no_heads else y

@@ -1,0 +1,159 @@
+"""Triton kernel for the SSM state update (one or several tokens per request).
+
+One program per (block of P, request, head). The program loads its [BLOCK_P, N] state tile once,
+keeps it in fp32 registers across the T tokens, and stores it once (plus, optionally, once per
+token into ``intermediate_states``). The silu(z) gate, D skip and dt bias/softplus are applied in
+registers before the single store of y, so nothing makes an extra trip through HBM.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fastmamba.ops._common.jit_math import silu, softplus, stochastic_round
+
+
+@triton.jit
+def _selective_state_update_kernel(
+    state_ptr, x_ptr, dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, out_ptr,
+    src_idx_ptr, dst_idx_ptr, inter_ptr, seed_ptr,
+    T, heads_per_group, pad_slot_id,
+    stride_state_s, stride_state_h, stride_state_p, stride_state_n,
+    stride_x_b, stride_x_t, stride_x_h, stride_x_p,
+    stride_dt_b, stride_dt_t, stride_dt_h, stride_dt_p,
+    stride_dt_bias_h, stride_dt_bias_p,
+    stride_A_h, stride_A_p, stride_A_n,
+    stride_B_b, stride_B_t, stride_B_g, stride_B_n,
+    stride_C_b, stride_C_t, stride_C_g, stride_C_n,
+    stride_D_h, stride_D_p,
+    stride_z_b, stride_z_t, stride_z_h, stride_z_p,
+    stride_out_b, stride_out_t, stride_out_h, stride_out_p,
+    stride_inter_b, stride_inter_t, stride_inter_h, stride_inter_p, stride_inter_n,
+    HAS_DT_BIAS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+    HAS_SRC_IDX: tl.constexpr, HAS_DST_IDX: tl.constexpr, HAS_INTER: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
+    P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # one program per (block of P, request, head); P and N are constexpr so that full tiles
+    # carry no mask along N and the state moves in 16-byte vectors
+    pid_p = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    g = h // heads_per_group
+
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+
+    if HAS_SRC_IDX:
+        src = tl.load(src_idx_ptr + b).to(tl.int64)
+    else:
+        src = b
+    if HAS_DST_IDX:
+        dst = tl.load(dst_idx_ptr + b).to(tl.int64)
+    else:
+        dst = src
+    valid = src != pad_slot_id
+    write_state = valid & (dst != pad_slot_id)
+
+    # the state tile first: it is the big load, so it should be in flight the longest
+    tile_mask = mask_p[:, None] & mask_n[None, :] & valid
+    s_tile_off = offs_p[:, None] * stride_state_p + offs_n[None, :] * stride_state_n
+    s = tl.load(state_ptr + src * stride_state_s + h * stride_state_h + s_tile_off,
+                mask=tile_mask, other=0.0).to(tl.float32)
+
+    # per-head parameters (scalars when tied over P and N, as Mamba-2 calls it)
+    if TIE_HDIM:
+        A = tl.load(A_ptr + h * stride_A_h).to(tl.float32)
+        if HAS_DT_BIAS:
+            dt_bias = tl.load(dt_bias_ptr + h * stride_dt_bias_h).to(tl.float32)
+        if HAS_D:
+            Dv = tl.load(D_ptr + h * stride_D_h).to(tl.float32)
+    else:
+        A = tl.load(A_ptr + h * stride_A_h + offs_p[:, None] * stride_A_p + offs_n[None, :] * stride_A_n,
+                    mask=mask_p[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        if HAS_DT_BIAS:
+            dt_bias = tl.load(dt_bias_ptr + h * stride_dt_bias_h + offs_p * stride_dt_bias_p,
+                              mask=mask_p, other=0.0).to(tl.float32)
+        if HAS_D:
+            Dv = tl.load(D_ptr + h * stride_D_h + offs_p * stride_D_p, mask=mask_p, other=0.0).to(tl.float32)
+
+    x_base = x_ptr + b * stride_x_b + h * stride_x_h + offs_p * stride_x_p
+    dt_base = dt_ptr + b * stride_dt_b + h * stride_dt_h
+    B_base = B_ptr + b * stride_B_b + g * stride_B_g + offs_n * stride_B_n
+    C_base = C_ptr + b * stride_C_b + g * stride_C_g + offs_n * stride_C_n
+    out_base = out_ptr + b * stride_out_b + h * stride_out_h + offs_p * stride_out_p
+
+    for t in range(T):
+        x = tl.load(x_base + t * stride_x_t, mask=mask_p, other=0.0).to(tl.float32)
+        if TIE_HDIM:
+            dt = tl.load(dt_base + t * stride_dt_t).to(tl.float32)
+        else:
+            dt = tl.load(dt_base + t * stride_dt_t + offs_p * stride_dt_p, mask=mask_p, other=0.0).to(tl.float32)
+        if HAS_DT_BIAS:
+            dt = dt + dt_bias
+        if DT_SOFTPLUS:
+            dt = softplus(dt)
+        Bv = tl.load(B_base + t * stride_B_t, mask=mask_n, other=0.0).to(tl.float32)
+        Cv = tl.load(C_base + t * stride_C_t, mask=mask_n, other=0.0).to(tl.float32)
+        if HAS_Z:
+            z = tl.load(z_ptr + b * stride_z_b + t * stride_z_t + h * stride_z_h + offs_p * stride_z_p,
+                        mask=mask_p, other=0.0).to(tl.float32)
+
+        if TIE_HDIM:
+            dA = tl.exp(A * dt)  # one exp per program, not per element
+            s = s * dA + (x * dt)[:, None] * Bv[None, :]
+        else:
+            dA = tl.exp(A * dt[:, None])
+            s = s * dA + (x * dt)[:, None] * Bv[None, :]
+
+        y = tl.sum(s * Cv[None, :], axis=1)
+        if HAS_D:
+            y += x * Dv
+        if HAS_Z:
+            y *= silu(z)
+        y = tl.where(valid, y, 0.0)  # padded rows: zero output, no state traffic
+        tl.store(out_base + t * stride_out_t, y.to(out_ptr.dtype.element_ty), mask=mask_p)
+        if HAS_INTER:
+            inter_off = b * stride_inter_b + t * stride_inter_t + h * stride_inter_h + (
+                offs_p[:, None] * stride_inter_p + offs_n[None, :] * stride_inter_n)
+            tl.store(inter_ptr + inter_off, s.to(inter_ptr.dtype.element_ty), mask=tile_mask)
+
+    dst_ptrs = state_ptr + dst * stride_state_s + h * stride_state_h + s_tile_off
+    if STOCHASTIC_ROUND:
+        seed = tl.load(seed_ptr)
+        # one random number per stored element, distinct across slots, heads and positions
+        elem = ((dst * tl.num_programs(2) + h) * P + offs_p[:, None]) * N + offs_n[None, :]
+        u = tl.rand(seed, elem.to(tl.int32))
+        s_out = stochastic_round(s, u, state_ptr.dtype.element_ty)
+    else:
+        s_out = s.to(state_ptr.dtype.element_ty)
+    tl.store(dst_ptrs, s_out, mask=tile_mask & write_state)
+
+
+def launch_selective_state_update(
+    state, x, dt, dt_bias, A, B, C, D, z, out, src_idx, dst_idx, inter, seed,
+    *, dt_softplus: bool, tie_hdim: bool, pad_slot_id: int, block_p: int, num_warps: int,
+):
+    """Launch the kernel on 4-D views: state (S,H,P,N), x/dt/z/out (B,T,H,P), B/C (B,T,G,N),
+    A (H,P,N), D/dt_bias (H,P), inter (B,T,H,P,N). Optional tensors may be None."""
+    nreq, ntok, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    block_n = triton.next_power_of_2(dstate)
+    grid = (triton.cdiv(headdim, block_p), nreq, nheads)
+
+    def strides(t, n):
+        return tuple(t.stride()) if t is not None else (0,) * n
+
+    _selective_state_update_kernel[grid](
+        state, x, dt, dt_bias, A, B, C, D, z, out,
+        src_idx, dst_idx, inter, seed,
+        ntok, nheads // ngroups, pad_slot_id,
+        *state.stride(), *x.stride(), *dt.stride(), *strides(dt_bias, 2), *A.stride(),
+        *B.stride(), *C.stride(), *strides(D, 2), *strides(z, 4), *out.stride(), *strides(inter, 5),
+        HAS_DT_BIAS=dt_bias is not None, HAS_D=D is not None, HAS_Z=z is not None,
+        HAS_SRC_IDX=src_idx is not None, HAS_DST_IDX=dst_idx is not None, HAS_INTER=inter is not None,
+        DT_SOFTPLUS=dt_softplus, TIE_HDIM=tie_hdim, STOCHASTIC_ROUND=seed is not None,
+        P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps,
+    )
