@@ -1,0 +1,143 @@
+"""Public entry for gated RMSNorm: checks, row views, allocation, config pick, launch."""
+from __future__ import annotations
+
+import torch
+
+from fastmamba.ops._common.checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_same_device,
+    check_shape,
+    check_unit_stride,
+)
+from fastmamba.ops._common.dispatch import use_triton
+from fastmamba.ops.gated_rmsnorm.configs import pick_config
+from fastmamba.ops.gated_rmsnorm.kernel import gated_rmsnorm_fwd
+from fastmamba.ops.gated_rmsnorm.ref import rmsnorm_ref
+
+_OP = "rmsnorm_fn"
+
+
+def rmsnorm_fn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    z: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    group_size: int | None = None,
+    norm_before_gate: bool = True,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Group-wise RMSNorm with an optional SiLU gate (drop-in for mamba_ssm's ``rmsnorm_fn``, forward only).
+
+    x       (..., Dh)  fp32, bf16 or fp16; read. Last dim must have stride 1; the leading dims are
+                       flattened to M rows with ``reshape`` (a view whenever the strides allow it,
+                       e.g. a column slice of a wider tensor; otherwise reshape copies x).
+    weight  (Dh,)      fp32, bf16 or fp16 (need not match x), stride 1; read
+    bias    (Dh,)      or None; like weight
+    z       (..., Dh)  same shape as x, or None; any float dtype, last-dim stride 1; read
+    eps     added to the mean square inside the square root
+    group_size         columns per group (must divide Dh); None = Dh (one group). Each
+                       (row, group) is normalised with its own rstd = 1/sqrt(mean(v**2) + eps).
+    norm_before_gate   True:  y = x * rstd(x) * weight + bias, then y *= silu(z)
+                       False: v = x * silu(z), y = v * rstd(v) * weight + bias
+                       (without z both are plain RMSNorm)
+    out     (..., Dh)  optional, same shape and dtype as x, last-dim stride 1, viewable as
+                       (M, Dh) rows; written (every element), never read
+    Returns y (..., Dh), x's dtype (``out`` when given). All math in fp32; no host sync, so the
+    call can be captured in a CUDA graph. Inference only (no autograd).
+    Reference: fastmamba.ops.gated_rmsnorm.ref.rmsnorm_ref
+
+    >>> x, z = torch.randn(2, 8), torch.randn(2, 8)
+    >>> y = rmsnorm_fn(x, torch.ones(8), None, z=z, group_size=4, norm_before_gate=False)
+    >>> y.shape, y.dtype
+    (torch.Size([2, 8]), torch.float32)
+    """
+    if x.dim() < 1:
+        raise ValueError(f"{_OP}: `x` expected shape (..., Dh), got a 0-d tensor")
+    Dh = x.shape[-1]
+    check_dtype(_OP, "x", x, FLOAT_DTYPES)
+    check_dtype(_OP, "weight", weight, FLOAT_DTYPES)
+    check_shape(_OP, "weight", weight, [("Dh", Dh)])
+    if bias is not None:
+        check_dtype(_OP, "bias", bias, FLOAT_DTYPES)
+        check_shape(_OP, "bias", bias, [("Dh", Dh)])
+    if z is not None:
+        check_dtype(_OP, "z", z, FLOAT_DTYPES)
+        if z.shape != x.shape:
+            raise ValueError(f"{_OP}: `z` expected shape {tuple(x.shape)} (same as x), got {tuple(z.shape)}")
+    if out is not None:
+        if out.shape != x.shape:
+            raise ValueError(f"{_OP}: `out` expected shape {tuple(x.shape)} (same as x), got {tuple(out.shape)}")
+        if out.dtype != x.dtype:
+            raise TypeError(f"{_OP}: `out` expected dtype {x.dtype} (same as x), got {out.dtype}")
+    device = check_same_device(_OP, [("x", x), ("weight", weight), ("bias", bias), ("z", z), ("out", out)])
+    if group_size is None:
+        group_size = Dh
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or Dh % group_size:
+        raise ValueError(f"{_OP}: `group_size` must be a positive divisor of Dh={Dh} (x's last dim), got {group_size!r}")
+    for name, t in (("x", x), ("z", z), ("out", out), ("weight", weight), ("bias", bias)):
+        if t is not None:
+            check_unit_stride(_OP, name, t, -1)
+
+    if not use_triton(x):
+        return rmsnorm_ref(x, weight, bias, z, eps, group_size, norm_before_gate, out=out)
+
+    x_rows = x.reshape(-1, Dh)
+    z_rows = z.reshape(-1, Dh) if z is not None else None
+    y = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=device)
+    try:
+        y_rows = y.view(-1, Dh)
+    except RuntimeError:
+        raise ValueError(
+            f"{_OP}: `out` must be viewable as (M, Dh) rows without a copy, got strides {tuple(y.stride())}"
+        ) from None
+    M = x_rows.shape[0]
+    if M == 0 or Dh == 0:
+        return y
+
+    cfg = pick_config(M, group_size, Dh // group_size, x.dtype, device)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            gated_rmsnorm_fwd(x_rows, z_rows, weight, bias, y_rows, eps, group_size, norm_before_gate, cfg)
+    else:
+        gated_rmsnorm_fwd(x_rows, z_rows, weight, bias, y_rows, eps, group_size, norm_before_gate, cfg)
+    return y
+
+
+class RMSNormGated(torch.nn.Module):
+    """Module form of :func:`rmsnorm_fn` (drop-in for mamba_ssm's ``layernorm_gated.RMSNorm``).
+
+    Parameters: ``weight`` (hidden_size,) initialised to ones; ``bias`` (hidden_size,) zeros when
+    ``bias=True``, else None. ``forward(x, z=None)`` returns ``rmsnorm_fn(x, weight, bias, z, ...)``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        group_size: int | None = None,
+        norm_before_gate: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.group_size = group_size
+        self.norm_before_gate = norm_before_gate
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        return rmsnorm_fn(x, self.weight, self.bias, z=z, eps=self.eps, group_size=self.group_size,
+                          norm_before_gate=self.norm_before_gate)
+
+    def extra_repr(self) -> str:
+        return (f"{self.weight.shape[0]}, eps={self.eps}, group_size={self.group_size}, "
+                f"norm_before_gate={self.norm_before_gate}")

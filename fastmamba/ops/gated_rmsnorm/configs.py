@@ -1,0 +1,83 @@
+"""Launch configs for the gated RMSNorm kernel.
+
+The op is a pure streaming pass (read x, z; write y), so the config only has to (1) keep each
+group's columns in registers, (2) put enough bytes in flight per SM, and (3) launch enough
+programs to cover every SM when rows are few.
+
+TABLE is keyed by (GPU family, dtype, group_size, rows bucket) and is empty: no entry has been
+measured yet. Fill it from ``python -m fastmamba.bench tune gated_rmsnorm`` (record GPU, Triton
+version, date and the benchmark row with each entry). Until then every call uses ``heuristic``.
+
+Heuristic (not yet measured; written for H100/H200, Triton 3.6):
+- BLOCK_N = next_power_of_2(group_size): the whole group is one register tile, loaded with
+  16-byte vectors when group_size * sizeof(dtype) is a multiple of 16. Groups wider than
+  MAX_TILE_N columns take the two-pass path instead (sum of squares over column chunks, then a
+  second pass that re-reads x and z, mostly from L2).
+- BLOCK_M (rows per program) doubles while the tile stays <= TARGET_TILE elements and the grid
+  keeps >= MIN_PROGRAMS_PER_SM programs per SM. Few rows -> one program per (row, group); many
+  rows -> several rows per program (weight loaded once per program, fewer, fatter programs).
+- num_warps: about two 16-byte vectors per thread per tensor, between 1 and 16 warps.
+Under the CPU interpreter the SM count is taken as 1, which gives the fewest programs (the
+interpreter's cost grows with program count, not tile size).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+MAX_TILE_N = 8192        # widest group kept whole in registers (columns)
+CHUNK_N = 4096           # column chunk of the two-pass path
+TARGET_TILE = 4096       # elements per tensor per program (BLOCK_M * BLOCK_N) when rows are many
+MIN_PROGRAMS_PER_SM = 4
+VECTORS_PER_THREAD = 2   # 16-byte vectors per thread per tensor
+MAX_WARPS = 16
+
+
+@dataclass(frozen=True)
+class GatedRMSNormConfig:
+    block_m: int          # rows per program
+    block_n: int          # columns per tile (power of two)
+    single_tile: bool     # True: the group fits in one tile; False: two passes over CHUNK_N chunks
+    num_warps: int
+
+
+# (GPU family e.g. "sm90", dtype, group_size, rows bucket = next_power_of_2(M)) -> config
+TABLE: dict[tuple[str, torch.dtype, int, int], GatedRMSNormConfig] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_info(device_index: int) -> tuple[str, int]:
+    props = torch.cuda.get_device_properties(device_index)
+    return f"sm{props.major}{props.minor}", props.multi_processor_count
+
+
+@functools.lru_cache(maxsize=4096)
+def heuristic(M: int, group_size: int, G: int, dtype: torch.dtype, num_sms: int) -> GatedRMSNormConfig:
+    """Fallback config from (rows M, group_size, groups G, dtype, SM count); see the module doc."""
+    per_thread = VECTORS_PER_THREAD * (16 // dtype.itemsize)
+
+    block_n = triton.next_power_of_2(group_size)
+    if block_n > MAX_TILE_N:
+        block_n = CHUNK_N
+        warps = max(1, min(MAX_WARPS, block_n // (32 * per_thread)))
+        return GatedRMSNormConfig(block_m=1, block_n=block_n, single_tile=False, num_warps=warps)
+
+    block_m = 1
+    while (2 * block_m * block_n <= TARGET_TILE
+           and triton.cdiv(M, 2 * block_m) * G >= MIN_PROGRAMS_PER_SM * num_sms):
+        block_m *= 2
+    warps = max(1, min(MAX_WARPS, block_m * block_n // (32 * per_thread)))
+    return GatedRMSNormConfig(block_m=block_m, block_n=block_n, single_tile=True, num_warps=warps)
+
+
+def pick_config(M: int, group_size: int, G: int, dtype: torch.dtype, device: torch.device) -> GatedRMSNormConfig:
+    """The config for one call: a measured TABLE entry when there is one, else ``heuristic``."""
+    if device.type != "cuda":
+        return heuristic(M, group_size, G, dtype, num_sms=1)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    family, num_sms = _sm_info(index)
+    entry = TABLE.get((family, dtype, group_size, triton.next_power_of_2(M)))
+    return entry if entry is not None else heuristic(M, group_size, G, dtype, num_sms)
