@@ -22,7 +22,10 @@ interpreter's cost grows with program count, not tile size).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +76,23 @@ def heuristic(M: int, group_size: int, G: int, dtype: torch.dtype, num_sms: int)
     return GatedRMSNormConfig(block_m=block_m, block_n=block_n, single_tile=True, num_warps=warps)
 
 
+# what `python -m fastmamba.bench tune --ops norm` tries (BLOCK_N stays the heuristic's)
+CANDIDATES = [dict(block_m=bm, num_warps=w) for bm in (1, 2, 4, 8) for w in (2, 4, 8, 16)]
+
+_forced: dict | None = None
+
+
+@contextlib.contextmanager
+def forced_config(block_m: int, num_warps: int) -> Iterator[None]:
+    """Override rows per program and warps inside the block (the tuning sweep's hook)."""
+    global _forced
+    previous, _forced = _forced, dict(block_m=block_m, num_warps=num_warps)
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
 def pick_config(M: int, group_size: int, G: int, dtype: torch.dtype, device: torch.device) -> GatedRMSNormConfig:
     """The config for one call: a measured TABLE entry when there is one, else ``heuristic``."""
     if device.type != "cuda":
@@ -80,4 +100,7 @@ def pick_config(M: int, group_size: int, G: int, dtype: torch.dtype, device: tor
     index = device.index if device.index is not None else torch.cuda.current_device()
     family, num_sms = _sm_info(index)
     entry = TABLE.get((family, dtype, group_size, triton.next_power_of_2(M)))
-    return entry if entry is not None else heuristic(M, group_size, G, dtype, num_sms)
+    cfg = entry if entry is not None else heuristic(M, group_size, G, dtype, num_sms)
+    if _forced is not None and cfg.single_tile:
+        cfg = dataclasses.replace(cfg, **_forced)
+    return cfg

@@ -8,9 +8,34 @@ entry once it is measured (`python -m fastmamba.bench tune state_update`).
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import triton
 
 from fastmamba.ops._common.dispatch import interpreter_enabled
+
+
+# what `python -m fastmamba.bench tune --ops ssu` tries
+CANDIDATES = [
+    dict(block_p=bp, num_warps=w)
+    for bp in (2, 4, 8, 16, 32)
+    for w in (1, 2, 4, 8)
+    if 4 <= bp * 128 // (32 * w) <= 64  # 4..64 state elements per thread at N=128
+]
+
+_forced: tuple[int, int] | None = None
+
+
+@contextlib.contextmanager
+def forced_config(block_p: int, num_warps: int) -> Iterator[None]:
+    """Use (block_p, num_warps) for every launch inside the block (the tuning sweep's hook)."""
+    global _forced
+    previous, _forced = _forced, (block_p, num_warps)
+    try:
+        yield
+    finally:
+        _forced = previous
 
 
 def pick_config(*, programs_per_block: int, headdim: int, dstate: int, state_bytes: int) -> tuple[int, int]:
@@ -19,6 +44,8 @@ def pick_config(*, programs_per_block: int, headdim: int, dstate: int, state_byt
     Few (request, head) pairs: small P blocks so that enough programs cover every SM and each
     has its loads in flight at once (latency bound). Many: larger blocks, fewer programs.
     """
+    if _forced is not None:
+        return _forced
     if interpreter_enabled():
         return min(triton.next_power_of_2(headdim), 16), 1
     block_n = triton.next_power_of_2(dstate)

@@ -1,0 +1,317 @@
+"""Target ``kernels``: the decode kernels against their peers and the PyTorch reference.
+
+    python -m fastmamba.bench kernels [--ops ssu,conv,norm] [--batch 1,8,64,256] [--quick]
+                                      [--json PATH] [--markdown PATH] [--device auto|cuda|cpu]
+
+For every (op, shape, dtypes, batch) case it allocates K rotating input sets (enough for a cold
+L2), times each provider on them through the same call, then checks each provider once against
+the reference on input set 0. It prints a header, progress on stderr, and a table at the end, and
+appends one JSON line per row (row fields plus the header fields) to
+``bench_results/kernels-YYYYmmdd-HHMMSS.jsonl`` or ``--json PATH``.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from fastmamba.bench import env, report
+from fastmamba.bench.ops._base import Case, OpBench, Provider, describe, interpreter_enabled
+from fastmamba.bench.peak import device_name, l2_cache_bytes, measure_copy_bandwidth
+from fastmamba.bench.timing import TimingConfig, choose_n_sets, is_cold_l2, time_calls
+
+OPS = {
+    "ssu": "fastmamba.bench.ops.state_update",
+    "conv": "fastmamba.bench.ops.conv1d",
+    "norm": "fastmamba.bench.ops.gated_rmsnorm",
+}
+GPU_BATCHES = (1, 8, 64, 256)
+CPU_BATCHES = (1, 2)
+
+
+# --- command line -------------------------------------------------------------------------------
+def _ops_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in OPS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown op(s) {', '.join(bad) or '(none)'}; choose from {','.join(OPS)}")
+    return list(dict.fromkeys(names))
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ops", type=_ops_list, default=list(OPS), help=f"comma-separated subset of {','.join(OPS)}")
+    parser.add_argument(
+        "--batch",
+        type=_int_list,
+        default=None,
+        help=f"batch sizes (rows for norm); default {','.join(map(str, GPU_BATCHES))} on a GPU, "
+        f"{','.join(map(str, CPU_BATCHES))} on the CPU",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="auto: CUDA when present, else the CPU (small shapes; Triton interpreter if TRITON_INTERPRET=1)",
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (shorter, noisier)")
+    parser.add_argument("--json", metavar="PATH", help="JSON-lines file to append to (default bench_results/kernels-<time>.jsonl)")
+    parser.add_argument("--markdown", metavar="PATH", help="also write the table as markdown here")
+
+
+# --- the run ------------------------------------------------------------------------------------
+def load_benches(keys: Sequence[str]) -> list[OpBench]:
+    return [importlib.import_module(OPS[k]).BENCH for k in keys]
+
+
+def _timing_method(device: torch.device, config: TimingConfig) -> str:
+    if device.type == "cuda":
+        return (
+            "median of CUDA-graph replays (triton.testing.do_bench, quantiles 0.2/0.5/0.8, L2 flushed between "
+            f"replays); each graph holds >= {config.min_calls} calls cycling over K rotating input sets "
+            "(column `sets`), K = clamp(ceil(3 x L2 / bytes per call), 1, 64), so every call reads cold "
+            "(rows marked 'L2' are not); per-call time = replay time / calls; 'eager' rows are timed without a "
+            "graph, launch overhead included"
+        )
+    what = (
+        "Triton interpreter on the CPU (TRITON_INTERPRET=1)"
+        if interpreter_enabled()
+        else "TRITON_INTERPRET is off, so the PyTorch reference ran on the CPU (fastmamba ops dispatch to it)"
+    )
+    return f"no GPU: {what} — correctness demo, timings are not speed (wall-clock median of {config.cpu_reps} passes)"
+
+
+def header_lines(header: dict, providers: dict[str, list[Provider]]) -> list[str]:
+    dev = header["device"]
+    if "gpu_sms" in header:
+        dev += (
+            f" ({header['gpu_sms']} SMs, {header['gpu_memory_gib']} GiB, sm_{header['compute_capability'].replace('.', '')},"
+            f" driver {header.get('driver') or '?'}, CUDA {header.get('cuda') or '?'})"
+        )
+    copy_what = "2 GiB device-to-device copy" if "gpu_sms" in header else "64 MiB host copy"
+    lines = [
+        f"device: {dev}",
+        f"copy bandwidth: {header['copy_gbps']:.0f} GB/s ({copy_what}, bytes read + written; '% copy' is relative to this)",
+        f"L2: {header['l2_bytes'] / (1 << 20):.1f} MiB" if header["l2_bytes"] else "L2: n/a (CPU)",
+        f"torch {header['torch']}, triton {header['triton']}, python {header['python']}, fastmamba {header['fastmamba']}, "
+        f"git {header['git_commit'] or 'unknown'}",
+        f"date: {header['date']}",
+        f"command: {header['command']}",
+        f"timing: {header['timing_method']}",
+        "GB/s counts the minimum bytes (fastmamba/bench/bytes.py): state rows touched read + written once, inputs "
+        "read once, outputs written once, stride-0 operands once",
+    ]
+    for key, provs in providers.items():
+        parts = []
+        for p in provs:
+            where = f" [{p.source}]" if p.source else ""
+            if p.available:
+                parts.append(f"{p.name} {p.version}{where}" + (f" ({p.note})" if p.note else ""))
+            else:
+                parts.append(f"{p.name} {p.version}: unavailable: {p.reason}{where}")
+        lines.append(f"providers [{key}]: " + "; ".join(parts))
+    return lines
+
+
+def _cuda_alive() -> bool:
+    try:
+        torch.cuda.synchronize()
+        torch.empty(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _base_row(bench: OpBench, case: Case, prov: Provider) -> report.Row:
+    return report.Row(
+        op=case.op,
+        title=bench.title,
+        shape=case.shape,
+        dims=case.dims,
+        dtype=case.dtype,
+        batch=case.batch,
+        provider=prov.name,
+        kind=prov.kind,
+        version=prov.version,
+        bytes=case.nbytes,
+        params=dict(case.params),
+        case_id=id(case),
+    )
+
+
+def _fill_ratios(rows: list[report.Row]) -> None:
+    """On fastmamba rows: best peer's median / ours (e.g. '1.45x mamba_ssm'); the reference if no peer ran."""
+    by_case: dict[int, list[report.Row]] = {}
+    for r in rows:
+        by_case.setdefault(r.case_id, []).append(r)
+    for group in by_case.values():
+        timed = [r for r in group if r.status == "ok" and r.median_us and not r.check.startswith("FAIL")]
+        timed = [r for r in timed if r.mode != "cpu"]  # interpreter and wall-clock times are no speed
+        ours = [r for r in timed if r.kind == "ours"]
+        if not ours:
+            continue
+        peers = [r for r in timed if r.kind == "peer"] or [r for r in timed if r.kind == "ref"]
+        if not peers:
+            continue
+        best = min(peers, key=lambda r: r.median_us)
+        for r in ours:
+            r.vs_ratio = best.median_us / r.median_us
+            r.vs = f"{r.vs_ratio:.2f}x {best.provider}"
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    t_start = time.perf_counter()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if use_cuda else "cpu")
+    cuda = device.type == "cuda"
+    batches = args.batch or list(GPU_BATCHES if cuda else CPU_BATCHES)
+    config = TimingConfig.quick() if args.quick else TimingConfig()
+    json_path = args.json or time.strftime("bench_results/kernels-%Y%m%d-%H%M%S.jsonl")
+
+    def progress(msg: str, end: str = "\n") -> None:
+        print(msg, end=end, file=sys.stderr, flush=True)
+
+    progress(f"measuring copy bandwidth on {device_name(device)} ...")
+    header = env.collect(device, command)
+    header["copy_gbps"] = measure_copy_bandwidth(device)
+    header["l2_bytes"] = l2_cache_bytes(device)
+    header["timing_method"] = _timing_method(device, config)
+    header["quick"] = bool(args.quick)
+
+    benches = load_benches(args.ops)
+    plan = [(b, b.providers(device), b.cases(device, batches)) for b in benches]
+    lines = header_lines(header, {b.key: provs for b, provs, _ in plan})
+    print("\n".join(lines), flush=True)
+    print(flush=True)
+
+    total = sum(len(provs) * len(cases) for _, provs, cases in plan)
+    rows: list[report.Row] = []
+    fatal = ""
+    k = 0
+    try:
+        for bench, provs, cases in plan:
+            ref = next((p for p in provs if p.kind == "ref" and p.available), None)
+            for case in cases:
+                n_sets = choose_n_sets(case.nbytes, header["l2_bytes"]) if cuda else 1
+                sets, set_error = None, ""
+                if not fatal and any(p.available for p in provs):
+                    try:
+                        sets = [bench.make_set(case, device, seed=i) for i in range(n_sets)]
+                    except Exception as exc:  # noqa: BLE001 - e.g. out of memory: this case only
+                        set_error = f"could not allocate inputs: {describe(exc)}"
+                for prov in provs:
+                    k += 1
+                    row = _base_row(bench, case, prov)
+                    rows.append(row)
+                    if fatal:
+                        row.status, row.note = "not run", fatal
+                        continue
+                    if not prov.available:
+                        row.status, row.note = "skipped", prov.reason
+                        progress(f"[{k}/{total}] {case.label} {prov.name}: skipped ({prov.reason})")
+                        continue
+                    if sets is None:
+                        row.status, row.note = "error", set_error
+                        progress(f"[{k}/{total}] {case.label} {prov.name}: {set_error}")
+                        continue
+                    progress(f"[{k}/{total}] {case.label} {prov.name}", end="")
+                    row.status = "not run"  # until it has a time (an interrupt may land mid-way)
+                    fatal = _run_one(bench, case, prov, ref, sets, n_sets, device, config, header, row)
+                    if row.status == "ok":
+                        progress(f" -> {report.format_us(row.median_us)} µs ({row.mode}) {row.check}")
+                    else:
+                        progress(f" -> {row.status}: {row.note}")
+                del sets
+                gc.collect()
+                if cuda and not fatal:
+                    torch.cuda.empty_cache()
+    except KeyboardInterrupt:
+        progress("interrupted: writing the rows measured so far")
+    finally:
+        _fill_ratios(rows)
+        notes = report.collect_notes(rows)
+        table = report.format_table(rows)
+        print(table)
+        if notes:
+            print("\nNotes:\n" + "\n".join(f"- {n}" for n in notes))
+        n_ok = sum(r.status == "ok" for r in rows)
+        n_fail = sum(r.check.startswith("FAIL") for r in rows)
+        n_err = sum(r.status == "error" for r in rows)
+        n_skip = sum(r.status in ("skipped", "not run") for r in rows)
+        report.write_jsonl(json_path, rows, header)
+        written = [json_path]
+        if args.markdown:
+            report.write_text(args.markdown, report.format_markdown(rows, lines, notes))
+            written.append(args.markdown)
+        print(
+            f"\n{len(rows)} rows: {n_ok} timed, {n_fail} FAIL, {n_err} errors, {n_skip} skipped; "
+            f"{time.perf_counter() - t_start:.0f} s; wrote {', '.join(written)}"
+        )
+        if fatal:
+            print(f"stopped early: {fatal}")
+    return 1 if (n_fail or n_err or fatal) else 0
+
+
+def _run_one(
+    bench: OpBench,
+    case: Case,
+    prov: Provider,
+    ref: Provider | None,
+    sets: list[dict],
+    n_sets: int,
+    device: torch.device,
+    config: TimingConfig,
+    header: dict,
+    row: report.Row,
+) -> str:
+    """Time and check one provider on one case, filling ``row``. Returns a fatal reason or ''."""
+    try:
+        t = time_calls(
+            lambda i: bench.bind(prov.fn, case, sets[i]),
+            n_sets,
+            device=device,
+            config=config,
+            preflight_sync=prov.preflight_sync,
+        )
+    except Exception as exc:  # noqa: BLE001 - a failing provider is a row, not the end of the run
+        row.status, row.note = "error", describe(exc)
+        if device.type == "cuda" and not _cuda_alive():
+            return f"CUDA context lost during {case.label} {prov.name}: {describe(exc)}"
+        return ""
+    row.status = "ok"
+    row.mode, row.calls, row.n_sets = t.mode, t.calls, t.n_sets
+    row.median_us, row.p20_us, row.p80_us = t.median_us, t.p20_us, t.p80_us
+    row.gbps = case.nbytes / (t.median_us * 1e-6) / 1e9
+    row.pct_copy = 100.0 * row.gbps / header["copy_gbps"] if header["copy_gbps"] else None
+    row.cold_l2 = is_cold_l2(case.nbytes, t.n_sets, header["l2_bytes"], t.calls) if device.type == "cuda" else None
+    row.note = "; ".join(n for n in (prov.note, t.note) if n)
+    if prov.kind == "ref":
+        row.check = "ref"
+    elif ref is None:
+        row.check = "no ref"
+    else:
+        try:
+            row.check = bench.check(prov.fn, ref.fn, case, sets[0])
+        except Exception as exc:  # noqa: BLE001
+            row.check = f"FAIL check crashed: {describe(exc)}"
+        if device.type == "cuda" and not _cuda_alive():
+            return f"CUDA context lost while checking {case.label} {prov.name}"
+    return ""

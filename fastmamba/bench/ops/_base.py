@@ -1,0 +1,215 @@
+"""What every op benchmark shares: cases, providers, input sets, and the correctness check.
+
+An op module subclasses ``OpBench`` and fills in ``cases``, ``providers``, ``make_set`` and
+``args``. The runner (``fastmamba.bench.kernels``) does the rest: it allocates the rotating input
+sets, times each provider on the same tensors through the same positional call, then checks each
+provider once against the PyTorch reference.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from fastmamba.bench import peers
+
+# Output tolerance for bf16 activations (STYLE.md section 5): the reference runs in fp32 from the
+# same bf16 inputs. Also used for an fp32 SSM state: the check exists to catch wrong kernels, and
+# the state has been through a bf16 x, B, C and dt, so the fp32 table entry would be too strict.
+BF16_TOL = {"atol": 5e-2, "rtol": 1e-2}
+
+# mamba_ssm's launchers enter torch.cuda.device(x.device.index), which fails for CPU tensors
+MAMBA_SSM_CPU = "GPU only (its launchers enter torch.cuda.device)"
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def interpreter_enabled() -> bool:
+    """``TRITON_INTERPRET=1`` (as fastmamba.ops._common.dispatch reads it; kept here so the harness
+    imports without fastmamba.ops)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True, eq=False)
+class Case:
+    """One (op, shape, dtypes, batch) point; ``nbytes`` is its byte model per call."""
+
+    op: str
+    shape: str  # model the shape comes from, e.g. "nemotron-h"
+    dims: str  # e.g. "H128 P64 N128 G8"
+    dtype: str  # e.g. "fp32/bf16" (state/activations)
+    batch: int
+    nbytes: int
+    params: dict = field(default_factory=dict)
+    variant: str = ""  # short tag that tells apart cases of one shape (progress lines only)
+
+    @property
+    def label(self) -> str:
+        tag = f" {self.variant}" if self.variant else ""
+        return f"{self.op} {self.shape}{tag} {self.dtype} b={self.batch}"
+
+
+@dataclass(eq=False)
+class Provider:
+    """An implementation to time. ``kind`` is "ours", "peer" or "ref"; ``fn`` None means skipped."""
+
+    name: str
+    kind: str
+    version: str
+    fn: Callable | None
+    reason: str = ""  # why fn is None
+    note: str = ""  # how it was loaded, when that is worth knowing (goes into the rows)
+    source: str = ""  # file it came from (header only)
+    preflight_sync: bool = False  # check for host syncs before attempting graph capture
+
+    @property
+    def available(self) -> bool:
+        return self.fn is not None
+
+
+def describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _fastmamba_version() -> str:
+    import fastmamba
+
+    return getattr(fastmamba, "__version__", "?")
+
+
+def load_fastmamba(subpackage: str, attr: str, module: str | None = None) -> tuple[Callable, str]:
+    """``fastmamba.ops.<attr>`` (or ``fastmamba.ops.<subpackage>.<module>.<attr>`` when ``module``).
+
+    Falls back to the op's own subpackage, with a note saying why, when the public name is not
+    exported yet, or when ``fastmamba/ops/__init__.py`` fails (it imports every op, so one missing
+    or broken op breaks the import for all; the subpackage is then loaded without running that
+    ``__init__``). An error in this op itself is raised.
+    """
+    public = "fastmamba.ops" if module is None else f"fastmamba.ops.{subpackage}.{module}"
+    direct = f"fastmamba.ops.{subpackage}" + ("" if module is None else f".{module}")
+    try:
+        return getattr(importlib.import_module(public), attr), ""
+    except Exception as exc:  # noqa: BLE001 - any import-time failure becomes a skipped row
+        first = exc
+    if "fastmamba.ops" in sys.modules:  # the parent imports: the problem is this op's own
+        fn = getattr(importlib.import_module(direct), attr)
+        return fn, f"loaded from {direct} ({describe(first)})"
+    ops_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "ops")
+    stub = types.ModuleType("fastmamba.ops")
+    stub.__path__ = [ops_dir]
+    stub.__package__ = "fastmamba.ops"
+    sys.modules["fastmamba.ops"] = stub
+    import fastmamba
+
+    had_attr = hasattr(fastmamba, "ops")
+    try:
+        fn = getattr(importlib.import_module(direct), attr)
+    except Exception:  # noqa: BLE001
+        raise first from None
+    finally:
+        # leave no stand-in behind: later imports of fastmamba.ops see the real package again;
+        # the op's own modules stay cached in sys.modules, so they are not imported twice
+        if sys.modules.get("fastmamba.ops") is stub:
+            del sys.modules["fastmamba.ops"]
+        if not had_attr and getattr(fastmamba, "ops", None) is stub:
+            delattr(fastmamba, "ops")
+    return fn, f"loaded {direct} directly: `import fastmamba.ops` failed ({describe(first)})"
+
+
+class OpBench:
+    """Base class; see the module docstring. Subclasses set the class attributes below."""
+
+    key: str = ""  # name on the command line: ssu, conv, norm
+    title: str = ""  # the op's public name
+    mutated: tuple[str, ...] = ()  # input-set entries the op writes in place
+    exact_state: bool = False  # mutated entries must match the reference bit for bit
+    out_tol: dict = BF16_TOL
+    state_tol: dict = BF16_TOL
+
+    # --- to implement -------------------------------------------------------------------------
+    def cases(self, device: torch.device, batches: Sequence[int]) -> list[Case]:
+        raise NotImplementedError
+
+    def providers(self, device: torch.device) -> list[Provider]:
+        """fastmamba first, then peers, then the reference (whose fn is also the check's oracle)."""
+        raise NotImplementedError
+
+    def make_set(self, case: Case, device: torch.device, seed: int) -> dict[str, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def args(self, case: Case, inp: dict) -> tuple:
+        """Positional arguments of the call, identical for every provider."""
+        raise NotImplementedError
+
+    # --- shared -------------------------------------------------------------------------------
+    def bind(self, fn: Callable, case: Case, inp: dict) -> Callable[[], object]:
+        args = self.args(case, inp)
+        return lambda: fn(*args)
+
+    def check(self, fn: Callable, ref: Callable, case: Case, inp: dict) -> str:
+        """Run ``fn`` and ``ref`` from identical copies of the mutated inputs; "ok" or "FAIL ...".
+
+        Both start from clones of the state, so the comparison is fair whatever timing did to it.
+        """
+        mine = {k: (v.clone() if k in self.mutated and v is not None else v) for k, v in inp.items()}
+        theirs = {k: (v.clone() if k in self.mutated and v is not None else v) for k, v in inp.items()}
+        try:
+            out = fn(*self.args(case, mine))
+        except Exception as exc:  # noqa: BLE001
+            return f"FAIL raised {describe(exc)}"
+        try:
+            expected = ref(*self.args(case, theirs))
+        except Exception as exc:  # noqa: BLE001
+            return f"ref error: {describe(exc)}"
+        problems = [_compare("y", out, expected, self.out_tol)]
+        for name in self.mutated:
+            tol = {"atol": 0.0, "rtol": 0.0} if self.exact_state else self.state_tol
+            problems.append(_compare(name, mine[name], theirs[name], tol))
+        problems = [p for p in problems if p]
+        return "ok" if not problems else "FAIL " + "; ".join(problems)
+
+
+
+def fastmamba_provider(subpackage: str, attr: str) -> Provider:
+    try:
+        fn, note = load_fastmamba(subpackage, attr)
+    except Exception as exc:  # noqa: BLE001
+        return Provider("fastmamba", "ours", _fastmamba_version(), None, reason=describe(exc))
+    return Provider("fastmamba", "ours", _fastmamba_version(), fn, note=note)
+
+
+def reference_provider(subpackage: str, attr: str) -> Provider:
+    version = f"torch {torch.__version__}"
+    try:
+        fn, note = load_fastmamba(subpackage, attr, module="ref")
+    except Exception as exc:  # noqa: BLE001
+        return Provider("torch-ref", "ref", version, None, reason=describe(exc))
+    return Provider("torch-ref", "ref", version, fn, note=note, preflight_sync=True)
+
+
+def peer_provider(peer: peers.Peer, device: torch.device, cpu_reason: str) -> Provider:
+    """A peer; on the CPU it is loaded (so the header shows whether it would load) but not run."""
+    if peer.available and device.type != "cuda":
+        return Provider(peer.name, "peer", peer.version, None, reason=f"loaded, but {cpu_reason}", source=peer.source)
+    return Provider(peer.name, "peer", peer.version, peer.fn, reason=peer.reason, source=peer.source)
+
+
+def _compare(name: str, got: object, want: object, tol: dict) -> str:
+    if not isinstance(got, torch.Tensor) or not isinstance(want, torch.Tensor):
+        return f"{name}: expected a tensor, got {type(got).__name__}"
+    if got.shape != want.shape:
+        return f"{name}: shape {tuple(got.shape)} != reference {tuple(want.shape)}"
+    try:
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+    except AssertionError as exc:
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        keep = [ln for ln in lines if ln.startswith(("Mismatched", "Greatest absolute"))] or lines[:1]
+        return f"{name}: " + ", ".join(keep)
+    return ""

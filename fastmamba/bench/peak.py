@@ -1,0 +1,87 @@
+"""Measured peak: the bandwidth of a large device-to-device copy, and the L2 size.
+
+Every GB/s in a report is also shown as a percentage of this number, measured in the same run
+(STYLE.md section 6). A spec-sheet figure is never used in its place.
+
+    python -m fastmamba.bench.peak      # prints the GPU name and the copy bandwidth
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+GiB = 1 << 30
+DEFAULT_L2_BYTES = 50 * (1 << 20)  # only used if torch cannot report it
+
+
+def measure_copy_bandwidth(device: torch.device | str, nbytes: int = 2 * GiB) -> float:
+    """GB/s (1e9 bytes/s) of ``dst.copy_(src)`` for an ``nbytes`` buffer, counting bytes read + written.
+
+    CUDA: median of ``triton.testing.do_bench`` over a 2 GiB copy (far beyond any L2); the size is
+    halved until both buffers fit. CPU: wall-clock median of a few 64 MiB copies (for orientation only).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return _cpu_copy_bandwidth(min(nbytes, 64 << 20))
+    while True:
+        try:
+            ms = _cuda_copy_ms(device, nbytes)
+            break
+        except torch.cuda.OutOfMemoryError:
+            if nbytes <= 256 << 20:
+                raise
+            nbytes //= 2
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def _cuda_copy_ms(device: torch.device, nbytes: int) -> float:
+    from triton.testing import do_bench
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    src.fill_(1)
+    with torch.cuda.device(device):
+        return do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+
+
+def _cpu_copy_bandwidth(nbytes: int, reps: int = 5) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def l2_cache_bytes(device: torch.device | str) -> int:
+    """L2 size in bytes from the device properties (0 on a CPU)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES)
+
+
+def device_name(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "CPU (no CUDA device)"
+
+
+def main() -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gbps = measure_copy_bandwidth(device)
+    l2 = l2_cache_bytes(device)
+    what = "2 GiB device-to-device copy" if device.type == "cuda" else "64 MiB host copy"
+    print(f"{device_name(device)}: {gbps:.0f} GB/s ({what}, bytes read + written), L2 {l2 / (1 << 20):.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Benchmark targets and their command line, shared by ``python -m fastmamba.bench`` and
+``fastmamba bench``.
+
+To add a target (``prefill``, ``e2e``, ``spec``, ``tune`` are planned): write a module with
+``add_arguments(parser)`` and ``run(args, command) -> int`` (exit status), then add a ``Target``
+to ``TARGETS`` and remove its name from ``PLANNED``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    module: str  # provides add_arguments(parser) and run(args, command) -> int
+    help: str
+
+
+TARGETS = {
+    t.name: t
+    for t in (
+        Target("kernels", "fastmamba.bench.kernels", "decode kernels (state update, conv update, gated RMSNorm) vs peers"),
+        Target("tune", "fastmamba.bench.tune", "sweep the decode kernels' launch configs (GPU only)"),
+    )
+}
+PLANNED = ("prefill", "e2e", "spec")
+
+
+def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the target sub-commands to ``parser`` (a top-level parser or a ``bench`` sub-parser)."""
+    parser.epilog = f"planned targets, not available yet: {', '.join(PLANNED)}"
+    sub = parser.add_subparsers(dest="target", metavar="TARGET", required=True)
+    for t in TARGETS.values():
+        module = importlib.import_module(t.module)
+        sp = sub.add_parser(t.name, help=t.help, description=t.help)
+        module.add_arguments(sp)
+        sp.set_defaults(_target=t)
+    return parser
+
+
+def check_planned(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """A planned but missing target gets a clear error instead of argparse's generic one."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    if first in PLANNED:
+        parser.error(f"target {first!r} is planned but not implemented yet; available: {', '.join(TARGETS)}")
+
+
+def command_line(prog: str, argv: Sequence[str]) -> str:
+    """The exact command, with TRITON_INTERPRET in front when it is set (it changes what runs)."""
+    prefix = f"TRITON_INTERPRET={os.environ['TRITON_INTERPRET']} " if "TRITON_INTERPRET" in os.environ else ""
+    return prefix + " ".join([prog, shlex.join(list(argv))]).strip()
+
+
+def dispatch(args: argparse.Namespace, command: str) -> int:
+    module = importlib.import_module(args._target.module)
+    return int(module.run(args, command) or 0)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m fastmamba.bench") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = configure(argparse.ArgumentParser(prog=prog, description="fastmamba benchmarks"))
+    check_planned(parser, argv)
+    args = parser.parse_args(argv)
+    return dispatch(args, command_line(prog, argv))

@@ -1,0 +1,215 @@
+"""Triton kernel for the conv1d decode step, and its launcher.
+
+The W-wide window lives in registers. A program (one request, one block of BLOCK_D channels)
+holds the history window as a tuple of [BLOCK_D] fp32 vectors, one per history column:
+
+    hist = (state columns h-XC .. h-1,  x[:, 0] .. x[:, L-1])      XC + L columns
+
+where h is the history length (state_len, or num_accepted_tokens[b] + W - 2) and XC the number
+of state columns the step needs (W-1 for the outputs; state_len - L more for the shift). Each
+needed state column is loaded exactly once (none twice, and none that is neither used nor kept),
+then:
+
+* outputs: ``y[:, t] = sum_k w[:, k] * hist[XC - (W-1) + t + k]``, taps loaded once per program;
+* new state: every surviving column is stored straight back at its shifted address (column c
+  goes to state column ``c - (XC + L - state_len)``): the shift costs no register moves and no
+  re-read. The circular buffer only writes the x columns.
+
+Column positions, taps and the store shift are all static (the loops unroll); only the address
+of the first state column depends on the request (num_accepted_tokens, cache_seqlens).
+All loads of a program finish before any store (a CTA barrier separates them), so the state is
+shifted in place safely and ``out`` may even alias ``x``.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from fastmamba.ops._common.jit_math import silu
+from fastmamba.ops.conv1d.configs import pick_config
+
+MODE_SHIFT = tl.constexpr(0)  # state = last state_len inputs, shifted left by L
+MODE_CIRCULAR = tl.constexpr(1)  # state is a circular buffer written at cache_seqlens[b] % state_len
+MODE_ACCEPTED = tl.constexpr(2)  # history length h = num_accepted_tokens[b] + W - 2 (vLLM spec decode)
+
+
+# Channel strides are never specialized (not even when 1): every [BLOCK_D] vector then gets the
+# same layout, one channel per lane and BLOCK_D / (32 * num_warps) repeats per thread, so the
+# contiguous loads (x, a channel-last state) and the strided ones (weight taps, a [S, D, SL]
+# state) need no layout conversions, and every warp access spans 32 consecutive channels.
+# Vectorizing the contiguous loads instead would put 4-8 channels on each lane and make the
+# weight-tap loads (stride W) touch 4-8x more cache lines per instruction.
+_CHANNEL_STRIDES = ["stride_x_d", "stride_state_d", "stride_weight_d", "stride_bias_d", "stride_out_d"]
+
+
+def _mode(args) -> int:
+    if args["cache_seqlens_ptr"] is not None:
+        return MODE_CIRCULAR.value
+    if args["num_accepted_ptr"] is not None:
+        return MODE_ACCEPTED.value
+    return MODE_SHIFT.value
+
+
+@triton.heuristics(
+    {
+        "HAS_BIAS": lambda args: args["bias_ptr"] is not None,
+        "HAS_INDICES": lambda args: args["state_indices_ptr"] is not None,
+        "MODE": _mode,
+    }
+)
+@triton.jit(do_not_specialize=_CHANNEL_STRIDES)
+def _causal_conv1d_update_kernel(
+    x_ptr,  # [B, D, L]
+    state_ptr,  # [S, D, SL]  mutated in place
+    weight_ptr,  # [D, W]
+    bias_ptr,  # [D] or None
+    state_indices_ptr,  # [B] int32/int64 or None
+    cache_seqlens_ptr,  # [B] int or None
+    num_accepted_ptr,  # [B] int or None
+    out_ptr,  # [B, D, L]
+    D,
+    pad_slot_id,
+    stride_x_b, stride_x_d, stride_x_l,
+    stride_state_s, stride_state_d, stride_state_l,
+    stride_weight_d, stride_weight_w,
+    stride_bias_d,
+    stride_indices_b, stride_seqlens_b, stride_accepted_b,
+    stride_out_b, stride_out_d, stride_out_l,
+    W: tl.constexpr,  # conv width, 2..6
+    SL: tl.constexpr,  # state_len >= W - 1
+    L: tl.constexpr,  # tokens per request
+    XC: tl.constexpr,  # history columns kept before x[:, 0] (see history_columns)
+    BLOCK_D: tl.constexpr,
+    SILU: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_INDICES: tl.constexpr,
+    MODE: tl.constexpr,
+):
+    # one program per (block of BLOCK_D channels, request b)
+    pid_d = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    x_row = x_ptr + b * stride_x_b + d * stride_x_d
+    out_row = out_ptr + b * stride_out_b + d * stride_out_d
+
+    if HAS_INDICES:
+        slot = tl.load(state_indices_ptr + b * stride_indices_b).to(tl.int64)
+        if slot == pad_slot_id:  # padding row: zero output, state untouched
+            zero = tl.zeros([BLOCK_D], dtype=out_ptr.dtype.element_ty)
+            for t in tl.static_range(L):
+                tl.store(out_row + t * stride_out_l, zero, mask=d_mask)
+            return
+    else:
+        slot = b
+    state_row = state_ptr + slot * stride_state_s + d * stride_state_d
+
+    # ---- load the history window, one [BLOCK_D] vector per column: XC state columns, then x -------
+    # column c is history index LO + c, where LO = h - XC and h is the history length
+    if MODE == MODE_CIRCULAR:
+        start = tl.load(cache_seqlens_ptr + b * stride_seqlens_b).to(tl.int32)
+        start = ((start % SL) + SL) % SL  # physical column of the oldest entry
+    if MODE == MODE_ACCEPTED:
+        h = tl.load(num_accepted_ptr + b * stride_accepted_b).to(tl.int32) + (W - 2)
+    hist = ()
+    for c in tl.static_range(XC):
+        if MODE == MODE_CIRCULAR:
+            col = (start + (SL - XC + c)) % SL
+            v = tl.load(state_row + col * stride_state_l, mask=d_mask, other=0.0)
+        elif MODE == MODE_ACCEPTED:
+            col = h - XC + c  # history columns before the state's start read as 0
+            v = tl.load(state_row + col * stride_state_l, mask=d_mask & (col >= 0) & (col < SL), other=0.0)
+        else:
+            v = tl.load(state_row + (SL - XC + c) * stride_state_l, mask=d_mask, other=0.0)
+        hist = hist + (v.to(tl.float32),)
+    for t in tl.static_range(L):
+        hist = hist + (tl.load(x_row + t * stride_x_l, mask=d_mask, other=0.0).to(tl.float32),)
+
+    # ---- outputs from registers: token t's window is columns XC-(W-1)+t .. XC+t -------------------
+    taps = ()
+    for k in tl.static_range(W):
+        w_k = tl.load(weight_ptr + d * stride_weight_d + k * stride_weight_w, mask=d_mask, other=0.0)
+        taps = taps + (w_k.to(tl.float32),)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + d * stride_bias_d, mask=d_mask, other=0.0).to(tl.float32)
+    ys = ()
+    for t in tl.static_range(L):
+        acc = taps[0] * hist[XC - (W - 1) + t]
+        for k in tl.static_range(1, W):
+            acc += taps[k] * hist[XC - (W - 1) + t + k]
+        if HAS_BIAS:
+            acc += bias
+        if SILU:
+            acc = silu(acc)
+        ys = ys + (acc,)
+
+    # every load above is complete in every warp before anything is written
+    tl.debug_barrier()
+
+    # ---- store: outputs, then the new state straight from the columns, at shifted addresses --------
+    for t in tl.static_range(L):
+        tl.store(out_row + t * stride_out_l, ys[t].to(out_ptr.dtype.element_ty), mask=d_mask)
+    if MODE == MODE_CIRCULAR:
+        # only the x columns change; with L > SL only the last SL tokens survive
+        for t in tl.static_range(L):
+            if t >= L - SL:
+                col = (start + t) % SL
+                new = hist[XC + t].to(state_ptr.dtype.element_ty)
+                tl.store(state_row + col * stride_state_l, new, mask=d_mask)
+    else:
+        # new state = history[h + L - SL : h + L]: column c goes to state column c - (XC + L - SL)
+        for c in tl.static_range(XC + L - SL, XC + L):
+            dst = c - (XC + L - SL)
+            new = hist[c].to(state_ptr.dtype.element_ty)
+            tl.store(state_row + dst * stride_state_l, new, mask=d_mask)
+
+
+def history_columns(W: int, state_len: int, L: int, circular: bool) -> int:
+    """XC: how many state columns the kernel loads, i.e. the window column of x[:, 0].
+
+    Outputs need the W-1 columns before x; the shifted state needs the last state_len - L of
+    them (every mode but the circular buffer, which only writes x columns).
+    """
+    return W - 1 if circular else max(W - 1, state_len - L)
+
+
+def causal_conv1d_update_launch(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None,
+    conv_state_indices: torch.Tensor | None,
+    num_accepted_tokens: torch.Tensor | None,
+    out: torch.Tensor,
+    silu: bool,
+    pad_slot_id: int,
+) -> None:
+    """Launch the kernel on checked inputs; ``x`` and ``out`` are [B, D, L] views (any strides)."""
+    B, D, L = x.shape
+    state_len = conv_state.shape[-1]
+    W = weight.shape[1]
+    if B == 0 or D == 0:
+        return
+    xc = history_columns(W, state_len, L, cache_seqlens is not None)
+    cfg = pick_config(D, B, xc + 2 * L + W, interpreter=not x.is_cuda)
+    grid = (triton.cdiv(D, cfg.block_d), B)
+
+    def stride0(t: torch.Tensor | None) -> int:
+        return t.stride(0) if t is not None else 0
+
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _causal_conv1d_update_kernel[grid](
+            x, conv_state, weight, bias, conv_state_indices, cache_seqlens, num_accepted_tokens, out,
+            D, pad_slot_id,
+            *x.stride(), *conv_state.stride(), *weight.stride(), stride0(bias),
+            stride0(conv_state_indices), stride0(cache_seqlens), stride0(num_accepted_tokens),
+            *out.stride(),
+            W=W, SL=state_len, L=L, XC=xc,
+            BLOCK_D=cfg.block_d, SILU=silu,
+            num_warps=cfg.num_warps,
+        )
+

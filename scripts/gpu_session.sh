@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine: install the optional peers carried as wheels (.whl/), then
+# run the steps named on the command line (default: tests tune kernels). Everything lands in
+# $OUT (the tool copies it back). Usage on the device:  bash scripts/gpu_session.sh tests kernels
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/fastmamba-out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Triton's compile cache travels between calls as one tarball (each call gets a fresh machine)
+export TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .tcache/triton-cache.tgz ] && tar -xzf .tcache/triton-cache.tgz -C "$TRITON_CACHE_DIR"
+
+# at most 8 files come back from $OUT: tests.log, tune.txt, tune.err, kernels.{txt,err,md,jsonl}, cache
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests tune kernels)
+for step in "${steps[@]}"; do
+    echo "=== $step $(date +%T)"
+    case "$step" in
+        tests)   timeout 300 python3 -m pytest -q -n 8 tests > "$OUT/tests.log" 2>&1; echo "rc=$?"; tail -n 15 "$OUT/tests.log" ;;
+        tune)    timeout 300 python3 -m fastmamba.bench tune > "$OUT/tune.txt" 2> "$OUT/tune.err"; echo "rc=$?"; cat "$OUT/tune.txt" ;;
+        tune-*)  timeout 300 python3 -m fastmamba.bench tune --ops "${step#tune-}" >> "$OUT/tune.txt" 2>> "$OUT/tune.err"; echo "rc=$?"; cat "$OUT/tune.txt" ;;
+        kernels) timeout 400 python3 -m fastmamba.bench kernels --json "$OUT/kernels.jsonl" --markdown "$OUT/kernels.md" > "$OUT/kernels.txt" 2> "$OUT/kernels.err"; echo "rc=$?"; cat "$OUT/kernels.txt" ;;
+        *)       echo "unknown step $step" ;;
+    esac
+done
+tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
+ls -la "$OUT"
