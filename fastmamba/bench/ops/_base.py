@@ -185,6 +185,24 @@ def fastmamba_provider(subpackage: str, attr: str) -> Provider:
     return Provider("fastmamba", "ours", _fastmamba_version(), fn, note=note)
 
 
+def fastmamba_pdl_provider(subpackage: str, attr: str, device: torch.device) -> Provider:
+    """Our op with programmatic dependent launch on (GPU, sm_90+): a graph of back-to-back calls
+    then overlaps each launch with the previous kernel's tail, as a PDL decode step would."""
+    base = fastmamba_provider(subpackage, attr)
+    name = "fastmamba+pdl"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return Provider(name, "ours", base.version, None, reason="PDL needs a Hopper (sm_90) or newer GPU")
+    if base.fn is None:
+        return Provider(name, "ours", base.version, None, reason=base.reason)
+    from fastmamba.ops._common.pdl import programmatic_dependent_launch
+
+    def call(*args):
+        with programmatic_dependent_launch():
+            return base.fn(*args)
+
+    return Provider(name, "ours", base.version, call, note=base.note)
+
+
 def reference_provider(subpackage: str, attr: str) -> Provider:
     version = f"torch {torch.__version__}"
     try:

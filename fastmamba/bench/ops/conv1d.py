@@ -18,6 +18,7 @@ from fastmamba.bench.ops._base import (
     Case,
     OpBench,
     Provider,
+    fastmamba_pdl_provider,
     fastmamba_provider,
     peer_provider,
     reference_provider,
@@ -61,6 +62,7 @@ class ConvUpdateBench(OpBench):
     def providers(self, device: torch.device) -> list[Provider]:
         return [
             fastmamba_provider("conv1d", "causal_conv1d_update"),
+            fastmamba_pdl_provider("conv1d", "causal_conv1d_update", device),
             peer_provider(peers.causal_conv1d_update(), device, "a CUDA extension has no CPU path"),
             reference_provider("conv1d", "causal_conv1d_update_ref"),
         ]

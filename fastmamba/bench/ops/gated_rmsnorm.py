@@ -18,6 +18,7 @@ from fastmamba.bench.ops._base import (
     Case,
     OpBench,
     Provider,
+    fastmamba_pdl_provider,
     fastmamba_provider,
     peer_provider,
     reference_provider,
@@ -56,6 +57,7 @@ class GatedRMSNormBench(OpBench):
     def providers(self, device: torch.device) -> list[Provider]:
         return [
             fastmamba_provider("gated_rmsnorm", "rmsnorm_fn"),
+            fastmamba_pdl_provider("gated_rmsnorm", "rmsnorm_fn", device),
             peer_provider(peers.mamba_ssm_rmsnorm_fn(), device, MAMBA_SSM_CPU),
             reference_provider("gated_rmsnorm", "rmsnorm_ref"),
         ]

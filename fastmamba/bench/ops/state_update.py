@@ -18,6 +18,7 @@ from fastmamba.bench.ops._base import (
     Case,
     OpBench,
     Provider,
+    fastmamba_pdl_provider,
     fastmamba_provider,
     peer_provider,
     reference_provider,
@@ -61,6 +62,7 @@ class StateUpdateBench(OpBench):
     def providers(self, device: torch.device) -> list[Provider]:
         return [
             fastmamba_provider("state_update", "selective_state_update"),
+            fastmamba_pdl_provider("state_update", "selective_state_update", device),
             peer_provider(peers.mamba_ssm_selective_state_update(), device, MAMBA_SSM_CPU),
             reference_provider("state_update", "selective_state_update_ref"),
         ]

@@ -28,7 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 from fastmamba.ops._common.jit_math import silu
+from fastmamba.ops._common.pdl import pdl_active
 from fastmamba.ops.conv1d.configs import pick_config
 
 MODE_SHIFT = tl.constexpr(0)  # state = last state_len inputs, shifted left by L
@@ -87,6 +90,7 @@ def _causal_conv1d_update_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_INDICES: tl.constexpr,
     MODE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # one program per (block of BLOCK_D channels, request b)
     pid_d = tl.program_id(0)
@@ -96,15 +100,26 @@ def _causal_conv1d_update_kernel(
     x_row = x_ptr + b * stride_x_b + d * stride_x_d
     out_row = out_ptr + b * stride_out_b + d * stride_out_d
 
+    # weights and slot metadata first: under PDL they are read before the grid-dependency wait
+    taps = ()
+    for k in tl.static_range(W):
+        w_k = tl.load(weight_ptr + d * stride_weight_d + k * stride_weight_w, mask=d_mask, other=0.0)
+        taps = taps + (w_k.to(tl.float32),)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + d * stride_bias_d, mask=d_mask, other=0.0).to(tl.float32)
     if HAS_INDICES:
         slot = tl.load(state_indices_ptr + b * stride_indices_b).to(tl.int64)
+    else:
+        slot = b
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    if HAS_INDICES:
         if slot == pad_slot_id:  # padding row: zero output, state untouched
             zero = tl.zeros([BLOCK_D], dtype=out_ptr.dtype.element_ty)
             for t in tl.static_range(L):
                 tl.store(out_row + t * stride_out_l, zero, mask=d_mask)
             return
-    else:
-        slot = b
     state_row = state_ptr + slot * stride_state_s + d * stride_state_d
 
     # ---- load the history window, one [BLOCK_D] vector per column: XC state columns, then x -------
@@ -129,12 +144,6 @@ def _causal_conv1d_update_kernel(
         hist = hist + (tl.load(x_row + t * stride_x_l, mask=d_mask, other=0.0).to(tl.float32),)
 
     # ---- outputs from registers: token t's window is columns XC-(W-1)+t .. XC+t -------------------
-    taps = ()
-    for k in tl.static_range(W):
-        w_k = tl.load(weight_ptr + d * stride_weight_d + k * stride_weight_w, mask=d_mask, other=0.0)
-        taps = taps + (w_k.to(tl.float32),)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + d * stride_bias_d, mask=d_mask, other=0.0).to(tl.float32)
     ys = ()
     for t in tl.static_range(L):
         acc = taps[0] * hist[XC - (W - 1) + t]
@@ -146,8 +155,8 @@ def _causal_conv1d_update_kernel(
             acc = silu(acc)
         ys = ys + (acc,)
 
-    # every load above is complete in every warp before anything is written
-    tl.debug_barrier()
+    # no barrier needed before the stores: each channel's columns are loaded and stored by the
+    # same thread, and programs own disjoint channels
 
     # ---- store: outputs, then the new state straight from the columns, at shifted addresses --------
     for t in tl.static_range(L):
@@ -197,6 +206,7 @@ def causal_conv1d_update_launch(
     xc = history_columns(W, state_len, L, cache_seqlens is not None)
     cfg = pick_config(D, B, xc + 2 * L + W, interpreter=not x.is_cuda)
     grid = (triton.cdiv(D, cfg.block_d), B)
+    use_pdl = pdl_active(x)
 
     def stride0(t: torch.Tensor | None) -> int:
         return t.stride(0) if t is not None else 0
@@ -209,7 +219,7 @@ def causal_conv1d_update_launch(
             stride0(conv_state_indices), stride0(cache_seqlens), stride0(num_accepted_tokens),
             *out.stride(),
             W=W, SL=state_len, L=L, XC=xc,
-            BLOCK_D=cfg.block_d, SILU=silu,
-            num_warps=cfg.num_warps,
+            BLOCK_D=cfg.block_d, SILU=silu, USE_PDL=use_pdl,
+            num_warps=cfg.num_warps, launch_pdl=use_pdl,
         )
 

@@ -81,11 +81,6 @@ def rmsnorm_fn(
         if t is not None:
             check_unit_stride(_OP, name, t, -1)
 
-    if not use_triton(x):
-        return rmsnorm_ref(x, weight, bias, z, eps, group_size, norm_before_gate, out=out)
-
-    x_rows = x.reshape(-1, Dh)
-    z_rows = z.reshape(-1, Dh) if z is not None else None
     y = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=device)
     try:
         y_rows = y.view(-1, Dh)
@@ -93,6 +88,11 @@ def rmsnorm_fn(
         raise ValueError(
             f"{_OP}: `out` must be viewable as (M, Dh) rows without a copy, got strides {tuple(y.stride())}"
         ) from None
+    if not use_triton(x):
+        return rmsnorm_ref(x, weight, bias, z, eps, group_size, norm_before_gate, out=out)
+
+    x_rows = x.reshape(-1, Dh)
+    z_rows = z.reshape(-1, Dh) if z is not None else None
     M = x_rows.shape[0]
     if M == 0 or Dh == 0:
         return y

@@ -9,7 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 from fastmamba.ops._common.jit_math import silu
+from fastmamba.ops._common.pdl import pdl_active
 from fastmamba.ops.gated_rmsnorm.configs import GatedRMSNormConfig
 
 
@@ -29,6 +32,7 @@ def _gated_rmsnorm_fwd_kernel(
     NORM_BEFORE_GATE: tl.constexpr,
     HAS_Z: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # one program per (block of BLOCK_M rows, group); the group's GROUP_SIZE columns start at col0
     pid_m = tl.program_id(0)
@@ -46,14 +50,18 @@ def _gated_rmsnorm_fwd_kernel(
         # The whole group is one register tile: one read of x and z, one write of y.
         col_mask = cols < GROUP_SIZE
         mask = row_mask[:, None] & col_mask[None, :]
+        # weights first: under PDL they are read before the grid-dependency wait
+        w = tl.load(w_ptr + col0 + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            b = tl.load(b_ptr + col0 + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if USE_PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_Z:
             z = tl.load(z_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if not NORM_BEFORE_GATE:
                 v = v * silu(z)
-        w = tl.load(w_ptr + col0 + cols, mask=col_mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            b = tl.load(b_ptr + col0 + cols, mask=col_mask, other=0.0).to(tl.float32)
         # masked columns hold 0, so they add nothing to the sum of squares
         rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / GROUP_SIZE + eps)      # [BLOCK_M]
         y = v * rstd[:, None] * w[None, :]
@@ -65,6 +73,9 @@ def _gated_rmsnorm_fwd_kernel(
     else:
         # Group wider than one tile: pass 1 sums squares chunk by chunk, pass 2 re-reads x (and z,
         # mostly from L2), normalises and stores.
+        if USE_PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for n0 in range(0, GROUP_SIZE, BLOCK_N):
             col_mask = n0 + cols < GROUP_SIZE
@@ -108,6 +119,7 @@ def gated_rmsnorm_fwd(
     M, Dh = x.shape
     G = Dh // group_size
     grid = (triton.cdiv(M, cfg.block_m), G)
+    use_pdl = pdl_active(x)
     _gated_rmsnorm_fwd_kernel[grid](
         x, z, weight, bias, out,
         M, float(eps),
@@ -117,5 +129,7 @@ def gated_rmsnorm_fwd(
         BLOCK_N=cfg.block_n,
         SINGLE_TILE=cfg.single_tile,
         NORM_BEFORE_GATE=bool(norm_before_gate),
+        USE_PDL=use_pdl,
         num_warps=cfg.num_warps,
+        launch_pdl=use_pdl,
     )

@@ -12,6 +12,7 @@ from fastmamba.ops._common.checks import (
     check_shape,
 )
 from fastmamba.ops._common.dispatch import use_triton
+from fastmamba.ops._common.pdl import pdl_active
 from fastmamba.ops.state_update.configs import pick_config
 from fastmamba.ops.state_update.kernel import launch_selective_state_update
 from fastmamba.ops.state_update.ref import selective_state_update_ref
@@ -71,7 +72,7 @@ def _selective_state_update_op(
         state, x, dt, dt_bias, A, B, C, D, z, out,
         state_batch_indices, dst_state_batch_indices, intermediate_states, rand_seed,
         dt_softplus=dt_softplus, tie_hdim=tie_hdim, pad_slot_id=pad_slot_id,
-        block_p=block_p, num_warps=num_warps,
+        block_p=block_p, num_warps=num_warps, use_pdl=pdl_active(x),
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.jit_math import silu, softplus, stochastic_round
 
@@ -31,7 +32,7 @@ def _selective_state_update_kernel(
     stride_inter_b, stride_inter_t, stride_inter_h, stride_inter_p, stride_inter_n,
     HAS_DT_BIAS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_SRC_IDX: tl.constexpr, HAS_DST_IDX: tl.constexpr, HAS_INTER: tl.constexpr,
-    DT_SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr, USE_PDL: tl.constexpr,
     P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # one program per (block of P, request, head); P and N are constexpr so that full tiles
@@ -57,12 +58,6 @@ def _selective_state_update_kernel(
     valid = src != pad_slot_id
     write_state = valid & (dst != pad_slot_id)
 
-    # the state tile first: it is the big load, so it should be in flight the longest
-    tile_mask = mask_p[:, None] & mask_n[None, :] & valid
-    s_tile_off = offs_p[:, None] * stride_state_p + offs_n[None, :] * stride_state_n
-    s = tl.load(state_ptr + src * stride_state_s + h * stride_state_h + s_tile_off,
-                mask=tile_mask, other=0.0).to(tl.float32)
-
     # per-head parameters (scalars when tied over P and N, as Mamba-2 calls it)
     if TIE_HDIM:
         A = tl.load(A_ptr + h * stride_A_h).to(tl.float32)
@@ -78,6 +73,18 @@ def _selective_state_update_kernel(
                               mask=mask_p, other=0.0).to(tl.float32)
         if HAS_D:
             Dv = tl.load(D_ptr + h * stride_D_h + offs_p * stride_D_p, mask=mask_p, other=0.0).to(tl.float32)
+
+    if USE_PDL:
+        # everything above reads weights and slot indices only; the rest may depend on the
+        # kernel launched before this one
+        gdc_wait()
+        gdc_launch_dependents()
+
+    # the state tile: the big load, issued before the small per-token ones
+    tile_mask = mask_p[:, None] & mask_n[None, :] & valid
+    s_tile_off = offs_p[:, None] * stride_state_p + offs_n[None, :] * stride_state_n
+    s = tl.load(state_ptr + src * stride_state_s + h * stride_state_h + s_tile_off,
+                mask=tile_mask, other=0.0).to(tl.float32)
 
     x_base = x_ptr + b * stride_x_b + h * stride_x_h + offs_p * stride_x_p
     dt_base = dt_ptr + b * stride_dt_b + h * stride_dt_h
@@ -134,7 +141,7 @@ def _selective_state_update_kernel(
 
 def launch_selective_state_update(
     state, x, dt, dt_bias, A, B, C, D, z, out, src_idx, dst_idx, inter, seed,
-    *, dt_softplus: bool, tie_hdim: bool, pad_slot_id: int, block_p: int, num_warps: int,
+    *, dt_softplus: bool, tie_hdim: bool, pad_slot_id: int, block_p: int, num_warps: int, use_pdl: bool = False,
 ):
     """Launch the kernel on 4-D views: state (S,H,P,N), x/dt/z/out (B,T,H,P), B/C (B,T,G,N),
     A (H,P,N), D/dt_bias (H,P), inter (B,T,H,P,N). Optional tensors may be None."""
@@ -154,6 +161,6 @@ def launch_selective_state_update(
         *B.stride(), *C.stride(), *strides(D, 2), *strides(z, 4), *out.stride(), *strides(inter, 5),
         HAS_DT_BIAS=dt_bias is not None, HAS_D=D is not None, HAS_Z=z is not None,
         HAS_SRC_IDX=src_idx is not None, HAS_DST_IDX=dst_idx is not None, HAS_INTER=inter is not None,
-        DT_SOFTPLUS=dt_softplus, TIE_HDIM=tie_hdim, STOCHASTIC_ROUND=seed is not None,
-        P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps,
+        DT_SOFTPLUS=dt_softplus, TIE_HDIM=tie_hdim, STOCHASTIC_ROUND=seed is not None, USE_PDL=use_pdl,
+        P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps, launch_pdl=use_pdl,
     )

@@ -333,7 +333,8 @@ def test_gpu_full_shapes(shape, state_dtype, batch):
 @pytest.mark.gpu
 def test_gpu_multi_token_full_shape():
     H, P, N, G = SHAPES["nemotron-h"]
-    c = Case("nemotron-T6", batch=8, heads=H, headdim=P, dstate=N, groups=G, tokens=6, act=torch.bfloat16)
+    c = Case("nemotron-T6", batch=8, heads=H, headdim=P, dstate=N, groups=G, tokens=6, act=torch.bfloat16,
+             slots="shuffled")
     state, args, kw = make_inputs(c, "cuda", seed=8)
     inter = torch.full((8, 6, H, P, N), float("nan"), device="cuda")
     inter_ref = torch.empty_like(inter)
