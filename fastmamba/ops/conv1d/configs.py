@@ -46,12 +46,13 @@ _forced: Conv1dUpdateConfig | None = None
 @contextlib.contextmanager
 def forced_config(block_d: int, num_warps: int) -> Iterator[None]:
     """Use this config for every launch inside the block (the tuning sweep's hook)."""
-    global _forced
-    previous, _forced = _forced, Conv1dUpdateConfig(block_d, num_warps)
+    global _forced, _forced_flat
+    previous = (_forced, _forced_flat)
+    _forced = _forced_flat = Conv1dUpdateConfig(block_d, num_warps)
     try:
         yield
     finally:
-        _forced = previous
+        _forced, _forced_flat = previous
 
 
 def pick_config(D: int, B: int, live_columns: int, *, interpreter: bool) -> Conv1dUpdateConfig:
@@ -75,3 +76,21 @@ def pick_config(D: int, B: int, live_columns: int, *, interpreter: bool) -> Conv
     repeats = _REPEATS if live_columns <= _MAX_LIVE_COLUMNS else 1
     num_warps = max(1, min(8, block_d // (32 * repeats)))
     return Conv1dUpdateConfig(block_d=block_d, num_warps=num_warps)
+
+
+def pick_flat_config(D: int, B: int, state_len: int, *, interpreter: bool) -> Conv1dUpdateConfig:
+    """(BLOCK_D, num_warps) for the flat fast path (one token, contiguous channel rows).
+
+    Each thread should hold about two 16-byte vectors of state: BLOCK_D * state_len elements over
+    32 * num_warps threads. Untuned until the sweep below has run on the target GPU.
+    """
+    if _forced_flat is not None:
+        return _forced_flat
+    if interpreter:
+        return Conv1dUpdateConfig(block_d=32, num_warps=1)
+    block_d = 256 if B * triton.cdiv(D, 256) >= 264 else 128
+    num_warps = max(1, min(8, block_d * state_len // (32 * 16)))
+    return Conv1dUpdateConfig(block_d=block_d, num_warps=num_warps)
+
+
+_forced_flat: Conv1dUpdateConfig | None = None

@@ -17,8 +17,15 @@ then:
 
 Column positions, taps and the store shift are all static (the loops unroll); only the address
 of the first state column depends on the request (num_accepted_tokens, cache_seqlens).
-All loads of a program finish before any store (a CTA barrier separates them), so the state is
-shifted in place safely and ``out`` may even alias ``x``.
+Each channel's columns are loaded and stored by the same thread, so the in-place shift needs no
+barrier, and ``out`` may even alias ``x``.
+
+Fast path (``_conv1d_update_flat_kernel``): one token, plain shift mode, and a state whose
+channels are contiguous rows (strides (.., state_len, 1), the usual layout). A program's state
+block is then one contiguous run of BLOCK_D * state_len elements: it is loaded and stored as a
+flat vector (16-byte accesses, every warp access contiguous), and the per-channel window taps and
+the shifted state are picked out of that register vector with ``tl.gather`` (on-chip, through
+shared memory). Every state element still crosses HBM once in each direction.
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.jit_math import silu
 from fastmamba.ops._common.pdl import pdl_active
-from fastmamba.ops.conv1d.configs import pick_config
+from fastmamba.ops.conv1d.configs import pick_config, pick_flat_config
 
 MODE_SHIFT = tl.constexpr(0)  # state = last state_len inputs, shifted left by L
 MODE_CIRCULAR = tl.constexpr(1)  # state is a circular buffer written at cache_seqlens[b] % state_len
@@ -176,6 +183,85 @@ def _causal_conv1d_update_kernel(
             tl.store(state_row + dst * stride_state_l, new, mask=d_mask)
 
 
+@triton.jit(do_not_specialize=["stride_x_d"])
+def _conv1d_update_flat_kernel(
+    x_ptr,  # [B, D] (token axis dropped)
+    state_ptr,  # [S, D, SL] with strides (stride_state_s, SL, 1)  mutated in place
+    weight_ptr,  # [D, W]
+    bias_ptr,  # [D] or None
+    state_indices_ptr,  # [B] or None
+    out_ptr,  # [B, D]
+    D,
+    pad_slot_id,
+    stride_x_b, stride_x_d,
+    stride_state_s,
+    stride_weight_d, stride_weight_w,
+    stride_indices_b,
+    stride_out_b, stride_out_d,
+    W: tl.constexpr,
+    SL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FLAT: tl.constexpr,  # next_power_of_2(BLOCK_D * SL)
+    EVEN_D: tl.constexpr,  # D % BLOCK_D == 0: no channel mask, full 16-byte vectors
+    SILU: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_INDICES: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # one program per (block of BLOCK_D channels, request b)
+    pid_d = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    d0 = pid_d * BLOCK_D
+    c = tl.arange(0, BLOCK_D)
+    e = tl.arange(0, FLAT)  # flat index into the block's state: channel e // SL, column e % SL
+    if EVEN_D:
+        c_mask = c < BLOCK_D
+        e_mask = e < BLOCK_D * SL
+    else:
+        c_mask = d0 + c < D
+        e_mask = (e < BLOCK_D * SL) & (e < (D - d0) * SL)
+
+    taps = ()
+    for k in tl.static_range(W):
+        w_k = tl.load(weight_ptr + (d0 + c) * stride_weight_d + k * stride_weight_w, mask=c_mask, other=0.0)
+        taps = taps + (w_k.to(tl.float32),)
+    if HAS_BIAS:
+        acc = tl.load(bias_ptr + d0 + c, mask=c_mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_INDICES:
+        slot = tl.load(state_indices_ptr + b * stride_indices_b).to(tl.int64)
+    else:
+        slot = b
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    out_row = out_ptr + b * stride_out_b + (d0 + c) * stride_out_d
+    if HAS_INDICES:
+        if slot == pad_slot_id:
+            tl.store(out_row, tl.zeros([BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=c_mask)
+            return
+
+    block = state_ptr + slot * stride_state_s + d0 * SL
+    old = tl.load(block + e, mask=e_mask, other=0.0)  # the block's whole state, read once
+    x = tl.load(x_ptr + b * stride_x_b + (d0 + c) * stride_x_d, mask=c_mask, other=0.0)
+
+    # y = bias + sum_k w_k * window_k, window = state columns SL-W+1 .. SL-1, then x
+    for k in tl.static_range(W - 1):
+        col = tl.gather(old, c * SL + (SL - (W - 1) + k), 0)
+        acc += taps[k] * col.to(tl.float32)
+    acc += taps[W - 1] * x.to(tl.float32)
+    if SILU:
+        acc = silu(acc)
+    tl.store(out_row, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
+
+    # shifted state: element e takes element e + 1 of its channel, the last column takes x
+    nxt = tl.gather(old, tl.minimum(e + 1, FLAT - 1), 0)
+    x_e = tl.gather(x, tl.minimum(e // SL, BLOCK_D - 1), 0).to(state_ptr.dtype.element_ty)
+    new = tl.where(e % SL == SL - 1, x_e, nxt)
+    tl.store(block + e, new, mask=e_mask)
+
+
 def history_columns(W: int, state_len: int, L: int, circular: bool) -> int:
     """XC: how many state columns the kernel loads, i.e. the window column of x[:, 0].
 
@@ -203,10 +289,30 @@ def causal_conv1d_update_launch(
     W = weight.shape[1]
     if B == 0 or D == 0:
         return
+    use_pdl = pdl_active(x)
+    flat = (
+        L == 1 and cache_seqlens is None and num_accepted_tokens is None and state_len <= 8
+        and conv_state.stride(2) == 1 and conv_state.stride(1) == state_len
+    )
+    if flat:
+        cfg = pick_flat_config(D, B, state_len, interpreter=not x.is_cuda)
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            _conv1d_update_flat_kernel[(triton.cdiv(D, cfg.block_d), B)](
+                x, conv_state, weight, bias, conv_state_indices, out,
+                D, pad_slot_id,
+                x.stride(0), x.stride(1), conv_state.stride(0), *weight.stride(),
+                conv_state_indices.stride(0) if conv_state_indices is not None else 0,
+                out.stride(0), out.stride(1),
+                W=W, SL=state_len, BLOCK_D=cfg.block_d, FLAT=triton.next_power_of_2(cfg.block_d * state_len),
+                EVEN_D=D % cfg.block_d == 0, SILU=silu, HAS_BIAS=bias is not None,
+                HAS_INDICES=conv_state_indices is not None, USE_PDL=use_pdl,
+                num_warps=cfg.num_warps, launch_pdl=use_pdl,
+            )
+        return
+
     xc = history_columns(W, state_len, L, cache_seqlens is not None)
     cfg = pick_config(D, B, xc + 2 * L + W, interpreter=not x.is_cuda)
     grid = (triton.cdiv(D, cfg.block_d), B)
-    use_pdl = pdl_active(x)
 
     def stride0(t: torch.Tensor | None) -> int:
         return t.stride(0) if t is not None else 0
