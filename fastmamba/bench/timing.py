@@ -57,10 +57,15 @@ QUANTILES = [0.2, 0.5, 0.8]
 
 
 def choose_n_sets(bytes_per_set: int, l2_bytes: int, *, cap: int = 64) -> int:
-    """Input copies needed for a cold-L2 number: clamp(ceil(3 * L2 / bytes_per_set), 1, cap)."""
+    """Input copies needed for a cold-L2 number: clamp(ceil(3 * L2 / bytes_per_set), 2, cap).
+
+    At least two, so that consecutive calls in a graph never touch the same state: under
+    programmatic dependent launch a call may read its cache rows while the previous call is
+    still finishing (fastmamba.ops._common.pdl), which is only allowed on different rows.
+    """
     if l2_bytes <= 0 or bytes_per_set <= 0:
-        return 1
-    return max(1, min(cap, math.ceil(3 * l2_bytes / bytes_per_set)))
+        return 2
+    return max(2, min(cap, math.ceil(3 * l2_bytes / bytes_per_set)))
 
 
 def is_cold_l2(bytes_per_set: int, n_sets: int, l2_bytes: int, calls: int) -> bool:

@@ -68,8 +68,8 @@ def test_norm_bytes_hand_count():
         (100 * MiB, 50 * MiB, 2),  # ceil(150 / 100)
         (8 * MiB, 50 * MiB, 19),  # ceil(150 / 8)
         (1 * MiB, 50 * MiB, 64),  # capped
-        (2048 * MiB, 50 * MiB, 1),  # one set already dwarfs L2
-        (1 * MiB, 0, 1),  # no L2 known (CPU)
+        (2048 * MiB, 50 * MiB, 2),  # one set dwarfs L2, but consecutive calls never share a state
+        (1 * MiB, 0, 2),  # no L2 known (CPU)
     ],
 )
 def test_choose_n_sets(bytes_per_set, l2, expected):

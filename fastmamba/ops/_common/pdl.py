@@ -1,12 +1,16 @@
 """Programmatic dependent launch (PDL, Hopper and newer): opt-in.
 
 With PDL a kernel's programs may be scheduled while the kernel before it in the stream is still
-finishing; each program reads what cannot depend on that kernel (weights, slot indices), then
-waits (``griddepcontrol.wait``) before touching anything the previous kernel may have written.
-Inside a CUDA graph of back-to-back decode kernels this hides most of the launch gap.
+finishing; each program first reads what a decode step never produces in the kernel just before
+(weights, slot indices, and its rows of the state cache), then waits (``griddepcontrol.wait``)
+before touching the activations the previous kernel may have written. Inside a CUDA graph of
+back-to-back decode kernels this hides the launch gap and the state-load latency.
 
-Contract when it is on: slot-index tensors and weights passed to our kernels must not be written
-by the kernel launched immediately before them (a host copy, or any earlier kernel, is fine).
+Contract when it is on: weights, slot-index tensors and the state caches (conv and SSM) passed to
+our kernels must not be written by the kernel launched immediately before them. In a Mamba-2
+decode step (in_proj -> conv update -> state update -> norm -> out_proj) the caches are written
+only by their own op one step earlier, so this holds; a host copy or any earlier kernel is fine.
+Activations (x, dt, B, C, z) are always read after the wait.
 Off by default; turn on with ``FASTMAMBA_PDL=1`` or ``with programmatic_dependent_launch():``.
 """
 from __future__ import annotations

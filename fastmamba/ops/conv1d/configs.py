@@ -78,19 +78,14 @@ def pick_config(D: int, B: int, live_columns: int, *, interpreter: bool) -> Conv
     return Conv1dUpdateConfig(block_d=block_d, num_warps=num_warps)
 
 
-def pick_flat_config(D: int, B: int, state_len: int, *, interpreter: bool) -> Conv1dUpdateConfig:
-    """(BLOCK_D, num_warps) for the flat fast path (one token, contiguous channel rows).
-
-    Each thread should hold about two 16-byte vectors of state: BLOCK_D * state_len elements over
-    32 * num_warps threads. Untuned until the sweep below has run on the target GPU.
-    """
+def pick_vec4_config(D: int, B: int, *, interpreter: bool) -> Conv1dUpdateConfig:
+    """(BLOCK_D, num_warps) for the state_len-4 fast path. One warp per 128 channels keeps every
+    column split inside a thread (no shared memory: checked in the sm_90 compile)."""
     if _forced_flat is not None:
         return _forced_flat
     if interpreter:
         return Conv1dUpdateConfig(block_d=32, num_warps=1)
-    block_d = 256 if B * triton.cdiv(D, 256) >= 264 else 128
-    num_warps = max(1, min(8, block_d * state_len // (32 * 16)))
-    return Conv1dUpdateConfig(block_d=block_d, num_warps=num_warps)
+    return Conv1dUpdateConfig(block_d=128, num_warps=1)
 
 
 _forced_flat: Conv1dUpdateConfig | None = None

@@ -20,12 +20,13 @@ of the first state column depends on the request (num_accepted_tokens, cache_seq
 Each channel's columns are loaded and stored by the same thread, so the in-place shift needs no
 barrier, and ``out`` may even alias ``x``.
 
-Fast path (``_conv1d_update_flat_kernel``): one token, plain shift mode, and a state whose
-channels are contiguous rows (strides (.., state_len, 1), the usual layout). A program's state
-block is then one contiguous run of BLOCK_D * state_len elements: it is loaded and stored as a
-flat vector (16-byte accesses, every warp access contiguous), and the per-channel window taps and
-the shifted state are picked out of that register vector with ``tl.gather`` (on-chip, through
-shared memory). Every state element still crosses HBM once in each direction.
+Fast path (``_conv1d_update_vec4_kernel``): one token, plain shift mode, state_len 4 (the W
+layout of mamba_ssm / causal_conv1d for W=4) with contiguous channel rows. A program's state block
+is one contiguous run of BLOCK_D * 4 elements, loaded and stored as a flat vector with 16-byte
+accesses; reshape + split turn it into the four columns inside each thread's registers (no data
+movement) and join turns the shifted columns back. (A version for any state_len that picked the
+columns out with tl.gather went through shared memory and ran 2x slower than the column kernel
+on an H200, so other state lengths use the column kernel.)
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.jit_math import silu
 from fastmamba.ops._common.pdl import pdl_active
-from fastmamba.ops.conv1d.configs import pick_config, pick_flat_config
+from fastmamba.ops.conv1d.configs import pick_config, pick_vec4_config
 
 MODE_SHIFT = tl.constexpr(0)  # state = last state_len inputs, shifted left by L
 MODE_CIRCULAR = tl.constexpr(1)  # state is a circular buffer written at cache_seqlens[b] % state_len
@@ -184,9 +185,9 @@ def _causal_conv1d_update_kernel(
 
 
 @triton.jit(do_not_specialize=["stride_x_d"])
-def _conv1d_update_flat_kernel(
+def _conv1d_update_vec4_kernel(
     x_ptr,  # [B, D] (token axis dropped)
-    state_ptr,  # [S, D, SL] with strides (stride_state_s, SL, 1)  mutated in place
+    state_ptr,  # [S, D, 4] with strides (stride_state_s, 4, 1)  mutated in place
     weight_ptr,  # [D, W]
     bias_ptr,  # [D] or None
     state_indices_ptr,  # [B] or None
@@ -198,67 +199,79 @@ def _conv1d_update_flat_kernel(
     stride_weight_d, stride_weight_w,
     stride_indices_b,
     stride_out_b, stride_out_d,
-    W: tl.constexpr,
-    SL: tl.constexpr,
+    W: tl.constexpr,  # 2..5 (state_len 4 >= W - 1)
+    WEIGHT_FLAT: tl.constexpr,  # W == 4 and weight strides (4, 1)
     BLOCK_D: tl.constexpr,
-    FLAT: tl.constexpr,  # next_power_of_2(BLOCK_D * SL)
     EVEN_D: tl.constexpr,  # D % BLOCK_D == 0: no channel mask, full 16-byte vectors
     SILU: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_INDICES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    # one program per (block of BLOCK_D channels, request b)
+    # one program per (block of BLOCK_D channels, request b); state_len is 4
     pid_d = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     d0 = pid_d * BLOCK_D
-    c = tl.arange(0, BLOCK_D)
-    e = tl.arange(0, FLAT)  # flat index into the block's state: channel e // SL, column e % SL
+    e = tl.arange(0, BLOCK_D * 4)  # flat index into the block's state: channel e // 4, column e % 4
     if EVEN_D:
-        c_mask = c < BLOCK_D
-        e_mask = e < BLOCK_D * SL
+        e_mask = e < BLOCK_D * 4
     else:
-        c_mask = d0 + c < D
-        e_mask = (e < BLOCK_D * SL) & (e < (D - d0) * SL)
+        e_mask = e < (D - d0) * 4
+    # the block's channel index with the columns' register layout: split the flat index like the state
+    ch_even, ch_odd = tl.split(tl.reshape(e // 4, [BLOCK_D, 2, 2]))
+    ch, _ = tl.split(ch_even)
+    c_mask = d0 + ch < D
 
-    taps = ()
-    for k in tl.static_range(W):
-        w_k = tl.load(weight_ptr + (d0 + c) * stride_weight_d + k * stride_weight_w, mask=c_mask, other=0.0)
-        taps = taps + (w_k.to(tl.float32),)
+    if WEIGHT_FLAT:  # [D, 4] contiguous weights: the same 16-byte loads and register split
+        w_even, w_odd = tl.split(tl.reshape(tl.load(weight_ptr + d0 * 4 + e, mask=e_mask, other=0.0),
+                                            [BLOCK_D, 2, 2]))
+        w0, w2 = tl.split(w_even)
+        w1, w3 = tl.split(w_odd)
+        taps = (w0.to(tl.float32), w1.to(tl.float32), w2.to(tl.float32), w3.to(tl.float32))
+    else:
+        taps = ()
+        for k in tl.static_range(W):
+            w_k = tl.load(weight_ptr + (d0 + ch) * stride_weight_d + k * stride_weight_w, mask=c_mask, other=0.0)
+            taps = taps + (w_k.to(tl.float32),)
     if HAS_BIAS:
-        acc = tl.load(bias_ptr + d0 + c, mask=c_mask, other=0.0).to(tl.float32)
+        acc = tl.load(bias_ptr + d0 + ch, mask=c_mask, other=0.0).to(tl.float32)
     else:
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     if HAS_INDICES:
         slot = tl.load(state_indices_ptr + b * stride_indices_b).to(tl.int64)
     else:
         slot = b
+    block = state_ptr + slot * stride_state_s + d0 * 4
+    valid = True
+    if HAS_INDICES:
+        valid = slot != pad_slot_id
+    # the block's whole state, read once with 16-byte loads (under PDL, before the wait: see pdl.py)
+    old = tl.load(block + e, mask=e_mask & valid, other=0.0)
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-    out_row = out_ptr + b * stride_out_b + (d0 + c) * stride_out_d
+    out_row = out_ptr + b * stride_out_b + (d0 + ch) * stride_out_d
     if HAS_INDICES:
         if slot == pad_slot_id:
             tl.store(out_row, tl.zeros([BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=c_mask)
             return
+    x = tl.load(x_ptr + b * stride_x_b + (d0 + ch) * stride_x_d, mask=c_mask, other=0.0)
 
-    block = state_ptr + slot * stride_state_s + d0 * SL
-    old = tl.load(block + e, mask=e_mask, other=0.0)  # the block's whole state, read once
-    x = tl.load(x_ptr + b * stride_x_b + (d0 + c) * stride_x_d, mask=c_mask, other=0.0)
-
-    # y = bias + sum_k w_k * window_k, window = state columns SL-W+1 .. SL-1, then x
+    # columns out of registers: [BLOCK_D * 4] -> [BLOCK_D, 2, 2] -> two splits
+    even, odd = tl.split(tl.reshape(old, [BLOCK_D, 2, 2]))
+    c0, c2 = tl.split(even)
+    c1, c3 = tl.split(odd)
+    cols = (c0, c1, c2, c3)
+    # y = bias + sum_k w_k * window_k, window = state columns 5-W .. 3, then x
     for k in tl.static_range(W - 1):
-        col = tl.gather(old, c * SL + (SL - (W - 1) + k), 0)
-        acc += taps[k] * col.to(tl.float32)
+        acc += taps[k] * cols[5 - W + k].to(tl.float32)
     acc += taps[W - 1] * x.to(tl.float32)
     if SILU:
         acc = silu(acc)
     tl.store(out_row, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
 
-    # shifted state: element e takes element e + 1 of its channel, the last column takes x
-    nxt = tl.gather(old, tl.minimum(e + 1, FLAT - 1), 0)
-    x_e = tl.gather(x, tl.minimum(e // SL, BLOCK_D - 1), 0).to(state_ptr.dtype.element_ty)
-    new = tl.where(e % SL == SL - 1, x_e, nxt)
+    # shifted state (c1, c2, c3, x), joined back into the flat layout and stored with 16-byte stores
+    new = tl.reshape(tl.join(tl.join(c1, c3), tl.join(c2, x.to(state_ptr.dtype.element_ty))), [BLOCK_D * 4])
     tl.store(block + e, new, mask=e_mask)
 
 
@@ -290,21 +303,21 @@ def causal_conv1d_update_launch(
     if B == 0 or D == 0:
         return
     use_pdl = pdl_active(x)
-    flat = (
-        L == 1 and cache_seqlens is None and num_accepted_tokens is None and state_len <= 8
-        and conv_state.stride(2) == 1 and conv_state.stride(1) == state_len
+    vec4 = (
+        L == 1 and cache_seqlens is None and num_accepted_tokens is None and state_len == 4
+        and conv_state.stride(2) == 1 and conv_state.stride(1) == 4
     )
-    if flat:
-        cfg = pick_flat_config(D, B, state_len, interpreter=not x.is_cuda)
+    if vec4:
+        cfg = pick_vec4_config(D, B, interpreter=not x.is_cuda)
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-            _conv1d_update_flat_kernel[(triton.cdiv(D, cfg.block_d), B)](
+            _conv1d_update_vec4_kernel[(triton.cdiv(D, cfg.block_d), B)](
                 x, conv_state, weight, bias, conv_state_indices, out,
                 D, pad_slot_id,
                 x.stride(0), x.stride(1), conv_state.stride(0), *weight.stride(),
                 conv_state_indices.stride(0) if conv_state_indices is not None else 0,
                 out.stride(0), out.stride(1),
-                W=W, SL=state_len, BLOCK_D=cfg.block_d, FLAT=triton.next_power_of_2(cfg.block_d * state_len),
-                EVEN_D=D % cfg.block_d == 0, SILU=silu, HAS_BIAS=bias is not None,
+                W=W, WEIGHT_FLAT=W == 4 and tuple(weight.stride()) == (4, 1),
+                BLOCK_D=cfg.block_d, EVEN_D=D % cfg.block_d == 0, SILU=silu, HAS_BIAS=bias is not None,
                 HAS_INDICES=conv_state_indices is not None, USE_PDL=use_pdl,
                 num_warps=cfg.num_warps, launch_pdl=use_pdl,
             )

@@ -21,7 +21,7 @@ CANDIDATES = [
     dict(block_p=bp, num_warps=w)
     for bp in (2, 4, 8, 16, 32)
     for w in (1, 2, 4, 8)
-    if 4 <= bp * 128 // (32 * w) <= 64  # 4..64 state elements per thread at N=128
+    if 4 <= bp * 128 // (32 * w) <= 128  # 4..128 state elements per thread at N=128
 ]
 
 _forced: tuple[int, int] | None = None

@@ -74,17 +74,17 @@ def _selective_state_update_kernel(
         if HAS_D:
             Dv = tl.load(D_ptr + h * stride_D_h + offs_p * stride_D_p, mask=mask_p, other=0.0).to(tl.float32)
 
-    if USE_PDL:
-        # everything above reads weights and slot indices only; the rest may depend on the
-        # kernel launched before this one
-        gdc_wait()
-        gdc_launch_dependents()
-
     # the state tile: the big load, issued before the small per-token ones
     tile_mask = mask_p[:, None] & mask_n[None, :] & valid
     s_tile_off = offs_p[:, None] * stride_state_p + offs_n[None, :] * stride_state_n
     s = tl.load(state_ptr + src * stride_state_s + h * stride_state_h + s_tile_off,
                 mask=tile_mask, other=0.0).to(tl.float32)
+
+    if USE_PDL:
+        # everything above reads weights, slot indices and this request's cache row; what follows
+        # (x, dt, B, C, z) may be the output of the kernel launched just before this one
+        gdc_wait()
+        gdc_launch_dependents()
 
     x_base = x_ptr + b * stride_x_b + h * stride_x_h + offs_p * stride_x_p
     dt_base = dt_ptr + b * stride_dt_b + h * stride_dt_h
