@@ -40,7 +40,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.jit_math import silu
 from fastmamba.ops._common.pdl import pdl_active
-from fastmamba.ops.conv1d.configs import pick_config, pick_vec4_config
+from fastmamba.ops.conv1d.configs import pick_config, pick_vec4_config, use_vec4_kernel
 
 MODE_SHIFT = tl.constexpr(0)  # state = last state_len inputs, shifted left by L
 MODE_CIRCULAR = tl.constexpr(1)  # state is a circular buffer written at cache_seqlens[b] % state_len
@@ -306,6 +306,7 @@ def causal_conv1d_update_launch(
     vec4 = (
         L == 1 and cache_seqlens is None and num_accepted_tokens is None and state_len == 4
         and conv_state.stride(2) == 1 and conv_state.stride(1) == 4
+        and (not x.is_cuda or use_vec4_kernel(D, B))  # the interpreter tests both kernels' paths
     )
     if vec4:
         cfg = pick_vec4_config(D, B, interpreter=not x.is_cuda)
