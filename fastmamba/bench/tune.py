@@ -33,10 +33,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ops", type=_ops_list, default=list(OPS))
     parser.add_argument("--batch", type=_int_list, default=list(GPU_BATCHES))
     parser.add_argument("--json", metavar="PATH", help="write one JSON line per (case, config) here")
+    parser.add_argument("--pdl", action="store_true",
+                        help="time with programmatic dependent launch on (fastmamba.ops._common.pdl)")
 
 
-def _time(bench, fn, case, sets, n_sets) -> float:
-    return time_graph(lambda i: bench.bind(fn, case, sets[i]), n_sets, TimingConfig.quick()).median_us
+def _time(bench, fn, case, sets, n_sets, pdl: bool) -> float:
+    from fastmamba.ops._common.pdl import programmatic_dependent_launch
+
+    with programmatic_dependent_launch(pdl):  # in force while the graph is captured
+        return time_graph(lambda i: bench.bind(fn, case, sets[i]), n_sets, TimingConfig.quick()).median_us
 
 
 def run(args: argparse.Namespace, command: str) -> int:
@@ -47,7 +52,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     copy_gbs = measure_copy_bandwidth(device)
     l2 = l2_cache_bytes(device)
     print(f"# tune on {device_name(device)}, copy {copy_gbs:.0f} GB/s, L2 {l2 >> 20} MiB, "
-          f"torch {torch.__version__}, triton {env.triton_version()}; command: {command}")
+          f"torch {torch.__version__}, triton {env.triton_version()}, PDL {'on' if args.pdl else 'off'}; command: {command}")
     out = open(args.json, "a") if args.json else None
     rows = []
     for key, bench in zip(args.ops, load_benches(args.ops)):
@@ -56,12 +61,12 @@ def run(args: argparse.Namespace, command: str) -> int:
         for case in bench.cases(device, args.batch):
             n_sets = choose_n_sets(case.nbytes, l2)
             sets = [bench.make_set(case, device, seed=i) for i in range(n_sets)]
-            base = _time(bench, fn, case, sets, n_sets)
+            base = _time(bench, fn, case, sets, n_sets, args.pdl)
             results = []
             for cand in configs.CANDIDATES:
                 try:
                     with configs.forced_config(**cand):
-                        us = _time(bench, fn, case, sets, n_sets)
+                        us = _time(bench, fn, case, sets, n_sets, args.pdl)
                 except Exception as exc:  # noqa: BLE001 - a config that fails to compile is skipped
                     print(f"  {case.label} {cand}: {type(exc).__name__}", file=sys.stderr)
                     continue

@@ -37,12 +37,20 @@ def programmatic_dependent_launch(enabled: bool = True) -> Iterator[None]:
 
 
 @functools.lru_cache(maxsize=None)
-def _supports_pdl(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+def _sm_info(device_index: int) -> tuple[bool, int]:
+    props = torch.cuda.get_device_properties(device_index)
+    return props.major >= 9, props.multi_processor_count
 
 
-def pdl_active(t: torch.Tensor) -> bool:
-    """Whether a kernel launched on ``t``'s device should use PDL now."""
+def pdl_active(t: torch.Tensor, programs: int, num_warps: int) -> bool:
+    """Whether a launch of ``programs`` programs of ``num_warps`` warps on ``t``'s device uses PDL.
+
+    Only grids that fit on the GPU in one wave (at most 32 programs and 64 warps per SM) use it:
+    there the launch gap and load latency are most of the time, and PDL hides them. Multi-wave,
+    bandwidth-bound grids ran slower with it on an H200 (the next kernel's early programs hold
+    SM slots while they wait), so they launch plainly.
+    """
     if not (_enabled and t.is_cuda):
         return False
-    return _supports_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    supported, sms = _sm_info(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return supported and programs <= sms * min(32, 64 // num_warps)

@@ -302,7 +302,6 @@ def causal_conv1d_update_launch(
     W = weight.shape[1]
     if B == 0 or D == 0:
         return
-    use_pdl = pdl_active(x)
     vec4 = (
         L == 1 and cache_seqlens is None and num_accepted_tokens is None and state_len == 4
         and conv_state.stride(2) == 1 and conv_state.stride(1) == 4
@@ -310,6 +309,7 @@ def causal_conv1d_update_launch(
     )
     if vec4:
         cfg = pick_vec4_config(D, B, interpreter=not x.is_cuda)
+        use_pdl = pdl_active(x, triton.cdiv(D, cfg.block_d) * B, cfg.num_warps)
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             _conv1d_update_vec4_kernel[(triton.cdiv(D, cfg.block_d), B)](
                 x, conv_state, weight, bias, conv_state_indices, out,
@@ -327,6 +327,7 @@ def causal_conv1d_update_launch(
     xc = history_columns(W, state_len, L, cache_seqlens is not None)
     cfg = pick_config(D, B, xc + 2 * L + W, interpreter=not x.is_cuda)
     grid = (triton.cdiv(D, cfg.block_d), B)
+    use_pdl = pdl_active(x, grid[0] * B, cfg.num_warps)
 
     def stride0(t: torch.Tensor | None) -> int:
         return t.stride(0) if t is not None else 0

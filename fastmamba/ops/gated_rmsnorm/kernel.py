@@ -119,7 +119,7 @@ def gated_rmsnorm_fwd(
     M, Dh = x.shape
     G = Dh // group_size
     grid = (triton.cdiv(M, cfg.block_m), G)
-    use_pdl = pdl_active(x)
+    use_pdl = pdl_active(x, grid[0] * grid[1], cfg.num_warps)
     _gated_rmsnorm_fwd_kernel[grid](
         x, z, weight, bias, out,
         M, float(eps),

@@ -18,20 +18,21 @@ from fastmamba.ops._common.dispatch import interpreter_enabled
 
 # what `python -m fastmamba.bench tune --ops ssu` tries
 CANDIDATES = [
-    dict(block_p=bp, num_warps=w)
+    dict(block_p=bp, num_warps=w, stream=st)
     for bp in (2, 4, 8, 16, 32)
     for w in (1, 2, 4, 8)
+    for st in (False, True)
     if 4 <= bp * 128 // (32 * w) <= 128  # 4..128 state elements per thread at N=128
 ]
 
-_forced: tuple[int, int] | None = None
+_forced: tuple[int, int, bool] | None = None
 
 
 @contextlib.contextmanager
-def forced_config(block_p: int, num_warps: int) -> Iterator[None]:
-    """Use (block_p, num_warps) for every launch inside the block (the tuning sweep's hook)."""
+def forced_config(block_p: int, num_warps: int, stream: bool = False) -> Iterator[None]:
+    """Use (block_p, num_warps, stream) for every launch inside the block (the tuning sweep's hook)."""
     global _forced
-    previous, _forced = _forced, (block_p, num_warps)
+    previous, _forced = _forced, (block_p, num_warps, stream)
     try:
         yield
     finally:
@@ -51,8 +52,8 @@ _MEASURED = {
 }
 
 
-def pick_config(*, programs_per_block: int, headdim: int, dstate: int, state_bytes: int) -> tuple[int, int]:
-    """(BLOCK_P, num_warps) for ``programs_per_block`` = requests x heads.
+def pick_config(*, programs_per_block: int, headdim: int, dstate: int, state_bytes: int) -> tuple[int, int, bool]:
+    """(BLOCK_P, num_warps, stream) for ``programs_per_block`` = requests x heads.
 
     Few (request, head) pairs are latency bound: more warps per program. Many are bandwidth
     bound: one warp holding 16 x N state elements gives each thread 16 loads of 16 bytes in flight.
@@ -60,10 +61,10 @@ def pick_config(*, programs_per_block: int, headdim: int, dstate: int, state_byt
     if _forced is not None:
         return _forced
     if interpreter_enabled():
-        return min(triton.next_power_of_2(headdim), 16), 1
+        return min(triton.next_power_of_2(headdim), 16), 1, False
     bucket = 0 if programs_per_block <= 256 else 1 if programs_per_block <= 2048 else 2
     block_p, num_warps = _MEASURED.get((min(state_bytes, 4), bucket), (16, 1))
     scale = max(1, triton.next_power_of_2(dstate) // 128)
     block_p = min(block_p, triton.next_power_of_2(headdim))
     num_warps = max(1, min(8, num_warps * scale))
-    return block_p, num_warps
+    return block_p, num_warps, False
