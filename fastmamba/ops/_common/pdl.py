@@ -42,6 +42,11 @@ def _sm_info(device_index: int) -> tuple[bool, int]:
     return props.major >= 9, props.multi_processor_count
 
 
+def pdl_requested(t: torch.Tensor) -> bool:
+    """PDL is switched on and ``t`` is a CUDA tensor (launch configs may differ under PDL)."""
+    return _enabled and t.is_cuda
+
+
 def pdl_active(t: torch.Tensor, programs: int, num_warps: int) -> bool:
     """Whether a launch of ``programs`` programs of ``num_warps`` warps on ``t``'s device uses PDL.
 

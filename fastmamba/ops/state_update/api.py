@@ -12,7 +12,7 @@ from fastmamba.ops._common.checks import (
     check_shape,
 )
 from fastmamba.ops._common.dispatch import use_triton
-from fastmamba.ops._common.pdl import pdl_active
+from fastmamba.ops._common.pdl import pdl_active, pdl_requested
 from fastmamba.ops.state_update.configs import pick_config
 from fastmamba.ops.state_update.kernel import launch_selective_state_update
 from fastmamba.ops.state_update.ref import selective_state_update_ref
@@ -64,8 +64,9 @@ def _selective_state_update_op(
         )
         return
     nreq, _, nheads, headdim = x.shape
-    block_p, num_warps, stream = pick_config(
-        programs_per_block=nreq * nheads, headdim=headdim, dstate=B.shape[-1], state_bytes=state.element_size()
+    block_p, num_warps = pick_config(
+        programs_per_block=nreq * nheads, headdim=headdim, dstate=B.shape[-1], state_bytes=state.element_size(),
+        pdl=pdl_requested(x),
     )
     tie_hdim = _tied(A, (1, 2)) and _tied(dt, (3,)) and _tied(dt_bias, (1,)) and _tied(D, (1,))
     programs = nreq * nheads * -(-headdim // block_p)
@@ -73,7 +74,7 @@ def _selective_state_update_op(
         state, x, dt, dt_bias, A, B, C, D, z, out,
         state_batch_indices, dst_state_batch_indices, intermediate_states, rand_seed,
         dt_softplus=dt_softplus, tie_hdim=tie_hdim, pad_slot_id=pad_slot_id,
-        block_p=block_p, num_warps=num_warps, stream=stream, use_pdl=pdl_active(x, programs, num_warps),
+        block_p=block_p, num_warps=num_warps, use_pdl=pdl_active(x, programs, num_warps),
     )
 
 

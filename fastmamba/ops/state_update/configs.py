@@ -17,22 +17,23 @@ from fastmamba.ops._common.dispatch import interpreter_enabled
 
 
 # what `python -m fastmamba.bench tune --ops ssu` tries
+# (Streaming cache hints on the state, evict_first loads and .cs stores, were swept too on the
+# H200: no gain at batch 64 or 256, so the kernel does without them.)
 CANDIDATES = [
-    dict(block_p=bp, num_warps=w, stream=st)
+    dict(block_p=bp, num_warps=w)
     for bp in (2, 4, 8, 16, 32)
     for w in (1, 2, 4, 8)
-    for st in (False, True)
     if 4 <= bp * 128 // (32 * w) <= 128  # 4..128 state elements per thread at N=128
 ]
 
-_forced: tuple[int, int, bool] | None = None
+_forced: tuple[int, int] | None = None
 
 
 @contextlib.contextmanager
-def forced_config(block_p: int, num_warps: int, stream: bool = False) -> Iterator[None]:
-    """Use (block_p, num_warps, stream) for every launch inside the block (the tuning sweep's hook)."""
+def forced_config(block_p: int, num_warps: int) -> Iterator[None]:
+    """Use (block_p, num_warps) for every launch inside the block (the tuning sweep's hook)."""
     global _forced
-    previous, _forced = _forced, (block_p, num_warps, stream)
+    previous, _forced = _forced, (block_p, num_warps)
     try:
         yield
     finally:
@@ -44,6 +45,7 @@ def forced_config(block_p: int, num_warps: int, stream: bool = False) -> Iterato
 #   B*H <= 256 (batch 1-2):  fp32 state (8, 8) 4.16 us (2.7b) | bf16 state (16, 8) 3.33 us
 #   B*H <= 2048 (batch 8):   fp32 state (8, 2) 13.5 us (2.7b) | bf16 state (16, 1) 11.75 us (nemotron)
 #   larger (batch 64, 256):  (16, 1) everywhere, 90-92% of the copy bandwidth at batch 256
+#   with PDL on (`tune --pdl`), batch 1: (32, 8) 2.25-3.88 us, (16, 8) 2.82 us for 2.7b fp32
 # (BLOCK_P, num_warps); num_warps scales with N / 128 for other state sizes.
 _MEASURED = {
     # (state bytes, latency bucket) -> (BLOCK_P, num_warps)
@@ -52,8 +54,10 @@ _MEASURED = {
 }
 
 
-def pick_config(*, programs_per_block: int, headdim: int, dstate: int, state_bytes: int) -> tuple[int, int, bool]:
-    """(BLOCK_P, num_warps, stream) for ``programs_per_block`` = requests x heads.
+def pick_config(
+    *, programs_per_block: int, headdim: int, dstate: int, state_bytes: int, pdl: bool = False
+) -> tuple[int, int]:
+    """(BLOCK_P, num_warps) for ``programs_per_block`` = requests x heads.
 
     Few (request, head) pairs are latency bound: more warps per program. Many are bandwidth
     bound: one warp holding 16 x N state elements gives each thread 16 loads of 16 bytes in flight.
@@ -61,10 +65,13 @@ def pick_config(*, programs_per_block: int, headdim: int, dstate: int, state_byt
     if _forced is not None:
         return _forced
     if interpreter_enabled():
-        return min(triton.next_power_of_2(headdim), 16), 1, False
+        return min(triton.next_power_of_2(headdim), 16), 1
     bucket = 0 if programs_per_block <= 256 else 1 if programs_per_block <= 2048 else 2
-    block_p, num_warps = _MEASURED.get((min(state_bytes, 4), bucket), (16, 1))
+    if pdl and bucket == 0:  # fewer, larger programs leave SM room for the next kernel's early ones
+        block_p, num_warps = 32, 8
+    else:
+        block_p, num_warps = _MEASURED.get((min(state_bytes, 4), bucket), (16, 1))
     scale = max(1, triton.next_power_of_2(dstate) // 128)
     block_p = min(block_p, triton.next_power_of_2(headdim))
     num_warps = max(1, min(8, num_warps * scale))
-    return block_p, num_warps, False
+    return block_p, num_warps

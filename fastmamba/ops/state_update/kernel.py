@@ -32,7 +32,7 @@ def _selective_state_update_kernel(
     stride_inter_b, stride_inter_t, stride_inter_h, stride_inter_p, stride_inter_n,
     HAS_DT_BIAS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_SRC_IDX: tl.constexpr, HAS_DST_IDX: tl.constexpr, HAS_INTER: tl.constexpr,
-    DT_SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr, USE_PDL: tl.constexpr, STREAM: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr, USE_PDL: tl.constexpr,
     P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # one program per (block of P, request, head); P and N are constexpr so that full tiles
@@ -77,12 +77,8 @@ def _selective_state_update_kernel(
     # the state tile: the big load, issued before the small per-token ones
     tile_mask = mask_p[:, None] & mask_n[None, :] & valid
     s_tile_off = offs_p[:, None] * stride_state_p + offs_n[None, :] * stride_state_n
-    if STREAM:  # read once, written once: keep the state from displacing other lines in L2
-        s = tl.load(state_ptr + src * stride_state_s + h * stride_state_h + s_tile_off,
-                    mask=tile_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    else:
-        s = tl.load(state_ptr + src * stride_state_s + h * stride_state_h + s_tile_off,
-                    mask=tile_mask, other=0.0).to(tl.float32)
+    s = tl.load(state_ptr + src * stride_state_s + h * stride_state_h + s_tile_off,
+                mask=tile_mask, other=0.0).to(tl.float32)
 
     if USE_PDL:
         # everything above reads weights, slot indices and this request's cache row; what follows
@@ -140,15 +136,12 @@ def _selective_state_update_kernel(
         s_out = stochastic_round(s, u, state_ptr.dtype.element_ty)
     else:
         s_out = s.to(state_ptr.dtype.element_ty)
-    if STREAM:
-        tl.store(dst_ptrs, s_out, mask=tile_mask & write_state, cache_modifier=".cs")
-    else:
-        tl.store(dst_ptrs, s_out, mask=tile_mask & write_state)
+    tl.store(dst_ptrs, s_out, mask=tile_mask & write_state)
 
 
 def launch_selective_state_update(
     state, x, dt, dt_bias, A, B, C, D, z, out, src_idx, dst_idx, inter, seed,
-    *, dt_softplus: bool, tie_hdim: bool, pad_slot_id: int, block_p: int, num_warps: int, stream: bool = False, use_pdl: bool = False,
+    *, dt_softplus: bool, tie_hdim: bool, pad_slot_id: int, block_p: int, num_warps: int, use_pdl: bool = False,
 ):
     """Launch the kernel on 4-D views: state (S,H,P,N), x/dt/z/out (B,T,H,P), B/C (B,T,G,N),
     A (H,P,N), D/dt_bias (H,P), inter (B,T,H,P,N). Optional tensors may be None."""
@@ -168,6 +161,6 @@ def launch_selective_state_update(
         *B.stride(), *C.stride(), *strides(D, 2), *strides(z, 4), *out.stride(), *strides(inter, 5),
         HAS_DT_BIAS=dt_bias is not None, HAS_D=D is not None, HAS_Z=z is not None,
         HAS_SRC_IDX=src_idx is not None, HAS_DST_IDX=dst_idx is not None, HAS_INTER=inter is not None,
-        DT_SOFTPLUS=dt_softplus, TIE_HDIM=tie_hdim, STOCHASTIC_ROUND=seed is not None, USE_PDL=use_pdl, STREAM=stream,
+        DT_SOFTPLUS=dt_softplus, TIE_HDIM=tie_hdim, STOCHASTIC_ROUND=seed is not None, USE_PDL=use_pdl,
         P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps, launch_pdl=use_pdl,
     )
