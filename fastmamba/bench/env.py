@@ -24,7 +24,13 @@ def _run(cmd: list[str], cwd: str | None = None) -> str:
 
 
 def git_commit() -> str:
-    """Short commit of the checkout this package runs from, '+dirty' if tracked files changed; '' if none."""
+    """Short commit of the checkout this package runs from, '+dirty' if tracked files changed; '' if none.
+
+    ``FASTMAMBA_GIT_COMMIT`` wins when set: a copy of the tree without its .git (the lent GPU
+    machine gets one) can still name the commit it was made from.
+    """
+    if os.environ.get("FASTMAMBA_GIT_COMMIT"):
+        return os.environ["FASTMAMBA_GIT_COMMIT"]
     if not os.path.exists(os.path.join(REPO_ROOT, ".git")) or shutil.which("git") is None:
         return ""
     commit = _run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT)

@@ -83,7 +83,7 @@ def _timing_method(device: torch.device, config: TimingConfig) -> str:
         return (
             "median of CUDA-graph replays (triton.testing.do_bench, quantiles 0.2/0.5/0.8, L2 flushed between "
             f"replays); each graph holds >= {config.min_calls} calls cycling over K rotating input sets "
-            "(column `sets`), K = clamp(ceil(3 x L2 / bytes per call), 1, 64), so every call reads cold "
+            "(column `sets`), K = clamp(ceil(3 x L2 / bytes per call), 2, 64), so every call reads cold "
             "(rows marked 'L2' are not); per-call time = replay time / calls; 'eager' rows are timed without a "
             "graph, launch overhead included"
         )

@@ -371,3 +371,22 @@ def test_gpu_cuda_graph_replay_with_seed_update():
     graph_state.copy_(state)
     g.replay()
     assert not torch.equal(graph_state, eager_state)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gpu_drop_in_parity_with_mamba_ssm(shape):
+    """Same positional call as mamba_ssm's selective_state_update, same answer."""
+    from fastmamba.bench.peers import mamba_ssm_selective_state_update  # without mamba_ssm's __init__
+
+    peer = mamba_ssm_selective_state_update()
+    if peer.fn is None:
+        pytest.skip(f"mamba_ssm's selective_state_update is not importable ({peer.reason}); parity not checked")
+    H, P, N, G = SHAPES[shape]
+    c = Case(shape, batch=16, heads=H, headdim=P, dstate=N, groups=G, act=torch.bfloat16, slots="shuffled")
+    state, args, kw = make_inputs(c, "cuda", seed=10)
+    theirs_state = state.clone()
+    ours = selective_state_update(state, *args, kw["D"], kw["z"], kw["dt_bias"], True, kw["state_batch_indices"])
+    theirs = peer.fn(theirs_state, *args, kw["D"], kw["z"], kw["dt_bias"], True, kw["state_batch_indices"])
+    torch.testing.assert_close(ours.float(), theirs.float(), **tol(torch.bfloat16))
+    torch.testing.assert_close(state, theirs_state, **tol(torch.bfloat16))
