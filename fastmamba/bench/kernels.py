@@ -21,7 +21,8 @@ from collections.abc import Sequence
 import torch
 
 from fastmamba.bench import env, report
-from fastmamba.bench.ops._base import Case, OpBench, Provider, describe, interpreter_enabled
+from fastmamba.bench.ops._base import Case, OpBench, Provider, describe
+from fastmamba.ops._common.dispatch import interpreter_enabled
 from fastmamba.bench.peak import device_name, l2_cache_bytes, measure_copy_bandwidth
 from fastmamba.bench.timing import TimingConfig, choose_n_sets, is_cold_l2, time_calls
 

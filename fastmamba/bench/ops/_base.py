@@ -8,9 +8,6 @@ provider once against the PyTorch reference.
 from __future__ import annotations
 
 import importlib
-import os
-import sys
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -27,12 +24,6 @@ BF16_TOL = {"atol": 5e-2, "rtol": 1e-2}
 MAMBA_SSM_CPU = "GPU only (its launchers enter torch.cuda.device)"
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-def interpreter_enabled() -> bool:
-    """``TRITON_INTERPRET=1`` (as fastmamba.ops._common.dispatch reads it; kept here so the harness
-    imports without fastmamba.ops)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,42 +76,10 @@ def _fastmamba_version() -> str:
 
 
 def load_fastmamba(subpackage: str, attr: str, module: str | None = None) -> tuple[Callable, str]:
-    """``fastmamba.ops.<attr>`` (or ``fastmamba.ops.<subpackage>.<module>.<attr>`` when ``module``).
-
-    Falls back to the op's own subpackage, with a note saying why, when the public name is not
-    exported yet, or when ``fastmamba/ops/__init__.py`` fails (it imports every op, so one missing
-    or broken op breaks the import for all; the subpackage is then loaded without running that
-    ``__init__``). An error in this op itself is raised.
-    """
-    public = "fastmamba.ops" if module is None else f"fastmamba.ops.{subpackage}.{module}"
-    direct = f"fastmamba.ops.{subpackage}" + ("" if module is None else f".{module}")
-    try:
-        return getattr(importlib.import_module(public), attr), ""
-    except Exception as exc:  # noqa: BLE001 - any import-time failure becomes a skipped row
-        first = exc
-    if "fastmamba.ops" in sys.modules:  # the parent imports: the problem is this op's own
-        fn = getattr(importlib.import_module(direct), attr)
-        return fn, f"loaded from {direct} ({describe(first)})"
-    ops_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "ops")
-    stub = types.ModuleType("fastmamba.ops")
-    stub.__path__ = [ops_dir]
-    stub.__package__ = "fastmamba.ops"
-    sys.modules["fastmamba.ops"] = stub
-    import fastmamba
-
-    had_attr = hasattr(fastmamba, "ops")
-    try:
-        fn = getattr(importlib.import_module(direct), attr)
-    except Exception:  # noqa: BLE001
-        raise first from None
-    finally:
-        # leave no stand-in behind: later imports of fastmamba.ops see the real package again;
-        # the op's own modules stay cached in sys.modules, so they are not imported twice
-        if sys.modules.get("fastmamba.ops") is stub:
-            del sys.modules["fastmamba.ops"]
-        if not had_attr and getattr(fastmamba, "ops", None) is stub:
-            delattr(fastmamba, "ops")
-    return fn, f"loaded {direct} directly: `import fastmamba.ops` failed ({describe(first)})"
+    """``fastmamba.ops.<attr>``, or ``fastmamba.ops.<subpackage>.<module>.<attr>`` when ``module``
+    is given (the reference). Returns (function, note); the note is empty."""
+    name = "fastmamba.ops" if module is None else f"fastmamba.ops.{subpackage}.{module}"
+    return getattr(importlib.import_module(name), attr), ""
 
 
 class OpBench:
