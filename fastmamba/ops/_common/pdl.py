@@ -47,15 +47,18 @@ def pdl_requested(t: torch.Tensor) -> bool:
     return _enabled and t.is_cuda
 
 
-def pdl_active(t: torch.Tensor, programs: int, num_warps: int) -> bool:
-    """Whether a launch of ``programs`` programs of ``num_warps`` warps on ``t``'s device uses PDL.
+def pdl_active(t: torch.Tensor, programs: int, num_warps: int) -> int:
+    """PDL mode for a launch of ``programs`` programs of ``num_warps`` warps on ``t``'s device.
 
-    Only grids that fit on the GPU in one wave (at most 32 programs and 64 warps per SM) use it:
-    there the launch gap and load latency are most of the time, and PDL hides them. Multi-wave,
-    bandwidth-bound grids ran slower with it on an H200 (the next kernel's early programs hold
-    SM slots while they wait), so they launch plainly.
+    0: off. 1: on, and each program lets the next kernel start launching right after its wait:
+    for grids that fit on the GPU in one wave (at most 32 programs and 64 warps per SM), where
+    the launch gap and load latency are most of the time. 2: on, but dependents launch only as
+    programs exit: for multi-wave grids, where an early trigger ran slower on an H200 (the next
+    kernel's early programs hold SM slots while they wait).
     """
     if not (_enabled and t.is_cuda):
-        return False
+        return 0
     supported, sms = _sm_info(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    return supported and programs <= sms * min(32, 64 // num_warps)
+    if not supported:
+        return 0
+    return 1 if programs <= sms * min(32, 64 // num_warps) else 2
