@@ -47,18 +47,15 @@ def pdl_requested(t: torch.Tensor) -> bool:
     return _enabled and t.is_cuda
 
 
-def pdl_active(t: torch.Tensor, programs: int, num_warps: int) -> int:
-    """PDL mode for a launch of ``programs`` programs of ``num_warps`` warps on ``t``'s device.
+def pdl_active(t: torch.Tensor, programs: int, num_warps: int) -> bool:
+    """Whether a launch of ``programs`` programs of ``num_warps`` warps on ``t``'s device uses PDL.
 
-    0: off. 1: on, and each program lets the next kernel start launching right after its wait:
-    for grids that fit on the GPU in one wave (at most 32 programs and 64 warps per SM), where
-    the launch gap and load latency are most of the time. 2: on, but dependents launch only as
-    programs exit: for multi-wave grids, where an early trigger ran slower on an H200 (the next
-    kernel's early programs hold SM slots while they wait).
+    Only grids that fit on the GPU in one wave (at most 32 programs and 64 warps per SM) use it:
+    there the launch gap and load latency are most of the time, and PDL hides them. Multi-wave,
+    bandwidth-bound grids ran slower with it on an H200 (the next kernel's early programs hold
+    SM slots while they wait), so they launch plainly.
     """
     if not (_enabled and t.is_cuda):
-        return 0
+        return False
     supported, sms = _sm_info(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    if not supported:
-        return 0
-    return 1 if programs <= sms * min(32, 64 // num_warps) else 2
+    return supported and programs <= sms * min(32, 64 // num_warps)

@@ -98,7 +98,7 @@ def _causal_conv1d_update_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_INDICES: tl.constexpr,
     MODE: tl.constexpr,
-    USE_PDL: tl.constexpr,  # 0 off; 1 on, trigger dependents early; 2 on, trigger at exit
+    USE_PDL: tl.constexpr,
 ):
     # one program per (block of BLOCK_D channels, request b)
     pid_d = tl.program_id(0)
@@ -119,10 +119,9 @@ def _causal_conv1d_update_kernel(
         slot = tl.load(state_indices_ptr + b * stride_indices_b).to(tl.int64)
     else:
         slot = b
-    if USE_PDL > 0:
+    if USE_PDL:
         gdc_wait()
-        if USE_PDL == 1:  # one-wave grid: let the next kernel start launching now
-            gdc_launch_dependents()
+        gdc_launch_dependents()
     if HAS_INDICES:
         if slot == pad_slot_id:  # padding row: zero output, state untouched
             zero = tl.zeros([BLOCK_D], dtype=out_ptr.dtype.element_ty)
@@ -207,7 +206,7 @@ def _conv1d_update_vec4_kernel(
     SILU: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_INDICES: tl.constexpr,
-    USE_PDL: tl.constexpr,  # 0 off; 1 on, trigger dependents early; 2 on, trigger at exit
+    USE_PDL: tl.constexpr,
 ):
     # one program per (block of BLOCK_D channels, request b); state_len is 4
     pid_d = tl.program_id(0)
@@ -248,10 +247,9 @@ def _conv1d_update_vec4_kernel(
         valid = slot != pad_slot_id
     # the block's whole state, read once with 16-byte loads (under PDL, before the wait: see pdl.py)
     old = tl.load(block + e, mask=e_mask & valid, other=0.0)
-    if USE_PDL > 0:
+    if USE_PDL:
         gdc_wait()
-        if USE_PDL == 1:  # one-wave grid: let the next kernel start launching now
-            gdc_launch_dependents()
+        gdc_launch_dependents()
     out_row = out_ptr + b * stride_out_b + (d0 + ch) * stride_out_d
     if HAS_INDICES:
         if slot == pad_slot_id:
@@ -322,7 +320,7 @@ def causal_conv1d_update_launch(
                 W=W, WEIGHT_FLAT=W == 4 and tuple(weight.stride()) == (4, 1),
                 BLOCK_D=cfg.block_d, EVEN_D=D % cfg.block_d == 0, SILU=silu, HAS_BIAS=bias is not None,
                 HAS_INDICES=conv_state_indices is not None, USE_PDL=use_pdl,
-                num_warps=cfg.num_warps, launch_pdl=use_pdl > 0,
+                num_warps=cfg.num_warps, launch_pdl=use_pdl,
             )
         return
 
@@ -343,6 +341,6 @@ def causal_conv1d_update_launch(
             *out.stride(),
             W=W, SL=state_len, L=L, XC=xc,
             BLOCK_D=cfg.block_d, SILU=silu, USE_PDL=use_pdl,
-            num_warps=cfg.num_warps, launch_pdl=use_pdl > 0,
+            num_warps=cfg.num_warps, launch_pdl=use_pdl,
         )
 

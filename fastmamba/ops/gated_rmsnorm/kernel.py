@@ -32,7 +32,7 @@ def _gated_rmsnorm_fwd_kernel(
     NORM_BEFORE_GATE: tl.constexpr,
     HAS_Z: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    USE_PDL: tl.constexpr,  # 0 off; 1 on, trigger dependents early; 2 on, trigger at exit
+    USE_PDL: tl.constexpr,
 ):
     # one program per (block of BLOCK_M rows, group); the group's GROUP_SIZE columns start at col0
     pid_m = tl.program_id(0)
@@ -54,10 +54,9 @@ def _gated_rmsnorm_fwd_kernel(
         w = tl.load(w_ptr + col0 + cols, mask=col_mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             b = tl.load(b_ptr + col0 + cols, mask=col_mask, other=0.0).to(tl.float32)
-        if USE_PDL > 0:
+        if USE_PDL:
             gdc_wait()
-            if USE_PDL == 1:  # one-wave grid: let the next kernel start launching now
-                gdc_launch_dependents()
+            gdc_launch_dependents()
         v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_Z:
             z = tl.load(z_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -74,10 +73,9 @@ def _gated_rmsnorm_fwd_kernel(
     else:
         # Group wider than one tile: pass 1 sums squares chunk by chunk, pass 2 re-reads x (and z,
         # mostly from L2), normalises and stores.
-        if USE_PDL > 0:
+        if USE_PDL:
             gdc_wait()
-            if USE_PDL == 1:  # one-wave grid: let the next kernel start launching now
-                gdc_launch_dependents()
+            gdc_launch_dependents()
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for n0 in range(0, GROUP_SIZE, BLOCK_N):
             col_mask = n0 + cols < GROUP_SIZE
@@ -133,5 +131,5 @@ def gated_rmsnorm_fwd(
         NORM_BEFORE_GATE=bool(norm_before_gate),
         USE_PDL=use_pdl,
         num_warps=cfg.num_warps,
-        launch_pdl=use_pdl > 0,
+        launch_pdl=use_pdl,
     )

@@ -32,8 +32,7 @@ def _selective_state_update_kernel(
     stride_inter_b, stride_inter_t, stride_inter_h, stride_inter_p, stride_inter_n,
     HAS_DT_BIAS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_SRC_IDX: tl.constexpr, HAS_DST_IDX: tl.constexpr, HAS_INTER: tl.constexpr,
-    DT_SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
-    USE_PDL: tl.constexpr,  # 0 off; 1 on, trigger dependents early; 2 on, trigger at exit
+    DT_SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr, USE_PDL: tl.constexpr,
     P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # one program per (block of P, request, head); P and N are constexpr so that full tiles
@@ -81,12 +80,11 @@ def _selective_state_update_kernel(
     s = tl.load(state_ptr + src * stride_state_s + h * stride_state_h + s_tile_off,
                 mask=tile_mask, other=0.0).to(tl.float32)
 
-    if USE_PDL > 0:
+    if USE_PDL:
         # everything above reads weights, slot indices and this request's cache row; what follows
         # (x, dt, B, C, z) may be the output of the kernel launched just before this one
         gdc_wait()
-        if USE_PDL == 1:  # one-wave grid: let the next kernel start launching now
-            gdc_launch_dependents()
+        gdc_launch_dependents()
 
     x_base = x_ptr + b * stride_x_b + h * stride_x_h + offs_p * stride_x_p
     dt_base = dt_ptr + b * stride_dt_b + h * stride_dt_h
@@ -143,7 +141,7 @@ def _selective_state_update_kernel(
 
 def launch_selective_state_update(
     state, x, dt, dt_bias, A, B, C, D, z, out, src_idx, dst_idx, inter, seed,
-    *, dt_softplus: bool, tie_hdim: bool, pad_slot_id: int, block_p: int, num_warps: int, use_pdl: int = 0,
+    *, dt_softplus: bool, tie_hdim: bool, pad_slot_id: int, block_p: int, num_warps: int, use_pdl: bool = False,
 ):
     """Launch the kernel on 4-D views: state (S,H,P,N), x/dt/z/out (B,T,H,P), B/C (B,T,G,N),
     A (H,P,N), D/dt_bias (H,P), inter (B,T,H,P,N). Optional tensors may be None."""
@@ -164,5 +162,5 @@ def launch_selective_state_update(
         HAS_DT_BIAS=dt_bias is not None, HAS_D=D is not None, HAS_Z=z is not None,
         HAS_SRC_IDX=src_idx is not None, HAS_DST_IDX=dst_idx is not None, HAS_INTER=inter is not None,
         DT_SOFTPLUS=dt_softplus, TIE_HDIM=tie_hdim, STOCHASTIC_ROUND=seed is not None, USE_PDL=use_pdl,
-        P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps, launch_pdl=use_pdl > 0,
+        P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps, launch_pdl=use_pdl,
     )
