@@ -126,7 +126,7 @@ def selective_state_update(
                             stored state is rounded stochastically (unbiased, software, works on
                             Hopper); read on the device, so a CUDA graph may change it between replays.
                             Advance it every step, or the same random numbers repeat.
-    out                     like x, or None (allocated)
+    out                     like x, or None (allocated contiguous)
 
     When A, dt, dt_bias and D are stride-0 over P (and A over N), they are loaded as one scalar per
     head. Returns y (``out`` when given). Reference: ``fastmamba.ops.state_update.ref``.
@@ -198,8 +198,8 @@ def selective_state_update(
         if state.dtype == torch.float32:
             rand_seed = None  # nothing to round: fp32 state is stored exactly
 
-    if out is None:
-        out4 = torch.empty_like(x4)
+    if out is None:  # contiguous whatever x's strides, so y feeds the norm and out_proj directly
+        out4 = torch.empty(x4.shape, dtype=x4.dtype, device=x4.device)
     else:
         check_shape(OP, "out", out, [(k, v) for k, v in zip("BTHP" if multi_token else "BHP", x.shape)])
         check_same_dtype(OP, [("x", x), ("out", out)])

@@ -1,0 +1,3 @@
+from fastmamba.cache.state_cache import StateCache
+
+__all__ = ["StateCache"]

@@ -1,0 +1,129 @@
+"""Mamba-2 mixer: ``forward`` runs a whole prompt (prefill), ``step`` one token per request (decode).
+
+Parameter names follow Hugging Face's ``Mamba2Mixer`` (and mamba_ssm's ``Mamba2``), so both
+checkpoint formats load without renaming inside a layer:
+
+    in_proj   [d_in_proj, d_model]   -> z [d_inner] | xBC [E] | dt [H]      (E = d_inner + 2 G N)
+    conv1d    weight [E, 1, W], bias [E]  depthwise causal conv + silu over xBC
+    dt_bias, A_log, D   [H]
+    norm      gated RMSNorm over d_inner in G groups: norm(y * silu(z))  (norm_before_gate=False)
+    out_proj  [d_model, d_inner]
+
+The decode step uses fastmamba's kernels with the tricks of the decode-kernel issue: A = -exp(A_log)
+is computed once per weight version as a stride-0 view (``expanded_A``), the silu(z) gate runs
+inside ``selective_state_update`` so the norm takes its z=None path, and the conv window stays in
+registers (``causal_conv1d_update``). Prefill runs the conv with ``F.conv1d`` and the scan with the
+multi-token state update (exact, sequential over tokens); the chunked-scan kernels replace both
+when they land.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastmamba.models.config import Mamba2Config
+from fastmamba.ops import RMSNormGated, causal_conv1d_update, selective_state_update
+from fastmamba.ops.decode_params import expanded_A
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: Mamba2Config, device=None, dtype=None):
+        super().__init__()
+        if tuple(cfg.dt_limit) != (0.0, math.inf):
+            raise NotImplementedError(f"Mamba2Mixer: dt_limit={cfg.dt_limit} is not supported (only (0, inf))")
+        self.cfg = cfg
+        kw = dict(device=device, dtype=dtype)
+        E, H = cfg.conv_dim, cfg.nheads
+        self.in_proj = nn.Linear(cfg.d_model, cfg.d_in_proj, bias=cfg.proj_bias, **kw)
+        self.conv1d = nn.Conv1d(E, E, kernel_size=cfg.d_conv, groups=E, padding=cfg.d_conv - 1, bias=cfg.conv_bias, **kw)
+        self.dt_bias = nn.Parameter(torch.empty(H, device=device, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(H, device=device, dtype=torch.float32))
+        self.D = nn.Parameter(torch.empty(H, device=device, dtype=torch.float32))
+        self.norm = RMSNormGated(cfg.d_inner, eps=cfg.norm_eps, group_size=cfg.d_inner // cfg.ngroups,
+                                 norm_before_gate=cfg.norm_before_gate, **kw)
+        self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=cfg.proj_bias, **kw)
+
+    @torch.no_grad()
+    def reset_ssm_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Mamba-2's initialisation of A_log, dt_bias and D (used by the random presets)."""
+        H = self.cfg.nheads
+        dev = self.A_log.device
+        self.A_log.copy_(torch.log(torch.empty(H).uniform_(1, 16, generator=generator)).to(dev))
+        dt = torch.exp(torch.rand(H, generator=generator) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+        dt = dt.clamp(min=1e-4)
+        self.dt_bias.copy_((dt + torch.log(-torch.expm1(-dt))).to(dev))  # inverse softplus
+        self.D.fill_(1.0)
+
+    def _split(self, zxbcdt: torch.Tensor):
+        c = self.cfg
+        return torch.split(zxbcdt, [c.d_inner, c.conv_dim, c.nheads], dim=-1)
+
+    def _split_xbc(self, xbc: torch.Tensor):
+        c = self.cfg
+        return torch.split(xbc, [c.d_inner, c.ngroups * c.d_state, c.ngroups * c.d_state], dim=-1)
+
+    def _gate_in_scan(self) -> bool:
+        # silu(z) can run inside the state update only when the norm gates before normalising
+        return not self.cfg.norm_before_gate
+
+    def forward(
+        self,
+        u: torch.Tensor,
+        conv_state: torch.Tensor | None = None,
+        ssm_state: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Prefill: u [B, L, d_model] -> [B, L, d_model].
+
+        With a cache, ``conv_state`` [S, E, W] and ``ssm_state`` [S, H, P, N] hold each request's
+        state in row ``slots[b]`` (int32 [B]); the prompt continues from it and the final states
+        are written back in place. Without one, every request starts from zeros.
+        """
+        c = self.cfg
+        nreq, L, _ = u.shape
+        z, xbc, dt = self._split(self.in_proj(u))
+        W = c.d_conv
+        xbc_t = xbc.transpose(1, 2)  # [B, E, L]
+        if conv_state is not None:
+            history = conv_state[slots.long(), :, conv_state.shape[-1] - (W - 1):].to(xbc.dtype)
+        else:
+            history = xbc_t.new_zeros(nreq, c.conv_dim, W - 1)
+        full = torch.cat([history, xbc_t], dim=-1)  # [B, E, W-1+L]
+        if conv_state is not None:
+            keep = conv_state.shape[-1]
+            tail = full[..., -keep:] if full.shape[-1] >= keep else F.pad(full, (keep - full.shape[-1], 0))
+            conv_state[slots.long()] = tail.to(conv_state.dtype)
+        xbc = F.silu(F.conv1d(full, self.conv1d.weight, self.conv1d.bias, groups=c.conv_dim)).transpose(1, 2)
+        x, B, C = self._split_xbc(xbc)
+
+        H, P, N, G = c.nheads, c.headdim, c.d_state, c.ngroups
+        if ssm_state is None:
+            ssm_state = torch.zeros(nreq, H, P, N, device=u.device, dtype=torch.float32)
+            slots = None
+        gate = z.reshape(nreq, L, H, P) if self._gate_in_scan() else None
+        y = selective_state_update(
+            ssm_state, x.reshape(nreq, L, H, P), dt, expanded_A(self.A_log, P, N),
+            B.reshape(nreq, L, G, N), C.reshape(nreq, L, G, N), self.D, gate, self.dt_bias, True, slots,
+        )
+        y = self.norm(y.reshape(nreq, L, c.d_inner), None if self._gate_in_scan() else z)
+        return self.out_proj(y)
+
+    def step(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Decode one token per request: u [B, d_model] -> [B, d_model]; states advance in place."""
+        c = self.cfg
+        nreq = u.shape[0]
+        H, P, N, G = c.nheads, c.headdim, c.d_state, c.ngroups
+        z, xbc, dt = self._split(self.in_proj(u))
+        xbc = causal_conv1d_update(xbc, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, "silu",
+                                   conv_state_indices=slots)
+        x, B, C = self._split_xbc(xbc)
+        gate = z.reshape(nreq, H, P) if self._gate_in_scan() else None
+        y = selective_state_update(
+            ssm_state, x.reshape(nreq, H, P), dt, expanded_A(self.A_log, P, N),
+            B.reshape(nreq, G, N), C.reshape(nreq, G, N), self.D, gate, self.dt_bias, True, slots,
+        )
+        y = self.norm(y.reshape(nreq, c.d_inner), None if self._gate_in_scan() else z)
+        return self.out_proj(y)

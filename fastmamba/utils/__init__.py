@@ -1,0 +1,4 @@
+"""Small helpers with no dependencies beyond the standard library."""
+from fastmamba.utils.progress import Progress
+
+__all__ = ["Progress"]

@@ -1,0 +1,139 @@
+"""Mamba2LM: logits equal Hugging Face's Mamba2ForCausalLM (its plain PyTorch path) for checkpoints
+in both formats; step-by-step decode equals one full forward; batching does not change a request."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import fastmamba
+from fastmamba.models import Mamba2Config
+
+transformers = pytest.importorskip("transformers")  # in the test extra; the parity tests need it
+
+
+def tiny_hf(tmp_path, *, tie: bool, seed: int = 0):
+    """A random 2-layer HF Mamba2 model saved with save_pretrained; returns (model, dir)."""
+    torch.manual_seed(seed)
+    cfg = transformers.Mamba2Config(
+        hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, expand=2, state_size=16, n_groups=2,
+        vocab_size=96, conv_kernel=4, chunk_size=8, use_conv_bias=True, use_bias=False,
+        tie_word_embeddings=tie, residual_in_fp32=True, layer_norm_epsilon=1e-5,
+    )
+    model = transformers.Mamba2ForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # the default init leaves norms at one and D at one: randomise what we load
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("norm_f.weight") or name.endswith(".D"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    out = tmp_path / "hf"
+    model.save_pretrained(out)
+    return model, out
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_logits_match_hf_transformers(tmp_path, tie):
+    hf, path = tiny_hf(tmp_path, tie=tie)
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(1))
+    ours = fastmamba.load_model(path, device="cpu")
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours(ids), hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
+def _write_state_spaces(hf, path, *, tie: bool, as_bin: bool):
+    """The same weights as a state-spaces (mamba_ssm MambaLMHeadModel) checkpoint directory."""
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    sd = {k.replace("backbone.embeddings.", "backbone.embedding."): v.clone().contiguous()
+          for k, v in hf.state_dict().items()}
+    if tie:
+        sd.pop("lm_head.weight", None)
+    c = hf.config
+    config = {
+        "d_model": c.hidden_size, "n_layer": c.num_hidden_layers, "vocab_size": c.vocab_size,
+        "ssm_cfg": {"layer": "Mamba2", "d_state": c.state_size, "d_conv": c.conv_kernel, "expand": c.expand,
+                    "headdim": c.head_dim, "ngroups": c.n_groups},
+        "rms_norm": True, "residual_in_fp32": True, "fused_add_norm": True, "pad_vocab_size_multiple": 8,
+        "tie_embeddings": tie,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    if as_bin:
+        torch.save(sd, path / "pytorch_model.bin")
+    else:
+        save_file(sd, str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("tie,as_bin", [(True, False), (False, True)], ids=["tied-safetensors", "untied-bin"])
+def test_state_spaces_checkpoint_matches_hf(tmp_path, tie, as_bin):
+    hf, _ = tiny_hf(tmp_path, tie=tie, seed=2)
+    ss = tmp_path / "state-spaces"
+    _write_state_spaces(hf, ss, tie=tie, as_bin=as_bin)
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(3))
+    ours = fastmamba.load_model(ss, device="cpu")
+    assert ours.cfg.tie_embeddings == tie
+    torch.testing.assert_close(ours(ids), hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_config_formats_agree():
+    hf = {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 8, "head_dim": 16, "expand": 2,
+          "state_size": 16, "n_groups": 2, "vocab_size": 96, "conv_kernel": 4, "tie_word_embeddings": True}
+    ss = {"d_model": 64, "n_layer": 2, "vocab_size": 90, "pad_vocab_size_multiple": 16, "tie_embeddings": True,
+          "ssm_cfg": {"layer": "Mamba2", "d_state": 16, "headdim": 16, "ngroups": 2}}
+    a, b = Mamba2Config.from_dict(hf), Mamba2Config.from_dict(ss)
+    assert b.vocab_size == 96  # padded to the multiple
+    assert (a.nheads, a.conv_dim, a.d_in_proj) == (b.nheads, b.conv_dim, b.d_in_proj) == (8, 192, 328)  # d_in_proj = 128 + 192 + 8
+    with pytest.raises(ValueError, match="num_heads=7"):
+        Mamba2Config.from_dict(dict(hf, num_heads=7))
+    with pytest.raises(ValueError, match="only 'Mamba2'"):
+        Mamba2Config.from_dict(dict(ss, ssm_cfg={"layer": "Mamba1"}))
+    with pytest.raises(ValueError, match="neither"):
+        Mamba2Config.from_dict({"n_embd": 3})
+
+
+def test_decode_steps_equal_full_forward():
+    """Teacher forcing: prefill k tokens, then decode the rest one at a time from the cache."""
+    model = fastmamba.load_model("mamba2-tiny", device="cpu")
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    full = model(ids)
+    cache = model.new_cache(5)
+    cache.alloc(1)  # occupy slot 0 so the requests use other rows
+    slots = cache.alloc(2)
+    torch.testing.assert_close(model.prefill(ids[:, :4], cache, slots), full[:, 3], atol=1e-5, rtol=1e-5)
+    for t in range(4, 9):
+        torch.testing.assert_close(model.decode(ids[:, t], cache, slots), full[:, t], atol=1e-5, rtol=1e-5)
+
+
+def test_request_does_not_depend_on_its_batch():
+    """A request's logits are the same alone or next to another request, in any slot."""
+    model = fastmamba.load_model("mamba2-tiny", device="cpu")
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randint(0, 256, (1, 6), generator=g), torch.randint(0, 256, (1, 6), generator=g)
+    alone = model.new_cache(1)
+    s = alone.alloc(1)
+    out_alone = [model.prefill(a, alone, s)]
+    out_alone += [model.decode(a[:, -1], alone, s) for _ in range(3)]
+    shared = model.new_cache(4)
+    shared.alloc(2)
+    slots = shared.alloc(2).flip(0)  # request a in the higher slot, b beside it
+    pair = torch.cat([a, b])
+    out_pair = [model.prefill(pair, shared, slots)]
+    out_pair += [model.decode(pair[:, -1], shared, slots) for _ in range(3)]
+    for x, y in zip(out_alone, out_pair):
+        torch.testing.assert_close(y[0], x[0], atol=1e-6, rtol=1e-6)
+
+
+def test_presets_are_deterministic_and_errors_are_clear(tmp_path):
+    m1 = fastmamba.load_model("mamba2-tiny", device="cpu")
+    m2 = fastmamba.load_model("mamba2-tiny", device="cpu")
+    assert all(torch.equal(p, q) for p, q in zip(m1.state_dict().values(), m2.state_dict().values()))
+    with pytest.raises(FileNotFoundError, match="neither a directory nor a preset"):
+        fastmamba.load_model(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        fastmamba.load_model(tmp_path / "empty")
