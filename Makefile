@@ -15,9 +15,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
-# Main job: the decode-kernel benchmark. With a GPU: full shapes, peers side by side.
-# Without one: small shapes through the Triton interpreter on the CPU (it says so).
+# Main job: the end-to-end decode benchmark on a preset, then a short streamed generation.
+# With a GPU: mamba2-2.7b (random weights), CUDA graphs, tok/s vs the bandwidth roofline.
+# Without one: the tiny preset on the CPU through the Triton interpreter (it says so).
 demo: $(STAMP)
+	@if $(PY) -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		$(PY) -m fastmamba.bench e2e && \
+		$(PY) -m fastmamba.cli generate --model mamba2-130m --prompt-ids 1,2,3,4 --max-new-tokens 32; \
+	else \
+		TRITON_INTERPRET=1 $(PY) -m fastmamba.bench e2e --gen-len 8 --prompt-len 8 && \
+		TRITON_INTERPRET=1 $(PY) -m fastmamba.cli generate --model mamba2-tiny --prompt-ids 1,2,3,4 --max-new-tokens 8; \
+	fi
+
+# The decode-kernel benchmark (peers side by side; small interpreter shapes without a GPU).
+bench-kernels: $(STAMP)
 	@if $(PY) -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 		$(PY) -m fastmamba.bench kernels; \
 	else \

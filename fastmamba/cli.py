@@ -1,10 +1,10 @@
 """The ``fastmamba`` command (declared in pyproject.toml as ``fastmamba = "fastmamba.cli:main"``).
 
-    fastmamba bench kernels [--ops ssu,conv,norm] [--batch 1,8,64,256] [--quick] [--json P] [--markdown P]
-                            [--device auto|cuda|cpu]
+    fastmamba bench kernels|tune|e2e ...     (python -m fastmamba.bench --help)
+    fastmamba generate --model DIR|PRESET (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
+                       [--temperature T] [--top-k K] [--top-p P] [--seed S] [--batch B]
 
-Each sub-command is an argparse sub-parser; ``generate`` (decode with a model) will be added the
-same way as ``bench``.
+``generate`` streams tokens as they come (text when the checkpoint has a tokenizer.json).
 """
 from __future__ import annotations
 
@@ -24,8 +24,66 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )
     bench_targets.configure(bench)
     bench.set_defaults(_handler=_bench)
-    # later: generate = sub.add_parser("generate", ...); generate.set_defaults(_handler=_generate)
-    return parser, {"bench": bench}
+    gen = sub.add_parser("generate", help="generate text or token ids with a model, streaming")
+    gen.add_argument("--model", required=True, help="checkpoint directory or preset (e.g. mamba2-130m)")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--batch", type=int, default=1, help="run the prompt as B parallel requests; streams the first")
+    gen.add_argument("--device", default=None, help="default: cuda when present")
+    gen.set_defaults(_handler=_generate)
+    return parser, {"bench": bench, "generate": gen}
+
+
+def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    import time
+
+    import fastmamba
+    from fastmamba.generation.engine import Engine
+    from fastmamba.generation.sampling import SamplingParams
+    from fastmamba.generation.tokenizer import load_tokenizer
+
+    model = fastmamba.load_model(args.model, device=args.device)
+    tok = load_tokenizer(args.model)
+    if args.prompt is not None:
+        if tok is None:
+            print(f"error: {args.model} has no tokenizer.json; pass --prompt-ids instead", file=sys.stderr)
+            return 2
+        ids = tok.encode(args.prompt).ids
+    else:
+        try:
+            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            print(f"error: --prompt-ids expects comma-separated integers, got {args.prompt_ids!r}", file=sys.stderr)
+            return 2
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            max_new_tokens=args.max_new_tokens)
+    engine = Engine(model, max_batch=max(1, args.batch))
+    rids = [engine.add_request(ids, params) for _ in range(max(1, args.batch))]
+    shown: list[int] = []
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.rid != rids[0]:
+                continue
+            shown.append(out.token)
+            piece = tok.decode(shown) if tok is not None else None
+            if tok is not None:  # print only the new text
+                prev = tok.decode(shown[:-1])
+                sys.stdout.write(piece[len(prev):])
+            else:
+                sys.stdout.write(f"{out.token} ")
+            sys.stdout.flush()
+    dt = time.perf_counter() - t0
+    n = len(shown) * len(rids)
+    print(f"\n[{n} tokens in {dt:.2f} s: {n / dt:.1f} tok/s, batch {len(rids)}, {model.lm_head.weight.device}]",
+          file=sys.stderr)
+    return 0
 
 
 def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:

@@ -101,7 +101,7 @@ def test_unknown_target_lists_available(capsys):
 
 def test_planned_target_says_so(capsys):
     with pytest.raises(SystemExit):
-        cli.main(["bench", "e2e"])
+        cli.main(["bench", "spec"])
     err = capsys.readouterr().err
     assert "planned but not implemented" in err and "kernels" in err
 

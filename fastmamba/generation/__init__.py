@@ -1,0 +1,1 @@
+"""Generation runtime: sampling, the decode engine, CUDA-graph replay."""

@@ -1,0 +1,317 @@
+"""Per-request sampling for a batch of next-token logits, without host synchronisation.
+
+Each request carries its own ``SamplingParams``; one ``Sampler.sample`` call draws one token for
+every row of a ``[B, V]`` logits tensor:
+
+    temperature == 0   argmax(logits)                            (top_k / top_p are ignored)
+    temperature  > 0   l = logits / temperature
+                       top-k: keep the k largest l (k = 0: all)  exactly k; ties broken by sort order
+                       top-p: keep the smallest prefix of the top-k tokens, by descending probability
+                              under softmax(top-k-masked l), whose probability sum reaches top_p;
+                              the most probable token is always kept
+                       token = argmax(softmax(masked l) / E),  E ~ Exp(1) iid per token
+
+The last line is the exponential race (Gumbel-max in probability space): it draws from the
+renormalised masked distribution with one elementwise divide and one argmax, so no
+``torch.multinomial`` (which synchronises on CUDA) and no data-dependent shapes.
+
+Randomness: a row whose params have a ``seed`` draws its ``[V]`` noise from a generator seeded with
+``_mix_seed(seed, step)``, where ``step`` is the request's token index. Its token is therefore
+reproducible and does not depend on the other rows of the batch or on its position in it (for a
+given device type: CPU and CUDA generators produce different streams). Rows without a seed share
+the sampler's own generator.
+
+Host work per call is a loop over the B ``SamplingParams`` (and over seeded rows, to seed their
+noise); per-row parameters reach the device through one pinned, non-blocking copy, cached while
+the batch's params stay the same. Nothing in ``sample`` waits for the device.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["SamplingParams", "Sampler", "stop_reached"]
+
+_MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens (immutable and hashable).
+
+    temperature     >= 0; 0 means greedy (argmax), which ignores top_k, top_p and seed
+    top_k           >= 0; keep the k most likely tokens, 0 = off
+    top_p           in (0, 1]; nucleus sampling over the top-k tokens, 1 = off
+    seed            None: draw from the engine's generator; an int: the request's tokens are
+                    reproducible (token t depends only on the logits, these params, seed and t)
+    max_new_tokens  >= 1; generation stops after this many tokens
+    stop_token_ids  generation stops after emitting any of these (the stop token is kept in the output)
+
+    Raises ValueError naming the field and the value when a field is out of range.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if not (_is_real(t) and math.isfinite(t) and t >= 0):
+            raise ValueError(f"SamplingParams: temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if not (_is_int(self.top_k) and self.top_k >= 0):
+            raise ValueError(f"SamplingParams: top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        p = self.top_p
+        if not (_is_real(p) and 0 < p <= 1):
+            raise ValueError(f"SamplingParams: top_p must be in (0, 1] (1 = off), got {p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"SamplingParams: seed must be None or an int, got {self.seed!r}")
+        if not (_is_int(self.max_new_tokens) and self.max_new_tokens >= 1):
+            raise ValueError(f"SamplingParams: max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        bad_stops = f"SamplingParams: stop_token_ids must be a sequence of ints >= 0, got {self.stop_token_ids!r}"
+        try:
+            stops = tuple(self.stop_token_ids)
+        except TypeError:
+            raise ValueError(bad_stops) from None
+        if not all(_is_int(s) and s >= 0 for s in stops):
+            raise ValueError(bad_stops)
+        # normalise so that equal params hash equally (a list of stop ids would not hash at all)
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_k", int(self.top_k))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "seed", None if self.seed is None else int(self.seed))
+        object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
+        object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in stops))
+
+
+def stop_reached(token: int, produced: int, params: SamplingParams) -> bool:
+    """Host-side stop test, after the token has been copied to the host.
+
+    token     the token just emitted (a Python int)
+    produced  tokens generated for this request so far, ``token`` included
+    Returns True when ``token`` is one of ``params.stop_token_ids`` or ``produced >= params.max_new_tokens``.
+    """
+    return token in params.stop_token_ids or produced >= params.max_new_tokens
+
+
+def _mix_seed(seed: int, step: int) -> int:
+    """Generator seed for token ``step`` of a request seeded with ``seed``: a 63-bit integer.
+
+    ``seed * golden + step`` (mod 2**64) then the splitmix64 finaliser (a bijection), so for one
+    seed every step gets a distinct, well-scrambled generator seed, and nearby seeds do not give
+    overlapping streams the way ``seed + step`` would.
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + step) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & _MASK63
+
+
+class _Plan(NamedTuple):
+    """What one batch of params asks for: host-side decisions plus per-row device tensors."""
+
+    all_greedy: bool
+    any_greedy: bool
+    any_unseeded: bool            # a sampled row without a seed (needs the shared generator)
+    seeded_rows: tuple[int, ...]  # sampled rows with a seed, in batch order
+    k_cand: int                   # candidate width for top-k/top-p (max k over filtered rows); 0: no row filters
+    any_top_p: bool
+    temperature: torch.Tensor | None  # [B] fp32; greedy rows hold 1.0 (their result is replaced)
+    top_k: torch.Tensor | None        # [B] int64; effective k in [1, V] (V = off)
+    top_p: torch.Tensor | None        # [B] fp32
+    greedy: torch.Tensor | None       # [B] bool
+    unfiltered: torch.Tensor | None   # [B] bool; rows that keep the whole vocabulary
+
+
+class Sampler:
+    """Draws one token per row of a logits batch; built once per engine.
+
+    vocab_size  tokens that may be sampled; logits may carry more columns (vocabulary padding),
+                which are never returned
+    device      where logits live; the returned tokens and the generators live there too
+    max_batch   largest B accepted by ``sample``
+    seed        seed of the shared generator used by rows without their own seed
+                (None: a non-deterministic seed)
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device | str, max_batch: int, *, seed: int | None = None):
+        if not (_is_int(vocab_size) and vocab_size >= 1):
+            raise ValueError(f"Sampler: vocab_size must be an int >= 1, got {vocab_size!r}")
+        if not (_is_int(max_batch) and max_batch >= 1):
+            raise ValueError(f"Sampler: max_batch must be an int >= 1, got {max_batch!r}")
+        if vocab_size >= 1 << 24:
+            # per-row k travels as fp32 in the packed parameter copy: exact below 2**24
+            raise ValueError(f"Sampler: vocab_size must be < 2**24, got {vocab_size}")
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.vocab_size = int(vocab_size)
+        self.device = dev
+        self.max_batch = int(max_batch)
+        self._gen = torch.Generator(device=dev)
+        if seed is None:
+            self._gen.seed()
+        else:
+            self._gen.manual_seed(int(seed) & _MASK63)
+        # re-seeded once per seeded row: on CUDA the seed and offset are read when the kernel is
+        # launched, so one generator object serves every seeded row of a call in turn
+        self._row_gen = torch.Generator(device=dev)
+        self._cache: tuple[tuple[SamplingParams, ...], _Plan] | None = None
+
+    # ------------------------------------------------------------------ public
+
+    def sample_greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """argmax over the first ``vocab_size`` columns.
+
+        logits  [B, V]  any float dtype, V >= vocab_size; read only
+        Returns tokens [B] int64 on logits.device.
+        """
+        self._check_logits(logits, "sample_greedy")
+        return logits[:, : self.vocab_size].argmax(dim=-1)
+
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]) -> torch.Tensor:
+        """Draw one token per row, each row with its own temperature / top-k / top-p / seed.
+
+        logits  [B, V]  fp32 (bf16/fp16 are upcast: one [B, vocab_size] fp32 copy), V >= vocab_size,
+                        on the sampler's device; read only (a static CUDA-graph buffer is fine);
+                        columns >= vocab_size are never sampled
+        params  B SamplingParams, one per row
+        steps   B ints: the token index of each row's request (0 for its first generated token);
+                only rows with a seed use it
+        Returns tokens [B] int64 on logits.device. Nothing waits for the device (the gpu-marked
+        test runs this under ``torch.cuda.set_sync_debug_mode("error")``); see the module
+        docstring for the definition of each mode.
+        """
+        B = self._check_logits(logits, "sample")
+        if len(params) != B or len(steps) != B:
+            raise ValueError(
+                f"Sampler.sample: logits has B={B} rows but got {len(params)} params and {len(steps)} steps"
+            )
+        if B > self.max_batch:
+            raise ValueError(f"Sampler.sample: B={B} rows exceed max_batch={self.max_batch}")
+        if B == 0:
+            return torch.empty(0, dtype=torch.int64, device=logits.device)
+        plan = self._plan(params)
+        if plan.all_greedy:
+            return self.sample_greedy(logits)
+
+        V = self.vocab_size
+        x = logits[:, :V].float()
+        scaled = x / plan.temperature[:, None]  # [B, V] fp32, a new tensor: logits stay untouched
+        if plan.k_cand:
+            # candidates in descending order: topk when every filtered row has k < V, else a full sort
+            if plan.k_cand < V:
+                vals, idx = scaled.topk(plan.k_cand, dim=-1, largest=True, sorted=True)
+            else:
+                vals, idx = scaled.sort(dim=-1, descending=True)
+            pos = torch.arange(vals.shape[1], device=x.device)
+            keep = pos[None, :] < plan.top_k[:, None]  # [B, k_cand] top-k by rank
+            if plan.any_top_p:
+                p = vals.masked_fill(~keep, -math.inf).softmax(dim=-1)
+                mass_before = p.cumsum(dim=-1) - p  # exclusive cumsum; exactly 0 at rank 0
+                keep &= mass_before < plan.top_p[:, None]
+            keep_v = torch.zeros(B, V, dtype=torch.bool, device=x.device).scatter_(-1, idx, keep)
+            keep_v |= plan.unfiltered[:, None]
+            scaled = scaled.masked_fill_(~keep_v, -math.inf)
+        probs = scaled.softmax(dim=-1)  # masked tokens: exactly 0
+        tokens = probs.div_(self._noise(B, params, steps, plan, x.device)).argmax(dim=-1)
+        if plan.any_greedy:
+            tokens = torch.where(plan.greedy, x.argmax(dim=-1), tokens)
+        return tokens
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_logits(self, logits: torch.Tensor, who: str) -> int:
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+            if isinstance(logits, torch.Tensor):
+                desc = f"{tuple(logits.shape)} {logits.dtype}"
+            else:
+                desc = type(logits).__name__
+            raise ValueError(f"Sampler.{who}: logits must be a float tensor [B, V], got {desc}")
+        B, V = logits.shape
+        if V < self.vocab_size:
+            raise ValueError(f"Sampler.{who}: logits has V={V} columns, fewer than vocab_size={self.vocab_size}")
+        if logits.device != self.device:
+            raise ValueError(f"Sampler.{who}: logits are on {logits.device}, the sampler on {self.device}")
+        return B
+
+    def _noise(self, B: int, params: Sequence[SamplingParams], steps: Sequence[int], plan: _Plan,
+               device: torch.device) -> torch.Tensor:
+        """E [B, vocab_size] fp32 ~ Exp(1): seeded rows from their own stream, the rest shared."""
+        noise = torch.empty(B, self.vocab_size, dtype=torch.float32, device=device)
+        if plan.any_unseeded:
+            noise.exponential_(generator=self._gen)
+        for b in plan.seeded_rows:
+            self._row_gen.manual_seed(_mix_seed(params[b].seed, int(steps[b])))
+            noise[b].exponential_(generator=self._row_gen)  # a contiguous [V] view: same draw as a lone row
+        # E == 0 would turn a masked token's 0/0 into NaN, which argmax prefers
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def _plan(self, params: Sequence[SamplingParams]) -> _Plan:
+        key = tuple(params)
+        if self._cache is not None and self._cache[0] == key:
+            return self._cache[1]
+        plan = self._build_plan(key)
+        self._cache = (key, plan)
+        return plan
+
+    def _build_plan(self, params: tuple[SamplingParams, ...]) -> _Plan:
+        V = self.vocab_size
+        cols: list[list[float]] = [[], [], [], [], []]  # temperature, k, top_p, greedy, unfiltered
+        seeded: list[int] = []
+        any_greedy = any_unseeded = any_top_p = False
+        k_cand = 0
+        for b, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"Sampler.sample: params[{b}] is a {type(p).__name__}, not SamplingParams")
+            if p.temperature == 0:
+                any_greedy = True
+                row = (1.0, V, 1.0, 1.0, 1.0)
+            else:
+                k = V if p.top_k == 0 else min(p.top_k, V)
+                filtered = k < V or p.top_p < 1.0
+                if filtered:
+                    k_cand = max(k_cand, k)
+                    any_top_p |= p.top_p < 1.0
+                if p.seed is None:
+                    any_unseeded = True
+                else:
+                    seeded.append(b)
+                row = (p.temperature, k, p.top_p, 0.0, 0.0 if filtered else 1.0)
+            for col, v in zip(cols, row):
+                col.append(v)
+        if all(g == 1.0 for g in cols[3]):
+            return _Plan(True, True, False, (), 0, False, None, None, None, None, None)
+        # one host-to-device copy; from pinned memory it is asynchronous (a pageable source
+        # would make the copy wait for the device)
+        pin = self.device.type == "cuda"
+        packed = torch.tensor(cols, dtype=torch.float32, pin_memory=pin).to(self.device, non_blocking=pin)
+        return _Plan(
+            all_greedy=False,
+            any_greedy=any_greedy,
+            any_unseeded=any_unseeded,
+            seeded_rows=tuple(seeded),
+            k_cand=k_cand,
+            any_top_p=any_top_p,
+            temperature=packed[0],
+            top_k=packed[1].long(),
+            top_p=packed[2],
+            greedy=packed[3] > 0,
+            unfiltered=packed[4] > 0,
+        )
