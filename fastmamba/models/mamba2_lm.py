@@ -11,36 +11,25 @@ from torch import nn
 from fastmamba.cache.state_cache import StateCache
 from fastmamba.layers.mamba2 import Mamba2Mixer
 from fastmamba.models.config import Mamba2Config
-from fastmamba.ops import rmsnorm_fn
+from fastmamba.ops import add_rmsnorm
 
 
 class RMSNorm(nn.Module):
-    """Plain RMSNorm (one group, no gate), through the gated-norm kernel's z=None path."""
+    """RMSNorm weights of a block boundary; the LM applies them with the fused ``add_rmsnorm``."""
 
     def __init__(self, d: int, eps: float, device=None, dtype=None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rmsnorm_fn(x.to(self.weight.dtype), self.weight, None, eps=self.eps)
-
 
 class Mamba2Block(nn.Module):
+    """norm + mixer; the residual add lives in the next boundary's fused add + RMSNorm."""
+
     def __init__(self, cfg: Mamba2Config, device=None, dtype=None):
         super().__init__()
-        self.residual_in_fp32 = cfg.residual_in_fp32
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device=device, dtype=dtype)
         self.mixer = Mamba2Mixer(cfg, device=device, dtype=dtype)
-
-    def _residual(self, h: torch.Tensor) -> torch.Tensor:
-        return h.float() if self.residual_in_fp32 else h
-
-    def forward(self, h, conv_state=None, ssm_state=None, slots=None):
-        return self._residual(h) + self.mixer(self.norm(h), conv_state, ssm_state, slots)
-
-    def step(self, h, conv_state, ssm_state, slots):
-        return self._residual(h) + self.mixer.step(self.norm(h), conv_state, ssm_state, slots)
 
 
 class Mamba2Backbone(nn.Module):
@@ -66,15 +55,26 @@ class Mamba2LM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.backbone.norm_f(h).to(self.dtype)).float()
+    def _run(self, input_ids: torch.Tensor, mix, *, last_only: bool = False) -> torch.Tensor:
+        """Embeddings -> blocks -> final norm -> fp32 logits (of the last position only, if asked);
+        ``mix(i, mixer, normed)`` runs layer i's mixer.
+
+        Each block boundary is one fused kernel: residual += previous output, then RMSNorm.
+        """
+        rdtype = torch.float32 if self.cfg.residual_in_fp32 else self.dtype
+        out, residual = self.backbone.embeddings(input_ids), None
+        for i, layer in enumerate(self.backbone.layers):
+            normed, residual = add_rmsnorm(out, residual, layer.norm.weight, layer.norm.eps, residual_dtype=rdtype)
+            out = mix(i, layer.mixer, normed)
+        if last_only:
+            out, residual = out[:, -1], residual[:, -1]
+        norm_f = self.backbone.norm_f
+        normed, _ = add_rmsnorm(out, residual, norm_f.weight, norm_f.eps, residual_dtype=rdtype)
+        return self.lm_head(normed).float()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.backbone.embeddings(input_ids)
-        for layer in self.backbone.layers:
-            h = layer(h)
-        return self._logits(h)
+        return self._run(input_ids, lambda i, mixer, h: mixer(h))
 
     def new_cache(self, num_slots: int, *, ssm_dtype: torch.dtype = torch.float32) -> StateCache:
         return StateCache(self.cfg, num_slots, device=self.lm_head.weight.device, conv_dtype=self.dtype,
@@ -83,15 +83,9 @@ class Mamba2LM(nn.Module):
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor) -> torch.Tensor:
         """Run prompts of equal length [B, L] from their slots' states; returns the last logits [B, V]."""
-        h = self.backbone.embeddings(input_ids)
-        for i, layer in enumerate(self.backbone.layers):
-            h = layer(h, cache.conv[i], cache.ssm[i], slots)
-        return self._logits(h[:, -1])
+        return self._run(input_ids, lambda i, mixer, h: mixer(h, cache.conv[i], cache.ssm[i], slots), last_only=True)
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor) -> torch.Tensor:
         """One token per request [B] -> next-token logits [B, V]; the slots' states advance in place."""
-        h = self.backbone.embeddings(token_ids)
-        for i, layer in enumerate(self.backbone.layers):
-            h = layer.step(h, cache.conv[i], cache.ssm[i], slots)
-        return self._logits(h)
+        return self._run(token_ids, lambda i, mixer, h: mixer.step(h, cache.conv[i], cache.ssm[i], slots))

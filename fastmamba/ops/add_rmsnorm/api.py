@@ -1,0 +1,56 @@
+"""Public entry of the fused residual add + RMSNorm (the boundary between two Mamba-2 blocks)."""
+from __future__ import annotations
+
+import torch
+
+from fastmamba.ops._common.checks import FLOAT_DTYPES, check_dtype, check_same_device, check_unit_stride
+from fastmamba.ops._common.dispatch import use_triton
+from fastmamba.ops._common.pdl import pdl_active
+from fastmamba.ops.add_rmsnorm.kernel import launch_add_rmsnorm, num_warps_for
+from fastmamba.ops.add_rmsnorm.ref import add_rmsnorm_ref
+
+_OP = "add_rmsnorm"
+
+
+def add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    *,
+    residual_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = residual + x``; returns ``(rmsnorm(s) * weight, s)`` in one kernel.
+
+    x          (..., D)  float, last-dim stride 1; read (a block's output, or the embeddings)
+    residual   (..., D)  float or None (then s = x); read
+    weight     (D,)      float; y takes its dtype
+    residual_dtype       dtype of the returned s (default: residual's, fp32 without one)
+    Returns y (..., D) in weight's dtype and the new residual s (..., D), both freshly allocated
+    and contiguous. Math in fp32. Reference: fastmamba.ops.add_rmsnorm.ref.add_rmsnorm_ref
+    """
+    D = x.shape[-1]
+    check_dtype(_OP, "x", x, FLOAT_DTYPES)
+    check_dtype(_OP, "weight", weight, FLOAT_DTYPES)
+    if weight.shape != (D,):
+        raise ValueError(f"{_OP}: `weight` expected shape ({D},) (x's last dim), got {tuple(weight.shape)}")
+    if residual is not None:
+        check_dtype(_OP, "residual", residual, FLOAT_DTYPES)
+        if residual.shape != x.shape:
+            raise ValueError(f"{_OP}: `residual` expected shape {tuple(x.shape)} (same as x), got {tuple(residual.shape)}")
+    check_same_device(_OP, [("x", x), ("residual", residual), ("weight", weight)])
+    for name, t in (("x", x), ("residual", residual)):
+        if t is not None:
+            check_unit_stride(_OP, name, t, -1)
+    rdtype = residual_dtype or (residual.dtype if residual is not None else torch.float32)
+    if not use_triton(x):
+        return add_rmsnorm_ref(x, residual, weight, eps, residual_dtype=rdtype)
+    x2 = x.reshape(-1, D)
+    r2 = residual.reshape(-1, D) if residual is not None else None
+    y = torch.empty(x.shape, dtype=weight.dtype, device=x.device)
+    s = torch.empty(x.shape, dtype=rdtype, device=x.device)
+    if x2.shape[0]:
+        warps = num_warps_for(D)
+        launch_add_rmsnorm(x2, r2, weight, y.view(-1, D), s.view(-1, D), eps, num_warps=warps,
+                           use_pdl=pdl_active(x, x2.shape[0], warps))
+    return y, s
