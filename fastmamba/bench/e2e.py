@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-len", type=int, default=256)
     parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch inside the decode graphs")
     parser.add_argument("--peer", action="store_true", help="also time transformers' Mamba2ForCausalLM at batch 1")
+    parser.add_argument("--ablate", action="store_true",
+                        help="also time batch 1 with each decode trick switched off, and with PDL on")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line per row")
     parser.add_argument("--plot", metavar="PATH", help="PNG of decode tok/s vs batch (needs matplotlib)")
 
@@ -159,6 +161,21 @@ def run(args: argparse.Namespace, command: str) -> int:
         r["pct_roofline"] = 100 * r["roofline_ms"] / r["ms_per_step"]
         rows.append(r)
         print(f"[e2e] batch {b}: {r['ms_per_step']:.3f} ms/step", file=sys.stderr, flush=True)
+    if args.ablate:
+        variants = [("all tricks on", {}, False), ("A recomputed every step", {"cache_A": False}, False),
+                    ("silu(z) gate in the norm", {"gate_in_scan": False}, False),
+                    ("conv update in PyTorch ops", {"fused_conv": False}, False), ("all on + PDL", {}, True)]
+        print(f"{'ablation (batch 1)':34} {'ms/step':>9} {'tok/s':>8} {'vs all on':>10}")
+        base = None
+        for label, switches, pdl in variants:
+            model.set_decode_tricks(**switches)
+            r = run_batch(model, 1, prompt_len, gen_len, pdl=pdl, device=device)
+            base = base or r["ms_per_step"]
+            print(f"{label:34} {r['ms_per_step']:9.3f} {r['decode_tok_s']:8.0f} "
+                  f"{100 * (r['ms_per_step'] / base - 1):+9.1f}%")
+            rows.append(dict(r, provider=f"fastmamba [{label}]", roofline_ms=1e3 * r["step_bytes"] / (copy_gbs * 1e9),
+                             pct_roofline=100 * r["step_bytes"] / (copy_gbs * 1e9) * 1e3 / r["ms_per_step"]))
+        model.set_decode_tricks()
     if args.peer and cuda:
         peer = run_peer(model, prompt_len, min(gen_len, 64), device)
         if peer:

@@ -18,6 +18,7 @@ when they land.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -29,9 +30,33 @@ from fastmamba.ops import RMSNormGated, causal_conv1d_update, selective_state_up
 from fastmamba.ops.decode_params import expanded_A
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeTricks:
+    """Switches for the decode step's optimisations, so a benchmark can show each one's effect.
+
+    cache_A        A = -exp(A_log) computed once per weight version (off: every layer, every step)
+    gate_in_scan   silu(z) applied inside the state update, norm without z (off: gate in the norm)
+    fused_conv     conv window kept in registers by causal_conv1d_update (off: PyTorch ops that
+                   shift the state in memory and re-read it, as a plain implementation does)
+    """
+
+    cache_A: bool = True
+    gate_in_scan: bool = True
+    fused_conv: bool = True
+
+
+def _conv_update_torch(x, conv_state, weight, bias, slots):
+    """The unfused decode conv: gather, shift in memory, write back, then a separate conv and silu."""
+    rows = slots.long()
+    window = torch.cat([conv_state[rows, :, 1:], x.unsqueeze(-1).to(conv_state.dtype)], dim=-1)
+    conv_state[rows] = window
+    return F.silu((window * weight).sum(-1) + (bias if bias is not None else 0)).to(x.dtype)
+
+
 class Mamba2Mixer(nn.Module):
     def __init__(self, cfg: Mamba2Config, device=None, dtype=None):
         super().__init__()
+        self.tricks = DecodeTricks()
         if tuple(cfg.dt_limit) != (0.0, math.inf):
             raise NotImplementedError(f"Mamba2Mixer: dt_limit={cfg.dt_limit} is not supported (only (0, inf))")
         self.cfg = cfg
@@ -67,7 +92,13 @@ class Mamba2Mixer(nn.Module):
 
     def _gate_in_scan(self) -> bool:
         # silu(z) can run inside the state update only when the norm gates before normalising
-        return not self.cfg.norm_before_gate
+        return self.tricks.gate_in_scan and not self.cfg.norm_before_gate
+
+    def _A(self) -> torch.Tensor:
+        c = self.cfg
+        if self.tricks.cache_A:
+            return expanded_A(self.A_log, c.headdim, c.d_state)
+        return (-torch.exp(self.A_log.float()))[:, None, None].expand(c.nheads, c.headdim, c.d_state)
 
     def forward(
         self,
@@ -105,7 +136,7 @@ class Mamba2Mixer(nn.Module):
             slots = None
         gate = z.reshape(nreq, L, H, P) if self._gate_in_scan() else None
         y = selective_state_update(
-            ssm_state, x.reshape(nreq, L, H, P), dt, expanded_A(self.A_log, P, N),
+            ssm_state, x.reshape(nreq, L, H, P), dt, self._A(),
             B.reshape(nreq, L, G, N), C.reshape(nreq, L, G, N), self.D, gate, self.dt_bias, True, slots,
         )
         y = self.norm(y.reshape(nreq, L, c.d_inner), None if self._gate_in_scan() else z)
@@ -117,12 +148,15 @@ class Mamba2Mixer(nn.Module):
         nreq = u.shape[0]
         H, P, N, G = c.nheads, c.headdim, c.d_state, c.ngroups
         z, xbc, dt = self._split(self.in_proj(u))
-        xbc = causal_conv1d_update(xbc, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, "silu",
-                                   conv_state_indices=slots)
+        if self.tricks.fused_conv:
+            xbc = causal_conv1d_update(xbc, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, "silu",
+                                       conv_state_indices=slots)
+        else:
+            xbc = _conv_update_torch(xbc, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, slots)
         x, B, C = self._split_xbc(xbc)
         gate = z.reshape(nreq, H, P) if self._gate_in_scan() else None
         y = selective_state_update(
-            ssm_state, x.reshape(nreq, H, P), dt, expanded_A(self.A_log, P, N),
+            ssm_state, x.reshape(nreq, H, P), dt, self._A(),
             B.reshape(nreq, G, N), C.reshape(nreq, G, N), self.D, gate, self.dt_bias, True, slots,
         )
         y = self.norm(y.reshape(nreq, c.d_inner), None if self._gate_in_scan() else z)

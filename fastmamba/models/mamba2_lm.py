@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fastmamba.cache.state_cache import StateCache
-from fastmamba.layers.mamba2 import Mamba2Mixer
+from fastmamba.layers.mamba2 import DecodeTricks, Mamba2Mixer
 from fastmamba.models.config import Mamba2Config
 from fastmamba.ops import add_rmsnorm
 
@@ -75,6 +75,11 @@ class Mamba2LM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self._run(input_ids, lambda i, mixer, h: mixer(h))
+
+    def set_decode_tricks(self, **switches: bool) -> None:
+        """Turn the mixers' decode optimisations on or off (see ``DecodeTricks``); for ablations."""
+        for layer in self.backbone.layers:
+            layer.mixer.tricks = DecodeTricks(**switches)
 
     def new_cache(self, num_slots: int, *, ssm_dtype: torch.dtype = torch.float32) -> StateCache:
         return StateCache(self.cfg, num_slots, device=self.lm_head.weight.device, conv_dtype=self.dtype,

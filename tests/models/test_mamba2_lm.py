@@ -150,3 +150,20 @@ def test_presets_are_deterministic_and_errors_are_clear(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         fastmamba.load_model(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("switch", ["cache_A", "gate_in_scan", "fused_conv"])
+def test_each_decode_trick_off_gives_the_same_logits(switch):
+    model = fastmamba.load_model("mamba2-tiny", device="cuda" if torch.cuda.is_available() else "cpu")
+    dev = model.lm_head.weight.device
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(6)).to(dev)
+    results = []
+    for tricks in ({}, {switch: False}):
+        model.set_decode_tricks(**tricks)
+        cache = model.new_cache(3)
+        slots = cache.alloc(2)
+        out = [model.prefill(ids, cache, slots)]
+        out += [model.decode(ids[:, t], cache, slots) for t in range(3)]
+        results.append(torch.stack(out))
+    model.set_decode_tricks()
+    torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)
