@@ -154,7 +154,10 @@ def test_presets_are_deterministic_and_errors_are_clear(tmp_path):
 
 @pytest.mark.parametrize("switch", ["cache_A", "gate_in_scan", "fused_conv"])
 def test_each_decode_trick_off_gives_the_same_logits(switch):
-    model = fastmamba.load_model("mamba2-tiny", device="cuda" if torch.cuda.is_available() else "cpu")
+    # fp32 weights: in bf16 the switched paths round in different places (the GPU run at commit
+    # 1f58add failed this test for fused_conv and one more switch with the bf16 default on CUDA)
+    model = fastmamba.load_model("mamba2-tiny", dtype=torch.float32,
+                                 device="cuda" if torch.cuda.is_available() else "cpu")
     dev = model.lm_head.weight.device
     ids = torch.randint(0, model.cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(6)).to(dev)
     results = []
