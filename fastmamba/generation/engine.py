@@ -93,11 +93,10 @@ class Engine:
         return out
 
     def _prefill(self) -> list[StepOutput]:
-        admitted = []
-        while self.waiting and len(self.running) + len(admitted) < self.max_batch and self.cache.free_slots:
-            req = self.waiting.popleft()
-            req.slot = int(self.cache.alloc(1)[0])
-            admitted.append(req)
+        n = min(len(self.waiting), self.max_batch - len(self.running), self.cache.free_slots)
+        admitted = [self.waiting.popleft() for _ in range(n)]
+        for req, slot in zip(admitted, self.cache.alloc(n).tolist()):  # one alloc: one zeroing pass
+            req.slot = slot
         outputs = []
         # equal prompt lengths share one prefill call
         by_len: dict[int, list[Request]] = {}

@@ -75,11 +75,11 @@ def _fastmamba_version() -> str:
     return getattr(fastmamba, "__version__", "?")
 
 
-def load_fastmamba(subpackage: str, attr: str, module: str | None = None) -> tuple[Callable, str]:
+def load_fastmamba(subpackage: str, attr: str, module: str | None = None) -> Callable:
     """``fastmamba.ops.<attr>``, or ``fastmamba.ops.<subpackage>.<module>.<attr>`` when ``module``
-    is given (the reference). Returns (function, note); the note is empty."""
+    is given (the reference)."""
     name = "fastmamba.ops" if module is None else f"fastmamba.ops.{subpackage}.{module}"
-    return getattr(importlib.import_module(name), attr), ""
+    return getattr(importlib.import_module(name), attr)
 
 
 class OpBench:
@@ -138,10 +138,10 @@ class OpBench:
 
 def fastmamba_provider(subpackage: str, attr: str) -> Provider:
     try:
-        fn, note = load_fastmamba(subpackage, attr)
+        fn = load_fastmamba(subpackage, attr)
     except Exception as exc:  # noqa: BLE001
         return Provider("fastmamba", "ours", _fastmamba_version(), None, reason=describe(exc))
-    return Provider("fastmamba", "ours", _fastmamba_version(), fn, note=note)
+    return Provider("fastmamba", "ours", _fastmamba_version(), fn)
 
 
 def fastmamba_pdl_provider(subpackage: str, attr: str, device: torch.device) -> Provider:
@@ -159,16 +159,16 @@ def fastmamba_pdl_provider(subpackage: str, attr: str, device: torch.device) -> 
         with programmatic_dependent_launch():
             return base.fn(*args)
 
-    return Provider(name, "ours", base.version, call, note=base.note)
+    return Provider(name, "ours", base.version, call)
 
 
 def reference_provider(subpackage: str, attr: str) -> Provider:
     version = f"torch {torch.__version__}"
     try:
-        fn, note = load_fastmamba(subpackage, attr, module="ref")
+        fn = load_fastmamba(subpackage, attr, module="ref")
     except Exception as exc:  # noqa: BLE001
         return Provider("torch-ref", "ref", version, None, reason=describe(exc))
-    return Provider("torch-ref", "ref", version, fn, note=note, preflight_sync=True)
+    return Provider("torch-ref", "ref", version, fn, preflight_sync=True)
 
 
 def peer_provider(peer: peers.Peer, device: torch.device, cpu_reason: str) -> Provider:
