@@ -184,6 +184,16 @@ def _causal_conv1d_update_kernel(
             tl.store(state_row + dst * stride_state_l, new, mask=d_mask)
 
 
+@triton.jit
+def _columns4(flat, BLOCK_D: tl.constexpr):
+    """[BLOCK_D * 4] row-major (channel, column) values -> the four [BLOCK_D] columns, split
+    inside each thread's registers (reshape + two splits move no data)."""
+    even, odd = tl.split(tl.reshape(flat, [BLOCK_D, 2, 2]))
+    c0, c2 = tl.split(even)
+    c1, c3 = tl.split(odd)
+    return c0, c1, c2, c3
+
+
 @triton.jit(do_not_specialize=["stride_x_d"])
 def _conv1d_update_vec4_kernel(
     x_ptr,  # [B, D] (token axis dropped)
@@ -218,15 +228,11 @@ def _conv1d_update_vec4_kernel(
     else:
         e_mask = e < (D - d0) * 4
     # the block's channel index with the columns' register layout: split the flat index like the state
-    ch_even, ch_odd = tl.split(tl.reshape(e // 4, [BLOCK_D, 2, 2]))
-    ch, _ = tl.split(ch_even)
+    ch = _columns4(e // 4, BLOCK_D)[0]
     c_mask = d0 + ch < D
 
     if WEIGHT_FLAT:  # [D, 4] contiguous weights: the same 16-byte loads and register split
-        w_even, w_odd = tl.split(tl.reshape(tl.load(weight_ptr + d0 * 4 + e, mask=e_mask, other=0.0),
-                                            [BLOCK_D, 2, 2]))
-        w0, w2 = tl.split(w_even)
-        w1, w3 = tl.split(w_odd)
+        w0, w1, w2, w3 = _columns4(tl.load(weight_ptr + d0 * 4 + e, mask=e_mask, other=0.0), BLOCK_D)
         taps = (w0.to(tl.float32), w1.to(tl.float32), w2.to(tl.float32), w3.to(tl.float32))
     else:
         taps = ()
@@ -258,9 +264,7 @@ def _conv1d_update_vec4_kernel(
     x = tl.load(x_ptr + b * stride_x_b + (d0 + ch) * stride_x_d, mask=c_mask, other=0.0)
 
     # columns out of registers: [BLOCK_D * 4] -> [BLOCK_D, 2, 2] -> two splits
-    even, odd = tl.split(tl.reshape(old, [BLOCK_D, 2, 2]))
-    c0, c2 = tl.split(even)
-    c1, c3 = tl.split(odd)
+    c0, c1, c2, c3 = _columns4(old, BLOCK_D)
     cols = (c0, c1, c2, c3)
     # y = bias + sum_k w_k * window_k, window = state columns 5-W .. 3, then x
     for k in tl.static_range(W - 1):
