@@ -5,7 +5,11 @@ Swap ``from mamba_ssm.ops.triton.selective_state_update import selective_state_u
 """
 from fastmamba.ops.add_rmsnorm import add_rmsnorm
 from fastmamba.ops.conv1d import causal_conv1d_update
+from fastmamba.ops.conv1d_fn import causal_conv1d_fn, causal_conv1d_varlen
 from fastmamba.ops.gated_rmsnorm import RMSNormGated, rmsnorm_fn
 from fastmamba.ops.state_update import selective_state_update
 
-__all__ = ["RMSNormGated", "add_rmsnorm", "causal_conv1d_update", "rmsnorm_fn", "selective_state_update"]
+__all__ = [
+    "RMSNormGated", "add_rmsnorm", "causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_varlen",
+    "rmsnorm_fn", "selective_state_update",
+]

@@ -1,0 +1,124 @@
+"""Launch configs for the prefill conv kernels: (BLOCK_L, BLOCK_D, num_warps).
+
+Not measured yet: the defaults below are first guesses from the design (one 16-byte vector per
+thread and row, enough programs to fill 132 SMs at 1 x 2048 tokens). The table is to be filled from
+`python -m fastmamba.bench tune` on an H200 (shapes B x L = 8 x 8192 and 1 x 2048, D 5376 and
+10240, bf16, both layouts), with the GPU, Triton version, date and command recorded here.
+
+Two tile shapes, one per kernel (see kernel.py):
+
+* rows (channel-last x, packed varlen x): a program owns BLOCK_L tokens x BLOCK_D channels and
+  walks the tokens; each thread holds BLOCK_D / (32 * num_warps) channels of every row, loaded
+  as 16-byte vectors when that count is a multiple of V = 16 / sizeof(x).
+* columns (channel-first x, and any other strides): a program owns BLOCK_D channels x BLOCK_L
+  tokens, cut into V-token chunks (one 16-byte vector each); BLOCK_L must be a multiple of V.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import triton
+
+_SMS = 132  # H100 / H200 SXM; only used to size grids, a wrong count costs a little speed
+
+
+class ConvFnConfig(NamedTuple):
+    block_l: int
+    block_d: int
+    num_warps: int
+
+
+# what the tuning sweep tries for the rows kernel (channel-last causal_conv1d_fn and
+# causal_conv1d_varlen, the Mamba-2 layouts): 4-16 channels per thread and row, i.e. one or two
+# 16-byte bf16 vectors (or 8-byte ones at 4), and 8-64 rows per program. A thread holds its whole
+# window in registers: channels per thread x (BLOCK_L + 3) window rows is capped at 280, as the
+# sm_90 compile (Triton 3.6, bf16, W=4) spills above it (8 x 35 values: 247 registers, 16 x 19:
+# 255 + spills; 8 x 19: 166).
+CANDIDATES = [
+    dict(block_l=bl, block_d=bd, num_warps=w)
+    for bl in (8, 16, 32, 64)
+    for bd in (128, 256, 512, 1024, 2048)
+    for w in (1, 2, 4, 8)
+    if bd // (32 * w) in (4, 8, 16) and bd // (32 * w) * (bl + 3) <= 280
+]
+
+# what the sweep tries for the column kernel (channel-first x): BLOCK_L covers 128-512 tokens
+# (a warp's 32 chunks of 8 bf16 tokens span 256), 8-64 tokens per thread (29-80 registers, no
+# spills, no shared memory in the sm_90 compile)
+CANDIDATES_CHANNEL_FIRST = [
+    dict(block_l=bl, block_d=bd, num_warps=w)
+    for bl in (128, 256, 512)
+    for bd in (2, 4, 8, 16, 32)
+    for w in (1, 2, 4, 8)
+    if 8 <= bl * bd // (32 * w) <= 64
+]
+
+_forced: ConvFnConfig | None = None
+
+
+@contextlib.contextmanager
+def forced_config(block_l: int, block_d: int, num_warps: int) -> Iterator[None]:
+    """Use this config for every launch inside the block (the tuning sweep's hook); it applies to
+    whichever kernel the layout picks, so sweep CANDIDATES on channel-last cases and
+    CANDIDATES_CHANNEL_FIRST on channel-first ones."""
+    global _forced
+    previous, _forced = _forced, ConvFnConfig(block_l, block_d, num_warps)
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def vector_width(element_size: int, W: int) -> int:
+    """V: tokens per chunk in the column kernel, and channels per 16-byte vector in the rows
+    kernel. At least W-1 (a chunk's halo comes from the one chunk before it), so fp32 with W=6
+    uses 8-element (two-vector) chunks."""
+    return max(16 // element_size, triton.next_power_of_2(W - 1))
+
+
+def pick_rows_config(D: int, rows: int, element_size: int, *, interpreter: bool) -> ConvFnConfig:
+    """(BLOCK_L, BLOCK_D, num_warps) for the rows kernel: D channels, ``rows`` tokens in all
+    (B * L, or T for varlen).
+
+    First guess, untuned: one 16-byte vector per thread and row (BLOCK_D = 32 * num_warps * 16 /
+    sizeof(x)), the widest of 4, 2, 1 warps whose block divides D (no idle lanes: D=5376 gets
+    256 bf16 channels on one warp, D=10240 1024 on four), 16 rows per program, 8 when that leaves
+    fewer than 16 programs per SM. Under the interpreter: 8 rows by 64 channels (its cost grows
+    with programs x unrolled rows, not with the block's width; D=72 still gets a partial block).
+    """
+    if _forced is not None:
+        return _forced
+    if interpreter:
+        return ConvFnConfig(block_l=8, block_d=64, num_warps=1)
+    per_thread = 16 // element_size
+    for warps in (4, 2, 1):
+        block_d = 32 * warps * per_thread
+        if D % block_d == 0:
+            break
+    else:
+        warps = 4 if D > 64 * per_thread else 1
+        block_d = 32 * warps * per_thread
+    block_l = 16
+    if triton.cdiv(D, block_d) * triton.cdiv(rows, block_l) * warps < 16 * _SMS:
+        block_l = 8
+    return ConvFnConfig(block_l, block_d, warps)
+
+
+def pick_cols_config(D: int, L: int, B: int, V: int, *, interpreter: bool) -> ConvFnConfig:
+    """(BLOCK_L, BLOCK_D, num_warps) for the column kernel (channel-first x), V tokens per chunk.
+
+    First guess, untuned: a warp spans 32 chunks (256 bf16 tokens, 512 contiguous bytes per
+    channel), 4 warps over 16 channels (4 chunks per thread); 8 channels when that leaves fewer
+    than 4 programs per SM. Under the interpreter: two chunks by 64 channels.
+    """
+    if _forced is not None:
+        return _forced
+    if interpreter:
+        return ConvFnConfig(block_l=2 * V, block_d=64, num_warps=1)
+    block_l = 32 * V
+    block_d = 16
+    if triton.cdiv(D, block_d) * triton.cdiv(L, block_l) * B < 4 * _SMS:
+        block_d = 8
+    return ConvFnConfig(block_l, block_d, 4)
