@@ -1,0 +1,374 @@
+"""Public entries of the chunked SSD scan: mamba_ssm's dense call and the packed varlen serving call."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fastmamba.ops._common.checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_dtype,
+    check_indices,
+    check_same_device,
+    check_shape,
+)
+from fastmamba.ops._common.dispatch import use_triton
+from fastmamba.ops.ssd_scan.launch import ScanSegments, ssd_scan_launch
+from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
+
+_DENSE = "mamba_chunk_scan_combined"
+_VARLEN = "ssd_scan_varlen"
+_INF = float("inf")
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_chunks(cu_seqlens: torch.Tensor, chunk_size: int) -> int:
+    """How many chunks the scan cuts the packed sequences into (chunks never cross a boundary).
+
+    Reads cu_seqlens on the host. Chunk k of sequence b has index
+    ``chunk_offsets(cu_seqlens, chunk_size)[b] + k`` in ``chunk_states_out``.
+    """
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    return sum(_cdiv(int(n), chunk_size) for n in lens)
+
+
+def chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """[B] index of each sequence's first chunk in ``chunk_states_out`` (computed on the device)."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    n = torch.div(lens + chunk_size - 1, chunk_size, rounding_mode="floor")
+    return torch.cumsum(n, 0) - n
+
+
+def _check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, total: int) -> None:
+    check_dtype(op, "cu_seqlens", cu_seqlens, INDEX_DTYPES)
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"{op}: `cu_seqlens` expected shape (B+1,) with B >= 1, got {tuple(cu_seqlens.shape)}")
+    if _capturing(cu_seqlens):
+        return
+    values = cu_seqlens.tolist()
+    if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values[:-1], values[1:])):
+        shown = values if len(values) <= 10 else values[:5] + ["..."] + values[-3:]
+        raise ValueError(
+            f"{op}: `cu_seqlens` must start at 0, never decrease and end at the token count {total}; got {shown}"
+        )
+
+
+def _check_common(op, x, dt, A, B, C, D, z, dt_bias, lead):
+    """Shapes shared by both entries; ``lead`` are the leading (letter, size) pairs of x."""
+    check_same_device(op, [("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("dt_bias", dt_bias)])
+    check_dtype(op, "x", x, FLOAT_DTYPES)
+    H, P = x.shape[-2:]
+    check_shape(op, "dt", dt, [*lead, ("H", H)])
+    check_dtype(op, "dt", dt, FLOAT_DTYPES)
+    check_shape(op, "A", A, [("H", H)])
+    check_dtype(op, "A", A, FLOAT_DTYPES)
+    check_shape(op, "B", B, [*lead, ("G", None), ("N", None)])
+    G, N = B.shape[-2:]
+    if G < 1 or H % G != 0:
+        raise ValueError(f"{op}: heads H={H} must be a multiple of the groups G={G} of `B` (shape {tuple(B.shape)})")
+    check_shape(op, "C", C, [*lead, ("G", G), ("N", N)])
+    for name, t in (("B", B), ("C", C)):
+        if t.dtype != x.dtype:
+            raise TypeError(f"{op}: `{name}` has dtype {t.dtype} but `x` has {x.dtype}; they must match")
+    if D is not None:
+        if tuple(D.shape) not in ((H,), (H, P)):
+            raise ValueError(f"{op}: `D` expected shape (H,)=({H},) or (H, P)=({H}, {P}), got {tuple(D.shape)}")
+    if z is not None:
+        check_shape(op, "z", z, [*lead, ("H", H), ("P", P)])
+        if z.dtype != x.dtype:
+            raise TypeError(f"{op}: `z` has dtype {z.dtype} but `x` has {x.dtype}; they must match")
+    if dt_bias is not None:
+        check_shape(op, "dt_bias", dt_bias, [("H", H)])
+    return H, P, G, N
+
+
+def mamba_chunk_scan_combined(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, _INF),
+    return_final_states: bool = False,
+    return_varlen_states: bool = False,
+    state_dtype: torch.dtype | None = None,
+):
+    """The Mamba-2 SSD scan over whole prompts (drop-in for mamba_ssm's function).
+
+    x        [B, L, H, P]   fp32, bf16 or fp16, any strides; read
+    dt       [B, L, H]      any float dtype; dt' = clamp(softplus(dt + dt_bias), *dt_limit)
+    A        [H]            fp32 (= -exp(A_log))
+    B, C     [B, L, G, N]   x's dtype; head h reads group h // (H // G)
+    D        [H] or [H, P]  or None: y += D * x
+    z        [B, L, H, P]   or None: y *= silu(z)
+    dt_bias  [H]            or None
+    initial_states [B, H, P, N] or None (zeros): the state before each row's first segment
+    seq_idx  [B, L] int32   or None: a new sequence (state from zeros) starts wherever it changes.
+                            Read on the host (one sync) to find the boundaries.
+    cu_seqlens [S+1]        or None: with B = 1, the row packs S sequences at these offsets
+                            (takes precedence over seq_idx for the boundaries)
+    state_dtype             dtype of the per-chunk states between the kernels (default fp32;
+                            bf16 halves their traffic at some precision)
+    Returns out [B, L, H, P] (x's dtype); with return_final_states also the state after each row
+    [B, H, P, N] fp32; with return_varlen_states also each sequence's final state [S, H, P, N] fp32
+    (sequences in order: cu_seqlens, else seq_idx runs of every row): out, (out, final), (out,
+    varlen) or (out, final, varlen) as mamba_ssm returns them.
+    Chunks never cross a sequence boundary, so ``chunk_size`` is a tiling choice only.
+    Reference: fastmamba.ops.ssd_scan.ref.mamba_chunk_scan_combined_ref
+    """
+    if x.dim() != 4:
+        raise ValueError(f"{_DENSE}: `x` expected shape (B, L, H, P), got {tuple(x.shape)}")
+    nb, L, H, P = x.shape
+    _, _, G, N = _check_common(_DENSE, x, dt, A, B, C, D, z, dt_bias, [("B", nb), ("L", L)])
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{_DENSE}: `chunk_size` expected a positive int, got {chunk_size!r}")
+    if initial_states is not None:
+        check_shape(_DENSE, "initial_states", initial_states, [("B", nb), ("H", H), ("P", P), ("N", N)])
+    if cu_seqlens is not None:
+        if nb != 1:
+            raise ValueError(f"{_DENSE}: `cu_seqlens` needs batch 1 (packed sequences in one row), got B={nb}")
+        _check_cu_seqlens(_DENSE, cu_seqlens, L)
+    elif seq_idx is not None:
+        check_shape(_DENSE, "seq_idx", seq_idx, [("B", nb), ("L", L)])
+        check_dtype(_DENSE, "seq_idx", seq_idx, INDEX_DTYPES)
+    if return_varlen_states and cu_seqlens is None and seq_idx is None:
+        raise ValueError(f"{_DENSE}: `return_varlen_states` needs `cu_seqlens` or `seq_idx` to know the sequences")
+
+    if not use_triton(x):
+        return mamba_chunk_scan_combined_ref(
+            x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
+            return_final_states, return_varlen_states, state_dtype,
+        )
+    dev = x.device
+    # segments in the flat token space f = row * L + position
+    if cu_seqlens is not None:
+        cu = cu_seqlens
+        n_seg = cu.shape[0] - 1
+        first_of_row = torch.zeros(n_seg, dtype=torch.bool, device=dev)
+        first_of_row[0] = True
+        last_of_row = torch.zeros(n_seg, dtype=torch.bool, device=dev)
+        last_of_row[-1] = True
+        row_of_seg = torch.zeros(n_seg, dtype=torch.int32, device=dev)
+        n_chunks = (_cdiv(L, chunk_size) + n_seg) if _capturing(cu) else num_chunks(cu, chunk_size)
+    elif seq_idx is not None:
+        bounds, rows, firsts, lasts = [], [], [], []
+        ids = seq_idx.tolist()
+        for b in range(nb):
+            cuts = [0] + [t for t in range(1, L) if ids[b][t] != ids[b][t - 1]] + [L]
+            for k, (s, e) in enumerate(zip(cuts[:-1], cuts[1:])):
+                bounds.append(b * L + s)
+                rows.append(b)
+                firsts.append(k == 0)
+                lasts.append(e == L)
+        bounds.append(nb * L)
+        cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
+        row_of_seg = torch.tensor(rows, dtype=torch.int32, device=dev)
+        first_of_row = torch.tensor(firsts, dtype=torch.bool, device=dev)
+        last_of_row = torch.tensor(lasts, dtype=torch.bool, device=dev)
+        n_chunks = sum(_cdiv(e - s, chunk_size) for s, e in zip(bounds[:-1], bounds[1:]))
+    else:
+        cu = torch.arange(0, nb * L + 1, L, dtype=torch.int32, device=dev)
+        row_of_seg = torch.arange(nb, dtype=torch.int32, device=dev)
+        first_of_row = last_of_row = None
+        n_chunks = nb * _cdiv(L, chunk_size)
+    n_seg = cu.shape[0] - 1
+    none = torch.full((n_seg,), -1, dtype=torch.int32, device=dev)
+
+    def where_row(flags):
+        return row_of_seg if flags is None else torch.where(flags, row_of_seg, none)
+
+    final_states = torch.empty(nb, H, P, N, dtype=torch.float32, device=dev) if return_final_states else None
+    varlen_states = torch.empty(n_seg, H, P, N, dtype=torch.float32, device=dev) if return_varlen_states else None
+    segments = ScanSegments(
+        cu=cu,
+        n_chunks=n_chunks,
+        init=initial_states,
+        init_idx=where_row(first_of_row) if initial_states is not None else None,
+        final=final_states,
+        final_idx=where_row(last_of_row) if final_states is not None else None,
+        seg_final=varlen_states,
+    )
+    out = torch.empty(x.shape, dtype=x.dtype, device=dev)
+    ssd_scan_launch(
+        x, dt, A, B, C, D, z, dt_bias, out, segments,
+        chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=tuple(dt_limit),
+        state_dtype=state_dtype or torch.float32,
+    )
+    result = [out]
+    if return_final_states:
+        result.append(final_states)
+    if return_varlen_states:
+        result.append(varlen_states)
+    return result[0] if len(result) == 1 else tuple(result)
+
+
+def ssd_scan_varlen(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    ssm_states: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    chunk_size: int = 256,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, _INF),
+    cache_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    pad_slot_id: int = -1,
+    out: torch.Tensor | None = None,
+    chunk_states_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Packed variable-length prefill of the SSM, reading and writing each sequence's cache slot.
+
+    x          [T, H, P]     fp32, bf16 or fp16, any strides; T tokens of B sequences; read
+    dt         [T, H]        any float dtype (raw: dt_bias and softplus are applied inside)
+    A          [H] fp32;  B, C [T, G, N] x's dtype;  D [H] or [H, P];  dt_bias [H]
+    z          [T, H, P]     or None: y *= silu(z) inside (the norm afterwards runs without z)
+    ssm_states [S, H, P, N]  fp32, bf16 or fp16, any strides; slot cache_indices[b] is read as
+                             sequence b's initial state when has_initial_state[b], and receives
+                             its final state (round to nearest) unless the sequence is empty
+    cu_seqlens [B+1] int32/int64: 0 = cu[0] <= cu[1] <= ... <= cu[B] = T (empty sequences allowed)
+    cache_indices [B] int32/int64 or None (slot b): pad_slot_id marks a padding sequence, whose
+                             output rows are zeroed and whose slot is not touched
+    has_initial_state [B] bool/int or None (all False: start from zeros)
+    out        [T, H, P]     or None; written (must not overlap x)
+    chunk_states_out [n_chunks, H, P, N] or None: the state after every chunk (prefix caching);
+                             chunk k of sequence b goes to row chunk_offsets(cu_seqlens)[b] + k,
+                             and it needs at least num_chunks(cu_seqlens, chunk_size) rows
+    Returns out [T, H, P] (x's dtype). Chunks of ``chunk_size`` tokens never cross a sequence.
+    Checks read cu_seqlens and cache_indices on the host (skipped while a CUDA graph is captured).
+    Reference: fastmamba.ops.ssd_scan.ref.ssd_scan_varlen_ref
+    """
+    if x.dim() != 3:
+        raise ValueError(f"{_VARLEN}: `x` expected shape (T, H, P), got {tuple(x.shape)}")
+    T, H, P = x.shape
+    _, _, G, N = _check_common(_VARLEN, x, dt, A, B, C, D, z, dt_bias, [("T", T)])
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{_VARLEN}: `chunk_size` expected a positive int, got {chunk_size!r}")
+    check_shape(_VARLEN, "ssm_states", ssm_states, [("S", None), ("H", H), ("P", P), ("N", N)])
+    check_dtype(_VARLEN, "ssm_states", ssm_states, FLOAT_DTYPES)
+    check_same_device(_VARLEN, [("x", x), ("ssm_states", ssm_states), ("cu_seqlens", cu_seqlens),
+                                ("cache_indices", cache_indices), ("has_initial_state", has_initial_state),
+                                ("out", out), ("chunk_states_out", chunk_states_out)])
+    _check_cu_seqlens(_VARLEN, cu_seqlens, T)
+    nseq = cu_seqlens.shape[0] - 1
+    S = ssm_states.shape[0]
+    if cache_indices is not None:
+        check_indices(_VARLEN, "cache_indices", cache_indices, nseq, S, pad_slot_id)
+    elif S < nseq:
+        raise ValueError(f"{_VARLEN}: without `cache_indices` sequence b uses slot b, so `ssm_states` needs "
+                         f"S >= B = {nseq} slots, got S = {S}")
+    if has_initial_state is not None:
+        check_shape(_VARLEN, "has_initial_state", has_initial_state, [("B", nseq)])
+    if out is not None:
+        check_shape(_VARLEN, "out", out, [("T", T), ("H", H), ("P", P)])
+        if out.dtype != x.dtype:
+            raise TypeError(f"{_VARLEN}: `out` has dtype {out.dtype} but `x` has {x.dtype}; they must match")
+        if T > 0 and out.data_ptr() == x.data_ptr():
+            raise ValueError(f"{_VARLEN}: `out` must not alias `x` (the scan reads x after writing out)")
+    capturing = _capturing(cu_seqlens)
+    total_chunks = None if capturing else num_chunks(cu_seqlens, chunk_size)
+    if chunk_states_out is not None:
+        check_shape(_VARLEN, "chunk_states_out", chunk_states_out, [("n_chunks", None), ("H", H), ("P", P), ("N", N)])
+        if total_chunks is not None and chunk_states_out.shape[0] < total_chunks:
+            raise ValueError(f"{_VARLEN}: `chunk_states_out` needs at least {total_chunks} rows (one per chunk), "
+                             f"got {chunk_states_out.shape[0]}")
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    n_chunks = total_chunks if total_chunks is not None else _cdiv(T, chunk_size) + nseq
+    torch.ops.fastmamba.ssd_scan_varlen_(
+        x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
+        chunk_states_out, chunk_size, dt_softplus, float(dt_limit[0]), float(dt_limit[1]), pad_slot_id, n_chunks,
+    )
+    return out
+
+
+# Registered so torch.compile and CUDA-graph capture see the in-place writes.
+@torch.library.custom_op(
+    "fastmamba::ssd_scan_varlen_", mutates_args=("ssm_states", "out", "chunk_states_out")
+)
+def _ssd_scan_varlen_(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    ssm_states: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    D: Optional[torch.Tensor],
+    z: Optional[torch.Tensor],
+    dt_bias: Optional[torch.Tensor],
+    cache_indices: Optional[torch.Tensor],
+    has_initial_state: Optional[torch.Tensor],
+    out: torch.Tensor,
+    chunk_states_out: Optional[torch.Tensor],
+    chunk_size: int,
+    dt_softplus: bool,
+    dt_min: float,
+    dt_max: float,
+    pad_slot_id: int,
+    n_chunks: int,
+) -> None:
+    """In-place op on checked inputs: writes ``out``, the sequences' slots and ``chunk_states_out``."""
+    if not use_triton(x):
+        ssd_scan_varlen_ref(
+            x, dt, A, B, C, ssm_states, cu_seqlens, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
+            dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max), cache_indices=cache_indices,
+            has_initial_state=has_initial_state, pad_slot_id=pad_slot_id, out=out, chunk_states_out=chunk_states_out,
+        )
+        return
+    nseq = cu_seqlens.shape[0] - 1
+    dev = x.device
+    slots = (torch.arange(nseq, dtype=torch.int32, device=dev) if cache_indices is None
+             else cache_indices.to(torch.int32))
+    pad = slots == pad_slot_id
+    none = torch.full_like(slots, -1)
+    final_idx = torch.where(pad, none, slots)
+    if has_initial_state is not None:
+        init_idx = torch.where(has_initial_state.to(torch.bool) & ~pad, slots, none)
+    else:
+        init_idx = None
+    segments = ScanSegments(
+        cu=cu_seqlens,
+        n_chunks=n_chunks,
+        skip=pad.to(torch.int8) if cache_indices is not None else None,
+        init=ssm_states if init_idx is not None else None,
+        init_idx=init_idx,
+        final=ssm_states,
+        final_idx=final_idx,
+        chunk_out=chunk_states_out,
+    )
+    ssd_scan_launch(
+        x.unsqueeze(0), dt.unsqueeze(0), A, B.unsqueeze(0), C.unsqueeze(0), D,
+        z.unsqueeze(0) if z is not None else None, dt_bias, out.unsqueeze(0), segments,
+        chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max), state_dtype=ssm_states.dtype,
+    )
+
+
+@_ssd_scan_varlen_.register_fake
+def _(x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
+      chunk_states_out, chunk_size, dt_softplus, dt_min, dt_max, pad_slot_id, n_chunks):
+    return None

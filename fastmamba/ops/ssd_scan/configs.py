@@ -1,0 +1,73 @@
+"""Launch configs for the chunked SSD scan's three kernels.
+
+Defaults until a sweep on the GPU replaces them (`python -m fastmamba.bench tune --ops ssd`):
+tiles of 64 rows and the full head dim (P=64) and state (N=128). Under the interpreter the
+smallest tiles that tl.dot accepts (16) are used, since its cost grows with the tile area.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import triton
+
+
+class SsdScanConfig(NamedTuple):
+    block_k_state: int  # tokens per step of the chunk-state matmul
+    block_n_state: int  # state columns per chunk-state program
+    warps_state: int
+    block_m: int  # output rows per chunk-scan program
+    block_k: int  # tokens per step of the chunk-scan inner loop
+    block_p: int  # head-dim columns per chunk-scan program (0: all of P)
+    warps_scan: int
+    stages_scan: int
+    block_pass: int  # flattened P*N elements per state-passing program
+    head_major: int = 0  # chunk-scan grid (tiles, chunks, heads) instead of (chunks, heads, tiles)
+    heads: int = 1  # heads per chunk-scan program (one after the other; 1 if it does not divide H)
+
+
+# what `python -m fastmamba.bench tune --ops ssd` tries
+CANDIDATES = [
+    dict(block_k_state=ks, block_n_state=128, warps_state=4, block_m=bm, block_k=bk, block_p=0, warps_scan=w,
+         stages_scan=st, block_pass=256, head_major=hm)
+    for ks in (32, 64)
+    for bm, w in ((64, 4), (128, 8))
+    for bk in (32, 64)
+    for st in (2, 3)
+    for hm in (0, 1)
+]
+
+_forced: SsdScanConfig | None = None
+
+
+@contextlib.contextmanager
+def forced_config(**fields: int) -> Iterator[None]:
+    """Use this config for every launch inside the block (the tuning sweep's hook)."""
+    global _forced
+    previous = _forced
+    _forced = SsdScanConfig(**fields)
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def pick_config(H: int, P: int, N: int, dtype_bytes: int, *, interpreter: bool) -> SsdScanConfig:
+    """Choose the tiles for head dim P, state size N and activation width ``dtype_bytes``."""
+    if _forced is not None:
+        return _forced
+    if interpreter:
+        return SsdScanConfig(16, 16, 1, 16, 16, 16, 1, 1, 64, 0)
+    # H100, mamba2-2.7b shape, bf16, L=2048 and 8192 (scripts/dev_ssd_sweep.py, 2026-11-22): best of 48
+    # chunk-scan tiles at both lengths; 8 warps, 128-row tiles or pipelining (stages 2-3) were slower
+    return SsdScanConfig(
+        block_k_state=32, block_n_state=128, warps_state=4, block_m=64, block_k=32, block_p=0, warps_scan=4,
+        stages_scan=1, block_pass=256, head_major=1, heads=1,
+    )
+
+
+def block_p_of(config: SsdScanConfig, P: int) -> int:
+    """The chunk-scan program's P tile: the config's, or all of P (rounded up to a power of 2, >= 16)."""
+    full = max(16, triton.next_power_of_2(P))
+    return full if config.block_p == 0 else min(config.block_p, full)

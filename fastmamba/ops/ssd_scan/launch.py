@@ -1,0 +1,149 @@
+"""One launcher for the three SSD-scan kernels, on inputs already checked and put in row form.
+
+Row form: every token tensor is 4-d (rows, tokens per row, heads or groups, P or N); dense input
+is (B, L, ...) with row_len = L, packed varlen input is (1, T, ...) with row_len = T. Segments
+are given by ``cu`` (n_seg + 1 offsets into the flat token index row * row_len + position).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from fastmamba.ops._common.dispatch import interpreter_enabled
+from fastmamba.ops.ssd_scan.configs import block_p_of, pick_config
+from fastmamba.ops.ssd_scan.kernel import (
+    _chunk_cb_kernel,
+    _chunk_cumsum_kernel,
+    _chunk_scan_kernel,
+    _chunk_state_kernel,
+    _state_passing_kernel,
+)
+
+CB_BLOCK = 64  # C B^T tile (rows = columns); the chunk scan reads it in its own tiles
+
+
+@dataclass
+class ScanSegments:
+    """Where segments start and end, and what state each one reads and writes.
+
+    cu          [n_seg + 1] int32/int64 flat token offsets (device)
+    n_chunks    number of chunk slots to allocate: the exact chunk count, or an upper bound
+    skip        [n_seg] int8 or None: 1 = padding (output zeroed, no state read or written)
+    init, init_idx    [*, H, P, N] and [n_seg] int32 (-1: start from zeros), or None
+    final, final_idx  [*, H, P, N] and [n_seg] int32 (-1: not stored), or None; zero-length
+                      segments never store
+    seg_final   [n_seg, H, P, N] or None: every segment's final state
+    chunk_out   [n_chunks, H, P, N] or None: the state after every chunk
+    """
+
+    cu: torch.Tensor
+    n_chunks: int
+    skip: torch.Tensor | None = None
+    init: torch.Tensor | None = None
+    init_idx: torch.Tensor | None = None
+    final: torch.Tensor | None = None
+    final_idx: torch.Tensor | None = None
+    seg_final: torch.Tensor | None = None
+    chunk_out: torch.Tensor | None = None
+
+    @property
+    def n_seg(self) -> int:
+        return self.cu.shape[0] - 1
+
+
+def _strides4(t: torch.Tensor | None) -> tuple[int, int, int, int]:
+    return tuple(t.stride()) if t is not None else (0, 0, 0, 0)
+
+
+def ssd_scan_launch(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    out: torch.Tensor,
+    segments: ScanSegments,
+    *,
+    chunk_size: int,
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+    state_dtype: torch.dtype,
+) -> None:
+    """x, z, out [R, L, H, P]; dt [R, L, H]; B, C [R, L, G, N]; A [H] fp32; D [H] or [H, P]."""
+    _, row_len, H, P = x.shape
+    G, N = B.shape[2], B.shape[3]
+    Q = chunk_size
+    n_seg = segments.n_seg
+    n_chunks = max(segments.n_chunks, 1)
+    interpreter = interpreter_enabled()
+    cfg = pick_config(H, P, N, x.element_size(), interpreter=interpreter)
+    block_n = max(16, triton.next_power_of_2(N))
+    block_p_full = max(16, triton.next_power_of_2(P))
+    block_p_scan = block_p_of(cfg, P)
+    block_seg = max(16, triton.next_power_of_2(n_seg + 1))
+    dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    dev = x.device
+
+    states = torch.empty(n_chunks, H, P, N, dtype=state_dtype, device=dev)  # S_loc, recurrence precision
+    states_in = torch.empty(n_chunks, H, P, N, dtype=x.dtype, device=dev)  # S_in, read by the scan's matmul
+    dt_scratch = torch.empty(H, n_chunks, Q, dtype=torch.float32, device=dev)
+    cs_scratch = torch.empty(H, n_chunks, Q, dtype=torch.float32, device=dev)
+    cb_block = min(CB_BLOCK, max(16, triton.next_power_of_2(Q)))
+    # the chunk scan reads whole tiles of the CB buffer without masks: pad it to every tile size
+    tile = max(cb_block, cfg.block_m, cfg.block_k)
+    q_pad = triton.cdiv(Q, tile) * tile
+    cb = torch.empty(n_chunks, G, q_pad, q_pad, dtype=x.dtype, device=dev)
+    lo, hi = dt_limit
+    has_limit = lo > 0.0 or hi != float("inf")
+    block_n_state = min(cfg.block_n_state, block_n)
+
+    table = torch.empty(n_chunks, 4, dtype=torch.int32, device=dev)
+    block_h = 4 if interpreter else 8
+    _chunk_cumsum_kernel[(n_chunks, triton.cdiv(H, block_h))](
+        dt, dt_bias, A, segments.cu, table, dt_scratch, cs_scratch,
+        n_seg, row_len, H, n_chunks, float(lo), float(hi), *dt.stride(),
+        Q=Q, BLOCK_Q=max(16, triton.next_power_of_2(Q)), BLOCK_H=block_h, BLOCK_SEG=block_seg,
+        DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, num_warps=4,
+    )
+    _chunk_state_kernel[(n_chunks, H, triton.cdiv(N, block_n_state))](
+        x, B, table, segments.skip, states, dt_scratch, cs_scratch,
+        n_seg, row_len, P, N, H // G, n_chunks,
+        *x.stride(), *B.stride(), *states.stride(),
+        Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
+        DOT_PRECISION=dot_precision, num_warps=cfg.warps_state,
+    )
+    _state_passing_kernel[(n_seg, H, triton.cdiv(P * N, cfg.block_pass))](
+        states, states_in, cs_scratch, segments.cu, segments.skip,
+        segments.init, segments.init_idx, segments.final, segments.final_idx, segments.seg_final, segments.chunk_out,
+        n_seg, P, N, n_chunks,
+        *states.stride(), *states_in.stride(), *_strides4(segments.init), *_strides4(segments.final),
+        *_strides4(segments.seg_final), *_strides4(segments.chunk_out),
+        Q=Q, BLOCK_PN=cfg.block_pass, BLOCK_SEG=block_seg,
+        num_warps=4,
+    )
+    n_tiles = triton.cdiv(Q, cb_block)
+    _chunk_cb_kernel[(n_chunks, G, n_tiles * n_tiles)](
+        B, C, table, cb,
+        n_seg, row_len, N,
+        *B.stride(), *C.stride(), *cb.stride(),
+        Q=Q, BLOCK_M=cb_block, BLOCK_N=min(block_n, 128), DOT_PRECISION=dot_precision,
+        num_warps=4,
+    )
+    D_strides = (0, 0) if D is None else ((D.stride(0), 0) if D.dim() == 1 else tuple(D.stride()))
+    m_blocks = triton.cdiv(Q, cfg.block_m)
+    tiles = m_blocks * triton.cdiv(P, block_p_scan)
+    heads = cfg.heads if H % cfg.heads == 0 else 1
+    _chunk_scan_kernel[(tiles, n_chunks, H // heads) if cfg.head_major else (n_chunks, H // heads, tiles)](
+        x, z, out, cb, C, D, table, segments.skip,
+        states_in, dt_scratch, cs_scratch,
+        n_seg, row_len, P, N, H // G, n_chunks,
+        *x.stride(), *_strides4(z), *out.stride(), *cb.stride(), *C.stride(), *D_strides, *states_in.stride(),
+        Q=Q, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_P=block_p_scan, BLOCK_N=block_n, HEADS=heads,
+        DOT_PRECISION=dot_precision, HEAD_MAJOR=bool(cfg.head_major),
+        num_warps=cfg.warps_scan, num_stages=cfg.stages_scan,
+    )
