@@ -1,6 +1,6 @@
 """The ``fastmamba`` command (declared in pyproject.toml as ``fastmamba = "fastmamba.cli:main"``).
 
-    fastmamba bench kernels|tune|e2e ...     (python -m fastmamba.bench --help)
+    fastmamba bench kernels|prefill|tune|e2e ...     (python -m fastmamba.bench --help)
     fastmamba generate --model DIR|PRESET (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
                        [--temperature T] [--top-k K] [--top-p P] [--seed S] [--batch B]
 

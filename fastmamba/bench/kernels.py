@@ -8,6 +8,9 @@ L2), times each provider on them through the same call, then checks each provide
 the reference on input set 0. It prints a header, progress on stderr, and a table at the end, and
 appends one JSON line per row (row fields plus the header fields) to
 ``bench_results/kernels-YYYYmmdd-HHMMSS.jsonl`` or ``--json PATH``.
+
+``run_suite`` is that runner for any ``Suite`` (a map of op benches and a title); the ``prefill``
+target (``fastmamba.bench.prefill``) runs its ops through it too.
 """
 from __future__ import annotations
 
@@ -16,14 +19,21 @@ import gc
 import importlib
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from fastmamba.bench import env, report
 from fastmamba.bench.ops._base import Case, OpBench, Provider, describe
 from fastmamba.ops._common.dispatch import interpreter_enabled
-from fastmamba.bench.peak import device_name, l2_cache_bytes, measure_copy_bandwidth
+from fastmamba.bench.peak import (
+    device_name,
+    l2_cache_bytes,
+    matmul_description,
+    measure_copy_bandwidth,
+    measure_matmul_tflops,
+)
 from fastmamba.bench.timing import TimingConfig, choose_n_sets, is_cold_l2, time_calls
 
 OPS = {
@@ -35,13 +45,36 @@ GPU_BATCHES = (1, 8, 64, 256)
 CPU_BATCHES = (1, 2)
 
 
+@dataclass(frozen=True)
+class Suite:
+    """What one target times with ``run_suite``: its op benches and how its outputs are named."""
+
+    name: str  # the target: default JSON file bench_results/<name>-<time>.jsonl
+    title: str  # markdown heading
+    ops: Mapping[str, str]  # --ops key -> module with a BENCH
+    gpu_batches: tuple[int, ...] = ()  # default --batch (benches whose cases ignore it leave these empty)
+    cpu_batches: tuple[int, ...] = ()
+    matmul: bool = False  # also measure the bf16 matmul rate (for ops with a FLOP model)
+
+
+KERNELS = Suite("kernels", "fastmamba kernel benchmark", OPS, GPU_BATCHES, CPU_BATCHES)
+
+
 # --- command line -------------------------------------------------------------------------------
-def _ops_list(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in OPS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown op(s) {', '.join(bad) or '(none)'}; choose from {','.join(OPS)}")
-    return list(dict.fromkeys(names))
+def ops_list(ops: Mapping[str, str]) -> Callable[[str], list[str]]:
+    """An argparse ``type`` for a comma-separated subset of ``ops``' keys."""
+
+    def parse(text: str) -> list[str]:
+        names = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [n for n in names if n not in ops]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"unknown op(s) {', '.join(bad) or '(none)'}; choose from {','.join(ops)}")
+        return list(dict.fromkeys(names))
+
+    return parse
+
+
+_ops_list = ops_list(OPS)
 
 
 def _int_list(text: str) -> list[int]:
@@ -63,6 +96,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"batch sizes (rows for norm); default {','.join(map(str, GPU_BATCHES))} on a GPU, "
         f"{','.join(map(str, CPU_BATCHES))} on the CPU",
     )
+    add_device_arguments(parser, KERNELS.name)
+
+
+def add_device_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    """--device, --quick, --json, --markdown: shared by every target built on ``run_suite``."""
     parser.add_argument(
         "--device",
         choices=("auto", "cuda", "cpu"),
@@ -70,20 +108,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto: CUDA when present, else the CPU (small shapes; Triton interpreter if TRITON_INTERPRET=1)",
     )
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (shorter, noisier)")
-    parser.add_argument("--json", metavar="PATH", help="JSON-lines file to append to (default bench_results/kernels-<time>.jsonl)")
+    parser.add_argument("--json", metavar="PATH", help=f"JSON-lines file to append to (default bench_results/{name}-<time>.jsonl)")
     parser.add_argument("--markdown", metavar="PATH", help="also write the table as markdown here")
 
 
 # --- the run ------------------------------------------------------------------------------------
-def load_benches(keys: Sequence[str]) -> list[OpBench]:
-    return [importlib.import_module(OPS[k]).BENCH for k in keys]
+def load_benches(keys: Sequence[str], ops: Mapping[str, str] = OPS) -> list[OpBench]:
+    return [importlib.import_module(ops[k]).BENCH for k in keys]
 
 
-def _timing_method(device: torch.device, config: TimingConfig) -> str:
+def _timing_method(device: torch.device, configs: Sequence[TimingConfig]) -> str:
     if device.type == "cuda":
+        min_calls = "/".join(str(n) for n in sorted({c.min_calls for c in configs})) or "?"
         return (
             "median of CUDA-graph replays (triton.testing.do_bench, quantiles 0.2/0.5/0.8, L2 flushed between "
-            f"replays); each graph holds >= {config.min_calls} calls cycling over K rotating input sets "
+            f"replays); each graph holds >= {min_calls} calls cycling over K rotating input sets "
             "(column `sets`), K = clamp(ceil(3 x L2 / bytes per call), 2, 64), so every call reads cold "
             "(rows marked 'L2' are not); per-call time = replay time / calls; 'eager' rows are timed without a "
             "graph, launch overhead included"
@@ -93,10 +132,18 @@ def _timing_method(device: torch.device, config: TimingConfig) -> str:
         if interpreter_enabled()
         else "TRITON_INTERPRET is off, so the PyTorch reference ran on the CPU (fastmamba ops dispatch to it)"
     )
-    return f"no GPU: {what} — correctness demo, timings are not speed (wall-clock median of {config.cpu_reps} passes)"
+    reps = "/".join(str(n) for n in sorted({c.cpu_reps for c in configs})) or "?"
+    return f"no GPU: {what} — correctness demo, timings are not speed (wall-clock median of {reps} passes)"
 
 
-def header_lines(header: dict, providers: dict[str, list[Provider]]) -> list[str]:
+def header_lines(
+    header: dict,
+    providers: dict[str, list[Provider]],
+    oracles: dict[str, Provider | None] | None = None,
+    notes: Sequence[str] = (),
+) -> list[str]:
+    """The report's header. ``oracles`` by op key: a check oracle that is not one of the timed
+    providers gets its own line; ``notes`` are the benches' descriptions of their cases."""
     dev = header["device"]
     if "gpu_sms" in header:
         dev += (
@@ -107,6 +154,12 @@ def header_lines(header: dict, providers: dict[str, list[Provider]]) -> list[str
     lines = [
         f"device: {dev}",
         f"copy bandwidth: {header['copy_gbps']:.0f} GB/s ({copy_what}, bytes read + written; '% copy' is relative to this)",
+    ]
+    if "matmul_tflops" in header:
+        lines.append(
+            f"matmul: {header['matmul_tflops']:.1f} TFLOP/s ({header['matmul_what']}, median; '% mm' is relative to this)"
+        )
+    lines += [
         f"L2: {header['l2_bytes'] / (1 << 20):.1f} MiB" if header["l2_bytes"] else "L2: n/a (CPU)",
         f"torch {header['torch']}, triton {header['triton']}, python {header['python']}, fastmamba {header['fastmamba']}, "
         f"git {header['git_commit'] or 'unknown'}",
@@ -116,6 +169,7 @@ def header_lines(header: dict, providers: dict[str, list[Provider]]) -> list[str
         "GB/s counts the minimum bytes (fastmamba/bench/bytes.py): state rows touched read + written once, inputs "
         "read once, outputs written once, stride-0 operands once",
     ]
+    lines += list(notes)
     for key, provs in providers.items():
         parts = []
         for p in provs:
@@ -125,6 +179,10 @@ def header_lines(header: dict, providers: dict[str, list[Provider]]) -> list[str
             else:
                 parts.append(f"{p.name} {p.version}: unavailable: {p.reason}{where}")
         lines.append(f"providers [{key}]: " + "; ".join(parts))
+        oracle = (oracles or {}).get(key)
+        if oracle is not None and not any(p is oracle for p in provs):
+            what = f"{oracle.name} ({oracle.note})" if oracle.note else oracle.name
+            lines.append(f"check [{key}]: against {what}" if oracle.available else f"check [{key}]: unavailable: {oracle.reason}")
     return lines
 
 
@@ -150,6 +208,7 @@ def _base_row(bench: OpBench, case: Case, prov: Provider) -> report.Row:
         kind=prov.kind,
         version=prov.version,
         bytes=case.nbytes,
+        flops=case.flops,
         params=dict(case.params),
         case_id=id(case),
     )
@@ -176,6 +235,15 @@ def _fill_ratios(rows: list[report.Row]) -> None:
 
 
 def run(args: argparse.Namespace, command: str) -> int:
+    return run_suite(KERNELS, args, command)
+
+
+def run_suite(suite: Suite, args: argparse.Namespace, command: str) -> int:
+    """Time and check ``args.ops`` of ``suite``; print the header and table, write JSON (and markdown).
+
+    ``args`` carries ops, device, quick, json, markdown, and optionally batch and oracle.
+    Returns the exit status: 1 if a check failed, a provider errored or the run stopped early.
+    """
     t_start = time.perf_counter()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda, but torch sees no CUDA device", file=sys.stderr)
@@ -183,33 +251,42 @@ def run(args: argparse.Namespace, command: str) -> int:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if use_cuda else "cpu")
     cuda = device.type == "cuda"
-    batches = args.batch or list(GPU_BATCHES if cuda else CPU_BATCHES)
-    config = TimingConfig.quick() if args.quick else TimingConfig()
-    json_path = args.json or time.strftime("bench_results/kernels-%Y%m%d-%H%M%S.jsonl")
+    batches = getattr(args, "batch", None) or list(suite.gpu_batches if cuda else suite.cpu_batches)
+    json_path = args.json or time.strftime(f"bench_results/{suite.name}-%Y%m%d-%H%M%S.jsonl")
 
     def progress(msg: str, end: str = "\n") -> None:
         print(msg, end=end, file=sys.stderr, flush=True)
 
+    benches = load_benches(args.ops, suite.ops)
+    configs = {b.key: (b.quick_timing if args.quick else b.timing) for b in benches}
+    oracle_mode = getattr(args, "oracle", "auto")
+    plan = []
+    for b in benches:
+        provs = b.providers(device)
+        plan.append((b, provs, b.oracle(device, provs, oracle_mode), b.cases(device, batches)))
+
     progress(f"measuring copy bandwidth on {device_name(device)} ...")
     header = env.collect(device, command)
     header["copy_gbps"] = measure_copy_bandwidth(device)
+    if suite.matmul and any(c.flops for _, _, _, cases in plan for c in cases):
+        progress("measuring the matmul rate ...")
+        header["matmul_tflops"] = measure_matmul_tflops(device)
+        header["matmul_what"] = matmul_description(device)
     header["l2_bytes"] = l2_cache_bytes(device)
-    header["timing_method"] = _timing_method(device, config)
+    header["timing_method"] = _timing_method(device, list(configs.values()))
     header["quick"] = bool(args.quick)
-
-    benches = load_benches(args.ops)
-    plan = [(b, b.providers(device), b.cases(device, batches)) for b in benches]
-    lines = header_lines(header, {b.key: provs for b, provs, _ in plan})
+    notes = [n for b in benches for n in b.header_notes(device)]
+    lines = header_lines(header, {b.key: provs for b, provs, _, _ in plan}, {b.key: o for b, _, o, _ in plan}, notes)
     print("\n".join(lines), flush=True)
     print(flush=True)
 
-    total = sum(len(provs) * len(cases) for _, provs, cases in plan)
+    total = sum(len(provs) * len(cases) for _, provs, _, cases in plan)
     rows: list[report.Row] = []
     fatal = ""
     k = 0
     try:
-        for bench, provs, cases in plan:
-            ref = next((p for p in provs if p.kind == "ref" and p.available), None)
+        for bench, provs, oracle, cases in plan:
+            config = configs[bench.key]
             for case in cases:
                 n_sets = choose_n_sets(case.nbytes, header["l2_bytes"]) if cuda else 1
                 sets, set_error = None, ""
@@ -225,9 +302,10 @@ def run(args: argparse.Namespace, command: str) -> int:
                     if fatal:
                         row.status, row.note = "not run", fatal
                         continue
-                    if not prov.available:
-                        row.status, row.note = "skipped", prov.reason
-                        progress(f"[{k}/{total}] {case.label} {prov.name}: skipped ({prov.reason})")
+                    skip = prov.reason if not prov.available else bench.skip_reason(prov, case)
+                    if skip:
+                        row.status, row.note = "skipped", skip
+                        progress(f"[{k}/{total}] {case.label} {prov.name}: skipped ({skip})")
                         continue
                     if sets is None:
                         row.status, row.note = "error", set_error
@@ -235,7 +313,7 @@ def run(args: argparse.Namespace, command: str) -> int:
                         continue
                     progress(f"[{k}/{total}] {case.label} {prov.name}", end="")
                     row.status = "not run"  # until it has a time (an interrupt may land mid-way)
-                    fatal = _run_one(bench, case, prov, ref, sets, n_sets, device, config, header, row)
+                    fatal = _run_one(bench, case, prov, oracle, sets, n_sets, device, config, header, row)
                     if row.status == "ok":
                         progress(f" -> {report.format_us(row.median_us)} µs ({row.mode}) {row.check}")
                     else:
@@ -248,11 +326,11 @@ def run(args: argparse.Namespace, command: str) -> int:
         progress("interrupted: writing the rows measured so far")
     finally:
         _fill_ratios(rows)
-        notes = report.collect_notes(rows)
+        row_notes = report.collect_notes(rows)
         table = report.format_table(rows)
         print(table)
-        if notes:
-            print("\nNotes:\n" + "\n".join(f"- {n}" for n in notes))
+        if row_notes:
+            print("\nNotes:\n" + "\n".join(f"- {n}" for n in row_notes))
         n_ok = sum(r.status == "ok" for r in rows)
         n_fail = sum(r.check.startswith("FAIL") for r in rows)
         n_err = sum(r.status == "error" for r in rows)
@@ -260,7 +338,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         report.write_jsonl(json_path, rows, header)
         written = [json_path]
         if args.markdown:
-            report.write_text(args.markdown, report.format_markdown(rows, lines, notes))
+            report.write_text(args.markdown, report.format_markdown(rows, lines, row_notes, title=suite.title))
             written.append(args.markdown)
         print(
             f"\n{len(rows)} rows: {n_ok} timed, {n_fail} FAIL, {n_err} errors, {n_skip} skipped; "
@@ -283,10 +361,11 @@ def _run_one(
     header: dict,
     row: report.Row,
 ) -> str:
-    """Time and check one provider on one case, filling ``row``. Returns a fatal reason or ''."""
+    """Time and check one provider on one case, filling ``row``; ``ref`` is the check's oracle.
+    Returns a fatal reason or ''."""
     try:
         t = time_calls(
-            lambda i: bench.bind(prov.fn, case, sets[i]),
+            lambda i: bench.bind(prov, case, sets[i]),
             n_sets,
             device=device,
             config=config,
@@ -302,15 +381,19 @@ def _run_one(
     row.median_us, row.p20_us, row.p80_us = t.median_us, t.p20_us, t.p80_us
     row.gbps = case.nbytes / (t.median_us * 1e-6) / 1e9
     row.pct_copy = 100.0 * row.gbps / header["copy_gbps"] if header["copy_gbps"] else None
+    if case.flops:
+        row.tflops = case.flops / (t.median_us * 1e-6) / 1e12
+        rate = header.get("matmul_tflops")
+        row.pct_matmul = 100.0 * row.tflops / rate if rate else None
     row.cold_l2 = is_cold_l2(case.nbytes, t.n_sets, header["l2_bytes"], t.calls) if device.type == "cuda" else None
-    row.note = "; ".join(n for n in (prov.note, t.note) if n)
-    if prov.kind == "ref":
+    row.note = "; ".join(n for n in (prov.note, bench.row_note(prov, case), t.note) if n)
+    if prov is ref:
         row.check = "ref"
-    elif ref is None:
+    elif ref is None or not ref.available:
         row.check = "no ref"
     else:
         try:
-            row.check = bench.check(prov.fn, ref.fn, case, sets[0])
+            row.check = bench.check(prov, ref, case, sets[0])
         except Exception as exc:  # noqa: BLE001
             row.check = f"FAIL check crashed: {describe(exc)}"
         if device.type == "cuda" and not _cuda_alive():

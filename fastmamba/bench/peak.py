@@ -1,9 +1,10 @@
-"""Measured peak: the bandwidth of a large device-to-device copy, and the L2 size.
+"""Measured peaks: the bandwidth of a large device-to-device copy, the bf16 matmul rate, and the L2 size.
 
-Every GB/s in a report is also shown as a percentage of this number, measured in the same run
-(STYLE.md section 6). A spec-sheet figure is never used in its place.
+Every GB/s in a report is also shown as a percentage of the copy bandwidth, and every TFLOP/s as
+a percentage of the matmul rate, both measured in the same run (STYLE.md section 6). A
+spec-sheet figure is never used in their place.
 
-    python -m fastmamba.bench.peak      # prints the GPU name and the copy bandwidth
+    python -m fastmamba.bench.peak      # prints the GPU name, the copy bandwidth and the matmul rate
 """
 from __future__ import annotations
 
@@ -59,6 +60,46 @@ def _cpu_copy_bandwidth(nbytes: int, reps: int = 5) -> float:
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
+def measure_matmul_tflops(device: torch.device | str, n: int = 8192) -> float:
+    """TFLOP/s (1e12 flop/s) of ``torch.matmul`` of two n x n matrices, 2*n**3 flops per call.
+
+    CUDA: bf16, n = 8192, median of ``triton.testing.do_bench`` (the rate a bf16 tensor-core
+    kernel can reach here, through cuBLAS). CPU: fp32, n = 512, wall-clock median of a few calls
+    (for orientation only).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return _cpu_matmul_tflops(min(n, 512))
+    ms = _cuda_matmul_ms(device, n)
+    torch.cuda.empty_cache()
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def _cuda_matmul_ms(device: torch.device, n: int) -> float:
+    from triton.testing import do_bench
+
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    with torch.cuda.device(device):
+        return do_bench(lambda: torch.matmul(a, b), warmup=50, rep=300, return_mode="median")
+
+
+def _cpu_matmul_tflops(n: int, reps: int = 5) -> float:
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    torch.matmul(a, b)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def matmul_description(device: torch.device | str) -> str:
+    return "bf16 8192^3 torch.matmul" if torch.device(device).type == "cuda" else "fp32 512^3 host matmul"
+
+
 def l2_cache_bytes(device: torch.device | str) -> int:
     """L2 size in bytes from the device properties (0 on a CPU)."""
     device = torch.device(device)
@@ -79,8 +120,10 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gbps = measure_copy_bandwidth(device)
     l2 = l2_cache_bytes(device)
+    tflops = measure_matmul_tflops(device)
     what = "2 GiB device-to-device copy" if device.type == "cuda" else "64 MiB host copy"
-    print(f"{device_name(device)}: {gbps:.0f} GB/s ({what}, bytes read + written), L2 {l2 / (1 << 20):.1f} MiB")
+    print(f"{device_name(device)}: {gbps:.0f} GB/s ({what}, bytes read + written), L2 {l2 / (1 << 20):.1f} MiB, "
+          f"matmul {tflops:.1f} TFLOP/s ({matmul_description(device)})")
 
 
 if __name__ == "__main__":

@@ -138,11 +138,28 @@ def mamba_ssm_rmsnorm_fn() -> Peer:
 
 
 @functools.lru_cache(maxsize=None)
-def causal_conv1d_update() -> Peer:
-    """Dao-AILab causal-conv1d's CUDA ``causal_conv1d_update`` (needs its compiled extension)."""
+def mamba_ssm_chunk_scan_combined() -> Peer:
+    """``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined`` (the prefill scan)."""
+    return _mamba_ssm_peer("ops.triton.ssd_combined", "mamba_chunk_scan_combined")
+
+
+def _causal_conv1d_peer(attr: str) -> Peer:
+    version = dist_version("causal_conv1d", "causal-conv1d")
     try:
         module = importlib.import_module("causal_conv1d")
-        fn = module.causal_conv1d_update
+        fn = getattr(module, attr)
     except Exception as exc:
-        return Peer("causal_conv1d", dist_version("causal_conv1d", "causal-conv1d"), None, _describe(exc))
-    return Peer("causal_conv1d", dist_version("causal_conv1d", "causal-conv1d"), fn, source=module.__file__ or "")
+        return Peer("causal_conv1d", version, None, _describe(exc))
+    return Peer("causal_conv1d", version, fn, source=module.__file__ or "")
+
+
+@functools.lru_cache(maxsize=None)
+def causal_conv1d_update() -> Peer:
+    """Dao-AILab causal-conv1d's CUDA ``causal_conv1d_update`` (needs its compiled extension)."""
+    return _causal_conv1d_peer("causal_conv1d_update")
+
+
+@functools.lru_cache(maxsize=None)
+def causal_conv1d_fn() -> Peer:
+    """Dao-AILab causal-conv1d's CUDA ``causal_conv1d_fn``, the prefill conv (needs its compiled extension)."""
+    return _causal_conv1d_peer("causal_conv1d_fn")

@@ -22,6 +22,7 @@ class Row:
     kind: str  # ours | peer | ref
     version: str
     bytes: int
+    flops: int = 0  # model FLOPs per call (0: no FLOP model, e.g. pure data movement)
     status: str = "ok"  # ok | skipped | error | not run
     mode: str = ""  # graph | eager | cpu
     median_us: float | None = None
@@ -32,6 +33,8 @@ class Row:
     cold_l2: bool | None = None
     gbps: float | None = None
     pct_copy: float | None = None
+    tflops: float | None = None
+    pct_matmul: float | None = None  # of the bf16 matmul rate measured in the same run
     check: str = ""  # ok | FAIL ... | ref | no ref
     vs: str = ""  # e.g. "1.45x mamba_ssm" (fastmamba rows)
     vs_ratio: float | None = None
@@ -70,6 +73,7 @@ def _cell_note(row: Row, width: int = 70) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+# (heading, alignment); the FLOP columns appear only when some row has a FLOP model
 COLUMNS = [
     ("op", "<"),
     ("shape", "<"),
@@ -82,9 +86,24 @@ COLUMNS = [
     ("p20–p80 µs", ">"),
     ("GB/s", ">"),
     ("% copy", ">"),
+    ("TFLOP/s", ">"),
+    ("% mm", ">"),
     ("vs best peer", ">"),
     ("check", "<"),
 ]
+
+
+FLOP_COLUMNS = ("TFLOP/s", "% mm")
+
+
+def _pct(v: float | None) -> str:
+    return "—" if v is None else f"{v:.0f}%" if v >= 1 else f"{v:.2f}%"
+
+
+def _columns(rows: list[Row]) -> list[int]:
+    """Indices into COLUMNS to show: all but the FLOP columns when no row counts FLOPs."""
+    with_flops = any(r.flops for r in rows)
+    return [i for i, (name, _) in enumerate(COLUMNS) if with_flops or name not in FLOP_COLUMNS]
 
 
 def _cells(row: Row, note_width: int) -> list[str]:
@@ -101,7 +120,9 @@ def _cells(row: Row, note_width: int) -> list[str]:
         format_us(row.median_us),
         spread,
         "—" if row.gbps is None else f"{row.gbps:.0f}" if row.gbps >= 10 else f"{row.gbps:.2f}",
-        "—" if row.pct_copy is None else f"{row.pct_copy:.0f}%" if row.pct_copy >= 1 else f"{row.pct_copy:.2f}%",
+        _pct(row.pct_copy),
+        "—" if row.tflops is None else f"{row.tflops:.1f}" if row.tflops >= 1 else f"{row.tflops:.3f}",
+        _pct(row.pct_matmul),
         row.vs,
         _cell_note(row, note_width),
     ]
@@ -109,13 +130,15 @@ def _cells(row: Row, note_width: int) -> list[str]:
 
 def format_table(rows: list[Row], note_width: int = 70) -> str:
     """Fixed-width table; a blank line between ops."""
-    body = [_cells(r, note_width) for r in rows]
-    heads = [c for c, _ in COLUMNS]
+    keep = _columns(rows)
+    columns = [COLUMNS[i] for i in keep]
+    body = [[cells[i] for i in keep] for cells in (_cells(r, note_width) for r in rows)]
+    heads = [c for c, _ in columns]
     widths = [max([len(h)] + [len(b[i]) for b in body]) for i, h in enumerate(heads)]
 
     def line(cells: list[str]) -> str:
         out = []
-        for (_, align), w, c in zip(COLUMNS, widths, cells):
+        for (_, align), w, c in zip(columns, widths, cells):
             out.append(c.ljust(w) if align == "<" else c.rjust(w))
         return "  ".join(out).rstrip()
 
@@ -129,13 +152,18 @@ def format_table(rows: list[Row], note_width: int = 70) -> str:
     return "\n".join(lines)
 
 
-def format_markdown(rows: list[Row], header_lines: list[str], notes: list[str]) -> str:
-    heads = [c for c, _ in COLUMNS]
-    out = ["# fastmamba kernel benchmark", ""]
+def format_markdown(
+    rows: list[Row], header_lines: list[str], notes: list[str], title: str = "fastmamba kernel benchmark"
+) -> str:
+    keep = _columns(rows)
+    columns = [COLUMNS[i] for i in keep]
+    heads = [c for c, _ in columns]
+    out = [f"# {title}", ""]
     out += [f"- {ln}" for ln in header_lines]
-    out += ["", "| " + " | ".join(heads) + " |", "|" + "|".join("---:" if a == ">" else "---" for _, a in COLUMNS) + "|"]
+    out += ["", "| " + " | ".join(heads) + " |", "|" + "|".join("---:" if a == ">" else "---" for _, a in columns) + "|"]
     for row in rows:
-        cells = [c.replace("|", "\\|") for c in _cells(row, note_width=400)]
+        cells = _cells(row, note_width=400)
+        cells = [cells[i].replace("|", "\\|") for i in keep]
         out.append("| " + " | ".join(cells) + " |")
     if notes:
         out += ["", "Notes:", ""] + [f"- {n}" for n in notes]

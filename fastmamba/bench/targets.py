@@ -1,7 +1,7 @@
 """Benchmark targets and their command line, shared by ``python -m fastmamba.bench`` and
 ``fastmamba bench``.
 
-To add a target (``prefill``, ``e2e``, ``spec``, ``tune`` are planned): write a module with
+To add a target (``spec`` is planned): write a module with
 ``add_arguments(parser)`` and ``run(args, command) -> int`` (exit status), then add a ``Target``
 to ``TARGETS`` and remove its name from ``PLANNED``.
 """
@@ -27,11 +27,12 @@ TARGETS = {
     t.name: t
     for t in (
         Target("kernels", "fastmamba.bench.kernels", "decode kernels (state update, conv update, gated RMSNorm) vs peers"),
-        Target("tune", "fastmamba.bench.tune", "sweep the decode kernels' launch configs (GPU only)"),
+        Target("prefill", "fastmamba.bench.prefill", "prefill kernels (causal conv, chunked SSD scan) vs peers"),
+        Target("tune", "fastmamba.bench.tune", "sweep the kernels' launch configs (GPU only)"),
         Target("e2e", "fastmamba.bench.e2e", "end-to-end prefill and decode tok/s vs the bandwidth roofline"),
     )
 }
-PLANNED = ("prefill", "spec")
+PLANNED = ("spec",)
 
 
 def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

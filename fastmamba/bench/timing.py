@@ -52,6 +52,16 @@ class TimingConfig:
     def quick(cls) -> "TimingConfig":
         return cls(warmup_ms=10.0, rep_ms=50.0, min_reps=20, max_rep_ms=400.0, cpu_reps=3)
 
+    @classmethod
+    def prefill(cls) -> "TimingConfig":
+        """Prefill calls run for 10 us to a few ms: a handful per graph already hides the launch
+        (and each one's output lives in the graph's pool), and 20 replays of the long ones are plenty."""
+        return cls(warmup_ms=25.0, rep_ms=100.0, min_reps=20, max_rep_ms=500.0, min_calls=4, cpu_reps=3)
+
+    @classmethod
+    def prefill_quick(cls) -> "TimingConfig":
+        return cls(warmup_ms=10.0, rep_ms=40.0, min_reps=10, max_rep_ms=200.0, min_calls=2, cpu_reps=1)
+
 
 QUANTILES = [0.2, 0.5, 0.8]
 

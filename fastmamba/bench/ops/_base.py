@@ -1,9 +1,11 @@
 """What every op benchmark shares: cases, providers, input sets, and the correctness check.
 
 An op module subclasses ``OpBench`` and fills in ``cases``, ``providers``, ``make_set`` and
-``args``. The runner (``fastmamba.bench.kernels``) does the rest: it allocates the rotating input
-sets, times each provider on the same tensors through the same positional call, then checks each
-provider once against the PyTorch reference.
+``args``. The runner (``fastmamba.bench.kernels.run_suite``, behind the ``kernels`` and ``prefill``
+targets) does the rest: it allocates the rotating input sets, times each provider on the same
+tensors through the same positional call, then checks each provider once against the oracle (by
+default the PyTorch reference, itself timed as a provider). A bench whose providers need different
+calls, or whose oracle is not a timed provider, overrides ``bind``, ``check`` or ``oracle``.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastmamba.bench import peers
+from fastmamba.bench.timing import TimingConfig
 
 # Output tolerance for bf16 activations (STYLE.md section 5): the reference runs in fp32 from the
 # same bf16 inputs. Also used for an fp32 SSM state: the check exists to catch wrong kernels, and
@@ -37,6 +40,7 @@ class Case:
     batch: int
     nbytes: int
     params: dict = field(default_factory=dict)
+    flops: int = 0  # model FLOPs per call (0: no FLOP model)
     variant: str = ""  # short tag that tells apart cases of one shape (progress lines only)
 
     @property
@@ -91,6 +95,8 @@ class OpBench:
     exact_state: bool = False  # mutated entries must match the reference bit for bit
     out_tol: dict = BF16_TOL
     state_tol: dict = BF16_TOL
+    timing: TimingConfig = TimingConfig()  # decode kernels: many calls per graph
+    quick_timing: TimingConfig = TimingConfig.quick()
 
     # --- to implement -------------------------------------------------------------------------
     def cases(self, device: torch.device, batches: Sequence[int]) -> list[Case]:
@@ -107,24 +113,54 @@ class OpBench:
         """Positional arguments of the call, identical for every provider."""
         raise NotImplementedError
 
+    # --- optional -----------------------------------------------------------------------------
+    def oracle(self, device: torch.device, providers: Sequence[Provider], mode: str = "auto") -> Provider | None:
+        """What ``check`` compares against: by default the timed reference provider.
+
+        ``mode`` is the target's ``--oracle`` choice ("auto" where it has none).
+        """
+        return next((p for p in providers if p.kind == "ref" and p.available), None)
+
+    def skip_reason(self, prov: Provider, case: Case) -> str:
+        """Why ``prov`` does not run ``case`` (e.g. a layout it does not take); '' if it does."""
+        return ""
+
+    def row_note(self, prov: Provider, case: Case) -> str:
+        """A note for this provider's row of this case (how it was called, what it skipped)."""
+        return ""
+
+    def header_notes(self, device: torch.device) -> list[str]:
+        """Lines for the report header: what the cases hold, beyond what the table shows."""
+        return []
+
+    def tune_cases(self, device: torch.device, batches: Sequence[int]) -> list[Case]:
+        """The cases ``tune`` sweeps: by default all of them."""
+        return self.cases(device, batches)
+
+    def tune_candidates(self, configs: object, case: Case) -> list[dict]:
+        """The launch configs ``tune`` tries on ``case``: the op's ``configs.CANDIDATES``."""
+        return list(configs.CANDIDATES)
+
     # --- shared -------------------------------------------------------------------------------
-    def bind(self, fn: Callable, case: Case, inp: dict) -> Callable[[], object]:
+    def bind(self, prov: Provider, case: Case, inp: dict) -> Callable[[], object]:
+        """The timed call of ``prov`` on one input set (the same positional call for every provider)."""
+        fn = prov.fn
         args = self.args(case, inp)
         return lambda: fn(*args)
 
-    def check(self, fn: Callable, ref: Callable, case: Case, inp: dict) -> str:
-        """Run ``fn`` and ``ref`` from identical copies of the mutated inputs; "ok" or "FAIL ...".
+    def check(self, prov: Provider, ref: Provider, case: Case, inp: dict) -> str:
+        """Run ``prov`` and ``ref`` from identical copies of the mutated inputs; "ok" or "FAIL ...".
 
         Both start from clones of the state, so the comparison is fair whatever timing did to it.
         """
         mine = {k: (v.clone() if k in self.mutated and v is not None else v) for k, v in inp.items()}
         theirs = {k: (v.clone() if k in self.mutated and v is not None else v) for k, v in inp.items()}
         try:
-            out = fn(*self.args(case, mine))
+            out = prov.fn(*self.args(case, mine))
         except Exception as exc:  # noqa: BLE001
             return f"FAIL raised {describe(exc)}"
         try:
-            expected = ref(*self.args(case, theirs))
+            expected = ref.fn(*self.args(case, theirs))
         except Exception as exc:  # noqa: BLE001
             return f"ref error: {describe(exc)}"
         problems = [_compare("y", out, expected, self.out_tol)]
@@ -190,3 +226,27 @@ def _compare(name: str, got: object, want: object, tol: dict) -> str:
         keep = [ln for ln in lines if ln.startswith(("Mismatched", "Greatest absolute"))] or lines[:1]
         return f"{name}: " + ", ".join(keep)
     return ""
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| (Frobenius, in fp64); inf if ``got`` has a non-finite value."""
+    g, w = got.double(), want.double()
+    if not bool(torch.isfinite(g).all()):
+        return float("inf")
+    denom = float(torch.linalg.vector_norm(w))
+    diff = float(torch.linalg.vector_norm(g - w))
+    return diff / denom if denom > 0 else diff
+
+
+def compare_relative(name: str, got: object, want: object, rel_tol: float) -> str:
+    """'' if ``got`` is within ``rel_tol`` of ``want`` in relative error norm, else what is wrong.
+
+    For long reductions in low precision (a scan over thousands of tokens), where an elementwise
+    tolerance either fails on a few small entries or has to be loose everywhere.
+    """
+    if not isinstance(got, torch.Tensor) or not isinstance(want, torch.Tensor):
+        return f"{name}: expected a tensor, got {type(got).__name__}"
+    if got.shape != want.shape:
+        return f"{name}: shape {tuple(got.shape)} != reference {tuple(want.shape)}"
+    err = relative_error(got, want)
+    return "" if err <= rel_tol else f"{name}: relative error {err:.2e} > {rel_tol:.0e}"
