@@ -4,8 +4,8 @@ One ``step()`` either admits waiting requests (prefill, then their first token) 
 running request by one token (decode: one CUDA-graph replay on a GPU). Finished requests free
 their slot at once, so a waiting request can take it at the next step.
 
-Prefill runs request by request for now (equal-length groups share one call); the packed varlen
-prefill of the prefill-kernel issue replaces it.
+All requests admitted in one step are prefilled together, whatever their prompt lengths: one
+packed call (``Mamba2LM.prefill_varlen``) over their prompts laid back to back.
 """
 from __future__ import annotations
 
@@ -95,20 +95,18 @@ class Engine:
     def _prefill(self) -> list[StepOutput]:
         n = min(len(self.waiting), self.max_batch - len(self.running), self.cache.free_slots)
         admitted = [self.waiting.popleft() for _ in range(n)]
-        for req, slot in zip(admitted, self.cache.alloc(n).tolist()):  # one alloc: one zeroing pass
+        slots = self.cache.alloc(n)  # one alloc: one zeroing pass; int32 on the device, admitted order
+        for req, slot in zip(admitted, slots.tolist()):
             req.slot = slot
-        outputs = []
-        # equal prompt lengths share one prefill call
-        by_len: dict[int, list[Request]] = {}
-        for r in admitted:
-            by_len.setdefault(len(r.prompt), []).append(r)
-        for group in by_len.values():
-            ids = torch.tensor([r.prompt for r in group], dtype=torch.int64, device=self.device)
-            slots = torch.tensor([r.slot for r in group], dtype=torch.int32, device=self.device)
-            logits = self.model.prefill(ids, self.cache, slots)
-            self.running.extend(group)
-            outputs += self._emit(group, logits)
-        return outputs
+        # one packed call: the prompts back to back, then cu_seqlens, in one host-to-device copy
+        cu_seqlens = list(itertools.accumulate((len(r.prompt) for r in admitted), initial=0))
+        T = cu_seqlens[-1]
+        packed = torch.tensor([t for r in admitted for t in r.prompt] + cu_seqlens, dtype=torch.int64)
+        packed = packed.to(self.device)
+        # fresh slots: start from zeros without reading them
+        logits = self.model.prefill_varlen(packed[:T], packed[T:], self.cache, slots, has_initial_state=False)
+        self.running.extend(admitted)
+        return self._emit(admitted, logits)
 
     def step(self) -> list[StepOutput]:
         """Admit waiting requests if any (prefill), else decode one token for every running one."""

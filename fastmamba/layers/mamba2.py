@@ -1,4 +1,4 @@
-"""Mamba-2 mixer: ``forward`` runs a whole prompt (prefill), ``step`` one token per request (decode).
+"""Mamba-2 mixer: ``forward_varlen`` runs packed prompts (prefill), ``step`` one token per request (decode).
 
 Parameter names follow Hugging Face's ``Mamba2Mixer`` (and mamba_ssm's ``Mamba2``), so both
 checkpoint formats load without renaming inside a layer:
@@ -9,12 +9,16 @@ checkpoint formats load without renaming inside a layer:
     norm      gated RMSNorm over d_inner in G groups: norm(y * silu(z))  (norm_before_gate=False)
     out_proj  [d_model, d_inner]
 
+Prefill packs B prompts of any lengths into T tokens (``cu_seqlens`` [B+1]): one in_proj over all
+of them, ``causal_conv1d_varlen`` on the xBC columns of its output (read in place, no copy) and
+``ssd_scan_varlen`` (the chunked scan, ``cfg.chunk_size`` tokens per chunk); both continue from
+and write back each prompt's cache slot. ``forward`` (equal lengths [B, L], with or without a
+cache) packs its batch and runs the same path.
+
 The decode step uses fastmamba's kernels with the tricks of the decode-kernel issue: A = -exp(A_log)
 is computed once per weight version as a stride-0 view (``expanded_A``), the silu(z) gate runs
 inside ``selective_state_update`` so the norm takes its z=None path, and the conv window stays in
-registers (``causal_conv1d_update``). Prefill runs the conv with ``F.conv1d`` and the scan with the
-multi-token state update (exact, sequential over tokens); the chunked-scan kernels replace both
-when they land.
+registers (``causal_conv1d_update``). The first two apply to prefill as well (the scan gates inside).
 """
 from __future__ import annotations
 
@@ -26,8 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastmamba.models.config import Mamba2Config
-from fastmamba.ops import RMSNormGated, causal_conv1d_update, selective_state_update
+from fastmamba.ops import RMSNormGated, causal_conv1d_update, causal_conv1d_varlen, selective_state_update
 from fastmamba.ops.decode_params import expanded_A
+from fastmamba.ops.ssd_scan import ssd_scan_varlen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +40,8 @@ class DecodeTricks:
     """Switches for the decode step's optimisations, so a benchmark can show each one's effect.
 
     cache_A        A = -exp(A_log) computed once per weight version (off: every layer, every step)
-    gate_in_scan   silu(z) applied inside the state update, norm without z (off: gate in the norm)
+    gate_in_scan   silu(z) applied inside the state update, norm without z (off: gate in the norm);
+                   prefill follows both switches (its scan takes the same A and gates the same way)
     fused_conv     conv window kept in registers by causal_conv1d_update (off: PyTorch ops that
                    shift the state in memory and re-read it, as a plain implementation does)
     """
@@ -100,6 +106,10 @@ class Mamba2Mixer(nn.Module):
             return expanded_A(self.A_log, c.headdim, c.d_state)
         return (-torch.exp(self.A_log.float()))[:, None, None].expand(c.nheads, c.headdim, c.d_state)
 
+    def _A_heads(self) -> torch.Tensor:
+        """A = -exp(A_log) per head, [H] fp32 (the same cached tensor ``_A`` broadcasts)."""
+        return self._A()[:, 0, 0]
+
     def forward(
         self,
         u: torch.Tensor,
@@ -107,39 +117,65 @@ class Mamba2Mixer(nn.Module):
         ssm_state: torch.Tensor | None = None,
         slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Prefill: u [B, L, d_model] -> [B, L, d_model].
+        """Prefill of B prompts of equal length: u [B, L, d_model] -> [B, L, d_model].
 
         With a cache, ``conv_state`` [S, E, W] and ``ssm_state`` [S, H, P, N] hold each request's
         state in row ``slots[b]`` (int32 [B]); the prompt continues from it and the final states
-        are written back in place. Without one, every request starts from zeros.
+        are written back in place. Without one, every request starts from zeros (scratch states).
+        Packs the batch into B*L tokens and runs ``forward_varlen``.
         """
         c = self.cfg
-        nreq, L, _ = u.shape
-        z, xbc, dt = self._split(self.in_proj(u))
-        W = c.d_conv
-        xbc_t = xbc.transpose(1, 2)  # [B, E, L]
-        if conv_state is not None:
-            history = conv_state[slots.long(), :, conv_state.shape[-1] - (W - 1):].to(xbc.dtype)
+        nreq, L, d_model = u.shape
+        if (conv_state is None) != (ssm_state is None):
+            raise ValueError("Mamba2Mixer.forward: pass both conv_state and ssm_state (a cache) or neither")
+        cu_seqlens = torch.arange(0, nreq * L + 1, L, dtype=torch.int32, device=u.device)
+        if conv_state is None:
+            conv_state = u.new_empty(nreq, c.conv_dim, c.d_conv - 1)  # not read: no initial state
+            ssm_state = torch.empty(nreq, c.nheads, c.headdim, c.d_state, device=u.device, dtype=torch.float32)
+            slots, has_initial_state = None, None
         else:
-            history = xbc_t.new_zeros(nreq, c.conv_dim, W - 1)
-        full = torch.cat([history, xbc_t], dim=-1)  # [B, E, W-1+L]
-        if conv_state is not None:
-            keep = conv_state.shape[-1]
-            tail = full[..., -keep:] if full.shape[-1] >= keep else F.pad(full, (keep - full.shape[-1], 0))
-            conv_state[slots.long()] = tail.to(conv_state.dtype)
-        xbc = F.silu(F.conv1d(full, self.conv1d.weight, self.conv1d.bias, groups=c.conv_dim)).transpose(1, 2)
-        x, B, C = self._split_xbc(xbc)
+            if slots is None:
+                raise ValueError("Mamba2Mixer.forward: a cache needs `slots`")
+            has_initial_state = torch.ones(nreq, dtype=torch.bool, device=u.device)
+        out = self.forward_varlen(u.reshape(nreq * L, d_model), cu_seqlens, conv_state, ssm_state, slots,
+                                  has_initial_state)
+        return out.view(nreq, L, -1)
 
+    def forward_varlen(
+        self,
+        u: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+        slots: torch.Tensor | None = None,
+        has_initial_state: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Prefill of B packed prompts of any lengths: u [T, d_model] -> [T, d_model].
+
+        cu_seqlens  [B+1] int32/int64: prompt b is tokens cu_seqlens[b] .. cu_seqlens[b+1]-1
+        conv_state  [S, E, W]      rows slots[b] mutated in place: the prompt's last W conv inputs
+                                   (older history kept for prompts shorter than W)
+        ssm_state   [S, H, P, N]   rows slots[b] mutated in place: the state after the prompt
+        slots       [B] int32/int64 or None (prompt b uses row b); -1 marks a padding prompt
+                    (zero output, no state touched)
+        has_initial_state [B] bool or None (all False): prompt b continues from its rows' states;
+                    otherwise it starts from zeros and the old contents are not read
+        The ops read cu_seqlens and slots on the host for their checks (see their docstrings).
+        """
+        c = self.cfg
+        T = u.shape[0]
         H, P, N, G = c.nheads, c.headdim, c.d_state, c.ngroups
-        if ssm_state is None:
-            ssm_state = torch.zeros(nreq, H, P, N, device=u.device, dtype=torch.float32)
-            slots = None
-        gate = z.reshape(nreq, L, H, P) if self._gate_in_scan() else None
-        y = selective_state_update(
-            ssm_state, x.reshape(nreq, L, H, P), dt, self._A(),
-            B.reshape(nreq, L, G, N), C.reshape(nreq, L, G, N), self.D, gate, self.dt_bias, True, slots,
+        z, xbc, dt = self._split(self.in_proj(u))  # column views of one [T, d_in_proj] buffer
+        xbc = causal_conv1d_varlen(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state, cu_seqlens,
+                                   slots, has_initial_state, "silu")
+        x, B, C = self._split_xbc(xbc)
+        gate = z.reshape(T, H, P) if self._gate_in_scan() else None
+        y = ssd_scan_varlen(
+            x.reshape(T, H, P), dt, self._A_heads(), B.reshape(T, G, N), C.reshape(T, G, N), ssm_state, cu_seqlens,
+            chunk_size=c.chunk_size, D=self.D, z=gate, dt_bias=self.dt_bias, dt_softplus=True,
+            cache_indices=slots, has_initial_state=has_initial_state,
         )
-        y = self.norm(y.reshape(nreq, L, c.d_inner), None if self._gate_in_scan() else z)
+        y = self.norm(y.reshape(T, c.d_inner), None if self._gate_in_scan() else z)
         return self.out_proj(y)
 
     def step(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

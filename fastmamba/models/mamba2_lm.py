@@ -2,6 +2,10 @@
 
 Module names follow Hugging Face's ``Mamba2ForCausalLM`` (``backbone.embeddings``,
 ``backbone.layers.{i}.norm|mixer``, ``backbone.norm_f``, ``lm_head``).
+
+With a ``StateCache``: ``prefill_varlen`` runs B prompts of any lengths packed into one call
+(``cu_seqlens``) and returns each prompt's last-token logits; ``prefill`` is its equal-length
+[B, L] form; ``decode`` advances every request by one token.
 """
 from __future__ import annotations
 
@@ -55,9 +59,9 @@ class Mamba2LM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def _run(self, input_ids: torch.Tensor, mix, *, last_only: bool = False) -> torch.Tensor:
-        """Embeddings -> blocks -> final norm -> fp32 logits (of the last position only, if asked);
-        ``mix(i, mixer, normed)`` runs layer i's mixer.
+    def _run(self, input_ids: torch.Tensor, mix, *, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Embeddings -> blocks -> final norm -> fp32 logits (of the leading-dim ``rows`` only, if
+        given); ``mix(i, mixer, normed)`` runs layer i's mixer.
 
         Each block boundary is one fused kernel: residual += previous output, then RMSNorm.
         """
@@ -66,8 +70,8 @@ class Mamba2LM(nn.Module):
         for i, layer in enumerate(self.backbone.layers):
             normed, residual = add_rmsnorm(out, residual, layer.norm.weight, layer.norm.eps, residual_dtype=rdtype)
             out = mix(i, layer.mixer, normed)
-        if last_only:
-            out, residual = out[:, -1], residual[:, -1]
+        if rows is not None:
+            out, residual = out[rows], residual[rows]
         norm_f = self.backbone.norm_f
         normed, _ = add_rmsnorm(out, residual, norm_f.weight, norm_f.eps, residual_dtype=rdtype)
         return self.lm_head(normed).float()
@@ -87,8 +91,64 @@ class Mamba2LM(nn.Module):
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor) -> torch.Tensor:
-        """Run prompts of equal length [B, L] from their slots' states; returns the last logits [B, V]."""
-        return self._run(input_ids, lambda i, mixer, h: mixer(h, cache.conv[i], cache.ssm[i], slots), last_only=True)
+        """Run B prompts of equal length [B, L] from their slots' states; returns the last logits [B, V].
+
+        The packed call of ``prefill_varlen`` with ``cu_seqlens = [0, L, 2L, ...]``.
+        """
+        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+            raise ValueError(f"Mamba2LM.prefill: `input_ids` expected shape (B, L) with L >= 1, "
+                             f"got {tuple(input_ids.shape)}")
+        nreq, L = input_ids.shape
+        cu_seqlens = torch.arange(0, nreq * L + 1, L, dtype=torch.int32, device=input_ids.device)
+        return self.prefill_varlen(input_ids.reshape(-1), cu_seqlens, cache, slots)
+
+    @torch.inference_mode()
+    def prefill_varlen(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        cache: StateCache,
+        slots: torch.Tensor,
+        has_initial_state: torch.Tensor | bool = True,
+    ) -> torch.Tensor:
+        """Run B prompts of any lengths packed into one call; returns each one's last-token logits [B, V] fp32.
+
+        input_ids   [T] int64: the prompts back to back
+        cu_seqlens  [B+1] int32/int64: prompt b is input_ids[cu_seqlens[b]:cu_seqlens[b+1]]; starts
+                    at 0, ends at T, every prompt at least one token
+        slots       [B] int32/int64: prompt b's row in every layer's conv and SSM pools, whose
+                    states are mutated in place to the states after the prompt
+        has_initial_state  True (default): every prompt continues from its slot's states (as
+                    ``prefill``; a freshly allocated slot holds zeros); False: every prompt starts
+                    from zeros and the old contents are not read; or a [B] bool tensor per prompt
+        Reads cu_seqlens on the host once to check that no prompt is empty (the ops read it too).
+        """
+        if input_ids.dim() != 1:
+            raise ValueError(f"Mamba2LM.prefill_varlen: `input_ids` expected shape (T,), got {tuple(input_ids.shape)}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(f"Mamba2LM.prefill_varlen: `cu_seqlens` expected shape (B+1,) with B >= 1, "
+                             f"got {tuple(cu_seqlens.shape)}")
+        nseq = cu_seqlens.shape[0] - 1
+        if tuple(slots.shape) != (nseq,):
+            raise ValueError(f"Mamba2LM.prefill_varlen: `slots` expected shape (B,)=({nseq},), "
+                             f"got {tuple(slots.shape)}")
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        if not bool((lengths > 0).all()):
+            empty = (lengths <= 0).nonzero().flatten().tolist()
+            raise ValueError(f"Mamba2LM.prefill_varlen: every prompt needs at least one token; prompts {empty[:8]} "
+                             f"have none (cu_seqlens of length {nseq + 1})")
+        if has_initial_state is True:
+            flags = torch.ones(nseq, dtype=torch.bool, device=input_ids.device)
+        elif has_initial_state is False:
+            flags = None  # the ops then start every prompt from zeros without reading its slot
+        else:
+            flags = has_initial_state
+        last = cu_seqlens[1:] - 1
+        return self._run(
+            input_ids,
+            lambda i, mixer, h: mixer.forward_varlen(h, cu_seqlens, cache.conv[i], cache.ssm[i], slots, flags),
+            rows=last,
+        )
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor) -> torch.Tensor:

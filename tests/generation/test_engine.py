@@ -33,6 +33,28 @@ def test_continuous_batching_matches_greedy_alone(model):
     assert engine.cache.free_slots == 2 and not engine.has_unfinished()
 
 
+def test_mixed_prompt_lengths_share_one_prefill(model, monkeypatch):
+    """Prompts of 1, 5 and 13 tokens are admitted together and prefilled in one packed call; each
+    request gets the greedy tokens it gets when it runs alone."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 5, 13)]
+    params = SamplingParams(max_new_tokens=3)
+    alone = [Engine(model, max_batch=1).generate([p], params)[0] for p in prompts]
+
+    calls = []
+    packed_prefill = model.prefill_varlen
+
+    def counting(ids, cu_seqlens, *args, **kwargs):
+        calls.append(cu_seqlens.tolist())
+        return packed_prefill(ids, cu_seqlens, *args, **kwargs)
+
+    monkeypatch.setattr(model, "prefill_varlen", counting)
+    engine = Engine(model, max_batch=4)
+    assert engine.generate(prompts, params) == alone
+    assert calls == [[0, 1, 6, 19]]  # the three admitted together: one packed prefill
+    assert engine.cache.free_slots == 4
+
+
 def test_stop_tokens_and_seeded_sampling(model):
     prompt = [1, 2, 3, 4]
     first = greedy_reference(model, prompt, 3)

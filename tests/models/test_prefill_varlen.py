@@ -1,0 +1,100 @@
+"""Packed variable-length prefill: prompts of different lengths in one call give the logits and the
+cache slots each prompt gets alone, continue from their slots, and hand over to decode."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastmamba
+from tests.helpers import seeded, tol
+
+FP32 = tol(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def model():
+    # fp32 on the CPU (the kernels run in the interpreter); chunk_size 16, so a 19-token prompt
+    # spans two chunks of the scan and the 1-token one is shorter than the conv width
+    return fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cpu")
+
+
+def prompts_of(lengths, seed):
+    g = seeded(seed)
+    return [torch.randint(0, 256, (n,), generator=g) for n in lengths]
+
+
+def cu_seqlens_of(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def poison(cache, seed):
+    """Random contents in every slot: a prompt without initial state must not read them, and
+    slots outside the call must keep them bit for bit."""
+    g = seeded(seed)
+    for pool in (*cache.conv, *cache.ssm):
+        pool.copy_(torch.randn(pool.shape, generator=g).to(pool.dtype))
+
+
+def test_packed_prefill_equals_each_prompt_alone(model):
+    lengths = (1, 5, 19)
+    prompts = prompts_of(lengths, 0)
+    cache = model.new_cache(5)
+    poison(cache, 1)
+    before = [t.clone() for t in (*cache.conv, *cache.ssm)]
+    slots = torch.tensor([3, 0, 4], dtype=torch.int32)  # shuffled; slots 1 and 2 not in the call
+    logits = model.prefill_varlen(torch.cat(prompts), cu_seqlens_of(lengths), cache, slots, has_initial_state=False)
+    assert logits.shape == (3, model.cfg.vocab_size) and logits.dtype == torch.float32
+
+    for b, prompt in enumerate(prompts):
+        alone = model.new_cache(1)
+        want = model.prefill(prompt[None], alone, alone.alloc(1))
+        torch.testing.assert_close(logits[b], want[0], **FP32)
+        s = int(slots[b])
+        for layer in range(model.cfg.n_layer):
+            torch.testing.assert_close(cache.conv[layer][s], alone.conv[layer][0], **FP32)
+            torch.testing.assert_close(cache.ssm[layer][s], alone.ssm[layer][0], **FP32)
+    for old, new in zip(before, (*cache.conv, *cache.ssm)):
+        assert torch.equal(old[[1, 2]], new[[1, 2]])
+
+
+def test_packed_prefill_continues_from_slots_then_decodes(model):
+    """Teacher forcing against one full forward per sequence: a packed prefill of two prefixes, a
+    packed call where both continue from their slots (the second across a scan chunk boundary)
+    next to a new prompt that must not read its poisoned slot, then decode steps; each equals the
+    full forward's logits at the same position."""
+    first, rest, fresh, steps = (1, 6), (3, 12), 2, 2
+    seqs = prompts_of([a + b + steps for a, b in zip(first, rest)] + [fresh + steps], 2)
+    full = [model(s[None])[0] for s in seqs]  # [L, V] each
+    cache = model.new_cache(4)
+    poison(cache, 3)
+    slots = torch.tensor([3, 1, 0], dtype=torch.int32)
+
+    got = model.prefill_varlen(torch.cat([s[:n] for s, n in zip(seqs, first)]), cu_seqlens_of(first), cache,
+                               slots[:2], has_initial_state=False)
+    for b, n in enumerate(first):
+        torch.testing.assert_close(got[b], full[b][n - 1], **FP32)
+
+    starts, ends = [*first, 0], [*(a + b for a, b in zip(first, rest)), fresh]
+    ids = torch.cat([s[a:e] for s, a, e in zip(seqs, starts, ends)])
+    flags = torch.tensor([True, True, False])
+    got = model.prefill_varlen(ids, cu_seqlens_of([e - a for a, e in zip(starts, ends)]), cache, slots, flags)
+    for b, e in enumerate(ends):
+        torch.testing.assert_close(got[b], full[b][e - 1], **FP32)
+
+    for k in range(steps):
+        tokens = torch.stack([s[e + k] for s, e in zip(seqs, ends)])
+        got = model.decode(tokens, cache, slots)
+        for b, e in enumerate(ends):
+            torch.testing.assert_close(got[b], full[b][e + k], **FP32)
+
+
+def test_prefill_varlen_rejects_bad_input(model):
+    cache = model.new_cache(2)
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    ids = torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"prompts \[1\] have none"):
+        model.prefill_varlen(ids, torch.tensor([0, 4, 4], dtype=torch.int32), cache, slots)
+    with pytest.raises(ValueError, match="`slots` expected shape"):
+        model.prefill_varlen(ids, torch.tensor([0, 4], dtype=torch.int32), cache, slots)
+    with pytest.raises(ValueError, match=r"expected shape \(T,\)"):
+        model.prefill_varlen(ids[None], torch.tensor([0, 4], dtype=torch.int32), cache, slots[:1])
