@@ -23,7 +23,7 @@ steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests tune kernels)
 for step in "${steps[@]}"; do
     echo "=== $step $(date +%T)"
     case "$step" in
-        tests)     timeout 240 python3 -m pytest -q -n 8 tests > "$OUT/tests.log" 2>&1; echo "rc=$?"; tail -n 15 "$OUT/tests.log" ;;
+        tests)     timeout 400 python3 -m pytest -q -n 8 tests > "$OUT/tests.log" 2>&1; echo "rc=$?"; tail -n 15 "$OUT/tests.log" ;;
         tests-ops) timeout 200 python3 -m pytest -q -n 8 tests/ops > "$OUT/tests.log" 2>&1; echo "rc=$?"; tail -n 15 "$OUT/tests.log" ;;
         tune)      timeout 280 python3 -m fastmamba.bench tune > "$OUT/tune.txt" 2> "$OUT/tune.err"; echo "rc=$?"; cat "$OUT/tune.txt" ;;
         tune-*)    timeout 280 python3 -m fastmamba.bench tune --ops "${step#tune-}" >> "$OUT/tune.txt" 2>> "$OUT/tune.err"; echo "rc=$?"; cat "$OUT/tune.txt" ;;
