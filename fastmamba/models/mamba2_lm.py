@@ -16,6 +16,7 @@ from fastmamba.cache.state_cache import StateCache
 from fastmamba.layers.mamba2 import DecodeTricks, Mamba2Mixer
 from fastmamba.models.config import Mamba2Config
 from fastmamba.ops import add_rmsnorm
+from fastmamba.ops._common.host_values import host_list
 
 
 class RMSNorm(nn.Module):
@@ -132,9 +133,9 @@ class Mamba2LM(nn.Module):
         if tuple(slots.shape) != (nseq,):
             raise ValueError(f"Mamba2LM.prefill_varlen: `slots` expected shape (B,)=({nseq},), "
                              f"got {tuple(slots.shape)}")
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        if not bool((lengths > 0).all()):
-            empty = (lengths <= 0).nonzero().flatten().tolist()
+        cu = host_list(cu_seqlens)  # read once: the layers' ops reuse this host copy
+        empty = [b for b in range(nseq) if cu[b + 1] <= cu[b]]
+        if empty:
             raise ValueError(f"Mamba2LM.prefill_varlen: every prompt needs at least one token; prompts {empty[:8]} "
                              f"have none (cu_seqlens of length {nseq + 1})")
         if has_initial_state is True:

@@ -9,6 +9,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from fastmamba.ops._common.host_values import host_list
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -65,16 +67,16 @@ def check_unit_stride(op: str, name: str, t: torch.Tensor, dim: int) -> None:
 def check_indices(op: str, name: str, idx: torch.Tensor, batch: int, num_slots: int, pad_slot_id: int) -> None:
     """Slot indices: shape (B,), int32/int64, each in [0, num_slots) or equal to pad_slot_id.
 
-    The range check reads the indices on the host (one small device sync); it is skipped while a
-    CUDA graph is being captured, where a sync is not allowed.
+    The range check reads the indices on the host (one small device sync, once per tensor version:
+    see host_values.py); it is skipped while a CUDA graph is being captured, where a sync is not
+    allowed.
     """
     check_dtype(op, name, idx, INDEX_DTYPES)
     check_shape(op, name, idx, [("B", batch)])
     if idx.is_cuda and torch.cuda.is_current_stream_capturing():
         return
-    valid = (idx == pad_slot_id) | ((idx >= 0) & (idx < num_slots))
-    if not bool(valid.all()):
-        bad = idx[~valid][:4].tolist()
+    bad = [int(v) for v in host_list(idx) if v != pad_slot_id and not 0 <= v < num_slots][:4]
+    if bad:
         raise ValueError(
             f"{op}: `{name}` values must lie in [0, {num_slots}) or equal pad_slot_id={pad_slot_id}; got {bad}"
         )

@@ -15,6 +15,7 @@ from fastmamba.ops._common.checks import (
     check_shape,
 )
 from fastmamba.ops._common.dispatch import use_triton
+from fastmamba.ops._common.host_values import host_list
 from fastmamba.ops.conv1d_fn.kernel import causal_conv1d_fn_launch, causal_conv1d_varlen_launch, is_channel_last
 from fastmamba.ops.conv1d_fn.ref import causal_conv1d_fn_ref, causal_conv1d_varlen_ref
 
@@ -285,7 +286,7 @@ def _check_varlen_inputs(
         raise ValueError(f"{op}: `cu_seqlens` expected shape (B+1,), got {tuple(cu_seqlens.shape)}")
     B = cu_seqlens.shape[0] - 1
     if not (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
-        cu = cu_seqlens.tolist()
+        cu = host_list(cu_seqlens)
         if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
             shown = cu if len(cu) <= 10 else cu[:5] + ["..."] + cu[-3:]
             raise ValueError(

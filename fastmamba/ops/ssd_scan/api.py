@@ -14,6 +14,7 @@ from fastmamba.ops._common.checks import (
     check_shape,
 )
 from fastmamba.ops._common.dispatch import use_triton
+from fastmamba.ops._common.host_values import host_list
 from fastmamba.ops.ssd_scan.launch import ScanSegments, ssd_scan_launch
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
 
@@ -33,11 +34,11 @@ def _cdiv(a: int, b: int) -> int:
 def num_chunks(cu_seqlens: torch.Tensor, chunk_size: int) -> int:
     """How many chunks the scan cuts the packed sequences into (chunks never cross a boundary).
 
-    Reads cu_seqlens on the host. Chunk k of sequence b has index
+    Reads cu_seqlens on the host (once per tensor version). Chunk k of sequence b has index
     ``chunk_offsets(cu_seqlens, chunk_size)[b] + k`` in ``chunk_states_out``.
     """
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    return sum(_cdiv(int(n), chunk_size) for n in lens)
+    cu = host_list(cu_seqlens)
+    return sum(_cdiv(int(b) - int(a), chunk_size) for a, b in zip(cu[:-1], cu[1:]))
 
 
 def chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -53,7 +54,7 @@ def _check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, total: int) -> None:
         raise ValueError(f"{op}: `cu_seqlens` expected shape (B+1,) with B >= 1, got {tuple(cu_seqlens.shape)}")
     if _capturing(cu_seqlens):
         return
-    values = cu_seqlens.tolist()
+    values = host_list(cu_seqlens)
     if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values[:-1], values[1:])):
         shown = values if len(values) <= 10 else values[:5] + ["..."] + values[-3:]
         raise ValueError(
