@@ -1,0 +1,266 @@
+"""Triton kernels of the replay state update (speculative verification, T tokens per request).
+
+With a_t = A[h] dt'_t and cs_t = a_0 + ... + a_t over this step's T tokens, two kernels run:
+
+1. ``_replay_precompute_kernel`` (request, group, block of the group's heads): dt' and cs for the
+   new tokens, the group's C B^T (one tensor-core matmul), and per head the causal matrix
+       M[t, s] = (C_t . B_s) exp(cs_t - cs_s) dt'_s   (s <= t, else 0)   -> fp32 scratch [B, H, T, T];
+   then records this step's B, dt' and cs in the write buffer 1 - buf_idx[slot] of the cache.
+2. ``_replay_main_kernel`` (block of P, request, head): loads the committed state tile once,
+   replays the k = prev_accepted[slot] accepted tokens of the previous step from the read buffer
+       S <- exp(cA_{k-1}) S + (x_old * exp(cA_{k-1} - cA_s) dt_old_s)^T @ B_old       (one tl.dot)
+   stores it (the commit of the previous step; skipped when k = 0), then produces all T outputs
+       y = exp(cs) * (C @ S^T) + M @ x + D x,   y *= silu(z)                       (two tl.dot)
+   (computed transposed, [P, T], so that the P rows are every dot's M dimension), and
+   overwrites the slot's old_x with this step's x.
+
+The token axis is padded to BLOCK_T >= 16 (tl.dot's smallest size) and masked. No per-token state
+is ever materialised: the state moves through HBM once in and (when k > 0) once out.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastmamba.ops._common.jit_math import silu, softplus, stochastic_round
+
+
+@triton.jit
+def _replay_precompute_kernel(
+    dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, idx_ptr, buf_idx_ptr,
+    M_ptr, old_B_ptr, old_dt_ptr, old_cumA_ptr,
+    T, heads_per_group, pad_slot_id,
+    stride_dt_b, stride_dt_t, stride_dt_h,
+    stride_dt_bias_h, stride_A_h,
+    stride_B_b, stride_B_t, stride_B_g, stride_B_n,
+    stride_C_b, stride_C_t, stride_C_g, stride_C_n,
+    stride_M_b, stride_M_h, stride_M_t, stride_M_s,
+    stride_oB_r, stride_oB_s, stride_oB_t, stride_oB_g, stride_oB_n,
+    stride_odt_r, stride_odt_s, stride_odt_t, stride_odt_h,
+    stride_ocs_r, stride_ocs_s, stride_ocs_t, stride_ocs_h,
+    HAS_DT_BIAS: tl.constexpr, HAS_IDX: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, HEADS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # one program per (request, group, block of HEADS heads of that group): C B^T is computed once
+    # and shared by the block's heads, which differ only in their decay and dt'
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    hb = tl.program_id(2)
+    if HAS_IDX:
+        slot = tl.load(idx_ptr + b).to(tl.int64)
+    else:
+        slot = b
+    if slot == pad_slot_id:
+        return  # padding: the main kernel zeroes its output, nothing is recorded
+    wbuf = 1 - tl.load(buf_idx_ptr + slot).to(tl.int64)  # the buffer the previous step did not fill
+
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_j = hb * HEADS + tl.arange(0, HEADS)
+    mt = offs_t < T
+    mn = offs_n < N
+    mj = offs_j < heads_per_group
+    h = g * heads_per_group + offs_j  # [HEADS]
+    mask_ht = mj[:, None] & mt[None, :]
+
+    # dt' and the cumulative log-decay cs, [HEADS, BLOCK_T] (zero past T, so cs stays flat there)
+    d = tl.load(dt_ptr + b * stride_dt_b + offs_t[None, :] * stride_dt_t + h[:, None] * stride_dt_h,
+                mask=mask_ht, other=0.0).to(tl.float32)
+    if HAS_DT_BIAS:
+        d += tl.load(dt_bias_ptr + h * stride_dt_bias_h, mask=mj, other=0.0).to(tl.float32)[:, None]
+    if DT_SOFTPLUS:
+        d = softplus(d)
+    d = tl.where(mask_ht, d, 0.0)
+    A = tl.load(A_ptr + h * stride_A_h, mask=mj, other=0.0).to(tl.float32)
+    cs = tl.cumsum(d * A[:, None], axis=1)
+
+    # C B^T of the group, [BLOCK_T (t), BLOCK_T (s)]
+    tile_tn = mt[:, None] & mn[None, :]
+    Cm = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_t[:, None] * stride_C_t + offs_n[None, :] * stride_C_n,
+                 mask=tile_tn, other=0.0)
+    Bm = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + offs_t[:, None] * stride_B_t + offs_n[None, :] * stride_B_n,
+                 mask=tile_tn, other=0.0)
+    # fp32 operands: 16-bit B and C are exact in TF32, so this equals a 16-bit tensor-core dot
+    # (and the CPU interpreter, whose 16-bit tl.dot is wrong in Triton 3.6, computes it right)
+    cb = tl.dot(Cm.to(tl.float32), tl.trans(Bm.to(tl.float32)), input_precision=DOT_PRECISION)
+
+    # M[h, t, s] = cb[t, s] exp(cs[h, t] - cs[h, s]) dt'[h, s] for s <= t; the exponent is <= 0
+    # there (A < 0), and the masked upper triangle gets exp(-inf) = 0 rather than a huge number
+    causal = (offs_t[:, None] >= offs_t[None, :])[None, :, :]
+    decay = tl.exp(tl.where(causal, cs[:, :, None] - cs[:, None, :], float("-inf")))
+    M = cb[None, :, :] * decay * d[:, None, :]
+    M_ptrs = (M_ptr + b * stride_M_b + h[:, None, None] * stride_M_h
+              + offs_t[None, :, None] * stride_M_t + offs_t[None, None, :] * stride_M_s)
+    tl.store(M_ptrs, M, mask=mj[:, None, None] & mt[None, :, None] & mt[None, None, :])
+
+    # record this step's dt', cs and B for the next step's replay (buffer 1 - buf_idx)
+    dt_rec = old_dt_ptr + wbuf * stride_odt_r + slot * stride_odt_s
+    tl.store(dt_rec + offs_t[None, :] * stride_odt_t + h[:, None] * stride_odt_h, d, mask=mask_ht)
+    cs_rec = old_cumA_ptr + wbuf * stride_ocs_r + slot * stride_ocs_s
+    tl.store(cs_rec + offs_t[None, :] * stride_ocs_t + h[:, None] * stride_ocs_h, cs, mask=mask_ht)
+    if hb == 0:
+        B_rec = old_B_ptr + wbuf * stride_oB_r + slot * stride_oB_s + g * stride_oB_g
+        tl.store(B_rec + offs_t[:, None] * stride_oB_t + offs_n[None, :] * stride_oB_n,
+                 Bm.to(old_B_ptr.dtype.element_ty), mask=tile_tn)
+
+
+@triton.jit
+def _replay_main_kernel(
+    state_ptr, old_x_ptr, old_B_ptr, old_dt_ptr, old_cumA_ptr, buf_idx_ptr, accepted_ptr,
+    x_ptr, C_ptr, D_ptr, z_ptr, M_ptr, out_ptr, idx_ptr, seed_ptr,
+    T, heads_per_group, pad_slot_id,
+    stride_state_s, stride_state_h, stride_state_p, stride_state_n,
+    stride_ox_s, stride_ox_t, stride_ox_h, stride_ox_p,
+    stride_oB_r, stride_oB_s, stride_oB_t, stride_oB_g, stride_oB_n,
+    stride_odt_r, stride_odt_s, stride_odt_t, stride_odt_h,
+    stride_ocs_r, stride_ocs_s, stride_ocs_t, stride_ocs_h,
+    stride_x_b, stride_x_t, stride_x_h, stride_x_p,
+    stride_C_b, stride_C_t, stride_C_g, stride_C_n,
+    stride_D_h,
+    stride_z_b, stride_z_t, stride_z_h, stride_z_p,
+    stride_M_b, stride_M_h, stride_M_t, stride_M_s,
+    stride_out_b, stride_out_t, stride_out_h, stride_out_p,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_IDX: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
+    P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # one program per (block of P, request, head): replay, commit, T outputs, record x
+    pid_p = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    g = h // heads_per_group
+
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_t = tl.arange(0, BLOCK_T)
+    mp = offs_p < P
+    mn = offs_n < N
+    mt = offs_t < T
+
+    if HAS_IDX:
+        slot = tl.load(idx_ptr + b).to(tl.int64)
+    else:
+        slot = b
+    if slot == pad_slot_id:  # padding: zero output, no state or cache traffic
+        tl.store(out_ptr + b * stride_out_b + h * stride_out_h + offs_p[:, None] * stride_out_p
+                 + offs_t[None, :] * stride_out_t, tl.zeros((BLOCK_P, BLOCK_T), dtype=out_ptr.dtype.element_ty),
+                 mask=mp[:, None] & mt[None, :])
+        return
+    rbuf = tl.load(buf_idx_ptr + slot).to(tl.int64)
+    k = tl.minimum(tl.maximum(tl.load(accepted_ptr + slot).to(tl.int32), 0), T)
+
+    # ---- 1. replay the k accepted tokens of the previous step onto the committed state ----------
+    # (nothing here reads what the precompute kernel writes: with PDL, its grid-dependency wait
+    # would go after the state store)
+    tile_mask = mp[:, None] & mn[None, :]
+    s_off = offs_p[:, None] * stride_state_p + offs_n[None, :] * stride_state_n
+    state_row = state_ptr + slot * stride_state_s + h * stride_state_h
+    s = tl.load(state_row + s_off, mask=tile_mask, other=0.0).to(tl.float32)
+
+    ms = offs_t < k
+    cum_old = tl.load(old_cumA_ptr + rbuf * stride_ocs_r + slot * stride_ocs_s + h * stride_ocs_h
+                      + offs_t * stride_ocs_t, mask=ms, other=0.0)
+    dt_old = tl.load(old_dt_ptr + rbuf * stride_odt_r + slot * stride_odt_s + h * stride_odt_h
+                     + offs_t * stride_odt_t, mask=ms, other=0.0)
+    cum_last = tl.sum(tl.where(offs_t == k - 1, cum_old, 0.0), axis=0)  # cA_{k-1}; 0 when k = 0
+    w_old = tl.where(ms, tl.exp(cum_last - cum_old) * dt_old, 0.0)
+    x_row = old_x_ptr + slot * stride_ox_s + h * stride_ox_h
+    x_old = tl.load(x_row + offs_p[:, None] * stride_ox_p + offs_t[None, :] * stride_ox_t,
+                    mask=mp[:, None] & ms[None, :], other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_T]
+    B_old = tl.load(old_B_ptr + rbuf * stride_oB_r + slot * stride_oB_s + g * stride_oB_g
+                    + offs_t[:, None] * stride_oB_t + offs_n[None, :] * stride_oB_n,
+                    mask=ms[:, None] & mn[None, :], other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_N]
+    s = tl.dot(x_old * w_old[None, :], B_old, s * tl.exp(cum_last), input_precision=DOT_PRECISION)
+
+    if STOCHASTIC_ROUND:
+        seed = tl.load(seed_ptr)
+        # one random number per stored element, distinct across slots, heads and positions
+        elem = ((slot * tl.num_programs(2) + h) * P + offs_p[:, None]) * N + offs_n[None, :]
+        s_out = stochastic_round(s, tl.rand(seed, elem.to(tl.int32)), state_ptr.dtype.element_ty)
+    else:
+        s_out = s.to(state_ptr.dtype.element_ty)
+    tl.store(state_row + s_off, s_out, mask=tile_mask & (k > 0))  # k = 0: the state is unchanged
+
+    # ---- 2. the T outputs from the fp32 state, transposed ([P, T]) so that every tl.dot has the
+    # P rows as M: y^T = (S @ C^T) * exp(cs) + x^T @ M^T + D x^T, gated ---------------------------
+    cs = tl.load(old_cumA_ptr + (1 - rbuf) * stride_ocs_r + slot * stride_ocs_s + h * stride_ocs_h
+                 + offs_t * stride_ocs_t, mask=mt, other=0.0)
+    C_T = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n[:, None] * stride_C_n + offs_t[None, :] * stride_C_t,
+                  mask=mn[:, None] & mt[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_T]
+    M_T = tl.load(M_ptr + b * stride_M_b + h * stride_M_h + offs_t[:, None] * stride_M_s + offs_t[None, :] * stride_M_t,
+                  mask=mt[:, None] & mt[None, :], other=0.0)  # [s, t]
+    mask_pt = mp[:, None] & mt[None, :]
+    x_T = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p[:, None] * stride_x_p + offs_t[None, :] * stride_x_t,
+                  mask=mask_pt, other=0.0)  # [BLOCK_P, BLOCK_T]
+    xf = x_T.to(tl.float32)
+    y = tl.dot(s, C_T, input_precision=DOT_PRECISION) * tl.exp(cs)[None, :]
+    y = tl.dot(xf, M_T, y, input_precision=DOT_PRECISION)
+    if HAS_D:
+        y += xf * tl.load(D_ptr + h * stride_D_h).to(tl.float32)
+    if HAS_Z:
+        zv = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + offs_p[:, None] * stride_z_p + offs_t[None, :] * stride_z_t,
+                     mask=mask_pt, other=0.0).to(tl.float32)
+        y *= silu(zv)
+    tl.store(out_ptr + b * stride_out_b + h * stride_out_h + offs_p[:, None] * stride_out_p
+             + offs_t[None, :] * stride_out_t, y.to(out_ptr.dtype.element_ty), mask=mask_pt)
+
+    # ---- 3. record this step's x for the next replay ----------------------------------------------
+    # The replay above read these rows, possibly in another thread layout: wait until every thread
+    # of the program has its old x before any thread overwrites them.
+    tl.debug_barrier()
+    tl.store(x_row + offs_p[:, None] * stride_ox_p + offs_t[None, :] * stride_ox_t,
+             x_T.to(old_x_ptr.dtype.element_ty), mask=mask_pt)
+
+
+def _dot_precision(dtype: torch.dtype, fp32: str) -> str:
+    """16-bit activations: TF32 on fp32 operands (the 16-bit inputs are exact in TF32; the dt and
+    decay weights keep 10 mantissa bits instead of 7). fp32 activations: ``fp32`` -- "ieee" where
+    the FMA lowering is cheap (the precompute's small C B^T), "tf32x3" in the main kernel, whose
+    "ieee" FMA dots spill at every tile size on sm_90 while tf32x3 is near-fp32 on tensor cores."""
+    return fp32 if dtype == torch.float32 else "tf32"
+
+
+def launch_replay_precompute(
+    dt, dt_bias, A, B, C, idx, buf_idx, M, old_B, old_dt, old_cumA,
+    *, dt_softplus: bool, pad_slot_id: int, heads: int, num_warps: int,
+):
+    """dt (B,T,H) raw; dt_bias, A (H,) or None; B, C (B,T,G,N); idx (B,) or None; buf_idx (S,);
+    M (B,H,T,T) fp32 scratch; old_B (2,S,T,G,N); old_dt, old_cumA (2,S,T,H)."""
+    nreq, ntok, nheads = dt.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    hpg = nheads // ngroups
+    grid = (nreq, ngroups, triton.cdiv(hpg, heads))
+    _replay_precompute_kernel[grid](
+        dt, dt_bias, A, B, C, idx, buf_idx, M, old_B, old_dt, old_cumA,
+        ntok, hpg, pad_slot_id,
+        *dt.stride(), dt_bias.stride(0) if dt_bias is not None else 0, A.stride(0),
+        *B.stride(), *C.stride(), *M.stride(), *old_B.stride(), *old_dt.stride(), *old_cumA.stride(),
+        HAS_DT_BIAS=dt_bias is not None, HAS_IDX=idx is not None, DT_SOFTPLUS=dt_softplus,
+        N=dstate, BLOCK_N=max(16, triton.next_power_of_2(dstate)), BLOCK_T=max(16, triton.next_power_of_2(ntok)),
+        HEADS=heads, DOT_PRECISION=_dot_precision(B.dtype, "ieee"), num_warps=num_warps,
+    )
+
+
+def launch_replay_main(
+    state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, x, C, D, z, M, out, idx, seed,
+    *, pad_slot_id: int, block_p: int, num_warps: int,
+):
+    """state (S,H,P,N); old_x (S,T,H,P); x, z, out (B,T,H,P); C (B,T,G,N); D (H,) or None;
+    M from the precompute kernel; idx (B,) or None; seed one-element int64 or None."""
+    nreq, ntok, nheads, headdim = x.shape
+    ngroups, dstate = C.shape[2], C.shape[3]
+    grid = (triton.cdiv(headdim, block_p), nreq, nheads)
+    z_strides = tuple(z.stride()) if z is not None else (0, 0, 0, 0)
+    _replay_main_kernel[grid](
+        state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted,
+        x, C, D, z, M, out, idx, seed,
+        ntok, nheads // ngroups, pad_slot_id,
+        *state.stride(), *old_x.stride(), *old_B.stride(), *old_dt.stride(), *old_cumA.stride(),
+        *x.stride(), *C.stride(), D.stride(0) if D is not None else 0, *z_strides, *M.stride(), *out.stride(),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_IDX=idx is not None, STOCHASTIC_ROUND=seed is not None,
+        P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(dstate)),
+        BLOCK_T=max(16, triton.next_power_of_2(ntok)), DOT_PRECISION=_dot_precision(x.dtype, "tf32x3"),
+        num_warps=num_warps,
+    )

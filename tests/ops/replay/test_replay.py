@@ -1,0 +1,365 @@
+"""replay_selective_state_update vs the fp32 reference and vs plain token-by-token decoding
+(CPU: Triton interpreter; GPU: the mamba2-2.7b shape)."""
+from __future__ import annotations
+
+import dataclasses
+import doctest
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastmamba.ops import (
+    ReplayCache,
+    allocate_replay_cache,
+    commit_accepted,
+    replay_selective_state_update,
+    selective_state_update,
+)
+from fastmamba.ops.replay import api as replay_api
+from fastmamba.ops.replay.ref import replay_selective_state_update_ref
+from tests.helpers import nan_like, tol
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    batch: int = 3
+    tokens: int = 3
+    heads: int = 4
+    headdim: int = 12  # not a power of two: masked P rows
+    dstate: int = 10  # below tl.dot's 16: masked N columns
+    groups: int = 2
+    act: torch.dtype = torch.float32
+    state_dtype: torch.dtype = torch.float32
+    accepted: tuple[int, ...] = (1, 3, 2)  # prev_accepted of each request's slot
+    bufs: tuple[int, ...] = (0, 1, 1)  # buf_idx of each request's slot
+    slots: str = "shuffled-pad"  # "shuffled-pad" (last request is padding) | "shuffled" | "none"
+    has_z: bool = True
+    has_D: bool = True
+    has_dt_bias: bool = True
+    strided_x: bool = False
+
+
+BASE = Case("B3-T3-H4-P12-N10-G2-fp32")  # real rows: k=1 from buffer 0, k=T from buffer 1
+CASES = [
+    BASE,
+    dataclasses.replace(BASE, id="k0", accepted=(0, 0, 0)),
+    dataclasses.replace(BASE, id="kT-buf0", accepted=(3, 3, 3), bufs=(0, 0, 0)),
+    dataclasses.replace(BASE, id="B1-T1", batch=1, tokens=1, accepted=(1,), bufs=(1,), slots="shuffled"),
+    dataclasses.replace(BASE, id="T4", tokens=4, accepted=(2, 4, 0), bufs=(1, 0, 0), slots="shuffled"),
+    dataclasses.replace(BASE, id="no-slots", slots="none", accepted=(0, 1, 3)),
+    dataclasses.replace(BASE, id="H3-G1", heads=3, groups=1),
+    dataclasses.replace(BASE, id="P16-N16", headdim=16, dstate=16),
+    dataclasses.replace(BASE, id="bf16-act", act=torch.bfloat16),
+    dataclasses.replace(BASE, id="fp16-act-fp16-state", act=torch.float16, state_dtype=torch.float16),
+    dataclasses.replace(BASE, id="bf16-act-bf16-state", act=torch.bfloat16, state_dtype=torch.bfloat16),
+    dataclasses.replace(BASE, id="no-z-no-D-no-dt_bias", has_z=False, has_D=False, has_dt_bias=False),
+    dataclasses.replace(BASE, id="strided-x", strided_x=True),
+]
+
+
+def _slots(c: Case, g: torch.Generator) -> tuple[int, torch.Tensor | None]:
+    nslots = 2 * c.batch + 1
+    perm = torch.randperm(nslots, generator=g)[: c.batch].to(torch.int32)
+    if c.slots == "none":
+        return nslots, None
+    if c.slots == "shuffled-pad":
+        perm[-1] = -1
+    return nslots, perm
+
+
+def make_cache(c: Case, A: torch.Tensor, slots: list[int], g: torch.Generator) -> ReplayCache:
+    """A cache with plausible random contents; whatever the call must not read is NaN: the
+    positions >= k of the read buffer and of old_x, and the whole write buffer."""
+    nslots, T, H, P, G, N = 2 * c.batch + 1, c.tokens, c.heads, c.headdim, c.groups, c.dstate
+    cache = allocate_replay_cache(nslots, T, H, P, G, N, c.state_dtype, c.act, "cpu")
+    cache.state.copy_(torch.randn(nslots, H, P, N, generator=g))
+    cache.old_x.copy_(torch.randn(nslots, T, H, P, generator=g))
+    cache.old_B.copy_(torch.randn(2, nslots, T, G, N, generator=g) * 0.3)
+    cache.old_dt.copy_(F.softplus(torch.randn(2, nslots, T, H, generator=g) - 2.0))
+    cache.old_cumA.copy_(torch.cumsum(cache.old_dt * A, dim=2))
+    cache.buf_idx.copy_(torch.randint(0, 2, (nslots,), generator=g))
+    cache.prev_accepted.copy_(torch.randint(0, T + 1, (nslots,), generator=g))
+    for b, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        k, r = c.accepted[b], c.bufs[b]
+        cache.buf_idx[slot], cache.prev_accepted[slot] = r, k
+        cache.old_x[slot, k:] = float("nan")
+        for buf in (cache.old_B, cache.old_dt, cache.old_cumA):
+            buf[r, slot, k:] = float("nan")
+            buf[1 - r, slot] = float("nan")
+    return cache
+
+
+def make_inputs(c: Case, device, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    B, T, H, P, G, N = c.batch, c.tokens, c.heads, c.headdim, c.groups, c.dstate
+    A = -torch.exp(torch.randn(H, generator=g) * 0.5)
+    nslots, idx = _slots(c, g)
+    slots = idx.tolist() if idx is not None else list(range(B))
+    cache = make_cache(c, A, slots, g)
+
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    x = rnd(B, T, H, 2 * P)[..., :P] if c.strided_x else rnd(B, T, H, P)
+    inputs = dict(
+        x=x.to(c.act),
+        dt=rnd(B, T, H) - 3.0,  # raw: softplus(dt + dt_bias) is small, as in a trained model
+        A=A,
+        B=rnd(B, T, G, N, scale=0.3).to(c.act),
+        C=rnd(B, T, G, N, scale=0.3).to(c.act),
+        D=rnd(H) if c.has_D else None,
+        z=rnd(B, T, H, P).to(c.act) if c.has_z else None,
+        dt_bias=rnd(H, scale=0.5) if c.has_dt_bias else None,
+        dt_softplus=True,
+        state_batch_indices=idx,
+    )
+    cache = ReplayCache(*(t.to(device) for t in cache))
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    return cache, inputs, slots
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit pattern view, so NaN-poisoned buffers compare exactly with torch.equal."""
+    return t.contiguous().view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _clone(cache: ReplayCache) -> ReplayCache:
+    return ReplayCache(*(t.clone() for t in cache))
+
+
+@pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
+def test_matches_reference(c: Case, device):
+    cache, inp, slots = make_inputs(c, device)
+    before, ref = _clone(cache), _clone(cache)
+    out = nan_like(inp["x"])
+    y = replay_selective_state_update(*cache, **inp, out=out)
+    y_ref = replay_selective_state_update_ref(*ref, **inp)
+    assert y.data_ptr() == out.data_ptr()
+    t = tol(c.act, c.state_dtype)
+    torch.testing.assert_close(y.float(), y_ref.float(), **t)
+    torch.testing.assert_close(cache.state.float(), ref.state.float(), **t)
+    # recorded inputs: x and B are copies (exact); dt' and cumA are computed (fp32)
+    assert torch.equal(_bits(cache.old_x), _bits(ref.old_x))
+    assert torch.equal(_bits(cache.old_B), _bits(ref.old_B))
+    torch.testing.assert_close(cache.old_dt, ref.old_dt, atol=1e-5, rtol=1e-5, equal_nan=True)
+    torch.testing.assert_close(cache.old_cumA, ref.old_cumA, atol=1e-5, rtol=1e-5, equal_nan=True)
+    # the caller commits: the op leaves the integers alone
+    assert torch.equal(cache.buf_idx, before.buf_idx) and torch.equal(cache.prev_accepted, before.prev_accepted)
+
+    live = [s for s in slots if s >= 0]
+    for b, slot in enumerate(slots):
+        if slot >= 0 and c.accepted[b] == 0:  # nothing to replay: the state row is not rewritten
+            assert torch.equal(cache.state[slot], before.state[slot])
+    untouched = [s for s in range(cache.state.shape[0]) if s not in live]
+    for name, now, then in zip(ReplayCache._fields, cache, before):
+        rows = (slice(None), untouched) if now.dim() == 5 or name in ("old_dt", "old_cumA") else (untouched,)
+        assert torch.equal(_bits(now[rows]), _bits(then[rows])), f"{name}: a row outside the batch changed"
+    if c.slots == "shuffled-pad":
+        assert torch.equal(y[-1], torch.zeros_like(y[-1]))
+
+
+def test_accepts_broadcast_per_head_forms(device):
+    """A as an (H, P, N) stride-0 view, dt as (B, T, H, P) stride 0 over P, D / dt_bias as (H, P)."""
+    c = BASE
+    cache, inp, _ = make_inputs(c, device, seed=1)
+    ref = _clone(cache)
+    y_ref = replay_selective_state_update_ref(*ref, **inp)
+    H, P, N = c.heads, c.headdim, c.dstate
+    wide = dict(inp, A=inp["A"][:, None, None].expand(H, P, N), dt=inp["dt"].unsqueeze(-1).expand(*inp["dt"].shape, P),
+                D=inp["D"][:, None].expand(H, P), dt_bias=inp["dt_bias"][:, None].expand(H, P))
+    y = replay_selective_state_update(*cache, **wide)
+    torch.testing.assert_close(y, y_ref, **tol(c.act))
+    torch.testing.assert_close(cache.state, ref.state, **tol(c.act))
+
+
+# ---- the key property: replay + commit == plain decoding of the accepted tokens ---------------
+
+def _equivalence(c: Case, accepted_per_step: list[list[int]], device, seed: int):
+    """Run speculative steps with the given accepted counts (commit between steps) and, beside
+    them, plain token-by-token selective_state_update over the accepted tokens only. Every
+    accepted token's output and, after a final flush step, the committed state must agree."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, H, P, G, N = c.batch, c.tokens, c.heads, c.headdim, c.groups, c.dstate
+    nslots = 2 * B + 1
+    slots = torch.randperm(nslots, generator=g)[:B].to(torch.int32).to(device)
+    A = (-torch.exp(torch.randn(H, generator=g) * 0.5)).to(device)
+    D, dt_bias = torch.randn(H, generator=g).to(device), (torch.randn(H, generator=g) * 0.5).to(device)
+    cache = allocate_replay_cache(nslots, T, H, P, G, N, c.state_dtype, c.act, device)
+    cache.state.copy_(torch.randn(nslots, H, P, N, generator=g))  # as a prefill left it
+    plain_state = cache.state.float()  # fp32 throughout: the reference trajectory
+
+    def step_inputs():
+        return dict(
+            x=torch.randn(B, T, H, P, generator=g).to(c.act).to(device),
+            dt=(torch.randn(B, T, H, generator=g) - 3.0).to(device),
+            B=(torch.randn(B, T, G, N, generator=g) * 0.3).to(c.act).to(device),
+            C=(torch.randn(B, T, G, N, generator=g) * 0.3).to(c.act).to(device),
+            z=torch.randn(B, T, H, P, generator=g).to(c.act).to(device),
+        )
+
+    t_out, t_state = tol(c.act), tol(c.act, c.state_dtype)
+    for accepted in accepted_per_step + [None]:  # None: the final flush step
+        inp = step_inputs()
+        y = replay_selective_state_update(*cache, inp["x"], inp["dt"], A, inp["B"], inp["C"], D, inp["z"],
+                                          dt_bias, True, slots)
+        if accepted is None:
+            break
+        acc = torch.tensor(accepted, dtype=torch.int32, device=device)
+        for t in range(T):
+            rows = torch.where(acc > t, slots, torch.full_like(slots, -1))  # the others: pad
+            y_t = selective_state_update(plain_state, inp["x"][:, t], inp["dt"][:, t], A, inp["B"][:, t],
+                                         inp["C"][:, t], D, inp["z"][:, t], dt_bias, True, rows)
+            keep = acc > t
+            torch.testing.assert_close(y[keep, t].float(), y_t[keep].float(), **t_out)
+        cache.commit(slots, acc)
+        assert torch.equal(cache.prev_accepted[slots.long()], acc)
+    rows = slots.long()
+    torch.testing.assert_close(cache.state[rows].float(), plain_state[rows], **t_state)
+
+
+def test_replay_equals_plain_decoding_of_accepted_tokens(device):
+    c = Case("equivalence-T4", batch=3, tokens=4, slots="shuffled")
+    # every count 0..T appears; a request may accept nothing and then everything
+    _equivalence(c, [[1, 4, 2], [4, 0, 3], [0, 2, 4], [3, 1, 1]], device, seed=20)
+
+
+def test_replay_equals_plain_decoding_bf16(device):
+    # bf16 activations, fp32 state: the plain run sees the same bf16 inputs; tolerances are bf16's
+    c = Case("equivalence-bf16", batch=1, tokens=3, heads=2, headdim=8, dstate=16, groups=1, act=torch.bfloat16,
+             slots="shuffled")
+    _equivalence(c, [[2], [3], [1]], device, seed=21)
+
+
+# ---- 16-bit state: stochastic rounding of the stored (replayed) state ------------------------
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_stochastic_rounding_of_the_committed_state(state_dtype, device):
+    """With rand_seed, each stored element is one of the two neighbours of the fp32 replay result,
+    not always the nearest one, and the seed changes the choice; the outputs do not depend on it."""
+    c = dataclasses.replace(BASE, id="sr", accepted=(3, 2, 1), slots="shuffled", headdim=16, dstate=16,
+                            state_dtype=state_dtype)
+    cache, inp, slots = make_inputs(c, device, seed=3)
+    exact = ReplayCache(*(t.clone() for t in cache))._replace(state=cache.state.float())
+    y_exact = replay_selective_state_update(*exact, **inp)
+    rows = torch.tensor(slots).long()
+    v = exact.state[rows].cpu()
+    rn = v.to(state_dtype).float()
+    neighbour = torch.nextafter(v.to(state_dtype), torch.where(v > rn, 1.0, -1.0).to(state_dtype) * float("inf")).float()
+    results = []
+    for seed in (5, 6):
+        trial = _clone(cache)
+        y = replay_selective_state_update(*trial, **inp, rand_seed=torch.tensor([seed], device=device))
+        torch.testing.assert_close(y, y_exact, atol=1e-6, rtol=1e-6)  # outputs use the unrounded state
+        sr = trial.state[rows].float().cpu()
+        assert torch.all((sr == rn) | (sr == neighbour)), "stochastic result must be a neighbour of the exact value"
+        results.append(sr)
+    assert not torch.equal(results[0], rn), "some elements must round away from the nearest value"
+    assert not torch.equal(results[0], results[1]), "a different seed must give different roundings"
+
+
+# ---- cache helpers -----------------------------------------------------------------------------
+
+def test_allocate_and_commit():
+    cache = allocate_replay_cache(5, 3, 4, 8, 2, 16, torch.bfloat16, torch.float16, "cpu")
+    assert cache.tokens == 3
+    assert [tuple(t.shape) for t in cache] == [(5, 4, 8, 16), (5, 3, 4, 8), (2, 5, 3, 2, 16), (2, 5, 3, 4),
+                                               (2, 5, 3, 4), (5,), (5,)]
+    assert [t.dtype for t in cache] == [torch.bfloat16, torch.float16, torch.float16, torch.float32,
+                                        torch.float32, torch.int32, torch.int32]
+    assert all(not t.any() for t in cache)
+    slots = torch.tensor([3, -1, 0], dtype=torch.int32)
+    cache.commit(slots, torch.tensor([2, 3, 0]))
+    assert cache.buf_idx.tolist() == [1, 0, 0, 1, 0] and cache.prev_accepted.tolist() == [0, 0, 0, 2, 0]
+    commit_accepted(cache.buf_idx, cache.prev_accepted, slots, torch.tensor([3, 1, 1], dtype=torch.int32))
+    assert cache.buf_idx.tolist() == [0, 0, 0, 0, 0] and cache.prev_accepted.tolist() == [1, 0, 0, 3, 0]
+    before = _clone(cache)
+    with pytest.raises(ValueError, match=r"`accepted` values must lie in \[0, 3\]; got \[4\]"):
+        cache.commit(slots, torch.tensor([4, 0, 0]))
+    with pytest.raises(ValueError, match=r"`slots` values must lie in \[0, 5\)"):
+        cache.commit(torch.tensor([7, 0, 1], dtype=torch.int32), torch.tensor([1, 1, 1]))
+    with pytest.raises(TypeError, match="`accepted` expected an integer dtype"):
+        cache.commit(slots, torch.tensor([1.0, 1.0, 1.0]))
+    assert all(torch.equal(a, b) for a, b in zip(cache, before))
+
+
+def test_docstring_examples():
+    assert doctest.testmod(replay_api, raise_on_error=False).failed == 0
+
+
+def test_registered_as_mutating_op():
+    schema = str(torch.ops.fastmamba.replay_selective_state_update_.default._schema)
+    for name in ("state", "old_x", "old_B", "old_dt", "old_cumA", "out"):
+        assert re.search(rf"Tensor\(\w+!\) {name}\b", schema), f"`{name}` must be declared mutated: {schema}"
+
+
+# ---- bad input: clear errors, nothing written ------------------------------------------------
+
+def _bad(mutate, match, exc):
+    cache, inp, _ = make_inputs(BASE, "cpu", seed=5)
+    before = _clone(cache)
+    args = dict(zip(ReplayCache._fields, cache), **inp)
+    mutate(args)
+    with pytest.raises(exc, match=match):
+        replay_selective_state_update(**args)
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(cache, before))
+
+
+@pytest.mark.parametrize("mutate,match,exc", [
+    (lambda a: a.update(x=a["x"][:, 0]), r"`x` expected shape \(B, T, H, P\)", ValueError),
+    (lambda a: a.update(x=torch.randn(3, 4, 4, 12), z=None, B=torch.randn(3, 4, 2, 10), C=torch.randn(3, 4, 2, 10),
+                        dt=torch.randn(3, 4, 4)), r"`x` has T=4 tokens .* replay cache holds T=3", ValueError),
+    (lambda a: a.update(old_B=a["old_B"][:, :, :, :1]), r"`old_B` expected shape \(buffers=2, S=7, T=3, G=2, N=10\)",
+     ValueError),
+    (lambda a: a.update(old_dt=a["old_dt"].bfloat16()), r"`old_dt` expected dtype in \(float32\)", TypeError),
+    (lambda a: a.update(prev_accepted=a["prev_accepted"].float()), r"`prev_accepted` expected dtype", TypeError),
+    (lambda a: a.update(buf_idx=a["buf_idx"][:3]), r"`buf_idx` expected shape \(S=7\)", ValueError),
+    (lambda a: a.update(old_x=a["old_x"].half()), r"`old_x` has dtype float16", TypeError),
+    (lambda a: a.update(B=a["B"].half()), r"`B` has dtype float16", TypeError),
+    (lambda a: a.update(B=torch.randn(3, 3, 3, 10), C=torch.randn(3, 3, 3, 10)), r"G=3 .* must divide .* H=4",
+     ValueError),
+    (lambda a: a.update(state_batch_indices=torch.tensor([0, 9, -1], dtype=torch.int32)), r"\[0, 7\).*\[9\]",
+     ValueError),
+    (lambda a: a.update(A=torch.randn(4, 12, 10)), r"`A` must hold one value per head \(tie-hdim", ValueError),
+    (lambda a: a.update(dt=torch.randn(3, 3, 4, 12)), r"`dt` must hold one value per head \(tie-hdim", ValueError),
+    (lambda a: a.update(D=torch.randn(4, 12)), r"`D` must hold one value per head", ValueError),
+    (lambda a: a.update(z=a["z"][:1]), r"`z` expected shape", ValueError),
+    (lambda a: a.update(out=torch.empty(3, 3, 4, 12, dtype=torch.float16)), r"`out` has dtype float16", TypeError),
+    (lambda a: a.update(rand_seed=torch.tensor([1, 2])), r"`rand_seed` must hold one element", ValueError),
+    (lambda a: a.update(dt=a["dt"].to("meta")), r"`dt` is on meta", ValueError),
+], ids=["x-rank", "T-mismatch", "old_B-G", "old_dt-dtype", "prev_accepted-dtype", "buf_idx-shape", "old_x-dtype",
+        "B-dtype", "G-divides-H", "slot-range", "A-untied", "dt-untied", "D-untied", "z-shape", "out-dtype", "seed",
+        "device"])
+def test_bad_input(mutate, match, exc):
+    _bad(mutate, match, exc)
+
+
+# ---- GPU: the mamba2-2.7b shape -------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_gpu_mamba2_2p7b(state_dtype):
+    c = Case("mamba2-2.7b-T6", batch=8, tokens=6, heads=80, headdim=64, dstate=128, groups=1, act=torch.bfloat16,
+             state_dtype=state_dtype, accepted=(0, 1, 6, 3, 2, 6, 5, 4), bufs=(0, 1, 0, 1, 1, 0, 0, 1))
+    cache, inp, _ = make_inputs(c, "cuda", seed=7)
+    ref = _clone(cache)
+    out = nan_like(inp["x"])
+    seed = torch.tensor([3], device="cuda") if state_dtype != torch.float32 else None
+    replay_selective_state_update(*cache, **inp, out=out, rand_seed=seed)
+    y_ref = replay_selective_state_update_ref(*ref, **inp)
+    torch.testing.assert_close(out.float(), y_ref.float(), **tol(torch.bfloat16))
+    torch.testing.assert_close(cache.state.float(), ref.state.float(), **tol(torch.bfloat16, state_dtype))
+    assert torch.equal(_bits(cache.old_x), _bits(ref.old_x)) and torch.equal(_bits(cache.old_B), _bits(ref.old_B))
+    torch.testing.assert_close(cache.old_cumA, ref.old_cumA, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+@pytest.mark.gpu
+def test_gpu_mamba2_2p7b_equals_plain_decoding():
+    c = Case("mamba2-2.7b-equivalence", batch=8, tokens=6, heads=80, headdim=64, dstate=128, groups=1,
+             act=torch.bfloat16, slots="shuffled")
+    steps = [[1, 6, 2, 0, 3, 5, 4, 6], [6, 1, 1, 2, 0, 3, 6, 5], [2, 3, 6, 6, 1, 0, 2, 1]]
+    _equivalence(c, steps, "cuda", seed=22)
