@@ -188,6 +188,7 @@ def _replay_op(
     cfg = pick_config(
         programs_per_block=nreq * nheads, headdim=headdim, dstate=B.shape[-1],
         t_pad=max(16, 1 << (ntok - 1).bit_length()), interpreter=interpreter_enabled(),
+        act_bytes=x.element_size(),
     )
     M = torch.empty(nreq, nheads, ntok, ntok, dtype=torch.float32, device=x.device)  # per-call scratch
     launch_replay_precompute(

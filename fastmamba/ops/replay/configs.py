@@ -4,8 +4,8 @@ Chosen by the launcher from the problem size, never by @triton.autotune (autotun
 in-place kernel and would corrupt the state and the replay cache). Under the interpreter the
 smallest tiles are used (its cost grows with the number of programs and with tile area).
 
-The defaults below are guesses, not measurements: no GPU has swept them yet. Replace them with a
-table from `python -m fastmamba.bench tune --ops replay` (issue 5, item 3), keyed on batch x heads
+Only the main kernel's P tile has been measured (one H100 sweep, quoted in pick_config); the
+rest are guesses. Replace them with a table from `python -m fastmamba.bench tune --ops replay` (issue 5, item 3), keyed on batch x heads
 and the padded token count, and record the GPU, Triton version, date and command here.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ def forced_config(block_p: int, num_warps: int, heads: int, warps_pre: int = 4) 
 
 
 def pick_config(
-    *, programs_per_block: int, headdim: int, dstate: int, t_pad: int, interpreter: bool
+    *, programs_per_block: int, headdim: int, dstate: int, t_pad: int, interpreter: bool, act_bytes: int = 2
 ) -> ReplayConfig:
     """Config for ``programs_per_block`` = requests x heads, head dim P, state size N and the
     token count padded for tl.dot (``t_pad`` >= 16).
@@ -67,5 +67,10 @@ def pick_config(
     heads = max(1, min(8, 8 * 16 * 16 // (t_pad * t_pad)))
     if interpreter:
         return ReplayConfig(block_p=16, num_warps=1, heads=min(4, heads), warps_pre=1)
-    block_p = max(16, min(64, triton.next_power_of_2(headdim)))
+    # H100, T=6, bf16 activations, fp32 state (scripts/dev_replay_timing.py sweep, 2026-11-22):
+    # 16 rows per program vs 32 / 64: 9.9 / 11.3 / 11.6 us (2.7b, batch 1), 23.1 / 21.8 / 24.2
+    # (batch 8), 316 / 317 / 321 (batch 128), Nemotron-H batch 128 437 / 439 / 452. fp32
+    # activations keep 64 (the only tile whose tf32x3 dots do not spill).
+    block_p = 64 if act_bytes >= 4 else 16
+    block_p = max(16, min(block_p, triton.next_power_of_2(headdim)))
     return ReplayConfig(block_p=block_p, num_warps=block_p // 16, heads=heads, warps_pre=4)
