@@ -60,10 +60,13 @@ def pick_config(H: int, P: int, N: int, dtype_bytes: int, *, interpreter: bool) 
     if interpreter:
         return SsdScanConfig(16, 16, 1, 16, 16, 16, 1, 1, 64, 0)
     # H100, mamba2-2.7b shape, bf16, L=2048 and 8192 (scripts/dev_ssd_sweep.py, 2026-11-22): best of 48
-    # chunk-scan tiles at both lengths; 8 warps, 128-row tiles or pipelining (stages 2-3) were slower
+    # chunk-scan tiles at both lengths; 8 warps, 128-row tiles or pipelining (stages 2-3) were slower.
+    # State passing: 1024 state elements per program, 49 us at L=8192 against 56 / 66 us for 256 /
+    # 128 (scripts/dev_ssd_profile.py); chunk states: 32 tokens x all of N on 4 warps (87 us) beat
+    # 64-column blocks (102-104 us) and 8 warps (91 us)
     return SsdScanConfig(
         block_k_state=32, block_n_state=128, warps_state=4, block_m=64, block_k=32, block_p=0, warps_scan=4,
-        stages_scan=1, block_pass=256, head_major=1, heads=1,
+        stages_scan=1, block_pass=1024, head_major=1, heads=1,
     )
 
 
