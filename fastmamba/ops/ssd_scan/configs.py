@@ -25,6 +25,11 @@ class SsdScanConfig(NamedTuple):
     block_pass: int  # flattened P*N elements per state-passing program
     head_major: int = 0  # chunk-scan grid (tiles, chunks, heads) instead of (chunks, heads, tiles)
     heads: int = 1  # heads per chunk-scan program (one after the other; 1 if it does not divide H)
+    # chunk states and state passing in one kernel, chunks chained through flags (no fp32 round
+    # trip of the per-chunk states). Off: on the H100 it was no faster, 136 us = 87 + 49 at L=8192
+    # and 42 vs 35 us at L=2048 (2.7b), since the 32-hop chain per head bounds it; it may pay
+    # with more, shorter chains (many sequences) — kept, tested, for that measurement
+    chain: int = 0
 
 
 # what `python -m fastmamba.bench tune --ops ssd` tries

@@ -168,6 +168,114 @@ def _chunk_state_kernel(
     "HAS_CHUNK_OUT": lambda a: a["chunk_out_ptr"] is not None,
     "HAS_SKIP": lambda a: a["skip_ptr"] is not None,
 })
+@triton.jit(do_not_specialize=["n_seg", "row_len"])
+def _chunk_state_chain_kernel(
+    x_ptr, B_ptr, table_ptr, cu_ptr, skip_ptr, states_in_ptr, send_ptr, dt_ptr, cs_ptr,
+    ticket_ptr, flag_ptr,
+    init_ptr, init_idx_ptr, final_ptr, final_idx_ptr, seg_final_ptr, chunk_out_ptr,
+    n_seg, row_len, H, P, N, heads_per_group, n_chunk_slots, n_nblocks,
+    stride_x_row, stride_x_tok, stride_x_h, stride_x_p,
+    stride_B_row, stride_B_tok, stride_B_g, stride_B_n,
+    stride_si_c, stride_si_h, stride_si_p, stride_si_n,
+    stride_se_c, stride_se_h, stride_se_p, stride_se_n,
+    stride_init_s, stride_init_h, stride_init_p, stride_init_n,
+    stride_final_s, stride_final_h, stride_final_p, stride_final_n,
+    stride_sf_s, stride_sf_h, stride_sf_p, stride_sf_n,
+    stride_co_c, stride_co_h, stride_co_p, stride_co_n,
+    Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, HAS_SEG_FINAL: tl.constexpr,
+    HAS_CHUNK_OUT: tl.constexpr, HAS_SKIP: tl.constexpr,
+):
+    # one program per (chunk, head, block of N), chunk-major by an atomic ticket: the chunk's own
+    # contribution S_loc (one matmul), then S_out = exp(cs_last) S_in + S_loc, where S_in is the
+    # previous chunk's S_out of the same segment, handed over in fp32 through send_ptr and a flag.
+    # Tickets are taken in start order, so a program only ever waits on one that is running.
+    ticket = tl.atomic_add(ticket_ptr, 1)
+    nb = ticket % n_nblocks
+    h = (ticket // n_nblocks) % H
+    c = ticket // (n_nblocks * H)
+    start, length, seg = _chunk_entry(table_ptr, c)
+    if seg >= n_seg:
+        return
+    if HAS_SKIP:
+        if tl.load(skip_ptr + seg) != 0:
+            return
+    is_first = start == tl.load(cu_ptr + seg)
+    is_last = start + length == tl.load(cu_ptr + seg + 1)
+    row = (start // row_len).to(tl.int64)
+    l0 = (start - row * row_len).to(tl.int64)
+    g = h // heads_per_group
+    scratch = (h * n_chunk_slots + c) * Q
+    cs_last = tl.load(cs_ptr + scratch + length - 1)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    mp = offs_p < P
+    mn = offs_n < N
+    mask = mp[:, None] & mn[None, :]
+    x_chunk = x_ptr + row * stride_x_row + l0 * stride_x_tok + h * stride_x_h
+    B_chunk = B_ptr + row * stride_B_row + l0 * stride_B_tok + g * stride_B_g
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, length, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mk = offs_k < length
+        w = tl.where(mk, tl.exp(cs_last - tl.load(cs_ptr + scratch + offs_k, mask=mk, other=0.0))
+                     * tl.load(dt_ptr + scratch + offs_k, mask=mk, other=0.0), 0.0)
+        x_t = tl.load(x_chunk + offs_k[None, :] * stride_x_tok + offs_p[:, None] * stride_x_p,
+                      mask=mk[None, :] & mp[:, None], other=0.0)
+        b_k = tl.load(B_chunk + offs_k[:, None] * stride_B_tok + offs_n[None, :] * stride_B_n,
+                      mask=mk[:, None] & mn[None, :], other=0.0)
+        acc = tl.dot(x_t, (b_k.to(tl.float32) * w[:, None]).to(x_t.dtype), acc, input_precision=DOT_PRECISION)
+    # the state entering this chunk
+    s = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    if is_first:
+        if HAS_INIT:
+            slot = tl.load(init_idx_ptr + seg)
+            if slot >= 0:
+                src = init_ptr + slot.to(tl.int64) * stride_init_s + h * stride_init_h
+                s = tl.load(src + offs_p[:, None] * stride_init_p + offs_n[None, :] * stride_init_n,
+                            mask=mask, other=0.0).to(tl.float32)
+    else:
+        prev_flag = flag_ptr + ((c - 1) * H + h) * n_nblocks + nb
+        while tl.atomic_add(prev_flag, 0, sem="acquire") == 0:
+            pass
+        tl.debug_barrier()
+        src = send_ptr + (c - 1).to(tl.int64) * stride_se_c + h * stride_se_h
+        s = tl.load(src + offs_p[:, None] * stride_se_p + offs_n[None, :] * stride_se_n, mask=mask, other=0.0,
+                    cache_modifier=".cg")
+    si = states_in_ptr + c.to(tl.int64) * stride_si_c + h * stride_si_h
+    tl.store(si + offs_p[:, None] * stride_si_p + offs_n[None, :] * stride_si_n,
+             s.to(states_in_ptr.dtype.element_ty), mask=mask)
+    s = s * tl.exp(cs_last) + acc
+    if is_last:
+        if HAS_FINAL:
+            slot = tl.load(final_idx_ptr + seg)
+            if slot >= 0:
+                dst = final_ptr + slot.to(tl.int64) * stride_final_s + h * stride_final_h
+                tl.store(dst + offs_p[:, None] * stride_final_p + offs_n[None, :] * stride_final_n,
+                         s.to(final_ptr.dtype.element_ty), mask=mask)
+        if HAS_SEG_FINAL:
+            dst = seg_final_ptr + seg.to(tl.int64) * stride_sf_s + h * stride_sf_h
+            tl.store(dst + offs_p[:, None] * stride_sf_p + offs_n[None, :] * stride_sf_n,
+                     s.to(seg_final_ptr.dtype.element_ty), mask=mask)
+    else:
+        dst = send_ptr + c.to(tl.int64) * stride_se_c + h * stride_se_h
+        tl.store(dst + offs_p[:, None] * stride_se_p + offs_n[None, :] * stride_se_n, s, mask=mask)
+        tl.debug_barrier()
+        tl.atomic_xchg(flag_ptr + (c * H + h) * n_nblocks + nb, 1, sem="release")
+    if HAS_CHUNK_OUT:
+        co = chunk_out_ptr + c.to(tl.int64) * stride_co_c + h * stride_co_h
+        tl.store(co + offs_p[:, None] * stride_co_p + offs_n[None, :] * stride_co_n,
+                 s.to(chunk_out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.heuristics({
+    "HAS_INIT": lambda a: a["init_ptr"] is not None,
+    "HAS_FINAL": lambda a: a["final_ptr"] is not None,
+    "HAS_SEG_FINAL": lambda a: a["seg_final_ptr"] is not None,
+    "HAS_CHUNK_OUT": lambda a: a["chunk_out_ptr"] is not None,
+    "HAS_SKIP": lambda a: a["skip_ptr"] is not None,
+})
 @triton.jit(do_not_specialize=["n_seg"])
 def _state_passing_kernel(
     states_ptr, states_in_ptr, cs_ptr, cu_ptr, skip_ptr,

@@ -17,6 +17,7 @@ from fastmamba.ops.ssd_scan.kernel import (
     _chunk_cb_kernel,
     _chunk_cumsum_kernel,
     _chunk_scan_kernel,
+    _chunk_state_chain_kernel,
     _chunk_state_kernel,
     _state_passing_kernel,
 )
@@ -89,7 +90,6 @@ def ssd_scan_launch(
     dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
     dev = x.device
 
-    states = torch.empty(n_chunks, H, P, N, dtype=state_dtype, device=dev)  # S_loc, recurrence precision
     states_in = torch.empty(n_chunks, H, P, N, dtype=x.dtype, device=dev)  # S_in, read by the scan's matmul
     dt_scratch = torch.empty(H, n_chunks, Q, dtype=torch.float32, device=dev)
     cs_scratch = torch.empty(H, n_chunks, Q, dtype=torch.float32, device=dev)
@@ -110,22 +110,39 @@ def ssd_scan_launch(
         Q=Q, BLOCK_Q=max(16, triton.next_power_of_2(Q)), BLOCK_H=block_h, BLOCK_SEG=block_seg,
         DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, num_warps=4,
     )
-    _chunk_state_kernel[(n_chunks, H, triton.cdiv(N, block_n_state))](
-        x, B, table, segments.skip, states, dt_scratch, cs_scratch,
-        n_seg, row_len, P, N, H // G, n_chunks,
-        *x.stride(), *B.stride(), *states.stride(),
-        Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
-        DOT_PRECISION=dot_precision, num_warps=cfg.warps_state,
-    )
-    _state_passing_kernel[(n_seg, H, triton.cdiv(P * N, cfg.block_pass))](
-        states, states_in, cs_scratch, segments.cu, segments.skip,
-        segments.init, segments.init_idx, segments.final, segments.final_idx, segments.seg_final, segments.chunk_out,
-        n_seg, P, N, n_chunks,
-        *states.stride(), *states_in.stride(), *_strides4(segments.init), *_strides4(segments.final),
-        *_strides4(segments.seg_final), *_strides4(segments.chunk_out),
-        Q=Q, BLOCK_PN=cfg.block_pass, BLOCK_SEG=block_seg,
-        num_warps=4,
-    )
+    if cfg.chain and segments.seg_final is None:
+        # one kernel: chunk states handed from chunk to chunk (no per-chunk fp32 round trip)
+        n_nblocks = triton.cdiv(N, block_n_state)
+        send = torch.empty(n_chunks, H, P, N, dtype=torch.float32, device=dev)
+        ticket = torch.zeros(1, dtype=torch.int32, device=dev)
+        flags = torch.zeros(n_chunks * H * n_nblocks, dtype=torch.int32, device=dev)
+        _chunk_state_chain_kernel[(n_chunks * H * n_nblocks,)](
+            x, B, table, segments.cu, segments.skip, states_in, send, dt_scratch, cs_scratch, ticket, flags,
+            segments.init, segments.init_idx, segments.final, segments.final_idx, None, segments.chunk_out,
+            n_seg, row_len, H, P, N, H // G, n_chunks, n_nblocks,
+            *x.stride(), *B.stride(), *states_in.stride(), *send.stride(),
+            *_strides4(segments.init), *_strides4(segments.final), *_strides4(None), *_strides4(segments.chunk_out),
+            Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
+            DOT_PRECISION=dot_precision, num_warps=cfg.warps_state,
+        )
+    else:
+        states = torch.empty(n_chunks, H, P, N, dtype=state_dtype, device=dev)  # S_loc, recurrence precision
+        _chunk_state_kernel[(n_chunks, H, triton.cdiv(N, block_n_state))](
+            x, B, table, segments.skip, states, dt_scratch, cs_scratch,
+            n_seg, row_len, P, N, H // G, n_chunks,
+            *x.stride(), *B.stride(), *states.stride(),
+            Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
+            DOT_PRECISION=dot_precision, num_warps=cfg.warps_state,
+        )
+        _state_passing_kernel[(n_seg, H, triton.cdiv(P * N, cfg.block_pass))](
+            states, states_in, cs_scratch, segments.cu, segments.skip,
+            segments.init, segments.init_idx, segments.final, segments.final_idx, segments.seg_final, segments.chunk_out,
+            n_seg, P, N, n_chunks,
+            *states.stride(), *states_in.stride(), *_strides4(segments.init), *_strides4(segments.final),
+            *_strides4(segments.seg_final), *_strides4(segments.chunk_out),
+            Q=Q, BLOCK_PN=cfg.block_pass, BLOCK_SEG=block_seg,
+            num_warps=4,
+        )
     n_tiles = triton.cdiv(Q, cb_block)
     _chunk_cb_kernel[(n_chunks, G, n_tiles * n_tiles)](
         B, C, table, cb,
