@@ -27,14 +27,20 @@ from fastmamba.ops._common.jit_math import silu, softplus
 
 
 @triton.jit
-def _locate_chunk(cu_ptr, n_seg, c, Q: tl.constexpr, BLOCK_SEG: tl.constexpr):
-    """Chunk ``c`` of the flat chunk list -> (segment, first flat token, length, valid)."""
+def _segment_chunks(cu_ptr, n_seg, Q: tl.constexpr, BLOCK_SEG: tl.constexpr):
+    """Every segment's (first token, end token, chunk count, one past its last chunk), [BLOCK_SEG]."""
     offs = tl.arange(0, BLOCK_SEG)
     inside = offs < n_seg
     lo = tl.load(cu_ptr + offs, mask=inside, other=0).to(tl.int32)
     hi = tl.load(cu_ptr + offs + 1, mask=inside, other=0).to(tl.int32)
     n_chunks = (hi - lo + Q - 1) // Q
-    ends = tl.cumsum(n_chunks, 0)  # one past each segment's last chunk
+    return offs, lo, hi, n_chunks, tl.cumsum(n_chunks, 0)
+
+
+@triton.jit
+def _locate_chunk(cu_ptr, n_seg, c, Q: tl.constexpr, BLOCK_SEG: tl.constexpr):
+    """Chunk ``c`` of the flat chunk list -> (segment, first flat token, length, valid)."""
+    offs, lo, hi, n_chunks, ends = _segment_chunks(cu_ptr, n_seg, Q, BLOCK_SEG)
     seg = tl.sum((ends <= c).to(tl.int32), 0)
     sel = offs == seg
     first = tl.sum(tl.where(sel, ends - n_chunks, 0), 0)
@@ -48,12 +54,7 @@ def _locate_chunk(cu_ptr, n_seg, c, Q: tl.constexpr, BLOCK_SEG: tl.constexpr):
 @triton.jit
 def _locate_segment(cu_ptr, n_seg, seg, Q: tl.constexpr, BLOCK_SEG: tl.constexpr):
     """Segment ``seg`` -> (index of its first chunk, number of chunks, its length in tokens)."""
-    offs = tl.arange(0, BLOCK_SEG)
-    inside = offs < n_seg
-    lo = tl.load(cu_ptr + offs, mask=inside, other=0).to(tl.int32)
-    hi = tl.load(cu_ptr + offs + 1, mask=inside, other=0).to(tl.int32)
-    n_chunks = (hi - lo + Q - 1) // Q
-    ends = tl.cumsum(n_chunks, 0)
+    offs, lo, hi, n_chunks, ends = _segment_chunks(cu_ptr, n_seg, Q, BLOCK_SEG)
     sel = offs == seg
     count = tl.sum(tl.where(sel, n_chunks, 0), 0)
     first = tl.sum(tl.where(sel, ends, 0), 0) - count
