@@ -3,6 +3,12 @@
     fastmamba bench kernels|prefill|tune|e2e ...     (python -m fastmamba.bench --help)
     fastmamba generate --model DIR|PRESET (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
                        [--temperature T] [--top-k K] [--top-p P] [--seed S] [--batch B]
+                       [--speculate K [--drafter ngram|oracle]]
+
+``--speculate K`` verifies K drafted tokens per step (greedy only). ``--drafter ngram`` (default)
+looks the drafts up in the prompt and the generated text; ``--drafter oracle`` first runs plain
+greedy generation (untimed) and then replays its tokens as drafts, so every draft is accepted: the
+upper bound of speculation for this model and prompt, for benchmarking.
 
 ``generate`` streams tokens as they come (text when the checkpoint has a tokenizer.json).
 """
@@ -36,6 +42,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--batch", type=int, default=1, help="run the prompt as B parallel requests; streams the first")
     gen.add_argument("--device", default=None, help="default: cuda when present")
+    gen.add_argument("--speculate", type=int, default=0, metavar="K",
+                     help="speculative decoding with K drafts per step (greedy only; 0 = off)")
+    gen.add_argument("--drafter", choices=("ngram", "oracle"), default="ngram",
+                     help="draft source with --speculate: ngram = prompt lookup (default); oracle = replay "
+                          "a plain greedy run made first, untimed (every draft accepted: for benchmarks)")
     gen.set_defaults(_handler=_generate)
     return parser, {"bench": bench, "generate": gen}
 
@@ -63,7 +74,24 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
             return 2
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens)
-    engine = Engine(model, max_batch=max(1, args.batch))
+    if args.speculate < 0:
+        print(f"error: --speculate expects K >= 0, got {args.speculate}", file=sys.stderr)
+        return 2
+    if args.speculate and args.temperature > 0:
+        print("error: --speculate supports greedy decoding only (--temperature 0); speculative sampling "
+              "is not implemented yet", file=sys.stderr)
+        return 2
+    if args.speculate:
+        from fastmamba.generation.drafters import NgramDrafter, OracleDrafter
+
+        if args.drafter == "oracle":
+            reference = Engine(model, max_batch=1).generate([ids], params)[0]
+            drafter = OracleDrafter.from_runs([ids], [reference])
+        else:
+            drafter = NgramDrafter()
+        engine = Engine(model, max_batch=max(1, args.batch), speculate=args.speculate, drafter=drafter)
+    else:
+        engine = Engine(model, max_batch=max(1, args.batch))
     rids = [engine.add_request(ids, params) for _ in range(max(1, args.batch))]
     shown: list[int] = []
     t0 = time.perf_counter()
@@ -83,6 +111,13 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     n = len(shown) * len(rids)
     print(f"\n[{n} tokens in {dt:.2f} s: {n / dt:.1f} tok/s, batch {len(rids)}, {model.lm_head.weight.device}]",
           file=sys.stderr)
+    if args.speculate:
+        req = engine.finished[rids[0]]
+        steps, acc = len(req.accepted), req.accepted_drafts
+        rate = acc / (steps * args.speculate) if steps else 0.0
+        print(f"[speculate K={args.speculate} ({args.drafter}): {steps} verify steps, {acc} of "
+              f"{steps * args.speculate} drafts accepted ({rate:.0%}), "
+              f"{(len(shown) - 1) / max(1, steps):.2f} tokens per verify step]", file=sys.stderr)
     return 0
 
 

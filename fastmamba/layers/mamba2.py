@@ -1,4 +1,5 @@
-"""Mamba-2 mixer: ``forward_varlen`` runs packed prompts (prefill), ``step`` one token per request (decode).
+"""Mamba-2 mixer: ``forward_varlen`` runs packed prompts (prefill), ``step`` one token per request
+(decode), ``verify`` T = K+1 tokens per request (speculative decoding).
 
 Parameter names follow Hugging Face's ``Mamba2Mixer`` (and mamba_ssm's ``Mamba2``), so both
 checkpoint formats load without renaming inside a layer:
@@ -32,6 +33,7 @@ from torch import nn
 from fastmamba.models.config import Mamba2Config
 from fastmamba.ops import RMSNormGated, causal_conv1d_update, causal_conv1d_varlen, selective_state_update
 from fastmamba.ops.decode_params import expanded_A
+from fastmamba.ops.replay import ReplayCache, replay_selective_state_update
 from fastmamba.ops.ssd_scan import ssd_scan_varlen
 
 
@@ -197,3 +199,42 @@ class Mamba2Mixer(nn.Module):
         )
         y = self.norm(y.reshape(nreq, c.d_inner), None if self._gate_in_scan() else z)
         return self.out_proj(y)
+
+    def verify(
+        self,
+        u: torch.Tensor,
+        conv_state: torch.Tensor,
+        replay: ReplayCache,
+        slots: torch.Tensor,
+        conv_accepted: torch.Tensor,
+    ) -> torch.Tensor:
+        """Speculative verification of T tokens per request: u [B, T, d_model] -> [B, T, d_model].
+
+        conv_state     [S, E, W-1+K]  rows slots[b] mutated: the T new inputs are appended after
+                       the history that ends ``conv_accepted[b]`` inputs into the previous step
+                       (``causal_conv1d_update`` with ``num_accepted_tokens``; no copy on rollback)
+        replay         the layer's ReplayCache for T tokens: the previous step's accepted tokens
+                       are replayed onto the committed state, then this step's inputs recorded
+        slots          [B] int32/int64
+        conv_accepted  [B] int32/int64 in 1..T: tokens accepted by each request's previous step
+                       (T right after prefill)
+        Output t depends on inputs 0..t only. Nothing is committed here: the caller commits the
+        accepted counts (``StateCache.commit``) before the next verify on these slots.
+        """
+        c = self.cfg
+        nreq, ntok, _ = u.shape
+        H, P, N, G, E = c.nheads, c.headdim, c.d_state, c.ngroups, c.conv_dim
+        z, xbc, dt = self._split(self.in_proj(u))  # [B, T, *] column views
+        # the conv works on [B, E, T]: transposed views in and out, so xbc stays [B, T, E] contiguous
+        conv_out = u.new_empty(nreq, ntok, E)
+        causal_conv1d_update(xbc.transpose(1, 2), conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                             "silu", conv_state_indices=slots, num_accepted_tokens=conv_accepted,
+                             out=conv_out.transpose(1, 2))
+        x, B, C = self._split_xbc(conv_out)
+        gate = z.reshape(nreq, ntok, H, P) if self._gate_in_scan() else None
+        y = replay_selective_state_update(
+            *replay, x.reshape(nreq, ntok, H, P), dt, self._A_heads(), B.reshape(nreq, ntok, G, N),
+            C.reshape(nreq, ntok, G, N), self.D, gate, self.dt_bias, True, slots,
+        )
+        y = self.norm(y.reshape(nreq * ntok, c.d_inner), None if self._gate_in_scan() else z.reshape(-1, c.d_inner))
+        return self.out_proj(y).view(nreq, ntok, -1)

@@ -5,7 +5,9 @@ Module names follow Hugging Face's ``Mamba2ForCausalLM`` (``backbone.embeddings`
 
 With a ``StateCache``: ``prefill_varlen`` runs B prompts of any lengths packed into one call
 (``cu_seqlens``) and returns each prompt's last-token logits; ``prefill`` is its equal-length
-[B, L] form; ``decode`` advances every request by one token.
+[B, L] form; ``decode`` advances every request by one token. With a speculative cache
+(``new_cache(..., speculate=K)``), ``verify`` scores T = K+1 tokens per request and
+``commit`` keeps each request's accepted prefix (replay-based rollback: nothing is copied).
 """
 from __future__ import annotations
 
@@ -86,9 +88,10 @@ class Mamba2LM(nn.Module):
         for layer in self.backbone.layers:
             layer.mixer.tricks = DecodeTricks(**switches)
 
-    def new_cache(self, num_slots: int, *, ssm_dtype: torch.dtype = torch.float32) -> StateCache:
+    def new_cache(self, num_slots: int, *, ssm_dtype: torch.dtype = torch.float32, speculate: int = 0) -> StateCache:
+        """A slot pool for this model; ``speculate=K`` adds what ``verify`` with T = K+1 needs."""
         return StateCache(self.cfg, num_slots, device=self.lm_head.weight.device, conv_dtype=self.dtype,
-                          ssm_dtype=ssm_dtype)
+                          ssm_dtype=ssm_dtype, speculate=speculate)
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor) -> torch.Tensor:
@@ -123,6 +126,10 @@ class Mamba2LM(nn.Module):
                     ``prefill``; a freshly allocated slot holds zeros); False: every prompt starts
                     from zeros and the old contents are not read; or a [B] bool tensor per prompt
         Reads cu_seqlens on the host once to check that no prompt is empty (the ops read it too).
+        With a speculative cache, the slots are left ready for ``verify`` (``StateCache.mark_prefilled``);
+        a prompt may then continue from a slot's state only if no verify step ran on it since
+        its last prefill (after one, the conv history is not right-aligned and the SSM state
+        lags by the uncommitted replay).
         """
         if input_ids.dim() != 1:
             raise ValueError(f"Mamba2LM.prefill_varlen: `input_ids` expected shape (T,), got {tuple(input_ids.shape)}")
@@ -145,13 +152,48 @@ class Mamba2LM(nn.Module):
         else:
             flags = has_initial_state
         last = cu_seqlens[1:] - 1
-        return self._run(
+        logits = self._run(
             input_ids,
             lambda i, mixer, h: mixer.forward_varlen(h, cu_seqlens, cache.conv[i], cache.ssm[i], slots, flags),
             rows=last,
         )
+        if cache.speculate:
+            cache.mark_prefilled(slots)
+        return logits
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor) -> torch.Tensor:
         """One token per request [B] -> next-token logits [B, V]; the slots' states advance in place."""
         return self._run(token_ids, lambda i, mixer, h: mixer.step(h, cache.conv[i], cache.ssm[i], slots))
+
+    @torch.inference_mode()
+    def verify(self, token_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor) -> torch.Tensor:
+        """Score T = K+1 tokens per request: token_ids [B, T] int64 -> logits [B, T, V] fp32.
+
+        token_ids  row b: [the request's last emitted token, its K drafts]; logits[b, t] predicts
+                   the token after token_ids[b, t]
+        cache      built with ``speculate=K`` (T must equal K+1)
+        slots      [B] int32/int64, one per request
+        The previous step's accepted tokens are replayed first (every layer), then this step's
+        inputs are recorded; call ``commit`` with the accepted counts before the next verify.
+        """
+        if not cache.speculate:
+            raise ValueError("Mamba2LM.verify: the cache was built without speculation; use new_cache(..., speculate=K)")
+        if token_ids.dim() != 2 or token_ids.shape[1] != cache.tokens_per_step:
+            raise ValueError(f"Mamba2LM.verify: `token_ids` expected shape (B, T) with T = K+1 = {cache.tokens_per_step}, "
+                             f"got {tuple(token_ids.shape)}")
+        nreq, ntok = token_ids.shape
+        if tuple(slots.shape) != (nreq,):
+            raise ValueError(f"Mamba2LM.verify: `slots` expected shape (B,)=({nreq},), got {tuple(slots.shape)}")
+        conv_accepted = cache.conv_accepted[slots.long()]
+
+        def mix(i, mixer, h):
+            out = mixer.verify(h.view(nreq, ntok, -1), cache.conv[i], cache.replay[i], slots, conv_accepted)
+            return out.view(nreq * ntok, -1)
+
+        return self._run(token_ids.reshape(-1), mix).view(nreq, ntok, -1)
+
+    def commit(self, cache: StateCache, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        """After ``verify``: request b keeps its first ``accepted[b]`` inputs (1..T: the last emitted
+        token plus the accepted drafts); see ``StateCache.commit``."""
+        cache.commit(slots, accepted)

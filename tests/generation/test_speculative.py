@@ -1,0 +1,198 @@
+"""Speculative decoding: verify + commit keep exactly the accepted tokens' state; greedy speculative
+generation emits the tokens of plain greedy generation whatever the drafter proposes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastmamba
+from fastmamba.generation.drafters import NgramDrafter, OracleDrafter
+from fastmamba.generation.engine import Engine
+from fastmamba.generation.sampling import SamplingParams
+
+FP32 = dict(atol=1e-4, rtol=1e-4)
+PROMPT_LENS = (3, 9, 5)
+REF_TOKENS = 10  # plain greedy tokens per prompt; greedy is prefix-consistent, tests use prefixes
+
+
+@pytest.fixture(scope="module")
+def model():
+    """mamba2-tiny with its mixers scaled up: the random preset's mixers barely move the logits
+    (greedy then mostly repeats the input token), which would hide a wrong state."""
+    m = fastmamba.load_model("mamba2-tiny", device="cuda" if torch.cuda.is_available() else "cpu")
+    with torch.no_grad():
+        for layer in m.backbone.layers:
+            layer.mixer.in_proj.weight.mul_(10)
+            layer.mixer.conv1d.weight.mul_(10)
+            layer.mixer.out_proj.weight.mul_(30)
+    return m
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    out = [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    out[1] = [7, 8, 9, 7, 8, 9, 7, 8, 9]  # repetitive: the n-gram drafter proposes real continuations
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(model, prompts):
+    """Plain (non-speculative) greedy continuations, REF_TOKENS each."""
+    return Engine(model, max_batch=len(prompts)).generate(prompts, SamplingParams(max_new_tokens=REF_TOKENS))
+
+
+def run(engine, prompts, params):
+    """Run to completion; returns (outputs, accepted-drafts-per-step lists) in prompt order."""
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_unfinished():
+        engine.step()
+    reqs = [engine.finished.pop(rid) for rid in rids]
+    assert engine.cache.free_slots == engine.max_batch
+    return [r.output for r in reqs], [r.accepted for r in reqs]
+
+
+class CorruptedOracle:
+    """The oracle's drafts with draft ``wrong_at(step)`` made wrong (K or more: none wrong), so a
+    step accepts exactly min(wrong_at(step), K) drafts."""
+
+    def __init__(self, oracle: OracleDrafter, wrong_at):
+        self.oracle, self.wrong_at, self.step = oracle, wrong_at, 0
+
+    def propose(self, requests, k):
+        drafts = self.oracle.propose(requests, k)
+        j = self.wrong_at(self.step)
+        self.step += 1
+        for d in drafts:
+            if j < k:
+                d[j] = (d[j] + 1) % 256
+        return drafts
+
+
+def test_verify_then_commit_matches_the_accepted_history(model):
+    """LM level: a verify's logits equal a full forward over the accepted history plus the step's
+    inputs (after a fresh prefill, then after replaying 1 and 3 inputs); after a commit the conv window at the accepted offset and (after the next
+    verify replays) the SSM state equal a prefill of only the accepted tokens."""
+    K = 2
+    T, W = K + 1, model.cfg.d_conv
+    dev = model.lm_head.weight.device
+    g = torch.Generator().manual_seed(3)
+    hist = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (4, 7)]
+    cache = model.new_cache(4, speculate=K)
+    assert cache.conv[0].shape[-1] == W - 1 + K
+    slots = torch.tensor([3, 1], dtype=torch.int32, device=dev)
+    cu = torch.tensor([0, 4, 11], dtype=torch.int32, device=dev)
+    model.prefill_varlen(torch.tensor(hist[0] + hist[1], device=dev), cu, cache, slots, has_initial_state=False)
+    accepted = [[T, 1], [2, T], [1, 2]]  # inputs kept per step (last token + accepted drafts)
+    windows = None  # per layer and request: the conv window after the last commit
+    for step, acc in enumerate(accepted):
+        toks = torch.randint(0, 256, (2, T), generator=g).to(dev)
+        logits = model.verify(toks, cache, slots)
+        if step == 2:  # this verify replayed step 1's accepted inputs onto the committed state
+            fresh = model.new_cache(2)
+            lens = [len(h) for h in hist]
+            cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=dev)
+            model.prefill_varlen(torch.tensor(hist[0] + hist[1], device=dev), cu, fresh,
+                                 torch.tensor([0, 1], dtype=torch.int32, device=dev), has_initial_state=False)
+            for layer in range(model.cfg.n_layer):
+                torch.testing.assert_close(cache.ssm[layer][slots.long()], fresh.ssm[layer], **FP32)
+                for b in range(2):  # conv inputs come from in_proj over differently shaped batches
+                    torch.testing.assert_close(windows[layer][b], fresh.conv[layer][b, :, 1:], **FP32)
+        for b in range(2 if step < 2 else 0):  # step 2 is checked through the state (saves interpreter time)
+            full = model(torch.tensor([hist[b] + toks[b].tolist()], device=dev))[0, -T:]
+            torch.testing.assert_close(logits[b], full, **FP32)
+        model.commit(cache, slots, torch.tensor(acc, dtype=torch.int32, device=dev))
+        for b in range(2):
+            hist[b] += toks[b, :acc[b]].tolist()
+        # the conv history now ends at column a+W-3: its last W-1 inputs start at column a-1
+        windows = [[cache.conv[layer][s, :, a - 1:a + W - 2].clone() for s, a in zip(slots.tolist(), acc)]
+                   for layer in range(model.cfg.n_layer)]
+    assert cache.conv_accepted[slots.long()].tolist() == accepted[-1]
+    assert cache.prev_accepted[slots.long()].tolist() == accepted[-1]
+
+
+@pytest.mark.parametrize("K", [1, 3], ids=["K1", "K3"])
+def test_ngram_matches_plain_greedy_in_continuous_batch(model, prompts, plain, K):
+    """Two slots for three requests of different prompt lengths: the third joins (prefill into a
+    reused slot) while another is mid-generation."""
+    n_new = (3, 6, 5)
+    engine = Engine(model, max_batch=2, speculate=K)
+    outs, acc = run(engine, prompts, [SamplingParams(max_new_tokens=n) for n in n_new])
+    assert outs == [p[:n] for p, n in zip(plain, n_new)]
+    assert all(0 <= a <= K for steps in acc for a in steps)
+
+
+def test_oracle_accepts_everything_and_stops_mid_run(model, prompts, plain):
+    """K=3 with the plain greedy continuation as drafts: every draft accepted (4 tokens a step).
+    max_new_tokens=6 ends inside the second step's run (1 from prefill + 4 + 1 of 4); the second
+    request stops on a stop token inside a run; the third ends exactly at a step boundary."""
+    K = 3
+    stop = plain[1][2]
+    assert stop not in plain[1][:2]
+    params = [SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=REF_TOKENS, stop_token_ids=(stop,)),
+              SamplingParams(max_new_tokens=5)]
+    engine = Engine(model, max_batch=3, speculate=K, drafter=OracleDrafter.from_runs(prompts, plain))
+    outs, acc = run(engine, prompts, params)
+    assert outs == [plain[0][:6], plain[1][:3], plain[2][:5]]
+    assert acc == [[K, K], [K], [K]]
+
+
+@pytest.mark.parametrize("wrong_at,K,expected", [
+    (lambda step: 0, 2, [0, 0, 0]),             # adversarial: every draft wrong, one token a step
+    (lambda step: [1, 3, 0, 2][step % 4], 3, [1, 3, 0]),  # partial acceptance, every count 0..K
+], ids=["adversarial-K2", "partial-K3"])
+def test_wrong_drafts_are_rejected(model, prompts, plain, wrong_at, K, expected):
+    n_new = 1 + sum(a + 1 for a in expected)  # the prefill token, then a + 1 per step
+    drafter = CorruptedOracle(OracleDrafter.from_runs(prompts[:1], plain[:1]), wrong_at)
+    engine = Engine(model, max_batch=1, speculate=K, drafter=drafter)
+    outs, acc = run(engine, prompts[:1], [SamplingParams(max_new_tokens=n_new)])
+    assert outs == [plain[0][:n_new]]
+    assert acc == [expected]
+
+
+def test_ngram_drafter():
+    d = NgramDrafter()
+    assert d.draft([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]        # 3-gram match, continuation
+    assert d.draft([5, 2, 3, 4, 6, 6, 2, 3], 2) == [4, 6]        # 2-gram (no earlier 3-gram)
+    assert d.draft([1, 2, 3, 1, 2, 4, 1, 2], 2) == [4, 1]        # most recent occurrence wins
+    assert d.draft([4, 7, 4], 3) == [7, 4, 4]                    # runs into the end: padded
+    assert d.draft([1, 2, 3], 2) == [3, 3]                       # no match: last token repeated
+    assert d.draft([8], 2) == [8, 8]
+    oracle = OracleDrafter({(1, 2): [5, 6, 7]})
+
+    class R:
+        prompt, output = [1, 2], [5]
+
+    assert oracle.propose([R()], 3) == [[6, 7, 7]]
+
+
+def test_speculation_errors(model):
+    with pytest.raises(NotImplementedError, match="temperature"):
+        Engine(model, max_batch=1, speculate=2, cuda_graphs=False).add_request([1], SamplingParams(temperature=1.0))
+    with pytest.raises(NotImplementedError, match="CUDA-graph"):
+        Engine(model, max_batch=1, speculate=2, cuda_graphs=True)
+    with pytest.raises(ValueError, match="drafter needs speculate"):
+        Engine(model, max_batch=1, drafter=NgramDrafter())
+    cache = model.new_cache(2, speculate=2)
+    slots = cache.alloc(1)
+    with pytest.raises(ValueError, match=r"T = K\+1 = 3"):
+        model.verify(torch.zeros(1, 2, dtype=torch.int64, device=slots.device), cache, slots)
+    with pytest.raises(ValueError, match=r"\[1, 3\]"):
+        model.commit(cache, slots, torch.tensor([4], device=slots.device))
+    with pytest.raises(ValueError, match="without speculation"):
+        model.verify(torch.zeros(1, 1, dtype=torch.int64, device=slots.device), model.new_cache(1), slots)
+
+
+def test_cli_generate_speculate_oracle(capsys):
+    """``fastmamba generate --speculate 2 --drafter oracle``: the oracle replays the plain greedy run,
+    so every draft is accepted (6 tokens: 1 from prefill, then 2 verify steps of 3, the second cut
+    to 2)."""
+    from fastmamba.cli import main
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    argv = ["generate", "--model", "mamba2-tiny", "--prompt-ids", "5,6,7", "--max-new-tokens", "6",
+            "--speculate", "2", "--drafter", "oracle", "--device", dev]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert len(out.split()) == 6
+    assert "2 verify steps, 4 of 4 drafts accepted (100%)" in err
