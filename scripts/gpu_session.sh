@@ -15,7 +15,7 @@ export TRITON_CACHE_DIR=/tmp/triton-cache
 mkdir -p "$TRITON_CACHE_DIR"
 [ -f .tcache/triton-cache.tgz ] && tar -xzf .tcache/triton-cache.tgz -C "$TRITON_CACHE_DIR"
 
-# at most 8 files come back from $OUT (tests.log, tune.*, kernels.*, prefill.*, e2e.*, the cache): pick steps to fit
+# at most 8 files come back from $OUT (tests.log, tune.*, kernels.*, prefill.*, spec.*, e2e.*, the cache): pick steps to fit
 # tune-<op> sweeps one op, e.g. tune-conv_fn, tune-ssd (the prefill ops are not in the default tune)
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -29,6 +29,7 @@ for step in "${steps[@]}"; do
         tune-*)    timeout 280 python3 -m fastmamba.bench tune --ops "${step#tune-}" >> "$OUT/tune.txt" 2>> "$OUT/tune.err"; echo "rc=$?"; cat "$OUT/tune.txt" ;;
         kernels)   timeout 330 python3 -m fastmamba.bench kernels --json "$OUT/kernels.jsonl" --markdown "$OUT/kernels.md" > "$OUT/kernels.txt" 2> "$OUT/kernels.err"; echo "rc=$?"; cat "$OUT/kernels.txt" ;;
         prefill)   timeout 330 python3 -m fastmamba.bench prefill --json "$OUT/prefill.jsonl" --markdown "$OUT/prefill.md" > "$OUT/prefill.txt" 2> "$OUT/prefill.err"; echo "rc=$?"; cat "$OUT/prefill.txt" ;;
+        spec)      timeout 300 python3 -m fastmamba.bench spec --json "$OUT/spec.jsonl" --markdown "$OUT/spec.md" > "$OUT/spec.txt" 2> "$OUT/spec.err"; echo "rc=$?"; cat "$OUT/spec.txt" ;;
         e2e)       timeout 360 python3 -m fastmamba.bench e2e --peer --json "$OUT/e2e.jsonl" --plot "$OUT/e2e.png" > "$OUT/e2e.txt" 2> "$OUT/e2e.err"; echo "rc=$?"; cat "$OUT/e2e.txt"; tail -5 "$OUT/e2e.err" ;;
         *)         echo "unknown step $step" ;;
     esac

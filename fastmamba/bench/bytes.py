@@ -159,3 +159,72 @@ def ssd_flops(T: int, H: int, P: int, N: int, G: int, chunk_size: int) -> int:
     """
     Q = chunk_size
     return 2 * T * (G * Q * N + H * Q * P + 2 * H * P * N)
+
+
+def spec_replay_bytes(
+    B: int,
+    T: int,
+    H: int,
+    P: int,
+    N: int,
+    G: int,
+    *,
+    accepted: int,
+    state_dtype: torch.dtype,
+    act_dtype: torch.dtype,
+    dt_dtype: torch.dtype,
+) -> int:
+    """replay_selective_state_update, T tokens per request, each slot replaying ``accepted`` (k)
+    old tokens (fastmamba.ops.replay; old x, B, dt', cumA as its ReplayCache stores them).
+
+    state        B*H*P*N*s read; B*H*P*N*s written when k > 0 (k = 0 stores nothing)
+    replayed     k old tokens per request: old_x  k*H*P*a, old_B  k*G*N*a, old_dt and old_cumA  k*H*4 each
+    new inputs   x, z  T*H*P*a each   B, C  2*T*G*N*a   dt  T*H*d ([B, T, H], per head)
+    outputs      y  T*H*P*a; the step recorded for the next one: old_x  T*H*P*a, old_B  T*G*N*a,
+                 old_dt and old_cumA  T*H*4 each
+    per slot     state_batch_indices, buf_idx, prev_accepted: 3*4 per request
+    A, D, dt_bias  H*4 each (fp32 per head)
+    The [B, H, T, T] scratch the precompute kernel hands the main kernel is intermediate traffic, not counted.
+    """
+    s, a, d = _size(state_dtype), _size(act_dtype), _size(dt_dtype)
+    k = accepted
+    per_req = H * P * N * s * (2 if k > 0 else 1)  # state
+    per_req += k * (H * P * a + G * N * a + 2 * H * FP32)  # replayed old tokens
+    per_req += T * (2 * H * P * a + 2 * G * N * a + H * d)  # x, z, B, C, dt
+    per_req += T * (2 * H * P * a + G * N * a + 2 * H * FP32)  # y, old_x, old_B, old_dt, old_cumA
+    per_req += 3 * INDEX
+    return B * per_req + 3 * H * FP32
+
+
+def spec_legacy_bytes(
+    B: int,
+    T: int,
+    H: int,
+    P: int,
+    N: int,
+    G: int,
+    *,
+    state_dtype: torch.dtype,
+    act_dtype: torch.dtype,
+    dt_dtype: torch.dtype,
+    copy: bool,
+) -> int:
+    """The per-position ("legacy") verification step: multi-token ``selective_state_update``
+    writing every position's state into ``intermediate_states`` [B, T, H, P, N] (state dtype),
+    then, with ``copy``, the accepted position's state copied back into the slot.
+
+    state        B*H*P*N*s read, B*H*P*N*s written (the op stores the last token's state in the slot too)
+    per position T*B*H*P*N*s written (intermediate_states)
+    new inputs   x, z  T*H*P*a each   B, C  2*T*G*N*a   dt  T*H*d     output  y  T*H*P*a
+    A, D, dt_bias  H*4 each          state_batch_indices  B*4
+    copy         one state per request read from intermediate_states and written to its slot:
+                 2*B*H*P*N*s, plus its gather indices (slot and position, int64: 2*B*8)
+    """
+    s, a, d = _size(state_dtype), _size(act_dtype), _size(dt_dtype)
+    state = H * P * N * s
+    per_req = 2 * state + T * state
+    per_req += T * (3 * H * P * a + 2 * G * N * a + H * d)
+    per_req += INDEX
+    if copy:
+        per_req += 2 * state + 2 * 8
+    return B * per_req + 3 * H * FP32

@@ -10,7 +10,8 @@ appends one JSON line per row (row fields plus the header fields) to
 ``bench_results/kernels-YYYYmmdd-HHMMSS.jsonl`` or ``--json PATH``.
 
 ``run_suite`` is that runner for any ``Suite`` (a map of op benches and a title); the ``prefill``
-target (``fastmamba.bench.prefill``) runs its ops through it too.
+and ``spec`` targets (``fastmamba.bench.prefill``, ``fastmamba.bench.spec``) run their ops through
+it too.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -45,6 +47,15 @@ GPU_BATCHES = (1, 8, 64, 256)
 CPU_BATCHES = (1, 2)
 
 
+class Summary(NamedTuple):
+    """What a suite's ``summarize`` adds to a run: lines printed after the table (and appended to
+    the markdown), and JSON records appended after the rows, each with the header fields; a
+    record names its kind in a ``"record"`` key, which rows do not have."""
+
+    lines: list[str]
+    records: list[dict]
+
+
 @dataclass(frozen=True)
 class Suite:
     """What one target times with ``run_suite``: its op benches and how its outputs are named."""
@@ -55,6 +66,8 @@ class Suite:
     gpu_batches: tuple[int, ...] = ()  # default --batch (benches whose cases ignore it leave these empty)
     cpu_batches: tuple[int, ...] = ()
     matmul: bool = False  # also measure the bf16 matmul rate (for ops with a FLOP model)
+    # lines printed after the table (and put in the markdown) and extra JSON records, from the rows
+    summarize: Callable[[list[report.Row], argparse.Namespace], Summary] | None = None
 
 
 KERNELS = Suite("kernels", "fastmamba kernel benchmark", OPS, GPU_BATCHES, CPU_BATCHES)
@@ -197,6 +210,7 @@ def _cuda_alive() -> bool:
 
 
 def _base_row(bench: OpBench, case: Case, prov: Provider) -> report.Row:
+    nbytes = bench.provider_bytes(prov, case)
     return report.Row(
         op=case.op,
         title=bench.title,
@@ -207,7 +221,7 @@ def _base_row(bench: OpBench, case: Case, prov: Provider) -> report.Row:
         provider=prov.name,
         kind=prov.kind,
         version=prov.version,
-        bytes=case.nbytes,
+        bytes=nbytes,
         flops=case.flops,
         params=dict(case.params),
         case_id=id(case),
@@ -257,7 +271,7 @@ def run_suite(suite: Suite, args: argparse.Namespace, command: str) -> int:
     def progress(msg: str, end: str = "\n") -> None:
         print(msg, end=end, file=sys.stderr, flush=True)
 
-    benches = load_benches(args.ops, suite.ops)
+    benches = [b.configure(args) for b in load_benches(args.ops, suite.ops)]
     configs = {b.key: (b.quick_timing if args.quick else b.timing) for b in benches}
     oracle_mode = getattr(args, "oracle", "auto")
     plan = []
@@ -331,14 +345,27 @@ def run_suite(suite: Suite, args: argparse.Namespace, command: str) -> int:
         print(table)
         if row_notes:
             print("\nNotes:\n" + "\n".join(f"- {n}" for n in row_notes))
+        summary = Summary([], [])
+        if suite.summarize:
+            try:
+                summary = suite.summarize(rows, args)
+            except Exception as exc:  # noqa: BLE001 - the rows are still worth writing
+                summary = Summary([f"summary failed: {describe(exc)}"], [])
+                fatal = fatal or f"summary failed: {describe(exc)}"
+        if summary.lines:
+            print("\n" + "\n".join(summary.lines))
         n_ok = sum(r.status == "ok" for r in rows)
         n_fail = sum(r.check.startswith("FAIL") for r in rows)
         n_err = sum(r.status == "error" for r in rows)
         n_skip = sum(r.status in ("skipped", "not run") for r in rows)
         report.write_jsonl(json_path, rows, header)
+        report.write_records(json_path, summary.records, header)
         written = [json_path]
         if args.markdown:
-            report.write_text(args.markdown, report.format_markdown(rows, lines, row_notes, title=suite.title))
+            text = report.format_markdown(rows, lines, row_notes, title=suite.title)
+            if summary.lines:
+                text += "\n" + "\n".join(summary.lines) + "\n"
+            report.write_text(args.markdown, text)
             written.append(args.markdown)
         print(
             f"\n{len(rows)} rows: {n_ok} timed, {n_fail} FAIL, {n_err} errors, {n_skip} skipped; "
@@ -379,13 +406,13 @@ def _run_one(
     row.status = "ok"
     row.mode, row.calls, row.n_sets = t.mode, t.calls, t.n_sets
     row.median_us, row.p20_us, row.p80_us = t.median_us, t.p20_us, t.p80_us
-    row.gbps = case.nbytes / (t.median_us * 1e-6) / 1e9
+    row.gbps = row.bytes / (t.median_us * 1e-6) / 1e9
     row.pct_copy = 100.0 * row.gbps / header["copy_gbps"] if header["copy_gbps"] else None
     if case.flops:
         row.tflops = case.flops / (t.median_us * 1e-6) / 1e12
         rate = header.get("matmul_tflops")
         row.pct_matmul = 100.0 * row.tflops / rate if rate else None
-    row.cold_l2 = is_cold_l2(case.nbytes, t.n_sets, header["l2_bytes"], t.calls) if device.type == "cuda" else None
+    row.cold_l2 = is_cold_l2(row.bytes, t.n_sets, header["l2_bytes"], t.calls) if device.type == "cuda" else None
     row.note = "; ".join(n for n in (prov.note, bench.row_note(prov, case), t.note) if n)
     if prov is ref:
         row.check = "ref"

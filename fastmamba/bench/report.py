@@ -194,3 +194,16 @@ def write_text(path: str, text: str) -> None:
         os.makedirs(parent, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
+
+
+def write_records(path: str, records: list[dict], header: dict) -> None:
+    """Append free-form records (a target's summary) after the rows, each with the header fields."""
+    if not records:
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps({**header, **record}, ensure_ascii=False, default=_json_default) + "\n")
+
+
+def _json_default(v: object) -> str:
+    return str(v).replace("torch.", "")  # dtypes and anything else json does not know

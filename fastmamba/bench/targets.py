@@ -1,7 +1,7 @@
 """Benchmark targets and their command line, shared by ``python -m fastmamba.bench`` and
 ``fastmamba bench``.
 
-To add a target (``spec`` is planned): write a module with
+To add a target: write a module with
 ``add_arguments(parser)`` and ``run(args, command) -> int`` (exit status), then add a ``Target``
 to ``TARGETS`` and remove its name from ``PLANNED``.
 """
@@ -29,15 +29,17 @@ TARGETS = {
         Target("kernels", "fastmamba.bench.kernels", "decode kernels (state update, conv update, gated RMSNorm) vs peers"),
         Target("prefill", "fastmamba.bench.prefill", "prefill kernels (causal conv, chunked SSD scan) vs peers"),
         Target("tune", "fastmamba.bench.tune", "sweep the kernels' launch configs (GPU only)"),
+        Target("spec", "fastmamba.bench.spec", "speculative verification: replay vs per-position states vs plain decode"),
         Target("e2e", "fastmamba.bench.e2e", "end-to-end prefill and decode tok/s vs the bandwidth roofline"),
     )
 }
-PLANNED = ("spec",)
+PLANNED: tuple[str, ...] = ()
 
 
 def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the target sub-commands to ``parser`` (a top-level parser or a ``bench`` sub-parser)."""
-    parser.epilog = f"planned targets, not available yet: {', '.join(PLANNED)}"
+    if PLANNED:
+        parser.epilog = f"planned targets, not available yet: {', '.join(PLANNED)}"
     sub = parser.add_subparsers(dest="target", metavar="TARGET", required=True)
     for t in TARGETS.values():
         module = importlib.import_module(t.module)

@@ -114,6 +114,16 @@ class OpBench:
         raise NotImplementedError
 
     # --- optional -----------------------------------------------------------------------------
+    def configure(self, args: object) -> "OpBench":
+        """The bench for one run, given the target's parsed arguments (e.g. a ``--tokens`` list):
+        by default this one. Return a new instance rather than changing the shared ``BENCH``."""
+        return self
+
+    def provider_bytes(self, prov: Provider, case: Case) -> int:
+        """The byte model of ``prov`` on ``case`` (GB/s, cold-L2 test): by default ``case.nbytes``.
+        Providers that do different work for the same case (verification paths) override it."""
+        return case.nbytes
+
     def oracle(self, device: torch.device, providers: Sequence[Provider], mode: str = "auto") -> Provider | None:
         """What ``check`` compares against: by default the timed reference provider.
 

@@ -1,0 +1,68 @@
+"""Which verification path a speculative decoding step takes, from measured crossover batches.
+
+``fastmamba bench spec`` times, per (shape, state dtype, T = K+1 tokens per step, batch), the
+replay kernels against the per-position ("legacy") path with its copy, and prints and writes (JSON
+record ``"record": "spec_choice"``) a ``crossover`` table per (shape, state dtype): T -> the
+smallest batch at which replay beat legacy. That table is what ``choose_verify_path`` takes.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+VerifyPath = Literal["replay", "legacy", "plain"]
+
+# tokens per step T -> smallest batch at which replay beats legacy (with its copy); None: it never
+# did in the measured range. To be filled from `fastmamba bench spec` (its "spec_choice" JSON
+# record, for the model's shape and state dtype); empty until then, so the placeholder below applies.
+DEFAULT_TABLE: dict[int, int | None] = {}
+
+# Placeholder crossover while DEFAULT_TABLE is empty (see choose_verify_path).
+PLACEHOLDER_CROSSOVER_BATCH = 8
+
+
+def choose_verify_path(batch: int, tokens: int, table: Mapping[int | str, int | None] | None = None) -> VerifyPath:
+    """The verification path for a step of ``batch`` requests verifying ``tokens`` (T = K+1) each.
+
+    batch   requests in the step (>= 1)
+    tokens  T: 1 means nothing was drafted -> "plain" (single-token decode)
+    table   T -> crossover batch (replay from that batch up, legacy below; None: legacy at every
+            batch), as ``fastmamba bench spec`` reports it (keys may be strings, as JSON has them);
+            a T that is not in the table uses the nearest T that is (the larger on a tie).
+            None: ``DEFAULT_TABLE``.
+
+    With no table entries, "replay" for batch >= 8 and "legacy" below. These are placeholders from
+    the H100 first cut (scripts/dev_replay_timing.py, T=6, legacy timed without its copy): replay
+    was 1.03-1.39x faster than legacy at batch 1 and 1.8-3.0x at batch 8. The batch-1 margin is
+    thin (and vLLM measured replay slower than the plain kernel at batch 1), so the placeholder
+    keeps legacy there until a measured table replaces it.
+
+    >>> choose_verify_path(1, 6), choose_verify_path(8, 6), choose_verify_path(64, 1)
+    ('legacy', 'replay', 'plain')
+    >>> choose_verify_path(4, 6, {2: 16, 6: 4, 16: None}), choose_verify_path(4, 5, {2: 16, 6: 4, 16: None})
+    ('replay', 'replay')
+    """
+    if batch < 1 or tokens < 1:
+        raise ValueError(f"choose_verify_path: batch and tokens must be >= 1, got batch={batch}, tokens={tokens}")
+    if tokens == 1:
+        return "plain"
+    table = DEFAULT_TABLE if table is None else table
+    if not table:
+        return "replay" if batch >= PLACEHOLDER_CROSSOVER_BATCH else "legacy"
+    entries = {int(t): crossover for t, crossover in table.items()}
+    nearest = min(entries, key=lambda t: (abs(t - tokens), -t))
+    crossover = entries[nearest]
+    return "replay" if crossover is not None and batch >= crossover else "legacy"
+
+
+def expected_tokens_per_step(tokens: int, accept_rate: float) -> float:
+    """Tokens a step of T = K+1 yields on average when each draft is accepted with probability
+    ``accept_rate`` independently (the first rejection ends the run; the target's own token always
+    counts): sum_{i=0..K} rate^i.
+
+    >>> expected_tokens_per_step(1, 0.6), round(expected_tokens_per_step(3, 0.5), 3)
+    (1.0, 1.75)
+    """
+    if not 0.0 <= accept_rate <= 1.0:
+        raise ValueError(f"expected_tokens_per_step: accept_rate must lie in [0, 1], got {accept_rate}")
+    return sum(accept_rate**i for i in range(tokens))
