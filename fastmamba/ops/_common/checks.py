@@ -80,3 +80,13 @@ def check_indices(op: str, name: str, idx: torch.Tensor, batch: int, num_slots: 
         raise ValueError(
             f"{op}: `{name}` values must lie in [0, {num_slots}) or equal pad_slot_id={pad_slot_id}; got {bad}"
         )
+
+
+def parse_activation(op: str, activation: str | bool | None) -> bool:
+    """The conv ops' ``activation``: None / False -> no activation, "silu" / "swish" / True -> SiLU
+    (True and False as vLLM passes them); anything else is a ValueError."""
+    if activation is None or activation is False:
+        return False
+    if activation is True or activation in ("silu", "swish"):
+        return True
+    raise ValueError(f'{op}: `activation` expected None, "silu" or "swish", got {activation!r}')

@@ -13,6 +13,7 @@ from fastmamba.ops._common.checks import (
     check_same_device,
     check_same_dtype,
     check_shape,
+    parse_activation,
 )
 from fastmamba.ops._common.dispatch import use_triton
 from fastmamba.ops.conv1d.kernel import causal_conv1d_update_launch
@@ -74,7 +75,7 @@ def causal_conv1d_update(
     tensor([[[0., 3., 1.],
              [1., 1., 2.]]])
     """
-    silu = _parse_activation(activation)
+    silu = parse_activation(_OP, activation)
     _check_inputs(
         x, conv_state, weight, bias, cache_seqlens, conv_state_indices, num_accepted_tokens, out, pad_slot_id
     )
@@ -119,14 +120,6 @@ def _causal_conv1d_update_(
 @_causal_conv1d_update_.register_fake
 def _(x, conv_state, weight, bias, cache_seqlens, conv_state_indices, num_accepted_tokens, out, silu, pad_slot_id):
     return None
-
-
-def _parse_activation(activation: str | bool | None) -> bool:
-    if activation is None or activation is False:
-        return False
-    if activation is True or activation in ("silu", "swish"):
-        return True
-    raise ValueError(f'{_OP}: `activation` expected None, "silu" or "swish", got {activation!r}')
 
 
 def _check_inputs(

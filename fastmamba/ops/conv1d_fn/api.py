@@ -13,6 +13,7 @@ from fastmamba.ops._common.checks import (
     check_same_device,
     check_same_dtype,
     check_shape,
+    parse_activation,
 )
 from fastmamba.ops._common.dispatch import use_triton
 from fastmamba.ops._common.host_values import host_list
@@ -68,7 +69,7 @@ def causal_conv1d_fn(
     >>> y, final
     (tensor([[[6., 3., 5.]]]), tensor([[[3.]]]))
     """
-    silu = _parse_activation(_OP_FN, activation)
+    silu = parse_activation(_OP_FN, activation)
     _check_fn_inputs(x, weight, bias, seq_idx, initial_states, final_states_out)
     B, D, L = x.shape
     W = weight.shape[1]
@@ -143,7 +144,7 @@ def causal_conv1d_varlen(
     >>> states.flatten()
     tensor([1., 3.])
     """
-    silu = _parse_activation(_OP_VARLEN, activation)
+    silu = parse_activation(_OP_VARLEN, activation)
     _check_varlen_inputs(x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, pad_slot_id)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -209,14 +210,6 @@ def _causal_conv1d_varlen_(
 @_causal_conv1d_varlen_.register_fake
 def _(x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, silu, pad_slot_id):
     return None
-
-
-def _parse_activation(op: str, activation: str | bool | None) -> bool:
-    if activation is None or activation is False:
-        return False
-    if activation is True or activation in ("silu", "swish"):
-        return True
-    raise ValueError(f'{op}: `activation` expected None, "silu" or "swish", got {activation!r}')
 
 
 def _check_weight_bias(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, D: int) -> int:
