@@ -5,9 +5,10 @@
                        [--temperature T] [--top-k K] [--top-p P] [--seed S] [--batch B]
                        [--speculate K [--drafter ngram|oracle]]
 
-``--speculate K`` verifies K drafted tokens per step (greedy only). ``--drafter ngram`` (default)
-looks the drafts up in the prompt and the generated text; ``--drafter oracle`` first runs plain
-greedy generation (untimed) and then replays its tokens as drafts, so every draft is accepted: the
+``--speculate K`` verifies K drafted tokens per step (greedy acceptance at temperature 0, speculative
+rejection sampling above). ``--drafter ngram`` (default) looks the drafts up in the prompt and the
+generated text; ``--drafter oracle`` first runs plain generation with the same sampling options
+(untimed) and then replays its tokens as drafts: with greedy decoding every draft is accepted, the
 upper bound of speculation for this model and prompt, for benchmarking.
 
 ``generate`` streams tokens as they come (text when the checkpoint has a tokenizer.json).
@@ -43,7 +44,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     gen.add_argument("--batch", type=int, default=1, help="run the prompt as B parallel requests; streams the first")
     gen.add_argument("--device", default=None, help="default: cuda when present")
     gen.add_argument("--speculate", type=int, default=0, metavar="K",
-                     help="speculative decoding with K drafts per step (greedy only; 0 = off)")
+                     help="speculative decoding with K drafts per step (0 = off)")
     gen.add_argument("--drafter", choices=("ngram", "oracle"), default="ngram",
                      help="draft source with --speculate: ngram = prompt lookup (default); oracle = replay "
                           "a plain greedy run made first, untimed (every draft accepted: for benchmarks)")
@@ -76,10 +77,6 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
                             max_new_tokens=args.max_new_tokens)
     if args.speculate < 0:
         print(f"error: --speculate expects K >= 0, got {args.speculate}", file=sys.stderr)
-        return 2
-    if args.speculate and args.temperature > 0:
-        print("error: --speculate supports greedy decoding only (--temperature 0); speculative sampling "
-              "is not implemented yet", file=sys.stderr)
         return 2
     if args.speculate:
         from fastmamba.generation.drafters import NgramDrafter, OracleDrafter

@@ -12,6 +12,11 @@ request and verifies them in one call (``Mamba2LM.verify``, T = K+1 inputs per r
 emitted token, then the drafts). Greedy acceptance keeps the longest prefix of drafts that equal
 the argmax at the positions before them; the request emits those n drafts plus the argmax after
 them (the bonus token), so 1..K+1 tokens per step, exactly the tokens plain greedy decoding emits.
+Requests with temperature > 0 use speculative (rejection) sampling instead
+(``Sampler.speculative_sample``): with p_i the request's sampling distribution at position i,
+draft d_{i+1} is accepted with probability p_i(d_{i+1}); at the first rejection the emitted token
+is drawn from p_i without d_{i+1} (renormalised), and after K acceptances from p_K, so the tokens
+are distributed as plain sampling from the target model (drafters propose point masses, q = 1).
 The state is then committed over the n+1 inputs consumed (``Mamba2LM.commit``), and the bonus
 token is the next step's first input. A request that meets a stop condition inside an accepted
 run stops there: the rest of the run is dropped.
@@ -62,7 +67,8 @@ class Engine:
     ssm_dtype     SSM state dtype (fp32 default; bf16/fp16 halve the state traffic)
     pdl           programmatic dependent launch inside the graphs (Hopper+)
     speculate     K >= 1: speculative decoding, verifying K drafts per request per step (greedy
-                  requests only; eager, no CUDA graphs yet); None or 0: plain decoding
+                  acceptance at temperature 0, rejection sampling above; eager, no CUDA graphs
+                  yet); None or 0: plain decoding
     drafter       proposes the drafts (``fastmamba.generation.drafters``); default NgramDrafter()
     """
 
@@ -102,12 +108,6 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.model.cfg.vocab_size]
         if bad:
             raise ValueError(f"Engine.add_request: token ids {bad[:4]} are outside [0, {self.model.cfg.vocab_size})")
-        if self.speculate and params.temperature > 0:
-            raise NotImplementedError(
-                "Engine: speculative decoding supports greedy requests (temperature 0) only; sampling with "
-                "temperature > 0 needs speculative (rejection) sampling in the acceptance step, which is not "
-                "implemented yet"
-            )
         req = Request(next(self._ids), ids, params)
         self.waiting.append(req)
         return req.rid
@@ -184,14 +184,28 @@ class Engine:
         tokens = torch.tensor(inputs, dtype=torch.int64, device=self.device)
         slots = torch.tensor([r.slot for r in reqs], dtype=torch.int32, device=self.device)
         logits = self.model.verify(tokens, self.cache, slots)  # [B, T, V']
-        target = self.sampler.sample_greedy(logits.flatten(0, 1)).view(len(reqs), K + 1).tolist()
+        sampled = [i for i, r in enumerate(reqs) if r.params.temperature > 0]
+        spec = {}  # sampled rows: (drafts accepted, token emitted after them), by rejection sampling
+        if sampled:
+            idx = torch.tensor(sampled, dtype=torch.int64, device=self.device)
+            n_s, tok_s = self.sampler.speculative_sample(
+                logits[idx], tokens[idx, 1:], [reqs[i].params for i in sampled], [len(reqs[i].output) for i in sampled])
+            spec = dict(zip(sampled, zip(n_s.tolist(), tok_s.tolist())))
+        target = [None] * len(reqs)
+        if len(sampled) < len(reqs):
+            target = self.sampler.sample_greedy(logits.flatten(0, 1)).view(len(reqs), K + 1).tolist()
         runs, consumed = [], []
-        for r, row, best in zip(reqs, inputs, target):
-            n = 0  # drafts accepted: the longest prefix that the target model also picks
-            while n < K and row[n + 1] == best[n]:
-                n += 1
+        for i, (r, row, best) in enumerate(zip(reqs, inputs, target)):
+            if i in spec:
+                n, tok = spec[i]
+                run = row[1:n + 1] + [tok]  # the n accepted drafts, then the residual / bonus draw
+            else:
+                n = 0  # drafts accepted: the longest prefix that the target model also picks
+                while n < K and row[n + 1] == best[n]:
+                    n += 1
+                run = best[:n + 1]  # the n drafts, then the bonus token
             r.accepted.append(n)
-            runs.append(best[:n + 1])  # the n drafts, then the bonus token
+            runs.append(run)
             consumed.append(n + 1)
         # commit before emitting: a request finishing in this step frees its slot, which a new
         # request may then take (its prefill resets the slot's speculation counters anyway)

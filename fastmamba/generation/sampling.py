@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["SamplingParams", "Sampler", "stop_reached"]
+__all__ = ["SamplingParams", "Sampler", "speculative_accept", "stop_reached"]
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -121,6 +121,36 @@ def _mix_seed(seed: int, step: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) & _MASK63
+
+
+def speculative_accept(probs: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor,
+                       noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept/reject point-mass drafts (q(d) = 1) against target distributions: standard
+    speculative sampling, so the emitted tokens are distributed as sampling from the target.
+
+    probs  [B, K+1, V] fp32  target distribution p_i at each verify position (rows sum to 1)
+    drafts [B, K] int64      d_1..d_K; draft d_{i+1} is judged by p_i
+    u      [B, K] in [0, 1)  uniforms: d_{i+1} is accepted when u_i < p_i(d_{i+1})
+    noise  [B, V] > 0        Exp(1) noise for the emitted token (exponential race)
+    Returns (n [B] int64, token [B] int64): n = drafts accepted before the first rejection; token
+    is drawn from the residual max(p_n - q, 0) (p_n without d_{n+1}, renormalised) when n < K,
+    else from p_K (the bonus token).
+    """
+    B, T, V = probs.shape
+    K = T - 1
+    rows = torch.arange(B, device=probs.device)
+    if K == 0:
+        return torch.zeros(B, dtype=torch.int64, device=probs.device), (probs[:, 0] / noise).argmax(dim=-1)
+    p_draft = probs[:, :K].gather(-1, drafts[..., None]).squeeze(-1)  # [B, K]
+    n = (u < p_draft).to(torch.int64).cumprod(dim=-1).sum(dim=-1)    # accepted prefix length
+    p_n = probs[rows, n]                                               # [B, V]
+    d_n = drafts[rows, n.clamp(max=K - 1)]                             # the rejected draft (if n < K)
+    drop = (torch.arange(V, device=probs.device)[None, :] == d_n[:, None]) & (n < K)[:, None]
+    resid = p_n.masked_fill(drop, 0.0)
+    # a draft can only be rejected if p_n(d) < 1, so the residual has mass; rounding (a one-hot
+    # softmax summing to 1 - eps) could still leave none: then d itself is the only choice
+    resid = torch.where(resid.sum(dim=-1, keepdim=True) > 0, resid, p_n)
+    return n, (resid / noise).argmax(dim=-1)  # argmax(p / E): a draw from p renormalised
 
 
 class _Plan(NamedTuple):
@@ -211,8 +241,77 @@ class Sampler:
         if plan.all_greedy:
             return self.sample_greedy(logits)
 
+        x = logits[:, : self.vocab_size].float()
+        probs = self._masked_probs(x, plan)
+        tokens = probs.div_(self._noise(B, params, steps, plan, x.device)).argmax(dim=-1)
+        if plan.any_greedy:
+            tokens = torch.where(plan.greedy, x.argmax(dim=-1), tokens)
+        return tokens
+
+    def probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """The distribution each row's token is drawn from, after temperature / top-k / top-p.
+
+        logits  [B, V] as for ``sample``; params  B SamplingParams, one per row
+        Returns probs [B, vocab_size] fp32 on logits.device: ``softmax(masked logits / temperature)``
+        with exact zeros outside the top-k / top-p set (the distribution ``sample`` draws from);
+        greedy rows (temperature 0) are one-hot at their argmax. Nothing waits for the device.
+        """
+        B = self._check_logits(logits, "probs")
+        if len(params) != B:
+            raise ValueError(f"Sampler.probs: logits has B={B} rows but got {len(params)} params")
         V = self.vocab_size
+        if B == 0:
+            return torch.empty(0, V, dtype=torch.float32, device=logits.device)
+        plan = self._plan(params)
         x = logits[:, :V].float()
+        if plan.all_greedy:
+            return torch.nn.functional.one_hot(x.argmax(dim=-1), V).float()
+        probs = self._masked_probs(x, plan)
+        if plan.any_greedy:
+            one_hot = torch.nn.functional.one_hot(x.argmax(dim=-1), V).float()
+            probs = torch.where(plan.greedy[:, None], one_hot, probs)
+        return probs
+
+    def speculative_sample(self, logits: torch.Tensor, drafts: torch.Tensor, params: Sequence[SamplingParams],
+                           steps: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative (rejection) sampling of point-mass drafts against the target model.
+
+        logits  [B, K+1, V] the target's logits at the K+1 verify positions (V >= vocab_size)
+        drafts  [B, K] int64 the drafted tokens (position i's logits predict draft i)
+        params  B SamplingParams; steps  B ints, each request's token index at the verify step
+                (the first token this step emits); seeded rows draw from ``_mix_seed(seed, step)``
+        Returns (accepted [B] int64 in 0..K, token [B] int64: the token emitted after the accepted
+        drafts), from ``speculative_accept`` over ``probs`` at each position. Greedy rows come out
+        as greedy acceptance (their distributions are one-hot).
+        """
+        if logits.dim() != 3 or drafts.dim() != 2 or drafts.shape[0] != logits.shape[0] \
+                or drafts.shape[1] + 1 != logits.shape[1]:
+            raise ValueError(f"Sampler.speculative_sample: need logits [B, K+1, V] and drafts [B, K], got "
+                             f"{tuple(logits.shape)} and {tuple(drafts.shape)}")
+        B, T = logits.shape[:2]
+        if len(params) != B or len(steps) != B:
+            raise ValueError(f"Sampler.speculative_sample: logits has B={B} rows but got {len(params)} params "
+                             f"and {len(steps)} steps")
+        V = self.vocab_size
+        probs = self.probs(logits.flatten(0, 1), [p for p in params for _ in range(T)]).view(B, T, V)
+        u = torch.empty(B, T - 1, dtype=torch.float32, device=logits.device)
+        noise = torch.empty(B, V, dtype=torch.float32, device=logits.device)
+        seeded = [b for b, p in enumerate(params) if p.seed is not None]
+        if len(seeded) < B:
+            u.uniform_(generator=self._gen)
+            noise.exponential_(generator=self._gen)
+        for b in seeded:
+            self._row_gen.manual_seed(_mix_seed(params[b].seed, int(steps[b])))
+            u[b].uniform_(generator=self._row_gen)
+            noise[b].exponential_(generator=self._row_gen)
+        noise.clamp_min_(torch.finfo(torch.float32).tiny)
+        return speculative_accept(probs, drafts.to(torch.int64), u, noise)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _masked_probs(self, x: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        """softmax of the temperature-scaled, top-k/top-p-masked logits x [B, vocab_size] fp32 (a new tensor)."""
+        B, V = x.shape
         scaled = x / plan.temperature[:, None]  # [B, V] fp32, a new tensor: logits stay untouched
         if plan.k_cand:
             # candidates in descending order: topk when every filtered row has k < V, else a full sort
@@ -229,13 +328,7 @@ class Sampler:
             keep_v = torch.zeros(B, V, dtype=torch.bool, device=x.device).scatter_(-1, idx, keep)
             keep_v |= plan.unfiltered[:, None]
             scaled = scaled.masked_fill_(~keep_v, -math.inf)
-        probs = scaled.softmax(dim=-1)  # masked tokens: exactly 0
-        tokens = probs.div_(self._noise(B, params, steps, plan, x.device)).argmax(dim=-1)
-        if plan.any_greedy:
-            tokens = torch.where(plan.greedy, x.argmax(dim=-1), tokens)
-        return tokens
-
-    # ------------------------------------------------------------------ helpers
+        return scaled.softmax(dim=-1)  # masked tokens: exactly 0
 
     def _check_logits(self, logits: torch.Tensor, who: str) -> int:
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():

@@ -1,5 +1,6 @@
 """Speculative decoding: verify + commit keep exactly the accepted tokens' state; greedy speculative
-generation emits the tokens of plain greedy generation whatever the drafter proposes."""
+generation emits the tokens of plain greedy generation whatever the drafter proposes; with
+temperature > 0, speculative (rejection) sampling emits tokens distributed as plain sampling."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 import fastmamba
 from fastmamba.generation.drafters import NgramDrafter, OracleDrafter
 from fastmamba.generation.engine import Engine
-from fastmamba.generation.sampling import SamplingParams
+from fastmamba.generation.sampling import Sampler, SamplingParams, speculative_accept
 
 FP32 = dict(atol=1e-4, rtol=1e-4)
 PROMPT_LENS = (3, 9, 5)
@@ -167,8 +168,6 @@ def test_ngram_drafter():
 
 
 def test_speculation_errors(model):
-    with pytest.raises(NotImplementedError, match="temperature"):
-        Engine(model, max_batch=1, speculate=2, cuda_graphs=False).add_request([1], SamplingParams(temperature=1.0))
     with pytest.raises(NotImplementedError, match="CUDA-graph"):
         Engine(model, max_batch=1, speculate=2, cuda_graphs=True)
     with pytest.raises(ValueError, match="drafter needs speculate"):
@@ -196,3 +195,104 @@ def test_cli_generate_speculate_oracle(capsys):
     out, err = capsys.readouterr()
     assert len(out.split()) == 6
     assert "2 verify steps, 4 of 4 drafts accepted (100%)" in err
+
+
+# ------------------------------------------------------------------ speculative sampling (temperature > 0)
+
+@pytest.mark.parametrize("draft1", [0, 3], ids=["likely-draft", "unlikely-draft"])
+def test_speculative_accept_keeps_the_target_distribution(draft1):
+    """Pure function, 20000 seeded draws of hand-made distributions (K=2): the first emitted token
+    (d1 if accepted, else the residual draw) follows p0, the second (among rows that accepted d1)
+    follows p1; P(accept d1) = p0(d1); with all drafts accepted the bonus token follows p2."""
+    N, tol = 20000, 0.015  # binomial sd <= 0.0036 at N=20000: tol is about 4 sd
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0],
+                      [0.1, 0.2, 0.0, 0.3, 0.4],
+                      [0.25, 0.25, 0.25, 0.0, 0.25]])
+    drafts = torch.tensor([draft1, 1])  # d2 = 1: p1(1) = 0.2, rejected mostly
+    g = torch.Generator().manual_seed(123)
+    u = torch.rand(N, 2, generator=g)
+    noise = torch.empty(N, 5).exponential_(generator=g)
+    n, tok = speculative_accept(p.expand(N, 3, 5), drafts.expand(N, 2), u, noise)
+    assert n.dtype == tok.dtype == torch.int64 and 0 <= n.min() and n.max() <= 2
+    first = torch.where(n >= 1, drafts[0], tok)
+    torch.testing.assert_close(torch.bincount(first, minlength=5) / N, p[0], atol=tol, rtol=0)
+    assert abs((n >= 1).float().mean().item() - p[0, draft1].item()) < tol
+    took1 = n >= 1
+    second = torch.where(n[took1] >= 2, drafts[1], tok[took1])
+    torch.testing.assert_close(torch.bincount(second, minlength=5) / took1.sum(), p[1], atol=2 * tol, rtol=0)
+    bonus = tok[n == 2]
+    assert bonus.numel() > 100
+    torch.testing.assert_close(torch.bincount(bonus, minlength=5) / bonus.numel(), p[2], atol=0.06, rtol=0)
+    # a rejected draft is never the emitted token, and zero-probability tokens never appear
+    assert not (tok[n == 0] == draft1).any() and not (first == 4).any()
+
+
+def test_speculative_accept_edge_cases():
+    # a certain draft (p = 1) is always accepted; an impossible one (p = 0) always rejected
+    p = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]]).expand(4, 2, 3)
+    u = torch.tensor([[0.0], [0.5], [0.999], [0.3]])
+    noise = torch.ones(4, 3)
+    n, tok = speculative_accept(p, torch.tensor([[1], [1], [0], [2]]), u, noise)
+    assert n.tolist() == [1, 1, 0, 0] and tok.tolist() == [2, 2, 1, 1]
+    # rounding: p(d) = 1 - eps with no other mass; a rejection falls back to d instead of token 0
+    q = torch.tensor([[[0.0, 0.99999994, 0.0], [1.0, 0.0, 0.0]]])
+    n, tok = speculative_accept(q, torch.tensor([[1]]), torch.tensor([[0.99999997]]), torch.ones(1, 3))
+    assert n.tolist() == [0] and tok.tolist() == [1]
+
+
+def test_sampler_probs_and_speculative_sample():
+    V = 6
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(4, V + 2, generator=g)  # two padding columns
+    params = [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=2),
+              SamplingParams(temperature=1.0, top_p=0.5, seed=1)]
+    s = Sampler(V, "cpu", 8, seed=0)
+    pr = s.probs(logits, params)
+    assert pr.shape == (4, V)
+    torch.testing.assert_close(pr.sum(-1), torch.ones(4))
+    x = logits[:, :V]
+    assert pr[0].tolist() == torch.nn.functional.one_hot(x[0].argmax(), V).float().tolist()
+    torch.testing.assert_close(pr[1], (x[1] / 0.7).softmax(-1))
+    assert (pr[2] > 0).sum() == 2 and set(pr[2].nonzero().flatten().tolist()) == set(x[2].topk(2).indices.tolist())
+    top = x[3].softmax(-1).sort(descending=True)
+    keep = (top.values.cumsum(-1) - top.values) < 0.5
+    assert set(pr[3].nonzero().flatten().tolist()) == set(top.indices[keep].tolist())
+    # seeded rows are reproducible and independent of the sampler's own generator
+    K = 3
+    lg = torch.randn(2, K + 1, V, generator=g)
+    dr = torch.randint(0, V, (2, K), generator=g)
+    sp = [SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=2.0, seed=9, top_k=3)]
+    a = Sampler(V, "cpu", 8, seed=1).speculative_sample(lg, dr, sp, [4, 7])
+    b = Sampler(V, "cpu", 8, seed=2).speculative_sample(lg, dr, sp, [4, 7])
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert ((0 <= a[0]) & (a[0] <= K)).all()
+    with pytest.raises(ValueError, match=r"\[B, K\+1, V\]"):
+        s.speculative_sample(lg, dr[:, :2], sp, [0, 0])
+
+
+def test_sampled_speculation_runs_and_is_reproducible(model, prompts, plain):
+    """temperature > 0 with fixed seeds (K=3, n-gram drafts, one greedy request in the batch): every
+    request emits max_new_tokens tokens, accepted counts lie in 0..K, the same seeds give the same
+    tokens, and the greedy request still matches greedy decoding."""
+    K, n_new = 3, 5
+    params = [SamplingParams(temperature=0.9, top_k=50, seed=11, max_new_tokens=n_new),
+              SamplingParams(temperature=1.2, top_p=0.9, seed=12, max_new_tokens=n_new),
+              SamplingParams(max_new_tokens=n_new)]
+    outs, acc = run(Engine(model, max_batch=3, speculate=K), prompts, params)
+    assert [len(o) for o in outs] == [n_new] * 3
+    assert all(0 <= a <= K for steps in acc for a in steps)
+    assert all(0 <= t < model.cfg.vocab_size for o in outs for t in o)
+    assert outs[2] == plain[2][:n_new]
+    again, _ = run(Engine(model, max_batch=3, speculate=K), prompts[:2], params[:2])
+    assert again == outs[:2]
+
+
+def test_sampled_speculation_at_low_temperature_equals_greedy(model, prompts, plain):
+    """temperature 1e-4 makes each p_i (nearly) one-hot at the argmax: with the plain greedy run as
+    oracle drafts, every draft is accepted and the tokens are the greedy ones."""
+    K = 3
+    engine = Engine(model, max_batch=3, speculate=K, drafter=OracleDrafter.from_runs(prompts, plain))
+    params = [SamplingParams(temperature=1e-4, seed=s, max_new_tokens=REF_TOKENS) for s in range(3)]
+    outs, acc = run(engine, prompts, params)
+    assert outs == plain
+    assert all(a == K for steps in acc for a in steps[:-1])
