@@ -64,6 +64,11 @@ def check_unit_stride(op: str, name: str, t: torch.Tensor, dim: int) -> None:
         )
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """True while a CUDA graph is being captured on ``t``'s stream: host reads (syncs) must wait."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def check_indices(op: str, name: str, idx: torch.Tensor, batch: int, num_slots: int, pad_slot_id: int) -> None:
     """Slot indices: shape (B,), int32/int64, each in [0, num_slots) or equal to pad_slot_id.
 
@@ -73,7 +78,7 @@ def check_indices(op: str, name: str, idx: torch.Tensor, batch: int, num_slots: 
     """
     check_dtype(op, name, idx, INDEX_DTYPES)
     check_shape(op, name, idx, [("B", batch)])
-    if idx.is_cuda and torch.cuda.is_current_stream_capturing():
+    if capturing(idx):
         return
     bad = [int(v) for v in host_list(idx) if v != pad_slot_id and not 0 <= v < num_slots][:4]
     if bad:

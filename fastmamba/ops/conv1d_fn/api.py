@@ -8,6 +8,7 @@ import torch
 from fastmamba.ops._common.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    capturing,
     check_dtype,
     check_indices,
     check_same_device,
@@ -278,7 +279,7 @@ def _check_varlen_inputs(
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
         raise ValueError(f"{op}: `cu_seqlens` expected shape (B+1,), got {tuple(cu_seqlens.shape)}")
     B = cu_seqlens.shape[0] - 1
-    if not (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not capturing(cu_seqlens):
         cu = host_list(cu_seqlens)
         if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
             shown = cu if len(cu) <= 10 else cu[:5] + ["..."] + cu[-3:]

@@ -8,6 +8,7 @@ import torch
 from fastmamba.ops._common.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    capturing,
     check_dtype,
     check_indices,
     check_same_device,
@@ -114,7 +115,7 @@ def commit_accepted(
     check_shape(op, "accepted", accepted, [("B", slots.shape[0])])
     if accepted.dtype.is_floating_point or accepted.dtype.is_complex:
         raise TypeError(f"{op}: `accepted` expected an integer dtype, got {str(accepted.dtype).replace('torch.', '')}")
-    if max_accepted is not None and not (accepted.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if max_accepted is not None and not capturing(accepted):
         bad = (accepted < 0) | (accepted > max_accepted)
         if bool(bad.any()):
             raise ValueError(f"{op}: `accepted` values must lie in [0, {max_accepted}]; got {accepted[bad][:4].tolist()}")

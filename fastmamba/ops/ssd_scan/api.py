@@ -8,6 +8,7 @@ import torch
 from fastmamba.ops._common.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    capturing,
     check_dtype,
     check_indices,
     check_same_device,
@@ -21,10 +22,6 @@ from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_v
 _DENSE = "mamba_chunk_scan_combined"
 _VARLEN = "ssd_scan_varlen"
 _INF = float("inf")
-
-
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -52,7 +49,7 @@ def _check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, total: int) -> None:
     check_dtype(op, "cu_seqlens", cu_seqlens, INDEX_DTYPES)
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"{op}: `cu_seqlens` expected shape (B+1,) with B >= 1, got {tuple(cu_seqlens.shape)}")
-    if _capturing(cu_seqlens):
+    if capturing(cu_seqlens):
         return
     values = host_list(cu_seqlens)
     if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values[:-1], values[1:])):
@@ -166,7 +163,7 @@ def mamba_chunk_scan_combined(
         last_of_row = torch.zeros(n_seg, dtype=torch.bool, device=dev)
         last_of_row[-1] = True
         row_of_seg = torch.zeros(n_seg, dtype=torch.int32, device=dev)
-        n_chunks = (_cdiv(L, chunk_size) + n_seg) if _capturing(cu) else num_chunks(cu, chunk_size)
+        n_chunks = (_cdiv(L, chunk_size) + n_seg) if capturing(cu) else num_chunks(cu, chunk_size)
     elif seq_idx is not None:
         bounds, rows, firsts, lasts = [], [], [], []
         ids = seq_idx.tolist()
@@ -288,8 +285,7 @@ def ssd_scan_varlen(
             raise TypeError(f"{_VARLEN}: `out` has dtype {out.dtype} but `x` has {x.dtype}; they must match")
         if T > 0 and out.data_ptr() == x.data_ptr():
             raise ValueError(f"{_VARLEN}: `out` must not alias `x` (the scan reads x after writing out)")
-    capturing = _capturing(cu_seqlens)
-    total_chunks = None if capturing else num_chunks(cu_seqlens, chunk_size)
+    total_chunks = None if capturing(cu_seqlens) else num_chunks(cu_seqlens, chunk_size)
     if chunk_states_out is not None:
         check_shape(_VARLEN, "chunk_states_out", chunk_states_out, [("n_chunks", None), ("H", H), ("P", P), ("N", N)])
         if total_chunks is not None and chunk_states_out.shape[0] < total_chunks:
