@@ -17,6 +17,8 @@ mkdir -p "$TRITON_CACHE_DIR"
 
 # at most 8 files come back from $OUT (tests.log, tune.*, kernels.*, prefill.*, spec.*, e2e.*, the cache): pick steps to fit
 # tune-<op> sweeps one op, e.g. tune-conv_fn, tune-ssd (the prefill ops are not in the default tune)
+# spec-<shape> runs the spec benchmark on one shape (nemotron-h, nemotron-h-tp8, mamba2-2.7b);
+# e2e-spec: batch-1 speculative decoding, K=5, oracle then ngram drafter, against plain decoding
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests tune kernels)
@@ -29,7 +31,9 @@ for step in "${steps[@]}"; do
         tune-*)    timeout 280 python3 -m fastmamba.bench tune --ops "${step#tune-}" >> "$OUT/tune.txt" 2>> "$OUT/tune.err"; echo "rc=$?"; cat "$OUT/tune.txt" ;;
         kernels)   timeout 330 python3 -m fastmamba.bench kernels --json "$OUT/kernels.jsonl" --markdown "$OUT/kernels.md" > "$OUT/kernels.txt" 2> "$OUT/kernels.err"; echo "rc=$?"; cat "$OUT/kernels.txt" ;;
         prefill)   timeout 330 python3 -m fastmamba.bench prefill --json "$OUT/prefill.jsonl" --markdown "$OUT/prefill.md" > "$OUT/prefill.txt" 2> "$OUT/prefill.err"; echo "rc=$?"; cat "$OUT/prefill.txt" ;;
-        spec)      timeout 300 python3 -m fastmamba.bench spec --json "$OUT/spec.jsonl" --markdown "$OUT/spec.md" > "$OUT/spec.txt" 2> "$OUT/spec.err"; echo "rc=$?"; cat "$OUT/spec.txt" ;;
+        spec)      timeout 540 python3 -m fastmamba.bench spec --json "$OUT/spec.jsonl" --markdown "$OUT/spec.md" > "$OUT/spec.txt" 2> "$OUT/spec.err"; echo "rc=$?"; tail -n 60 "$OUT/spec.txt" ;;
+        spec-*)    timeout 540 python3 -m fastmamba.bench spec --shapes "${step#spec-}" --json "$OUT/spec.jsonl" --markdown "$OUT/spec-${step#spec-}.md" >> "$OUT/spec.txt" 2>> "$OUT/spec.err"; echo "rc=$?"; tail -n 40 "$OUT/spec.txt" ;;
+        e2e-spec)  for d in oracle ngram; do timeout 280 python3 -m fastmamba.bench e2e --batch 1 --gen-len 128 --speculate 5 --drafter $d --json "$OUT/e2e-spec.jsonl" >> "$OUT/e2e-spec.txt" 2>> "$OUT/e2e-spec.err"; echo "rc=$?"; done; cat "$OUT/e2e-spec.txt"; tail -3 "$OUT/e2e-spec.err" ;;
         e2e)       timeout 360 python3 -m fastmamba.bench e2e --peer --json "$OUT/e2e.jsonl" --plot "$OUT/e2e.png" > "$OUT/e2e.txt" 2> "$OUT/e2e.err"; echo "rc=$?"; cat "$OUT/e2e.txt"; tail -5 "$OUT/e2e.err" ;;
         *)         echo "unknown step $step" ;;
     esac

@@ -7,6 +7,9 @@ counted at its stored size. Untouched cache slots cost nothing.
 """
 from __future__ import annotations
 
+from fractions import Fraction
+from typing import NamedTuple
+
 import torch
 
 FP32 = 4  # A, D and dt_bias are per-head fp32 vectors
@@ -161,6 +164,56 @@ def ssd_flops(T: int, H: int, P: int, N: int, G: int, chunk_size: int) -> int:
     return 2 * T * (G * Q * N + H * Q * P + 2 * H * P * N)
 
 
+class ReplaySteadyState(NamedTuple):
+    """Long-run averages of the replay cache per call (see :func:`spec_replay_steady_state`)."""
+
+    checkpoint_rate: float  # fraction of calls that store the state (history would overflow)
+    replayed: float  # history tokens replayed per call (hist_len + prev_accepted)
+
+
+def spec_replay_steady_state(tokens: int, history: int, *, redraw: bool = False) -> ReplaySteadyState:
+    """How often a replay call stores the state, and how many history tokens it replays, in steady
+    state, with T = ``tokens`` per step on a cache of ``history`` (C) tokens and accepted counts
+    uniform in 1..T. Exact (rational arithmetic), so a deterministic function of (T, C, redraw).
+
+    The per-slot chain (fastmamba.ops.replay.ref): a call sees h = hist_len and a = prev_accepted,
+    replays k = h + a tokens, and stores the state iff k + T > C (then h' = 0), else h' = k;
+    a' = the step's accepted count. From h = 0 (just after a store) to the next store is a renewal
+    cycle, so per call: checkpoint rate = 1 / E[calls per cycle], replayed = E[k per cycle] / E[calls].
+
+    redraw=False  a is drawn once per request and then fixed: what ``bench spec`` times (each input
+                  set commits the same per-request accepted tensor every call, so the timed graph
+                  holds no random-number kernel). With room = C - T, a request with count a stores
+                  the state every L_a = room // a + 1 calls and replays a, 2a, ..., L_a a tokens
+                  (mean a (L_a + 1) / 2); both averaged over a in 1..T.
+    redraw=True   a is redrawn every step (independent, uniform): a decoding engine's situation.
+                  E[calls] L(h) and E[replayed] K(h) from h to the next store, by backward recursion
+                  over h = room..0: L(h) = 1 + (1/T) sum_{a <= room-h} L(h+a),
+                  K(h) = h + (T+1)/2 + (1/T) sum_{a <= room-h} K(h+a).
+
+    >>> [round(v, 4) for v in spec_replay_steady_state(6, 32)]  # T=6, C=32: a store every 8.2 calls
+    [0.1215, 15.9167]
+    >>> [round(v, 4) for v in spec_replay_steady_state(6, 32, redraw=True)]
+    [0.1221, 15.7053]
+    """
+    T, C = tokens, history
+    if not 1 <= T <= C:
+        raise ValueError(f"spec_replay_steady_state: expected 1 <= tokens <= history, got tokens={T}, history={C}")
+    room = C - T  # hist_len + prev_accepted <= room: the step's T tokens fit after them, no store
+    if not redraw:
+        lengths = {a: room // a + 1 for a in range(1, T + 1)}
+        rate = sum(Fraction(1, n) for n in lengths.values()) / T
+        replayed = sum(Fraction(a * (n + 1), 2) for a, n in lengths.items()) / T
+        return ReplaySteadyState(float(rate), float(replayed))
+    calls = [Fraction(0)] * (room + 1)
+    tokens_replayed = [Fraction(0)] * (room + 1)
+    for h in range(room, -1, -1):
+        nxt = range(h + 1, min(h + T, room) + 1)  # h + a for the counts a that do not overflow
+        calls[h] = 1 + sum((calls[j] for j in nxt), Fraction(0)) / T
+        tokens_replayed[h] = h + Fraction(T + 1, 2) + sum((tokens_replayed[j] for j in nxt), Fraction(0)) / T
+    return ReplaySteadyState(float(1 / calls[0]), float(tokens_replayed[0] / calls[0]))
+
+
 def spec_replay_bytes(
     B: int,
     T: int,
@@ -169,31 +222,37 @@ def spec_replay_bytes(
     N: int,
     G: int,
     *,
-    accepted: int,
+    history: int,
     state_dtype: torch.dtype,
     act_dtype: torch.dtype,
     dt_dtype: torch.dtype,
+    redraw: bool = False,
 ) -> int:
-    """replay_selective_state_update, T tokens per request, each slot replaying ``accepted`` (k)
-    old tokens (fastmamba.ops.replay; old x, B, dt', cumA as its ReplayCache stores them).
+    """replay_selective_state_update + its commit, T tokens per request, on a cache whose history
+    holds up to C = ``history`` tokens (fastmamba.ops.replay): the EXPECTED bytes of one call in
+    steady state, rounded to an integer. With p = the checkpoint rate and k = the tokens replayed
+    per call from :func:`spec_replay_steady_state` (T, C, accepted counts uniform in 1..T; ``redraw``
+    as there: False is what ``bench spec`` times):
 
-    state        B*H*P*N*s read; B*H*P*N*s written when k > 0 (k = 0 stores nothing)
-    replayed     k old tokens per request: old_x  k*H*P*a, old_B  k*G*N*a, old_dt and old_cumA  k*H*4 each
+    state        H*P*N*s read every call; H*P*N*s written with probability p (the history would overflow)
+    replayed     k history tokens: old_x  H*P*a, old_B  G*N*a, old_dt and old_cumA  H*4 each, per token
     new inputs   x, z  T*H*P*a each   B, C  2*T*G*N*a   dt  T*H*d ([B, T, H], per head)
-    outputs      y  T*H*P*a; the step recorded for the next one: old_x  T*H*P*a, old_B  T*G*N*a,
+    outputs      y  T*H*P*a; the step appended to the history: old_x  T*H*P*a, old_B  T*G*N*a,
                  old_dt and old_cumA  T*H*4 each
-    per slot     state_batch_indices, buf_idx, prev_accepted: 3*4 per request
+    per slot     the op reads state_batch_indices, buf_idx, prev_accepted, hist_len; the commit reads
+                 slots and accepted and writes buf_idx, prev_accepted, hist_len: 9*4 per request
     A, D, dt_bias  H*4 each (fp32 per head)
     The [B, H, T, T] scratch the precompute kernel hands the main kernel is intermediate traffic, not counted.
     """
     s, a, d = _size(state_dtype), _size(act_dtype), _size(dt_dtype)
-    k = accepted
-    per_req = H * P * N * s * (2 if k > 0 else 1)  # state
-    per_req += k * (H * P * a + G * N * a + 2 * H * FP32)  # replayed old tokens
+    steady = spec_replay_steady_state(T, history, redraw=redraw)
+    state = H * P * N * s
+    per_req = state * (1 + steady.checkpoint_rate)
+    per_req += steady.replayed * (H * P * a + G * N * a + 2 * H * FP32)  # replayed history tokens
     per_req += T * (2 * H * P * a + 2 * G * N * a + H * d)  # x, z, B, C, dt
     per_req += T * (2 * H * P * a + G * N * a + 2 * H * FP32)  # y, old_x, old_B, old_dt, old_cumA
-    per_req += 3 * INDEX
-    return B * per_req + 3 * H * FP32
+    per_req += 9 * INDEX
+    return round(B * per_req) + 3 * H * FP32
 
 
 def spec_legacy_bytes(

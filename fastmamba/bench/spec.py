@@ -1,23 +1,34 @@
 """Target ``spec``: speculative verification kernels side by side, and the batch-adaptive choice.
 
-    python -m fastmamba.bench spec [--tokens 2,6,16] [--batch 1,8,32,128,256] [--accept-rate 0.6]
+    python -m fastmamba.bench spec [--shapes nemotron-h,nemotron-h-tp8] [--tokens 2,4,6,8,16]
+                                   [--batch 1,8,32,128,256] [--accept-rate 0.6]
                                    [--quick] [--json PATH] [--markdown PATH] [--device auto|cuda|cpu]
 
-For T = K+1 tokens per step (default 6), the mamba2-2.7b (H80 P64 N128 G1) and Nemotron-H (H128
-P64 N128 G8) shapes, fp32 and fp16 state, bf16 activations, batch 1, 8, 32, 128, 256: ``replay``
-(replay_selective_state_update, T//2 tokens replayed), ``legacy`` (multi-token
-selective_state_update writing T states + the copy of the accepted one), ``legacy-no-copy`` and
-``plain`` (single-token decode: a step with nothing drafted). See fastmamba/bench/ops/spec_verify.py
-for the inputs, the byte models and the check.
+For T = K+1 tokens per step (default 2, 4, 6, 8, 16), the Nemotron-H (H128 P64 N128 G8) and
+Nemotron-H TP=8 slice (H16 P64 N128 G1) shapes (``--shapes`` also takes mamba2-2.7b, H80 P64 N128
+G1), fp32 and fp16 state, bf16 activations, batch 1, 8, 32, 128, 256, accepted counts drawn at
+random (uniform in 1..T per request): ``replay`` (replay_selective_state_update + its commit, the
+cache evolving through its steady state), ``legacy`` (multi-token selective_state_update writing T
+states + the copy of the accepted one), ``legacy-no-copy`` and ``plain`` (single-token decode: a
+step with nothing drafted). See fastmamba/bench/ops/spec_verify.py for the inputs, the byte models
+and the check.
 
 The runner is the ``kernels`` target's (``fastmamba.bench.kernels.run_suite``): rotating input
-sets, CUDA-graph replays, one check per provider. After the table, the batch-adaptive choice: per
-(shape, state dtype, T) the smallest batch from which replay beats legacy (with its copy) at every
-larger measured batch, and whether plain decode is cheaper per token at batch 1 than the path
-``choose_verify_path`` picks, given ``--accept-rate`` (expected tokens per step sum_{i=0..K} rate^i;
-SSM-kernel time only: the drafter and the rest of the model are not in it). The same goes into the
-JSON file as ``"record": "spec_choice"`` lines, and per (shape, state dtype) a ``"spec_crossover"``
-line whose ``table`` is what ``fastmamba.generation.spec_policy.choose_verify_path`` takes.
+sets, CUDA-graph replays, one check per provider. After the table:
+
+- the batch-adaptive choice: per (shape, state dtype, T) the smallest batch from which replay beats
+  legacy (with its copy) at every larger measured batch, and whether plain decode is cheaper per
+  token at batch 1 than the path ``choose_verify_path`` picks, given ``--accept-rate`` (expected
+  tokens per step sum_{i=0..K} rate^i; SSM-kernel time only: the drafter and the rest of the model
+  are not in it). The same goes into the JSON file as ``"record": "spec_choice"`` lines, and per
+  (shape, state dtype) a ``"spec_crossover"`` line whose ``table`` is what
+  ``fastmamba.generation.spec_policy.choose_verify_path`` takes.
+- issue 5's acceptance lines, per (shape, state dtype) (JSON ``"record": "spec_acceptance"``):
+  legacy / replay at batch 128, T=6 (target >= 3x); replay at T=16 / T=2, batch 128 (target
+  <= 1.5x; flashinfer's checkpointing_ssu: 2.0x); at batch 1, whether the adaptive choice as
+  shipped (``spec_policy.DEFAULT_TABLE``) is never slower than legacy; and, for Nemotron-H, our
+  batch-128 T=6 time beside flashinfer's (PEERS.md, measured on an H200: compared only when this
+  run's GPU is an H200 too).
 Without a GPU: a tiny shape through the Triton interpreter (plumbing, not speed).
 """
 from __future__ import annotations
@@ -32,6 +43,18 @@ from fastmamba.generation.spec_policy import choose_verify_path, expected_tokens
 
 OPS = {"spec": "fastmamba.bench.ops.spec_verify"}
 ACCEPT_RATE = 0.6
+
+# issue 5's targets ("Done when")
+TARGET_BATCH, TARGET_T = 128, 6
+TARGET_LEGACY_OVER_REPLAY = 3.0  # replay >= 3x faster than legacy (state writes + copy) at batch 128, T=6
+FLAT_T = (2, 16)  # replay at T=16 within 1.5x of T=2 at batch 128
+TARGET_FLAT = 1.5
+# flashinfer 0.7.2 checkpointing_ssu, best algorithm (/work/shared/PEERS.md), measured on an NVIDIA
+# H200: Nemotron-H, batch 128, T=6, per state dtype, in µs; its T=16 / T=2 ratio at batch 128, fp32
+FLASHINFER_GPU = "H200"
+FLASHINFER_SHAPE = "nemotron-h"
+FLASHINFER_US = {"fp32": 246.0, "fp16": 165.0}
+FLASHINFER_FLAT = 2.0
 
 
 def _tokens_list(text: str) -> list[int]:
@@ -51,10 +74,23 @@ def _rate(text: str) -> float:
     return value
 
 
+def _shapes_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in spec_verify.SHAPES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown shape(s) {', '.join(bad) or '(none)'}; choose from {','.join(spec_verify.SHAPES)}")
+    return list(dict.fromkeys(names))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokens", type=_tokens_list, default=list(spec_verify.TOKENS),
-                        help="T = K+1 tokens verified per step, comma-separated (default "
-                        f"{','.join(map(str, spec_verify.TOKENS))}; the sweep is 2,6,16)")
+    parser.add_argument("--shapes", type=_shapes_list, default=None,
+                        help=f"comma-separated subset of {','.join(spec_verify.SHAPES)}; default "
+                        f"{','.join(spec_verify.DEFAULT_SHAPES)} on a GPU, tiny on the CPU")
+    parser.add_argument("--tokens", type=_tokens_list, default=None,
+                        help="T = K+1 tokens verified per step, comma-separated; default "
+                        f"{','.join(map(str, spec_verify.GPU_TOKENS))} on a GPU, "
+                        f"{','.join(map(str, spec_verify.CPU_TOKENS))} on the CPU")
     parser.add_argument(
         "--batch",
         type=_int_list,
@@ -153,7 +189,99 @@ def summarize(rows: list[report.Row], args: argparse.Namespace) -> Summary:
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in body]
     lines.append("crossover tables for choose_verify_path (T -> batch; None: legacy at every batch): " + "; ".join(
         f"{shape} {state} {table}" for (shape, state), table in tables.items()))
-    return Summary(lines, records)
+    more_lines, more_records = acceptance(times, modes, getattr(args, "device_name", None))
+    return Summary(lines + [""] + more_lines, records + more_records)
+
+
+# --- issue 5's acceptance lines -----------------------------------------------------------------
+def _device_label(modes: set[str], given: str | None) -> str:
+    if given:
+        return given
+    if not modes or modes & {"cpu"}:
+        return "CPU (no CUDA device)"
+    try:
+        import torch
+
+        return torch.cuda.get_device_name()
+    except Exception:  # noqa: BLE001
+        return "unknown GPU"
+
+
+def _verdict(ok: bool | None) -> str:
+    return "not measured" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def acceptance(times: dict, modes: set[str], device: str | None = None) -> tuple[list[str], list[dict]]:
+    """Issue 5's "Done when" lines from ``summarize``'s ``times`` ((shape, dims, dtype, T) -> batch ->
+    provider -> median µs): per (shape, state dtype), in the order of the cases."""
+    device = _device_label(modes, device)
+    same_gpu = FLASHINFER_GPU.lower() in device.lower()
+    by_shape: dict[tuple[str, str], dict[int, dict[int, dict[str, float]]]] = {}
+    for (shape, _dims, dtype, T), by_batch in times.items():
+        by_shape.setdefault((shape, dtype.split("/")[0]), {})[T] = by_batch
+
+    def us(at: dict, T: int, batch: int, provider: str) -> float | None:
+        return at.get(T, {}).get(batch, {}).get(provider)
+
+    lines = [f"Issue 5 acceptance on {device} (medians of this run; replay = op + commit, legacy = states + copy):"]
+    if not modes or modes & {"cpu"}:
+        lines.append("(no GPU: interpreter wall-clock times, so the verdicts below show the plumbing, not a measurement)")
+    records = []
+    for (shape, state), at in by_shape.items():
+        name = f"  {shape} {state}:"
+        rec: dict = dict(record="spec_acceptance", shape=shape, state_dtype=state, device_name=device)
+
+        # 1. legacy / replay at batch 128, T=6
+        leg, rep = us(at, TARGET_T, TARGET_BATCH, LEGACY), us(at, TARGET_T, TARGET_BATCH, REPLAY)
+        ratio = leg / rep if leg is not None and rep is not None else None
+        ok = None if ratio is None else ratio >= TARGET_LEGACY_OVER_REPLAY
+        rec.update(legacy_us=leg, replay_us=rep, legacy_over_replay=ratio, legacy_over_replay_ok=ok)
+        lines.append(f"{name} legacy/replay at B={TARGET_BATCH} T={TARGET_T}: "
+                     + (f"{report.format_us(leg)} / {report.format_us(rep)} µs = {ratio:.2f}x" if ratio else "—")
+                     + f" (target >= {TARGET_LEGACY_OVER_REPLAY:g}x): {_verdict(ok)}")
+
+        # 2. replay T=16 / T=2 at batch 128
+        lo, hi = (us(at, T, TARGET_BATCH, REPLAY) for T in FLAT_T)
+        flat = hi / lo if lo is not None and hi is not None else None
+        ok = None if flat is None else flat <= TARGET_FLAT
+        rec.update(replay_t2_us=lo, replay_t16_us=hi, t16_over_t2=flat, t16_over_t2_ok=ok)
+        lines.append(f"{name} replay T={FLAT_T[1]} / T={FLAT_T[0]} at B={TARGET_BATCH}: "
+                     + (f"{report.format_us(hi)} / {report.format_us(lo)} µs = {flat:.2f}x" if flat else "—")
+                     + f" (target <= {TARGET_FLAT:g}x; flashinfer {FLASHINFER_FLAT:.1f}x on an {FLASHINFER_GPU}): "
+                     + _verdict(ok))
+
+        # 3. batch 1: the shipped adaptive choice is never slower than legacy
+        per_t, parts = {}, []
+        for T in sorted(at):
+            path = choose_verify_path(1, T)
+            mine, legacy = us(at, T, 1, path), us(at, T, 1, LEGACY)
+            fine = None if mine is None or legacy is None else mine <= legacy
+            per_t[T] = dict(path=path, path_us=mine, legacy_us=legacy, ok=fine)
+            other = (f"replay {report.format_us(us(at, T, 1, REPLAY))}" if path == LEGACY
+                     else f"legacy {report.format_us(legacy)}")
+            parts.append(f"T={T} {path} {report.format_us(mine)} (vs {other})" + (" SLOWER" if fine is False else ""))
+        known = [v["ok"] for v in per_t.values() if v["ok"] is not None]
+        ok = None if not known else all(known)
+        rec.update(batch1=per_t, batch1_ok=ok)
+        lines.append(f"{name} B=1, adaptive choice (spec_policy.DEFAULT_TABLE) never slower than legacy: "
+                     + "; ".join(parts) + f": {_verdict(ok)}")
+
+        # 4. flashinfer's checkpointing_ssu (Nemotron-H, batch 128, T=6), measured on an H200
+        if shape == FLASHINFER_SHAPE and state in FLASHINFER_US:
+            theirs = FLASHINFER_US[state]
+            rec.update(flashinfer_us=theirs, flashinfer_gpu=FLASHINFER_GPU, flashinfer_comparable=same_gpu,
+                       flashinfer_over_replay=theirs / rep if rep and same_gpu else None)
+            text = (f"{name} flashinfer checkpointing_ssu at B={TARGET_BATCH} T={TARGET_T}: {theirs:g} µs "
+                    f"(PEERS.md, measured on an NVIDIA {FLASHINFER_GPU}); ours {report.format_us(rep)} µs on {device}")
+            if rep is None:
+                text += ": not measured"
+            elif same_gpu:
+                text += f" -> {theirs / rep:.2f}x flashinfer (same GPU): {_verdict(rep < theirs)}"
+            else:
+                text += f" -> not comparable (different GPU; compare only on an {FLASHINFER_GPU})"
+            lines.append(text)
+        records.append(rec)
+    return lines, records
 
 
 SPEC = Suite("spec", "fastmamba speculative verification benchmark", OPS, spec_verify.GPU_BATCHES,

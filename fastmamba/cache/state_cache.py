@@ -10,10 +10,13 @@ pools through those indices, so nothing is reallocated or copied while decoding.
 Speculative decoding (``speculate=K``, K >= 1: T = K+1 tokens verified per step) adds, with
 replay-based rollback (``fastmamba.ops.replay``; nothing is copied when drafts are rejected):
 
-    replay[l]     ReplayCache for T tokens; its ``state`` *is* ssm[l] (one tensor: prefill writes
-                  it, the verify step replays onto it). All layers share one ``buf_idx`` and one
-                  ``prev_accepted`` [S] int32, since every layer accepts the same tokens, so a
-                  commit is one call for the whole model.
+    replay[l]     ReplayCache for T tokens (history ``default_history(T)``); its ``state`` *is*
+                  ssm[l] (one tensor: prefill writes it, the verify step replays onto it and
+                  stores it at checkpoints). All layers share one ``buf_idx``, ``prev_accepted``
+                  and ``hist_len`` [S] int32, since every layer accepts the same tokens, so a
+                  commit is one call for the whole model. Between checkpoints ssm[l] lags behind
+                  the request: ``flush`` stores the replayed states (before a plain decode step
+                  or any other reader of ssm[l]).
     conv_accepted [S] int32  the conv's ``num_accepted_tokens`` for the slot's next verify step
 
 The conv state then keeps W-1+K columns, the most that a verify step can need
@@ -28,7 +31,8 @@ from __future__ import annotations
 import torch
 
 from fastmamba.models.config import Mamba2Config
-from fastmamba.ops.replay import ReplayCache, commit_accepted
+from fastmamba.ops._common.checks import capturing
+from fastmamba.ops.replay import ReplayCache, commit_accepted, default_history, flush_replay_cache, reset_history
 
 
 class StateCache:
@@ -62,18 +66,21 @@ class StateCache:
         if speculate:
             T, S = speculate + 1, num_slots
             H, P, N, G = cfg.nheads, cfg.headdim, cfg.d_state, cfg.ngroups
+            C = default_history(T)
             self.buf_idx = torch.zeros(S, dtype=torch.int32, device=device)
             self.prev_accepted = torch.zeros(S, dtype=torch.int32, device=device)
+            self.hist_len = torch.zeros(S, dtype=torch.int32, device=device)
             self.conv_accepted = torch.full((S,), T, dtype=torch.int32, device=device)
             for ssm in self.ssm:
                 self.replay.append(ReplayCache(
                     state=ssm,
-                    old_x=torch.zeros(S, T, H, P, dtype=conv_dtype, device=device),
-                    old_B=torch.zeros(2, S, T, G, N, dtype=conv_dtype, device=device),
-                    old_dt=torch.zeros(2, S, T, H, dtype=torch.float32, device=device),
-                    old_cumA=torch.zeros(2, S, T, H, dtype=torch.float32, device=device),
+                    old_x=torch.zeros(S, C, H, P, dtype=conv_dtype, device=device),
+                    old_B=torch.zeros(2, S, C, G, N, dtype=conv_dtype, device=device),
+                    old_dt=torch.zeros(2, S, C, H, dtype=torch.float32, device=device),
+                    old_cumA=torch.zeros(2, S, C, H, dtype=torch.float32, device=device),
                     buf_idx=self.buf_idx,
                     prev_accepted=self.prev_accepted,
+                    hist_len=self.hist_len,
                 ))
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
 
@@ -113,29 +120,140 @@ class StateCache:
             raise RuntimeError(f"StateCache.{who}: the cache was built without speculation (speculate=0)")
 
     def mark_prefilled(self, slots: torch.Tensor, *, pad_slot_id: int = -1) -> None:
-        """Slots whose states a prefill just wrote: nothing to replay (``prev_accepted = 0``) and a
-        conv history that ends at the last column (``conv_accepted = T``). No host sync."""
+        """Slots whose states a prefill just wrote: nothing to replay (``prev_accepted = hist_len
+        = 0``) and a conv history that ends at the last column (``conv_accepted = T``). No host sync."""
         self._require_speculative("mark_prefilled")
-        zeros = torch.zeros(slots.shape[0], dtype=torch.int32, device=slots.device)
-        commit_accepted(self.buf_idx, self.prev_accepted, slots, zeros, pad_slot_id=pad_slot_id)
-        _scatter(self.conv_accepted, slots, zeros + self.tokens_per_step, pad_slot_id)
+        reset_history(self.replay[0], slots, pad_slot_id=pad_slot_id)  # the counters are shared by every layer
+        full = torch.full((slots.shape[0],), self.tokens_per_step, dtype=torch.int32, device=slots.device)
+        _scatter(self.conv_accepted, slots, full, pad_slot_id)
 
     def commit(self, slots: torch.Tensor, accepted: torch.Tensor, *, pad_slot_id: int = -1) -> None:
         """Commit a verify step: request b kept the first ``accepted[b]`` of its T inputs (1..T).
 
         slots     [B] int32/int64, the verify step's slots (pad_slot_id rows skipped)
         accepted  [B] integer in 1..T: the last emitted token plus the accepted drafts
-        Flips the replay double buffer and sets ``prev_accepted`` for every layer at once, and
-        sets ``conv_accepted`` for the next conv update. Must follow every verify step, before
-        the next one on these slots. Checks the range on the host (one sync).
+        Moves the replay history on for every layer at once (``commit_accepted``: one small kernel)
+        and sets ``conv_accepted`` for the next conv update. Must follow every verify step, before
+        the next one on these slots. Checks the range on the host (one sync) unless a CUDA graph
+        is being captured.
         """
         self._require_speculative("commit")
         T = self.tokens_per_step
-        bad = (accepted < 1) | (accepted > T)
-        if bool(bad.any()):
-            raise ValueError(f"StateCache.commit: accepted counts must lie in [1, {T}]; got {accepted[bad][:4].tolist()}")
-        commit_accepted(self.buf_idx, self.prev_accepted, slots, accepted, pad_slot_id=pad_slot_id)
+        if not capturing(accepted):
+            bad = (accepted < 1) | (accepted > T)
+            if bool(bad.any()):
+                raise ValueError(f"StateCache.commit: accepted counts must lie in [1, {T}]; got {accepted[bad][:4].tolist()}")
+        commit_accepted(self.buf_idx, self.prev_accepted, self.hist_len, slots, accepted, tokens=T,
+                        history=self.replay[0].history, pad_slot_id=pad_slot_id, check=False)
         _scatter(self.conv_accepted, slots, accepted, pad_slot_id)
+
+    def flush(self, slots: torch.Tensor, *, pad_slot_id: int = -1) -> None:
+        """Store the slots' replayed SSM states in every layer (``flush_replay_cache``) and empty
+        their replay histories, so that ssm[l][slot] is the request's state after its last
+        committed token. The conv state needs nothing (``conv_accepted`` already locates its
+        window). No host sync besides the slot check (skipped while capturing)."""
+        self._require_speculative("flush")
+        for replay in self.replay:  # the counters are shared: reset them once, after every layer
+            flush_replay_cache(replay, slots, pad_slot_id=pad_slot_id, reset=False)
+        reset_history(self.replay[0], slots, pad_slot_id=pad_slot_id)
+
+    # ------------------------------------------------------------------ legacy and plain verify paths
+    # (issue 5, items 5-6: the engine picks replay, legacy or plain per step; see Mamba2LM.verify)
+
+    legacy_max_batch: int = 8  # default bound for the legacy buffers; reserve_legacy() changes it
+    _legacy_inter: list[torch.Tensor] | None = None
+    _no_dst: dict[int, torch.Tensor] | None = None
+
+    def reserve_legacy(self, max_batch: int) -> None:
+        """Bound the legacy (per-position) path to ``max_batch`` requests per step. Its buffers,
+        n_layer x [max_batch, T, H, P, N] in the SSM state dtype, are allocated at the first legacy
+        step (``legacy_intermediate``); a different bound drops any allocated ones."""
+        self._require_speculative("reserve_legacy")
+        if not (isinstance(max_batch, int) and max_batch >= 1):
+            raise ValueError(f"StateCache.reserve_legacy: max_batch must be an int >= 1, got {max_batch!r}")
+        if max_batch != self.legacy_max_batch:
+            self._legacy_inter = None
+        self.legacy_max_batch = max_batch
+
+    def legacy_intermediate(self, nreq: int) -> list[torch.Tensor]:
+        """Per layer, the legacy path's per-position states [nreq, T, H, P, N] (SSM state dtype;
+        views of buffers allocated on first use for ``legacy_max_batch`` rows): row b, position t
+        holds request b's state after its t+1-th input of the step (``selective_state_update``'s
+        ``intermediate_states``), until the next legacy step. Raises if nreq > legacy_max_batch."""
+        self._require_speculative("legacy_intermediate")
+        if not 1 <= nreq <= self.legacy_max_batch:
+            raise ValueError(
+                f"StateCache: the legacy verify path holds a state per position for at most legacy_max_batch="
+                f"{self.legacy_max_batch} requests, got a step of {nreq}; use the replay path for larger batches "
+                f"or raise the bound with reserve_legacy(n) (n_layer x n x T x H x P x N states of memory)")
+        if self._legacy_inter is None:
+            c, ssm = self.cfg, self.ssm[0]
+            shape = (self.legacy_max_batch, self.tokens_per_step, c.nheads, c.headdim, c.d_state)
+            with torch.inference_mode(False):  # plain tensors, whichever mode the first step runs in
+                self._legacy_inter = [torch.empty(shape, dtype=ssm.dtype, device=ssm.device) for _ in self.ssm]
+        return [t[:nreq] for t in self._legacy_inter]
+
+    def legacy_no_dst(self, nreq: int) -> torch.Tensor:
+        """[nreq] int32 of -1 on the cache's device: the legacy path's ``dst_state_batch_indices``
+        (the multi-token update then writes no final state; ``commit_legacy`` copies the accepted
+        one). One tensor per size, made outside inference mode, so the ops' index check reads it
+        on the host only once."""
+        if self._no_dst is None:
+            self._no_dst = {}
+        if nreq not in self._no_dst:
+            with torch.inference_mode(False):
+                self._no_dst[nreq] = torch.full((nreq,), -1, dtype=torch.int32, device=self.ssm[0].device)
+        return self._no_dst[nreq]
+
+    def mark_replay_fresh(self, slots: torch.Tensor, *, pad_slot_id: int = -1) -> None:
+        """Slots whose SSM state was just written by another path (legacy commit, plain step):
+        nothing to replay (``reset_history``: hist_len = prev_accepted = 0). No host sync."""
+        self._require_speculative("mark_replay_fresh")
+        reset_history(self.replay[0], slots, pad_slot_id=pad_slot_id)  # the counters are shared by every layer
+
+    def commit_legacy(self, slots: torch.Tensor, accepted: torch.Tensor, *, pad_slot_id: int = -1) -> None:
+        """Commit a legacy verify step: request b kept the first ``accepted[b]`` of its T inputs (1..T).
+
+        slots     [B] int32/int64, the step's slots; pad_slot_id rows are skipped (they repeat the
+                  first live row's copy: the same bytes to the same slot), at least one row live
+        accepted  [B] integer in 1..T (pad rows: anything)
+        Per layer ``ssm[l][slots[b]] = intermediate[b, accepted[b] - 1]`` (one gather and one
+        ``index_copy_``), then ``conv_accepted = accepted`` and nothing to replay. No host sync
+        except the range check (one sync), which is skipped while a CUDA graph is being captured.
+        The slots' replay histories must have been flushed before the verify step.
+        """
+        self._require_speculative("commit_legacy")
+        T, nreq = self.tokens_per_step, slots.shape[0]
+        if tuple(accepted.shape) != (nreq,):
+            raise ValueError(f"StateCache.commit_legacy: `accepted` expected shape (B,)=({nreq},), "
+                             f"got {tuple(accepted.shape)}")
+        live = slots != pad_slot_id
+        if not capturing(accepted):
+            bad = live & ((accepted < 1) | (accepted > T))
+            flags = torch.stack([bad.any(), live.any()]).tolist()
+            if flags[0]:
+                raise ValueError(f"StateCache.commit_legacy: accepted counts must lie in [1, {T}]; "
+                                 f"got {accepted[bad][:4].tolist()}")
+            if not flags[1]:
+                raise ValueError("StateCache.commit_legacy: every slot is pad_slot_id; nothing to commit")
+        inter = self.legacy_intermediate(nreq)
+        first_live = torch.argmax(live.to(torch.int32))
+        rows = torch.where(live, torch.arange(nreq, device=slots.device), first_live)
+        dest = slots.long()[rows]
+        pos = (accepted.long()[rows] - 1).clamp(0, T - 1)
+        for ssm, states in zip(self.ssm, inter):
+            ssm.index_copy_(0, dest, states[rows, pos])
+        _scatter(self.conv_accepted, slots, accepted, pad_slot_id)
+        self.mark_replay_fresh(slots, pad_slot_id=pad_slot_id)
+
+    def commit_plain(self, slots: torch.Tensor, *, pad_slot_id: int = -1) -> None:
+        """Commit a plain step (one input per request, its state written in place): the conv
+        history again ends at the last column (``conv_accepted = T``, as after prefill) and there
+        is nothing to replay. No host sync."""
+        self._require_speculative("commit_plain")
+        full = torch.full((slots.shape[0],), self.tokens_per_step, dtype=torch.int32, device=slots.device)
+        _scatter(self.conv_accepted, slots, full, pad_slot_id)
+        self.mark_replay_fresh(slots, pad_slot_id=pad_slot_id)
 
 
 def _scatter(dst: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, pad_slot_id: int) -> None:

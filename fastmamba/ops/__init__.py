@@ -7,12 +7,18 @@ from fastmamba.ops.add_rmsnorm import add_rmsnorm
 from fastmamba.ops.conv1d import causal_conv1d_update
 from fastmamba.ops.conv1d_fn import causal_conv1d_fn, causal_conv1d_varlen
 from fastmamba.ops.gated_rmsnorm import RMSNormGated, rmsnorm_fn
-from fastmamba.ops.replay import ReplayCache, allocate_replay_cache, commit_accepted, replay_selective_state_update
+from fastmamba.ops.replay import (
+    ReplayCache,
+    allocate_replay_cache,
+    commit_accepted,
+    flush_replay_cache,
+    replay_selective_state_update,
+)
 from fastmamba.ops.ssd_scan import mamba_chunk_scan_combined, ssd_scan_varlen
 from fastmamba.ops.state_update import selective_state_update
 
 __all__ = [
     "RMSNormGated", "add_rmsnorm", "causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_varlen",
     "mamba_chunk_scan_combined", "rmsnorm_fn", "selective_state_update", "ssd_scan_varlen",
-    "ReplayCache", "allocate_replay_cache", "commit_accepted", "replay_selective_state_update",
+    "ReplayCache", "allocate_replay_cache", "commit_accepted", "flush_replay_cache", "replay_selective_state_update",
 ]

@@ -1,12 +1,19 @@
 """Programmatic dependent launch: a decode-step chain (conv update -> state update -> gated norm)
-captured in a CUDA graph with PDL on gives exactly what eager launches without PDL give."""
+and a speculative verify chain (conv update over T tokens -> replay precompute -> replay main)
+captured in a CUDA graph with PDL on give exactly what eager launches without PDL give."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fastmamba.ops import causal_conv1d_update, rmsnorm_fn, selective_state_update
+from fastmamba.ops import (
+    allocate_replay_cache,
+    causal_conv1d_update,
+    replay_selective_state_update,
+    rmsnorm_fn,
+    selective_state_update,
+)
 from fastmamba.ops._common.pdl import programmatic_dependent_launch
 
 
@@ -59,3 +66,69 @@ def test_pdl_graph_chain_matches_eager():
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
     assert torch.equal(cs_graph, cs_eager) and torch.equal(ss_graph, ss_eager)
+
+
+def _verify_step(conv_state, cache, xBC, z, dt, conv_w, conv_b, A, D, dt_bias, idx, conv_acc, accepted, H, P, G, N):
+    """A speculative verify step of T tokens: conv update at the accepted offset -> replay -> commit."""
+    nreq, T, E = xBC.shape
+    conv_out = xBC.new_empty(nreq, T, E)
+    causal_conv1d_update(xBC.transpose(1, 2), conv_state, conv_w, conv_b, "silu", conv_state_indices=idx,
+                         num_accepted_tokens=conv_acc, out=conv_out.transpose(1, 2))
+    x, Bm, Cm = torch.split(conv_out, [H * P, G * N, G * N], dim=-1)
+    y = replay_selective_state_update(*cache, x.reshape(nreq, T, H, P), dt, A, Bm.reshape(nreq, T, G, N),
+                                      Cm.reshape(nreq, T, G, N), D, z.view(nreq, T, H, P), dt_bias, True, idx)
+    cache.commit(idx, accepted, T)
+    return y
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="PDL needs a Hopper (sm_90) or newer GPU")
+@pytest.mark.parametrize("B", [1, 8])
+def test_pdl_verify_chain_matches_eager(B):
+    """conv update -> replay precompute -> replay main (-> commit), captured with PDL on, replayed
+    over several steps (the history fills and checkpoints): bit-identical to eager without PDL."""
+    torch.manual_seed(1)
+    dev, H, P, G, N, W, T = "cuda", 16, 64, 2, 128, 4, 4
+    E = H * P + 2 * G * N
+    S = 2 * B
+    conv_state = torch.randn(S, E, W - 1 + T - 1, device=dev, dtype=torch.bfloat16)
+    cache = allocate_replay_cache(S, T, H, P, G, N, torch.float32, torch.bfloat16, dev, history=8)
+    cache.state.normal_()
+    conv_w = torch.randn(E, W, device=dev, dtype=torch.bfloat16) * 0.3
+    conv_b = torch.randn(E, device=dev, dtype=torch.bfloat16)
+    A = -torch.exp(torch.rand(H, device=dev))
+    D, dt_bias = torch.randn(H, device=dev), torch.randn(H, device=dev) * 0.3
+    idx = torch.randperm(S, device=dev)[:B].to(torch.int32)
+    conv_acc = torch.randint(1, T + 1, (B,), device=dev, dtype=torch.int32)
+    accepted = torch.randint(1, T + 1, (B,), device=dev, dtype=torch.int32)
+    xBC = torch.randn(B, T, E, device=dev, dtype=torch.bfloat16)
+    z = torch.randn(B, T, H * P, device=dev, dtype=torch.bfloat16)
+    dt = torch.randn(B, T, H, device=dev) - 3
+    args = (xBC, z, dt, conv_w, conv_b, A, D, dt_bias, idx, conv_acc, accepted, H, P, G, N)
+
+    def copies():
+        return conv_state.clone(), type(cache)(*(t.clone() for t in cache))
+
+    cs_eager, c_eager = copies()
+    outs_eager = [_verify_step(cs_eager, c_eager, *args).clone() for _ in range(4)]
+
+    cs_graph, c_graph = copies()
+    with programmatic_dependent_launch():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile and warm up on copies
+            cs_w, c_w = copies()
+            _verify_step(cs_w, c_w, *args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _verify_step(cs_graph, c_graph, *args)
+    for expected in outs_eager:
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+    assert torch.equal(cs_graph, cs_eager)
+    for name, a, b in zip(type(cache)._fields, c_graph, c_eager):
+        assert torch.equal(a, b), name
+    assert int(c_eager.hist_len.max()) < 8 and bool((c_eager.buf_idx != 0).any() or (c_eager.hist_len != 0).any())

@@ -1,4 +1,4 @@
-"""Public entry of the replay state update: the per-slot cache, checks, the registered op, commit."""
+"""Public entry of the replay state update: the per-slot cache, checks, the registered op, commit, flush."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -16,24 +16,37 @@ from fastmamba.ops._common.checks import (
     check_shape,
 )
 from fastmamba.ops._common.dispatch import interpreter_enabled, use_triton
+from fastmamba.ops._common.pdl import pdl_active
 from fastmamba.ops.replay.configs import pick_config
-from fastmamba.ops.replay.kernel import launch_replay_main, launch_replay_precompute
+from fastmamba.ops.replay.kernel import launch_commit, launch_replay_main, launch_replay_precompute
 from fastmamba.ops.replay.ref import replay_selective_state_update_ref
 
 OP = "replay_selective_state_update"
 
 
+def default_history(tokens: int) -> int:
+    """History capacity for T = ``tokens`` per step: 4T rounded up to a multiple of 16 (the replay's
+    tl.dot chunk), so a slot stores its state about once every (C_h - T) / (accepted per step) + 1
+    steps while replaying at most C_h tokens (x: 1/(2N) of an fp32 state row per token).
+
+    >>> [default_history(t) for t in (1, 2, 4, 6, 8, 16)]
+    [16, 16, 16, 32, 32, 64]
+    """
+    return max(16, -(-4 * tokens // 16) * 16)
+
+
 class ReplayCache(NamedTuple):
     """The per-slot buffers of replay-based speculative verification, in the op's argument order
-    (``replay_selective_state_update(*cache, x, dt, ...)``).
+    (``replay_selective_state_update(*cache, x, dt, ...)``). C_h is the history capacity.
 
-    state          [S, H, P, N]     committed state as of the start of the previous step
-    old_x          [S, T, H, P]     the previous step's x (activation dtype)
-    old_B          [2, S, T, G, N]  its B (activation dtype), double-buffered
-    old_dt         [2, S, T, H]     its dt' = softplus(dt + dt_bias), fp32, double-buffered
-    old_cumA       [2, S, T, H]     its cumulative sum of A dt', fp32, double-buffered
-    buf_idx        [S] int32        which buffer holds the previous step's B / dt' / cumA
-    prev_accepted  [S] int32        how many of the previous step's T tokens were accepted (0..T)
+    state          [S, H, P, N]       the stored state (as of the start of the slot's history)
+    old_x          [S, C_h, H, P]     x of the history tokens (activation dtype)
+    old_B          [2, S, C_h, G, N]  their B (activation dtype), double-buffered
+    old_dt         [2, S, C_h, H]     their dt' = softplus(dt + dt_bias), fp32, double-buffered
+    old_cumA       [2, S, C_h, H]     cumulative sum of A dt' since the stored state, fp32, double-buffered
+    buf_idx        [S] int32          which buffer holds the history's B / dt' / cumA
+    prev_accepted  [S] int32          how many of the previous step's tokens were accepted (0..T)
+    hist_len       [S] int32          tokens accepted before the previous step (its tokens start there)
     """
 
     state: torch.Tensor
@@ -43,90 +56,187 @@ class ReplayCache(NamedTuple):
     old_cumA: torch.Tensor
     buf_idx: torch.Tensor
     prev_accepted: torch.Tensor
+    hist_len: torch.Tensor
 
     @property
-    def tokens(self) -> int:
-        """T, the tokens verified per step that the cache was allocated for."""
+    def history(self) -> int:
+        """C_h, the most tokens a slot replays (a step verifies T <= C_h tokens)."""
         return self.old_x.shape[1]
 
-    def commit(self, slots: torch.Tensor, accepted: torch.Tensor, *, pad_slot_id: int = -1) -> None:
-        """Record the step's acceptance for ``slots`` (see :func:`commit_accepted`)."""
-        commit_accepted(self.buf_idx, self.prev_accepted, slots, accepted, pad_slot_id=pad_slot_id,
-                        max_accepted=self.tokens)
+    def commit(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: int, *, pad_slot_id: int = -1) -> None:
+        """Record the acceptance of a step of ``tokens`` (T) for ``slots`` (see :func:`commit_accepted`)."""
+        commit_accepted(self.buf_idx, self.prev_accepted, self.hist_len, slots, accepted, tokens=tokens,
+                        history=self.history, pad_slot_id=pad_slot_id)
+
+    def flush(self, slots: torch.Tensor, *, pad_slot_id: int = -1) -> None:
+        """Store the slots' replayed states and empty their histories (see :func:`flush_replay_cache`)."""
+        flush_replay_cache(self, slots, pad_slot_id=pad_slot_id)
 
 
 def allocate_replay_cache(
     S: int, T: int, H: int, P: int, G: int, N: int,
-    state_dtype: torch.dtype, act_dtype: torch.dtype, device: torch.device | str,
+    state_dtype: torch.dtype, act_dtype: torch.dtype, device: torch.device | str, *, history: int | None = None,
 ) -> ReplayCache:
-    """Zero-initialised replay cache for S slots verifying T tokens per step.
+    """Zero-initialised replay cache for S slots verifying up to T tokens per step, with a history
+    of ``history`` tokens (default ``default_history(T)``; must be >= T; history = T stores the
+    state at every step that replays anything).
 
-    Every slot starts fresh: state 0, prev_accepted 0 (nothing to replay), buf_idx 0. A prefill
-    that writes a slot's state must also set its prev_accepted to 0 (e.g. ``commit`` with 0).
+    Every slot starts fresh: state 0, nothing to replay (prev_accepted = hist_len = 0), buf_idx 0.
+    A prefill that writes a slot's state must also reset its history (``reset_history``).
     """
+    history = default_history(T) if history is None else history
+    if history < T:
+        raise ValueError(f"allocate_replay_cache: history={history} must be >= T={T} tokens per step")
+
     def zeros(*shape, dtype):
         return torch.zeros(*shape, dtype=dtype, device=device)
 
     return ReplayCache(
         state=zeros(S, H, P, N, dtype=state_dtype),
-        old_x=zeros(S, T, H, P, dtype=act_dtype),
-        old_B=zeros(2, S, T, G, N, dtype=act_dtype),
-        old_dt=zeros(2, S, T, H, dtype=torch.float32),
-        old_cumA=zeros(2, S, T, H, dtype=torch.float32),
+        old_x=zeros(S, history, H, P, dtype=act_dtype),
+        old_B=zeros(2, S, history, G, N, dtype=act_dtype),
+        old_dt=zeros(2, S, history, H, dtype=torch.float32),
+        old_cumA=zeros(2, S, history, H, dtype=torch.float32),
         buf_idx=zeros(S, dtype=torch.int32),
         prev_accepted=zeros(S, dtype=torch.int32),
+        hist_len=zeros(S, dtype=torch.int32),
     )
 
 
 def commit_accepted(
     buf_idx: torch.Tensor,
     prev_accepted: torch.Tensor,
-    slots: torch.Tensor,
+    hist_len: torch.Tensor,
+    slots: torch.Tensor | None,
     accepted: torch.Tensor,
     *,
+    tokens: int,
+    history: int,
     pad_slot_id: int = -1,
-    max_accepted: int | None = None,
+    check: bool = True,
 ) -> None:
-    """Commit a verification step: for each non-pad ``slots[b]``, flip ``buf_idx`` (the step's
-    B / dt' / cumA went to the other buffer) and set ``prev_accepted`` to ``accepted[b]``.
+    """Commit a verification step of T = ``tokens`` tokens per request on a cache of ``history``
+    (C_h) capacity: for each non-pad ``slots[b]``, with k = hist_len + prev_accepted (what the
+    step replayed), move the history on (k + T > C_h: the step stored the state and started a new
+    history in the other buffer, so hist_len = 0 and buf_idx flips; else hist_len = k) and set
+    ``prev_accepted`` to ``accepted[b]``.
 
-    buf_idx, prev_accepted  [S] int32/int64, mutated in place at the given slots only
-    slots                   [B] int32/int64, the step's ``state_batch_indices``; pad_slot_id rows skipped
-    accepted                [B] integer, tokens accepted per request, in 0..T (0: none; the next step
-                            then replays nothing and the committed state stays as it is)
-    max_accepted            T: when given, ``accepted`` is range-checked on the host (one sync),
-                            except while a CUDA graph is being captured
+    buf_idx, prev_accepted, hist_len  [S] int32/int64, mutated in place at the given slots only
+    slots      [B] int32/int64, the step's ``state_batch_indices`` (None: slot b); pad rows skipped
+    accepted   [B] integer in 0..T: tokens accepted per request (0: none; the next step then
+               replays only the older history)
+    check      range-check ``accepted`` on the host (one sync; skipped while a CUDA graph is captured)
 
-    Must run once for every slot of every replay call, before the next call on that slot: the
-    call overwrote ``old_x``, so an uncommitted step cannot be replayed again. Plain torch ops,
-    no host sync of their own; two requests must not share a slot.
+    Must run once for every slot of every replay call, with the call's T, before the next call on
+    that slot. One kernel launch on a GPU (plain torch on the CPU), no host sync of its own when
+    ``check`` is off; two requests must not share a slot.
 
-    >>> buf_idx, prev_accepted = torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
-    >>> commit_accepted(buf_idx, prev_accepted, torch.tensor([2, -1]), torch.tensor([3, 1]))
-    >>> buf_idx.tolist(), prev_accepted.tolist()
-    ([0, 0, 1, 0], [0, 0, 3, 0])
+    >>> z = lambda: torch.zeros(4, dtype=torch.int32)
+    >>> buf_idx, prev_accepted, hist_len = z(), z(), z()
+    >>> commit_accepted(buf_idx, prev_accepted, hist_len, torch.tensor([2, -1]), torch.tensor([3, 1]), tokens=4, history=8)
+    >>> commit_accepted(buf_idx, prev_accepted, hist_len, torch.tensor([2]), torch.tensor([2]), tokens=4, history=8)
+    >>> hist_len.tolist(), prev_accepted.tolist(), buf_idx.tolist()  # 3 + 4 <= 8: appended
+    ([0, 0, 3, 0], [0, 0, 2, 0], [0, 0, 0, 0])
+    >>> commit_accepted(buf_idx, prev_accepted, hist_len, torch.tensor([2]), torch.tensor([1]), tokens=4, history=8)
+    >>> hist_len.tolist(), prev_accepted.tolist(), buf_idx.tolist()  # 5 + 4 > 8: stored, new history
+    ([0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 1, 0])
     """
     op = "commit_accepted"
-    check_dtype(op, "buf_idx", buf_idx, INDEX_DTYPES)
-    check_dtype(op, "prev_accepted", prev_accepted, INDEX_DTYPES)
+    for name, t in (("buf_idx", buf_idx), ("prev_accepted", prev_accepted), ("hist_len", hist_len)):
+        check_dtype(op, name, t, INDEX_DTYPES)
     nslots = buf_idx.shape[0]
     check_shape(op, "prev_accepted", prev_accepted, [("S", nslots)])
-    check_indices(op, "slots", slots, slots.shape[0], nslots, pad_slot_id)
-    check_shape(op, "accepted", accepted, [("B", slots.shape[0])])
+    check_shape(op, "hist_len", hist_len, [("S", nslots)])
+    nreq = accepted.shape[0] if accepted.dim() == 1 else -1
+    check_shape(op, "accepted", accepted, [("B", nreq)])
     if accepted.dtype.is_floating_point or accepted.dtype.is_complex:
         raise TypeError(f"{op}: `accepted` expected an integer dtype, got {str(accepted.dtype).replace('torch.', '')}")
-    if max_accepted is not None and not capturing(accepted):
-        bad = (accepted < 0) | (accepted > max_accepted)
+    if not 1 <= tokens <= history:
+        raise ValueError(f"{op}: need 1 <= tokens <= history, got tokens={tokens}, history={history}")
+    if slots is not None:
+        check_indices(op, "slots", slots, nreq, nslots, pad_slot_id)
+    elif nreq > nslots:
+        raise ValueError(f"{op}: without slots, the cache needs at least B={nreq} rows, got {nslots}")
+    check_same_device(op, [("buf_idx", buf_idx), ("prev_accepted", prev_accepted), ("hist_len", hist_len),
+                           ("slots", slots), ("accepted", accepted)])
+    if check and not capturing(accepted):
+        bad = (accepted < 0) | (accepted > tokens)
         if bool(bad.any()):
-            raise ValueError(f"{op}: `accepted` values must lie in [0, {max_accepted}]; got {accepted[bad][:4].tolist()}")
-    # pad rows go to a scratch element past the end, so no boolean indexing (and no sync) is needed
-    dest = torch.where(slots == pad_slot_id, torch.full_like(slots, nslots), slots).long()
-    flipped = torch.cat([buf_idx, buf_idx.new_zeros(1)])
-    flipped.index_copy_(0, dest, 1 - flipped[dest])
-    buf_idx.copy_(flipped[:nslots])
-    counts = torch.cat([prev_accepted, prev_accepted.new_zeros(1)])
-    counts.index_copy_(0, dest, accepted.to(counts.dtype))
-    prev_accepted.copy_(counts[:nslots])
+            raise ValueError(f"{op}: `accepted` values must lie in [0, {tokens}]; got {accepted[bad][:4].tolist()}")
+    if use_triton(accepted):
+        launch_commit(buf_idx, prev_accepted, hist_len, slots, accepted, tokens=tokens, history=history,
+                      pad_slot_id=pad_slot_id)
+        return
+    # CPU without the interpreter: the same arithmetic as the kernel, vectorised (pad rows go to a
+    # scratch element past the end, so there is no boolean indexing)
+    idx = torch.arange(nreq, device=accepted.device) if slots is None else slots
+    dest = torch.where(idx == pad_slot_id, torch.full_like(idx, nslots), idx).long()
+
+    def ext(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(1)])
+
+    buf, prev, hist = ext(buf_idx), ext(prev_accepted), ext(hist_len)
+    k = hist[dest] + prev[dest].to(hist.dtype)
+    stored = k + tokens > history
+    buf.index_copy_(0, dest, torch.where(stored, 1 - buf[dest], buf[dest]))
+    hist.index_copy_(0, dest, torch.where(stored, torch.zeros_like(k), k))
+    prev.index_copy_(0, dest, accepted.to(prev.dtype))
+    buf_idx.copy_(buf[:nslots])
+    hist_len.copy_(hist[:nslots])
+    prev_accepted.copy_(prev[:nslots])
+
+
+def reset_history(cache: ReplayCache, slots: torch.Tensor, *, pad_slot_id: int = -1) -> None:
+    """Slots whose ``state`` was just written from outside (prefill, a plain decode step, a copy):
+    nothing to replay (hist_len = prev_accepted = 0). No host sync."""
+    zeros = torch.zeros(slots.shape[0], dtype=torch.int32, device=slots.device)
+    for t in (cache.hist_len, cache.prev_accepted):
+        S = t.shape[0]
+        dest = torch.where(slots == pad_slot_id, torch.full_like(slots, S), slots).long()
+        full = torch.cat([t, t.new_zeros(1)])
+        full.index_copy_(0, dest, zeros.to(t.dtype))
+        t.copy_(full[:S])
+
+
+def flush_replay_cache(cache: ReplayCache, slots: torch.Tensor, *, pad_slot_id: int = -1, reset: bool = True) -> None:
+    """Store each non-pad slot's replayed state (its stored state with every accepted history token
+    applied) into ``cache.state`` and empty the history (hist_len = prev_accepted = 0), so that
+    other paths (plain decode, per-position verification, prefill continuation) can use the state.
+
+    slots [B] int32/int64 on the cache's device. ``reset=False`` leaves the counters alone (for
+    caches whose layers share them: flush every layer, then reset once). Plain torch, batched over the slots: a few kernels
+    and a temporary of B x C_h x H x (P + N) floats; no host sync. 16-bit states are rounded to
+    nearest.
+    """
+    op = "flush_replay_cache"
+    state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len = cache
+    nslots, H = state.shape[0], state.shape[1]
+    check_indices(op, "slots", slots, slots.shape[0], nslots, pad_slot_id)
+    if slots.shape[0] == 0:
+        return
+    live = slots != pad_slot_id
+    rows = torch.where(live, slots, torch.zeros_like(slots)).long()  # pad rows read slot 0 ...
+    capacity = old_x.shape[1]
+    r = buf_idx[rows].long()
+    k = torch.where(live, hist_len[rows] + prev_accepted[rows], 0).long().clamp(0, capacity)  # ... and replay nothing
+    cum = old_cumA[r, rows].float()  # [B, C_h, H]
+    pos = torch.arange(capacity, device=state.device)
+    valid = pos[None, :] < k[:, None]  # [B, C_h]
+    last_pos = (k - 1).clamp(min=0)[:, None, None].expand(-1, 1, H)
+    last = torch.where(k[:, None] > 0, cum.gather(1, last_pos).squeeze(1), 0.0)  # [B, H]
+    w = torch.where(valid[..., None], torch.exp(last[:, None, :] - cum) * old_dt[r, rows].float(), 0.0)
+    # NaN-safe: positions past k may hold anything
+    xw = torch.where(valid[:, :, None, None], old_x[rows].float() * w[..., None], 0.0)  # [B, C_h, H, P]
+    Bh = old_B[r, rows].float().repeat_interleave(H // old_B.shape[3], dim=2)  # [B, C_h, H, N]
+    Bh = torch.where(valid[:, :, None, None], Bh, 0.0)
+    s = state[rows].float() * torch.exp(last)[:, :, None, None] + torch.einsum("bchp,bchn->bhpn", xw, Bh)
+    # pad rows write the first live row's value to its slot (a duplicate of the same write), or,
+    # with no live row, slot 0's unchanged value: no boolean indexing, no host sync
+    first_live = torch.argmax(live.to(torch.int32))
+    src = torch.where(live, torch.arange(slots.shape[0], device=slots.device), first_live)
+    state.index_copy_(0, rows[src], s[src].to(state.dtype))
+    if reset:
+        reset_history(cache, slots, pad_slot_id=pad_slot_id)
 
 
 def _per_head(name: str, t: torch.Tensor | None, shapes: list[list[tuple[str, int]]]) -> torch.Tensor | None:
@@ -164,6 +274,7 @@ def _replay_op(
     old_cumA: torch.Tensor,
     buf_idx: torch.Tensor,
     prev_accepted: torch.Tensor,
+    hist_len: torch.Tensor,
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -181,7 +292,7 @@ def _replay_op(
     """In-place op on checked inputs with per-head A, D, dt_bias ([H]) and dt ([B, T, H])."""
     if not use_triton(x):
         replay_selective_state_update_ref(
-            state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, x, dt, A, B, C, D, z, dt_bias,
+            state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, dt, A, B, C, D, z, dt_bias,
             dt_softplus, state_batch_indices, pad_slot_id=pad_slot_id, out=out,
         )
         return
@@ -192,13 +303,18 @@ def _replay_op(
         act_bytes=x.element_size(),
     )
     M = torch.empty(nreq, nheads, ntok, ntok, dtype=torch.float32, device=x.device)  # per-call scratch
+    ngroups = B.shape[2]
+    pre_programs = nreq * ngroups * -(-(nheads // ngroups) // cfg.heads)
+    main_programs = -(-headdim // cfg.block_p) * nreq * nheads
     launch_replay_precompute(
-        dt, dt_bias, A, B, C, state_batch_indices, buf_idx, M, old_B, old_dt, old_cumA,
+        dt, dt_bias, A, B, C, state_batch_indices, buf_idx, prev_accepted, hist_len, M, old_B, old_dt, old_cumA,
         dt_softplus=dt_softplus, pad_slot_id=pad_slot_id, heads=cfg.heads, num_warps=cfg.warps_pre,
+        use_pdl=pdl_active(x, pre_programs, cfg.warps_pre),
     )
     launch_replay_main(
-        state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, x, C, D, z, M, out,
+        state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, C, D, z, M, out,
         state_batch_indices, rand_seed, pad_slot_id=pad_slot_id, block_p=cfg.block_p, num_warps=cfg.num_warps,
+        use_pdl=pdl_active(x, main_programs, cfg.num_warps), block_n=getattr(cfg, "block_n", None),
     )
 
 
@@ -215,6 +331,7 @@ def replay_selective_state_update(
     old_cumA: torch.Tensor,
     buf_idx: torch.Tensor,
     prev_accepted: torch.Tensor,
+    hist_len: torch.Tensor,
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -230,28 +347,33 @@ def replay_selective_state_update(
     out: torch.Tensor | None = None,
     rand_seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Verify T = K+1 tokens per request with replay-based rollback (the TensorRT-LLM design).
+    """Verify T = K+1 tokens per request with replay-based rollback (the TensorRT-LLM design),
+    storing the state only at checkpoints.
 
-    Instead of a state per draft position, each slot keeps the committed state from the start of
-    the previous step, that step's inputs and how many of its tokens were accepted. A call
-    (1) replays the accepted old tokens onto the committed state and stores it, (2) computes the
-    T new outputs from it without materialising per-token states, (3) records the new inputs.
-    After ``commit_accepted`` with ``a`` accepted tokens, the next call's stored state equals a
-    plain token-by-token ``selective_state_update`` over exactly the accepted tokens.
+    Instead of a state per draft position, each slot keeps a stored state and the inputs of the
+    tokens consumed since (its history, up to C_h tokens): ``hist_len`` tokens accepted in earlier
+    steps, then the previous step's tokens, ``prev_accepted`` of them accepted. A call
+    (1) replays the k = hist_len + prev_accepted accepted tokens onto the stored state (in
+    registers, tensor-core matmuls); (2) stores the result only when this step's T tokens would
+    overflow the history (k + T > C_h, then a new history starts in the other buffer), so the
+    state is read every step but written once every few; (3) computes the T new outputs without
+    materialising per-token states; (4) appends this step's inputs to the history. After
+    ``commit_accepted`` with ``a`` accepted tokens, replaying equals a plain token-by-token
+    ``selective_state_update`` over exactly the accepted tokens; ``flush_replay_cache`` stores it.
 
     The cache (``ReplayCache`` / ``allocate_replay_cache``), per slot; rows of the requests'
     slots are used, other rows are not touched:
-    state         [S, H, P, N]     fp32, bf16 or fp16; mutated: the replayed (committed) state is
-                                   stored when prev_accepted > 0
-    old_x         [S, T, H, P]     x's dtype; read (replay), then overwritten with this step's x
-    old_B         [2, S, T, G, N]  B's dtype; buffer buf_idx read, buffer 1 - buf_idx written
-    old_dt        [2, S, T, H]     fp32 dt' (bias and softplus applied); same double buffering
-    old_cumA      [2, S, T, H]     fp32 cumulative sum of A dt' over the step; same double buffering
-    buf_idx       [S] int32/int64  0/1; read only
-    prev_accepted [S] int32/int64  read only; must lie in 0..T (the caller's job: commit_accepted
-                                   checks it; the kernel clamps out-of-range values to 0..T)
+    state         [S, H, P, N]       fp32, bf16 or fp16; written only at a checkpoint
+    old_x         [S, C_h, H, P]     x's dtype; positions < k read, this step's x written at k (or 0)
+    old_B         [2, S, C_h, G, N]  B's dtype; buffer buf_idx read, written at k (or buffer
+                                     1 - buf_idx at 0 on a checkpoint)
+    old_dt        [2, S, C_h, H]     fp32 dt' (bias and softplus applied); same layout
+    old_cumA      [2, S, C_h, H]     fp32 cumulative sum of A dt' since the stored state; same layout
+    buf_idx, prev_accepted, hist_len  [S] int32/int64; read only (``commit_accepted`` updates
+                                     them; prev_accepted <= the previous step's T, and
+                                     hist_len + that T <= C_h by construction; the kernels clamp)
 
-    This step's inputs (T must equal the cache's T):
+    This step's inputs (1 <= T <= C_h):
     x             [B, T, H, P]     fp32, bf16 or fp16, any strides; y has the same shape and dtype
     dt            [B, T, H] raw (or [B, T, H, P] stride-0 over P); dt' = softplus(dt + dt_bias)
                                    if dt_softplus, else dt + dt_bias
@@ -265,10 +387,10 @@ def replay_selective_state_update(
     out           like x, or None (allocated contiguous)
 
     A, dt, dt_bias and D must be per head (tie-hdim); values that vary over P or N are refused.
-    The outputs are computed from the fp32 replayed state (before it is rounded for storage).
-    buf_idx and prev_accepted are not written: after acceptance is known, call
-    ``commit_accepted`` (or ``ReplayCache.commit``) for every slot of the call, accepted may be 0.
-    A fresh slot (state from prefill) needs prev_accepted = 0. The outputs of token t depend on
+    The outputs are computed from the fp32 replayed state (before any rounding for storage).
+    After acceptance is known, call ``commit_accepted`` (or ``ReplayCache.commit``) with this T
+    for every slot of the call (accepted may be 0). A slot whose state was written by something
+    else (prefill, plain decode) needs ``reset_history`` first. The outputs of token t depend on
     tokens 0..t of this step only, so the accepted tokens' outputs are final.
 
     Returns y [B, T, H, P] (``out`` when given).
@@ -282,22 +404,23 @@ def replay_selective_state_update(
     check_shape(OP, "state", state, [("S", None), ("H", nheads), ("P", headdim), ("N", None)])
     nslots, dstate = state.shape[0], state.shape[3]
 
-    if old_x.dim() == 4 and old_x.shape[1] != ntok:
+    if old_x.dim() == 4 and old_x.shape[1] < ntok:
         raise ValueError(
-            f"{OP}: `x` has T={ntok} tokens per request but the replay cache holds T={old_x.shape[1]} "
-            f"(`old_x` shape {tuple(old_x.shape)}); allocate the cache for the number of tokens verified per step"
+            f"{OP}: `x` has T={ntok} tokens per request but the replay cache's history holds C_h={old_x.shape[1]} "
+            f"(`old_x` shape {tuple(old_x.shape)}); allocate the cache with history >= the tokens verified per step"
         )
-    check_shape(OP, "old_x", old_x, [("S", nslots), ("T", ntok), ("H", nheads), ("P", headdim)])
+    check_shape(OP, "old_x", old_x, [("S", nslots), ("C_h", None), ("H", nheads), ("P", headdim)])
+    capacity = old_x.shape[1]
     check_shape(OP, "B", B, [("B", nreq), ("T", ntok), ("G", None), ("N", dstate)])
     ngroups = B.shape[2]
     check_shape(OP, "C", C, [("B", nreq), ("T", ntok), ("G", ngroups), ("N", dstate)])
     if nheads % ngroups != 0:
         raise ValueError(f"{OP}: the number of groups G={ngroups} (from `B`) must divide the number of heads H={nheads}")
-    check_shape(OP, "old_B", old_B, [("buffers", 2), ("S", nslots), ("T", ntok), ("G", ngroups), ("N", dstate)])
+    check_shape(OP, "old_B", old_B, [("buffers", 2), ("S", nslots), ("C_h", capacity), ("G", ngroups), ("N", dstate)])
     for name, t in (("old_dt", old_dt), ("old_cumA", old_cumA)):
-        check_shape(OP, name, t, [("buffers", 2), ("S", nslots), ("T", ntok), ("H", nheads)])
+        check_shape(OP, name, t, [("buffers", 2), ("S", nslots), ("C_h", capacity), ("H", nheads)])
         check_dtype(OP, name, t, (torch.float32,))
-    for name, t in (("buf_idx", buf_idx), ("prev_accepted", prev_accepted)):
+    for name, t in (("buf_idx", buf_idx), ("prev_accepted", prev_accepted), ("hist_len", hist_len)):
         check_shape(OP, name, t, [("S", nslots)])
         check_dtype(OP, name, t, INDEX_DTYPES)
     check_same_dtype(OP, [("x", x), ("B", B), ("C", C), ("old_x", old_x), ("old_B", old_B)]
@@ -315,7 +438,7 @@ def replay_selective_state_update(
 
     check_same_device(OP, [("x", x), ("state", state), ("old_x", old_x), ("old_B", old_B), ("old_dt", old_dt),
                            ("old_cumA", old_cumA), ("buf_idx", buf_idx), ("prev_accepted", prev_accepted),
-                           ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("dt_bias", dt_bias),
+                           ("hist_len", hist_len), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("dt_bias", dt_bias),
                            ("state_batch_indices", state_batch_indices), ("rand_seed", rand_seed), ("out", out)])
     if state_batch_indices is not None:
         check_indices(OP, "state_batch_indices", state_batch_indices, nreq, nslots, pad_slot_id)
@@ -335,7 +458,7 @@ def replay_selective_state_update(
         check_same_dtype(OP, [("x", x), ("out", out)])
 
     _replay_op(
-        state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, x, dt, A, B, C, D, z, dt_bias,
+        state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, dt, A, B, C, D, z, dt_bias,
         bool(dt_softplus), state_batch_indices, int(pad_slot_id), out, rand_seed,
     )
     return out

@@ -1,36 +1,44 @@
 """Triton kernels of the replay state update (speculative verification, T tokens per request).
 
-With a_t = A[h] dt'_t and cs_t = a_0 + ... + a_t over this step's T tokens, two kernels run:
+A slot holds a stored state and the inputs of the k = hist_len + prev_accepted accepted tokens
+consumed since it was stored (its history, up to C_h tokens, in buffer r = buf_idx[slot]). With
+a_t = A[h] dt'_t and cs_t = a_0 + ... + a_t over this step's T tokens, two kernels run:
 
 1. ``_replay_precompute_kernel`` (request, group, block of the group's heads): dt' and cs for the
    new tokens, the group's C B^T (one tensor-core matmul), and per head the causal matrix
        M[t, s] = (C_t . B_s) exp(cs_t - cs_s) dt'_s   (s <= t, else 0)   -> fp32 scratch [B, H, T, T];
-   then records this step's B, dt' and cs in the write buffer 1 - buf_idx[slot] of the cache.
-2. ``_replay_main_kernel`` (block of P, request, head): loads the committed state tile once,
-   replays the k = prev_accepted[slot] accepted tokens of the previous step from the read buffer
-       S <- exp(cA_{k-1}) S + (x_old * exp(cA_{k-1} - cA_s) dt_old_s)^T @ B_old       (one tl.dot)
-   stores it (the commit of the previous step; skipped when k = 0), then produces all T outputs
+   then records this step's B, dt' and the cumulative decay in the history: appended at position
+   k of buffer r, or -- when k + T > C_h, the step at which the main kernel stores the state --
+   at position 0 of buffer 1 - r (a new history).
+2. ``_replay_main_kernel`` (block of P, request, head): loads the stored state tile once,
+   replays the k history tokens in chunks of 16 (one tl.dot each)
+       S <- exp(cA_{k-1}) S + (x_old * exp(cA_{k-1} - cA_s) dt_old_s)^T @ B_old
+   stores it only when the history would overflow (the checkpoint: usually one step in several,
+   so the state is read every step but written rarely), then produces all T outputs
        y = exp(cs) * (C @ S^T) + M @ x + D x,   y *= silu(z)                       (two tl.dot)
-   (computed transposed, [P, T], so that the P rows are every dot's M dimension), and
-   overwrites the slot's old_x with this step's x.
+   (computed transposed, [P, T], so that the P rows are every dot's M dimension), and records
+   this step's x at the same history position as the precompute kernel.
 
 The token axis is padded to BLOCK_T >= 16 (tl.dot's smallest size) and masked. No per-token state
-is ever materialised: the state moves through HBM once in and (when k > 0) once out.
+is ever materialised: the state moves through HBM once in, and out only at a checkpoint.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.jit_math import silu, softplus, stochastic_round
 
 
 @triton.jit
 def _replay_precompute_kernel(
-    dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, idx_ptr, buf_idx_ptr,
+    dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, idx_ptr, buf_idx_ptr, accepted_ptr, hist_ptr,
     M_ptr, old_B_ptr, old_dt_ptr, old_cumA_ptr,
-    T, heads_per_group, pad_slot_id,
+    T, capacity, heads_per_group, pad_slot_id,
     stride_dt_b, stride_dt_t, stride_dt_h,
     stride_dt_bias_h, stride_A_h,
     stride_B_b, stride_B_t, stride_B_g, stride_B_n,
@@ -41,7 +49,7 @@ def _replay_precompute_kernel(
     stride_ocs_r, stride_ocs_s, stride_ocs_t, stride_ocs_h,
     HAS_DT_BIAS: tl.constexpr, HAS_IDX: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, HEADS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # one program per (request, group, block of HEADS heads of that group): C B^T is computed once
     # and shared by the block's heads, which differ only in their decay and dt'
@@ -54,7 +62,12 @@ def _replay_precompute_kernel(
         slot = b
     if slot == pad_slot_id:
         return  # padding: the main kernel zeroes its output, nothing is recorded
-    wbuf = 1 - tl.load(buf_idx_ptr + slot).to(tl.int64)  # the buffer the previous step did not fill
+    rbuf = tl.load(buf_idx_ptr + slot).to(tl.int64)
+    k = tl.load(hist_ptr + slot).to(tl.int32) + tl.load(accepted_ptr + slot).to(tl.int32)
+    k = tl.minimum(tl.maximum(k, 0), capacity)
+    checkpoint = k + T > capacity  # the main kernel stores the state; a new history starts
+    wbuf = tl.where(checkpoint, 1 - rbuf, rbuf)
+    base = tl.where(checkpoint, 0, k).to(tl.int64)
 
     offs_t = tl.arange(0, BLOCK_T)
     offs_n = tl.arange(0, BLOCK_N)
@@ -65,15 +78,27 @@ def _replay_precompute_kernel(
     h = g * heads_per_group + offs_j  # [HEADS]
     mask_ht = mj[:, None] & mt[None, :]
 
+    # what the previous step left (read before the grid-dependency wait under PDL: the kernel
+    # launched just before this one, the conv update, writes none of it)
+    offset = tl.load(old_cumA_ptr + rbuf * stride_ocs_r + slot * stride_ocs_s + (k - 1) * stride_ocs_t
+                     + h * stride_ocs_h, mask=mj & (k > 0) & (base > 0), other=0.0)  # cA_{k-1}, or 0
+    if HAS_DT_BIAS:
+        bias = tl.load(dt_bias_ptr + h * stride_dt_bias_h, mask=mj, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([HEADS], dtype=tl.float32)
+    A = tl.load(A_ptr + h * stride_A_h, mask=mj, other=0.0).to(tl.float32)
+    if USE_PDL:
+        gdc_wait()  # dt, B and C come from the kernels before
+        gdc_launch_dependents()
+
     # dt' and the cumulative log-decay cs, [HEADS, BLOCK_T] (zero past T, so cs stays flat there)
     d = tl.load(dt_ptr + b * stride_dt_b + offs_t[None, :] * stride_dt_t + h[:, None] * stride_dt_h,
                 mask=mask_ht, other=0.0).to(tl.float32)
     if HAS_DT_BIAS:
-        d += tl.load(dt_bias_ptr + h * stride_dt_bias_h, mask=mj, other=0.0).to(tl.float32)[:, None]
+        d += bias[:, None]
     if DT_SOFTPLUS:
         d = softplus(d)
     d = tl.where(mask_ht, d, 0.0)
-    A = tl.load(A_ptr + h * stride_A_h, mask=mj, other=0.0).to(tl.float32)
     cs = tl.cumsum(d * A[:, None], axis=1)
 
     # C B^T of the group, [BLOCK_T (t), BLOCK_T (s)]
@@ -95,22 +120,56 @@ def _replay_precompute_kernel(
               + offs_t[None, :, None] * stride_M_t + offs_t[None, None, :] * stride_M_s)
     tl.store(M_ptrs, M, mask=mj[:, None, None] & mt[None, :, None] & mt[None, None, :])
 
-    # record this step's dt', cs and B for the next step's replay (buffer 1 - buf_idx)
+    # record this step's dt', cumulative decay (from the stored state) and B in the history, at
+    # position base of buffer wbuf; the main kernel reads only positions < k of buffer rbuf
+    pos = base + offs_t
     dt_rec = old_dt_ptr + wbuf * stride_odt_r + slot * stride_odt_s
-    tl.store(dt_rec + offs_t[None, :] * stride_odt_t + h[:, None] * stride_odt_h, d, mask=mask_ht)
+    tl.store(dt_rec + pos[None, :] * stride_odt_t + h[:, None] * stride_odt_h, d, mask=mask_ht)
     cs_rec = old_cumA_ptr + wbuf * stride_ocs_r + slot * stride_ocs_s
-    tl.store(cs_rec + offs_t[None, :] * stride_ocs_t + h[:, None] * stride_ocs_h, cs, mask=mask_ht)
+    tl.store(cs_rec + pos[None, :] * stride_ocs_t + h[:, None] * stride_ocs_h, cs + offset[:, None], mask=mask_ht)
     if hb == 0:
         B_rec = old_B_ptr + wbuf * stride_oB_r + slot * stride_oB_s + g * stride_oB_g
-        tl.store(B_rec + offs_t[:, None] * stride_oB_t + offs_n[None, :] * stride_oB_n,
+        tl.store(B_rec + pos[:, None] * stride_oB_t + offs_n[None, :] * stride_oB_n,
                  Bm.to(old_B_ptr.dtype.element_ty), mask=tile_tn)
 
 
 @triton.jit
+def _dot_split(a, b, acc, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + a @ b. SPLIT: ``a`` is fp32 and ``b`` holds exact bf16 values (bf16 activations); a
+    is split into bf16 hi + lo parts and multiplied on bf16 tensor cores twice: ~16 mantissa bits
+    of a (TF32 keeps 10), so the outputs round to the same bf16 values as an fp32 computation
+    nearly always, and with half the operand registers of fp32/TF32 operands. Else one dot at
+    DOT_PRECISION on fp32 operands."""
+    if SPLIT:
+        hi = a.to(tl.bfloat16)
+        lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
+        bb = b.to(tl.bfloat16)
+        acc = tl.dot(hi, bb, acc)
+        acc = tl.dot(lo, bb, acc)
+    else:
+        acc = tl.dot(a, b.to(tl.float32), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _dot_split_rhs(a, b, acc, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + a @ b with the roles of ``_dot_split`` swapped: ``a`` exact bf16, ``b`` fp32 split."""
+    if SPLIT:
+        hi = b.to(tl.bfloat16)
+        lo = (b - hi.to(tl.float32)).to(tl.bfloat16)
+        aa = a.to(tl.bfloat16)
+        acc = tl.dot(aa, hi, acc)
+        acc = tl.dot(aa, lo, acc)
+    else:
+        acc = tl.dot(a.to(tl.float32), b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _replay_main_kernel(
-    state_ptr, old_x_ptr, old_B_ptr, old_dt_ptr, old_cumA_ptr, buf_idx_ptr, accepted_ptr,
+    state_ptr, old_x_ptr, old_B_ptr, old_dt_ptr, old_cumA_ptr, buf_idx_ptr, accepted_ptr, hist_ptr,
     x_ptr, C_ptr, D_ptr, z_ptr, M_ptr, out_ptr, idx_ptr, seed_ptr,
-    T, heads_per_group, pad_slot_id,
+    T, capacity, heads_per_group, pad_slot_id,
     stride_state_s, stride_state_h, stride_state_p, stride_state_n,
     stride_ox_s, stride_ox_t, stride_ox_h, stride_ox_p,
     stride_oB_r, stride_oB_s, stride_oB_t, stride_oB_g, stride_oB_n,
@@ -123,20 +182,19 @@ def _replay_main_kernel(
     stride_M_b, stride_M_h, stride_M_t, stride_M_s,
     stride_out_b, stride_out_t, stride_out_h, stride_out_p,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_IDX: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
-    P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    # one program per (block of P, request, head): replay, commit, T outputs, record x
+    # one program per (block of P, request, head): replay, checkpoint, T outputs, record x
     pid_p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
     g = h // heads_per_group
 
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_T)
     mp = offs_p < P
-    mn = offs_n < N
     mt = offs_t < T
 
     if HAS_IDX:
@@ -149,54 +207,74 @@ def _replay_main_kernel(
                  mask=mp[:, None] & mt[None, :])
         return
     rbuf = tl.load(buf_idx_ptr + slot).to(tl.int64)
-    k = tl.minimum(tl.maximum(tl.load(accepted_ptr + slot).to(tl.int32), 0), T)
+    k = tl.load(hist_ptr + slot).to(tl.int32) + tl.load(accepted_ptr + slot).to(tl.int32)
+    k = tl.minimum(tl.maximum(k, 0), capacity)
+    checkpoint = k + T > capacity
 
-    # ---- 1. replay the k accepted tokens of the previous step onto the committed state ----------
-    # (nothing here reads what the precompute kernel writes: with PDL, its grid-dependency wait
-    # would go after the state store)
-    tile_mask = mp[:, None] & mn[None, :]
-    s_off = offs_p[:, None] * stride_state_p + offs_n[None, :] * stride_state_n
-    state_row = state_ptr + slot * stride_state_s + h * stride_state_h
-    s = tl.load(state_row + s_off, mask=tile_mask, other=0.0).to(tl.float32)
-
-    ms = offs_t < k
-    cum_old = tl.load(old_cumA_ptr + rbuf * stride_ocs_r + slot * stride_ocs_s + h * stride_ocs_h
-                      + offs_t * stride_ocs_t, mask=ms, other=0.0)
-    dt_old = tl.load(old_dt_ptr + rbuf * stride_odt_r + slot * stride_odt_s + h * stride_odt_h
-                     + offs_t * stride_odt_t, mask=ms, other=0.0)
-    cum_last = tl.sum(tl.where(offs_t == k - 1, cum_old, 0.0), axis=0)  # cA_{k-1}; 0 when k = 0
-    w_old = tl.where(ms, tl.exp(cum_last - cum_old) * dt_old, 0.0)
+    cum_row = old_cumA_ptr + rbuf * stride_ocs_r + slot * stride_ocs_s + h * stride_ocs_h
+    dt_row = old_dt_ptr + rbuf * stride_odt_r + slot * stride_odt_s + h * stride_odt_h
+    B_hist = old_B_ptr + rbuf * stride_oB_r + slot * stride_oB_s + g * stride_oB_g
     x_row = old_x_ptr + slot * stride_ox_s + h * stride_ox_h
-    x_old = tl.load(x_row + offs_p[:, None] * stride_ox_p + offs_t[None, :] * stride_ox_t,
-                    mask=mp[:, None] & ms[None, :], other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_T]
-    B_old = tl.load(old_B_ptr + rbuf * stride_oB_r + slot * stride_oB_s + g * stride_oB_g
-                    + offs_t[:, None] * stride_oB_t + offs_n[None, :] * stride_oB_n,
-                    mask=ms[:, None] & mn[None, :], other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_N]
-    s = tl.dot(x_old * w_old[None, :], B_old, s * tl.exp(cum_last), input_precision=DOT_PRECISION)
-
+    state_row = state_ptr + slot * stride_state_s + h * stride_state_h
+    cum_last = tl.load(cum_row + (k - 1) * stride_ocs_t, mask=k > 0, other=0.0)  # cA_{k-1}; 0 when k = 0
+    wbuf = tl.where(checkpoint, 1 - rbuf, rbuf)
+    base = tl.where(checkpoint, 0, k).to(tl.int64)
+    offset = tl.where(checkpoint, 0.0, cum_last)  # the precompute kernel stored offset + cs
     if STOCHASTIC_ROUND:
         seed = tl.load(seed_ptr)
-        # one random number per stored element, distinct across slots, heads and positions
-        elem = ((slot * tl.num_programs(2) + h) * P + offs_p[:, None]) * N + offs_n[None, :]
-        s_out = stochastic_round(s, tl.rand(seed, elem.to(tl.int32)), state_ptr.dtype.element_ty)
-    else:
-        s_out = s.to(state_ptr.dtype.element_ty)
-    tl.store(state_row + s_off, s_out, mask=tile_mask & (k > 0))  # k = 0: the state is unchanged
 
-    # ---- 2. the T outputs from the fp32 state, transposed ([P, T]) so that every tl.dot has the
-    # P rows as M: y^T = (S @ C^T) * exp(cs) + x^T @ M^T + D x^T, gated ---------------------------
-    cs = tl.load(old_cumA_ptr + (1 - rbuf) * stride_ocs_r + slot * stride_ocs_s + h * stride_ocs_h
-                 + offs_t * stride_ocs_t, mask=mt, other=0.0)
-    C_T = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n[:, None] * stride_C_n + offs_t[None, :] * stride_C_t,
-                  mask=mn[:, None] & mt[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_T]
+    # The state in column blocks of BLOCK_N (fewer registers per program when BLOCK_N < N); per
+    # block: 1. replay the k history tokens onto the stored state, 16 per tl.dot; store it at a
+    # checkpoint; 2. its share of C.S for the T outputs (transposed, [P, T], so that every tl.dot
+    # has the P rows as M).
+    # Under PDL the first block's replay, before the grid-dependency wait, overlaps the precompute
+    # kernel launched just before: nothing it reads is written there (the precompute kernel
+    # records at positions >= k of buffer rbuf, or in the other buffer).
+    y = tl.zeros((BLOCK_P, BLOCK_T), dtype=tl.float32)
+    for nb in tl.static_range(NB):
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        mn = offs_n < N
+        tile_mask = mp[:, None] & mn[None, :]
+        s_off = offs_p[:, None] * stride_state_p + offs_n[None, :] * stride_state_n
+        s = tl.load(state_row + s_off, mask=tile_mask, other=0.0).to(tl.float32) * tl.exp(cum_last)
+        for c0 in range(0, k, BLOCK_H):
+            offs_c = c0 + tl.arange(0, BLOCK_H)
+            mc = offs_c < k
+            cum_old = tl.load(cum_row + offs_c * stride_ocs_t, mask=mc, other=0.0)
+            dt_old = tl.load(dt_row + offs_c * stride_odt_t, mask=mc, other=0.0)
+            w_old = tl.where(mc, tl.exp(cum_last - cum_old) * dt_old, 0.0)
+            x_old = tl.load(x_row + offs_p[:, None] * stride_ox_p + offs_c[None, :] * stride_ox_t,
+                            mask=mp[:, None] & mc[None, :], other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_H]
+            B_old = tl.load(B_hist + offs_c[:, None] * stride_oB_t + offs_n[None, :] * stride_oB_n,
+                            mask=mc[:, None] & mn[None, :], other=0.0)  # [BLOCK_H, BLOCK_N]
+            s = _dot_split(x_old * w_old[None, :], B_old, s, SPLIT, DOT_PRECISION)
+
+        if checkpoint:  # the history would overflow: store the state, this step starts a new history
+            if STOCHASTIC_ROUND:
+                # one random number per stored element, distinct across slots, heads and positions
+                elem = ((slot * tl.num_programs(2) + h) * P + offs_p[:, None]) * N + offs_n[None, :]
+                s_out = stochastic_round(s, tl.rand(seed, elem.to(tl.int32)), state_ptr.dtype.element_ty)
+            else:
+                s_out = s.to(state_ptr.dtype.element_ty)
+            tl.store(state_row + s_off, s_out, mask=tile_mask)
+        if USE_PDL and nb == 0:
+            gdc_wait()  # M and this step's cs (precompute), x, C, z (earlier kernels) from here on
+            gdc_launch_dependents()
+        C_T = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n[:, None] * stride_C_n
+                      + offs_t[None, :] * stride_C_t, mask=mn[:, None] & mt[None, :], other=0.0)
+        y = _dot_split(s, C_T, y, SPLIT, DOT_PRECISION)  # [BLOCK_P, BLOCK_T]
+
+    # ---- the T outputs: y^T = (S @ C^T) * exp(cs) + x^T @ M^T + D x^T, gated ----------------------
+    cs = tl.load(old_cumA_ptr + wbuf * stride_ocs_r + slot * stride_ocs_s + h * stride_ocs_h
+                 + (base + offs_t) * stride_ocs_t, mask=mt, other=0.0) - offset
     M_T = tl.load(M_ptr + b * stride_M_b + h * stride_M_h + offs_t[:, None] * stride_M_s + offs_t[None, :] * stride_M_t,
                   mask=mt[:, None] & mt[None, :], other=0.0)  # [s, t]
     mask_pt = mp[:, None] & mt[None, :]
     x_T = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p[:, None] * stride_x_p + offs_t[None, :] * stride_x_t,
                   mask=mask_pt, other=0.0)  # [BLOCK_P, BLOCK_T]
     xf = x_T.to(tl.float32)
-    y = tl.dot(s, C_T, input_precision=DOT_PRECISION) * tl.exp(cs)[None, :]
-    y = tl.dot(xf, M_T, y, input_precision=DOT_PRECISION)
+    y = y * tl.exp(cs)[None, :]
+    y = _dot_split_rhs(x_T, M_T, y, SPLIT, DOT_PRECISION)
     if HAS_D:
         y += xf * tl.load(D_ptr + h * stride_D_h).to(tl.float32)
     if HAS_Z:
@@ -206,12 +284,21 @@ def _replay_main_kernel(
     tl.store(out_ptr + b * stride_out_b + h * stride_out_h + offs_p[:, None] * stride_out_p
              + offs_t[None, :] * stride_out_t, y.to(out_ptr.dtype.element_ty), mask=mask_pt)
 
-    # ---- 3. record this step's x for the next replay ----------------------------------------------
-    # The replay above read these rows, possibly in another thread layout: wait until every thread
-    # of the program has its old x before any thread overwrites them.
+    # ---- 3. record this step's x in the history (position base, as the precompute kernel) ---------
+    # At a checkpoint the replay above read these rows, possibly in another thread layout: wait
+    # until every thread of the program has its old x before any thread overwrites them.
     tl.debug_barrier()
-    tl.store(x_row + offs_p[:, None] * stride_ox_p + offs_t[None, :] * stride_ox_t,
+    tl.store(x_row + offs_p[:, None] * stride_ox_p + (base + offs_t)[None, :] * stride_ox_t,
              x_T.to(old_x_ptr.dtype.element_ty), mask=mask_pt)
+
+
+HISTORY_CHUNK = 16  # history tokens per replay tl.dot (its K dimension)
+
+
+def _interpreting() -> bool:
+    """The Triton CPU interpreter computes bf16 tl.dot wrongly (Triton 3.6): there the split bf16
+    dots are replaced by the TF32 path on fp32 operands (the GPU tests cover the split)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _dot_precision(dtype: torch.dtype, fp32: str) -> str:
@@ -223,44 +310,82 @@ def _dot_precision(dtype: torch.dtype, fp32: str) -> str:
 
 
 def launch_replay_precompute(
-    dt, dt_bias, A, B, C, idx, buf_idx, M, old_B, old_dt, old_cumA,
-    *, dt_softplus: bool, pad_slot_id: int, heads: int, num_warps: int,
+    dt, dt_bias, A, B, C, idx, buf_idx, prev_accepted, hist_len, M, old_B, old_dt, old_cumA,
+    *, dt_softplus: bool, pad_slot_id: int, heads: int, num_warps: int, use_pdl: bool = False,
 ):
-    """dt (B,T,H) raw; dt_bias, A (H,) or None; B, C (B,T,G,N); idx (B,) or None; buf_idx (S,);
-    M (B,H,T,T) fp32 scratch; old_B (2,S,T,G,N); old_dt, old_cumA (2,S,T,H)."""
+    """dt (B,T,H) raw; dt_bias, A (H,) or None; B, C (B,T,G,N); idx (B,) or None; buf_idx,
+    prev_accepted, hist_len (S,); M (B,H,T,T) fp32 scratch; old_B (2,S,C_h,G,N); old_dt,
+    old_cumA (2,S,C_h,H)."""
     nreq, ntok, nheads = dt.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     hpg = nheads // ngroups
     grid = (nreq, ngroups, triton.cdiv(hpg, heads))
     _replay_precompute_kernel[grid](
-        dt, dt_bias, A, B, C, idx, buf_idx, M, old_B, old_dt, old_cumA,
-        ntok, hpg, pad_slot_id,
+        dt, dt_bias, A, B, C, idx, buf_idx, prev_accepted, hist_len, M, old_B, old_dt, old_cumA,
+        ntok, old_dt.shape[2], hpg, pad_slot_id,
         *dt.stride(), dt_bias.stride(0) if dt_bias is not None else 0, A.stride(0),
         *B.stride(), *C.stride(), *M.stride(), *old_B.stride(), *old_dt.stride(), *old_cumA.stride(),
         HAS_DT_BIAS=dt_bias is not None, HAS_IDX=idx is not None, DT_SOFTPLUS=dt_softplus,
         N=dstate, BLOCK_N=max(16, triton.next_power_of_2(dstate)), BLOCK_T=max(16, triton.next_power_of_2(ntok)),
-        HEADS=heads, DOT_PRECISION=_dot_precision(B.dtype, "ieee"), num_warps=num_warps,
+        HEADS=heads, DOT_PRECISION=_dot_precision(B.dtype, "ieee"), USE_PDL=use_pdl,
+        num_warps=num_warps, launch_pdl=use_pdl,
     )
 
 
 def launch_replay_main(
-    state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, x, C, D, z, M, out, idx, seed,
-    *, pad_slot_id: int, block_p: int, num_warps: int,
+    state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, C, D, z, M, out, idx, seed,
+    *, pad_slot_id: int, block_p: int, num_warps: int, use_pdl: bool = False, block_n: int | None = None,
 ):
-    """state (S,H,P,N); old_x (S,T,H,P); x, z, out (B,T,H,P); C (B,T,G,N); D (H,) or None;
+    """state (S,H,P,N); old_x (S,C_h,H,P); x, z, out (B,T,H,P); C (B,T,G,N); D (H,) or None;
     M from the precompute kernel; idx (B,) or None; seed one-element int64 or None."""
     nreq, ntok, nheads, headdim = x.shape
     ngroups, dstate = C.shape[2], C.shape[3]
+    n_pad = max(16, triton.next_power_of_2(dstate))
+    block_n = n_pad if block_n is None else max(16, min(block_n, n_pad))
     grid = (triton.cdiv(headdim, block_p), nreq, nheads)
     z_strides = tuple(z.stride()) if z is not None else (0, 0, 0, 0)
     _replay_main_kernel[grid](
-        state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted,
+        state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len,
         x, C, D, z, M, out, idx, seed,
-        ntok, nheads // ngroups, pad_slot_id,
+        ntok, old_x.shape[1], nheads // ngroups, pad_slot_id,
         *state.stride(), *old_x.stride(), *old_B.stride(), *old_dt.stride(), *old_cumA.stride(),
         *x.stride(), *C.stride(), D.stride(0) if D is not None else 0, *z_strides, *M.stride(), *out.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_IDX=idx is not None, STOCHASTIC_ROUND=seed is not None,
-        P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(dstate)),
-        BLOCK_T=max(16, triton.next_power_of_2(ntok)), DOT_PRECISION=_dot_precision(x.dtype, "tf32x3"),
-        num_warps=num_warps,
+        P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=block_n, NB=triton.cdiv(dstate, block_n),
+        BLOCK_T=max(16, triton.next_power_of_2(ntok)), BLOCK_H=HISTORY_CHUNK,
+        DOT_PRECISION=_dot_precision(x.dtype, "tf32x3"), SPLIT=x.dtype == torch.bfloat16 and not _interpreting(),
+        USE_PDL=use_pdl,
+        num_warps=num_warps, launch_pdl=use_pdl,
+    )
+
+
+@triton.jit
+def _commit_kernel(
+    buf_idx_ptr, accepted_ptr, hist_ptr, slots_ptr, new_ptr,
+    nreq, T, capacity, pad_slot_id,
+    HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # the bookkeeping after a call (see ref.commit_accepted_ref); one element per request
+    b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mb = b < nreq
+    if HAS_SLOTS:
+        slot = tl.load(slots_ptr + b, mask=mb, other=pad_slot_id).to(tl.int64)
+    else:
+        slot = b.to(tl.int64)
+    live = mb & (slot != pad_slot_id)
+    k = tl.load(hist_ptr + slot, mask=live, other=0) + tl.load(accepted_ptr + slot, mask=live, other=0)
+    checkpoint = k + T > capacity
+    r = tl.load(buf_idx_ptr + slot, mask=live, other=0)
+    tl.store(buf_idx_ptr + slot, tl.where(checkpoint, 1 - r, r).to(buf_idx_ptr.dtype.element_ty), mask=live)
+    tl.store(hist_ptr + slot, tl.where(checkpoint, 0, k).to(hist_ptr.dtype.element_ty), mask=live)
+    tl.store(accepted_ptr + slot, tl.load(new_ptr + b, mask=live, other=0).to(accepted_ptr.dtype.element_ty), mask=live)
+
+
+def launch_commit(buf_idx, prev_accepted, hist_len, slots, accepted, *, tokens: int, history: int, pad_slot_id: int):
+    """buf_idx, prev_accepted, hist_len (S,) int32/int64 (one dtype); slots (B,) or None; accepted (B,)."""
+    nreq = accepted.shape[0]
+    block = 128
+    _commit_kernel[(triton.cdiv(nreq, block),)](
+        buf_idx, prev_accepted, hist_len, slots, accepted, nreq, tokens, history, pad_slot_id,
+        HAS_SLOTS=slots is not None, BLOCK=block, num_warps=1,
     )

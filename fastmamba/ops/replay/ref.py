@@ -2,16 +2,23 @@
 
 Written for a reviewer, not for speed: explicit loops over requests and tokens, fp32 inside, and
 the same in-place writes as the kernels. Letters as in STYLE.md: B requests, T tokens per request
-(K drafts + 1), H heads, P head dim, G groups of B/C, N state size, S cache slots.
+(K drafts + 1), H heads, P head dim, G groups of B/C, N state size, S cache slots, and C_h the
+history capacity of the cache (tokens per slot, >= T).
 
-For each request b with slot = state_batch_indices[b], k = prev_accepted[slot], r = buf_idx[slot],
-per head h (g = h // (H // G)), cA = old_cumA[r, slot], dto = old_dt[r, slot]:
-    1. replay   S = exp(cA[k-1]) S + sum_{s<k} exp(cA[k-1] - cA[s]) dto[s] old_x[s] (x) old_B[r, s]
-                state[slot] = S                                  (k = 0: S and state[slot] unchanged)
-    2. outputs  dt'_t = softplus(dt_t + dt_bias);  from S, token by token:
-                S_t = exp(A dt'_t) S_{t-1} + dt'_t x_t (x) B_t,   y_t = S_t C_t + D x_t,   y_t *= silu(z_t)
-    3. record   old_x[slot] = x;  old_B / old_dt / old_cumA[1 - r, slot] = B, dt', cumsum_t(A dt'_t)
-buf_idx and prev_accepted are read, never written (see commit_accepted).
+A slot holds a stored state and the inputs of the tokens consumed since it was stored (the
+history): ``hist_len`` tokens accepted in earlier steps, then the previous step's T_prev tokens,
+of which ``prev_accepted`` were accepted. For each request b with slot = state_batch_indices[b],
+k = hist_len[slot] + prev_accepted[slot] (tokens to replay), r = buf_idx[slot],
+cA = old_cumA[r, slot] (cumulative A dt' since the stored state), per head h (g = h // (H // G)):
+    1. replay      S = exp(cA[k-1]) state + sum_{s<k} exp(cA[k-1] - cA[s]) old_dt[r, s] old_x[s] (x) old_B[r, s]
+    2. checkpoint  if k + T > C_h (this step would overflow the history): state[slot] = S, and this
+                   step's inputs start a new history in the other buffer (w = 1 - r, base 0, offset 0);
+                   else state[slot] is left alone and they are appended (w = r, base k, offset cA[k-1])
+    3. outputs     dt'_t = softplus(dt_t + dt_bias);  from S, token by token:
+                   S_t = exp(A dt'_t) S_{t-1} + dt'_t x_t (x) B_t,   y_t = S_t C_t + D x_t,   y_t *= silu(z_t)
+    4. record      old_x[slot, base + t] = x_t;  old_B / old_dt[w, slot, base + t] = B_t, dt'_t;
+                   old_cumA[w, slot, base + t] = offset + cumsum_t(A dt')
+buf_idx, prev_accepted and hist_len are read, never written (see ``commit_accepted_ref``).
 """
 from __future__ import annotations
 
@@ -29,6 +36,22 @@ def _per_head(t: torch.Tensor | None, lead: int) -> torch.Tensor | None:
     return t
 
 
+def replayed_state(old_x, old_B, old_dt, old_cumA, state, slot: int, r: int, k: int) -> torch.Tensor:
+    """Step 1 for one slot: the stored state with the first k history tokens of buffer r replayed,
+    fp32 [H, P, N]."""
+    s = state[slot].float()
+    if k == 0:
+        return s
+    heads_per_group = old_dt.shape[-1] // old_B.shape[-2]
+    last = old_cumA[r, slot, k - 1].float()  # (H,)
+    s = s * torch.exp(last)[:, None, None]
+    for j in range(k):
+        w = torch.exp(last - old_cumA[r, slot, j].float()) * old_dt[r, slot, j].float()  # (H,)
+        Bh = old_B[r, slot, j].float().repeat_interleave(heads_per_group, dim=0)  # (H, N)
+        s = s + (w[:, None] * old_x[slot, j].float())[..., None] * Bh[:, None, :]
+    return s
+
+
 def replay_selective_state_update_ref(
     state: torch.Tensor,
     old_x: torch.Tensor,
@@ -37,6 +60,7 @@ def replay_selective_state_update_ref(
     old_cumA: torch.Tensor,
     buf_idx: torch.Tensor,
     prev_accepted: torch.Tensor,
+    hist_len: torch.Tensor,
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -59,6 +83,7 @@ def replay_selective_state_update_ref(
     """
     del rand_seed
     nreq, ntok, nheads, _ = x.shape
+    capacity = old_x.shape[1]
     heads_per_group = nheads // B.shape[2]
     A32 = _per_head(A, 1).float()  # (H,)
     D32 = _per_head(D, 1).float() if D is not None else None
@@ -70,21 +95,22 @@ def replay_selective_state_update_ref(
         slot = b if state_batch_indices is None else int(state_batch_indices[b])
         if slot == pad_slot_id:
             continue  # padded row: output stays zero, nothing is read or written
-        k = int(prev_accepted[slot])
+        k = int(hist_len[slot]) + int(prev_accepted[slot])
         r = int(buf_idx[slot])
 
-        # 1. replay the previous step's k accepted tokens onto the committed state
-        s = state[slot].float()  # (H, P, N)
-        if k > 0:
-            last = old_cumA[r, slot, k - 1].float()  # (H,)
-            s = s * torch.exp(last)[:, None, None]
-            for j in range(k):
-                w = torch.exp(last - old_cumA[r, slot, j].float()) * old_dt[r, slot, j].float()  # (H,)
-                Bh = old_B[r, slot, j].float().repeat_interleave(heads_per_group, dim=0)  # (H, N)
-                s = s + (w[:, None] * old_x[slot, j].float())[..., None] * Bh[:, None, :]
-            state[slot] = s.to(state.dtype)
+        # 1. replay every accepted token of the history onto the stored state
+        s = replayed_state(old_x, old_B, old_dt, old_cumA, state, slot, r, k)
 
-        # 2. this step's T outputs, token by token from the (fp32) replayed state
+        # 2. store it only when this step's inputs would overflow the history
+        checkpoint = k + ntok > capacity
+        if checkpoint:
+            state[slot] = s.to(state.dtype)
+            w, base, offset = 1 - r, 0, torch.zeros(nheads, device=x.device)
+        else:
+            w, base = r, k
+            offset = old_cumA[r, slot, k - 1].float() if k > 0 else torch.zeros(nheads, device=x.device)
+
+        # 3. this step's T outputs, token by token from the (fp32) replayed state
         d = dt[b].float()  # (T, H)
         if bias32 is not None:
             d = d + bias32
@@ -103,13 +129,67 @@ def replay_selective_state_update_ref(
                 yt = yt * F.silu(z[b, t].float())
             y[b, t] = yt
 
-        # 3. record this step's inputs for the next replay (the write buffer is 1 - r)
-        old_x[slot] = x[b].to(old_x.dtype)
-        old_B[1 - r, slot] = B[b].to(old_B.dtype)
-        old_dt[1 - r, slot] = d.to(old_dt.dtype)
-        old_cumA[1 - r, slot] = torch.cumsum(A32 * d, dim=0).to(old_cumA.dtype)
+        # 4. record this step's inputs in the history
+        old_x[slot, base:base + ntok] = x[b].to(old_x.dtype)
+        old_B[w, slot, base:base + ntok] = B[b].to(old_B.dtype)
+        old_dt[w, slot, base:base + ntok] = d.to(old_dt.dtype)
+        old_cumA[w, slot, base:base + ntok] = (offset + torch.cumsum(A32 * d, dim=0)).to(old_cumA.dtype)
 
     if out is not None:
         out.copy_(y.to(out.dtype))
         return out
     return y.to(x.dtype)
+
+
+def commit_accepted_ref(
+    buf_idx: torch.Tensor,
+    prev_accepted: torch.Tensor,
+    hist_len: torch.Tensor,
+    slots: torch.Tensor,
+    accepted: torch.Tensor,
+    *,
+    tokens: int,
+    history: int,
+    pad_slot_id: int = -1,
+) -> None:
+    """The bookkeeping after a call of T = ``tokens`` tokens on a cache of ``history`` capacity, per
+    non-pad request b with slot = slots[b] and k = hist_len[slot] + prev_accepted[slot]:
+        if k + T > history (the call stored the state):  hist_len = 0, buf_idx = 1 - buf_idx
+        else:                                             hist_len = k
+        prev_accepted = accepted[b]
+    """
+    for b, slot in enumerate(slots.tolist()):
+        if slot == pad_slot_id:
+            continue
+        k = int(hist_len[slot]) + int(prev_accepted[slot])
+        if k + tokens > history:
+            hist_len[slot] = 0
+            buf_idx[slot] = 1 - int(buf_idx[slot])
+        else:
+            hist_len[slot] = k
+        prev_accepted[slot] = int(accepted[b])
+
+
+def flush_ref(
+    state: torch.Tensor,
+    old_x: torch.Tensor,
+    old_B: torch.Tensor,
+    old_dt: torch.Tensor,
+    old_cumA: torch.Tensor,
+    buf_idx: torch.Tensor,
+    prev_accepted: torch.Tensor,
+    hist_len: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    pad_slot_id: int = -1,
+) -> None:
+    """Store every non-pad slot's replayed state (all hist_len + prev_accepted accepted tokens) and
+    empty its history: hist_len = prev_accepted = 0 (buf_idx is kept)."""
+    for slot in slots.tolist():
+        if slot == pad_slot_id:
+            continue
+        k = int(hist_len[slot]) + int(prev_accepted[slot])
+        s = replayed_state(old_x, old_B, old_dt, old_cumA, state, slot, int(buf_idx[slot]), k)
+        state[slot] = s.to(state.dtype)
+        hist_len[slot] = 0
+        prev_accepted[slot] = 0
