@@ -1,4 +1,6 @@
-"""Decode steps replayed from CUDA graphs, one graph per batch bucket (1, 2, 4, ... max_batch).
+"""Decode and speculative verify steps replayed from CUDA graphs, one graph per batch bucket
+(1, 2, 4, ... max_batch): ``GraphedDecoder`` (plain decoding) and ``GraphedVerifier`` (speculative
+decoding: one graph per (verify path, bucket) for the verify and one for the commit).
 
 A graph is captured the first time its bucket is used: static token and slot buffers are filled
 with ``copy_``, warm-up runs on a side stream, and every bucket shares one memory pool. Rows past
@@ -27,6 +29,27 @@ def buckets_up_to(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
+def _bucket_for(buckets: list[int], n: int, who: str) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{who}: batch {n} exceeds the largest bucket {buckets[-1]}")
+
+
+def _warm_up(run, slots: torch.Tensor) -> None:
+    """Run ``run()`` twice on a side stream with ``slots`` set to padding (no state read or
+    written), as capture requires (Triton compiles, lazy allocations); ``slots`` is restored."""
+    saved = slots.clone()
+    slots.fill_(PAD_SLOT)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    slots.copy_(saved)
+
+
 class GraphedDecoder:
     """``decode(tokens [B] int64, slots [B] int32) -> logits [B, V]`` fp32, B <= max_batch.
 
@@ -45,25 +68,13 @@ class GraphedDecoder:
         self.pool = torch.cuda.graph_pool_handle()
 
     def _bucket(self, n: int) -> int:
-        for b in self.buckets:
-            if b >= n:
-                return b
-        raise ValueError(f"GraphedDecoder: batch {n} exceeds max_batch={self.max_batch}")
+        return _bucket_for(self.buckets, n, "GraphedDecoder")
 
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         pdl = programmatic_dependent_launch() if self.pdl else contextlib.nullcontext()
         tokens, slots = self.tokens[:b], self.slots[:b]
         with pdl:
-            # warm-up on a side stream on padding rows only (no state touched), as capture requires
-            saved = self.slots[:b].clone()
-            self.slots[:b].fill_(PAD_SLOT)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.model.decode(tokens, self.cache, slots)
-            torch.cuda.current_stream().wait_stream(side)
-            self.slots[:b].copy_(saved)
+            _warm_up(lambda: self.model.decode(tokens, self.cache, slots), slots)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 logits = self.model.decode(tokens, self.cache, slots)
@@ -82,3 +93,105 @@ class GraphedDecoder:
         graph, logits = self.graphs[b]
         graph.replay()
         return logits[:n]
+
+
+class GraphedVerifier:
+    """Speculative decoding's verify steps from CUDA graphs, one per (path, batch bucket).
+
+    verify(tokens [B, T'] int64, slots [B] int32, path) -> logits [B, T', V] fp32
+        ``Mamba2LM.verify`` on ``path`` ("replay", "legacy": T' = T = K+1; "plain": T' = 1), a
+        view of a static buffer valid until the next call. B <= max_batch (legacy: B <=
+        ``cache.legacy_max_batch``, its buckets stop there).
+    commit(slots [B] int32, accepted [B] int32, path)
+        ``Mamba2LM.commit`` for the verify just run on the same slots, from a second graph per
+        (path, bucket) (legacy: a copy per layer; replay and plain: a few small kernels). Its
+        first call runs eagerly (the warm-up, with the host-side range checks) and is captured
+        afterwards; replays check nothing (the caller's counts must lie in 1..T).
+
+    The slots' replay histories must be empty before a legacy or plain step (``cache.flush``,
+    eagerly, by the caller). The pad rows of a bucket have slot -1: the verify kernels skip them,
+    the legacy commit repeats its first live row's copy for them.
+    """
+
+    PATHS = ("replay", "legacy", "plain")
+
+    def __init__(self, model: Mamba2LM, cache: StateCache, max_batch: int, *, pdl: bool = False):
+        if not torch.cuda.is_available() or model.lm_head.weight.device.type != "cuda":
+            raise RuntimeError("GraphedVerifier needs the model on a CUDA device")
+        if not cache.speculate:
+            raise ValueError("GraphedVerifier: the cache was built without speculation (speculate=0)")
+        self.model, self.cache, self.max_batch, self.pdl = model, cache, max_batch, pdl
+        dev = model.lm_head.weight.device
+        self.tokens = {"replay": torch.zeros(max_batch, cache.tokens_per_step, dtype=torch.int64, device=dev),
+                       "plain": torch.zeros(max_batch, 1, dtype=torch.int64, device=dev)}
+        self.tokens["legacy"] = self.tokens["replay"]
+        self.slots = torch.full((max_batch,), PAD_SLOT, dtype=torch.int32, device=dev)
+        self.accepted = torch.ones(max_batch, dtype=torch.int32, device=dev)
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.commit_graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def buckets(self, path: str) -> list[int]:
+        """The batch buckets of ``path`` (legacy: up to ``cache.legacy_max_batch``)."""
+        if path not in self.PATHS:
+            raise ValueError(f"GraphedVerifier: `path` expected one of {self.PATHS}, got {path!r}")
+        return buckets_up_to(min(self.max_batch, self.cache.legacy_max_batch) if path == "legacy" else self.max_batch)
+
+    def _fill(self, path: str, tokens: torch.Tensor | None, slots: torch.Tensor) -> tuple[int, int]:
+        """Copy the live rows into the static buffers and pad up to the bucket; returns (n, bucket)."""
+        n = slots.shape[0]
+        b = _bucket_for(self.buckets(path), n, f"GraphedVerifier ({path} path)")
+        self.slots[:n].copy_(slots, non_blocking=True)
+        self.slots[n:b].fill_(PAD_SLOT)
+        if tokens is not None:
+            buf = self.tokens[path]
+            buf[:n].copy_(tokens, non_blocking=True)
+            buf[n:b].zero_()
+        return n, b
+
+    def _capture(self, path: str, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        pdl = programmatic_dependent_launch() if self.pdl else contextlib.nullcontext()
+        tokens, slots = self.tokens[path][:b], self.slots[:b]
+
+        def run() -> torch.Tensor:
+            return self.model.verify(tokens, self.cache, slots, path=path)
+
+        with pdl:
+            _warm_up(run, slots)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = run()
+        return graph, logits
+
+    def verify(self, tokens: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:
+        ntok = 1 if path == "plain" else self.cache.tokens_per_step
+        if tokens.dim() != 2 or tokens.shape[1] != ntok or tuple(slots.shape) != (tokens.shape[0],):
+            raise ValueError(f"GraphedVerifier.verify ({path} path): expected tokens (B, {ntok}) and slots (B,), "
+                             f"got {tuple(tokens.shape)} and {tuple(slots.shape)}")
+        n, b = self._fill(path, tokens, slots)
+        if (path, b) not in self.graphs:
+            self.graphs[(path, b)] = self._capture(path, b)
+        graph, logits = self.graphs[(path, b)]
+        graph.replay()
+        return logits[:n]
+
+    def commit(self, slots: torch.Tensor, accepted: torch.Tensor, path: str) -> None:
+        n, b = self._fill(path, None, slots)
+        self.accepted[:n].copy_(accepted, non_blocking=True)
+        self.accepted[n:b].fill_(1)
+        graph = self.commit_graphs.get((path, b))
+        if graph is not None:
+            graph.replay()
+            return
+        slots_b, accepted_b = self.slots[:b], self.accepted[:b]
+
+        def run() -> None:
+            self.model.commit(self.cache, slots_b, accepted_b, path=path)
+
+        # the first commit of a (path, bucket) runs eagerly, checks included: that is its warm-up;
+        # capturing then records the same kernels without running them again
+        run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            run()
+        self.commit_graphs[(path, b)] = graph

@@ -20,19 +20,33 @@ are distributed as plain sampling from the target model (drafters propose point 
 The state is then committed over the n+1 inputs consumed (``Mamba2LM.commit``), and the bonus
 token is the next step's first input. A request that meets a stop condition inside an accepted
 run stops there: the rest of the run is dropped.
+
+A drafter may propose fewer than K tokens for a request (none at all included): its row is padded
+to K (repeating its last draft, or its last token) and its run is cut after its real drafts (any
+prefix of an accepted run is a valid run). When no request of the step has a draft, the step is a
+plain one (one input per request, ``path="plain"``). Otherwise the verify path is chosen per step
+(``verify_path="auto"``: ``spec_policy.choose_verify_path`` with the batch, T and the crossover
+table ``verify_table``): "replay" (replay-based rollback, large batches) or "legacy" (a state per
+position, then a copy of the accepted one; small batches). A slot whose last step was a replay
+step has its replay history flushed into its state before a legacy or plain step. ``stats``
+counts steps per path and drafts proposed / accepted. With CUDA graphs (the default on a GPU) the
+verify steps replay from graphs per (path, batch bucket) (``GraphedVerifier``).
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from fastmamba.generation.drafters import Drafter, NgramDrafter
 from fastmamba.generation.sampling import Sampler, SamplingParams, stop_reached
+from fastmamba.generation.spec_policy import choose_verify_path
 from fastmamba.models.mamba2_lm import Mamba2LM
+
+VERIFY_PATHS = ("auto", "replay", "legacy")
 
 
 @dataclasses.dataclass
@@ -63,39 +77,67 @@ class Engine:
     """Generation over a ``Mamba2LM`` with continuous batching.
 
     max_batch     requests decoded together (and slots in the state cache)
-    cuda_graphs   replay decode steps from CUDA graphs (GPU only; default: on when on a GPU)
+    cuda_graphs   replay decode (and verify) steps from CUDA graphs (GPU only; default: on when on a GPU)
     ssm_dtype     SSM state dtype (fp32 default; bf16/fp16 halve the state traffic)
     pdl           programmatic dependent launch inside the graphs (Hopper+)
     speculate     K >= 1: speculative decoding, verifying K drafts per request per step (greedy
-                  acceptance at temperature 0, rejection sampling above; eager, no CUDA graphs
-                  yet); None or 0: plain decoding
+                  acceptance at temperature 0, rejection sampling above); None or 0: plain decoding
     drafter       proposes the drafts (``fastmamba.generation.drafters``); default NgramDrafter()
+    verify_path   "auto" (default): replay or legacy per step from ``verify_table``; "replay" or
+                  "legacy": always that path (steps with no drafts at all are plain steps either way)
+    verify_table  T -> crossover batch (replay from that batch up), as ``fastmamba bench spec``
+                  reports it; None: ``spec_policy.DEFAULT_TABLE`` (placeholder while it is empty)
+    legacy_max_batch  the largest batch the legacy path may take (its per-position states cost
+                  n_layer x batch x T states of memory); None: the largest batch that ``verify_path``
+                  and the table send to legacy (max_batch when forced). "auto" uses replay above it.
+
+    ``stats``: {"steps": {"replay": n, "legacy": n, "plain": n}, "drafts_proposed": n,
+    "drafts_accepted": n} over the engine's verify steps (a draft is accepted when it is emitted).
     """
 
     def __init__(self, model: Mamba2LM, *, max_batch: int = 64, cuda_graphs: bool | None = None,
                  ssm_dtype: torch.dtype = torch.float32, pdl: bool = False, speculate: int | None = None,
-                 drafter: Drafter | None = None):
+                 drafter: Drafter | None = None, verify_path: str = "auto",
+                 verify_table: Mapping[int | str, int | None] | None = None, legacy_max_batch: int | None = None):
         if speculate is not None and not (isinstance(speculate, int) and speculate >= 0):
             raise ValueError(f"Engine: speculate must be None or an int >= 0 (number of drafts K), got {speculate!r}")
         self.speculate = speculate or 0
-        if self.speculate and cuda_graphs:
-            raise NotImplementedError("Engine: speculative decoding runs eagerly; CUDA-graph capture of the "
-                                      "verify step is not implemented (pass cuda_graphs=False)")
         if drafter is not None and not self.speculate:
             raise ValueError("Engine: a drafter needs speculate=K with K >= 1")
+        if verify_path not in VERIFY_PATHS:
+            raise ValueError(f"Engine: verify_path expected one of {VERIFY_PATHS}, got {verify_path!r}")
+        if legacy_max_batch is not None and not (isinstance(legacy_max_batch, int) and legacy_max_batch >= 1):
+            raise ValueError(f"Engine: legacy_max_batch must be None or an int >= 1, got {legacy_max_batch!r}")
+        if verify_path == "legacy" and legacy_max_batch is not None and legacy_max_batch < max_batch:
+            raise ValueError(f"Engine: verify_path='legacy' runs every batch up to max_batch={max_batch} on the legacy "
+                             f"path, but legacy_max_batch={legacy_max_batch}; use verify_path='auto' to fall back "
+                             "to replay above it")
         self.drafter = (drafter or NgramDrafter()) if self.speculate else None
+        self.verify_path, self.verify_table = verify_path, verify_table
         self.model = model
         self.device = model.lm_head.weight.device
         self.max_batch = max_batch
         self.cache = model.new_cache(max_batch, ssm_dtype=ssm_dtype, speculate=self.speculate)
         self.sampler = Sampler(model.cfg.vocab_size, self.device, max_batch)
+        self.stats = {"steps": {"replay": 0, "legacy": 0, "plain": 0}, "drafts_proposed": 0, "drafts_accepted": 0}
+        self._replay_slots: set[int] = set()  # slots whose SSM state lags their replay history
+        self.legacy_max_batch = 0
+        if self.speculate:
+            if legacy_max_batch is None:
+                legacy_max_batch = max((b for b in range(1, max_batch + 1) if self._table_path(b) == "legacy"), default=0)
+            self.legacy_max_batch = min(legacy_max_batch, max_batch)
+            if self.legacy_max_batch:
+                self.cache.reserve_legacy(self.legacy_max_batch)
         if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda" and not self.speculate
-        self.decoder = None
+            cuda_graphs = self.device.type == "cuda"
+        self.decoder = self.verifier = None
         if cuda_graphs:
-            from fastmamba.generation.cuda_graphs import GraphedDecoder
+            from fastmamba.generation.cuda_graphs import GraphedDecoder, GraphedVerifier
 
-            self.decoder = GraphedDecoder(model, self.cache, max_batch, pdl=pdl)
+            if self.speculate:
+                self.verifier = GraphedVerifier(model, self.cache, max_batch, pdl=pdl)
+            else:
+                self.decoder = GraphedDecoder(model, self.cache, max_batch, pdl=pdl)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
@@ -141,6 +183,7 @@ class Engine:
         slots = self.cache.alloc(n)  # one alloc: one zeroing pass; int32 on the device, admitted order
         for req, slot in zip(admitted, slots.tolist()):
             req.slot = slot
+            self._replay_slots.discard(slot)  # prefill leaves nothing to replay
         # one packed call: the prompts back to back, then cu_seqlens, in one host-to-device copy
         cu_seqlens = list(itertools.accumulate((len(r.prompt) for r in admitted), initial=0))
         T = cu_seqlens[-1]
@@ -168,22 +211,71 @@ class Engine:
             logits = self.model.decode(tokens, self.cache, slots)
         return self._emit(reqs, logits)
 
-    def _verify_step(self) -> list[StepOutput]:
-        """One speculative step for every running request: draft, verify, accept, emit, commit."""
-        reqs, K, V = list(self.running), self.speculate, self.model.cfg.vocab_size
+    def _table_path(self, batch: int) -> str:
+        """``verify_path`` when forced, else the table's choice for ``batch`` requests with drafts."""
+        if self.verify_path != "auto":
+            return self.verify_path
+        return choose_verify_path(batch, self.speculate + 1, self.verify_table)
+
+    def _choose_path(self, batch: int) -> str:
+        """The verify path of a step of ``batch`` requests with drafts: ``_table_path``, but
+        replay where "auto" would exceed ``legacy_max_batch``."""
+        path = self._table_path(batch)
+        return "replay" if path == "legacy" and batch > self.legacy_max_batch else path
+
+    def _drafts(self, reqs: list[Request]) -> list[list[int]]:
+        """The drafter's proposals, checked: 0..K token ids in [0, V) per request."""
+        K, V = self.speculate, self.model.cfg.vocab_size
         drafts = self.drafter.propose(reqs, K)
         if len(drafts) != len(reqs):
             raise ValueError(f"Engine: the drafter returned {len(drafts)} proposals for {len(reqs)} requests")
-        inputs = []
+        out = []
         for r, d in zip(reqs, drafts):
             d = list(d)
-            if len(d) != K or not all(0 <= t < V for t in d):
-                raise ValueError(f"Engine: the drafter must propose K={K} token ids in [0, {V}) per request, "
-                                 f"got {d[:8]} for request {r.rid}")
-            inputs.append([r.output[-1]] + d)
-        tokens = torch.tensor(inputs, dtype=torch.int64, device=self.device)
+            if len(d) > K or not all(0 <= t < V for t in d):
+                raise ValueError(f"Engine: the drafter must propose at most K={K} token ids in [0, {V}) per request, "
+                                 f"got {d[:8]}{'...' if len(d) > 8 else ''} for request {r.rid}")
+            out.append(d)
+        return out
+
+    def _verify(self, tokens: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:
+        if self.verifier is not None:
+            return self.verifier.verify(tokens, slots, path)
+        return self.model.verify(tokens, self.cache, slots, path=path)
+
+    def _commit(self, reqs: list[Request], slots: torch.Tensor, consumed: list[int], path: str) -> None:
+        accepted = torch.tensor(consumed, dtype=torch.int32, device=self.device)
+        if self.verifier is not None:
+            self.verifier.commit(slots, accepted, path)
+        else:
+            self.model.commit(self.cache, slots, accepted, path=path)
+        ids = [r.slot for r in reqs]
+        if path == "replay":
+            self._replay_slots.update(ids)
+        else:
+            self._replay_slots.difference_update(ids)
+
+    def _verify_step(self) -> list[StepOutput]:
+        """One speculative step for every running request: draft, verify, accept, commit, emit."""
+        reqs, K = list(self.running), self.speculate
+        drafts = self._drafts(reqs)
+        real = [len(d) for d in drafts]
+        path = self._choose_path(len(reqs)) if any(real) else "plain"
+        self.stats["steps"][path] += 1
         slots = torch.tensor([r.slot for r in reqs], dtype=torch.int32, device=self.device)
-        logits = self.model.verify(tokens, self.cache, slots)  # [B, T, V']
+        if path != "replay":  # legacy and plain read the SSM state: materialise pending replay histories
+            lagging = [r.slot for r in reqs if r.slot in self._replay_slots]
+            if lagging:
+                self.cache.flush(torch.tensor(lagging, dtype=torch.int32, device=self.device))
+        if path == "plain":
+            tokens = torch.tensor([[r.output[-1]] for r in reqs], dtype=torch.int64, device=self.device)
+            logits = self._verify(tokens, slots, path)[:, 0]
+            self._commit(reqs, slots, [1] * len(reqs), path)
+            return self._emit(reqs, logits)
+
+        inputs = [[r.output[-1]] + d + [(d or [r.output[-1]])[-1]] * (K - len(d)) for r, d in zip(reqs, drafts)]
+        tokens = torch.tensor(inputs, dtype=torch.int64, device=self.device)
+        logits = self._verify(tokens, slots, path)  # [B, T, V']
         sampled = [i for i, r in enumerate(reqs) if r.params.temperature > 0]
         spec = {}  # sampled rows: (drafts accepted, token emitted after them), by rejection sampling
         if sampled:
@@ -204,12 +296,18 @@ class Engine:
                 while n < K and row[n + 1] == best[n]:
                     n += 1
                 run = best[:n + 1]  # the n drafts, then the bonus token
+            # padding drafts are not drafts: cut the run after the real ones (a prefix of a valid
+            # run is valid: each emitted token follows the target given the tokens before it)
+            n = min(n, real[i])
+            run = run[:n + 1]
             r.accepted.append(n)
             runs.append(run)
             consumed.append(n + 1)
+        self.stats["drafts_proposed"] += sum(real)
+        self.stats["drafts_accepted"] += sum(len(run) - 1 for run in runs)
         # commit before emitting: a request finishing in this step frees its slot, which a new
         # request may then take (its prefill resets the slot's speculation counters anyway)
-        self.model.commit(self.cache, slots, torch.tensor(consumed, dtype=torch.int32, device=self.device))
+        self._commit(reqs, slots, consumed, path)
         return self._emit_runs(reqs, runs)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] = SamplingParams()) -> list[list[int]]:

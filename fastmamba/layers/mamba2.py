@@ -1,5 +1,5 @@
 """Mamba-2 mixer: ``forward_varlen`` runs packed prompts (prefill), ``step`` one token per request
-(decode), ``verify`` T = K+1 tokens per request (speculative decoding).
+(decode), ``verify`` T = K+1 tokens per request (speculative decoding: replay, legacy or plain path).
 
 Parameter names follow Hugging Face's ``Mamba2Mixer`` (and mamba_ssm's ``Mamba2``), so both
 checkpoint formats load without renaming inside a layer:
@@ -207,23 +207,46 @@ class Mamba2Mixer(nn.Module):
         replay: ReplayCache,
         slots: torch.Tensor,
         conv_accepted: torch.Tensor,
+        *,
+        path: str = "replay",
+        intermediate_states: torch.Tensor | None = None,
+        no_dst: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Speculative verification of T tokens per request: u [B, T, d_model] -> [B, T, d_model].
 
         conv_state     [S, E, W-1+K]  rows slots[b] mutated: the T new inputs are appended after
                        the history that ends ``conv_accepted[b]`` inputs into the previous step
                        (``causal_conv1d_update`` with ``num_accepted_tokens``; no copy on rollback)
-        replay         the layer's ReplayCache for T tokens: the previous step's accepted tokens
-                       are replayed onto the committed state, then this step's inputs recorded
-        slots          [B] int32/int64
+        replay         the layer's ReplayCache; ``replay.state`` is the layer's SSM state pool
+        slots          [B] int32/int64; pad rows (-1) get zero output and touch nothing
         conv_accepted  [B] int32/int64 in 1..T: tokens accepted by each request's previous step
-                       (T right after prefill)
+                       (T right after prefill or a plain step)
+        path           how the SSM part runs (the conv part is the same for all three):
+          "replay"  ``replay_selective_state_update``: the accepted history is replayed onto the
+                    stored state, this step's inputs appended to it (no per-token state)
+          "legacy"  multi-token ``selective_state_update`` from ``replay.state`` writing the state
+                    after every position into ``intermediate_states`` [B, T, H, P, N] (state
+                    dtype); ``no_dst`` [B] int32 of -1 (``StateCache.legacy_no_dst``) or None:
+                    with it the final state is not written to the slot (the commit copies the
+                    accepted position's state there, ``StateCache.commit_legacy``)
+          "plain"   T = 1: single-token ``selective_state_update`` on ``replay.state`` in place
+                    (``StateCache.commit_plain`` afterwards)
+                    Legacy and plain read ``replay.state`` as the state after the last accepted
+                    token: the slots' replay histories must be empty (``StateCache.flush``).
         Output t depends on inputs 0..t only. Nothing is committed here: the caller commits the
-        accepted counts (``StateCache.commit``) before the next verify on these slots.
+        accepted counts (``StateCache.commit`` / ``commit_legacy`` / ``commit_plain``) before the
+        next verify on these slots.
         """
         c = self.cfg
         nreq, ntok, _ = u.shape
         H, P, N, G, E = c.nheads, c.headdim, c.d_state, c.ngroups, c.conv_dim
+        if path not in ("replay", "legacy", "plain"):
+            raise ValueError(f'Mamba2Mixer.verify: `path` expected "replay", "legacy" or "plain", got {path!r}')
+        if path == "plain" and ntok != 1:
+            raise ValueError(f"Mamba2Mixer.verify: the plain path takes one token per request, got u of shape "
+                             f"{tuple(u.shape)}")
+        if path == "legacy" and intermediate_states is None:
+            raise ValueError("Mamba2Mixer.verify: the legacy path needs `intermediate_states` [B, T, H, P, N]")
         z, xbc, dt = self._split(self.in_proj(u))  # [B, T, *] column views
         # the conv works on [B, E, T]: transposed views in and out, so xbc stays [B, T, E] contiguous
         conv_out = u.new_empty(nreq, ntok, E)
@@ -232,9 +255,20 @@ class Mamba2Mixer(nn.Module):
                              out=conv_out.transpose(1, 2))
         x, B, C = self._split_xbc(conv_out)
         gate = z.reshape(nreq, ntok, H, P) if self._gate_in_scan() else None
-        y = replay_selective_state_update(
-            *replay, x.reshape(nreq, ntok, H, P), dt, self._A_heads(), B.reshape(nreq, ntok, G, N),
-            C.reshape(nreq, ntok, G, N), self.D, gate, self.dt_bias, True, slots,
-        )
+        x, B, C = x.reshape(nreq, ntok, H, P), B.reshape(nreq, ntok, G, N), C.reshape(nreq, ntok, G, N)
+        if path == "replay":
+            y = replay_selective_state_update(
+                *replay, x, dt, self._A_heads(), B, C, self.D, gate, self.dt_bias, True, slots,
+            )
+        elif path == "legacy":
+            y = selective_state_update(
+                replay.state, x, dt, self._A(), B, C, self.D, gate, self.dt_bias, True, slots,
+                dst_state_batch_indices=no_dst, intermediate_states=intermediate_states,
+            )
+        else:
+            y = selective_state_update(
+                replay.state, x[:, 0], dt[:, 0], self._A(), B[:, 0], C[:, 0], self.D,
+                None if gate is None else gate[:, 0], self.dt_bias, True, slots,
+            )
         y = self.norm(y.reshape(nreq * ntok, c.d_inner), None if self._gate_in_scan() else z.reshape(-1, c.d_inner))
         return self.out_proj(y).view(nreq, ntok, -1)

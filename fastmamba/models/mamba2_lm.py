@@ -7,7 +7,9 @@ With a ``StateCache``: ``prefill_varlen`` runs B prompts of any lengths packed i
 (``cu_seqlens``) and returns each prompt's last-token logits; ``prefill`` is its equal-length
 [B, L] form; ``decode`` advances every request by one token. With a speculative cache
 (``new_cache(..., speculate=K)``), ``verify`` scores T = K+1 tokens per request and
-``commit`` keeps each request's accepted prefix (replay-based rollback: nothing is copied).
+``commit`` keeps each request's accepted prefix, on one of three paths per step: "replay"
+(replay-based rollback: nothing is copied), "legacy" (a state per position, then a copy of the
+accepted one) or "plain" (one token per request, nothing drafted).
 """
 from __future__ import annotations
 
@@ -167,33 +169,58 @@ class Mamba2LM(nn.Module):
         return self._run(token_ids, lambda i, mixer, h: mixer.step(h, cache.conv[i], cache.ssm[i], slots))
 
     @torch.inference_mode()
-    def verify(self, token_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor) -> torch.Tensor:
-        """Score T = K+1 tokens per request: token_ids [B, T] int64 -> logits [B, T, V] fp32.
+    def verify(self, token_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor, *,
+               path: str = "replay") -> torch.Tensor:
+        """Score T tokens per request: token_ids [B, T] int64 -> logits [B, T, V] fp32.
 
         token_ids  row b: [the request's last emitted token, its K drafts]; logits[b, t] predicts
                    the token after token_ids[b, t]
-        cache      built with ``speculate=K`` (T must equal K+1)
-        slots      [B] int32/int64, one per request
-        The previous step's accepted tokens are replayed first (every layer), then this step's
-        inputs are recorded; call ``commit`` with the accepted counts before the next verify.
+        cache      built with ``speculate=K``; T = K+1 (T = 1 on the plain path)
+        slots      [B] int32/int64, one per request; -1 marks a padding row (zero logits' input,
+                   no state touched: the CUDA-graph buckets)
+        path       "replay" (default): the replay op (rollback by replaying the accepted history);
+                   "legacy": the per-position path, a state per position into the cache's legacy
+                   buffers (B <= ``cache.legacy_max_batch``); "plain": T = 1, one decode step.
+                   Legacy and plain read the slots' SSM states directly: their replay histories
+                   must be empty (after prefill, after a legacy or plain commit, or after
+                   ``cache.flush(slots)``). See ``Mamba2Mixer.verify``.
+        Call ``commit`` with the same path and the accepted counts before the next verify on these
+        slots. No host sync of its own (the ops' index checks read the slots once, except while
+        a CUDA graph is being captured).
         """
         if not cache.speculate:
             raise ValueError("Mamba2LM.verify: the cache was built without speculation; use new_cache(..., speculate=K)")
-        if token_ids.dim() != 2 or token_ids.shape[1] != cache.tokens_per_step:
-            raise ValueError(f"Mamba2LM.verify: `token_ids` expected shape (B, T) with T = K+1 = {cache.tokens_per_step}, "
+        if path not in ("replay", "legacy", "plain"):
+            raise ValueError(f'Mamba2LM.verify: `path` expected "replay", "legacy" or "plain", got {path!r}')
+        ntok_expected = 1 if path == "plain" else cache.tokens_per_step
+        if token_ids.dim() != 2 or token_ids.shape[1] != ntok_expected:
+            what = "T = 1 on the plain path" if path == "plain" else f"T = K+1 = {cache.tokens_per_step}"
+            raise ValueError(f"Mamba2LM.verify: `token_ids` expected shape (B, T) with {what}, "
                              f"got {tuple(token_ids.shape)}")
         nreq, ntok = token_ids.shape
         if tuple(slots.shape) != (nreq,):
             raise ValueError(f"Mamba2LM.verify: `slots` expected shape (B,)=({nreq},), got {tuple(slots.shape)}")
         conv_accepted = cache.conv_accepted[slots.long()]
+        inter = cache.legacy_intermediate(nreq) if path == "legacy" else [None] * self.cfg.n_layer
+        no_dst = cache.legacy_no_dst(nreq) if path == "legacy" else None
 
         def mix(i, mixer, h):
-            out = mixer.verify(h.view(nreq, ntok, -1), cache.conv[i], cache.replay[i], slots, conv_accepted)
+            out = mixer.verify(h.view(nreq, ntok, -1), cache.conv[i], cache.replay[i], slots, conv_accepted,
+                               path=path, intermediate_states=inter[i], no_dst=no_dst)
             return out.view(nreq * ntok, -1)
 
         return self._run(token_ids.reshape(-1), mix).view(nreq, ntok, -1)
 
-    def commit(self, cache: StateCache, slots: torch.Tensor, accepted: torch.Tensor) -> None:
-        """After ``verify``: request b keeps its first ``accepted[b]`` inputs (1..T: the last emitted
-        token plus the accepted drafts); see ``StateCache.commit``."""
-        cache.commit(slots, accepted)
+    def commit(self, cache: StateCache, slots: torch.Tensor, accepted: torch.Tensor, *, path: str = "replay") -> None:
+        """After ``verify`` on ``path``: request b keeps its first ``accepted[b]`` inputs (1..T: the
+        last emitted token plus the accepted drafts; 1 on the plain path). "replay":
+        ``StateCache.commit``; "legacy": ``StateCache.commit_legacy`` (copies the accepted
+        position's state into the slot); "plain": ``StateCache.commit_plain``."""
+        if path == "replay":
+            cache.commit(slots, accepted)
+        elif path == "legacy":
+            cache.commit_legacy(slots, accepted)
+        elif path == "plain":
+            cache.commit_plain(slots)
+        else:
+            raise ValueError(f'Mamba2LM.commit: `path` expected "replay", "legacy" or "plain", got {path!r}')
