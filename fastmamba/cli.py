@@ -3,13 +3,15 @@
     fastmamba bench kernels|prefill|tune|e2e ...     (python -m fastmamba.bench --help)
     fastmamba generate --model DIR|PRESET (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
                        [--temperature T] [--top-k K] [--top-p P] [--seed S] [--batch B]
-                       [--speculate K [--drafter ngram|oracle]]
+                       [--speculate K [--drafter ngram|oracle|model [--draft-model DIR|PRESET]]]
 
 ``--speculate K`` verifies K drafted tokens per step (greedy acceptance at temperature 0, speculative
 rejection sampling above). ``--drafter ngram`` (default) looks the drafts up in the prompt and the
 generated text; ``--drafter oracle`` first runs plain generation with the same sampling options
 (untimed) and then replays its tokens as drafts: with greedy decoding every draft is accepted, the
-upper bound of speculation for this model and prompt, for benchmarking.
+upper bound of speculation for this model and prompt, for benchmarking; ``--drafter model`` drafts
+greedily with a smaller Mamba-2 model of the same vocabulary (``--draft-model``, loaded with the
+target's dtype and device; ``ModelDrafter``).
 
 ``generate`` streams tokens as they come (text when the checkpoint has a tokenizer.json).
 """
@@ -45,9 +47,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     gen.add_argument("--device", default=None, help="default: cuda when present")
     gen.add_argument("--speculate", type=int, default=0, metavar="K",
                      help="speculative decoding with K drafts per step (0 = off)")
-    gen.add_argument("--drafter", choices=("ngram", "oracle"), default="ngram",
+    gen.add_argument("--drafter", choices=("ngram", "oracle", "model"), default="ngram",
                      help="draft source with --speculate: ngram = prompt lookup (default); oracle = replay "
-                          "a plain greedy run made first, untimed (every draft accepted: for benchmarks)")
+                          "a plain greedy run made first, untimed (every draft accepted: for benchmarks); "
+                          "model = greedy drafts of --draft-model")
+    gen.add_argument("--draft-model", metavar="DIR|PRESET", default=None,
+                     help="with --drafter model: the draft model (same vocabulary as --model), e.g. mamba2-130m")
     gen.set_defaults(_handler=_generate)
     return parser, {"bench": bench, "generate": gen}
 
@@ -78,15 +83,27 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.speculate < 0:
         print(f"error: --speculate expects K >= 0, got {args.speculate}", file=sys.stderr)
         return 2
+    if (args.draft_model is not None) != (args.speculate > 0 and args.drafter == "model"):
+        print("error: --draft-model goes with --speculate K --drafter model (and that drafter needs it)",
+              file=sys.stderr)
+        return 2
     if args.speculate:
-        from fastmamba.generation.drafters import NgramDrafter, OracleDrafter
+        from fastmamba.generation.drafters import ModelDrafter, NgramDrafter, OracleDrafter
 
+        batch = max(1, args.batch)
         if args.drafter == "oracle":
             reference = Engine(model, max_batch=1).generate([ids], params)[0]
             drafter = OracleDrafter.from_runs([ids], [reference])
+        elif args.drafter == "model":
+            draft = fastmamba.load_model(args.draft_model, dtype=model.dtype, device=model.lm_head.weight.device)
+            try:
+                drafter = ModelDrafter(draft, batch, target_vocab_size=model.cfg.vocab_size)
+            except ValueError as exc:
+                print(f"error: --draft-model {args.draft_model}: {exc}", file=sys.stderr)
+                return 2
         else:
             drafter = NgramDrafter()
-        engine = Engine(model, max_batch=max(1, args.batch), speculate=args.speculate, drafter=drafter)
+        engine = Engine(model, max_batch=batch, speculate=args.speculate, drafter=drafter)
     else:
         engine = Engine(model, max_batch=max(1, args.batch))
     rids = [engine.add_request(ids, params) for _ in range(max(1, args.batch))]

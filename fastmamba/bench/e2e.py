@@ -2,6 +2,8 @@
 
     python -m fastmamba.bench e2e [--model mamba2-2.7b] [--batch 1,8,64,256] [--prompt-len 128]
                                   [--gen-len 256] [--pdl] [--peer] [--json PATH] [--plot PATH]
+                                  [--speculate K [--drafter oracle|ngram|model] [--draft-model M]
+                                   [--repetitive-prompt]]
 
 Per batch size B: B random prompts are prefilled into their cache slots (timed), then ``gen-len``
 greedy decode steps run as CUDA-graph replays (argmax on the GPU, no host sync inside the timed
@@ -10,6 +12,19 @@ bandwidth measured in the same run: every weight once (tied embeddings once) plu
 conv and SSM state rows of the B requests read and written once. With ``--peer``, Hugging Face
 transformers' Mamba2ForCausalLM runs the same weights (its plain PyTorch path) at batch 1.
 Without a GPU it says so and runs the tiny preset eagerly on the CPU.
+
+With ``--speculate K`` the plain run of each batch B is also the baseline of speculative decoding:
+its greedy tokens are kept (the oracle drafter replays them), then ``Engine(model, max_batch=B,
+speculate=K, drafter=...)`` generates as many tokens from the same prompts (its first step, the
+prefill, untimed; on a GPU after an untimed warm-up run that captures its graphs). A second table
+reports speculative decode tok/s, the speedup over plain decoding, the acceptance rate (accepted
+drafts over proposed ones), the mean tokens emitted per request per verify step, and whether the
+tokens equal the plain run's (greedy: they should; in bf16 the verify kernels' rounding can flip a
+near-tie of a random-weight model's flat logits, after which the tokens differ and the oracle's
+drafts are rejected: fp32 runs match exactly). Drafters:
+``oracle`` (every draft accepted: the upper bound), ``ngram`` (prompt lookup; prompts are a random
+block of 16 tokens repeated unless ``--no-repetitive-prompt``), ``model`` (``--draft-model``,
+default mamba2-130m on a GPU and the target itself on a CPU).
 """
 from __future__ import annotations
 
@@ -21,6 +36,9 @@ import time
 import torch
 
 from fastmamba.bench.kernels import _int_list
+
+DRAFTERS = ("oracle", "ngram", "model")
+REPEAT_BLOCK = 16  # repetitive prompts: a random block of this many tokens, repeated
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +52,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time batch 1 with each decode trick switched off, and with PDL on")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line per row")
     parser.add_argument("--plot", metavar="PATH", help="PNG of decode tok/s vs batch (needs matplotlib)")
+    parser.add_argument("--speculate", type=int, default=0, metavar="K",
+                        help="also run speculative decoding with K drafts per step against the plain run (0 = off)")
+    parser.add_argument("--drafter", choices=DRAFTERS, default="oracle",
+                        help="with --speculate: oracle = replay the plain run (default; every draft accepted), "
+                             "ngram = prompt lookup, model = greedy drafts of --draft-model")
+    parser.add_argument("--draft-model", metavar="DIR|PRESET", default=None,
+                        help="with --drafter model (default: mamba2-130m on a GPU, the target on a CPU)")
+    parser.add_argument("--repetitive-prompt", action=argparse.BooleanOptionalAction, default=None,
+                        help=f"prompts made of a random block of {REPEAT_BLOCK} tokens repeated "
+                             "(default: on with --drafter ngram, off otherwise)")
 
 
 def step_bytes(model, batch: int) -> int:
@@ -60,9 +88,27 @@ def _timed(fn, device) -> float:
     return time.perf_counter() - t0
 
 
-def run_batch(model, batch: int, prompt_len: int, gen_len: int, *, pdl: bool, device) -> dict:
+def make_prompts(vocab_size: int, batch: int, prompt_len: int, *, repetitive: bool = False) -> torch.Tensor:
+    """[batch, prompt_len] int64 random token ids on the CPU, seeded by the batch size; repetitive:
+    each row a random block of REPEAT_BLOCK tokens repeated (cut to prompt_len)."""
     g = torch.Generator(device="cpu").manual_seed(batch)
-    prompts = torch.randint(0, model.cfg.vocab_size, (batch, prompt_len), generator=g).to(device)
+    if not repetitive:
+        return torch.randint(0, vocab_size, (batch, prompt_len), generator=g)
+    block = torch.randint(0, vocab_size, (batch, REPEAT_BLOCK), generator=g)
+    return block.repeat(1, -(-prompt_len // REPEAT_BLOCK))[:, :prompt_len].contiguous()
+
+
+def run_batch(model, batch: int, prompt_len: int, gen_len: int, *, pdl: bool, device,
+              prompts: torch.Tensor | None = None, record: bool = False) -> dict:
+    """Prefill + gen_len timed greedy decode steps of ``batch`` requests (row keys as in the table).
+
+    prompts  [batch, prompt_len] int64 (default: ``make_prompts``)
+    record   also return "tokens": each request's greedy tokens, [batch][gen_len + 4] host ints (the
+             prefill's token, 3 warm-up steps', then the timed steps': one greedy continuation)
+    """
+    if prompts is None:
+        prompts = make_prompts(model.cfg.vocab_size, batch, prompt_len)
+    prompts = prompts.to(device)
     cache = model.new_cache(batch)
     slots = cache.alloc(batch)
     model.prefill(prompts[:, :8], cache, slots)  # compile and warm up, then start from zero states
@@ -72,6 +118,7 @@ def run_batch(model, batch: int, prompt_len: int, gen_len: int, *, pdl: bool, de
     last = {}
     t_prefill = _timed(lambda: last.setdefault("logits", model.prefill(prompts, cache, slots)), device)
     tokens = last["logits"].argmax(-1)  # the first token to decode
+    emitted = [tokens]
 
     if device.type == "cuda":
         from fastmamba.generation.cuda_graphs import GraphedDecoder
@@ -86,22 +133,104 @@ def run_batch(model, batch: int, prompt_len: int, gen_len: int, *, pdl: bool, de
 
     for _ in range(3):  # capture + warm up
         tokens = step(tokens)
+        emitted.append(tokens)
     state = {"t": tokens}
 
     def loop():
         t = state["t"]
         for _ in range(gen_len):
             t = step(t)
+            if record:
+                emitted.append(t)  # a device tensor: no sync in the loop
         state["t"] = t
 
     t_decode = _timed(loop, device)
-    return {
+    row = {
         "batch": batch,
         "prefill_s": t_prefill,
         "prefill_tok_s": batch * prompt_len / t_prefill,
         "ms_per_step": 1e3 * t_decode / gen_len,
         "decode_tok_s": batch * gen_len / t_decode,
         "step_bytes": step_bytes(model, batch),
+    }
+    if record:
+        row["tokens"] = torch.stack(emitted, dim=1).tolist()
+    return row
+
+
+class CountingDrafter:
+    """Wraps a drafter: counts propose calls (verify steps) and proposed draft tokens."""
+
+    def __init__(self, inner):
+        self.inner, self.calls, self.proposed = inner, 0, 0
+
+    def propose(self, requests, k):
+        drafts = self.inner.propose(requests, k)
+        self.calls += 1
+        self.proposed += sum(len(d) for d in drafts)
+        return drafts
+
+
+def make_bench_drafter(name: str, *, prompts: list[list[int]], plain_tokens: list[list[int]], draft_model,
+                       batch: int, vocab_size: int):
+    """The drafter for one speculative run (``oracle`` replays ``plain_tokens``)."""
+    from fastmamba.generation.drafters import ModelDrafter, NgramDrafter, OracleDrafter
+
+    if name == "oracle":
+        return OracleDrafter.from_runs(prompts, plain_tokens)
+    if name == "ngram":
+        return NgramDrafter()
+    if name == "model":
+        return ModelDrafter(draft_model, batch, target_vocab_size=vocab_size)
+    raise ValueError(f"e2e: unknown drafter {name!r}; expected one of {DRAFTERS}")
+
+
+def run_speculative(model, prompts: torch.Tensor, plain_tokens: list[list[int]], gen_len: int, k: int, drafter,
+                    *, device) -> dict:
+    """Speculative greedy decoding of the B prompts [B, L] until each has gen_len + 1 tokens (the
+    prefill's, then gen_len decoded, as the plain run's timed steps); the decode part is timed.
+
+    plain_tokens  the plain run's tokens per request (at least gen_len + 1 each), for the check
+    Returns the row: decode tok/s, ms per verify step, acceptance, tokens per verify step, match.
+    """
+    from fastmamba.generation.engine import Engine
+    from fastmamba.generation.sampling import SamplingParams
+
+    B = prompts.shape[0]
+    rows = prompts.tolist()
+    counter = CountingDrafter(drafter)
+    engine = Engine(model, max_batch=B, speculate=k, drafter=counter)
+    if device.type == "cuda":  # capture the verify graphs and compile, untimed
+        engine.generate(rows, SamplingParams(max_new_tokens=min(gen_len + 1, 2 * (k + 1) + 1)))
+    counter.calls = counter.proposed = 0
+    params = SamplingParams(max_new_tokens=gen_len + 1)
+    rids = [engine.add_request(p, params) for p in rows]
+    engine.step()  # the prefill: every request admitted at once (max_batch = B), untimed
+    if engine.waiting:
+        raise RuntimeError(f"e2e: the first engine step admitted {B - len(engine.waiting)} of {B} requests")
+
+    def loop():
+        while engine.has_unfinished():
+            engine.step()
+
+    t_decode = _timed(loop, device)
+    reqs = [engine.finished.pop(rid) for rid in rids]
+    request_steps = sum(len(r.accepted) for r in reqs)
+    accepted = sum(r.accepted_drafts for r in reqs)
+    decoded = sum(len(r.output) - 1 for r in reqs)
+    matches = [r.output == list(t[:gen_len + 1]) for r, t in zip(reqs, plain_tokens)]
+    return {
+        "batch": B,
+        "speculate": k,
+        "decode_tok_s": decoded / t_decode,
+        "verify_steps": counter.calls,
+        "ms_per_step": 1e3 * t_decode / max(1, counter.calls),
+        "drafts_proposed": counter.proposed,
+        "drafts_accepted": accepted,
+        "acceptance": accepted / counter.proposed if counter.proposed else 0.0,
+        "tokens_per_step": decoded / max(1, request_steps),
+        "tokens_match": all(matches),
+        "requests_matching": sum(matches),
     }
 
 
@@ -147,21 +276,57 @@ def run(args: argparse.Namespace, command: str) -> int:
     if not cuda:
         print("no GPU: running the tiny preset eagerly on the CPU (Triton interpreter if TRITON_INTERPRET=1); "
               "these timings say nothing about GPU speed", file=sys.stderr)
+    K = args.speculate
+    if K < 0:
+        print(f"error: --speculate expects K >= 0, got {K}", file=sys.stderr)
+        return 2
+    repetitive = args.repetitive_prompt if args.repetitive_prompt is not None else (K > 0 and args.drafter == "ngram")
     copy_gbs = measure_copy_bandwidth(device)
     model = fastmamba.load_model(name, device=device)
+    draft_model, draft_name = None, None
+    if K and args.drafter == "model":
+        from fastmamba.generation.drafters import check_draft_vocab
+
+        draft_name = args.draft_model or ("mamba2-130m" if cuda else name)
+        draft_model = fastmamba.load_model(draft_name, dtype=model.dtype, device=device)
+        try:
+            check_draft_vocab(draft_model.cfg.vocab_size, model.cfg.vocab_size)
+        except ValueError as exc:
+            print(f"error: --draft-model {draft_name}: {exc}", file=sys.stderr)
+            return 2
     header = (f"# e2e decode: {name} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params, "
               f"{model.dtype}), {device_name(device)}, copy {copy_gbs:.0f} GB/s, prompt {prompt_len}, "
               f"gen {gen_len}, CUDA graphs {'on' if cuda else 'off'}, PDL {'on' if args.pdl else 'off'}; "
               f"command: {command}")
+    if K:
+        header += (f"; speculate K={K}, drafter {args.drafter}"
+                   f"{f' ({draft_name})' if draft_name else ''}, {'repetitive' if repetitive else 'random'} prompts")
     print(header)
-    rows = []
+    rows, spec_rows = [], []
     for b in batches:
-        r = run_batch(model, b, prompt_len, gen_len, pdl=args.pdl, device=device)
+        prompts = make_prompts(model.cfg.vocab_size, b, prompt_len, repetitive=repetitive)
+        r = run_batch(model, b, prompt_len, gen_len, pdl=args.pdl, device=device, prompts=prompts, record=bool(K))
+        plain_tokens = r.pop("tokens", None)
         r["provider"] = "fastmamba"
         r["roofline_ms"] = 1e3 * r["step_bytes"] / (copy_gbs * 1e9)
         r["pct_roofline"] = 100 * r["roofline_ms"] / r["ms_per_step"]
         rows.append(r)
         print(f"[e2e] batch {b}: {r['ms_per_step']:.3f} ms/step", file=sys.stderr, flush=True)
+        if K:
+            if cuda:
+                torch.cuda.empty_cache()  # the plain run's cache and graphs
+            drafter = make_bench_drafter(args.drafter, prompts=prompts.tolist(), plain_tokens=plain_tokens,
+                                         draft_model=draft_model, batch=b, vocab_size=model.cfg.vocab_size)
+            sr = run_speculative(model, prompts, plain_tokens, gen_len, K, drafter, device=device)
+            sr.update(provider=f"fastmamba speculative K={K} ({args.drafter})", drafter=args.drafter,
+                      draft_model=draft_name, repetitive_prompt=repetitive, prompt_len=prompt_len, gen_len=gen_len,
+                      plain_decode_tok_s=r["decode_tok_s"], speedup=sr["decode_tok_s"] / r["decode_tok_s"])
+            spec_rows.append(sr)
+            del drafter
+            if cuda:
+                torch.cuda.empty_cache()
+            print(f"[e2e] batch {b} speculative: {sr['decode_tok_s']:.0f} tok/s, acceptance "
+                  f"{sr['acceptance']:.0%}", file=sys.stderr, flush=True)
     if args.ablate:
         variants = [("all tricks on", {}, False), ("A recomputed every step", {"cache_A": False}, False),
                     ("silu(z) gate in the norm", {"gate_in_scan": False}, False),
@@ -189,9 +354,16 @@ def run(args: argparse.Namespace, command: str) -> int:
         pre = f"{r['prefill_tok_s']:14.0f}" if "prefill_tok_s" in r else f"{'—':>14}"
         print(f"{r['provider']:42} {r['batch']:5d} {pre} {r['ms_per_step']:9.3f} {r['decode_tok_s']:13.0f} "
               f"{r['roofline_ms']:12.3f} {r['pct_roofline']:9.0f}%")
+    if spec_rows:
+        print(f"{'speculative decoding':42} {'batch':>5} {'K':>3} {'plain tok/s':>12} {'spec tok/s':>11} "
+              f"{'speedup':>8} {'accepted':>9} {'tok/step':>9} {'ms/step':>9} {'match':>6}")
+        for r in spec_rows:
+            print(f"{r['provider']:42} {r['batch']:5d} {r['speculate']:3d} {r['plain_decode_tok_s']:12.0f} "
+                  f"{r['decode_tok_s']:11.0f} {r['speedup']:7.2f}x {r['acceptance']:8.0%} "
+                  f"{r['tokens_per_step']:9.2f} {r['ms_per_step']:9.3f} {'yes' if r['tokens_match'] else 'NO':>6}")
     if args.json:
         with open(args.json, "a") as f:
-            for r in rows:
+            for r in rows + spec_rows:
                 f.write(json.dumps(dict(r, model=name, device=device_name(device), copy_gbs=copy_gbs,
                                         command=command)) + "\n")
     if args.plot:
