@@ -86,7 +86,7 @@ class Engine:
     verify_path   "auto" (default): replay or legacy per step from ``verify_table``; "replay" or
                   "legacy": always that path (steps with no drafts at all are plain steps either way)
     verify_table  T -> crossover batch (replay from that batch up), as ``fastmamba bench spec``
-                  reports it; None: ``spec_policy.DEFAULT_TABLE`` (placeholder while it is empty)
+                  reports it; None: ``spec_policy.DEFAULT_TABLE`` (measured on an H100: replay at every batch)
     legacy_max_batch  the largest batch the legacy path may take (its per-position states cost
                   n_layer x batch x T states of memory); None: the largest batch that ``verify_path``
                   and the table send to legacy (max_batch when forced). "auto" uses replay above it.

@@ -13,11 +13,14 @@ from typing import Literal
 VerifyPath = Literal["replay", "legacy", "plain"]
 
 # tokens per step T -> smallest batch at which replay beats legacy (with its copy); None: it never
-# did in the measured range. To be filled from `fastmamba bench spec` (its "spec_choice" JSON
-# record, for the model's shape and state dtype); empty until then, so the placeholder below applies.
-DEFAULT_TABLE: dict[int, int | None] = {}
+# did in the measured range. From `fastmamba bench spec --shapes nemotron-h` (its "spec_crossover"
+# JSON record), NVIDIA H100 80GB HBM3, Triton 3.6.0, 2026-11-22, commit 49359f8: replay (op +
+# commit) beat legacy (states + copy of the accepted one) at every batch 1..256 and every T in
+# 2..16, fp32 and fp16 state (batch 1: 12.9 vs 20.6 us at T=2, 13.5 vs 28.8 at T=6; the copy alone
+# costs legacy more than the replay's history). Pass the engine a table measured for your shape.
+DEFAULT_TABLE: dict[int, int | None] = {2: 1, 4: 1, 6: 1, 8: 1, 16: 1}
 
-# Placeholder crossover while DEFAULT_TABLE is empty (see choose_verify_path).
+# Crossover for an empty table (see choose_verify_path).
 PLACEHOLDER_CROSSOVER_BATCH = 8
 
 
@@ -31,14 +34,13 @@ def choose_verify_path(batch: int, tokens: int, table: Mapping[int | str, int | 
             a T that is not in the table uses the nearest T that is (the larger on a tie).
             None: ``DEFAULT_TABLE``.
 
-    With no table entries, "replay" for batch >= 8 and "legacy" below. These are placeholders from
-    the H100 first cut (scripts/dev_replay_timing.py, T=6, legacy timed without its copy): replay
-    was 1.03-1.39x faster than legacy at batch 1 and 1.8-3.0x at batch 8. The batch-1 margin is
-    thin (and vLLM measured replay slower than the plain kernel at batch 1), so the placeholder
-    keeps legacy there until a measured table replaces it.
+    An empty table ({}) means "replay" for batch >= 8 and "legacy" below (a conservative guess
+    for a GPU that was not measured).
 
     >>> choose_verify_path(1, 6), choose_verify_path(8, 6), choose_verify_path(64, 1)
-    ('legacy', 'replay', 'plain')
+    ('replay', 'replay', 'plain')
+    >>> choose_verify_path(1, 6, {}), choose_verify_path(8, 6, {})
+    ('legacy', 'replay')
     >>> choose_verify_path(4, 6, {2: 16, 6: 4, 16: None}), choose_verify_path(4, 5, {2: 16, 6: 4, 16: None})
     ('replay', 'replay')
     """

@@ -389,3 +389,17 @@ def test_host_syncing_reference_is_timed_eagerly(monkeypatch):
     t = time_calls(make_call, 2, device=torch.device("cuda"), config=TimingConfig.quick(), preflight_sync=True)
     assert t.mode == "eager" and "syncs with the host" in t.note
     assert fake.sync_mode == 0  # restored
+
+
+def test_compare_checks_large_tensors_in_slices(monkeypatch):
+    """_compare splits tensors above its chunk size along dim 0 (torch.testing refuses 2^31+
+    elements) and still reports a mismatch, naming the slice."""
+    from fastmamba.bench.ops import _base
+
+    monkeypatch.setattr(_base, "_COMPARE_CHUNK", 8)
+    want = torch.randn(6, 4)
+    got = want.clone()
+    assert _base._compare("inter", got, want, dict(atol=1e-6, rtol=1e-6)) == ""
+    got[5, 1] += 1.0
+    problem = _base._compare("inter", got, want, dict(atol=1e-6, rtol=1e-6))
+    assert problem.startswith("inter[4:6]") and "Mismatched" in problem

@@ -157,8 +157,11 @@ def test_input_set_is_a_cache_mid_flight():
 
 # --- the batch-adaptive choice -------------------------------------------------------------------------
 def test_choose_verify_path():
-    assert spec_policy.DEFAULT_TABLE == {}  # placeholder until measured
-    assert [choose_verify_path(b, 6) for b in (1, 7, 8, 256)] == ["legacy", "legacy", "replay", "replay"]
+    # measured (H100): replay with its commit beat legacy with its copy at every batch and T
+    assert spec_policy.DEFAULT_TABLE == {2: 1, 4: 1, 6: 1, 8: 1, 16: 1}
+    assert [choose_verify_path(b, t) for b in (1, 256) for t in (2, 6, 16)] == ["replay"] * 6
+    # an empty table: legacy below the placeholder crossover batch
+    assert [choose_verify_path(b, 6, {}) for b in (1, 7, 8, 256)] == ["legacy", "legacy", "replay", "replay"]
     assert choose_verify_path(1, 1) == choose_verify_path(256, 1) == "plain"  # nothing drafted
     table = {2: 32, 6: 8, 16: None}
     assert choose_verify_path(8, 6, table) == "replay" and choose_verify_path(4, 6, table) == "legacy"
@@ -226,8 +229,9 @@ def test_acceptance_lines_on_an_h200():
     assert fp16["legacy_over_replay"] == 2.0 and fp16["legacy_over_replay_ok"] is False
     assert fp32["t16_over_t2"] == 2.0 and fp32["t16_over_t2_ok"] is False
     assert fp16["t16_over_t2"] == 1.2 and fp16["t16_over_t2_ok"] is True
-    # the shipped policy keeps legacy at batch 1, so it is never slower than legacy there
-    assert fp16["batch1_ok"] is True and all(v["path"] == LEGACY for v in fp16["batch1"].values())
+    # the shipped policy takes replay at batch 1: the check catches a GPU where that is slower
+    assert fp32["batch1_ok"] is True and all(v["path"] == REPLAY for v in fp32["batch1"].values())
+    assert fp16["batch1_ok"] is False and all(v["path"] == REPLAY for v in fp16["batch1"].values())
     assert fp32["flashinfer_us"] == 246.0 and fp32["flashinfer_comparable"] is True
     assert fp32["flashinfer_over_replay"] == pytest.approx(246.0 / 200.0)
     assert fp16["flashinfer_us"] == 165.0 and fp16["flashinfer_over_replay"] == pytest.approx(165.0 / 200.0)
@@ -238,8 +242,9 @@ def test_acceptance_lines_on_an_h200():
     assert "246 µs (PEERS.md, measured on an NVIDIA H200); ours 200.0 µs on NVIDIA H200 -> 1.23x flashinfer" in text
     assert "165 µs" in text and "0.82x flashinfer (same GPU): FAIL" in text
     assert ("nemotron-h fp32: B=1, adaptive choice (spec_policy.DEFAULT_TABLE) never slower than legacy: "
-            "T=2 legacy 10.0 (vs replay 8.00); T=6 legacy 10.0 (vs replay 8.00); T=16 legacy 10.0 (vs replay 8.00): "
+            "T=2 replay 8.00 (vs legacy 10.0); T=6 replay 8.00 (vs legacy 10.0); T=16 replay 8.00 (vs legacy 10.0): "
             "PASS") in text
+    assert "T=2 replay 12.0 (vs legacy 10.0) SLOWER" in text
 
 
 def test_acceptance_lines_elsewhere(monkeypatch):
