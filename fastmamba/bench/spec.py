@@ -26,7 +26,7 @@ sets, CUDA-graph replays, one check per provider. After the table:
 - issue 5's acceptance lines, per (shape, state dtype) (JSON ``"record": "spec_acceptance"``):
   legacy / replay at batch 128, T=6 (target >= 3x); replay at T=16 / T=2, batch 128 (target
   <= 1.5x; flashinfer's checkpointing_ssu: 2.0x); at batch 1, whether the adaptive choice as
-  shipped (``spec_policy.DEFAULT_TABLE``) is never slower than legacy; and, for Nemotron-H, our
+  shipped (``spec_policy.default_table`` for the shape) is never slower than legacy; and, for Nemotron-H, our
   batch-128 T=6 time beside flashinfer's (PEERS.md, measured on an H200: compared only when this
   run's GPU is an H200 too).
 Without a GPU: a tiny shape through the Triton interpreter (plumbing, not speed).
@@ -34,12 +34,13 @@ Without a GPU: a tiny shape through the Triton interpreter (plumbing, not speed)
 from __future__ import annotations
 
 import argparse
+import re
 
 from fastmamba.bench import report
 from fastmamba.bench.kernels import Suite, Summary, _int_list, add_device_arguments, run_suite
 from fastmamba.bench.ops import spec_verify
 from fastmamba.bench.ops.spec_verify import LEGACY, LEGACY_NO_COPY, PLAIN, REPLAY
-from fastmamba.generation.spec_policy import choose_verify_path, expected_tokens_per_step
+from fastmamba.generation.spec_policy import choose_verify_path, default_table, expected_tokens_per_step
 
 OPS = {"spec": "fastmamba.bench.ops.spec_verify"}
 ACCEPT_RATE = 0.6
@@ -217,8 +218,11 @@ def acceptance(times: dict, modes: set[str], device: str | None = None) -> tuple
     device = _device_label(modes, device)
     same_gpu = FLASHINFER_GPU.lower() in device.lower()
     by_shape: dict[tuple[str, str], dict[int, dict[int, dict[str, float]]]] = {}
-    for (shape, _dims, dtype, T), by_batch in times.items():
+    heads: dict[str, int] = {}
+    for (shape, dims, dtype, T), by_batch in times.items():
         by_shape.setdefault((shape, dtype.split("/")[0]), {})[T] = by_batch
+        found = re.search(r"\bH(\d+)\b", dims)
+        heads[shape] = int(found.group(1)) if found else 0
 
     def us(at: dict, T: int, batch: int, provider: str) -> float | None:
         return at.get(T, {}).get(batch, {}).get(provider)
@@ -250,10 +254,12 @@ def acceptance(times: dict, modes: set[str], device: str | None = None) -> tuple
                      + f" (target <= {TARGET_FLAT:g}x; flashinfer {FLASHINFER_FLAT:.1f}x on an {FLASHINFER_GPU}): "
                      + _verdict(ok))
 
-        # 3. batch 1: the shipped adaptive choice is never slower than legacy
+        # 3. batch 1: the shipped adaptive choice (the measured table for this shape) is never
+        # slower than legacy
         per_t, parts = {}, []
+        table = default_table(heads[shape], state)
         for T in sorted(at):
-            path = choose_verify_path(1, T)
+            path = choose_verify_path(1, T, table)
             mine, legacy = us(at, T, 1, path), us(at, T, 1, LEGACY)
             fine = None if mine is None or legacy is None else mine <= legacy
             per_t[T] = dict(path=path, path_us=mine, legacy_us=legacy, ok=fine)
@@ -263,7 +269,7 @@ def acceptance(times: dict, modes: set[str], device: str | None = None) -> tuple
         known = [v["ok"] for v in per_t.values() if v["ok"] is not None]
         ok = None if not known else all(known)
         rec.update(batch1=per_t, batch1_ok=ok)
-        lines.append(f"{name} B=1, adaptive choice (spec_policy.DEFAULT_TABLE) never slower than legacy: "
+        lines.append(f"{name} B=1, adaptive choice (spec_policy.default_table) never slower than legacy: "
                      + "; ".join(parts) + f": {_verdict(ok)}")
 
         # 4. flashinfer's checkpointing_ssu (Nemotron-H, batch 128, T=6), measured on an H200

@@ -43,7 +43,7 @@ import torch
 
 from fastmamba.generation.drafters import Drafter, NgramDrafter
 from fastmamba.generation.sampling import Sampler, SamplingParams, stop_reached
-from fastmamba.generation.spec_policy import choose_verify_path
+from fastmamba.generation.spec_policy import choose_verify_path, default_table
 from fastmamba.models.mamba2_lm import Mamba2LM
 
 VERIFY_PATHS = ("auto", "replay", "legacy")
@@ -86,7 +86,7 @@ class Engine:
     verify_path   "auto" (default): replay or legacy per step from ``verify_table``; "replay" or
                   "legacy": always that path (steps with no drafts at all are plain steps either way)
     verify_table  T -> crossover batch (replay from that batch up), as ``fastmamba bench spec``
-                  reports it; None: ``spec_policy.DEFAULT_TABLE`` (measured on an H100: replay at every batch)
+                  reports it; None: ``spec_policy.default_table`` for the model's heads and state dtype
     legacy_max_batch  the largest batch the legacy path may take (its per-position states cost
                   n_layer x batch x T states of memory); None: the largest batch that ``verify_path``
                   and the table send to legacy (max_batch when forced). "auto" uses replay above it.
@@ -113,6 +113,9 @@ class Engine:
                              f"path, but legacy_max_batch={legacy_max_batch}; use verify_path='auto' to fall back "
                              "to replay above it")
         self.drafter = (drafter or NgramDrafter()) if self.speculate else None
+        if verify_table is None:  # the measured table nearest to the model's shape and state dtype
+            state = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(ssm_dtype, "fp32")
+            verify_table = default_table(model.cfg.nheads, state)
         self.verify_path, self.verify_table = verify_path, verify_table
         self.model = model
         self.device = model.lm_head.weight.device

@@ -7,18 +7,40 @@ smallest batch at which replay beat legacy. That table is what ``choose_verify_p
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Literal
 
 VerifyPath = Literal["replay", "legacy", "plain"]
 
 # tokens per step T -> smallest batch at which replay beats legacy (with its copy); None: it never
-# did in the measured range. From `fastmamba bench spec --shapes nemotron-h` (its "spec_crossover"
-# JSON record), NVIDIA H100 80GB HBM3, Triton 3.6.0, 2026-11-22, commit 49359f8: replay (op +
-# commit) beat legacy (states + copy of the accepted one) at every batch 1..256 and every T in
-# 2..16, fp32 and fp16 state (batch 1: 12.9 vs 20.6 us at T=2, 13.5 vs 28.8 at T=6; the copy alone
-# costs legacy more than the replay's history). Pass the engine a table measured for your shape.
-DEFAULT_TABLE: dict[int, int | None] = {2: 1, 4: 1, 6: 1, 8: 1, 16: 1}
+# did in the measured range. From `fastmamba bench spec` ("spec_crossover" JSON records), NVIDIA
+# H100 80GB HBM3, Triton 3.6.0, 2026-11-22, commits 49359f8 (nemotron-h) and 90652e8
+# (nemotron-h-tp8), bf16 activations: replay = op + commit, legacy = per-position states + the
+# copy of the accepted one. Keyed by (heads, state dtype); bf16 state uses the fp16 entries.
+MEASURED_TABLES: dict[tuple[int, str], dict[int, int | None]] = {
+    # Nemotron-H, H128 P64 N128 G8: replay wins at every batch 1..256 and T 2..16
+    # (batch 1: 12.9 vs 20.6 us at T=2, 13.5 vs 28.8 at T=6, fp32 state)
+    (128, "fp32"): {2: 1, 4: 1, 6: 1, 8: 1, 16: 1},
+    (128, "fp16"): {2: 1, 4: 1, 6: 1, 8: 1, 16: 1},
+    # its TP=8 slice, H16 P64 N128 G1: legacy keeps batch 1 at T=2 with an fp32 state (11.1 vs 11.3 us)
+    (16, "fp32"): {2: 8, 4: 1, 6: 1, 8: 1, 16: 1},
+    (16, "fp16"): {2: 1, 4: 1, 6: 1, 8: 1, 16: 1},
+}
+DEFAULT_TABLE: dict[int, int | None] = MEASURED_TABLES[(128, "fp32")]
+
+
+def default_table(nheads: int, state_dtype: str = "fp32") -> dict[int, int | None]:
+    """The measured table for the nearest number of heads (ratio) with the state dtype ("fp32",
+    "fp16" or "bf16"; bf16 uses fp16's, both move half of fp32's bytes).
+
+    >>> default_table(16, "fp32")[2], default_table(80, "fp32")[2], default_table(12, "bf16")[2]
+    (8, 1, 1)
+    """
+    state = "fp32" if state_dtype == "fp32" else "fp16"
+    heads = min((h for h, d in MEASURED_TABLES if d == state), key=lambda h: abs(math.log(h / max(nheads, 1))))
+    return MEASURED_TABLES[(heads, state)]
+
 
 # Crossover for an empty table (see choose_verify_path).
 PLACEHOLDER_CROSSOVER_BATCH = 8
