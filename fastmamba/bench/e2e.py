@@ -41,6 +41,9 @@ DRAFTERS = ("oracle", "ngram", "model")
 REPEAT_BLOCK = 16  # repetitive prompts: a random block of this many tokens, repeated
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="preset or checkpoint dir (default: mamba2-2.7b on a GPU, mamba2-tiny on a CPU)")
     parser.add_argument("--batch", type=_int_list, default=None, help="default 1,8,64,256 on a GPU, 1,2 on a CPU")
@@ -52,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time batch 1 with each decode trick switched off, and with PDL on")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line per row")
     parser.add_argument("--plot", metavar="PATH", help="PNG of decode tok/s vs batch (needs matplotlib)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="model weights and activations (default: the loader's, bf16 on a GPU)")
+    parser.add_argument("--verify-path", choices=("auto", "replay", "legacy"), default="auto",
+                        help="with --speculate: the engine's verify path (auto: per step from the measured "
+                        "crossover table, fastmamba.generation.spec_policy)")
     parser.add_argument("--speculate", type=int, default=0, metavar="K",
                         help="also run speculative decoding with K drafts per step against the plain run (0 = off)")
     parser.add_argument("--drafter", choices=DRAFTERS, default="oracle",
@@ -186,7 +194,7 @@ def make_bench_drafter(name: str, *, prompts: list[list[int]], plain_tokens: lis
 
 
 def run_speculative(model, prompts: torch.Tensor, plain_tokens: list[list[int]], gen_len: int, k: int, drafter,
-                    *, device) -> dict:
+                    *, device, verify_path: str = "auto") -> dict:
     """Speculative greedy decoding of the B prompts [B, L] until each has gen_len + 1 tokens (the
     prefill's, then gen_len decoded, as the plain run's timed steps); the decode part is timed.
 
@@ -199,10 +207,11 @@ def run_speculative(model, prompts: torch.Tensor, plain_tokens: list[list[int]],
     B = prompts.shape[0]
     rows = prompts.tolist()
     counter = CountingDrafter(drafter)
-    engine = Engine(model, max_batch=B, speculate=k, drafter=counter)
+    engine = Engine(model, max_batch=B, speculate=k, drafter=counter, verify_path=verify_path)
     if device.type == "cuda":  # capture the verify graphs and compile, untimed
         engine.generate(rows, SamplingParams(max_new_tokens=min(gen_len + 1, 2 * (k + 1) + 1)))
     counter.calls = counter.proposed = 0
+    engine.stats["steps"] = dict.fromkeys(engine.stats["steps"], 0)  # count the timed run only
     params = SamplingParams(max_new_tokens=gen_len + 1)
     rids = [engine.add_request(p, params) for p in rows]
     engine.step()  # the prefill: every request admitted at once (max_batch = B), untimed
@@ -231,6 +240,8 @@ def run_speculative(model, prompts: torch.Tensor, plain_tokens: list[list[int]],
         "tokens_per_step": decoded / max(1, request_steps),
         "tokens_match": all(matches),
         "requests_matching": sum(matches),
+        "verify_path": verify_path,
+        "steps_by_path": dict(engine.stats["steps"]),  # the engine's per-step choice (replay / legacy / plain)
     }
 
 
@@ -282,7 +293,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         return 2
     repetitive = args.repetitive_prompt if args.repetitive_prompt is not None else (K > 0 and args.drafter == "ngram")
     copy_gbs = measure_copy_bandwidth(device)
-    model = fastmamba.load_model(name, device=device)
+    model = fastmamba.load_model(name, device=device, dtype=DTYPES[args.dtype] if args.dtype else None)
     draft_model, draft_name = None, None
     if K and args.drafter == "model":
         from fastmamba.generation.drafters import check_draft_vocab
@@ -317,7 +328,8 @@ def run(args: argparse.Namespace, command: str) -> int:
                 torch.cuda.empty_cache()  # the plain run's cache and graphs
             drafter = make_bench_drafter(args.drafter, prompts=prompts.tolist(), plain_tokens=plain_tokens,
                                          draft_model=draft_model, batch=b, vocab_size=model.cfg.vocab_size)
-            sr = run_speculative(model, prompts, plain_tokens, gen_len, K, drafter, device=device)
+            sr = run_speculative(model, prompts, plain_tokens, gen_len, K, drafter, device=device,
+                                 verify_path=args.verify_path)
             sr.update(provider=f"fastmamba speculative K={K} ({args.drafter})", drafter=args.drafter,
                       draft_model=draft_name, repetitive_prompt=repetitive, prompt_len=prompt_len, gen_len=gen_len,
                       plain_decode_tok_s=r["decode_tok_s"], speedup=sr["decode_tok_s"] / r["decode_tok_s"])
@@ -356,11 +368,13 @@ def run(args: argparse.Namespace, command: str) -> int:
               f"{r['roofline_ms']:12.3f} {r['pct_roofline']:9.0f}%")
     if spec_rows:
         print(f"{'speculative decoding':42} {'batch':>5} {'K':>3} {'plain tok/s':>12} {'spec tok/s':>11} "
-              f"{'speedup':>8} {'accepted':>9} {'tok/step':>9} {'ms/step':>9} {'match':>6}")
+              f"{'speedup':>8} {'accepted':>9} {'tok/step':>9} {'ms/step':>9} {'match':>6}  steps by path")
         for r in spec_rows:
+            paths = " ".join(f"{p}:{n}" for p, n in r.get("steps_by_path", {}).items() if n)
             print(f"{r['provider']:42} {r['batch']:5d} {r['speculate']:3d} {r['plain_decode_tok_s']:12.0f} "
                   f"{r['decode_tok_s']:11.0f} {r['speedup']:7.2f}x {r['acceptance']:8.0%} "
-                  f"{r['tokens_per_step']:9.2f} {r['ms_per_step']:9.3f} {'yes' if r['tokens_match'] else 'NO':>6}")
+                  f"{r['tokens_per_step']:9.2f} {r['ms_per_step']:9.3f} {'yes' if r['tokens_match'] else 'NO':>6}  "
+                  f"{paths} ({r.get('verify_path', 'auto')})")
     if args.json:
         with open(args.json, "a") as f:
             for r in rows + spec_rows:

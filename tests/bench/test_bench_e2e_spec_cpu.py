@@ -28,7 +28,7 @@ def test_e2e_speculate_oracle_cpu(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "speculate K=2, drafter oracle, random prompts" in out
     spec_line = next(line for line in out.splitlines() if line.startswith("fastmamba speculative K=2 (oracle)"))
-    assert spec_line.split()[-1] == "yes" and "100%" in spec_line
+    assert spec_line.split()[-3:] == ["yes", "replay:2", "(auto)"] and "100%" in spec_line  # the path per step
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["provider"] for r in rows] == ["fastmamba", "fastmamba speculative K=2 (oracle)"]
     plain, spec = rows
@@ -38,6 +38,7 @@ def test_e2e_speculate_oracle_cpu(tmp_path, capsys):
     assert spec["verify_steps"] == 2 and spec["drafts_proposed"] == 4 and spec["drafts_accepted"] == 4
     assert spec["acceptance"] == 1.0 and spec["tokens_per_step"] == 3.0
     assert spec["tokens_match"] is True and spec["requests_matching"] == 1
+    assert spec["verify_path"] == "auto" and spec["steps_by_path"] == {"replay": 2, "legacy": 0, "plain": 0}
     assert spec["plain_decode_tok_s"] == plain["decode_tok_s"] > 0
     assert spec["speedup"] == pytest.approx(spec["decode_tok_s"] / plain["decode_tok_s"])
 
