@@ -29,3 +29,19 @@ def seeded(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     g = torch.Generator(device="cpu")
     g.manual_seed(seed)
     return g
+
+
+def scaled_tiny_model(device: torch.device | str | None = None):
+    """mamba2-tiny in fp32 (exact greedy comparisons) with its mixers scaled up: the random preset's
+    mixers barely move the logits (greedy then mostly repeats the input token), which would hide a
+    wrong state. Default device: CUDA when available."""
+    import fastmamba
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    m = fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device=device)
+    with torch.no_grad():
+        for layer in m.backbone.layers:
+            layer.mixer.in_proj.weight.mul_(10)
+            layer.mixer.conv1d.weight.mul_(10)
+            layer.mixer.out_proj.weight.mul_(30)
+    return m

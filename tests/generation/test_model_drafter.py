@@ -10,11 +10,11 @@ import dataclasses
 import pytest
 import torch
 
-import fastmamba
 from fastmamba.generation.drafters import ModelDrafter, make_drafter
 from fastmamba.generation.engine import Engine
 from fastmamba.generation.sampling import SamplingParams
 from fastmamba.models import Mamba2LM, random_init
+from tests.helpers import scaled_tiny_model
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPT_LENS = (3, 9, 5)
@@ -23,15 +23,8 @@ REF_TOKENS = 6  # plain greedy tokens per prompt; greedy is prefix-consistent, t
 
 @pytest.fixture(scope="module")
 def target():
-    """mamba2-tiny in fp32 (exact greedy comparisons) with its mixers scaled up: the random
-    preset's mixers barely move the logits, which would hide a wrong state."""
-    m = fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device=DEV)
-    with torch.no_grad():
-        for layer in m.backbone.layers:
-            layer.mixer.in_proj.weight.mul_(10)
-            layer.mixer.conv1d.weight.mul_(10)
-            layer.mixer.out_proj.weight.mul_(30)
-    return m
+    """mamba2-tiny in fp32 with its mixers scaled up (tests.helpers.scaled_tiny_model)."""
+    return scaled_tiny_model(DEV)
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fastmamba
 from fastmamba.generation.drafters import NgramDrafter, OracleDrafter
 from fastmamba.generation.engine import Engine
 from fastmamba.generation.sampling import Sampler, SamplingParams, speculative_accept
+from tests.helpers import scaled_tiny_model
 
 FP32 = dict(atol=1e-4, rtol=1e-4)
 PROMPT_LENS = (3, 9, 5)
@@ -18,15 +18,8 @@ REF_TOKENS = 10  # plain greedy tokens per prompt; greedy is prefix-consistent, 
 
 @pytest.fixture(scope="module")
 def model():
-    """mamba2-tiny with its mixers scaled up: the random preset's mixers barely move the logits
-    (greedy then mostly repeats the input token), which would hide a wrong state."""
-    m = fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cuda" if torch.cuda.is_available() else "cpu")
-    with torch.no_grad():
-        for layer in m.backbone.layers:
-            layer.mixer.in_proj.weight.mul_(10)
-            layer.mixer.conv1d.weight.mul_(10)
-            layer.mixer.out_proj.weight.mul_(30)
-    return m
+    """mamba2-tiny in fp32 with its mixers scaled up (tests.helpers.scaled_tiny_model)."""
+    return scaled_tiny_model()
 
 
 @pytest.fixture(scope="module")

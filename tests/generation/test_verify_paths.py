@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fastmamba
 from fastmamba.generation.drafters import OracleDrafter
 from fastmamba.generation.engine import Engine
 from fastmamba.generation.sampling import SamplingParams
+from tests.helpers import scaled_tiny_model
 
 FP32 = dict(atol=1e-4, rtol=1e-4)
 K = 2  # drafts per step: T = 3 inputs verified per step
@@ -24,14 +24,8 @@ SCRIPT = [(2, 9), (0, 0), (2, 1), (1, 9), (2, 0)]
 
 @pytest.fixture(scope="module")
 def model():
-    """mamba2-tiny with its mixers scaled up (see test_speculative: a wrong state must show)."""
-    m = fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cuda" if torch.cuda.is_available() else "cpu")
-    with torch.no_grad():
-        for layer in m.backbone.layers:
-            layer.mixer.in_proj.weight.mul_(10)
-            layer.mixer.conv1d.weight.mul_(10)
-            layer.mixer.out_proj.weight.mul_(30)
-    return m
+    """mamba2-tiny in fp32 with its mixers scaled up (tests.helpers.scaled_tiny_model)."""
+    return scaled_tiny_model()
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,24 @@ def _step(conv_state, ssm_state, xBC, z, dt, conv_w, conv_b, A, D, dt_bias, norm
     return rmsnorm_fn(y.view(nreq, H * P), norm_w, None, group_size=H * P // G)
 
 
+def _replays_match(warm_up, step, outs_eager) -> None:
+    """With PDL on: run ``warm_up`` (compiles, on copies) on a side stream, capture ``step`` in a
+    CUDA graph, then replay it once per eager output; each replay's output must equal it exactly."""
+    with programmatic_dependent_launch():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            warm_up()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+    for expected in outs_eager:
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="PDL needs a Hopper (sm_90) or newer GPU")
@@ -52,19 +70,8 @@ def test_pdl_graph_chain_matches_eager():
     outs_eager = [_step(cs_eager, ss_eager, *args) for _ in range(3)]
 
     cs_graph, ss_graph = conv_state.clone(), ssm_state.clone()
-    with programmatic_dependent_launch():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compile and warm up on copies
-            _step(cs_graph.clone(), ss_graph.clone(), *args)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = _step(cs_graph, ss_graph, *args)
-    for expected in outs_eager:
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected)
+    _replays_match(lambda: _step(cs_graph.clone(), ss_graph.clone(), *args), lambda: _step(cs_graph, ss_graph, *args),
+                   outs_eager)
     assert torch.equal(cs_graph, cs_eager) and torch.equal(ss_graph, ss_eager)
 
 
@@ -114,20 +121,7 @@ def test_pdl_verify_chain_matches_eager(B):
     outs_eager = [_verify_step(cs_eager, c_eager, *args).clone() for _ in range(4)]
 
     cs_graph, c_graph = copies()
-    with programmatic_dependent_launch():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compile and warm up on copies
-            cs_w, c_w = copies()
-            _verify_step(cs_w, c_w, *args)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = _verify_step(cs_graph, c_graph, *args)
-    for expected in outs_eager:
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected)
+    _replays_match(lambda: _verify_step(*copies(), *args), lambda: _verify_step(cs_graph, c_graph, *args), outs_eager)
     assert torch.equal(cs_graph, cs_eager)
     for name, a, b in zip(type(cache)._fields, c_graph, c_eager):
         assert torch.equal(a, b), name
