@@ -32,6 +32,7 @@ import torch
 
 from fastmamba.models.config import Mamba2Config
 from fastmamba.ops._common.checks import capturing
+from fastmamba.ops._common.slot_rows import scatter_rows
 from fastmamba.ops.replay import ReplayCache, commit_accepted, default_history, flush_replay_cache, reset_history
 
 
@@ -123,9 +124,9 @@ class StateCache:
         """Slots whose states a prefill just wrote: nothing to replay (``prev_accepted = hist_len
         = 0``) and a conv history that ends at the last column (``conv_accepted = T``). No host sync."""
         self._require_speculative("mark_prefilled")
-        reset_history(self.replay[0], slots, pad_slot_id=pad_slot_id)  # the counters are shared by every layer
+        self.mark_replay_fresh(slots, pad_slot_id=pad_slot_id)
         full = torch.full((slots.shape[0],), self.tokens_per_step, dtype=torch.int32, device=slots.device)
-        _scatter(self.conv_accepted, slots, full, pad_slot_id)
+        scatter_rows(self.conv_accepted, slots, full, pad_slot_id)
 
     def commit(self, slots: torch.Tensor, accepted: torch.Tensor, *, pad_slot_id: int = -1) -> None:
         """Commit a verify step: request b kept the first ``accepted[b]`` of its T inputs (1..T).
@@ -145,7 +146,7 @@ class StateCache:
                 raise ValueError(f"StateCache.commit: accepted counts must lie in [1, {T}]; got {accepted[bad][:4].tolist()}")
         commit_accepted(self.buf_idx, self.prev_accepted, self.hist_len, slots, accepted, tokens=T,
                         history=self.replay[0].history, pad_slot_id=pad_slot_id, check=False)
-        _scatter(self.conv_accepted, slots, accepted, pad_slot_id)
+        scatter_rows(self.conv_accepted, slots, accepted, pad_slot_id)
 
     def flush(self, slots: torch.Tensor, *, pad_slot_id: int = -1) -> None:
         """Store the slots' replayed SSM states in every layer (``flush_replay_cache``) and empty
@@ -155,7 +156,7 @@ class StateCache:
         self._require_speculative("flush")
         for replay in self.replay:  # the counters are shared: reset them once, after every layer
             flush_replay_cache(replay, slots, pad_slot_id=pad_slot_id, reset=False)
-        reset_history(self.replay[0], slots, pad_slot_id=pad_slot_id)
+        self.mark_replay_fresh(slots, pad_slot_id=pad_slot_id)
 
     # ------------------------------------------------------------------ legacy and plain verify paths
     # (issue 5, items 5-6: the engine picks replay, legacy or plain per step; see Mamba2LM.verify)
@@ -243,7 +244,7 @@ class StateCache:
         pos = (accepted.long()[rows] - 1).clamp(0, T - 1)
         for ssm, states in zip(self.ssm, inter):
             ssm.index_copy_(0, dest, states[rows, pos])
-        _scatter(self.conv_accepted, slots, accepted, pad_slot_id)
+        scatter_rows(self.conv_accepted, slots, accepted, pad_slot_id)
         self.mark_replay_fresh(slots, pad_slot_id=pad_slot_id)
 
     def commit_plain(self, slots: torch.Tensor, *, pad_slot_id: int = -1) -> None:
@@ -251,15 +252,4 @@ class StateCache:
         history again ends at the last column (``conv_accepted = T``, as after prefill) and there
         is nothing to replay. No host sync."""
         self._require_speculative("commit_plain")
-        full = torch.full((slots.shape[0],), self.tokens_per_step, dtype=torch.int32, device=slots.device)
-        _scatter(self.conv_accepted, slots, full, pad_slot_id)
-        self.mark_replay_fresh(slots, pad_slot_id=pad_slot_id)
-
-
-def _scatter(dst: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, pad_slot_id: int) -> None:
-    """dst[slots[b]] = values[b] for non-pad b, without boolean indexing (no host sync)."""
-    S = dst.shape[0]
-    dest = torch.where(slots == pad_slot_id, torch.full_like(slots, S), slots).long()
-    ext = torch.cat([dst, dst.new_zeros(1)])
-    ext.index_copy_(0, dest, values.to(dst.dtype))
-    dst.copy_(ext[:S])
+        self.mark_prefilled(slots, pad_slot_id=pad_slot_id)  # the same bookkeeping as after a prefill

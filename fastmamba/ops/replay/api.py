@@ -17,6 +17,7 @@ from fastmamba.ops._common.checks import (
 )
 from fastmamba.ops._common.dispatch import interpreter_enabled, use_triton
 from fastmamba.ops._common.pdl import pdl_active
+from fastmamba.ops._common.slot_rows import scatter_rows
 from fastmamba.ops.replay.configs import pick_config
 from fastmamba.ops.replay.kernel import launch_commit, launch_replay_main, launch_replay_precompute
 from fastmamba.ops.replay.ref import replay_selective_state_update_ref
@@ -167,35 +168,22 @@ def commit_accepted(
         launch_commit(buf_idx, prev_accepted, hist_len, slots, accepted, tokens=tokens, history=history,
                       pad_slot_id=pad_slot_id)
         return
-    # CPU without the interpreter: the same arithmetic as the kernel, vectorised (pad rows go to a
-    # scratch element past the end, so there is no boolean indexing)
+    # CPU without the interpreter: the same arithmetic as the kernel, vectorised
     idx = torch.arange(nreq, device=accepted.device) if slots is None else slots
-    dest = torch.where(idx == pad_slot_id, torch.full_like(idx, nslots), idx).long()
-
-    def ext(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t, t.new_zeros(1)])
-
-    buf, prev, hist = ext(buf_idx), ext(prev_accepted), ext(hist_len)
-    k = hist[dest] + prev[dest].to(hist.dtype)
+    rows = torch.where(idx == pad_slot_id, torch.zeros_like(idx), idx).long()  # pad rows read slot 0, write nothing
+    k = hist_len[rows] + prev_accepted[rows].to(hist_len.dtype)
     stored = k + tokens > history
-    buf.index_copy_(0, dest, torch.where(stored, 1 - buf[dest], buf[dest]))
-    hist.index_copy_(0, dest, torch.where(stored, torch.zeros_like(k), k))
-    prev.index_copy_(0, dest, accepted.to(prev.dtype))
-    buf_idx.copy_(buf[:nslots])
-    hist_len.copy_(hist[:nslots])
-    prev_accepted.copy_(prev[:nslots])
+    scatter_rows(buf_idx, idx, torch.where(stored, 1 - buf_idx[rows], buf_idx[rows]), pad_slot_id)
+    scatter_rows(hist_len, idx, torch.where(stored, torch.zeros_like(k), k), pad_slot_id)
+    scatter_rows(prev_accepted, idx, accepted, pad_slot_id)
 
 
 def reset_history(cache: ReplayCache, slots: torch.Tensor, *, pad_slot_id: int = -1) -> None:
     """Slots whose ``state`` was just written from outside (prefill, a plain decode step, a copy):
     nothing to replay (hist_len = prev_accepted = 0). No host sync."""
     zeros = torch.zeros(slots.shape[0], dtype=torch.int32, device=slots.device)
-    for t in (cache.hist_len, cache.prev_accepted):
-        S = t.shape[0]
-        dest = torch.where(slots == pad_slot_id, torch.full_like(slots, S), slots).long()
-        full = torch.cat([t, t.new_zeros(1)])
-        full.index_copy_(0, dest, zeros.to(t.dtype))
-        t.copy_(full[:S])
+    scatter_rows(cache.hist_len, slots, zeros, pad_slot_id)
+    scatter_rows(cache.prev_accepted, slots, zeros, pad_slot_id)
 
 
 def flush_replay_cache(cache: ReplayCache, slots: torch.Tensor, *, pad_slot_id: int = -1, reset: bool = True) -> None:
@@ -314,7 +302,7 @@ def _replay_op(
     launch_replay_main(
         state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, C, D, z, M, out,
         state_batch_indices, rand_seed, pad_slot_id=pad_slot_id, block_p=cfg.block_p, num_warps=cfg.num_warps,
-        use_pdl=pdl_active(x, main_programs, cfg.num_warps), block_n=getattr(cfg, "block_n", None),
+        use_pdl=pdl_active(x, main_programs, cfg.num_warps),
     )
 
 
