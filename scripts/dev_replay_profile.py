@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from fastmamba.ops.replay import api
 
 dev = "cuda"
-CFGS = [(16, 1, 8, 4, 128), (16, 2, 8, 4, 128), (32, 1, 8, 4, 64), (32, 2, 8, 4, 128), (64, 4, 8, 4, 128), (16, 1, 8, 4, 64), (64, 2, 8, 4, 64)]
+CFGS = [None, (16, 1, 8, 4), (32, 1, 8, 4), (32, 2, 16, 4), (64, 4, 8, 4)]
 NO_REPLAY = "noreplay" in sys.argv  # commit accepted = 0 and history emptied: k = 0, no replay loop
 args = [a for a in sys.argv[1:] if a.isdigit()]
 T = int(args[0]) if args else 6
@@ -37,7 +37,7 @@ for name, (H, P, G, N) in {"nemotron-h": (128, 64, 8, 128), "nemotron-h-tp8": (1
                     cache.commit(slots, acc, T)
             if cfg:
                 api.pick_config = lambda cfg=cfg, **kw: SimpleNamespace(block_p=cfg[0], num_warps=cfg[1], heads=cfg[2],
-                                                                        warps_pre=cfg[3], block_n=cfg[4])
+                                                                        warps_pre=cfg[3])
             else:
                 api.pick_config = default_pick
             try:

@@ -182,8 +182,7 @@ def _replay_main_kernel(
     stride_M_b, stride_M_h, stride_M_t, stride_M_s,
     stride_out_b, stride_out_t, stride_out_h, stride_out_p,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_IDX: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
-    P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # one program per (block of P, request, head): replay, checkpoint, T outputs, record x
@@ -223,46 +222,42 @@ def _replay_main_kernel(
     if STOCHASTIC_ROUND:
         seed = tl.load(seed_ptr)
 
-    # The state in column blocks of BLOCK_N (fewer registers per program when BLOCK_N < N); per
-    # block: 1. replay the k history tokens onto the stored state, 16 per tl.dot; store it at a
-    # checkpoint; 2. its share of C.S for the T outputs (transposed, [P, T], so that every tl.dot
-    # has the P rows as M).
-    # Under PDL the first block's replay, before the grid-dependency wait, overlaps the precompute
-    # kernel launched just before: nothing it reads is written there (the precompute kernel
-    # records at positions >= k of buffer rbuf, or in the other buffer).
-    y = tl.zeros((BLOCK_P, BLOCK_T), dtype=tl.float32)
-    for nb in tl.static_range(NB):
-        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        mn = offs_n < N
-        tile_mask = mp[:, None] & mn[None, :]
-        s_off = offs_p[:, None] * stride_state_p + offs_n[None, :] * stride_state_n
-        s = tl.load(state_row + s_off, mask=tile_mask, other=0.0).to(tl.float32) * tl.exp(cum_last)
-        for c0 in range(0, k, BLOCK_H):
-            offs_c = c0 + tl.arange(0, BLOCK_H)
-            mc = offs_c < k
-            cum_old = tl.load(cum_row + offs_c * stride_ocs_t, mask=mc, other=0.0)
-            dt_old = tl.load(dt_row + offs_c * stride_odt_t, mask=mc, other=0.0)
-            w_old = tl.where(mc, tl.exp(cum_last - cum_old) * dt_old, 0.0)
-            x_old = tl.load(x_row + offs_p[:, None] * stride_ox_p + offs_c[None, :] * stride_ox_t,
-                            mask=mp[:, None] & mc[None, :], other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_H]
-            B_old = tl.load(B_hist + offs_c[:, None] * stride_oB_t + offs_n[None, :] * stride_oB_n,
-                            mask=mc[:, None] & mn[None, :], other=0.0)  # [BLOCK_H, BLOCK_N]
-            s = _dot_split(x_old * w_old[None, :], B_old, s, SPLIT, DOT_PRECISION)
+    # 1. replay the k history tokens onto the stored state, 16 per tl.dot; store it at a
+    # checkpoint; 2. C.S for the T outputs (transposed, [P, T], so that every tl.dot has the P rows
+    # as M). Under PDL the replay, before the grid-dependency wait, overlaps the precompute kernel
+    # launched just before: nothing it reads is written there (the precompute kernel records at
+    # positions >= k of buffer rbuf, or in the other buffer).
+    offs_n = tl.arange(0, BLOCK_N)
+    mn = offs_n < N
+    tile_mask = mp[:, None] & mn[None, :]
+    s_off = offs_p[:, None] * stride_state_p + offs_n[None, :] * stride_state_n
+    s = tl.load(state_row + s_off, mask=tile_mask, other=0.0).to(tl.float32) * tl.exp(cum_last)
+    for c0 in range(0, k, BLOCK_H):
+        offs_c = c0 + tl.arange(0, BLOCK_H)
+        mc = offs_c < k
+        cum_old = tl.load(cum_row + offs_c * stride_ocs_t, mask=mc, other=0.0)
+        dt_old = tl.load(dt_row + offs_c * stride_odt_t, mask=mc, other=0.0)
+        w_old = tl.where(mc, tl.exp(cum_last - cum_old) * dt_old, 0.0)
+        x_old = tl.load(x_row + offs_p[:, None] * stride_ox_p + offs_c[None, :] * stride_ox_t,
+                        mask=mp[:, None] & mc[None, :], other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_H]
+        B_old = tl.load(B_hist + offs_c[:, None] * stride_oB_t + offs_n[None, :] * stride_oB_n,
+                        mask=mc[:, None] & mn[None, :], other=0.0)  # [BLOCK_H, BLOCK_N]
+        s = _dot_split(x_old * w_old[None, :], B_old, s, SPLIT, DOT_PRECISION)
 
-        if checkpoint:  # the history would overflow: store the state, this step starts a new history
-            if STOCHASTIC_ROUND:
-                # one random number per stored element, distinct across slots, heads and positions
-                elem = ((slot * tl.num_programs(2) + h) * P + offs_p[:, None]) * N + offs_n[None, :]
-                s_out = stochastic_round(s, tl.rand(seed, elem.to(tl.int32)), state_ptr.dtype.element_ty)
-            else:
-                s_out = s.to(state_ptr.dtype.element_ty)
-            tl.store(state_row + s_off, s_out, mask=tile_mask)
-        if USE_PDL and nb == 0:
-            gdc_wait()  # M and this step's cs (precompute), x, C, z (earlier kernels) from here on
-            gdc_launch_dependents()
-        C_T = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n[:, None] * stride_C_n
-                      + offs_t[None, :] * stride_C_t, mask=mn[:, None] & mt[None, :], other=0.0)
-        y = _dot_split(s, C_T, y, SPLIT, DOT_PRECISION)  # [BLOCK_P, BLOCK_T]
+    if checkpoint:  # the history would overflow: store the state, this step starts a new history
+        if STOCHASTIC_ROUND:
+            # one random number per stored element, distinct across slots, heads and positions
+            elem = ((slot * tl.num_programs(2) + h) * P + offs_p[:, None]) * N + offs_n[None, :]
+            s_out = stochastic_round(s, tl.rand(seed, elem.to(tl.int32)), state_ptr.dtype.element_ty)
+        else:
+            s_out = s.to(state_ptr.dtype.element_ty)
+        tl.store(state_row + s_off, s_out, mask=tile_mask)
+    if USE_PDL:
+        gdc_wait()  # M and this step's cs (precompute), x, C, z (earlier kernels) from here on
+        gdc_launch_dependents()
+    C_T = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n[:, None] * stride_C_n
+                  + offs_t[None, :] * stride_C_t, mask=mn[:, None] & mt[None, :], other=0.0)
+    y = _dot_split(s, C_T, tl.zeros((BLOCK_P, BLOCK_T), dtype=tl.float32), SPLIT, DOT_PRECISION)  # [BLOCK_P, BLOCK_T]
 
     # ---- the T outputs: y^T = (S @ C^T) * exp(cs) + x^T @ M^T + D x^T, gated ----------------------
     cs = tl.load(old_cumA_ptr + wbuf * stride_ocs_r + slot * stride_ocs_s + h * stride_ocs_h
@@ -334,14 +329,12 @@ def launch_replay_precompute(
 
 def launch_replay_main(
     state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, C, D, z, M, out, idx, seed,
-    *, pad_slot_id: int, block_p: int, num_warps: int, use_pdl: bool = False, block_n: int | None = None,
+    *, pad_slot_id: int, block_p: int, num_warps: int, use_pdl: bool = False,
 ):
     """state (S,H,P,N); old_x (S,C_h,H,P); x, z, out (B,T,H,P); C (B,T,G,N); D (H,) or None;
     M from the precompute kernel; idx (B,) or None; seed one-element int64 or None."""
     nreq, ntok, nheads, headdim = x.shape
     ngroups, dstate = C.shape[2], C.shape[3]
-    n_pad = max(16, triton.next_power_of_2(dstate))
-    block_n = n_pad if block_n is None else max(16, min(block_n, n_pad))
     grid = (triton.cdiv(headdim, block_p), nreq, nheads)
     z_strides = tuple(z.stride()) if z is not None else (0, 0, 0, 0)
     _replay_main_kernel[grid](
@@ -351,7 +344,7 @@ def launch_replay_main(
         *state.stride(), *old_x.stride(), *old_B.stride(), *old_dt.stride(), *old_cumA.stride(),
         *x.stride(), *C.stride(), D.stride(0) if D is not None else 0, *z_strides, *M.stride(), *out.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_IDX=idx is not None, STOCHASTIC_ROUND=seed is not None,
-        P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=block_n, NB=triton.cdiv(dstate, block_n),
+        P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(dstate)),
         BLOCK_T=max(16, triton.next_power_of_2(ntok)), BLOCK_H=HISTORY_CHUNK,
         DOT_PRECISION=_dot_precision(x.dtype, "tf32x3"), SPLIT=x.dtype == torch.bfloat16 and not _interpreting(),
         USE_PDL=use_pdl,
