@@ -48,28 +48,40 @@ def test_table_key_and_padded_tokens():
     assert table_key(programs_per_block=3 * 80, t_pad=32) == (256, 32)  # rounded up to a power of two
 
 
+def _core(cfg: ReplayConfig) -> ReplayConfig:
+    """The entry without the split path's output tile, which pick_config fills in from OUT_TILES."""
+    return cfg._replace(out_block_p=None, out_warps=None)
+
+
 def test_pick_config_reads_the_table(monkeypatch):
     table = {
         (16, 16): ReplayConfig(16, 1, 8, 4),
-        (4096, 16): ReplayConfig(32, 2, 4, 2),
+        (4096, 16): ReplayConfig(32, 4, 4, 2, split=True),
         (16, 32): ReplayConfig(64, 4, 2, 4),
     }
     monkeypatch.setattr(configs, "TABLE", table)
-    assert _pick(16, 16) == table[(16, 16)]  # exact key
-    assert _pick(32 * 128, 16) == table[(4096, 16)]
-    assert _pick(20000, 16) == table[(4096, 16)]  # nearest bucket (log scale)
-    assert _pick(100, 16) == table[(16, 16)]  # 128: 3 octaves from 16, 5 from 4096
-    assert _pick(8192, 32) == table[(16, 32)]  # the only bucket at t_pad 32
-    assert _pick(8192, 64) == configs._guess(64) == ReplayConfig(16, 1, 1, 4)  # beyond the table's t_pads
-    # the head dim clamps block_p (with its warps); fp32 activations raise it to 64
-    assert _pick(16, 32, headdim=32) == ReplayConfig(32, 2, 2, 4)
-    assert _pick(16, 16, act_bytes=4) == ReplayConfig(64, 4, 8, 4)
-    assert _pick(16, 16, act_bytes=4, headdim=16) == ReplayConfig(16, 1, 8, 4)
+    assert _core(_pick(16, 16)) == table[(16, 16)]  # exact key
+    assert _core(_pick(32 * 128, 16)) == table[(4096, 16)]
+    assert _core(_pick(20000, 16)) == table[(4096, 16)]  # nearest bucket (log scale)
+    assert _core(_pick(100, 16)) == table[(16, 16)]  # 128: 3 octaves from 16, 5 from 4096
+    assert _core(_pick(8192, 32)) == table[(16, 32)]  # the only bucket at t_pad 32
+    assert _core(_pick(8192, 64)) == configs._guess(64) == ReplayConfig(16, 1, 1, 4)  # beyond the table's t_pads
+    # the split path's output tile follows the state dtype (OUT_TILES)
+    assert _pick(4096, 16)[5:] == configs.OUT_TILES[4] == (64, 4)
+    assert _pick(4096, 16, state_bytes=2)[5:] == configs.OUT_TILES[2] == (32, 2)
+    # the head dim clamps the P tiles; fp32 activations take the one-kernel path with block_p 64
+    assert _core(_pick(16, 32, headdim=32)) == ReplayConfig(32, 4, 2, 4)
+    assert _pick(4096, 16, headdim=16)[5] == 16
+    assert _core(_pick(16, 16, act_bytes=4)) == ReplayConfig(64, 4, 8, 4)
+    assert _core(_pick(4096, 16, act_bytes=4)) == ReplayConfig(64, 4, 4, 2)  # not split
+    assert _core(_pick(16, 16, act_bytes=4, headdim=16)) == ReplayConfig(16, 4, 8, 4)
     # the interpreter's smallest tiles, and the sweep's forced config, come first
-    assert _pick(4096, 16, interpreter=True) == ReplayConfig(16, 1, 4, 1)
+    assert _core(_pick(4096, 16, interpreter=True)) == ReplayConfig(16, 1, 4, 1)
     with configs.forced_config(block_p=64, num_warps=4, heads=16, warps_pre=2):
-        assert _pick(4096, 16) == ReplayConfig(64, 4, 16, 2)
-        assert _pick(4096, 16, headdim=16, interpreter=True) == ReplayConfig(16, 4, 16, 2)
+        assert _core(_pick(4096, 16)) == ReplayConfig(64, 4, 16, 2)
+        assert _core(_pick(4096, 16, headdim=16, interpreter=True)) == ReplayConfig(16, 4, 16, 2)
+    with configs.forced_config(block_p=16, num_warps=2, heads=8, split=True, out_block_p=32, out_warps=2):
+        assert _pick(4096, 16) == ReplayConfig(16, 2, 8, 4, True, 32, 2)
     assert lookup(4096, 16, {}) == configs._guess(16)
 
 
@@ -109,7 +121,8 @@ def test_replay_sweep_hooks_and_cases():
             with configs.forced_config(**cand):  # every field reaches the launcher's hook
                 assert pick_config(programs_per_block=2, headdim=16, dstate=16, t_pad=16,
                                    interpreter=True).heads == cand["heads"]
-    assert len({json.dumps(c, sort_keys=True) for c in configs.CANDIDATES}) == len(configs.CANDIDATES) == 24
+    assert len({json.dumps(c, sort_keys=True) for c in configs.CANDIDATES}) == len(configs.CANDIDATES) == 10
+    assert {c.get("split", False) for c in configs.CANDIDATES} == {False, True}
 
 
 # --- the paste-ready table -----------------------------------------------------------------------------
@@ -165,7 +178,7 @@ def test_tune_sweep_loop_with_stand_in_timings(monkeypatch, tmp_path, capsys):
         assert row.endswith(str(configs.CANDIDATES[-1]))
     assert "smoke run under the Triton interpreter" in printed
     table = printed[printed.index("TABLE: dict"):]
-    assert "(2, 16): ReplayConfig(block_p=64, num_warps=4, heads=16, warps_pre=4),  # 2 cases" in table
+    assert f"(2, 16): {ReplayConfig(**configs.CANDIDATES[-1])!r},  # 2 cases" in table
     assert all(ln["key"] == [2, 16] for ln in lines)
     # the same table from the JSON file, without timing anything (split sweeps are merged this way)
     assert cli.main(["bench", "tune", "--ops", "replay", "--table-from", str(out)]) == 0

@@ -59,3 +59,8 @@ def pdl_active(t: torch.Tensor, programs: int, num_warps: int) -> bool:
         return False
     supported, sms = _sm_info(t.device.index if t.device.index is not None else torch.cuda.current_device())
     return supported and programs <= sms * min(32, 64 // num_warps)
+
+
+def sm_count(t: torch.Tensor) -> int:
+    """Multiprocessors of ``t``'s CUDA device."""
+    return _sm_info(t.device.index if t.device.index is not None else torch.cuda.current_device())[1]

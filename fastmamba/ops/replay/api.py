@@ -16,10 +16,16 @@ from fastmamba.ops._common.checks import (
     check_shape,
 )
 from fastmamba.ops._common.dispatch import interpreter_enabled, use_triton
-from fastmamba.ops._common.pdl import pdl_active
+from fastmamba.ops._common.pdl import pdl_active, sm_count
 from fastmamba.ops._common.slot_rows import scatter_rows
 from fastmamba.ops.replay.configs import pick_config
-from fastmamba.ops.replay.kernel import launch_commit, launch_replay_main, launch_replay_precompute
+from fastmamba.ops.replay.kernel import (
+    launch_commit,
+    launch_replay_checkpoint,
+    launch_replay_main,
+    launch_replay_out,
+    launch_replay_precompute,
+)
 from fastmamba.ops.replay.ref import replay_selective_state_update_ref
 
 OP = "replay_selective_state_update"
@@ -288,22 +294,53 @@ def _replay_op(
     cfg = pick_config(
         programs_per_block=nreq * nheads, headdim=headdim, dstate=B.shape[-1],
         t_pad=max(16, 1 << (ntok - 1).bit_length()), interpreter=interpreter_enabled(),
-        act_bytes=x.element_size(),
+        act_bytes=x.element_size(), state_bytes=state.element_size(),
     )
     M = torch.empty(nreq, nheads, ntok, ntok, dtype=torch.float32, device=x.device)  # per-call scratch
     ngroups = B.shape[2]
     pre_programs = nreq * ngroups * -(-(nheads // ngroups) // cfg.heads)
     main_programs = -(-headdim // cfg.block_p) * nreq * nheads
+    if not cfg.split:
+        launch_replay_precompute(
+            dt, dt_bias, A, B, C, state_batch_indices, buf_idx, prev_accepted, hist_len, M, old_B, old_dt, old_cumA,
+            dt_softplus=dt_softplus, pad_slot_id=pad_slot_id, heads=cfg.heads, num_warps=cfg.warps_pre,
+            use_pdl=pdl_active(x, pre_programs, cfg.warps_pre),
+        )
+        launch_replay_main(
+            state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, C, D, z, M, out,
+            state_batch_indices, rand_seed, pad_slot_id=pad_slot_id, block_p=cfg.block_p, num_warps=cfg.num_warps,
+            use_pdl=pdl_active(x, main_programs, cfg.num_warps),
+        )
+        return
+    # The split path (large batches): the output kernel produces every request's outputs straight
+    # from the stored state (and records x where no state is stored); then the checkpoint kernel,
+    # on a persistent grid, replays and stores the state of the requests that store it this step,
+    # from the list the precompute kernel makes. Per-call scratch: C . B products per group (Q), the
+    # list and its length. No PDL on the two (the list is read before any wait).
+    Q = torch.empty(nreq, ngroups, ntok, old_x.shape[1], dtype=torch.float32, device=x.device)
+    ckpt_count = torch.zeros(1, dtype=torch.int32, device=x.device)
+    ckpt_list = torch.empty(nreq, dtype=torch.int32, device=x.device)
     launch_replay_precompute(
         dt, dt_bias, A, B, C, state_batch_indices, buf_idx, prev_accepted, hist_len, M, old_B, old_dt, old_cumA,
+        Q, ckpt_count, ckpt_list,
         dt_softplus=dt_softplus, pad_slot_id=pad_slot_id, heads=cfg.heads, num_warps=cfg.warps_pre,
         use_pdl=pdl_active(x, pre_programs, cfg.warps_pre),
     )
-    launch_replay_main(
-        state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, C, D, z, M, out,
-        state_batch_indices, rand_seed, pad_slot_id=pad_slot_id, block_p=cfg.block_p, num_warps=cfg.num_warps,
-        use_pdl=pdl_active(x, main_programs, cfg.num_warps),
+    launch_replay_out(
+        state, old_x, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, C, D, z, M, Q, out, state_batch_indices,
+        pad_slot_id=pad_slot_id, block_p=cfg.out_block_p, num_warps=cfg.out_warps,
     )
+    launch_replay_checkpoint(
+        state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, state_batch_indices, rand_seed,
+        ckpt_count, ckpt_list, block_p=cfg.block_p, num_warps=cfg.num_warps,
+        programs=min(main_programs, checkpoint_programs(x, cfg.num_warps)),
+    )
+
+
+def checkpoint_programs(x: torch.Tensor, num_warps: int) -> int:
+    """Programs of the split path's persistent checkpoint kernel: up to 32 warps per SM (fewer
+    fit when its registers say so; the rest wait, as in any grid); 4 under the interpreter."""
+    return sm_count(x) * max(1, 32 // num_warps) if x.is_cuda else 4
 
 
 @_replay_op.register_fake

@@ -20,36 +20,48 @@ import triton
 
 
 class ReplayConfig(NamedTuple):
-    block_p: int  # head-dim rows per main-kernel program (>= 16: tl.dot's smallest M)
-    num_warps: int  # main kernel: block_p // 16 (see below)
+    block_p: int  # head-dim rows per program of the main kernel (>= 16: tl.dot's smallest M), or on
+    num_warps: int  # the split path of the checkpoint kernel; main kernel: num_warps = block_p // 16
     heads: int  # heads per precompute program (all of one group)
     warps_pre: int = 4  # precompute kernel
+    split: bool = False  # the split path (output kernel + checkpoint kernel) instead of the main kernel
+    out_block_p: int | None = None  # the split path's output kernel: head-dim rows per program and
+    out_warps: int | None = None  # warps (None: OUT_TILES' for the state dtype)
 
 
 # Why the main kernel's num_warps is block_p // 16: its three tl.dot form a chain (the replayed
 # state feeds the output matmul), and Triton then lays every warp along M (the P rows, 16 per
-# warp). More warps hold copies of the same rows; fewer spill (sm_90, Triton 3.6, N=128, T=6:
-# (16, 1) 168 registers with bf16 activations and fp32 state, 226 with stochastic rounding of a
-# 16-bit state; (64, 4) runs wgmma m64n128k8, 147-232 registers, and is the only tile without
-# spills for fp32 activations; (32, 1) and (64, 2) spill.)
-# What the tuning sweep (`python -m fastmamba.bench tune --ops replay`) tries: the main kernel's P
-# tile (with num_warps = block_p // 16, as above), heads per precompute program (2 is the guess at
-# t_pad 32) and the precompute kernel's warps: 3 x 4 x 2 = 24 configs.
+# warp); with more warps than that, each warp's slice of the dots shrinks but the chain's layout
+# conversions grow (H100, Nemotron-H batch 128, T=6, fp32 state: 16x1 402 us, 16x2 417, 16x4 504).
+# At 200-220 registers it runs at 8 warps per SM, latency-bound (ncu: 52% of DRAM bandwidth).
+#
+# The split path (large grids): an output kernel computes every request's T outputs from the
+# stored state, without replaying it (the history enters through C.B products per group from the
+# precompute kernel), and a persistent checkpoint kernel replays and stores the state of only the
+# requests that store it this step (about one step in eight at the default history). Its output
+# tile depends on the state dtype, not on the table (H100, Nemotron-H batch 128, T=6, checkpoint
+# kernel 16x2 / 32x4: fp32 state 64x4 343 us vs 32x2 404; fp16 state 32x2 237 us vs 64x4 251).
+OUT_TILES = {4: (64, 4), 2: (32, 2)}  # state bytes -> (out_block_p, out_warps)
+
+# What the tuning sweep (`python -m fastmamba.bench tune --ops replay`) tries: the one-kernel path
+# with each main-kernel P tile and the split path with two checkpoint-kernel tiles, each with 4 or
+# 8 heads per precompute program (every swept T pads to 16).
 CANDIDATES = [
-    dict(block_p=bp, num_warps=bp // 16, heads=hd, warps_pre=wp)
-    for bp in (16, 32, 64)
-    for hd in (2, 4, 8, 16)
-    for wp in (2, 4)
+    dict(block_p=bp, num_warps=bp // 16, heads=hd, warps_pre=4) for bp in (16, 32, 64) for hd in (4, 8)
+] + [
+    dict(block_p=bp, num_warps=w, heads=hd, warps_pre=4, split=True) for bp, w in ((16, 2), (32, 4)) for hd in (4, 8)
 ]
 
 _forced: ReplayConfig | None = None
 
 
 @contextlib.contextmanager
-def forced_config(block_p: int, num_warps: int, heads: int, warps_pre: int = 4) -> Iterator[None]:
-    """Use this config for every launch inside the block (the tuning sweep's hook)."""
+def forced_config(block_p: int, num_warps: int, heads: int, warps_pre: int = 4, split: bool = False,
+                  out_block_p: int | None = None, out_warps: int | None = None) -> Iterator[None]:
+    """Use this config for every launch inside the block (the tuning sweep's and the tests' hook);
+    the split path's output tile defaults to OUT_TILES' for the state dtype."""
     global _forced
-    previous, _forced = _forced, ReplayConfig(block_p, num_warps, heads, warps_pre)
+    previous, _forced = _forced, ReplayConfig(block_p, num_warps, heads, warps_pre, split, out_block_p, out_warps)
     try:
         yield
     finally:
@@ -78,18 +90,18 @@ TABLE: dict[tuple[int, int], ReplayConfig] = {
     (128, 16): ReplayConfig(block_p=16, num_warps=1, heads=8, warps_pre=4),
     (512, 16): ReplayConfig(block_p=16, num_warps=1, heads=8, warps_pre=4),
     (1024, 16): ReplayConfig(block_p=16, num_warps=1, heads=8, warps_pre=4),
-    (2048, 16): ReplayConfig(block_p=16, num_warps=1, heads=8, warps_pre=4),
-    (4096, 16): ReplayConfig(block_p=16, num_warps=1, heads=8, warps_pre=4),
-    (16384, 16): ReplayConfig(block_p=16, num_warps=1, heads=8, warps_pre=4),
-    (32768, 16): ReplayConfig(block_p=16, num_warps=1, heads=8, warps_pre=4),
+    (2048, 16): ReplayConfig(block_p=32, num_warps=4, heads=8, warps_pre=4, split=True),
+    (4096, 16): ReplayConfig(block_p=32, num_warps=4, heads=8, warps_pre=4, split=True),
+    (16384, 16): ReplayConfig(block_p=32, num_warps=4, heads=8, warps_pre=4, split=True),
+    (32768, 16): ReplayConfig(block_p=32, num_warps=4, heads=8, warps_pre=4, split=True),
     (16, 32): ReplayConfig(block_p=16, num_warps=1, heads=2, warps_pre=4),
     (128, 32): ReplayConfig(block_p=16, num_warps=1, heads=2, warps_pre=4),
     (512, 32): ReplayConfig(block_p=16, num_warps=1, heads=2, warps_pre=4),
     (1024, 32): ReplayConfig(block_p=16, num_warps=1, heads=2, warps_pre=4),
-    (2048, 32): ReplayConfig(block_p=16, num_warps=1, heads=2, warps_pre=4),
-    (4096, 32): ReplayConfig(block_p=16, num_warps=1, heads=2, warps_pre=4),
-    (16384, 32): ReplayConfig(block_p=16, num_warps=1, heads=2, warps_pre=4),
-    (32768, 32): ReplayConfig(block_p=16, num_warps=1, heads=2, warps_pre=4),
+    (2048, 32): ReplayConfig(block_p=32, num_warps=4, heads=2, warps_pre=4, split=True),
+    (4096, 32): ReplayConfig(block_p=32, num_warps=4, heads=2, warps_pre=4, split=True),
+    (16384, 32): ReplayConfig(block_p=32, num_warps=4, heads=2, warps_pre=4, split=True),
+    (32768, 32): ReplayConfig(block_p=32, num_warps=4, heads=2, warps_pre=4, split=True),
 }
 
 
@@ -115,28 +127,31 @@ def lookup(bucket: int, t_pad: int, table: dict[tuple[int, int], ReplayConfig] |
 
 
 def pick_config(
-    *, programs_per_block: int, headdim: int, dstate: int, t_pad: int, interpreter: bool, act_bytes: int = 2
+    *, programs_per_block: int, headdim: int, dstate: int, t_pad: int, interpreter: bool, act_bytes: int = 2,
+    state_bytes: int = 4,
 ) -> ReplayConfig:
-    """Config for ``programs_per_block`` = requests x heads, head dim P, state size N and the
-    token count padded for tl.dot (``t_pad`` >= 16).
+    """Config for ``programs_per_block`` = requests x heads, head dim P, state size N, the token
+    count padded for tl.dot (``t_pad`` >= 16), and the activations' and state's element sizes.
 
-    In order: a forced config (the sweep); under the interpreter the smallest tiles; else TABLE's
-    entry for ``table_key(programs_per_block, t_pad)`` (``lookup``: the nearest entry when the
-    key is missing), with block_p clamped to the head dim and, for fp32 activations, raised to 64
-    (the only tile whose tf32x3 dots do not spill). ``dstate`` is not a key: every measured shape
-    has N = 128.
+    In order: a forced config (the sweep, tests); under the interpreter the smallest tiles; else
+    TABLE's entry for ``table_key(programs_per_block, t_pad)`` (``lookup``: the nearest entry
+    when the key is missing), with block_p clamped to the head dim; fp32 activations take the
+    one-kernel path with block_p 64 (the only tile whose tf32x3 dots do not spill). The split
+    path's output tile comes from OUT_TILES (by state dtype) unless forced. ``dstate`` is not a
+    key: every measured shape has N = 128.
     """
+    p_cap = triton.next_power_of_2(headdim)
     if _forced is not None:
-        return _forced._replace(block_p=max(16, min(_forced.block_p, triton.next_power_of_2(headdim))))
-    if interpreter:
-        return ReplayConfig(block_p=16, num_warps=1, heads=min(4, _guess(t_pad).heads), warps_pre=1)
-    cfg = lookup(*table_key(programs_per_block=programs_per_block, t_pad=t_pad))
-    # H100, T=6, bf16 activations, fp32 state (scripts/dev_replay_timing.py sweep, 2026-11-22):
-    # 16 rows per program vs 32 / 64: 9.9 / 11.3 / 11.6 us (2.7b, batch 1), 23.1 / 21.8 / 24.2
-    # (batch 8), 316 / 317 / 321 (batch 128), Nemotron-H batch 128 437 / 439 / 452. fp32
-    # activations keep 64 (the only tile whose tf32x3 dots do not spill).
-    block_p = 64 if act_bytes >= 4 else cfg.block_p
-    block_p = max(16, min(block_p, triton.next_power_of_2(headdim)))
-    if block_p != cfg.block_p:
-        cfg = cfg._replace(block_p=block_p, num_warps=block_p // 16)
-    return cfg
+        cfg = _forced
+    elif interpreter:
+        cfg = ReplayConfig(block_p=16, num_warps=1, heads=min(4, _guess(t_pad).heads), warps_pre=1)
+    else:
+        cfg = lookup(*table_key(programs_per_block=programs_per_block, t_pad=t_pad))
+        if act_bytes >= 4:
+            cfg = cfg._replace(block_p=64, num_warps=4, split=False)
+    out_bp, out_w = OUT_TILES[4 if state_bytes >= 4 else 2]
+    return cfg._replace(
+        block_p=max(16, min(cfg.block_p, p_cap)),
+        out_block_p=max(16, min(cfg.out_block_p or out_bp, p_cap)),
+        out_warps=cfg.out_warps or out_w,
+    )

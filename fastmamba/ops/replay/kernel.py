@@ -37,18 +37,20 @@ from fastmamba.ops._common.jit_math import silu, softplus, stochastic_round
 @triton.jit
 def _replay_precompute_kernel(
     dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, idx_ptr, buf_idx_ptr, accepted_ptr, hist_ptr,
-    M_ptr, old_B_ptr, old_dt_ptr, old_cumA_ptr,
+    M_ptr, Q_ptr, old_B_ptr, old_dt_ptr, old_cumA_ptr, ckpt_count_ptr, ckpt_list_ptr,
     T, capacity, heads_per_group, pad_slot_id,
     stride_dt_b, stride_dt_t, stride_dt_h,
     stride_dt_bias_h, stride_A_h,
     stride_B_b, stride_B_t, stride_B_g, stride_B_n,
     stride_C_b, stride_C_t, stride_C_g, stride_C_n,
     stride_M_b, stride_M_h, stride_M_t, stride_M_s,
+    stride_Q_b, stride_Q_g, stride_Q_t, stride_Q_c,
     stride_oB_r, stride_oB_s, stride_oB_t, stride_oB_g, stride_oB_n,
     stride_odt_r, stride_odt_s, stride_odt_t, stride_odt_h,
     stride_ocs_r, stride_ocs_s, stride_ocs_t, stride_ocs_h,
     HAS_DT_BIAS: tl.constexpr, HAS_IDX: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, HEADS: tl.constexpr,
+    HIST: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # one program per (request, group, block of HEADS heads of that group): C B^T is computed once
@@ -120,6 +122,25 @@ def _replay_precompute_kernel(
               + offs_t[None, :, None] * stride_M_t + offs_t[None, None, :] * stride_M_s)
     tl.store(M_ptrs, M, mask=mj[:, None, None] & mt[None, :, None] & mt[None, None, :])
 
+    # HIST (the split path, see _replay_out_kernel): the group's products of this step's C with
+    # the history's B,
+    #   Q[t, c] = C_t . B_c   (c < k, buffer rbuf),
+    # from which the output kernel forms each head's share of the history in its outputs (it reads
+    # history positions < k of buffer rbuf: nothing below writes there), and the list of the
+    # requests that store their state this step (the checkpoint kernel's work)
+    if HIST:
+        if (g == 0) & (hb == 0) & checkpoint:
+            tl.store(ckpt_list_ptr + tl.atomic_add(ckpt_count_ptr, 1), b.to(tl.int32))
+        if hb == 0:
+            offs_c = tl.arange(0, BLOCK_C)
+            mc = offs_c < k
+            B_h = tl.load(old_B_ptr + rbuf * stride_oB_r + slot * stride_oB_s + g * stride_oB_g
+                          + offs_c[:, None] * stride_oB_t + offs_n[None, :] * stride_oB_n,
+                          mask=mc[:, None] & mn[None, :], other=0.0)  # [BLOCK_C, BLOCK_N]
+            q = tl.dot(Cm.to(tl.float32), tl.trans(B_h.to(tl.float32)), input_precision=DOT_PRECISION)
+            tl.store(Q_ptr + b * stride_Q_b + g * stride_Q_g + offs_t[:, None] * stride_Q_t + offs_c[None, :] * stride_Q_c,
+                     q, mask=mt[:, None] & mc[None, :])
+
     # record this step's dt', cumulative decay (from the stored state) and B in the history, at
     # position base of buffer wbuf; the main kernel reads only positions < k of buffer rbuf
     pos = base + offs_t
@@ -163,6 +184,41 @@ def _dot_split_rhs(a, b, acc, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     else:
         acc = tl.dot(a.to(tl.float32), b, acc, input_precision=DOT_PRECISION)
     return acc
+
+
+@triton.jit
+def _replay_history(
+    s, k, cum_last, cum_row, dt_row, x_row, B_hist, offs_p, mp, offs_n, mn,
+    stride_ocs_t, stride_odt_t, stride_ox_t, stride_ox_p, stride_oB_t, stride_oB_n,
+    BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """s [BLOCK_P, BLOCK_N] (the stored state tile times exp(cA_{k-1})) plus the k history tokens,
+    BLOCK_H per tl.dot:  s + (x_old * exp(cA_{k-1} - cA_c) dt'_c)^T @ B_old."""
+    for c0 in range(0, k, BLOCK_H):
+        offs_c = c0 + tl.arange(0, BLOCK_H)
+        mc = offs_c < k
+        cum_old = tl.load(cum_row + offs_c * stride_ocs_t, mask=mc, other=0.0)
+        dt_old = tl.load(dt_row + offs_c * stride_odt_t, mask=mc, other=0.0)
+        w_old = tl.where(mc, tl.exp(cum_last - cum_old) * dt_old, 0.0)
+        x_old = tl.load(x_row + offs_p[:, None] * stride_ox_p + offs_c[None, :] * stride_ox_t,
+                        mask=mp[:, None] & mc[None, :], other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_H]
+        B_old = tl.load(B_hist + offs_c[:, None] * stride_oB_t + offs_n[None, :] * stride_oB_n,
+                        mask=mc[:, None] & mn[None, :], other=0.0)  # [BLOCK_H, BLOCK_N]
+        s = _dot_split(x_old * w_old[None, :], B_old, s, SPLIT, DOT_PRECISION)
+    return s
+
+
+@triton.jit
+def _store_state(s, ptrs, mask, slot, h, nheads, offs_p, offs_n, seed_ptr,
+                 P: tl.constexpr, N: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr):
+    """Store the fp32 tile s in the state's dtype: rounded to nearest, or stochastically with one
+    random number per element, distinct across slots, heads and positions."""
+    if STOCHASTIC_ROUND:
+        elem = ((slot * nheads + h) * P + offs_p[:, None]) * N + offs_n[None, :]
+        s_out = stochastic_round(s, tl.rand(tl.load(seed_ptr), elem.to(tl.int32)), ptrs.dtype.element_ty)
+    else:
+        s_out = s.to(ptrs.dtype.element_ty)
+    tl.store(ptrs, s_out, mask=mask)
 
 
 @triton.jit
@@ -219,8 +275,6 @@ def _replay_main_kernel(
     wbuf = tl.where(checkpoint, 1 - rbuf, rbuf)
     base = tl.where(checkpoint, 0, k).to(tl.int64)
     offset = tl.where(checkpoint, 0.0, cum_last)  # the precompute kernel stored offset + cs
-    if STOCHASTIC_ROUND:
-        seed = tl.load(seed_ptr)
 
     # 1. replay the k history tokens onto the stored state, 16 per tl.dot; store it at a
     # checkpoint; 2. C.S for the T outputs (transposed, [P, T], so that every tl.dot has the P rows
@@ -232,26 +286,13 @@ def _replay_main_kernel(
     tile_mask = mp[:, None] & mn[None, :]
     s_off = offs_p[:, None] * stride_state_p + offs_n[None, :] * stride_state_n
     s = tl.load(state_row + s_off, mask=tile_mask, other=0.0).to(tl.float32) * tl.exp(cum_last)
-    for c0 in range(0, k, BLOCK_H):
-        offs_c = c0 + tl.arange(0, BLOCK_H)
-        mc = offs_c < k
-        cum_old = tl.load(cum_row + offs_c * stride_ocs_t, mask=mc, other=0.0)
-        dt_old = tl.load(dt_row + offs_c * stride_odt_t, mask=mc, other=0.0)
-        w_old = tl.where(mc, tl.exp(cum_last - cum_old) * dt_old, 0.0)
-        x_old = tl.load(x_row + offs_p[:, None] * stride_ox_p + offs_c[None, :] * stride_ox_t,
-                        mask=mp[:, None] & mc[None, :], other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_H]
-        B_old = tl.load(B_hist + offs_c[:, None] * stride_oB_t + offs_n[None, :] * stride_oB_n,
-                        mask=mc[:, None] & mn[None, :], other=0.0)  # [BLOCK_H, BLOCK_N]
-        s = _dot_split(x_old * w_old[None, :], B_old, s, SPLIT, DOT_PRECISION)
+    s = _replay_history(s, k, cum_last, cum_row, dt_row, x_row, B_hist, offs_p, mp, offs_n, mn,
+                        stride_ocs_t, stride_odt_t, stride_ox_t, stride_ox_p, stride_oB_t, stride_oB_n,
+                        BLOCK_H, SPLIT, DOT_PRECISION)
 
     if checkpoint:  # the history would overflow: store the state, this step starts a new history
-        if STOCHASTIC_ROUND:
-            # one random number per stored element, distinct across slots, heads and positions
-            elem = ((slot * tl.num_programs(2) + h) * P + offs_p[:, None]) * N + offs_n[None, :]
-            s_out = stochastic_round(s, tl.rand(seed, elem.to(tl.int32)), state_ptr.dtype.element_ty)
-        else:
-            s_out = s.to(state_ptr.dtype.element_ty)
-        tl.store(state_row + s_off, s_out, mask=tile_mask)
+        _store_state(s, state_row + s_off, tile_mask, slot, h, tl.num_programs(2), offs_p, offs_n, seed_ptr,
+                     P, N, STOCHASTIC_ROUND)
     if USE_PDL:
         gdc_wait()  # M and this step's cs (precompute), x, C, z (earlier kernels) from here on
         gdc_launch_dependents()
@@ -287,6 +328,171 @@ def _replay_main_kernel(
              x_T.to(old_x_ptr.dtype.element_ty), mask=mask_pt)
 
 
+@triton.jit
+def _replay_out_kernel(
+    state_ptr, old_x_ptr, old_dt_ptr, old_cumA_ptr, buf_idx_ptr, accepted_ptr, hist_ptr,
+    x_ptr, C_ptr, D_ptr, z_ptr, M_ptr, Q_ptr, out_ptr, idx_ptr,
+    T, capacity, pad_slot_id, heads_per_group,
+    stride_state_s, stride_state_h, stride_state_p, stride_state_n,
+    stride_ox_s, stride_ox_t, stride_ox_h, stride_ox_p,
+    stride_odt_r, stride_odt_s, stride_odt_t, stride_odt_h,
+    stride_ocs_r, stride_ocs_s, stride_ocs_t, stride_ocs_h,
+    stride_x_b, stride_x_t, stride_x_h, stride_x_p,
+    stride_C_b, stride_C_t, stride_C_g, stride_C_n,
+    stride_D_h,
+    stride_z_b, stride_z_t, stride_z_h, stride_z_p,
+    stride_M_b, stride_M_h, stride_M_t, stride_M_s,
+    stride_Q_b, stride_Q_g, stride_Q_t, stride_Q_c,
+    stride_out_b, stride_out_t, stride_out_h, stride_out_p,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_IDX: tl.constexpr,
+    P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, STATE_SPLIT: tl.constexpr,
+    STATE_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # The split path's output kernel, one program per (block of P, request, head): the T outputs
+    # straight from the stored state, without replaying it,
+    #   y^T = (S @ C^T) * exp(cA_{k-1} + cs) + x_old^T @ Mh^T + x^T @ M^T + D x^T,  gated,
+    #   Mh[t, c] = Q[t, c] exp(cA_{k-1} + cs_t - cA_c) dt'_c   (the history's share, c < k)
+    # with Q (C_t . B_c) and M from the precompute kernel, then this step's x recorded
+    # at positions k.. of the history (slots storing no state this step; the checkpoint kernel,
+    # launched after this one, replays and stores the others'). No tl.dot chain through a replayed
+    # state: far fewer live registers than the main kernel, and a 16-bit state enters the dot
+    # exactly (TF32).
+    pid_p = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    g = h // heads_per_group
+
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, BLOCK_C)
+    mp = offs_p < P
+    mt = offs_t < T
+    mn = offs_n < N
+    mask_pt = mp[:, None] & mt[None, :]
+    if HAS_IDX:
+        slot = tl.load(idx_ptr + b).to(tl.int64)
+    else:
+        slot = b
+    out_ptrs = out_ptr + b * stride_out_b + h * stride_out_h + offs_p[:, None] * stride_out_p + offs_t[None, :] * stride_out_t
+    if slot == pad_slot_id:  # padding: zero output, no state or cache traffic
+        tl.store(out_ptrs, tl.zeros((BLOCK_P, BLOCK_T), dtype=out_ptr.dtype.element_ty), mask=mask_pt)
+        return
+    rbuf = tl.load(buf_idx_ptr + slot).to(tl.int64)
+    k = tl.load(hist_ptr + slot).to(tl.int32) + tl.load(accepted_ptr + slot).to(tl.int32)
+    k = tl.minimum(tl.maximum(k, 0), capacity)
+    checkpoint = k + T > capacity
+    s = tl.load(state_ptr + slot * stride_state_s + h * stride_state_h + offs_p[:, None] * stride_state_p
+                + offs_n[None, :] * stride_state_n, mask=mp[:, None] & mn[None, :], other=0.0)
+    x_row = old_x_ptr + slot * stride_ox_s + h * stride_ox_h
+    mc = offs_c < k
+    x_old = tl.load(x_row + offs_p[:, None] * stride_ox_p + offs_c[None, :] * stride_ox_t,
+                    mask=mp[:, None] & mc[None, :], other=0.0)  # [BLOCK_P, BLOCK_C]
+    if USE_PDL:
+        gdc_wait()  # M, Q, this step's cs (precompute), x, C, z (earlier kernels) from here on
+        gdc_launch_dependents()
+    C_T = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n[:, None] * stride_C_n + offs_t[None, :] * stride_C_t,
+                  mask=mn[:, None] & mt[None, :], other=0.0)  # [BLOCK_N, BLOCK_T]
+    if STATE_SPLIT:
+        y = _dot_split(s, C_T, tl.zeros((BLOCK_P, BLOCK_T), dtype=tl.float32), SPLIT, DOT_PRECISION)
+    else:  # a 16-bit state and 16-bit C are exact in TF32 (STATE_PRECISION), else as the main kernel
+        y = tl.dot(s.to(tl.float32), C_T.to(tl.float32), input_precision=STATE_PRECISION)
+    # cA_{k-1} + cs_t: as recorded (at k + t of buffer rbuf), or at a checkpoint, where this step's
+    # cs was recorded from 0 at position t of the other buffer, plus cA_{k-1}
+    cum_row = old_cumA_ptr + rbuf * stride_ocs_r + slot * stride_ocs_s + h * stride_ocs_h
+    cum_last = tl.load(cum_row + (k - 1) * stride_ocs_t, mask=checkpoint & (k > 0), other=0.0)
+    total = tl.load(old_cumA_ptr + tl.where(checkpoint, 1 - rbuf, rbuf) * stride_ocs_r + slot * stride_ocs_s
+                    + h * stride_ocs_h + (tl.where(checkpoint, 0, k) + offs_t) * stride_ocs_t, mask=mt, other=0.0)
+    total += cum_last
+    y = y * tl.exp(total)[None, :]
+    Q_T = tl.load(Q_ptr + b * stride_Q_b + g * stride_Q_g + offs_c[:, None] * stride_Q_c + offs_t[None, :] * stride_Q_t,
+                  mask=mc[:, None] & mt[None, :], other=0.0)  # [c, t]
+    cA_old = tl.load(cum_row + offs_c * stride_ocs_t, mask=mc, other=0.0)
+    dt_old = tl.load(old_dt_ptr + rbuf * stride_odt_r + slot * stride_odt_s + h * stride_odt_h + offs_c * stride_odt_t,
+                     mask=mc, other=0.0)
+    # exponent <= 0 (c < k: the history precedes this step); exp(-inf) = 0 past k and past T
+    hdecay = tl.exp(tl.where(mc[:, None] & mt[None, :], total[None, :] - cA_old[:, None], float("-inf")))
+    y = _dot_split_rhs(x_old, Q_T * hdecay * dt_old[:, None], y, SPLIT, DOT_PRECISION)
+    M_T = tl.load(M_ptr + b * stride_M_b + h * stride_M_h + offs_t[:, None] * stride_M_s + offs_t[None, :] * stride_M_t,
+                  mask=mt[:, None] & mt[None, :], other=0.0)  # [s, t]
+    x_T = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p[:, None] * stride_x_p + offs_t[None, :] * stride_x_t,
+                  mask=mask_pt, other=0.0)  # [BLOCK_P, BLOCK_T]
+    y = _dot_split_rhs(x_T, M_T, y, SPLIT, DOT_PRECISION)
+    if HAS_D:
+        y += x_T.to(tl.float32) * tl.load(D_ptr + h * stride_D_h).to(tl.float32)
+    if HAS_Z:
+        zv = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + offs_p[:, None] * stride_z_p + offs_t[None, :] * stride_z_t,
+                     mask=mask_pt, other=0.0).to(tl.float32)
+        y *= silu(zv)
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask_pt)
+    # record this step's x at positions k.. (the history above read positions < k only); at a
+    # checkpoint the checkpoint kernel records it, after replaying the history it overwrites
+    tl.store(x_row + offs_p[:, None] * stride_ox_p + (k + offs_t)[None, :] * stride_ox_t,
+             x_T.to(old_x_ptr.dtype.element_ty), mask=mask_pt & (not checkpoint))
+
+
+@triton.jit
+def _replay_checkpoint_kernel(
+    state_ptr, old_x_ptr, old_B_ptr, old_dt_ptr, old_cumA_ptr, buf_idx_ptr, accepted_ptr, hist_ptr,
+    x_ptr, idx_ptr, seed_ptr, ckpt_count_ptr, ckpt_list_ptr,
+    T, capacity, heads_per_group, nheads,
+    stride_state_s, stride_state_h, stride_state_p, stride_state_n,
+    stride_ox_s, stride_ox_t, stride_ox_h, stride_ox_p,
+    stride_oB_r, stride_oB_s, stride_oB_t, stride_oB_g, stride_oB_n,
+    stride_odt_r, stride_odt_s, stride_odt_t, stride_odt_h,
+    stride_ocs_r, stride_ocs_s, stride_ocs_t, stride_ocs_h,
+    stride_x_b, stride_x_t, stride_x_h, stride_x_p,
+    HAS_IDX: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
+    P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+):
+    # The split path's checkpoint kernel, after the output kernel: a persistent grid walks the
+    # (request, head, block of P) tiles of the requests that store their state this step, listed by
+    # the precompute kernel (in any order): replay the history onto the stored state, store it, and
+    # record this step's x at positions 0.. of the new history.
+    p_blocks: tl.constexpr = (P + BLOCK_P - 1) // BLOCK_P
+    per_request = nheads * p_blocks
+    n_tiles = tl.load(ckpt_count_ptr) * per_request
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_t = tl.arange(0, BLOCK_T)
+    mn = offs_n < N
+    mt = offs_t < T
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        b = tl.load(ckpt_list_ptr + tile // per_request).to(tl.int64)
+        h = ((tile % per_request) // p_blocks).to(tl.int64)
+        offs_p = (tile % p_blocks) * BLOCK_P + tl.arange(0, BLOCK_P)
+        mp = offs_p < P
+        if HAS_IDX:
+            slot = tl.load(idx_ptr + b).to(tl.int64)
+        else:
+            slot = b
+        rbuf = tl.load(buf_idx_ptr + slot).to(tl.int64)
+        k = tl.load(hist_ptr + slot).to(tl.int32) + tl.load(accepted_ptr + slot).to(tl.int32)
+        k = tl.minimum(tl.maximum(k, 0), capacity)
+        cum_row = old_cumA_ptr + rbuf * stride_ocs_r + slot * stride_ocs_s + h * stride_ocs_h
+        x_row = old_x_ptr + slot * stride_ox_s + h * stride_ox_h
+        cum_last = tl.load(cum_row + (k - 1) * stride_ocs_t, mask=k > 0, other=0.0)
+        tile_mask = mp[:, None] & mn[None, :]
+        state_ptrs = (state_ptr + slot * stride_state_s + h * stride_state_h + offs_p[:, None] * stride_state_p
+                      + offs_n[None, :] * stride_state_n)
+        s = tl.load(state_ptrs, mask=tile_mask, other=0.0).to(tl.float32) * tl.exp(cum_last)
+        s = _replay_history(s, k, cum_last, cum_row,
+                            old_dt_ptr + rbuf * stride_odt_r + slot * stride_odt_s + h * stride_odt_h, x_row,
+                            old_B_ptr + rbuf * stride_oB_r + slot * stride_oB_s + (h // heads_per_group) * stride_oB_g,
+                            offs_p, mp, offs_n, mn, stride_ocs_t, stride_odt_t, stride_ox_t, stride_ox_p,
+                            stride_oB_t, stride_oB_n, BLOCK_H, SPLIT, DOT_PRECISION)
+        _store_state(s, state_ptrs, tile_mask, slot, h, nheads, offs_p, offs_n, seed_ptr, P, N, STOCHASTIC_ROUND)
+        mask_pt = mp[:, None] & mt[None, :]
+        x_T = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p[:, None] * stride_x_p + offs_t[None, :] * stride_x_t,
+                      mask=mask_pt, other=0.0)
+        # every thread has read its old x (the replay, possibly in another thread layout) before
+        # any thread overwrites positions 0..T-1
+        tl.debug_barrier()
+        tl.store(x_row + offs_p[:, None] * stride_ox_p + offs_t[None, :] * stride_ox_t,
+                 x_T.to(old_x_ptr.dtype.element_ty), mask=mask_pt)
+
+
 HISTORY_CHUNK = 16  # history tokens per replay tl.dot (its K dimension)
 
 
@@ -306,23 +512,28 @@ def _dot_precision(dtype: torch.dtype, fp32: str) -> str:
 
 def launch_replay_precompute(
     dt, dt_bias, A, B, C, idx, buf_idx, prev_accepted, hist_len, M, old_B, old_dt, old_cumA,
+    Q=None, ckpt_count=None, ckpt_list=None,
     *, dt_softplus: bool, pad_slot_id: int, heads: int, num_warps: int, use_pdl: bool = False,
 ):
     """dt (B,T,H) raw; dt_bias, A (H,) or None; B, C (B,T,G,N); idx (B,) or None; buf_idx,
     prev_accepted, hist_len (S,); M (B,H,T,T) fp32 scratch; old_B (2,S,C_h,G,N); old_dt,
-    old_cumA (2,S,C_h,H)."""
+    old_cumA (2,S,C_h,H). The split path's scratch (else None): Q (B,G,T,C_h) fp32; ckpt_count (1,)
+    int32, zeroed; ckpt_list (B,) int32."""
     nreq, ntok, nheads = dt.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     hpg = nheads // ngroups
     grid = (nreq, ngroups, triton.cdiv(hpg, heads))
+    capacity = old_dt.shape[2]
     _replay_precompute_kernel[grid](
-        dt, dt_bias, A, B, C, idx, buf_idx, prev_accepted, hist_len, M, old_B, old_dt, old_cumA,
-        ntok, old_dt.shape[2], hpg, pad_slot_id,
+        dt, dt_bias, A, B, C, idx, buf_idx, prev_accepted, hist_len, M, Q, old_B, old_dt, old_cumA,
+        ckpt_count, ckpt_list, ntok, capacity, hpg, pad_slot_id,
         *dt.stride(), dt_bias.stride(0) if dt_bias is not None else 0, A.stride(0),
-        *B.stride(), *C.stride(), *M.stride(), *old_B.stride(), *old_dt.stride(), *old_cumA.stride(),
+        *B.stride(), *C.stride(), *M.stride(), *(Q.stride() if Q is not None else (0, 0, 0, 0)),
+        *old_B.stride(), *old_dt.stride(), *old_cumA.stride(),
         HAS_DT_BIAS=dt_bias is not None, HAS_IDX=idx is not None, DT_SOFTPLUS=dt_softplus,
         N=dstate, BLOCK_N=max(16, triton.next_power_of_2(dstate)), BLOCK_T=max(16, triton.next_power_of_2(ntok)),
-        HEADS=heads, DOT_PRECISION=_dot_precision(B.dtype, "ieee"), USE_PDL=use_pdl,
+        HEADS=heads, HIST=Q is not None, BLOCK_C=max(16, triton.next_power_of_2(capacity)),
+        DOT_PRECISION=_dot_precision(B.dtype, "ieee"), USE_PDL=use_pdl,
         num_warps=num_warps, launch_pdl=use_pdl,
     )
 
@@ -349,6 +560,53 @@ def launch_replay_main(
         DOT_PRECISION=_dot_precision(x.dtype, "tf32x3"), SPLIT=x.dtype == torch.bfloat16 and not _interpreting(),
         USE_PDL=use_pdl,
         num_warps=num_warps, launch_pdl=use_pdl,
+    )
+
+
+def launch_replay_out(
+    state, old_x, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, C, D, z, M, Q, out, idx,
+    *, pad_slot_id: int, block_p: int, num_warps: int, use_pdl: bool = False,
+):
+    """The split path's output kernel: shapes as ``launch_replay_main``; Q (B,G,T,C_h) from the
+    precompute kernel launched with it."""
+    nreq, ntok, nheads, headdim = x.shape
+    ngroups, dstate = C.shape[2], C.shape[3]
+    grid = (triton.cdiv(headdim, block_p), nreq, nheads)
+    z_strides = tuple(z.stride()) if z is not None else (0, 0, 0, 0)
+    split = x.dtype == torch.bfloat16 and not _interpreting()
+    sixteen_bit = state.dtype != torch.float32 and x.dtype != torch.float32
+    _replay_out_kernel[grid](
+        state, old_x, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, C, D, z, M, Q, out, idx,
+        ntok, old_x.shape[1], pad_slot_id, nheads // ngroups,
+        *state.stride(), *old_x.stride(), *old_dt.stride(), *old_cumA.stride(), *x.stride(), *C.stride(),
+        D.stride(0) if D is not None else 0, *z_strides, *M.stride(), *Q.stride(), *out.stride(),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_IDX=idx is not None,
+        P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(dstate)),
+        BLOCK_T=max(16, triton.next_power_of_2(ntok)), BLOCK_C=max(16, triton.next_power_of_2(old_x.shape[1])),
+        DOT_PRECISION=_dot_precision(x.dtype, "tf32x3"), SPLIT=split, STATE_SPLIT=split and state.dtype == torch.float32,
+        STATE_PRECISION="tf32" if sixteen_bit else _dot_precision(x.dtype, "tf32x3"),
+        USE_PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl,
+    )
+
+
+def launch_replay_checkpoint(
+    state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, idx, seed, ckpt_count, ckpt_list,
+    *, block_p: int, num_warps: int, programs: int,
+):
+    """The split path's checkpoint kernel on a persistent grid of ``programs`` programs: the
+    requests listed in ckpt_list[:ckpt_count] (from the precompute kernel). Shapes as
+    ``launch_replay_main``."""
+    nreq, ntok, nheads, headdim = x.shape
+    ngroups, dstate = old_B.shape[3], old_B.shape[4]
+    _replay_checkpoint_kernel[(programs,)](
+        state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, idx, seed, ckpt_count, ckpt_list,
+        ntok, old_x.shape[1], nheads // ngroups, nheads,
+        *state.stride(), *old_x.stride(), *old_B.stride(), *old_dt.stride(), *old_cumA.stride(), *x.stride(),
+        HAS_IDX=idx is not None, STOCHASTIC_ROUND=seed is not None,
+        P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(dstate)),
+        BLOCK_T=max(16, triton.next_power_of_2(ntok)), BLOCK_H=HISTORY_CHUNK,
+        DOT_PRECISION=_dot_precision(x.dtype, "tf32x3"), SPLIT=x.dtype == torch.bfloat16 and not _interpreting(),
+        num_warps=num_warps,
     )
 
 

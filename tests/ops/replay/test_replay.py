@@ -2,6 +2,7 @@
 (CPU: Triton interpreter; GPU: the mamba2-2.7b shape)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import doctest
 import re
@@ -19,6 +20,7 @@ from fastmamba.ops import (
     selective_state_update,
 )
 from fastmamba.ops.replay import api as replay_api
+from fastmamba.ops.replay import configs as replay_configs
 from fastmamba.ops.replay import default_history
 from fastmamba.ops.replay.ref import commit_accepted_ref, flush_ref, replay_selective_state_update_ref
 from tests.helpers import nan_like, tol
@@ -142,6 +144,19 @@ def make_inputs(c: Case, device, seed: int = 0):
     return cache, inputs, slots
 
 
+PATHS = ["auto", "split"]
+
+
+def kernel_path(path: str, device) -> contextlib.AbstractContextManager:
+    """"auto": the launcher's own choice (one main kernel at these sizes); "split": the output
+    kernel for the slots that store no state plus the main kernel for the rest (forced)."""
+    if path == "auto":
+        return contextlib.nullcontext()
+    cpu = torch.device(device).type == "cpu"
+    return replay_configs.forced_config(16, 1, 4 if cpu else 8, 1 if cpu else 4, split=True, out_block_p=16,
+                                        out_warps=1 if cpu else 2)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """Bit pattern view, so NaN-poisoned buffers compare exactly with torch.equal."""
     return t.contiguous().view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
@@ -151,12 +166,14 @@ def _clone(cache: ReplayCache) -> ReplayCache:
     return ReplayCache(*(t.clone() for t in cache))
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
-def test_matches_reference(c: Case, device):
+def test_matches_reference(c: Case, path, device):
     cache, inp, slots = make_inputs(c, device)
     before, ref = _clone(cache), _clone(cache)
     out = nan_like(inp["x"])
-    y = replay_selective_state_update(*cache, **inp, out=out)
+    with kernel_path(path, device):
+        y = replay_selective_state_update(*cache, **inp, out=out)
     y_ref = replay_selective_state_update_ref(*ref, **inp)
     assert y.data_ptr() == out.data_ptr()
     t = tol(c.act, c.state_dtype)
@@ -199,7 +216,7 @@ def test_accepts_broadcast_per_head_forms(device):
 
 # ---- the key property: replay + commit == plain decoding of the accepted tokens ---------------
 
-def _equivalence(c: Case, accepted_per_step: list[list[int]], device, seed: int):
+def _equivalence(c: Case, accepted_per_step: list[list[int]], device, seed: int, path: str = "auto"):
     """Run speculative steps with the given accepted counts (commit between steps) and, beside
     them, plain token-by-token selective_state_update over the accepted tokens only. Every
     accepted token's output and, after a final step and a flush, the state must agree."""
@@ -227,8 +244,9 @@ def _equivalence(c: Case, accepted_per_step: list[list[int]], device, seed: int)
     for accepted in accepted_per_step + [None]:  # None: a last step whose tokens are all rejected
         inp = step_inputs()
         before = cache.state.clone()
-        y = replay_selective_state_update(*cache, inp["x"], inp["dt"], A, inp["B"], inp["C"], D, inp["z"],
-                                          dt_bias, True, slots)
+        with kernel_path(path, device):
+            y = replay_selective_state_update(*cache, inp["x"], inp["dt"], A, inp["B"], inp["C"], D, inp["z"],
+                                              dt_bias, True, slots)
         stored += int(not torch.equal(before, cache.state))
         if accepted is None:
             cache.commit(slots, torch.zeros_like(slots), T)
@@ -249,11 +267,12 @@ def _equivalence(c: Case, accepted_per_step: list[list[int]], device, seed: int)
     return stored
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("history", [4, 8, 16], ids=["C=T", "C8", "C16"])
-def test_replay_equals_plain_decoding_of_accepted_tokens(history, device):
+def test_replay_equals_plain_decoding_of_accepted_tokens(history, path, device):
     c = Case("equivalence-T4", batch=3, tokens=4, slots="shuffled", history=history)
     # every count 0..T appears; a request may accept nothing and then everything
-    stored = _equivalence(c, [[1, 4, 2], [4, 0, 3], [0, 2, 4], [3, 1, 1]], device, seed=20)
+    stored = _equivalence(c, [[1, 4, 2], [4, 0, 3], [0, 2, 4], [3, 1, 1]], device, seed=20, path=path)
     assert stored >= (1 if history < 16 else 0)  # C=T and C8 store the state along the way
 
 
@@ -421,8 +440,9 @@ def test_bad_input(mutate, match, exc):
 # ---- GPU: the mamba2-2.7b shape -------------------------------------------------------------
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_gpu_mamba2_2p7b(state_dtype):
+def test_gpu_mamba2_2p7b(state_dtype, path):
     c = Case("mamba2-2.7b-T6", batch=8, tokens=6, heads=80, headdim=64, dstate=128, groups=1, act=torch.bfloat16,
              state_dtype=state_dtype, history=32, accepted=(0, 1, 6, 3, 2, 6, 5, 4), hist=(0, 25, 20, 26, 8, 0, 21, 10),
              bufs=(0, 1, 0, 1, 1, 0, 0, 1))  # requests 1, 3, 6 store their state (k + 6 > 32)
@@ -430,7 +450,8 @@ def test_gpu_mamba2_2p7b(state_dtype):
     ref = _clone(cache)
     out = nan_like(inp["x"])
     seed = torch.tensor([3], device="cuda") if state_dtype != torch.float32 else None
-    replay_selective_state_update(*cache, **inp, out=out, rand_seed=seed)
+    with kernel_path(path, "cuda"):
+        replay_selective_state_update(*cache, **inp, out=out, rand_seed=seed)
     y_ref = replay_selective_state_update_ref(*ref, **inp)
     torch.testing.assert_close(out.float(), y_ref.float(), **tol(torch.bfloat16))
     torch.testing.assert_close(cache.state.float(), ref.state.float(), **tol(torch.bfloat16, state_dtype))
@@ -439,15 +460,17 @@ def test_gpu_mamba2_2p7b(state_dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_mamba2_2p7b_equals_plain_decoding():
+@pytest.mark.parametrize("path", PATHS)
+def test_gpu_mamba2_2p7b_equals_plain_decoding(path):
     c = Case("mamba2-2.7b-equivalence", batch=8, tokens=6, heads=80, headdim=64, dstate=128, groups=1,
              act=torch.bfloat16, slots="shuffled", history=16)
     steps = [[1, 6, 2, 0, 3, 5, 4, 6], [6, 1, 1, 2, 0, 3, 6, 5], [2, 3, 6, 6, 1, 0, 2, 1]]
-    _equivalence(c, steps, "cuda", seed=22)
+    _equivalence(c, steps, "cuda", seed=22, path=path)
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_outputs_round_like_plain_decoding():
+@pytest.mark.parametrize("path", PATHS)
+def test_gpu_bf16_outputs_round_like_plain_decoding(path):
     """bf16 activations: the replay's outputs (split bf16 tensor-core dots, ~16 mantissa bits per
     operand) round to the same bf16 values as plain token-by-token decoding (fp32 CUDA-core math)
     for nearly every element, so greedy speculative decoding follows plain greedy decoding."""
@@ -468,7 +491,8 @@ def test_gpu_bf16_outputs_round_like_plain_decoding():
         Cm = (torch.randn(B, T, G, N, generator=g) * 0.3).bfloat16().to(dev)
         z = torch.randn(B, T, H, P, generator=g).bfloat16().to(dev)
         acc = torch.randint(1, T + 1, (B,), generator=g, dtype=torch.int32).to(dev)
-        y = replay_selective_state_update(*cache, x, dt, A, Bm, Cm, D, z, dt_bias, True, slots)
+        with kernel_path(path, dev):
+            y = replay_selective_state_update(*cache, x, dt, A, Bm, Cm, D, z, dt_bias, True, slots)
         for t in range(T):
             rows = torch.where(acc > t, slots, torch.full_like(slots, -1))
             y_t = selective_state_update(plain_state, x[:, t], dt[:, t], A, Bm[:, t], Cm[:, t], D, z[:, t], dt_bias,

@@ -1,0 +1,156 @@
+"""Replay launch configs side by side (development aid; GPU).
+
+    python scripts/dev_replay_variants.py configs   # main-kernel (block_p, num_warps), one-kernel path
+    python scripts/dev_replay_variants.py split     # one-kernel path vs the split path's output-kernel tiles
+    python scripts/dev_replay_variants.py ncu-split-BPxW   # a few Nemotron-H batch-128 T=6 steps (for ncu)
+
+Each cell: replay + commit per verification step (CUDA graph, median of do_bench, random accepted
+counts so the history runs through its steady state); the last line gives each kernel's
+(registers, spills).
+"""
+import sys
+
+import torch
+from triton.testing import do_bench
+
+from fastmamba.ops import allocate_replay_cache, replay_selective_state_update
+from fastmamba.ops.replay import configs
+from fastmamba.ops.replay import kernel as K
+
+dev = "cuda"
+SHAPES = {"nemotron-h": (128, 64, 8, 128), "nemotron-h-tp8": (16, 64, 1, 128)}
+MAIN_CONFIGS = [(16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (64, 4)]
+# (output kernel tile, checkpoint kernel tile) of the split path
+SPLIT_CONFIGS = [((32, 2), (16, 2)), ((32, 2), (16, 4)), ((32, 2), (32, 4)), ((64, 4), (16, 2)), ((64, 4), (16, 4)),
+                 ((64, 4), (32, 4))]
+
+
+def graph_time(fn):
+    fn(); torch.cuda.synchronize()
+    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(4):
+            fn()
+    return do_bench(g.replay, warmup=10, rep=100, return_mode="median") * 1e3 / 4
+
+
+def problem(name, T, Bn, sd):
+    H, P, G, N = SHAPES[name]
+    S = 2 * Bn
+    g = torch.Generator(device=dev).manual_seed(0)
+    r = lambda *s: torch.randn(*s, device=dev, generator=g)
+    x = r(Bn, T, H, P).bfloat16(); dt = r(Bn, T, H) - 3; A = -(torch.rand(H, device=dev) + 0.5)
+    B = r(Bn, T, G, N).bfloat16(); C = r(Bn, T, G, N).bfloat16(); D = r(H); z = r(Bn, T, H, P).bfloat16()
+    bias = r(H) * 0.3
+    slots = torch.randperm(S, device=dev)[:Bn].int()
+    acc = torch.randint(1, T + 1, (Bn,), device=dev, dtype=torch.int32)
+    cache = allocate_replay_cache(S, T, H, P, G, N, sd, torch.bfloat16, dev)
+    cache.state.normal_()
+
+    def step():
+        replay_selective_state_update(*cache, x, dt, A, B, C, D=D, z=z, dt_bias=bias, dt_softplus=True,
+                                      state_batch_indices=slots)
+        cache.commit(slots, acc, T)
+    return step
+
+
+def regs(kernel):
+    out = set()
+    for dev_cache in kernel.device_caches.values():
+        for ck in dev_cache[0].values():
+            try:
+                ck._init_handles()
+                out.add((ck.n_regs, ck.n_spills))
+            except Exception:  # noqa: BLE001
+                pass
+    return sorted(out)
+
+
+def cases():
+    out = [("nemotron-h", 6, b, sd) for sd in (torch.float32, torch.float16) for b in (1, 8, 32, 128, 256)]
+    out += [("nemotron-h", T, 128, sd) for sd in (torch.float32, torch.float16) for T in (2, 16)]
+    out += [("nemotron-h-tp8", 6, b, sd) for sd in (torch.float32, torch.float16) for b in (1, 8, 128, 256)]
+    return out
+
+
+def table_cfg(name, T, Bn):
+    return configs.lookup(*configs.table_key(programs_per_block=Bn * SHAPES[name][0], t_pad=configs.padded_tokens(T)))
+
+
+def time_configs():
+    """Main-kernel (block_p, num_warps) configs, one-kernel path (the precompute config as the table)."""
+    print("shape T batch state | " + " | ".join(f"{bp}x{w}" for bp, w in MAIN_CONFIGS) + "  (us per replay + commit)")
+    for case in cases():
+        step = problem(*case)
+        tab = table_cfg(*case[:3])
+        times = []
+        for bp, w in MAIN_CONFIGS:
+            with configs.forced_config(bp, w, tab.heads, tab.warps_pre):
+                times.append(graph_time(step))
+        best = min(range(len(times)), key=lambda i: times[i])
+        print(f"{case[0]} T={case[1]} b={case[2]} {str(case[3])[6:]} | " + " | ".join(f"{t:.1f}" for t in times)
+              + f"  best {MAIN_CONFIGS[best]}", flush=True)
+    print("main kernel (regs, spills):", regs(K._replay_main_kernel))
+
+
+def time_split():
+    """One-kernel path (table config) vs the split path with each (output-kernel, checkpoint-kernel) tile."""
+    names = ["one"] + [f"out {o[0]}x{o[1]} ck {c[0]}x{c[1]}" for o, c in SPLIT_CONFIGS]
+    print("shape T batch state | " + " | ".join(names) + "  (us per replay + commit)")
+    for case in cases():
+        step = problem(*case)
+        tab = table_cfg(*case[:3])
+        times = [graph_time(step)]
+        for (obp, ow), (cbp, cw) in SPLIT_CONFIGS:
+            with configs.forced_config(cbp, cw, tab.heads, tab.warps_pre, split=True, out_block_p=obp, out_warps=ow):
+                times.append(graph_time(step))
+        best = min(range(len(times)), key=lambda i: times[i])
+        print(f"{case[0]} T={case[1]} b={case[2]} {str(case[3])[6:]} | " + " | ".join(f"{t:.1f}" for t in times)
+              + f"  best {names[best]} ({times[0] / times[best]:.2f}x)", flush=True)
+    for kern in ("_replay_out_kernel", "_replay_checkpoint_kernel", "_replay_precompute_kernel"):
+        print(kern, "(regs, spills):", regs(getattr(K, kern)))
+
+
+def profile_split():
+    """Per-kernel device times (torch.profiler) of a Nemotron-H batch-128 step, one-kernel vs split paths."""
+    for sd in (torch.float32, torch.float16):
+        for T in (6, 16):
+            step = problem("nemotron-h", T, 128, sd)
+            for label, cfg in [("one 16x1", dict(block_p=16, num_warps=1, heads=8, warps_pre=4)),
+                               ("split 32x2 ck 16x4", dict(block_p=16, num_warps=4, heads=8, warps_pre=4, split=True, out_block_p=32, out_warps=2)),
+                               ("split 64x4 ck 16x4", dict(block_p=16, num_warps=4, heads=8, warps_pre=4, split=True, out_block_p=64, out_warps=4))]:
+                with configs.forced_config(**cfg):
+                    for _ in range(10):
+                        step()
+                    torch.cuda.synchronize()
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                        for _ in range(20):
+                            step()
+                        torch.cuda.synchronize()
+                times = {}
+                for ev in prof.key_averages():
+                    if ev.device_type == torch.autograd.DeviceType.CUDA:
+                        total = getattr(ev, "device_time_total", None) or ev.cuda_time_total
+                        times[ev.key.replace("_replay_", "").replace("_kernel", "")[:24]] = round(total / 20, 1)
+                print(f"T={T} {str(sd)[6:]} {label}: {times}", flush=True)
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        if arg == "configs":
+            time_configs()
+        elif arg == "split":
+            time_split()
+        elif arg == "profile":
+            profile_split()
+        elif arg.startswith("ncu-split-"):
+            bp, w = map(int, arg[len("ncu-split-"):].split("x"))
+            step = problem("nemotron-h", 6, 128, torch.float32)
+            with configs.forced_config(16, 1, 8, 4, split=True, out_block_p=bp, out_warps=w):
+                for _ in range(8):
+                    step()
+            torch.cuda.synchronize()
