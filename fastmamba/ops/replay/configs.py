@@ -1,14 +1,12 @@
-"""Launch configs for the replay state update's two kernels.
+"""Launch configs for the replay state update's kernels (precompute + main, or the split path).
 
 Chosen by the launcher from the problem size, never by @triton.autotune (autotuning re-runs an
 in-place kernel and would corrupt the state and the replay cache). Under the interpreter the
 smallest tiles are used (its cost grows with the number of programs and with tile area).
 
-The launcher's config comes from TABLE, keyed on (requests x heads bucket, padded T). Its entries
-are guesses until `python -m fastmamba.bench tune --ops replay` (issue 5, item 3) is run on the
-GPU: the sweep prints a paste-ready TABLE at the end; the header comment of TABLE then records the
-GPU, Triton version, date and command. Only the main kernel's P tile has been measured (one H100
-sweep, quoted in pick_config).
+The launcher's config comes from TABLE, keyed on (requests x heads bucket, padded T), produced by
+`python -m fastmamba.bench tune --ops replay` on the GPU (the sweep prints a paste-ready TABLE at
+the end; TABLE's header comment records the GPU, Triton version, date and commands of the run).
 """
 from __future__ import annotations
 
@@ -78,30 +76,26 @@ def table_key(*, programs_per_block: int, t_pad: int) -> tuple[int, int]:
     return triton.next_power_of_2(max(1, programs_per_block)), t_pad
 
 
-# (requests x heads bucket, padded T) -> config, for 16-bit activations (fp32 activations keep
-# block_p 64, see pick_config). NOT MEASURED YET: every entry is the pre-table guess (one program
-# per (request, head) with block_p 16; heads per precompute program 8 at t_pad 16 and 2 at 32, so
-# its [heads, t_pad, t_pad] fp32 tiles stay small). The buckets are the ones `bench spec`'s default
-# shapes produce (Nemotron-H H128 and its TP=8 slice H16, batch 1-256). Replace the whole dict with
-# the paste-ready table that `python -m fastmamba.bench tune --ops replay` prints at the end, and
-# record here the GPU, Triton version, date and command of that run.
+# (requests x heads bucket, padded T) -> config, for 16-bit activations (fp32 activations take the
+# one-kernel path with block_p 64, see pick_config). MEASURED: the paste-ready table of
+#   python -m fastmamba.bench tune --ops replay --cases nemotron-h-tp8 --json tune-tp8.jsonl
+#   python -m fastmamba.bench tune --ops replay --cases "nemotron-h T" --json tune-full.jsonl
+#   python -m fastmamba.bench tune --ops replay --table-from tune-tp8.jsonl,tune-full.jsonl
+# on an NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130, Triton 3.6.0), 2026-11-22, at commit 6113f40
+# (the CANDIDATES below): per key the config with the smallest geometric mean of (time / that
+# case's best) over its cases -- Nemotron-H (H128) and its TP=8 slice (H16), fp32 and fp16 state,
+# bf16 activations, T 2, 4, 6, 8, 16 (all pad to 16), batch 1-256; each comment gives that mean,
+# the worst case's ratio and the previous (guessed) table's mean ratio. T > 16 (t_pad 32, 64) was
+# not swept: lookup falls back to _guess.
 TABLE: dict[tuple[int, int], ReplayConfig] = {
-    (16, 16): ReplayConfig(block_p=16, num_warps=1, heads=8, warps_pre=4),
-    (128, 16): ReplayConfig(block_p=16, num_warps=1, heads=8, warps_pre=4),
-    (512, 16): ReplayConfig(block_p=16, num_warps=1, heads=8, warps_pre=4),
-    (1024, 16): ReplayConfig(block_p=16, num_warps=1, heads=8, warps_pre=4),
-    (2048, 16): ReplayConfig(block_p=32, num_warps=4, heads=8, warps_pre=4, split=True),
-    (4096, 16): ReplayConfig(block_p=32, num_warps=4, heads=8, warps_pre=4, split=True),
-    (16384, 16): ReplayConfig(block_p=32, num_warps=4, heads=8, warps_pre=4, split=True),
-    (32768, 16): ReplayConfig(block_p=32, num_warps=4, heads=8, warps_pre=4, split=True),
-    (16, 32): ReplayConfig(block_p=16, num_warps=1, heads=2, warps_pre=4),
-    (128, 32): ReplayConfig(block_p=16, num_warps=1, heads=2, warps_pre=4),
-    (512, 32): ReplayConfig(block_p=16, num_warps=1, heads=2, warps_pre=4),
-    (1024, 32): ReplayConfig(block_p=16, num_warps=1, heads=2, warps_pre=4),
-    (2048, 32): ReplayConfig(block_p=32, num_warps=4, heads=2, warps_pre=4, split=True),
-    (4096, 32): ReplayConfig(block_p=32, num_warps=4, heads=2, warps_pre=4, split=True),
-    (16384, 32): ReplayConfig(block_p=32, num_warps=4, heads=2, warps_pre=4, split=True),
-    (32768, 32): ReplayConfig(block_p=32, num_warps=4, heads=2, warps_pre=4, split=True),
+    (16, 16): ReplayConfig(block_p=16, num_warps=1, heads=4, warps_pre=4),  # 10 cases: 1.000x (worst 1.00x), guess 1.02x
+    (128, 16): ReplayConfig(block_p=16, num_warps=1, heads=4, warps_pre=4),  # 20 cases: 1.000x (worst 1.00x), guess 1.02x
+    (512, 16): ReplayConfig(block_p=64, num_warps=4, heads=4, warps_pre=4),  # 10 cases: 1.004x (worst 1.02x), guess 1.02x
+    (1024, 16): ReplayConfig(block_p=32, num_warps=2, heads=8, warps_pre=4),  # 10 cases: 1.022x (worst 1.07x), guess 1.06x
+    (2048, 16): ReplayConfig(block_p=32, num_warps=2, heads=8, warps_pre=4),  # 10 cases: 1.030x (worst 1.07x), guess 1.06x
+    (4096, 16): ReplayConfig(block_p=32, num_warps=4, heads=8, warps_pre=4, split=True),  # 20 cases: 1.011x (worst 1.10x), guess 1.01x
+    (16384, 16): ReplayConfig(block_p=32, num_warps=4, heads=8, warps_pre=4, split=True),  # 10 cases: 1.006x (worst 1.02x), guess 1.00x
+    (32768, 16): ReplayConfig(block_p=32, num_warps=4, heads=8, warps_pre=4, split=True),  # 10 cases: 1.007x (worst 1.02x), guess 1.01x
 }
 
 
