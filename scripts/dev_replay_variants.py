@@ -8,6 +8,7 @@ Each cell: replay + commit per verification step (CUDA graph, median of do_bench
 counts so the history runs through its steady state); the last line gives each kernel's
 (registers, spills).
 """
+import contextlib
 import sys
 
 import torch
@@ -118,12 +119,10 @@ def time_split():
 def profile_split():
     """Per-kernel device times (torch.profiler) of a Nemotron-H batch-128 step, one-kernel vs split paths."""
     for sd in (torch.float32, torch.float16):
-        for T in (6, 16):
+        for T in (2, 6, 16):
             step = problem("nemotron-h", T, 128, sd)
-            for label, cfg in [("one 16x1", dict(block_p=16, num_warps=1, heads=8, warps_pre=4)),
-                               ("split 32x2 ck 16x4", dict(block_p=16, num_warps=4, heads=8, warps_pre=4, split=True, out_block_p=32, out_warps=2)),
-                               ("split 64x4 ck 16x4", dict(block_p=16, num_warps=4, heads=8, warps_pre=4, split=True, out_block_p=64, out_warps=4))]:
-                with configs.forced_config(**cfg):
+            for label, cfg in [("table", None)]:
+                with configs.forced_config(**cfg) if cfg else contextlib.nullcontext():
                     for _ in range(10):
                         step()
                     torch.cuda.synchronize()
@@ -139,6 +138,26 @@ def profile_split():
                 print(f"T={T} {str(sd)[6:]} {label}: {times}", flush=True)
 
 
+def time_native():
+    """Split path, 16-bit state: the output kernel's C.S on 16-bit tensor cores vs TF32, per output tile."""
+    tiles = [(32, 2), (32, 4), (64, 4)]
+    print("shape T batch state | " + " | ".join(f"{m} {bp}x{w}" for m in ("tf32", "native") for bp, w in tiles))
+    for sd in (torch.float16, torch.bfloat16):
+        for T in (2, 6, 16):
+            step = problem("nemotron-h", T, 128, sd)
+            tab = table_cfg("nemotron-h", T, 128)
+            times = []
+            for native in (False, True):
+                K.NATIVE_16BIT_OUT = native
+                for bp, w in tiles:
+                    with configs.forced_config(tab.block_p, tab.num_warps, tab.heads, tab.warps_pre, split=True,
+                                               out_block_p=bp, out_warps=w):
+                        times.append(graph_time(step))
+            K.NATIVE_16BIT_OUT = True
+            print(f"nemotron-h T={T} b=128 {str(sd)[6:]} | " + " | ".join(f"{t:.1f}" for t in times), flush=True)
+    print("_replay_out_kernel (regs, spills):", regs(K._replay_out_kernel))
+
+
 if __name__ == "__main__":
     for arg in sys.argv[1:]:
         if arg == "configs":
@@ -147,6 +166,8 @@ if __name__ == "__main__":
             time_split()
         elif arg == "profile":
             profile_split()
+        elif arg == "native":
+            time_native()
         elif arg.startswith("ncu-split-"):
             bp, w = map(int, arg[len("ncu-split-"):].split("x"))
             step = problem("nemotron-h", 6, 128, torch.float32)

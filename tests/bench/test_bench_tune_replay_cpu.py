@@ -68,7 +68,7 @@ def test_pick_config_reads_the_table(monkeypatch):
     assert _core(_pick(8192, 64)) == configs._guess(64) == ReplayConfig(16, 1, 1, 4)  # beyond the table's t_pads
     # the split path's output tile follows the state dtype (OUT_TILES)
     assert _pick(4096, 16)[5:] == configs.OUT_TILES[4] == (64, 4)
-    assert _pick(4096, 16, state_bytes=2)[5:] == configs.OUT_TILES[2] == (32, 2)
+    assert _pick(4096, 16, state_bytes=2)[5:] == configs.OUT_TILES[2]
     # the head dim clamps the P tiles; fp32 activations take the one-kernel path with block_p 64
     assert _core(_pick(16, 32, headdim=32)) == ReplayConfig(32, 4, 2, 4)
     assert _pick(4096, 16, headdim=16)[5] == 16

@@ -412,7 +412,10 @@ def replay_selective_state_update(
     out           like x, or None (allocated contiguous)
 
     A, dt, dt_bias and D must be per head (tie-hdim); values that vary over P or N are refused.
-    The outputs are computed from the fp32 replayed state (before any rounding for storage).
+    The outputs are computed from the fp32 replayed state (before any rounding for storage). On
+    large grids (the split path, ``configs.TABLE``) they come from the stored state plus the
+    history's share instead: the same values up to rounding; there a 16-bit state meets C on
+    16-bit tensor cores (exact products; with an fp16 state, |C| beyond fp16's 65504 gives inf).
     After acceptance is known, call ``commit_accepted`` (or ``ReplayCache.commit``) with this T
     for every slot of the call (accepted may be 0). A slot whose state was written by something
     else (prefill, plain decode) needs ``reset_history`` first. The outputs of token t depend on

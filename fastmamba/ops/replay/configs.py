@@ -37,9 +37,10 @@ class ReplayConfig(NamedTuple):
 # stored state, without replaying it (the history enters through C.B products per group from the
 # precompute kernel), and a persistent checkpoint kernel replays and stores the state of only the
 # requests that store it this step (about one step in eight at the default history). Its output
-# tile depends on the state dtype, not on the table (H100, Nemotron-H batch 128, T=6, checkpoint
-# kernel 16x2 / 32x4: fp32 state 64x4 343 us vs 32x2 404; fp16 state 32x2 237 us vs 64x4 251).
-OUT_TILES = {4: (64, 4), 2: (32, 2)}  # state bytes -> (out_block_p, out_warps)
+# tile is not in the table (H100, Nemotron-H batch 128, scripts/dev_replay_variants.py: fp32 state,
+# T=6: 64x4 343 us vs 32x2 404; fp16 state with C.S on 16-bit tensor cores, T=2 / 6 / 16: 64x4
+# 185 / 211 / 308 us vs 32x2 194 / 226 / 336, and vs TF32 at 32x2, the best TF32 tile, 210 / 233 / 313).
+OUT_TILES = {4: (64, 4), 2: (64, 4)}  # state bytes -> (out_block_p, out_warps)
 
 # What the tuning sweep (`python -m fastmamba.bench tune --ops replay`) tries: the one-kernel path
 # with each main-kernel P tile and the split path with two checkpoint-kernel tiles, each with 4 or

@@ -368,8 +368,8 @@ def _replay_out_kernel(
     # with Q (C_t . B_c) and M from the precompute kernel, then this step's x recorded
     # at positions k.. of the history (slots storing no state this step; the checkpoint kernel,
     # launched after this one, replays and stores the others'). No tl.dot chain through a replayed
-    # state: far fewer live registers than the main kernel, and a 16-bit state enters the dot
-    # exactly (TF32).
+    # state: far fewer live registers than the main kernel, and a 16-bit state enters a 16-bit
+    # tensor-core dot as it is.
     pid_p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -408,7 +408,12 @@ def _replay_out_kernel(
                   mask=mn[:, None] & mt[None, :], other=0.0)  # [BLOCK_N, BLOCK_T]
     if STATE_SPLIT:
         y = _dot_split(s, C_T, tl.zeros((BLOCK_P, BLOCK_T), dtype=tl.float32), SPLIT, DOT_PRECISION)
-    else:  # a 16-bit state and 16-bit C are exact in TF32 (STATE_PRECISION), else as the main kernel
+    elif STATE_PRECISION == "native":
+        # a 16-bit state on 16-bit tensor cores, exact products: bf16 C as is, or (fp16 state) C in
+        # fp16, exact for |C| in [2^-14, 65504] (below, a relative error of at most 2^-11 of a
+        # subnormal; above, inf -- the outputs show it)
+        y = tl.dot(s, C_T.to(state_ptr.dtype.element_ty))
+    else:  # a 16-bit state and 16-bit C are exact in TF32 (the interpreter), else as the main kernel
         y = tl.dot(s.to(tl.float32), C_T.to(tl.float32), input_precision=STATE_PRECISION)
     # cA_{k-1} + cs_t: as recorded (at k + t of buffer rbuf), or at a checkpoint, where this step's
     # cs was recorded from 0 at position t of the other buffer, plus cA_{k-1}
@@ -506,6 +511,7 @@ def _replay_checkpoint_kernel(
 
 
 HISTORY_CHUNK = 16  # history tokens per replay tl.dot (its K dimension)
+NATIVE_16BIT_OUT = True  # output kernel: a 16-bit state's C.S on 16-bit tensor cores (else TF32)
 
 
 def _interpreting() -> bool:
@@ -596,7 +602,8 @@ def launch_replay_out(
         P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(dstate)),
         BLOCK_T=max(16, triton.next_power_of_2(ntok)), BLOCK_C=max(16, triton.next_power_of_2(old_x.shape[1])),
         DOT_PRECISION=_dot_precision(x.dtype, "tf32x3"), SPLIT=split, STATE_SPLIT=split and state.dtype == torch.float32,
-        STATE_PRECISION="tf32" if sixteen_bit else _dot_precision(x.dtype, "tf32x3"),
+        STATE_PRECISION=(("tf32" if _interpreting() or not NATIVE_16BIT_OUT else "native") if sixteen_bit
+                         else _dot_precision(x.dtype, "tf32x3")),
         USE_PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl,
     )
 

@@ -149,12 +149,13 @@ PATHS = ["auto", "split"]
 
 def kernel_path(path: str, device) -> contextlib.AbstractContextManager:
     """"auto": the launcher's own choice (one main kernel at these sizes); "split": the output
-    kernel for the slots that store no state plus the main kernel for the rest (forced)."""
+    kernel for every request plus the checkpoint kernel for those that store their state (forced;
+    on the GPU with the table's split-path tiles)."""
     if path == "auto":
         return contextlib.nullcontext()
-    cpu = torch.device(device).type == "cpu"
-    return replay_configs.forced_config(16, 1, 4 if cpu else 8, 1 if cpu else 4, split=True, out_block_p=16,
-                                        out_warps=1 if cpu else 2)
+    if torch.device(device).type == "cpu":
+        return replay_configs.forced_config(16, 1, 4, 1, split=True, out_block_p=16, out_warps=1)
+    return replay_configs.forced_config(32, 4, 8, 4, split=True)  # the output tile of OUT_TILES
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
