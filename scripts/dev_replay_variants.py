@@ -1,19 +1,20 @@
 """Replay launch configs side by side (development aid; GPU).
 
     python scripts/dev_replay_variants.py configs   # main-kernel (block_p, num_warps), one-kernel path
-    python scripts/dev_replay_variants.py split     # one-kernel path vs the split path's output-kernel tiles
+    python scripts/dev_replay_variants.py split     # one-kernel path vs the split path's kernel tiles
+    python scripts/dev_replay_variants.py profile   # per-kernel times at the table's configs (or profile-noreplay)
+    python scripts/dev_replay_variants.py native    # split path, 16-bit state: C.S on 16-bit tensor cores vs TF32
     python scripts/dev_replay_variants.py ncu-split-BPxW   # a few Nemotron-H batch-128 T=6 steps (for ncu)
 
 Each cell: replay + commit per verification step (CUDA graph, median of do_bench, random accepted
 counts so the history runs through its steady state); the last line gives each kernel's
 (registers, spills).
 """
-import contextlib
 import sys
 
 import torch
-from triton.testing import do_bench
 
+from dev_replay_timing import graph_time  # scripts/ is on the path when run as a script
 from fastmamba.ops import allocate_replay_cache, replay_selective_state_update
 from fastmamba.ops.replay import configs
 from fastmamba.ops.replay import kernel as K
@@ -26,20 +27,7 @@ SPLIT_CONFIGS = [((32, 2), (16, 2)), ((32, 2), (16, 4)), ((32, 2), (32, 4)), ((6
                  ((64, 4), (32, 4))]
 
 
-def graph_time(fn):
-    fn(); torch.cuda.synchronize()
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(4):
-            fn()
-    return do_bench(g.replay, warmup=10, rep=100, return_mode="median") * 1e3 / 4
-
-
-def problem(name, T, Bn, sd):
+def problem(name, T, Bn, sd, noreplay=False):
     H, P, G, N = SHAPES[name]
     S = 2 * Bn
     g = torch.Generator(device=dev).manual_seed(0)
@@ -55,7 +43,11 @@ def problem(name, T, Bn, sd):
     def step():
         replay_selective_state_update(*cache, x, dt, A, B, C, D=D, z=z, dt_bias=bias, dt_softplus=True,
                                       state_batch_indices=slots)
-        cache.commit(slots, acc, T)
+        if noreplay:
+            cache.hist_len.zero_()
+            cache.prev_accepted.zero_()
+        else:
+            cache.commit(slots, acc, T)
     return step
 
 
@@ -116,26 +108,30 @@ def time_split():
         print(kern, "(regs, spills):", regs(getattr(K, kern)))
 
 
-def profile_split():
-    """Per-kernel device times (torch.profiler) of a Nemotron-H batch-128 step, one-kernel vs split paths."""
+def kernel_times(step, calls: int = 20) -> dict[str, float]:
+    """Per-kernel device µs per call of ``step`` (torch.profiler, after a warm-up)."""
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    times = {}
+    for ev in prof.key_averages():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            total = getattr(ev, "device_time_total", None) or ev.cuda_time_total
+            times[ev.key.replace("_replay_", "").replace("_kernel", "")[:24]] = round(total / calls, 1)
+    return times
+
+
+def profile_split(noreplay: bool = False):
+    """Per-kernel device times of Nemotron-H batch-128 steps at the table's configs (``noreplay``:
+    the history emptied after every step, so nothing is replayed: the state-read floor)."""
     for sd in (torch.float32, torch.float16):
         for T in (2, 6, 16):
-            step = problem("nemotron-h", T, 128, sd)
-            for label, cfg in [("table", None)]:
-                with configs.forced_config(**cfg) if cfg else contextlib.nullcontext():
-                    for _ in range(10):
-                        step()
-                    torch.cuda.synchronize()
-                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                        for _ in range(20):
-                            step()
-                        torch.cuda.synchronize()
-                times = {}
-                for ev in prof.key_averages():
-                    if ev.device_type == torch.autograd.DeviceType.CUDA:
-                        total = getattr(ev, "device_time_total", None) or ev.cuda_time_total
-                        times[ev.key.replace("_replay_", "").replace("_kernel", "")[:24]] = round(total / 20, 1)
-                print(f"T={T} {str(sd)[6:]} {label}: {times}", flush=True)
+            step = problem("nemotron-h", T, 128, sd, noreplay=noreplay)
+            print(f"T={T} {str(sd)[6:]}{' noreplay' if noreplay else ''}: {kernel_times(step)}", flush=True)
 
 
 def time_native():
@@ -164,8 +160,8 @@ if __name__ == "__main__":
             time_configs()
         elif arg == "split":
             time_split()
-        elif arg == "profile":
-            profile_split()
+        elif arg in ("profile", "profile-noreplay"):
+            profile_split(noreplay=arg.endswith("noreplay"))
         elif arg == "native":
             time_native()
         elif arg.startswith("ncu-split-"):
