@@ -300,32 +300,29 @@ def _replay_op(
     ngroups = B.shape[2]
     pre_programs = nreq * ngroups * -(-(nheads // ngroups) // cfg.heads)
     main_programs = -(-headdim // cfg.block_p) * nreq * nheads
-    if not cfg.split:
-        launch_replay_precompute(
-            dt, dt_bias, A, B, C, state_batch_indices, buf_idx, prev_accepted, hist_len, M, old_B, old_dt, old_cumA,
-            dt_softplus=dt_softplus, pad_slot_id=pad_slot_id, heads=cfg.heads, num_warps=cfg.warps_pre,
-            use_pdl=pdl_active(x, pre_programs, cfg.warps_pre),
-        )
-        launch_replay_main(
-            state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, C, D, z, M, out,
-            state_batch_indices, rand_seed, pad_slot_id=pad_slot_id, block_p=cfg.block_p, num_warps=cfg.num_warps,
-            use_pdl=pdl_active(x, main_programs, cfg.num_warps),
-        )
-        return
     # The split path (large batches): the output kernel produces every request's outputs straight
     # from the stored state (and records x where no state is stored); then the checkpoint kernel,
     # on a persistent grid, replays and stores the state of the requests that store it this step,
-    # from the list the precompute kernel makes. Per-call scratch: C . B products per group (Q), the
-    # list and its length. No PDL on the two (the list is read before any wait).
-    Q = torch.empty(nreq, ngroups, ntok, old_x.shape[1], dtype=torch.float32, device=x.device)
-    ckpt_count = torch.zeros(1, dtype=torch.int32, device=x.device)
-    ckpt_list = torch.empty(nreq, dtype=torch.int32, device=x.device)
+    # from the list the precompute kernel makes. Its per-call scratch: C . B products per group (Q),
+    # the list and its length. No PDL on the two (the list is read before any wait).
+    Q = ckpt_count = ckpt_list = None
+    if cfg.split:
+        Q = torch.empty(nreq, ngroups, ntok, old_x.shape[1], dtype=torch.float32, device=x.device)
+        ckpt_count = torch.zeros(1, dtype=torch.int32, device=x.device)
+        ckpt_list = torch.empty(nreq, dtype=torch.int32, device=x.device)
     launch_replay_precompute(
         dt, dt_bias, A, B, C, state_batch_indices, buf_idx, prev_accepted, hist_len, M, old_B, old_dt, old_cumA,
         Q, ckpt_count, ckpt_list,
         dt_softplus=dt_softplus, pad_slot_id=pad_slot_id, heads=cfg.heads, num_warps=cfg.warps_pre,
         use_pdl=pdl_active(x, pre_programs, cfg.warps_pre),
     )
+    if not cfg.split:
+        launch_replay_main(
+            state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, C, D, z, M, out,
+            state_batch_indices, rand_seed, pad_slot_id=pad_slot_id, block_p=cfg.block_p, num_warps=cfg.num_warps,
+            use_pdl=pdl_active(x, main_programs, cfg.num_warps),
+        )
+        return
     launch_replay_out(
         state, old_x, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, C, D, z, M, Q, out, state_batch_indices,
         pad_slot_id=pad_slot_id, block_p=cfg.out_block_p, num_warps=cfg.out_warps,
