@@ -45,3 +45,14 @@ def scaled_tiny_model(device: torch.device | str | None = None):
             layer.mixer.conv1d.weight.mul_(10)
             layer.mixer.out_proj.weight.mul_(30)
     return m
+
+
+def run_to_completion(engine, prompts, params):
+    """Add one request per (prompt, params) to ``engine``, step until all finish, and check every
+    slot came back; returns the finished requests in prompt order."""
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_unfinished():
+        engine.step()
+    reqs = [engine.finished.pop(rid) for rid in rids]
+    assert engine.cache.free_slots == engine.max_batch
+    return reqs

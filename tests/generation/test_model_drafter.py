@@ -14,7 +14,7 @@ from fastmamba.generation.drafters import ModelDrafter, make_drafter
 from fastmamba.generation.engine import Engine
 from fastmamba.generation.sampling import SamplingParams
 from fastmamba.models import Mamba2LM, random_init
-from tests.helpers import scaled_tiny_model
+from tests.helpers import run_to_completion, scaled_tiny_model
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPT_LENS = (3, 9, 5)
@@ -54,10 +54,7 @@ def plain(target, prompts):
 
 def run(engine, prompts, params):
     """Run to completion; returns (outputs, accepted-drafts-per-step lists) in prompt order."""
-    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    while engine.has_unfinished():
-        engine.step()
-    reqs = [engine.finished.pop(rid) for rid in rids]
+    reqs = run_to_completion(engine, prompts, params)
     return [r.output for r in reqs], [r.accepted for r in reqs]
 
 

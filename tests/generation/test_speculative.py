@@ -9,7 +9,7 @@ import torch
 from fastmamba.generation.drafters import NgramDrafter, OracleDrafter
 from fastmamba.generation.engine import Engine
 from fastmamba.generation.sampling import Sampler, SamplingParams, speculative_accept
-from tests.helpers import scaled_tiny_model
+from tests.helpers import run_to_completion, scaled_tiny_model
 
 FP32 = dict(atol=1e-4, rtol=1e-4)
 PROMPT_LENS = (3, 9, 5)
@@ -38,11 +38,7 @@ def plain(model, prompts):
 
 def run(engine, prompts, params):
     """Run to completion; returns (outputs, accepted-drafts-per-step lists) in prompt order."""
-    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    while engine.has_unfinished():
-        engine.step()
-    reqs = [engine.finished.pop(rid) for rid in rids]
-    assert engine.cache.free_slots == engine.max_batch
+    reqs = run_to_completion(engine, prompts, params)
     return [r.output for r in reqs], [r.accepted for r in reqs]
 
 

@@ -11,7 +11,7 @@ import torch
 from fastmamba.generation.drafters import OracleDrafter
 from fastmamba.generation.engine import Engine
 from fastmamba.generation.sampling import SamplingParams
-from tests.helpers import scaled_tiny_model
+from tests.helpers import run_to_completion, scaled_tiny_model
 
 FP32 = dict(atol=1e-4, rtol=1e-4)
 K = 2  # drafts per step: T = 3 inputs verified per step
@@ -57,12 +57,8 @@ def run_script(model, plain, **engine_kw):
     against plain greedy and the stats against the drafter's record; returns the engine."""
     drafter = ScriptedOracle(OracleDrafter.from_runs(PROMPTS, plain))
     engine = Engine(model, max_batch=2, speculate=K, drafter=drafter, **engine_kw)
-    rids = [engine.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(PROMPTS, NEW_TOKENS)]
-    while engine.has_unfinished():
-        engine.step()
-    reqs = [engine.finished.pop(rid) for rid in rids]
+    reqs = run_to_completion(engine, PROMPTS, [SamplingParams(max_new_tokens=n) for n in NEW_TOKENS])
     assert [r.output for r in reqs] == [p[:n] for p, n in zip(plain, NEW_TOKENS)]
-    assert engine.cache.free_slots == engine.max_batch
     st = engine.stats
     assert sum(st["steps"].values()) == len(drafter.proposed)
     assert st["steps"]["plain"] == drafter.proposed.count(0)
