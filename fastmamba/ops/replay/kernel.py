@@ -47,6 +47,14 @@ from fastmamba.ops._common.jit_math import silu, softplus, stochastic_round
 
 
 @triton.jit
+def _slot_history(buf_idx_ptr, hist_ptr, accepted_ptr, slot, capacity):
+    """A slot's history: its read buffer (int64) and k = hist_len + prev_accepted, clamped to
+    [0, capacity] (the tokens to replay)."""
+    k = tl.load(hist_ptr + slot).to(tl.int32) + tl.load(accepted_ptr + slot).to(tl.int32)
+    return tl.load(buf_idx_ptr + slot).to(tl.int64), tl.minimum(tl.maximum(k, 0), capacity)
+
+
+@triton.jit
 def _replay_precompute_kernel(
     dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, idx_ptr, buf_idx_ptr, accepted_ptr, hist_ptr,
     M_ptr, Q_ptr, old_B_ptr, old_dt_ptr, old_cumA_ptr, ckpt_count_ptr, ckpt_list_ptr,
@@ -76,9 +84,7 @@ def _replay_precompute_kernel(
         slot = b
     if slot == pad_slot_id:
         return  # padding: the main kernel zeroes its output, nothing is recorded
-    rbuf = tl.load(buf_idx_ptr + slot).to(tl.int64)
-    k = tl.load(hist_ptr + slot).to(tl.int32) + tl.load(accepted_ptr + slot).to(tl.int32)
-    k = tl.minimum(tl.maximum(k, 0), capacity)
+    rbuf, k = _slot_history(buf_idx_ptr, hist_ptr, accepted_ptr, slot, capacity)
     checkpoint = k + T > capacity  # the main kernel stores the state; a new history starts
     wbuf = tl.where(checkpoint, 1 - rbuf, rbuf)
     base = tl.where(checkpoint, 0, k).to(tl.int64)
@@ -273,9 +279,7 @@ def _replay_main_kernel(
                  + offs_t[None, :] * stride_out_t, tl.zeros((BLOCK_P, BLOCK_T), dtype=out_ptr.dtype.element_ty),
                  mask=mp[:, None] & mt[None, :])
         return
-    rbuf = tl.load(buf_idx_ptr + slot).to(tl.int64)
-    k = tl.load(hist_ptr + slot).to(tl.int32) + tl.load(accepted_ptr + slot).to(tl.int32)
-    k = tl.minimum(tl.maximum(k, 0), capacity)
+    rbuf, k = _slot_history(buf_idx_ptr, hist_ptr, accepted_ptr, slot, capacity)
     checkpoint = k + T > capacity
 
     cum_row = old_cumA_ptr + rbuf * stride_ocs_r + slot * stride_ocs_s + h * stride_ocs_h
@@ -391,9 +395,7 @@ def _replay_out_kernel(
     if slot == pad_slot_id:  # padding: zero output, no state or cache traffic
         tl.store(out_ptrs, tl.zeros((BLOCK_P, BLOCK_T), dtype=out_ptr.dtype.element_ty), mask=mask_pt)
         return
-    rbuf = tl.load(buf_idx_ptr + slot).to(tl.int64)
-    k = tl.load(hist_ptr + slot).to(tl.int32) + tl.load(accepted_ptr + slot).to(tl.int32)
-    k = tl.minimum(tl.maximum(k, 0), capacity)
+    rbuf, k = _slot_history(buf_idx_ptr, hist_ptr, accepted_ptr, slot, capacity)
     checkpoint = k + T > capacity
     s = tl.load(state_ptr + slot * stride_state_s + h * stride_state_h + offs_p[:, None] * stride_state_p
                 + offs_n[None, :] * stride_state_n, mask=mp[:, None] & mn[None, :], other=0.0)
@@ -484,9 +486,7 @@ def _replay_checkpoint_kernel(
             slot = tl.load(idx_ptr + b).to(tl.int64)
         else:
             slot = b
-        rbuf = tl.load(buf_idx_ptr + slot).to(tl.int64)
-        k = tl.load(hist_ptr + slot).to(tl.int32) + tl.load(accepted_ptr + slot).to(tl.int32)
-        k = tl.minimum(tl.maximum(k, 0), capacity)
+        rbuf, k = _slot_history(buf_idx_ptr, hist_ptr, accepted_ptr, slot, capacity)
         cum_row = old_cumA_ptr + rbuf * stride_ocs_r + slot * stride_ocs_s + h * stride_ocs_h
         x_row = old_x_ptr + slot * stride_ox_s + h * stride_ox_h
         cum_last = tl.load(cum_row + (k - 1) * stride_ocs_t, mask=k > 0, other=0.0)
