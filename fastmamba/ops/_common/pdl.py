@@ -47,6 +47,15 @@ def pdl_requested(t: torch.Tensor) -> bool:
     return _enabled and t.is_cuda
 
 
+def pdl_supported(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device can launch programmatic dependents (a CUDA tensor on sm_90 or newer),
+    whether or not PDL is switched on: for chains of our own kernels inside one op, where the
+    contract above is ours to keep."""
+    if not t.is_cuda:
+        return False
+    return _sm_info(t.device.index if t.device.index is not None else torch.cuda.current_device())[0]
+
+
 def pdl_active(t: torch.Tensor, programs: int, num_warps: int) -> bool:
     """Whether a launch of ``programs`` programs of ``num_warps`` warps on ``t``'s device uses PDL.
 

@@ -16,8 +16,9 @@ from fastmamba.ops._common.checks import (
     check_shape,
 )
 from fastmamba.ops._common.dispatch import interpreter_enabled, use_triton
-from fastmamba.ops._common.pdl import pdl_active, sm_count
+from fastmamba.ops._common.pdl import pdl_active, pdl_supported, sm_count
 from fastmamba.ops._common.slot_rows import scatter_rows
+from fastmamba.ops.replay import configs
 from fastmamba.ops.replay.configs import pick_config
 from fastmamba.ops.replay.kernel import (
     launch_commit,
@@ -304,17 +305,21 @@ def _replay_op(
     # from the stored state (and records x where no state is stored); then the checkpoint kernel,
     # on a persistent grid, replays and stores the state of the requests that store it this step,
     # from the list the precompute kernel makes. Its per-call scratch: C . B products per group (Q),
-    # the list and its length. No PDL on the two (the list is read before any wait).
-    Q = ckpt_count = ckpt_list = None
+    # the log-decay from each stored state (total), the list and its length, and (without PDL,
+    # configs.CHAIN_PDL) each request's [k, rbuf].
+    Q = total = kinfo = ckpt_count = ckpt_list = None
+    chain_pdl = configs.CHAIN_PDL and pdl_supported(x)
     if cfg.split:
         Q = torch.empty(nreq, ngroups, ntok, old_x.shape[1], dtype=torch.float32, device=x.device)
+        total = torch.empty(nreq, nheads, ntok, dtype=torch.float32, device=x.device)
+        kinfo = None if chain_pdl else torch.empty(nreq, 2, dtype=torch.int32, device=x.device)
         ckpt_count = torch.zeros(1, dtype=torch.int32, device=x.device)
-        ckpt_list = torch.empty(nreq, dtype=torch.int32, device=x.device)
+        ckpt_list = torch.empty(nreq, 4, dtype=torch.int32, device=x.device)
     launch_replay_precompute(
         dt, dt_bias, A, B, C, state_batch_indices, buf_idx, prev_accepted, hist_len, M, old_B, old_dt, old_cumA,
-        Q, ckpt_count, ckpt_list,
+        Q, total, kinfo, ckpt_count, ckpt_list,
         dt_softplus=dt_softplus, pad_slot_id=pad_slot_id, heads=cfg.heads, num_warps=cfg.warps_pre,
-        use_pdl=pdl_active(x, pre_programs, cfg.warps_pre),
+        use_pdl=pdl_active(x, pre_programs, cfg.warps_pre), launch_dependents=cfg.split and chain_pdl,
     )
     if not cfg.split:
         launch_replay_main(
@@ -324,13 +329,15 @@ def _replay_op(
         )
         return
     launch_replay_out(
-        state, old_x, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, C, D, z, M, Q, out, state_batch_indices,
-        pad_slot_id=pad_slot_id, block_p=cfg.out_block_p, num_warps=cfg.out_warps,
+        state, old_x, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, kinfo, total, x, C, D, z, M, Q, out,
+        state_batch_indices, pad_slot_id=pad_slot_id, block_p=cfg.out_block_p, num_warps=cfg.out_warps,
+        maxnreg=None if interpreter_enabled() else configs.OUT_MAXNREG[4 if state.element_size() >= 4 else 2],
+        use_pdl=chain_pdl, launch_dependents=chain_pdl,
     )
     launch_replay_checkpoint(
-        state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, state_batch_indices, rand_seed,
-        ckpt_count, ckpt_list, block_p=cfg.block_p, num_warps=cfg.num_warps,
-        programs=min(main_programs, checkpoint_programs(x, cfg.num_warps)),
+        state, old_x, old_B, old_dt, old_cumA, x, rand_seed, ckpt_count, ckpt_list,
+        block_p=cfg.block_p, num_warps=cfg.num_warps,
+        programs=min(main_programs, checkpoint_programs(x, cfg.num_warps)), use_pdl=chain_pdl,
     )
 
 

@@ -41,14 +41,26 @@ class ReplayConfig(NamedTuple):
 # T=6: 64x4 343 us vs 32x2 404; fp16 state with C.S on 16-bit tensor cores, T=2 / 6 / 16: 64x4
 # 185 / 211 / 308 us vs 32x2 194 / 226 / 336, and vs TF32 at 32x2, the best TF32 tile, 210 / 233 / 313).
 OUT_TILES = {4: (64, 4), 2: (64, 4)}  # state bytes -> (out_block_p, out_warps)
+# ... and its register cap (ptxas maxnreg; None: none): at 128 an fp32-state program fits four to
+# an SM instead of three, without spills (H200, Nemotron-H batch 128 T=6: output kernel 225 -> 194 us)
+OUT_MAXNREG = {4: 128, 2: None}
+
+# The split path's three kernels run as a chain of programmatic dependent launches where the GPU
+# has them (sm_90+; our own kernels inside one op, so independent of the FASTMAMBA_PDL opt-in):
+# the output kernel loads each slot's stored state and history while the precompute kernel runs,
+# and the checkpoint kernel replays while the output kernel's last programs finish (it waits before
+# it stores). H200, Nemotron-H batch 128, fp16 state: T=2 150 -> 142 us, T=16 250 -> 241 us.
+CHAIN_PDL = True
 
 # What the tuning sweep (`python -m fastmamba.bench tune --ops replay`) tries: the one-kernel path
-# with each main-kernel P tile and the split path with two checkpoint-kernel tiles, each with 4 or
-# 8 heads per precompute program (every swept T pads to 16).
+# with each main-kernel P tile and 4 or 8 heads per precompute program, and the split path with
+# two checkpoint-kernel tiles and 8 heads x 4 warps or 16 heads x 2 warps per precompute program
+# (every swept T pads to 16).
 CANDIDATES = [
     dict(block_p=bp, num_warps=bp // 16, heads=hd, warps_pre=4) for bp in (16, 32, 64) for hd in (4, 8)
 ] + [
-    dict(block_p=bp, num_warps=w, heads=hd, warps_pre=4, split=True) for bp, w in ((16, 2), (32, 4)) for hd in (4, 8)
+    dict(block_p=bp, num_warps=w, heads=hd, warps_pre=wp, split=True)
+    for bp, w in ((32, 4), (64, 4)) for hd, wp in ((8, 4), (16, 2))
 ]
 
 _forced: ReplayConfig | None = None
@@ -87,16 +99,21 @@ def table_key(*, programs_per_block: int, t_pad: int) -> tuple[int, int]:
 # case's best) over its cases -- Nemotron-H (H128) and its TP=8 slice (H16), fp32 and fp16 state,
 # bf16 activations, T 2, 4, 6, 8, 16 (all pad to 16), batch 1-256; each comment gives that mean,
 # the worst case's ratio and the previous (guessed) table's mean ratio. T > 16 (t_pad 32, 64) was
-# not swept: lookup falls back to _guess.
+# not swept: lookup falls back to _guess. The split-path keys (4096 and up) were re-swept on the
+# issue's GPU after the split path's rework (precompute 16 heads x 2 warps joined the candidates):
+#   python -m fastmamba.bench tune --ops replay --cases "nemotron-h T" --batch 32,128,256
+# on an NVIDIA H200 (torch 2.11.0+cu130, Triton 3.6.0), 2026-11-22: Nemotron-H batch 32 / 128 / 256,
+# fp32 and fp16 state, T 2-16; every case's best is its key's config (the previous split entry
+# 32x4 / 8 heads x 4 warps: 1.02x at 4096, 1.06x at 16384 and 32768).
 TABLE: dict[tuple[int, int], ReplayConfig] = {
     (16, 16): ReplayConfig(block_p=16, num_warps=1, heads=4, warps_pre=4),  # 10 cases: 1.000x (worst 1.00x), guess 1.02x
     (128, 16): ReplayConfig(block_p=16, num_warps=1, heads=4, warps_pre=4),  # 20 cases: 1.000x (worst 1.00x), guess 1.02x
     (512, 16): ReplayConfig(block_p=64, num_warps=4, heads=4, warps_pre=4),  # 10 cases: 1.004x (worst 1.02x), guess 1.02x
     (1024, 16): ReplayConfig(block_p=32, num_warps=2, heads=8, warps_pre=4),  # 10 cases: 1.022x (worst 1.07x), guess 1.06x
     (2048, 16): ReplayConfig(block_p=32, num_warps=2, heads=8, warps_pre=4),  # 10 cases: 1.030x (worst 1.07x), guess 1.06x
-    (4096, 16): ReplayConfig(block_p=32, num_warps=4, heads=8, warps_pre=4, split=True),  # 20 cases: 1.011x (worst 1.10x), guess 1.01x
-    (16384, 16): ReplayConfig(block_p=32, num_warps=4, heads=8, warps_pre=4, split=True),  # 10 cases: 1.006x (worst 1.02x), guess 1.00x
-    (32768, 16): ReplayConfig(block_p=32, num_warps=4, heads=8, warps_pre=4, split=True),  # 10 cases: 1.007x (worst 1.02x), guess 1.01x
+    (4096, 16): ReplayConfig(block_p=64, num_warps=4, heads=8, warps_pre=4, split=True),  # H200, 10 cases: 1.000x (worst 1.00x), previous 1.02x
+    (16384, 16): ReplayConfig(block_p=64, num_warps=4, heads=16, warps_pre=2, split=True),  # H200, 10 cases: 1.000x (worst 1.00x), previous 1.06x
+    (32768, 16): ReplayConfig(block_p=64, num_warps=4, heads=16, warps_pre=2, split=True),  # H200, 10 cases: 1.000x (worst 1.00x), previous 1.06x
 }
 
 

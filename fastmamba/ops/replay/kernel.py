@@ -57,7 +57,7 @@ def _slot_history(buf_idx_ptr, hist_ptr, accepted_ptr, slot, capacity):
 @triton.jit
 def _replay_precompute_kernel(
     dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, idx_ptr, buf_idx_ptr, accepted_ptr, hist_ptr,
-    M_ptr, Q_ptr, old_B_ptr, old_dt_ptr, old_cumA_ptr, ckpt_count_ptr, ckpt_list_ptr,
+    M_ptr, Q_ptr, total_ptr, kinfo_ptr, old_B_ptr, old_dt_ptr, old_cumA_ptr, ckpt_count_ptr, ckpt_list_ptr,
     T, capacity, heads_per_group, pad_slot_id,
     stride_dt_b, stride_dt_t, stride_dt_h,
     stride_dt_bias_h, stride_A_h,
@@ -65,13 +65,14 @@ def _replay_precompute_kernel(
     stride_C_b, stride_C_t, stride_C_g, stride_C_n,
     stride_M_b, stride_M_h, stride_M_t, stride_M_s,
     stride_Q_b, stride_Q_g, stride_Q_t, stride_Q_c,
+    stride_tot_b, stride_tot_h, stride_tot_t,
     stride_oB_r, stride_oB_s, stride_oB_t, stride_oB_g, stride_oB_n,
     stride_odt_r, stride_odt_s, stride_odt_t, stride_odt_h,
     stride_ocs_r, stride_ocs_s, stride_ocs_t, stride_ocs_h,
     HAS_DT_BIAS: tl.constexpr, HAS_IDX: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, HEADS: tl.constexpr,
     HIST: tl.constexpr, BLOCK_C: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, HAS_KINFO: tl.constexpr,
 ):
     # one program per (request, group, block of HEADS heads of that group): C B^T is computed once
     # and shared by the block's heads, which differ only in their decay and dt'
@@ -100,8 +101,9 @@ def _replay_precompute_kernel(
 
     # what the previous step left (read before the grid-dependency wait under PDL: the kernel
     # launched just before this one, the conv update, writes none of it)
-    offset = tl.load(old_cumA_ptr + rbuf * stride_ocs_r + slot * stride_ocs_s + (k - 1) * stride_ocs_t
-                     + h * stride_ocs_h, mask=mj & (k > 0) & (base > 0), other=0.0)  # cA_{k-1}, or 0
+    cum_last = tl.load(old_cumA_ptr + rbuf * stride_ocs_r + slot * stride_ocs_s + (k - 1) * stride_ocs_t
+                       + h * stride_ocs_h, mask=mj & (k > 0), other=0.0)  # cA_{k-1}, or 0
+    offset = tl.where(checkpoint, 0.0, cum_last)  # where this step's cumulative decay is recorded from
     if HAS_DT_BIAS:
         bias = tl.load(dt_bias_ptr + h * stride_dt_bias_h, mask=mj, other=0.0).to(tl.float32)
     else:
@@ -109,6 +111,7 @@ def _replay_precompute_kernel(
     A = tl.load(A_ptr + h * stride_A_h, mask=mj, other=0.0).to(tl.float32)
     if USE_PDL:
         gdc_wait()  # dt, B and C come from the kernels before
+    if USE_PDL or LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
 
     # dt' and the cumulative log-decay cs, [HEADS, BLOCK_T] (zero past T, so cs stays flat there)
@@ -144,11 +147,22 @@ def _replay_precompute_kernel(
     # the history's B,
     #   Q[t, c] = C_t . B_c   (c < k, buffer rbuf),
     # from which the output kernel forms each head's share of the history in its outputs (it reads
-    # history positions < k of buffer rbuf: nothing below writes there), and the list of the
-    # requests that store their state this step (the checkpoint kernel's work)
+    # history positions < k of buffer rbuf: nothing below writes there); per head the log-decay
+    # from the stored state, total = cA_{k-1} + cs (one load there instead of a dependent pair);
+    # and the list of the requests that store their state this step (the checkpoint kernel's work)
     if HIST:
-        if (g == 0) & (hb == 0) & checkpoint:
-            tl.store(ckpt_list_ptr + tl.atomic_add(ckpt_count_ptr, 1), b.to(tl.int32))
+        if (g == 0) & (hb == 0):
+            if HAS_KINFO:  # the request's [k, rbuf], for an output kernel launched without PDL
+                tl.store(kinfo_ptr + 2 * b, k)
+                tl.store(kinfo_ptr + 2 * b + 1, rbuf.to(tl.int32))
+            if checkpoint:  # one record [request, slot, k, rbuf] in the list
+                rec = ckpt_list_ptr + 4 * tl.atomic_add(ckpt_count_ptr, 1)
+                tl.store(rec, b.to(tl.int32))
+                tl.store(rec + 1, slot.to(tl.int32))
+                tl.store(rec + 2, k)
+                tl.store(rec + 3, rbuf.to(tl.int32))
+        tl.store(total_ptr + b * stride_tot_b + h[:, None] * stride_tot_h + offs_t[None, :] * stride_tot_t,
+                 cs + cum_last[:, None], mask=mask_ht)
         if hb == 0:
             offs_c = tl.arange(0, BLOCK_C)
             mc = offs_c < k
@@ -346,13 +360,14 @@ def _replay_main_kernel(
 
 @triton.jit
 def _replay_out_kernel(
-    state_ptr, old_x_ptr, old_dt_ptr, old_cumA_ptr, buf_idx_ptr, accepted_ptr, hist_ptr,
+    state_ptr, old_x_ptr, old_dt_ptr, old_cumA_ptr, buf_idx_ptr, accepted_ptr, hist_ptr, kinfo_ptr, total_ptr,
     x_ptr, C_ptr, D_ptr, z_ptr, M_ptr, Q_ptr, out_ptr, idx_ptr,
-    T, capacity, pad_slot_id, heads_per_group,
+    T, capacity, pad_slot_id, heads_per_group, nreq, nheads,
     stride_state_s, stride_state_h, stride_state_p, stride_state_n,
     stride_ox_s, stride_ox_t, stride_ox_h, stride_ox_p,
     stride_odt_r, stride_odt_s, stride_odt_t, stride_odt_h,
     stride_ocs_r, stride_ocs_s, stride_ocs_t, stride_ocs_h,
+    stride_tot_b, stride_tot_h, stride_tot_t,
     stride_x_b, stride_x_t, stride_x_h, stride_x_p,
     stride_C_b, stride_C_t, stride_C_g, stride_C_n,
     stride_D_h,
@@ -363,113 +378,139 @@ def _replay_out_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_IDX: tl.constexpr,
     P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, STATE_SPLIT: tl.constexpr,
-    STATE_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    STATE_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     # The split path's output kernel, one program per (block of P, request, head): the T outputs
     # straight from the stored state, without replaying it,
-    #   y^T = (S @ C^T) * exp(cA_{k-1} + cs) + x_old^T @ Mh^T + x^T @ M^T + D x^T,  gated,
-    #   Mh[t, c] = Q[t, c] exp(cA_{k-1} + cs_t - cA_c) dt'_c   (the history's share, c < k)
-    # with Q (C_t . B_c) and M from the precompute kernel, then this step's x recorded
-    # at positions k.. of the history (slots storing no state this step; the checkpoint kernel,
-    # launched after this one, replays and stores the others'). No tl.dot chain through a replayed
-    # state: far fewer live registers than the main kernel, and a 16-bit state enters a 16-bit
-    # tensor-core dot as it is.
+    #   y^T = (S @ C^T) * exp(total) + x_old^T @ Mh^T + x^T @ M^T + D x^T,  gated,
+    #   Mh[t, c] = Q[t, c] exp(total_t - cA_c) dt'_c   (the history's share, c < k)
+    # with total = cA_{k-1} + cs, Q (C_t . B_c) and M from the precompute kernel, then this step's
+    # x recorded at positions k.. of the history (slots storing no state this step; the checkpoint
+    # kernel, launched after this one, replays and stores the others'). No tl.dot chain through a
+    # replayed state: far fewer live registers than the main kernel, and a 16-bit state enters a
+    # 16-bit tensor-core dot as it is. Every load is issued before the first dot.
     pid_p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
     g = h // heads_per_group
-
-    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_t = tl.arange(0, BLOCK_T)
     offs_n = tl.arange(0, BLOCK_N)
     offs_c = tl.arange(0, BLOCK_C)
-    mp = offs_p < P
     mt = offs_t < T
     mn = offs_n < N
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    mp = offs_p < P
     mask_pt = mp[:, None] & mt[None, :]
+
+    # what the previous steps left (the slot's stored state and history; under PDL read while
+    # the precompute kernel still runs: it writes history positions >= k of buffer rbuf or the
+    # other buffer, never these), then what this step's earlier kernels wrote
     if HAS_IDX:
         slot = tl.load(idx_ptr + b).to(tl.int64)
     else:
         slot = b
-    out_ptrs = out_ptr + b * stride_out_b + h * stride_out_h + offs_p[:, None] * stride_out_p + offs_t[None, :] * stride_out_t
-    if slot == pad_slot_id:  # padding: zero output, no state or cache traffic
-        tl.store(out_ptrs, tl.zeros((BLOCK_P, BLOCK_T), dtype=out_ptr.dtype.element_ty), mask=mask_pt)
-        return
-    rbuf, k = _slot_history(buf_idx_ptr, hist_ptr, accepted_ptr, slot, capacity)
-    checkpoint = k + T > capacity
+    live = slot != pad_slot_id  # padding: zero output, no state or cache traffic
+    if USE_PDL:  # the slot's history as the precompute kernel reads it
+        rbuf, k = _slot_history(buf_idx_ptr, hist_ptr, accepted_ptr, tl.where(live, slot, 0), capacity)
+    else:  # ... as it recorded it (loaded in parallel with the slot index)
+        k = tl.load(kinfo_ptr + 2 * b, mask=live, other=0)
+        rbuf = tl.load(kinfo_ptr + 2 * b + 1, mask=live, other=0).to(tl.int64)
+    mc = (offs_c < k) & live
     s = tl.load(state_ptr + slot * stride_state_s + h * stride_state_h + offs_p[:, None] * stride_state_p
-                + offs_n[None, :] * stride_state_n, mask=mp[:, None] & mn[None, :], other=0.0)
+                + offs_n[None, :] * stride_state_n, mask=mp[:, None] & mn[None, :] & live, other=0.0)
     x_row = old_x_ptr + slot * stride_ox_s + h * stride_ox_h
-    mc = offs_c < k
     x_old = tl.load(x_row + offs_p[:, None] * stride_ox_p + offs_c[None, :] * stride_ox_t,
                     mask=mp[:, None] & mc[None, :], other=0.0)  # [BLOCK_P, BLOCK_C]
+    hist = rbuf * stride_ocs_r + slot * stride_ocs_s + h * stride_ocs_h
+    cA_old = tl.load(old_cumA_ptr + hist + offs_c * stride_ocs_t, mask=mc, other=0.0)
+    dt_old = tl.load(old_dt_ptr + rbuf * stride_odt_r + slot * stride_odt_s + h * stride_odt_h + offs_c * stride_odt_t,
+                     mask=mc, other=0.0)
     if USE_PDL:
-        gdc_wait()  # M, Q, this step's cs (precompute), x, C, z (earlier kernels) from here on
+        gdc_wait()  # total, Q, M (precompute), x, C, z (earlier kernels) from here on
+    if LAUNCH_DEPENDENTS:
+        # the checkpoint kernel may start (it reads the precompute kernel's list, complete by now,
+        # and waits for this kernel before it writes)
         gdc_launch_dependents()
+    total = tl.load(total_ptr + b * stride_tot_b + h * stride_tot_h + offs_t * stride_tot_t, mask=mt & live, other=0.0)
     C_T = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n[:, None] * stride_C_n + offs_t[None, :] * stride_C_t,
                   mask=mn[:, None] & mt[None, :], other=0.0)  # [BLOCK_N, BLOCK_T]
+    Q_T = tl.load(Q_ptr + b * stride_Q_b + g * stride_Q_g + offs_c[:, None] * stride_Q_c + offs_t[None, :] * stride_Q_t,
+                  mask=mt[None, :] & live, other=0.0)  # [c, t]; rows c >= k hold garbage, masked below
+    M_T = tl.load(M_ptr + b * stride_M_b + h * stride_M_h + offs_t[:, None] * stride_M_s + offs_t[None, :] * stride_M_t,
+                  mask=mt[:, None] & mt[None, :] & live, other=0.0)  # [s, t]
+    x_T = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p[:, None] * stride_x_p + offs_t[None, :] * stride_x_t,
+                  mask=mask_pt, other=0.0)  # [BLOCK_P, BLOCK_T]
+    if HAS_Z:
+        zv = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + offs_p[:, None] * stride_z_p + offs_t[None, :] * stride_z_t,
+                     mask=mask_pt, other=0.0)
+
     if STATE_SPLIT:
         y = _dot_split(s, C_T, tl.zeros((BLOCK_P, BLOCK_T), dtype=tl.float32), SPLIT, DOT_PRECISION)
     elif STATE_PRECISION == "native":
-        # a 16-bit state on 16-bit tensor cores, exact products: bf16 C as is, or (fp16 state) C in
-        # fp16, exact for |C| in [2^-14, 65504] (below, a relative error of at most 2^-11 of a
-        # subnormal; above, inf -- the outputs show it)
+        # a 16-bit state on 16-bit tensor cores, exact products: bf16 C as is, or (fp16 state) C
+        # in fp16, exact for |C| in [2^-14, 65504] (below, a relative error of at most 2^-11 of
+        # a subnormal; above, inf -- the outputs show it)
         y = tl.dot(s, C_T.to(state_ptr.dtype.element_ty))
     else:  # a 16-bit state and 16-bit C are exact in TF32 (the interpreter), else as the main kernel
         y = tl.dot(s.to(tl.float32), C_T.to(tl.float32), input_precision=STATE_PRECISION)
-    # cA_{k-1} + cs_t: as recorded (at k + t of buffer rbuf), or at a checkpoint, where this step's
-    # cs was recorded from 0 at position t of the other buffer, plus cA_{k-1}
-    cum_row = old_cumA_ptr + rbuf * stride_ocs_r + slot * stride_ocs_s + h * stride_ocs_h
-    cum_last = tl.load(cum_row + (k - 1) * stride_ocs_t, mask=checkpoint & (k > 0), other=0.0)
-    total = tl.load(old_cumA_ptr + tl.where(checkpoint, 1 - rbuf, rbuf) * stride_ocs_r + slot * stride_ocs_s
-                    + h * stride_ocs_h + (tl.where(checkpoint, 0, k) + offs_t) * stride_ocs_t, mask=mt, other=0.0)
-    total += cum_last
     y = y * tl.exp(total)[None, :]
-    Q_T = tl.load(Q_ptr + b * stride_Q_b + g * stride_Q_g + offs_c[:, None] * stride_Q_c + offs_t[None, :] * stride_Q_t,
-                  mask=mc[:, None] & mt[None, :], other=0.0)  # [c, t]
-    cA_old = tl.load(cum_row + offs_c * stride_ocs_t, mask=mc, other=0.0)
-    dt_old = tl.load(old_dt_ptr + rbuf * stride_odt_r + slot * stride_odt_s + h * stride_odt_h + offs_c * stride_odt_t,
-                     mask=mc, other=0.0)
     # exponent <= 0 (c < k: the history precedes this step); exp(-inf) = 0 past k and past T
-    hdecay = tl.exp(tl.where(mc[:, None] & mt[None, :], total[None, :] - cA_old[:, None], float("-inf")))
-    y = _dot_split_rhs(x_old, Q_T * hdecay * dt_old[:, None], y, SPLIT, DOT_PRECISION)
-    M_T = tl.load(M_ptr + b * stride_M_b + h * stride_M_h + offs_t[:, None] * stride_M_s + offs_t[None, :] * stride_M_t,
-                  mask=mt[:, None] & mt[None, :], other=0.0)  # [s, t]
-    x_T = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p[:, None] * stride_x_p + offs_t[None, :] * stride_x_t,
-                  mask=mask_pt, other=0.0)  # [BLOCK_P, BLOCK_T]
+    hmask = mc[:, None] & mt[None, :]
+    hdecay = tl.exp(tl.where(hmask, total[None, :] - cA_old[:, None], float("-inf")))
+    y = _dot_split_rhs(x_old, tl.where(hmask, Q_T, 0.0) * hdecay * dt_old[:, None], y, SPLIT, DOT_PRECISION)
     y = _dot_split_rhs(x_T, M_T, y, SPLIT, DOT_PRECISION)
     if HAS_D:
         y += x_T.to(tl.float32) * tl.load(D_ptr + h * stride_D_h).to(tl.float32)
     if HAS_Z:
-        zv = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + offs_p[:, None] * stride_z_p + offs_t[None, :] * stride_z_t,
-                     mask=mask_pt, other=0.0).to(tl.float32)
-        y *= silu(zv)
-    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask_pt)
+        y *= silu(zv.to(tl.float32))
+    y = tl.where(live, y, 0.0)
+    tl.store(out_ptr + b * stride_out_b + h * stride_out_h + offs_p[:, None] * stride_out_p
+             + offs_t[None, :] * stride_out_t, y.to(out_ptr.dtype.element_ty), mask=mask_pt)
     # record this step's x at positions k.. (the history above read positions < k only); at a
-    # checkpoint the checkpoint kernel records it, after replaying the history it overwrites
+    # checkpoint (k + T > C_h) the checkpoint kernel records it, after replaying the history it
+    # overwrites
     tl.store(x_row + offs_p[:, None] * stride_ox_p + (k + offs_t)[None, :] * stride_ox_t,
-             x_T.to(old_x_ptr.dtype.element_ty), mask=mask_pt & (not checkpoint))
+             x_T.to(old_x_ptr.dtype.element_ty), mask=mask_pt & live & (k + T <= capacity))
+
+
+@triton.jit
+def _checkpoint_record(ckpt_list_ptr, tile, n_tiles, per_request, p_blocks: tl.constexpr):
+    """Tile ``tile`` of the checkpoint kernel's list: (request, slot, k, rbuf, head, block of P);
+    zeros past the list (``tile >= n_tiles``)."""
+    live = tile < n_tiles
+    rec = ckpt_list_ptr + 4 * (tile // per_request)
+    b = tl.load(rec, mask=live, other=0).to(tl.int64)
+    slot = tl.load(rec + 1, mask=live, other=0).to(tl.int64)
+    k = tl.load(rec + 2, mask=live, other=0)
+    rbuf = tl.load(rec + 3, mask=live, other=0).to(tl.int64)
+    h = ((tile % per_request) // p_blocks).to(tl.int64)
+    return b, slot, k, rbuf, h, tile % p_blocks
 
 
 @triton.jit
 def _replay_checkpoint_kernel(
-    state_ptr, old_x_ptr, old_B_ptr, old_dt_ptr, old_cumA_ptr, buf_idx_ptr, accepted_ptr, hist_ptr,
-    x_ptr, idx_ptr, seed_ptr, ckpt_count_ptr, ckpt_list_ptr,
-    T, capacity, heads_per_group, nheads,
+    state_ptr, old_x_ptr, old_B_ptr, old_dt_ptr, old_cumA_ptr,
+    x_ptr, seed_ptr, ckpt_count_ptr, ckpt_list_ptr,
+    T, heads_per_group, nheads,
     stride_state_s, stride_state_h, stride_state_p, stride_state_n,
     stride_ox_s, stride_ox_t, stride_ox_h, stride_ox_p,
     stride_oB_r, stride_oB_s, stride_oB_t, stride_oB_g, stride_oB_n,
     stride_odt_r, stride_odt_s, stride_odt_t, stride_odt_h,
     stride_ocs_r, stride_ocs_s, stride_ocs_t, stride_ocs_h,
     stride_x_b, stride_x_t, stride_x_h, stride_x_p,
-    HAS_IDX: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
+    STOCHASTIC_ROUND: tl.constexpr,
     P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # The split path's checkpoint kernel, after the output kernel: a persistent grid walks the
     # (request, head, block of P) tiles of the requests that store their state this step, listed by
-    # the precompute kernel (in any order): replay the history onto the stored state, store it, and
-    # record this step's x at positions 0.. of the new history.
+    # the precompute kernel (in any order, one record [request, slot, k, rbuf] each): replay the
+    # history onto the stored state, store it, and record this step's x at positions 0.. of the
+    # new history. Software-pipelined: each iteration issues the next tile's state load before it
+    # replays its own.
+    # Under PDL (launched as the output kernel's dependent) everything before the stores overlaps
+    # the output kernel's last programs: it reads only what that kernel leaves alone (the stored
+    # states, history positions < k of checkpointing slots, the precompute kernel's list).
     p_blocks: tl.constexpr = (P + BLOCK_P - 1) // BLOCK_P
     per_request = nheads * p_blocks
     n_tiles = tl.load(ckpt_count_ptr) * per_request
@@ -477,37 +518,47 @@ def _replay_checkpoint_kernel(
     offs_t = tl.arange(0, BLOCK_T)
     mn = offs_n < N
     mt = offs_t < T
-    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        b = tl.load(ckpt_list_ptr + tile // per_request).to(tl.int64)
-        h = ((tile % per_request) // p_blocks).to(tl.int64)
-        offs_p = (tile % p_blocks) * BLOCK_P + tl.arange(0, BLOCK_P)
+    nprog = tl.num_programs(0)
+    b, slot, k, rbuf, h, pb = _checkpoint_record(ckpt_list_ptr, tl.program_id(0), n_tiles, per_request, p_blocks)
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    s_next = tl.load(state_ptr + slot * stride_state_s + h * stride_state_h + offs_p[:, None] * stride_state_p
+                     + offs_n[None, :] * stride_state_n,
+                     mask=(offs_p[:, None] < P) & mn[None, :] & (tl.program_id(0) < n_tiles), other=0.0)
+    for tile in range(tl.program_id(0), n_tiles, nprog):
+        s_raw = s_next
+        offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
         mp = offs_p < P
-        if HAS_IDX:
-            slot = tl.load(idx_ptr + b).to(tl.int64)
-        else:
-            slot = b
-        rbuf, k = _slot_history(buf_idx_ptr, hist_ptr, accepted_ptr, slot, capacity)
+        tile_mask = mp[:, None] & mn[None, :]
+        # the next tile's record and state, in flight while this one replays
+        nb, nslot, nk, nrbuf, nh, npb = _checkpoint_record(ckpt_list_ptr, tile + nprog, n_tiles, per_request, p_blocks)
+        noffs_p = npb * BLOCK_P + tl.arange(0, BLOCK_P)
+        s_next = tl.load(state_ptr + nslot * stride_state_s + nh * stride_state_h + noffs_p[:, None] * stride_state_p
+                         + offs_n[None, :] * stride_state_n,
+                         mask=(noffs_p[:, None] < P) & mn[None, :] & (tile + nprog < n_tiles), other=0.0)
+        mask_pt = mp[:, None] & mt[None, :]
+        x_T = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p[:, None] * stride_x_p + offs_t[None, :] * stride_x_t,
+                      mask=mask_pt, other=0.0)
+
         cum_row = old_cumA_ptr + rbuf * stride_ocs_r + slot * stride_ocs_s + h * stride_ocs_h
         x_row = old_x_ptr + slot * stride_ox_s + h * stride_ox_h
         cum_last = tl.load(cum_row + (k - 1) * stride_ocs_t, mask=k > 0, other=0.0)
-        tile_mask = mp[:, None] & mn[None, :]
-        state_ptrs = (state_ptr + slot * stride_state_s + h * stride_state_h + offs_p[:, None] * stride_state_p
-                      + offs_n[None, :] * stride_state_n)
-        s = tl.load(state_ptrs, mask=tile_mask, other=0.0).to(tl.float32) * tl.exp(cum_last)
+        s = s_raw.to(tl.float32) * tl.exp(cum_last)
         s = _replay_history(s, k, cum_last, cum_row,
                             old_dt_ptr + rbuf * stride_odt_r + slot * stride_odt_s + h * stride_odt_h, x_row,
                             old_B_ptr + rbuf * stride_oB_r + slot * stride_oB_s + (h // heads_per_group) * stride_oB_g,
                             offs_p, mp, offs_n, mn, stride_ocs_t, stride_odt_t, stride_ox_t, stride_ox_p,
                             stride_oB_t, stride_oB_n, BLOCK_H, SPLIT, DOT_PRECISION)
+        if USE_PDL:
+            gdc_wait()  # the output kernel has read every state and history it needs
+        state_ptrs = (state_ptr + slot * stride_state_s + h * stride_state_h + offs_p[:, None] * stride_state_p
+                      + offs_n[None, :] * stride_state_n)
         _store_state(s, state_ptrs, tile_mask, slot, h, nheads, offs_p, offs_n, seed_ptr, P, N, STOCHASTIC_ROUND)
-        mask_pt = mp[:, None] & mt[None, :]
-        x_T = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p[:, None] * stride_x_p + offs_t[None, :] * stride_x_t,
-                      mask=mask_pt, other=0.0)
         # every thread has read its old x (the replay, possibly in another thread layout) before
         # any thread overwrites positions 0..T-1
         tl.debug_barrier()
         tl.store(x_row + offs_p[:, None] * stride_ox_p + offs_t[None, :] * stride_ox_t,
                  x_T.to(old_x_ptr.dtype.element_ty), mask=mask_pt)
+        b, slot, k, rbuf, h, pb = nb, nslot, nk, nrbuf, nh, npb
 
 
 HISTORY_CHUNK = 16  # history tokens per replay tl.dot (its K dimension)
@@ -530,29 +581,31 @@ def _dot_precision(dtype: torch.dtype, fp32: str) -> str:
 
 def launch_replay_precompute(
     dt, dt_bias, A, B, C, idx, buf_idx, prev_accepted, hist_len, M, old_B, old_dt, old_cumA,
-    Q=None, ckpt_count=None, ckpt_list=None,
+    Q=None, total=None, kinfo=None, ckpt_count=None, ckpt_list=None,
     *, dt_softplus: bool, pad_slot_id: int, heads: int, num_warps: int, use_pdl: bool = False,
+    launch_dependents: bool = False,
 ):
     """dt (B,T,H) raw; dt_bias, A (H,) or None; B, C (B,T,G,N); idx (B,) or None; buf_idx,
     prev_accepted, hist_len (S,); M (B,H,T,T) fp32 scratch; old_B (2,S,C_h,G,N); old_dt,
     old_cumA (2,S,C_h,H). The split path's scratch (else None): Q (B,G,T,C_h) fp32; ckpt_count (1,)
-    int32, zeroed; ckpt_list (B,) int32."""
+    int32, zeroed; ckpt_list (B, 4) int32; total (B, H, T) fp32; kinfo (B, 2) int32 or None."""
     nreq, ntok, nheads = dt.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     hpg = nheads // ngroups
     grid = (nreq, ngroups, triton.cdiv(hpg, heads))
     capacity = old_dt.shape[2]
     _replay_precompute_kernel[grid](
-        dt, dt_bias, A, B, C, idx, buf_idx, prev_accepted, hist_len, M, Q, old_B, old_dt, old_cumA,
+        dt, dt_bias, A, B, C, idx, buf_idx, prev_accepted, hist_len, M, Q, total, kinfo, old_B, old_dt, old_cumA,
         ckpt_count, ckpt_list, ntok, capacity, hpg, pad_slot_id,
         *dt.stride(), dt_bias.stride(0) if dt_bias is not None else 0, A.stride(0),
         *B.stride(), *C.stride(), *M.stride(), *(Q.stride() if Q is not None else (0, 0, 0, 0)),
+        *(total.stride() if total is not None else (0, 0, 0)),
         *old_B.stride(), *old_dt.stride(), *old_cumA.stride(),
         HAS_DT_BIAS=dt_bias is not None, HAS_IDX=idx is not None, DT_SOFTPLUS=dt_softplus,
         N=dstate, BLOCK_N=max(16, triton.next_power_of_2(dstate)), BLOCK_T=max(16, triton.next_power_of_2(ntok)),
         HEADS=heads, HIST=Q is not None, BLOCK_C=max(16, triton.next_power_of_2(capacity)),
-        DOT_PRECISION=_dot_precision(B.dtype, "ieee"), USE_PDL=use_pdl,
-        num_warps=num_warps, launch_pdl=use_pdl,
+        DOT_PRECISION=_dot_precision(B.dtype, "ieee"), USE_PDL=use_pdl, LAUNCH_DEPENDENTS=launch_dependents,
+        HAS_KINFO=kinfo is not None, num_warps=num_warps, launch_pdl=use_pdl,
     )
 
 
@@ -582,21 +635,24 @@ def launch_replay_main(
 
 
 def launch_replay_out(
-    state, old_x, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, C, D, z, M, Q, out, idx,
-    *, pad_slot_id: int, block_p: int, num_warps: int, use_pdl: bool = False,
+    state, old_x, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, kinfo, total, x, C, D, z, M, Q, out, idx, *,
+    pad_slot_id: int, block_p: int, num_warps: int, maxnreg: int | None = None, use_pdl: bool = False,
+    launch_dependents: bool = False,
 ):
-    """The split path's output kernel: shapes as ``launch_replay_main``; Q (B,G,T,C_h) from the
-    precompute kernel launched with it."""
+    """The split path's output kernel: shapes as ``launch_replay_main``; Q (B,G,T,C_h), total
+    (B,H,T) and (unless ``use_pdl``) kinfo (B,2) from the precompute kernel launched just before it
+    (``use_pdl``: a programmatic dependent of it, which then must trigger its dependents)."""
     nreq, ntok, nheads, headdim = x.shape
     ngroups, dstate = C.shape[2], C.shape[3]
     grid = (triton.cdiv(headdim, block_p), nreq, nheads)
     z_strides = tuple(z.stride()) if z is not None else (0, 0, 0, 0)
     split = x.dtype == torch.bfloat16 and not _interpreting()
+    extra = {} if maxnreg is None else {"maxnreg": maxnreg}
     sixteen_bit = state.dtype != torch.float32 and x.dtype != torch.float32
     _replay_out_kernel[grid](
-        state, old_x, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, C, D, z, M, Q, out, idx,
-        ntok, old_x.shape[1], pad_slot_id, nheads // ngroups,
-        *state.stride(), *old_x.stride(), *old_dt.stride(), *old_cumA.stride(), *x.stride(), *C.stride(),
+        state, old_x, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, kinfo, total, x, C, D, z, M, Q, out, idx,
+        ntok, old_x.shape[1], pad_slot_id, nheads // ngroups, nreq, nheads,
+        *state.stride(), *old_x.stride(), *old_dt.stride(), *old_cumA.stride(), *total.stride(), *x.stride(), *C.stride(),
         D.stride(0) if D is not None else 0, *z_strides, *M.stride(), *Q.stride(), *out.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_IDX=idx is not None,
         P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(dstate)),
@@ -604,28 +660,28 @@ def launch_replay_out(
         DOT_PRECISION=_dot_precision(x.dtype, "tf32x3"), SPLIT=split, STATE_SPLIT=split and state.dtype == torch.float32,
         STATE_PRECISION=(("tf32" if _interpreting() or not NATIVE_16BIT_OUT else "native") if sixteen_bit
                          else _dot_precision(x.dtype, "tf32x3")),
-        USE_PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl,
+        USE_PDL=use_pdl, LAUNCH_DEPENDENTS=launch_dependents, num_warps=num_warps, launch_pdl=use_pdl, **extra,
     )
 
 
 def launch_replay_checkpoint(
-    state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, idx, seed, ckpt_count, ckpt_list,
-    *, block_p: int, num_warps: int, programs: int,
+    state, old_x, old_B, old_dt, old_cumA, x, seed, ckpt_count, ckpt_list, *, block_p: int, num_warps: int, programs: int,
+    maxnreg: int | None = None, use_pdl: bool = False,
 ):
     """The split path's checkpoint kernel on a persistent grid of ``programs`` programs: the
-    requests listed in ckpt_list[:ckpt_count] (from the precompute kernel). Shapes as
-    ``launch_replay_main``."""
+    requests listed in ckpt_list[:ckpt_count] ((B, 4) int32 records [request, slot, k, rbuf], from
+    the precompute kernel). Shapes as ``launch_replay_main``."""
     nreq, ntok, nheads, headdim = x.shape
     ngroups, dstate = old_B.shape[3], old_B.shape[4]
     _replay_checkpoint_kernel[(programs,)](
-        state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, idx, seed, ckpt_count, ckpt_list,
-        ntok, old_x.shape[1], nheads // ngroups, nheads,
+        state, old_x, old_B, old_dt, old_cumA, x, seed, ckpt_count, ckpt_list,
+        ntok, nheads // ngroups, nheads,
         *state.stride(), *old_x.stride(), *old_B.stride(), *old_dt.stride(), *old_cumA.stride(), *x.stride(),
-        HAS_IDX=idx is not None, STOCHASTIC_ROUND=seed is not None,
+        STOCHASTIC_ROUND=seed is not None,
         P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(dstate)),
         BLOCK_T=max(16, triton.next_power_of_2(ntok)), BLOCK_H=HISTORY_CHUNK,
         DOT_PRECISION=_dot_precision(x.dtype, "tf32x3"), SPLIT=x.dtype == torch.bfloat16 and not _interpreting(),
-        num_warps=num_warps,
+        USE_PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
 
 

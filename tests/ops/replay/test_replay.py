@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 import dataclasses
 import doctest
 import re
@@ -144,18 +145,31 @@ def make_inputs(c: Case, device, seed: int = 0):
     return cache, inputs, slots
 
 
-PATHS = ["auto", "split"]
+PATHS = ["auto", "split", "split-nopdl"]
 
 
-def kernel_path(path: str, device) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def kernel_path(path: str, device) -> Iterator[None]:
     """"auto": the launcher's own choice (one main kernel at these sizes); "split": the output
     kernel for every request plus the checkpoint kernel for those that store their state (forced;
-    on the GPU with the table's split-path tiles)."""
+    on the GPU with the table's split-path tiles, its three kernels chained by PDL on sm_90+);
+    "split-nopdl": the same launched plainly (GPU only: the CPU never chains them)."""
     if path == "auto":
-        return contextlib.nullcontext()
+        yield
+        return
     if torch.device(device).type == "cpu":
-        return replay_configs.forced_config(16, 1, 4, 1, split=True, out_block_p=16, out_warps=1)
-    return replay_configs.forced_config(32, 4, 8, 4, split=True)  # the output tile of OUT_TILES
+        if path == "split-nopdl":
+            pytest.skip("the split path's PDL chain exists only on sm_90+ GPUs; on the CPU 'split' covers it")
+        with replay_configs.forced_config(16, 1, 4, 1, split=True, out_block_p=16, out_warps=1):
+            yield
+        return
+    previous = replay_configs.CHAIN_PDL
+    replay_configs.CHAIN_PDL = path != "split-nopdl"
+    try:
+        with replay_configs.forced_config(64, 4, 16, 2, split=True):  # the output tile of OUT_TILES
+            yield
+    finally:
+        replay_configs.CHAIN_PDL = previous
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
