@@ -281,6 +281,19 @@ def time_chain():
     api.OUT_MAXNREG, api.CHAIN_PDL = None, False
 
 
+def time_pre():
+    """Nemotron-H batch 128, split path at the table's tiles: the precompute kernel's heads x warps."""
+    for sd in (torch.float32, torch.float16):
+        for T in (2, 6, 16):
+            step = problem("nemotron-h", T, 128, sd)
+            for heads, wp in ((16, 2), (16, 4), (8, 2), (8, 4), (4, 1), (4, 2)):
+                with configs.forced_config(64, 4, heads, wp, split=True, out_block_p=64, out_warps=4):
+                    kt = kernel_times(step)
+                    print(f"{str(sd)[6:]} T={T} pre {heads}x{wp}: step {graph_time(step):.1f} out {kt.get('out')} "
+                          f"ck {kt.get('checkpoint')} pre {kt.get('precompute')}", flush=True)
+    print("(regs, spills) pre:", regs(K._replay_precompute_kernel), "out:", regs(K._replay_out_kernel))
+
+
 def time_tiles():
     """Nemotron-H batch 128, split path: per-kernel times for each output-kernel tile and each
     checkpoint-kernel tile (the other kernel at the table's config)."""
@@ -322,6 +335,8 @@ if __name__ == "__main__":
             time_out2()
         elif arg == "chain":
             time_chain()
+        elif arg == "pre":
+            time_pre()
         elif arg == "tiles":
             time_tiles()
         elif arg == "native":

@@ -18,6 +18,20 @@ def silu(x):
 
 
 @triton.jit
+def silu_approx(x, FAST: tl.constexpr):
+    """x * sigmoid(x) in fp32 with the approximate PTX exp2 and reciprocal (FAST: GPU only, inline
+    assembly; 5 instructions instead of ~12, relative error ~1e-7 -- x << 0 gives -0 as 1 + e^-x
+    overflows to inf), else ``silu`` (the interpreter runs no inline assembly)."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            "{ .reg .f32 e, d, r; mul.f32 e, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 e, e; "
+            "add.f32 d, e, 0f3F800000; rcp.approx.ftz.f32 r, d; mul.f32 $0, $1, r; }",
+            "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return silu(x)
+
+
+@triton.jit
 def stochastic_round(v, u, OUT_DTYPE: tl.constexpr):
     """Round fp32 ``v`` to ``OUT_DTYPE`` (fp16 or bf16) up or down at random, unbiased.
 

@@ -305,19 +305,24 @@ def _replay_op(
     # from the stored state (and records x where no state is stored); then the checkpoint kernel,
     # on a persistent grid, replays and stores the state of the requests that store it this step,
     # from the list the precompute kernel makes. Its per-call scratch: C . B products per group (Q),
-    # the log-decay from each stored state (total), the list and its length, and (without PDL,
-    # configs.CHAIN_PDL) each request's [k, rbuf].
-    Q = total = kinfo = ckpt_count = ckpt_list = None
+    # each head's decay factors (scale), the list and its length, C in fp16 for an fp16 state, and
+    # (without PDL, configs.CHAIN_PDL) each request's history length k.
+    Q = scale = kinfo = C16 = ckpt_count = ckpt_list = None
     chain_pdl = configs.CHAIN_PDL and pdl_supported(x)
     if cfg.split:
         Q = torch.empty(nreq, ngroups, ntok, old_x.shape[1], dtype=torch.float32, device=x.device)
-        total = torch.empty(nreq, nheads, ntok, dtype=torch.float32, device=x.device)
-        kinfo = None if chain_pdl else torch.empty(nreq, 2, dtype=torch.int32, device=x.device)
+        scale = torch.empty(nreq, nheads, ntok + 1 + old_x.shape[1], dtype=torch.float32, device=x.device)
+        kinfo = None if chain_pdl else torch.empty(nreq, dtype=torch.int32, device=x.device)
+        if state.dtype == torch.float16 and C.dtype == torch.bfloat16 and not interpreter_enabled():
+            # bf16 C meets an fp16 state on 16-bit tensor cores: converted once per group
+            # (the precompute kernel writes it as [B, G, its BLOCK_T, its BLOCK_N])
+            t_pad, n_pad = max(16, 1 << (ntok - 1).bit_length()), max(16, 1 << (B.shape[3] - 1).bit_length())
+            C16 = torch.empty(nreq, ngroups, t_pad, n_pad, dtype=torch.float16, device=x.device)
         ckpt_count = torch.zeros(1, dtype=torch.int32, device=x.device)
         ckpt_list = torch.empty(nreq, 4, dtype=torch.int32, device=x.device)
     launch_replay_precompute(
         dt, dt_bias, A, B, C, state_batch_indices, buf_idx, prev_accepted, hist_len, M, old_B, old_dt, old_cumA,
-        Q, total, kinfo, ckpt_count, ckpt_list,
+        Q, scale, kinfo, C16, ckpt_count, ckpt_list,
         dt_softplus=dt_softplus, pad_slot_id=pad_slot_id, heads=cfg.heads, num_warps=cfg.warps_pre,
         use_pdl=pdl_active(x, pre_programs, cfg.warps_pre), launch_dependents=cfg.split and chain_pdl,
     )
@@ -329,7 +334,8 @@ def _replay_op(
         )
         return
     launch_replay_out(
-        state, old_x, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, kinfo, total, x, C, D, z, M, Q, out,
+        state, old_x, buf_idx, prev_accepted, hist_len, kinfo, scale, x,
+        C if C16 is None else C16[:, :, :ntok, :B.shape[3]].transpose(1, 2), D, z, M, Q, out,
         state_batch_indices, pad_slot_id=pad_slot_id, block_p=cfg.out_block_p, num_warps=cfg.out_warps,
         maxnreg=None if interpreter_enabled() else configs.OUT_MAXNREG[4 if state.element_size() >= 4 else 2],
         use_pdl=chain_pdl, launch_dependents=chain_pdl,

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from fastmamba.ops._common.jit_math import silu, softplus, stochastic_round
+from fastmamba.ops._common.jit_math import silu, silu_approx, softplus, stochastic_round
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def _slot_history(buf_idx_ptr, hist_ptr, accepted_ptr, slot, capacity):
 @triton.jit
 def _replay_precompute_kernel(
     dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, idx_ptr, buf_idx_ptr, accepted_ptr, hist_ptr,
-    M_ptr, Q_ptr, total_ptr, kinfo_ptr, old_B_ptr, old_dt_ptr, old_cumA_ptr, ckpt_count_ptr, ckpt_list_ptr,
+    M_ptr, Q_ptr, scale_ptr, kinfo_ptr, C16_ptr, old_B_ptr, old_dt_ptr, old_cumA_ptr, ckpt_count_ptr, ckpt_list_ptr,
     T, capacity, heads_per_group, pad_slot_id,
     stride_dt_b, stride_dt_t, stride_dt_h,
     stride_dt_bias_h, stride_A_h,
@@ -65,7 +65,7 @@ def _replay_precompute_kernel(
     stride_C_b, stride_C_t, stride_C_g, stride_C_n,
     stride_M_b, stride_M_h, stride_M_t, stride_M_s,
     stride_Q_b, stride_Q_g, stride_Q_t, stride_Q_c,
-    stride_tot_b, stride_tot_h, stride_tot_t,
+    stride_sc_b, stride_sc_h,
     stride_oB_r, stride_oB_s, stride_oB_t, stride_oB_g, stride_oB_n,
     stride_odt_r, stride_odt_s, stride_odt_t, stride_odt_h,
     stride_ocs_r, stride_ocs_s, stride_ocs_t, stride_ocs_h,
@@ -73,6 +73,7 @@ def _replay_precompute_kernel(
     N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, HEADS: tl.constexpr,
     HIST: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, HAS_KINFO: tl.constexpr,
+    HAS_C16: tl.constexpr,
 ):
     # one program per (request, group, block of HEADS heads of that group): C B^T is computed once
     # and shared by the block's heads, which differ only in their decay and dt'
@@ -146,24 +147,36 @@ def _replay_precompute_kernel(
     # HIST (the split path, see _replay_out_kernel): the group's products of this step's C with
     # the history's B,
     #   Q[t, c] = C_t . B_c   (c < k, buffer rbuf),
-    # from which the output kernel forms each head's share of the history in its outputs (it reads
-    # history positions < k of buffer rbuf: nothing below writes there); per head the log-decay
-    # from the stored state, total = cA_{k-1} + cs (one load there instead of a dependent pair);
-    # and the list of the requests that store their state this step (the checkpoint kernel's work)
+    # and per head the decay factors the output kernel scales them and the state's share with,
+    #   scale = [exp(cs_0) .. exp(cs_{T-1}), exp(cA_{k-1}), u_0 .. u_{C_h - 1}],
+    #   u_c = dt'_c exp(cA_{k-1} - cA_c) for c < k, else 0     (every exponent <= 0),
+    # from the history positions < k of buffer rbuf (nothing below writes there); and the list of
+    # the requests that store their state this step (the checkpoint kernel's work)
     if HIST:
         if (g == 0) & (hb == 0):
-            if HAS_KINFO:  # the request's [k, rbuf], for an output kernel launched without PDL
-                tl.store(kinfo_ptr + 2 * b, k)
-                tl.store(kinfo_ptr + 2 * b + 1, rbuf.to(tl.int32))
+            if HAS_KINFO:  # the request's k, for an output kernel launched without PDL
+                tl.store(kinfo_ptr + b, k)
             if checkpoint:  # one record [request, slot, k, rbuf] in the list
                 rec = ckpt_list_ptr + 4 * tl.atomic_add(ckpt_count_ptr, 1)
                 tl.store(rec, b.to(tl.int32))
                 tl.store(rec + 1, slot.to(tl.int32))
                 tl.store(rec + 2, k)
                 tl.store(rec + 3, rbuf.to(tl.int32))
-        tl.store(total_ptr + b * stride_tot_b + h[:, None] * stride_tot_h + offs_t[None, :] * stride_tot_t,
-                 cs + cum_last[:, None], mask=mask_ht)
+        sc_row = scale_ptr + b * stride_sc_b + h * stride_sc_h  # [HEADS]
+        tl.store(sc_row[:, None] + offs_t[None, :], tl.exp(cs), mask=mask_ht)
+        tl.store(sc_row + T, tl.exp(cum_last), mask=mj)
+        offs_u = tl.arange(0, BLOCK_C)
+        mu = mj[:, None] & (offs_u < k)[None, :]
+        hist_h = rbuf * stride_ocs_r + slot * stride_ocs_s + h[:, None] * stride_ocs_h + offs_u[None, :] * stride_ocs_t
+        cA_h = tl.load(old_cumA_ptr + hist_h, mask=mu, other=0.0)
+        dt_h = tl.load(old_dt_ptr + rbuf * stride_odt_r + slot * stride_odt_s + h[:, None] * stride_odt_h
+                       + offs_u[None, :] * stride_odt_t, mask=mu, other=0.0)
+        u = tl.where(mu, dt_h * tl.exp(cum_last[:, None] - cA_h), 0.0)
+        tl.store(sc_row[:, None] + T + 1 + offs_u[None, :], u, mask=mj[:, None] & (offs_u < capacity)[None, :])
         if hb == 0:
+            if HAS_C16:  # C in fp16 for an fp16 state's 16-bit output dot: once per group, not per head
+                tl.store(C16_ptr + ((b * tl.num_programs(1) + g) * BLOCK_T + offs_t[:, None]) * BLOCK_N + offs_n[None, :],
+                         Cm.to(tl.float16), mask=tile_tn)
             offs_c = tl.arange(0, BLOCK_C)
             mc = offs_c < k
             B_h = tl.load(old_B_ptr + rbuf * stride_oB_r + slot * stride_oB_s + g * stride_oB_g
@@ -360,35 +373,35 @@ def _replay_main_kernel(
 
 @triton.jit
 def _replay_out_kernel(
-    state_ptr, old_x_ptr, old_dt_ptr, old_cumA_ptr, buf_idx_ptr, accepted_ptr, hist_ptr, kinfo_ptr, total_ptr,
+    state_ptr, old_x_ptr, buf_idx_ptr, accepted_ptr, hist_ptr, kinfo_ptr, scale_ptr,
     x_ptr, C_ptr, D_ptr, z_ptr, M_ptr, Q_ptr, out_ptr, idx_ptr,
     T, capacity, pad_slot_id, heads_per_group, nreq, nheads,
-    stride_state_s, stride_state_h, stride_state_p, stride_state_n,
-    stride_ox_s, stride_ox_t, stride_ox_h, stride_ox_p,
-    stride_odt_r, stride_odt_s, stride_odt_t, stride_odt_h,
-    stride_ocs_r, stride_ocs_s, stride_ocs_t, stride_ocs_h,
-    stride_tot_b, stride_tot_h, stride_tot_t,
-    stride_x_b, stride_x_t, stride_x_h, stride_x_p,
-    stride_C_b, stride_C_t, stride_C_g, stride_C_n,
+    stride_state_s, stride_state_h, stride_state_p: tl.constexpr, stride_state_n,
+    stride_ox_s, stride_ox_t: tl.constexpr, stride_ox_h, stride_ox_p,
+    stride_sc_b, stride_sc_h,
+    stride_x_b, stride_x_t: tl.constexpr, stride_x_h, stride_x_p,
+    stride_C_b, stride_C_t: tl.constexpr, stride_C_g, stride_C_n,
     stride_D_h,
-    stride_z_b, stride_z_t, stride_z_h, stride_z_p,
-    stride_M_b, stride_M_h, stride_M_t, stride_M_s,
-    stride_Q_b, stride_Q_g, stride_Q_t, stride_Q_c,
-    stride_out_b, stride_out_t, stride_out_h, stride_out_p,
+    stride_z_b, stride_z_t: tl.constexpr, stride_z_h, stride_z_p,
+    stride_M_b, stride_M_h, stride_M_t: tl.constexpr, stride_M_s,
+    stride_Q_b, stride_Q_g, stride_Q_t: tl.constexpr, stride_Q_c,
+    stride_out_b, stride_out_t: tl.constexpr, stride_out_h, stride_out_p,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_IDX: tl.constexpr,
     P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, STATE_SPLIT: tl.constexpr,
-    STATE_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
+    STATE_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, FAST_MATH: tl.constexpr,
 ):
     # The split path's output kernel, one program per (block of P, request, head): the T outputs
     # straight from the stored state, without replaying it,
-    #   y^T = (S @ C^T) * exp(total) + x_old^T @ Mh^T + x^T @ M^T + D x^T,  gated,
-    #   Mh[t, c] = Q[t, c] exp(total_t - cA_c) dt'_c   (the history's share, c < k)
-    # with total = cA_{k-1} + cs, Q (C_t . B_c) and M from the precompute kernel, then this step's
+    #   y^T = exp(cs) * (exp(cA_{k-1}) S @ C^T + (x_old * u)^T @ Q^T) + x^T @ M^T + D x^T,  gated,
+    # (u_c = dt'_c exp(cA_{k-1} - cA_c), the history's weights; every factor <= 1, so nothing
+    # overflows) with the factors, Q (C_t . B_c) and M from the precompute kernel, then this step's
     # x recorded at positions k.. of the history (slots storing no state this step; the checkpoint
     # kernel, launched after this one, replays and stores the others'). No tl.dot chain through a
     # replayed state: far fewer live registers than the main kernel, and a 16-bit state enters a
-    # 16-bit tensor-core dot as it is. Every load is issued before the first dot.
+    # 16-bit tensor-core dot as it is. Every load is issued before the first dot. The strides
+    # between rows of its tiles are compile-time constants (fixed per model: one compile per
+    # shape), so the per-row addresses fold into the load instructions' offsets.
     pid_p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -410,28 +423,26 @@ def _replay_out_kernel(
     else:
         slot = b
     live = slot != pad_slot_id  # padding: zero output, no state or cache traffic
-    if USE_PDL:  # the slot's history as the precompute kernel reads it
-        rbuf, k = _slot_history(buf_idx_ptr, hist_ptr, accepted_ptr, tl.where(live, slot, 0), capacity)
+    if USE_PDL:  # the slot's history length as the precompute kernel reads it
+        k = _slot_history(buf_idx_ptr, hist_ptr, accepted_ptr, tl.where(live, slot, 0), capacity)[1]
     else:  # ... as it recorded it (loaded in parallel with the slot index)
-        k = tl.load(kinfo_ptr + 2 * b, mask=live, other=0)
-        rbuf = tl.load(kinfo_ptr + 2 * b + 1, mask=live, other=0).to(tl.int64)
+        k = tl.load(kinfo_ptr + b, mask=live, other=0)
     mc = (offs_c < k) & live
     s = tl.load(state_ptr + slot * stride_state_s + h * stride_state_h + offs_p[:, None] * stride_state_p
                 + offs_n[None, :] * stride_state_n, mask=mp[:, None] & mn[None, :] & live, other=0.0)
     x_row = old_x_ptr + slot * stride_ox_s + h * stride_ox_h
     x_old = tl.load(x_row + offs_p[:, None] * stride_ox_p + offs_c[None, :] * stride_ox_t,
                     mask=mp[:, None] & mc[None, :], other=0.0)  # [BLOCK_P, BLOCK_C]
-    hist = rbuf * stride_ocs_r + slot * stride_ocs_s + h * stride_ocs_h
-    cA_old = tl.load(old_cumA_ptr + hist + offs_c * stride_ocs_t, mask=mc, other=0.0)
-    dt_old = tl.load(old_dt_ptr + rbuf * stride_odt_r + slot * stride_odt_s + h * stride_odt_h + offs_c * stride_odt_t,
-                     mask=mc, other=0.0)
     if USE_PDL:
-        gdc_wait()  # total, Q, M (precompute), x, C, z (earlier kernels) from here on
+        gdc_wait()  # the factors, Q, M (precompute), x, C, z (earlier kernels) from here on
     if LAUNCH_DEPENDENTS:
         # the checkpoint kernel may start (it reads the precompute kernel's list, complete by now,
         # and waits for this kernel before it writes)
         gdc_launch_dependents()
-    total = tl.load(total_ptr + b * stride_tot_b + h * stride_tot_h + offs_t * stride_tot_t, mask=mt & live, other=0.0)
+    sc_row = scale_ptr + b * stride_sc_b + h * stride_sc_h
+    e_cs = tl.load(sc_row + offs_t, mask=mt & live, other=0.0)  # exp(cs_t)
+    e_last = tl.load(sc_row + T, mask=live, other=0.0)  # exp(cA_{k-1})
+    u = tl.load(sc_row + T + 1 + offs_c, mask=mc, other=0.0)  # [BLOCK_C]
     C_T = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n[:, None] * stride_C_n + offs_t[None, :] * stride_C_t,
                   mask=mn[:, None] & mt[None, :], other=0.0)  # [BLOCK_N, BLOCK_T]
     Q_T = tl.load(Q_ptr + b * stride_Q_b + g * stride_Q_g + offs_c[:, None] * stride_Q_c + offs_t[None, :] * stride_Q_t,
@@ -453,16 +464,14 @@ def _replay_out_kernel(
         y = tl.dot(s, C_T.to(state_ptr.dtype.element_ty))
     else:  # a 16-bit state and 16-bit C are exact in TF32 (the interpreter), else as the main kernel
         y = tl.dot(s.to(tl.float32), C_T.to(tl.float32), input_precision=STATE_PRECISION)
-    y = y * tl.exp(total)[None, :]
-    # exponent <= 0 (c < k: the history precedes this step); exp(-inf) = 0 past k and past T
-    hmask = mc[:, None] & mt[None, :]
-    hdecay = tl.exp(tl.where(hmask, total[None, :] - cA_old[:, None], float("-inf")))
-    y = _dot_split_rhs(x_old, tl.where(hmask, Q_T, 0.0) * hdecay * dt_old[:, None], y, SPLIT, DOT_PRECISION)
-    y = _dot_split_rhs(x_T, M_T, y, SPLIT, DOT_PRECISION)
+    # rows c >= k of Q (garbage) and columns t >= T drop out
+    W = tl.where(mc[:, None] & mt[None, :], Q_T, 0.0) * u[:, None]
+    y = _dot_split_rhs(x_old, W, y * e_last, SPLIT, DOT_PRECISION)
+    y = _dot_split_rhs(x_T, M_T, y * e_cs[None, :], SPLIT, DOT_PRECISION)
     if HAS_D:
         y += x_T.to(tl.float32) * tl.load(D_ptr + h * stride_D_h).to(tl.float32)
     if HAS_Z:
-        y *= silu(zv.to(tl.float32))
+        y *= silu_approx(zv.to(tl.float32), FAST_MATH)
     y = tl.where(live, y, 0.0)
     tl.store(out_ptr + b * stride_out_b + h * stride_out_h + offs_p[:, None] * stride_out_p
              + offs_t[None, :] * stride_out_t, y.to(out_ptr.dtype.element_ty), mask=mask_pt)
@@ -581,31 +590,31 @@ def _dot_precision(dtype: torch.dtype, fp32: str) -> str:
 
 def launch_replay_precompute(
     dt, dt_bias, A, B, C, idx, buf_idx, prev_accepted, hist_len, M, old_B, old_dt, old_cumA,
-    Q=None, total=None, kinfo=None, ckpt_count=None, ckpt_list=None,
+    Q=None, scale=None, kinfo=None, C16=None, ckpt_count=None, ckpt_list=None,
     *, dt_softplus: bool, pad_slot_id: int, heads: int, num_warps: int, use_pdl: bool = False,
     launch_dependents: bool = False,
 ):
     """dt (B,T,H) raw; dt_bias, A (H,) or None; B, C (B,T,G,N); idx (B,) or None; buf_idx,
     prev_accepted, hist_len (S,); M (B,H,T,T) fp32 scratch; old_B (2,S,C_h,G,N); old_dt,
     old_cumA (2,S,C_h,H). The split path's scratch (else None): Q (B,G,T,C_h) fp32; ckpt_count (1,)
-    int32, zeroed; ckpt_list (B, 4) int32; total (B, H, T) fp32; kinfo (B, 2) int32 or None."""
+    int32, zeroed; ckpt_list (B, 4) int32; scale (B, H, T + 1 + C_h) fp32 (contiguous last dim); kinfo (B,) int32 or None; C16 (B, G, BLOCK_T, BLOCK_N) fp16 or None (contiguous)."""
     nreq, ntok, nheads = dt.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     hpg = nheads // ngroups
     grid = (nreq, ngroups, triton.cdiv(hpg, heads))
     capacity = old_dt.shape[2]
     _replay_precompute_kernel[grid](
-        dt, dt_bias, A, B, C, idx, buf_idx, prev_accepted, hist_len, M, Q, total, kinfo, old_B, old_dt, old_cumA,
+        dt, dt_bias, A, B, C, idx, buf_idx, prev_accepted, hist_len, M, Q, scale, kinfo, C16, old_B, old_dt, old_cumA,
         ckpt_count, ckpt_list, ntok, capacity, hpg, pad_slot_id,
         *dt.stride(), dt_bias.stride(0) if dt_bias is not None else 0, A.stride(0),
         *B.stride(), *C.stride(), *M.stride(), *(Q.stride() if Q is not None else (0, 0, 0, 0)),
-        *(total.stride() if total is not None else (0, 0, 0)),
+        *(scale.stride()[:2] if scale is not None else (0, 0)),
         *old_B.stride(), *old_dt.stride(), *old_cumA.stride(),
         HAS_DT_BIAS=dt_bias is not None, HAS_IDX=idx is not None, DT_SOFTPLUS=dt_softplus,
         N=dstate, BLOCK_N=max(16, triton.next_power_of_2(dstate)), BLOCK_T=max(16, triton.next_power_of_2(ntok)),
         HEADS=heads, HIST=Q is not None, BLOCK_C=max(16, triton.next_power_of_2(capacity)),
         DOT_PRECISION=_dot_precision(B.dtype, "ieee"), USE_PDL=use_pdl, LAUNCH_DEPENDENTS=launch_dependents,
-        HAS_KINFO=kinfo is not None, num_warps=num_warps, launch_pdl=use_pdl,
+        HAS_KINFO=kinfo is not None, HAS_C16=C16 is not None, num_warps=num_warps, launch_pdl=use_pdl,
     )
 
 
@@ -635,12 +644,12 @@ def launch_replay_main(
 
 
 def launch_replay_out(
-    state, old_x, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, kinfo, total, x, C, D, z, M, Q, out, idx, *,
+    state, old_x, buf_idx, prev_accepted, hist_len, kinfo, scale, x, C, D, z, M, Q, out, idx, *,
     pad_slot_id: int, block_p: int, num_warps: int, maxnreg: int | None = None, use_pdl: bool = False,
     launch_dependents: bool = False,
 ):
-    """The split path's output kernel: shapes as ``launch_replay_main``; Q (B,G,T,C_h), total
-    (B,H,T) and (unless ``use_pdl``) kinfo (B,2) from the precompute kernel launched just before it
+    """The split path's output kernel: shapes as ``launch_replay_main``; Q (B,G,T,C_h), scale
+    (B,H,T+1+C_h) and (unless ``use_pdl``) kinfo (B,) from the precompute kernel launched just before it
     (``use_pdl``: a programmatic dependent of it, which then must trigger its dependents)."""
     nreq, ntok, nheads, headdim = x.shape
     ngroups, dstate = C.shape[2], C.shape[3]
@@ -650,9 +659,9 @@ def launch_replay_out(
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
     sixteen_bit = state.dtype != torch.float32 and x.dtype != torch.float32
     _replay_out_kernel[grid](
-        state, old_x, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, kinfo, total, x, C, D, z, M, Q, out, idx,
+        state, old_x, buf_idx, prev_accepted, hist_len, kinfo, scale, x, C, D, z, M, Q, out, idx,
         ntok, old_x.shape[1], pad_slot_id, nheads // ngroups, nreq, nheads,
-        *state.stride(), *old_x.stride(), *old_dt.stride(), *old_cumA.stride(), *total.stride(), *x.stride(), *C.stride(),
+        *state.stride(), *old_x.stride(), *scale.stride()[:2], *x.stride(), *C.stride(),
         D.stride(0) if D is not None else 0, *z_strides, *M.stride(), *Q.stride(), *out.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_IDX=idx is not None,
         P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(dstate)),
@@ -660,7 +669,8 @@ def launch_replay_out(
         DOT_PRECISION=_dot_precision(x.dtype, "tf32x3"), SPLIT=split, STATE_SPLIT=split and state.dtype == torch.float32,
         STATE_PRECISION=(("tf32" if _interpreting() or not NATIVE_16BIT_OUT else "native") if sixteen_bit
                          else _dot_precision(x.dtype, "tf32x3")),
-        USE_PDL=use_pdl, LAUNCH_DEPENDENTS=launch_dependents, num_warps=num_warps, launch_pdl=use_pdl, **extra,
+        USE_PDL=use_pdl, LAUNCH_DEPENDENTS=launch_dependents, FAST_MATH=not _interpreting(),
+        num_warps=num_warps, launch_pdl=use_pdl, **extra,
     )
 
 
