@@ -5,6 +5,8 @@
     python scripts/dev_replay_variants.py profile   # per-kernel times at the table's configs (or profile-noreplay)
     python scripts/dev_replay_variants.py history   # split path at 1x, 2x, 4x the default history capacity
     python scripts/dev_replay_variants.py tiles     # split path, each output / checkpoint kernel tile
+    python scripts/dev_replay_variants.py chain     # split path, the kernel chain with and without PDL
+    python scripts/dev_replay_variants.py pre       # split path, the precompute kernel's heads x warps
     python scripts/dev_replay_variants.py native    # split path, 16-bit state: C.S on 16-bit tensor cores vs TF32
     python scripts/dev_replay_variants.py ncu-step-6-float32   # a few Nemotron-H batch-128 T=6 steps (for ncu)
     python scripts/dev_replay_variants.py ncu-split-BPxW   # a few Nemotron-H batch-128 T=6 steps (for ncu)
@@ -169,104 +171,16 @@ def time_history():
                 print(f"T={T} {str(sd)[6:]} C_h={hist}: step {graph_time(step):.1f} us {kernel_times(step)}", flush=True)
 
 
-def time_maxnreg():
-    """Nemotron-H batch 128, split path: the output kernel with a register cap (occupancy)."""
-    from fastmamba.ops.replay import api
-    for sd, caps in ((torch.float32, (None, 128, 96, 80)), (torch.float16, (None, 56, 48))):
-        for T, hist in ((6, None), (6, 64), (2, None), (16, None)):
-            step = problem("nemotron-h", T, 128, sd, history=hist)
-            for cap in caps:
-                api.OUT_MAXNREG = cap
-                print(f"T={T} {str(sd)[6:]} C_h={hist} maxnreg {cap}: step {graph_time(step):.1f} us {kernel_times(step)}",
-                      flush=True)
-            api.OUT_MAXNREG = None
-
-
-def time_ckpt():
-    """Nemotron-H batch 128 T=6, split path: checkpoint-kernel tile x register cap x programs per SM,
-    and the precompute kernel's heads per program x warps (output kernel capped at 128 registers for fp32)."""
-    from fastmamba.ops.replay import api
-    for sd in (torch.float32, torch.float16):
-        api.OUT_MAXNREG = 128 if sd == torch.float32 else None
-        step = problem("nemotron-h", 6, 128, sd)
-        tab = table_cfg("nemotron-h", 6, 128)
-        print(f"{str(sd)[6:]} table: {tab}")
-        for cbp, cw in ((64, 4), (32, 4), (32, 2), (16, 2)):
-            for cap in (None, 128, 96):
-                for per_sm in (None, 4, 8):
-                    api.CKPT_MAXNREG, api.CKPT_PER_SM = cap, per_sm
-                    with configs.forced_config(cbp, cw, tab.heads, tab.warps_pre, split=True,
-                                               out_block_p=tab.out_block_p, out_warps=tab.out_warps):
-                        kt = kernel_times(step)
-                        print(f"  ck {cbp}x{cw} maxnreg {cap} per_sm {per_sm}: step {graph_time(step):.1f} "
-                              f"ck {kt.get('checkpoint')}", flush=True)
-        api.CKPT_MAXNREG = api.CKPT_PER_SM = None
-        for heads in (2, 4, 8, 16):
-            for wp in (2, 4):
-                with configs.forced_config(tab.block_p, tab.num_warps, heads, wp, split=True,
-                                           out_block_p=tab.out_block_p, out_warps=tab.out_warps):
-                    kt = kernel_times(step)
-                    print(f"  pre heads {heads} warps {wp}: step {graph_time(step):.1f} pre {kt.get('precompute')}",
-                          flush=True)
-        print("(regs, spills) ck:", regs(K._replay_checkpoint_kernel), "pre:", regs(K._replay_precompute_kernel))
-    api.OUT_MAXNREG = None
-
-
-def time_ckpt2():
-    """Nemotron-H batch 128, split path (output kernel capped at 128 registers for fp32, precompute
-    16 heads x 2 warps): checkpoint kernel tile x register cap x PDL after the output kernel."""
-    from fastmamba.ops.replay import api
-    for sd in (torch.float32, torch.float16):
-        api.OUT_MAXNREG = 128 if sd == torch.float32 else None
-        for T in (2, 6, 16):
-            step = problem("nemotron-h", T, 128, sd)
-            tab = table_cfg("nemotron-h", T, 128)
-            for cbp, cw in ((64, 4), (32, 4), (32, 2)):
-                for cap in (None, 128):
-                    for pdl in (False, True):
-                        api.CKPT_MAXNREG, api.CHAIN_PDL = cap, pdl
-                        with configs.forced_config(cbp, cw, 16, 2, split=True,
-                                                   out_block_p=tab.out_block_p, out_warps=tab.out_warps):
-                            kt = kernel_times(step)
-                            print(f"{str(sd)[6:]} T={T} ck {cbp}x{cw} maxnreg {cap} pdl {pdl}: step "
-                                  f"{graph_time(step):.1f} ck {kt.get('checkpoint')} out {kt.get('out')}", flush=True)
-        api.CKPT_MAXNREG, api.CHAIN_PDL = None, False
-    api.OUT_MAXNREG = None
-    print("(regs, spills) ck:", regs(K._replay_checkpoint_kernel))
-
-
-def time_out2():
-    """Nemotron-H batch 128, split path (precompute 16 heads x 2 warps, checkpoint 32x4): output
-    tile 64x4 vs 64x2, register cap for fp32, PDL between the output and checkpoint kernels."""
-    from fastmamba.ops.replay import api
-    for sd in (torch.float32, torch.float16):
-        for T in (2, 6, 16):
-            step = problem("nemotron-h", T, 128, sd)
-            for obp, ow in ((64, 4), (64, 2)):
-                for cap in ((None, 128) if sd == torch.float32 else (None,)):
-                    for pdl in (False, True):
-                        api.OUT_MAXNREG, api.CHAIN_PDL = cap, pdl
-                        with configs.forced_config(32, 4, 16, 2, split=True, out_block_p=obp, out_warps=ow):
-                            kt = kernel_times(step)
-                            print(f"{str(sd)[6:]} T={T} out {obp}x{ow} maxnreg {cap} pdl {pdl}: step "
-                                  f"{graph_time(step):.1f} out {kt.get('out')} ck {kt.get('checkpoint')} "
-                                  f"pre {kt.get('precompute')}", flush=True)
-    api.OUT_MAXNREG, api.CHAIN_PDL = None, False
-    print("(regs, spills) out:", regs(K._replay_out_kernel))
-
-
 def time_chain():
-    """Nemotron-H batch 128, split path (precompute 16 heads x 2 warps, fp32 output kernel capped
-    at 128 registers): the precompute -> output -> checkpoint chain with and without PDL, per
-    checkpoint tile; and the whole step's check against a run without PDL."""
-    from fastmamba.ops.replay import api
+    """Nemotron-H batch 128, split path (precompute 16 heads x 2 warps): the precompute -> output ->
+    checkpoint chain with and without PDL (configs.CHAIN_PDL), per checkpoint tile; the outputs of
+    12 steps with PDL compared with those without."""
     for sd in (torch.float32, torch.float16):
-        api.OUT_MAXNREG = 128 if sd == torch.float32 else None
         for T in (2, 6, 16):
             for cbp, cw in ((64, 4), (32, 4)):
                 ref = None
                 for pdl in (False, True):
-                    api.CHAIN_PDL = pdl
+                    configs.CHAIN_PDL = pdl
                     step = problem("nemotron-h", T, 128, sd)
                     with configs.forced_config(cbp, cw, 16, 2, split=True, out_block_p=64, out_warps=4):
                         ys = [step().float() for _ in range(12)]
@@ -278,8 +192,7 @@ def time_chain():
                         print(f"   12 steps with PDL vs without: max |diff| {diff:.3g}", flush=True)
                     else:
                         ref = ys
-    api.OUT_MAXNREG, api.CHAIN_PDL = None, False
-
+    configs.CHAIN_PDL = True
 
 def time_pre():
     """Nemotron-H batch 128, split path at the table's tiles: the precompute kernel's heads x warps."""
@@ -325,14 +238,6 @@ if __name__ == "__main__":
             profile_split(noreplay=arg.endswith("noreplay"))
         elif arg == "history":
             time_history()
-        elif arg == "maxnreg":
-            time_maxnreg()
-        elif arg == "ckpt":
-            time_ckpt()
-        elif arg == "ckpt2":
-            time_ckpt2()
-        elif arg == "out2":
-            time_out2()
         elif arg == "chain":
             time_chain()
         elif arg == "pre":

@@ -22,14 +22,16 @@ a_t = A[h] dt'_t and cs_t = a_0 + ... + a_t over this step's T tokens, two kerne
 The split path (large grids, ReplayConfig.split) replaces 2. by two kernels, because the main
 kernel's dot chain holds 200-220 registers per thread and leaves it latency-bound at 8 warps per SM:
 2a. ``_replay_out_kernel`` (block of P, request, head): every request's T outputs straight from the
-   stored state, without replaying it: with Q[t, c] = C_t . B_c for the history tokens (per group,
-   from the precompute kernel),
-       y = exp(cA_{k-1} + cs) * (C @ S_stored^T) + Mh @ x_old + M @ x + D x,
-       Mh[t, c] = Q[t, c] exp(cA_{k-1} + cs_t - cA_c) dt'_c,
+   stored state, without replaying it: with Q[t, c] = C_t . B_c for the history tokens (per group)
+   and the decay factors exp(cs_t), exp(cA_{k-1}) and u_c = dt'_c exp(cA_{k-1} - cA_c) (per head),
+   all from the precompute kernel,
+       y = exp(cs) * (exp(cA_{k-1}) C @ S_stored^T + Q @ (u x_old)) + M @ x + D x,
    and records x where no state is stored this step;
 2b. ``_replay_checkpoint_kernel`` (persistent): only the requests that store their state this
-   step (about one in eight at the default history; listed by the precompute kernel) replay, store
-   it and record x.
+   step (about one in eight at the default history; listed by the precompute kernel, one
+   [request, slot, k, rbuf] record each) replay, store it and record x.
+On sm_90 the three split-path kernels run as a chain of programmatic dependent launches
+(configs.CHAIN_PDL): each reads what the kernel before it does not write, then waits.
 
 The token axis is padded to BLOCK_T >= 16 (tl.dot's smallest size) and masked. No per-token state
 is ever materialised: the state moves through HBM once in, and out only at a checkpoint.
