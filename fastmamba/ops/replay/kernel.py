@@ -377,7 +377,7 @@ def _replay_main_kernel(
 def _replay_out_kernel(
     state_ptr, old_x_ptr, buf_idx_ptr, accepted_ptr, hist_ptr, kinfo_ptr, scale_ptr,
     x_ptr, C_ptr, D_ptr, z_ptr, M_ptr, Q_ptr, out_ptr, idx_ptr,
-    T, capacity, pad_slot_id, heads_per_group, nreq, nheads,
+    T, capacity, pad_slot_id, heads_per_group,
     stride_state_s, stride_state_h, stride_state_p: tl.constexpr, stride_state_n,
     stride_ox_s, stride_ox_t: tl.constexpr, stride_ox_h, stride_ox_p,
     stride_sc_b, stride_sc_h,
@@ -662,7 +662,7 @@ def launch_replay_out(
     sixteen_bit = state.dtype != torch.float32 and x.dtype != torch.float32
     _replay_out_kernel[grid](
         state, old_x, buf_idx, prev_accepted, hist_len, kinfo, scale, x, C, D, z, M, Q, out, idx,
-        ntok, old_x.shape[1], pad_slot_id, nheads // ngroups, nreq, nheads,
+        ntok, old_x.shape[1], pad_slot_id, nheads // ngroups,
         *state.stride(), *old_x.stride(), *scale.stride()[:2], *x.stride(), *C.stride(),
         D.stride(0) if D is not None else 0, *z_strides, *M.stride(), *Q.stride(), *out.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_IDX=idx is not None,
