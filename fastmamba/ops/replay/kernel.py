@@ -448,7 +448,7 @@ def _replay_out_kernel(
     C_T = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n[:, None] * stride_C_n + offs_t[None, :] * stride_C_t,
                   mask=mn[:, None] & mt[None, :], other=0.0)  # [BLOCK_N, BLOCK_T]
     Q_T = tl.load(Q_ptr + b * stride_Q_b + g * stride_Q_g + offs_c[:, None] * stride_Q_c + offs_t[None, :] * stride_Q_t,
-                  mask=mt[None, :] & live, other=0.0)  # [c, t]; rows c >= k hold garbage, masked below
+                  mask=(offs_c < capacity)[:, None] & mt[None, :] & live, other=0.0)  # [c, t]; rows c >= k: garbage, masked below
     M_T = tl.load(M_ptr + b * stride_M_b + h * stride_M_h + offs_t[:, None] * stride_M_s + offs_t[None, :] * stride_M_t,
                   mask=mt[:, None] & mt[None, :] & live, other=0.0)  # [s, t]
     x_T = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p[:, None] * stride_x_p + offs_t[None, :] * stride_x_t,
