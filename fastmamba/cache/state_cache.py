@@ -28,12 +28,16 @@ step that accepted a of its T inputs, both are a (``commit``).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from fastmamba.models.config import Mamba2Config
 from fastmamba.ops._common.checks import capturing
 from fastmamba.ops._common.slot_rows import scatter_rows
 from fastmamba.ops.replay import ReplayCache, commit_accepted, default_history, flush_replay_cache, reset_history
+
+if TYPE_CHECKING:  # (a runtime import would be circular: fastmamba.models imports this module)
+    from fastmamba.models.config import Mamba2Config
 
 
 class StateCache:

@@ -25,16 +25,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastmamba.models.config import Mamba2Config
 from fastmamba.ops import RMSNormGated, causal_conv1d_update, causal_conv1d_varlen, selective_state_update
 from fastmamba.ops.decode_params import expanded_A
 from fastmamba.ops.replay import ReplayCache, replay_selective_state_update
 from fastmamba.ops.ssd_scan import ssd_scan_varlen
+
+if TYPE_CHECKING:  # (a runtime import would be circular: fastmamba.models imports this module)
+    from fastmamba.models.config import Mamba2Config
 
 
 @dataclasses.dataclass(frozen=True)
