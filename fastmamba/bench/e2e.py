@@ -1,7 +1,7 @@
 """Target ``e2e``: end-to-end prefill and decode speed of a Mamba-2 LM against the bandwidth roofline.
 
     python -m fastmamba.bench e2e [--model mamba2-2.7b] [--batch 1,8,64,256] [--prompt-len 128]
-                                  [--gen-len 256] [--pdl] [--peer] [--json PATH] [--plot PATH]
+                                  [--gen-len 256] [--no-pdl] [--peer] [--json PATH] [--plot PATH]
                                   [--speculate K [--drafter oracle|ngram|model] [--draft-model M]
                                    [--repetitive-prompt]]
 
@@ -49,10 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=_int_list, default=None, help="default 1,8,64,256 on a GPU, 1,2 on a CPU")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--gen-len", type=int, default=256)
-    parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch inside the decode graphs")
+    parser.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
+                        help="programmatic dependent launch inside the decode graphs (default: on where the GPU "
+                             "has it, sm_90+; --no-pdl turns it off)")
     parser.add_argument("--peer", action="store_true", help="also time transformers' Mamba2ForCausalLM at batch 1")
     parser.add_argument("--ablate", action="store_true",
-                        help="also time batch 1 with each decode trick switched off, and with PDL on")
+                        help="also time batch 1 with each decode trick switched off, and with PDL off")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line per row")
     parser.add_argument("--plot", metavar="PATH", help="PNG of decode tok/s vs batch (needs matplotlib)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -305,6 +307,10 @@ def run(args: argparse.Namespace, command: str) -> int:
         except ValueError as exc:
             print(f"error: --draft-model {draft_name}: {exc}", file=sys.stderr)
             return 2
+    if args.pdl is None:
+        from fastmamba.ops._common.pdl import pdl_supported
+
+        args.pdl = cuda and pdl_supported(torch.empty(0, device=device))
     header = (f"# e2e decode: {name} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params, "
               f"{model.dtype}), {device_name(device)}, copy {copy_gbs:.0f} GB/s, prompt {prompt_len}, "
               f"gen {gen_len}, CUDA graphs {'on' if cuda else 'off'}, PDL {'on' if args.pdl else 'off'}; "
@@ -340,9 +346,12 @@ def run(args: argparse.Namespace, command: str) -> int:
             print(f"[e2e] batch {b} speculative: {sr['decode_tok_s']:.0f} tok/s, acceptance "
                   f"{sr['acceptance']:.0%}", file=sys.stderr, flush=True)
     if args.ablate:
-        variants = [("all tricks on", {}, False), ("A recomputed every step", {"cache_A": False}, False),
-                    ("silu(z) gate in the norm", {"gate_in_scan": False}, False),
-                    ("conv update in PyTorch ops", {"fused_conv": False}, False), ("all on + PDL", {}, True)]
+        variants = [("all tricks on", {}, args.pdl), ("A recomputed every step", {"cache_A": False}, args.pdl),
+                    ("silu(z) gate in the norm", {"gate_in_scan": False}, args.pdl),
+                    ("conv update in PyTorch ops", {"fused_conv": False}, args.pdl),
+                    ("projections in cuBLAS", {"triton_gemv": False}, args.pdl)]
+        if cuda:  # (the CPU runs no graphs)
+            variants.append(("all on, PDL off" if args.pdl else "all on, PDL on", {}, not args.pdl))
         print(f"{'ablation (batch 1)':34} {'ms/step':>9} {'tok/s':>8} {'vs all on':>10}")
         base = None
         for label, switches, pdl in variants:

@@ -15,7 +15,7 @@ import torch
 
 from fastmamba.cache.state_cache import StateCache
 from fastmamba.models.mamba2_lm import Mamba2LM
-from fastmamba.ops._common.pdl import programmatic_dependent_launch
+from fastmamba.ops._common.pdl import pdl_supported, programmatic_dependent_launch
 
 PAD_SLOT = -1
 
@@ -54,11 +54,17 @@ class GraphedDecoder:
     """``decode(tokens [B] int64, slots [B] int32) -> logits [B, V]`` fp32, B <= max_batch.
 
     The returned logits are a view of a static buffer: valid until the next call.
+    pdl: programmatic dependent launch inside the graphs (``fastmamba.ops._common.pdl``); None
+    (default): on where the GPU has it (sm_90+). A decode step keeps its contract (no kernel
+    writes the weights, slot indices or state rows that the next one reads before its wait), and
+    it is what lets the step's projections (``gemv``) start streaming their weights early.
     """
 
-    def __init__(self, model: Mamba2LM, cache: StateCache, max_batch: int, *, pdl: bool = False):
+    def __init__(self, model: Mamba2LM, cache: StateCache, max_batch: int, *, pdl: bool | None = None):
         if not torch.cuda.is_available() or model.lm_head.weight.device.type != "cuda":
             raise RuntimeError("GraphedDecoder needs the model on a CUDA device")
+        if pdl is None:
+            pdl = pdl_supported(model.lm_head.weight)
         self.model, self.cache, self.max_batch, self.pdl = model, cache, max_batch, pdl
         dev = model.lm_head.weight.device
         self.buckets = buckets_up_to(max_batch)

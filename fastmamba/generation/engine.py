@@ -79,7 +79,8 @@ class Engine:
     max_batch     requests decoded together (and slots in the state cache)
     cuda_graphs   replay decode (and verify) steps from CUDA graphs (GPU only; default: on when on a GPU)
     ssm_dtype     SSM state dtype (fp32 default; bf16/fp16 halve the state traffic)
-    pdl           programmatic dependent launch inside the graphs (Hopper+)
+    pdl           programmatic dependent launch inside the graphs (Hopper+); None (default): on
+                  in the plain decode graphs where the GPU has it, off in the verify graphs
     speculate     K >= 1: speculative decoding, verifying K drafts per request per step (greedy
                   acceptance at temperature 0, rejection sampling above); None or 0: plain decoding
     drafter       proposes the drafts (``fastmamba.generation.drafters``); default NgramDrafter()
@@ -96,7 +97,7 @@ class Engine:
     """
 
     def __init__(self, model: Mamba2LM, *, max_batch: int = 64, cuda_graphs: bool | None = None,
-                 ssm_dtype: torch.dtype = torch.float32, pdl: bool = False, speculate: int | None = None,
+                 ssm_dtype: torch.dtype = torch.float32, pdl: bool | None = None, speculate: int | None = None,
                  drafter: Drafter | None = None, verify_path: str = "auto",
                  verify_table: Mapping[int | str, int | None] | None = None, legacy_max_batch: int | None = None):
         if speculate is not None and not (isinstance(speculate, int) and speculate >= 0):
@@ -138,7 +139,7 @@ class Engine:
             from fastmamba.generation.cuda_graphs import GraphedDecoder, GraphedVerifier
 
             if self.speculate:
-                self.verifier = GraphedVerifier(model, self.cache, max_batch, pdl=pdl)
+                self.verifier = GraphedVerifier(model, self.cache, max_batch, pdl=bool(pdl))
             else:
                 self.decoder = GraphedDecoder(model, self.cache, max_batch, pdl=pdl)
         self.waiting: deque[Request] = deque()

@@ -19,7 +19,9 @@ cache) packs its batch and runs the same path.
 The decode step uses fastmamba's kernels with the tricks of the decode-kernel issue: A = -exp(A_log)
 is computed once per weight version as a stride-0 view (``expanded_A``), the silu(z) gate runs
 inside ``selective_state_update`` so the norm takes its z=None path, and the conv window stays in
-registers (``causal_conv1d_update``). The first two apply to prefill as well (the scan gates inside).
+registers (``causal_conv1d_update``), and a step of at most 16 requests runs in_proj and out_proj as
+fastmamba's ``gemv`` (it can start under PDL before the kernel ahead of it ends; cuBLAS cannot).
+The first two apply to prefill as well (the scan gates inside).
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ from torch import nn
 
 from fastmamba.ops import RMSNormGated, causal_conv1d_update, causal_conv1d_varlen, selective_state_update
 from fastmamba.ops.decode_params import expanded_A
+from fastmamba.ops.gemv import gemv
+from fastmamba.ops.gemv.configs import MAX_ROWS as GEMV_MAX_ROWS
 from fastmamba.ops.replay import ReplayCache, replay_selective_state_update
 from fastmamba.ops.ssd_scan import ssd_scan_varlen
 
@@ -49,11 +53,18 @@ class DecodeTricks:
                    prefill follows both switches (its scan takes the same A and gates the same way)
     fused_conv     conv window kept in registers by causal_conv1d_update (off: PyTorch ops that
                    shift the state in memory and re-read it, as a plain implementation does)
+    triton_gemv    the projections of a step of at most 16 requests (GEMV_PROJECTIONS) run as
+                   fastmamba's ``gemv``, which can start under PDL before the kernel ahead of it
+                   ends (off: ``nn.Linear``, i.e. cuBLAS, which never overlaps)
     """
 
     cache_A: bool = True
     gate_in_scan: bool = True
     fused_conv: bool = True
+    triton_gemv: bool = True
+
+
+GEMV_PROJECTIONS = ("in_proj", "out_proj")  # which decode-step projections ``triton_gemv`` covers
 
 
 def _conv_update_torch(x, conv_state, weight, bias, slots):
@@ -100,6 +111,15 @@ class Mamba2Mixer(nn.Module):
     def _split_xbc(self, xbc: torch.Tensor):
         c = self.cfg
         return torch.split(xbc, [c.d_inner, c.ngroups * c.d_state, c.ngroups * c.d_state], dim=-1)
+
+    def _project(self, name: str, u: torch.Tensor) -> torch.Tensor:
+        """self.<name>(u) for a decode step's [B, K] rows: ``gemv`` when ``triton_gemv`` covers it
+        (CUDA, 16-bit, B <= 16), else the nn.Linear (cuBLAS)."""
+        layer = getattr(self, name)
+        if (self.tricks.triton_gemv and name in GEMV_PROJECTIONS and u.is_cuda and u.shape[0] <= GEMV_MAX_ROWS
+                and u.dtype in (torch.float16, torch.bfloat16) and layer.weight.dtype == u.dtype):
+            return gemv(u, layer.weight, layer.bias)
+        return layer(u)
 
     def _gate_in_scan(self) -> bool:
         # silu(z) can run inside the state update only when the norm gates before normalising
@@ -188,7 +208,7 @@ class Mamba2Mixer(nn.Module):
         c = self.cfg
         nreq = u.shape[0]
         H, P, N, G = c.nheads, c.headdim, c.d_state, c.ngroups
-        z, xbc, dt = self._split(self.in_proj(u))
+        z, xbc, dt = self._split(self._project("in_proj", u))
         if self.tricks.fused_conv:
             xbc = causal_conv1d_update(xbc, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, "silu",
                                        conv_state_indices=slots)
@@ -201,7 +221,7 @@ class Mamba2Mixer(nn.Module):
             B.reshape(nreq, G, N), C.reshape(nreq, G, N), self.D, gate, self.dt_bias, True, slots,
         )
         y = self.norm(y.reshape(nreq, c.d_inner), None if self._gate_in_scan() else z)
-        return self.out_proj(y)
+        return self._project("out_proj", y)
 
     def verify(
         self,

@@ -1,0 +1,3 @@
+from fastmamba.ops.gemv.api import gemv
+
+__all__ = ["gemv"]

@@ -1,0 +1,87 @@
+"""gemv (decode-time projections) vs its fp32 reference (CPU: Triton interpreter)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastmamba.ops.gemv import gemv
+from fastmamba.ops.gemv.configs import pick_config
+from fastmamba.ops.gemv.ref import gemv_ref
+from tests.helpers import nan_like, tol
+
+
+@pytest.mark.parametrize("lead,N,K,dtype,has_bias", [
+    ((1,), 37, 300, torch.bfloat16, True),      # one row (FMA tiles), N and K not multiples of the tile
+    ((1,), 64, 512, torch.float16, False),      # one row, every tile full (the unmasked path)
+    ((3,), 45, 130, torch.bfloat16, False),     # a few rows (tensor-core tiles), masked
+    ((2, 8), 32, 256, torch.float16, True),     # 16 rows (the most), leading dims, full tiles
+    ((5,), 1, 17, torch.bfloat16, True),        # one output feature
+], ids=["M1-masked", "M1-even", "M3-masked", "M16-even-2d", "N1"])
+def test_matches_reference(lead, N, K, dtype, has_bias, device):
+    g = torch.Generator().manual_seed(N * K)
+    x_wide = torch.randn(*lead, 2 * K, generator=g).to(device, dtype)
+    x = x_wide[..., K:]  # rows strided by 2K
+    w = torch.randn(N, K, generator=g).to(device, dtype)
+    b = torch.randn(N, generator=g).to(device, dtype) if has_bias else None
+    y_ref = gemv_ref(x, w, b)
+    out = nan_like(y_ref)
+    y = gemv(x, w, b, out=out)
+    assert y.data_ptr() == out.data_ptr() and y.shape == lead + (N,) and y.dtype == dtype
+    torch.testing.assert_close(y.float(), y_ref.float(), **tol(dtype))
+    torch.testing.assert_close(gemv(x, w, b).float(), y_ref.float(), **tol(dtype))  # fresh output
+
+
+def test_configs_cover_both_tile_kinds():
+    assert not pick_config(1, 2560).use_dot and pick_config(2, 2560).use_dot
+    assert pick_config(1, 5120).block_k == 512 and pick_config(1, 2560).block_k == 256
+
+
+def test_empty_reduction_gives_bias(device):
+    w = torch.empty(6, 0, dtype=torch.bfloat16, device=device)
+    b = torch.arange(6, dtype=torch.bfloat16, device=device)
+    x = torch.empty(2, 0, dtype=torch.bfloat16, device=device)
+    torch.testing.assert_close(gemv(x, w, b), b.expand(2, 6))
+    assert torch.equal(gemv(x, w), torch.zeros(2, 6, dtype=torch.bfloat16, device=device))
+
+
+@pytest.mark.parametrize("mutate,exc,match", [
+    (lambda a: {**a, "x": torch.randn(17, 8).bfloat16()}, ValueError, "x has 17 rows; at most 16"),
+    (lambda a: {**a, "x": torch.randn(2, 8)}, TypeError, "`x` expected dtype"),
+    (lambda a: {**a, "weight": a["weight"].half()}, TypeError, "`weight` has dtype float16 but `x` has bfloat16"),
+    (lambda a: {**a, "weight": torch.randn(4, 9).bfloat16()}, ValueError, r"`weight` expected shape \(N, K=8\)"),
+    (lambda a: {**a, "weight": torch.randn(8, 4).bfloat16().t()}, ValueError, "`weight`"),
+    (lambda a: {**a, "bias": torch.randn(5).bfloat16()}, ValueError, r"`bias` expected shape \(4,\)"),
+    (lambda a: {**a, "out": torch.empty(2, 5).bfloat16()}, ValueError, r"`out` expected a contiguous tensor of shape \(2, 4\)"),
+], ids=["too-many-rows", "fp32-x", "dtype-mismatch", "K-mismatch", "weight-strided", "bias-shape", "out-shape"])
+def test_bad_input(mutate, exc, match):
+    args = {"x": torch.randn(2, 8).bfloat16(), "weight": torch.randn(4, 8).bfloat16(), "bias": None, "out": None}
+    args = mutate(args)
+    with pytest.raises(exc, match=match):
+        gemv(args["x"], args["weight"], args["bias"], out=args["out"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 8, 16])
+@pytest.mark.parametrize("N,K", [(10576, 2560), (2560, 5120)], ids=["in_proj-2.7b", "out_proj-2.7b"])
+def test_gpu_2p7b_projections(rows, N, K):
+    from fastmamba.ops._common.pdl import programmatic_dependent_launch
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, K, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).bfloat16()
+    b = torch.randn(N, device="cuda", generator=g).bfloat16()
+    y_ref = gemv_ref(x, w, b)
+    torch.testing.assert_close(gemv(x, w, b).float(), y_ref.float(), **tol(torch.bfloat16))
+    torch.testing.assert_close(F.linear(x, w, b).float(), y_ref.float(), **tol(torch.bfloat16))  # the scale of the check
+    with programmatic_dependent_launch():  # the PDL launch (weights read before the wait) inside a graph
+        out = torch.full((rows, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        x2 = x * 2
+        graph = torch.cuda.CUDAGraph()
+        gemv(x2, w, b, out=out)
+        with torch.cuda.graph(graph):
+            x2.copy_(x * 2)
+            gemv(x2, w, b, out=out)
+        out.fill_(float("nan"))
+        graph.replay()
+    torch.testing.assert_close(out.float(), gemv_ref(x * 2, w, b).float(), **tol(torch.bfloat16))
