@@ -196,7 +196,7 @@ def make_bench_drafter(name: str, *, prompts: list[list[int]], plain_tokens: lis
 
 
 def run_speculative(model, prompts: torch.Tensor, plain_tokens: list[list[int]], gen_len: int, k: int, drafter,
-                    *, device, verify_path: str = "auto") -> dict:
+                    *, device, verify_path: str = "auto", pdl: bool | None = None) -> dict:
     """Speculative greedy decoding of the B prompts [B, L] until each has gen_len + 1 tokens (the
     prefill's, then gen_len decoded, as the plain run's timed steps); the decode part is timed.
 
@@ -209,7 +209,7 @@ def run_speculative(model, prompts: torch.Tensor, plain_tokens: list[list[int]],
     B = prompts.shape[0]
     rows = prompts.tolist()
     counter = CountingDrafter(drafter)
-    engine = Engine(model, max_batch=B, speculate=k, drafter=counter, verify_path=verify_path)
+    engine = Engine(model, max_batch=B, speculate=k, drafter=counter, verify_path=verify_path, pdl=pdl)
     if device.type == "cuda":  # capture the verify graphs and compile, untimed
         engine.generate(rows, SamplingParams(max_new_tokens=min(gen_len + 1, 2 * (k + 1) + 1)))
     counter.calls = counter.proposed = 0
@@ -334,7 +334,7 @@ def run(args: argparse.Namespace, command: str) -> int:
                 torch.cuda.empty_cache()  # the plain run's cache and graphs
             drafter = make_bench_drafter(args.drafter, prompts=prompts.tolist(), plain_tokens=plain_tokens,
                                          draft_model=draft_model, batch=b, vocab_size=model.cfg.vocab_size)
-            sr = run_speculative(model, prompts, plain_tokens, gen_len, K, drafter, device=device,
+            sr = run_speculative(model, prompts, plain_tokens, gen_len, K, drafter, device=device, pdl=args.pdl,
                                  verify_path=args.verify_path)
             sr.update(provider=f"fastmamba speculative K={K} ({args.drafter})", drafter=args.drafter,
                       draft_model=draft_name, repetitive_prompt=repetitive, prompt_len=prompt_len, gen_len=gen_len,

@@ -121,9 +121,11 @@ class GraphedVerifier:
 
     PATHS = ("replay", "legacy", "plain")
 
-    def __init__(self, model: Mamba2LM, cache: StateCache, max_batch: int, *, pdl: bool = False):
+    def __init__(self, model: Mamba2LM, cache: StateCache, max_batch: int, *, pdl: bool | None = None):
         if not torch.cuda.is_available() or model.lm_head.weight.device.type != "cuda":
             raise RuntimeError("GraphedVerifier needs the model on a CUDA device")
+        if pdl is None:  # as GraphedDecoder (the same launch configs: a verify step's rounding
+            pdl = pdl_supported(model.lm_head.weight)  # then matches a plain step's)
         if not cache.speculate:
             raise ValueError("GraphedVerifier: the cache was built without speculation (speculate=0)")
         self.model, self.cache, self.max_batch, self.pdl = model, cache, max_batch, pdl

@@ -80,7 +80,7 @@ class Engine:
     cuda_graphs   replay decode (and verify) steps from CUDA graphs (GPU only; default: on when on a GPU)
     ssm_dtype     SSM state dtype (fp32 default; bf16/fp16 halve the state traffic)
     pdl           programmatic dependent launch inside the graphs (Hopper+); None (default): on
-                  in the plain decode graphs where the GPU has it, off in the verify graphs
+                  where the GPU has it
     speculate     K >= 1: speculative decoding, verifying K drafts per request per step (greedy
                   acceptance at temperature 0, rejection sampling above); None or 0: plain decoding
     drafter       proposes the drafts (``fastmamba.generation.drafters``); default NgramDrafter()
@@ -139,7 +139,7 @@ class Engine:
             from fastmamba.generation.cuda_graphs import GraphedDecoder, GraphedVerifier
 
             if self.speculate:
-                self.verifier = GraphedVerifier(model, self.cache, max_batch, pdl=bool(pdl))
+                self.verifier = GraphedVerifier(model, self.cache, max_batch, pdl=pdl)
             else:
                 self.decoder = GraphedDecoder(model, self.cache, max_batch, pdl=pdl)
         self.waiting: deque[Request] = deque()

@@ -113,10 +113,11 @@ class Mamba2Mixer(nn.Module):
         return torch.split(xbc, [c.d_inner, c.ngroups * c.d_state, c.ngroups * c.d_state], dim=-1)
 
     def _project(self, name: str, u: torch.Tensor) -> torch.Tensor:
-        """self.<name>(u) for a decode step's [B, K] rows: ``gemv`` when ``triton_gemv`` covers it
-        (CUDA, 16-bit, B <= 16), else the nn.Linear (cuBLAS)."""
+        """self.<name>(u) for a decode or verify step's rows [..., K]: ``gemv`` when
+        ``triton_gemv`` covers it (CUDA, 16-bit, at most 16 rows), else the nn.Linear (cuBLAS)."""
         layer = getattr(self, name)
-        if (self.tricks.triton_gemv and name in GEMV_PROJECTIONS and u.is_cuda and u.shape[0] <= GEMV_MAX_ROWS
+        if (self.tricks.triton_gemv and name in GEMV_PROJECTIONS and u.is_cuda
+                and u.numel() <= GEMV_MAX_ROWS * u.shape[-1]
                 and u.dtype in (torch.float16, torch.bfloat16) and layer.weight.dtype == u.dtype):
             return gemv(u, layer.weight, layer.bias)
         return layer(u)
@@ -270,7 +271,7 @@ class Mamba2Mixer(nn.Module):
                              f"{tuple(u.shape)}")
         if path == "legacy" and intermediate_states is None:
             raise ValueError("Mamba2Mixer.verify: the legacy path needs `intermediate_states` [B, T, H, P, N]")
-        z, xbc, dt = self._split(self.in_proj(u))  # [B, T, *] column views
+        z, xbc, dt = self._split(self._project("in_proj", u))  # [B, T, *] column views
         # the conv works on [B, E, T]: transposed views in and out, so xbc stays [B, T, E] contiguous
         conv_out = u.new_empty(nreq, ntok, E)
         causal_conv1d_update(xbc.transpose(1, 2), conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias,
@@ -294,4 +295,4 @@ class Mamba2Mixer(nn.Module):
                 None if gate is None else gate[:, 0], self.dt_bias, True, slots,
             )
         y = self.norm(y.reshape(nreq * ntok, c.d_inner), None if self._gate_in_scan() else z.reshape(-1, c.d_inner))
-        return self.out_proj(y).view(nreq, ntok, -1)
+        return self._project("out_proj", y).view(nreq, ntok, -1)

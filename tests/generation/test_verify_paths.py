@@ -235,3 +235,27 @@ def test_graphed_verify_matches_eager(model):
     for a, b in zip(caches[0].ssm + caches[0].conv, caches[1].ssm + caches[1].conv):
         torch.testing.assert_close(a, b, **FP32)
     assert torch.equal(caches[0].conv_accepted, caches[1].conv_accepted)
+
+
+@pytest.mark.gpu
+def test_bf16_graphed_legacy_verify_reproduces_graphed_plain_decoding():
+    """bf16 weights (a step's projections run as fastmamba's gemv, PDL on by default in both kinds
+    of graph): a legacy verify step's logits equal, bit for bit, those of plain decode steps over
+    the same tokens. The oracle drafter's acceptance in bf16 rests on it (gemv.configs.ONE_ROW_FMA)."""
+    import fastmamba
+    from fastmamba.generation.cuda_graphs import GraphedDecoder, GraphedVerifier
+
+    model = fastmamba.load_model("mamba2-tiny", device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, 256, (2, 5), generator=g).cuda()
+    slots = torch.tensor([1, 3], dtype=torch.int32, device="cuda")
+    dec_cache, spec_cache = model.new_cache(4), model.new_cache(4, speculate=K)
+    spec_cache.reserve_legacy(2)
+    model.prefill(prompt, dec_cache, slots)
+    model.prefill(prompt, spec_cache, slots)
+    decoder = GraphedDecoder(model, dec_cache, max_batch=2)
+    verifier = GraphedVerifier(model, spec_cache, max_batch=2)
+    toks = torch.randint(0, 256, (2, K + 1), generator=g).cuda()
+    got = verifier.verify(toks, slots, "legacy").clone()
+    for t in range(K + 1):
+        assert torch.equal(got[:, t], decoder.decode(toks[:, t], slots)), f"position {t}"

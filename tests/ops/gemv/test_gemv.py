@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fastmamba.ops.gemv import configs as gemv_configs
 from fastmamba.ops.gemv import gemv
 from fastmamba.ops.gemv.configs import pick_config
 from fastmamba.ops.gemv.ref import gemv_ref
@@ -18,7 +19,9 @@ from tests.helpers import nan_like, tol
     ((2, 8), 32, 256, torch.float16, True),     # 16 rows (the most), leading dims, full tiles
     ((5,), 1, 17, torch.bfloat16, True),        # one output feature
 ], ids=["M1-masked", "M1-even", "M3-masked", "M16-even-2d", "N1"])
-def test_matches_reference(lead, N, K, dtype, has_bias, device):
+@pytest.mark.parametrize("one_row_fma", [False, True], ids=["dot", "one-row-fma"])
+def test_matches_reference(lead, N, K, dtype, has_bias, one_row_fma, device, monkeypatch):
+    monkeypatch.setattr(gemv_configs, "ONE_ROW_FMA", one_row_fma)
     g = torch.Generator().manual_seed(N * K)
     x_wide = torch.randn(*lead, 2 * K, generator=g).to(device, dtype)
     x = x_wide[..., K:]  # rows strided by 2K
@@ -32,9 +35,23 @@ def test_matches_reference(lead, N, K, dtype, has_bias, device):
     torch.testing.assert_close(gemv(x, w, b).float(), y_ref.float(), **tol(dtype))  # fresh output
 
 
-def test_configs_cover_both_tile_kinds():
+def test_configs_cover_both_tile_kinds(monkeypatch):
+    assert pick_config(1, 2560) == pick_config(16, 2560) and pick_config(1, 2560).use_dot  # the default
+    monkeypatch.setattr(gemv_configs, "ONE_ROW_FMA", True)
     assert not pick_config(1, 2560).use_dot and pick_config(2, 2560).use_dot
     assert pick_config(1, 5120).block_k == 512 and pick_config(1, 2560).block_k == 256
+
+
+def test_a_row_does_not_depend_on_the_others(device):
+    """Row b of a call equals the same row alone, bit for bit (a plain decode step of B rows and
+    a verify step of B*T rows then agree; see configs.ONE_ROW_FMA)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 300, generator=g).to(device, torch.bfloat16)
+    w = torch.randn(40, 300, generator=g).to(device, torch.bfloat16)
+    full = gemv(x, w)
+    for b in (0, 4):
+        assert torch.equal(gemv(x[b:b + 1], w), full[b:b + 1])
+    assert torch.equal(gemv(x[1:4], w), full[1:4])
 
 
 def test_empty_reduction_gives_bias(device):
