@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL, Hopper and newer): opt-in for the ops, on in the decode graphs.
+"""Programmatic dependent launch (PDL, Hopper and newer): opt-in for the ops, on in the runtime's graphs.
 
 With PDL a kernel's programs may be scheduled while the kernel before it in the stream is still
 finishing; each program first reads what a decode step never produces in the kernel just before
@@ -12,8 +12,8 @@ decode step (in_proj -> conv update -> state update -> norm -> out_proj) the cac
 only by their own op one step earlier, so this holds; a host copy or any earlier kernel is fine.
 Activations (x, dt, B, C, z) are always read after the wait.
 Off by default for calls of the ops; turn on with ``FASTMAMBA_PDL=1`` or ``with
-programmatic_dependent_launch():``. The runtime's decode graphs (``GraphedDecoder``, whose step
-keeps the contract) capture inside it by default on sm_90+.
+programmatic_dependent_launch():``. The runtime's decode and verify graphs (``GraphedDecoder``,
+``GraphedVerifier``: their steps keep the contract) capture inside it by default on sm_90+.
 """
 from __future__ import annotations
 
