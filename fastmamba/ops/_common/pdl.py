@@ -44,6 +44,11 @@ def _sm_info(device_index: int) -> tuple[bool, int]:
     return props.major >= 9, props.multi_processor_count
 
 
+def _device_sm_info(t: torch.Tensor) -> tuple[bool, int]:
+    """_sm_info of ``t``'s CUDA device (the current one for a tensor on plain "cuda")."""
+    return _sm_info(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
 def pdl_requested(t: torch.Tensor) -> bool:
     """PDL is switched on and ``t`` is a CUDA tensor (launch configs may differ under PDL)."""
     return _enabled and t.is_cuda
@@ -55,7 +60,7 @@ def pdl_supported(t: torch.Tensor) -> bool:
     contract above is ours to keep."""
     if not t.is_cuda:
         return False
-    return _sm_info(t.device.index if t.device.index is not None else torch.cuda.current_device())[0]
+    return _device_sm_info(t)[0]
 
 
 def pdl_active(t: torch.Tensor, programs: int, num_warps: int) -> bool:
@@ -68,10 +73,10 @@ def pdl_active(t: torch.Tensor, programs: int, num_warps: int) -> bool:
     """
     if not (_enabled and t.is_cuda):
         return False
-    supported, sms = _sm_info(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    supported, sms = _device_sm_info(t)
     return supported and programs <= sms * min(32, 64 // num_warps)
 
 
 def sm_count(t: torch.Tensor) -> int:
     """Multiprocessors of ``t``'s CUDA device."""
-    return _sm_info(t.device.index if t.device.index is not None else torch.cuda.current_device())[1]
+    return _device_sm_info(t)[1]

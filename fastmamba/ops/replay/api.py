@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+import triton
 
 from fastmamba.ops._common.checks import (
     FLOAT_DTYPES,
@@ -294,7 +295,7 @@ def _replay_op(
     nreq, ntok, nheads, headdim = x.shape
     cfg = pick_config(
         programs_per_block=nreq * nheads, headdim=headdim, dstate=B.shape[-1],
-        t_pad=max(16, 1 << (ntok - 1).bit_length()), interpreter=interpreter_enabled(),
+        t_pad=configs.padded_tokens(ntok), interpreter=interpreter_enabled(),
         act_bytes=x.element_size(), state_bytes=state.element_size(),
     )
     M = torch.empty(nreq, nheads, ntok, ntok, dtype=torch.float32, device=x.device)  # per-call scratch
@@ -316,8 +317,8 @@ def _replay_op(
         if state.dtype == torch.float16 and C.dtype == torch.bfloat16 and not interpreter_enabled():
             # bf16 C meets an fp16 state on 16-bit tensor cores: converted once per group
             # (the precompute kernel writes it as [B, G, its BLOCK_T, its BLOCK_N])
-            t_pad, n_pad = max(16, 1 << (ntok - 1).bit_length()), max(16, 1 << (B.shape[3] - 1).bit_length())
-            C16 = torch.empty(nreq, ngroups, t_pad, n_pad, dtype=torch.float16, device=x.device)
+            C16 = torch.empty(nreq, ngroups, configs.padded_tokens(ntok), max(16, triton.next_power_of_2(B.shape[3])),
+                              dtype=torch.float16, device=x.device)
         ckpt_count = torch.zeros(1, dtype=torch.int32, device=x.device)
         ckpt_list = torch.empty(nreq, 4, dtype=torch.int32, device=x.device)
     launch_replay_precompute(

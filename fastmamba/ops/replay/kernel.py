@@ -678,7 +678,7 @@ def launch_replay_out(
 
 def launch_replay_checkpoint(
     state, old_x, old_B, old_dt, old_cumA, x, seed, ckpt_count, ckpt_list, *, block_p: int, num_warps: int, programs: int,
-    maxnreg: int | None = None, use_pdl: bool = False,
+    use_pdl: bool = False,
 ):
     """The split path's checkpoint kernel on a persistent grid of ``programs`` programs: the
     requests listed in ckpt_list[:ckpt_count] ((B, 4) int32 records [request, slot, k, rbuf], from
@@ -693,7 +693,7 @@ def launch_replay_checkpoint(
         P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(dstate)),
         BLOCK_T=max(16, triton.next_power_of_2(ntok)), BLOCK_H=HISTORY_CHUNK,
         DOT_PRECISION=_dot_precision(x.dtype, "tf32x3"), SPLIT=x.dtype == torch.bfloat16 and not _interpreting(),
-        USE_PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl, **({} if maxnreg is None else {"maxnreg": maxnreg}),
+        USE_PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl,
     )
 
 
