@@ -7,7 +7,7 @@
 
 Per batch size B: B random prompts are prefilled into their cache slots (timed), then ``gen-len``
 greedy decode steps run as CUDA-graph replays (argmax on the GPU, no host sync inside the timed
-loop). The roofline of one decode step is the bytes it must move, over the device-to-device copy
+loop; programmatic dependent launch inside the graphs where the GPU has it, unless ``--no-pdl``). The roofline of one decode step is the bytes it must move, over the device-to-device copy
 bandwidth measured in the same run: every weight once (tied embeddings once) plus each layer's
 conv and SSM state rows of the B requests read and written once. With ``--peer``, Hugging Face
 transformers' Mamba2ForCausalLM runs the same weights (its plain PyTorch path) at batch 1.
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "has it, sm_90+; --no-pdl turns it off)")
     parser.add_argument("--peer", action="store_true", help="also time transformers' Mamba2ForCausalLM at batch 1")
     parser.add_argument("--ablate", action="store_true",
-                        help="also time batch 1 with each decode trick switched off, and with PDL off")
+                        help="also time batch 1 with each decode trick switched off, and with PDL switched")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line per row")
     parser.add_argument("--plot", metavar="PATH", help="PNG of decode tok/s vs batch (needs matplotlib)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,

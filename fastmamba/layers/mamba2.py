@@ -53,9 +53,10 @@ class DecodeTricks:
                    prefill follows both switches (its scan takes the same A and gates the same way)
     fused_conv     conv window kept in registers by causal_conv1d_update (off: PyTorch ops that
                    shift the state in memory and re-read it, as a plain implementation does)
-    triton_gemv    the projections of a step of at most 16 requests (GEMV_PROJECTIONS) run as
-                   fastmamba's ``gemv``, which can start under PDL before the kernel ahead of it
-                   ends (off: ``nn.Linear``, i.e. cuBLAS, which never overlaps)
+    triton_gemv    the projections (GEMV_PROJECTIONS) of a decode or verify step of at most 16
+                   rows (requests x tokens) run as fastmamba's ``gemv``, which can start under PDL
+                   before the kernel ahead of it ends (off: ``nn.Linear``, i.e. cuBLAS, which
+                   never overlaps)
     """
 
     cache_A: bool = True
