@@ -42,7 +42,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     check_unit_stride(_OP, "weight", weight, 1)
     lead = tuple(x.shape[:-1])
     M = math.prod(lead)
-    x2 = x.reshape(M, K)  # a view for the usual row-strided x
     if M > MAX_ROWS:
         raise ValueError(f"{_OP}: x has {M} rows; at most {MAX_ROWS} (a matrix-vector product; use F.linear for more)")
     if out is not None:
@@ -58,7 +57,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         y.copy_(bias.expand(lead + (N,)) if bias is not None else torch.zeros((), dtype=y.dtype, device=y.device))
     elif M and N:
         cfg = pick_config(M, K)
-        launch_gemv(x2, weight, bias, y.view(M, N), block_n=cfg.block_n, block_k=cfg.block_k,
+        # x.reshape: a view for the usual row-strided x
+        launch_gemv(x.reshape(M, K), weight, bias, y.view(M, N), block_n=cfg.block_n, block_k=cfg.block_k,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, use_dot=cfg.use_dot,
                     use_pdl=pdl_active(x, -(-N // cfg.block_n), cfg.num_warps))
     return y

@@ -10,11 +10,11 @@ kernel before), so the stream starts while the previous kernel finishes.
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from fastmamba.ops._common.dispatch import interpreter_enabled
 
 
 @triton.jit
@@ -90,6 +90,6 @@ def launch_gemv(x, weight, bias, y, *, block_n: int, block_k: int, num_warps: in
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, weight, bias, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        USE_DOT=use_dot, DOT_FP32=os.environ.get("TRITON_INTERPRET", "0") == "1", EVEN=(N % block_n == 0 and K % block_k == 0), USE_PDL=use_pdl,
+        USE_DOT=use_dot, DOT_FP32=interpreter_enabled(), EVEN=(N % block_n == 0 and K % block_k == 0), USE_PDL=use_pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl,
     )

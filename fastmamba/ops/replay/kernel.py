@@ -38,13 +38,12 @@ is ever materialised: the state moves through HBM once in, and out only at a che
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from fastmamba.ops._common.dispatch import interpreter_enabled
 from fastmamba.ops._common.jit_math import silu, silu_approx, softplus, stochastic_round
 
 
@@ -579,7 +578,7 @@ NATIVE_16BIT_OUT = True  # output kernel: a 16-bit state's C.S on 16-bit tensor 
 def _interpreting() -> bool:
     """The Triton CPU interpreter computes bf16 tl.dot wrongly (Triton 3.6): there the split bf16
     dots are replaced by the TF32 path on fp32 operands (the GPU tests cover the split)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return interpreter_enabled()
 
 
 def _dot_precision(dtype: torch.dtype, fp32: str) -> str:
