@@ -26,6 +26,18 @@ import torch
 
 _enabled = os.environ.get("FASTMAMBA_PDL", "0").lower() in ("1", "true", "yes", "on")
 
+# Experiment hooks (scripts/dev_pdl_waves.py): which grids launch with PDL ("one": those that fit
+# in one wave, the default; "all": every grid), and where a program lets its dependents launch
+# ("early": right after its grid-dependency wait, the default; "exit": when it exits).
+_waves = os.environ.get("FASTMAMBA_PDL_WAVES", "one")
+_trigger = os.environ.get("FASTMAMBA_PDL_TRIGGER", "early")
+
+
+def trigger_early() -> bool:
+    """Whether PDL programs call ``griddepcontrol.launch_dependents`` right after their wait
+    (else the dependents launch as the programs exit)."""
+    return _trigger == "early"
+
 
 @contextlib.contextmanager
 def programmatic_dependent_launch(enabled: bool = True) -> Iterator[None]:
@@ -69,12 +81,16 @@ def pdl_active(t: torch.Tensor, programs: int, num_warps: int) -> bool:
     Only grids that fit on the GPU in one wave (at most 32 programs and 64 warps per SM) use it:
     there the launch gap and load latency are most of the time, and PDL hides them. Multi-wave,
     bandwidth-bound grids ran slower with it on an H200 (the next kernel's early programs hold
-    SM slots while they wait), so they launch plainly.
+    SM slots while they wait), so they launch plainly. Re-measured 2026-11-22 (H200,
+    `scripts/dev_pdl_waves.py`, per call in graphs of back-to-back calls): every grid under PDL,
+    state update fp32 batch 256 347 -> 356 us (2.7b), 555 -> 570 us (Nemotron-H); conv update
+    batch 256 10.4 -> 15.1 us (D=5376, state_len 4); with the dependents launched only as programs
+    exit (``FASTMAMBA_PDL_TRIGGER=exit``) the state update is as slow and the conv 1-3% faster.
     """
     if not (_enabled and t.is_cuda):
         return False
     supported, sms = _device_sm_info(t)
-    return supported and programs <= sms * min(32, 64 // num_warps)
+    return supported and (_waves == "all" or programs <= sms * min(32, 64 // num_warps))
 
 
 def sm_count(t: torch.Tensor) -> int:

@@ -33,13 +33,13 @@ _forced: Conv1dUpdateConfig | None = None
 @contextlib.contextmanager
 def forced_config(block_d: int, num_warps: int) -> Iterator[None]:
     """Use this config for every launch inside the block (the tuning sweep's hook)."""
-    global _forced, _forced_flat
-    previous = (_forced, _forced_flat)
-    _forced = _forced_flat = Conv1dUpdateConfig(block_d, num_warps)
+    global _forced, _forced_flat, _forced_rows
+    previous = (_forced, _forced_flat, _forced_rows)
+    _forced = _forced_flat = _forced_rows = Conv1dUpdateConfig(block_d, num_warps)
     try:
         yield
     finally:
-        _forced, _forced_flat = previous
+        _forced, _forced_flat, _forced_rows = previous
 
 
 def pick_config(D: int, B: int, live_columns: int, *, interpreter: bool) -> Conv1dUpdateConfig:
@@ -75,3 +75,38 @@ def pick_vec4_config(D: int, B: int, *, interpreter: bool) -> Conv1dUpdateConfig
 
 
 _forced_flat: Conv1dUpdateConfig | None = None
+
+
+_forced_rows: Conv1dUpdateConfig | None = None
+
+# Which kernel a 16-bit state of state_len != 4 with contiguous channel rows takes: "auto" (the
+# rule below), "rows" or "columns"; "rows" also sends state_len 4 to the row kernel (experiments:
+# scripts/dev_pdl_waves.py; on the H200 it is slower than the state_len-4 kernel there: batch
+# 256, D=5376 11.7 vs 10.4 us, D=10240 18.1 vs 17.1 us at its best tile).
+ROWS_KERNEL = "auto"
+
+
+def force_rows_kernel() -> bool:
+    """Experiments: ROWS_KERNEL == "rows" sends state_len 4 to the row kernel too."""
+    return ROWS_KERNEL == "rows"
+
+
+def use_rows_kernel(D: int, B: int) -> bool:
+    """The 16-byte row kernel (rows_kernel.py) for bandwidth-bound sizes, the column kernel for
+    latency-bound ones. H200, W=4, state_len 3, bf16 (`scripts/dev_pdl_waves.py`, 2026-11-22):
+    batch 256 8.55 vs 10.28 us (D=5376), 13.37 vs 17.26 us (D=10240); batch 64 3.88 vs 4.38 us and
+    5.19 vs 6.28 us; batch 8 2.67 vs 2.56 us and 2.82 vs 2.70 us; batch 1 2.42 vs 2.26 us (D=5376)."""
+    if ROWS_KERNEL != "auto":
+        return ROWS_KERNEL == "rows"
+    return B * triton.cdiv(D, 128) >= 1024
+
+
+def pick_rows_config(D: int, B: int, *, interpreter: bool) -> Conv1dUpdateConfig:
+    """(BLOCK_D, num_warps) for the row kernel: 8 channels per thread, one warp per 256 channels
+    (H200, batch 1-256, D 5376 and 10240: best or within 3% of the best of 256x1, 512x1, 512x2,
+    1024x2, 1024x4 without PDL; under PDL 1024x4 is 7% faster at D=5376 batch 256, not at D=10240)."""
+    if _forced_rows is not None:
+        return _forced_rows
+    if interpreter:
+        return Conv1dUpdateConfig(block_d=64, num_warps=1)
+    return Conv1dUpdateConfig(block_d=256, num_warps=1)

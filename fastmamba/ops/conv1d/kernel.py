@@ -26,7 +26,12 @@ is one contiguous run of BLOCK_D * 4 elements, loaded and stored as a flat vecto
 accesses; reshape + split turn it into the four columns inside each thread's registers (no data
 movement) and join turns the shifted columns back. (A version for any state_len that picked the
 columns out with tl.gather went through shared memory and ran 2x slower than the column kernel
-on an H200, so other state lengths use the column kernel.)
+on an H200.)
+
+Row path (``rows_kernel.py``): the same single-token shift step for a 16-bit state of any other
+state_len (vLLM's W-1 layout above all) with contiguous channel rows: each thread owns 8 channels,
+whose state_len 16-byte vectors it splits into columns in registers. At bandwidth-bound sizes it
+replaces the column kernel (H200, W=4, state_len 3, batch 256: 74% of copy at D=10240, was 57%).
 """
 from __future__ import annotations
 
@@ -39,8 +44,11 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.jit_math import silu
-from fastmamba.ops._common.pdl import pdl_active
-from fastmamba.ops.conv1d.configs import pick_config, pick_vec4_config, use_vec4_kernel
+from fastmamba.ops._common.pdl import pdl_active, trigger_early
+from fastmamba.ops.conv1d.configs import (
+    force_rows_kernel, pick_config, pick_rows_config, pick_vec4_config, use_rows_kernel, use_vec4_kernel,
+)
+from fastmamba.ops.conv1d.rows_kernel import launch_conv1d_update_rows
 
 MODE_SHIFT = tl.constexpr(0)  # state = last state_len inputs, shifted left by L
 MODE_CIRCULAR = tl.constexpr(1)  # state is a circular buffer written at cache_seqlens[b] % state_len
@@ -99,6 +107,7 @@ def _causal_conv1d_update_kernel(
     HAS_INDICES: tl.constexpr,
     MODE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr,
 ):
     # one program per (block of BLOCK_D channels, request b)
     pid_d = tl.program_id(0)
@@ -119,16 +128,27 @@ def _causal_conv1d_update_kernel(
         slot = tl.load(state_indices_ptr + b * stride_indices_b).to(tl.int64)
     else:
         slot = b
+    state_row = state_ptr + slot * stride_state_s + d * stride_state_d
+    live = True
+    if HAS_INDICES:
+        live = slot != pad_slot_id
+    if MODE == MODE_SHIFT:
+        # the state columns the step needs sit at fixed addresses: under PDL they are read before
+        # the wait, like the weights (a padding row reads nothing)
+        shift_cols = ()
+        for c in tl.static_range(XC):
+            v = tl.load(state_row + (SL - XC + c) * stride_state_l, mask=d_mask & live, other=0.0)
+            shift_cols = shift_cols + (v.to(tl.float32),)
     if USE_PDL:
         gdc_wait()
-        gdc_launch_dependents()
+        if PDL_TRIGGER:
+            gdc_launch_dependents()
     if HAS_INDICES:
         if slot == pad_slot_id:  # padding row: zero output, state untouched
             zero = tl.zeros([BLOCK_D], dtype=out_ptr.dtype.element_ty)
             for t in tl.static_range(L):
                 tl.store(out_row + t * stride_out_l, zero, mask=d_mask)
             return
-    state_row = state_ptr + slot * stride_state_s + d * stride_state_d
 
     # ---- load the history window, one [BLOCK_D] vector per column: XC state columns, then x -------
     # column c is history index LO + c, where LO = h - XC and h is the history length
@@ -141,13 +161,14 @@ def _causal_conv1d_update_kernel(
     for c in tl.static_range(XC):
         if MODE == MODE_CIRCULAR:
             col = (start + (SL - XC + c)) % SL
-            v = tl.load(state_row + col * stride_state_l, mask=d_mask, other=0.0)
+            v = tl.load(state_row + col * stride_state_l, mask=d_mask, other=0.0).to(tl.float32)
         elif MODE == MODE_ACCEPTED:
             col = h - XC + c  # history columns before the state's start read as 0
             v = tl.load(state_row + col * stride_state_l, mask=d_mask & (col >= 0) & (col < SL), other=0.0)
+            v = v.to(tl.float32)
         else:
-            v = tl.load(state_row + (SL - XC + c) * stride_state_l, mask=d_mask, other=0.0)
-        hist = hist + (v.to(tl.float32),)
+            v = shift_cols[c]
+        hist = hist + (v,)
     for t in tl.static_range(L):
         hist = hist + (tl.load(x_row + t * stride_x_l, mask=d_mask, other=0.0).to(tl.float32),)
 
@@ -217,6 +238,7 @@ def _conv1d_update_vec4_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_INDICES: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr,
 ):
     # one program per (block of BLOCK_D channels, request b); state_len is 4
     pid_d = tl.program_id(0)
@@ -255,7 +277,8 @@ def _conv1d_update_vec4_kernel(
     old = tl.load(block + e, mask=e_mask & valid, other=0.0)
     if USE_PDL:
         gdc_wait()
-        gdc_launch_dependents()
+        if PDL_TRIGGER:
+            gdc_launch_dependents()
     out_row = out_ptr + b * stride_out_b + (d0 + ch) * stride_out_d
     if HAS_INDICES:
         if slot == pad_slot_id:
@@ -323,8 +346,25 @@ def causal_conv1d_update_launch(
                 out.stride(0), out.stride(1),
                 W=W, WEIGHT_FLAT=W == 4 and tuple(weight.stride()) == (4, 1),
                 BLOCK_D=cfg.block_d, EVEN_D=D % cfg.block_d == 0, SILU=silu, HAS_BIAS=bias is not None,
-                HAS_INDICES=conv_state_indices is not None, USE_PDL=use_pdl,
+                HAS_INDICES=conv_state_indices is not None, USE_PDL=use_pdl, PDL_TRIGGER=trigger_early(),
                 num_warps=cfg.num_warps, launch_pdl=use_pdl,
+            )
+        return
+
+    rows = (
+        L == 1 and cache_seqlens is None and num_accepted_tokens is None and (state_len != 4 or force_rows_kernel())
+        and conv_state.element_size() == 2 and conv_state.stride(2) == 1 and conv_state.stride(1) == state_len
+        and tuple(weight.stride()) == (W, 1) and D % 8 == 0
+        and (not x.is_cuda or use_rows_kernel(D, B))  # the interpreter tests this path where it applies
+    )
+    if rows:
+        cfg = pick_rows_config(D, B, interpreter=not x.is_cuda)
+        use_pdl = pdl_active(x, triton.cdiv(D, cfg.block_d) * B, cfg.num_warps)
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            launch_conv1d_update_rows(
+                x[:, :, 0], conv_state, weight, bias, conv_state_indices, out[:, :, 0], silu=silu,
+                pad_slot_id=pad_slot_id, block_d=cfg.block_d, num_warps=cfg.num_warps,
+                use_pdl=use_pdl, pdl_trigger=trigger_early(),
             )
         return
 
@@ -344,7 +384,7 @@ def causal_conv1d_update_launch(
             stride0(conv_state_indices), stride0(cache_seqlens), stride0(num_accepted_tokens),
             *out.stride(),
             W=W, SL=state_len, L=L, XC=xc,
-            BLOCK_D=cfg.block_d, SILU=silu, USE_PDL=use_pdl,
+            BLOCK_D=cfg.block_d, SILU=silu, USE_PDL=use_pdl, PDL_TRIGGER=trigger_early(),
             num_warps=cfg.num_warps, launch_pdl=use_pdl,
         )
 

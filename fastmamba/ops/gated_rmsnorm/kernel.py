@@ -12,7 +12,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.jit_math import silu
-from fastmamba.ops._common.pdl import pdl_active
+from fastmamba.ops._common.pdl import pdl_active, trigger_early
 from fastmamba.ops.gated_rmsnorm.configs import GatedRMSNormConfig
 
 
@@ -33,6 +33,7 @@ def _gated_rmsnorm_fwd_kernel(
     HAS_Z: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr,
 ):
     # one program per (block of BLOCK_M rows, group); the group's GROUP_SIZE columns start at col0
     pid_m = tl.program_id(0)
@@ -56,7 +57,8 @@ def _gated_rmsnorm_fwd_kernel(
             b = tl.load(b_ptr + col0 + cols, mask=col_mask, other=0.0).to(tl.float32)
         if USE_PDL:
             gdc_wait()
-            gdc_launch_dependents()
+            if PDL_TRIGGER:
+                gdc_launch_dependents()
         v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_Z:
             z = tl.load(z_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -75,7 +77,8 @@ def _gated_rmsnorm_fwd_kernel(
         # mostly from L2), normalises and stores.
         if USE_PDL:
             gdc_wait()
-            gdc_launch_dependents()
+            if PDL_TRIGGER:
+                gdc_launch_dependents()
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for n0 in range(0, GROUP_SIZE, BLOCK_N):
             col_mask = n0 + cols < GROUP_SIZE
@@ -130,6 +133,7 @@ def gated_rmsnorm_fwd(
         SINGLE_TILE=cfg.single_tile,
         NORM_BEFORE_GATE=bool(norm_before_gate),
         USE_PDL=use_pdl,
+        PDL_TRIGGER=trigger_early(),
         num_warps=cfg.num_warps,
         launch_pdl=use_pdl,
     )

@@ -12,6 +12,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.jit_math import silu, softplus, stochastic_round
+from fastmamba.ops._common.pdl import trigger_early
 
 
 @triton.jit
@@ -33,6 +34,7 @@ def _selective_state_update_kernel(
     HAS_DT_BIAS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_SRC_IDX: tl.constexpr, HAS_DST_IDX: tl.constexpr, HAS_INTER: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr, USE_PDL: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr,
     P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # one program per (block of P, request, head); P and N are constexpr so that full tiles
@@ -84,7 +86,8 @@ def _selective_state_update_kernel(
         # everything above reads weights, slot indices and this request's cache row; what follows
         # (x, dt, B, C, z) may be the output of the kernel launched just before this one
         gdc_wait()
-        gdc_launch_dependents()
+        if PDL_TRIGGER:
+            gdc_launch_dependents()
 
     x_base = x_ptr + b * stride_x_b + h * stride_x_h + offs_p * stride_x_p
     dt_base = dt_ptr + b * stride_dt_b + h * stride_dt_h
@@ -162,5 +165,6 @@ def launch_selective_state_update(
         HAS_DT_BIAS=dt_bias is not None, HAS_D=D is not None, HAS_Z=z is not None,
         HAS_SRC_IDX=src_idx is not None, HAS_DST_IDX=dst_idx is not None, HAS_INTER=inter is not None,
         DT_SOFTPLUS=dt_softplus, TIE_HDIM=tie_hdim, STOCHASTIC_ROUND=seed is not None, USE_PDL=use_pdl,
+        PDL_TRIGGER=trigger_early(),
         P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps, launch_pdl=use_pdl,
     )

@@ -185,6 +185,54 @@ def test_update_dtypes(x_name: str, state_name: str, device):
     check_against_ref(case, device)
 
 
+# The 16-byte row kernel (rows_kernel.py): one token, 16-bit state with contiguous channel rows,
+# state_len != 4, contiguous weight, D % 8 == 0. D=72 under the interpreter (64 channels per
+# program): one full block and a partial one.
+ROWS = dataclasses.replace(BASE, dtype=torch.bfloat16, state_dtype=torch.bfloat16)
+ROWS_CASES = [
+    pytest.param(ROWS, id="rows-base-SL3"),
+    pytest.param(dataclasses.replace(ROWS, state_dtype=torch.float16, dtype=torch.float16), id="rows-fp16"),
+    pytest.param(dataclasses.replace(ROWS, dtype=torch.float32), id="rows-x-fp32"),
+    pytest.param(dataclasses.replace(ROWS, W=2), id="rows-W2-SL1"),
+    pytest.param(dataclasses.replace(ROWS, W=3), id="rows-W3-SL2"),
+    pytest.param(dataclasses.replace(ROWS, W=6), id="rows-W6-SL5"),
+    pytest.param(dataclasses.replace(ROWS, extra_state=3), id="rows-SL6"),
+    pytest.param(dataclasses.replace(ROWS, W=5, extra_state=1), id="rows-W5-SL5"),
+    pytest.param(dataclasses.replace(ROWS, D=40, B=1, slots="none"), id="rows-B1-D40-noslots"),
+    pytest.param(dataclasses.replace(ROWS, bias=False, activation=None), id="rows-nobias-noact"),
+    pytest.param(dataclasses.replace(ROWS, x_layout="slice", L=1), id="rows-x-slice-3d"),
+    pytest.param(dataclasses.replace(ROWS, idx_dtype=torch.int64, B=5), id="rows-idx64-B5"),
+]
+
+
+@pytest.mark.parametrize("case", ROWS_CASES)
+def test_rows_kernel_matches_ref(case: Case, device, monkeypatch):
+    import fastmamba.ops.conv1d.kernel as conv_kernel
+
+    calls = []
+    launch = conv_kernel.launch_conv1d_update_rows
+    monkeypatch.setattr(conv_kernel, "launch_conv1d_update_rows", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    monkeypatch.setattr(conv_kernel, "use_rows_kernel", lambda D, B: True)
+    check_against_ref(case, device)
+    if device.type == "cuda" or INTERPRET:
+        assert calls, "the case did not reach the row kernel"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [dict(D=44), dict(state_dtype=torch.float32), dict(extra_state=1), dict(state_layout="channel_last"), dict(L=2)],
+    ids=["D44", "fp32-state", "SL4", "state-channel-last", "L2"],
+)
+def test_rows_kernel_not_taken_outside_its_conditions(change: dict, device, monkeypatch):
+    import fastmamba.ops.conv1d.kernel as conv_kernel
+
+    calls = []
+    monkeypatch.setattr(conv_kernel, "launch_conv1d_update_rows", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(conv_kernel, "use_rows_kernel", lambda D, B: True)
+    check_against_ref(dataclasses.replace(ROWS, **change), device)
+    assert not calls
+
+
 CIRCULAR = dataclasses.replace(BASE, mode="circular")
 CIRCULAR_CASES = [
     pytest.param(CIRCULAR, id="circ-base-SL3"),

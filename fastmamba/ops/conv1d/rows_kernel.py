@@ -1,0 +1,148 @@
+"""Triton kernel for the conv1d decode step on a 16-bit state of any state_len, in 16-byte rows.
+
+The column kernel (kernel.py) reads a [S, D, state_len] state one column at a time: with
+state_len 3 (vLLM's W-1 layout) each warp load picks 2-byte values 6 bytes apart, three
+instructions per 32 channels. Here a thread owns 8 consecutive channels, whose state is one
+contiguous run of 8 * state_len 16-bit values: state_len 16-byte vectors. The vectors are split
+into single values inside the thread's registers (reshape + split: no data movement), the values
+are renamed into columns (value j belongs to channel j // state_len, column j % state_len), and the
+shifted state is joined back into 16-byte vectors for the store. The weight rows of 8 channels
+([D, W] contiguous: W vectors) are split the same way; x, bias and the outputs are one vector.
+
+Conditions (the launcher checks them): one token, plain shift mode, 16-bit state with channel rows
+contiguous (strides (., state_len, 1)), weight contiguous [D, W], D a multiple of 8 (any other
+strides for x and out).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from fastmamba.ops._common.jit_math import silu
+
+CHANNELS_PER_ROW = 8  # 16 bytes of 16-bit values
+
+
+@triton.jit
+def _split8(v, R: tl.constexpr):
+    """[R, 8] -> its 8 columns as [R] tensors, in order (splits inside each thread's registers)."""
+    even, odd = tl.split(tl.reshape(v, [R, 4, 2]))  # values 0 2 4 6 | 1 3 5 7
+    e04, e26 = tl.split(tl.reshape(even, [R, 2, 2]))
+    o15, o37 = tl.split(tl.reshape(odd, [R, 2, 2]))
+    v0, v4 = tl.split(e04)
+    v2, v6 = tl.split(e26)
+    v1, v5 = tl.split(o15)
+    v3, v7 = tl.split(o37)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _join8(v0, v1, v2, v3, v4, v5, v6, v7, R: tl.constexpr):
+    """The inverse of _split8: eight [R] tensors -> [R, 8]."""
+    even = tl.reshape(tl.join(tl.join(v0, v4), tl.join(v2, v6)), [R, 4])
+    odd = tl.reshape(tl.join(tl.join(v1, v5), tl.join(v3, v7)), [R, 4])
+    return tl.reshape(tl.join(even, odd), [R, 8])
+
+
+@triton.jit
+def _conv1d_update_rows_kernel(
+    x_ptr,  # [B, D] (token axis dropped)
+    state_ptr,  # [S, D, SL] with strides (stride_state_s, SL, 1), 16-bit; mutated in place
+    weight_ptr,  # [D, W] contiguous
+    bias_ptr,  # [D] or None
+    state_indices_ptr,  # [B] or None
+    out_ptr,  # [B, D]
+    D,  # a multiple of 8
+    pad_slot_id,
+    stride_x_b, stride_x_d,
+    stride_state_s,
+    stride_indices_b,
+    stride_out_b, stride_out_d,
+    W: tl.constexpr,  # 2..6, W - 1 <= SL
+    SL: tl.constexpr,  # state_len
+    BLOCK_D: tl.constexpr,  # channels per program, a multiple of 8
+    SILU: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_INDICES: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr,
+):
+    # one program per (block of BLOCK_D channels, request b); row r of the block = channels
+    # d0 + 8r .. d0 + 8r + 7
+    R: tl.constexpr = BLOCK_D // 8
+    pid_d = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    d0 = pid_d * BLOCK_D
+    rows = tl.arange(0, R)[:, None]
+    lane = tl.arange(0, 8)[None, :]
+    rmask = (d0 + 8 * rows < D) & (lane < 8)  # [R, 8]: whole rows in or out (D % 8 == 0)
+
+    # weights (W vectors per row: value j = tap j % W of channel j // W), bias, slot: before the wait
+    wv = ()
+    for v in tl.static_range(W):
+        w_vec = tl.load(weight_ptr + (d0 + 8 * rows) * W + v * 8 + lane, mask=rmask, other=0.0)
+        wv = wv + _split8(w_vec.to(tl.float32), R)
+    if HAS_BIAS:
+        bias = _split8(tl.load(bias_ptr + d0 + 8 * rows + lane, mask=rmask, other=0.0).to(tl.float32), R)
+    if HAS_INDICES:
+        slot = tl.load(state_indices_ptr + b * stride_indices_b).to(tl.int64)
+        live = slot != pad_slot_id
+    else:
+        slot = b
+        live = True
+    block = state_ptr + slot * stride_state_s + d0 * SL
+    # the block's state (SL vectors per row: value j = column j % SL of channel j // SL), read
+    # once with 16-byte loads; under PDL before the wait (the cache contract of pdl.py)
+    sv = ()
+    for v in tl.static_range(SL):
+        sv = sv + _split8(tl.load(block + rows * (8 * SL) + v * 8 + lane, mask=rmask & live, other=0.0), R)
+    if USE_PDL:
+        gdc_wait()
+        if PDL_TRIGGER:
+            gdc_launch_dependents()
+    out_row = out_ptr + b * stride_out_b + (d0 + 8 * rows + lane) * stride_out_d
+    if HAS_INDICES:
+        if slot == pad_slot_id:  # padding row: zero output, state untouched
+            tl.store(out_row, tl.zeros([R, 8], dtype=out_ptr.dtype.element_ty), mask=rmask)
+            return
+    xs = _split8(tl.load(x_ptr + b * stride_x_b + (d0 + 8 * rows + lane) * stride_x_d, mask=rmask, other=0.0), R)
+
+    # channel c's window: state columns SL-W+1 .. SL-1, then x; new state: columns 1 .. SL-1, then x
+    ys = ()
+    new = ()
+    for c in tl.static_range(8):
+        acc = wv[c * W + W - 1] * xs[c].to(tl.float32)
+        for k in tl.static_range(W - 1):
+            acc += wv[c * W + k] * sv[c * SL + SL - (W - 1) + k].to(tl.float32)
+        if HAS_BIAS:
+            acc += bias[c]
+        if SILU:
+            acc = silu(acc)
+        ys = ys + (acc.to(out_ptr.dtype.element_ty),)
+        for k in tl.static_range(1, SL):
+            new = new + (sv[c * SL + k],)
+        new = new + (xs[c].to(state_ptr.dtype.element_ty),)
+    tl.store(out_row, _join8(ys[0], ys[1], ys[2], ys[3], ys[4], ys[5], ys[6], ys[7], R), mask=rmask)
+    for v in tl.static_range(SL):
+        vec = _join8(new[8 * v], new[8 * v + 1], new[8 * v + 2], new[8 * v + 3],
+                     new[8 * v + 4], new[8 * v + 5], new[8 * v + 6], new[8 * v + 7], R)
+        tl.store(block + rows * (8 * SL) + v * 8 + lane, vec, mask=rmask)
+
+
+def launch_conv1d_update_rows(x, conv_state, weight, bias, conv_state_indices, out, *, silu: bool,
+                              pad_slot_id: int, block_d: int, num_warps: int, use_pdl: bool, pdl_trigger: bool) -> None:
+    """x, out: [B, D] views (any strides); conv_state [S, D, SL] 16-bit with strides (., SL, 1);
+    weight [D, W] contiguous; D % 8 == 0 (see the module docstring)."""
+    B, D = x.shape
+    SL, W = conv_state.shape[2], weight.shape[1]
+    _conv1d_update_rows_kernel[(triton.cdiv(D, block_d), B)](
+        x, conv_state, weight, bias, conv_state_indices, out,
+        D, pad_slot_id,
+        x.stride(0), x.stride(1), conv_state.stride(0),
+        conv_state_indices.stride(0) if conv_state_indices is not None else 0,
+        out.stride(0), out.stride(1),
+        W=W, SL=SL, BLOCK_D=block_d, SILU=silu, HAS_BIAS=bias is not None,
+        HAS_INDICES=conv_state_indices is not None, USE_PDL=use_pdl, PDL_TRIGGER=pdl_trigger,
+        num_warps=num_warps, launch_pdl=use_pdl,
+    )
