@@ -89,8 +89,25 @@ def pdl_active(t: torch.Tensor, programs: int, num_warps: int) -> bool:
     """
     if not (_enabled and t.is_cuda):
         return False
-    supported, sms = _device_sm_info(t)
-    return supported and (_waves == "all" or programs <= sms * min(32, 64 // num_warps))
+    return _device_sm_info(t)[0] and (_waves == "all" or fits_one_wave(t, programs, num_warps))
+
+
+def pdl_launch(t: torch.Tensor, programs: int, num_warps: int) -> tuple[bool, bool]:
+    """(use PDL, trigger early) for a streaming kernel that gains from PDL on multi-wave grids
+    too, when its programs let the dependents launch only as they exit (the conv update: H200,
+    batch 256, 1-3% faster per call than a plain launch; an early trigger there is 40-55% slower).
+    Grids of one wave use PDL as ``pdl_active`` says, with the early trigger."""
+    if not (_enabled and t.is_cuda):
+        return False, True
+    if pdl_active(t, programs, num_warps):
+        return True, trigger_early()
+    return _device_sm_info(t)[0], False
+
+
+def fits_one_wave(t: torch.Tensor, programs: int, num_warps: int) -> bool:
+    """Whether ``programs`` programs of ``num_warps`` warps fit on ``t``'s GPU at once (at most 32
+    programs and 64 warps per SM), the condition ``pdl_active`` puts on PDL."""
+    return programs <= _device_sm_info(t)[1] * min(32, 64 // num_warps)
 
 
 def sm_count(t: torch.Tensor) -> int:

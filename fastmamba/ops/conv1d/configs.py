@@ -8,7 +8,7 @@ one channel per lane; the state_len-4 kernel gives each thread 4 channels' 16-by
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import triton
@@ -101,12 +101,20 @@ def use_rows_kernel(D: int, B: int) -> bool:
     return B * triton.cdiv(D, 128) >= 1024
 
 
-def pick_rows_config(D: int, B: int, *, interpreter: bool) -> Conv1dUpdateConfig:
+def pick_rows_config(
+    D: int, B: int, *, interpreter: bool, one_wave: Callable[[Conv1dUpdateConfig], bool] | None = None
+) -> Conv1dUpdateConfig:
     """(BLOCK_D, num_warps) for the row kernel: 8 channels per thread, one warp per 256 channels
     (H200, batch 1-256, D 5376 and 10240: best or within 3% of the best of 256x1, 512x1, 512x2,
-    1024x2, 1024x4 without PDL; under PDL 1024x4 is 7% faster at D=5376 batch 256, not at D=10240)."""
+    1024x2, 1024x4 without PDL). ``one_wave`` (given when PDL is on) says whether a config's grid
+    fits the GPU in one wave: where 256x1 does not and 1024x4 does, 1024x4 runs under PDL (H200,
+    D=5376 batch 256: 7.96 us vs 8.24 us for 256x1 launched with the exit trigger; at D=10240 no
+    tile fits one wave and 256x1 with the exit trigger is the fastest, 13.14 us)."""
     if _forced_rows is not None:
         return _forced_rows
     if interpreter:
         return Conv1dUpdateConfig(block_d=64, num_warps=1)
-    return Conv1dUpdateConfig(block_d=256, num_warps=1)
+    small, wide = Conv1dUpdateConfig(block_d=256, num_warps=1), Conv1dUpdateConfig(block_d=1024, num_warps=4)
+    if one_wave is not None and not one_wave(small) and one_wave(wide):
+        return wide
+    return small

@@ -44,7 +44,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.jit_math import silu
-from fastmamba.ops._common.pdl import pdl_active, trigger_early
+from fastmamba.ops._common.pdl import fits_one_wave, pdl_launch, pdl_requested
 from fastmamba.ops.conv1d.configs import (
     force_rows_kernel, pick_config, pick_rows_config, pick_vec4_config, use_rows_kernel, use_vec4_kernel,
 )
@@ -336,7 +336,7 @@ def causal_conv1d_update_launch(
     )
     if vec4:
         cfg = pick_vec4_config(D, B, interpreter=not x.is_cuda)
-        use_pdl = pdl_active(x, triton.cdiv(D, cfg.block_d) * B, cfg.num_warps)
+        use_pdl, early = pdl_launch(x, triton.cdiv(D, cfg.block_d) * B, cfg.num_warps)
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             _conv1d_update_vec4_kernel[(triton.cdiv(D, cfg.block_d), B)](
                 x, conv_state, weight, bias, conv_state_indices, out,
@@ -346,7 +346,7 @@ def causal_conv1d_update_launch(
                 out.stride(0), out.stride(1),
                 W=W, WEIGHT_FLAT=W == 4 and tuple(weight.stride()) == (4, 1),
                 BLOCK_D=cfg.block_d, EVEN_D=D % cfg.block_d == 0, SILU=silu, HAS_BIAS=bias is not None,
-                HAS_INDICES=conv_state_indices is not None, USE_PDL=use_pdl, PDL_TRIGGER=trigger_early(),
+                HAS_INDICES=conv_state_indices is not None, USE_PDL=use_pdl, PDL_TRIGGER=early,
                 num_warps=cfg.num_warps, launch_pdl=use_pdl,
             )
         return
@@ -358,20 +358,23 @@ def causal_conv1d_update_launch(
         and (not x.is_cuda or use_rows_kernel(D, B))  # the interpreter tests this path where it applies
     )
     if rows:
-        cfg = pick_rows_config(D, B, interpreter=not x.is_cuda)
-        use_pdl = pdl_active(x, triton.cdiv(D, cfg.block_d) * B, cfg.num_warps)
+        cfg = pick_rows_config(
+            D, B, interpreter=not x.is_cuda,
+            one_wave=(lambda c: fits_one_wave(x, triton.cdiv(D, c.block_d) * B, c.num_warps)) if pdl_requested(x) else None,
+        )
+        use_pdl, early = pdl_launch(x, triton.cdiv(D, cfg.block_d) * B, cfg.num_warps)
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             launch_conv1d_update_rows(
                 x[:, :, 0], conv_state, weight, bias, conv_state_indices, out[:, :, 0], silu=silu,
                 pad_slot_id=pad_slot_id, block_d=cfg.block_d, num_warps=cfg.num_warps,
-                use_pdl=use_pdl, pdl_trigger=trigger_early(),
+                use_pdl=use_pdl, pdl_trigger=early,
             )
         return
 
     xc = history_columns(W, state_len, L, cache_seqlens is not None)
     cfg = pick_config(D, B, xc + 2 * L + W, interpreter=not x.is_cuda)
     grid = (triton.cdiv(D, cfg.block_d), B)
-    use_pdl = pdl_active(x, grid[0] * B, cfg.num_warps)
+    use_pdl, early = pdl_launch(x, grid[0] * B, cfg.num_warps)
 
     def stride0(t: torch.Tensor | None) -> int:
         return t.stride(0) if t is not None else 0
@@ -384,7 +387,7 @@ def causal_conv1d_update_launch(
             stride0(conv_state_indices), stride0(cache_seqlens), stride0(num_accepted_tokens),
             *out.stride(),
             W=W, SL=state_len, L=L, XC=xc,
-            BLOCK_D=cfg.block_d, SILU=silu, USE_PDL=use_pdl, PDL_TRIGGER=trigger_early(),
+            BLOCK_D=cfg.block_d, SILU=silu, USE_PDL=use_pdl, PDL_TRIGGER=early,
             num_warps=cfg.num_warps, launch_pdl=use_pdl,
         )
 

@@ -449,3 +449,15 @@ def test_update_full_shape_gpu(extra_state: int, device):
     case = Case(B=256, D=10240, W=4, extra_state=extra_state, dtype=torch.bfloat16, state_dtype=torch.bfloat16)
     check_against_ref(case, device)
     check_against_ref(dataclasses.replace(case, state_layout="channel_last"), device, seed=1)
+
+
+def test_rows_config_under_pdl_prefers_a_one_wave_grid():
+    from fastmamba.ops.conv1d.configs import pick_rows_config
+
+    def one_wave(sms):  # the launcher's rule on a GPU of `sms` SMs: <= 32 programs and 64 warps per SM
+        return lambda c: -(-5376 // c.block_d) * 256 <= sms * min(32, 64 // c.num_warps)
+
+    assert pick_rows_config(5376, 256, interpreter=False) == (256, 1)  # PDL off
+    assert pick_rows_config(5376, 256, interpreter=False, one_wave=one_wave(132)) == (1024, 4)
+    assert pick_rows_config(5376, 256, interpreter=False, one_wave=one_wave(1000)) == (256, 1)  # fits as is
+    assert pick_rows_config(5376, 256, interpreter=False, one_wave=one_wave(60)) == (256, 1)  # neither fits
