@@ -30,6 +30,7 @@ from fastmamba.bench.timing import choose_n_sets
 from fastmamba.bench.tune import _time
 from fastmamba.ops._common import pdl
 from fastmamba.ops.conv1d import configs as conv_configs
+from fastmamba.ops.state_update import configs as ssu_configs
 
 VARIANTS = {  # name -> (PDL on, waves, trigger)
     "plain": (False, "one", "early"),
@@ -47,7 +48,9 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--variants", default=",".join(VARIANTS), help="subset of " + ",".join(VARIANTS))
     ap.add_argument("--kernels", default="", help="conv: columns,rows (default: both for state_len 3, auto for 4)")
-    ap.add_argument("--configs", default="", help="conv: BLOCK_DxWARPS,... forced (default: the library's pick)")
+    ap.add_argument("--configs", default="", help="conv: BLOCK_DxWARPS,... forced (default: the library's pick); "
+                    "ssu: BLOCK_PxWARPS,...")
+    ap.add_argument("--store-early", default="auto", help="ssu: configs.STORE_EARLY values to time: 0, 1, auto")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -67,21 +70,26 @@ def main() -> int:
                 continue
             n_sets = choose_n_sets(case.nbytes, l2)
             sets = [bench.make_set(case, device, seed=i) for i in range(n_sets)]
-            if op != "conv":
+            if op == "ssu":
+                kernels = [f"early{v}" for v in args.store_early.split(",")]  # early0, early1, earlyauto
+            elif op != "conv":
                 kernels = ["auto"]
             elif args.kernels:
                 kernels = args.kernels.split(",")
             else:
                 kernels = ["columns", "rows"] if case.params.get("state_len") == 3 else ["auto"]
-            cfgs = [None] if op != "conv" or not args.configs else [tuple(map(int, c.split("x"))) for c in args.configs.split(",")]
+            cfgs = [None] if op not in ("conv", "ssu") or not args.configs else [
+                tuple(map(int, c.split("x"))) for c in args.configs.split(",")]
+            forced = ssu_configs.forced_config if op == "ssu" else conv_configs.forced_config
             for kern, cfg in ((k, c) for k in kernels for c in cfgs):
                 conv_configs.ROWS_KERNEL = kern if kern in ("rows", "columns") else "auto"
+                ssu_configs.STORE_EARLY = {"early0": False, "early1": True}.get(kern, "auto")
                 tag = kern + ("" if cfg is None else f" {cfg[0]}x{cfg[1]}")
                 for name in args.variants.split(","):
                     on, waves, trigger = VARIANTS[name]
                     pdl._waves, pdl._trigger = waves, trigger
                     try:
-                        with conv_configs.forced_config(*cfg) if cfg else contextlib.nullcontext():
+                        with forced(*cfg) if cfg else contextlib.nullcontext():
                             us = _time(bench, prov, case, sets, n_sets, on, device)
                     except Exception as exc:  # noqa: BLE001
                         print(f"{case.label:44} {tag:14} {name:13} failed: {type(exc).__name__}: {exc}", flush=True)
@@ -91,6 +99,7 @@ def main() -> int:
                     if out:
                         out.write(json.dumps(dict(case=case.label, kernel=tag, variant=name, us=us, pct=pct)) + "\n")
             pdl._waves, pdl._trigger, conv_configs.ROWS_KERNEL = "one", "early", "auto"
+            ssu_configs.STORE_EARLY = "auto"
             del sets
             torch.cuda.empty_cache()
     if out:

@@ -28,6 +28,22 @@ CANDIDATES = [
 
 _forced: tuple[int, int] | None = None
 
+# Where the kernel stores the final state: before the last token's output reduction ("early":
+# its fp32 tile dies sooner; sm_90 compile, P=64, N=128, (16, 1) tile: bf16 state 127 -> 111
+# registers, fp32 state 128 -> 96) or after it. "auto" = early for requests x heads <= 2048
+# (batch 1-8), after for more. H200, 2026-11-22, `scripts/dev_pdl_waves.py --ops ssu --store-early
+# 0,1`: early is 1-4% faster at batch 1 and 8 (Nemotron-H fp32 batch 1 with PDL 4.01 -> 3.84 us,
+# bf16 batch 8 12.22 -> 11.69 us) and 1-3% slower at batch 64 and 256 (2.7b fp32 batch 64
+# 88.6 -> 91.3 us). True / False force one placement (experiments).
+STORE_EARLY: bool | str = "auto"
+
+
+def store_state_early(programs_per_block: int) -> bool:
+    """Whether the kernel stores the final state before the last output (see STORE_EARLY)."""
+    if STORE_EARLY == "auto":
+        return programs_per_block <= 2048
+    return bool(STORE_EARLY)
+
 
 @contextlib.contextmanager
 def forced_config(block_p: int, num_warps: int) -> Iterator[None]:

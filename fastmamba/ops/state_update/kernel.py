@@ -13,6 +13,22 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.jit_math import silu, softplus, stochastic_round
 from fastmamba.ops._common.pdl import trigger_early
+from fastmamba.ops.state_update.configs import store_state_early
+
+
+@triton.jit
+def _store_state(s, state_ptr, row_off, slot, h, nheads, s_tile_off, mask, seed_ptr, offs_p, offs_n,
+                 P: tl.constexpr, N: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr):
+    """Store the fp32 tile ``s`` at ``state_ptr + row_off + s_tile_off`` in the state's dtype:
+    rounded to nearest, or stochastically with one random number per element, distinct across
+    slots, heads and positions."""
+    if STOCHASTIC_ROUND:
+        seed = tl.load(seed_ptr)
+        elem = ((slot * nheads + h) * P + offs_p[:, None]) * N + offs_n[None, :]
+        s_out = stochastic_round(s, tl.rand(seed, elem.to(tl.int32)), state_ptr.dtype.element_ty)
+    else:
+        s_out = s.to(state_ptr.dtype.element_ty)
+    tl.store(state_ptr + row_off + s_tile_off, s_out, mask=mask)
 
 
 @triton.jit
@@ -20,7 +36,7 @@ def _selective_state_update_kernel(
     state_ptr, x_ptr, dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, out_ptr,
     src_idx_ptr, dst_idx_ptr, inter_ptr, seed_ptr,
     T, heads_per_group, pad_slot_id,
-    stride_state_s, stride_state_h, stride_state_p, stride_state_n,
+    stride_state_s, stride_state_h, stride_state_p: tl.constexpr, stride_state_n,
     stride_x_b, stride_x_t, stride_x_h, stride_x_p,
     stride_dt_b, stride_dt_t, stride_dt_h, stride_dt_p,
     stride_dt_bias_h, stride_dt_bias_p,
@@ -34,7 +50,7 @@ def _selective_state_update_kernel(
     HAS_DT_BIAS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_SRC_IDX: tl.constexpr, HAS_DST_IDX: tl.constexpr, HAS_INTER: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_TRIGGER: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr, STORE_EARLY: tl.constexpr,
     P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # one program per (block of P, request, head); P and N are constexpr so that full tiles
@@ -118,6 +134,10 @@ def _selective_state_update_kernel(
             dA = tl.exp(A * dt[:, None])
             s = s * dA + (x * dt)[:, None] * Bv[None, :]
 
+        if STORE_EARLY:
+            if t == T - 1:  # the final state, stored before the output's reduction: fewer live registers
+                _store_state(s, state_ptr, dst * stride_state_s + h * stride_state_h, dst, h, tl.num_programs(2),
+                             s_tile_off, tile_mask & write_state, seed_ptr, offs_p, offs_n, P, N, STOCHASTIC_ROUND)
         y = tl.sum(s * Cv[None, :], axis=1)
         if HAS_D:
             y += x * Dv
@@ -130,16 +150,9 @@ def _selective_state_update_kernel(
                 offs_p[:, None] * stride_inter_p + offs_n[None, :] * stride_inter_n)
             tl.store(inter_ptr + inter_off, s.to(inter_ptr.dtype.element_ty), mask=tile_mask)
 
-    dst_ptrs = state_ptr + dst * stride_state_s + h * stride_state_h + s_tile_off
-    if STOCHASTIC_ROUND:
-        seed = tl.load(seed_ptr)
-        # one random number per stored element, distinct across slots, heads and positions
-        elem = ((dst * tl.num_programs(2) + h) * P + offs_p[:, None]) * N + offs_n[None, :]
-        u = tl.rand(seed, elem.to(tl.int32))
-        s_out = stochastic_round(s, u, state_ptr.dtype.element_ty)
-    else:
-        s_out = s.to(state_ptr.dtype.element_ty)
-    tl.store(dst_ptrs, s_out, mask=tile_mask & write_state)
+    if not STORE_EARLY:
+        _store_state(s, state_ptr, dst * stride_state_s + h * stride_state_h, dst, h, tl.num_programs(2),
+                     s_tile_off, tile_mask & write_state, seed_ptr, offs_p, offs_n, P, N, STOCHASTIC_ROUND)
 
 
 def launch_selective_state_update(
@@ -165,6 +178,6 @@ def launch_selective_state_update(
         HAS_DT_BIAS=dt_bias is not None, HAS_D=D is not None, HAS_Z=z is not None,
         HAS_SRC_IDX=src_idx is not None, HAS_DST_IDX=dst_idx is not None, HAS_INTER=inter is not None,
         DT_SOFTPLUS=dt_softplus, TIE_HDIM=tie_hdim, STOCHASTIC_ROUND=seed is not None, USE_PDL=use_pdl,
-        PDL_TRIGGER=trigger_early(),
+        PDL_TRIGGER=trigger_early(), STORE_EARLY=ntok > 0 and store_state_early(nreq * nheads),
         P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps, launch_pdl=use_pdl,
     )

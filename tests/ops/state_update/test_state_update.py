@@ -172,6 +172,30 @@ def test_T_tokens_equal_T_single_steps(device):
     torch.testing.assert_close(s_multi, s_steps, **tol(c.act))
 
 
+@pytest.fixture(params=[True, False], ids=["store-early", "store-late"])
+def store_placement(request, monkeypatch):
+    """Both places the kernel may store the final state (configs.STORE_EARLY; the small shapes
+    here would always take the early one)."""
+    import fastmamba.ops.state_update.configs as ssu_configs
+
+    monkeypatch.setattr(ssu_configs, "STORE_EARLY", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("c", [CASES[0], dataclasses.replace(BASE, tokens=3, slots="shuffled-pad")],
+                         ids=["base", "T3-pad"])
+def test_both_store_placements_match_reference(c: Case, store_placement, device):
+    test_matches_reference(c, device)
+
+
+def test_both_store_placements_multi_token_dst_slots(store_placement, device):
+    test_multi_token_intermediate_states_and_dst_slots(device)
+
+
+def test_both_store_placements_stochastic_rounding(store_placement, device):
+    test_stochastic_rounding_through_the_op(torch.bfloat16, device)
+
+
 # ---- stochastic rounding -------------------------------------------------------------------
 
 @triton.jit
