@@ -40,6 +40,11 @@ VARIANTS = {  # name -> (PDL on, waves, trigger)
 }
 
 
+def _no_slots(args_fn, bench):
+    """The bench's positional call with its last argument (state_batch_indices) set to None."""
+    return lambda case, inp: args_fn(bench, case, inp)[:-1] + (None,)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", default="ssu,conv,norm")
@@ -50,6 +55,8 @@ def main() -> int:
     ap.add_argument("--kernels", default="", help="conv: columns,rows (default: both for state_len 3, auto for 4)")
     ap.add_argument("--configs", default="", help="conv: BLOCK_DxWARPS,... forced (default: the library's pick); "
                     "ssu: BLOCK_PxWARPS,...")
+    ap.add_argument("--no-slots", action="store_true",
+                    help="ssu: also time each case without state_batch_indices (row b of the state: no dependent index load)")
     ap.add_argument("--store-early", default="auto", help="ssu: configs.STORE_EARLY values to time: 0, 1, auto")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -72,6 +79,7 @@ def main() -> int:
             sets = [bench.make_set(case, device, seed=i) for i in range(n_sets)]
             if op == "ssu":
                 kernels = [f"early{v}" for v in args.store_early.split(",")]  # early0, early1, earlyauto
+                kernels += [k + "-noslots" for k in kernels] if args.no_slots else []
             elif op != "conv":
                 kernels = ["auto"]
             elif args.kernels:
@@ -83,7 +91,8 @@ def main() -> int:
             forced = ssu_configs.forced_config if op == "ssu" else conv_configs.forced_config
             for kern, cfg in ((k, c) for k in kernels for c in cfgs):
                 conv_configs.ROWS_KERNEL = kern if kern in ("rows", "columns") else "auto"
-                ssu_configs.STORE_EARLY = {"early0": False, "early1": True}.get(kern, "auto")
+                ssu_configs.STORE_EARLY = {"early0": False, "early1": True}.get(kern.split("-")[0], "auto")
+                bench.args = _no_slots(type(bench).args, bench) if kern.endswith("-noslots") else type(bench).args.__get__(bench)
                 tag = kern + ("" if cfg is None else f" {cfg[0]}x{cfg[1]}")
                 for name in args.variants.split(","):
                     on, waves, trigger = VARIANTS[name]
