@@ -7,6 +7,7 @@
     python scripts/dev_replay_variants.py tiles     # split path, each output / checkpoint kernel tile
     python scripts/dev_replay_variants.py chain     # split path, the kernel chain with and without PDL
     python scripts/dev_replay_variants.py pre       # split path, the precompute kernel's heads x warps
+    python scripts/dev_replay_variants.py pre-native  # ... with its two small dots 16-bit vs TF32
     python scripts/dev_replay_variants.py native    # split path, 16-bit state: C.S on 16-bit tensor cores vs TF32
     python scripts/dev_replay_variants.py ncu-step-6-float32   # a few Nemotron-H batch-128 T=6 steps (for ncu)
     python scripts/dev_replay_variants.py ncu-split-BPxW   # a few Nemotron-H batch-128 T=6 steps (for ncu)
@@ -207,6 +208,22 @@ def time_pre():
     print("(regs, spills) pre:", regs(K._replay_precompute_kernel), "out:", regs(K._replay_out_kernel))
 
 
+def time_pre_native():
+    """Nemotron-H batch 128, split path: the precompute kernel's C B^T and C B_hist^T as 16-bit dots
+    (K.NATIVE16_PRECOMPUTE) vs fp32 operands in TF32, per precompute heads x warps."""
+    for sd in (torch.float32, torch.float16):
+        for T in (2, 6, 16):
+            step = problem("nemotron-h", T, 128, sd)
+            for native in (False, True):
+                K.NATIVE16_PRECOMPUTE = native
+                for heads, wp in ((16, 2), (16, 4), (8, 2), (8, 4)):
+                    with configs.forced_config(64, 4, heads, wp, split=True, out_block_p=64, out_warps=4):
+                        kt = kernel_times(step)
+                        print(f"{str(sd)[6:]} T={T} native={native} pre {heads}x{wp}: step {graph_time(step):.1f} "
+                              f"out {kt.get('out')} ck {kt.get('checkpoint')} pre {kt.get('precompute')}", flush=True)
+    K.NATIVE16_PRECOMPUTE = True
+
+
 def time_tiles():
     """Nemotron-H batch 128, split path: per-kernel times for each output-kernel tile and each
     checkpoint-kernel tile (the other kernel at the table's config)."""
@@ -236,6 +253,8 @@ if __name__ == "__main__":
             time_split()
         elif arg in ("profile", "profile-noreplay"):
             profile_split(noreplay=arg.endswith("noreplay"))
+        elif arg == "pre-native":
+            time_pre_native()
         elif arg == "history":
             time_history()
         elif arg == "chain":

@@ -112,9 +112,15 @@ TABLE: dict[tuple[int, int], ReplayConfig] = {
     (1024, 16): ReplayConfig(block_p=32, num_warps=2, heads=8, warps_pre=4),  # 10 cases: 1.022x (worst 1.07x), guess 1.06x
     (2048, 16): ReplayConfig(block_p=32, num_warps=2, heads=8, warps_pre=4),  # 10 cases: 1.030x (worst 1.07x), guess 1.06x
     (4096, 16): ReplayConfig(block_p=64, num_warps=4, heads=8, warps_pre=4, split=True),  # H200, 10 cases: 1.000x (worst 1.00x), previous 1.02x
-    (16384, 16): ReplayConfig(block_p=64, num_warps=4, heads=16, warps_pre=2, split=True),  # H200, 10 cases: 1.000x (worst 1.00x), previous 1.06x
-    (32768, 16): ReplayConfig(block_p=64, num_warps=4, heads=16, warps_pre=2, split=True),  # H200, 10 cases: 1.000x (worst 1.00x), previous 1.06x
+    (16384, 16): ReplayConfig(block_p=64, num_warps=4, heads=16, warps_pre=4, split=True),  # H200, see below
+    (32768, 16): ReplayConfig(block_p=64, num_warps=4, heads=16, warps_pre=4, split=True),  # H200, see below
 }
+# The two largest keys' precompute went from 16 heads x 2 warps to 16 x 4 when its two small dots
+# became 16-bit dots on 16-bit operands (kernel.NATIVE16_PRECOMPUTE: 244 -> 112 registers at 16 x 4):
+# H200, 2026-11-22, `scripts/dev_replay_variants.py pre-native`, Nemotron-H batch 128, step us
+# (TF32 16x2 -> 16-bit 16x4): fp16 state T=2 140.7 -> 137.7, T=6 167.6 -> 163.9, T=16 232.4 -> 229.3;
+# fp32 state T=2 234.9 -> 232.6, T=6 263.6 -> 260.3, T=16 318.4 -> 317.5 (16-bit 16x2: within 1 us
+# of TF32 16x2; 8x2 and 8x4 in between). Batch 256 (key 32768) follows batch 128 unmeasured.
 
 
 def _guess(t_pad: int) -> ReplayConfig:

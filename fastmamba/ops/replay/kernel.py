@@ -74,7 +74,7 @@ def _replay_precompute_kernel(
     N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, HEADS: tl.constexpr,
     HIST: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, HAS_KINFO: tl.constexpr,
-    HAS_C16: tl.constexpr,
+    HAS_C16: tl.constexpr, NATIVE16: tl.constexpr,
 ):
     # one program per (request, group, block of HEADS heads of that group): C B^T is computed once
     # and shared by the block's heads, which differ only in their decay and dt'
@@ -132,9 +132,13 @@ def _replay_precompute_kernel(
                  mask=tile_tn, other=0.0)
     Bm = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + offs_t[:, None] * stride_B_t + offs_n[None, :] * stride_B_n,
                  mask=tile_tn, other=0.0)
-    # fp32 operands: 16-bit B and C are exact in TF32, so this equals a 16-bit tensor-core dot
-    # (and the CPU interpreter, whose 16-bit tl.dot is wrong in Triton 3.6, computes it right)
-    cb = tl.dot(Cm.to(tl.float32), tl.trans(Bm.to(tl.float32)), input_precision=DOT_PRECISION)
+    # 16-bit B and C: a 16-bit tensor-core dot (exact products, fp32 sums), on the GPU with the
+    # operands as they are (NATIVE16: half the operand registers), else on fp32 operands in TF32,
+    # where 16-bit values are exact (the CPU interpreter's 16-bit tl.dot is wrong in Triton 3.6)
+    if NATIVE16:
+        cb = tl.dot(Cm, tl.trans(Bm))
+    else:
+        cb = tl.dot(Cm.to(tl.float32), tl.trans(Bm.to(tl.float32)), input_precision=DOT_PRECISION)
 
     # M[h, t, s] = cb[t, s] exp(cs[h, t] - cs[h, s]) dt'[h, s] for s <= t; the exponent is <= 0
     # there (A < 0), and the masked upper triangle gets exp(-inf) = 0 rather than a huge number
@@ -183,7 +187,10 @@ def _replay_precompute_kernel(
             B_h = tl.load(old_B_ptr + rbuf * stride_oB_r + slot * stride_oB_s + g * stride_oB_g
                           + offs_c[:, None] * stride_oB_t + offs_n[None, :] * stride_oB_n,
                           mask=mc[:, None] & mn[None, :], other=0.0)  # [BLOCK_C, BLOCK_N]
-            q = tl.dot(Cm.to(tl.float32), tl.trans(B_h.to(tl.float32)), input_precision=DOT_PRECISION)
+            if NATIVE16:
+                q = tl.dot(Cm, tl.trans(B_h))
+            else:
+                q = tl.dot(Cm.to(tl.float32), tl.trans(B_h.to(tl.float32)), input_precision=DOT_PRECISION)
             tl.store(Q_ptr + b * stride_Q_b + g * stride_Q_g + offs_t[:, None] * stride_Q_t + offs_c[None, :] * stride_Q_c,
                      q, mask=mt[:, None] & mc[None, :])
 
@@ -575,6 +582,11 @@ HISTORY_CHUNK = 16  # history tokens per replay tl.dot (its K dimension)
 NATIVE_16BIT_OUT = True  # output kernel: a 16-bit state's C.S on 16-bit tensor cores (else TF32)
 
 
+# The precompute kernel's C B^T and C B_hist^T as 16-bit dots on the GPU (see NATIVE16 there);
+# False: fp32 operands in TF32 everywhere (A/B experiments).
+NATIVE16_PRECOMPUTE = True
+
+
 def _interpreting() -> bool:
     """The Triton CPU interpreter computes bf16 tl.dot wrongly (Triton 3.6): there the split bf16
     dots are replaced by the TF32 path on fp32 operands (the GPU tests cover the split)."""
@@ -615,7 +627,10 @@ def launch_replay_precompute(
         N=dstate, BLOCK_N=max(16, triton.next_power_of_2(dstate)), BLOCK_T=max(16, triton.next_power_of_2(ntok)),
         HEADS=heads, HIST=Q is not None, BLOCK_C=max(16, triton.next_power_of_2(capacity)),
         DOT_PRECISION=_dot_precision(B.dtype, "ieee"), USE_PDL=use_pdl, LAUNCH_DEPENDENTS=launch_dependents,
-        HAS_KINFO=kinfo is not None, HAS_C16=C16 is not None, num_warps=num_warps, launch_pdl=use_pdl,
+        HAS_KINFO=kinfo is not None, HAS_C16=C16 is not None,
+        NATIVE16=NATIVE16_PRECOMPUTE and not _interpreting() and B.dtype in (torch.bfloat16, torch.float16)
+        and C.dtype == B.dtype and old_B.dtype == B.dtype,
+        num_warps=num_warps, launch_pdl=use_pdl,
     )
 
 
