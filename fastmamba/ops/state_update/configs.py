@@ -85,6 +85,11 @@ def pick_config(
     bucket = 0 if programs_per_block <= 256 else 1 if programs_per_block <= 2048 else 2
     if pdl and bucket == 0:  # fewer, larger programs leave SM room for the next kernel's early ones
         block_p, num_warps = 32, 8
+    elif pdl and bucket == 1 and state_bytes >= 4:
+        # H200, 2026-11-22, `scripts/dev_pdl_waves.py --ops ssu --batch 8 --variants pdl-1wave
+        # --configs ...`: fp32 state under PDL, (16, 1) 13.09 / 19.22 us (2.7b / Nemotron-H) vs
+        # (8, 2) 13.4 / 19.9 us; without PDL (8, 2) stays ahead (13.6 vs 14.7, 20.1 vs 22.3 us)
+        block_p, num_warps = 16, 1
     else:
         block_p, num_warps = _MEASURED.get((min(state_bytes, 4), bucket), (16, 1))
     scale = max(1, triton.next_power_of_2(dstate) // 128)

@@ -414,3 +414,22 @@ def test_gpu_drop_in_parity_with_mamba_ssm(shape):
     theirs = peer.fn(theirs_state, *args, kw["D"], kw["z"], kw["dt_bias"], True, kw["state_batch_indices"])
     torch.testing.assert_close(ours.float(), theirs.float(), **tol(torch.bfloat16))
     torch.testing.assert_close(state, theirs_state, **tol(torch.bfloat16))
+
+
+def test_pick_config_table(monkeypatch):
+    """The launch table on a GPU (pick_config's interpreter branch switched off): latency-bound
+    sizes get more warps, PDL changes the batch-1 tile and the fp32 batch-8 tile."""
+    import fastmamba.ops.state_update.configs as ssu_configs
+
+    monkeypatch.setattr(ssu_configs, "interpreter_enabled", lambda: False)
+
+    def pick(programs, state_bytes, pdl):
+        return ssu_configs.pick_config(programs_per_block=programs, headdim=64, dstate=128,
+                                       state_bytes=state_bytes, pdl=pdl)
+
+    assert pick(80, 4, False) == (8, 8) and pick(80, 2, False) == (16, 8)
+    assert pick(80, 4, True) == (32, 8) and pick(80, 2, True) == (32, 8)
+    assert pick(640, 4, False) == (8, 2) and pick(640, 4, True) == (16, 1)
+    assert pick(640, 2, False) == (16, 1) and pick(640, 2, True) == (16, 1)
+    assert pick(5120, 4, True) == (16, 1) and pick(20480, 2, False) == (16, 1)
+    assert ssu_configs.pick_config(programs_per_block=640, headdim=32, dstate=256, state_bytes=4, pdl=True) == (16, 2)
