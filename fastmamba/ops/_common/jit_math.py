@@ -53,3 +53,25 @@ def stochastic_round(v, u, OUT_DTYPE: tl.constexpr):
     p = tl.abs(v - lo_f) / tl.where(gap > 0, gap, 1.0)
     take_other = (u < p) & (lo_f == lo_f) & (tl.abs(other_f) < float("inf")) & (lo_f != v)
     return tl.where(take_other, other, lo)
+
+
+@triton.jit
+def split8(t):
+    """[..., 8] -> the 8 tensors t[..., v], v = 0..7 in order. reshape + splits: when each thread
+    holds its 8 values (a 16-byte vector of 16-bit ones), no data moves between threads."""
+    k0, k1 = tl.split(tl.reshape(t, t.shape[:-1] + [2, 2, 2]))  # v = 4i + 2j + k: split takes k
+    j0k0, j1k0 = tl.split(k0)
+    j0k1, j1k1 = tl.split(k1)
+    c0, c4 = tl.split(j0k0)
+    c2, c6 = tl.split(j1k0)
+    c1, c5 = tl.split(j0k1)
+    c3, c7 = tl.split(j1k1)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def join8(c0, c1, c2, c3, c4, c5, c6, c7):
+    """The inverse of ``split8``: eight tensors of one shape [...] -> [..., 8]."""
+    k0 = tl.join(tl.join(c0, c4), tl.join(c2, c6))
+    k1 = tl.join(tl.join(c1, c5), tl.join(c3, c7))
+    return tl.reshape(tl.join(k0, k1), c0.shape + [8])

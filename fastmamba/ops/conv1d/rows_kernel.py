@@ -19,30 +19,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from fastmamba.ops._common.jit_math import silu
+from fastmamba.ops._common.jit_math import join8, silu, split8
 
 CHANNELS_PER_ROW = 8  # 16 bytes of 16-bit values
-
-
-@triton.jit
-def _split8(v, R: tl.constexpr):
-    """[R, 8] -> its 8 columns as [R] tensors, in order (splits inside each thread's registers)."""
-    even, odd = tl.split(tl.reshape(v, [R, 4, 2]))  # values 0 2 4 6 | 1 3 5 7
-    e04, e26 = tl.split(tl.reshape(even, [R, 2, 2]))
-    o15, o37 = tl.split(tl.reshape(odd, [R, 2, 2]))
-    v0, v4 = tl.split(e04)
-    v2, v6 = tl.split(e26)
-    v1, v5 = tl.split(o15)
-    v3, v7 = tl.split(o37)
-    return v0, v1, v2, v3, v4, v5, v6, v7
-
-
-@triton.jit
-def _join8(v0, v1, v2, v3, v4, v5, v6, v7, R: tl.constexpr):
-    """The inverse of _split8: eight [R] tensors -> [R, 8]."""
-    even = tl.reshape(tl.join(tl.join(v0, v4), tl.join(v2, v6)), [R, 4])
-    odd = tl.reshape(tl.join(tl.join(v1, v5), tl.join(v3, v7)), [R, 4])
-    return tl.reshape(tl.join(even, odd), [R, 8])
 
 
 @triton.jit
@@ -70,7 +49,7 @@ def _conv1d_update_rows_kernel(
 ):
     # one program per (block of BLOCK_D channels, request b); row r of the block = channels
     # d0 + 8r .. d0 + 8r + 7
-    R: tl.constexpr = BLOCK_D // 8
+    R: tl.constexpr = BLOCK_D // 8  # rows of 8 channels
     pid_d = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     d0 = pid_d * BLOCK_D
@@ -82,9 +61,9 @@ def _conv1d_update_rows_kernel(
     wv = ()
     for v in tl.static_range(W):
         w_vec = tl.load(weight_ptr + (d0 + 8 * rows) * W + v * 8 + lane, mask=rmask, other=0.0)
-        wv = wv + _split8(w_vec.to(tl.float32), R)
+        wv = wv + split8(w_vec.to(tl.float32))
     if HAS_BIAS:
-        bias = _split8(tl.load(bias_ptr + d0 + 8 * rows + lane, mask=rmask, other=0.0).to(tl.float32), R)
+        bias = split8(tl.load(bias_ptr + d0 + 8 * rows + lane, mask=rmask, other=0.0).to(tl.float32))
     if HAS_INDICES:
         slot = tl.load(state_indices_ptr + b * stride_indices_b).to(tl.int64)
         live = slot != pad_slot_id
@@ -96,7 +75,7 @@ def _conv1d_update_rows_kernel(
     # once with 16-byte loads; under PDL before the wait (the cache contract of pdl.py)
     sv = ()
     for v in tl.static_range(SL):
-        sv = sv + _split8(tl.load(block + rows * (8 * SL) + v * 8 + lane, mask=rmask & live, other=0.0), R)
+        sv = sv + split8(tl.load(block + rows * (8 * SL) + v * 8 + lane, mask=rmask & live, other=0.0))
     if USE_PDL:
         gdc_wait()
         if PDL_TRIGGER:
@@ -106,7 +85,7 @@ def _conv1d_update_rows_kernel(
         if slot == pad_slot_id:  # padding row: zero output, state untouched
             tl.store(out_row, tl.zeros([R, 8], dtype=out_ptr.dtype.element_ty), mask=rmask)
             return
-    xs = _split8(tl.load(x_ptr + b * stride_x_b + (d0 + 8 * rows + lane) * stride_x_d, mask=rmask, other=0.0), R)
+    xs = split8(tl.load(x_ptr + b * stride_x_b + (d0 + 8 * rows + lane) * stride_x_d, mask=rmask, other=0.0))
 
     # channel c's window: state columns SL-W+1 .. SL-1, then x; new state: columns 1 .. SL-1, then x
     ys = ()
@@ -123,10 +102,10 @@ def _conv1d_update_rows_kernel(
         for k in tl.static_range(1, SL):
             new = new + (sv[c * SL + k],)
         new = new + (xs[c].to(state_ptr.dtype.element_ty),)
-    tl.store(out_row, _join8(ys[0], ys[1], ys[2], ys[3], ys[4], ys[5], ys[6], ys[7], R), mask=rmask)
+    tl.store(out_row, join8(ys[0], ys[1], ys[2], ys[3], ys[4], ys[5], ys[6], ys[7]), mask=rmask)
     for v in tl.static_range(SL):
-        vec = _join8(new[8 * v], new[8 * v + 1], new[8 * v + 2], new[8 * v + 3],
-                     new[8 * v + 4], new[8 * v + 5], new[8 * v + 6], new[8 * v + 7], R)
+        vec = join8(new[8 * v], new[8 * v + 1], new[8 * v + 2], new[8 * v + 3],
+                    new[8 * v + 4], new[8 * v + 5], new[8 * v + 6], new[8 * v + 7])
         tl.store(block + rows * (8 * SL) + v * 8 + lane, vec, mask=rmask)
 
 

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastmamba.ops._common.jit_math import split8
 from fastmamba.ops.conv1d_fn.configs import pick_cols_config, pick_rows_config, vector_width
 
 
@@ -210,24 +211,11 @@ def _split4(t, S0: tl.constexpr, S1: tl.constexpr):
 
 
 @triton.jit
-def _split8(t, S0: tl.constexpr, S1: tl.constexpr):
-    """[S0, S1, 8] -> the 8 [S0, S1] tensors t[:, :, v] (v = 4i + 2j + k; splits take k, j, i)."""
-    k0, k1 = tl.split(tl.reshape(t, [S0, S1, 2, 2, 2]))
-    j0k0, j1k0 = tl.split(k0)
-    j0k1, j1k1 = tl.split(k1)
-    c0, c4 = tl.split(j0k0)
-    c2, c6 = tl.split(j1k0)
-    c1, c5 = tl.split(j0k1)
-    c3, c7 = tl.split(j1k1)
-    return c0, c1, c2, c3, c4, c5, c6, c7
-
-
-@triton.jit
 def _split_chunks(t, S0: tl.constexpr, S1: tl.constexpr, V: tl.constexpr):
     if V == 4:
         cols = _split4(t, S0, S1)
     else:
-        cols = _split8(t, S0, S1)
+        cols = split8(t)
     return cols
 
 
