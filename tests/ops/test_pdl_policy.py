@@ -60,3 +60,13 @@ def test_experiment_hooks(hopper, monkeypatch):
     monkeypatch.setattr(pdl, "_trigger", "exit")
     assert pdl.pdl_launch(CUDA_TENSOR, 10**6, 8) == (True, False)
     assert not pdl.trigger_early()
+
+
+def test_experiment_env_values_are_checked(monkeypatch):
+    monkeypatch.setenv("FASTMAMBA_PDL_TRIGGER", "Exit")
+    assert pdl._env_choice("FASTMAMBA_PDL_TRIGGER", "early", ("early", "exit")) == "exit"
+    monkeypatch.delenv("FASTMAMBA_PDL_TRIGGER")
+    assert pdl._env_choice("FASTMAMBA_PDL_TRIGGER", "early", ("early", "exit")) == "early"
+    monkeypatch.setenv("FASTMAMBA_PDL_WAVES", "every")
+    with pytest.raises(ValueError, match="FASTMAMBA_PDL_WAVES='every': expected one of one, all"):
+        pdl._env_choice("FASTMAMBA_PDL_WAVES", "one", ("one", "all"))

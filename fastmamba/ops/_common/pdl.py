@@ -29,8 +29,17 @@ _enabled = os.environ.get("FASTMAMBA_PDL", "0").lower() in ("1", "true", "yes", 
 # Experiment hooks (scripts/dev_pdl_waves.py): which grids launch with PDL ("one": those that fit
 # in one wave, the default; "all": every grid), and where a program lets its dependents launch
 # ("early": right after its grid-dependency wait, the default; "exit": when it exits).
-_waves = os.environ.get("FASTMAMBA_PDL_WAVES", "one")
-_trigger = os.environ.get("FASTMAMBA_PDL_TRIGGER", "early")
+def _env_choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    """The environment variable ``name`` (``default`` when unset); anything outside ``allowed``
+    is an error, not a silent fallback."""
+    value = os.environ.get(name, default).strip().lower()
+    if value not in allowed:
+        raise ValueError(f"{name}={os.environ.get(name)!r}: expected one of {', '.join(allowed)}")
+    return value
+
+
+_waves = _env_choice("FASTMAMBA_PDL_WAVES", "one", ("one", "all"))
+_trigger = _env_choice("FASTMAMBA_PDL_TRIGGER", "early", ("early", "exit"))
 
 
 def trigger_early() -> bool:
