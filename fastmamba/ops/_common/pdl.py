@@ -26,9 +26,7 @@ import torch
 
 _enabled = os.environ.get("FASTMAMBA_PDL", "0").lower() in ("1", "true", "yes", "on")
 
-# Experiment hooks (scripts/dev_pdl_waves.py): which grids launch with PDL ("one": those that fit
-# in one wave, the default; "all": every grid), and where a program lets its dependents launch
-# ("early": right after its grid-dependency wait, the default; "exit": when it exits).
+
 def _env_choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
     """The environment variable ``name`` (``default`` when unset); anything outside ``allowed``
     is an error, not a silent fallback."""
@@ -38,6 +36,9 @@ def _env_choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+# Experiment hooks (scripts/dev_pdl_waves.py): which grids launch with PDL ("one": those that fit
+# in one wave, the default; "all": every grid), and where a program lets its dependents launch
+# ("early": right after its grid-dependency wait, the default; "exit": when it exits).
 _waves = _env_choice("FASTMAMBA_PDL_WAVES", "one", ("one", "all"))
 _trigger = _env_choice("FASTMAMBA_PDL_TRIGGER", "early", ("early", "exit"))
 
