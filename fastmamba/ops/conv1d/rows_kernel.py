@@ -21,8 +21,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.jit_math import join8, silu, split8
 
-CHANNELS_PER_ROW = 8  # 16 bytes of 16-bit values
-
 
 @triton.jit
 def _conv1d_update_rows_kernel(
