@@ -30,16 +30,17 @@ class SsdScanConfig(NamedTuple):
     # and 42 vs 35 us at L=2048 (2.7b), since the 32-hop chain per head bounds it; it may pay
     # with more, shorter chains (many sequences) — kept, tested, for that measurement
     chain: int = 0
+    maxnreg_scan: int = 0  # register cap of the chunk-scan kernel (ptxas maxnreg; 0: none)
 
 
 # what `python -m fastmamba.bench tune --ops ssd` tries
 CANDIDATES = [
     dict(block_k_state=ks, block_n_state=128, warps_state=4, block_m=bm, block_k=bk, block_p=0, warps_scan=w,
-         stages_scan=st, block_pass=256, head_major=hm)
+         stages_scan=st, block_pass=1024, head_major=hm, maxnreg_scan=128)
     for ks in (32, 64)
     for bm, w in ((64, 4), (128, 8))
     for bk in (32, 64)
-    for st in (2, 3)
+    for st in (1, 2)
     for hm in (0, 1)
 ]
 
@@ -64,15 +65,23 @@ def pick_config(H: int, P: int, N: int, dtype_bytes: int, *, interpreter: bool) 
         return _forced
     if interpreter:
         return SsdScanConfig(16, 16, 1, 16, 16, 16, 1, 1, 64, 0)
-    # H100, mamba2-2.7b shape, bf16, L=2048 and 8192 (scripts/dev_ssd_sweep.py, 2026-11-22): best of 48
-    # chunk-scan tiles at both lengths; 8 warps, 128-row tiles or pipelining (stages 2-3) were slower.
-    # State passing: 1024 state elements per program, 49 us at L=8192 against 56 / 66 us for 256 /
-    # 128 (scripts/dev_ssd_profile.py); chunk states: 32 tokens x all of N on 4 warps (87 us) beat
-    # 64-column blocks (102-104 us) and 8 warps (91 us)
+    # H200, mamba2-2.7b shape, bf16, B=1, L=2048 and 8192 (scripts/dev_ssd_profile.py, 2026-11-22):
+    # chunk scan 64 rows x 64 tokens per step on 4 warps, capped at 128 registers so that four
+    # programs share an SM (L=8192: 193 us; 32 tokens per step 215 us; uncapped 64 tokens 295 us,
+    # capped at 168 224 us; 8 warps, 128-row tiles or pipelining (stages 2) 244-283 us); chunk states
+    # 64 tokens x all of N on 4 warps (78 us; 32 tokens 81 us, 8 warps 87-88 us). State passing:
+    # 1024 state elements per program (H100: 49 us at L=8192 against 56 / 66 us for 256 / 128)
     return SsdScanConfig(
-        block_k_state=32, block_n_state=128, warps_state=4, block_m=64, block_k=32, block_p=0, warps_scan=4,
-        stages_scan=1, block_pass=1024, head_major=1, heads=1,
+        block_k_state=64, block_n_state=128, warps_state=4, block_m=64, block_k=64, block_p=0, warps_scan=4,
+        stages_scan=1, block_pass=1024, head_major=1, heads=1, maxnreg_scan=128,
     )
+
+
+def check_config(config: SsdScanConfig) -> None:
+    """ValueError unless the chunk scan's token step divides its row block: its off-diagonal loop
+    stops at the block's first row, so a wider step would reach into the diagonal block."""
+    if config.block_k <= 0 or config.block_m % config.block_k:
+        raise ValueError(f"SsdScanConfig: block_k={config.block_k} must divide block_m={config.block_m}")
 
 
 def block_p_of(config: SsdScanConfig, P: int) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fastmamba.ops._common.jit_math import silu, softplus
+from fastmamba.ops._common.jit_math import exp_approx, silu_approx, softplus
 
 
 @triton.jit
@@ -69,6 +69,27 @@ def _chunk_entry(table_ptr, c):
     length = tl.load(table_ptr + c * 4 + 1)
     seg = tl.load(table_ptr + c * 4 + 2)
     return start, length, seg
+
+
+@triton.jit
+def _local_state(x_chunk, B_chunk, cs_chunk, dt_chunk, length, cs_last, offs_p, offs_n, mp, mn,
+                 stride_x_tok, stride_x_p, stride_B_tok, stride_B_n,
+                 BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """A chunk's own state contribution S_loc = sum_s exp(cs_last - cs_s) dt'_s x_s B_s^T, [BLOCK_P,
+    BLOCK_N] fp32, BLOCK_K tokens per tensor-core matmul. x_chunk / B_chunk point at the chunk's
+    first token (head h / group g); cs_chunk / dt_chunk at its scratch rows."""
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, length, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mk = offs_k < length
+        w = tl.where(mk, tl.exp(cs_last - tl.load(cs_chunk + offs_k, mask=mk, other=0.0))
+                     * tl.load(dt_chunk + offs_k, mask=mk, other=0.0), 0.0)
+        x_t = tl.load(x_chunk + offs_k[None, :] * stride_x_tok + offs_p[:, None] * stride_x_p,
+                      mask=mk[None, :] & mp[:, None], other=0.0)
+        b_k = tl.load(B_chunk + offs_k[:, None] * stride_B_tok + offs_n[None, :] * stride_B_n,
+                      mask=mk[:, None] & mn[None, :], other=0.0)
+        acc = tl.dot(x_t, (b_k.to(tl.float32) * w[:, None]).to(x_t.dtype), acc, input_precision=DOT_PRECISION)
+    return acc
 
 
 @triton.heuristics({"HAS_DT_BIAS": lambda a: a["dt_bias_ptr"] is not None})
@@ -141,22 +162,11 @@ def _chunk_state_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mp = offs_p < P
     mn = offs_n < N
-    x_base = x_ptr + row.to(tl.int64) * stride_x_row + h * stride_x_h
-    B_base = B_ptr + row.to(tl.int64) * stride_B_row + g * stride_B_g
-    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, length, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mk = offs_k < length
-        cs_k = tl.load(cs_ptr + scratch + offs_k, mask=mk, other=0.0)
-        dt_k = tl.load(dt_ptr + scratch + offs_k, mask=mk, other=0.0)
-        w = tl.where(mk, tl.exp(cs_last - cs_k) * dt_k, 0.0)
-        tok = (l0 + offs_k).to(tl.int64)
-        x_t = tl.load(x_base + tok[None, :] * stride_x_tok + offs_p[:, None] * stride_x_p,
-                      mask=mk[None, :] & mp[:, None], other=0.0)
-        b_k = tl.load(B_base + tok[:, None] * stride_B_tok + offs_n[None, :] * stride_B_n,
-                      mask=mk[:, None] & mn[None, :], other=0.0)
-        b_w = (b_k.to(tl.float32) * w[:, None]).to(x_t.dtype)
-        acc = tl.dot(x_t, b_w, acc, input_precision=DOT_PRECISION)
+    x_chunk = x_ptr + row.to(tl.int64) * stride_x_row + l0.to(tl.int64) * stride_x_tok + h * stride_x_h
+    B_chunk = B_ptr + row.to(tl.int64) * stride_B_row + l0.to(tl.int64) * stride_B_tok + g * stride_B_g
+    acc = _local_state(x_chunk, B_chunk, cs_ptr + scratch, dt_ptr + scratch, length, cs_last, offs_p, offs_n,
+                       mp, mn, stride_x_tok, stride_x_p, stride_B_tok, stride_B_n, BLOCK_K, BLOCK_P, BLOCK_N,
+                       DOT_PRECISION)
     st = states_ptr + c.to(tl.int64) * stride_st_c + h * stride_st_h
     tl.store(st + offs_p[:, None] * stride_st_p + offs_n[None, :] * stride_st_n,
              acc.to(states_ptr.dtype.element_ty), mask=mp[:, None] & mn[None, :])
@@ -216,17 +226,9 @@ def _chunk_state_chain_kernel(
     mask = mp[:, None] & mn[None, :]
     x_chunk = x_ptr + row * stride_x_row + l0 * stride_x_tok + h * stride_x_h
     B_chunk = B_ptr + row * stride_B_row + l0 * stride_B_tok + g * stride_B_g
-    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, length, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mk = offs_k < length
-        w = tl.where(mk, tl.exp(cs_last - tl.load(cs_ptr + scratch + offs_k, mask=mk, other=0.0))
-                     * tl.load(dt_ptr + scratch + offs_k, mask=mk, other=0.0), 0.0)
-        x_t = tl.load(x_chunk + offs_k[None, :] * stride_x_tok + offs_p[:, None] * stride_x_p,
-                      mask=mk[None, :] & mp[:, None], other=0.0)
-        b_k = tl.load(B_chunk + offs_k[:, None] * stride_B_tok + offs_n[None, :] * stride_B_n,
-                      mask=mk[:, None] & mn[None, :], other=0.0)
-        acc = tl.dot(x_t, (b_k.to(tl.float32) * w[:, None]).to(x_t.dtype), acc, input_precision=DOT_PRECISION)
+    acc = _local_state(x_chunk, B_chunk, cs_ptr + scratch, dt_ptr + scratch, length, cs_last, offs_p, offs_n,
+                       mp, mn, stride_x_tok, stride_x_p, stride_B_tok, stride_B_n, BLOCK_K, BLOCK_P, BLOCK_N,
+                       DOT_PRECISION)
     # the state entering this chunk
     s = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     if is_first:
@@ -391,7 +393,7 @@ def _chunk_scan_kernel(
     stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr, HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_MAJOR: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_SKIP: tl.constexpr,
+    FAST_MATH: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_SKIP: tl.constexpr,
 ):
     # one program per (chunk, HEADS heads, block of BLOCK_M tokens x block of P): y for those tokens.
     # The heads run one after the other, so the group's C and C B^T tiles come from L1 after the first.
@@ -456,7 +458,7 @@ def _chunk_scan_kernel(
             for k0 in range(0, m0, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 cb = tl.load(cb_rows + offs_k[None, :] * stride_cb_k)
-                w = tl.exp(r - tl.load(cs_ptr + scratch + offs_k)) * tl.load(dt_ptr + scratch + offs_k)
+                w = exp_approx(r - tl.load(cs_ptr + scratch + offs_k), FAST_MATH) * tl.load(dt_ptr + scratch + offs_k)
                 x_k = tl.load(x_chunk + offs_k[:, None] * stride_x_tok + offs_p[None, :] * stride_x_p,
                               mask=mp[None, :], other=0.0)
                 acc = tl.dot(cb, (x_k.to(tl.float32) * w[:, None]).to(cb.dtype), acc, input_precision=DOT_PRECISION)
@@ -471,7 +473,7 @@ def _chunk_scan_kernel(
                 cs_k = tl.load(cs_ptr + scratch + offs_k, mask=mk, other=0.0)
                 dt_k = tl.load(dt_ptr + scratch + offs_k, mask=mk, other=0.0)
                 causal = (offs_m[:, None] >= offs_k[None, :]) & mk[None, :]
-                decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
+                decay = exp_approx(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")), FAST_MATH)
                 cb = tl.where(causal, cb * decay * dt_k[None, :], 0.0)
                 x_k = tl.load(x_chunk + offs_k[:, None] * stride_x_tok + offs_p[None, :] * stride_x_p,
                               mask=mk[:, None] & mp[None, :], other=0.0)
@@ -485,5 +487,5 @@ def _chunk_scan_kernel(
                 zv = tl.load(z_ptr + row * stride_z_row + l0 * stride_z_tok + h * stride_z_h
                              + offs_m[:, None] * stride_z_tok + offs_p[None, :] * stride_z_p,
                              mask=mask_mp, other=0.0).to(tl.float32)
-                acc = acc * silu(zv)
+                acc = acc * silu_approx(zv, FAST_MATH)
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_mp)

@@ -12,7 +12,7 @@ import torch
 import triton
 
 from fastmamba.ops._common.dispatch import interpreter_enabled
-from fastmamba.ops.ssd_scan.configs import block_p_of, pick_config
+from fastmamba.ops.ssd_scan.configs import block_p_of, check_config, pick_config
 from fastmamba.ops.ssd_scan.kernel import (
     _chunk_cb_kernel,
     _chunk_cumsum_kernel,
@@ -83,6 +83,7 @@ def ssd_scan_launch(
     n_chunks = max(segments.n_chunks, 1)
     interpreter = interpreter_enabled()
     cfg = pick_config(H, P, N, x.element_size(), interpreter=interpreter)
+    check_config(cfg)
     block_n = max(16, triton.next_power_of_2(N))
     block_p_full = max(16, triton.next_power_of_2(P))
     block_p_scan = block_p_of(cfg, P)
@@ -161,6 +162,7 @@ def ssd_scan_launch(
         n_seg, row_len, P, N, H // G, n_chunks,
         *x.stride(), *_strides4(z), *out.stride(), *cb.stride(), *C.stride(), *D_strides, *states_in.stride(),
         Q=Q, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_P=block_p_scan, BLOCK_N=block_n, HEADS=heads,
-        DOT_PRECISION=dot_precision, HEAD_MAJOR=bool(cfg.head_major),
+        DOT_PRECISION=dot_precision, HEAD_MAJOR=bool(cfg.head_major), FAST_MATH=not interpreter,
         num_warps=cfg.warps_scan, num_stages=cfg.stages_scan,
+        **({"maxnreg": cfg.maxnreg_scan} if cfg.maxnreg_scan and not interpreter else {}),
     )

@@ -339,3 +339,16 @@ def test_chained_state_kernel_dense_initial_and_final(device, chained):
     ref_out, ref_final = mamba_chunk_scan_combined_ref(*args, **kw)
     _close(out, ref_out, torch.float32)
     _close(final, ref_final, torch.float32)
+
+
+def test_config_token_step_must_divide_row_block(device, monkeypatch):
+    """A forced chunk-scan config whose token step does not divide its row block (the off-diagonal
+    loop would run into the diagonal block and double-count it) is refused before any launch."""
+    from fastmamba.ops._common.dispatch import interpreter_enabled
+    from fastmamba.ops.ssd_scan import configs
+
+    base = configs.pick_config(4, 8, 8, 4, interpreter=interpreter_enabled())
+    monkeypatch.setattr(configs, "_forced", base._replace(block_k=2 * base.block_m))
+    inp = _inputs((1, 20), 2, 8, 1, 8, torch.float32, device, seed=76)
+    with pytest.raises(ValueError, match="must divide block_m"):
+        mamba_chunk_scan_combined(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 16)
