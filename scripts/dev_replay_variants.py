@@ -9,6 +9,7 @@
     python scripts/dev_replay_variants.py pre       # split path, the precompute kernel's heads x warps
     python scripts/dev_replay_variants.py pre-native  # ... with its two small dots 16-bit vs TF32
     python scripts/dev_replay_variants.py native    # split path, 16-bit state: C.S on 16-bit tensor cores vs TF32
+    python scripts/dev_replay_variants.py history-t16  # split path, T=16: history capacity 32, 48, 64 (default)
     python scripts/dev_replay_variants.py ncu-step-6-float32   # a few Nemotron-H batch-128 T=6 steps (for ncu)
     python scripts/dev_replay_variants.py ncu-split-BPxW   # a few Nemotron-H batch-128 T=6 steps (for ncu)
 
@@ -172,6 +173,14 @@ def time_history():
                 print(f"T={T} {str(sd)[6:]} C_h={hist}: step {graph_time(step):.1f} us {kernel_times(step)}", flush=True)
 
 
+def time_history_t16():
+    """Nemotron-H batch 128, T=16: step and per-kernel times at history capacities 32, 48, 64."""
+    for sd in (torch.float16, torch.float32):
+        for hist in (32, 48, 64):
+            step = problem("nemotron-h", 16, 128, sd, history=hist)
+            print(f"T=16 {str(sd)[6:]} C_h={hist}: step {graph_time(step):.1f} us {kernel_times(step)}", flush=True)
+
+
 def time_chain():
     """Nemotron-H batch 128, split path (precompute 16 heads x 2 warps): the precompute -> output ->
     checkpoint chain with and without PDL (configs.CHAIN_PDL), per checkpoint tile; the outputs of
@@ -265,6 +274,8 @@ if __name__ == "__main__":
             time_tiles()
         elif arg == "native":
             time_native()
+        elif arg == "history-t16":
+            time_history_t16()
         elif arg.startswith("ncu-step-"):  # e.g. ncu-step-6-float16: a few steps at the table's config
             T, sd = arg[len("ncu-step-"):].split("-")
             step = problem("nemotron-h", int(T), 128, getattr(torch, sd))

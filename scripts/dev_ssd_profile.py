@@ -1,4 +1,9 @@
-"""Per-kernel GPU times of our SSD scan and mamba_ssm's (development aid)."""
+"""Per-kernel GPU times of our SSD scan and mamba_ssm's (development aid).
+
+    python scripts/dev_ssd_profile.py [CONFIG ...]   # CONFIG: SsdScanConfig fields, comma-separated
+
+Each variant's output and final state are compared with the default config's (max |diff| / max |ref|).
+"""
 import sys, torch
 from torch.profiler import profile, ProfilerActivity
 from fastmamba.bench import peers
@@ -19,10 +24,16 @@ for L in (2048, 8192):
         vals = [int(v) for v in c.split(",")]
         variants.append((f"ours-{c}", lambda: mamba_chunk_scan_combined(x, dt, A, B, C, 256, **kw), configs.SsdScanConfig(*vals)))
     variants.append(("mamba_ssm", lambda: peer.fn(x, dt, A, B, C, 256, **kw), None))
+    ref = None
     for name, fn, cfg in variants:
         configs._forced = cfg
-        for _ in range(3): fn()
+        for _ in range(3): res = fn()
         torch.cuda.synchronize()
+        if ref is None:
+            ref = res
+        else:
+            errs = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(res, ref)]
+            print(f"L={L} {name}: vs default, relative max |diff| out {errs[0]:.2e} final {errs[1]:.2e}")
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(10): fn()
             torch.cuda.synchronize()
