@@ -1,7 +1,7 @@
 """Launch configs for the prefill conv kernels: (BLOCK_L, BLOCK_D, num_warps).
 
-Measured on one NVIDIA H100 80GB HBM3 (Triton 3.6.0, torch 2.11, 2026-11-22) with
-`python -m fastmamba.bench tune --ops conv_fn` (W=4, silu, bf16, cold L2, D 5376 and 10240,
+Measured on one NVIDIA H100 80GB HBM3 (rows kernel) and one H200 (column kernel; Triton 3.6.0, torch 2.11, 2026-11-22) with
+`python -m fastmamba.bench tune --ops conv_fn` and `scripts/dev_conv_fn_configs.py` (W=4, silu, bf16, cold L2, D 5376 and 10240,
 B x L = 1 x 2048 and 8 x 8192, both layouts); the numbers are quoted where each choice is made.
 
 Two tile shapes, one per kernel (see kernel.py):
@@ -19,7 +19,6 @@ from typing import NamedTuple
 
 import triton
 
-_SMS = 132  # H100 / H200 SXM; only used to size grids, a wrong count costs a little speed
 
 
 class ConvFnConfig(NamedTuple):
@@ -96,16 +95,15 @@ def pick_rows_config(D: int, rows: int, element_size: int, *, interpreter: bool)
 def pick_cols_config(D: int, L: int, B: int, V: int, *, interpreter: bool) -> ConvFnConfig:
     """(BLOCK_L, BLOCK_D, num_warps) for the column kernel (channel-first x), V tokens per chunk.
 
-    H100 tune (best of 40): 512 tokens x 4 channels on 4 warps at 8 x 8192 (468 us at D=5376, 885 us
-    at D=10240: 99-100% of copy) and at 1 x 2048 with D=10240 (32.4 us, 85%); at 1 x 2048 with
-    D=5376, 512 x 2 on one warp (17.0 us, 85%): short inputs want more, smaller programs.
-    Under the interpreter: two chunks by 64 channels.
+    512 tokens x 2 channels on one warp. H200 (`scripts/dev_conv_fn_configs.py`, 2026-11-22, copy
+    4267 GB/s): 8 x 8192 365 us at D=5376 and 695 us at D=10240 (91% of copy) against 390 / 740 us
+    (85%) for 512 x 4 on 4 warps, the H100 tune's choice for large inputs (there 99-100% of its
+    3020 GB/s copy); 1 x 2048 14.1 / 24.7 us (73% / 80%). Under the interpreter: two chunks by 64
+    channels.
     """
     if _forced is not None:
         return _forced
     if interpreter:
         return ConvFnConfig(block_l=2 * V, block_d=64, num_warps=1)
-    block_l = max(512, 32 * V)
-    if triton.cdiv(D, 4) * triton.cdiv(L, block_l) * B < 48 * _SMS:
-        return ConvFnConfig(block_l, 2, 1)
-    return ConvFnConfig(block_l, 4, 4)
+    del D, L, B
+    return ConvFnConfig(max(512, 32 * V), 2, 1)
