@@ -13,8 +13,8 @@ from fastmamba.ops import causal_conv1d_fn
 from fastmamba.ops.conv1d_fn import configs
 
 dev = torch.device("cuda")
-ROWS = [None, (8, 128, 1), (16, 128, 1), (16, 256, 2), (32, 128, 1), (8, 256, 2), (4, 128, 1)]
-COLS = [None, (512, 4, 4), (512, 2, 1), (512, 4, 2), (256, 4, 2), (256, 2, 1), (512, 8, 4)]
+ROWS = [None, (16, 128, 1), (8, 256, 1), (16, 256, 1), (8, 512, 2), (16, 256, 2), (4, 256, 1)]
+COLS = [None, (512, 4, 4), (512, 4, 2), (512, 1, 1), (1024, 2, 2)]
 
 
 def make(B, D, L, layout, n_sets):

@@ -17,16 +17,20 @@ def silu(x):
     return x / (1.0 + tl.exp(-x))
 
 
+# x * sigmoid(x) = x * rcp(1 + 2^(-x log2 e)) with the approximate PTX exp2 and reciprocal, for
+# tl.inline_asm_elementwise(SILU_PTX, "=f,f", [x], ...) (kernels that inline it to spare the
+# interpreter a jit call per row use it directly)
+SILU_PTX = tl.constexpr("{ .reg .f32 e, d, r; mul.f32 e, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 e, e; "
+                        "add.f32 d, e, 0f3F800000; rcp.approx.ftz.f32 r, d; mul.f32 $0, $1, r; }")
+
+
 @triton.jit
 def silu_approx(x, FAST: tl.constexpr):
     """x * sigmoid(x) in fp32 with the approximate PTX exp2 and reciprocal (FAST: GPU only, inline
     assembly; 5 instructions instead of ~12, relative error ~1e-7 -- x << 0 gives -0 as 1 + e^-x
     overflows to inf), else ``silu`` (the interpreter runs no inline assembly)."""
     if FAST:
-        return tl.inline_asm_elementwise(
-            "{ .reg .f32 e, d, r; mul.f32 e, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 e, e; "
-            "add.f32 d, e, 0f3F800000; rcp.approx.ftz.f32 r, d; mul.f32 $0, $1, r; }",
-            "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(SILU_PTX, "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
     else:
         return silu(x)
 
