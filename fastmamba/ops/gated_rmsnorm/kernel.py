@@ -11,7 +11,8 @@ import triton.language as tl
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from fastmamba.ops._common.jit_math import silu
+from fastmamba.ops._common.dispatch import interpreter_enabled
+from fastmamba.ops._common.jit_math import silu_approx
 from fastmamba.ops._common.pdl import pdl_active, trigger_early
 from fastmamba.ops.gated_rmsnorm.configs import GatedRMSNormConfig
 
@@ -34,6 +35,7 @@ def _gated_rmsnorm_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     USE_PDL: tl.constexpr,
     PDL_TRIGGER: tl.constexpr,
+    FAST_MATH: tl.constexpr,  # silu on the approximate PTX exp2 / reciprocal (GPU only)
 ):
     # one program per (block of BLOCK_M rows, group); the group's GROUP_SIZE columns start at col0
     pid_m = tl.program_id(0)
@@ -63,14 +65,14 @@ def _gated_rmsnorm_fwd_kernel(
         if HAS_Z:
             z = tl.load(z_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if not NORM_BEFORE_GATE:
-                v = v * silu(z)
+                v = v * silu_approx(z, FAST_MATH)
         # masked columns hold 0, so they add nothing to the sum of squares
         rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / GROUP_SIZE + eps)      # [BLOCK_M]
         y = v * rstd[:, None] * w[None, :]
         if HAS_BIAS:
             y = y + b[None, :]
         if HAS_Z and NORM_BEFORE_GATE:
-            y = y * silu(z)
+            y = y * silu_approx(z, FAST_MATH)
         tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         # Group wider than one tile: pass 1 sums squares chunk by chunk, pass 2 re-reads x (and z,
@@ -86,7 +88,7 @@ def _gated_rmsnorm_fwd_kernel(
             v = tl.load(x_rows + n0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_Z and not NORM_BEFORE_GATE:
                 z = tl.load(z_rows + n0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                v = v * silu(z)
+                v = v * silu_approx(z, FAST_MATH)
             acc += v * v
         rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / GROUP_SIZE + eps)
         for n0 in range(0, GROUP_SIZE, BLOCK_N):
@@ -96,14 +98,14 @@ def _gated_rmsnorm_fwd_kernel(
             if HAS_Z:
                 z = tl.load(z_rows + n0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
                 if not NORM_BEFORE_GATE:
-                    v = v * silu(z)
+                    v = v * silu_approx(z, FAST_MATH)
             w = tl.load(w_ptr + col0 + n0 + cols, mask=col_mask, other=0.0).to(tl.float32)
             y = v * rstd[:, None] * w[None, :]
             if HAS_BIAS:
                 b = tl.load(b_ptr + col0 + n0 + cols, mask=col_mask, other=0.0).to(tl.float32)
                 y = y + b[None, :]
             if HAS_Z and NORM_BEFORE_GATE:
-                y = y * silu(z)
+                y = y * silu_approx(z, FAST_MATH)
             tl.store(y_rows + n0 + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -134,6 +136,7 @@ def gated_rmsnorm_fwd(
         NORM_BEFORE_GATE=bool(norm_before_gate),
         USE_PDL=use_pdl,
         PDL_TRIGGER=trigger_early(),
+        FAST_MATH=x.is_cuda and not interpreter_enabled(),
         num_warps=cfg.num_warps,
         launch_pdl=use_pdl,
     )

@@ -69,7 +69,8 @@ def pick_config(H: int, P: int, N: int, dtype_bytes: int, *, interpreter: bool) 
     # chunk scan 64 rows x 64 tokens per step on 4 warps, capped at 128 registers so that four
     # programs share an SM (L=8192: 193 us; 32 tokens per step 215 us; uncapped 64 tokens 295 us,
     # capped at 168 224 us; 8 warps, 128-row tiles or pipelining (stages 2) 244-283 us); chunk states
-    # 64 tokens x all of N on 4 warps (78 us; 32 tokens 81 us, 8 warps 87-88 us). State passing:
+    # 64 tokens x all of N on 4 warps (78 us; 32 tokens 81 us, 8 warps 87-88 us; 65 us since the
+    # decay weights go on the x tile instead of the B tile). State passing:
     # 1024 state elements per program (H100: 49 us at L=8192 against 56 / 66 us for 256 / 128)
     return SsdScanConfig(
         block_k_state=64, block_n_state=128, warps_state=4, block_m=64, block_k=64, block_p=0, warps_scan=4,

@@ -74,7 +74,8 @@ def _chunk_entry(table_ptr, c):
 @triton.jit
 def _local_state(x_chunk, B_chunk, cs_chunk, dt_chunk, length, cs_last, offs_p, offs_n, mp, mn,
                  stride_x_tok, stride_x_p, stride_B_tok, stride_B_n,
-                 BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 FAST_MATH: tl.constexpr):
     """A chunk's own state contribution S_loc = sum_s exp(cs_last - cs_s) dt'_s x_s B_s^T, [BLOCK_P,
     BLOCK_N] fp32, BLOCK_K tokens per tensor-core matmul. x_chunk / B_chunk point at the chunk's
     first token (head h / group g); cs_chunk / dt_chunk at its scratch rows."""
@@ -82,13 +83,15 @@ def _local_state(x_chunk, B_chunk, cs_chunk, dt_chunk, length, cs_last, offs_p, 
     for k0 in range(0, length, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mk = offs_k < length
-        w = tl.where(mk, tl.exp(cs_last - tl.load(cs_chunk + offs_k, mask=mk, other=0.0))
+        w = tl.where(mk, exp_approx(cs_last - tl.load(cs_chunk + offs_k, mask=mk, other=0.0), FAST_MATH)
                      * tl.load(dt_chunk + offs_k, mask=mk, other=0.0), 0.0)
         x_t = tl.load(x_chunk + offs_k[None, :] * stride_x_tok + offs_p[:, None] * stride_x_p,
                       mask=mk[None, :] & mp[:, None], other=0.0)
         b_k = tl.load(B_chunk + offs_k[:, None] * stride_B_tok + offs_n[None, :] * stride_B_n,
                       mask=mk[:, None] & mn[None, :], other=0.0)
-        acc = tl.dot(x_t, (b_k.to(tl.float32) * w[:, None]).to(x_t.dtype), acc, input_precision=DOT_PRECISION)
+        # the weights go on the [P, K] x tile (half the elements of the [K, N] B tile at N = 2P), and
+        # B enters the matmul as loaded
+        acc = tl.dot((x_t.to(tl.float32) * w[None, :]).to(x_t.dtype), b_k, acc, input_precision=DOT_PRECISION)
     return acc
 
 
@@ -141,7 +144,7 @@ def _chunk_state_kernel(
     stride_B_row, stride_B_tok, stride_B_g, stride_B_n,
     stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HAS_SKIP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, HAS_SKIP: tl.constexpr,
 ):
     # one program per (chunk, head, block of N): S_loc = sum_s exp(cs_last - cs_s) dt'_s x_s B_s^T  [P, N]
     c = tl.program_id(0)
@@ -166,7 +169,7 @@ def _chunk_state_kernel(
     B_chunk = B_ptr + row.to(tl.int64) * stride_B_row + l0.to(tl.int64) * stride_B_tok + g * stride_B_g
     acc = _local_state(x_chunk, B_chunk, cs_ptr + scratch, dt_ptr + scratch, length, cs_last, offs_p, offs_n,
                        mp, mn, stride_x_tok, stride_x_p, stride_B_tok, stride_B_n, BLOCK_K, BLOCK_P, BLOCK_N,
-                       DOT_PRECISION)
+                       DOT_PRECISION, FAST_MATH)
     st = states_ptr + c.to(tl.int64) * stride_st_c + h * stride_st_h
     tl.store(st + offs_p[:, None] * stride_st_p + offs_n[None, :] * stride_st_n,
              acc.to(states_ptr.dtype.element_ty), mask=mp[:, None] & mn[None, :])
@@ -194,7 +197,7 @@ def _chunk_state_chain_kernel(
     stride_sf_s, stride_sf_h, stride_sf_p, stride_sf_n,
     stride_co_c, stride_co_h, stride_co_p, stride_co_n,
     Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
     HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, HAS_SEG_FINAL: tl.constexpr,
     HAS_CHUNK_OUT: tl.constexpr, HAS_SKIP: tl.constexpr,
 ):
@@ -228,7 +231,7 @@ def _chunk_state_chain_kernel(
     B_chunk = B_ptr + row * stride_B_row + l0 * stride_B_tok + g * stride_B_g
     acc = _local_state(x_chunk, B_chunk, cs_ptr + scratch, dt_ptr + scratch, length, cs_last, offs_p, offs_n,
                        mp, mn, stride_x_tok, stride_x_p, stride_B_tok, stride_B_n, BLOCK_K, BLOCK_P, BLOCK_N,
-                       DOT_PRECISION)
+                       DOT_PRECISION, FAST_MATH)
     # the state entering this chunk
     s = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     if is_first:

@@ -124,7 +124,7 @@ def ssd_scan_launch(
             *x.stride(), *B.stride(), *states_in.stride(), *send.stride(),
             *_strides4(segments.init), *_strides4(segments.final), *_strides4(None), *_strides4(segments.chunk_out),
             Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
-            DOT_PRECISION=dot_precision, num_warps=cfg.warps_state,
+            DOT_PRECISION=dot_precision, FAST_MATH=not interpreter, num_warps=cfg.warps_state,
         )
     else:
         states = torch.empty(n_chunks, H, P, N, dtype=state_dtype, device=dev)  # S_loc, recurrence precision
@@ -133,7 +133,8 @@ def ssd_scan_launch(
             n_seg, row_len, P, N, H // G, n_chunks,
             *x.stride(), *B.stride(), *states.stride(),
             Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
-            DOT_PRECISION=dot_precision, num_warps=cfg.warps_state,
+            DOT_PRECISION=dot_precision, FAST_MATH=not interpreter,
+            num_warps=cfg.warps_state,
         )
         _state_passing_kernel[(n_seg, H, triton.cdiv(P * N, cfg.block_pass))](
             states, states_in, cs_scratch, segments.cu, segments.skip,
