@@ -36,7 +36,7 @@ class SsdScanConfig(NamedTuple):
 # what `python -m fastmamba.bench tune --ops ssd` tries
 CANDIDATES = [
     dict(block_k_state=ks, block_n_state=128, warps_state=4, block_m=bm, block_k=bk, block_p=0, warps_scan=w,
-         stages_scan=st, block_pass=1024, head_major=hm, maxnreg_scan=128)
+         stages_scan=st, block_pass=512, head_major=hm, maxnreg_scan=128)
     for ks in (32, 64)
     for bm, w in ((64, 4), (128, 8))
     for bk in (32, 64)
@@ -70,11 +70,12 @@ def pick_config(H: int, P: int, N: int, dtype_bytes: int, *, interpreter: bool) 
     # programs share an SM (L=8192: 193 us; 32 tokens per step 215 us; uncapped 64 tokens 295 us,
     # capped at 168 224 us; 8 warps, 128-row tiles or pipelining (stages 2) 244-283 us); chunk states
     # 64 tokens x all of N on 4 warps (78 us; 32 tokens 81 us, 8 warps 87-88 us; 65 us since the
-    # decay weights go on the x tile instead of the B tile). State passing:
-    # 1024 state elements per program (H100: 49 us at L=8192 against 56 / 66 us for 256 / 128)
+    # decay weights go on the x tile instead of the B tile); 2 or 4 heads per chunk-scan program
+    # 2.2-2.3x slower (spills under the cap). State passing: 512 state elements per program (32.5 us
+    # at L=8192 against 39.5 / 45.3 us for 1024 / 256)
     return SsdScanConfig(
         block_k_state=64, block_n_state=128, warps_state=4, block_m=64, block_k=64, block_p=0, warps_scan=4,
-        stages_scan=1, block_pass=1024, head_major=1, heads=1, maxnreg_scan=128,
+        stages_scan=1, block_pass=512, head_major=1, heads=1, maxnreg_scan=128,
     )
 
 
