@@ -20,3 +20,9 @@ def interpreter_enabled() -> bool:
 def use_triton(t: torch.Tensor) -> bool:
     """Whether an op whose main operand is ``t`` should launch its Triton kernel."""
     return t.is_cuda or (t.device.type == "cpu" and interpreter_enabled())
+
+
+def inline_asm_ok(t: torch.Tensor) -> bool:
+    """Whether a kernel launched on ``t`` may run inline PTX (the approximate-math paths): a CUDA
+    tensor outside the interpreter, which runs no inline assembly."""
+    return t.is_cuda and not interpreter_enabled()

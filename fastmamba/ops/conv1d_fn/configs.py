@@ -1,8 +1,9 @@
 """Launch configs for the prefill conv kernels: (BLOCK_L, BLOCK_D, num_warps).
 
 Measured on one NVIDIA H200 (Triton 3.6.0, torch 2.11, 2026-11-22; earlier on an H100) with
-`python -m fastmamba.bench tune --ops conv_fn` and `scripts/dev_conv_fn_configs.py` (W=4, silu, bf16, cold L2, D 5376 and 10240,
-B x L = 1 x 2048 and 8 x 8192, both layouts); the numbers are quoted where each choice is made.
+`python -m fastmamba.bench tune --ops conv_fn` and `scripts/dev_conv_fn_configs.py` (W=4, silu,
+bf16, cold L2, D 5376 and 10240, B x L = 1 x 2048 and 8 x 8192, both layouts); the numbers are
+quoted where each choice is made.
 
 Two tile shapes, one per kernel (see kernel.py):
 * rows (channel-last x, packed varlen x): a program owns BLOCK_L tokens x BLOCK_D channels and

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastmamba.ops._common.dispatch import interpreter_enabled
+from fastmamba.ops._common.dispatch import inline_asm_ok
 from fastmamba.ops._common.jit_math import SILU_PTX, split8
 from fastmamba.ops.conv1d_fn.configs import pick_cols_config, pick_rows_config, vector_width
 
@@ -502,7 +502,7 @@ def _silu_mode(silu: bool, x: torch.Tensor) -> int:
     """The kernels' SILU constexpr: 0 none, 1 silu (the interpreter runs no inline assembly), 2 silu
     on the approximate PTX exp2 and reciprocal (GPU: ~6 instructions per output instead of ~15,
     relative error ~1e-7, far below the bf16 / fp16 rounding of the output)."""
-    return 0 if not silu else (2 if x.is_cuda and not interpreter_enabled() else 1)
+    return 0 if not silu else (2 if inline_asm_ok(x) else 1)
 
 
 def _device(t: torch.Tensor):

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from fastmamba.ops._common.dispatch import interpreter_enabled
+from fastmamba.ops._common.dispatch import inline_asm_ok
 from fastmamba.ops._common.jit_math import silu_approx
 from fastmamba.ops._common.pdl import pdl_active, trigger_early
 from fastmamba.ops.gated_rmsnorm.configs import GatedRMSNormConfig
@@ -136,7 +136,7 @@ def gated_rmsnorm_fwd(
         NORM_BEFORE_GATE=bool(norm_before_gate),
         USE_PDL=use_pdl,
         PDL_TRIGGER=trigger_early(),
-        FAST_MATH=x.is_cuda and not interpreter_enabled(),
+        FAST_MATH=inline_asm_ok(x),
         num_warps=cfg.num_warps,
         launch_pdl=use_pdl,
     )
