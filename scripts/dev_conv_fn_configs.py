@@ -1,10 +1,12 @@
 """causal_conv1d_fn launch configs side by side, timed as the prefill bench times them (development aid; GPU).
 
-    python scripts/dev_conv_fn_configs.py
+    python scripts/dev_conv_fn_configs.py [channel-first|channel-last]   # default: both layouts
 
 Per case (the bench's conv_fn shapes, W=4, silu, bf16): the default config and a few others,
 median µs of CUDA-graph replays over rotating input sets, and % of the measured copy bandwidth.
 """
+import sys
+
 import torch
 
 from fastmamba.bench.peak import l2_cache_bytes, measure_copy_bandwidth
@@ -13,7 +15,7 @@ from fastmamba.ops import causal_conv1d_fn
 from fastmamba.ops.conv1d_fn import configs
 
 dev = torch.device("cuda")
-ROWS = [None, (16, 128, 1), (8, 256, 1), (16, 256, 1), (8, 512, 2), (16, 256, 2), (4, 256, 1)]
+ROWS = [None, (16, 128, 1), (16, 128, 2), (12, 128, 2), (20, 128, 2), (24, 128, 2), (16, 256, 4), (32, 128, 4)]
 COLS = [None, (512, 4, 4), (512, 4, 2), (512, 1, 1), (1024, 2, 2)]
 
 
@@ -37,7 +39,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}, copy {copy:.0f} GB/s")
     for B, L in ((8, 8192), (1, 2048)):
         for D in (5376, 10240):
-            for layout in ("channel-first", "channel-last"):
+            for layout in sys.argv[1:] or ("channel-first", "channel-last"):
                 nbytes = 2 * B * D * L * 2
                 n_sets = choose_n_sets(nbytes, l2)
                 sets = make(B, D, L, layout, n_sets)

@@ -76,7 +76,11 @@ def vector_width(element_size: int, W: int) -> int:
     return max(16 // element_size, triton.next_power_of_2(W - 1))
 
 
-def pick_rows_config(D: int, rows: int, element_size: int, *, interpreter: bool) -> ConvFnConfig:
+# rows x channels up to which the rows kernel of causal_conv1d_fn takes the small-input tile
+SMALL_ROWS_ELEMENTS = 24 * 2**20
+
+
+def pick_rows_config(D: int, rows: int, element_size: int, *, interpreter: bool, varlen: bool = False) -> ConvFnConfig:
     """(BLOCK_L, BLOCK_D, num_warps) for the rows kernel: D channels, ``rows`` tokens in all
     (B * L, or T for varlen).
 
@@ -85,13 +89,21 @@ def pick_rows_config(D: int, rows: int, element_size: int, *, interpreter: bool)
     689 us at D=10240 (93% / 91% of copy), 1 x 2048 14.8 / 25.1 us (70% / 78%), against 380 / 819 us
     and 15.8 / 26.8 us for 8 rows (the H100 tune's choice: 100% of its copy at 8 x 8192); 8 channels
     per thread (one 16-byte vector, 256 channels per warp) 18-33% slower at every size.
+
+    Small dense inputs (rows x D <= SMALL_ROWS_ELEMENTS; 1 x 2048 at both bench dims) take the same
+    tile on two warps (2 channels per thread): H200, four runs of the script on 2026-11-22,
+    1 x 2048 D=5376 13.8-13.9 us against 14.8-15.1 us (74-75% of copy against 68-70%), D=10240
+    24.4-24.5 against 24.6 us; at 8 x 8192 it falls to 87-88% / 77-87% (the one-warp tile: 96-97%).
+    The varlen kernel keeps the one-warp tile (it was not measured with the other).
     Under the interpreter: 8 rows by 64 channels (its cost grows with programs x unrolled rows).
     """
-    del D, rows, element_size
+    del element_size
     if _forced is not None:
         return _forced
     if interpreter:
         return ConvFnConfig(block_l=8, block_d=64, num_warps=1)
+    if not varlen and rows * D <= SMALL_ROWS_ELEMENTS:
+        return ConvFnConfig(block_l=16, block_d=128, num_warps=2)
     return ConvFnConfig(block_l=16, block_d=128, num_warps=1)
 
 

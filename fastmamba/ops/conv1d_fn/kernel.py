@@ -584,7 +584,7 @@ def causal_conv1d_varlen_launch(
     state_len = conv_states.shape[2]
     if B == 0 or D == 0:
         return
-    cfg = pick_rows_config(D, T, x.element_size(), interpreter=not x.is_cuda)
+    cfg = pick_rows_config(D, T, x.element_size(), interpreter=not x.is_cuda, varlen=True)
     _check_block_l(cfg.block_l, W)
     sized = [(D, True), (x.stride(0), T > 1), (out.stride(0), T > 1)]
     align = _align_hint(16 // x.element_size(), [v for v, used in sized if used])

@@ -587,6 +587,16 @@ def test_fn_full_shape_gpu(layout: str, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(16, 128, 1), (16, 128, 2)], ids=["1warp", "2warps"])
+def test_fn_rows_tiles_gpu(tile: tuple[int, int, int], device):
+    """Both tiles the channel-last launcher picks between (by input size), each on a full shape."""
+    from fastmamba.ops.conv1d_fn import configs
+
+    with configs.forced_config(*tile):
+        check_fn(Case(B=3, D=5376, L=1111, dtype=torch.bfloat16, layout="slice", **ALL_STATES), device, seed=2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("extra_state", [0, 1], ids=["SL3", "SL4"])
 def test_varlen_full_shape_gpu(extra_state: int, device):
     lens = (1000, 0, 1, 2, 517, 528)  # 2048 tokens

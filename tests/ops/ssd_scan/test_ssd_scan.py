@@ -352,3 +352,23 @@ def test_config_token_step_must_divide_row_block(device, monkeypatch):
     inp = _inputs((1, 20), 2, 8, 1, 8, torch.float32, device, seed=76)
     with pytest.raises(ValueError, match="must divide block_m"):
         mamba_chunk_scan_combined(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 16)
+
+
+def test_chunk_scan_token_step_smaller_than_row_block(device, monkeypatch):
+    """A token step (block_k) below the row block (block_m), as the sweep may pick: the block's
+    own rows take several diagonal steps (the default config takes one). Chunks of 64 with 32-row
+    blocks in 16-token steps, a length that ends inside a block, D per (head, p), z."""
+    from fastmamba.ops._common.dispatch import interpreter_enabled
+    from fastmamba.ops.ssd_scan import configs
+
+    base = configs.pick_config(4, 8, 8, 4, interpreter=interpreter_enabled())
+    monkeypatch.setattr(configs, "_forced", base._replace(block_m=32, block_k=16))
+    nb, L, H, P, G, N = 2, 83, 4, 8, 2, 8
+    inp = _inputs((nb, L), H, P, G, N, torch.float32, device, seed=77)
+    D = torch.randn(H, P, generator=seeded(78)).to(device)
+    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 64)
+    kw = dict(D=D, z=inp["z"], dt_bias=inp["dt_bias"], dt_softplus=True, return_final_states=True)
+    out, final = mamba_chunk_scan_combined(*args, **kw)
+    ref_out, ref_final = mamba_chunk_scan_combined_ref(*args, **kw)
+    _close(out, ref_out, torch.float32)
+    _close(final, ref_final, torch.float32)
