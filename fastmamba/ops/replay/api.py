@@ -26,7 +26,9 @@ from fastmamba.ops.replay.kernel import (
     launch_replay_checkpoint,
     launch_replay_main,
     launch_replay_out,
+    launch_replay_out_tma,
     launch_replay_precompute,
+    out_tma_usable,
 )
 from fastmamba.ops.replay.ref import replay_selective_state_update_ref
 
@@ -313,7 +315,11 @@ def _replay_op(
     if cfg.split:
         Q = torch.empty(nreq, ngroups, ntok, old_x.shape[1], dtype=torch.float32, device=x.device)
         scale = torch.empty(nreq, nheads, ntok + 1 + old_x.shape[1], dtype=torch.float32, device=x.device)
-        kinfo = None if chain_pdl else torch.empty(nreq, dtype=torch.int32, device=x.device)
+        out_tma = (configs.OUT_TMA is not None
+                   and out_tma_usable(state, old_x, x, z, C, cfg.out_block_p))
+        # the history lengths k as the precompute kernel recorded them: read by the output kernel
+        # without PDL, or by its TMA variant always (after its wait)
+        kinfo = None if chain_pdl and not out_tma else torch.empty(nreq, dtype=torch.int32, device=x.device)
         if state.dtype == torch.float16 and C.dtype == torch.bfloat16 and not interpreter_enabled():
             # bf16 C meets an fp16 state on 16-bit tensor cores: converted once per group
             # (the precompute kernel writes it as [B, G, its BLOCK_T, its BLOCK_N])
@@ -334,13 +340,23 @@ def _replay_op(
             use_pdl=pdl_active(x, main_programs, cfg.num_warps),
         )
         return
-    launch_replay_out(
-        state, old_x, buf_idx, prev_accepted, hist_len, kinfo, scale, x,
-        C if C16 is None else C16[:, :, :ntok, :B.shape[3]].transpose(1, 2), D, z, M, Q, out,
-        state_batch_indices, pad_slot_id=pad_slot_id, block_p=cfg.out_block_p, num_warps=cfg.out_warps,
-        maxnreg=None if interpreter_enabled() else configs.OUT_MAXNREG[4 if state.element_size() >= 4 else 2],
-        use_pdl=chain_pdl, launch_dependents=chain_pdl,
-    )
+    if out_tma:
+        launch_replay_out_tma(
+            state, old_x, kinfo, scale, x, C, D, z, M, Q, out, state_batch_indices, pad_slot_id=pad_slot_id,
+            block_p=cfg.out_block_p, num_warps=cfg.out_warps, programs=sm_count(x) * configs.OUT_TMA["programs_per_sm"],
+            stages=configs.OUT_TMA["stages"], maxnreg=configs.OUT_TMA["maxnreg"],
+            # not a dependent of the precompute kernel: its programs would take every SM's registers
+            # while they wait, keeping the precompute kernel's later programs out
+            use_pdl=chain_pdl and bool(configs.OUT_TMA.get("pdl_in")), launch_dependents=chain_pdl,
+        )
+    else:
+        launch_replay_out(
+            state, old_x, buf_idx, prev_accepted, hist_len, kinfo, scale, x,
+            C if C16 is None else C16[:, :, :ntok, :B.shape[3]].transpose(1, 2), D, z, M, Q, out,
+            state_batch_indices, pad_slot_id=pad_slot_id, block_p=cfg.out_block_p, num_warps=cfg.out_warps,
+            maxnreg=None if interpreter_enabled() else configs.OUT_MAXNREG[4 if state.element_size() >= 4 else 2],
+            use_pdl=chain_pdl, launch_dependents=chain_pdl,
+        )
     launch_replay_checkpoint(
         state, old_x, old_B, old_dt, old_cumA, x, rand_seed, ckpt_count, ckpt_list,
         block_p=cfg.block_p, num_warps=cfg.num_warps,

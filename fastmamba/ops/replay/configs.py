@@ -44,6 +44,18 @@ OUT_TILES = {4: (64, 4), 2: (64, 4)}  # state bytes -> (out_block_p, out_warps)
 # ... and its register cap (ptxas maxnreg; None: none): at 128 an fp32-state program fits four to
 # an SM instead of three, without spills (H200, Nemotron-H batch 128 T=6: output kernel 225 -> 194 us)
 OUT_MAXNREG = {4: 128, 2: None}
+# fp32 state with bf16 activations, where TMA works (kernel.out_tma_usable): the output kernel as a
+# persistent loop fed by TMA, so the pipeliner prefetches the next tile's state into shared memory
+# (programs per SM, pipeline stages, register cap; "pdl_in": launch it as a programmatic dependent
+# of the precompute kernel -- off: its waiting programs hold every SM's registers and keep the
+# precompute kernel's later programs out). H200, Nemotron-H, step from a CUDA graph with the chain
+# (`scripts/dev_replay_persist.py`, 2026-11-22; outputs bit-identical to the one-tile kernel's):
+# batch 128 T=2 / 6 / 16: 232.8 / 262.5 / 325.2 -> 224.0 / 246.3 / 308.2 us; batch 256: 447.3 /
+# 512.3 / 625.4 -> 435.6 / 475.0 / 610.0 us. With pdl_in 225.5 / 249.2 / 310.8; 3 stages 225.6 /
+# 246.3 / 319.3; 4 programs per SM at 128 registers spill (356-362 us at T=6); 2 per SM uncapped
+# 283-286; the same loop with pointer loads instead of TMA 317 (the addresses of every prefetched
+# tile live in registers: 255 per thread, spills at any cap).
+OUT_TMA: dict[str, int] | None = {"programs_per_sm": 3, "stages": 2, "maxnreg": 168, "pdl_in": 0}
 
 # The split path's three kernels run as a chain of programmatic dependent launches where the GPU
 # has them (sm_90+; our own kernels inside one op, so independent of the FASTMAMBA_PDL opt-in):

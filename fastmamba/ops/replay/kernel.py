@@ -26,7 +26,9 @@ kernel's dot chain holds 200-220 registers per thread and leaves it latency-boun
    and the decay factors exp(cs_t), exp(cA_{k-1}) and u_c = dt'_c exp(cA_{k-1} - cA_c) (per head),
    all from the precompute kernel,
        y = exp(cs) * (exp(cA_{k-1}) C @ S_stored^T + Q @ (u x_old)) + M @ x + D x,
-   and records x where no state is stored this step;
+   and records x where no state is stored this step. For an fp32 state with bf16 activations on sm_90+ (contiguous tensors, ``out_tma_usable``),
+   ``_replay_out_tma_kernel`` does the same as a persistent loop over the tiles, fed by TMA, so
+   that the next tile's state streams into shared memory while this one computes (configs.OUT_TMA);
 2b. ``_replay_checkpoint_kernel`` (persistent): only the requests that store their state this
    step (about one in eight at the default history; listed by the precompute kernel, one
    [request, slot, k, rbuf] record each) replay, store it and record x.
@@ -380,6 +382,35 @@ def _replay_main_kernel(
 
 
 @triton.jit
+def _out_outputs(s, x_old, C_T, Q_T, M_T, x_T, zv, e_cs, e_last, u, mc, mt, d_h,
+                 HAS_D: tl.constexpr, HAS_Z: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, STATE_SPLIT: tl.constexpr,
+                 STATE_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr):
+    """The split path's outputs of one tile, y^T [BLOCK_P, BLOCK_T] fp32 (see _replay_out_kernel):
+    s [BLOCK_P, BLOCK_N] stored state; x_old [BLOCK_P, BLOCK_C]; C_T [BLOCK_N, BLOCK_T]; Q_T
+    [BLOCK_C, BLOCK_T]; M_T [BLOCK_T, BLOCK_T]; x_T, zv [BLOCK_P, BLOCK_T]; e_cs [BLOCK_T], e_last
+    (scalar), u [BLOCK_C] decay factors; mc / mt the live history tokens / tokens; d_h = D[h]."""
+    if STATE_SPLIT:
+        y = _dot_split(s, C_T, tl.zeros((BLOCK_P, BLOCK_T), dtype=tl.float32), SPLIT, DOT_PRECISION)
+    elif STATE_PRECISION == "native":
+        # a 16-bit state on 16-bit tensor cores, exact products: bf16 C as is, or (fp16 state) C
+        # in fp16, exact for |C| in [2^-14, 65504] (below, a relative error of at most 2^-11 of
+        # a subnormal; above, inf -- the outputs show it)
+        y = tl.dot(s, C_T.to(s.dtype))
+    else:  # a 16-bit state and 16-bit C are exact in TF32 (the interpreter), else as the main kernel
+        y = tl.dot(s.to(tl.float32), C_T.to(tl.float32), input_precision=STATE_PRECISION)
+    # rows c >= k of Q (garbage) and columns t >= T drop out
+    W = tl.where(mc[:, None] & mt[None, :], Q_T, 0.0) * u[:, None]
+    y = _dot_split_rhs(x_old, W, y * e_last, SPLIT, DOT_PRECISION)
+    y = _dot_split_rhs(x_T, M_T, y * e_cs[None, :], SPLIT, DOT_PRECISION)
+    if HAS_D:
+        y += x_T.to(tl.float32) * d_h
+    if HAS_Z:
+        y *= silu_approx(zv.to(tl.float32), FAST_MATH)
+    return y
+
+
+@triton.jit
 def _replay_out_kernel(
     state_ptr, old_x_ptr, buf_idx_ptr, accepted_ptr, hist_ptr, kinfo_ptr, scale_ptr,
     x_ptr, C_ptr, D_ptr, z_ptr, M_ptr, Q_ptr, out_ptr, idx_ptr,
@@ -463,23 +494,9 @@ def _replay_out_kernel(
         zv = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + offs_p[:, None] * stride_z_p + offs_t[None, :] * stride_z_t,
                      mask=mask_pt, other=0.0)
 
-    if STATE_SPLIT:
-        y = _dot_split(s, C_T, tl.zeros((BLOCK_P, BLOCK_T), dtype=tl.float32), SPLIT, DOT_PRECISION)
-    elif STATE_PRECISION == "native":
-        # a 16-bit state on 16-bit tensor cores, exact products: bf16 C as is, or (fp16 state) C
-        # in fp16, exact for |C| in [2^-14, 65504] (below, a relative error of at most 2^-11 of
-        # a subnormal; above, inf -- the outputs show it)
-        y = tl.dot(s, C_T.to(state_ptr.dtype.element_ty))
-    else:  # a 16-bit state and 16-bit C are exact in TF32 (the interpreter), else as the main kernel
-        y = tl.dot(s.to(tl.float32), C_T.to(tl.float32), input_precision=STATE_PRECISION)
-    # rows c >= k of Q (garbage) and columns t >= T drop out
-    W = tl.where(mc[:, None] & mt[None, :], Q_T, 0.0) * u[:, None]
-    y = _dot_split_rhs(x_old, W, y * e_last, SPLIT, DOT_PRECISION)
-    y = _dot_split_rhs(x_T, M_T, y * e_cs[None, :], SPLIT, DOT_PRECISION)
-    if HAS_D:
-        y += x_T.to(tl.float32) * tl.load(D_ptr + h * stride_D_h).to(tl.float32)
-    if HAS_Z:
-        y *= silu_approx(zv.to(tl.float32), FAST_MATH)
+    d_h = tl.load(D_ptr + h * stride_D_h).to(tl.float32) if HAS_D else 0.0
+    y = _out_outputs(s, x_old, C_T, Q_T, M_T, x_T, zv if HAS_Z else x_T, e_cs, e_last, u, mc, mt, d_h,
+                     HAS_D, HAS_Z, BLOCK_P, BLOCK_T, DOT_PRECISION, SPLIT, STATE_SPLIT, STATE_PRECISION, FAST_MATH)
     y = tl.where(live, y, 0.0)
     tl.store(out_ptr + b * stride_out_b + h * stride_out_h + offs_p[:, None] * stride_out_p
              + offs_t[None, :] * stride_out_t, y.to(out_ptr.dtype.element_ty), mask=mask_pt)
@@ -488,6 +505,86 @@ def _replay_out_kernel(
     # overwrites
     tl.store(x_row + offs_p[:, None] * stride_ox_p + (k + offs_t)[None, :] * stride_ox_t,
              x_T.to(old_x_ptr.dtype.element_ty), mask=mask_pt & live & (k + T <= capacity))
+
+
+@triton.jit
+def _replay_out_tma_kernel(
+    state_desc, old_x_desc, x_desc, z_desc, C_desc,
+    old_x_ptr, kinfo_ptr, scale_ptr, D_ptr, M_ptr, Q_ptr, out_ptr, idx_ptr,
+    T, capacity, pad_slot_id, heads_per_group, nheads, n_tiles,
+    stride_ox_s, stride_ox_t: tl.constexpr, stride_ox_h, stride_ox_p: tl.constexpr,
+    stride_sc_b, stride_sc_h,
+    stride_D_h,
+    stride_M_b, stride_M_h, stride_M_t: tl.constexpr, stride_M_s,
+    stride_Q_b, stride_Q_g, stride_Q_t: tl.constexpr, stride_Q_c,
+    stride_out_b, stride_out_t: tl.constexpr, stride_out_h, stride_out_p: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_IDX: tl.constexpr,
+    P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, STATE_SPLIT: tl.constexpr,
+    STATE_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, FAST_MATH: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    # The output kernel of _replay_out_kernel as a persistent loop over its (request, head, block
+    # of P) tiles whose tiles arrive by TMA (tensor descriptors over 2-d views of contiguous
+    # tensors: the state [S*H*P, N], the history x [S*C_h, H*P], x and z [B*T, H*P], C [B*T, G*N]),
+    # so that Triton's pipeliner prefetches the next tile's state into shared memory while this
+    # one computes, without a register per address. Rows past a tile's own (tokens t >= T of the
+    # next request, history tokens c >= k) land only in output columns that are not stored or are
+    # multiplied by zeros (W, M); a pad slot reads slot 0 and its outputs are zeroed. The history
+    # length comes from the precompute kernel (kinfo), read after the grid-dependency wait.
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_c = tl.arange(0, BLOCK_C)
+    mt = offs_t < T
+    p_blocks: tl.constexpr = P // BLOCK_P
+    if USE_PDL:
+        gdc_wait()  # everything below comes from the precompute kernel or earlier ones
+    if LAUNCH_DEPENDENTS:
+        # now, not as the programs exit: the checkpoint kernel's programs then take each SM's place
+        # as soon as its last output program leaves (it reads the precompute kernel's list and
+        # waits for this kernel before it writes)
+        gdc_launch_dependents()
+    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+        p0 = (tile % p_blocks) * BLOCK_P
+        bh = tile // p_blocks
+        b = (bh // nheads).to(tl.int64)
+        h = (bh % nheads).to(tl.int64)
+        g = h // heads_per_group
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        if HAS_IDX:
+            slot = tl.load(idx_ptr + b).to(tl.int64)
+        else:
+            slot = b
+        live = slot != pad_slot_id
+        row = tl.where(live, slot, 0)
+        k = tl.load(kinfo_ptr + b, mask=live, other=0)
+        mc = (offs_c < k) & live
+        s = state_desc.load([((row * nheads + h) * P + p0).to(tl.int32), 0])
+        col = (h * P + p0).to(tl.int32)
+        x_old = tl.trans(old_x_desc.load([(row * capacity).to(tl.int32), col]))
+        x_T = tl.trans(x_desc.load([(b * T).to(tl.int32), col]))
+        zv = x_T
+        if HAS_Z:
+            zv = tl.trans(z_desc.load([(b * T).to(tl.int32), col]))
+        C_T = tl.trans(C_desc.load([(b * T).to(tl.int32), (g * N).to(tl.int32)]))
+        sc_row = scale_ptr + b * stride_sc_b + h * stride_sc_h
+        e_cs = tl.load(sc_row + offs_t, mask=mt & live, other=0.0)
+        e_last = tl.load(sc_row + T, mask=live, other=0.0)
+        u = tl.load(sc_row + T + 1 + offs_c, mask=mc, other=0.0)
+        Q_T = tl.load(Q_ptr + b * stride_Q_b + g * stride_Q_g + offs_c[:, None] * stride_Q_c + offs_t[None, :] * stride_Q_t,
+                      mask=(offs_c < capacity)[:, None] & mt[None, :] & live, other=0.0)
+        M_T = tl.load(M_ptr + b * stride_M_b + h * stride_M_h + offs_t[:, None] * stride_M_s + offs_t[None, :] * stride_M_t,
+                      mask=mt[:, None] & mt[None, :] & live, other=0.0)
+        d_h = tl.load(D_ptr + h * stride_D_h).to(tl.float32) if HAS_D else 0.0
+        y = _out_outputs(s, tl.where(mc[None, :], x_old, 0.0), C_T, Q_T, M_T, x_T, zv, e_cs, e_last, u, mc, mt,
+                         d_h, HAS_D, HAS_Z, BLOCK_P, BLOCK_T, DOT_PRECISION, SPLIT, STATE_SPLIT, STATE_PRECISION,
+                         FAST_MATH)
+        y = tl.where(live, y, 0.0)
+        mask_pt = (offs_p < P)[:, None] & mt[None, :]
+        tl.store(out_ptr + b * stride_out_b + h * stride_out_h + offs_p[:, None] * stride_out_p
+                 + offs_t[None, :] * stride_out_t, y.to(out_ptr.dtype.element_ty), mask=mask_pt)
+        x_row = old_x_ptr + slot * stride_ox_s + h * stride_ox_h
+        tl.store(x_row + offs_p[:, None] * stride_ox_p + (k + offs_t)[None, :] * stride_ox_t,
+                 x_T.to(old_x_ptr.dtype.element_ty), mask=mask_pt & live & (k + T <= capacity))
 
 
 @triton.jit
@@ -686,6 +783,59 @@ def launch_replay_out(
         STATE_PRECISION=(("tf32" if _interpreting() or not NATIVE_16BIT_OUT else "native") if sixteen_bit
                          else _dot_precision(x.dtype, "tf32x3")),
         USE_PDL=use_pdl, LAUNCH_DEPENDENTS=launch_dependents, FAST_MATH=not _interpreting(),
+        num_warps=num_warps, launch_pdl=use_pdl, **extra,
+    )
+
+
+def out_tma_usable(state, old_x, x, z, C, block_p: int) -> bool:
+    """Whether ``launch_replay_out_tma`` can take this call: a CUDA device with TMA (sm_90+), an
+    fp32 state with bf16 activations (the split dots), contiguous tensors at 16-byte-aligned
+    addresses (the 2-d descriptor views), N a power of two and P a multiple of the P tile."""
+    if _interpreting() or not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    if state.dtype != torch.float32 or x.dtype != torch.bfloat16 or C.dtype != torch.bfloat16:
+        return False
+    tensors = [state, old_x, x, C] + ([z] if z is not None else [])
+    if z is not None and z.dtype != x.dtype:
+        return False
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors):
+        return False
+    P, N = x.shape[3], C.shape[3]
+    return N == triton.next_power_of_2(N) and P % block_p == 0 and old_x.shape[1] <= 256
+
+
+def launch_replay_out_tma(
+    state, old_x, kinfo, scale, x, C, D, z, M, Q, out, idx, *,
+    pad_slot_id: int, block_p: int, num_warps: int, programs: int, stages: int, maxnreg: int | None = None,
+    use_pdl: bool = False, launch_dependents: bool = False,
+):
+    """The split path's output kernel as ``_replay_out_tma_kernel`` on ``programs`` programs
+    (``out_tma_usable`` must hold); arguments as ``launch_replay_out``, kinfo required."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    nreq, ntok, nheads, headdim = x.shape
+    ngroups, dstate = C.shape[2], C.shape[3]
+    capacity = old_x.shape[1]
+    block_t = max(16, triton.next_power_of_2(ntok))
+    block_c = max(16, triton.next_power_of_2(capacity))
+    n_tiles = headdim // block_p * nreq * nheads
+    desc = TensorDescriptor.from_tensor
+    state_desc = desc(state.view(-1, dstate), [block_p, dstate])
+    old_x_desc = desc(old_x.view(-1, nheads * headdim), [block_c, block_p])
+    x_desc = desc(x.view(nreq * ntok, nheads * headdim), [block_t, block_p])
+    z_desc = desc(z.view(nreq * ntok, nheads * headdim), [block_t, block_p]) if z is not None else None
+    C_desc = desc(C.view(nreq * ntok, ngroups * dstate), [block_t, dstate])
+    extra = {} if maxnreg is None else {"maxnreg": maxnreg}
+    _replay_out_tma_kernel[(max(1, min(programs, n_tiles)),)](
+        state_desc, old_x_desc, x_desc, z_desc, C_desc,
+        old_x, kinfo, scale, D, M, Q, out, idx,
+        ntok, capacity, pad_slot_id, nheads // ngroups, nheads, n_tiles,
+        old_x.stride(0), old_x.stride(1), old_x.stride(2), old_x.stride(3), *scale.stride()[:2],
+        D.stride(0) if D is not None else 0, *M.stride(), *Q.stride(), *out.stride(),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_IDX=idx is not None,
+        P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=dstate, BLOCK_T=block_t, BLOCK_C=block_c,
+        DOT_PRECISION="tf32", SPLIT=True, STATE_SPLIT=True, STATE_PRECISION="tf32",
+        USE_PDL=use_pdl, LAUNCH_DEPENDENTS=launch_dependents, FAST_MATH=True, STAGES=stages,
         num_warps=num_warps, launch_pdl=use_pdl, **extra,
     )
 

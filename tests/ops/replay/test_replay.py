@@ -145,7 +145,7 @@ def make_inputs(c: Case, device, seed: int = 0):
     return cache, inputs, slots
 
 
-PATHS = ["auto", "split", "split-nopdl"]
+PATHS = ["auto", "split", "split-nopdl", "split-notma"]
 
 
 @contextlib.contextmanager
@@ -153,23 +153,28 @@ def kernel_path(path: str, device) -> Iterator[None]:
     """"auto": the launcher's own choice (one main kernel at these sizes); "split": the output
     kernel for every request plus the checkpoint kernel for those that store their state (forced;
     on the GPU with the table's split-path tiles, its three kernels chained by PDL on sm_90+);
-    "split-nopdl": the same launched plainly (GPU only: the CPU never chains them)."""
+    "split-nopdl": the same launched plainly (GPU only: the CPU never chains them); "split-notma":
+    chained, with the one-tile-per-program output kernel where an fp32 state would take its TMA
+    variant (GPU only: the CPU never runs the TMA variant)."""
     if path == "auto":
         yield
         return
     if torch.device(device).type == "cpu":
-        if path == "split-nopdl":
-            pytest.skip("the split path's PDL chain exists only on sm_90+ GPUs; on the CPU 'split' covers it")
+        if path in ("split-nopdl", "split-notma"):
+            pytest.skip("the split path's PDL chain and TMA output kernel exist only on sm_90+ GPUs; on the CPU "
+                        "'split' covers the path")
         with replay_configs.forced_config(16, 1, 4, 1, split=True, out_block_p=16, out_warps=1):
             yield
         return
-    previous = replay_configs.CHAIN_PDL
+    previous = replay_configs.CHAIN_PDL, replay_configs.OUT_TMA
     replay_configs.CHAIN_PDL = path != "split-nopdl"
+    if path == "split-notma":
+        replay_configs.OUT_TMA = None
     try:
         with replay_configs.forced_config(64, 4, 16, 2, split=True):  # the output tile of OUT_TILES
             yield
     finally:
-        replay_configs.CHAIN_PDL = previous
+        replay_configs.CHAIN_PDL, replay_configs.OUT_TMA = previous
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -519,3 +524,22 @@ def test_gpu_bf16_outputs_round_like_plain_decoding(path):
         cache.commit(slots, acc, T)
     print(f"{equal / total:.2%} of the outputs round like plain decoding")  # shown with pytest -s
     assert equal / total >= 0.97, f"only {equal / total:.2%} of the outputs round like plain decoding"
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_state_takes_the_tma_output_kernel():
+    """The split-path tests above run the TMA output kernel for their fp32-state cases (and
+    'split-notma' the other): it applies to contiguous tensors with P a multiple of the tile and a
+    power-of-two N, and not to a strided x."""
+    from fastmamba.ops.replay.kernel import out_tma_usable
+
+    S, B, T, H, P, G, N, Ch = 17, 8, 6, 80, 64, 1, 128, 32
+    state = torch.zeros(S, H, P, N, device="cuda")
+    old_x = torch.zeros(S, Ch, H, P, device="cuda", dtype=torch.bfloat16)
+    x = torch.zeros(B, T, H, P, device="cuda", dtype=torch.bfloat16)
+    C = torch.zeros(B, T, G, N, device="cuda", dtype=torch.bfloat16)
+    assert replay_configs.OUT_TMA is not None
+    assert out_tma_usable(state, old_x, x, x, C, 64)
+    assert not out_tma_usable(state, old_x, torch.zeros(B, T, H, 2 * P, device="cuda", dtype=torch.bfloat16)[..., :P],
+                              None, C, 64)
+    assert not out_tma_usable(state.half(), old_x, x, x, C, 64)
