@@ -17,6 +17,7 @@ from fastmamba.bench.peak import l2_cache_bytes, measure_copy_bandwidth
 from fastmamba.bench.timing import choose_n_sets, time_calls
 from fastmamba.ops import selective_state_update
 from fastmamba.ops._common.jit_math import silu, softplus
+from fastmamba.ops.replay.kernel import persistent_tile
 
 
 @triton.jit
@@ -27,15 +28,9 @@ def _ssu_tma_kernel(
     stride_C_b, stride_C_g, stride_D_h, stride_z_b, stride_z_h, stride_dtb_h, stride_out_b, stride_out_h,
     P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, STAGES: tl.constexpr, STORE_TMA: tl.constexpr,
 ):
-    p_blocks: tl.constexpr = P // BLOCK_P
     offs_n = tl.arange(0, N)
     for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
-        p0 = (tile % p_blocks) * BLOCK_P
-        bh = tile // p_blocks
-        b = (bh // nheads).to(tl.int64)
-        h = (bh % nheads).to(tl.int64)
-        g = h // heads_per_group
-        offs_p = p0 + tl.arange(0, BLOCK_P)
+        b, h, g, p0, offs_p = persistent_tile(tile, nheads, heads_per_group, P, BLOCK_P)
         slot = tl.load(idx_ptr + b).to(tl.int64)
         valid = slot != pad_slot_id
         r0 = ((tl.where(valid, slot, 0) * nheads + h) * P + p0).to(tl.int32)

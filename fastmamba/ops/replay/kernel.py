@@ -508,6 +508,18 @@ def _replay_out_kernel(
 
 
 @triton.jit
+def persistent_tile(tile, nheads, heads_per_group, P: tl.constexpr, BLOCK_P: tl.constexpr):
+    """A persistent loop's tile index over (request, head, block of P) -> request b and head h
+    (int64), group g, the block's first row p0 and its rows offs_p [BLOCK_P]."""
+    p_blocks: tl.constexpr = P // BLOCK_P
+    p0 = (tile % p_blocks) * BLOCK_P
+    bh = tile // p_blocks
+    b = (bh // nheads).to(tl.int64)
+    h = (bh % nheads).to(tl.int64)
+    return b, h, h // heads_per_group, p0, p0 + tl.arange(0, BLOCK_P)
+
+
+@triton.jit
 def _replay_out_tma_kernel(
     state_desc, old_x_desc, x_desc, z_desc, C_desc,
     old_x_ptr, kinfo_ptr, scale_ptr, D_ptr, M_ptr, Q_ptr, out_ptr, idx_ptr,
@@ -535,7 +547,6 @@ def _replay_out_tma_kernel(
     offs_t = tl.arange(0, BLOCK_T)
     offs_c = tl.arange(0, BLOCK_C)
     mt = offs_t < T
-    p_blocks: tl.constexpr = P // BLOCK_P
     if USE_PDL:
         gdc_wait()  # everything below comes from the precompute kernel or earlier ones
     if LAUNCH_DEPENDENTS:
@@ -544,12 +555,7 @@ def _replay_out_tma_kernel(
         # waits for this kernel before it writes)
         gdc_launch_dependents()
     for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
-        p0 = (tile % p_blocks) * BLOCK_P
-        bh = tile // p_blocks
-        b = (bh // nheads).to(tl.int64)
-        h = (bh % nheads).to(tl.int64)
-        g = h // heads_per_group
-        offs_p = p0 + tl.arange(0, BLOCK_P)
+        b, h, g, p0, offs_p = persistent_tile(tile, nheads, heads_per_group, P, BLOCK_P)
         if HAS_IDX:
             slot = tl.load(idx_ptr + b).to(tl.int64)
         else:
