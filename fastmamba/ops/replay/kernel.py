@@ -543,7 +543,8 @@ def _replay_out_tma_kernel(
     # one computes, without a register per address. Rows past a tile's own (tokens t >= T of the
     # next request, history tokens c >= k) land only in output columns that are not stored or are
     # multiplied by zeros (W, M); a pad slot reads slot 0 and its outputs are zeroed. The history
-    # length comes from the precompute kernel (kinfo), read after the grid-dependency wait.
+    # length comes from the precompute kernel (kinfo): launched after it, or (USE_PDL) read after
+    # the grid-dependency wait. TMA coordinates are int32: out_tma_usable checks the row counts.
     offs_t = tl.arange(0, BLOCK_T)
     offs_c = tl.arange(0, BLOCK_C)
     mt = offs_t < T
@@ -807,7 +808,8 @@ def out_tma_usable(state, old_x, x, z, C, block_p: int) -> bool:
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors):
         return False
     P, N = x.shape[3], C.shape[3]
-    return N == triton.next_power_of_2(N) and P % block_p == 0 and old_x.shape[1] <= 256
+    rows = max(state.numel() // N, old_x.shape[0] * old_x.shape[1], x.shape[0] * x.shape[1])
+    return N == triton.next_power_of_2(N) and P % block_p == 0 and old_x.shape[1] <= 256 and rows < 2**31
 
 
 def launch_replay_out_tma(
