@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from fastmamba.ops._common.dispatch import interpreter_enabled
+from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
 from fastmamba.ops._common.jit_math import silu, silu_approx, softplus, stochastic_round
 
 
@@ -789,7 +789,7 @@ def launch_replay_out(
         DOT_PRECISION=_dot_precision(x.dtype, "tf32x3"), SPLIT=split, STATE_SPLIT=split and state.dtype == torch.float32,
         STATE_PRECISION=(("tf32" if _interpreting() or not NATIVE_16BIT_OUT else "native") if sixteen_bit
                          else _dot_precision(x.dtype, "tf32x3")),
-        USE_PDL=use_pdl, LAUNCH_DEPENDENTS=launch_dependents, FAST_MATH=not _interpreting(),
+        USE_PDL=use_pdl, LAUNCH_DEPENDENTS=launch_dependents, FAST_MATH=inline_asm_ok(x),
         num_warps=num_warps, launch_pdl=use_pdl, **extra,
     )
 
@@ -843,7 +843,7 @@ def launch_replay_out_tma(
         HAS_D=D is not None, HAS_Z=z is not None, HAS_IDX=idx is not None,
         P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=dstate, BLOCK_T=block_t, BLOCK_C=block_c,
         DOT_PRECISION="tf32", SPLIT=True, STATE_SPLIT=True, STATE_PRECISION="tf32",
-        USE_PDL=use_pdl, LAUNCH_DEPENDENTS=launch_dependents, FAST_MATH=True, STAGES=stages,
+        USE_PDL=use_pdl, LAUNCH_DEPENDENTS=launch_dependents, FAST_MATH=inline_asm_ok(x), STAGES=stages,
         num_warps=num_warps, launch_pdl=use_pdl, **extra,
     )
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from fastmamba.ops._common.dispatch import interpreter_enabled
+from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
 from fastmamba.ops.ssd_scan.configs import block_p_of, check_config, pick_config
 from fastmamba.ops.ssd_scan.kernel import (
     _chunk_cb_kernel,
@@ -82,6 +82,7 @@ def ssd_scan_launch(
     n_seg = segments.n_seg
     n_chunks = max(segments.n_chunks, 1)
     interpreter = interpreter_enabled()
+    fast_math = inline_asm_ok(x)  # the approximate PTX exp2 / silu
     cfg = pick_config(H, P, N, x.element_size(), interpreter=interpreter)
     check_config(cfg)
     block_n = max(16, triton.next_power_of_2(N))
@@ -124,7 +125,7 @@ def ssd_scan_launch(
             *x.stride(), *B.stride(), *states_in.stride(), *send.stride(),
             *_strides4(segments.init), *_strides4(segments.final), *_strides4(None), *_strides4(segments.chunk_out),
             Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
-            DOT_PRECISION=dot_precision, FAST_MATH=not interpreter, num_warps=cfg.warps_state,
+            DOT_PRECISION=dot_precision, FAST_MATH=fast_math, num_warps=cfg.warps_state,
         )
     else:
         states = torch.empty(n_chunks, H, P, N, dtype=state_dtype, device=dev)  # S_loc, recurrence precision
@@ -133,7 +134,7 @@ def ssd_scan_launch(
             n_seg, row_len, P, N, H // G, n_chunks,
             *x.stride(), *B.stride(), *states.stride(),
             Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
-            DOT_PRECISION=dot_precision, FAST_MATH=not interpreter,
+            DOT_PRECISION=dot_precision, FAST_MATH=fast_math,
             num_warps=cfg.warps_state,
         )
         _state_passing_kernel[(n_seg, H, triton.cdiv(P * N, cfg.block_pass))](
@@ -163,7 +164,7 @@ def ssd_scan_launch(
         n_seg, row_len, P, N, H // G, n_chunks,
         *x.stride(), *_strides4(z), *out.stride(), *cb.stride(), *C.stride(), *D_strides, *states_in.stride(),
         Q=Q, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_P=block_p_scan, BLOCK_N=block_n, HEADS=heads,
-        DOT_PRECISION=dot_precision, HEAD_MAJOR=bool(cfg.head_major), FAST_MATH=not interpreter,
+        DOT_PRECISION=dot_precision, HEAD_MAJOR=bool(cfg.head_major), FAST_MATH=fast_math,
         num_warps=cfg.warps_scan, num_stages=cfg.stages_scan,
         **({"maxnreg": cfg.maxnreg_scan} if cfg.maxnreg_scan and not interpreter else {}),
     )
