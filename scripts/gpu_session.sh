@@ -29,8 +29,8 @@ for step in "${steps[@]}"; do
         tests-ops) timeout 200 python3 -m pytest -q -n 8 tests/ops > "$OUT/tests.log" 2>&1; echo "rc=$?"; tail -n 15 "$OUT/tests.log" ;;
         tune)      timeout 280 python3 -m fastmamba.bench tune > "$OUT/tune.txt" 2> "$OUT/tune.err"; echo "rc=$?"; cat "$OUT/tune.txt" ;;
         tune-*)    timeout 280 python3 -m fastmamba.bench tune --ops "${step#tune-}" >> "$OUT/tune.txt" 2>> "$OUT/tune.err"; echo "rc=$?"; cat "$OUT/tune.txt" ;;
-        kernels)   timeout 330 python3 -m fastmamba.bench kernels --json "$OUT/kernels.jsonl" --markdown "$OUT/kernels.md" > "$OUT/kernels.txt" 2> "$OUT/kernels.err"; echo "rc=$?"; cat "$OUT/kernels.txt" ;;
-        prefill)   timeout 330 python3 -m fastmamba.bench prefill --json "$OUT/prefill.jsonl" --markdown "$OUT/prefill.md" > "$OUT/prefill.txt" 2> "$OUT/prefill.err"; echo "rc=$?"; cat "$OUT/prefill.txt" ;;
+        kernels)   timeout 540 python3 -m fastmamba.bench kernels --json "$OUT/kernels.jsonl" --markdown "$OUT/kernels.md" > "$OUT/kernels.txt" 2> "$OUT/kernels.err"; echo "rc=$?"; cat "$OUT/kernels.txt" ;;
+        prefill)   timeout 540 python3 -m fastmamba.bench prefill --json "$OUT/prefill.jsonl" --markdown "$OUT/prefill.md" > "$OUT/prefill.txt" 2> "$OUT/prefill.err"; echo "rc=$?"; cat "$OUT/prefill.txt" ;;
         spec)      timeout 540 python3 -m fastmamba.bench spec --json "$OUT/spec.jsonl" --markdown "$OUT/spec.md" > "$OUT/spec.txt" 2> "$OUT/spec.err"; echo "rc=$?"; tail -n 60 "$OUT/spec.txt" ;;
         spec-*)    timeout 540 python3 -m fastmamba.bench spec --shapes "${step#spec-}" --json "$OUT/spec.jsonl" --markdown "$OUT/spec-${step#spec-}.md" >> "$OUT/spec.txt" 2>> "$OUT/spec.err"; echo "rc=$?"; tail -n 40 "$OUT/spec.txt" ;;
         e2e-spec)  for d in oracle ngram; do timeout 280 python3 -m fastmamba.bench e2e --batch 1 --gen-len 128 --speculate 5 --drafter $d --json "$OUT/e2e-spec.jsonl" >> "$OUT/e2e-spec.txt" 2>> "$OUT/e2e-spec.err"; echo "rc=$?"; done; cat "$OUT/e2e-spec.txt"; tail -3 "$OUT/e2e-spec.err" ;;

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from fastmamba.bench import env, report
+from fastmamba.bench import env, report, size_copy
 from fastmamba.bench.ops._base import Case, OpBench, Provider, describe
 from fastmamba.ops._common.dispatch import interpreter_enabled
 from fastmamba.bench.peak import (
@@ -66,11 +66,12 @@ class Suite:
     gpu_batches: tuple[int, ...] = ()  # default --batch (benches whose cases ignore it leave these empty)
     cpu_batches: tuple[int, ...] = ()
     matmul: bool = False  # also measure the bf16 matmul rate (for ops with a FLOP model)
+    size_copy: bool = False  # on a GPU, a copy row per case moving the case's bytes (size_copy.py)
     # lines printed after the table (and put in the markdown) and extra JSON records, from the rows
     summarize: Callable[[list[report.Row], argparse.Namespace], Summary] | None = None
 
 
-KERNELS = Suite("kernels", "fastmamba kernel benchmark", OPS, GPU_BATCHES, CPU_BATCHES)
+KERNELS = Suite("kernels", "fastmamba kernel benchmark", OPS, GPU_BATCHES, CPU_BATCHES, size_copy=True)
 
 
 # --- command line -------------------------------------------------------------------------------
@@ -277,6 +278,8 @@ def run_suite(suite: Suite, args: argparse.Namespace, command: str) -> int:
     plan = []
     for b in benches:
         provs = b.providers(device)
+        if suite.size_copy and cuda:
+            provs = [*provs, *size_copy.copy_providers(device)]
         plan.append((b, provs, b.oracle(device, provs, oracle_mode), b.cases(device, batches)))
 
     progress(f"measuring copy bandwidth on {device_name(device)} ...")
@@ -290,6 +293,8 @@ def run_suite(suite: Suite, args: argparse.Namespace, command: str) -> int:
     header["timing_method"] = _timing_method(device, list(configs.values()))
     header["quick"] = bool(args.quick)
     notes = [n for b in benches for n in b.header_notes(device)]
+    if suite.size_copy and cuda:
+        notes.append(size_copy.HEADER_NOTE)
     lines = header_lines(header, {b.key: provs for b, provs, _, _ in plan}, {b.key: o for b, _, o, _ in plan}, notes)
     print("\n".join(lines), flush=True)
     print(flush=True)
@@ -340,6 +345,7 @@ def run_suite(suite: Suite, args: argparse.Namespace, command: str) -> int:
         progress("interrupted: writing the rows measured so far")
     finally:
         _fill_ratios(rows)
+        size_copy.fill_size_copy(rows)
         row_notes = report.collect_notes(rows)
         table = report.format_table(rows)
         print(table)
@@ -391,8 +397,14 @@ def _run_one(
     """Time and check one provider on one case, filling ``row``; ``ref`` is the check's oracle.
     Returns a fatal reason or ''."""
     try:
+        if prov.kind == size_copy.KIND:  # its own buffers, as many sets as the op's
+            make_call = size_copy.copy_calls(bench.provider_bytes(prov, case), n_sets, device,
+                                             pdl=prov.name.endswith(size_copy.PDL))
+        else:
+            def make_call(i: int):
+                return bench.bind(prov, case, sets[i])
         t = time_calls(
-            lambda i: bench.bind(prov, case, sets[i]),
+            make_call,
             n_sets,
             device=device,
             config=config,
@@ -416,6 +428,8 @@ def _run_one(
     row.note = "; ".join(n for n in (prov.note, bench.row_note(prov, case), t.note) if n)
     if prov is ref:
         row.check = "ref"
+    elif prov.kind == size_copy.KIND:
+        row.check = "same-size copy"
     elif ref is None or not ref.available:
         row.check = "no ref"
     else:

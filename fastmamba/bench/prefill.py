@@ -27,7 +27,7 @@ OPS = {
     "conv_fn": "fastmamba.bench.ops.conv1d_fn",
     "ssd": "fastmamba.bench.ops.ssd_scan",
 }
-PREFILL = Suite("prefill", "fastmamba prefill benchmark", OPS, matmul=True)
+PREFILL = Suite("prefill", "fastmamba prefill benchmark", OPS, matmul=True, size_copy=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -33,6 +33,7 @@ class Row:
     cold_l2: bool | None = None
     gbps: float | None = None
     pct_copy: float | None = None
+    pct_size_copy: float | None = None  # a copy of the same bytes' time / this row's (fastmamba/bench/size_copy.py)
     tflops: float | None = None
     pct_matmul: float | None = None  # of the bf16 matmul rate measured in the same run
     check: str = ""  # ok | FAIL ... | ref | no ref
@@ -86,6 +87,7 @@ COLUMNS = [
     ("p20–p80 µs", ">"),
     ("GB/s", ">"),
     ("% copy", ">"),
+    ("% size copy", ">"),
     ("TFLOP/s", ">"),
     ("% mm", ">"),
     ("vs best peer", ">"),
@@ -94,6 +96,7 @@ COLUMNS = [
 
 
 FLOP_COLUMNS = ("TFLOP/s", "% mm")
+SIZE_COPY_COLUMN = "% size copy"
 
 
 def _pct(v: float | None) -> str:
@@ -101,9 +104,14 @@ def _pct(v: float | None) -> str:
 
 
 def _columns(rows: list[Row]) -> list[int]:
-    """Indices into COLUMNS to show: all but the FLOP columns when no row counts FLOPs."""
+    """Indices into COLUMNS to show: all but the FLOP columns when no row counts FLOPs, and the
+    size-copy column only when some row has one."""
     with_flops = any(r.flops for r in rows)
-    return [i for i, (name, _) in enumerate(COLUMNS) if with_flops or name not in FLOP_COLUMNS]
+    with_size_copy = any(r.pct_size_copy is not None for r in rows)
+    return [
+        i for i, (name, _) in enumerate(COLUMNS)
+        if (with_flops or name not in FLOP_COLUMNS) and (with_size_copy or name != SIZE_COPY_COLUMN)
+    ]
 
 
 def _cells(row: Row, note_width: int) -> list[str]:
@@ -121,6 +129,7 @@ def _cells(row: Row, note_width: int) -> list[str]:
         spread,
         "—" if row.gbps is None else f"{row.gbps:.0f}" if row.gbps >= 10 else f"{row.gbps:.2f}",
         _pct(row.pct_copy),
+        _pct(row.pct_size_copy),
         "—" if row.tflops is None else f"{row.tflops:.1f}" if row.tflops >= 1 else f"{row.tflops:.3f}",
         _pct(row.pct_matmul),
         row.vs,
