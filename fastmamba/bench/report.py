@@ -19,7 +19,7 @@ class Row:
     dtype: str
     batch: int
     provider: str
-    kind: str  # ours | peer | ref
+    kind: str  # ours | peer | ref | copy (the same-size copy, size_copy.py)
     version: str
     bytes: int
     flops: int = 0  # model FLOPs per call (0: no FLOP model, e.g. pure data movement)
