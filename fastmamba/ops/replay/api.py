@@ -22,8 +22,10 @@ from fastmamba.ops._common.slot_rows import scatter_rows
 from fastmamba.ops.replay import configs
 from fastmamba.ops.replay.configs import pick_config
 from fastmamba.ops.replay.kernel import (
+    checkpoint_tma_usable,
     launch_commit,
     launch_replay_checkpoint,
+    launch_replay_checkpoint_tma,
     launch_replay_main,
     launch_replay_out,
     launch_replay_out_tma,
@@ -357,6 +359,17 @@ def _replay_op(
             maxnreg=None if interpreter_enabled() else configs.OUT_MAXNREG[4 if state.element_size() >= 4 else 2],
             use_pdl=chain_pdl, launch_dependents=chain_pdl,
         )
+    # the checkpoint kernel: TMA-fed where it can be (configs.CKPT_TMA), else with pointer loads
+    ck_tma = configs.CKPT_TMA
+    if ck_tma is not None and checkpoint_tma_usable(state, old_x, old_B, x, ck_tma["block_p"]):
+        launch_replay_checkpoint_tma(
+            state, old_x, old_B, old_dt, old_cumA, x, rand_seed, ckpt_count, ckpt_list,
+            block_p=ck_tma["block_p"], num_warps=ck_tma["num_warps"],
+            programs=min(main_programs, sm_count(x) * configs.checkpoint_tma_programs_per_sm(old_x.shape[1])),
+            stages=ck_tma["stages"],
+            maxnreg=ck_tma.get("maxnreg"), use_pdl=chain_pdl,
+        )
+        return
     launch_replay_checkpoint(
         state, old_x, old_B, old_dt, old_cumA, x, rand_seed, ckpt_count, ckpt_list,
         block_p=cfg.block_p, num_warps=cfg.num_warps,

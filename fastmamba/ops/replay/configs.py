@@ -57,6 +57,25 @@ OUT_MAXNREG = {4: 128, 2: None}
 # tile live in registers: 255 per thread, spills at any cap).
 OUT_TMA: dict[str, int] | None = {"programs_per_sm": 3, "stages": 2, "maxnreg": 168, "pdl_in": 0}
 
+# bf16 activations where TMA works (kernel.checkpoint_tma_usable: a history of up to 64 positions):
+# the checkpoint kernel as a persistent loop fed by TMA, so the pipeliner prefetches the next
+# tile's state and whole history while this one replays it in one tl.dot (P rows per tile, warps,
+# pipeline stages, register cap; None: the pointer-load kernel, whose chunk loop runs at 240
+# registers, two programs per SM). Programs per SM by history capacity (CKPT_TMA_PROGRAMS).
+# H200, Nemotron-H batch 128, step from a CUDA graph (`scripts/dev_replay_ckpt_tma.py`,
+# 2026-11-23), pointer kernel -> 32 x 4 at 128 registers with 2 stages, 4 programs per SM
+# (history 16 / 32, T=2 / 6) or 3 (history 64, T=16): fp16 state 138.4 / 161.5 / 228.5 ->
+# 130.7 / 154.8 / 228.1 us (checkpoint kernel 26.3 / 31.8 / 49.4 -> 20.2 / 25.9 / 50.1);
+# fp32 state 222.2 / 243.8 / 306.1 -> 219.2 / 238.8 / 296.0. At history 64, 4 per SM: 235.3 (fp16)
+# and 312.1 (fp32); 64 x 8 tiles (1 or 2 per SM) and 2 per SM with 3 stages were slower everywhere.
+CKPT_TMA: dict[str, int] | None = {"block_p": 32, "num_warps": 4, "stages": 2, "maxnreg": 128}
+CKPT_TMA_PROGRAMS = {16: 4, 32: 4, 64: 3}  # history capacity (power of two) -> programs per SM
+
+
+def checkpoint_tma_programs_per_sm(capacity: int) -> int:
+    """Programs per SM of the TMA checkpoint kernel for a history of ``capacity`` positions."""
+    return CKPT_TMA_PROGRAMS.get(max(16, triton.next_power_of_2(capacity)), 3)
+
 # The split path's three kernels run as a chain of programmatic dependent launches where the GPU
 # has them (sm_90+; our own kernels inside one op, so independent of the FASTMAMBA_PDL opt-in):
 # the output kernel loads each slot's stored state and history while the precompute kernel runs,

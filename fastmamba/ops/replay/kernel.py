@@ -682,6 +682,64 @@ def _replay_checkpoint_kernel(
         b, slot, k, rbuf, h, pb = nb, nslot, nk, nrbuf, nh, npb
 
 
+@triton.jit
+def _replay_checkpoint_tma_kernel(
+    state_desc, old_x_desc, old_B_desc, x_desc,
+    state_ptr, old_x_ptr, old_dt_ptr, old_cumA_ptr, seed_ptr, ckpt_count_ptr, ckpt_list_ptr,
+    T, heads_per_group, nheads, capacity, n_slots,
+    stride_state_s, stride_state_h, stride_state_p: tl.constexpr, stride_state_n: tl.constexpr,
+    stride_ox_s, stride_ox_t: tl.constexpr, stride_ox_h, stride_ox_p: tl.constexpr,
+    stride_odt_r, stride_odt_s, stride_odt_t: tl.constexpr, stride_odt_h: tl.constexpr,
+    stride_ocs_r, stride_ocs_s, stride_ocs_t: tl.constexpr, stride_ocs_h: tl.constexpr,
+    STOCHASTIC_ROUND: tl.constexpr,
+    P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr, STAGES: tl.constexpr,
+):
+    # _replay_checkpoint_kernel as a persistent loop whose tiles arrive by TMA (tensor descriptors
+    # over 2-d views of contiguous tensors: the state [S*H*P, N], the history x [S*C_h, H*P], the
+    # history B [2*S*C_h, G*N], x [B*T, H*P]), so that the pipeliner prefetches the next tile's
+    # state and whole history into shared memory while this one replays. The history is one
+    # tl.dot over all C_h positions, rows c >= k zeroed on both operands (whatever they hold).
+    p_blocks: tl.constexpr = P // BLOCK_P
+    per_request = nheads * p_blocks
+    n_tiles = tl.load(ckpt_count_ptr) * per_request
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_n = tl.arange(0, N)
+    offs_t = tl.arange(0, BLOCK_T)
+    mt = offs_t < T
+    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+        b, slot, k, rbuf, h, pb = _checkpoint_record(ckpt_list_ptr, tile, n_tiles, per_request, p_blocks)
+        g = h // heads_per_group
+        p0 = pb * BLOCK_P
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        col = (h * P + p0).to(tl.int32)
+        s_raw = state_desc.load([((slot * nheads + h) * P + p0).to(tl.int32), 0])
+        x_old = tl.trans(old_x_desc.load([(slot * capacity).to(tl.int32), col]))  # [BLOCK_P, BLOCK_C]
+        B_old = old_B_desc.load([((rbuf * n_slots + slot) * capacity).to(tl.int32), (g * N).to(tl.int32)])
+        x_T = tl.trans(x_desc.load([(b * T).to(tl.int32), col]))  # [BLOCK_P, BLOCK_T]
+        mc = offs_c < k
+        cum_row = old_cumA_ptr + rbuf * stride_ocs_r + slot * stride_ocs_s + h * stride_ocs_h
+        cum_old = tl.load(cum_row + offs_c * stride_ocs_t, mask=mc, other=0.0)
+        dt_old = tl.load(old_dt_ptr + rbuf * stride_odt_r + slot * stride_odt_s + h * stride_odt_h
+                         + offs_c * stride_odt_t, mask=mc, other=0.0)
+        cum_last = tl.load(cum_row + (k - 1) * stride_ocs_t, mask=k > 0, other=0.0)
+        w = tl.where(mc, tl.exp(cum_last - cum_old) * dt_old, 0.0)
+        a = tl.where(mc[None, :], x_old.to(tl.float32) * w[None, :], 0.0)
+        s = s_raw.to(tl.float32) * tl.exp(cum_last)
+        s = _dot_split(a, tl.where(mc[:, None], B_old, tl.zeros_like(B_old)), s, SPLIT, DOT_PRECISION)
+        if USE_PDL:
+            gdc_wait()  # the output kernel has read every state and history it needs
+        state_ptrs = (state_ptr + slot * stride_state_s + h * stride_state_h + offs_p[:, None] * stride_state_p
+                      + offs_n[None, :] * stride_state_n)
+        _store_state(s, state_ptrs, (offs_p < P)[:, None] & (offs_n < N)[None, :], slot, h, nheads, offs_p, offs_n,
+                     seed_ptr, P, N, STOCHASTIC_ROUND)
+        # this tile's history arrived by TMA and was consumed above; positions 0..T-1 of it now
+        # take this step's x (a new history)
+        tl.store(old_x_ptr + slot * stride_ox_s + h * stride_ox_h + offs_p[:, None] * stride_ox_p
+                 + offs_t[None, :] * stride_ox_t, x_T.to(old_x_ptr.dtype.element_ty),
+                 mask=(offs_p < P)[:, None] & mt[None, :])
+
+
 HISTORY_CHUNK = 16  # history tokens per replay tl.dot (its K dimension)
 NATIVE_16BIT_OUT = True  # output kernel: a 16-bit state's C.S on 16-bit tensor cores (else TF32)
 
@@ -866,6 +924,51 @@ def launch_replay_checkpoint(
         BLOCK_T=max(16, triton.next_power_of_2(ntok)), BLOCK_H=HISTORY_CHUNK,
         DOT_PRECISION=_dot_precision(x.dtype, "tf32x3"), SPLIT=x.dtype == torch.bfloat16 and not _interpreting(),
         USE_PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl,
+    )
+
+
+def checkpoint_tma_usable(state, old_x, old_B, x, block_p: int) -> bool:
+    """Whether ``launch_replay_checkpoint_tma`` can take this call: a CUDA device with TMA (sm_90+),
+    bf16 activations, contiguous tensors at 16-byte-aligned addresses, N a power of two, P a
+    multiple of the P tile, a history of at most 64 positions (the whole history is one tile in
+    shared memory and registers; the default history is 64 at T=16) and row counts within int32."""
+    if _interpreting() or not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    if x.dtype != torch.bfloat16 or old_x.dtype != x.dtype or old_B.dtype != x.dtype:
+        return False
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (state, old_x, old_B, x)):
+        return False
+    P, N = x.shape[3], old_B.shape[4]
+    rows = max(state.numel() // N, old_x.shape[0] * old_x.shape[1], old_B.numel() // (old_B.shape[3] * N))
+    return N == triton.next_power_of_2(N) and P % block_p == 0 and old_x.shape[1] <= 64 and rows < 2**31
+
+
+def launch_replay_checkpoint_tma(
+    state, old_x, old_B, old_dt, old_cumA, x, seed, ckpt_count, ckpt_list, *, block_p: int, num_warps: int,
+    programs: int, stages: int, maxnreg: int | None = None, use_pdl: bool = False,
+):
+    """``launch_replay_checkpoint`` as ``_replay_checkpoint_tma_kernel`` (``checkpoint_tma_usable``
+    must hold): ``programs`` persistent programs, ``stages`` pipeline stages."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    nreq, ntok, nheads, headdim = x.shape
+    ngroups, dstate = old_B.shape[3], old_B.shape[4]
+    capacity = old_x.shape[1]
+    block_t = max(16, triton.next_power_of_2(ntok))
+    block_c = max(16, triton.next_power_of_2(capacity))
+    desc = TensorDescriptor.from_tensor
+    _replay_checkpoint_tma_kernel[(max(1, programs),)](
+        desc(state.view(-1, dstate), [block_p, dstate]),
+        desc(old_x.view(-1, nheads * headdim), [block_c, block_p]),
+        desc(old_B.view(-1, ngroups * dstate), [block_c, dstate]),
+        desc(x.view(nreq * ntok, nheads * headdim), [block_t, block_p]),
+        state, old_x, old_dt, old_cumA, seed, ckpt_count, ckpt_list,
+        ntok, nheads // ngroups, nheads, capacity, old_x.shape[0],
+        *state.stride(), *old_x.stride(), *old_dt.stride(), *old_cumA.stride(),
+        STOCHASTIC_ROUND=seed is not None,
+        P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_T=block_t, BLOCK_C=block_c,
+        DOT_PRECISION="tf32x3", SPLIT=True, USE_PDL=use_pdl, STAGES=stages,
+        num_warps=num_warps, launch_pdl=use_pdl, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
 
 

@@ -154,27 +154,28 @@ def kernel_path(path: str, device) -> Iterator[None]:
     kernel for every request plus the checkpoint kernel for those that store their state (forced;
     on the GPU with the table's split-path tiles, its three kernels chained by PDL on sm_90+);
     "split-nopdl": the same launched plainly (GPU only: the CPU never chains them); "split-notma":
-    chained, with the one-tile-per-program output kernel where an fp32 state would take its TMA
-    variant (GPU only: the CPU never runs the TMA variant)."""
+    chained, with the pointer-load output and checkpoint kernels where the TMA variants would run
+    (an fp32 state's output kernel; every bf16-activation checkpoint kernel) (GPU only: the CPU
+    never runs the TMA variants)."""
     if path == "auto":
         yield
         return
     if torch.device(device).type == "cpu":
         if path in ("split-nopdl", "split-notma"):
-            pytest.skip("the split path's PDL chain and TMA output kernel exist only on sm_90+ GPUs; on the CPU "
+            pytest.skip("the split path's PDL chain and TMA kernels exist only on sm_90+ GPUs; on the CPU "
                         "'split' covers the path")
         with replay_configs.forced_config(16, 1, 4, 1, split=True, out_block_p=16, out_warps=1):
             yield
         return
-    previous = replay_configs.CHAIN_PDL, replay_configs.OUT_TMA
+    previous = replay_configs.CHAIN_PDL, replay_configs.OUT_TMA, replay_configs.CKPT_TMA
     replay_configs.CHAIN_PDL = path != "split-nopdl"
     if path == "split-notma":
-        replay_configs.OUT_TMA = None
+        replay_configs.OUT_TMA = replay_configs.CKPT_TMA = None
     try:
         with replay_configs.forced_config(64, 4, 16, 2, split=True):  # the output tile of OUT_TILES
             yield
     finally:
-        replay_configs.CHAIN_PDL, replay_configs.OUT_TMA = previous
+        replay_configs.CHAIN_PDL, replay_configs.OUT_TMA, replay_configs.CKPT_TMA = previous
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -305,15 +306,30 @@ def test_replay_equals_plain_decoding_bf16(device):
 
 # ---- 16-bit state: stochastic rounding of the stored (replayed) state ------------------------
 
+@pytest.mark.parametrize("path", ["auto", "split", "split-notma"])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_stochastic_rounding_of_the_committed_state(state_dtype, device):
+def test_stochastic_rounding_of_the_committed_state(state_dtype, path, device):
     """With rand_seed, each stored element is one of the two neighbours of the fp32 replay result,
-    not always the nearest one, and the seed changes the choice; the outputs do not depend on it."""
-    c = dataclasses.replace(BASE, id="sr", accepted=(3, 2, 1), hist=(5, 4, 5), slots="shuffled", headdim=16,
-                            dstate=16, state_dtype=state_dtype)  # every request stores its state
+    not always the nearest one, and the seed changes the choice; the outputs do not depend on it.
+    On the GPU the split paths store through the TMA checkpoint kernel ('split', P = 64) and the
+    pointer one ('split-notma')."""
+    on_gpu = torch.device(device).type == "cuda"
+    c = dataclasses.replace(BASE, id="sr", accepted=(3, 2, 1), hist=(5, 4, 5), slots="shuffled",
+                            headdim=64 if on_gpu and path != "auto" else 16, dstate=16,
+                            state_dtype=state_dtype)  # every request stores its state
+    with kernel_path(path, device):
+        _check_stochastic_rounding(c, state_dtype, device, same_outputs=path == "auto")
+
+
+def _check_stochastic_rounding(c, state_dtype, device, same_outputs: bool):
+    """``same_outputs``: the outputs also equal an fp32-state run's (true where both states take
+    the same kernel; the split path's output kernel meets a 16-bit state on 16-bit tensor cores,
+    so there they are compared with the same run without rand_seed instead)."""
     cache, inp, slots = make_inputs(c, device, seed=3)
     exact = ReplayCache(*(t.clone() for t in cache))._replace(state=cache.state.float())
     y_exact = replay_selective_state_update(*exact, **inp)
+    if not same_outputs:
+        y_exact = replay_selective_state_update(*_clone(cache), **inp)
     rows = torch.tensor(slots).long()
     v = exact.state[rows].cpu()
     rn = v.to(state_dtype).float()
@@ -543,3 +559,28 @@ def test_gpu_fp32_state_takes_the_tma_output_kernel():
     assert not out_tma_usable(state, old_x, torch.zeros(B, T, H, 2 * P, device="cuda", dtype=torch.bfloat16)[..., :P],
                               None, C, 64)
     assert not out_tma_usable(state.half(), old_x, x, x, C, 64)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_activations_take_the_tma_checkpoint_kernel():
+    """The split-path tests above run the TMA checkpoint kernel for their bf16-activation cases
+    ('split-notma' the pointer one): it applies to contiguous tensors with P a multiple of its
+    tile, a power-of-two N and a history of up to 64 positions, for every state dtype."""
+    from fastmamba.ops.replay.kernel import checkpoint_tma_usable
+
+    S, B, T, H, P, G, N, Ch = 17, 8, 6, 80, 64, 1, 128, 32
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    old_x = torch.zeros(S, Ch, H, P, **bf16)
+    old_B = torch.zeros(2, S, Ch, G, N, **bf16)
+    x = torch.zeros(B, T, H, P, **bf16)
+    assert replay_configs.CKPT_TMA is not None
+    block_p = replay_configs.CKPT_TMA["block_p"]
+    for state_dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert checkpoint_tma_usable(torch.zeros(S, H, P, N, device="cuda", dtype=state_dtype), old_x, old_B, x, block_p)
+    state = torch.zeros(S, H, P, N, device="cuda")
+    strided_x = torch.zeros(B, T, H, 2 * P, **bf16)[..., :P]
+    assert not checkpoint_tma_usable(state, old_x, old_B, strided_x, block_p)
+    assert not checkpoint_tma_usable(state, old_x, old_B, x.float(), block_p)  # fp32 activations
+    long_x, long_B = torch.zeros(S, 128, H, P, **bf16), torch.zeros(2, S, 128, G, N, **bf16)
+    assert not checkpoint_tma_usable(state, long_x, long_B, x, block_p)  # history past 64
+    assert replay_configs.checkpoint_tma_programs_per_sm(24) == replay_configs.CKPT_TMA_PROGRAMS[32]
