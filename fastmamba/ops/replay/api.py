@@ -366,15 +366,14 @@ def _replay_op(
             state, old_x, old_B, old_dt, old_cumA, x, rand_seed, ckpt_count, ckpt_list,
             block_p=ck_tma["block_p"], num_warps=ck_tma["num_warps"],
             programs=min(main_programs, sm_count(x) * configs.checkpoint_tma_programs_per_sm(old_x.shape[1])),
-            stages=ck_tma["stages"],
-            maxnreg=ck_tma.get("maxnreg"), use_pdl=chain_pdl,
+            stages=ck_tma["stages"], maxnreg=ck_tma.get("maxnreg"), use_pdl=chain_pdl,
         )
-        return
-    launch_replay_checkpoint(
-        state, old_x, old_B, old_dt, old_cumA, x, rand_seed, ckpt_count, ckpt_list,
-        block_p=cfg.block_p, num_warps=cfg.num_warps,
-        programs=min(main_programs, checkpoint_programs(x, cfg.num_warps)), use_pdl=chain_pdl,
-    )
+    else:
+        launch_replay_checkpoint(
+            state, old_x, old_B, old_dt, old_cumA, x, rand_seed, ckpt_count, ckpt_list,
+            block_p=cfg.block_p, num_warps=cfg.num_warps,
+            programs=min(main_programs, checkpoint_programs(x, cfg.num_warps)), use_pdl=chain_pdl,
+        )
 
 
 def checkpoint_programs(x: torch.Tensor, num_warps: int) -> int:

@@ -76,6 +76,7 @@ def checkpoint_tma_programs_per_sm(capacity: int) -> int:
     """Programs per SM of the TMA checkpoint kernel for a history of ``capacity`` positions."""
     return CKPT_TMA_PROGRAMS.get(max(16, triton.next_power_of_2(capacity)), 3)
 
+
 # The split path's three kernels run as a chain of programmatic dependent launches where the GPU
 # has them (sm_90+; our own kernels inside one op, so independent of the FASTMAMBA_PDL opt-in):
 # the output kernel loads each slot's stored state and history while the precompute kernel runs,
