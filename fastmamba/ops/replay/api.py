@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-import triton
 
 from fastmamba.ops._common.checks import (
     FLOAT_DTYPES,
@@ -23,6 +22,7 @@ from fastmamba.ops.replay import configs
 from fastmamba.ops.replay.configs import pick_config
 from fastmamba.ops.replay.kernel import (
     checkpoint_tma_usable,
+    dot_dim,
     launch_commit,
     launch_replay_checkpoint,
     launch_replay_checkpoint_tma,
@@ -325,7 +325,7 @@ def _replay_op(
         if state.dtype == torch.float16 and C.dtype == torch.bfloat16 and not interpreter_enabled():
             # bf16 C meets an fp16 state on 16-bit tensor cores: converted once per group
             # (the precompute kernel writes it as [B, G, its BLOCK_T, its BLOCK_N])
-            C16 = torch.empty(nreq, ngroups, configs.padded_tokens(ntok), max(16, triton.next_power_of_2(B.shape[3])),
+            C16 = torch.empty(nreq, ngroups, dot_dim(ntok), dot_dim(B.shape[3]),
                               dtype=torch.float16, device=x.device)
         ckpt_count = torch.zeros(1, dtype=torch.int32, device=x.device)
         ckpt_list = torch.empty(nreq, 4, dtype=torch.int32, device=x.device)

@@ -242,6 +242,14 @@ def _dot_split_rhs(a, b, acc, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _history_weights(cum_row, dt_row, offs_c, mc, cum_last, stride_ocs_t, stride_odt_t):
+    """The replay weights exp(cA_{k-1} - cA_c) dt'_c of history positions offs_c (0 where not mc)."""
+    cum_old = tl.load(cum_row + offs_c * stride_ocs_t, mask=mc, other=0.0)
+    dt_old = tl.load(dt_row + offs_c * stride_odt_t, mask=mc, other=0.0)
+    return tl.where(mc, tl.exp(cum_last - cum_old) * dt_old, 0.0)
+
+
+@triton.jit
 def _replay_history(
     s, k, cum_last, cum_row, dt_row, x_row, B_hist, offs_p, mp, offs_n, mn,
     stride_ocs_t, stride_odt_t, stride_ox_t, stride_ox_p, stride_oB_t, stride_oB_n,
@@ -252,9 +260,7 @@ def _replay_history(
     for c0 in range(0, k, BLOCK_H):
         offs_c = c0 + tl.arange(0, BLOCK_H)
         mc = offs_c < k
-        cum_old = tl.load(cum_row + offs_c * stride_ocs_t, mask=mc, other=0.0)
-        dt_old = tl.load(dt_row + offs_c * stride_odt_t, mask=mc, other=0.0)
-        w_old = tl.where(mc, tl.exp(cum_last - cum_old) * dt_old, 0.0)
+        w_old = _history_weights(cum_row, dt_row, offs_c, mc, cum_last, stride_ocs_t, stride_odt_t)
         x_old = tl.load(x_row + offs_p[:, None] * stride_ox_p + offs_c[None, :] * stride_ox_t,
                         mask=mp[:, None] & mc[None, :], other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_H]
         B_old = tl.load(B_hist + offs_c[:, None] * stride_oB_t + offs_n[None, :] * stride_oB_n,
@@ -719,11 +725,9 @@ def _replay_checkpoint_tma_kernel(
         x_T = tl.trans(x_desc.load([(b * T).to(tl.int32), col]))  # [BLOCK_P, BLOCK_T]
         mc = offs_c < k
         cum_row = old_cumA_ptr + rbuf * stride_ocs_r + slot * stride_ocs_s + h * stride_ocs_h
-        cum_old = tl.load(cum_row + offs_c * stride_ocs_t, mask=mc, other=0.0)
-        dt_old = tl.load(old_dt_ptr + rbuf * stride_odt_r + slot * stride_odt_s + h * stride_odt_h
-                         + offs_c * stride_odt_t, mask=mc, other=0.0)
         cum_last = tl.load(cum_row + (k - 1) * stride_ocs_t, mask=k > 0, other=0.0)
-        w = tl.where(mc, tl.exp(cum_last - cum_old) * dt_old, 0.0)
+        w = _history_weights(cum_row, old_dt_ptr + rbuf * stride_odt_r + slot * stride_odt_s + h * stride_odt_h,
+                             offs_c, mc, cum_last, stride_ocs_t, stride_odt_t)
         a = tl.where(mc[None, :], x_old.to(tl.float32) * w[None, :], 0.0)
         s = s_raw.to(tl.float32) * tl.exp(cum_last)
         s = _dot_split(a, tl.where(mc[:, None], B_old, tl.zeros_like(B_old)), s, SPLIT, DOT_PRECISION)
@@ -747,6 +751,11 @@ NATIVE_16BIT_OUT = True  # output kernel: a 16-bit state's C.S on 16-bit tensor 
 # The precompute kernel's C B^T and C B_hist^T as 16-bit dots on the GPU (see NATIVE16 there);
 # False: fp32 operands in TF32 everywhere (A/B experiments).
 NATIVE16_PRECOMPUTE = True
+
+
+def dot_dim(n: int) -> int:
+    """A block size for a dimension of n that tl.dot takes: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(n))
 
 
 def _interpreting() -> bool:
@@ -786,8 +795,8 @@ def launch_replay_precompute(
         *(scale.stride()[:2] if scale is not None else (0, 0)),
         *old_B.stride(), *old_dt.stride(), *old_cumA.stride(),
         HAS_DT_BIAS=dt_bias is not None, HAS_IDX=idx is not None, DT_SOFTPLUS=dt_softplus,
-        N=dstate, BLOCK_N=max(16, triton.next_power_of_2(dstate)), BLOCK_T=max(16, triton.next_power_of_2(ntok)),
-        HEADS=heads, HIST=Q is not None, BLOCK_C=max(16, triton.next_power_of_2(capacity)),
+        N=dstate, BLOCK_N=dot_dim(dstate), BLOCK_T=dot_dim(ntok),
+        HEADS=heads, HIST=Q is not None, BLOCK_C=dot_dim(capacity),
         DOT_PRECISION=_dot_precision(B.dtype, "ieee"), USE_PDL=use_pdl, LAUNCH_DEPENDENTS=launch_dependents,
         HAS_KINFO=kinfo is not None, HAS_C16=C16 is not None,
         NATIVE16=NATIVE16_PRECOMPUTE and not _interpreting() and B.dtype in (torch.bfloat16, torch.float16)
@@ -813,8 +822,8 @@ def launch_replay_main(
         *state.stride(), *old_x.stride(), *old_B.stride(), *old_dt.stride(), *old_cumA.stride(),
         *x.stride(), *C.stride(), D.stride(0) if D is not None else 0, *z_strides, *M.stride(), *out.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_IDX=idx is not None, STOCHASTIC_ROUND=seed is not None,
-        P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(dstate)),
-        BLOCK_T=max(16, triton.next_power_of_2(ntok)), BLOCK_H=HISTORY_CHUNK,
+        P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=dot_dim(dstate),
+        BLOCK_T=dot_dim(ntok), BLOCK_H=HISTORY_CHUNK,
         DOT_PRECISION=_dot_precision(x.dtype, "tf32x3"), SPLIT=x.dtype == torch.bfloat16 and not _interpreting(),
         USE_PDL=use_pdl,
         num_warps=num_warps, launch_pdl=use_pdl,
@@ -842,8 +851,8 @@ def launch_replay_out(
         *state.stride(), *old_x.stride(), *scale.stride()[:2], *x.stride(), *C.stride(),
         D.stride(0) if D is not None else 0, *z_strides, *M.stride(), *Q.stride(), *out.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_IDX=idx is not None,
-        P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(dstate)),
-        BLOCK_T=max(16, triton.next_power_of_2(ntok)), BLOCK_C=max(16, triton.next_power_of_2(old_x.shape[1])),
+        P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=dot_dim(dstate),
+        BLOCK_T=dot_dim(ntok), BLOCK_C=dot_dim(old_x.shape[1]),
         DOT_PRECISION=_dot_precision(x.dtype, "tf32x3"), SPLIT=split, STATE_SPLIT=split and state.dtype == torch.float32,
         STATE_PRECISION=(("tf32" if _interpreting() or not NATIVE_16BIT_OUT else "native") if sixteen_bit
                          else _dot_precision(x.dtype, "tf32x3")),
@@ -852,22 +861,36 @@ def launch_replay_out(
     )
 
 
-def out_tma_usable(state, old_x, x, z, C, block_p: int) -> bool:
-    """Whether ``launch_replay_out_tma`` can take this call: a CUDA device with TMA (sm_90+), an
-    fp32 state with bf16 activations (the split dots), contiguous tensors at 16-byte-aligned
-    addresses (the 2-d descriptor views), N a power of two and P a multiple of the P tile."""
+def _tma_views_ok(tensors, x, N: int, block_p: int, rows: int) -> bool:
+    """What both TMA kernels need: a CUDA device with TMA (sm_90+, not the interpreter), contiguous
+    ``tensors`` at 16-byte-aligned addresses (their 2-d descriptor views), N a power of two, the head
+    dim P of x a multiple of the P tile, and ``rows`` (the tallest view) within TMA's int32 coordinates."""
     if _interpreting() or not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] < 9:
-        return False
-    if state.dtype != torch.float32 or x.dtype != torch.bfloat16 or C.dtype != torch.bfloat16:
-        return False
-    tensors = [state, old_x, x, C] + ([z] if z is not None else [])
-    if z is not None and z.dtype != x.dtype:
         return False
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors):
         return False
-    P, N = x.shape[3], C.shape[3]
+    return N == triton.next_power_of_2(N) and x.shape[3] % block_p == 0 and rows < 2**31
+
+
+def out_tma_usable(state, old_x, x, z, C, block_p: int) -> bool:
+    """Whether ``launch_replay_out_tma`` can take this call: an fp32 state with bf16 activations
+    (the split dots), a history of at most 256 positions, and ``_tma_views_ok``."""
+    if state.dtype != torch.float32 or x.dtype != torch.bfloat16 or C.dtype != torch.bfloat16:
+        return False
+    if z is not None and z.dtype != x.dtype:
+        return False
+    N = C.shape[3]
     rows = max(state.numel() // N, old_x.shape[0] * old_x.shape[1], x.shape[0] * x.shape[1])
-    return N == triton.next_power_of_2(N) and P % block_p == 0 and old_x.shape[1] <= 256 and rows < 2**31
+    tensors = [state, old_x, x, C] + ([z] if z is not None else [])
+    return old_x.shape[1] <= 256 and _tma_views_ok(tensors, x, N, block_p, rows)
+
+
+def _view_desc(t, cols: int, block: list[int]):
+    """A TMA descriptor over the contiguous t seen as a 2-d [numel / cols, cols] tensor, in blocks
+    of ``block`` [rows, columns]: the TMA kernels' view of every tiled operand."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t.view(-1, cols), block)
 
 
 def launch_replay_out_tma(
@@ -877,20 +900,18 @@ def launch_replay_out_tma(
 ):
     """The split path's output kernel as ``_replay_out_tma_kernel`` on ``programs`` programs
     (``out_tma_usable`` must hold); arguments as ``launch_replay_out``, kinfo required."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     nreq, ntok, nheads, headdim = x.shape
     ngroups, dstate = C.shape[2], C.shape[3]
     capacity = old_x.shape[1]
-    block_t = max(16, triton.next_power_of_2(ntok))
-    block_c = max(16, triton.next_power_of_2(capacity))
+    block_t = dot_dim(ntok)
+    block_c = dot_dim(capacity)
     n_tiles = headdim // block_p * nreq * nheads
-    desc = TensorDescriptor.from_tensor
-    state_desc = desc(state.view(-1, dstate), [block_p, dstate])
-    old_x_desc = desc(old_x.view(-1, nheads * headdim), [block_c, block_p])
-    x_desc = desc(x.view(nreq * ntok, nheads * headdim), [block_t, block_p])
-    z_desc = desc(z.view(nreq * ntok, nheads * headdim), [block_t, block_p]) if z is not None else None
-    C_desc = desc(C.view(nreq * ntok, ngroups * dstate), [block_t, dstate])
+    hp = nheads * headdim
+    state_desc = _view_desc(state, dstate, [block_p, dstate])
+    old_x_desc = _view_desc(old_x, hp, [block_c, block_p])
+    x_desc = _view_desc(x, hp, [block_t, block_p])
+    z_desc = _view_desc(z, hp, [block_t, block_p]) if z is not None else None
+    C_desc = _view_desc(C, ngroups * dstate, [block_t, dstate])
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
     _replay_out_tma_kernel[(max(1, min(programs, n_tiles)),)](
         state_desc, old_x_desc, x_desc, z_desc, C_desc,
@@ -920,27 +941,22 @@ def launch_replay_checkpoint(
         ntok, nheads // ngroups, nheads,
         *state.stride(), *old_x.stride(), *old_B.stride(), *old_dt.stride(), *old_cumA.stride(), *x.stride(),
         STOCHASTIC_ROUND=seed is not None,
-        P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(dstate)),
-        BLOCK_T=max(16, triton.next_power_of_2(ntok)), BLOCK_H=HISTORY_CHUNK,
+        P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=dot_dim(dstate),
+        BLOCK_T=dot_dim(ntok), BLOCK_H=HISTORY_CHUNK,
         DOT_PRECISION=_dot_precision(x.dtype, "tf32x3"), SPLIT=x.dtype == torch.bfloat16 and not _interpreting(),
         USE_PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl,
     )
 
 
 def checkpoint_tma_usable(state, old_x, old_B, x, block_p: int) -> bool:
-    """Whether ``launch_replay_checkpoint_tma`` can take this call: a CUDA device with TMA (sm_90+),
-    bf16 activations, contiguous tensors at 16-byte-aligned addresses, N a power of two, P a
-    multiple of the P tile, a history of at most 64 positions (the whole history is one tile in
-    shared memory and registers; the default history is 64 at T=16) and row counts within int32."""
-    if _interpreting() or not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] < 9:
-        return False
+    """Whether ``launch_replay_checkpoint_tma`` can take this call: bf16 activations, a history of
+    at most 64 positions (the whole history is one tile in shared memory and registers; the default
+    history is 64 at T=16), and ``_tma_views_ok``."""
     if x.dtype != torch.bfloat16 or old_x.dtype != x.dtype or old_B.dtype != x.dtype:
         return False
-    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (state, old_x, old_B, x)):
-        return False
-    P, N = x.shape[3], old_B.shape[4]
+    N = old_B.shape[4]
     rows = max(state.numel() // N, old_x.shape[0] * old_x.shape[1], old_B.numel() // (old_B.shape[3] * N))
-    return N == triton.next_power_of_2(N) and P % block_p == 0 and old_x.shape[1] <= 64 and rows < 2**31
+    return old_x.shape[1] <= 64 and _tma_views_ok((state, old_x, old_B, x), x, N, block_p, rows)
 
 
 def launch_replay_checkpoint_tma(
@@ -949,19 +965,16 @@ def launch_replay_checkpoint_tma(
 ):
     """``launch_replay_checkpoint`` as ``_replay_checkpoint_tma_kernel`` (``checkpoint_tma_usable``
     must hold): ``programs`` persistent programs, ``stages`` pipeline stages."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     nreq, ntok, nheads, headdim = x.shape
     ngroups, dstate = old_B.shape[3], old_B.shape[4]
     capacity = old_x.shape[1]
-    block_t = max(16, triton.next_power_of_2(ntok))
-    block_c = max(16, triton.next_power_of_2(capacity))
-    desc = TensorDescriptor.from_tensor
+    block_t = dot_dim(ntok)
+    block_c = dot_dim(capacity)
     _replay_checkpoint_tma_kernel[(max(1, programs),)](
-        desc(state.view(-1, dstate), [block_p, dstate]),
-        desc(old_x.view(-1, nheads * headdim), [block_c, block_p]),
-        desc(old_B.view(-1, ngroups * dstate), [block_c, dstate]),
-        desc(x.view(nreq * ntok, nheads * headdim), [block_t, block_p]),
+        _view_desc(state, dstate, [block_p, dstate]),
+        _view_desc(old_x, nheads * headdim, [block_c, block_p]),
+        _view_desc(old_B, ngroups * dstate, [block_c, dstate]),
+        _view_desc(x, nheads * headdim, [block_t, block_p]),
         state, old_x, old_dt, old_cumA, seed, ckpt_count, ckpt_list,
         ntok, nheads // ngroups, nheads, capacity, old_x.shape[0],
         *state.stride(), *old_x.stride(), *old_dt.stride(), *old_cumA.stride(),
