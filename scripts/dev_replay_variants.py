@@ -10,6 +10,7 @@
     python scripts/dev_replay_variants.py pre-native  # ... with its two small dots 16-bit vs TF32
     python scripts/dev_replay_variants.py native    # split path, 16-bit state: C.S on 16-bit tensor cores vs TF32
     python scripts/dev_replay_variants.py history-t16  # split path, T=16: history capacity 32, 48, 64 (default)
+    python scripts/dev_replay_variants.py history-every  # T=2 and 16: the state stored every step (C_h = T) vs the default
     python scripts/dev_replay_variants.py ncu-step-6-float32   # a few Nemotron-H batch-128 T=6 steps (for ncu)
     python scripts/dev_replay_variants.py ncu-split-BPxW   # a few Nemotron-H batch-128 T=6 steps (for ncu)
 
@@ -181,6 +182,22 @@ def time_history_t16():
             print(f"T=16 {str(sd)[6:]} C_h={hist}: step {graph_time(step):.1f} us {kernel_times(step)}", flush=True)
 
 
+def time_history_every():
+    """Nemotron-H batch 128, T = 2 and 16: the state stored at every step (history capacity T, the
+    plain replay design) against the default capacity, step and per-kernel times, and T=16 / T=2."""
+    from fastmamba.ops.replay import default_history
+    for sd in (torch.float16, torch.float32):
+        for every in (True, False):
+            steps = {}
+            for T in (2, 16):
+                hist = T if every else default_history(T)
+                step = problem("nemotron-h", T, 128, sd, history=hist)
+                steps[T] = graph_time(step)
+                print(f"T={T} {str(sd)[6:]} C_h={hist}: step {steps[T]:.1f} us {kernel_times(step)}", flush=True)
+            print(f"{str(sd)[6:]} {'every step' if every else 'default history'}: T=16 / T=2 = "
+                  f"{steps[16] / steps[2]:.2f}x", flush=True)
+
+
 def time_chain():
     """Nemotron-H batch 128, split path (precompute 16 heads x 2 warps): the precompute -> output ->
     checkpoint chain with and without PDL (configs.CHAIN_PDL), per checkpoint tile; the outputs of
@@ -276,6 +293,8 @@ if __name__ == "__main__":
             time_native()
         elif arg == "history-t16":
             time_history_t16()
+        elif arg == "history-every":
+            time_history_every()
         elif arg.startswith("ncu-step-"):  # e.g. ncu-step-6-float16: a few steps at the table's config
             T, sd = arg[len("ncu-step-"):].split("-")
             step = problem("nemotron-h", int(T), 128, getattr(torch, sd))

@@ -42,6 +42,18 @@ def test_pdl_launch_multi_wave_triggers_at_exit(hopper):
     assert not pdl.pdl_active(CUDA_TENSOR, 132 * 32 + 1, 1)  # the other ops launch those plainly
 
 
+def test_pdl_launch_early_triggers_early_on_any_grid(hopper, monkeypatch):
+    assert pdl.pdl_launch_early(CUDA_TENSOR) == (True, True)  # the grid's size does not enter
+    assert pdl.pdl_launch_early(CPU_TENSOR) == (False, True)
+    monkeypatch.setattr(pdl, "_trigger", "exit")  # the experiment hook applies here too
+    assert pdl.pdl_launch_early(CUDA_TENSOR) == (True, False)
+    monkeypatch.setattr(pdl, "_device_sm_info", lambda t: (False, 108))  # an A100
+    assert pdl.pdl_launch_early(CUDA_TENSOR)[0] is False
+    monkeypatch.setattr(pdl, "_device_sm_info", lambda t: (True, 132))
+    with pdl.programmatic_dependent_launch(False):
+        assert pdl.pdl_launch_early(CUDA_TENSOR)[0] is False
+
+
 def test_off_unless_switched_on_cuda_and_sm90(hopper, monkeypatch):
     assert pdl.pdl_launch(CPU_TENSOR, 1, 1) == (False, True)
     assert not pdl.pdl_active(CPU_TENSOR, 1, 1)

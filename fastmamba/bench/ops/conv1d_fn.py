@@ -6,7 +6,9 @@ channel-last (a (B, L, D) buffer seen through ``transpose(1, 2)``, as a Mamba-2 
 over after in_proj). Bytes: x read once, out written once, weight and bias
 (``bytes.conv_fn_bytes``).
 
-Providers: fastmamba, Dao-AILab causal-conv1d's CUDA ``causal_conv1d_fn`` (when its extension
+Providers: fastmamba, fastmamba+pdl (the same op under programmatic dependent launch, sm_90+: each
+call's launch overlaps the previous call's last programs, as in a prefill step where the conv
+follows in_proj), Dao-AILab causal-conv1d's CUDA ``causal_conv1d_fn`` (when its extension
 imports), and ``torch``: ``F.conv1d`` (depthwise, padding W-1) + SiLU, for orientation, on
 channel-first inputs only (it would copy a channel-last x first).
 
@@ -32,6 +34,7 @@ from fastmamba.bench.ops._base import (
     OpBench,
     Provider,
     describe,
+    fastmamba_pdl_provider,
     fastmamba_provider,
     load_fastmamba,
     peer_provider,
@@ -128,6 +131,7 @@ class ConvFnBench(OpBench):
     def providers(self, device: torch.device) -> list[Provider]:
         return [
             fastmamba_provider("conv1d_fn", "causal_conv1d_fn"),
+            fastmamba_pdl_provider("conv1d_fn", "causal_conv1d_fn", device),
             peer_provider(peers.causal_conv1d_fn(), device, "a CUDA extension has no CPU path"),
             Provider("torch", "ref", f"torch {torch.__version__}", torch_conv1d, note="F.conv1d + silu"),
         ]

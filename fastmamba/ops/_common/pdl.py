@@ -114,6 +114,17 @@ def pdl_launch(t: torch.Tensor, programs: int, num_warps: int) -> tuple[bool, bo
     return _device_sm_info(t)[0], False
 
 
+def pdl_launch_early(t: torch.Tensor) -> tuple[bool, bool]:
+    """(use PDL, trigger early) for a streaming kernel that gains from PDL with the early trigger
+    on grids of any size: the prefill conv's channel-last rows kernel (H200, graphs of back-to-back
+    calls, ``bench prefill --ops conv_fn`` with FASTMAMBA_PDL_WAVES=all: 1 x 2048 D=5376 13.9 ->
+    13.3 us, D=10240 24.3 -> 23.8 us, 8 x 8192 within 1%; the channel-first kernel, by contrast,
+    ran 8-23% slower with it and keeps ``pdl_launch``)."""
+    if not (_enabled and t.is_cuda):
+        return False, True
+    return _device_sm_info(t)[0], trigger_early()
+
+
 def fits_one_wave(t: torch.Tensor, programs: int, num_warps: int) -> bool:
     """Whether ``programs`` programs of ``num_warps`` warps fit on ``t``'s GPU at once (at most 32
     programs and 64 warps per SM), the condition ``pdl_active`` puts on PDL."""

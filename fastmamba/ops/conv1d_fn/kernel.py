@@ -24,6 +24,12 @@ history tensor. Accumulation is fp32. Three kernels:
 * ``_conv1d_varlen_kernel``: the rows kernel over packed sequences (x [T, D]), history from a
   state-cache slot, which it then overwrites with the last state_len inputs.
 
+Under programmatic dependent launch (opt-in, sm_90+; ``fastmamba.ops._common.pdl``) every program
+waits for the kernel before it ahead of its first read of x, the states, seq_idx or cu_seqlens
+(the rows kernel reads its weights and bias first). The rows kernel lets the next kernel launch
+right after its wait on grids of any size (``pdl_launch_early``); the others do so only on grids of
+one wave, else as their programs exit (``pdl_launch``).
+
 Who writes the final / new state: the program owning the *first* token tile of a row (per block of
 channels). It is the only program that reads the old history (the others' halos lie inside x, as
 BLOCK_L >= W-1), so reading the newest inputs straight from x and writing the state there
@@ -40,8 +46,10 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.dispatch import inline_asm_ok
+from fastmamba.ops._common.pdl import pdl_launch, pdl_launch_early
 from fastmamba.ops._common.jit_math import SILU_PTX, split8
 from fastmamba.ops.conv1d_fn.configs import pick_cols_config, pick_rows_config, vector_width
 
@@ -133,6 +141,8 @@ def _conv1d_fwd_rows_kernel(
     HAS_SEQ_IDX: tl.constexpr,
     HAS_INIT: tl.constexpr,
     HAS_FINAL: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # programmatic dependent launch: wait for the kernel before (sm_90+)
+    PDL_TRIGGER: tl.constexpr = False,  # ... and let the next kernel launch right after the wait
 ):
     # one program per (block of BLOCK_D channels, block of BLOCK_L tokens, request b)
     if ALIGN > 1:  # see _ALIGN_NOTE
@@ -157,6 +167,10 @@ def _conv1d_fwd_rows_kernel(
     else:
         acc0 = tl.zeros([BLOCK_D], dtype=tl.float32)
 
+    if USE_PDL:  # x, the states and seq_idx may come from the kernel before: see fastmamba.ops._common.pdl
+        gdc_wait()
+        if PDL_TRIGGER:
+            gdc_launch_dependents()
     # ---- the window: rows t0-(W-1) .. t0+BLOCK_L-1, each loaded once (halo rows: L2 hits) --------
     win = ()
     for j in tl.static_range(W - 1 + BLOCK_L):
@@ -264,6 +278,8 @@ def _conv1d_fwd_cols_kernel(
     HAS_SEQ_IDX: tl.constexpr,
     HAS_INIT: tl.constexpr,
     HAS_FINAL: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # programmatic dependent launch: wait for the kernel before (sm_90+)
+    PDL_TRIGGER: tl.constexpr = False,  # ... and let the next kernel launch right after the wait
 ):
     # one program per (block of BLOCK_L tokens, block of BLOCK_D channels, request b)
     # Tiles are [NC, BLOCK_D, V]: chunk first, so that a warp's lanes take consecutive chunks of one
@@ -291,6 +307,10 @@ def _conv1d_fwd_cols_kernel(
     in_cur = tok < L
     in_prev = (ptok >= 0) & (ptok < L)
 
+    if USE_PDL:  # x, the states and seq_idx may come from the kernel before: see fastmamba.ops._common.pdl
+        gdc_wait()
+        if PDL_TRIGGER:
+            gdc_launch_dependents()
     x_rows = x_ptr + b * stride_x_b + d3 * stride_x_d
     cur = tl.load(x_rows + tok * stride_x_l, mask=dm3 & in_cur, other=0.0).to(tl.float32)
     prev = tl.load(x_rows + ptok * stride_x_l, mask=dm3 & in_prev, other=0.0).to(tl.float32)
@@ -385,6 +405,8 @@ def _conv1d_varlen_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_INDICES: tl.constexpr,
     HAS_INIT_FLAGS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # programmatic dependent launch: wait for the kernel before (sm_90+)
+    PDL_TRIGGER: tl.constexpr = False,  # ... and let the next kernel launch right after the wait
 ):
     # one program per (block of BLOCK_D channels, tile of BLOCK_L tokens of one sequence); sequence
     # b owns programs g_b .. g_b + max(1, cdiv(len_b, BLOCK_L)) - 1 with g_b = cu_seqlens[b] // BLOCK_L + b,
@@ -398,6 +420,10 @@ def _conv1d_varlen_kernel(
     pid_d = pid % n_d
     p = pid // n_d
 
+    if USE_PDL:  # cu_seqlens, x and the cache may come from the kernel before: see fastmamba.ops._common.pdl
+        gdc_wait()
+        if PDL_TRIGGER:
+            gdc_launch_dependents()
     # ---- which sequence: the largest b with g_b <= p (binary search, g is increasing) -------------
     lo = tl.full([], 0, tl.int32)
     hi = tl.full([], 0, tl.int32) + B
@@ -545,10 +571,11 @@ def causal_conv1d_fn_launch(
         sized = [(D, True), (x.stride(0), B > 1), (x.stride(2), L > 1), (out.stride(0), B > 1), (out.stride(2), L > 1)]
         align = _align_hint(16 // x.element_size(), [v for v, used in sized if used])
         grid = (triton.cdiv(D, cfg.block_d) * triton.cdiv(L, cfg.block_l), B)
+        use_pdl, early = pdl_launch_early(x)
         with _device(x):
             _conv1d_fwd_rows_kernel[grid](
                 *args, W=W, BLOCK_L=cfg.block_l, BLOCK_D=cfg.block_d, ALIGN=align, SILU=_silu_mode(silu, x),
-                num_warps=cfg.num_warps,
+                USE_PDL=use_pdl, PDL_TRIGGER=early, num_warps=cfg.num_warps, launch_pdl=use_pdl,
             )
         return
     V = vector_width(x.element_size(), W)
@@ -558,10 +585,11 @@ def causal_conv1d_fn_launch(
     sized = [(L, True), (x.stride(0), B > 1), (x.stride(1), D > 1), (out.stride(0), B > 1), (out.stride(1), D > 1)]
     align = _align_hint(V, [v for v, used in sized if used]) if x.stride(2) == 1 else 1
     grid = (triton.cdiv(L, cfg.block_l) * triton.cdiv(D, cfg.block_d), B)
+    use_pdl, early = pdl_launch(x, grid[0] * B, cfg.num_warps)
     with _device(x):
         _conv1d_fwd_cols_kernel[grid](
             *args, W=W, V=V, BLOCK_L=cfg.block_l, BLOCK_D=cfg.block_d, ALIGN=align, SILU=_silu_mode(silu, x),
-            num_warps=cfg.num_warps,
+            USE_PDL=use_pdl, PDL_TRIGGER=early, num_warps=cfg.num_warps, launch_pdl=use_pdl,
         )
 
 
@@ -589,6 +617,7 @@ def causal_conv1d_varlen_launch(
     sized = [(D, True), (x.stride(0), T > 1), (out.stride(0), T > 1)]
     align = _align_hint(16 // x.element_size(), [v for v, used in sized if used])
     grid = (triton.cdiv(D, cfg.block_d) * (T // cfg.block_l + B),)
+    use_pdl, early = pdl_launch(x, grid[0], cfg.num_warps)
 
     def stride0(t: torch.Tensor | None) -> int:
         return t.stride(0) if t is not None else 0
@@ -600,7 +629,7 @@ def causal_conv1d_varlen_launch(
             *x.stride(), *weight.stride(), stride0(bias), *conv_states.stride(),
             stride0(cu_seqlens), stride0(cache_indices), stride0(has_initial_state), *out.stride(),
             W=W, SL=state_len, BLOCK_L=cfg.block_l, BLOCK_D=cfg.block_d, ALIGN=align, SILU=_silu_mode(silu, x),
-            num_warps=cfg.num_warps,
+            USE_PDL=use_pdl, PDL_TRIGGER=early, num_warps=cfg.num_warps, launch_pdl=use_pdl,
         )
 
 
