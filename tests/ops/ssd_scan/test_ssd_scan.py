@@ -67,6 +67,25 @@ def test_dense_matches_reference(device, nb, L, H, P, G, N, Q, options):
     _close(final, ref_final, torch.float32)
 
 
+def test_dense_steep_and_gentle_decays(device):
+    """Heads whose decay spans hundreds of e-folds inside one row block, heads near the fp32 range
+    over a block and gentle ones, in one launch: the chunk scan's rank-1 split of the decay for the
+    blocks before a row block (both factors <= 1) and the exact per-element decay on its own block
+    must stay finite and exact."""
+    nb, L, H, P, G, N, Q = 2, 37, 4, 8, 2, 8, 16
+    inp = _inputs((nb, L), H, P, G, N, torch.float32, device, seed=74)
+    inp["A"] = torch.tensor([-0.3, -30.0, -4.0, -0.05], device=device)
+    inp["dt"] = inp["dt"].abs() * 0.2 + 0.6  # dt' in about [0.6, 1.4] without softplus
+    init = torch.randn(nb, H, P, N, generator=seeded(75)).to(device)
+    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], Q)
+    kw = dict(D=inp["D"], z=inp["z"], initial_states=init, return_final_states=True)
+    out, final = mamba_chunk_scan_combined(*args, **kw)
+    ref_out, ref_final = mamba_chunk_scan_combined_ref(*args, **kw)
+    assert torch.isfinite(out).all()
+    _close(out, ref_out, torch.float32)
+    _close(final, ref_final, torch.float32)
+
+
 def test_dense_strided_inputs_and_per_channel_D_and_dt_limit(device):
     nb, L, H, P, G, N = 2, 25, 4, 8, 1, 8
     inp = _inputs((nb, L), H, P, G, N, torch.float32, device, seed=5)
