@@ -11,6 +11,7 @@
     python scripts/dev_replay_variants.py native    # split path, 16-bit state: C.S on 16-bit tensor cores vs TF32
     python scripts/dev_replay_variants.py history-t16  # split path, T=16: history capacity 32, 48, 64 (default)
     python scripts/dev_replay_variants.py history-every  # T=2 and 16: the state stored every step (C_h = T) vs the default
+    python scripts/dev_replay_variants.py concurrent  # split path: checkpoint kernel beside the output kernel (timing only)
     python scripts/dev_replay_variants.py ncu-step-6-float32   # a few Nemotron-H batch-128 T=6 steps (for ncu)
     python scripts/dev_replay_variants.py ncu-split-BPxW   # a few Nemotron-H batch-128 T=6 steps (for ncu)
 
@@ -198,6 +199,49 @@ def time_history_every():
                   f"{steps[16] / steps[2]:.2f}x", flush=True)
 
 
+def time_concurrent():
+    """What running the checkpoint kernel beside the output kernel could gain (TIMING ONLY: the
+    checkpoint kernel then overwrites states the output kernel may still read). Nemotron-H batch
+    128: the step as shipped, and with the checkpoint kernel launched on a second stream right
+    after the precompute kernel (a parallel branch of the CUDA graph) at 1-3 programs per SM,
+    PDL chain off in both."""
+    from fastmamba.ops.replay import api
+    orig = {n: getattr(api, n) for n in ("launch_replay_out", "launch_replay_out_tma",
+                                          "launch_replay_checkpoint", "launch_replay_checkpoint_tma")}
+    for sd in (torch.float16, torch.float32):
+        for T in (2, 6, 16):
+            configs.CHAIN_PDL = True
+            step = problem("nemotron-h", T, 128, sd)
+            line = [f"shipped (PDL chain) {graph_time(step):.1f}"]
+            configs.CHAIN_PDL = False
+            step = problem("nemotron-h", T, 128, sd)
+            line.append(f"no PDL {graph_time(step):.1f}")
+            for per_sm in (1, 2, 3):
+                side = torch.cuda.Stream()
+                ev = torch.cuda.Event()
+
+                def out_first(*a, _f=None, **k):
+                    ev.record()
+                    return _f(*a, **k)
+
+                def ckpt_beside(*a, _f=None, **k):
+                    main = torch.cuda.current_stream()
+                    side.wait_event(ev)
+                    with torch.cuda.stream(side):
+                        k["programs"] = torch.cuda.get_device_properties(0).multi_processor_count * per_sm
+                        _f(*a, **k)
+                    main.wait_stream(side)
+
+                for n, f in orig.items():
+                    wrap = out_first if "out" in n else ckpt_beside
+                    setattr(api, n, lambda *a, _w=wrap, _f=f, **k: _w(*a, _f=_f, **k))
+                line.append(f"beside {per_sm}/SM {graph_time(step):.1f}")
+                for n, f in orig.items():
+                    setattr(api, n, f)
+            print(f"{str(sd)[6:]} T={T}: " + "  ".join(line) + " us", flush=True)
+    configs.CHAIN_PDL = True
+
+
 def time_chain():
     """Nemotron-H batch 128, split path (precompute 16 heads x 2 warps): the precompute -> output ->
     checkpoint chain with and without PDL (configs.CHAIN_PDL), per checkpoint tile; the outputs of
@@ -295,6 +339,8 @@ if __name__ == "__main__":
             time_history_t16()
         elif arg == "history-every":
             time_history_every()
+        elif arg == "concurrent":
+            time_concurrent()
         elif arg.startswith("ncu-step-"):  # e.g. ncu-step-6-float16: a few steps at the table's config
             T, sd = arg[len("ncu-step-"):].split("-")
             step = problem("nemotron-h", int(T), 128, getattr(torch, sd))
