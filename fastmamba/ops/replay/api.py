@@ -302,7 +302,6 @@ def _replay_op(
         t_pad=configs.padded_tokens(ntok), interpreter=interpreter_enabled(),
         act_bytes=x.element_size(), state_bytes=state.element_size(),
     )
-    M = torch.empty(nreq, nheads, ntok, ntok, dtype=torch.float32, device=x.device)  # per-call scratch
     ngroups = B.shape[2]
     pre_programs = nreq * ngroups * -(-(nheads // ngroups) // cfg.heads)
     main_programs = -(-headdim // cfg.block_p) * nreq * nheads
@@ -310,15 +309,22 @@ def _replay_op(
     # from the stored state (and records x where no state is stored); then the checkpoint kernel,
     # on a persistent grid, replays and stores the state of the requests that store it this step,
     # from the list the precompute kernel makes. Its per-call scratch: C . B products per group (Q),
-    # each head's decay factors (scale), the list and its length, C in fp16 for an fp16 state, and
+    # each head's decay factors, cs and dt' (scale), the list and its length, C in fp16 for an fp16 state, and
     # (without PDL, configs.CHAIN_PDL) each request's history length k.
     Q = scale = kinfo = C16 = ckpt_count = ckpt_list = None
     chain_pdl = configs.CHAIN_PDL and pdl_supported(x)
+    out_tma = cfg.split and configs.OUT_TMA is not None and out_tma_usable(state, old_x, x, z, C, cfg.out_block_p)
+    # M, per-call scratch: per head [B, H, T, T] for the main kernel and the TMA output kernel; the
+    # one-tile output kernel (group_cb) builds it itself from C . B^T per group [B, G, T, T] and
+    # each head's cs and dt' (2T more per scale row). H200, Nemotron-H batch 128, fp16 state, step
+    # T=2 / 6 / 16: 131.3 / 154.6 / 228.8 -> 129.9 / 155.5 / 221.0 us; the TMA output kernel of an
+    # fp32 state keeps the per-head M (built there: T=16 295.2 -> 304.9 us)
+    group_cb = cfg.split and not out_tma
+    M = torch.empty(nreq, ngroups if group_cb else nheads, ntok, ntok, dtype=torch.float32, device=x.device)
     if cfg.split:
         Q = torch.empty(nreq, ngroups, ntok, old_x.shape[1], dtype=torch.float32, device=x.device)
-        scale = torch.empty(nreq, nheads, ntok + 1 + old_x.shape[1], dtype=torch.float32, device=x.device)
-        out_tma = (configs.OUT_TMA is not None
-                   and out_tma_usable(state, old_x, x, z, C, cfg.out_block_p))
+        scale = torch.empty(nreq, nheads, (3 if group_cb else 1) * ntok + 1 + old_x.shape[1],
+                            dtype=torch.float32, device=x.device)
         # the history lengths k as the precompute kernel recorded them: read by the output kernel
         # without PDL, or by its TMA variant always (after its wait)
         kinfo = None if chain_pdl and not out_tma else torch.empty(nreq, dtype=torch.int32, device=x.device)
@@ -334,6 +340,7 @@ def _replay_op(
         Q, scale, kinfo, C16, ckpt_count, ckpt_list,
         dt_softplus=dt_softplus, pad_slot_id=pad_slot_id, heads=cfg.heads, num_warps=cfg.warps_pre,
         use_pdl=pdl_active(x, pre_programs, cfg.warps_pre), launch_dependents=cfg.split and chain_pdl,
+        group_cb=group_cb,
     )
     if not cfg.split:
         launch_replay_main(

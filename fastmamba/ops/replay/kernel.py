@@ -76,7 +76,7 @@ def _replay_precompute_kernel(
     N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, HEADS: tl.constexpr,
     HIST: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, HAS_KINFO: tl.constexpr,
-    HAS_C16: tl.constexpr, NATIVE16: tl.constexpr,
+    HAS_C16: tl.constexpr, NATIVE16: tl.constexpr, GROUP_CB: tl.constexpr = False,
 ):
     # one program per (request, group, block of HEADS heads of that group): C B^T is computed once
     # and shared by the block's heads, which differ only in their decay and dt'
@@ -142,20 +142,29 @@ def _replay_precompute_kernel(
     else:
         cb = tl.dot(Cm.to(tl.float32), tl.trans(Bm.to(tl.float32)), input_precision=DOT_PRECISION)
 
-    # M[h, t, s] = cb[t, s] exp(cs[h, t] - cs[h, s]) dt'[h, s] for s <= t; the exponent is <= 0
-    # there (A < 0), and the masked upper triangle gets exp(-inf) = 0 rather than a huge number
-    causal = (offs_t[:, None] >= offs_t[None, :])[None, :, :]
-    decay = tl.exp(tl.where(causal, cs[:, :, None] - cs[:, None, :], float("-inf")))
-    M = cb[None, :, :] * decay * d[:, None, :]
-    M_ptrs = (M_ptr + b * stride_M_b + h[:, None, None] * stride_M_h
-              + offs_t[None, :, None] * stride_M_t + offs_t[None, None, :] * stride_M_s)
-    tl.store(M_ptrs, M, mask=mj[:, None, None] & mt[None, :, None] & mt[None, None, :])
+    if GROUP_CB:
+        # the split path's one-tile output kernel: the group's cb itself in M ([B, G, T, T]), and
+        # per head cs and dt' in the scale row (below); that kernel builds its head's M from them
+        # (_causal_M): a [T, T] tile per group written and read, not one per head
+        if hb == 0:
+            tl.store(M_ptr + b * stride_M_b + g * stride_M_h + offs_t[:, None] * stride_M_t
+                     + offs_t[None, :] * stride_M_s, cb, mask=mt[:, None] & mt[None, :])
+    else:
+        # M[h, t, s] = cb[t, s] exp(cs[h, t] - cs[h, s]) dt'[h, s] for s <= t; the exponent is <= 0
+        # there (A < 0), and the masked upper triangle gets exp(-inf) = 0 rather than a huge number
+        causal = (offs_t[:, None] >= offs_t[None, :])[None, :, :]
+        decay = tl.exp(tl.where(causal, cs[:, :, None] - cs[:, None, :], float("-inf")))
+        M = cb[None, :, :] * decay * d[:, None, :]
+        M_ptrs = (M_ptr + b * stride_M_b + h[:, None, None] * stride_M_h
+                  + offs_t[None, :, None] * stride_M_t + offs_t[None, None, :] * stride_M_s)
+        tl.store(M_ptrs, M, mask=mj[:, None, None] & mt[None, :, None] & mt[None, None, :])
 
     # HIST (the split path, see _replay_out_kernel): the group's products of this step's C with
     # the history's B,
     #   Q[t, c] = C_t . B_c   (c < k, buffer rbuf),
     # and per head the decay factors the output kernel scales them and the state's share with,
-    #   scale = [exp(cs_0) .. exp(cs_{T-1}), exp(cA_{k-1}), u_0 .. u_{C_h - 1}],
+    #   scale = [exp(cs_0) .. exp(cs_{T-1}), exp(cA_{k-1}), u_0 .. u_{C_h - 1}],  and (GROUP_CB)
+    #           [.., cs_0 .. cs_{T-1}, dt'_0 .. dt'_{T-1}],
     #   u_c = dt'_c exp(cA_{k-1} - cA_c) for c < k, else 0     (every exponent <= 0),
     # from the history positions < k of buffer rbuf (nothing below writes there); and the list of
     # the requests that store their state this step (the checkpoint kernel's work)
@@ -180,6 +189,9 @@ def _replay_precompute_kernel(
                        + offs_u[None, :] * stride_odt_t, mask=mu, other=0.0)
         u = tl.where(mu, dt_h * tl.exp(cum_last[:, None] - cA_h), 0.0)
         tl.store(sc_row[:, None] + T + 1 + offs_u[None, :], u, mask=mj[:, None] & (offs_u < capacity)[None, :])
+        if GROUP_CB:
+            tl.store(sc_row[:, None] + T + 1 + capacity + offs_t[None, :], cs, mask=mask_ht)
+            tl.store(sc_row[:, None] + 2 * T + 1 + capacity + offs_t[None, :], d, mask=mask_ht)
         if hb == 0:
             if HAS_C16:  # C in fp16 for an fp16 state's 16-bit output dot: once per group, not per head
                 tl.store(C16_ptr + ((b * tl.num_programs(1) + g) * BLOCK_T + offs_t[:, None]) * BLOCK_N + offs_n[None, :],
@@ -388,6 +400,21 @@ def _replay_main_kernel(
 
 
 @triton.jit
+def _causal_M(M_ptr, sc_row, b, g, T, capacity, offs_t, mt, live, stride_M_b, stride_M_h, stride_M_t, stride_M_s):
+    """The split path's M^T [BLOCK_T (s), BLOCK_T (t)] of one (request, head): the group's cb
+    (C_t . B_s, which the precompute kernel leaves in M [B, G, T, T]) times exp(cs_t - cs_s) dt'_s
+    for s <= t < T, else 0, with the head's cs and dt' from its scale row -- the precompute
+    kernel's M, term for term."""
+    cb_T = tl.load(M_ptr + b * stride_M_b + g * stride_M_h + offs_t[:, None] * stride_M_s + offs_t[None, :] * stride_M_t,
+                   mask=mt[:, None] & mt[None, :] & live, other=0.0)
+    cs = tl.load(sc_row + T + 1 + capacity + offs_t, mask=mt & live, other=0.0)
+    dt = tl.load(sc_row + 2 * T + 1 + capacity + offs_t, mask=mt & live, other=0.0)
+    causal = (offs_t[:, None] <= offs_t[None, :]) & mt[:, None] & mt[None, :]
+    decay = tl.exp(tl.where(causal, cs[None, :] - cs[:, None], float("-inf")))
+    return cb_T * decay * dt[:, None]
+
+
+@triton.jit
 def _out_outputs(s, x_old, C_T, Q_T, M_T, x_T, zv, e_cs, e_last, u, mc, mt, d_h,
                  HAS_D: tl.constexpr, HAS_Z: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, STATE_SPLIT: tl.constexpr,
@@ -440,8 +467,9 @@ def _replay_out_kernel(
     # straight from the stored state, without replaying it,
     #   y^T = exp(cs) * (exp(cA_{k-1}) S @ C^T + (x_old * u)^T @ Q^T) + x^T @ M^T + D x^T,  gated,
     # (u_c = dt'_c exp(cA_{k-1} - cA_c), the history's weights; every factor <= 1, so nothing
-    # overflows) with the factors, Q (C_t . B_c) and M from the precompute kernel, then this step's
-    # x recorded at positions k.. of the history (slots storing no state this step; the checkpoint
+    # overflows) with the factors, Q (C_t . B_c) and C . B^T per group from the precompute kernel
+    # (M built here, _causal_M), then this step's x recorded at positions k.. of the history
+    # (slots storing no state this step; the checkpoint
     # kernel, launched after this one, replays and stores the others'). No tl.dot chain through a
     # replayed state: far fewer live registers than the main kernel, and a 16-bit state enters a
     # 16-bit tensor-core dot as it is. Every load is issued before the first dot. The strides
@@ -492,8 +520,8 @@ def _replay_out_kernel(
                   mask=mn[:, None] & mt[None, :], other=0.0)  # [BLOCK_N, BLOCK_T]
     Q_T = tl.load(Q_ptr + b * stride_Q_b + g * stride_Q_g + offs_c[:, None] * stride_Q_c + offs_t[None, :] * stride_Q_t,
                   mask=(offs_c < capacity)[:, None] & mt[None, :] & live, other=0.0)  # [c, t]; rows c >= k: garbage, masked below
-    M_T = tl.load(M_ptr + b * stride_M_b + h * stride_M_h + offs_t[:, None] * stride_M_s + offs_t[None, :] * stride_M_t,
-                  mask=mt[:, None] & mt[None, :] & live, other=0.0)  # [s, t]
+    M_T = _causal_M(M_ptr, sc_row, b, g, T, capacity, offs_t, mt, live,
+                    stride_M_b, stride_M_h, stride_M_t, stride_M_s)  # [s, t]
     x_T = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p[:, None] * stride_x_p + offs_t[None, :] * stride_x_t,
                   mask=mask_pt, other=0.0)  # [BLOCK_P, BLOCK_T]
     if HAS_Z:
@@ -776,12 +804,15 @@ def launch_replay_precompute(
     dt, dt_bias, A, B, C, idx, buf_idx, prev_accepted, hist_len, M, old_B, old_dt, old_cumA,
     Q=None, scale=None, kinfo=None, C16=None, ckpt_count=None, ckpt_list=None,
     *, dt_softplus: bool, pad_slot_id: int, heads: int, num_warps: int, use_pdl: bool = False,
-    launch_dependents: bool = False,
+    launch_dependents: bool = False, group_cb: bool = False,
 ):
     """dt (B,T,H) raw; dt_bias, A (H,) or None; B, C (B,T,G,N); idx (B,) or None; buf_idx,
-    prev_accepted, hist_len (S,); M (B,H,T,T) fp32 scratch; old_B (2,S,C_h,G,N); old_dt,
-    old_cumA (2,S,C_h,H). The split path's scratch (else None): Q (B,G,T,C_h) fp32; ckpt_count (1,)
-    int32, zeroed; ckpt_list (B, 4) int32; scale (B, H, T + 1 + C_h) fp32 (contiguous last dim); kinfo (B,) int32 or None; C16 (B, G, BLOCK_T, BLOCK_N) fp16 or None (contiguous)."""
+    prev_accepted, hist_len (S,); M (B,H,T,T) fp32 scratch, or with ``group_cb`` (the split path's
+    one-tile output kernel) (B,G,T,T): C . B^T per group; old_B (2,S,C_h,G,N); old_dt, old_cumA
+    (2,S,C_h,H). The split path's scratch (else None): Q (B,G,T,C_h) fp32; ckpt_count (1,) int32,
+    zeroed; ckpt_list (B, 4) int32; scale (B, H, T + 1 + C_h), with ``group_cb`` (B, H, 3T + 1 +
+    C_h), fp32 (contiguous last dim); kinfo (B,) int32 or None; C16 (B, G, BLOCK_T, BLOCK_N) fp16 or
+    None (contiguous)."""
     nreq, ntok, nheads = dt.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     hpg = nheads // ngroups
@@ -798,7 +829,7 @@ def launch_replay_precompute(
         N=dstate, BLOCK_N=dot_dim(dstate), BLOCK_T=dot_dim(ntok),
         HEADS=heads, HIST=Q is not None, BLOCK_C=dot_dim(capacity),
         DOT_PRECISION=_dot_precision(B.dtype, "ieee"), USE_PDL=use_pdl, LAUNCH_DEPENDENTS=launch_dependents,
-        HAS_KINFO=kinfo is not None, HAS_C16=C16 is not None,
+        HAS_KINFO=kinfo is not None, HAS_C16=C16 is not None, GROUP_CB=group_cb,
         NATIVE16=NATIVE16_PRECOMPUTE and not _interpreting() and B.dtype in (torch.bfloat16, torch.float16)
         and C.dtype == B.dtype and old_B.dtype == B.dtype,
         num_warps=num_warps, launch_pdl=use_pdl,
@@ -835,8 +866,8 @@ def launch_replay_out(
     pad_slot_id: int, block_p: int, num_warps: int, maxnreg: int | None = None, use_pdl: bool = False,
     launch_dependents: bool = False,
 ):
-    """The split path's output kernel: shapes as ``launch_replay_main``; Q (B,G,T,C_h), scale
-    (B,H,T+1+C_h) and (unless ``use_pdl``) kinfo (B,) from the precompute kernel launched just before it
+    """The split path's output kernel: shapes as ``launch_replay_main``, except M (B,G,T,T); M, Q
+    (B,G,T,C_h), scale (B,H,3T+1+C_h) and (unless ``use_pdl``) kinfo (B,) from the precompute kernel launched just before it
     (``use_pdl``: a programmatic dependent of it, which then must trigger its dependents)."""
     nreq, ntok, nheads, headdim = x.shape
     ngroups, dstate = C.shape[2], C.shape[3]
@@ -899,7 +930,8 @@ def launch_replay_out_tma(
     use_pdl: bool = False, launch_dependents: bool = False,
 ):
     """The split path's output kernel as ``_replay_out_tma_kernel`` on ``programs`` programs
-    (``out_tma_usable`` must hold); arguments as ``launch_replay_out``, kinfo required."""
+    (``out_tma_usable`` must hold); arguments as ``launch_replay_out``, except M per head
+    (B,H,T,T) and scale (B,H,T+1+C_h), kinfo required."""
     nreq, ntok, nheads, headdim = x.shape
     ngroups, dstate = C.shape[2], C.shape[3]
     capacity = old_x.shape[1]
