@@ -49,8 +49,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.dispatch import inline_asm_ok
-from fastmamba.ops._common.pdl import pdl_launch, pdl_launch_early
 from fastmamba.ops._common.jit_math import SILU_PTX, split8
+from fastmamba.ops._common.pdl import pdl_launch, pdl_launch_early
 from fastmamba.ops.conv1d_fn.configs import pick_cols_config, pick_rows_config, vector_width
 
 

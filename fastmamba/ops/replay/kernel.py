@@ -469,12 +469,12 @@ def _replay_out_kernel(
     # (u_c = dt'_c exp(cA_{k-1} - cA_c), the history's weights; every factor <= 1, so nothing
     # overflows) with the factors, Q (C_t . B_c) and C . B^T per group from the precompute kernel
     # (M built here, _causal_M), then this step's x recorded at positions k.. of the history
-    # (slots storing no state this step; the checkpoint
-    # kernel, launched after this one, replays and stores the others'). No tl.dot chain through a
-    # replayed state: far fewer live registers than the main kernel, and a 16-bit state enters a
-    # 16-bit tensor-core dot as it is. Every load is issued before the first dot. The strides
-    # between rows of its tiles are compile-time constants (fixed per model: one compile per
-    # shape), so the per-row addresses fold into the load instructions' offsets.
+    # (slots storing no state this step; the checkpoint kernel, launched after this one, replays
+    # and stores the others'). No tl.dot chain through a replayed state: far fewer live registers
+    # than the main kernel, and a 16-bit state enters a 16-bit tensor-core dot as it is. Every
+    # load is issued before the first dot. The strides between rows of its tiles are compile-time
+    # constants (fixed per model: one compile per shape), so the per-row addresses fold into the
+    # load instructions' offsets.
     pid_p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -867,8 +867,9 @@ def launch_replay_out(
     launch_dependents: bool = False,
 ):
     """The split path's output kernel: shapes as ``launch_replay_main``, except M (B,G,T,T); M, Q
-    (B,G,T,C_h), scale (B,H,3T+1+C_h) and (unless ``use_pdl``) kinfo (B,) from the precompute kernel launched just before it
-    (``use_pdl``: a programmatic dependent of it, which then must trigger its dependents)."""
+    (B,G,T,C_h), scale (B,H,3T+1+C_h) and (unless ``use_pdl``) kinfo (B,) from the precompute
+    kernel launched just before it (``use_pdl``: a programmatic dependent of it, which then must
+    trigger its dependents)."""
     nreq, ntok, nheads, headdim = x.shape
     ngroups, dstate = C.shape[2], C.shape[3]
     grid = (triton.cdiv(headdim, block_p), nreq, nheads)
