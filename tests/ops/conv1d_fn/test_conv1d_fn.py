@@ -611,9 +611,10 @@ def test_varlen_full_shape_gpu(extra_state: int, device):
 @pytest.mark.parametrize("layout", ["channel_last", "channel_first", "varlen"])
 def test_pdl_chain_matches_eager_gpu(layout: str):
     """Under programmatic dependent launch every program waits for the kernel before it: a CUDA
-    graph of a producer (x * 2), a conv of its output, a conv of that conv's output (a multi-wave
-    grid: dependents launch as programs exit) and one of a single-wave size (dependents launch
-    early), captured with PDL on, gives exactly what eager launches without PDL give."""
+    graph of a producer (x * 2), a conv of its output, a conv of that conv's output (multi-wave
+    grids: the channel-last rows kernel lets its dependents launch early, the others as their
+    programs exit) and one of a single-wave size (dependents launch early), captured with PDL on,
+    gives exactly what eager launches without PDL give."""
     from fastmamba.ops._common.pdl import programmatic_dependent_launch
 
     g = torch.Generator().manual_seed(11)
