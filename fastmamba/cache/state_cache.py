@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fastmamba.ops._common.checks import capturing
+from fastmamba.ops._common.host_values import host_reads_allowed
 from fastmamba.ops._common.slot_rows import scatter_rows
 from fastmamba.ops.replay import ReplayCache, commit_accepted, default_history, flush_replay_cache, reset_history
 
@@ -144,7 +144,7 @@ class StateCache:
         """
         self._require_speculative("commit")
         T = self.tokens_per_step
-        if not capturing(accepted):
+        if host_reads_allowed(accepted):
             bad = (accepted < 1) | (accepted > T)
             if bool(bad.any()):
                 raise ValueError(f"StateCache.commit: accepted counts must lie in [1, {T}]; got {accepted[bad][:4].tolist()}")
@@ -233,7 +233,7 @@ class StateCache:
             raise ValueError(f"StateCache.commit_legacy: `accepted` expected shape (B,)=({nreq},), "
                              f"got {tuple(accepted.shape)}")
         live = slots != pad_slot_id
-        if not capturing(accepted):
+        if host_reads_allowed(accepted):
             bad = live & ((accepted < 1) | (accepted > T))
             flags = torch.stack([bad.any(), live.any()]).tolist()
             if flags[0]:

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from fastmamba.ops._common.host_values import host_list
+from fastmamba.ops._common.host_values import host_list, host_reads_allowed
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -64,21 +64,18 @@ def check_unit_stride(op: str, name: str, t: torch.Tensor, dim: int) -> None:
         )
 
 
-def capturing(t: torch.Tensor) -> bool:
-    """True while a CUDA graph is being captured on ``t``'s stream: host reads (syncs) must wait."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 def check_indices(op: str, name: str, idx: torch.Tensor, batch: int, num_slots: int, pad_slot_id: int) -> None:
     """Slot indices: shape (B,), int32/int64, each in [0, num_slots) or equal to pad_slot_id.
 
-    The range check reads the indices on the host (one small device sync, once per tensor version:
-    see host_values.py); it is skipped while a CUDA graph is being captured, where a sync is not
-    allowed.
+    The range check reads the indices on the host (a small device sync on CUDA), every call: a
+    cached read could miss a change made behind the version counter. It is skipped where host
+    reads are not allowed (CUDA-graph capture, torch.compile tracing, ``trusted_inputs()``: see
+    host_values.py); the kernels then treat an index outside [0, num_slots) as a pad slot, so
+    nothing is ever written outside the pool.
     """
     check_dtype(op, name, idx, INDEX_DTYPES)
     check_shape(op, name, idx, [("B", batch)])
-    if capturing(idx):
+    if not host_reads_allowed(idx):
         return
     bad = [int(v) for v in host_list(idx) if v != pad_slot_id and not 0 <= v < num_slots][:4]
     if bad:

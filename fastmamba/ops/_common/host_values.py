@@ -1,32 +1,57 @@
-"""Host copies of small index tensors (cu_seqlens, slot indices), read once per tensor version.
+"""When an op may read small index tensors (slot indices, cu_seqlens) on the host, and how.
 
-A packed prefill passes the same ``cu_seqlens`` and slot tensors to the conv and the scan of every
-layer; validating them costs a device-to-host copy (a sync) each time. ``host_list`` keeps the
-values of a tensor object until it is modified in place (its version counter moves, views included)
-or freed, so a 64-layer prefill reads them once instead of ~200 times.
+A host read of a CUDA tensor is a device-to-host copy and a synchronize. The public ops read index
+values only to validate them (and, for the varlen ops, to size their grids), and never:
+
+- while a CUDA graph is being captured (a sync is not allowed there),
+- while ``torch.compile`` traces the op (a host read would break the graph),
+- inside ``trusted_inputs()``: the runtime validates a batch's metadata once, from values the
+  host already holds, and then runs every layer's ops without reading them again.
+
+Values are never cached across calls: a tensor changed behind its version counter (``.data``, a
+shared numpy array, inference-mode tensors) is read afresh. Skipping a check never lets a kernel
+write outside a state pool: every kernel treats a slot index outside [0, S) as a pad slot.
 """
 from __future__ import annotations
 
-import weakref
+import contextlib
+import threading
+from collections.abc import Iterator
 
 import torch
 
-_values: dict[int, tuple[weakref.ref, int, list]] = {}
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def trusted_inputs() -> Iterator[None]:
+    """Within this block the ops skip host reads of slot indices and cu_seqlens: the caller vouches
+    that it has validated them (the model and engine do, once per batch, from host values)."""
+    depth = getattr(_local, "depth", 0)
+    _local.depth = depth + 1
+    try:
+        yield
+    finally:
+        _local.depth = depth
+
+
+def inputs_trusted() -> bool:
+    """True inside ``trusted_inputs()``."""
+    return getattr(_local, "depth", 0) > 0
+
+
+def compiling() -> bool:
+    """True while torch.compile (dynamo) traces the caller."""
+    return torch.compiler.is_compiling()
+
+
+def host_reads_allowed(t: torch.Tensor) -> bool:
+    """Whether an op may read ``t``'s values on the host now (see the module docstring)."""
+    if compiling() or inputs_trusted():
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def host_list(t: torch.Tensor) -> list:
-    """``t.tolist()``, reusing the previous read while ``t`` is the same, unmodified object.
-
-    Tensors made under ``torch.inference_mode()`` keep no version counter, so they are read every time.
-    """
-    if t.is_inference():
-        return t.tolist()
-    key = id(t)
-    hit = _values.get(key)
-    if hit is not None:
-        ref, version, values = hit
-        if ref() is t and version == t._version:
-            return values
-    values = t.tolist()
-    _values[key] = (weakref.ref(t, lambda _ref, k=key: _values.pop(k, None)), t._version, values)
-    return values
+    """``t.tolist()``: the tensor's current values, read every call (never cached)."""
+    return t.tolist()

@@ -5,10 +5,10 @@ from typing import Optional
 
 import torch
 
+from fastmamba.ops._common.host_values import host_reads_allowed
 from fastmamba.ops._common.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
-    capturing,
     check_dtype,
     check_indices,
     check_same_device,
@@ -173,7 +173,7 @@ def _check_inputs(
         check_dtype(_OP, "num_accepted_tokens", num_accepted_tokens, INDEX_DTYPES)
         check_shape(_OP, "num_accepted_tokens", num_accepted_tokens, [("B", B)])
         hi = state_len - W + 2
-        if not capturing(num_accepted_tokens):
+        if host_reads_allowed(num_accepted_tokens):
             bad = (num_accepted_tokens < 1) | (num_accepted_tokens > hi)
             if conv_state_indices is not None:
                 bad &= conv_state_indices != pad_slot_id

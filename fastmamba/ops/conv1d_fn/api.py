@@ -8,7 +8,6 @@ import torch
 from fastmamba.ops._common.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
-    capturing,
     check_dtype,
     check_indices,
     check_same_device,
@@ -17,7 +16,7 @@ from fastmamba.ops._common.checks import (
     parse_activation,
 )
 from fastmamba.ops._common.dispatch import use_triton
-from fastmamba.ops._common.host_values import host_list
+from fastmamba.ops._common.host_values import host_list, host_reads_allowed
 from fastmamba.ops.conv1d_fn.kernel import causal_conv1d_fn_launch, causal_conv1d_varlen_launch, is_channel_last
 from fastmamba.ops.conv1d_fn.ref import causal_conv1d_fn_ref, causal_conv1d_varlen_ref
 
@@ -279,7 +278,7 @@ def _check_varlen_inputs(
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
         raise ValueError(f"{op}: `cu_seqlens` expected shape (B+1,), got {tuple(cu_seqlens.shape)}")
     B = cu_seqlens.shape[0] - 1
-    if not capturing(cu_seqlens):
+    if host_reads_allowed(cu_seqlens):
         cu = host_list(cu_seqlens)
         if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
             shown = cu if len(cu) <= 10 else cu[:5] + ["..."] + cu[-3:]

@@ -5,10 +5,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from fastmamba.ops._common.host_values import host_reads_allowed
 from fastmamba.ops._common.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
-    capturing,
     check_dtype,
     check_indices,
     check_same_device,
@@ -172,7 +172,7 @@ def commit_accepted(
         raise ValueError(f"{op}: without slots, the cache needs at least B={nreq} rows, got {nslots}")
     check_same_device(op, [("buf_idx", buf_idx), ("prev_accepted", prev_accepted), ("hist_len", hist_len),
                            ("slots", slots), ("accepted", accepted)])
-    if check and not capturing(accepted):
+    if check and host_reads_allowed(accepted):
         bad = (accepted < 0) | (accepted > tokens)
         if bool(bad.any()):
             raise ValueError(f"{op}: `accepted` values must lie in [0, {tokens}]; got {accepted[bad][:4].tolist()}")

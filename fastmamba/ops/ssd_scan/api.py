@@ -8,14 +8,13 @@ import torch
 from fastmamba.ops._common.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
-    capturing,
     check_dtype,
     check_indices,
     check_same_device,
     check_shape,
 )
 from fastmamba.ops._common.dispatch import use_triton
-from fastmamba.ops._common.host_values import host_list
+from fastmamba.ops._common.host_values import host_list, host_reads_allowed
 from fastmamba.ops.ssd_scan.launch import ScanSegments, ssd_scan_launch
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
 
@@ -49,7 +48,7 @@ def _check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, total: int) -> None:
     check_dtype(op, "cu_seqlens", cu_seqlens, INDEX_DTYPES)
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"{op}: `cu_seqlens` expected shape (B+1,) with B >= 1, got {tuple(cu_seqlens.shape)}")
-    if capturing(cu_seqlens):
+    if not host_reads_allowed(cu_seqlens):
         return
     values = host_list(cu_seqlens)
     if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values[:-1], values[1:])):
@@ -163,7 +162,7 @@ def mamba_chunk_scan_combined(
         last_of_row = torch.zeros(n_seg, dtype=torch.bool, device=dev)
         last_of_row[-1] = True
         row_of_seg = torch.zeros(n_seg, dtype=torch.int32, device=dev)
-        n_chunks = (_cdiv(L, chunk_size) + n_seg) if capturing(cu) else num_chunks(cu, chunk_size)
+        n_chunks = (_cdiv(L, chunk_size) + n_seg) if not host_reads_allowed(cu) else num_chunks(cu, chunk_size)
     elif seq_idx is not None:
         bounds, rows, firsts, lasts = [], [], [], []
         ids = seq_idx.tolist()
@@ -285,7 +284,7 @@ def ssd_scan_varlen(
             raise TypeError(f"{_VARLEN}: `out` has dtype {out.dtype} but `x` has {x.dtype}; they must match")
         if T > 0 and out.data_ptr() == x.data_ptr():
             raise ValueError(f"{_VARLEN}: `out` must not alias `x` (the scan reads x after writing out)")
-    total_chunks = None if capturing(cu_seqlens) else num_chunks(cu_seqlens, chunk_size)
+    total_chunks = None if not host_reads_allowed(cu_seqlens) else num_chunks(cu_seqlens, chunk_size)
     if chunk_states_out is not None:
         check_shape(_VARLEN, "chunk_states_out", chunk_states_out, [("n_chunks", None), ("H", H), ("P", P), ("N", N)])
         if total_chunks is not None and chunk_states_out.shape[0] < total_chunks:
