@@ -36,7 +36,7 @@ from fastmamba.bench.peak import (
     measure_copy_bandwidth,
     measure_matmul_tflops,
 )
-from fastmamba.bench.timing import TimingConfig, choose_n_sets, is_cold_l2, time_calls
+from fastmamba.bench.timing import TimingConfig, choose_n_sets, is_cold_l2, time_calls, time_eager, time_host
 
 OPS = {
     "ssu": "fastmamba.bench.ops.state_update",
@@ -122,6 +122,13 @@ def add_device_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         help="auto: CUDA when present, else the CPU (small shapes; Triton interpreter if TRITON_INTERPRET=1)",
     )
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (shorter, noisier)")
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="also time every provider without a CUDA graph (host time included, L2 flushed: what a direct "
+        "caller of the op pays) and its host time per call; adds the 'eager µs', 'host µs' and 'eager vs peer' "
+        "columns (GPU only)",
+    )
     parser.add_argument("--json", metavar="PATH", help=f"JSON-lines file to append to (default bench_results/{name}-<time>.jsonl)")
     parser.add_argument("--markdown", metavar="PATH", help="also write the table as markdown here")
 
@@ -247,6 +254,12 @@ def _fill_ratios(rows: list[report.Row]) -> None:
         for r in ours:
             r.vs_ratio = best.median_us / r.median_us
             r.vs = f"{r.vs_ratio:.2f}x {best.provider}"
+        eager_peers = [r for r in peers if r.eager_us]
+        if eager_peers:
+            best_eager = min(eager_peers, key=lambda r: r.eager_us)
+            for r in ours:
+                if r.eager_us:
+                    r.eager_vs = f"{best_eager.eager_us / r.eager_us:.2f}x {best_eager.provider}"
 
 
 def run(args: argparse.Namespace, command: str) -> int:
@@ -332,7 +345,8 @@ def run_suite(suite: Suite, args: argparse.Namespace, command: str) -> int:
                         continue
                     progress(f"[{k}/{total}] {case.label} {prov.name}", end="")
                     row.status = "not run"  # until it has a time (an interrupt may land mid-way)
-                    fatal = _run_one(bench, case, prov, oracle, sets, n_sets, device, config, header, row)
+                    fatal = _run_one(bench, case, prov, oracle, sets, n_sets, device, config, header, row,
+                                     eager=bool(getattr(args, "eager", False)))
                     if row.status == "ok":
                         progress(f" -> {report.format_us(row.median_us)} µs ({row.mode}) {row.check}")
                     else:
@@ -393,9 +407,12 @@ def _run_one(
     config: TimingConfig,
     header: dict,
     row: report.Row,
+    *,
+    eager: bool = False,
 ) -> str:
     """Time and check one provider on one case, filling ``row``; ``ref`` is the check's oracle.
-    Returns a fatal reason or ''."""
+    With ``eager`` (CUDA only) the provider is also timed without a graph and its host time per
+    call measured (``row.eager_us``, ``row.host_us``). Returns a fatal reason or ''."""
     try:
         if prov.kind == size_copy.KIND:  # its own buffers, as many sets as the op's
             make_call = size_copy.copy_calls(bench.provider_bytes(prov, case), n_sets, device,
@@ -410,6 +427,9 @@ def _run_one(
             config=config,
             preflight_sync=prov.preflight_sync,
         )
+        if eager and device.type == "cuda":
+            row.eager_us = t.median_us if t.mode == "eager" else time_eager(make_call, n_sets, config).median_us
+            row.host_us = time_host(make_call, n_sets)
     except Exception as exc:  # noqa: BLE001 - a failing provider is a row, not the end of the run
         row.status, row.note = "error", describe(exc)
         if device.type == "cuda" and not _cuda_alive():

@@ -36,6 +36,9 @@ class Row:
     pct_size_copy: float | None = None  # a copy of the same bytes' time / this row's (fastmamba/bench/size_copy.py)
     tflops: float | None = None
     pct_matmul: float | None = None  # of the bf16 matmul rate measured in the same run
+    eager_us: float | None = None  # no graph: host time included, L2 flushed (timing.time_eager; --eager)
+    host_us: float | None = None  # host time of one call, not waiting for the GPU (timing.time_host; --eager)
+    eager_vs: str = ""  # e.g. "0.95x vLLM": best peer's eager µs / ours
     check: str = ""  # ok | FAIL ... | ref | no ref
     vs: str = ""  # e.g. "1.45x mamba_ssm" (fastmamba rows)
     vs_ratio: float | None = None
@@ -91,11 +94,15 @@ COLUMNS = [
     ("TFLOP/s", ">"),
     ("% mm", ">"),
     ("vs best peer", ">"),
+    ("eager µs", ">"),
+    ("host µs", ">"),
+    ("eager vs peer", ">"),
     ("check", "<"),
 ]
 
 
 FLOP_COLUMNS = ("TFLOP/s", "% mm")
+EAGER_COLUMNS = ("eager µs", "host µs", "eager vs peer")
 SIZE_COPY_COLUMN = "% size copy"
 
 
@@ -104,13 +111,15 @@ def _pct(v: float | None) -> str:
 
 
 def _columns(rows: list[Row]) -> list[int]:
-    """Indices into COLUMNS to show: all but the FLOP columns when no row counts FLOPs, and the
-    size-copy column only when some row has one."""
+    """Indices into COLUMNS to show: all but the FLOP columns when no row counts FLOPs, the
+    size-copy column only when some row has one, the eager columns only when some row was timed eagerly."""
     with_flops = any(r.flops for r in rows)
     with_size_copy = any(r.pct_size_copy is not None for r in rows)
+    with_eager = any(r.eager_us is not None for r in rows)
     return [
         i for i, (name, _) in enumerate(COLUMNS)
         if (with_flops or name not in FLOP_COLUMNS) and (with_size_copy or name != SIZE_COPY_COLUMN)
+        and (with_eager or name not in EAGER_COLUMNS)
     ]
 
 
@@ -133,6 +142,9 @@ def _cells(row: Row, note_width: int) -> list[str]:
         "—" if row.tflops is None else f"{row.tflops:.1f}" if row.tflops >= 1 else f"{row.tflops:.3f}",
         _pct(row.pct_matmul),
         row.vs,
+        format_us(row.eager_us),
+        format_us(row.host_us),
+        row.eager_vs,
         _cell_note(row, note_width),
     ]
 

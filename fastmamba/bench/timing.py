@@ -175,6 +175,25 @@ def time_eager(make_call: MakeCall, n_sets: int, config: TimingConfig = TimingCo
     return Timing(p50 * 1e3 / n, p20 * 1e3 / n, p80 * 1e3 / n, "eager", n, n_sets, note)
 
 
+def time_host(make_call: MakeCall, n_sets: int, *, calls: int = 200) -> float:
+    """Host µs per call: the CPU time the caller spends in one call (Python, checks, launches),
+    without waiting for the GPU. ``calls`` back-to-back calls (rotating over the sets) are timed
+    with a wall clock and no synchronize; the launch queue (thousands of launches deep) does not
+    fill at these counts, so the GPU never holds the host back. Median of 5 such passes."""
+    seq = [make_call(i) for i in range(n_sets)]
+    for call in seq:  # warm-up: compilation, allocator, config caches
+        call()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for k in range(calls):
+            seq[k % n_sets]()
+        per_call.append((time.perf_counter() - t0) * 1e6 / calls)
+        torch.cuda.synchronize()
+    return statistics.median(per_call)
+
+
 def time_cpu(make_call: MakeCall, n_sets: int = 1, config: TimingConfig = TimingConfig()) -> Timing:
     """Wall-clock µs per call on the CPU: one warm-up pass, then ``config.cpu_reps`` timed passes."""
     calls = [make_call(i) for i in range(n_sets)]

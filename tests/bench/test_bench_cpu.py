@@ -403,3 +403,35 @@ def test_compare_checks_large_tensors_in_slices(monkeypatch):
     got[5, 1] += 1.0
     problem = _base._compare("inter", got, want, dict(atol=1e-6, rtol=1e-6))
     assert problem.startswith("inter[4:6]") and "Mismatched" in problem
+
+
+def test_host_time_rotates_sets_without_waiting(monkeypatch):
+    from fastmamba.bench import timing
+
+    _FakeCuda().install(monkeypatch)
+    log = []
+    clock = iter(range(0, 10**6, 10))  # each perf_counter read advances 10 "seconds"
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    us = timing.time_host(lambda i: (lambda: log.append(i)), 3, calls=20)
+    assert log[:3] == [0, 1, 2]  # one warm-up call per set
+    assert log[3:23] == [k % 3 for k in range(20)]  # then calls rotate over the sets
+    assert len(log) == 3 + 5 * 20
+    assert us == pytest.approx(10 * 1e6 / 20)  # one pass = 10 s of fake clock over 20 calls
+
+
+def test_eager_columns_and_ratio():
+    from fastmamba.bench import report
+    from fastmamba.bench.kernels import _fill_ratios
+
+    def row(provider, kind, median, eager):
+        return report.Row(op="op", title="t", shape="s", dims="d", dtype="bf16", batch=1, provider=provider,
+                          kind=kind, version="v", bytes=100, mode="graph", median_us=median, p20_us=median,
+                          p80_us=median, check="ok", eager_us=eager, host_us=eager and eager / 2, case_id=1)
+
+    rows = [row("fastmamba", "ours", 2.0, 8.0), row("vllm", "peer", 2.2, 6.0), row("mamba_ssm", "peer", 3.0, 12.0)]
+    _fill_ratios(rows)
+    assert rows[0].eager_vs == "0.75x vllm"  # best peer's eager 6.0 / ours 8.0
+    table = report.format_table(rows)
+    assert "eager µs" in table.splitlines()[0] and "host µs" in table.splitlines()[0]
+    plain = [row("fastmamba", "ours", 2.0, None)]
+    assert "eager µs" not in report.format_table(plain).splitlines()[0]
