@@ -1,0 +1,174 @@
+"""Packed prefill replayed from CUDA graphs, one graph per (token bucket, request bucket).
+
+A warm prefill of a few hundred tokens is host-bound: every layer launches a dozen kernels from
+Python, so a 64-layer model spends tens of milliseconds on the CPU for a few milliseconds of GPU
+work. ``GraphedPrefill`` captures ``Mamba2LM.prefill_varlen`` once per bucket and replays it:
+
+- token buckets 16, 32, 64, ... up to ``max_tokens`` (the packed length T is padded up);
+- request buckets 1, 2, 4, ... up to ``max_requests`` + 1 (one spare request for the padding).
+
+Padding never touches a real slot: the padded tokens form extra requests of at least one token
+each, with slot -1 (the kernels' pad slot: zero output, no state read or written), so every
+request of the padded call is non-empty and the real requests' cu_seqlens are unchanged. The
+real requests' logits are rows 0..B-1 of the graph's output.
+
+The batch is validated once, on the host, from the Python lists the caller already holds (prompt
+lengths, slots); the graph then runs with no device-to-host read. A batch larger than the biggest
+bucket, or a token count above ``max_tokens``, is not graphed: ``fits`` says so and the caller runs
+the eager path.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+
+from fastmamba.cache.state_cache import StateCache
+from fastmamba.models.mamba2_lm import Mamba2LM
+from fastmamba.ops._common.host_values import trusted_inputs
+from fastmamba.ops._common.pdl import pdl_supported, programmatic_dependent_launch
+
+PAD_SLOT = -1
+MIN_TOKEN_BUCKET = 16
+
+
+def powers_of_two_up_to(lo: int, hi: int) -> list[int]:
+    """lo, 2 lo, 4 lo, ... up to and including hi (which need not be a power of two)."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return out + [hi]
+
+
+def padded_layout(lengths: Sequence[int], token_bucket: int, request_bucket: int) -> list[int]:
+    """The request lengths of the padded call: ``lengths`` first, then padding requests of one
+    token each, the last of them holding the rest, so that they fill ``token_bucket`` tokens over
+    ``request_bucket`` requests. Needs ``sum(lengths) + (request_bucket - len(lengths)) <= token_bucket``.
+    """
+    n, total = len(lengths), sum(lengths)
+    pads = request_bucket - n
+    if pads < 1 or total + pads > token_bucket:
+        raise ValueError(f"padded_layout: {n} requests of {total} tokens do not fit {request_bucket} requests "
+                         f"of {token_bucket} tokens with at least one padding request")
+    return list(lengths) + [1] * (pads - 1) + [token_bucket - total - (pads - 1)]
+
+
+class GraphedPrefill:
+    """``prefill(prompts, slots, has_initial_state) -> logits [B, V]`` fp32 from CUDA graphs.
+
+    prompts   B lists of token ids (each non-empty); slots: B slot ids (Python ints, valid rows
+              of ``cache``); has_initial_state: bool or B bools (continue from the slot's state)
+    The logits are a view of a static buffer, valid until the next call of this object.
+    max_tokens    the largest token bucket (packed tokens incl. padding); larger batches: ``fits``
+                  is False and the caller prefills eagerly
+    max_requests  the most real requests per call
+    pdl           programmatic dependent launch inside the graphs; None: where the GPU has it
+    """
+
+    def __init__(self, model: Mamba2LM, cache: StateCache, *, max_tokens: int = 2048, max_requests: int = 64,
+                 pdl: bool | None = None):
+        if not torch.cuda.is_available() or model.lm_head.weight.device.type != "cuda":
+            raise RuntimeError("GraphedPrefill needs the model on a CUDA device")
+        if max_tokens < MIN_TOKEN_BUCKET or max_requests < 1:
+            raise ValueError(f"GraphedPrefill: max_tokens must be >= {MIN_TOKEN_BUCKET} and max_requests >= 1, "
+                             f"got {max_tokens} and {max_requests}")
+        if pdl is None:
+            pdl = pdl_supported(model.lm_head.weight)
+        self.model, self.cache, self.pdl = model, cache, pdl
+        self.token_buckets = powers_of_two_up_to(MIN_TOKEN_BUCKET, max_tokens)
+        self.request_buckets = powers_of_two_up_to(2, max_requests + 1)
+        dev = model.lm_head.weight.device
+        nb = self.request_buckets[-1]
+        self.ids = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
+        self.cu_seqlens = torch.zeros(nb + 1, dtype=torch.int32, device=dev)
+        self.slots = torch.full((nb,), PAD_SLOT, dtype=torch.int32, device=dev)
+        self.flags = torch.zeros(nb, dtype=torch.bool, device=dev)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def buckets(self, lengths: Sequence[int]) -> tuple[int, int] | None:
+        """(token bucket, request bucket) for requests of these lengths, or None if none fits."""
+        n, total = len(lengths), sum(lengths)
+        for rb in self.request_buckets:
+            if rb > n:
+                break
+        else:
+            return None
+        need = total + (rb - n)  # every padding request holds at least one token
+        for tb in self.token_buckets:
+            if tb >= need:
+                return tb, rb
+        return None
+
+    def fits(self, lengths: Sequence[int]) -> bool:
+        return self.buckets(lengths) is not None
+
+    def _validate(self, prompts: Sequence[Sequence[int]], slots: Sequence[int]) -> None:
+        if len(prompts) != len(slots) or not prompts:
+            raise ValueError(f"GraphedPrefill.prefill: expected one slot per prompt and at least one prompt, got "
+                             f"{len(prompts)} prompts and {len(slots)} slots")
+        empty = [b for b, p in enumerate(prompts) if len(p) == 0]
+        if empty:
+            raise ValueError(f"GraphedPrefill.prefill: prompts {empty[:8]} are empty")
+        S = self.cache.num_slots
+        bad = [s for s in slots if not (isinstance(s, int) and 0 <= s < S)]
+        if bad or len(set(slots)) != len(slots):
+            raise ValueError(f"GraphedPrefill.prefill: slots must be distinct ints in [0, {S}), got {list(slots)[:8]}")
+
+    def _capture(self, tb: int, rb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        ids, cu, slots, flags = self.ids[:tb], self.cu_seqlens[:rb + 1], self.slots[:rb], self.flags[:rb]
+
+        def run() -> torch.Tensor:
+            with trusted_inputs():
+                return self.model.prefill_varlen(ids, cu, self.cache, slots, has_initial_state=flags)
+
+        pdl = programmatic_dependent_launch() if self.pdl else contextlib.nullcontext()
+        with pdl:
+            saved = slots.clone()  # warm up on padding only: no real slot is written twice
+            slots.fill_(PAD_SLOT)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    run()
+            torch.cuda.current_stream().wait_stream(side)
+            slots.copy_(saved)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = run()
+        return graph, logits
+
+    def prefill(self, prompts: Sequence[Sequence[int]], slots: Sequence[int],
+                has_initial_state: bool | Sequence[bool] = False) -> torch.Tensor:
+        self._validate(prompts, slots)
+        lengths = [len(p) for p in prompts]
+        fit = self.buckets(lengths)
+        if fit is None:
+            raise ValueError(f"GraphedPrefill.prefill: {len(prompts)} prompts of {sum(lengths)} tokens exceed the "
+                             f"largest bucket ({self.request_buckets[-1] - 1} requests, {self.token_buckets[-1]} "
+                             "tokens); check fits() and prefill eagerly")
+        tb, rb = fit
+        n = len(prompts)
+        layout = padded_layout(lengths, tb, rb)
+        cu = [0]
+        for length in layout:
+            cu.append(cu[-1] + length)
+        flags = [bool(has_initial_state)] * n if isinstance(has_initial_state, bool) else [bool(f) for f in has_initial_state]
+        if len(flags) != n:
+            raise ValueError(f"GraphedPrefill.prefill: has_initial_state expected {n} flags, got {len(flags)}")
+        # one host-to-device copy: ids (padding tokens 0), then cu_seqlens, slots and flags
+        host = torch.tensor([t for p in prompts for t in p] + [0] * (tb - sum(lengths)) + cu
+                            + list(slots) + [PAD_SLOT] * (rb - n) + [int(f) for f in flags] + [0] * (rb - n),
+                            dtype=torch.int64)
+        dev = host.to(self.ids.device)
+        self.ids[:tb].copy_(dev[:tb])
+        self.cu_seqlens[:rb + 1].copy_(dev[tb:tb + rb + 1])
+        self.slots[:rb].copy_(dev[tb + rb + 1:tb + 2 * rb + 1])
+        self.flags[:rb].copy_(dev[tb + 2 * rb + 1:] != 0)
+        if (tb, rb) not in self.graphs:
+            self.graphs[(tb, rb)] = self._capture(tb, rb)
+        graph, logits = self.graphs[(tb, rb)]
+        graph.replay()
+        return logits[:n]

@@ -1,0 +1,93 @@
+"""Graphed prefill: bucket choice, the padded layout, and that the padded call it captures gives the
+real requests exactly what the unpadded call gives them (CPU, eager: the padding scheme itself);
+the capture and replay run on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastmamba
+from fastmamba.generation.prefill_graphs import GraphedPrefill, padded_layout, powers_of_two_up_to
+from tests.helpers import seeded, tol
+
+
+def test_buckets_and_layout():
+    assert powers_of_two_up_to(16, 100) == [16, 32, 64, 100]
+    assert powers_of_two_up_to(2, 2) == [2]
+    assert padded_layout([5, 3], 16, 4) == [5, 3, 1, 7]  # two padding requests: 1 token, then the rest
+    assert padded_layout([16], 32, 2) == [16, 16]
+    with pytest.raises(ValueError, match="do not fit"):
+        padded_layout([16], 16, 2)  # the padding request needs a token
+    with pytest.raises(ValueError, match="do not fit"):
+        padded_layout([1, 1], 16, 2)  # no room for a padding request
+
+
+def test_bucket_choice_leaves_room_for_padding():
+    gp = object.__new__(GraphedPrefill)  # bucket arithmetic only: no device needed
+    gp.token_buckets = powers_of_two_up_to(16, 2048)
+    gp.request_buckets = powers_of_two_up_to(2, 9)
+    assert gp.buckets([16]) == (32, 2)  # 16 tokens + one padding token
+    assert gp.buckets([15]) == (16, 2)
+    assert gp.buckets([5, 5, 5]) == (16, 4)
+    assert gp.buckets([5, 5, 6]) == (32, 4)
+    assert gp.buckets([100] * 8) == (1024, 9)
+    assert gp.buckets([1] * 9) is None  # more requests than the largest bucket holds
+    assert gp.buckets([2048]) is None  # no room for the padding token
+
+
+@pytest.fixture(scope="module")
+def model():
+    return fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cpu")
+
+
+def test_padded_call_equals_unpadded(model):
+    """What a graph replays: the real requests, then padding requests on slot -1. Real logits and
+    slots equal the unpadded call; the padding touches no slot."""
+    g = seeded(0)
+    lengths = [5, 19, 1]
+    prompts = [torch.randint(0, 256, (n,), generator=g) for n in lengths]
+    slots = [3, 0, 4]
+
+    def fresh_cache():
+        cache = model.new_cache(6)
+        gen = seeded(1)
+        for pool in (*cache.conv, *cache.ssm):
+            pool.copy_(torch.randn(pool.shape, generator=gen))
+        return cache
+
+    want_cache = fresh_cache()
+    cu = torch.tensor([0, 5, 24, 25], dtype=torch.int32)
+    flags = torch.tensor([True, False, True])
+    want = model.prefill_varlen(torch.cat(prompts), cu, want_cache, torch.tensor(slots, dtype=torch.int32), flags)
+
+    layout = padded_layout(lengths, 32, 4)  # 25 real tokens, padding requests of 1 and 6 tokens
+    got_cache = fresh_cache()
+    ids = torch.cat([*prompts, torch.zeros(32 - 25, dtype=torch.int64)])
+    cu_pad = torch.tensor([0, *torch.tensor(layout).cumsum(0).tolist()], dtype=torch.int32)
+    slots_pad = torch.tensor(slots + [-1], dtype=torch.int32)
+    flags_pad = torch.tensor([True, False, True, False])
+    got = model.prefill_varlen(ids, cu_pad, got_cache, slots_pad, flags_pad)
+    torch.testing.assert_close(got[:3], want, **tol(torch.float32))
+    for a, b in zip((*got_cache.conv, *got_cache.ssm), (*want_cache.conv, *want_cache.ssm)):
+        torch.testing.assert_close(a, b, **tol(torch.float32))  # padding wrote no slot (1, 2 and 5 untouched)
+
+
+@pytest.mark.gpu
+def test_graphed_prefill_equals_eager():
+    m = fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cuda")
+    g = seeded(2)
+    cases = [[7], [16], [3, 40, 1], [100, 100, 100, 5]]
+    for lengths in cases:
+        prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+        eager_cache, graph_cache = m.new_cache(8), m.new_cache(8)
+        slots = list(range(len(lengths)))[::-1]
+        want = m.prefill_varlen(torch.tensor([t for p in prompts for t in p], device="cuda"),
+                                torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                                             device="cuda"),
+                                eager_cache, torch.tensor(slots, dtype=torch.int32, device="cuda"), False)
+        gp = GraphedPrefill(m, graph_cache, max_tokens=512, max_requests=7)
+        for _ in range(2):  # first call captures, second replays
+            got = gp.prefill(prompts, slots, False)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for a, b in zip((*graph_cache.conv, *graph_cache.ssm), (*eager_cache.conv, *eager_cache.ssm)):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
