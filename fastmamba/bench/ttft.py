@@ -1,0 +1,131 @@
+"""Target ``ttft``: time to first token, i.e. a warm whole-model prefill, against its floor.
+
+    python -m fastmamba.bench ttft [--model mamba2-2.7b] [--shapes 1x16,1x128,1x512,1x2048,1x8192,8x2048,32x512]
+                                   [--reps 7] [--graph-max-tokens 2048] [--json PATH]
+
+Per shape B x L: B random prompts of L tokens are prefilled into fresh cache slots
+(``Mamba2LM.prefill``, ids [B, L]; the first token's logits come out of it) three times to warm
+up, then ``--reps`` times timed (wall clock around the call, synchronised): the median is the
+eager time. Where the packed batch fits the graph buckets (B*L + 1 <= ``--graph-max-tokens``),
+``GraphedPrefill`` (fastmamba/generation/prefill_graphs.py) runs the same prompts from a CUDA graph
+(host-side copy of the batch included). The floor is max(weight bytes / copy bandwidth, 2 x
+parameters x tokens / bf16 matmul rate), both measured in the same run: the prefill must read
+every weight once and do the projections' FLOPs. Without a GPU: the tiny preset on the CPU, which
+checks the plumbing only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+DEFAULT_SHAPES = "1x16,1x128,1x512,1x2048,1x8192,8x2048,32x512"
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    out = []
+    for part in text.split(","):
+        try:
+            b, l = (int(v) for v in part.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected shapes like 1x128,8x2048, got {part!r}") from None
+        if b < 1 or l < 1:
+            raise argparse.ArgumentTypeError(f"shape {part!r}: batch and length must be >= 1")
+        out.append((b, l))
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="preset or checkpoint dir (default: mamba2-2.7b on a GPU, "
+                        "mamba2-tiny on a CPU)")
+    parser.add_argument("--shapes", type=_shapes, default=None, help=f"B x L list (default {DEFAULT_SHAPES} on a GPU)")
+    parser.add_argument("--reps", type=int, default=7, help="timed prefills per shape (median reported)")
+    parser.add_argument("--graph-max-tokens", type=int, default=2048,
+                        help="largest token bucket of the graphed prefill (0: eager only)")
+    parser.add_argument("--json", metavar="PATH", help="append one JSON line per shape")
+
+
+def weight_bytes_and_params(model) -> tuple[int, int]:
+    seen, nbytes, params = set(), 0, 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            nbytes += p.numel() * p.element_size()
+            params += p.numel()
+    return nbytes, params
+
+
+def floor_ms(weight_bytes: int, params: int, tokens: int, copy_gbs: float, matmul_tflops: float) -> float:
+    """max(weights read once, the 2 x params FLOPs per token at the matmul rate), in ms."""
+    return 1e3 * max(weight_bytes / (copy_gbs * 1e9), 2 * params * tokens / (matmul_tflops * 1e12))
+
+
+def _median_ms(fn, reps: int, cuda: bool, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    import fastmamba
+    from fastmamba.bench.peak import device_name, measure_copy_bandwidth, measure_matmul_tflops
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    name = args.model or ("mamba2-2.7b" if cuda else "mamba2-tiny")
+    shapes = args.shapes or (_shapes(DEFAULT_SHAPES) if cuda else [(2, 5)])
+    reps = args.reps if cuda else 1
+    if not cuda:
+        print("no GPU: the tiny preset on the CPU (Triton interpreter if TRITON_INTERPRET=1); these timings "
+              "say nothing about GPU speed", file=sys.stderr)
+    copy_gbs = measure_copy_bandwidth(device)
+    mm_tflops = measure_matmul_tflops(device)
+    model = fastmamba.load_model(name, device=device)
+    wbytes, params = weight_bytes_and_params(model)
+    print(f"# ttft: {name} ({params / 1e9:.2f} B params, {model.dtype}), {device_name(device)}, copy {copy_gbs:.0f} "
+          f"GB/s, matmul {mm_tflops:.0f} TFLOP/s, median of {reps} warm prefills; command: {command}")
+    print(f"{'B x L':>9}  {'eager ms':>9}  {'graphed ms':>10}  {'floor ms':>8}  {'eager/floor':>11}  {'graphed/floor':>13}")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rows = []
+    for b, length in shapes:
+        ids = torch.randint(0, model.cfg.vocab_size, (b, length), generator=g)
+        cache = model.new_cache(b)
+        slots = cache.alloc(b)
+        ids_dev = ids.to(device)
+        eager = _median_ms(lambda: model.prefill(ids_dev, cache, slots), reps, cuda, warmup=3 if cuda else 0)
+        graphed = None
+        if cuda and args.graph_max_tokens and b * length + 1 <= args.graph_max_tokens:
+            from fastmamba.generation.prefill_graphs import GraphedPrefill
+
+            gp = GraphedPrefill(model, cache, max_tokens=args.graph_max_tokens, max_requests=b)
+            prompts, slot_list = ids.tolist(), slots.tolist()
+            graphed = _median_ms(lambda: gp.prefill(prompts, slot_list, False), reps, cuda, warmup=3)
+            del gp
+        floor = floor_ms(wbytes, params, b * length, copy_gbs, mm_tflops)
+        row = {"model": name, "batch": b, "length": length, "eager_ms": eager, "graphed_ms": graphed,
+               "floor_ms": floor, "device": device_name(device), "command": command}
+        rows.append(row)
+        gtxt = f"{graphed:10.2f}" if graphed is not None else f"{'—':>10}"
+        grat = f"{graphed / floor:12.1f}x" if graphed is not None else f"{'—':>13}"
+        print(f"{b:>4} x {length:<4}  {eager:9.2f}  {gtxt}  {floor:8.2f}  {eager / floor:10.1f}x  {grat}", flush=True)
+        del cache
+        if cuda:
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "a", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    return 0
