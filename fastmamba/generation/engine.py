@@ -161,6 +161,21 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def abort(self, rid: int) -> bool:
+        """Cancel request ``rid`` (waiting or running): it leaves the engine and its slot is freed
+        at once. Returns False when no such request is waiting or running (already finished)."""
+        for i, req in enumerate(self.waiting):
+            if req.rid == rid:
+                del self.waiting[i]
+                return True
+        for req in self.running:
+            if req.rid == rid:
+                self.running.remove(req)
+                self.cache.free([req.slot])
+                self._replay_slots.discard(req.slot)
+                return True
+        return False
+
     def _emit(self, reqs: list[Request], logits: torch.Tensor) -> list[StepOutput]:
         tokens = self.sampler.sample(logits, [r.params for r in reqs], [len(r.output) for r in reqs]).tolist()
         return self._emit_runs(reqs, [[t] for t in tokens])

@@ -1,0 +1,23 @@
+"""``fastmamba serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the engine.
+
+A request's path: HTTP handler (``app.py``) -> validated request (``protocol.py``) -> the engine
+thread's inbox (``engine_thread.py``) -> ``Engine.step`` -> tokens back to the handler's queue ->
+server-sent events or one JSON body. The engine thread is the only one that touches the model.
+
+Needs the optional extra: ``pip install 'fastmamba[serve]'``.
+"""
+from __future__ import annotations
+
+EXTRA_HINT = "fastmamba serve needs the optional extra: pip install 'fastmamba[serve]' (fastapi, uvicorn, prometheus-client)"
+
+
+def require_serve_deps() -> None:
+    """Raise ImportError naming the extra when a serving dependency is missing."""
+    missing = []
+    for name in ("fastapi", "uvicorn", "prometheus_client"):
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise ImportError(f"{EXTRA_HINT}; missing: {', '.join(missing)}")

@@ -1,0 +1,5 @@
+import sys
+
+from fastmamba.serve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,351 @@
+"""FastAPI routes of the OpenAI-compatible server.
+
+    POST /v1/completions, /v1/chat/completions   (``stream: true``: server-sent events, ``data: [DONE]`` last)
+    GET  /v1/models, /health, /metrics
+
+Every request is validated here (``protocol.py``, token ids against the vocabulary, lengths against
+``max_model_len``) and refused with an OpenAI-style 400 before it reaches the engine thread. A full
+waiting queue answers 503 with ``Retry-After``. A client that disconnects mid-stream has its
+requests aborted (their slots freed at the engine thread's next turn).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from fastmamba.generation.engine import Engine
+from fastmamba.generation.sampling import SamplingParams
+from fastmamba.serve.engine_thread import EngineThread, QueueFull, RequestHandle
+from fastmamba.serve.metrics import ServerMetrics
+from fastmamba.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from fastmamba.serve.tokenization import Codec
+
+RETRY_AFTER_S = 1
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.param, self.status, self.type = param, status, type
+
+
+class _Choice:
+    """One choice being generated: its engine request, tokens, text and stop-string handling."""
+
+    def __init__(self, index: int, handle: RequestHandle, stops: list[str], codec: Codec):
+        self.index, self.handle, self.stops, self.codec = index, handle, stops, codec
+        self.tokens: list[int] = []
+        self.text = ""  # decoded output, cut at a matched stop string
+        self.sent = 0  # characters of text already streamed
+        self.finish_reason: str | None = None
+        self.last_token_at: float | None = None
+
+    def add(self, token: int) -> None:
+        self.tokens.append(token)
+        if not self.codec.has_text:
+            return
+        text = self.codec.decode(self.tokens)
+        for s in self.stops:
+            at = text.find(s)
+            if at >= 0:
+                self.text = text[:at]
+                self.finish_reason = "stop"
+                return
+        self.text = text
+
+    def safe_text(self) -> str:
+        """Text that can be streamed now: not a possible start of a stop string, no partial character."""
+        text = self.text
+        if self.finish_reason is None:
+            hold = max((len(s) - 1 for s in self.stops), default=0)
+            text = text[:max(len(text) - hold, 0)]
+            if text.endswith("\ufffd"):
+                text = text[:-1]
+        return text
+
+
+def create_app(engine: Engine, *, model_name: str, codec: Codec | None = None, api_key: str | None = None,
+               max_waiting: int = 256, max_model_len: int | None = None) -> FastAPI:
+    """The app around ``engine`` (which it owns from now on: only its thread calls it)."""
+    codec = codec or Codec(None)
+    metrics = ServerMetrics()
+    vocab = engine.model.cfg.vocab_size
+
+    def on_step(eng, outputs, seconds):
+        metrics.generation_tokens.inc(len(outputs))
+        metrics.observe_engine(eng)
+
+    worker = EngineThread(engine, max_waiting=max_waiting, on_step=on_step)
+
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        metrics.observe_engine(engine)
+        worker.start()
+        yield
+        worker.stop(drain=True, timeout=30)
+
+    app = FastAPI(title="fastmamba", lifespan=lifespan)
+    app.state.engine_thread = worker
+    app.state.metrics = metrics
+
+    def fail(status: int, message: str, *, param=None, type="invalid_request_error", headers=None) -> JSONResponse:
+        return JSONResponse(error_body(message, type=type, param=param), status_code=status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = loc[0] if loc else None
+        msg = err.get("msg", "invalid request")
+        metrics.requests.labels(request.url.path, "400").inc()
+        return fail(400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}", param=param)
+
+    @app.exception_handler(BadRequest)
+    async def _bad(request: Request, exc: BadRequest):
+        metrics.requests.labels(request.url.path, str(exc.status)).inc()
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+        return fail(exc.status, str(exc), param=exc.param, type=exc.type, headers=headers)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                metrics.requests.labels(request.url.path, "401").inc()
+                return fail(401, "invalid or missing API key (Authorization: Bearer ...)", type="authentication_error")
+        return await call_next(request)
+
+    async def parse(request: Request, schema):
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise BadRequest("the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        try:
+            return schema.model_validate(body)
+        except Exception as exc:  # pydantic.ValidationError: reuse the handler's wording
+            errors = getattr(exc, "errors", lambda: [])()
+            err = errors[0] if errors else {}
+            loc = [str(p) for p in err.get("loc", ())]
+            raise BadRequest(f"{'.'.join(loc) + ': ' if loc else ''}{err.get('msg', str(exc))}",
+                             param=loc[0] if loc else None) from None
+
+    def check_ids(ids: list[int], param: str) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"{param}: token ids {bad[:4]} are outside the vocabulary [0, {vocab})", param=param)
+        return ids
+
+    def encode_prompt(p, param: str) -> list[int]:
+        if isinstance(p, str):
+            if not codec.has_text:
+                raise BadRequest(f"{param}: this model has no tokenizer; send token ids", param=param)
+            ids = codec.encode(p)
+            if not ids:
+                raise BadRequest(f"{param}: the text encodes to no tokens", param=param)
+            return ids
+        return check_ids(list(p), param)
+
+    def sampling(req, max_tokens: int, prompt_len: int, i: int) -> SamplingParams:
+        if max_model_len is not None and prompt_len + max_tokens > max_model_len:
+            raise BadRequest(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceed the model's limit "
+                             f"of {max_model_len} tokens", param="max_tokens")
+        kw = dict(temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
+                  seed=None if req.seed is None else req.seed + i, max_new_tokens=max_tokens,
+                  stop_token_ids=tuple(check_ids(req.stop_token_ids or [], "stop_token_ids")))
+        if "ignore_eos" in SamplingParams.__dataclass_fields__:
+            kw["ignore_eos"] = req.ignore_eos
+        return SamplingParams(**kw)
+
+    def submit_all(prompts: list[list[int]], req, max_tokens: int) -> list[_Choice]:
+        stops = list(req.stop or [])
+        if stops and not codec.has_text:
+            raise BadRequest("stop: stop strings need a tokenizer; use stop_token_ids", param="stop")
+        planned = [(ids, sampling(req, max_tokens, len(ids), i)) for ids in prompts for i in range(req.n)]
+        choices = []
+        try:
+            for k, (ids, params) in enumerate(planned):
+                choices.append(_Choice(k, worker.submit(ids, params), stops, codec))
+        except QueueFull as exc:
+            for c in choices:
+                worker.abort(c.handle)
+            raise BadRequest(f"server busy: {exc}; retry later", status=503, type="server_busy") from None
+        metrics.prompt_tokens.inc(sum(len(ids) for ids, _ in planned))
+        return choices
+
+    async def next_event(choice: _Choice):
+        """Consume the choice's next event; returns "token", "finished" or raises on error."""
+        kind, value = await choice.handle.events.get()
+        if kind == "token":
+            now = time.perf_counter()
+            if choice.last_token_at is None:
+                metrics.ttft.observe(now - choice.handle.submitted_at)
+            else:
+                metrics.itl.observe(now - choice.last_token_at)
+            choice.last_token_at = now
+            choice.add(value.token)
+            if choice.finish_reason is not None:
+                worker.abort(choice.handle)  # a stop string matched: the engine may stop
+            return "token"
+        if kind == "finished":
+            if choice.finish_reason is None:
+                limit = choice.handle.params.max_new_tokens
+                choice.finish_reason = "length" if len(choice.tokens) >= limit else "stop"
+            return "finished"
+        raise RuntimeError(str(value))
+
+    async def run_to_end(choices: list[_Choice]) -> None:
+        for c in choices:
+            while True:
+                if c.finish_reason is not None and c.handle.done:
+                    break
+                if await next_event(c) == "finished":
+                    break
+
+    def usage(prompts: list[list[int]], n: int, choices: list[_Choice]) -> dict:
+        p = sum(len(ids) for ids in prompts) * n
+        c = sum(len(ch.tokens) for ch in choices)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    async def stream(choices: list[_Choice], make_chunk, first_chunks: list[dict], tail_chunks) -> AsyncIterator[str]:
+        import asyncio
+
+        try:
+            for chunk in first_chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+            pending = {asyncio.ensure_future(next_event(c)): c for c in choices}
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    c = pending.pop(fut)
+                    try:
+                        kind = fut.result()
+                    except RuntimeError as exc:
+                        yield f"data: {json.dumps(error_body(str(exc), type='server_error'))}\n\n"
+                        c.finish_reason = c.finish_reason or "error"
+                        continue
+                    new_text = c.safe_text()[c.sent:]
+                    c.sent += len(new_text)
+                    finished = kind == "finished" or (c.finish_reason is not None and c.handle.done)
+                    if kind == "token":  # every token (its text may be held back or empty)
+                        yield f"data: {json.dumps(make_chunk(c, new_text, [c.tokens[-1]], None))}\n\n"
+                    if kind == "finished":
+                        rest = c.text[c.sent:]
+                        c.sent += len(rest)
+                        yield f"data: {json.dumps(make_chunk(c, rest, [], c.finish_reason))}\n\n"
+                    elif c.finish_reason is not None:  # stop string: wait for the abort's "finished"
+                        pass
+                    if not finished:
+                        pending[asyncio.ensure_future(next_event(c))] = c
+            for chunk in tail_chunks():
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for c in choices:
+                worker.abort(c.handle)
+
+    # ------------------------------------------------------------------ routes
+
+    @app.get("/health")
+    async def health():
+        if not worker._thread.is_alive():
+            return fail(503, "the engine thread is not running", type="server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "fastmamba"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await parse(request, CompletionRequest)
+        if req.logprobs:
+            raise BadRequest("logprobs: not supported yet", param="logprobs")
+        prompts = [encode_prompt(p, "prompt") for p in req.prompts()]
+        choices = submit_all(prompts, req, req.max_tokens)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        metrics.requests.labels("/v1/completions", "200").inc()
+
+        def chunk(c, text, ids, finish):
+            return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": [{"index": c.index, "text": text, "token_ids": ids, "logprobs": None,
+                                 "finish_reason": finish}]}
+
+        if req.stream:
+            return StreamingResponse(stream(choices, chunk, [], lambda: []), media_type="text/event-stream")
+        try:
+            await run_to_end(choices)
+        except RuntimeError as exc:
+            return fail(500, str(exc), type="server_error")
+        return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                "choices": [{"index": c.index, "text": c.text, "token_ids": c.tokens, "logprobs": None,
+                             "finish_reason": c.finish_reason} for c in choices],
+                "usage": usage(prompts, req.n, choices)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = await parse(request, ChatCompletionRequest)
+        if not codec.has_text or not codec.chat_template:
+            raise BadRequest("this model has no chat template (tokenizer_config.json `chat_template`); use "
+                             "/v1/completions", param="messages")
+        if req.logprobs:
+            raise BadRequest("logprobs: not supported yet", param="logprobs")
+        text = codec.render_chat([m.model_dump() for m in req.messages])
+        prompts = [encode_prompt(text, "messages")]
+        choices = submit_all(prompts, req, req.output_limit(default=256))
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        metrics.requests.labels("/v1/chat/completions", "200").inc()
+
+        def chunk(c, text, ids, finish):
+            delta = {"content": text} if text or finish is None else {}
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                    "choices": [{"index": c.index, "delta": delta, "token_ids": ids, "logprobs": None,
+                                 "finish_reason": finish}]}
+
+        if req.stream:
+            first = [{"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                      "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None}]} for c in choices]
+            return StreamingResponse(stream(choices, chunk, first, lambda: []), media_type="text/event-stream")
+        try:
+            await run_to_end(choices)
+        except RuntimeError as exc:
+            return fail(500, str(exc), type="server_error")
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                             "token_ids": c.tokens, "logprobs": None, "finish_reason": c.finish_reason}
+                            for c in choices],
+                "usage": usage(prompts, req.n, choices)}
+
+    return app
+
+
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Run ``app`` with uvicorn until SIGINT / SIGTERM. SIGTERM is a graceful shutdown: in-flight
+    requests drain (the lifespan stops the engine thread with ``drain=True``) and the process exits
+    with status 0, where uvicorn would otherwise re-raise the signal after shutting down."""
+    import signal
+
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM and sig in self._captured_signals:
+                self._captured_signals.remove(sig)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
+    _Server(config).run()

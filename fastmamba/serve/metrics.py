@@ -1,0 +1,43 @@
+"""Prometheus metrics of one server (its own registry, so several apps in one process never clash)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("fastmamba_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=r)
+        self.prompt_tokens = Counter("fastmamba_prompt_tokens", "prompt tokens received", registry=r)
+        self.generation_tokens = Counter("fastmamba_generation_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram("fastmamba_time_to_first_token_seconds", "request arrival to its first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("fastmamba_inter_token_latency_seconds", "time between a request's tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("fastmamba_running_requests", "requests decoding", registry=r)
+        self.waiting = Gauge("fastmamba_waiting_requests", "requests waiting for a slot", registry=r)
+        self.slots_used = Gauge("fastmamba_slots_in_use", "state-cache slots held by requests", registry=r)
+        self.slots_total = Gauge("fastmamba_slots_total", "state-cache slots", registry=r)
+        self.kv_pages_used = Gauge("fastmamba_kv_pages_in_use", "attention KV pages held (0: no attention layers)",
+                                   registry=r)
+        self.prefix_hit_rate = Gauge("fastmamba_prefix_cache_hit_rate",
+                                     "prompt tokens served from the prefix cache / prompt tokens", registry=r)
+
+    def observe_engine(self, engine) -> None:
+        """Gauges from the engine's bookkeeping (called by the engine thread after each step)."""
+        self.running.set(len(engine.running))
+        self.waiting.set(len(engine.waiting))
+        total = engine.cache.num_slots
+        self.slots_total.set(total)
+        self.slots_used.set(total - engine.cache.free_slots)
+        pages = getattr(engine.cache, "kv_pages_in_use", 0)
+        self.kv_pages_used.set(pages() if callable(pages) else pages)
+        stats = getattr(engine, "prefix_stats", None)
+        if stats and stats.get("prompt_tokens"):
+            self.prefix_hit_rate.set(stats["hit_tokens"] / stats["prompt_tokens"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
