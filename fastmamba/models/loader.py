@@ -53,10 +53,7 @@ def load_model(path_or_preset: str | os.PathLike, dtype: torch.dtype | None = No
         )
     from fastmamba.models.weights import load_into, normalize_names, read_checkpoint
 
-    config_path = os.path.join(key, "config.json")
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"load_model: no config.json in {key!r}")
-    cfg = Mamba2Config.from_file(config_path)
+    cfg = Mamba2Config.from_dir(key)  # config.json (+ generation_config.json's eos_token_id)
     state_dict = normalize_names(read_checkpoint(key))
     if dtype is None:
         dtype = next((t.dtype for t in state_dict.values() if t.is_floating_point()), torch.float32)
