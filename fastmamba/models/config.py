@@ -45,7 +45,8 @@ class _Fields:
         self.data = data
 
     def error(self, key: str, expected: str, got: Any) -> ValueError:
-        return ValueError(f"Mamba2Config: {self.source}: '{self.prefix}{key}' expected {expected}, got {_describe(got)}")
+        field = f"'{self.prefix}{key}'"
+        return ValueError(f"Mamba2Config: {self.source}: {field} expected {expected}, got {_describe(got)}")
 
     def has(self, key: str) -> bool:
         return key in self.data
@@ -137,14 +138,16 @@ class Mamba2Config:
     eos_token_ids: tuple[int, ...] = ()  # end-of-sequence token ids; () when the checkpoint names none
 
     def __post_init__(self) -> None:
-        for f in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "headdim", "ngroups", "chunk_size"):
+        sizes = ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "headdim", "ngroups", "chunk_size")
+        for f in sizes:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Mamba2Config: {f} expected an integer >= 1, got {_describe(v)}")
         for f in ("residual_in_fp32", "tie_embeddings", "conv_bias", "proj_bias", "norm_before_gate"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"Mamba2Config: {f} expected a bool, got {_describe(getattr(self, f))}")
-        if not isinstance(self.norm_eps, (int, float)) or isinstance(self.norm_eps, bool) or not 0 < self.norm_eps < math.inf:
+        eps = self.norm_eps
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < math.inf:
             raise ValueError(f"Mamba2Config: norm_eps expected a finite number > 0, got {_describe(self.norm_eps)}")
         ids = self.eos_token_ids
         if not isinstance(ids, tuple) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):

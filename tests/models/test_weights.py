@@ -455,7 +455,8 @@ def test_corrupt_tokenizer_names_the_file(tmp_path, text):
 
     assert load_tokenizer(tmp_path) is None  # no tokenizer.json: token ids only
     (tmp_path / "tokenizer.json").write_text(text)
-    with pytest.raises(ValueError, match=rf"load_tokenizer: {tmp_path / 'tokenizer.json'} is not a valid tokenizer.json: \S"):
+    expected = rf"load_tokenizer: {tmp_path / 'tokenizer.json'} is not a valid tokenizer.json: \S"
+    with pytest.raises(ValueError, match=expected):
         load_tokenizer(tmp_path)
 
 
