@@ -183,11 +183,35 @@ def test_generate_help_lists_presets(capsys):
     assert "--debug" in capsys.readouterr().out  # a top-level option (accepted after the sub-command too)
 
 
-def test_preset_run_says_random_weights(capsys):
-    rc, out, err = run(["generate", "--model", "mamba2-tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "1",
+class _ScriptedEngine:
+    """Stands in for the Engine (the real one runs in test_text_prompt_with_checkpoint_tokenizer):
+    emits tokens 7, 9 for every request, then finishes."""
+
+    def __init__(self, model, max_batch, **kw):
+        self.pending, self.rids = [[7, 9]], []
+
+    def add_request(self, ids, params):
+        self.rids.append(len(self.rids))
+        return self.rids[-1]
+
+    def has_unfinished(self):
+        return bool(self.pending)
+
+    def step(self):
+        from fastmamba.generation.engine import StepOutput
+
+        tokens = self.pending.pop()
+        return [StepOutput(rid, t, i == len(tokens) - 1) for i, t in enumerate(tokens) for rid in self.rids]
+
+
+def test_preset_run_says_random_weights(capsys, monkeypatch):
+    from fastmamba.generation import engine
+
+    monkeypatch.setattr(engine, "Engine", _ScriptedEngine)
+    rc, out, err = run(["generate", "--model", "mamba2-tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "2",
                         "--device", "cpu"], capsys)
     assert rc == 0
-    assert re.fullmatch(r"\d+ \n", out), out
+    assert out == "7 9 \n"  # ids, streamed
     assert "mamba2-tiny is a preset: random weights" in err and "tokens below are ids" in err
     assert 'fastmamba generate --model DIR --prompt "..."' in err
 
