@@ -17,7 +17,7 @@ naming the file and the field, e.g.
 
 End of sequence: ``eos_token_ids`` holds the checkpoint's ``eos_token_id`` (an int or a list of
 ints in config.json, overridden by generation_config.json's when that file sets it; ``from_dir``
-reads both); empty when the checkpoint names none.
+reads both, and falls back to the tokenizer files' ``eos_token``); empty when the checkpoint names none.
 """
 from __future__ import annotations
 
@@ -284,11 +284,15 @@ class Mamba2Config:
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> "Mamba2Config":
-        """Read a checkpoint directory's ``config.json`` and, when present, ``generation_config.json``,
-        whose ``eos_token_id`` (int, list, or null for none) replaces config.json's.
+        """Read a checkpoint directory's ``config.json`` and its end-of-sequence ids.
+
+        ``eos_token_ids``, first found wins: generation_config.json's ``eos_token_id`` (int, list, or
+        null for none), config.json's, else the ``eos_token`` that tokenizer_config.json or
+        special_tokens_map.json name, looked up in tokenizer.json (state-spaces checkpoints carry no
+        ``eos_token_id``; their GPT-NeoX tokenizer files name ``<|endoftext|>``).
 
         Raises FileNotFoundError naming the path when the directory or its config.json is missing,
-        ValueError (see ``from_dict``) for a bad file.
+        ValueError (see ``from_dict``) naming the file and field for a bad file.
         """
         root = os.fspath(path)
         if not os.path.isdir(root):
@@ -297,14 +301,53 @@ class Mamba2Config:
         if not os.path.isfile(config_path):
             raise FileNotFoundError(f"Mamba2Config: no config.json in {root!r}")
         cfg = cls.from_file(config_path)
+        named = bool(cfg.eos_token_ids)
         gen_path = os.path.join(root, "generation_config.json")
         if os.path.isfile(gen_path):
             gen = _Fields(_read_json(gen_path), gen_path)
             if gen.has("eos_token_id"):
                 eos = gen.eos("eos_token_id") or ()
                 _check_eos(gen_path, "eos_token_id", eos, cfg.vocab_size, "vocab_size of config.json")
+                cfg, named = dataclasses.replace(cfg, eos_token_ids=eos), True
+        if not named:
+            found = _tokenizer_eos(root)
+            if found is not None:
+                source, eos = found
+                _check_eos(source, "eos_token", eos, cfg.vocab_size, "vocab_size of config.json")
                 cfg = dataclasses.replace(cfg, eos_token_ids=eos)
         return cfg
+
+
+def _tokenizer_eos(root: str) -> tuple[str, tuple[int, ...]] | None:
+    """(file, (id,)) for the ``eos_token`` that tokenizer_config.json / special_tokens_map.json name,
+    its id read from tokenizer.json (added tokens, then the model's vocab); None when no file names one
+    or there is no tokenizer.json to map it."""
+    vocab_path = os.path.join(root, "tokenizer.json")
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = os.path.join(root, name)
+        if not os.path.isfile(path):
+            continue
+        f = _Fields(_read_json(path), path)
+        token = f.raw("eos_token", None)
+        if isinstance(token, dict):  # a serialised AddedToken
+            token = token.get("content")
+        if token is None:
+            continue
+        if not isinstance(token, str):
+            raise f.error("eos_token", "a token string or {\"content\": string}", f.raw("eos_token"))
+        if not os.path.isfile(vocab_path):
+            return None
+        tj = _read_json(vocab_path)
+        if not isinstance(tj, dict):
+            raise ValueError(f"Mamba2Config: {vocab_path}: the file should be a JSON object, got {_describe(tj)}")
+        for added in tj.get("added_tokens") or ():
+            if isinstance(added, dict) and added.get("content") == token and isinstance(added.get("id"), int):
+                return path, (added["id"],)
+        vocab = (tj.get("model") or {}).get("vocab") if isinstance(tj.get("model"), dict) else None
+        if isinstance(vocab, dict) and isinstance(vocab.get(token), int):
+            return path, (vocab[token],)
+        raise ValueError(f"Mamba2Config: {path}: 'eos_token' {token!r} is not a token of {vocab_path}")
+    return None
 
 
 def _check_heads(src: str, d_inner: int, inner_name: str, headdim: int, headdim_name: str,

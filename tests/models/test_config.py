@@ -190,3 +190,49 @@ def test_direct_construction_checks(kw, match):
     base = dict(d_model=64, n_layer=2, vocab_size=256, d_state=16, headdim=16)
     with pytest.raises(ValueError, match=match):
         Mamba2Config(**{**base, **kw})
+
+
+GPT_NEOX_LIKE = {"added_tokens": [{"id": 0, "content": "<|endoftext|>", "special": True},
+                                  {"id": 1, "content": "<|padding|>", "special": True}],
+                 "model": {"type": "BPE", "vocab": {"<|endoftext|>": 0, "<|padding|>": 1, "a": 2, "</s>": 3}}}
+
+
+@pytest.mark.parametrize("files,expected", [
+    ({"tokenizer_config.json": {"eos_token": "<|endoftext|>"}}, (0,)),
+    ({"special_tokens_map.json": {"eos_token": {"content": "<|endoftext|>", "lstrip": False}}}, (0,)),
+    ({"tokenizer_config.json": {"eos_token": "</s>"}}, (3,)),  # from the model's vocab
+    ({"tokenizer_config.json": {"eos_token": None}, "special_tokens_map.json": {"eos_token": "<|padding|>"}}, (1,)),
+    ({"tokenizer_config.json": {"model_max_length": 2048}}, ()),
+], ids=["tokenizer_config", "special_tokens_map-dict", "model-vocab", "second-file", "no-eos_token"])
+def test_state_spaces_eos_from_tokenizer_files(tmp_path, files, expected):
+    """state-spaces checkpoints name no eos_token_id: the tokenizer files' eos_token gives it."""
+    write(tmp_path, SS)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(GPT_NEOX_LIKE))
+    for name, content in files.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    assert Mamba2Config.from_dir(tmp_path).eos_token_ids == expected
+
+
+def test_tokenizer_eos_is_only_a_fallback(tmp_path):
+    write(tmp_path, dict(HF, eos_token_id=5))
+    (tmp_path / "tokenizer.json").write_text(json.dumps(GPT_NEOX_LIKE))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    assert Mamba2Config.from_dir(tmp_path).eos_token_ids == (5,)  # config.json names one
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": None}))
+    assert Mamba2Config.from_dir(tmp_path).eos_token_ids == ()  # explicitly none
+    (tmp_path / "tokenizer.json").unlink()
+    write(tmp_path, dict(HF, eos_token_id=None))
+    (tmp_path / "generation_config.json").unlink()
+    assert Mamba2Config.from_dir(tmp_path).eos_token_ids == ()  # no tokenizer.json to map the name
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"eos_token": "<missing>"}, r"tokenizer_config.json: 'eos_token' '<missing>' is not a token of .*tokenizer.json"),
+    ({"eos_token": 5}, r"tokenizer_config.json: 'eos_token' expected a token string"),
+], ids=["unknown-token", "not-a-string"])
+def test_bad_tokenizer_eos(tmp_path, config, match):
+    write(tmp_path, SS)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(GPT_NEOX_LIKE))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=match):
+        Mamba2Config.from_dir(tmp_path)
