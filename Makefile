@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml
 # With a GPU: mamba2-2.7b (random weights), CUDA graphs, tok/s vs the bandwidth roofline.
 # Without one: the tiny preset on the CPU through the Triton interpreter (it says so).
 demo: $(STAMP)
+	@echo "== fastmamba demo on a preset: the shape of a public Mamba-2 model with RANDOM weights (fixed seed)."
+	@echo "   It measures speed: the prompt is token ids and the tokens it prints are ids that mean nothing."
+	@echo "   Text from a real checkpoint (config.json, weights, tokenizer.json):"
+	@echo "   $(VENV)/bin/fastmamba generate --model DIR --prompt \"The capital of France is\""
 	@if $(PY) -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 		$(PY) -m fastmamba.bench e2e && \
 		$(PY) -m fastmamba.cli generate --model mamba2-130m --prompt-ids 1,2,3,4 --max-new-tokens 32; \
@@ -36,8 +40,11 @@ bench-kernels: $(STAMP)
 	fi
 
 # CPU tests run the real Triton kernels under the interpreter; GPU-marked tests skip cleanly.
+# pytest-xdist spreads them over TEST_WORKERS processes (both cores of a 2-core machine); the 20
+# slowest tests are listed at the end.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -n $(TEST_WORKERS) --durations=20 -m "not gpu" tests
 
 # On a machine with a GPU and torch/triton already installed (no venv, no network needed).
 test-gpu:

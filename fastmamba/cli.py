@@ -13,39 +13,110 @@ upper bound of speculation for this model and prompt, for benchmarking; ``--draf
 greedily with a smaller Mamba-2 model of the same vocabulary (``--draft-model``, loaded with the
 target's dtype and device; ``ModelDrafter``).
 
-``generate`` streams tokens as they come (text when the checkpoint has a tokenizer.json).
+``generate`` streams tokens as they come (text when the checkpoint has a tokenizer.json). A preset
+(``mamba2-tiny`` ... ``mamba2-2.7b``) is a model of that shape with random weights, for speed
+measurements: it has no tokenizer, takes ``--prompt-ids`` only and its tokens mean nothing. Text
+needs a real checkpoint directory (config.json, weights, tokenizer.json):
+``fastmamba generate --model DIR --prompt "..."``.
+
+User errors (a missing checkpoint, a bad config.json, a corrupt file, bad options) print one line,
+``fastmamba: error: ...``, and exit with status 2; ``--debug`` (anywhere on the line, or
+``FASTMAMBA_DEBUG=1``) shows the traceback instead.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from fastmamba.bench import targets as bench_targets
+from fastmamba.models.config import PRESETS
+
+EXIT_USAGE = 2  # argparse's status for a bad command line; ours for every user error
+
+# what the CLI reports as ``fastmamba: error: <message>`` (exit 2) instead of a traceback: a missing
+# or unreadable path, a bad config / weight / tokenizer file, a bad option value, a missing package
+USER_ERRORS = (OSError, ValueError, TypeError, ImportError, NotImplementedError)
+
+
+class UsageError(Exception):
+    """A command line that parses but cannot run (e.g. --prompt with a preset); reported in one line."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return v
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def _preset_lines() -> str:
+    rows = []
+    for name, c in PRESETS.items():
+        params = c.vocab_size * c.d_model * (1 if c.tie_embeddings else 2) + c.n_layer * (
+            c.d_model * c.d_in_proj + c.conv_dim * c.d_conv + c.d_inner * c.d_model)
+        rows.append(f"  {name:13} {c.n_layer:3d} layers, d_model {c.d_model:4d}, {c.nheads:3d} heads, "
+                    f"vocab {c.vocab_size:5d}  ~{params / 1e6:,.{1 if params < 1e7 else 0}f}M parameters")
+    return "\n".join(rows)
+
+
+GENERATE_EPILOG = f"""\
+presets (--model NAME): the shapes of the public Mamba-2 models with RANDOM weights (fixed seed),
+for speed measurements. They have no tokenizer: give the prompt as token ids (--prompt-ids 1,2,3);
+the tokens they print are ids and mean nothing.
+{_preset_lines()}
+
+text: --model DIR of a real checkpoint (config.json, model.safetensors or pytorch_model.bin, and
+tokenizer.json; state-spaces or Hugging Face format), e.g.
+  fastmamba generate --model ./mamba2-130m --prompt "The capital of France is"
+"""
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and its sub-command parsers by name."""
     parser = argparse.ArgumentParser(prog="fastmamba", description="fastmamba: Mamba-2 inference kernels and runtime")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback on errors (also accepted after the sub-command)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     bench = sub.add_parser(
         "bench", help="run a benchmark (same as python -m fastmamba.bench)", description="fastmamba benchmarks"
     )
     bench_targets.configure(bench)
     bench.set_defaults(_handler=_bench)
-    gen = sub.add_parser("generate", help="generate text or token ids with a model, streaming")
-    gen.add_argument("--model", required=True, help="checkpoint directory or preset (e.g. mamba2-130m)")
+    gen = sub.add_parser(
+        "generate", help="generate text (real checkpoint) or token ids (random-weight preset), streaming",
+        description="Generate from a prompt, streaming the tokens as they come.",
+        epilog=GENERATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    gen.add_argument("--model", required=True, metavar="DIR|PRESET",
+                     help=f"checkpoint directory, or a preset with random weights: {', '.join(PRESETS)}")
     src = gen.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
-    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    src.add_argument("--prompt", metavar="TEXT",
+                     help="prompt text; needs a checkpoint directory with tokenizer.json (not a preset)")
+    src.add_argument("--prompt-ids", metavar="IDS", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--batch", type=int, default=1, help="run the prompt as B parallel requests; streams the first")
+    gen.add_argument("--batch", type=_positive_int, default=1, metavar="B",
+                     help="run the prompt as B parallel requests; streams the first")
     gen.add_argument("--device", default=None, help="default: cuda when present")
-    gen.add_argument("--speculate", type=int, default=0, metavar="K",
+    gen.add_argument("--speculate", type=_non_negative_int, default=0, metavar="K",
                      help="speculative decoding with K drafts per step (0 = off)")
     gen.add_argument("--drafter", choices=("ngram", "oracle", "model"), default="ngram",
                      help="draft source with --speculate: ngram = prompt lookup (default); oracle = replay "
@@ -57,6 +128,27 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     return parser, {"bench": bench, "generate": gen}
 
 
+def _prompt_ids(text: str) -> list[int]:
+    """``--prompt-ids 1,2,3`` as a list of ints >= 0 (the engine checks them against the vocabulary)."""
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    try:
+        ids = [int(t) for t in parts]
+    except ValueError:
+        raise UsageError(f"--prompt-ids expects comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise UsageError(f"--prompt-ids holds no token ids: {text!r}")
+    if any(t < 0 for t in ids):
+        raise UsageError(f"--prompt-ids expects token ids >= 0, got {text!r}")
+    return ids
+
+
+def preset_notice(name: str) -> str:
+    """What the CLI and the demo say when a preset runs: random weights, token ids, how to get text."""
+    return (f"[{name} is a preset: random weights (fixed seed) for speed measurements, no tokenizer; the "
+            "tokens below are ids and mean nothing. For text, run a real checkpoint directory: "
+            'fastmamba generate --model DIR --prompt "..."]')
+
+
 def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import time
 
@@ -65,32 +157,35 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from fastmamba.generation.sampling import SamplingParams
     from fastmamba.generation.tokenizer import load_tokenizer
 
-    model = fastmamba.load_model(args.model, device=args.device)
-    tok = load_tokenizer(args.model)
-    if args.prompt is not None:
-        if tok is None:
-            print(f"error: {args.model} has no tokenizer.json; pass --prompt-ids instead", file=sys.stderr)
-            return 2
-        ids = tok.encode(args.prompt).ids
-    else:
-        try:
-            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-        except ValueError:
-            print(f"error: --prompt-ids expects comma-separated integers, got {args.prompt_ids!r}", file=sys.stderr)
-            return 2
+    # everything the command line alone decides is checked before the (possibly long) model load
+    is_preset = args.model in PRESETS
+    if args.prompt is not None and is_preset:
+        raise UsageError(f"--prompt needs a checkpoint with a tokenizer.json, but {args.model} is a preset "
+                         "(random weights, no tokenizer): pass token ids (--prompt-ids 1,2,3), or --model DIR "
+                         "of a real checkpoint for text")
+    if args.prompt is not None and os.path.isdir(args.model) \
+            and not os.path.isfile(os.path.join(args.model, "tokenizer.json")):
+        raise UsageError(f"--prompt needs {os.path.join(args.model, 'tokenizer.json')}, which does not exist; "
+                         "pass --prompt-ids instead")
+    ids = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    if (args.draft_model is not None) != (args.speculate > 0 and args.drafter == "model"):
+        raise UsageError("--draft-model goes with --speculate K --drafter model (and that drafter needs it)")
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens)
-    if args.speculate < 0:
-        print(f"error: --speculate expects K >= 0, got {args.speculate}", file=sys.stderr)
-        return 2
-    if (args.draft_model is not None) != (args.speculate > 0 and args.drafter == "model"):
-        print("error: --draft-model goes with --speculate K --drafter model (and that drafter needs it)",
-              file=sys.stderr)
-        return 2
+
+    # the tokenizer before the model: a bad tokenizer.json fails fast
+    tok = None if is_preset or not os.path.isdir(args.model) else load_tokenizer(args.model)
+    model = fastmamba.load_model(args.model, device=args.device)
+    if args.prompt is not None:
+        ids = tok.encode(args.prompt).ids
+        if not ids:
+            raise UsageError(f"--prompt {args.prompt!r} encodes to no tokens")
+    if is_preset:
+        print(preset_notice(args.model), file=sys.stderr)
     if args.speculate:
         from fastmamba.generation.drafters import ModelDrafter, NgramDrafter, OracleDrafter
 
-        batch = max(1, args.batch)
+        batch = args.batch
         if args.drafter == "oracle":
             reference = Engine(model, max_batch=1).generate([ids], params)[0]
             drafter = OracleDrafter.from_runs([ids], [reference])
@@ -99,14 +194,13 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
             try:
                 drafter = ModelDrafter(draft, batch, target_vocab_size=model.cfg.vocab_size)
             except ValueError as exc:
-                print(f"error: --draft-model {args.draft_model}: {exc}", file=sys.stderr)
-                return 2
+                raise UsageError(f"--draft-model {args.draft_model}: {exc}") from exc
         else:
             drafter = NgramDrafter()
         engine = Engine(model, max_batch=batch, speculate=args.speculate, drafter=drafter)
     else:
-        engine = Engine(model, max_batch=max(1, args.batch))
-    rids = [engine.add_request(ids, params) for _ in range(max(1, args.batch))]
+        engine = Engine(model, max_batch=args.batch)
+    rids = [engine.add_request(ids, params) for _ in range(args.batch)]
     shown: list[int] = []
     t0 = time.perf_counter()
     while engine.has_unfinished():
@@ -121,9 +215,11 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
             else:
                 sys.stdout.write(f"{out.token} ")
             sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
     dt = time.perf_counter() - t0
     n = len(shown) * len(rids)
-    print(f"\n[{n} tokens in {dt:.2f} s: {n / dt:.1f} tok/s, batch {len(rids)}, {model.lm_head.weight.device}]",
+    print(f"[{n} tokens in {dt:.2f} s: {n / dt:.1f} tok/s, batch {len(rids)}, {model.lm_head.weight.device}]",
           file=sys.stderr)
     if args.speculate:
         req = engine.finished[rids[0]]
@@ -140,12 +236,43 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: sys.argv[1:]); returns the exit status.
+
+    User errors (``USER_ERRORS``, ``UsageError``) print ``fastmamba: error: <message>`` on stderr and
+    return 2; with ``--debug`` anywhere in ``argv`` (or FASTMAMBA_DEBUG=1) they raise instead, with
+    the traceback. argparse's own errors print the usage line and exit 2 as usual.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("FASTMAMBA_DEBUG", "0") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     parser, commands = build_parser()
     if argv[:1] == ["bench"]:
         bench_targets.check_planned(commands["bench"], argv[1:])
     args = parser.parse_args(argv)
-    return args._handler(args, argv)
+    try:
+        return args._handler(args, argv)
+    except (UsageError, *USER_ERRORS) as exc:
+        if debug:
+            raise
+        return _report(exc)
+    except RuntimeError as exc:
+        if debug or type(exc).__name__ != "OutOfMemoryError":  # torch.cuda.OutOfMemoryError: a user limit
+            raise
+        return _report(RuntimeError(f"{' '.join(str(exc).split())[:300]} (try a smaller --batch or a smaller model)"))
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("\nfastmamba: interrupted", file=sys.stderr)
+        return 130
+
+
+def _report(exc: BaseException) -> int:
+    """``fastmamba: error: <message>`` on stderr (the message as raised: it names the file or option)."""
+    msg = str(exc) if str(exc) else type(exc).__name__
+    if isinstance(exc, OSError) and exc.filename and exc.strerror and str(exc.filename) not in msg:
+        msg = f"{exc.strerror}: {exc.filename}"
+    print(f"fastmamba: error: {msg}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -8,6 +8,16 @@ Two formats exist in the wild:
     ``head_dim``, ``state_size``, ``n_groups``, ``conv_kernel``, ``expand``, ``use_bias``,
     ``use_conv_bias``, ``layer_norm_epsilon``, ``tie_word_embeddings``, ``time_step_limit`` ...
 Both map onto one dataclass; derived sizes are properties.
+
+Every field read from a file is checked: present where required, of its JSON type (integers are
+JSON integers, booleans are ``true`` / ``false``, not strings), in range (sizes >= 1, epsilon > 0),
+and the sizes consistent (heads divide, groups divide heads). A bad file raises ``ValueError``
+naming the file and the field, e.g.
+``Mamba2Config: ckpt/config.json: 'head_dim' expected an integer >= 1, got 0``.
+
+End of sequence: ``eos_token_ids`` holds the checkpoint's ``eos_token_id`` (an int or a list of
+ints in config.json, overridden by generation_config.json's when that file sets it; ``from_dir``
+reads both, and falls back to the tokenizer files' ``eos_token``); empty when the checkpoint names none.
 """
 from __future__ import annotations
 
@@ -17,12 +27,92 @@ import math
 import os
 from typing import Any
 
+_REQUIRED = object()
 
-def _float(v: Any) -> float:
-    """A float from config.json; transformers writes infinity as {"__float__": "Infinity"}."""
-    if isinstance(v, dict) and "__float__" in v:
-        v = v["__float__"]
+
+def _describe(v: Any) -> str:
+    return f"{v!r} ({'null' if v is None else type(v).__name__})"
+
+
+class _Fields:
+    """Typed reads of one JSON object; each error names the file (``source``) and the field."""
+
+    def __init__(self, data: Any, source: str, prefix: str = ""):
+        self.source, self.prefix = source, prefix
+        if not isinstance(data, dict):
+            where = f"'{prefix[:-1]}'" if prefix else "the file"
+            raise ValueError(f"Mamba2Config: {source}: {where} should be a JSON object, got {_describe(data)}")
+        self.data = data
+
+    def error(self, key: str, expected: str, got: Any) -> ValueError:
+        field = f"'{self.prefix}{key}'"
+        return ValueError(f"Mamba2Config: {self.source}: {field} expected {expected}, got {_describe(got)}")
+
+    def has(self, key: str) -> bool:
+        return key in self.data
+
+    def raw(self, key: str, default: Any = _REQUIRED) -> Any:
+        if key not in self.data:
+            if default is _REQUIRED:
+                raise ValueError(f"Mamba2Config: {self.source}: required field '{self.prefix}{key}' is missing")
+            return default
+        return self.data[key]
+
+    def int(self, key: str, default: Any = _REQUIRED, *, minimum: int = 1) -> int:
+        v = self.raw(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise self.error(key, f"an integer >= {minimum}", v)
+        return v
+
+    def float(self, key: str, default: Any = _REQUIRED, *, positive: bool = False) -> float:
+        v = _as_float(self.raw(key, default))
+        if v is None or math.isnan(v) or (positive and not (0 < v < math.inf)):
+            raise self.error(key, "a finite number > 0" if positive else "a number", self.data.get(key, default))
+        return v
+
+    def bool(self, key: str, default: Any = _REQUIRED) -> bool:
+        v = self.raw(key, default)
+        if not isinstance(v, bool):
+            raise self.error(key, "true or false", v)
+        return v
+
+    def float_pair(self, key: str, default: tuple[float, float]) -> tuple[float, float]:
+        v = self.raw(key, default)
+        pair = tuple(_as_float(x) for x in v) if isinstance(v, (list, tuple)) else ()
+        if len(pair) != 2 or None in pair or any(math.isnan(x) for x in pair) or not 0 <= pair[0] < pair[1]:
+            raise self.error(key, "[low, high] with 0 <= low < high (high may be Infinity)", v)
+        return pair
+
+    def eos(self, key: str) -> tuple[int, ...] | None:
+        """``eos_token_id``: an int, a list of ints, or null / absent (None: not set here)."""
+        v = self.data.get(key)
+        if v is None:
+            return None
+        ids = [v] if not isinstance(v, list) else v
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise self.error(key, "a token id >= 0 or a list of them", v)
+        return tuple(dict.fromkeys(ids))
+
+
+def _as_float(v: Any) -> float | None:
+    """A float from config.json (transformers writes infinity as {"__float__": "Infinity"}), or None."""
+    if isinstance(v, dict) and set(v) == {"__float__"}:
+        try:
+            return float(v["__float__"])
+        except (TypeError, ValueError):
+            return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
     return float(v)
+
+
+def _read_json(path: str | os.PathLike) -> Any:
+    """A JSON file's content; ValueError naming the file when it is not valid JSON / UTF-8."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"Mamba2Config: {os.fspath(path)} is not valid JSON: {e}") from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +135,26 @@ class Mamba2Config:
     proj_bias: bool = False  # in_proj / out_proj bias
     norm_before_gate: bool = False  # Mamba-2's gated norm gates first: norm(y * silu(z))
     dt_limit: tuple[float, float] = (0.0, math.inf)
+    eos_token_ids: tuple[int, ...] = ()  # end-of-sequence token ids; () when the checkpoint names none
 
     def __post_init__(self) -> None:
+        sizes = ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "headdim", "ngroups", "chunk_size")
+        for f in sizes:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Mamba2Config: {f} expected an integer >= 1, got {_describe(v)}")
+        for f in ("residual_in_fp32", "tie_embeddings", "conv_bias", "proj_bias", "norm_before_gate"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"Mamba2Config: {f} expected a bool, got {_describe(getattr(self, f))}")
+        eps = self.norm_eps
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < math.inf:
+            raise ValueError(f"Mamba2Config: norm_eps expected a finite number > 0, got {_describe(self.norm_eps)}")
+        ids = self.eos_token_ids
+        if not isinstance(ids, tuple) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"Mamba2Config: eos_token_ids expected a tuple of ints, got {_describe(ids)}")
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"Mamba2Config: eos_token_ids {bad} are outside the vocabulary [0, {self.vocab_size})")
         if self.d_inner % self.headdim:
             raise ValueError(f"Mamba2Config: d_inner={self.d_inner} (expand * d_model) is not a multiple of headdim={self.headdim}")
         if self.nheads % self.ngroups:
@@ -69,59 +177,196 @@ class Mamba2Config:
         return self.d_inner + self.conv_dim + self.nheads
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "Mamba2Config":
-        """Read a state-spaces or Hugging Face ``config.json`` dict."""
-        if "d_model" in cfg:  # state-spaces
-            ssm = dict(cfg.get("ssm_cfg") or {})
-            layer = ssm.pop("layer", "Mamba2")
-            if layer != "Mamba2":
-                raise ValueError(f"Mamba2Config: ssm_cfg.layer is {layer!r}; only 'Mamba2' checkpoints are supported")
-            if cfg.get("attn_layer_idx"):
-                raise ValueError("Mamba2Config: hybrid checkpoints with attention layers (attn_layer_idx) are not supported")
-            if not cfg.get("rms_norm", True):
-                raise ValueError("Mamba2Config: rms_norm=False (LayerNorm blocks) is not supported")
-            multiple = int(cfg.get("pad_vocab_size_multiple", 8))
-            vocab = int(cfg["vocab_size"])
-            vocab += (-vocab) % multiple
-            d_model = int(cfg["d_model"])
-            return cls(
-                d_model=d_model, n_layer=int(cfg["n_layer"]), vocab_size=vocab,
-                d_state=int(ssm.get("d_state", 128)), d_conv=int(ssm.get("d_conv", 4)),
-                expand=int(ssm.get("expand", 2)), headdim=int(ssm.get("headdim", 64)),
-                ngroups=int(ssm.get("ngroups", 1)), chunk_size=int(ssm.get("chunk_size", 256)),
-                norm_eps=float(cfg.get("norm_epsilon", 1e-5)),
-                residual_in_fp32=bool(cfg.get("residual_in_fp32", True)),
-                tie_embeddings=bool(cfg.get("tie_embeddings", True)),
-                conv_bias=bool(ssm.get("conv_bias", True)), proj_bias=bool(ssm.get("bias", False)),
-                norm_before_gate=bool(ssm.get("norm_before_gate", False)),
-                dt_limit=tuple(_float(v) for v in ssm.get("dt_limit", (0.0, math.inf))),
+    def from_dict(cls, cfg: dict[str, Any], *, source: str = "config.json") -> "Mamba2Config":
+        """Read a state-spaces or Hugging Face ``config.json`` dict.
+
+        source  how errors name the dict (the file's path when it came from one)
+        Raises ValueError naming ``source`` and the field for a missing required field, a value of the
+        wrong JSON type or out of range, inconsistent sizes, or an unsupported architecture.
+        """
+        c = _Fields(cfg, source)
+        if c.has("d_model"):
+            return cls._from_state_spaces(c)
+        if c.has("hidden_size"):
+            return cls._from_hugging_face(c)
+        raise ValueError(
+            f"Mamba2Config: {source} has neither 'd_model' (state-spaces) nor 'hidden_size' (Hugging Face)"
+        )
+
+    @classmethod
+    def _from_state_spaces(cls, c: _Fields) -> "Mamba2Config":
+        src = c.source
+        ssm = _Fields(c.raw("ssm_cfg", {}), src, "ssm_cfg.")
+        layer = ssm.raw("layer", None)
+        if layer != "Mamba2":
+            got = "missing (mamba_ssm then builds 'Mamba1')" if layer is None else f"{layer!r}"
+            raise ValueError(f"Mamba2Config: {src}: 'ssm_cfg.layer' is {got}; only 'Mamba2' checkpoints are supported")
+        if c.raw("attn_layer_idx", None):
+            raise ValueError(f"Mamba2Config: {src}: hybrid checkpoints with attention layers "
+                             "('attn_layer_idx') are not supported")
+        if c.int("d_intermediate", 0, minimum=0):
+            raise ValueError(f"Mamba2Config: {src}: 'd_intermediate' > 0 (MLP blocks) is not supported")
+        if not c.bool("rms_norm", True):
+            raise ValueError(f"Mamba2Config: {src}: 'rms_norm' false (LayerNorm blocks) is not supported")
+        if not ssm.bool("rmsnorm", True):
+            raise ValueError(f"Mamba2Config: {src}: 'ssm_cfg.rmsnorm' false (no gated norm) is not supported")
+        if ssm.bool("D_has_hdim", False):
+            raise ValueError(f"Mamba2Config: {src}: 'ssm_cfg.D_has_hdim' true (D per channel) is not supported")
+        d_model = c.int("d_model")
+        expand = ssm.int("expand", 2)
+        headdim = ssm.int("headdim", 64)
+        ngroups = ssm.int("ngroups", 1)
+        d_ssm = ssm.raw("d_ssm", None)
+        if d_ssm is not None and d_ssm != expand * d_model:
+            raise ValueError(f"Mamba2Config: {src}: 'ssm_cfg.d_ssm'={d_ssm!r} differs from expand * d_model = "
+                             f"{expand * d_model}; only the full-width SSM is supported")
+        _check_heads(src, expand * d_model, "'ssm_cfg.expand' * 'd_model'", headdim, "'ssm_cfg.headdim'",
+                     ngroups, "'ssm_cfg.ngroups'")
+        multiple = c.int("pad_vocab_size_multiple", 8)
+        vocab = c.int("vocab_size")
+        vocab += (-vocab) % multiple
+        return cls._build(
+            c, "vocab_size (padded to 'pad_vocab_size_multiple')",
+            d_model=d_model, n_layer=c.int("n_layer"), vocab_size=vocab,
+            d_state=ssm.int("d_state", 128), d_conv=ssm.int("d_conv", 4),
+            expand=expand, headdim=headdim, ngroups=ngroups, chunk_size=ssm.int("chunk_size", 256),
+            norm_eps=c.float("norm_epsilon", 1e-5, positive=True),
+            residual_in_fp32=c.bool("residual_in_fp32", True),
+            tie_embeddings=c.bool("tie_embeddings", True),
+            conv_bias=ssm.bool("conv_bias", True), proj_bias=ssm.bool("bias", False),
+            norm_before_gate=ssm.bool("norm_before_gate", False),
+            dt_limit=ssm.float_pair("dt_limit", (0.0, math.inf)),
+        )
+
+    @classmethod
+    def _from_hugging_face(cls, c: _Fields) -> "Mamba2Config":
+        src = c.source
+        model_type = c.raw("model_type", "mamba2")
+        if model_type != "mamba2":
+            raise ValueError(f"Mamba2Config: {src}: 'model_type' is {model_type!r}; only 'mamba2' checkpoints "
+                             "are supported")
+        act = c.raw("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"Mamba2Config: {src}: 'hidden_act' is {act!r}; Mamba-2 layers use 'silu'")
+        d_model = c.int("hidden_size")
+        expand = c.int("expand", 2)
+        headdim = c.int("head_dim", 64)
+        ngroups = c.int("n_groups", 1)
+        nheads = _check_heads(src, expand * d_model, "'expand' * 'hidden_size'", headdim, "'head_dim'",
+                              ngroups, "'n_groups'")
+        if c.has("num_heads") and c.int("num_heads") != nheads:
+            raise ValueError(
+                f"Mamba2Config: {src}: num_heads={c.raw('num_heads')} but expand * hidden_size / head_dim = {nheads}"
             )
-        if "hidden_size" in cfg:  # Hugging Face Mamba2Config
-            d_model = int(cfg["hidden_size"])
-            expand = int(cfg.get("expand", 2))
-            headdim = int(cfg.get("head_dim", 64))
-            out = cls(
-                d_model=d_model, n_layer=int(cfg["num_hidden_layers"]), vocab_size=int(cfg["vocab_size"]),
-                d_state=int(cfg.get("state_size", 128)), d_conv=int(cfg.get("conv_kernel", 4)),
-                expand=expand, headdim=headdim, ngroups=int(cfg.get("n_groups", 1)),
-                chunk_size=int(cfg.get("chunk_size", 256)), norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
-                residual_in_fp32=bool(cfg.get("residual_in_fp32", True)),
-                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                conv_bias=bool(cfg.get("use_conv_bias", True)), proj_bias=bool(cfg.get("use_bias", False)),
-                norm_before_gate=False,
-                dt_limit=tuple(_float(v) for v in cfg.get("time_step_limit", (0.0, math.inf))),
-            )
-            if "num_heads" in cfg and int(cfg["num_heads"]) != out.nheads:
-                raise ValueError(
-                    f"Mamba2Config: num_heads={cfg['num_heads']} but expand * hidden_size / head_dim = {out.nheads}"
-                )
-            return out
-        raise ValueError("Mamba2Config: config.json has neither 'd_model' (state-spaces) nor 'hidden_size' (Hugging Face)")
+        return cls._build(
+            c, "vocab_size",
+            d_model=d_model, n_layer=c.int("num_hidden_layers"), vocab_size=c.int("vocab_size"),
+            d_state=c.int("state_size", 128), d_conv=c.int("conv_kernel", 4),
+            expand=expand, headdim=headdim, ngroups=ngroups,
+            chunk_size=c.int("chunk_size", 256), norm_eps=c.float("layer_norm_epsilon", 1e-5, positive=True),
+            residual_in_fp32=c.bool("residual_in_fp32", True),
+            tie_embeddings=c.bool("tie_word_embeddings", False),
+            conv_bias=c.bool("use_conv_bias", True), proj_bias=c.bool("use_bias", False),
+            norm_before_gate=False,
+            dt_limit=c.float_pair("time_step_limit", (0.0, math.inf)),
+        )
+
+    @classmethod
+    def _build(cls, c: _Fields, vocab_name: str, **fields: Any) -> "Mamba2Config":
+        eos = c.eos("eos_token_id") or ()
+        _check_eos(c.source, "eos_token_id", eos, fields["vocab_size"], vocab_name)
+        return cls(eos_token_ids=eos, **fields)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "Mamba2Config":
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        """Read one ``config.json`` (see ``from_dict``); ValueError naming the file when it is not JSON."""
+        return cls.from_dict(_read_json(path), source=os.fspath(path))
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "Mamba2Config":
+        """Read a checkpoint directory's ``config.json`` and its end-of-sequence ids.
+
+        ``eos_token_ids``, first found wins: generation_config.json's ``eos_token_id`` (int, list, or
+        null for none), config.json's, else the ``eos_token`` that tokenizer_config.json or
+        special_tokens_map.json name, looked up in tokenizer.json (state-spaces checkpoints carry no
+        ``eos_token_id``; their GPT-NeoX tokenizer files name ``<|endoftext|>``).
+
+        Raises FileNotFoundError naming the path when the directory or its config.json is missing,
+        ValueError (see ``from_dict``) naming the file and field for a bad file.
+        """
+        root = os.fspath(path)
+        if not os.path.isdir(root):
+            raise FileNotFoundError(f"Mamba2Config: checkpoint directory {root!r} does not exist")
+        config_path = os.path.join(root, "config.json")
+        if not os.path.isfile(config_path):
+            raise FileNotFoundError(f"Mamba2Config: no config.json in {root!r}")
+        cfg = cls.from_file(config_path)
+        named = bool(cfg.eos_token_ids)
+        gen_path = os.path.join(root, "generation_config.json")
+        if os.path.isfile(gen_path):
+            gen = _Fields(_read_json(gen_path), gen_path)
+            if gen.has("eos_token_id"):
+                eos = gen.eos("eos_token_id") or ()
+                _check_eos(gen_path, "eos_token_id", eos, cfg.vocab_size, "vocab_size of config.json")
+                cfg, named = dataclasses.replace(cfg, eos_token_ids=eos), True
+        if not named:
+            found = _tokenizer_eos(root)
+            if found is not None:
+                source, eos = found
+                _check_eos(source, "eos_token", eos, cfg.vocab_size, "vocab_size of config.json")
+                cfg = dataclasses.replace(cfg, eos_token_ids=eos)
+        return cfg
+
+
+def _tokenizer_eos(root: str) -> tuple[str, tuple[int, ...]] | None:
+    """(file, (id,)) for the ``eos_token`` that tokenizer_config.json / special_tokens_map.json name,
+    its id read from tokenizer.json (added tokens, then the model's vocab); None when no file names one
+    or there is no tokenizer.json to map it."""
+    vocab_path = os.path.join(root, "tokenizer.json")
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = os.path.join(root, name)
+        if not os.path.isfile(path):
+            continue
+        f = _Fields(_read_json(path), path)
+        token = f.raw("eos_token", None)
+        if isinstance(token, dict):  # a serialised AddedToken
+            token = token.get("content")
+        if token is None:
+            continue
+        if not isinstance(token, str):
+            raise f.error("eos_token", "a token string or {\"content\": string}", f.raw("eos_token"))
+        if not os.path.isfile(vocab_path):
+            return None
+        tj = _read_json(vocab_path)
+        if not isinstance(tj, dict):
+            raise ValueError(f"Mamba2Config: {vocab_path}: the file should be a JSON object, got {_describe(tj)}")
+        for added in tj.get("added_tokens") or ():
+            if isinstance(added, dict) and added.get("content") == token and isinstance(added.get("id"), int):
+                return path, (added["id"],)
+        vocab = (tj.get("model") or {}).get("vocab") if isinstance(tj.get("model"), dict) else None
+        if isinstance(vocab, dict) and isinstance(vocab.get(token), int):
+            return path, (vocab[token],)
+        raise ValueError(f"Mamba2Config: {path}: 'eos_token' {token!r} is not a token of {vocab_path}")
+    return None
+
+
+def _check_heads(src: str, d_inner: int, inner_name: str, headdim: int, headdim_name: str,
+                 ngroups: int, groups_name: str) -> int:
+    """The head count H = d_inner / P, after checking that P divides d_inner and G divides H."""
+    if d_inner % headdim:
+        raise ValueError(f"Mamba2Config: {src}: {inner_name} = {d_inner} is not a multiple of "
+                         f"{headdim_name} = {headdim}")
+    nheads = d_inner // headdim
+    if nheads % ngroups:
+        raise ValueError(f"Mamba2Config: {src}: {groups_name} = {ngroups} does not divide the number of heads "
+                         f"{nheads} ({inner_name} / {headdim_name})")
+    return nheads
+
+
+def _check_eos(src: str, field: str, ids: tuple[int, ...], vocab: int, vocab_name: str) -> None:
+    bad = [i for i in ids if i >= vocab]
+    if bad:
+        raise ValueError(f"Mamba2Config: {src}: '{field}' {bad} outside the vocabulary ({vocab_name} = {vocab})")
 
 
 # Public mamba2-* shapes (state-spaces configs); vocab 50277 padded to a multiple of 16.

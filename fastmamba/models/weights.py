@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -65,8 +66,9 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
     Raises FileNotFoundError when the directory, every weight file, or a shard named by an index
     is missing (all missing shards are listed); NotADirectoryError when ``path`` is a file;
-    ValueError for an unreadable index, a name the index places in a shard that does not hold
-    it, a name held by two shards, or a .bin that is not a flat {name: tensor} dict.
+    ValueError naming the file for a corrupt or truncated weight file, an unreadable index, a name
+    the index places in a shard that does not hold it, a name held by two shards, or a .bin that is
+    not a flat {name: tensor} dict.
     A progress bar (fastmamba.utils.Progress) runs over the tensors (over shards for .bin).
     """
     root = Path(path)
@@ -97,9 +99,9 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 def _read_index(index: Path) -> tuple[list[Path], dict[str, str]]:
     """The shard files an index names (in first-mention order, all checked to exist) and its weight_map."""
     try:
-        with open(index) as f:
+        with open(index, encoding="utf-8") as f:
             data = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"read_checkpoint: {str(index)!r} is not valid JSON: {e}") from e
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(
@@ -132,15 +134,25 @@ def _read_safetensors(root: Path, shards: list[Path], weight_map: dict[str, str]
         ) from e
     keys_per_shard = []
     for shard in shards:  # headers only: learn the total for the progress bar
-        with safe_open(str(shard), framework="pt", device="cpu") as f:
-            keys_per_shard.append(list(f.keys()))
+        try:
+            with safe_open(str(shard), framework="pt", device="cpu") as f:
+                keys_per_shard.append(list(f.keys()))
+        except Exception as e:  # safetensors' SafetensorError: a corrupt or truncated file
+            if isinstance(e, OSError) and e.filename:  # permission denied ...: names the file already
+                raise
+            raise _unreadable(shard, "safetensors file", e, tool="safetensors") from e
     out: dict[str, torch.Tensor] = {}
     total = sum(len(k) for k in keys_per_shard)
     with Progress(total, f"reading {root.name}", unit="tensors") as bar:
         for shard, keys in zip(shards, keys_per_shard):
             with safe_open(str(shard), framework="pt", device="cpu") as f:
                 for name in keys:
-                    t = f.get_tensor(name)
+                    try:
+                        t = f.get_tensor(name)
+                    except Exception as e:  # e.g. a dtype torch lacks, a file changed while reading
+                        if isinstance(e, OSError) and e.filename:  # permission denied ...: names the file already
+                            raise
+                        raise _unreadable(shard, f"safetensors file (tensor {name!r})", e, tool="safetensors") from e
                     _add(out, name, t, shard)
                     bar.update(nbytes=t.nbytes)
     _check_weight_map(out, weight_map, shards)
@@ -151,7 +163,12 @@ def _read_bins(root: Path, shards: list[Path], weight_map: dict[str, str] | None
     out: dict[str, torch.Tensor] = {}
     with Progress(len(shards), f"reading {root.name}", unit="shards") as bar:
         for shard in shards:
-            sd = torch.load(shard, map_location="cpu", weights_only=True)
+            try:
+                sd = torch.load(shard, map_location="cpu", weights_only=True)
+            except Exception as e:  # UnpicklingError, EOFError, RuntimeError (zip archive) ...
+                if isinstance(e, OSError) and e.filename:  # permission denied ...: names the file already
+                    raise
+                raise _unreadable(shard, "PyTorch checkpoint", e, tool="torch.load") from e
             if not isinstance(sd, Mapping):
                 raise ValueError(
                     f"read_checkpoint: {str(shard)!r} should hold a {{name: tensor}} dict, got {type(sd).__name__}"
@@ -168,6 +185,24 @@ def _read_bins(root: Path, shards: list[Path], weight_map: dict[str, str] | None
             bar.update(nbytes=nbytes)
     _check_weight_map(out, weight_map, shards)
     return out
+
+
+def _unreadable(file: Path, kind: str, e: Exception, *, tool: str) -> ValueError:
+    """A corrupt weight file: the file, what it should be and the library's reason in one line."""
+    msg = str(e)
+    unpickler = re.search(r"WeightsUnpickler error:\s*(.*?)(?:\n\n|$)", msg, re.S)
+    if unpickler:  # torch.load(weights_only=True)'s long message: keep the reason only
+        reason = unpickler.group(1).split(" Please use")[0].strip()
+        if "Unsupported global" in reason:
+            reason = ("it holds Python objects besides tensors, which are not unpickled (no code from a "
+                      f"checkpoint runs): {reason} Re-save it as a flat {{name: tensor}} dict or as safetensors")
+    else:
+        reason = f"{tool}: {' '.join(msg.split()) or type(e).__name__}"
+        if isinstance(e, EOFError):
+            reason = "the file ends early (empty or truncated)"
+    if len(reason) > 300:
+        reason = reason[:300] + " ..."
+    return ValueError(f"read_checkpoint: {str(file)!r} is not a readable {kind}: {reason}")
 
 
 def _add(out: dict[str, torch.Tensor], name: str, t: torch.Tensor, shard: Path) -> None:

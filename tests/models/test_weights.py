@@ -401,3 +401,141 @@ def test_read_and_load_draw_progress(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert f"reading ckpt [####################] {len(sd)}/{len(sd)} tensors" in err
     assert f"loading weights [####################] {len(sd)}/{len(sd)} tensors" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# corrupt files: the error names the file and says what is wrong
+
+
+def _corrupt(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    path.write_bytes({"garbage": b"this is not a weight file at all", "empty": b"",
+                      "truncated": data[: len(data) // 2]}[how])
+
+
+@pytest.mark.parametrize("how", ["garbage", "empty", "truncated"])
+@pytest.mark.parametrize("fmt", ["safetensors", "safetensors-sharded"])
+def test_corrupt_safetensors_names_the_file(tmp_path, fmt, how):
+    write_checkpoint(make_checkpoint(), tmp_path, fmt)
+    bad = tmp_path / ("model.safetensors" if fmt == "safetensors" else "model-00002-of-00002.safetensors")
+    _corrupt(bad, how)
+    with pytest.raises(ValueError, match=rf"read_checkpoint: '{bad}' is not a readable safetensors file: \S"):
+        read_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("how,reason", [
+    ("garbage", r"torch.load: \S"), ("empty", "the file ends early"), ("truncated", r"torch.load: \S"),
+])
+@pytest.mark.parametrize("fmt", ["bin", "bin-sharded"])
+def test_corrupt_bin_names_the_file(tmp_path, fmt, how, reason):
+    write_checkpoint(make_checkpoint(), tmp_path, fmt)
+    bad = tmp_path / ("pytorch_model.bin" if fmt == "bin" else "pytorch_model-00001-of-00002.bin")
+    _corrupt(bad, how)
+    with pytest.raises(ValueError, match=rf"read_checkpoint: '{bad}' is not a readable PyTorch checkpoint: {reason}"):
+        read_checkpoint(tmp_path)
+
+
+class _NotATensor:
+    pass
+
+
+def test_bin_with_python_objects_is_refused_with_reason(tmp_path):
+    torch.save({"w": _NotATensor()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError) as e:
+        read_checkpoint(tmp_path)
+    msg = str(e.value)
+    assert f"'{tmp_path / 'pytorch_model.bin'}' is not a readable PyTorch checkpoint" in msg
+    assert "Python objects besides tensors" in msg and "_NotATensor" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"version": "1.0"}', ""], ids=["bad-json", "not-a-tokenizer", "empty"])
+def test_corrupt_tokenizer_names_the_file(tmp_path, text):
+    pytest.importorskip("tokenizers")
+    from fastmamba.generation.tokenizer import load_tokenizer
+
+    assert load_tokenizer(tmp_path) is None  # no tokenizer.json: token ids only
+    (tmp_path / "tokenizer.json").write_text(text)
+    expected = rf"load_tokenizer: {tmp_path / 'tokenizer.json'} is not a valid tokenizer.json: \S"
+    with pytest.raises(ValueError, match=expected):
+        load_tokenizer(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# load_model: dtype names, missing paths
+
+
+TINY_HF_CONFIG = {"model_type": "mamba2", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256,
+                  "state_size": 16, "head_dim": 16, "num_heads": 8, "n_groups": 1, "chunk_size": 16,
+                  "tie_word_embeddings": True, "eos_token_id": 0}
+
+
+def tiny_checkpoint(root: Path, *, dtype: torch.dtype = torch.float32) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The mamba2-tiny preset's random weights, saved as an HF-format checkpoint in ``dtype``."""
+    import fastmamba
+
+    model = fastmamba.load_model("mamba2-tiny", device="cpu")
+    sd = {k: v.to(dtype).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(TINY_HF_CONFIG))
+    save_file(sd, str(root / "model.safetensors"))
+    return root, sd
+
+
+@pytest.mark.parametrize("dtype,expected", [
+    (None, torch.bfloat16), ("auto", torch.bfloat16), ("float16", torch.float16), ("fp16", torch.float16),
+    ("half", torch.float16), ("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("BF16", torch.bfloat16),
+    ("torch.float32", torch.float32), ("fp32", torch.float32), (torch.float16, torch.float16),
+    (torch.float32, torch.float32),
+])
+def test_load_model_dtype_names(tmp_path, dtype, expected):
+    import fastmamba
+
+    path, sd = tiny_checkpoint(tmp_path / "ckpt", dtype=torch.bfloat16)
+    model = fastmamba.load_model(path, dtype=dtype, device="cpu")
+    assert model.dtype == expected and model.backbone.embeddings.weight.dtype == expected
+    assert model.cfg.eos_token_ids == (0,)
+    torch.testing.assert_close(model.backbone.layers[1].mixer.out_proj.weight,
+                               sd["backbone.layers.1.mixer.out_proj.weight"].to(expected), atol=0, rtol=0)
+    preset = fastmamba.load_model("mamba2-tiny", dtype=dtype, device="cpu")
+    assert preset.dtype == (torch.float32 if dtype in (None, "auto") else expected)  # CPU default: fp32
+
+
+@pytest.mark.parametrize("dtype,exc,match", [
+    ("float64", ValueError, r"`dtype` 'float64' is not a supported dtype; expected one of float32 \(fp32\)"),
+    ("int8", ValueError, r"`dtype` 'int8' is not a supported dtype"),
+    (torch.float64, ValueError, r"`dtype` torch.float64 is not supported by the kernels"),
+    (16, TypeError, r"`dtype` expected a torch.dtype or a name such as 'bf16', got int"),
+])
+def test_load_model_bad_dtype(dtype, exc, match):
+    import fastmamba
+
+    with pytest.raises(exc, match=rf"load_model: {match}"):
+        fastmamba.load_model("mamba2-tiny", dtype=dtype, device="cpu")
+
+
+def test_load_model_paths(tmp_path):
+    import fastmamba
+
+    with pytest.raises(FileNotFoundError, match=rf"'{tmp_path / 'nope'}' is neither a directory nor a preset; "
+                                                r"presets \(random weights\): mamba2-tiny, mamba2-130m"):
+        fastmamba.load_model(tmp_path / "nope", device="cpu")
+    with pytest.raises(FileNotFoundError, match=r"did you mean 'mamba2-130m'\?"):
+        fastmamba.load_model("mamba2-130M", device="cpu")
+    with pytest.raises(FileNotFoundError, match=rf"no config.json in '{tmp_path}'"):
+        fastmamba.load_model(tmp_path, device="cpu")
+    path, _ = tiny_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(NotADirectoryError, match=rf"'{path / 'config.json'}' is a file; pass the checkpoint directory"):
+        fastmamba.load_model(path / "config.json", device="cpu")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no weights in .*the directory holds: config.json"):
+        fastmamba.load_model(path, device="cpu")
+
+
+def test_load_model_bad_device():
+    import fastmamba
+
+    with pytest.raises(ValueError, match=r"load_model: `device` 'gpu0' is not a device"):
+        fastmamba.load_model("mamba2-tiny", device="gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"`device` 'cuda' asks for CUDA but torch sees no CUDA GPU"):
+            fastmamba.load_model("mamba2-tiny", device="cuda")
