@@ -28,6 +28,7 @@ from fastmamba.bench.ops.spec_verify import (
     PLAIN,
     PROVIDERS,
     REPLAY,
+    SHAPES,
     ReplayFns,
     SpecVerifyBench,
     history_for,
@@ -157,9 +158,10 @@ def test_input_set_is_a_cache_mid_flight():
 
 # --- the batch-adaptive choice -------------------------------------------------------------------------
 def test_choose_verify_path():
-    # measured (H100): replay with its commit beat legacy with its copy at every batch and T
-    assert spec_policy.DEFAULT_TABLE == {2: 1, 4: 1, 6: 1, 8: 1, 16: 1}
-    assert [choose_verify_path(b, t) for b in (1, 256) for t in (2, 6, 16)] == ["replay"] * 6
+    # no table: the package file's entry for Nemotron-H with an fp32 state
+    default = spec_policy.lookup_table(*spec_policy.DEFAULT_SHAPE).table
+    assert default and [choose_verify_path(b, t) for b in (1, 256) for t in (2, 6, 16)] == [
+        choose_verify_path(b, t, default) for b in (1, 256) for t in (2, 6, 16)]
     # an empty table: legacy below the placeholder crossover batch
     assert [choose_verify_path(b, 6, {}) for b in (1, 7, 8, 256)] == ["legacy", "legacy", "replay", "replay"]
     assert choose_verify_path(1, 1) == choose_verify_path(256, 1) == "plain"  # nothing drafted
@@ -179,8 +181,8 @@ def test_choose_verify_path():
 
 def _row(provider: str, batch: int, us: float, T: int = 6, check: str = "ok", shape: str = "s",
          state: str = "fp32", mode: str = "graph") -> report.Row:
-    heads = {"nemotron-h": 128, "nemotron-h-tp8": 16}.get(shape, 2)  # the shape's measured policy table
-    return report.Row(op="spec", title="t", shape=shape, dims=f"H{heads} P16 N16 G1 T{T}", dtype=f"{state}/bf16",
+    H, P, N, G = SHAPES.get(shape, (2, 16, 16, 1))  # a named shape's dims: the policy table looked up for it
+    return report.Row(op="spec", title="t", shape=shape, dims=f"H{H} P{P} N{N} G{G} T{T}", dtype=f"{state}/bf16",
                       batch=batch, provider=provider, kind="ours", version="v", bytes=1, mode=mode, median_us=us,
                       check=check, params={"T": T})
 
@@ -220,7 +222,17 @@ def _acceptance_rows(shape: str, state: str, legacy128: float, replay: dict[int,
     return rows
 
 
-def test_acceptance_lines_on_an_h200():
+def _h100_file(tmp_path):
+    """A table file holding the H100 rows the package started with (Nemotron-H: replay at every batch)."""
+    rows = [dict(heads=128, head_dim=64, state_size=128, state_dtype=state, tokens=T, crossover_batch=1)
+            for state in ("fp32", "fp16") for T in (2, 4, 6, 8, 16)]
+    path = tmp_path / "h100.json"
+    spec_policy.write_table(spec_policy.new_set(rows, gpu="NVIDIA H100 80GB HBM3", commit="49359f8", command="c",
+                                                date="2026-11-22"), path)
+    return path
+
+
+def test_acceptance_lines_on_an_h200(monkeypatch, tmp_path):
     rows = _acceptance_rows("nemotron-h", "fp32", 1000.0, {2: 150.0, 6: 200.0, 16: 300.0}, replay1=8.0)
     rows += _acceptance_rows("nemotron-h", "fp16", 400.0, {2: 100.0, 6: 200.0, 16: 120.0}, replay1=12.0)
     summary = spec.summarize(rows, argparse.Namespace(accept_rate=0.6, device_name="NVIDIA H200"))
@@ -230,7 +242,17 @@ def test_acceptance_lines_on_an_h200():
     assert fp16["legacy_over_replay"] == 2.0 and fp16["legacy_over_replay_ok"] is False
     assert fp32["t16_over_t2"] == 2.0 and fp32["t16_over_t2_ok"] is False
     assert fp16["t16_over_t2"] == 1.2 and fp16["t16_over_t2_ok"] is True
-    # the shipped policy takes replay at batch 1: the check catches a GPU where that is slower
+    # the policy as shipped for the shape (the engine's lookup): the check catches a GPU where it is slower
+    for rec, state in ((fp32, "fp32"), (fp16, "fp16")):
+        table = spec_policy.lookup_table(128, 64, 128, state, device_name="NVIDIA H200").table
+        assert {T: v["path"] for T, v in rec["batch1"].items()} == {T: choose_verify_path(1, T, table) for T in (2, 6, 16)}
+        assert "H128 P64 N128" in rec["batch1_table"]
+    # with the H100 rows of the initial file: replay at batch 1, slower than legacy in the fp16 rows
+    h100 = _h100_file(tmp_path)
+    monkeypatch.setattr(spec, "lookup_table", lambda *a, **k: spec_policy.lookup_table(*a, **k, path=h100))
+    summary = spec.summarize(rows, argparse.Namespace(accept_rate=0.6, device_name="NVIDIA H200"))
+    acc = {r["state_dtype"]: r for r in summary.records if r["record"] == "spec_acceptance"}
+    fp32, fp16 = acc["fp32"], acc["fp16"]
     assert fp32["batch1_ok"] is True and all(v["path"] == REPLAY for v in fp32["batch1"].values())
     assert fp16["batch1_ok"] is False and all(v["path"] == REPLAY for v in fp16["batch1"].values())
     assert fp32["flashinfer_us"] == 246.0 and fp32["flashinfer_comparable"] is True
@@ -242,7 +264,7 @@ def test_acceptance_lines_on_an_h200():
     assert "replay T=16 / T=2 at B=128: 300.0 / 150.0 µs = 2.00x (target <= 1.5x; flashinfer 2.0x on an H200): FAIL" in text
     assert "246 µs (PEERS.md, measured on an NVIDIA H200); ours 200.0 µs on NVIDIA H200 -> 1.23x flashinfer" in text
     assert "165 µs" in text and "0.82x flashinfer (same GPU): FAIL" in text
-    assert ("nemotron-h fp32: B=1, adaptive choice (spec_policy.default_table) never slower than legacy: "
+    assert ("nemotron-h fp32: B=1, adaptive choice (spec_policy.lookup_table) never slower than legacy: "
             "T=2 replay 8.00 (vs legacy 10.0); T=6 replay 8.00 (vs legacy 10.0); T=16 replay 8.00 (vs legacy 10.0): "
             "PASS") in text
     assert "T=2 replay 12.0 (vs legacy 10.0) SLOWER" in text
@@ -287,6 +309,8 @@ def test_spec_defaults():
     (["--tokens", "1,6"], "must be >= 2"),
     (["--accept-rate", "1.5"], "expected a number in [0, 1]"),
     (["--shapes", "nemotron-h,jamba"], "unknown shape(s) jamba; choose from nemotron-h,nemotron-h-tp8,mamba2-2.7b,tiny"),
+    (["--state", "fp32,fp8"], "unknown state dtype(s) fp8; choose from fp32,fp16,bf16"),
+    (["--providers", "replay,fast"], "unknown provider(s) fast; choose from replay,legacy,legacy-no-copy,plain"),
 ])
 def test_bad_spec_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
