@@ -39,7 +39,7 @@ sets, CUDA-graph replays, one check per provider. After the table:
 
 ``--write-table [PATH]`` (crossover mode): times replay and legacy only (``--providers`` to
 change), at batch 1, 2, 4, 8, 16, 32 (``TABLE_BATCHES``; ``--batch`` to change: the crossover
-sits at small batches, and replay leads legacy 3-10x from batch 32 up on every measured shape),
+sits at small batches, and replay led legacy 2.7-10x from batch 32 up on every measured shape),
 with a shorter timing (``TABLE_TIMING``: 50 replays or 50 ms, at most 300 ms per row; ``--quick``
 shorter still), then, if every row was timed and checked, merges one row per (shape, state dtype,
 T) with this run's GPU, date, commit and command into the table file: PATH, or without one the
@@ -434,6 +434,6 @@ def run(args: argparse.Namespace, command: str) -> int:
     entries = {}
     for r in table_rows(seen["records"]):
         entries.setdefault((r["shape"], r["state_dtype"]), {})[r["tokens"]] = r["crossover_batch"]
-    print(f"crossover table: merged {sum(map(len, entries.values()))} rows measured on {header['device']} into "
+    print(f"crossover table: merged {sum(map(len, entries.values()))} row(s) measured on {header['device']} into "
           f"{written}: " + "; ".join(f"{shape} {state} {table}" for (shape, state), table in entries.items()))
     return 0
