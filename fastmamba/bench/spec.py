@@ -1,8 +1,14 @@
 """Target ``spec``: speculative verification kernels side by side, and the batch-adaptive choice.
 
     python -m fastmamba.bench spec [--shapes nemotron-h,nemotron-h-tp8] [--tokens 2,4,6,8,16]
-                                   [--batch 1,8,32,128,256] [--accept-rate 0.6]
+                                   [--batch 1,8,32,128,256] [--state fp32,fp16] [--providers ...]
+                                   [--accept-rate 0.6] [--write-table [PATH]]
                                    [--quick] [--json PATH] [--markdown PATH] [--device auto|cuda|cpu]
+
+Re-measure the verify-path crossover table on this GPU and merge it into the package's table file
+(fastmamba/generation/verify_crossover.json, which ``Engine(verify_table=None)`` reads):
+
+    python -m fastmamba.bench spec --shapes mamba2-2.7b,nemotron-h --tokens 2,4,6,8,16 --state fp32,fp16 --write-table
 
 For T = K+1 tokens per step (default 2, 4, 6, 8, 16), the Nemotron-H (H128 P64 N128 G8) and
 Nemotron-H TP=8 slice (H16 P64 N128 G1) shapes (``--shapes`` also takes mamba2-2.7b, H80 P64 N128
@@ -26,21 +32,45 @@ sets, CUDA-graph replays, one check per provider. After the table:
 - issue 5's acceptance lines, per (shape, state dtype) (JSON ``"record": "spec_acceptance"``):
   legacy / replay at batch 128, T=6 (target >= 3x); replay at T=16 / T=2, batch 128 (target
   <= 1.5x; flashinfer's checkpointing_ssu: 2.0x); at batch 1, whether the adaptive choice as
-  shipped (``spec_policy.default_table`` for the shape) is never slower than legacy; and, for Nemotron-H, our
+  shipped (``spec_policy.lookup_table`` for the shape, as the engine finds it) is never slower than legacy;
+  and, for Nemotron-H, our
   batch-128 T=6 time beside flashinfer's (PEERS.md, measured on an H200: compared only when this
   run's GPU is an H200 too).
+
+``--write-table [PATH]`` (crossover mode): times replay and legacy only (``--providers`` to
+change), at batch 1, 2, 4, 8, 16, 32 (``TABLE_BATCHES``; ``--batch`` to change: the crossover
+sits at small batches, and replay led legacy 2.7-10x from batch 32 up on every measured shape),
+with a shorter timing (``TABLE_TIMING``: 50 replays or 50 ms, at most 300 ms per row; ``--quick``
+shorter still), then, if every row was timed and checked, merges one row per (shape, state dtype,
+T) with this run's GPU, date, commit and command into the table file: PATH, or without one the
+package's file (``fastmamba.generation.spec_policy``: rows of the same GPU and key are replaced).
+Work for the command above: 2 shapes x 2 state dtypes x 5 T x 6 batches = 120 cases x 2
+providers = 240 timed rows (+ one check each), about 0.2-0.8 s a row with the Triton compiles
+(estimated, not yet timed: well under 4 minutes on an H100). Interpreter (CPU) times are no
+measurement: the package's file refuses them (a PATH takes them, marked ``timing_mode: cpu``).
+This lives in ``bench spec`` rather than ``bench tune``: the crossover needs both paths timed and
+checked on the same input sets, which is what this target does; ``tune`` sweeps one kernel's
+launch configs.
+
 Without a GPU: a tiny shape through the Triton interpreter (plumbing, not speed).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
+import sys
+from pathlib import Path
 
-from fastmamba.bench import report
+import torch
+
+from fastmamba.bench import env, report
 from fastmamba.bench.kernels import Suite, Summary, _int_list, add_device_arguments, run_suite
 from fastmamba.bench.ops import spec_verify
-from fastmamba.bench.ops.spec_verify import LEGACY, LEGACY_NO_COPY, PLAIN, REPLAY
-from fastmamba.generation.spec_policy import choose_verify_path, default_table, expected_tokens_per_step
+from fastmamba.bench.ops.spec_verify import LEGACY, LEGACY_NO_COPY, PLAIN, PROVIDERS, REPLAY
+from fastmamba.bench.timing import TimingConfig
+from fastmamba.generation import spec_policy
+from fastmamba.generation.spec_policy import choose_verify_path, expected_tokens_per_step, lookup_table
 
 OPS = {"spec": "fastmamba.bench.ops.spec_verify"}
 ACCEPT_RATE = 0.6
@@ -56,6 +86,11 @@ FLASHINFER_GPU = "H200"
 FLASHINFER_SHAPE = "nemotron-h"
 FLASHINFER_US = {"fp32": 246.0, "fp16": 165.0}
 FLASHINFER_FLAT = 2.0
+
+# --write-table: what the crossover needs, and no more (see the module docstring)
+TABLE_BATCHES = (1, 2, 4, 8, 16, 32)
+TABLE_PROVIDERS = (REPLAY, LEGACY)
+TABLE_TIMING = TimingConfig(warmup_ms=10.0, rep_ms=50.0, min_reps=50, max_rep_ms=300.0)
 
 
 def _tokens_list(text: str) -> list[int]:
@@ -84,6 +119,17 @@ def _shapes_list(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _names_list(choices: tuple[str, ...], what: str):
+    def parse(text: str) -> list[str]:
+        names = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [n for n in names if n not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(bad) or '(none)'}; choose from {','.join(choices)}")
+        return list(dict.fromkeys(names))
+
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", type=_shapes_list, default=None,
                         help=f"comma-separated subset of {','.join(spec_verify.SHAPES)}; default "
@@ -99,6 +145,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"batch sizes; default {','.join(map(str, spec_verify.GPU_BATCHES))} on a GPU, "
         f"{','.join(map(str, spec_verify.CPU_BATCHES))} on the CPU",
     )
+    parser.add_argument("--state", type=_names_list(tuple(spec_verify.STATE_NAMES), "state dtype(s)"), default=None,
+                        help="SSM state dtypes, comma-separated subset of "
+                        f"{','.join(spec_verify.STATE_NAMES)} (default fp32,fp16)")
+    parser.add_argument("--providers", type=_names_list(PROVIDERS, "provider(s)"), default=None,
+                        help=f"comma-separated subset of {','.join(PROVIDERS)} (default: all; with --write-table "
+                        f"{','.join(TABLE_PROVIDERS)})")
+    parser.add_argument("--write-table", nargs="?", const="", default=None, metavar="PATH",
+                        help="crossover mode: time replay and legacy at batch "
+                        f"{','.join(map(str, TABLE_BATCHES))} and merge the crossover per (shape, state dtype, T) "
+                        "into the table file PATH (default: the package's, which the engine reads)")
     parser.add_argument("--accept-rate", type=_rate, default=ACCEPT_RATE,
                         help=f"per-draft acceptance rate for the batch-1 plain-vs-speculative line (default {ACCEPT_RATE})")
     parser.set_defaults(ops=list(OPS))
@@ -108,6 +164,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # --- the batch-adaptive choice ------------------------------------------------------------------
 def _usable(row: report.Row) -> bool:
     return row.status == "ok" and row.median_us is not None and not row.check.startswith("FAIL")
+
+
+def _dims(dims: str) -> dict[str, int]:
+    """{"H": .., "P": .., "N": .., "G": ..} from a case's dims ("H128 P64 N128 G8 T6"); absent letters left out."""
+    return {k: int(v) for k, v in re.findall(r"\b([HPNG])(\d+)\b", dims)}
 
 
 def _ratio_text(value: float | None) -> str:
@@ -165,8 +226,10 @@ def summarize(rows: list[report.Row], args: argparse.Namespace) -> Summary:
             " ".join(f"{b}:{_ratio_text(ratio_nc.get(b))}" for b in batches),
             f"B={b1}: {verdict}",
         ])
+        d = _dims(dims)
         records.append(dict(
             record="spec_choice", shape=shape, dims=dims, dtype=dtype, state_dtype=state, tokens=T,
+            heads=d.get("H"), head_dim=d.get("P"), state_size=d.get("N"), groups=d.get("G"), batches=both,
             crossover_batch=crossover, legacy_over_replay=ratio, legacy_no_copy_over_replay=ratio_nc,
             accept_rate=rate, expected_tokens_per_step=expected, batch1=dict(
                 batch=b1, path=path, spec_us=spec_us, plain_us=plain_us,
@@ -218,11 +281,10 @@ def acceptance(times: dict, modes: set[str], device: str | None = None) -> tuple
     device = _device_label(modes, device)
     same_gpu = FLASHINFER_GPU.lower() in device.lower()
     by_shape: dict[tuple[str, str], dict[int, dict[int, dict[str, float]]]] = {}
-    heads: dict[str, int] = {}
+    dims_of: dict[str, dict[str, int]] = {}
     for (shape, dims, dtype, T), by_batch in times.items():
         by_shape.setdefault((shape, dtype.split("/")[0]), {})[T] = by_batch
-        found = re.search(r"\bH(\d+)\b", dims)
-        heads[shape] = int(found.group(1)) if found else 0
+        dims_of[shape] = _dims(dims)
 
     def us(at: dict, T: int, batch: int, provider: str) -> float | None:
         return at.get(T, {}).get(batch, {}).get(provider)
@@ -254,10 +316,12 @@ def acceptance(times: dict, modes: set[str], device: str | None = None) -> tuple
                      + f" (target <= {TARGET_FLAT:g}x; flashinfer {FLASHINFER_FLAT:.1f}x on an {FLASHINFER_GPU}): "
                      + _verdict(ok))
 
-        # 3. batch 1: the shipped adaptive choice (the measured table for this shape) is never
-        # slower than legacy
+        # 3. batch 1: the shipped adaptive choice (the table file's entry for this shape, as the
+        # engine looks it up on this GPU) is never slower than legacy
         per_t, parts = {}, []
-        table = default_table(heads[shape], state)
+        d = dims_of[shape]
+        entry = lookup_table(d.get("H", 1), d.get("P", 1), d.get("N", 1), state, device_name=device)
+        table = entry.table
         for T in sorted(at):
             path = choose_verify_path(1, T, table)
             mine, legacy = us(at, T, 1, path), us(at, T, 1, LEGACY)
@@ -268,8 +332,8 @@ def acceptance(times: dict, modes: set[str], device: str | None = None) -> tuple
             parts.append(f"T={T} {path} {report.format_us(mine)} (vs {other})" + (" SLOWER" if fine is False else ""))
         known = [v["ok"] for v in per_t.values() if v["ok"] is not None]
         ok = None if not known else all(known)
-        rec.update(batch1=per_t, batch1_ok=ok)
-        lines.append(f"{name} B=1, adaptive choice (spec_policy.default_table) never slower than legacy: "
+        rec.update(batch1=per_t, batch1_ok=ok, batch1_table=entry.describe())
+        lines.append(f"{name} B=1, adaptive choice (spec_policy.lookup_table) never slower than legacy: "
                      + "; ".join(parts) + f": {_verdict(ok)}")
 
         # 4. flashinfer's checkpointing_ssu (Nemotron-H, batch 128, T=6), measured on an H200
@@ -294,5 +358,82 @@ SPEC = Suite("spec", "fastmamba speculative verification benchmark", OPS, spec_v
              spec_verify.CPU_BATCHES, summarize=summarize)
 
 
+# --- --write-table -------------------------------------------------------------------------------
+def table_rows(records: list[dict]) -> list[dict]:
+    """The table file's rows (``spec_policy``'s format) from ``summarize``'s ``spec_choice`` records:
+    one per (shape, state dtype, T) where replay and legacy were both timed at some batch."""
+    rows = []
+    for r in records:
+        if r.get("record") != "spec_choice" or not r.get("batches"):
+            continue  # no batch with both paths timed: no crossover to report (None would mean "legacy always")
+        missing = [k for k in ("heads", "head_dim", "state_size") if not r.get(k)]
+        if missing:
+            raise ValueError(f"bench spec --write-table: case {r.get('shape')} {r.get('dims')!r} has no {missing}")
+        rows.append(dict(heads=r["heads"], head_dim=r["head_dim"], state_size=r["state_size"],
+                         state_dtype=r["state_dtype"], tokens=r["tokens"], crossover_batch=r["crossover_batch"],
+                         batches=list(r["batches"]), shape=r["shape"], groups=r.get("groups")))
+    return rows
+
+
+def write_crossover_table(records: list[dict], header: dict, modes: set[str], path: str | Path | None = None) -> Path:
+    """Merge this run's crossover rows (``table_rows(records)``) with the run's provenance
+    (``header``: device, date, git_commit, command, torch, triton) into the table file at ``path``
+    (None: the package's). ``modes``: the timing modes of the rows; CPU (interpreter wall-clock)
+    times never go into the package's file."""
+    rows = table_rows(records)
+    if not rows:
+        raise ValueError("bench spec --write-table: no (shape, state dtype, T) has both replay and legacy timed")
+    if "cpu" in modes and path is None:
+        raise ValueError("bench spec --write-table: CPU (interpreter) times are no measurement; the package's table "
+                         "file takes GPU runs only (give a PATH to write them elsewhere)")
+    timed = "CUDA-graph medians" if modes <= {"graph"} else f"timing modes {','.join(sorted(modes))}"
+    new = spec_policy.new_set(
+        rows, gpu=header["device"], commit=header.get("git_commit") or "unknown", command=header["command"],
+        date=header.get("date"), torch=header.get("torch"), triton=header.get("triton"),
+        timing_mode=",".join(sorted(modes)),
+        note=f"bench spec --write-table: replay = op + commit, legacy = per-position states + copy; {timed}")
+    return spec_policy.write_table(new, path)
+
+
+def _use_cuda(args: argparse.Namespace) -> bool:
+    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+
+
 def run(args: argparse.Namespace, command: str) -> int:
-    return run_suite(SPEC, args, command)
+    if getattr(args, "write_table", None) is None:
+        return run_suite(SPEC, args, command)
+    # crossover mode: the providers, batches and timing the table needs (the module docstring)
+    cuda = _use_cuda(args)
+    path = Path(args.write_table) if args.write_table else None
+    if path is None and not cuda:
+        print("error: bench spec --write-table: no GPU, and CPU (interpreter) times are no measurement; the "
+              "package's table file takes GPU runs only (give a PATH to write them elsewhere)", file=sys.stderr)
+        return 2
+    args.batch = args.batch or list(TABLE_BATCHES if cuda else spec_verify.CPU_BATCHES)
+    args.providers = args.providers or list(TABLE_PROVIDERS)
+    if not args.quick:
+        args.spec_timing = TABLE_TIMING
+    seen: dict = {}
+
+    def summarize(rows: list[report.Row], a: argparse.Namespace) -> Summary:
+        summary = SPEC.summarize(rows, a)
+        seen.update(records=summary.records, modes={r.mode for r in rows if _usable(r)})
+        return summary
+
+    rc = run_suite(dataclasses.replace(SPEC, summarize=summarize), args, command)
+    where = path or spec_policy.default_table_path()
+    if rc != 0 or "records" not in seen:
+        print(f"crossover table NOT written to {where}: the run had failed checks, errors or stopped early")
+        return rc or 1
+    header = env.collect(torch.device("cuda" if cuda else "cpu"), command)
+    try:
+        written = write_crossover_table(seen["records"], header, seen["modes"], path)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    entries = {}
+    for r in table_rows(seen["records"]):
+        entries.setdefault((r["shape"], r["state_dtype"]), {})[r["tokens"]] = r["crossover_batch"]
+    print(f"crossover table: merged {sum(map(len, entries.values()))} row(s) measured on {header['device']} into "
+          f"{written}: " + "; ".join(f"{shape} {state} {table}" for (shape, state), table in entries.items()))
+    return 0

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from collections import deque
 from collections.abc import Mapping, Sequence
 
@@ -43,7 +44,7 @@ import torch
 
 from fastmamba.generation.drafters import Drafter, NgramDrafter
 from fastmamba.generation.sampling import Sampler, SamplingParams, stop_reached
-from fastmamba.generation.spec_policy import choose_verify_path, default_table
+from fastmamba.generation.spec_policy import TableEntry, choose_verify_path, lookup_table
 from fastmamba.models.mamba2_lm import Mamba2LM
 
 VERIFY_PATHS = ("auto", "replay", "legacy")
@@ -87,7 +88,11 @@ class Engine:
     verify_path   "auto" (default): replay or legacy per step from ``verify_table``; "replay" or
                   "legacy": always that path (steps with no drafts at all are plain steps either way)
     verify_table  T -> crossover batch (replay from that batch up), as ``fastmamba bench spec``
-                  reports it; None: ``spec_policy.default_table`` for the model's heads and state dtype
+                  reports it; or the path of a table file (``bench spec --write-table PATH``); None:
+                  the package's table file. From a file, the entry for the model's shape (heads,
+                  head dim, state size) and state dtype, measured on this GPU where it can, or the
+                  nearest measured one (``spec_policy.lookup_table``); ``verify_table_entry`` says
+                  which (None when a mapping was given, or with no file and no speculation)
     legacy_max_batch  the largest batch the legacy path may take (its per-position states cost
                   n_layer x batch x T states of memory); None: the largest batch that ``verify_path``
                   and the table send to legacy (max_batch when forced). "auto" uses replay above it.
@@ -99,7 +104,8 @@ class Engine:
     def __init__(self, model: Mamba2LM, *, max_batch: int = 64, cuda_graphs: bool | None = None,
                  ssm_dtype: torch.dtype = torch.float32, pdl: bool | None = None, speculate: int | None = None,
                  drafter: Drafter | None = None, verify_path: str = "auto",
-                 verify_table: Mapping[int | str, int | None] | None = None, legacy_max_batch: int | None = None):
+                 verify_table: Mapping[int | str, int | None] | str | os.PathLike | None = None,
+                 legacy_max_batch: int | None = None):
         if speculate is not None and not (isinstance(speculate, int) and speculate >= 0):
             raise ValueError(f"Engine: speculate must be None or an int >= 0 (number of drafts K), got {speculate!r}")
         self.speculate = speculate or 0
@@ -114,9 +120,15 @@ class Engine:
                              f"path, but legacy_max_batch={legacy_max_batch}; use verify_path='auto' to fall back "
                              "to replay above it")
         self.drafter = (drafter or NgramDrafter()) if self.speculate else None
-        if verify_table is None:  # the measured table nearest to the model's shape and state dtype
+        self.verify_table_entry: TableEntry | None = None
+        if isinstance(verify_table, (str, os.PathLike)) or (verify_table is None and self.speculate):
+            # the measured entry for the model's shape and state dtype (or the nearest), this GPU's first
             state = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(ssm_dtype, "fp32")
-            verify_table = default_table(model.cfg.nheads, state)
+            weight = model.lm_head.weight
+            gpu = torch.cuda.get_device_name(weight.device) if weight.device.type == "cuda" else None
+            self.verify_table_entry = lookup_table(model.cfg.nheads, model.cfg.headdim, model.cfg.d_state, state,
+                                                   device_name=gpu, path=verify_table)
+            verify_table = self.verify_table_entry.table
         self.verify_path, self.verify_table = verify_path, verify_table
         self.model = model
         self.device = model.lm_head.weight.device

@@ -28,6 +28,7 @@ from fastmamba.bench.ops.spec_verify import (
     PLAIN,
     PROVIDERS,
     REPLAY,
+    SHAPES,
     ReplayFns,
     SpecVerifyBench,
     history_for,
@@ -157,9 +158,10 @@ def test_input_set_is_a_cache_mid_flight():
 
 # --- the batch-adaptive choice -------------------------------------------------------------------------
 def test_choose_verify_path():
-    # measured (H100): replay with its commit beat legacy with its copy at every batch and T
-    assert spec_policy.DEFAULT_TABLE == {2: 1, 4: 1, 6: 1, 8: 1, 16: 1}
-    assert [choose_verify_path(b, t) for b in (1, 256) for t in (2, 6, 16)] == ["replay"] * 6
+    # no table: the package file's entry for Nemotron-H with an fp32 state
+    default = spec_policy.lookup_table(*spec_policy.DEFAULT_SHAPE).table
+    assert default and [choose_verify_path(b, t) for b in (1, 256) for t in (2, 6, 16)] == [
+        choose_verify_path(b, t, default) for b in (1, 256) for t in (2, 6, 16)]
     # an empty table: legacy below the placeholder crossover batch
     assert [choose_verify_path(b, 6, {}) for b in (1, 7, 8, 256)] == ["legacy", "legacy", "replay", "replay"]
     assert choose_verify_path(1, 1) == choose_verify_path(256, 1) == "plain"  # nothing drafted
@@ -179,8 +181,8 @@ def test_choose_verify_path():
 
 def _row(provider: str, batch: int, us: float, T: int = 6, check: str = "ok", shape: str = "s",
          state: str = "fp32", mode: str = "graph") -> report.Row:
-    heads = {"nemotron-h": 128, "nemotron-h-tp8": 16}.get(shape, 2)  # the shape's measured policy table
-    return report.Row(op="spec", title="t", shape=shape, dims=f"H{heads} P16 N16 G1 T{T}", dtype=f"{state}/bf16",
+    H, P, N, G = SHAPES.get(shape, (2, 16, 16, 1))  # a named shape's dims: the policy table looked up for it
+    return report.Row(op="spec", title="t", shape=shape, dims=f"H{H} P{P} N{N} G{G} T{T}", dtype=f"{state}/bf16",
                       batch=batch, provider=provider, kind="ours", version="v", bytes=1, mode=mode, median_us=us,
                       check=check, params={"T": T})
 
@@ -220,7 +222,17 @@ def _acceptance_rows(shape: str, state: str, legacy128: float, replay: dict[int,
     return rows
 
 
-def test_acceptance_lines_on_an_h200():
+def _h100_file(tmp_path):
+    """A table file holding the H100 rows the package started with (Nemotron-H: replay at every batch)."""
+    rows = [dict(heads=128, head_dim=64, state_size=128, state_dtype=state, tokens=T, crossover_batch=1)
+            for state in ("fp32", "fp16") for T in (2, 4, 6, 8, 16)]
+    path = tmp_path / "h100.json"
+    spec_policy.write_table(spec_policy.new_set(rows, gpu="NVIDIA H100 80GB HBM3", commit="49359f8", command="c",
+                                                date="2026-11-22"), path)
+    return path
+
+
+def test_acceptance_lines_on_an_h200(monkeypatch, tmp_path):
     rows = _acceptance_rows("nemotron-h", "fp32", 1000.0, {2: 150.0, 6: 200.0, 16: 300.0}, replay1=8.0)
     rows += _acceptance_rows("nemotron-h", "fp16", 400.0, {2: 100.0, 6: 200.0, 16: 120.0}, replay1=12.0)
     summary = spec.summarize(rows, argparse.Namespace(accept_rate=0.6, device_name="NVIDIA H200"))
@@ -230,7 +242,17 @@ def test_acceptance_lines_on_an_h200():
     assert fp16["legacy_over_replay"] == 2.0 and fp16["legacy_over_replay_ok"] is False
     assert fp32["t16_over_t2"] == 2.0 and fp32["t16_over_t2_ok"] is False
     assert fp16["t16_over_t2"] == 1.2 and fp16["t16_over_t2_ok"] is True
-    # the shipped policy takes replay at batch 1: the check catches a GPU where that is slower
+    # the policy as shipped for the shape (the engine's lookup): the check catches a GPU where it is slower
+    for rec, state in ((fp32, "fp32"), (fp16, "fp16")):
+        table = spec_policy.lookup_table(128, 64, 128, state, device_name="NVIDIA H200").table
+        assert {T: v["path"] for T, v in rec["batch1"].items()} == {T: choose_verify_path(1, T, table) for T in (2, 6, 16)}
+        assert "H128 P64 N128" in rec["batch1_table"]
+    # with the H100 rows of the initial file: replay at batch 1, slower than legacy in the fp16 rows
+    h100 = _h100_file(tmp_path)
+    monkeypatch.setattr(spec, "lookup_table", lambda *a, **k: spec_policy.lookup_table(*a, **k, path=h100))
+    summary = spec.summarize(rows, argparse.Namespace(accept_rate=0.6, device_name="NVIDIA H200"))
+    acc = {r["state_dtype"]: r for r in summary.records if r["record"] == "spec_acceptance"}
+    fp32, fp16 = acc["fp32"], acc["fp16"]
     assert fp32["batch1_ok"] is True and all(v["path"] == REPLAY for v in fp32["batch1"].values())
     assert fp16["batch1_ok"] is False and all(v["path"] == REPLAY for v in fp16["batch1"].values())
     assert fp32["flashinfer_us"] == 246.0 and fp32["flashinfer_comparable"] is True
@@ -242,7 +264,7 @@ def test_acceptance_lines_on_an_h200():
     assert "replay T=16 / T=2 at B=128: 300.0 / 150.0 µs = 2.00x (target <= 1.5x; flashinfer 2.0x on an H200): FAIL" in text
     assert "246 µs (PEERS.md, measured on an NVIDIA H200); ours 200.0 µs on NVIDIA H200 -> 1.23x flashinfer" in text
     assert "165 µs" in text and "0.82x flashinfer (same GPU): FAIL" in text
-    assert ("nemotron-h fp32: B=1, adaptive choice (spec_policy.default_table) never slower than legacy: "
+    assert ("nemotron-h fp32: B=1, adaptive choice (spec_policy.lookup_table) never slower than legacy: "
             "T=2 replay 8.00 (vs legacy 10.0); T=6 replay 8.00 (vs legacy 10.0); T=16 replay 8.00 (vs legacy 10.0): "
             "PASS") in text
     assert "T=2 replay 12.0 (vs legacy 10.0) SLOWER" in text
@@ -287,6 +309,8 @@ def test_spec_defaults():
     (["--tokens", "1,6"], "must be >= 2"),
     (["--accept-rate", "1.5"], "expected a number in [0, 1]"),
     (["--shapes", "nemotron-h,jamba"], "unknown shape(s) jamba; choose from nemotron-h,nemotron-h-tp8,mamba2-2.7b,tiny"),
+    (["--state", "fp32,fp8"], "unknown state dtype(s) fp8; choose from fp32,fp16,bf16"),
+    (["--providers", "replay,fast"], "unknown provider(s) fast; choose from replay,legacy,legacy-no-copy,plain"),
 ])
 def test_bad_spec_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -398,3 +422,133 @@ def test_real_ops_end_to_end(tmp_path, capsys):
     assert printed.index("Batch-adaptive choice") > printed.index("median µs")  # after the table
     assert printed.index("Issue 5 acceptance") > printed.index("Batch-adaptive choice")
     assert md.startswith("# fastmamba speculative verification benchmark") and "Batch-adaptive choice" in md
+
+
+# --- --write-table: the crossover table file ------------------------------------------------------------
+def test_table_rows_and_the_writer(tmp_path):
+    """summarize -> table_rows -> write_crossover_table: one row per (shape, state dtype, T) with
+    the batches compared, the run's provenance, and what the engine's lookup then finds."""
+    rows = []
+    for b, (rep, leg) in {1: (12.0, 10.0), 2: (13.0, 12.0), 4: (14.0, 15.0), 8: (20.0, 30.0)}.items():
+        rows += [_row(REPLAY, b, rep, T=2, shape="mamba2-2.7b"), _row(LEGACY, b, leg, T=2, shape="mamba2-2.7b")]
+        rows += [_row(REPLAY, b, rep, T=6, shape="mamba2-2.7b", state="fp16"),
+                 _row(LEGACY, b, rep + 1, T=6, shape="mamba2-2.7b", state="fp16")]
+    rows.append(_row(REPLAY, 1, 5.0, T=16, shape="mamba2-2.7b"))  # T=16: legacy never timed, no row written
+    summary = spec.summarize(rows, argparse.Namespace(accept_rate=0.6, device_name="stub GPU"))
+    table = spec.table_rows(summary.records)
+    assert table == [
+        dict(heads=80, head_dim=64, state_size=128, state_dtype="fp32", tokens=2, crossover_batch=4,
+             batches=[1, 2, 4, 8], shape="mamba2-2.7b", groups=1),
+        dict(heads=80, head_dim=64, state_size=128, state_dtype="fp16", tokens=6, crossover_batch=1,
+             batches=[1, 2, 4, 8], shape="mamba2-2.7b", groups=1),
+    ]
+    header = dict(device="NVIDIA H100 80GB HBM3", date="2026-11-25T01:00:00+00:00", git_commit="abcdef123456",
+                  command="python -m fastmamba.bench spec --write-table t.json", torch="2.11", triton="3.6.0")
+    path = tmp_path / "t.json"
+    assert spec.write_crossover_table(summary.records, header, {"graph"}, path) == path
+    (written,) = spec_policy.read_table(path)
+    assert (written["gpu"], written["date"], written["commit"], written["command"]) == (
+        header["device"], header["date"], "abcdef123456", header["command"])
+    assert written["timing_mode"] == "graph" and written["rows"] == table
+    e = spec_policy.lookup_table(80, 64, 128, "fp32", device_name="NVIDIA H100 80GB HBM3", path=path)
+    assert e.exact and e.table == {2: 4}
+    assert [choose_verify_path(b, 2, e.table) for b in (2, 4)] == ["legacy", "replay"]
+    # interpreter times never go into the package's file; nothing to write is an error too
+    with pytest.raises(ValueError, match="CPU \\(interpreter\\) times are no measurement"):
+        spec.write_crossover_table(summary.records, header, {"cpu"}, None)
+    with pytest.raises(ValueError, match="no \\(shape, state dtype, T\\) has both replay and legacy timed"):
+        spec.write_crossover_table([r for r in summary.records if r["record"] != "spec_choice"], header, {"graph"})
+
+
+# replay's and legacy's fake per-call µs by (T, batch): replay a flat 10 + B, legacy 4 B (T=2) or 6 B (T=3)
+def _fake_us(provider: str, T: int, batch: int) -> float:
+    return 10.0 + batch if provider == REPLAY else (4.0 if T == 2 else 6.0) * batch
+
+
+def _fake_gpu_timing(monkeypatch):
+    """The runner's timing of one provider on one case, with the real check, its time replaced
+    by ``_fake_us`` and its mode by "graph" (as a GPU run would have it)."""
+    from fastmamba.bench import kernels
+
+    real = kernels._run_one
+
+    def run_one(bench, case, prov, *args):
+        fatal = real(bench, case, prov, *args)
+        row = args[-1]
+        if row.status == "ok":
+            row.median_us = row.p20_us = row.p80_us = _fake_us(prov.name, case.params["T"], case.batch)
+            row.mode = "graph"
+        return fatal
+
+    monkeypatch.setattr(kernels, "_run_one", run_one)
+
+
+def _filtered_stand_ins(replay: ReplayFns):
+    provs = _stand_ins(replay)
+    return lambda self, device: [p for p in provs(self, device) if p.name in self.provider_names]
+
+
+def test_write_table_end_to_end(monkeypatch, tmp_path, capsys):
+    """``bench spec --write-table PATH`` with the references standing in for the ops and fake GPU
+    times: replay and legacy only, the crossover per (state dtype, T) merged into PATH."""
+    _needs_the_reference_commit()
+    monkeypatch.setattr(SpecVerifyBench, "providers", _filtered_stand_ins(ReplayFns(REPLAY_REF, _commit_ref())))
+    _fake_gpu_timing(monkeypatch)
+    path = tmp_path / "table.json"
+    spec_policy.write_table(spec_policy.new_set(  # an earlier run of this shape on another GPU stays
+        [dict(heads=2, head_dim=16, state_size=16, state_dtype="fp32", tokens=2, crossover_batch=1)],
+        gpu="other GPU", commit="0", command="c", date="2026-01-01"), path)
+    rc, rows, records, _ = _run(["--tokens", "2,3", "--batch", "1,2,3,4", "--write-table", str(path)], tmp_path)
+    assert rc == 0, [(r["provider"], r["check"], r["note"]) for r in rows if r["check"] != "ok"]
+    assert {r["provider"] for r in rows} == {REPLAY, LEGACY} and all(r["check"] == "ok" for r in rows)
+    assert {(r["dtype"], r["batch"], r["params"]["T"]) for r in rows} == {
+        (d, b, T) for d in ("fp32/bf16", "fp16/bf16") for b in (1, 2, 3, 4) for T in (2, 3)}
+    # replay wins from 10 + B < 4 B (B >= 4) at T=2 and 10 + B < 6 B (B >= 3) at T=3
+    old, new = spec_policy.read_table(path)
+    assert old["gpu"] == "other GPU"
+    assert "bench spec --tokens 2,3" in new["command"] and f"--write-table {path}" in new["command"]
+    assert new["gpu"] == rows[0]["device"] and new["commit"] == (rows[0]["git_commit"] or "unknown")
+    assert {(r["state_dtype"], r["tokens"]): r["crossover_batch"] for r in new["rows"]} == {
+        ("fp32", 2): 4, ("fp32", 3): 3, ("fp16", 2): 4, ("fp16", 3): 3}
+    assert all(r["batches"] == [1, 2, 3, 4] and (r["heads"], r["head_dim"], r["state_size"]) == (2, 16, 16)
+               for r in new["rows"])
+    assert spec_policy.lookup_table(2, 16, 16, "bf16", device_name=new["gpu"], path=path).table == {2: 4, 3: 3}
+    assert "crossover table: merged 4 row(s)" in capsys.readouterr().out
+
+
+def test_write_table_refuses(monkeypatch, tmp_path, capsys):
+    """No GPU and no PATH: the package's file is not touched; a failed check writes nothing."""
+    package = spec_policy.default_table_path()
+    before = package.read_bytes()
+    assert cli.main(["bench", "spec", "--device", "cpu", "--write-table"]) == 2
+    assert "CPU (interpreter) times are no measurement" in capsys.readouterr().err
+    assert package.read_bytes() == before
+    _needs_the_reference_commit()
+    monkeypatch.setattr(SpecVerifyBench, "providers", _filtered_stand_ins(ReplayFns(_forgets_to_record, _commit_ref())))
+    _fake_gpu_timing(monkeypatch)
+    path = tmp_path / "table.json"
+    rc, rows, _, _ = _run(["--tokens", "2", "--batch", "1", "--write-table", str(path)], tmp_path)
+    assert rc == 1 and any(r["check"].startswith("FAIL") for r in rows)
+    assert not path.exists() and "crossover table NOT written" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_gpu_write_table(tmp_path):
+    """On a GPU: the real ops, timed in CUDA graphs, one small case set written into a temporary
+    table that the engine's lookup then reads (the TP=8 slice, T=2, fp32 state, batch 1 and 8)."""
+    path = tmp_path / "table.json"
+    out = tmp_path / "rows.jsonl"
+    rc = cli.main(["bench", "spec", "--shapes", "nemotron-h-tp8", "--tokens", "2", "--state", "fp32", "--batch", "1,8",
+                   "--quick", "--device", "cuda", "--json", str(out), "--write-table", str(path)])
+    assert rc == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines() if "record" not in json.loads(line)]
+    assert {r["provider"] for r in rows} == {REPLAY, LEGACY} and all(r["mode"] == "graph" for r in rows)
+    (written,) = spec_policy.read_table(path)
+    assert written["gpu"] == torch.cuda.get_device_name() and written["timing_mode"] == "graph"
+    (row,) = written["rows"]
+    us = {(r["provider"], r["batch"]): r["median_us"] for r in rows}
+    expected = next((b for b in (1, 8) if all(us[(REPLAY, c)] < us[(LEGACY, c)] for c in (1, 8) if c >= b)), None)
+    assert (row["heads"], row["head_dim"], row["state_size"], row["tokens"]) == (16, 64, 128, 2)
+    assert row["crossover_batch"] == expected and row["batches"] == [1, 8]
+    entry = spec_policy.lookup_table(16, 64, 128, "fp32", device_name=torch.cuda.get_device_name(), path=path)
+    assert entry.exact and entry.table == {2: expected}

@@ -36,6 +36,10 @@ two paths agree is the op's test (tests/ops/replay: replay equals plain token-by
 ``tune --ops replay`` sweeps the replay kernels' launch configs over this bench's cases
 (``tune_cases``: the replay provider only, no ``intermediate_states`` allocated).
 
+State dtypes fp32 and fp16 unless configured (``bench spec --state``, also bf16); the providers
+all four unless configured (``bench spec --providers``; the input sets then hold only what those
+need: ``bench spec --write-table`` times replay and legacy alone).
+
 Without a GPU: H2 P16 N16 G1, batch 1-2, T 2 and 3, through the Triton interpreter.
 """
 from __future__ import annotations
@@ -47,6 +51,7 @@ from typing import NamedTuple
 import torch
 
 from fastmamba.bench import bytes as byte_models
+from fastmamba.bench.timing import TimingConfig
 from fastmamba.bench.ops._base import (
     DTYPE_NAMES,
     Case,
@@ -72,7 +77,8 @@ CPU_BATCHES = (1, 2)
 GPU_TOKENS = (2, 4, 6, 8, 16)  # T = K+1 verified per step
 CPU_TOKENS = (2, 3)
 CPU_TUNE_TOKENS = (2,)  # the CPU smoke of `tune --ops replay`
-STATE_DTYPES = (torch.float32, torch.float16)
+STATE_DTYPES = (torch.float32, torch.float16)  # default --state
+STATE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # what --state accepts
 ACT_DTYPE = torch.bfloat16
 DT_DTYPE = ACT_DTYPE  # raw dt from in_proj, per head
 
@@ -112,12 +118,26 @@ class SpecVerifyBench(OpBench):
     title = "speculative verification"
     mutated = ("state", "old_x", "old_B", "old_dt", "old_cumA", "buf_idx", "prev_accepted", "hist_len", "inter")
 
-    def __init__(self, tokens: Sequence[int] | None = None, shapes: Sequence[str] | None = None) -> None:
+    def __init__(self, tokens: Sequence[int] | None = None, shapes: Sequence[str] | None = None, *,
+                 states: Sequence[torch.dtype] | None = None, providers: Sequence[str] | None = None,
+                 timing: TimingConfig | None = None) -> None:
         self.tokens = tuple(tokens) if tokens else None  # None: GPU_TOKENS / CPU_TOKENS by device
         self.shapes = tuple(shapes) if shapes else None  # None: DEFAULT_SHAPES / CPU_SHAPES by device
+        self.states = tuple(states) if states else STATE_DTYPES
+        bad = [p for p in providers or () if p not in PROVIDERS]
+        if bad:
+            raise ValueError(f"SpecVerifyBench: unknown provider(s) {bad}; expected a subset of {PROVIDERS}")
+        self.provider_names = tuple(p for p in PROVIDERS if p in providers) if providers else PROVIDERS
+        if timing is not None:  # e.g. `bench spec --write-table`'s shorter timing (the class default otherwise)
+            self.timing = timing
 
     def configure(self, args: object) -> "SpecVerifyBench":
-        return SpecVerifyBench(getattr(args, "tokens", None), getattr(args, "shapes", None))
+        """``--tokens``, ``--shapes``, ``--state`` (names of STATE_NAMES), ``--providers`` and the
+        timing ``args.spec_timing`` (set by ``bench spec --write-table``) of one run."""
+        states = getattr(args, "state", None)
+        return SpecVerifyBench(getattr(args, "tokens", None), getattr(args, "shapes", None),
+                               states=[STATE_NAMES[s] for s in states] if states else None,
+                               providers=getattr(args, "providers", None), timing=getattr(args, "spec_timing", None))
 
     def _tokens(self, device: torch.device) -> tuple[int, ...]:
         return self.tokens or (GPU_TOKENS if device.type == "cuda" else CPU_TOKENS)
@@ -129,11 +149,13 @@ class SpecVerifyBench(OpBench):
 
     # --- cases and bytes --------------------------------------------------------------------------
     def cases(self, device: torch.device, batches: Sequence[int], *, tokens: Sequence[int] | None = None,
-              providers: Sequence[str] = PROVIDERS) -> list[Case]:
-        """Every (shape, state dtype, T, batch); ``providers`` the ones the input sets must serve."""
+              providers: Sequence[str] | None = None) -> list[Case]:
+        """Every (shape, state dtype, T, batch); ``providers`` the ones the input sets must serve
+        (default: the bench's)."""
+        providers = tuple(providers or self.provider_names)
         out = []
         for shape, (H, P, N, G) in self._shapes(device).items():
-            for state_dtype in STATE_DTYPES:
+            for state_dtype in self.states:
                 for T in tokens or self._tokens(device):
                     for B in batches:
                         params = dict(H=H, P=P, N=N, G=G, T=T, S=2 * B, history=history_for(T),
@@ -182,7 +204,9 @@ class SpecVerifyBench(OpBench):
                           byte_models.spec_replay_steady_state(T, history_for(T), redraw=True))]
         )
         return [
-            f"cases [spec]: shapes {','.join(self._shapes(device))}; T = K+1 tokens per step in "
+            f"cases [spec]: shapes {','.join(self._shapes(device))}; state "
+            f"{','.join(DTYPE_NAMES[d] for d in self.states)}; providers {','.join(self.provider_names)}; "
+            "T = K+1 tokens per step in "
             f"{','.join(map(str, tokens))}; per request an accepted count uniform in 1..T (fixed per input set); "
             "state cache of 2*B slots, random permutation (int32); bf16 x/z/B/C/dt, fp32 per-head A/D/dt_bias, "
             "dt_softplus; plain = one token, x [B, H, P]",
@@ -221,12 +245,13 @@ class SpecVerifyBench(OpBench):
         except Exception as exc:  # noqa: BLE001
             ssu, reason = None, describe(exc)
         # legacy is what replay replaces ("peer" for the ratio column); plain answers another question
-        return [
+        provs = [
             replay_prov,
             Provider(LEGACY, "peer", version, ssu, reason="" if ssu else reason),
             Provider(LEGACY_NO_COPY, "peer", version, ssu, reason="" if ssu else reason),
             Provider(PLAIN, "baseline", version, ssu, reason="" if ssu else reason),
         ]
+        return [p for p in provs if p.name in self.provider_names]
 
     def oracle(self, device: torch.device, providers: Sequence[Provider], mode: str = "auto") -> Provider | None:
         version = f"torch {torch.__version__}"
