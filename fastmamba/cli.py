@@ -4,6 +4,7 @@
     fastmamba generate --model DIR|PRESET (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
                        [--temperature T] [--top-k K] [--top-p P] [--seed S] [--batch B]
                        [--speculate K [--drafter ngram|oracle|model [--draft-model DIR|PRESET]]]
+    fastmamba serve --model DIR|PRESET [--port 8000] ...      (fastmamba/serve/cli.py; the serve extra)
 
 ``--speculate K`` verifies K drafted tokens per step (greedy acceptance at temperature 0, speculative
 rejection sampling above). ``--drafter ngram`` (default) looks the drafts up in the prompt and the
@@ -125,7 +126,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     gen.add_argument("--draft-model", metavar="DIR|PRESET", default=None,
                      help="with --drafter model: the draft model (same vocabulary as --model), e.g. mamba2-130m")
     gen.set_defaults(_handler=_generate)
-    return parser, {"bench": bench, "generate": gen}
+    from fastmamba.serve import cli as serve_cli
+
+    srv = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (needs the serve extra: pip install 'fastmamba[serve]')",
+        description=serve_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve_cli.add_arguments(srv)
+    srv.set_defaults(_handler=lambda args, argv: serve_cli.run(args))
+    return parser, {"bench": bench, "generate": gen, "serve": srv}
 
 
 def _prompt_ids(text: str) -> list[int]:
