@@ -1,0 +1,183 @@
+"""Target ``serve``: a bounded load test of ``fastmamba serve`` on loopback against the offline engine.
+
+    python -m fastmamba.bench serve [--model mamba2-2.7b] [--requests 256] [--concurrency 64]
+                                    [--prompt-len 512] [--output-len 128] [--max-batch 64] [--json PATH]
+
+The server runs in a subprocess (``python -m fastmamba.serve`` on a free 127.0.0.1 port); this
+process drives it with ``--concurrency`` streaming clients (httpx) that send ``--requests`` token-id
+completions (random prompts, greedy, ``ignore_eos``) and record each request's time to first token
+and the gaps between its tokens. Then the server is stopped and the same prompts run through the
+offline ``Engine.generate`` in this process (after a warm-up run). Reported: request throughput,
+output tok/s, time to first token and inter-token latency p50 / p99 for the server, output tok/s
+offline, and server / offline. Without a GPU: the tiny preset with a handful of short requests
+(PyTorch reference ops), which checks the plumbing only.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="preset or checkpoint dir (default: mamba2-2.7b on a GPU, "
+                        "mamba2-tiny on a CPU)")
+    parser.add_argument("--requests", type=int, default=None, help="requests in all (default 256; CPU 8)")
+    parser.add_argument("--concurrency", type=int, default=None, help="clients at once (default 64; CPU 4)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 512; CPU 8)")
+    parser.add_argument("--output-len", type=int, default=None, help="tokens generated per request (default 128; CPU 4)")
+    parser.add_argument("--max-batch", type=int, default=64, help="the server's and the offline engine's batch")
+    parser.add_argument("--json", metavar="PATH", help="append the result as one JSON line")
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    k = (len(s) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _drive(url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
+    import httpx
+
+    sem = asyncio.Semaphore(concurrency)
+    ttft, itl, counts = [], [], []
+
+    async def one(cl, prompt):
+        async with sem:
+            body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True, "ignore_eos": True}
+            t0 = time.perf_counter()
+            last, n = None, 0
+            async with cl.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"server answered {r.status_code}: {await r.aread()}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    got = len(json.loads(line[6:])["choices"][0]["token_ids"])
+                    if not got:
+                        continue
+                    now = time.perf_counter()
+                    if last is None:
+                        ttft.append(now - t0)
+                    else:
+                        itl.append(now - last)
+                    last, n = now, n + got
+            counts.append(n)
+
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as cl:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(cl, p) for p in prompts))
+        wall = time.perf_counter() - t0
+    return {"wall_s": wall, "ttft": ttft, "itl": itl, "tokens": sum(counts)}
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    cuda = torch.cuda.is_available()
+    name = args.model or ("mamba2-2.7b" if cuda else "mamba2-tiny")
+    nreq = args.requests or (256 if cuda else 8)
+    conc = args.concurrency or (64 if cuda else 4)
+    plen = args.prompt_len or (512 if cuda else 8)
+    olen = args.output_len or (128 if cuda else 4)
+    g = torch.Generator().manual_seed(0)
+    vocab = 256 if name == "mamba2-tiny" else 50280
+    prompts = torch.randint(0, vocab, (nreq, plen), generator=g).tolist()
+
+    port = _free_port()
+    env = dict(os.environ)
+    if not cuda:
+        env.pop("TRITON_INTERPRET", None)  # the reference ops: this checks plumbing, not kernels
+    log = open(os.devnull, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "fastmamba.serve", "--model", name, "--port", str(port),
+                             "--max-batch", str(args.max_batch), "--max-waiting", str(nreq + 1),
+                             "--log-level", "warning"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import httpx
+
+        deadline = time.time() + 600
+        while True:
+            if proc.poll() is not None:
+                print(f"error: the server exited with {proc.returncode}", file=sys.stderr)
+                return 1
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                print("error: the server did not come up in 600 s", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        warm = asyncio.run(_drive(url, prompts[:min(conc, nreq)], min(olen, 8), conc))  # graphs, compiles
+        del warm
+        res = asyncio.run(_drive(url, prompts, olen, conc))
+    finally:
+        proc.terminate()
+        proc.wait(120)
+        log.close()
+
+    import fastmamba
+    from fastmamba.generation.engine import Engine
+    from fastmamba.generation.sampling import SamplingParams
+
+    if not cuda:
+        os.environ.pop("TRITON_INTERPRET", None)
+    model = fastmamba.load_model(name)
+    engine = Engine(model, max_batch=args.max_batch)
+    kw = {"max_new_tokens": olen}
+    if "ignore_eos" in SamplingParams.__dataclass_fields__:
+        kw["ignore_eos"] = True
+    params = SamplingParams(**kw)
+    engine.generate(prompts[:min(conc, nreq)], SamplingParams(max_new_tokens=min(olen, 8)))  # warm-up
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    if cuda:
+        torch.cuda.synchronize()
+    offline_s = time.perf_counter() - t0
+    offline_tokens = sum(len(o) for o in outs)
+
+    server_tps = res["tokens"] / res["wall_s"]
+    offline_tps = offline_tokens / offline_s
+    row = {
+        "model": name, "requests": nreq, "concurrency": conc, "prompt_len": plen, "output_len": olen,
+        "max_batch": args.max_batch, "server_req_per_s": nreq / res["wall_s"], "server_tok_per_s": server_tps,
+        "offline_tok_per_s": offline_tps, "server_over_offline": server_tps / offline_tps,
+        "ttft_p50_ms": 1e3 * percentile(res["ttft"], 0.5), "ttft_p99_ms": 1e3 * percentile(res["ttft"], 0.99),
+        "itl_p50_ms": 1e3 * percentile(res["itl"], 0.5), "itl_p99_ms": 1e3 * percentile(res["itl"], 0.99),
+        "command": command,
+    }
+    dev = torch.cuda.get_device_name() if cuda else "CPU (reference ops)"
+    print(f"# serve load test: {name}, {dev}, {nreq} requests, {conc} concurrent, prompt {plen}, output {olen}, "
+          f"max batch {args.max_batch}; command: {command}")
+    print("| provider | req/s | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| server (HTTP, streaming) | {row['server_req_per_s']:.2f} | {server_tps:.0f} | "
+          f"{row['ttft_p50_ms']:.1f} / {row['ttft_p99_ms']:.1f} | {row['itl_p50_ms']:.2f} / {row['itl_p99_ms']:.2f} |")
+    print(f"| offline Engine.generate | {nreq / offline_s:.2f} | {offline_tps:.0f} | — | — |")
+    print(f"server / offline output tok/s: {row['server_over_offline']:.2f} (target >= 0.90)")
+    print(f"mean output tokens per request: server {res['tokens'] / nreq:.1f}, offline {offline_tokens / nreq:.1f}")
+    if args.json:
+        with open(args.json, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+    return 0
