@@ -64,7 +64,7 @@ def test_churn_no_page_leaked_or_shared():
     live: dict[int, list[float]] = {}  # slot -> the values its tokens hold, by position
     stamp = 0.0
     joins = leaves = 0
-    for _ in range(400):
+    for _ in range(1200):
         op = rng.random()
         if op < 0.3 and cache.free_slots:
             n = rng.randint(1, 12)
@@ -74,10 +74,10 @@ def test_churn_no_page_leaked_or_shared():
             slot = int(cache.alloc(1)[0])
             live[slot] = []
             toks = [n]
-        elif op < 0.8 and live:
+        elif op < 0.65 and live:
             slot = rng.choice(list(live))
             toks = [rng.randint(1, 3)]
-        elif op < 0.9 and live:
+        elif op < 0.75 and live:
             slot = rng.choice(list(live))
             new_len = rng.randint(0, len(live[slot]))
             cache.truncate(slot, new_len)
@@ -107,7 +107,7 @@ def test_churn_no_page_leaked_or_shared():
             pages = kv.pages_of(s)
             got = kv.k[0][pages].reshape(-1)[: len(want)].tolist() if pages else []
             assert got == want, f"slot {s} lost its tokens"
-    assert joins > 50 and leaves > 30, (joins, leaves)
+    assert joins >= 100 and leaves >= 100, (joins, leaves)
     cache.free(list(live))
     kv.check()
     assert kv.free_pages == kv.num_pages and cache.free_slots == S
