@@ -36,7 +36,16 @@ import math
 import os
 from typing import Any
 
+import torch
+from torch import nn
+
+from fastmamba.cache.hybrid_cache import HybridCache
+from fastmamba.layers.attention import KVBatch
+from fastmamba.layers.mamba2 import Mamba2Mixer
+from fastmamba.models.blocks import Batch, RMSNorm, build_blocks
 from fastmamba.models.config import Mamba2Config, _float
+from fastmamba.ops import add_rmsnorm
+from fastmamba.ops._common.host_values import host_list
 
 # pattern character -> transformers' ``layers_block_type`` name (and the legacy names it remaps)
 PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
@@ -280,3 +289,216 @@ PRESETS: dict[str, NemotronHConfig] = {
         intermediate_size=21504, mamba_nheads=128, mamba_headdim=64, n_groups=8, d_state=128,
     ),
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+
+
+class NemotronHBackbone(nn.Module):
+    def __init__(self, cfg: NemotronHConfig, device=None, dtype=None):
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model, device=device, dtype=dtype)
+        self.layers = build_blocks(cfg, device=device, dtype=dtype)
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps, device=device, dtype=dtype)
+
+
+class NemotronHLM(nn.Module):
+    """``forward(input_ids [B, L]) -> logits [B, L, V]`` (fp32); ``prefill_varlen`` / ``decode`` with a
+    ``HybridCache`` (``new_cache``). The same API as ``Mamba2LM`` (without speculative ``verify``)."""
+
+    def __init__(self, cfg: NemotronHConfig, device=None, dtype=None):
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = NemotronHBackbone(cfg, device=device, dtype=dtype)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device=device, dtype=dtype)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def _run(self, input_ids: torch.Tensor, mix, *, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Embeddings -> blocks -> final norm -> fp32 logits (of the leading-dim ``rows`` only, if
+        given); ``mix(block, normed)`` runs one block's mixer. Each block boundary is one fused
+        kernel: residual += previous output, then the next block's RMSNorm."""
+        rdtype = torch.float32 if self.cfg.residual_in_fp32 else self.dtype
+        out, residual = self.backbone.embeddings(input_ids), None
+        for block in self.backbone.layers:
+            normed, residual = add_rmsnorm(out, residual, block.norm.weight, block.norm.eps, residual_dtype=rdtype)
+            out = mix(block, normed)
+        if rows is not None:
+            out, residual = out[rows], residual[rows]
+        norm_f = self.backbone.norm_f
+        normed, _ = add_rmsnorm(out, residual, norm_f.weight, norm_f.eps, residual_dtype=rdtype)
+        return self.lm_head(normed).float()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, L] int64 -> logits [B, L, V] fp32; every row starts fresh, nothing is cached."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"NemotronHLM.forward: `input_ids` expected shape (B, L), got {tuple(input_ids.shape)}")
+        return self._run(input_ids, lambda block, h: block(h))
+
+    def new_cache(
+        self,
+        max_batch: int,
+        *,
+        max_seq_len: int = 4096,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_budget_bytes: int | None = None,
+        ssm_dtype: torch.dtype = torch.float32,
+    ) -> HybridCache:
+        """Mamba slot pools for ``max_batch`` requests and the attention layers' paged KV (pages of
+        ``page_size`` tokens: ``num_pages`` of them, or as many as ``kv_budget_bytes`` holds, or by
+        default enough for every request at ``max_seq_len``)."""
+        c = self.cfg
+        return HybridCache(
+            max_batch, mamba_cfg=c.mamba if "M" in c.pattern else None, n_attn_layers=c.pattern.count("*"),
+            n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, max_seq_len=max_seq_len, page_size=page_size,
+            num_pages=num_pages, kv_budget_bytes=kv_budget_bytes, device=self.lm_head.weight.device,
+            dtype=self.dtype, ssm_dtype=ssm_dtype,
+        )
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, cache: HybridCache, slots: torch.Tensor) -> torch.Tensor:
+        """B prompts of equal length [B, L]; returns the last logits [B, V] (``prefill_varlen``)."""
+        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+            raise ValueError(f"NemotronHLM.prefill: `input_ids` expected shape (B, L) with L >= 1, "
+                             f"got {tuple(input_ids.shape)}")
+        nreq, L = input_ids.shape
+        cu_seqlens = torch.arange(0, nreq * L + 1, L, dtype=torch.int32, device=input_ids.device)
+        return self.prefill_varlen(input_ids.reshape(-1), cu_seqlens, cache, slots)
+
+    @torch.inference_mode()
+    def prefill_varlen(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        cache: HybridCache,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run B prompts of any lengths packed into one call; returns each one's last-token logits [B, V] fp32.
+
+        input_ids   [T] int64: the prompts back to back
+        cu_seqlens  [B+1] int32/int64: prompt b is input_ids[cu_seqlens[b]:cu_seqlens[b+1]]; starts
+                    at 0, ends at T, every prompt at least one token
+        slots       [B] int32/int64: allocated slots (``cache.alloc``), distinct. Each prompt
+                    continues its slot's request: a fresh slot starts from nothing; one that has
+                    consumed tokens (an earlier prefill chunk or decode steps) continues from its
+                    Mamba states and attends to its cached K/V (chunked prefill)
+        The cache grows first (``HybridCache.grow``: KV pages for the new tokens); Mamba states are
+        mutated in place, the prompts' K/V written into their pages. Reads cu_seqlens and slots
+        on the host (the growth needs them).
+        """
+        if input_ids.dim() != 1:
+            raise ValueError(f"NemotronHLM.prefill_varlen: `input_ids` expected shape (T,), got {tuple(input_ids.shape)}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(f"NemotronHLM.prefill_varlen: `cu_seqlens` expected shape (B+1,) with B >= 1, "
+                             f"got {tuple(cu_seqlens.shape)}")
+        nseq = cu_seqlens.shape[0] - 1
+        if tuple(slots.shape) != (nseq,):
+            raise ValueError(f"NemotronHLM.prefill_varlen: `slots` expected shape (B,)=({nseq},), "
+                             f"got {tuple(slots.shape)}")
+        cu = host_list(cu_seqlens)
+        if cu[0] != 0 or cu[-1] != input_ids.shape[0]:
+            raise ValueError(f"NemotronHLM.prefill_varlen: `cu_seqlens` must start at 0 and end at T="
+                             f"{input_ids.shape[0]}, got {cu[0]} .. {cu[-1]}")
+        empty = [b for b in range(nseq) if cu[b + 1] <= cu[b]]
+        if empty:
+            raise ValueError(f"NemotronHLM.prefill_varlen: every prompt needs at least one token; prompts "
+                             f"{empty[:8]} have none")
+        sl = host_list(slots)
+        if -1 in sl or len(set(sl)) != len(sl):
+            raise ValueError(f"NemotronHLM.prefill_varlen: `slots` must be distinct allocated slots, got {sl[:16]}")
+        lens = [cu[b + 1] - cu[b] for b in range(nseq)]
+        ctx = cache.grow(sl, lens)  # raises before anything is touched if a slot is not allocated
+        dev = input_ids.device
+        has_initial_state = torch.tensor([c > 0 for c in ctx], dtype=torch.bool, device=dev)
+        kv = None
+        if cache.kv is not None:
+            positions = torch.tensor([c + i for c, n in zip(ctx, lens) for i in range(n)], dtype=torch.int64, device=dev)
+            token_rows = torch.repeat_interleave(torch.arange(nseq, device=dev), torch.tensor(lens, device=dev))
+            kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions, token_rows, cu_seqlens, ctx)
+        batch = Batch(slots, cu_seqlens, has_initial_state, kv)
+        return self._run(input_ids, lambda block, h: block.prefill(h, cache, batch), rows=cu_seqlens[1:].long() - 1)
+
+    @torch.inference_mode()
+    def decode(self, token_ids: torch.Tensor, cache: HybridCache, slots: torch.Tensor, *,
+               grow: bool = True) -> torch.Tensor:
+        """One token per request [B] -> next-token logits [B, V] fp32; states and KV advance in place.
+
+        slots   [B] int32/int64; -1 marks a pad row (no state touched, its K/V go to the scratch page)
+        grow    True: ``cache.grow(slots, [1] * B)`` first (reads slots on the host). False: the
+                caller has grown the cache already (a CUDA-graph replay: everything below reads
+                static device buffers only; the positions come from ``cache.kv.seq_lens``).
+        """
+        if token_ids.dim() != 1 or tuple(slots.shape) != tuple(token_ids.shape):
+            raise ValueError(f"NemotronHLM.decode: `token_ids` and `slots` expected shape (B,), got "
+                             f"{tuple(token_ids.shape)} and {tuple(slots.shape)}")
+        if grow:
+            cache.grow(host_list(slots), [1] * token_ids.shape[0])
+        kv = None
+        if cache.kv is not None:
+            positions = cache.kv.seq_lens[slots.long().clamp(min=0)].long() - 1
+            kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions)
+        batch = Batch(slots, kv=kv)
+        return self._run(token_ids, lambda block, h: block.decode(h, cache, batch))
+
+    step = decode
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def _default_device(device) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@torch.no_grad()
+def random_init(model: NemotronHLM, seed: int = 0) -> NemotronHLM:
+    """Deterministic random weights: N(0, 0.02) matrices, Mamba-2's A_log / dt_bias / D
+    initialisation, unit norms. Same seed, same weights."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    dev_gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
+            module.weight.normal_(0.0, 0.02, generator=dev_gen)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        if isinstance(module, Mamba2Mixer):
+            module.reset_ssm_parameters(gen)
+    return model
+
+
+def load_nemotron_h(path_or_preset: str | os.PathLike, dtype: torch.dtype | None = None, device=None) -> NemotronHLM:
+    """A ready-to-run ``NemotronHLM`` from a checkpoint directory (``config.json`` with
+    ``model_type: nemotron_h`` and safetensors, sharded or not, in transformers' names) or a preset
+    name (random weights, seed 0). dtype: default the checkpoint's (bf16 on a GPU / fp32 on a CPU
+    for presets). Checkpoint problems (missing, unexpected, misshaped tensors) raise one
+    ValueError listing them all, before anything is copied (``fastmamba.models.weights.load_into``)."""
+    device = _default_device(device)
+    key = str(path_or_preset)
+    if key in PRESETS:
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        return random_init(NemotronHLM(PRESETS[key], device=device, dtype=dtype)).eval()
+    if not os.path.isdir(key):
+        raise FileNotFoundError(f"load_nemotron_h: {key!r} is neither a directory nor a preset; presets: "
+                                f"{', '.join(PRESETS)}")
+    from fastmamba.models.weights import load_into, read_checkpoint
+
+    config_path = os.path.join(key, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"load_nemotron_h: no config.json in {key!r}")
+    cfg = NemotronHConfig.from_file(config_path)
+    state_dict = read_checkpoint(key)
+    if dtype is None:
+        dtype = next((t.dtype for t in state_dict.values() if t.is_floating_point()), torch.float32)
+    model = NemotronHLM(cfg, device=device, dtype=dtype)
+    load_into(model, state_dict)
+    return model.eval()
