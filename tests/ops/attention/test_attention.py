@@ -134,3 +134,19 @@ def test_attention_ops_reject_bad_input():
     with pytest.raises(ValueError, match="paged_kv_write: `k` expected shape"):
         paged_kv_write(torch.randn(2, 3, 8), torch.randn(2, 3, 8), k, v, bt, torch.tensor([0, 1]),
                        torch.tensor([0, 1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,ctx,dtype", [(1, 4096, torch.bfloat16), (32, 2000, torch.bfloat16), (7, 333, torch.float16)])
+def test_paged_decode_attention_large_gpu(B, ctx, dtype):
+    """Nemotron-H-8B's attention shape (32 query / 8 KV heads of 128), long contexts, 16-token pages."""
+    Hq, Hkv, Dh, PAGE = 32, 8, 128, 16
+    pages_per = -(-ctx // PAGE)
+    k, v, bt, seq_lens = paged_pool(S=B + 1, Np=(B + 1) * pages_per + 1, PAGE=PAGE, Hkv=Hkv, Dh=Dh,
+                                    lens=[ctx - b for b in range(B)], dtype=dtype)
+    slots = torch.randperm(B, generator=seeded(5)).int()
+    q = torch.randn(B, Hq, Dh, generator=seeded(6)).to(dtype)
+    args = [t.cuda() for t in (q, k, v, bt, seq_lens, slots)]
+    got = paged_decode_attention(*args)
+    want = paged_decode_attention_ref(*args)
+    torch.testing.assert_close(got.float(), want, **tol(dtype))
