@@ -186,6 +186,7 @@ def paged_decode_attention(
     slots: torch.Tensor,
     *,
     scale: float | None = None,
+    num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per request attending over its cached tokens (GQA, paged, no mask needed).
@@ -197,6 +198,10 @@ def paged_decode_attention(
     seq_lens     [S] int32/int64: tokens cached for request s, the current one included
     slots        [B] int32/int64: request b's row; -1 (any value outside [0, S)) marks a pad row:
                  zero output, nothing read
+    num_splits   split-K: each request's context (up to Pmax pages) is cut into this many runs,
+                 attended by separate programs and merged by a second kernel (a power of two,
+                 1 to 64). None: 1 unless B x Hkv programs would leave most of a GPU idle, then
+                 enough runs for about two programs per SM (never runs of fewer than 16 pages)
     Returns [B, Hq, Dh] in q's dtype (``out`` when given). fp32 softmax and accumulation.
     Reads nothing on the host except the slots' range check where host reads are allowed
     (graph safe: block_table, seq_lens and slots can be static buffers).
@@ -221,6 +226,24 @@ def paged_decode_attention(
     if not use_triton(q):
         out.copy_(paged_decode_attention_ref(q, k_pages, v_pages, block_table, seq_lens, slots, scale=scale))
         return out
+    Pmax = block_table.shape[1]
+    if num_splits is None:
+        num_splits = _auto_splits(q, B * Hkv, Pmax)
+    if not (isinstance(num_splits, int) and 1 <= num_splits <= 64 and num_splits & (num_splits - 1) == 0):
+        raise ValueError(f"{op}: `num_splits` expected a power of two in [1, 64], got {num_splits!r}")
     if B:
-        launch_paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, slots, out, scale)
+        launch_paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, slots, out, scale,
+                                      num_splits=num_splits)
     return out
+
+
+def _auto_splits(q: torch.Tensor, programs: int, max_pages: int) -> int:
+    """Split-K runs for a decode call: about two programs per SM when B x Hkv is small and the
+    block table is wide enough for runs of at least 16 pages; 1 elsewhere (and in the interpreter)."""
+    if not q.is_cuda:
+        return 1
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    splits = 1
+    while splits < 64 and programs * splits < 2 * sms and max_pages >= 16 * splits * 2:
+        splits *= 2
+    return splits

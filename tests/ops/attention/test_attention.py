@@ -36,12 +36,16 @@ DECODE_ROWS = [
     pytest.param(dict(Hq=4, Hkv=4, Dh=16, PAGE=4), id="MHA"),
     pytest.param(dict(Hq=4, Hkv=1, Dh=24, PAGE=8), id="MQA-D24-P8"),
     pytest.param(dict(Hq=4, Hkv=2, Dh=16, PAGE=4, dtype=torch.float16), id="fp16"),
+    pytest.param(dict(Hq=4, Hkv=2, Dh=16, PAGE=4, num_splits=2), id="split2"),
+    pytest.param(dict(Hq=6, Hkv=2, Dh=24, PAGE=4, num_splits=4), id="G3-D24-split4"),  # splits with no pages
 ]
 
 
 @pytest.mark.parametrize("shape", DECODE_ROWS)
 def test_paged_decode_attention_matches_ref(shape, device):
+    shape = dict(shape)
     dtype = shape.pop("dtype", torch.float32)
+    num_splits = shape.pop("num_splits", 1)
     Hq, Hkv, Dh, PAGE = shape["Hq"], shape["Hkv"], shape["Dh"], shape["PAGE"]
     lens = (13, 1, 0, 7, 4)  # request 2 has nothing cached; 4 fills its page exactly
     k, v, bt, seq_lens = paged_pool(S=6, Np=16, PAGE=PAGE, Hkv=Hkv, Dh=Dh, lens=lens, dtype=dtype)
@@ -49,7 +53,7 @@ def test_paged_decode_attention_matches_ref(shape, device):
     q = torch.randn(6, Hq, Dh, generator=seeded(1)).to(dtype)
     k, v, bt, seq_lens, slots, q = (t.to(device) for t in (k, v, bt, seq_lens, slots, q))
     out = nan_like(q)
-    got = paged_decode_attention(q, k, v, bt, seq_lens, slots, out=out)
+    got = paged_decode_attention(q, k, v, bt, seq_lens, slots, num_splits=num_splits, out=out)
     assert got is out
     want = paged_decode_attention_ref(q, k, v, bt, seq_lens, slots)
     torch.testing.assert_close(got.float(), want, **tol(dtype))
@@ -129,6 +133,8 @@ def test_attention_ops_reject_bad_input():
         paged_decode_attention(torch.randn(2, 4, 8), k, v, bt, seq_lens, torch.tensor([0, 2]))
     with pytest.raises(ValueError, match="paged_decode_attention: `seq_lens` expected shape"):
         paged_decode_attention(torch.randn(2, 4, 8), k, v, bt, seq_lens[:1], torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="paged_decode_attention: `num_splits` expected a power of two"):
+        paged_decode_attention(torch.randn(2, 4, 8), k, v, bt, seq_lens, torch.tensor([0, 1]), num_splits=3)
     with pytest.raises(ValueError, match="varlen_prefill_attention: `ctx_lens` expected 1 values"):
         varlen_prefill_attention(torch.randn(3, 4, 8), k, v, bt, torch.tensor([0]), torch.tensor([0, 3]), [0, 0])
     with pytest.raises(ValueError, match="paged_kv_write: `k` expected shape"):
@@ -147,6 +153,7 @@ def test_paged_decode_attention_large_gpu(B, ctx, dtype):
     slots = torch.randperm(B, generator=seeded(5)).int()
     q = torch.randn(B, Hq, Dh, generator=seeded(6)).to(dtype)
     args = [t.cuda() for t in (q, k, v, bt, seq_lens, slots)]
-    got = paged_decode_attention(*args)
     want = paged_decode_attention_ref(*args)
-    torch.testing.assert_close(got.float(), want, **tol(dtype))
+    for splits in (None, 1, 8):
+        got = paged_decode_attention(*args, num_splits=splits)
+        torch.testing.assert_close(got.float(), want, **tol(dtype))
