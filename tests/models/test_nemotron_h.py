@@ -345,3 +345,27 @@ def test_8b_preset_decodes_on_gpu():
     full = m(ids)[:, -1]
     assert torch.isfinite(step).all()
     torch.testing.assert_close(step, full, atol=0.5, rtol=0.05)  # bf16 end to end through 52 layers
+
+
+@pytest.mark.parametrize("pattern", ["M-M", "*-*", "-*M"], ids=["no-attention", "no-mamba", "mlp-first"])
+def test_any_pattern_decodes_like_its_forward(pattern):
+    """Kinds are only a pattern: without attention (no KV pool), without Mamba (no slot pools) or
+    starting with an MLP, step-by-step decode equals the full forward. The second half of the
+    steps runs with ``grow=False`` after the caller grew the cache (the CUDA-graph replay path)."""
+    from fastmamba.models.nemotron_h import random_init
+
+    cfg = NemotronHConfig(d_model=32, vocab_size=VOCAB, pattern=pattern, n_heads=2, n_kv_heads=1, head_dim=16,
+                          intermediate_size=48, mamba_nheads=2, mamba_headdim=16, n_groups=1, d_state=16,
+                          chunk_size=8)
+    m = random_init(NemotronHLM(cfg, dtype=torch.float32), seed=3).eval()
+    ids = prompts_of([10], 9)[0]
+    full = m(ids[None])[0]
+    cache = m.new_cache(1, max_seq_len=16, page_size=4)
+    assert (cache.kv is None) == ("*" not in pattern) and (cache.state is None) == ("M" not in pattern)
+    slot = cache.alloc(1)
+    got = [m.prefill(ids[None, :4], cache, slot)[0]]
+    for t in range(4, 10):
+        if t >= 7:
+            cache.grow([0], [1])
+        got.append(m.decode(ids[t:t + 1], cache, slot, grow=t < 7)[0])
+    torch.testing.assert_close(torch.stack(got), full[3:], **FP32)
