@@ -369,3 +369,12 @@ def test_any_pattern_decodes_like_its_forward(pattern):
             cache.grow([0], [1])
         got.append(m.decode(ids[t:t + 1], cache, slot, grow=t < 7)[0])
     torch.testing.assert_close(torch.stack(got), full[3:], **FP32)
+
+
+def test_sharded_checkpoint_loads_the_same(hf_pair, tmp_path):
+    hf, ours = hf_pair
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    sharded = load_nemotron_h(tmp_path / "sharded", device="cpu")
+    for (name, a), (_, b) in zip(ours.state_dict().items(), sharded.state_dict().items()):
+        assert torch.equal(a, b), name
