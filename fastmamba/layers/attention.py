@@ -71,7 +71,8 @@ class Attention(nn.Module):
                                            enable_gqa=self.n_heads != self.n_kv_heads)
         return self.o_proj(o.transpose(1, 2).reshape(nreq, L, -1))
 
-    def forward_varlen(self, u: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, kv: KVBatch) -> torch.Tensor:
+    def forward_varlen(self, u: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                       kv: KVBatch) -> torch.Tensor:
         """Packed prompts u [T, M] -> [T, M]; their K/V are written into the pages first (mutated)."""
         q, k, v = self._qkv(u)
         paged_kv_write(k, v, k_pages, v_pages, kv.block_table, kv.slots, kv.positions, kv.token_rows)

@@ -200,8 +200,8 @@ class NemotronHConfig:
 
         hidden = first("hidden_size")
         n_heads = first("num_attention_heads", default=32)
-        head_dim = first("head_dim", "attention_head_dim",
-                         default=hidden // n_heads if isinstance(hidden, int) and isinstance(n_heads, int) and n_heads else 0)
+        ints = isinstance(hidden, int) and isinstance(n_heads, int) and n_heads > 0
+        head_dim = first("head_dim", "attention_head_dim", default=hidden // n_heads if ints else 0)
         return cls(
             d_model=_int(hidden, "hidden_size"), vocab_size=_int(cfg["vocab_size"], "vocab_size"), pattern=pattern,
             n_heads=_int(n_heads, "num_attention_heads"),
@@ -394,7 +394,8 @@ class NemotronHLM(nn.Module):
         on the host (the growth needs them).
         """
         if input_ids.dim() != 1:
-            raise ValueError(f"NemotronHLM.prefill_varlen: `input_ids` expected shape (T,), got {tuple(input_ids.shape)}")
+            raise ValueError(f"NemotronHLM.prefill_varlen: `input_ids` expected shape (T,), "
+                             f"got {tuple(input_ids.shape)}")
         if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
             raise ValueError(f"NemotronHLM.prefill_varlen: `cu_seqlens` expected shape (B+1,) with B >= 1, "
                              f"got {tuple(cu_seqlens.shape)}")
@@ -419,7 +420,8 @@ class NemotronHLM(nn.Module):
         has_initial_state = torch.tensor([c > 0 for c in ctx], dtype=torch.bool, device=dev)
         kv = None
         if cache.kv is not None:
-            positions = torch.tensor([c + i for c, n in zip(ctx, lens) for i in range(n)], dtype=torch.int64, device=dev)
+            positions = torch.tensor([c + i for c, n in zip(ctx, lens) for i in range(n)], dtype=torch.int64,
+                                     device=dev)
             token_rows = torch.repeat_interleave(torch.arange(nseq, device=dev), torch.tensor(lens, device=dev))
             kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions, token_rows, cu_seqlens, ctx)
         batch = Batch(slots, cu_seqlens, has_initial_state, kv)

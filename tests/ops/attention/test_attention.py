@@ -143,7 +143,8 @@ def test_attention_ops_reject_bad_input():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,ctx,dtype", [(1, 4096, torch.bfloat16), (32, 2000, torch.bfloat16), (7, 333, torch.float16)])
+@pytest.mark.parametrize("B,ctx,dtype", [(1, 4096, torch.bfloat16), (32, 2000, torch.bfloat16),
+                                         (7, 333, torch.float16)])
 def test_paged_decode_attention_large_gpu(B, ctx, dtype):
     """Nemotron-H-8B's attention shape (32 query / 8 KV heads of 128), long contexts, 16-token pages."""
     Hq, Hkv, Dh, PAGE = 32, 8, 128, 16
