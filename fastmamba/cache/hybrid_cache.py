@@ -1,0 +1,139 @@
+"""One owner of a hybrid model's per-request caches: Mamba-2 slots and paged attention KV.
+
+A request takes one slot (``alloc``) for its whole life and gives it back once (``free``). The
+slot is its row in every Mamba layer's conv / SSM pool (a ``StateCache``) and its row of the
+shared KV page table (``KVPages``); pages follow its length (``grow`` before each prefill or
+decode step writes tokens) and all go back with the slot. Layers find their slice by their
+ordinal among the layers of their kind: ``conv[j]`` / ``ssm[j]`` for the j-th Mamba layer,
+``kv.k[j]`` / ``kv.v[j]`` for the j-th attention layer. A fourth layer kind with its own per-request
+state adds its pool here and keeps the same alloc / free.
+"""
+from __future__ import annotations
+
+import torch
+
+from fastmamba.cache.kv_pages import KVPages
+from fastmamba.cache.state_cache import StateCache
+from fastmamba.models.config import Mamba2Config
+
+
+class HybridCache:
+    def __init__(
+        self,
+        max_batch: int,
+        *,
+        mamba_cfg: Mamba2Config | None,
+        n_attn_layers: int,
+        n_kv_heads: int = 1,
+        head_dim: int = 1,
+        max_seq_len: int = 4096,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_budget_bytes: int | None = None,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.bfloat16,
+        ssm_dtype: torch.dtype = torch.float32,
+    ):
+        """max_batch    requests held at once (slots)
+        mamba_cfg      the Mamba layers' config (``n_layer`` = their count) or None without any
+        n_attn_layers  attention layers (0: no KV pools); n_kv_heads, head_dim their K/V shape
+        max_seq_len    the most tokens one request may hold (its page-table width)
+        page_size      tokens per page (a power of two)
+        num_pages      pages in the pool; default from ``kv_budget_bytes`` when given, else enough
+                       for every slot at ``max_seq_len``
+        """
+        if not (isinstance(max_batch, int) and max_batch >= 1):
+            raise ValueError(f"HybridCache: `max_batch` expected a positive integer, got {max_batch!r}")
+        if not (isinstance(max_seq_len, int) and max_seq_len >= 1):
+            raise ValueError(f"HybridCache: `max_seq_len` expected a positive integer, got {max_seq_len!r}")
+        if num_pages is not None and kv_budget_bytes is not None:
+            raise ValueError("HybridCache: pass `num_pages` or `kv_budget_bytes`, not both")
+        self.max_batch = max_batch
+        self.state = (StateCache(mamba_cfg, max_batch, device=device, conv_dtype=dtype, ssm_dtype=ssm_dtype)
+                      if mamba_cfg is not None else None)
+        self.kv: KVPages | None = None
+        if n_attn_layers:
+            max_pages = -(-max_seq_len // page_size)
+            if kv_budget_bytes is not None:
+                num_pages = kv_budget_bytes // KVPages.page_bytes(n_attn_layers, page_size, n_kv_heads, head_dim, dtype)
+                if num_pages < 1:
+                    raise ValueError(f"HybridCache: `kv_budget_bytes`={kv_budget_bytes} is less than one page")
+            elif num_pages is None:
+                num_pages = max_batch * max_pages
+            self.kv = KVPages(n_attn_layers, num_pages, max_batch, max_pages, page_size=page_size,
+                              n_kv_heads=n_kv_heads, head_dim=head_dim, device=device, dtype=dtype)
+        self.device = torch.device(device)
+        self._free = list(range(max_batch - 1, -1, -1))
+        self._len = [0] * max_batch  # tokens each slot has consumed (its KV length too)
+
+    # -- the per-layer slices ------------------------------------------------------------------------
+
+    @property
+    def conv(self) -> list[torch.Tensor]:
+        return self.state.conv if self.state is not None else []
+
+    @property
+    def ssm(self) -> list[torch.Tensor]:
+        return self.state.ssm if self.state is not None else []
+
+    # -- requests -------------------------------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def length(self, slot: int) -> int:
+        """Tokens slot ``slot`` has consumed so far."""
+        return self._len[slot]
+
+    def alloc(self, n: int = 1) -> torch.Tensor:
+        """Take ``n`` slots (zeroed Mamba states, no KV pages yet); int32 tensor on the cache's device."""
+        if n > len(self._free):
+            raise RuntimeError(f"HybridCache: {n} slots requested, {len(self._free)} of {self.max_batch} free")
+        if self.state is not None:
+            slots = self.state.alloc(n)
+            taken = slots.tolist()
+            self._free = [s for s in self._free if s not in taken]
+            return slots
+        taken = [self._free.pop() for _ in range(n)]
+        return torch.tensor(taken, dtype=torch.int32, device=self.device)
+
+    def free(self, slots: torch.Tensor | list[int]) -> None:
+        """Give slots back: their Mamba rows and every KV page they hold. Checks all first."""
+        values = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        for s in values:
+            if not 0 <= s < self.max_batch or s in self._free or values.count(s) > 1:
+                raise ValueError(f"HybridCache: slot {s} is not allocated (or listed twice)")
+        if self.state is not None:
+            self.state.free(values)
+        if self.kv is not None:
+            self.kv.release(values)
+        for s in values:
+            self._len[s] = 0
+            self._free.append(s)
+
+    def can_grow(self, slots: list[int], new_tokens: list[int]) -> bool:
+        """Whether ``grow(slots, new_tokens)`` would find enough free pages (admission control)."""
+        return self.kv is None or self.kv.pages_needed(slots, new_tokens) <= self.kv.free_pages
+
+    def grow(self, slots: list[int], new_tokens: list[int]) -> list[int]:
+        """Before a step writes ``new_tokens[i]`` tokens for ``slots[i]``: allocate the KV pages they
+        need; returns each slot's length before (its first new token's position). Pad slots (-1)
+        are skipped (length 0). Raises before changing anything when a slot is not allocated or
+        pages run out."""
+        live = [(s, n) for s, n in zip(slots, new_tokens) if s != -1]
+        for s, _ in live:
+            if not 0 <= s < self.max_batch or s in self._free:
+                raise ValueError(f"HybridCache.grow: slot {s} is not allocated")
+        if self.kv is not None and live:
+            self.kv.grow([s for s, _ in live], [n for _, n in live])
+        before = [self._len[s] if s != -1 else 0 for s in slots]
+        for s, n in live:
+            self._len[s] += n
+        return before
+
+    def truncate(self, slot: int, new_len: int) -> None:
+        """Shorten a slot's KV to ``new_len`` tokens (speculative rollback of the attention layers)."""
+        if self.kv is not None:
+            self.kv.truncate(slot, new_len)
+        self._len[slot] = new_len

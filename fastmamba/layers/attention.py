@@ -1,0 +1,88 @@
+"""Grouped-query attention layer over a paged KV cache (Nemotron-H's: no rotary or other position
+embedding, no biases, scale 1/sqrt(Dh)).
+
+Parameter names follow transformers' ``NemotronHAttention``: ``q_proj`` [Hq*Dh, M], ``k_proj`` /
+``v_proj`` [Hkv*Dh, M], ``o_proj`` [M, Hq*Dh]. Its slice of the cache is one K and one V page pool
+(``KVPages.k[j]``, ``.v[j]``); where its tokens go is the same for every attention layer of a step,
+so the model computes it once (``KVBatch``) and hands it to each layer.
+
+    forward        [B, L, M] without a cache: causal SDPA over the batch (the full-logits path)
+    forward_varlen packed prompts: K/V written to their pages, then causal attention over each
+                   request's cached context plus the prompt (``varlen_prefill_attention``)
+    step           one token per request: K/V written, then ``paged_decode_attention`` (Triton)
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastmamba.ops.attention import paged_decode_attention, paged_kv_write, varlen_prefill_attention
+
+
+class KVBatch(NamedTuple):
+    """Where a step's tokens live in the paged KV cache (shared by all attention layers).
+
+    block_table  [S, Pmax] int32   the cache's page table (static buffer)
+    seq_lens     [S] int32         tokens cached per request row, this step's included
+    slots        [B] int32/int64   request rows; -1 marks a pad request
+    positions    [T] int64         each token's position in its request
+    token_rows   [T] int64 or None token t belongs to request token_rows[t] (None: T == B)
+    cu_seqlens   [B+1] or None     prefill only: the packed prompts
+    ctx_lens     list[int] or None prefill only: tokens each request had before this call (host)
+    """
+
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+    token_rows: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    ctx_lens: list[int] | None = None
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, device=None, dtype=None):
+        super().__init__()
+        if n_heads % n_kv_heads:
+            raise ValueError(f"Attention: n_kv_heads={n_kv_heads} must divide n_heads={n_heads}")
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, **kw)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, **kw)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, **kw)
+        self.o_proj = nn.Linear(n_heads * head_dim, d_model, **kw)
+
+    def _qkv(self, u: torch.Tensor):
+        lead = u.shape[:-1]
+        q = self.q_proj(u).view(*lead, self.n_heads, self.head_dim)
+        k = self.k_proj(u).view(*lead, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(u).view(*lead, self.n_kv_heads, self.head_dim)
+        return q, k, v
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        """u [B, L, M] -> [B, L, M]: causal attention within each row, nothing cached."""
+        nreq, L, _ = u.shape
+        q, k, v = (t.transpose(1, 2) for t in self._qkv(u))  # [B, H, L, Dh]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                           enable_gqa=self.n_heads != self.n_kv_heads)
+        return self.o_proj(o.transpose(1, 2).reshape(nreq, L, -1))
+
+    def forward_varlen(self, u: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                       kv: KVBatch) -> torch.Tensor:
+        """Packed prompts u [T, M] -> [T, M]; their K/V are written into the pages first (mutated)."""
+        q, k, v = self._qkv(u)
+        paged_kv_write(k, v, k_pages, v_pages, kv.block_table, kv.slots, kv.positions, kv.token_rows)
+        o = varlen_prefill_attention(q, k_pages, v_pages, kv.block_table, kv.slots, kv.cu_seqlens, kv.ctx_lens,
+                                     k_new=k, v_new=v, scale=self.scale)
+        return self.o_proj(o.reshape(u.shape[0], -1))
+
+    def step(self, u: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, kv: KVBatch) -> torch.Tensor:
+        """One token per request u [B, M] -> [B, M]; its K/V land at ``kv.positions`` (mutated)."""
+        q, k, v = self._qkv(u)
+        paged_kv_write(k, v, k_pages, v_pages, kv.block_table, kv.slots, kv.positions)
+        o = paged_decode_attention(q, k_pages, v_pages, kv.block_table, kv.seq_lens, kv.slots, scale=self.scale)
+        return self.o_proj(o.reshape(u.shape[0], -1))

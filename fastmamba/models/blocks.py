@@ -1,0 +1,128 @@
+"""Blocks of a hybrid model: norm + mixer + residual, whatever the mixer's kind.
+
+A pattern string picks the kinds, one character per layer (Nemotron-H's ``hybrid_override_pattern``):
+
+    M  Mamba-2 mixer     fastmamba.layers.mamba2.Mamba2Mixer   its conv / SSM rows in HybridCache.conv / .ssm
+    *  attention (GQA)   fastmamba.layers.attention.Attention  its K / V pages in HybridCache.kv.k / .v
+    -  MLP (relu2)       fastmamba.layers.mlp.MLP              no per-request state
+
+Every block has the same three entries, so the model's loop never asks a block its kind:
+
+    forward(h)                  [B, L, M] -> [B, L, M]   no cache (full logits)
+    prefill(h, cache, batch)    [T, M] -> [T, M]         packed prompts (``Batch.cu_seqlens``)
+    decode(h, cache, batch)     [B, M] -> [B, M]         one token per request
+
+``h`` is the block's normed input; the residual add and the next norm are one fused
+``add_rmsnorm`` in the model. A block finds its slice of the cache by ``cache_index``, its ordinal
+among the blocks of its kind. A new kind (MoE ``E``) is a layer file, a Block subclass here and
+one entry in ``BLOCK_KINDS``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from fastmamba.layers.attention import Attention, KVBatch
+from fastmamba.layers.mamba2 import Mamba2Mixer
+from fastmamba.layers.mlp import MLP
+
+
+class RMSNorm(nn.Module):
+    """A block's input-norm weights; the model applies them with the fused ``add_rmsnorm``."""
+
+    def __init__(self, d: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
+
+
+class Batch(NamedTuple):
+    """What one prefill or decode call tells every block (built once per call by the model).
+
+    slots              [B] int32/int64: each request's cache slot; -1 marks a pad request
+    cu_seqlens         [B+1] (prefill) or None (decode: one token per request)
+    has_initial_state  [B] bool (prefill): request b continues from its slot's states
+    kv                 KVBatch or None (a model without attention)
+    """
+
+    slots: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    has_initial_state: torch.Tensor | None = None
+    kv: KVBatch | None = None
+
+
+class Block(nn.Module):
+    kind = "?"
+
+    def __init__(self, cfg, cache_index: int, device=None, dtype=None):
+        super().__init__()
+        self.cache_index = cache_index
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device=device, dtype=dtype)
+        self.mixer = self.make_mixer(cfg, device=device, dtype=dtype)
+
+    def make_mixer(self, cfg, *, device, dtype) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mixer(h)
+
+    def prefill(self, h: torch.Tensor, cache, batch: Batch) -> torch.Tensor:
+        return self.mixer(h)
+
+    def decode(self, h: torch.Tensor, cache, batch: Batch) -> torch.Tensor:
+        return self.mixer(h)
+
+
+class MambaBlock(Block):
+    kind = "M"
+
+    def make_mixer(self, cfg, *, device, dtype) -> nn.Module:
+        return Mamba2Mixer(cfg.mamba, device=device, dtype=dtype)
+
+    def prefill(self, h, cache, batch):
+        j = self.cache_index
+        return self.mixer.forward_varlen(h, batch.cu_seqlens, cache.conv[j], cache.ssm[j], batch.slots,
+                                         batch.has_initial_state)
+
+    def decode(self, h, cache, batch):
+        j = self.cache_index
+        return self.mixer.step(h, cache.conv[j], cache.ssm[j], batch.slots)
+
+
+class AttentionBlock(Block):
+    kind = "*"
+
+    def make_mixer(self, cfg, *, device, dtype) -> nn.Module:
+        return Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, device=device, dtype=dtype)
+
+    def prefill(self, h, cache, batch):
+        j = self.cache_index
+        return self.mixer.forward_varlen(h, cache.kv.k[j], cache.kv.v[j], batch.kv)
+
+    def decode(self, h, cache, batch):
+        j = self.cache_index
+        return self.mixer.step(h, cache.kv.k[j], cache.kv.v[j], batch.kv)
+
+
+class MLPBlock(Block):
+    kind = "-"
+
+    def make_mixer(self, cfg, *, device, dtype) -> nn.Module:
+        return MLP(cfg.d_model, cfg.intermediate_size, bias=cfg.mlp_bias, device=device, dtype=dtype)
+
+
+BLOCK_KINDS: dict[str, type[Block]] = {"M": MambaBlock, "*": AttentionBlock, "-": MLPBlock}
+
+
+def build_blocks(cfg, device=None, dtype=None) -> nn.ModuleList:
+    """One block per character of ``cfg.pattern``; ``cache_index`` counts each kind separately."""
+    seen: dict[str, int] = {}
+    blocks = []
+    for c in cfg.pattern:
+        if c not in BLOCK_KINDS:
+            raise ValueError(f"build_blocks: layer kind {c!r} is not supported (kinds: {''.join(BLOCK_KINDS)})")
+        blocks.append(BLOCK_KINDS[c](cfg, seen.get(c, 0), device=device, dtype=dtype))
+        seen[c] = seen.get(c, 0) + 1
+    return nn.ModuleList(blocks)

@@ -1,0 +1,506 @@
+"""NVIDIA Nemotron-H (dense hybrid: Mamba-2 ``M``, attention ``*``, MLP ``-``): config, model, presets.
+
+Module and tensor names follow transformers' ``NemotronHForCausalLM`` as ``save_pretrained``
+writes them (letters as in STYLE.md; M = d_model, V vocab, Hq / Hkv attention heads, Dh head dim,
+F MLP width, D = H*P the Mamba width, E = D + 2 G N conv channels):
+
+    backbone.embeddings.weight                  [V, M]
+    backbone.layers.{i}.norm.weight             [M]          every block: RMSNorm -> mixer -> + residual
+      M:  backbone.layers.{i}.mixer.in_proj / conv1d / dt_bias / A_log / D / norm / out_proj
+          (fastmamba.layers.mamba2.Mamba2Mixer; its width is mamba_num_heads * mamba_head_dim,
+          not expand * hidden_size)
+      *:  backbone.layers.{i}.mixer.q_proj [Hq*Dh, M], k_proj / v_proj [Hkv*Dh, M], o_proj [M, Hq*Dh]
+          (no bias, no rotary or other position embedding: transformers' NemotronHAttention)
+      -:  backbone.layers.{i}.mixer.up_proj [F, M], down_proj [M, F]   relu(x)^2, not gated
+    backbone.norm_f.weight                      [M]
+    lm_head.weight                              [V, M]       the embeddings themselves when tied
+
+The model (``NemotronHLM``) mirrors ``Mamba2LM``: ``forward(ids [B, L])`` full logits,
+``prefill_varlen(ids, cu_seqlens, cache, slots)`` last-token logits, ``decode`` / ``step`` one
+token per request, ``new_cache(max_batch, ...)`` a ``HybridCache`` (Mamba slots + paged KV). It
+loops over ``fastmamba.models.blocks`` without knowing their kinds.
+
+transformers differences worth knowing:
+  * its chunked (prefill) Mamba path clamps dt at ``time_step_min`` (1e-3) whatever
+    ``time_step_limit`` says, its one-token path does not; we use ``time_step_limit`` (only
+    (0, inf) is supported, as every public checkpoint has), so the two agree unless
+    softplus(dt + dt_bias) < 1e-3 somewhere;
+  * ``residual_in_fp32`` is read but not used by transformers' blocks (the residual stays in the
+    model dtype); we keep it in fp32 when it is set. Identical in fp32.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastmamba.cache.hybrid_cache import HybridCache
+from fastmamba.layers.attention import KVBatch
+from fastmamba.layers.mamba2 import Mamba2Mixer
+from fastmamba.models.blocks import Batch, RMSNorm, build_blocks
+from fastmamba.models.config import Mamba2Config, _float
+from fastmamba.ops import add_rmsnorm
+from fastmamba.ops._common.host_values import host_list
+
+# pattern character -> transformers' ``layers_block_type`` name (and the legacy names it remaps)
+PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+_BLOCK_TYPE_TO_CHAR = {
+    "linear_attention": "M", "mamba": "M",
+    "full_attention": "*", "attention": "*",
+    "mlp": "-",
+    "moe": "E",
+}
+SUPPORTED_KINDS = "M*-"  # MoE ("E") follows in its own issue: a new file in layers/ and one line in blocks.py
+
+
+@dataclasses.dataclass(frozen=True)
+class MambaLayerConfig(Mamba2Config):
+    """``Mamba2Config`` for a Nemotron-H Mamba layer: the mixer's width is ``mamba_num_heads *
+    mamba_head_dim`` (Nemotron-H-4B: 112 x 64 = 7168, not 2 x 3072). ``n_layer`` counts the Mamba
+    layers only (the ``StateCache`` pools)."""
+
+    mamba_d_inner: int = 0
+
+    @property
+    def d_inner(self) -> int:
+        return self.mamba_d_inner
+
+
+@dataclasses.dataclass(frozen=True)
+class NemotronHConfig:
+    """Sizes of a dense Nemotron-H LM; each field says which config.json key it comes from."""
+
+    d_model: int                      # hidden_size
+    vocab_size: int                   # vocab_size
+    pattern: str                      # hybrid_override_pattern, or layers_block_type / layer_types as M * -
+    n_heads: int = 32                 # num_attention_heads (Hq)
+    n_kv_heads: int = 8               # num_key_value_heads (Hkv; GQA when < Hq)
+    head_dim: int = 128               # head_dim (Dh)
+    intermediate_size: int = 21504    # intermediate_size (F)
+    mlp_act: str = "relu2"            # mlp_hidden_act
+    mlp_bias: bool = False            # mlp_bias
+    mamba_nheads: int = 128           # mamba_num_heads (H)
+    mamba_headdim: int = 64           # mamba_head_dim (P)
+    n_groups: int = 8                 # n_groups / mamba_n_groups (G)
+    d_state: int = 128                # ssm_state_size (N)
+    d_conv: int = 4                   # conv_kernel / mamba_d_conv (W)
+    chunk_size: int = 128             # chunk_size / mamba_chunk_size
+    conv_bias: bool = True            # use_conv_bias / mamba_conv_bias
+    mamba_proj_bias: bool = False     # use_bias (the Mamba in_proj / out_proj, as transformers builds them)
+    norm_eps: float = 1e-5            # layer_norm_epsilon
+    residual_in_fp32: bool = False    # residual_in_fp32
+    tie_embeddings: bool = False      # tie_word_embeddings
+    dt_limit: tuple[float, float] = (0.0, math.inf)  # time_step_limit / mamba_dt_limit
+
+    def __post_init__(self) -> None:
+        def bad(field: str, msg: str) -> ValueError:
+            return ValueError(f"NemotronHConfig: `{field}` {msg}")
+
+        for field, key in (("d_model", "hidden_size"), ("vocab_size", "vocab_size")):
+            v = getattr(self, field)
+            if not (isinstance(v, int) and v >= 1):
+                raise bad(key, f"expected a positive integer, got {v!r}")
+        if not self.pattern:
+            raise bad("hybrid_override_pattern", "expected at least one layer, got an empty pattern")
+        unknown = sorted({c for c in self.pattern if c not in PATTERN_CHARS})
+        if unknown:
+            raise bad("hybrid_override_pattern", f"expected characters from 'M' (Mamba-2), '*' (attention), "
+                      f"'-' (MLP), got {unknown} in {self.pattern!r}")
+        if "E" in self.pattern:
+            raise bad("hybrid_override_pattern", f"has MoE layers ('E') in {self.pattern!r}; only the dense "
+                      f"kinds {SUPPORTED_KINDS!r} are supported")
+        ints: list[tuple[str, str]] = []
+        if "*" in self.pattern:
+            ints += [("n_heads", "num_attention_heads"), ("n_kv_heads", "num_key_value_heads"),
+                     ("head_dim", "head_dim")]
+        if "-" in self.pattern:
+            ints += [("intermediate_size", "intermediate_size")]
+        if "M" in self.pattern:
+            ints += [("mamba_nheads", "mamba_num_heads"), ("mamba_headdim", "mamba_head_dim"),
+                     ("n_groups", "n_groups"), ("d_state", "ssm_state_size"), ("d_conv", "conv_kernel"),
+                     ("chunk_size", "chunk_size")]
+        for field, key in ints:
+            v = getattr(self, field)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                raise bad(key, f"expected a positive integer, got {v!r}")
+        if "*" in self.pattern and self.n_heads % self.n_kv_heads:
+            raise bad("num_key_value_heads", f"={self.n_kv_heads} must divide num_attention_heads={self.n_heads}")
+        if "M" in self.pattern:
+            if self.mamba_nheads % self.n_groups:
+                raise bad("n_groups", f"={self.n_groups} must divide mamba_num_heads={self.mamba_nheads}")
+            if self.d_conv < 2:
+                raise bad("conv_kernel", f"expected at least 2, got {self.d_conv}")
+            if tuple(self.dt_limit) != (0.0, math.inf):
+                raise bad("time_step_limit", f"only (0.0, inf) is supported, got {tuple(self.dt_limit)}")
+        if "-" in self.pattern and self.mlp_act != "relu2":
+            raise bad("mlp_hidden_act", f"only 'relu2' (Nemotron-H's squared ReLU) is supported, got {self.mlp_act!r}")
+        if not (self.norm_eps > 0):
+            raise bad("layer_norm_epsilon", f"expected > 0, got {self.norm_eps!r}")
+
+    # -- derived ---------------------------------------------------------------------------------
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.pattern)
+
+    def layers_of(self, kind: str) -> list[int]:
+        """Indices of the layers of one kind ("M", "*" or "-")."""
+        return [i for i, c in enumerate(self.pattern) if c == kind]
+
+    @property
+    def mamba(self) -> MambaLayerConfig:
+        """What ``Mamba2Mixer`` and ``StateCache`` read; ``n_layer`` = the number of Mamba layers."""
+        return MambaLayerConfig(
+            d_model=self.d_model, n_layer=max(1, len(self.layers_of("M"))), vocab_size=self.vocab_size,
+            d_state=self.d_state, d_conv=self.d_conv, expand=1, headdim=self.mamba_headdim,
+            ngroups=self.n_groups, chunk_size=self.chunk_size, norm_eps=self.norm_eps,
+            residual_in_fp32=self.residual_in_fp32, tie_embeddings=self.tie_embeddings,
+            conv_bias=self.conv_bias, proj_bias=self.mamba_proj_bias, norm_before_gate=False,
+            dt_limit=tuple(self.dt_limit), mamba_d_inner=self.mamba_nheads * self.mamba_headdim,
+        )
+
+    # -- reading config.json -----------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "NemotronHConfig":
+        """Read transformers' (or NVIDIA's original) ``config.json`` dict with ``model_type: nemotron_h``."""
+        mt = cfg.get("model_type")
+        if mt != "nemotron_h":
+            raise ValueError(f"NemotronHConfig: `model_type` expected 'nemotron_h', got {mt!r}")
+        for key in ("hidden_size", "vocab_size"):
+            if key not in cfg:
+                raise ValueError(f"NemotronHConfig: `{key}` is missing from config.json")
+        pattern = _pattern_of(cfg)
+        if "num_hidden_layers" in cfg and cfg["num_hidden_layers"] is not None \
+                and int(cfg["num_hidden_layers"]) != len(pattern):
+            raise ValueError(f"NemotronHConfig: `num_hidden_layers`={cfg['num_hidden_layers']} but the layer "
+                             f"pattern has {len(pattern)} layers ({pattern!r})")
+        if int(cfg.get("num_nextn_predict_layers") or 0) > 0:
+            raise ValueError(f"NemotronHConfig: `num_nextn_predict_layers`={cfg['num_nextn_predict_layers']}: "
+                             "multi-token-prediction heads are not supported")
+        if cfg.get("attention_bias"):
+            raise ValueError("NemotronHConfig: `attention_bias`=True is not supported (transformers' "
+                             "NemotronHAttention has no biases)")
+        if cfg.get("sliding_window") is not None:
+            raise ValueError(f"NemotronHConfig: `sliding_window`={cfg['sliding_window']} is not supported "
+                             "(full causal attention only)")
+        if cfg.get("mamba_hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"NemotronHConfig: `mamba_hidden_act` expected 'silu', got {cfg['mamba_hidden_act']!r}")
+
+        def first(*keys, default=None):
+            for k in keys:
+                if k in cfg and cfg[k] is not None:
+                    return cfg[k]
+            return default
+
+        hidden = first("hidden_size")
+        n_heads = first("num_attention_heads", default=32)
+        ints = isinstance(hidden, int) and isinstance(n_heads, int) and n_heads > 0
+        head_dim = first("head_dim", "attention_head_dim", default=hidden // n_heads if ints else 0)
+        return cls(
+            d_model=_int(hidden, "hidden_size"), vocab_size=_int(cfg["vocab_size"], "vocab_size"), pattern=pattern,
+            n_heads=_int(n_heads, "num_attention_heads"),
+            n_kv_heads=_int(first("num_key_value_heads", default=n_heads), "num_key_value_heads"),
+            head_dim=_int(head_dim, "head_dim"),
+            intermediate_size=_int(first("intermediate_size", default=21504), "intermediate_size"),
+            mlp_act=str(first("mlp_hidden_act", default="relu2")), mlp_bias=bool(first("mlp_bias", default=False)),
+            mamba_nheads=_int(first("mamba_num_heads", default=128), "mamba_num_heads"),
+            mamba_headdim=_int(first("mamba_head_dim", default=64), "mamba_head_dim"),
+            n_groups=_int(first("n_groups", "mamba_n_groups", default=8), "n_groups"),
+            d_state=_int(first("ssm_state_size", default=128), "ssm_state_size"),
+            d_conv=_int(first("conv_kernel", "mamba_d_conv", default=4), "conv_kernel"),
+            chunk_size=_int(first("chunk_size", "mamba_chunk_size", default=128), "chunk_size"),
+            conv_bias=bool(first("use_conv_bias", "mamba_conv_bias", default=True)),
+            mamba_proj_bias=bool(first("use_bias", default=False)),
+            norm_eps=float(first("layer_norm_epsilon", default=1e-5)),
+            residual_in_fp32=bool(first("residual_in_fp32", default=False)),
+            tie_embeddings=bool(first("tie_word_embeddings", default=False)),
+            dt_limit=tuple(_float(v) for v in first("time_step_limit", "mamba_dt_limit", default=(0.0, math.inf))),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "NemotronHConfig":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+def _int(v: Any, key: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
+        raise ValueError(f"NemotronHConfig: `{key}` expected an integer, got {v!r}")
+    return int(v)
+
+
+def _pattern_of(cfg: dict[str, Any]) -> str:
+    """The layer pattern as M * - E characters from ``hybrid_override_pattern`` or the per-layer
+    list (``layers_block_type`` / ``layer_types``); when several are present they must agree."""
+    found: list[tuple[str, str]] = []
+    pat = cfg.get("hybrid_override_pattern")
+    if pat is not None:
+        if not isinstance(pat, str):
+            raise ValueError(f"NemotronHConfig: `hybrid_override_pattern` expected a string, got {type(pat).__name__}")
+        found.append(("hybrid_override_pattern", pat))
+    for key in ("layers_block_type", "layer_types"):
+        types = cfg.get(key)
+        if types is None:
+            continue
+        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+            raise ValueError(f"NemotronHConfig: `{key}` expected a list of layer-type strings, got {types!r}")
+        unknown = sorted({t for t in types if t not in _BLOCK_TYPE_TO_CHAR})
+        if unknown:
+            raise ValueError(f"NemotronHConfig: `{key}` has unknown layer types {unknown}; expected "
+                             f"{sorted(_BLOCK_TYPE_TO_CHAR)}")
+        found.append((key, "".join(_BLOCK_TYPE_TO_CHAR[t] for t in types)))
+    if not found:
+        raise ValueError("NemotronHConfig: config.json has no layer pattern (`hybrid_override_pattern`, "
+                         "`layers_block_type` or `layer_types`)")
+    (k0, p0), *rest = found
+    for k, p in rest:
+        if p != p0:
+            raise ValueError(f"NemotronHConfig: `{k}` ({p!r} as a pattern) disagrees with `{k0}` ({p0!r})")
+    return p0
+
+
+# Public shapes. Nemotron-H 8B and 4B (Base-8K): Megatron-Bridge's model page
+# (https://docs.nvidia.com/nemo/megatron-bridge/latest/models/llm/nemotronh.html) gives 52 layers,
+# pattern M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-, 32 query heads / 8 KV groups of 128,
+# Mamba head dim 64, state 128, and hidden 4096 / FFN 21504 / 128 Mamba heads (8B), hidden 3072 /
+# FFN 12288 / 112 Mamba heads (4B). The rest (vocab 131072, n_groups 8, conv 4, chunk 128, eps 1e-5,
+# untied head) are transformers' NemotronHConfig defaults, which mirror nvidia/Nemotron-H-8B-Base-8K's
+# config.json. Random weights with a fixed seed (``load_nemotron_h(name)``), for benchmarks.
+_NEMOTRON_H_PATTERN_52 = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+
+PRESETS: dict[str, NemotronHConfig] = {
+    # tiny: every kind, GQA, G > 1, tests and demos
+    "nemotron-h-tiny": NemotronHConfig(
+        d_model=64, vocab_size=256, pattern="M*-M-*M", n_heads=4, n_kv_heads=2, head_dim=16,
+        intermediate_size=96, mamba_nheads=8, mamba_headdim=16, n_groups=2, d_state=16, chunk_size=16,
+    ),
+    "nemotron-h-4b": NemotronHConfig(
+        d_model=3072, vocab_size=131072, pattern=_NEMOTRON_H_PATTERN_52, n_heads=32, n_kv_heads=8, head_dim=128,
+        intermediate_size=12288, mamba_nheads=112, mamba_headdim=64, n_groups=8, d_state=128,
+    ),
+    "nemotron-h-8b": NemotronHConfig(
+        d_model=4096, vocab_size=131072, pattern=_NEMOTRON_H_PATTERN_52, n_heads=32, n_kv_heads=8, head_dim=128,
+        intermediate_size=21504, mamba_nheads=128, mamba_headdim=64, n_groups=8, d_state=128,
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+
+
+class NemotronHBackbone(nn.Module):
+    def __init__(self, cfg: NemotronHConfig, device=None, dtype=None):
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model, device=device, dtype=dtype)
+        self.layers = build_blocks(cfg, device=device, dtype=dtype)
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps, device=device, dtype=dtype)
+
+
+class NemotronHLM(nn.Module):
+    """``forward(input_ids [B, L]) -> logits [B, L, V]`` (fp32); ``prefill_varlen`` / ``decode`` with a
+    ``HybridCache`` (``new_cache``). The same API as ``Mamba2LM`` (without speculative ``verify``)."""
+
+    def __init__(self, cfg: NemotronHConfig, device=None, dtype=None):
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = NemotronHBackbone(cfg, device=device, dtype=dtype)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device=device, dtype=dtype)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def _run(self, input_ids: torch.Tensor, mix, *, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Embeddings -> blocks -> final norm -> fp32 logits (of the leading-dim ``rows`` only, if
+        given); ``mix(block, normed)`` runs one block's mixer. Each block boundary is one fused
+        kernel: residual += previous output, then the next block's RMSNorm."""
+        rdtype = torch.float32 if self.cfg.residual_in_fp32 else self.dtype
+        out, residual = self.backbone.embeddings(input_ids), None
+        for block in self.backbone.layers:
+            normed, residual = add_rmsnorm(out, residual, block.norm.weight, block.norm.eps, residual_dtype=rdtype)
+            out = mix(block, normed)
+        if rows is not None:
+            out, residual = out[rows], residual[rows]
+        norm_f = self.backbone.norm_f
+        normed, _ = add_rmsnorm(out, residual, norm_f.weight, norm_f.eps, residual_dtype=rdtype)
+        return self.lm_head(normed).float()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, L] int64 -> logits [B, L, V] fp32; every row starts fresh, nothing is cached."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"NemotronHLM.forward: `input_ids` expected shape (B, L), got {tuple(input_ids.shape)}")
+        return self._run(input_ids, lambda block, h: block(h))
+
+    def new_cache(
+        self,
+        max_batch: int,
+        *,
+        max_seq_len: int = 4096,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_budget_bytes: int | None = None,
+        ssm_dtype: torch.dtype = torch.float32,
+    ) -> HybridCache:
+        """Mamba slot pools for ``max_batch`` requests and the attention layers' paged KV (pages of
+        ``page_size`` tokens: ``num_pages`` of them, or as many as ``kv_budget_bytes`` holds, or by
+        default enough for every request at ``max_seq_len``)."""
+        c = self.cfg
+        return HybridCache(
+            max_batch, mamba_cfg=c.mamba if "M" in c.pattern else None, n_attn_layers=c.pattern.count("*"),
+            n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, max_seq_len=max_seq_len, page_size=page_size,
+            num_pages=num_pages, kv_budget_bytes=kv_budget_bytes, device=self.lm_head.weight.device,
+            dtype=self.dtype, ssm_dtype=ssm_dtype,
+        )
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, cache: HybridCache, slots: torch.Tensor) -> torch.Tensor:
+        """B prompts of equal length [B, L]; returns the last logits [B, V] (``prefill_varlen``)."""
+        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+            raise ValueError(f"NemotronHLM.prefill: `input_ids` expected shape (B, L) with L >= 1, "
+                             f"got {tuple(input_ids.shape)}")
+        nreq, L = input_ids.shape
+        cu_seqlens = torch.arange(0, nreq * L + 1, L, dtype=torch.int32, device=input_ids.device)
+        return self.prefill_varlen(input_ids.reshape(-1), cu_seqlens, cache, slots)
+
+    @torch.inference_mode()
+    def prefill_varlen(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        cache: HybridCache,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run B prompts of any lengths packed into one call; returns each one's last-token logits [B, V] fp32.
+
+        input_ids   [T] int64: the prompts back to back
+        cu_seqlens  [B+1] int32/int64: prompt b is input_ids[cu_seqlens[b]:cu_seqlens[b+1]]; starts
+                    at 0, ends at T, every prompt at least one token
+        slots       [B] int32/int64: allocated slots (``cache.alloc``), distinct. Each prompt
+                    continues its slot's request: a fresh slot starts from nothing; one that has
+                    consumed tokens (an earlier prefill chunk or decode steps) continues from its
+                    Mamba states and attends to its cached K/V (chunked prefill)
+        The cache grows first (``HybridCache.grow``: KV pages for the new tokens); Mamba states are
+        mutated in place, the prompts' K/V written into their pages. Reads cu_seqlens and slots
+        on the host (the growth needs them).
+        """
+        if input_ids.dim() != 1:
+            raise ValueError(f"NemotronHLM.prefill_varlen: `input_ids` expected shape (T,), "
+                             f"got {tuple(input_ids.shape)}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(f"NemotronHLM.prefill_varlen: `cu_seqlens` expected shape (B+1,) with B >= 1, "
+                             f"got {tuple(cu_seqlens.shape)}")
+        nseq = cu_seqlens.shape[0] - 1
+        if tuple(slots.shape) != (nseq,):
+            raise ValueError(f"NemotronHLM.prefill_varlen: `slots` expected shape (B,)=({nseq},), "
+                             f"got {tuple(slots.shape)}")
+        cu = host_list(cu_seqlens)
+        if cu[0] != 0 or cu[-1] != input_ids.shape[0]:
+            raise ValueError(f"NemotronHLM.prefill_varlen: `cu_seqlens` must start at 0 and end at T="
+                             f"{input_ids.shape[0]}, got {cu[0]} .. {cu[-1]}")
+        empty = [b for b in range(nseq) if cu[b + 1] <= cu[b]]
+        if empty:
+            raise ValueError(f"NemotronHLM.prefill_varlen: every prompt needs at least one token; prompts "
+                             f"{empty[:8]} have none")
+        sl = host_list(slots)
+        if -1 in sl or len(set(sl)) != len(sl):
+            raise ValueError(f"NemotronHLM.prefill_varlen: `slots` must be distinct allocated slots, got {sl[:16]}")
+        lens = [cu[b + 1] - cu[b] for b in range(nseq)]
+        ctx = cache.grow(sl, lens)  # raises before anything is touched if a slot is not allocated
+        dev = input_ids.device
+        has_initial_state = torch.tensor([c > 0 for c in ctx], dtype=torch.bool, device=dev)
+        kv = None
+        if cache.kv is not None:
+            positions = torch.tensor([c + i for c, n in zip(ctx, lens) for i in range(n)], dtype=torch.int64,
+                                     device=dev)
+            token_rows = torch.repeat_interleave(torch.arange(nseq, device=dev), torch.tensor(lens, device=dev))
+            kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions, token_rows, cu_seqlens, ctx)
+        batch = Batch(slots, cu_seqlens, has_initial_state, kv)
+        return self._run(input_ids, lambda block, h: block.prefill(h, cache, batch), rows=cu_seqlens[1:].long() - 1)
+
+    @torch.inference_mode()
+    def decode(self, token_ids: torch.Tensor, cache: HybridCache, slots: torch.Tensor, *,
+               grow: bool = True) -> torch.Tensor:
+        """One token per request [B] -> next-token logits [B, V] fp32; states and KV advance in place.
+
+        slots   [B] int32/int64; -1 marks a pad row (no state touched, its K/V go to the scratch page)
+        grow    True: ``cache.grow(slots, [1] * B)`` first (reads slots on the host). False: the
+                caller has grown the cache already (a CUDA-graph replay: everything below reads
+                static device buffers only; the positions come from ``cache.kv.seq_lens``).
+        """
+        if token_ids.dim() != 1 or tuple(slots.shape) != tuple(token_ids.shape):
+            raise ValueError(f"NemotronHLM.decode: `token_ids` and `slots` expected shape (B,), got "
+                             f"{tuple(token_ids.shape)} and {tuple(slots.shape)}")
+        if grow:
+            cache.grow(host_list(slots), [1] * token_ids.shape[0])
+        kv = None
+        if cache.kv is not None:
+            positions = cache.kv.seq_lens[slots.long().clamp(min=0)].long() - 1
+            kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions)
+        batch = Batch(slots, kv=kv)
+        return self._run(token_ids, lambda block, h: block.decode(h, cache, batch))
+
+    step = decode
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def _default_device(device) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@torch.no_grad()
+def random_init(model: NemotronHLM, seed: int = 0) -> NemotronHLM:
+    """Deterministic random weights: N(0, 0.02) matrices, Mamba-2's A_log / dt_bias / D
+    initialisation, unit norms. Same seed, same weights."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    dev_gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
+            module.weight.normal_(0.0, 0.02, generator=dev_gen)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        if isinstance(module, Mamba2Mixer):
+            module.reset_ssm_parameters(gen)
+    return model
+
+
+def load_nemotron_h(path_or_preset: str | os.PathLike, dtype: torch.dtype | None = None, device=None) -> NemotronHLM:
+    """A ready-to-run ``NemotronHLM`` from a checkpoint directory (``config.json`` with
+    ``model_type: nemotron_h`` and safetensors, sharded or not, in transformers' names) or a preset
+    name (random weights, seed 0). dtype: default the checkpoint's (bf16 on a GPU / fp32 on a CPU
+    for presets). Checkpoint problems (missing, unexpected, misshaped tensors) raise one
+    ValueError listing them all, before anything is copied (``fastmamba.models.weights.load_into``)."""
+    device = _default_device(device)
+    key = str(path_or_preset)
+    if key in PRESETS:
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        return random_init(NemotronHLM(PRESETS[key], device=device, dtype=dtype)).eval()
+    if not os.path.isdir(key):
+        raise FileNotFoundError(f"load_nemotron_h: {key!r} is neither a directory nor a preset; presets: "
+                                f"{', '.join(PRESETS)}")
+    from fastmamba.models.weights import load_into, read_checkpoint
+
+    config_path = os.path.join(key, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"load_nemotron_h: no config.json in {key!r}")
+    cfg = NemotronHConfig.from_file(config_path)
+    state_dict = read_checkpoint(key)
+    if dtype is None:
+        dtype = next((t.dtype for t in state_dict.values() if t.is_floating_point()), torch.float32)
+    model = NemotronHLM(cfg, device=device, dtype=dtype)
+    load_into(model, state_dict)
+    return model.eval()

@@ -1,0 +1,249 @@
+"""Public entries of the attention ops over a paged KV cache (GQA, no position embedding).
+
+Layout (vLLM's): a layer's K and V pools are ``[Np, PAGE, Hkv, Dh]``; request ``s`` keeps its
+token at position ``pos`` in page ``block_table[s, pos // PAGE]``, row ``pos % PAGE``; ``seq_lens[s]``
+counts its cached tokens. The pool's last page (``Np - 1``) is a scratch page that
+``fastmamba.cache.kv_pages.KVPages`` never hands out: pad tokens (slot -1) write there, so the
+write needs no host sync and nothing lands outside the pool.
+
+Three ops, in the order a layer calls them:
+  ``paged_kv_write``            K/V of T new tokens into their pages (PyTorch index_put; no host read)
+  ``varlen_prefill_attention``  packed prompts' causal attention over their pages: PyTorch's
+                                ``scaled_dot_product_attention`` per prompt (reads cu_seqlens on the host)
+  ``paged_decode_attention``    one query per request over its pages: a Triton kernel (GQA,
+                                block table, per-request lengths; CUDA-graph safe)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from fastmamba.ops._common.checks import (
+    FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_indices, check_same_device, check_shape,
+)
+from fastmamba.ops._common.dispatch import use_triton
+from fastmamba.ops._common.host_values import host_list
+from fastmamba.ops.attention.kernel import launch_paged_decode_attention
+from fastmamba.ops.attention.ref import paged_decode_attention_ref
+
+
+def _check_pool(op: str, q_or_k: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
+                *, q_heads: bool):
+    if k_pages.dim() != 4:
+        raise ValueError(f"{op}: `k_pages` expected shape (Np, PAGE, Hkv, Dh), got {tuple(k_pages.shape)}")
+    Np, PAGE, Hkv, Dh = k_pages.shape
+    check_shape(op, "v_pages", v_pages, [("Np", Np), ("PAGE", PAGE), ("Hkv", Hkv), ("Dh", Dh)])
+    check_dtype(op, "k_pages", k_pages, FLOAT_DTYPES)
+    check_dtype(op, "v_pages", v_pages, FLOAT_DTYPES)
+    H = q_or_k.shape[1]
+    if q_or_k.dim() != 3 or q_or_k.shape[2] != Dh or (H % Hkv if q_heads else H != Hkv):
+        want = "(*, Hq, Dh) with Hq a multiple of Hkv" if q_heads else "(T, Hkv, Dh)"
+        raise ValueError(f"{op}: `{'q' if q_heads else 'k'}` expected shape {want} = (*, {Hkv}k, {Dh}) for pages "
+                         f"{tuple(k_pages.shape)}, got {tuple(q_or_k.shape)}")
+    if block_table.dim() != 2:
+        raise ValueError(f"{op}: `block_table` expected shape (S, Pmax), got {tuple(block_table.shape)}")
+    check_dtype(op, "block_table", block_table, INDEX_DTYPES)
+    return Np, PAGE, Hkv, Dh
+
+
+def paged_kv_write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    token_rows: torch.Tensor | None = None,
+) -> None:
+    """Write T tokens' K/V into their requests' pages.
+
+    k, v         [T, Hkv, Dh]   read; cast to the pools' dtype
+    k_pages, v_pages [Np, PAGE, Hkv, Dh]   mutated in place at the tokens' (page, row)
+    block_table  [S, Pmax] int32/int64   read
+    slots        [B] int32/int64: request rows of block_table; -1 (or any value outside [0, S))
+                 marks a pad request whose tokens go to the scratch page Np - 1
+    positions    [T] int32/int64: each token's position in its request
+    token_rows   [T] int32/int64 or None (T == B, token t is request t): token t's request
+    No host read (graph safe). Reference: fastmamba.ops.attention.ref.paged_kv_write_ref
+    """
+    op = "paged_kv_write"
+    Np, PAGE, Hkv, Dh = _check_pool(op, k, k_pages, v_pages, block_table, q_heads=False)
+    T = k.shape[0]
+    check_shape(op, "v", v, [("T", T), ("Hkv", Hkv), ("Dh", Dh)])
+    check_dtype(op, "slots", slots, INDEX_DTYPES)
+    check_dtype(op, "positions", positions, INDEX_DTYPES)
+    check_shape(op, "positions", positions, [("T", T)])
+    if token_rows is None:
+        check_shape(op, "slots", slots, [("B=T", T)])
+        s = slots.long()
+    else:
+        check_dtype(op, "token_rows", token_rows, INDEX_DTYPES)
+        check_shape(op, "token_rows", token_rows, [("T", T)])
+        s = slots.long()[token_rows.long()]
+    check_same_device(op, [("k", k), ("k_pages", k_pages), ("block_table", block_table), ("slots", slots),
+                           ("positions", positions)])
+    S, Pmax = block_table.shape
+    pos = positions.long()
+    col = pos // PAGE
+    ok = (s >= 0) & (s < S) & (pos >= 0) & (col < Pmax)
+    page = block_table[s.clamp(0, S - 1), col.clamp(0, Pmax - 1)].long()
+    page = torch.where(ok & (page >= 0) & (page < Np - 1), page, Np - 1)
+    row = pos.clamp(min=0) % PAGE
+    k_pages[page, row] = k.to(k_pages.dtype)
+    v_pages[page, row] = v.to(v_pages.dtype)
+
+
+def varlen_prefill_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    ctx_lens: torch.Tensor | list[int],
+    *,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of B packed prompts over their requests' pages (GQA).
+
+    q            [T, Hq, Dh]   the prompts' queries back to back; read
+    k_pages, v_pages [Np, PAGE, Hkv, Dh]   read: must already hold every prompt's K/V (``paged_kv_write``)
+    block_table  [S, Pmax] int32/int64; slots [B] int32/int64 (-1: pad prompt, zero output)
+    cu_seqlens   [B+1]: prompt b is q[cu_seqlens[b]:cu_seqlens[b+1]]
+    ctx_lens     [B] (tensor or list): tokens request b had cached before this prompt; prompt b's
+                 tokens sit at positions ctx_lens[b] .. ctx_lens[b] + L_b - 1 and attend to
+                 every earlier position of their request
+    k_new, v_new [T, Hkv, Dh] or None: the prompts' own K/V; a prompt with ctx_lens 0 then
+                 attends over them directly instead of gathering its pages (same values)
+    Returns [T, Hq, Dh] in q's dtype (``out`` when given); softmax in fp32 inside SDPA for fp32
+    inputs, SDPA's own precision otherwise.
+    Runs ``torch.nn.functional.scaled_dot_product_attention`` once per prompt (causal; with an
+    explicit mask when the prompt continues a cached context): on a GPU that is the flash /
+    memory-efficient kernel, and it keeps each prompt's result independent of the batch. Reads
+    cu_seqlens, ctx_lens and slots on the host (prefill does anyway).
+    Reference: fastmamba.ops.attention.ref.varlen_prefill_attention_ref
+    """
+    op = "varlen_prefill_attention"
+    Np, PAGE, Hkv, Dh = _check_pool(op, q, k_pages, v_pages, block_table, q_heads=True)
+    T, Hq, _ = q.shape
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"{op}: `cu_seqlens` expected shape (B+1,) with B >= 1, got {tuple(cu_seqlens.shape)}")
+    B = cu_seqlens.shape[0] - 1
+    check_indices(op, "slots", slots, B, block_table.shape[0], -1)
+    cu = host_list(cu_seqlens)
+    ctx = host_list(ctx_lens) if isinstance(ctx_lens, torch.Tensor) else list(ctx_lens)
+    if len(ctx) != B:
+        raise ValueError(f"{op}: `ctx_lens` expected {B} values (one per prompt), got {len(ctx)}")
+    if cu[0] != 0 or cu[-1] != T or any(cu[b + 1] < cu[b] for b in range(B)):
+        raise ValueError(f"{op}: `cu_seqlens` must start at 0, end at T={T} and not decrease; got {cu[:8]}...")
+    if (k_new is None) != (v_new is None):
+        raise ValueError(f"{op}: pass both `k_new` and `v_new` or neither")
+    if k_new is not None:
+        check_shape(op, "k_new", k_new, [("T", T), ("Hkv", Hkv), ("Dh", Dh)])
+        check_shape(op, "v_new", v_new, [("T", T), ("Hkv", Hkv), ("Dh", Dh)])
+    scale = scale if scale is not None else 1.0 / math.sqrt(Dh)
+    if out is None:
+        out = torch.empty_like(q)
+    check_shape(op, "out", out, [("T", T), ("Hq", Hq), ("Dh", Dh)])
+    sl = host_list(slots)
+    for b in range(B):
+        lo, hi = cu[b], cu[b + 1]
+        if hi == lo:
+            continue
+        if sl[b] == -1:
+            out[lo:hi] = 0
+            continue
+        qb = q[lo:hi].transpose(0, 1)[None]  # [1, Hq, L, Dh]
+        if ctx[b] == 0 and k_new is not None:
+            kb, vb, mask, causal = k_new[lo:hi], v_new[lo:hi], None, True
+        else:
+            n = ctx[b] + hi - lo
+            ids = block_table[sl[b], : (n + PAGE - 1) // PAGE].long()
+            kb = k_pages[ids].reshape(-1, Hkv, Dh)[:n]
+            vb = v_pages[ids].reshape(-1, Hkv, Dh)[:n]
+            qpos = torch.arange(hi - lo, device=q.device)[:, None] + ctx[b]
+            mask, causal = torch.arange(n, device=q.device)[None, :] <= qpos, False
+        kb = kb.to(q.dtype).transpose(0, 1)[None]
+        vb = vb.to(q.dtype).transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale,
+                                           enable_gqa=Hq != Hkv)
+        out[lo:hi] = o[0].transpose(0, 1)
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per request attending over its cached tokens (GQA, paged, no mask needed).
+
+    q            [B, Hq, Dh]   fp32, bf16 or fp16; read (query head h uses KV head h // (Hq/Hkv))
+    k_pages, v_pages [Np, PAGE, Hkv, Dh]   read; PAGE a power of two
+    block_table  [S, Pmax] int32/int64: request s's pages; only the first ceil(seq_lens[s]/PAGE)
+                 entries are read (a page id outside [0, Np) is read as masked, never dereferenced)
+    seq_lens     [S] int32/int64: tokens cached for request s, the current one included
+    slots        [B] int32/int64: request b's row; -1 (any value outside [0, S)) marks a pad row:
+                 zero output, nothing read
+    num_splits   split-K: each request's context (up to Pmax pages) is cut into this many runs,
+                 attended by separate programs and merged by a second kernel (a power of two,
+                 1 to 64). None: 1 unless B x Hkv programs would leave most of a GPU idle, then
+                 enough runs for about two programs per SM (never runs of fewer than 16 pages)
+    Returns [B, Hq, Dh] in q's dtype (``out`` when given). fp32 softmax and accumulation.
+    Reads nothing on the host except the slots' range check where host reads are allowed
+    (graph safe: block_table, seq_lens and slots can be static buffers).
+    Reference: fastmamba.ops.attention.ref.paged_decode_attention_ref
+    """
+    op = "paged_decode_attention"
+    Np, PAGE, Hkv, Dh = _check_pool(op, q, k_pages, v_pages, block_table, q_heads=True)
+    B, Hq, _ = q.shape
+    check_dtype(op, "q", q, FLOAT_DTYPES)
+    S = block_table.shape[0]
+    check_dtype(op, "seq_lens", seq_lens, INDEX_DTYPES)
+    check_shape(op, "seq_lens", seq_lens, [("S", S)])
+    check_indices(op, "slots", slots, B, S, -1)
+    check_same_device(op, [("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("block_table", block_table),
+                           ("seq_lens", seq_lens), ("slots", slots)])
+    if PAGE & (PAGE - 1):
+        raise ValueError(f"{op}: the page size (k_pages.shape[1]) must be a power of two, got {PAGE}")
+    scale = scale if scale is not None else 1.0 / math.sqrt(Dh)
+    if out is None:
+        out = torch.empty_like(q)
+    check_shape(op, "out", out, [("B", B), ("Hq", Hq), ("Dh", Dh)])
+    if not use_triton(q):
+        out.copy_(paged_decode_attention_ref(q, k_pages, v_pages, block_table, seq_lens, slots, scale=scale))
+        return out
+    Pmax = block_table.shape[1]
+    if num_splits is None:
+        num_splits = _auto_splits(q, B * Hkv, Pmax)
+    if not (isinstance(num_splits, int) and 1 <= num_splits <= 64 and num_splits & (num_splits - 1) == 0):
+        raise ValueError(f"{op}: `num_splits` expected a power of two in [1, 64], got {num_splits!r}")
+    if B:
+        launch_paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, slots, out, scale,
+                                      num_splits=num_splits)
+    return out
+
+
+def _auto_splits(q: torch.Tensor, programs: int, max_pages: int) -> int:
+    """Split-K runs for a decode call: about two programs per SM when B x Hkv is small and the
+    block table is wide enough for runs of at least 16 pages; 1 elsewhere (and in the interpreter)."""
+    if not q.is_cuda:
+        return 1
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    splits = 1
+    while splits < 64 and programs * splits < 2 * sms and max_pages >= 16 * splits * 2:
+        splits *= 2
+    return splits
