@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 import os
 
 import torch
@@ -108,19 +109,33 @@ def load_model(path_or_preset: str | os.PathLike, dtype: torch.dtype | str | Non
     key = os.fspath(path_or_preset) if isinstance(path_or_preset, os.PathLike) else path_or_preset
     if not isinstance(key, str):
         raise TypeError(f"load_model: expected a checkpoint directory or a preset name, got {type(key).__name__}")
+    from fastmamba.models.nemotron_h import PRESETS as NEMOTRON_H_PRESETS, load_nemotron_h
+
     if key in PRESETS:
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         return random_init(Mamba2LM(PRESETS[key], device=device, dtype=dtype)).eval()
+    if key in NEMOTRON_H_PRESETS:
+        return load_nemotron_h(key, dtype=dtype, device=device)
     if os.path.isfile(key):
         raise NotADirectoryError(f"load_model: {key!r} is a file; pass the checkpoint directory that holds "
                                  f"config.json and the weights ({os.path.dirname(os.path.abspath(key))!r}?)")
     if not os.path.isdir(key):
-        close = difflib.get_close_matches(key, PRESETS, n=1)
+        presets = [*PRESETS, *NEMOTRON_H_PRESETS]
+        close = difflib.get_close_matches(key, presets, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise FileNotFoundError(
             f"load_model: {key!r} is neither a directory nor a preset; presets (random weights): "
-            f"{', '.join(PRESETS)}{hint}"
+            f"{', '.join(presets)}{hint}"
         )
+    config_path = os.path.join(key, "config.json")
+    if os.path.isfile(config_path):  # the model class by model_type (a bad file: from_dir says why)
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                model_type = json.load(f).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            model_type = None
+        if model_type == "nemotron_h":
+            return load_nemotron_h(key, dtype=dtype, device=device)
     from fastmamba.models.weights import load_into, normalize_names, read_checkpoint
 
     cfg = Mamba2Config.from_dir(key)  # config.json (+ generation_config.json's eos_token_id)

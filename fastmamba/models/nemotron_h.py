@@ -43,7 +43,7 @@ from fastmamba.cache.hybrid_cache import HybridCache
 from fastmamba.layers.attention import KVBatch
 from fastmamba.layers.mamba2 import Mamba2Mixer
 from fastmamba.models.blocks import Batch, RMSNorm, build_blocks
-from fastmamba.models.config import Mamba2Config, _float
+from fastmamba.models.config import Mamba2Config, _as_float
 from fastmamba.ops import add_rmsnorm
 from fastmamba.ops._common.host_values import host_list
 
@@ -56,6 +56,21 @@ _BLOCK_TYPE_TO_CHAR = {
     "moe": "E",
 }
 SUPPORTED_KINDS = "M*-"  # MoE ("E") follows in its own issue: a new file in layers/ and one line in blocks.py
+
+
+def _float(v: Any, field: str) -> float:
+    """A float from config.json (transformers writes infinity as {"__float__": "Infinity"})."""
+    out = _as_float(v)
+    if out is None:
+        raise ValueError(f"NemotronHConfig: `{field}` expected a number, got {v!r} ({type(v).__name__})")
+    return out
+
+
+def _bool(v: Any, field: str) -> bool:
+    """A JSON boolean; a string such as "false" is refused rather than read as True."""
+    if not isinstance(v, bool):
+        raise ValueError(f"NemotronHConfig: `{field}` expected true or false, got {v!r} ({type(v).__name__})")
+    return v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,19 +223,19 @@ class NemotronHConfig:
             n_kv_heads=_int(first("num_key_value_heads", default=n_heads), "num_key_value_heads"),
             head_dim=_int(head_dim, "head_dim"),
             intermediate_size=_int(first("intermediate_size", default=21504), "intermediate_size"),
-            mlp_act=str(first("mlp_hidden_act", default="relu2")), mlp_bias=bool(first("mlp_bias", default=False)),
+            mlp_act=str(first("mlp_hidden_act", default="relu2")), mlp_bias=_bool(first("mlp_bias", default=False), "mlp_bias"),
             mamba_nheads=_int(first("mamba_num_heads", default=128), "mamba_num_heads"),
             mamba_headdim=_int(first("mamba_head_dim", default=64), "mamba_head_dim"),
             n_groups=_int(first("n_groups", "mamba_n_groups", default=8), "n_groups"),
             d_state=_int(first("ssm_state_size", default=128), "ssm_state_size"),
             d_conv=_int(first("conv_kernel", "mamba_d_conv", default=4), "conv_kernel"),
             chunk_size=_int(first("chunk_size", "mamba_chunk_size", default=128), "chunk_size"),
-            conv_bias=bool(first("use_conv_bias", "mamba_conv_bias", default=True)),
-            mamba_proj_bias=bool(first("use_bias", default=False)),
-            norm_eps=float(first("layer_norm_epsilon", default=1e-5)),
-            residual_in_fp32=bool(first("residual_in_fp32", default=False)),
-            tie_embeddings=bool(first("tie_word_embeddings", default=False)),
-            dt_limit=tuple(_float(v) for v in first("time_step_limit", "mamba_dt_limit", default=(0.0, math.inf))),
+            conv_bias=_bool(first("use_conv_bias", "mamba_conv_bias", default=True), "use_conv_bias"),
+            mamba_proj_bias=_bool(first("use_bias", default=False), "use_bias"),
+            norm_eps=_float(first("layer_norm_epsilon", default=1e-5), "layer_norm_epsilon"),
+            residual_in_fp32=_bool(first("residual_in_fp32", default=False), "residual_in_fp32"),
+            tie_embeddings=_bool(first("tie_word_embeddings", default=False), "tie_word_embeddings"),
+            dt_limit=tuple(_float(v, "time_step_limit") for v in first("time_step_limit", "mamba_dt_limit", default=(0.0, math.inf))),
         )
 
     @classmethod

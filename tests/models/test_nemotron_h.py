@@ -378,3 +378,17 @@ def test_sharded_checkpoint_loads_the_same(hf_pair, tmp_path):
     sharded = load_nemotron_h(tmp_path / "sharded", device="cpu")
     for (name, a), (_, b) in zip(ours.state_dict().items(), sharded.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_config_bools_and_floats_are_typed():
+    """A string where a JSON boolean or number goes is refused by field name (as Mamba2Config does)."""
+    from fastmamba.models.nemotron_h import NemotronHConfig
+
+    base = {"model_type": "nemotron_h", "hidden_size": 64, "vocab_size": 128, "hybrid_override_pattern": "M*-",
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+            "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16}
+    NemotronHConfig.from_dict(base)
+    for field, value in (("use_conv_bias", "false"), ("residual_in_fp32", 1), ("tie_word_embeddings", "yes"),
+                         ("layer_norm_epsilon", "1e-5")):
+        with pytest.raises(ValueError, match=field):
+            NemotronHConfig.from_dict({**base, field: value})
