@@ -130,7 +130,11 @@ def causal_conv1d_varlen(
     an empty one keeps it all, or is zeroed without initial state).
 
     Accumulates in fp32. All checks run before anything is written; the cu_seqlens and index
-    checks read them on the host (one sync each), except while a CUDA graph is being captured.
+    checks read them on the host (one sync each), every call, except where host reads are not
+    allowed (CUDA-graph capture, torch.compile tracing, ``trusted_inputs()``: see
+    fastmamba.ops._common.host_values). Unchecked values never make the kernel read or write
+    outside the tensors: a slot outside [0, S) acts as pad_slot_id, and the token ranges are
+    clamped into [0, T].
     Reference: fastmamba.ops.conv1d_fn.ref.causal_conv1d_varlen_ref
 
     >>> x = torch.tensor([[1.0], [2.0], [3.0]])            # T=3 tokens of D=1 channel

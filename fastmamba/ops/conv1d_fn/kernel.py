@@ -379,7 +379,7 @@ def _conv1d_fwd_cols_kernel(
         "HAS_INIT_FLAGS": lambda args: args["has_init_ptr"] is not None,
     }
 )
-@triton.jit(do_not_specialize=["B", "search_steps", "pad_slot_id"])
+@triton.jit(do_not_specialize=["T", "S", "B", "search_steps", "pad_slot_id"])
 def _conv1d_varlen_kernel(
     x_ptr,  # [T, D]
     weight_ptr,  # [D, W]
@@ -389,7 +389,7 @@ def _conv1d_varlen_kernel(
     indices_ptr,  # [B] int32/int64 or None
     has_init_ptr,  # [B] bool/int or None
     out_ptr,  # [T, D]; written
-    D, B, search_steps, pad_slot_id,
+    D, T, S, B, search_steps, pad_slot_id,
     stride_x_t, stride_x_d,
     stride_weight_d, stride_weight_w,
     stride_bias_d,
@@ -434,10 +434,13 @@ def _conv1d_varlen_kernel(
         lo = tl.where(take, mid, lo)
         hi = tl.where(take, hi, mid)
     b = lo.to(tl.int64)
-    start = tl.load(cu_ptr + b * stride_cu).to(tl.int64)
-    n = (tl.load(cu_ptr + (b + 1) * stride_cu).to(tl.int64) - start).to(tl.int32)
-    j = p - ((start // BLOCK_L).to(tl.int32) + lo)  # tile within the sequence
-    if (j > 0) & (j * BLOCK_L >= n):
+    # clamped into [0, T]: unchecked cu_seqlens (trusted_inputs, graph capture, torch.compile) never
+    # make a program read or write outside x and out; checked ones are unchanged by the clamp
+    start = tl.minimum(tl.maximum(tl.load(cu_ptr + b * stride_cu).to(tl.int64), 0), T)
+    end = tl.minimum(tl.maximum(tl.load(cu_ptr + (b + 1) * stride_cu).to(tl.int64), start), T)
+    n = (end - start).to(tl.int32)
+    j = p - ((start // BLOCK_L).to(tl.int32) + lo)  # tile within the sequence (< 0 only for bad cu_seqlens)
+    if (j < 0) | ((j > 0) & (j * BLOCK_L >= n)):
         return  # idle program (tile 0 always runs: it writes the state even for an empty sequence)
     l0 = j * BLOCK_L  # first token of the tile, within the sequence
 
@@ -448,7 +451,8 @@ def _conv1d_varlen_kernel(
     out_rows = out_ptr + start * stride_out_t + d * stride_out_d
     if HAS_INDICES:
         slot = tl.load(indices_ptr + b * stride_indices_b).to(tl.int64)
-        if slot == pad_slot_id:  # padding: zero outputs, no state read or written
+        # padding, and any slot outside [0, S) (unchecked indices): zero outputs, no state read or written
+        if (slot == pad_slot_id) | (slot < 0) | (slot >= S):
             zero = tl.zeros([BLOCK_D], dtype=out_ptr.dtype.element_ty)
             for t in tl.static_range(BLOCK_L):
                 tl.store(out_rows + (l0 + t) * stride_out_t, zero, mask=d_mask & (l0 + t < n))
@@ -625,7 +629,7 @@ def causal_conv1d_varlen_launch(
     with _device(x):
         _conv1d_varlen_kernel[grid](
             x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out,
-            D, B, (B - 1).bit_length(), pad_slot_id,
+            D, T, conv_states.shape[0], B, (B - 1).bit_length(), pad_slot_id,
             *x.stride(), *weight.stride(), stride0(bias), *conv_states.stride(),
             stride0(cu_seqlens), stride0(cache_indices), stride0(has_initial_state), *out.stride(),
             W=W, SL=state_len, BLOCK_L=cfg.block_l, BLOCK_D=cfg.block_d, ALIGN=align, SILU=_silu_mode(silu, x),

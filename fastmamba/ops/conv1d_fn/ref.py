@@ -83,12 +83,15 @@ def causal_conv1d_varlen_ref(
     pad_slot_id: int = -1,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference for :func:`fastmamba.ops.conv1d_fn.causal_conv1d_varlen` (same arguments, no checks).
+    """Reference for :func:`fastmamba.ops.conv1d_fn.causal_conv1d_varlen` (same arguments).
 
     x [T, D]; conv_states [S, D, state_len] (the sequences' slots mutated in place); cu_seqlens
     [B+1]; cache_indices, has_initial_state [B]. Returns y [T, D] in x's dtype (``out`` if given).
+    Checks only the index values (cu_seqlens, cache_indices), before anything is written: a bad
+    one raises ValueError, so the reference never writes outside the state pool.
     """
     T, D = x.shape
+    _check_varlen_indices(cu_seqlens, cache_indices, T, conv_states.shape[0], pad_slot_id)
     W = weight.shape[1]
     state_len = conv_states.shape[-1]
     w = weight.float()
@@ -114,3 +117,20 @@ def causal_conv1d_varlen_ref(
         return y
     out.copy_(y)
     return out
+
+
+def _check_varlen_indices(
+    cu_seqlens: torch.Tensor, cache_indices: torch.Tensor | None, T: int, S: int, pad_slot_id: int
+) -> None:
+    """The index values the reference relies on (it reads them on the host anyway)."""
+    op = "causal_conv1d_varlen_ref"
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"{op}: `cu_seqlens` expected to start at 0, never decrease and end at T = {T}, got {cu}")
+    if cache_indices is None:
+        if S < len(cu) - 1:
+            raise ValueError(f"{op}: without `cache_indices` `conv_states` needs S >= B = {len(cu) - 1}, got {S}")
+        return
+    bad = [v for v in cache_indices.tolist() if v != pad_slot_id and not 0 <= v < S]
+    if bad:
+        raise ValueError(f"{op}: `cache_indices` values must lie in [0, {S}) or equal pad_slot_id={pad_slot_id}; got {bad[:4]}")
