@@ -46,7 +46,9 @@ def causal_conv1d_fn(
     bias    [D]         x's dtype, or None
     seq_idx [B, L]      int32/int64 or None: sequence id of each token (several sequences packed
                         in one row). Input column j feeds token t only if their ids are equal;
-                        the initial-state columns carry seq_idx[b, 0].
+                        the initial-state columns carry seq_idx[b, 0]. An id < 0 (e.g. -1) marks
+                        a padding token, as in causal-conv1d: its output is zero and it enters no
+                        other token's window (nor the final states).
     initial_states [B, D, W-1]  fp32, bf16 or fp16, any strides, or None (zeros): the W-1 inputs
                         before x[:, :, 0]; read
     return_final_states  also return the final states
@@ -57,9 +59,11 @@ def causal_conv1d_fn(
     the transposed view of a new [B, L, D] buffer), contiguous otherwise; or (y, final_states)
     when final states are asked for: final_states [B, D, W-1] = the last W-1 columns of
     ext = [initial_states | x], each zeroed if its sequence id differs from seq_idx[b, L-1]
+    (all zeroed if that token is padding)
     (x's dtype and layout when allocated; also right for L < W-1).
 
-    y[:, :, t] = act(bias + sum_k weight[:, k] * ext[:, :, t+k] * (id(t+k) == seq_idx[:, t])).
+    y[:, :, t] = act(bias + sum_k weight[:, k] * ext[:, :, t+k] * (id(t+k) == seq_idx[:, t])),
+    and 0 where seq_idx[:, t] < 0.
     seq_idx, initial_states and final states work together. Accumulates in fp32; no host sync.
     Reference: fastmamba.ops.conv1d_fn.ref.causal_conv1d_fn_ref
 

@@ -74,7 +74,7 @@ def _dense_final_states(
     W: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
 ):
     """final[b, d, i] = ext[d, L + i] for i < W-1 (ext = [initial states | x[b]]), zeroed where
-    that column's sequence id differs from seq_idx[b, L-1]. All reads, a barrier, then the
+    that column's sequence id differs from seq_idx[b, L-1] or that id is padding (< 0). All reads, a barrier, then the
     writes (final may be the initial-states tensor itself)."""
     x_row = x_ptr + b * stride_x_b + d * stride_x_d
     if HAS_SEQ_IDX:
@@ -88,9 +88,9 @@ def _dense_final_states(
             init_row = init_ptr + b * stride_init_b + d * stride_init_d
             v0 = tl.load(init_row + (L + i) * stride_init_w, mask=d_mask & (r < 0), other=0.0)
             v = tl.where(r >= 0, v, v0.to(tl.float32))
-        if HAS_SEQ_IDX:
+        if HAS_SEQ_IDX:  # a padding last token (id < 0) leaves zeros
             sid = tl.load(seq_row + tl.maximum(r, 0) * stride_seq_l)  # history columns: seq_idx[b, 0]
-            v = tl.where(sid == last, v, 0.0)
+            v = tl.where((sid == last) & (last >= 0), v, 0.0)
         vals = vals + (v,)
     if HAS_INIT:
         tl.debug_barrier()
@@ -206,6 +206,8 @@ def _conv1d_fwd_rows_kernel(
             acc = tl.inline_asm_elementwise(SILU_PTX, "=f,f", [acc], dtype=tl.float32, is_pure=True, pack=1)
         elif SILU == 1:
             acc = acc / (1.0 + tl.exp(-acc))
+        if HAS_SEQ_IDX:  # padding token (id < 0): zero output (its window holds only padding)
+            acc = tl.where(sids[t + W - 1] >= 0, acc, 0.0)
         y = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_rows + (t0 + t) * stride_out_l, y, mask=d_mask & (t0 + t < L))
 
@@ -357,6 +359,8 @@ def _conv1d_fwd_cols_kernel(
             acc = tl.inline_asm_elementwise(SILU_PTX, "=f,f", [acc], dtype=tl.float32, is_pure=True, pack=1)
         elif SILU == 1:
             acc = acc / (1.0 + tl.exp(-acc))
+        if HAS_SEQ_IDX:  # padding token (id < 0): zero output (its window holds only padding)
+            acc = tl.where(ss[v] >= 0, acc, 0.0)
         ys = ys + (acc.to(out_ptr.dtype.element_ty),)
     y = _join_chunks(ys, V, NC, BLOCK_D)
     out_rows = out_ptr + b * stride_out_b + d3 * stride_out_d
