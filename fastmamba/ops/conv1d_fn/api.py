@@ -42,8 +42,9 @@ def causal_conv1d_fn(
                         channel-last memory (the [B, L, D] buffer transposed, also a column slice
                         of a wider one such as Mamba-2's in_proj output) and channel-first memory
                         (stride 1 along L); any other strides work, unvectorized. Never copied.
-    weight  [D, W]      x's dtype, W in 2..6
-    bias    [D]         x's dtype, or None
+    weight  [D, W]      fp32, bf16 or fp16 (need not be x's dtype: fp32 weights next to 16-bit x
+                        as causal-conv1d's callers pass them), W in 2..6
+    bias    [D]         fp32, bf16 or fp16 (any, as weight), or None
     seq_idx [B, L]      int32/int64 or None: sequence id of each token (several sequences packed
                         in one row). Input column j feeds token t only if their ids are equal;
                         the initial-state columns carry seq_idx[b, 0]. An id < 0 (e.g. -1) marks
@@ -64,7 +65,9 @@ def causal_conv1d_fn(
 
     y[:, :, t] = act(bias + sum_k weight[:, k] * ext[:, :, t+k] * (id(t+k) == seq_idx[:, t])),
     and 0 where seq_idx[:, t] < 0.
-    seq_idx, initial_states and final states work together. Accumulates in fp32; no host sync.
+    seq_idx, initial_states and final states work together. Precision: x, weight, bias and the
+    initial states are read in their own dtypes and every product and sum is in fp32; y is rounded
+    once to x's dtype, the final states to theirs. No host sync.
     Reference: fastmamba.ops.conv1d_fn.ref.causal_conv1d_fn_ref
 
     >>> x = torch.tensor([[[1.0, 2.0, 3.0]]])                  # B=1, D=1, L=3
@@ -111,8 +114,8 @@ def causal_conv1d_varlen(
 
     x           [T, D]        fp32, bf16 or fp16, any strides (typically a column slice of the
                               in_proj output: stride(1) == 1, stride(0) > D); read
-    weight      [D, W]        x's dtype, W in 2..6
-    bias        [D]           x's dtype, or None
+    weight      [D, W]        fp32, bf16 or fp16 (need not be x's dtype), W in 2..6
+    bias        [D]           fp32, bf16 or fp16 (any), or None
     conv_states [S, D, state_len]  fp32, bf16 or fp16 (may differ from x), any strides; state_len
                               >= W-1 (W-1 as in vLLM, W as in mamba_ssm, or longer). The rows of the
                               sequences' slots are mutated in place; other rows are not touched
@@ -133,7 +136,10 @@ def causal_conv1d_varlen(
     holds ext[:, -state_len:] (so a sequence shorter than state_len keeps part of the old state;
     an empty one keeps it all, or is zeroed without initial state).
 
-    Accumulates in fp32. All checks run before anything is written; the cu_seqlens and index
+    Precision: x, weight, bias and the slot's state are read in their own dtypes, everything is
+    computed in fp32, y is rounded once to x's dtype and the new state to the cache's dtype (the
+    state columns are copies of inputs, exact when the cache's dtype holds x's). All checks run
+    before anything is written; the cu_seqlens and index
     checks read them on the host (one sync each), every call, except where host reads are not
     allowed (CUDA-graph capture, torch.compile tracing, ``trusted_inputs()``: see
     fastmamba.ops._common.host_values). Unchecked values never make the kernel read or write
@@ -225,10 +231,12 @@ def _check_weight_bias(op: str, x: torch.Tensor, weight: torch.Tensor, bias: tor
     W = weight.shape[1]
     if W not in _WIDTHS:
         raise ValueError(f"{op}: `weight` width W expected in 2..6, got {W} (shape {tuple(weight.shape)})")
-    check_same_dtype(op, [("x", x), ("weight", weight)])
+    # any float dtype, independently of x (causal-conv1d accepts fp32 weights next to 16-bit x):
+    # the kernels read both into fp32 registers
+    check_dtype(op, "weight", weight, FLOAT_DTYPES)
     if bias is not None:
         check_shape(op, "bias", bias, [("D", D)])
-        check_same_dtype(op, [("weight", weight), ("bias", bias)])
+        check_dtype(op, "bias", bias, FLOAT_DTYPES)
     return W
 
 
