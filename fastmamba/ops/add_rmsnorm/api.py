@@ -8,6 +8,7 @@ from fastmamba.ops._common.dispatch import use_triton
 from fastmamba.ops._common.pdl import pdl_active
 from fastmamba.ops.add_rmsnorm.kernel import launch_add_rmsnorm, num_warps_for
 from fastmamba.ops.add_rmsnorm.ref import add_rmsnorm_ref
+from fastmamba.ops.gated_rmsnorm.api import check_eps
 
 _OP = "add_rmsnorm"
 
@@ -24,12 +25,17 @@ def add_rmsnorm(
 
     x          (..., D)  float, last-dim stride 1; read (a block's output, or the embeddings)
     residual   (..., D)  float or None (then s = x); read
-    weight     (D,)      float; y takes its dtype
-    residual_dtype       dtype of the returned s (default: residual's, fp32 without one)
+    weight     (D,)      float, stride 1; y takes its dtype
+    eps        added to the mean square inside the square root: a finite number >= 0
+    residual_dtype       fp32, bf16 or fp16: dtype of the returned s (default: residual's, fp32
+                         without one)
     Returns y (..., D) in weight's dtype and the new residual s (..., D), both freshly allocated
     and contiguous. Math in fp32. Reference: fastmamba.ops.add_rmsnorm.ref.add_rmsnorm_ref
     """
+    if x.dim() < 1:
+        raise ValueError(f"{_OP}: `x` expected shape (..., D), got a 0-d tensor")
     D = x.shape[-1]
+    eps = check_eps(_OP, eps)
     check_dtype(_OP, "x", x, FLOAT_DTYPES)
     check_dtype(_OP, "weight", weight, FLOAT_DTYPES)
     if weight.shape != (D,):
@@ -39,9 +45,12 @@ def add_rmsnorm(
         if residual.shape != x.shape:
             raise ValueError(f"{_OP}: `residual` expected shape {tuple(x.shape)} (same as x), got {tuple(residual.shape)}")
     check_same_device(_OP, [("x", x), ("residual", residual), ("weight", weight)])
-    for name, t in (("x", x), ("residual", residual)):
+    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
         if t is not None:
             check_unit_stride(_OP, name, t, -1)
+    if residual_dtype is not None and residual_dtype not in FLOAT_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in FLOAT_DTYPES)
+        raise TypeError(f"{_OP}: `residual_dtype` expected one of ({names}) or None, got {residual_dtype!r}")
     rdtype = residual_dtype or (residual.dtype if residual is not None else torch.float32)
     if not use_triton(x):
         return add_rmsnorm_ref(x, residual, weight, eps, residual_dtype=rdtype)

@@ -270,6 +270,8 @@ def _check_varlen_inputs(
     """Raise ValueError / TypeError naming the argument. The cu_seqlens values and the slot range
     are read on the host (one sync each), except while a CUDA graph is being captured."""
     op = _OP_VARLEN
+    if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, int):
+        raise TypeError(f"{op}: `pad_slot_id` expected an int, got {type(pad_slot_id).__name__} {pad_slot_id!r}")
     if x.dim() != 2:
         raise ValueError(f"{op}: `x` expected shape (T, D), got {tuple(x.shape)}")
     T, D = x.shape

@@ -1,6 +1,8 @@
 """Public entry for gated RMSNorm: checks, row views, allocation, config pick, launch."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fastmamba.ops._common.checks import (
@@ -16,6 +18,16 @@ from fastmamba.ops.gated_rmsnorm.kernel import gated_rmsnorm_fwd
 from fastmamba.ops.gated_rmsnorm.ref import rmsnorm_ref
 
 _OP = "rmsnorm_fn"
+
+
+def check_eps(op: str, eps: object) -> float:
+    """``eps`` as a float: a real number (not a bool or a tensor), finite and >= 0; else an error
+    naming the op (a negative eps makes rstd NaN for small rows, NaN or inf every output)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"{op}: `eps` expected a float, got {type(eps).__name__} {eps!r}")
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"{op}: `eps` expected a finite number >= 0, got {eps!r}")
+    return float(eps)
 
 
 def rmsnorm_fn(
@@ -37,7 +49,7 @@ def rmsnorm_fn(
     weight  (Dh,)      fp32, bf16 or fp16 (need not match x), stride 1; read
     bias    (Dh,)      or None; like weight
     z       (..., Dh)  same shape as x, or None; any float dtype, last-dim stride 1; read
-    eps     added to the mean square inside the square root
+    eps     added to the mean square inside the square root: a finite number >= 0
     group_size         columns per group (must divide Dh); None = Dh (one group). Each
                        (row, group) is normalised with its own rstd = 1/sqrt(mean(v**2) + eps).
     norm_before_gate   True:  y = x * rstd(x) * weight + bias, then y *= silu(z)
@@ -57,6 +69,7 @@ def rmsnorm_fn(
     if x.dim() < 1:
         raise ValueError(f"{_OP}: `x` expected shape (..., Dh), got a 0-d tensor")
     Dh = x.shape[-1]
+    eps = check_eps(_OP, eps)
     check_dtype(_OP, "x", x, FLOAT_DTYPES)
     check_dtype(_OP, "weight", weight, FLOAT_DTYPES)
     check_shape(_OP, "weight", weight, [("Dh", Dh)])
@@ -125,7 +138,7 @@ class RMSNormGated(torch.nn.Module):
         bias: bool = False,
     ) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps = check_eps("RMSNormGated", eps)
         self.group_size = group_size
         self.norm_before_gate = norm_before_gate
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))

@@ -560,6 +560,10 @@ VARLEN_BAD = [
     pytest.param(_bad(out=lambda i: torch.zeros(23, 41)), ValueError, "`out`", id="out-shape"),
     pytest.param(_bad(out=lambda i: torch.zeros(23, 40, dtype=torch.half)), TypeError, "`out`", id="out-dtype"),
     pytest.param(_bad(weight=lambda i: i["weight"].to("meta")), ValueError, "`weight` is on meta", id="device"),
+    pytest.param(_bad(pad_slot_id=lambda i: -1.0), TypeError, "`pad_slot_id` expected an int", id="pad-float"),
+    pytest.param(
+        _bad(pad_slot_id=lambda i: torch.tensor(-1)), TypeError, "`pad_slot_id` expected an int", id="pad-tensor"
+    ),
 ]
 
 
