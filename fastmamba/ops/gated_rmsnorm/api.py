@@ -1,7 +1,9 @@
 """Public entry for gated RMSNorm: checks, row views, allocation, config pick, launch."""
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Optional
 
 import torch
 
@@ -96,27 +98,46 @@ def rmsnorm_fn(
 
     y = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=device)
     try:
-        y_rows = y.view(-1, Dh)
+        y.view(-1, Dh)
     except RuntimeError:
         raise ValueError(
             f"{_OP}: `out` must be viewable as (M, Dh) rows without a copy, got strides {tuple(y.stride())}"
         ) from None
-    if not use_triton(x):
-        return rmsnorm_ref(x, weight, bias, z, eps, group_size, norm_before_gate, out=out)
+    torch.ops.fastmamba.rmsnorm_fn_(x, z, weight, bias, y, eps, group_size, bool(norm_before_gate))
+    return y
 
+
+# Registered so that torch.compile (fullgraph) treats the launch as one opaque op that writes
+# ``out``, instead of tracing into Triton's launcher. The schema is inferred from the annotations.
+@torch.library.custom_op("fastmamba::rmsnorm_fn_", mutates_args=("out",))
+def _rmsnorm_fn_(
+    x: torch.Tensor,
+    z: Optional[torch.Tensor],
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out: torch.Tensor,
+    eps: float,
+    group_size: int,
+    norm_before_gate: bool,
+) -> None:
+    """Op on checked inputs (out: x's shape, viewable as rows): writes every element of ``out``."""
+    if not use_triton(x):
+        rmsnorm_ref(x, weight, bias, z, eps, group_size, norm_before_gate, out=out)
+        return
+    Dh = x.shape[-1]
     x_rows = x.reshape(-1, Dh)
-    z_rows = z.reshape(-1, Dh) if z is not None else None
     M = x_rows.shape[0]
     if M == 0 or Dh == 0:
-        return y
+        return
+    z_rows = z.reshape(-1, Dh) if z is not None else None
+    cfg = pick_config(M, group_size, Dh // group_size, x.dtype, x.device)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        gated_rmsnorm_fwd(x_rows, z_rows, weight, bias, out.view(-1, Dh), eps, group_size, norm_before_gate, cfg)
 
-    cfg = pick_config(M, group_size, Dh // group_size, x.dtype, device)
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            gated_rmsnorm_fwd(x_rows, z_rows, weight, bias, y_rows, eps, group_size, norm_before_gate, cfg)
-    else:
-        gated_rmsnorm_fwd(x_rows, z_rows, weight, bias, y_rows, eps, group_size, norm_before_gate, cfg)
-    return y
+
+@_rmsnorm_fn_.register_fake
+def _(x, z, weight, bias, out, eps, group_size, norm_before_gate):
+    return None
 
 
 class RMSNormGated(torch.nn.Module):
