@@ -1,6 +1,8 @@
 """Public entry of the fused residual add + RMSNorm (the boundary between two Mamba-2 blocks)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from fastmamba.ops._common.checks import FLOAT_DTYPES, check_dtype, check_same_device, check_unit_stride
@@ -52,14 +54,34 @@ def add_rmsnorm(
         names = ", ".join(str(d).replace("torch.", "") for d in FLOAT_DTYPES)
         raise TypeError(f"{_OP}: `residual_dtype` expected one of ({names}) or None, got {residual_dtype!r}")
     rdtype = residual_dtype or (residual.dtype if residual is not None else torch.float32)
-    if not use_triton(x):
-        return add_rmsnorm_ref(x, residual, weight, eps, residual_dtype=rdtype)
-    x2 = x.reshape(-1, D)
-    r2 = residual.reshape(-1, D) if residual is not None else None
     y = torch.empty(x.shape, dtype=weight.dtype, device=x.device)
     s = torch.empty(x.shape, dtype=rdtype, device=x.device)
-    if x2.shape[0]:
-        warps = num_warps_for(D)
-        launch_add_rmsnorm(x2, r2, weight, y.view(-1, D), s.view(-1, D), eps, num_warps=warps,
-                           use_pdl=pdl_active(x, x2.shape[0], warps))
+    torch.ops.fastmamba.add_rmsnorm_(x, residual, weight, y, s, eps)
     return y, s
+
+
+# Registered so that torch.compile (fullgraph) treats the launch as one opaque op writing y and s.
+@torch.library.custom_op("fastmamba::add_rmsnorm_", mutates_args=("y", "s"))
+def _add_rmsnorm_(
+    x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, y: torch.Tensor, s: torch.Tensor,
+    eps: float,
+) -> None:
+    """Op on checked inputs; y and s are new contiguous tensors of x's shape."""
+    if not use_triton(x):
+        y_ref, s_ref = add_rmsnorm_ref(x, residual, weight, eps, residual_dtype=s.dtype)
+        y.copy_(y_ref)
+        s.copy_(s_ref)
+        return
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D)
+    if x2.shape[0] == 0:
+        return
+    r2 = residual.reshape(-1, D) if residual is not None else None
+    warps = num_warps_for(D)
+    launch_add_rmsnorm(x2, r2, weight, y.view(-1, D), s.view(-1, D), eps, num_warps=warps,
+                       use_pdl=pdl_active(x, x2.shape[0], warps))
+
+
+@_add_rmsnorm_.register_fake
+def _(x, residual, weight, y, s, eps):
+    return None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from typing import Optional
 
 import torch
@@ -25,7 +26,7 @@ _OP = "rmsnorm_fn"
 def check_eps(op: str, eps: object) -> float:
     """``eps`` as a float: a real number (not a bool or a tensor), finite and >= 0; else an error
     naming the op (a negative eps makes rstd NaN for small rows, NaN or inf every output)."""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"{op}: `eps` expected a float, got {type(eps).__name__} {eps!r}")
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"{op}: `eps` expected a finite number >= 0, got {eps!r}")

@@ -64,3 +64,27 @@ def test_eps_zero_and_int(device):
         y, s = add_rmsnorm(x, None, w, eps)
         y_ref, _ = add_rmsnorm_ref(x, None, w, float(eps))
         torch.testing.assert_close(y, y_ref, **tol(torch.float32))
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
+def test_compiles_to_one_graph(inference, device):
+    """torch.compile(fullgraph=True): one graph (a registered custom op), equal to eager. Backend
+    "aot_eager": the op is opaque to the compiler, Inductor's C++ build would only add time."""
+    import contextlib
+
+    torch._dynamo.reset()
+    x = torch.randn(3, 40, device=device, dtype=torch.bfloat16)
+    res = torch.randn(3, 40, device=device)
+    w = torch.randn(40, device=device, dtype=torch.bfloat16)
+
+    def call(x, res, w):
+        y, s = add_rmsnorm(x, res, w, 1e-5)
+        return y + 1, s
+
+    with torch.inference_mode() if inference else contextlib.nullcontext():
+        explained = torch._dynamo.explain(call)(x, res, w)
+        assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+        y, s = torch.compile(call, fullgraph=True, backend="aot_eager")(x, res, w)
+        y_e, s_e = call(x, res, w)
+        assert torch.equal(y, y_e) and torch.equal(s, s_e)
+    torch._dynamo.reset()
