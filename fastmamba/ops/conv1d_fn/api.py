@@ -26,6 +26,13 @@ _WIDTHS = range(2, 7)
 _FLAG_DTYPES = (torch.bool, torch.int32, torch.int64)
 
 
+def _direct(x: torch.Tensor) -> bool:
+    """Eager call on a plain tensor: run the op's body directly, skipping the dispatcher round trip
+    of the registered op (tens of microseconds of host time per call). torch.compile tracing and
+    tensor subclasses (FakeTensor, functional tensors) go through the registered op."""
+    return type(x) is torch.Tensor and not torch.compiler.is_compiling()
+
+
 def causal_conv1d_fn(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -91,7 +98,8 @@ def causal_conv1d_fn(
             final = torch.empty(B, W - 1, D, dtype=x.dtype, device=x.device).transpose(1, 2)
         else:
             final = torch.empty(B, D, W - 1, dtype=x.dtype, device=x.device)
-    torch.ops.fastmamba.causal_conv1d_fn_(x, weight, bias, seq_idx, initial_states, final, out, silu)
+    op = _causal_conv1d_fn_impl if _direct(x) else torch.ops.fastmamba.causal_conv1d_fn_
+    op(x, weight, bias, seq_idx, initial_states, final, out, silu)
     if final is not None:
         return out, final
     return out
@@ -162,9 +170,8 @@ def causal_conv1d_varlen(
     _check_varlen_inputs(x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, pad_slot_id)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    torch.ops.fastmamba.causal_conv1d_varlen_(
-        x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, silu, pad_slot_id
-    )
+    op = _causal_conv1d_varlen_impl if _direct(x) else torch.ops.fastmamba.causal_conv1d_varlen_
+    op(x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, silu, pad_slot_id)
     return out
 
 
@@ -182,6 +189,10 @@ def _causal_conv1d_fn_(
     silu: bool,
 ) -> None:
     """Op on checked inputs: writes ``out`` and, when given, ``final_states``."""
+    _causal_conv1d_fn_impl(x, weight, bias, seq_idx, initial_states, final_states, out, silu)
+
+
+def _causal_conv1d_fn_impl(x, weight, bias, seq_idx, initial_states, final_states, out, silu) -> None:
     if use_triton(x):
         causal_conv1d_fn_launch(x, weight, bias, seq_idx, initial_states, final_states, out, silu)
         return
@@ -210,6 +221,14 @@ def _causal_conv1d_varlen_(
     pad_slot_id: int,
 ) -> None:
     """In-place op on checked inputs: writes ``out`` and the sequences' rows of ``conv_states``."""
+    _causal_conv1d_varlen_impl(
+        x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, silu, pad_slot_id
+    )
+
+
+def _causal_conv1d_varlen_impl(
+    x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, silu, pad_slot_id
+) -> None:
     if use_triton(x):
         causal_conv1d_varlen_launch(
             x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, silu, pad_slot_id
