@@ -33,6 +33,8 @@ def _direct(x: torch.Tensor) -> bool:
 def check_eps(op: str, eps: object) -> float:
     """``eps`` as a float: a real number (not a bool or a tensor), finite and >= 0; else an error
     naming the op (a negative eps makes rstd NaN for small rows, NaN or inf every output)."""
+    if type(eps) is float and 0.0 <= eps < math.inf:  # the common case, without the abc check
+        return eps
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"{op}: `eps` expected a float, got {type(eps).__name__} {eps!r}")
     if not math.isfinite(eps) or eps < 0:
@@ -104,13 +106,16 @@ def rmsnorm_fn(
         if t is not None:
             check_unit_stride(_OP, name, t, -1)
 
-    y = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=device)
-    try:
-        y.view(-1, Dh)
-    except RuntimeError:
-        raise ValueError(
-            f"{_OP}: `out` must be viewable as (M, Dh) rows without a copy, got strides {tuple(y.stride())}"
-        ) from None
+    if out is None:
+        y = torch.empty(x.shape, dtype=x.dtype, device=device)  # contiguous: viewable as rows
+    else:
+        y = out
+        try:
+            y.view(-1, Dh)
+        except RuntimeError:
+            raise ValueError(
+                f"{_OP}: `out` must be viewable as (M, Dh) rows without a copy, got strides {tuple(y.stride())}"
+            ) from None
     op = _rmsnorm_fn_impl if _direct(x) else torch.ops.fastmamba.rmsnorm_fn_
     op(x, z, weight, bias, y, eps, group_size, bool(norm_before_gate))
     return y
