@@ -146,13 +146,13 @@ def causal_conv1d_varlen(
 
     Precision: x, weight, bias and the slot's state are read in their own dtypes, everything is
     computed in fp32, y is rounded once to x's dtype and the new state to the cache's dtype (the
-    state columns are copies of inputs, exact when the cache's dtype holds x's). All checks run
-    before anything is written; the cu_seqlens and index
-    checks read them on the host (one sync each), every call, except where host reads are not
-    allowed (CUDA-graph capture, torch.compile tracing, ``trusted_inputs()``: see
-    fastmamba.ops._common.host_values). Unchecked values never make the kernel read or write
-    outside the tensors: a slot outside [0, S) acts as pad_slot_id, and the token ranges are
-    clamped into [0, T].
+    state columns are copies of inputs, exact when the cache's dtype holds x's).
+
+    All checks run before anything is written; the cu_seqlens and index checks read them on the
+    host (one sync each), every call, except where host reads are not allowed (CUDA-graph capture,
+    torch.compile tracing, ``trusted_inputs()``: see fastmamba.ops._common.host_values).
+    Unchecked values never make the kernel read or write outside the tensors: a slot outside
+    [0, S) acts as pad_slot_id, and the token ranges are clamped into [0, T].
     Reference: fastmamba.ops.conv1d_fn.ref.causal_conv1d_varlen_ref
 
     >>> x = torch.tensor([[1.0], [2.0], [3.0]])            # T=3 tokens of D=1 channel
@@ -175,7 +175,8 @@ def causal_conv1d_varlen(
     return out
 
 
-# Registered so torch.compile and CUDA-graph capture see the writes. The schemas are inferred
+# Registered so torch.compile sees the writes (eager calls on plain tensors skip the dispatcher
+# and run the same body: see _direct). The schemas are inferred
 # from these annotations (typing.Optional, which every supported torch version reads).
 @torch.library.custom_op("fastmamba::causal_conv1d_fn_", mutates_args=("final_states", "out"))
 def _causal_conv1d_fn_(
