@@ -96,3 +96,31 @@ def test_all_padding_row(layout: str, device):
     want, want_final = causal_conv1d_fn_ref(x[1:], w, bias, None, h0[1:], True)
     torch.testing.assert_close(y[1:], want, **tol(torch.float32))
     assert torch.equal(final[1:], want_final)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["slice", "channel_first"])
+def test_padding_full_shape_gpu(layout: str, device):
+    """bf16 at a Mamba-2 width with fp32 weights: packed sequences separated by padding runs
+    (lengths 1 to 300), zero at every padding position, the reference everywhere else."""
+    g = seeded(9)
+    B, D, L, W = 2, 5376, 1500, 4
+    x = make_x(layout, B, D, L, g).to(device=device, dtype=torch.bfloat16)
+    w = (torch.randn(D, W, generator=g) / W**0.5).to(device)
+    bias = torch.randn(D, generator=g).to(device)
+    h0 = torch.randn(B, D, W - 1, generator=g).to(device, torch.bfloat16)
+    ids = []
+    for b in range(B):
+        row, sid = [], 0
+        while len(row) < L:
+            n = int(torch.randint(1, 300, (1,), generator=g))
+            pad = int(torch.randint(0, 5, (1,), generator=g))
+            row += [sid] * n + [P] * pad
+            sid += 1
+        ids.append(row[:L])
+    seq_idx = torch.tensor(ids, dtype=torch.int32, device=device)
+    y, final = causal_conv1d_fn(x, w, bias, seq_idx, h0, True, activation="silu")
+    assert (y.transpose(1, 2)[seq_idx < 0] == 0).all()
+    y_ref, final_ref = causal_conv1d_fn_ref(x, w, bias, seq_idx, h0, True, activation="silu")
+    torch.testing.assert_close(y.float(), y_ref.float(), **tol(torch.bfloat16))
+    assert torch.equal(final, final_ref)
