@@ -26,6 +26,13 @@ _WIDTHS = range(2, 7)
 _FLAG_DTYPES = (torch.bool, torch.int32, torch.int64)
 
 
+def _direct(x: torch.Tensor) -> bool:
+    """Eager call on a plain tensor: run the op's body directly, skipping the dispatcher round trip
+    of the registered op (tens of microseconds of host time per call). torch.compile tracing and
+    tensor subclasses (FakeTensor, functional tensors) go through the registered op."""
+    return type(x) is torch.Tensor and not torch.compiler.is_compiling()
+
+
 def causal_conv1d_fn(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -42,11 +49,14 @@ def causal_conv1d_fn(
                         channel-last memory (the [B, L, D] buffer transposed, also a column slice
                         of a wider one such as Mamba-2's in_proj output) and channel-first memory
                         (stride 1 along L); any other strides work, unvectorized. Never copied.
-    weight  [D, W]      x's dtype, W in 2..6
-    bias    [D]         x's dtype, or None
+    weight  [D, W]      fp32, bf16 or fp16 (need not be x's dtype: fp32 weights next to 16-bit x
+                        as causal-conv1d's callers pass them), W in 2..6
+    bias    [D]         fp32, bf16 or fp16 (any, as weight), or None
     seq_idx [B, L]      int32/int64 or None: sequence id of each token (several sequences packed
                         in one row). Input column j feeds token t only if their ids are equal;
-                        the initial-state columns carry seq_idx[b, 0].
+                        the initial-state columns carry seq_idx[b, 0]. An id < 0 (e.g. -1) marks
+                        a padding token, as in causal-conv1d: its output is zero and it enters no
+                        other token's window (nor the final states).
     initial_states [B, D, W-1]  fp32, bf16 or fp16, any strides, or None (zeros): the W-1 inputs
                         before x[:, :, 0]; read
     return_final_states  also return the final states
@@ -57,10 +67,14 @@ def causal_conv1d_fn(
     the transposed view of a new [B, L, D] buffer), contiguous otherwise; or (y, final_states)
     when final states are asked for: final_states [B, D, W-1] = the last W-1 columns of
     ext = [initial_states | x], each zeroed if its sequence id differs from seq_idx[b, L-1]
+    (all zeroed if that token is padding)
     (x's dtype and layout when allocated; also right for L < W-1).
 
-    y[:, :, t] = act(bias + sum_k weight[:, k] * ext[:, :, t+k] * (id(t+k) == seq_idx[:, t])).
-    seq_idx, initial_states and final states work together. Accumulates in fp32; no host sync.
+    y[:, :, t] = act(bias + sum_k weight[:, k] * ext[:, :, t+k] * (id(t+k) == seq_idx[:, t])),
+    and 0 where seq_idx[:, t] < 0.
+    seq_idx, initial_states and final states work together. Precision: x, weight, bias and the
+    initial states are read in their own dtypes and every product and sum is in fp32; y is rounded
+    once to x's dtype, the final states to theirs. No host sync.
     Reference: fastmamba.ops.conv1d_fn.ref.causal_conv1d_fn_ref
 
     >>> x = torch.tensor([[[1.0, 2.0, 3.0]]])                  # B=1, D=1, L=3
@@ -84,7 +98,8 @@ def causal_conv1d_fn(
             final = torch.empty(B, W - 1, D, dtype=x.dtype, device=x.device).transpose(1, 2)
         else:
             final = torch.empty(B, D, W - 1, dtype=x.dtype, device=x.device)
-    torch.ops.fastmamba.causal_conv1d_fn_(x, weight, bias, seq_idx, initial_states, final, out, silu)
+    op = _causal_conv1d_fn_impl if _direct(x) else torch.ops.fastmamba.causal_conv1d_fn_
+    op(x, weight, bias, seq_idx, initial_states, final, out, silu)
     if final is not None:
         return out, final
     return out
@@ -107,8 +122,8 @@ def causal_conv1d_varlen(
 
     x           [T, D]        fp32, bf16 or fp16, any strides (typically a column slice of the
                               in_proj output: stride(1) == 1, stride(0) > D); read
-    weight      [D, W]        x's dtype, W in 2..6
-    bias        [D]           x's dtype, or None
+    weight      [D, W]        fp32, bf16 or fp16 (need not be x's dtype), W in 2..6
+    bias        [D]           fp32, bf16 or fp16 (any), or None
     conv_states [S, D, state_len]  fp32, bf16 or fp16 (may differ from x), any strides; state_len
                               >= W-1 (W-1 as in vLLM, W as in mamba_ssm, or longer). The rows of the
                               sequences' slots are mutated in place; other rows are not touched
@@ -129,8 +144,15 @@ def causal_conv1d_varlen(
     holds ext[:, -state_len:] (so a sequence shorter than state_len keeps part of the old state;
     an empty one keeps it all, or is zeroed without initial state).
 
-    Accumulates in fp32. All checks run before anything is written; the cu_seqlens and index
-    checks read them on the host (one sync each), except while a CUDA graph is being captured.
+    Precision: x, weight, bias and the slot's state are read in their own dtypes, everything is
+    computed in fp32, y is rounded once to x's dtype and the new state to the cache's dtype (the
+    state columns are copies of inputs, exact when the cache's dtype holds x's).
+
+    All checks run before anything is written; the cu_seqlens and index checks read them on the
+    host (one sync each), every call, except where host reads are not allowed (CUDA-graph capture,
+    torch.compile tracing, ``trusted_inputs()``: see fastmamba.ops._common.host_values).
+    Unchecked values never make the kernel read or write outside the tensors: a slot outside
+    [0, S) acts as pad_slot_id, and the token ranges are clamped into [0, T].
     Reference: fastmamba.ops.conv1d_fn.ref.causal_conv1d_varlen_ref
 
     >>> x = torch.tensor([[1.0], [2.0], [3.0]])            # T=3 tokens of D=1 channel
@@ -148,13 +170,13 @@ def causal_conv1d_varlen(
     _check_varlen_inputs(x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, pad_slot_id)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    torch.ops.fastmamba.causal_conv1d_varlen_(
-        x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, silu, pad_slot_id
-    )
+    op = _causal_conv1d_varlen_impl if _direct(x) else torch.ops.fastmamba.causal_conv1d_varlen_
+    op(x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, silu, pad_slot_id)
     return out
 
 
-# Registered so torch.compile and CUDA-graph capture see the writes. The schemas are inferred
+# Registered so torch.compile sees the writes (eager calls on plain tensors skip the dispatcher
+# and run the same body: see _direct). The schemas are inferred
 # from these annotations (typing.Optional, which every supported torch version reads).
 @torch.library.custom_op("fastmamba::causal_conv1d_fn_", mutates_args=("final_states", "out"))
 def _causal_conv1d_fn_(
@@ -168,6 +190,10 @@ def _causal_conv1d_fn_(
     silu: bool,
 ) -> None:
     """Op on checked inputs: writes ``out`` and, when given, ``final_states``."""
+    _causal_conv1d_fn_impl(x, weight, bias, seq_idx, initial_states, final_states, out, silu)
+
+
+def _causal_conv1d_fn_impl(x, weight, bias, seq_idx, initial_states, final_states, out, silu) -> None:
     if use_triton(x):
         causal_conv1d_fn_launch(x, weight, bias, seq_idx, initial_states, final_states, out, silu)
         return
@@ -196,6 +222,14 @@ def _causal_conv1d_varlen_(
     pad_slot_id: int,
 ) -> None:
     """In-place op on checked inputs: writes ``out`` and the sequences' rows of ``conv_states``."""
+    _causal_conv1d_varlen_impl(
+        x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, silu, pad_slot_id
+    )
+
+
+def _causal_conv1d_varlen_impl(
+    x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, silu, pad_slot_id
+) -> None:
     if use_triton(x):
         causal_conv1d_varlen_launch(
             x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, silu, pad_slot_id
@@ -212,15 +246,25 @@ def _(x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state
     return None
 
 
+# The checks below test the common case (all fine) with plain comparisons and call the shared
+# check_* helpers only to raise their messages: host time per call (issue 19 item 0).
+
+
 def _check_weight_bias(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, D: int) -> int:
-    check_shape(op, "weight", weight, [("D", D), ("W", None)])
+    if weight.dim() != 2 or weight.shape[0] != D:
+        check_shape(op, "weight", weight, [("D", D), ("W", None)])
     W = weight.shape[1]
     if W not in _WIDTHS:
         raise ValueError(f"{op}: `weight` width W expected in 2..6, got {W} (shape {tuple(weight.shape)})")
-    check_same_dtype(op, [("x", x), ("weight", weight)])
+    # any float dtype, independently of x (causal-conv1d accepts fp32 weights next to 16-bit x):
+    # the kernels read both into fp32 registers
+    if weight.dtype not in FLOAT_DTYPES:
+        check_dtype(op, "weight", weight, FLOAT_DTYPES)
     if bias is not None:
-        check_shape(op, "bias", bias, [("D", D)])
-        check_same_dtype(op, [("weight", weight), ("bias", bias)])
+        if bias.shape != (D,):
+            check_shape(op, "bias", bias, [("D", D)])
+        if bias.dtype not in FLOAT_DTYPES:
+            check_dtype(op, "bias", bias, FLOAT_DTYPES)
     return W
 
 
@@ -237,23 +281,29 @@ def _check_fn_inputs(x, weight, bias, seq_idx, initial_states, final_states_out)
         [("x", x), ("weight", weight), ("bias", bias), ("seq_idx", seq_idx), ("initial_states", initial_states),
          ("final_states_out", final_states_out)],
     )
-    check_dtype(op, "x", x, FLOAT_DTYPES)
+    if x.dtype not in FLOAT_DTYPES:
+        check_dtype(op, "x", x, FLOAT_DTYPES)
     W = _check_weight_bias(op, x, weight, bias, D)
     if seq_idx is not None:
         check_dtype(op, "seq_idx", seq_idx, INDEX_DTYPES)
-        check_shape(op, "seq_idx", seq_idx, [("B", B), ("L", L)])
+        if seq_idx.shape != (B, L):
+            check_shape(op, "seq_idx", seq_idx, [("B", B), ("L", L)])
     for name, t in (("initial_states", initial_states), ("final_states_out", final_states_out)):
         if t is not None:
             check_dtype(op, name, t, FLOAT_DTYPES)
-            check_shape(op, name, t, [("B", B), ("D", D), ("W-1", W - 1)])
+            if t.shape != (B, D, W - 1):
+                check_shape(op, name, t, [("B", B), ("D", D), ("W-1", W - 1)])
 
 
 def _check_varlen_inputs(
     x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, pad_slot_id
 ) -> None:
     """Raise ValueError / TypeError naming the argument. The cu_seqlens values and the slot range
-    are read on the host (one sync each), except while a CUDA graph is being captured."""
+    are read on the host (one sync each) where host_reads_allowed (not under CUDA-graph capture,
+    torch.compile tracing or trusted_inputs())."""
     op = _OP_VARLEN
+    if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, int):
+        raise TypeError(f"{op}: `pad_slot_id` expected an int, got {type(pad_slot_id).__name__} {pad_slot_id!r}")
     if x.dim() != 2:
         raise ValueError(f"{op}: `x` expected shape (T, D), got {tuple(x.shape)}")
     T, D = x.shape
@@ -262,11 +312,14 @@ def _check_varlen_inputs(
         [("x", x), ("weight", weight), ("bias", bias), ("conv_states", conv_states), ("cu_seqlens", cu_seqlens),
          ("cache_indices", cache_indices), ("has_initial_state", has_initial_state), ("out", out)],
     )
-    check_dtype(op, "x", x, FLOAT_DTYPES)
+    if x.dtype not in FLOAT_DTYPES:
+        check_dtype(op, "x", x, FLOAT_DTYPES)
     W = _check_weight_bias(op, x, weight, bias, D)
 
-    check_shape(op, "conv_states", conv_states, [("S", None), ("D", D), ("state_len", None)])
-    check_dtype(op, "conv_states", conv_states, FLOAT_DTYPES)
+    if conv_states.dim() != 3 or conv_states.shape[1] != D:
+        check_shape(op, "conv_states", conv_states, [("S", None), ("D", D), ("state_len", None)])
+    if conv_states.dtype not in FLOAT_DTYPES:
+        check_dtype(op, "conv_states", conv_states, FLOAT_DTYPES)
     S, _, state_len = conv_states.shape
     if state_len < W - 1:
         raise ValueError(
@@ -296,7 +349,8 @@ def _check_varlen_inputs(
         )
     if has_initial_state is not None:
         check_dtype(op, "has_initial_state", has_initial_state, _FLAG_DTYPES)
-        check_shape(op, "has_initial_state", has_initial_state, [("B", B)])
+        if has_initial_state.shape != (B,):
+            check_shape(op, "has_initial_state", has_initial_state, [("B", B)])
     if out is not None:
         if tuple(out.shape) != tuple(x.shape):
             raise ValueError(f"{op}: `out` expected shape {tuple(x.shape)} (as x), got {tuple(out.shape)}")

@@ -18,8 +18,6 @@ import contextlib
 from collections.abc import Iterator
 from typing import NamedTuple
 
-import triton
-
 
 
 class ConvFnConfig(NamedTuple):
@@ -73,7 +71,7 @@ def vector_width(element_size: int, W: int) -> int:
     """V: tokens per chunk in the column kernel, and channels per 16-byte vector in the rows
     kernel. At least W-1 (a chunk's halo comes from the one chunk before it), so fp32 with W=6
     uses 8-element (two-vector) chunks."""
-    return max(16 // element_size, triton.next_power_of_2(W - 1))
+    return max(16 // element_size, 1 << (W - 2).bit_length())  # next power of two >= W-1 (W >= 2)
 
 
 # rows x channels up to which the rows kernel of causal_conv1d_fn takes the small-input tile

@@ -51,6 +51,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from fastmamba.ops._common.dispatch import inline_asm_ok
 from fastmamba.ops._common.jit_math import SILU_PTX, split8
 from fastmamba.ops._common.pdl import pdl_launch, pdl_launch_early
+from fastmamba.ops.conv1d_fn import configs
 from fastmamba.ops.conv1d_fn.configs import pick_cols_config, pick_rows_config, vector_width
 
 
@@ -74,7 +75,7 @@ def _dense_final_states(
     W: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
 ):
     """final[b, d, i] = ext[d, L + i] for i < W-1 (ext = [initial states | x[b]]), zeroed where
-    that column's sequence id differs from seq_idx[b, L-1]. All reads, a barrier, then the
+    that column's sequence id differs from seq_idx[b, L-1] or that id is padding (< 0). All reads, a barrier, then the
     writes (final may be the initial-states tensor itself)."""
     x_row = x_ptr + b * stride_x_b + d * stride_x_d
     if HAS_SEQ_IDX:
@@ -88,9 +89,9 @@ def _dense_final_states(
             init_row = init_ptr + b * stride_init_b + d * stride_init_d
             v0 = tl.load(init_row + (L + i) * stride_init_w, mask=d_mask & (r < 0), other=0.0)
             v = tl.where(r >= 0, v, v0.to(tl.float32))
-        if HAS_SEQ_IDX:
+        if HAS_SEQ_IDX:  # a padding last token (id < 0) leaves zeros
             sid = tl.load(seq_row + tl.maximum(r, 0) * stride_seq_l)  # history columns: seq_idx[b, 0]
-            v = tl.where(sid == last, v, 0.0)
+            v = tl.where((sid == last) & (last >= 0), v, 0.0)
         vals = vals + (v,)
     if HAS_INIT:
         tl.debug_barrier()
@@ -206,6 +207,8 @@ def _conv1d_fwd_rows_kernel(
             acc = tl.inline_asm_elementwise(SILU_PTX, "=f,f", [acc], dtype=tl.float32, is_pure=True, pack=1)
         elif SILU == 1:
             acc = acc / (1.0 + tl.exp(-acc))
+        if HAS_SEQ_IDX:  # padding token (id < 0): zero output (its window holds only padding)
+            acc = tl.where(sids[t + W - 1] >= 0, acc, 0.0)
         y = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_rows + (t0 + t) * stride_out_l, y, mask=d_mask & (t0 + t < L))
 
@@ -357,6 +360,8 @@ def _conv1d_fwd_cols_kernel(
             acc = tl.inline_asm_elementwise(SILU_PTX, "=f,f", [acc], dtype=tl.float32, is_pure=True, pack=1)
         elif SILU == 1:
             acc = acc / (1.0 + tl.exp(-acc))
+        if HAS_SEQ_IDX:  # padding token (id < 0): zero output (its window holds only padding)
+            acc = tl.where(ss[v] >= 0, acc, 0.0)
         ys = ys + (acc.to(out_ptr.dtype.element_ty),)
     y = _join_chunks(ys, V, NC, BLOCK_D)
     out_rows = out_ptr + b * stride_out_b + d3 * stride_out_d
@@ -379,7 +384,7 @@ def _conv1d_fwd_cols_kernel(
         "HAS_INIT_FLAGS": lambda args: args["has_init_ptr"] is not None,
     }
 )
-@triton.jit(do_not_specialize=["B", "search_steps", "pad_slot_id"])
+@triton.jit(do_not_specialize=["T", "S", "B", "search_steps", "pad_slot_id"])
 def _conv1d_varlen_kernel(
     x_ptr,  # [T, D]
     weight_ptr,  # [D, W]
@@ -389,7 +394,7 @@ def _conv1d_varlen_kernel(
     indices_ptr,  # [B] int32/int64 or None
     has_init_ptr,  # [B] bool/int or None
     out_ptr,  # [T, D]; written
-    D, B, search_steps, pad_slot_id,
+    D, T, S, B, search_steps, pad_slot_id,
     stride_x_t, stride_x_d,
     stride_weight_d, stride_weight_w,
     stride_bias_d,
@@ -434,10 +439,13 @@ def _conv1d_varlen_kernel(
         lo = tl.where(take, mid, lo)
         hi = tl.where(take, hi, mid)
     b = lo.to(tl.int64)
-    start = tl.load(cu_ptr + b * stride_cu).to(tl.int64)
-    n = (tl.load(cu_ptr + (b + 1) * stride_cu).to(tl.int64) - start).to(tl.int32)
-    j = p - ((start // BLOCK_L).to(tl.int32) + lo)  # tile within the sequence
-    if (j > 0) & (j * BLOCK_L >= n):
+    # clamped into [0, T]: unchecked cu_seqlens (trusted_inputs, graph capture, torch.compile) never
+    # make a program read or write outside x and out; checked ones are unchanged by the clamp
+    start = tl.minimum(tl.maximum(tl.load(cu_ptr + b * stride_cu).to(tl.int64), 0), T)
+    end = tl.minimum(tl.maximum(tl.load(cu_ptr + (b + 1) * stride_cu).to(tl.int64), start), T)
+    n = (end - start).to(tl.int32)
+    j = p - ((start // BLOCK_L).to(tl.int32) + lo)  # tile within the sequence (< 0 only for bad cu_seqlens)
+    if (j < 0) | ((j > 0) & (j * BLOCK_L >= n)):
         return  # idle program (tile 0 always runs: it writes the state even for an empty sequence)
     l0 = j * BLOCK_L  # first token of the tile, within the sequence
 
@@ -448,7 +456,8 @@ def _conv1d_varlen_kernel(
     out_rows = out_ptr + start * stride_out_t + d * stride_out_d
     if HAS_INDICES:
         slot = tl.load(indices_ptr + b * stride_indices_b).to(tl.int64)
-        if slot == pad_slot_id:  # padding: zero outputs, no state read or written
+        # padding, and any slot outside [0, S) (unchecked indices): zero outputs, no state read or written
+        if (slot == pad_slot_id) | (slot < 0) | (slot >= S):
             zero = tl.zeros([BLOCK_D], dtype=out_ptr.dtype.element_ty)
             for t in tl.static_range(BLOCK_L):
                 tl.store(out_rows + (l0 + t) * stride_out_t, zero, mask=d_mask & (l0 + t < n))
@@ -521,7 +530,8 @@ def _align_hint(limit: int, values: list[int]) -> int:
 
 def is_channel_last(x: torch.Tensor) -> bool:
     """x [B, D, L] is the [B, L, D] memory transposed (a column slice of a wider buffer too)."""
-    return x.stride(1) == 1 and (x.stride(2) != 1 or x.shape[2] == 1)
+    _, s_d, s_l = x.stride()
+    return s_d == 1 and (s_l != 1 or x.shape[2] == 1)
 
 
 def _silu_mode(silu: bool, x: torch.Tensor) -> int:
@@ -540,6 +550,46 @@ def _device(t: torch.Tensor):
 # indices are masked), so the kernel may round it.
 
 
+# Launch plans: the config pick, ALIGN and the grid depend only on sizes, strides, dtype and flags,
+# so they are computed once per such key and reused (host time per call; see issue 19 item 0). The
+# tuning hook (configs.forced_config) is part of the key; PDL is decided per call (a flag read).
+_PLAN_CACHE_SIZE = 4096
+_fn_plans: dict[tuple, tuple] = {}
+_varlen_plans: dict[tuple, tuple] = {}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv costs microseconds on the host (a constexpr function)
+
+
+def _remember(plans: dict, key: tuple, plan: tuple) -> tuple:
+    if len(plans) >= _PLAN_CACHE_SIZE:
+        plans.clear()
+    plans[key] = plan
+    return plan
+
+
+def _fn_plan(x: torch.Tensor, W: int, xs: tuple, os_: tuple, silu: bool) -> tuple:
+    """(channel_last, cfg, V, align, grid, SILU) for causal_conv1d_fn on x's sizes and strides."""
+    B, D, L = x.shape
+    interpreter = not x.is_cuda
+    if is_channel_last(x):
+        cfg = pick_rows_config(D, B * L, x.element_size(), interpreter=interpreter)
+        _check_block_l(cfg.block_l, W)
+        sized = [(D, True), (xs[0], B > 1), (xs[2], L > 1), (os_[0], B > 1), (os_[2], L > 1)]
+        align = _align_hint(16 // x.element_size(), [v for v, used in sized if used])
+        grid = (_cdiv(D, cfg.block_d) * _cdiv(L, cfg.block_l), B)
+        return True, cfg, 0, align, grid, _silu_mode(silu, x)
+    V = vector_width(x.element_size(), W)
+    cfg = pick_cols_config(D, L, B, V, interpreter=interpreter)
+    if cfg.block_l % V:
+        raise ValueError(f"causal_conv1d_fn: BLOCK_L={cfg.block_l} must be a multiple of {V} tokens here")
+    sized = [(L, True), (xs[0], B > 1), (xs[1], D > 1), (os_[0], B > 1), (os_[1], D > 1)]
+    align = _align_hint(V, [v for v, used in sized if used]) if xs[2] == 1 else 1
+    grid = (_cdiv(L, cfg.block_l) * _cdiv(D, cfg.block_d), B)
+    return False, cfg, V, align, grid, _silu_mode(silu, x)
+
+
 def causal_conv1d_fn_launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -555,42 +605,46 @@ def causal_conv1d_fn_launch(
     W = weight.shape[1]
     if B == 0 or D == 0:
         return
+    xs, os_ = x.stride(), out.stride()
+    key = (B, D, L, xs, os_, x.dtype, W, silu, x.is_cuda, configs._forced)
+    plan = _fn_plans.get(key)
+    if plan is None:
+        plan = _remember(_fn_plans, key, _fn_plan(x, W, xs, os_, silu))
+    channel_last, cfg, V, align, grid, silu_mode = plan
 
     def strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
-        return tuple(t.stride()) if t is not None else (0,) * n
+        return t.stride() if t is not None else (0,) * n
 
     args = (
         x, weight, bias, seq_idx, initial_states, final_states, out, D, L,
-        *x.stride(), *weight.stride(), *strides(bias, 1), *strides(seq_idx, 2),
-        *strides(initial_states, 3), *strides(final_states, 3), *out.stride(),
+        *xs, *weight.stride(), *strides(bias, 1), *strides(seq_idx, 2),
+        *strides(initial_states, 3), *strides(final_states, 3), *os_,
     )
-    interpreter = not x.is_cuda
-    if is_channel_last(x):
-        cfg = pick_rows_config(D, B * L, x.element_size(), interpreter=interpreter)
-        _check_block_l(cfg.block_l, W)
-        sized = [(D, True), (x.stride(0), B > 1), (x.stride(2), L > 1), (out.stride(0), B > 1), (out.stride(2), L > 1)]
-        align = _align_hint(16 // x.element_size(), [v for v, used in sized if used])
-        grid = (triton.cdiv(D, cfg.block_d) * triton.cdiv(L, cfg.block_l), B)
+    if channel_last:
         use_pdl, early = pdl_launch_early(x)
         with _device(x):
             _conv1d_fwd_rows_kernel[grid](
-                *args, W=W, BLOCK_L=cfg.block_l, BLOCK_D=cfg.block_d, ALIGN=align, SILU=_silu_mode(silu, x),
+                *args, W=W, BLOCK_L=cfg.block_l, BLOCK_D=cfg.block_d, ALIGN=align, SILU=silu_mode,
                 USE_PDL=use_pdl, PDL_TRIGGER=early, num_warps=cfg.num_warps, launch_pdl=use_pdl,
             )
         return
-    V = vector_width(x.element_size(), W)
-    cfg = pick_cols_config(D, L, B, V, interpreter=interpreter)
-    if cfg.block_l % V:
-        raise ValueError(f"causal_conv1d_fn: BLOCK_L={cfg.block_l} must be a multiple of {V} tokens here")
-    sized = [(L, True), (x.stride(0), B > 1), (x.stride(1), D > 1), (out.stride(0), B > 1), (out.stride(1), D > 1)]
-    align = _align_hint(V, [v for v, used in sized if used]) if x.stride(2) == 1 else 1
-    grid = (triton.cdiv(L, cfg.block_l) * triton.cdiv(D, cfg.block_d), B)
     use_pdl, early = pdl_launch(x, grid[0] * B, cfg.num_warps)
     with _device(x):
         _conv1d_fwd_cols_kernel[grid](
-            *args, W=W, V=V, BLOCK_L=cfg.block_l, BLOCK_D=cfg.block_d, ALIGN=align, SILU=_silu_mode(silu, x),
+            *args, W=W, V=V, BLOCK_L=cfg.block_l, BLOCK_D=cfg.block_d, ALIGN=align, SILU=silu_mode,
             USE_PDL=use_pdl, PDL_TRIGGER=early, num_warps=cfg.num_warps, launch_pdl=use_pdl,
         )
+
+
+def _varlen_plan(x: torch.Tensor, B: int, W: int, xs: tuple, os_: tuple, silu: bool) -> tuple:
+    """(cfg, align, grid, SILU) for causal_conv1d_varlen on x's sizes and strides."""
+    T, D = x.shape
+    cfg = pick_rows_config(D, T, x.element_size(), interpreter=not x.is_cuda, varlen=True)
+    _check_block_l(cfg.block_l, W)
+    sized = [(D, True), (xs[0], T > 1), (os_[0], T > 1)]
+    align = _align_hint(16 // x.element_size(), [v for v, used in sized if used])
+    grid = (_cdiv(D, cfg.block_d) * (T // cfg.block_l + B),)
+    return cfg, align, grid, _silu_mode(silu, x)
 
 
 def causal_conv1d_varlen_launch(
@@ -605,18 +659,20 @@ def causal_conv1d_varlen_launch(
     silu: bool,
     pad_slot_id: int,
 ) -> None:
-    """Launch on checked inputs: x, out [T, D]; conv_states [S, D, state_len]; any strides."""
+    """Launch on checked inputs: x, out [T, D]; conv_states [S, D, state_len]; any strides. Reads
+    no index value on the host (the grid comes from T and B)."""
     T, D = x.shape
     B = cu_seqlens.shape[0] - 1
     W = weight.shape[1]
-    state_len = conv_states.shape[2]
+    S, _, state_len = conv_states.shape
     if B == 0 or D == 0:
         return
-    cfg = pick_rows_config(D, T, x.element_size(), interpreter=not x.is_cuda, varlen=True)
-    _check_block_l(cfg.block_l, W)
-    sized = [(D, True), (x.stride(0), T > 1), (out.stride(0), T > 1)]
-    align = _align_hint(16 // x.element_size(), [v for v, used in sized if used])
-    grid = (triton.cdiv(D, cfg.block_d) * (T // cfg.block_l + B),)
+    xs, os_ = x.stride(), out.stride()
+    key = (T, D, B, xs, os_, x.dtype, W, silu, x.is_cuda, configs._forced)
+    plan = _varlen_plans.get(key)
+    if plan is None:
+        plan = _remember(_varlen_plans, key, _varlen_plan(x, B, W, xs, os_, silu))
+    cfg, align, grid, silu_mode = plan
     use_pdl, early = pdl_launch(x, grid[0], cfg.num_warps)
 
     def stride0(t: torch.Tensor | None) -> int:
@@ -625,10 +681,10 @@ def causal_conv1d_varlen_launch(
     with _device(x):
         _conv1d_varlen_kernel[grid](
             x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out,
-            D, B, (B - 1).bit_length(), pad_slot_id,
-            *x.stride(), *weight.stride(), stride0(bias), *conv_states.stride(),
-            stride0(cu_seqlens), stride0(cache_indices), stride0(has_initial_state), *out.stride(),
-            W=W, SL=state_len, BLOCK_L=cfg.block_l, BLOCK_D=cfg.block_d, ALIGN=align, SILU=_silu_mode(silu, x),
+            D, T, S, B, (B - 1).bit_length(), pad_slot_id,
+            *xs, *weight.stride(), stride0(bias), *conv_states.stride(),
+            stride0(cu_seqlens), stride0(cache_indices), stride0(has_initial_state), *os_,
+            W=W, SL=state_len, BLOCK_L=cfg.block_l, BLOCK_D=cfg.block_d, ALIGN=align, SILU=silu_mode,
             USE_PDL=use_pdl, PDL_TRIGGER=early, num_warps=cfg.num_warps, launch_pdl=use_pdl,
         )
 

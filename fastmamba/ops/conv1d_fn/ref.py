@@ -7,8 +7,11 @@ Dense (``causal_conv1d_fn``), row b with history H = initial_states[b] (W-1 colu
 None), sequence ids s = seq_idx[b] (all equal if None; history columns carry s[0])::
 
     ext       = concat(H, x[b])                      [D, W-1+L]    ext_id = concat(s[0] * (W-1), s)
-    y[:, t]   = act(bias + sum_k weight[:, k] * ext[:, t+k] * (ext_id[t+k] == s[t]))
-    final[:, i] = ext[:, L+i] * (ext_id[L+i] == s[L-1])                 i = 0 .. W-2
+    y[:, t]   = act(bias + sum_k weight[:, k] * ext[:, t+k] * (ext_id[t+k] == s[t]))   (0 where s[t] < 0)
+    final[:, i] = ext[:, L+i] * (ext_id[L+i] == s[L-1]) * (s[L-1] >= 0)  i = 0 .. W-2
+
+Ids < 0 mark padding tokens (causal-conv1d's contract): their outputs are zero, and as their ids
+differ from every real token's, they enter no real token's window.
 
 Packed (``causal_conv1d_varlen``), sequence b = tokens cu_seqlens[b] .. cu_seqlens[b+1]-1 with
 slot = cache_indices[b] and Hist = conv_states[slot] if has_initial_state[b] else zeros
@@ -59,7 +62,10 @@ def causal_conv1d_fn_ref(
             same = (ext_ids[t : t + W] == ids[t])[None, :]  # [1, W]
             acc = b_vec + torch.where(same, w * ext[:, t : t + W], 0.0).sum(-1)
             y[b, :, t] = F.silu(acc) if _is_silu(activation) else acc
-        keep = (ext_ids[L:] == ids[L - 1])[None, :]  # the last W-1 columns, kept if in the last token's sequence
+            if ids[t] < 0:  # padding: zero output; real tokens never see it (their ids differ)
+                y[b, :, t] = 0.0
+        # the last W-1 columns, kept if in the last token's sequence and that is not padding
+        keep = ((ext_ids[L:] == ids[L - 1]) & (ids[L - 1] >= 0))[None, :]
         final[b] = torch.where(keep, ext[:, L:], 0.0)
     y = y.to(x.dtype)
     if final_states_out is not None:
@@ -83,12 +89,15 @@ def causal_conv1d_varlen_ref(
     pad_slot_id: int = -1,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference for :func:`fastmamba.ops.conv1d_fn.causal_conv1d_varlen` (same arguments, no checks).
+    """Reference for :func:`fastmamba.ops.conv1d_fn.causal_conv1d_varlen` (same arguments).
 
     x [T, D]; conv_states [S, D, state_len] (the sequences' slots mutated in place); cu_seqlens
     [B+1]; cache_indices, has_initial_state [B]. Returns y [T, D] in x's dtype (``out`` if given).
+    Checks only the index values (cu_seqlens, cache_indices), before anything is written: a bad
+    one raises ValueError, so the reference never writes outside the state pool.
     """
     T, D = x.shape
+    _check_varlen_indices(cu_seqlens, cache_indices, T, conv_states.shape[0], pad_slot_id)
     W = weight.shape[1]
     state_len = conv_states.shape[-1]
     w = weight.float()
@@ -114,3 +123,20 @@ def causal_conv1d_varlen_ref(
         return y
     out.copy_(y)
     return out
+
+
+def _check_varlen_indices(
+    cu_seqlens: torch.Tensor, cache_indices: torch.Tensor | None, T: int, S: int, pad_slot_id: int
+) -> None:
+    """The index values the reference relies on (it reads them on the host anyway)."""
+    op = "causal_conv1d_varlen_ref"
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"{op}: `cu_seqlens` expected to start at 0, never decrease and end at T = {T}, got {cu}")
+    if cache_indices is None:
+        if S < len(cu) - 1:
+            raise ValueError(f"{op}: without `cache_indices` `conv_states` needs S >= B = {len(cu) - 1}, got {S}")
+        return
+    bad = [v for v in cache_indices.tolist() if v != pad_slot_id and not 0 <= v < S]
+    if bad:
+        raise ValueError(f"{op}: `cache_indices` values must lie in [0, {S}) or equal pad_slot_id={pad_slot_id}; got {bad[:4]}")

@@ -114,7 +114,7 @@ def pick_config(M: int, group_size: int, G: int, dtype: torch.dtype, device: tor
         return heuristic(M, group_size, G, dtype, num_sms=1)
     index = device.index if device.index is not None else torch.cuda.current_device()
     family, num_sms = _sm_info(index)
-    entry = TABLE.get((family, dtype, group_size, triton.next_power_of_2(M)))
+    entry = TABLE.get((family, dtype, group_size, 1 << (M - 1).bit_length() if M > 1 else 1))  # next pow2
     cfg = entry if entry is not None else heuristic(M, group_size, G, dtype, num_sms)
     if _forced is not None and cfg.single_tile:
         cfg = dataclasses.replace(cfg, **_forced)

@@ -35,3 +35,56 @@ def test_bad_input():
         add_rmsnorm(x, torch.randn(2, 9), torch.ones(8))
     with pytest.raises(TypeError, match="`x` expected dtype"):
         add_rmsnorm(x.int(), None, torch.ones(8))
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(eps=-1), ValueError, r"add_rmsnorm: `eps` expected a finite number >= 0, got -1"),
+    (dict(eps=float("nan")), ValueError, r"`eps` expected a finite number >= 0, got nan"),
+    (dict(eps=float("-inf")), ValueError, r"`eps` expected a finite number >= 0, got -inf"),
+    (dict(eps="0.1"), TypeError, r"`eps` expected a float, got str"),
+    (dict(x=torch.tensor(1.0)), ValueError, r"`x` expected shape \(\.\.\., D\), got a 0-d tensor"),
+    (dict(weight=torch.ones(16)[::2]), ValueError, r"`weight` must be contiguous in dim -1"),
+    (dict(residual_dtype=torch.int32), TypeError, r"`residual_dtype` expected one of \(float32, float16, bfloat16\)"),
+    (dict(residual_dtype="float32"), TypeError, r"`residual_dtype` expected one of .*got 'float32'"),
+], ids=["eps-negative", "eps-nan", "eps-neg-inf", "eps-str", "x-0d", "weight-strided", "res-dtype-int",
+        "res-dtype-str"])
+def test_bad_input_more(kwargs, exc, match):
+    """Each refused with an error naming the argument (eps=-1 used to return NaN; a strided weight
+    was read as if contiguous)."""
+    args = dict(x=torch.randn(2, 8), residual=torch.randn(2, 8), weight=torch.ones(8), eps=1e-5)
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        add_rmsnorm(**args)
+
+
+def test_eps_zero_and_int(device):
+    x = torch.randn(3, 40, device=device)
+    w = torch.randn(40, device=device)
+    for eps in (0, 0.0, 1):
+        y, s = add_rmsnorm(x, None, w, eps)
+        y_ref, _ = add_rmsnorm_ref(x, None, w, float(eps))
+        torch.testing.assert_close(y, y_ref, **tol(torch.float32))
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
+def test_compiles_to_one_graph(inference, device):
+    """torch.compile(fullgraph=True): one graph (a registered custom op), equal to eager. Backend
+    "aot_eager": the op is opaque to the compiler, Inductor's C++ build would only add time."""
+    import contextlib
+
+    torch._dynamo.reset()
+    x = torch.randn(3, 40, device=device, dtype=torch.bfloat16)
+    res = torch.randn(3, 40, device=device)
+    w = torch.randn(40, device=device, dtype=torch.bfloat16)
+
+    def call(x, res, w):
+        y, s = add_rmsnorm(x, res, w, 1e-5)
+        return y + 1, s
+
+    with torch.inference_mode() if inference else contextlib.nullcontext():
+        explained = torch._dynamo.explain(call)(x, res, w)
+        assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+        y, s = torch.compile(call, fullgraph=True, backend="aot_eager")(x, res, w)
+        y_e, s_e = call(x, res, w)
+        assert torch.equal(y, y_e) and torch.equal(s, s_e)
+    torch._dynamo.reset()

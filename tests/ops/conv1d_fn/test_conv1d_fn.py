@@ -475,9 +475,9 @@ FN_BAD = [
     pytest.param(_bad(x=lambda i: i["x"][:, :20]), ValueError, "`weight` expected shape", id="x-D-mismatch"),
     pytest.param(_bad(weight=lambda i: i["weight"].repeat(1, 2)[:, :7]), ValueError, "got 7", id="width-7"),
     pytest.param(_bad(weight=lambda i: i["weight"][:, :1]), ValueError, "got 1", id="width-1"),
-    pytest.param(_bad(weight=lambda i: i["weight"].half()), TypeError, "`weight`", id="weight-dtype"),
+    pytest.param(_bad(weight=lambda i: i["weight"].long()), TypeError, "`weight` expected dtype", id="weight-int"),
     pytest.param(_bad(bias=lambda i: i["bias"][:10]), ValueError, "`bias`", id="bias-shape"),
-    pytest.param(_bad(bias=lambda i: i["bias"].half()), TypeError, "`bias`", id="bias-dtype"),
+    pytest.param(_bad(bias=lambda i: i["bias"].int()), TypeError, "`bias` expected dtype", id="bias-int"),
     pytest.param(_bad(activation=lambda i: "relu"), ValueError, "`activation`", id="act-relu"),
     pytest.param(_bad(seq_idx=lambda i: i["seq_idx"][:, :5]), ValueError, "`seq_idx`", id="seq_idx-shape"),
     pytest.param(_bad(seq_idx=lambda i: i["seq_idx"].float()), TypeError, "`seq_idx`", id="seq_idx-float"),
@@ -512,8 +512,9 @@ VARLEN_BAD = [
     pytest.param(_bad(x=lambda i: i["x"].long()), TypeError, "`x`", id="x-int"),
     pytest.param(_bad(x=lambda i: i["x"][:, :20]), ValueError, "`weight` expected shape", id="x-D-mismatch"),
     pytest.param(_bad(weight=lambda i: i["weight"].repeat(1, 2)[:, :7]), ValueError, "got 7", id="width-7"),
-    pytest.param(_bad(weight=lambda i: i["weight"].half()), TypeError, "`weight`", id="weight-dtype"),
+    pytest.param(_bad(weight=lambda i: i["weight"].long()), TypeError, "`weight` expected dtype", id="weight-int"),
     pytest.param(_bad(bias=lambda i: i["bias"][:10]), ValueError, "`bias`", id="bias-shape"),
+    pytest.param(_bad(bias=lambda i: i["bias"].bool()), TypeError, "`bias` expected dtype", id="bias-bool"),
     pytest.param(_bad(activation=lambda i: "gelu"), ValueError, "`activation`", id="act-gelu"),
     pytest.param(_bad(conv_states=lambda i: i["conv_states"][:, :20]), ValueError, "`conv_states`", id="state-D"),
     pytest.param(_bad(conv_states=lambda i: i["conv_states"][:, :, :2]), ValueError, "state_len", id="state-short"),
@@ -559,6 +560,10 @@ VARLEN_BAD = [
     pytest.param(_bad(out=lambda i: torch.zeros(23, 41)), ValueError, "`out`", id="out-shape"),
     pytest.param(_bad(out=lambda i: torch.zeros(23, 40, dtype=torch.half)), TypeError, "`out`", id="out-dtype"),
     pytest.param(_bad(weight=lambda i: i["weight"].to("meta")), ValueError, "`weight` is on meta", id="device"),
+    pytest.param(_bad(pad_slot_id=lambda i: -1.0), TypeError, "`pad_slot_id` expected an int", id="pad-float"),
+    pytest.param(
+        _bad(pad_slot_id=lambda i: torch.tensor(-1)), TypeError, "`pad_slot_id` expected an int", id="pad-tensor"
+    ),
 ]
 
 

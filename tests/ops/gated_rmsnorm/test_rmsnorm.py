@@ -173,7 +173,7 @@ def test_rmsnorm_docstring_example():
 def _bad(**changes):
     """Valid base arguments (Dh=96, group 32) with `changes` applied."""
     x, z, weight, bias = make_inputs(BASE, "cpu")
-    kwargs = dict(x=x, weight=weight, bias=bias, z=z, group_size=32, out=None)
+    kwargs = dict(x=x, weight=weight, bias=bias, z=z, group_size=32, out=None, eps=1e-6)
     for k, v in changes.items():
         kwargs[k] = v(kwargs) if callable(v) else v
     return kwargs
@@ -193,6 +193,14 @@ BAD_INPUTS = [
     pytest.param(dict(out=lambda a: torch.empty(96, 3).t()), ValueError, r"`out` must be contiguous in dim -1", id="out-column-stride"),
     pytest.param(dict(x=lambda a: torch.randn(96, 3).t()), ValueError, r"`x` must be contiguous in dim -1", id="x-column-stride"),
     pytest.param(dict(weight=lambda a: torch.ones(96, device="meta")), ValueError, r"`weight` is on meta but `x` is on cpu", id="weight-device"),
+    # eps: a negative one made every row NaN; NaN / inf, and non-numbers, are refused too
+    pytest.param(dict(eps=-1), ValueError, r"rmsnorm_fn: `eps` expected a finite number >= 0, got -1", id="eps-negative"),
+    pytest.param(dict(eps=-1e-6), ValueError, r"`eps` expected a finite number >= 0, got -1e-06", id="eps-small-negative"),
+    pytest.param(dict(eps=float("nan")), ValueError, r"`eps` expected a finite number >= 0, got nan", id="eps-nan"),
+    pytest.param(dict(eps=float("inf")), ValueError, r"`eps` expected a finite number >= 0, got inf", id="eps-inf"),
+    pytest.param(dict(eps="1e-5"), TypeError, r"`eps` expected a float, got str", id="eps-str"),
+    pytest.param(dict(eps=True), TypeError, r"`eps` expected a float, got bool", id="eps-bool"),
+    pytest.param(dict(eps=None), TypeError, r"`eps` expected a float, got NoneType", id="eps-none"),
 ]
 
 
@@ -200,7 +208,21 @@ BAD_INPUTS = [
 def test_rmsnorm_bad_inputs(changes, exc, match):
     a = _bad(**changes)
     with pytest.raises(exc, match=match):
-        rmsnorm_fn(a["x"], a["weight"], a["bias"], a["z"], group_size=a["group_size"], out=a["out"])
+        rmsnorm_fn(a["x"], a["weight"], a["bias"], a["z"], eps=a["eps"], group_size=a["group_size"], out=a["out"])
+
+
+# eps = 0: the interpreter warns about 1/sqrt(0) in the masked padding lanes of a block (never stored)
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("eps", [0, 0.0, 1e-5, 1])
+def test_rmsnorm_accepts_eps_ints_and_zero(eps, device):
+    x, z, weight, bias = make_inputs(BASE, device)
+    y = rmsnorm_fn(x, weight, bias, z, eps=eps, group_size=32)
+    torch.testing.assert_close(y, rmsnorm_ref(x, weight, bias, z, float(eps), 32), **tol(torch.float32))
+
+
+def test_rmsnorm_module_checks_eps():
+    with pytest.raises(ValueError, match=r"RMSNormGated: `eps` expected a finite number >= 0, got -1"):
+        RMSNormGated(8, eps=-1)
 
 
 def test_rmsnorm_out_not_viewable_as_rows():
