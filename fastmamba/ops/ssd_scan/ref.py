@@ -166,12 +166,16 @@ def ssd_scan_varlen_ref(
     out: torch.Tensor | None = None,
     chunk_states_out: torch.Tensor | None = None,
     A_is_log: bool = False,
+    rand_seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`fastmamba.ops.ssd_scan_varlen` (see its docstring).
 
     The final state of sequence b is stored into ``ssm_states[cache_indices[b]]`` rounded to
-    nearest in the cache dtype; pad sequences get zero output and touch no slot.
+    nearest in the cache dtype; pad sequences get zero output and touch no slot. ``rand_seed`` is
+    accepted for signature parity and ignored: stochastic rounding differs from rounding to
+    nearest by at most one unit in the last place.
     """
+    del rand_seed
     A = decay_rates(A, A_is_log)
     T, H, P = x.shape
     bounds = [int(v) for v in cu_seqlens.tolist()]
