@@ -254,7 +254,9 @@ def ssd_scan_varlen(
                              or stochastically with rand_seed)
     cu_seqlens [B+1] int32/int64: 0 = cu[0] <= cu[1] <= ... <= cu[B] = T (empty sequences allowed)
     cache_indices [B] int32/int64 or None (slot b): pad_slot_id marks a padding sequence, whose
-                             output rows are zeroed and whose slot is not touched
+                             output rows are zeroed and whose slot is not touched; checked to lie in
+                             [0, S) (a host read); where the check is skipped (trusted_inputs(),
+                             capture, compile) an index outside [0, S) acts as the pad slot
     has_initial_state [B] bool/int or None (all False: start from zeros)
     out        [T, H, P]     or None; written (must not overlap x)
     chunk_states_out [n_chunks, H, P, N] or None: the state after every chunk (prefix caching);
@@ -365,7 +367,10 @@ def _ssd_scan_varlen_(
     dev = x.device
     slots = (torch.arange(nseq, dtype=torch.int32, device=dev) if cache_indices is None
              else cache_indices.to(torch.int32))
-    pad = slots == pad_slot_id
+    # a slot outside [0, S) acts as the pad slot (no read, no write, zero output), so unchecked
+    # indices (trusted_inputs, graph capture, compile) never reach outside the pool
+    S = ssm_states.shape[0]
+    pad = (slots == pad_slot_id) | (slots < 0) | (slots >= S)
     none = torch.full_like(slots, -1)
     final_idx = torch.where(pad, none, slots)
     if has_initial_state is not None:

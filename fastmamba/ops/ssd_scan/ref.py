@@ -181,6 +181,11 @@ def ssd_scan_varlen_ref(
     bounds = [int(v) for v in cu_seqlens.tolist()]
     nseq = len(bounds) - 1
     slots = list(range(nseq)) if cache_indices is None else [int(v) for v in cache_indices.tolist()]
+    S = ssm_states.shape[0]
+    bad = [v for v in slots if v != pad_slot_id and not 0 <= v < S]
+    if bad:  # before anything is written
+        raise ValueError(f"ssd_scan_varlen_ref: `cache_indices` values must lie in [0, {S}) or equal "
+                         f"pad_slot_id={pad_slot_id}; got {bad[:4]}")
     flags = [False] * nseq if has_initial_state is None else [bool(v) for v in has_initial_state.tolist()]
     dtp = process_dt(dt, dt_bias, dt_softplus, dt_limit)
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

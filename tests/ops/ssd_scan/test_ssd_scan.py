@@ -538,3 +538,79 @@ def test_varlen_rand_seed_bad_input(device):
         ssd_scan_varlen(*args, rand_seed=torch.tensor([1, 2], device=device))
     assert torch.equal(states, before)
 
+
+# ---- no write outside the state pool ------------------------------------------------------------
+
+@pytest.fixture(params=["kernel", "reference"])
+def scan_path(request, monkeypatch):
+    """'kernel': the Triton kernels (interpreter on CPU); 'reference': the public op falling back to
+    ssd_scan_varlen_ref, as on a CPU without the interpreter."""
+    if request.param == "reference":
+        from fastmamba.ops.ssd_scan import api
+
+        monkeypatch.setattr(api, "use_triton", lambda t: False)
+    return request.param
+
+
+def test_varlen_index_changed_behind_version_counter_raises(device, scan_path):
+    lens = [9, 14]
+    inp, cu, states = _varlen_case(device, lens, H=2, P=16, G=1, N=16, seed=101)
+    S = states.shape[0]
+    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], states, cu)
+    idx = torch.tensor([2, 0], dtype=torch.int32, device=device)
+    kw = dict(chunk_size=16, cache_indices=idx, has_initial_state=torch.ones(2, dtype=torch.bool, device=device))
+    ssd_scan_varlen(*args, **kw)  # checked and run once
+    after_first = states.clone()
+    idx.data[0] = S + 3  # behind the version counter: a cached check would miss it
+    with pytest.raises(ValueError, match=rf"ssd_scan_varlen: `cache_indices` values must lie in \[0, {S}\).*{S + 3}"):
+        ssd_scan_varlen(*args, **kw)
+    assert torch.equal(states, after_first)
+
+
+def test_varlen_out_of_range_index_in_trusted_inputs_stays_in_the_pool(device, scan_path):
+    """Inside trusted_inputs() the op does not read the indices on the host: the kernels treat
+    an index outside [0, S) as the pad slot (no read, no write, zero output); the reference
+    validates before writing and raises. Either way the rows around the pool stay bit-identical."""
+    from fastmamba.ops._common.host_values import trusted_inputs
+
+    lens = [9, 14, 5, 7]
+    H, P, N = 2, 16, 16
+    inp, cu, _ = _varlen_case(device, lens, H=H, P=P, G=1, N=N, seed=102)
+    S = 5
+    big = torch.randn(S + 4, H, P, N, generator=seeded(103)).to(device)
+    before = big.clone()
+    pool = big[2:2 + S]  # guard rows 0, 1 and S + 2, S + 3
+    slots = torch.tensor([S + 1, 1, -3, S], dtype=torch.int32, device=device)
+    flags = torch.ones(4, dtype=torch.bool, device=device)
+    kw = dict(chunk_size=16, D=inp["D"], dt_bias=inp["dt_bias"], has_initial_state=flags)
+    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"])
+    out = nan_like(inp["x"])
+    if scan_path == "reference":
+        with trusted_inputs(), pytest.raises(ValueError, match=r"values must lie in \[0, 5\)"):
+            ssd_scan_varlen(*args, pool, cu, cache_indices=slots, out=out, **kw)
+        assert torch.equal(big, before)
+        return
+    with trusted_inputs():
+        ssd_scan_varlen(*args, pool, cu, cache_indices=slots, out=out, **kw)
+    guard = [0, 1, S + 2, S + 3]
+    assert torch.equal(big[guard], before[guard])
+    # what the same call does with the out-of-range sequences marked as padding
+    want_pool = before[2:2 + S].clone()
+    padded = torch.tensor([PAD, 1, PAD, PAD], dtype=torch.int32, device=device)
+    want = ssd_scan_varlen_ref(*args, want_pool, cu, cache_indices=padded, **kw)
+    _close(out, want, torch.float32)
+    assert torch.equal(out[:9], torch.zeros_like(out[:9]))
+    _close(pool, want_pool, torch.float32)
+    untouched = [0, 2, 3, 4]
+    assert torch.equal(pool[untouched], before[2:2 + S][untouched])
+
+
+def test_varlen_reference_validates_indices_before_writing(device):
+    inp, cu, states = _varlen_case(device, [6, 4], H=2, P=16, G=1, N=16, seed=104)
+    before = states.clone()
+    for bad in (states.shape[0], -2):
+        slots = torch.tensor([0, bad], dtype=torch.int32, device=device)  # the valid one comes first
+        with pytest.raises(ValueError, match="ssd_scan_varlen_ref: `cache_indices`"):
+            ssd_scan_varlen_ref(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], states, cu, chunk_size=16,
+                                cache_indices=slots)
+        assert torch.equal(states, before)
