@@ -76,6 +76,7 @@ def _check_common(op, x, dt, A, B, C, D, z, dt_bias, lead):
         if t.dtype != x.dtype:
             raise TypeError(f"{op}: `{name}` has dtype {t.dtype} but `x` has {x.dtype}; they must match")
     if D is not None:
+        check_dtype(op, "D", D, FLOAT_DTYPES)
         if tuple(D.shape) not in ((H,), (H, P)):
             raise ValueError(f"{op}: `D` expected shape (H,)=({H},) or (H, P)=({H}, {P}), got {tuple(D.shape)}")
     if z is not None:
@@ -84,6 +85,7 @@ def _check_common(op, x, dt, A, B, C, D, z, dt_bias, lead):
             raise TypeError(f"{op}: `z` has dtype {z.dtype} but `x` has {x.dtype}; they must match")
     if dt_bias is not None:
         check_shape(op, "dt_bias", dt_bias, [("H", H)])
+        check_dtype(op, "dt_bias", dt_bias, FLOAT_DTYPES)
     return H, P, G, N
 
 
@@ -136,10 +138,11 @@ def mamba_chunk_scan_combined(
         raise ValueError(f"{_DENSE}: `x` expected shape (B, L, H, P), got {tuple(x.shape)}")
     nb, L, H, P = x.shape
     _, _, G, N = _check_common(_DENSE, x, dt, A, B, C, D, z, dt_bias, [("B", nb), ("L", L)])
-    if not isinstance(chunk_size, int) or chunk_size < 1:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"{_DENSE}: `chunk_size` expected a positive int, got {chunk_size!r}")
     if initial_states is not None:
         check_shape(_DENSE, "initial_states", initial_states, [("B", nb), ("H", H), ("P", P), ("N", N)])
+        check_dtype(_DENSE, "initial_states", initial_states, FLOAT_DTYPES)
     if cu_seqlens is not None:
         if nb != 1:
             raise ValueError(f"{_DENSE}: `cu_seqlens` needs batch 1 (packed sequences in one row), got B={nb}")
@@ -150,7 +153,7 @@ def mamba_chunk_scan_combined(
     if return_varlen_states and cu_seqlens is None and seq_idx is None:
         raise ValueError(f"{_DENSE}: `return_varlen_states` needs `cu_seqlens` or `seq_idx` to know the sequences")
 
-    if not use_triton(x):
+    if not use_triton(x) or nb * L == 0:  # no tokens: the reference's answer (final = initial states)
         return mamba_chunk_scan_combined_ref(
             x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
             return_final_states, return_varlen_states, state_dtype, A_is_log=A_is_log,
@@ -275,7 +278,7 @@ def ssd_scan_varlen(
         raise ValueError(f"{_VARLEN}: `x` expected shape (T, H, P), got {tuple(x.shape)}")
     T, H, P = x.shape
     _, _, G, N = _check_common(_VARLEN, x, dt, A, B, C, D, z, dt_bias, [("T", T)])
-    if not isinstance(chunk_size, int) or chunk_size < 1:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"{_VARLEN}: `chunk_size` expected a positive int, got {chunk_size!r}")
     check_shape(_VARLEN, "ssm_states", ssm_states, [("S", None), ("H", H), ("P", P), ("N", N)])
     check_dtype(_VARLEN, "ssm_states", ssm_states, FLOAT_DTYPES)
@@ -292,6 +295,7 @@ def ssd_scan_varlen(
                          f"S >= B = {nseq} slots, got S = {S}")
     if has_initial_state is not None:
         check_shape(_VARLEN, "has_initial_state", has_initial_state, [("B", nseq)])
+        check_dtype(_VARLEN, "has_initial_state", has_initial_state, (torch.bool, *INDEX_DTYPES))
     if rand_seed is not None:
         check_dtype(_VARLEN, "rand_seed", rand_seed, (torch.int64,))
         if rand_seed.numel() != 1:
@@ -310,6 +314,7 @@ def ssd_scan_varlen(
     total_chunks = None if not host_reads_allowed(cu_seqlens) else num_chunks(cu_seqlens, chunk_size)
     if chunk_states_out is not None:
         check_shape(_VARLEN, "chunk_states_out", chunk_states_out, [("n_chunks", None), ("H", H), ("P", P), ("N", N)])
+        check_dtype(_VARLEN, "chunk_states_out", chunk_states_out, FLOAT_DTYPES)
         if total_chunks is not None and chunk_states_out.shape[0] < total_chunks:
             raise ValueError(f"{_VARLEN}: `chunk_states_out` needs at least {total_chunks} rows (one per chunk), "
                              f"got {chunk_states_out.shape[0]}")

@@ -662,3 +662,48 @@ def test_dense_nan_input_does_not_reach_earlier_positions(device, name):
         assert torch.equal(out[:, :t], clean[:, :t]), f"NaN in {name} at {t} reached earlier positions"
         assert torch.equal(torch.isnan(out), torch.isnan(ref)), f"NaN pattern differs from the reference ({name}, {t})"
 
+
+# ---- bad input (issue 20 item 9) --------------------------------------------------------------
+
+def test_varlen_bad_dtypes_raise_before_writing(device):
+    inp, cu, states = _varlen_case(device, [5, 7], H=2, P=16, G=1, N=16, seed=121)
+    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], states, cu)
+    before = states.clone()
+    chunks = torch.zeros(2, 2, 16, 16, dtype=torch.int32, device=device)
+    with pytest.raises(TypeError, match=r"ssd_scan_varlen: `chunk_states_out` expected dtype in .*got int32"):
+        ssd_scan_varlen(*args, chunk_size=16, chunk_states_out=chunks)
+    assert torch.equal(chunks, torch.zeros_like(chunks))
+    with pytest.raises(TypeError, match=r"ssd_scan_varlen: `has_initial_state` expected dtype in .*got float32"):
+        ssd_scan_varlen(*args, has_initial_state=torch.ones(2, device=device))
+    with pytest.raises(TypeError, match=r"ssd_scan_varlen: `D` expected dtype in .*got int64"):
+        ssd_scan_varlen(*args, D=torch.ones(2, dtype=torch.int64, device=device))
+    with pytest.raises(TypeError, match=r"ssd_scan_varlen: `dt_bias` expected dtype in .*got int32"):
+        ssd_scan_varlen(*args, dt_bias=torch.ones(2, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="ssd_scan_varlen: `chunk_size` expected a positive int, got True"):
+        ssd_scan_varlen(*args, chunk_size=True)
+    assert torch.equal(states, before)
+
+
+def test_dense_bad_initial_states_dtype(device):
+    inp = _inputs((1, 9), 2, 16, 1, 16, torch.float32, device, seed=122)
+    init = torch.zeros(1, 2, 16, 16, dtype=torch.int32, device=device)
+    with pytest.raises(TypeError, match=r"mamba_chunk_scan_combined: `initial_states` expected dtype in .*got int32"):
+        mamba_chunk_scan_combined(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 16, initial_states=init)
+
+
+def test_dense_zero_length_matches_reference(device):
+    """L = 0 on the kernel path: an empty output, and the final (and per-sequence) states are the
+    initial states, as the reference says."""
+    nb, H, P, G, N = 2, 2, 16, 1, 16
+    inp = _inputs((nb, 0), H, P, G, N, torch.float32, device, seed=123)
+    init = torch.randn(nb, H, P, N, generator=seeded(124)).to(device)
+    seq_idx = torch.zeros(nb, 0, dtype=torch.int32, device=device)
+    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 16)
+    kw = dict(D=inp["D"], initial_states=init, seq_idx=seq_idx, return_final_states=True, return_varlen_states=True)
+    out, final, varlen = mamba_chunk_scan_combined(*args, **kw)
+    r_out, r_final, r_varlen = mamba_chunk_scan_combined_ref(*args, **kw)
+    assert out.shape == (nb, 0, H, P) and out.dtype == inp["x"].dtype
+    assert torch.equal(final, r_final) and torch.equal(final, init)
+    assert torch.equal(varlen, r_varlen)
+    plain = mamba_chunk_scan_combined(*args)
+    assert plain.shape == (nb, 0, H, P)
