@@ -507,7 +507,8 @@ def _chunk_scan_kernel(
                 cb = tl.load(cb_rows + offs_k[None, :] * stride_cb_k).to(tl.float32)
                 cs_k = tl.load(cs_ptr + scratch + offs_k, mask=mk, other=0.0)
                 dt_k = tl.load(dt_ptr + scratch + offs_k, mask=mk, other=0.0)
-                causal = (offs_m[:, None] >= offs_k[None, :]) & mk[None, :]
+                # rows past the chunk's end are left out too: cs there is 0, and exp(0 - cs_k) overflows
+                causal = (offs_m[:, None] >= offs_k[None, :]) & mk[None, :] & mm[:, None]
                 decay = exp_approx(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")), FAST_MATH)
                 cb = tl.where(causal, cb * decay * dt_k[None, :], 0.0)
                 x_k = tl.load(x_chunk + offs_k[:, None] * stride_x_tok + offs_p[None, :] * stride_x_p,
