@@ -14,7 +14,7 @@ from fastmamba.ops._common.checks import (
     check_shape,
 )
 from fastmamba.ops._common.dispatch import use_triton
-from fastmamba.ops._common.host_values import host_list, host_reads_allowed
+from fastmamba.ops._common.host_values import compiling, host_list, host_reads_allowed
 from fastmamba.ops.ssd_scan.launch import ScanSegments, ssd_scan_launch
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
 
@@ -76,6 +76,7 @@ def _check_common(op, x, dt, A, B, C, D, z, dt_bias, lead):
         if t.dtype != x.dtype:
             raise TypeError(f"{op}: `{name}` has dtype {t.dtype} but `x` has {x.dtype}; they must match")
     if D is not None:
+        check_dtype(op, "D", D, FLOAT_DTYPES)
         if tuple(D.shape) not in ((H,), (H, P)):
             raise ValueError(f"{op}: `D` expected shape (H,)=({H},) or (H, P)=({H}, {P}), got {tuple(D.shape)}")
     if z is not None:
@@ -84,6 +85,7 @@ def _check_common(op, x, dt, A, B, C, D, z, dt_bias, lead):
             raise TypeError(f"{op}: `z` has dtype {z.dtype} but `x` has {x.dtype}; they must match")
     if dt_bias is not None:
         check_shape(op, "dt_bias", dt_bias, [("H", H)])
+        check_dtype(op, "dt_bias", dt_bias, FLOAT_DTYPES)
     return H, P, G, N
 
 
@@ -105,12 +107,15 @@ def mamba_chunk_scan_combined(
     return_final_states: bool = False,
     return_varlen_states: bool = False,
     state_dtype: torch.dtype | None = None,
+    *,
+    A_is_log: bool = False,
 ):
     """The Mamba-2 SSD scan over whole prompts (drop-in for mamba_ssm's function).
 
     x        [B, L, H, P]   fp32, bf16 or fp16, any strides; read
     dt       [B, L, H]      any float dtype; dt' = clamp(softplus(dt + dt_bias), *dt_limit)
-    A        [H]            fp32 (= -exp(A_log))
+    A        [H]            fp32 (= -exp(A_log)); with A_is_log, A_log itself (the kernel takes
+                            -exp in fp32 where it loads it, so nothing derived from the weight is cached)
     B, C     [B, L, G, N]   x's dtype; head h reads group h // (H // G)
     D        [H] or [H, P]  or None: y += D * x
     z        [B, L, H, P]   or None: y *= silu(z)
@@ -133,10 +138,11 @@ def mamba_chunk_scan_combined(
         raise ValueError(f"{_DENSE}: `x` expected shape (B, L, H, P), got {tuple(x.shape)}")
     nb, L, H, P = x.shape
     _, _, G, N = _check_common(_DENSE, x, dt, A, B, C, D, z, dt_bias, [("B", nb), ("L", L)])
-    if not isinstance(chunk_size, int) or chunk_size < 1:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"{_DENSE}: `chunk_size` expected a positive int, got {chunk_size!r}")
     if initial_states is not None:
         check_shape(_DENSE, "initial_states", initial_states, [("B", nb), ("H", H), ("P", P), ("N", N)])
+        check_dtype(_DENSE, "initial_states", initial_states, FLOAT_DTYPES)
     if cu_seqlens is not None:
         if nb != 1:
             raise ValueError(f"{_DENSE}: `cu_seqlens` needs batch 1 (packed sequences in one row), got B={nb}")
@@ -147,11 +153,63 @@ def mamba_chunk_scan_combined(
     if return_varlen_states and cu_seqlens is None and seq_idx is None:
         raise ValueError(f"{_DENSE}: `return_varlen_states` needs `cu_seqlens` or `seq_idx` to know the sequences")
 
-    if not use_triton(x):
-        return mamba_chunk_scan_combined_ref(
+    out, final_states, varlen_states = torch.ops.fastmamba.mamba_chunk_scan_combined_(
+        x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, bool(dt_softplus),
+        float(dt_limit[0]), float(dt_limit[1]), bool(return_final_states), bool(return_varlen_states), state_dtype,
+        bool(A_is_log), cu_seqlens is not None and host_reads_allowed(cu_seqlens),
+    )
+    result = [out]
+    if return_final_states:
+        result.append(final_states)
+    if return_varlen_states:
+        result.append(varlen_states)
+    return result[0] if len(result) == 1 else tuple(result)
+
+
+def _nothing(x: torch.Tensor) -> torch.Tensor:
+    """The placeholder for a state the caller did not ask for (a custom op returns tensors)."""
+    return torch.empty(0, dtype=torch.float32, device=x.device)
+
+
+# A custom op, so that torch.compile(fullgraph=True) traces the public function without
+# breaking the graph at the launches (and the seq_idx host read happens when the op runs).
+@torch.library.custom_op("fastmamba::mamba_chunk_scan_combined_", mutates_args=())
+def _mamba_chunk_scan_combined_(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: Optional[torch.Tensor],
+    z: Optional[torch.Tensor],
+    dt_bias: Optional[torch.Tensor],
+    initial_states: Optional[torch.Tensor],
+    seq_idx: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    chunk_size: int,
+    dt_softplus: bool,
+    dt_min: float,
+    dt_max: float,
+    return_final_states: bool,
+    return_varlen_states: bool,
+    state_dtype: Optional[torch.dtype],
+    A_is_log: bool,
+    read_cu_seqlens: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checked inputs -> (out, final states or an empty placeholder, per-sequence states or one)."""
+    nb, L, H, P = x.shape
+    N = B.shape[-1]
+    dt_limit = (dt_min, dt_max)
+    if not use_triton(x) or nb * L == 0:  # no tokens: the reference's answer (final = initial states)
+        res = mamba_chunk_scan_combined_ref(
             x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
-            return_final_states, return_varlen_states, state_dtype,
+            return_final_states, return_varlen_states, state_dtype, A_is_log=A_is_log,
         )
+        res = list(res) if isinstance(res, tuple) else [res]
+        out = res.pop(0)
+        final = res.pop(0) if return_final_states else _nothing(x)
+        varlen = res.pop(0) if return_varlen_states else _nothing(x)
+        return out, final, varlen
     dev = x.device
     # segments in the flat token space f = row * L + position
     if cu_seqlens is not None:
@@ -162,7 +220,9 @@ def mamba_chunk_scan_combined(
         last_of_row = torch.zeros(n_seg, dtype=torch.bool, device=dev)
         last_of_row[-1] = True
         row_of_seg = torch.zeros(n_seg, dtype=torch.int32, device=dev)
-        n_chunks = (_cdiv(L, chunk_size) + n_seg) if not host_reads_allowed(cu) else num_chunks(cu, chunk_size)
+        # the exact chunk count needs a host read; where the caller may not read (decided when it
+        # called, so a compiled graph keeps its answer), an upper bound
+        n_chunks = num_chunks(cu, chunk_size) if read_cu_seqlens else _cdiv(L, chunk_size) + n_seg
     elif seq_idx is not None:
         bounds, rows, firsts, lasts = [], [], [], []
         ids = seq_idx.tolist()
@@ -205,14 +265,25 @@ def mamba_chunk_scan_combined(
     ssd_scan_launch(
         x, dt, A, B, C, D, z, dt_bias, out, segments,
         chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=tuple(dt_limit),
-        state_dtype=state_dtype or torch.float32,
+        state_dtype=state_dtype or torch.float32, A_is_log=A_is_log,
     )
-    result = [out]
-    if return_final_states:
-        result.append(final_states)
-    if return_varlen_states:
-        result.append(varlen_states)
-    return result[0] if len(result) == 1 else tuple(result)
+    return (out, final_states if final_states is not None else _nothing(x),
+            varlen_states if varlen_states is not None else _nothing(x))
+
+
+@_mamba_chunk_scan_combined_.register_fake
+def _(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus, dt_min, dt_max,
+      return_final_states, return_varlen_states, state_dtype, A_is_log, read_cu_seqlens):
+    nb, _, H, P = x.shape
+    N = B.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    final = x.new_empty(nb, H, P, N, dtype=torch.float32) if return_final_states else _nothing(x)
+    if not return_varlen_states:
+        varlen = _nothing(x)
+    else:  # seq_idx: as many as the runs of equal values, known when the op runs
+        n_seg = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else torch.library.get_ctx().new_dynamic_size()
+        varlen = x.new_empty(n_seg, H, P, N, dtype=torch.float32)
+    return out, final, varlen
 
 
 def ssd_scan_varlen(
@@ -235,24 +306,35 @@ def ssd_scan_varlen(
     pad_slot_id: int = -1,
     out: torch.Tensor | None = None,
     chunk_states_out: torch.Tensor | None = None,
+    A_is_log: bool = False,
+    rand_seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed variable-length prefill of the SSM, reading and writing each sequence's cache slot.
 
     x          [T, H, P]     fp32, bf16 or fp16, any strides; T tokens of B sequences; read
     dt         [T, H]        any float dtype (raw: dt_bias and softplus are applied inside)
-    A          [H] fp32;  B, C [T, G, N] x's dtype;  D [H] or [H, P];  dt_bias [H]
+    A          [H] fp32 (= -exp(A_log)), or A_log itself when A_is_log (-exp taken in fp32 inside)
+    B, C       [T, G, N] x's dtype;  D [H] or [H, P];  dt_bias [H]
     z          [T, H, P]     or None: y *= silu(z) inside (the norm afterwards runs without z)
     ssm_states [S, H, P, N]  fp32, bf16 or fp16, any strides; slot cache_indices[b] is read as
                              sequence b's initial state when has_initial_state[b], and receives
-                             its final state (round to nearest) unless the sequence is empty
+                             its final state unless the sequence is empty (16-bit: round to nearest,
+                             or stochastically with rand_seed)
     cu_seqlens [B+1] int32/int64: 0 = cu[0] <= cu[1] <= ... <= cu[B] = T (empty sequences allowed)
     cache_indices [B] int32/int64 or None (slot b): pad_slot_id marks a padding sequence, whose
-                             output rows are zeroed and whose slot is not touched
+                             output rows are zeroed and whose slot is not touched; checked to lie in
+                             [0, S) (a host read); where the check is skipped (trusted_inputs(),
+                             capture, compile) an index outside [0, S) acts as the pad slot
     has_initial_state [B] bool/int or None (all False: start from zeros)
     out        [T, H, P]     or None; written (must not overlap x)
     chunk_states_out [n_chunks, H, P, N] or None: the state after every chunk (prefix caching);
                              chunk k of sequence b goes to row chunk_offsets(cu_seqlens)[b] + k,
                              and it needs at least num_chunks(cu_seqlens, chunk_size) rows
+    rand_seed  one-element int64 tensor on x's device or None: with a 16-bit ``ssm_states``, the
+                             final states stored into the slots are rounded stochastically (unbiased,
+                             the state update's scheme and random stream); read on the device, so a
+                             CUDA graph may advance it between replays. Ignored for an fp32 cache
+                             (and by the reference, which rounds to nearest).
     Returns out [T, H, P] (x's dtype). Chunks of ``chunk_size`` tokens never cross a sequence.
     Checks read cu_seqlens and cache_indices on the host (skipped while a CUDA graph is captured).
     Reference: fastmamba.ops.ssd_scan.ref.ssd_scan_varlen_ref
@@ -261,7 +343,7 @@ def ssd_scan_varlen(
         raise ValueError(f"{_VARLEN}: `x` expected shape (T, H, P), got {tuple(x.shape)}")
     T, H, P = x.shape
     _, _, G, N = _check_common(_VARLEN, x, dt, A, B, C, D, z, dt_bias, [("T", T)])
-    if not isinstance(chunk_size, int) or chunk_size < 1:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"{_VARLEN}: `chunk_size` expected a positive int, got {chunk_size!r}")
     check_shape(_VARLEN, "ssm_states", ssm_states, [("S", None), ("H", H), ("P", P), ("N", N)])
     check_dtype(_VARLEN, "ssm_states", ssm_states, FLOAT_DTYPES)
@@ -278,15 +360,26 @@ def ssd_scan_varlen(
                          f"S >= B = {nseq} slots, got S = {S}")
     if has_initial_state is not None:
         check_shape(_VARLEN, "has_initial_state", has_initial_state, [("B", nseq)])
+        check_dtype(_VARLEN, "has_initial_state", has_initial_state, (torch.bool, *INDEX_DTYPES))
+    if rand_seed is not None:
+        check_dtype(_VARLEN, "rand_seed", rand_seed, (torch.int64,))
+        if rand_seed.numel() != 1:
+            raise ValueError(f"{_VARLEN}: `rand_seed` must hold one element, got shape {tuple(rand_seed.shape)}")
+        if rand_seed.device != x.device:
+            raise ValueError(f"{_VARLEN}: `rand_seed` is on {rand_seed.device} but `x` is on {x.device}; "
+                             f"all tensors must share a device")
+        if ssm_states.dtype == torch.float32:
+            rand_seed = None  # nothing to round: an fp32 cache stores the state exactly
     if out is not None:
         check_shape(_VARLEN, "out", out, [("T", T), ("H", H), ("P", P)])
         if out.dtype != x.dtype:
             raise TypeError(f"{_VARLEN}: `out` has dtype {out.dtype} but `x` has {x.dtype}; they must match")
-        if T > 0 and out.data_ptr() == x.data_ptr():
+        if T > 0 and not compiling() and out.data_ptr() == x.data_ptr():
             raise ValueError(f"{_VARLEN}: `out` must not alias `x` (the scan reads x after writing out)")
     total_chunks = None if not host_reads_allowed(cu_seqlens) else num_chunks(cu_seqlens, chunk_size)
     if chunk_states_out is not None:
         check_shape(_VARLEN, "chunk_states_out", chunk_states_out, [("n_chunks", None), ("H", H), ("P", P), ("N", N)])
+        check_dtype(_VARLEN, "chunk_states_out", chunk_states_out, FLOAT_DTYPES)
         if total_chunks is not None and chunk_states_out.shape[0] < total_chunks:
             raise ValueError(f"{_VARLEN}: `chunk_states_out` needs at least {total_chunks} rows (one per chunk), "
                              f"got {chunk_states_out.shape[0]}")
@@ -298,6 +391,7 @@ def ssd_scan_varlen(
     torch.ops.fastmamba.ssd_scan_varlen_(
         x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
         chunk_states_out, chunk_size, dt_softplus, float(dt_limit[0]), float(dt_limit[1]), pad_slot_id, n_chunks,
+        bool(A_is_log), rand_seed,
     )
     return out
 
@@ -327,6 +421,8 @@ def _ssd_scan_varlen_(
     dt_max: float,
     pad_slot_id: int,
     n_chunks: int,
+    A_is_log: bool,
+    rand_seed: Optional[torch.Tensor],
 ) -> None:
     """In-place op on checked inputs: writes ``out``, the sequences' slots and ``chunk_states_out``."""
     if not use_triton(x):
@@ -334,13 +430,17 @@ def _ssd_scan_varlen_(
             x, dt, A, B, C, ssm_states, cu_seqlens, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
             dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max), cache_indices=cache_indices,
             has_initial_state=has_initial_state, pad_slot_id=pad_slot_id, out=out, chunk_states_out=chunk_states_out,
+            A_is_log=A_is_log, rand_seed=rand_seed,
         )
         return
     nseq = cu_seqlens.shape[0] - 1
     dev = x.device
     slots = (torch.arange(nseq, dtype=torch.int32, device=dev) if cache_indices is None
              else cache_indices.to(torch.int32))
-    pad = slots == pad_slot_id
+    # a slot outside [0, S) acts as the pad slot (no read, no write, zero output), so unchecked
+    # indices (trusted_inputs, graph capture, compile) never reach outside the pool
+    S = ssm_states.shape[0]
+    pad = (slots == pad_slot_id) | (slots < 0) | (slots >= S)
     none = torch.full_like(slots, -1)
     final_idx = torch.where(pad, none, slots)
     if has_initial_state is not None:
@@ -356,15 +456,18 @@ def _ssd_scan_varlen_(
         final=ssm_states,
         final_idx=final_idx,
         chunk_out=chunk_states_out,
+        final_seed=rand_seed,
     )
     ssd_scan_launch(
         x.unsqueeze(0), dt.unsqueeze(0), A, B.unsqueeze(0), C.unsqueeze(0), D,
         z.unsqueeze(0) if z is not None else None, dt_bias, out.unsqueeze(0), segments,
         chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max), state_dtype=ssm_states.dtype,
+        A_is_log=A_is_log,
     )
 
 
 @_ssd_scan_varlen_.register_fake
 def _(x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
-      chunk_states_out, chunk_size, dt_softplus, dt_min, dt_max, pad_slot_id, n_chunks):
+      chunk_states_out, chunk_size, dt_softplus, dt_min, dt_max, pad_slot_id, n_chunks, A_is_log,
+      rand_seed):
     return None

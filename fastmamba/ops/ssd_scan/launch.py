@@ -35,6 +35,7 @@ class ScanSegments:
     init, init_idx    [*, H, P, N] and [n_seg] int32 (-1: start from zeros), or None
     final, final_idx  [*, H, P, N] and [n_seg] int32 (-1: not stored), or None; zero-length
                       segments never store
+    final_seed  one-element int64 tensor or None: round 16-bit ``final`` stores stochastically
     seg_final   [n_seg, H, P, N] or None: every segment's final state
     chunk_out   [n_chunks, H, P, N] or None: the state after every chunk
     """
@@ -48,6 +49,7 @@ class ScanSegments:
     final_idx: torch.Tensor | None = None
     seg_final: torch.Tensor | None = None
     chunk_out: torch.Tensor | None = None
+    final_seed: torch.Tensor | None = None
 
     @property
     def n_seg(self) -> int:
@@ -74,8 +76,9 @@ def ssd_scan_launch(
     dt_softplus: bool,
     dt_limit: tuple[float, float],
     state_dtype: torch.dtype,
+    A_is_log: bool = False,
 ) -> None:
-    """x, z, out [R, L, H, P]; dt [R, L, H]; B, C [R, L, G, N]; A [H] fp32; D [H] or [H, P]."""
+    """x, z, out [R, L, H, P]; dt [R, L, H]; B, C [R, L, G, N]; A [H] (A_log when A_is_log); D [H] or [H, P]."""
     _, row_len, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
     Q = chunk_size
@@ -90,6 +93,8 @@ def ssd_scan_launch(
     block_p_scan = block_p_of(cfg, P)
     block_seg = max(16, triton.next_power_of_2(n_seg + 1))
     dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    # Triton 3.6's interpreter multiplies bf16 tl.dot operands as raw bits (docs/interpreter_bf16.md)
+    dot_upcast = interpreter and x.dtype == torch.bfloat16
     dev = x.device
 
     states_in = torch.empty(n_chunks, H, P, N, dtype=x.dtype, device=dev)  # S_in, read by the scan's matmul
@@ -110,7 +115,7 @@ def ssd_scan_launch(
         dt, dt_bias, A, segments.cu, table, dt_scratch, cs_scratch,
         n_seg, row_len, H, n_chunks, float(lo), float(hi), *dt.stride(),
         Q=Q, BLOCK_Q=max(16, triton.next_power_of_2(Q)), BLOCK_H=block_h, BLOCK_SEG=block_seg,
-        DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, num_warps=4,
+        DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, A_IS_LOG=bool(A_is_log), num_warps=4,
     )
     if cfg.chain and segments.seg_final is None:
         # one kernel: chunk states handed from chunk to chunk (no per-chunk fp32 round trip)
@@ -121,11 +126,12 @@ def ssd_scan_launch(
         _chunk_state_chain_kernel[(n_chunks * H * n_nblocks,)](
             x, B, table, segments.cu, segments.skip, states_in, send, dt_scratch, cs_scratch, ticket, flags,
             segments.init, segments.init_idx, segments.final, segments.final_idx, None, segments.chunk_out,
+            segments.final_seed,
             n_seg, row_len, H, P, N, H // G, n_chunks, n_nblocks,
             *x.stride(), *B.stride(), *states_in.stride(), *send.stride(),
             *_strides4(segments.init), *_strides4(segments.final), *_strides4(None), *_strides4(segments.chunk_out),
             Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
-            DOT_PRECISION=dot_precision, FAST_MATH=fast_math, num_warps=cfg.warps_state,
+            DOT_PRECISION=dot_precision, FAST_MATH=fast_math, DOT_UPCAST=dot_upcast, num_warps=cfg.warps_state,
         )
     else:
         states = torch.empty(n_chunks, H, P, N, dtype=state_dtype, device=dev)  # S_loc, recurrence precision
@@ -134,12 +140,13 @@ def ssd_scan_launch(
             n_seg, row_len, P, N, H // G, n_chunks,
             *x.stride(), *B.stride(), *states.stride(),
             Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
-            DOT_PRECISION=dot_precision, FAST_MATH=fast_math,
+            DOT_PRECISION=dot_precision, FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,
             num_warps=cfg.warps_state,
         )
         _state_passing_kernel[(n_seg, H, triton.cdiv(P * N, cfg.block_pass))](
             states, states_in, cs_scratch, segments.cu, segments.skip,
             segments.init, segments.init_idx, segments.final, segments.final_idx, segments.seg_final, segments.chunk_out,
+            segments.final_seed,
             n_seg, P, N, n_chunks,
             *states.stride(), *states_in.stride(), *_strides4(segments.init), *_strides4(segments.final),
             *_strides4(segments.seg_final), *_strides4(segments.chunk_out),
@@ -151,7 +158,7 @@ def ssd_scan_launch(
         B, C, table, cb,
         n_seg, row_len, N,
         *B.stride(), *C.stride(), *cb.stride(),
-        Q=Q, BLOCK_M=cb_block, BLOCK_N=min(block_n, 128), DOT_PRECISION=dot_precision,
+        Q=Q, BLOCK_M=cb_block, BLOCK_N=min(block_n, 128), DOT_PRECISION=dot_precision, DOT_UPCAST=dot_upcast,
         num_warps=4,
     )
     D_strides = (0, 0) if D is None else ((D.stride(0), 0) if D.dim() == 1 else tuple(D.stride()))
@@ -164,7 +171,7 @@ def ssd_scan_launch(
         n_seg, row_len, P, N, H // G, n_chunks,
         *x.stride(), *_strides4(z), *out.stride(), *cb.stride(), *C.stride(), *D_strides, *states_in.stride(),
         Q=Q, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_P=block_p_scan, BLOCK_N=block_n, HEADS=heads,
-        DOT_PRECISION=dot_precision, HEAD_MAJOR=bool(cfg.head_major), FAST_MATH=fast_math,
+        DOT_PRECISION=dot_precision, HEAD_MAJOR=bool(cfg.head_major), FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,
         num_warps=cfg.warps_scan, num_stages=cfg.stages_scan,
         **({"maxnreg": cfg.maxnreg_scan} if cfg.maxnreg_scan and not interpreter else {}),
     )
