@@ -463,3 +463,13 @@ def test_pick_config_table(monkeypatch):
     assert pick(640, 2, False) == (16, 1) and pick(640, 2, True) == (16, 1)
     assert pick(5120, 4, True) == (16, 1) and pick(20480, 2, False) == (16, 1)
     assert ssu_configs.pick_config(programs_per_block=640, headdim=32, dstate=256, state_bytes=4, pdl=True) == (16, 2)
+
+
+def test_expanded_A_under_inference_mode():
+    """Inference tensors carry no version counter: computed afresh, never a crash."""
+    with torch.inference_mode():
+        A_log = torch.randn(3)
+        a = expanded_A(A_log, 4, 2)
+        torch.testing.assert_close(a[:, 0, 0], -torch.exp(A_log))
+        A_log.sub_(1.0)
+        torch.testing.assert_close(expanded_A(A_log, 4, 2)[:, 0, 0], -torch.exp(A_log))
