@@ -15,6 +15,8 @@ from fastmamba.ops._common.checks import (
     check_same_dtype,
     check_shape,
     parse_activation,
+    check_tensors,
+    check_int,
 )
 from fastmamba.ops._common.dispatch import use_triton
 from fastmamba.ops.conv1d.kernel import causal_conv1d_update_launch
@@ -78,6 +80,10 @@ def causal_conv1d_update(
     tensor([[[0., 3., 1.],
              [1., 1., 2.]]])
     """
+    check_tensors(_OP, [("x", x), ("conv_state", conv_state), ("weight", weight)],
+                  [("bias", bias), ("cache_seqlens", cache_seqlens), ("conv_state_indices", conv_state_indices),
+                   ("num_accepted_tokens", num_accepted_tokens), ("out", out)])
+    pad_slot_id = check_int(_OP, "pad_slot_id", pad_slot_id)
     silu = parse_activation(_OP, activation)
     _check_inputs(
         x, conv_state, weight, bias, cache_seqlens, conv_state_indices, num_accepted_tokens, out, pad_slot_id

@@ -10,6 +10,9 @@ from fastmamba.ops._common.checks import (
     check_same_device,
     check_same_dtype,
     check_shape,
+    check_tensors,
+    check_int,
+    check_flag,
 )
 from fastmamba.ops._common.dispatch import use_triton
 from fastmamba.ops._common.pdl import pdl_active, pdl_requested
@@ -141,6 +144,13 @@ def selective_state_update(
     When A, dt, dt_bias and D are stride-0 over P (and A over N), they are loaded as one scalar per
     head. Returns y (``out`` when given). Reference: ``fastmamba.ops.state_update.ref``.
     """
+    check_tensors(OP, [("state", state), ("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)],
+                  [("D", D), ("z", z), ("dt_bias", dt_bias), ("state_batch_indices", state_batch_indices),
+                   ("out", out), ("dst_state_batch_indices", dst_state_batch_indices),
+                   ("intermediate_states", intermediate_states), ("rand_seed", rand_seed)])
+    pad_slot_id = check_int(OP, "pad_slot_id", pad_slot_id)
+    dt_softplus = check_flag(OP, "dt_softplus", dt_softplus)
+    A_is_log = check_flag(OP, "A_is_log", A_is_log)
     check_dtype(OP, "x", x, FLOAT_DTYPES)
     check_dtype(OP, "state", state, FLOAT_DTYPES)
     no_heads = x.dim() == 2

@@ -380,8 +380,19 @@ def _bad(mutate, match, exc=ValueError):
     (lambda a: a.update(z=a["z"].to("meta")), r"`z` is on meta", ValueError),
     (lambda a: a.update(out=torch.empty(2, 4, 24, dtype=torch.float16)), r"`out` has dtype float16", TypeError),
     (lambda a: a.update(rand_seed=torch.tensor([1, 2])), r"`rand_seed` must hold one element", ValueError),
+    (lambda a: a.update(state=a["state"].tolist()), r"`state` expected a torch.Tensor, got list", TypeError),
+    (lambda a: a.update(x=None), r"`x` expected a torch.Tensor, got NoneType", TypeError),
+    (lambda a: a.update(rand_seed=3), r"`rand_seed` expected a torch.Tensor or None, got int", TypeError),
+    (lambda a: a.update(pad_slot_id=1.5), r"`pad_slot_id` expected an int, got float", TypeError),
+    (lambda a: a.update(dt_softplus="no"), r"`dt_softplus` expected a bool, got str", TypeError),
+    (lambda a: a.update(A_is_log=None), r"`A_is_log` expected a bool, got NoneType", TypeError),
+    (lambda a: a.update(A=a["A"].int()), r"`A` expected dtype", TypeError),
+    (lambda a: a.update(D=a["D"].long()), r"`D` expected dtype", TypeError),
+    (lambda a: a.update(dt_bias=a["dt_bias"].int()), r"`dt_bias` expected dtype", TypeError),
+    (lambda a: a.update(z=a["z"].half()), r"`z` has dtype float16 but `x` has float32", TypeError),
 ], ids=["x-rank", "x-rank5", "B-N", "C-G", "G-divides-H", "B-int", "int-x", "slot-range",
-        "float-index", "dt_bias", "z-shape", "device", "out-dtype", "seed"])
+        "float-index", "dt_bias", "z-shape", "device", "out-dtype", "seed", "state-list", "x-None", "seed-int",
+        "pad-float", "softplus-str", "A_is_log-None", "A-int", "D-int", "dt_bias-int", "z-dtype"])
 def test_bad_input(mutate, match, exc):
     _bad(mutate, match, exc)
 
