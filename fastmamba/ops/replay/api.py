@@ -18,7 +18,7 @@ from fastmamba.ops._common.checks import (
     check_int,
     check_flag,
 )
-from fastmamba.ops._common.dispatch import interpreter_enabled, use_triton
+from fastmamba.ops._common.dispatch import call_directly, interpreter_enabled, use_triton
 from fastmamba.ops._common.pdl import pdl_active, pdl_supported, sm_count
 from fastmamba.ops._common.slot_rows import scatter_rows
 from fastmamba.ops.replay import configs
@@ -272,11 +272,7 @@ def _per_head(name: str, t: torch.Tensor | None, shapes: list[list[tuple[str, in
 
 # Registered so torch.compile and CUDA-graph capture see the in-place writes. The schema is
 # inferred from these annotations (typing.Optional, which every supported torch version reads).
-@torch.library.custom_op(
-    "fastmamba::replay_selective_state_update_",
-    mutates_args=("state", "old_x", "old_B", "old_dt", "old_cumA", "out"),
-)
-def _replay_op(
+def _replay_impl(
     state: torch.Tensor,
     old_x: torch.Tensor,
     old_B: torch.Tensor,
@@ -398,6 +394,13 @@ def checkpoint_programs(x: torch.Tensor, num_warps: int) -> int:
     """Programs of the split path's persistent checkpoint kernel: up to 32 warps per SM (fewer
     fit when its registers say so; the rest wait, as in any grid); 4 under the interpreter."""
     return sm_count(x) * max(1, 32 // num_warps) if x.is_cuda else 4
+
+
+# plain eager calls skip the dispatcher (dispatch.call_directly) and run the same function
+_replay_op = torch.library.custom_op(
+    "fastmamba::replay_selective_state_update_",
+    mutates_args=("state", "old_x", "old_B", "old_dt", "old_cumA", "out"),
+)(_replay_impl)
 
 
 @_replay_op.register_fake
@@ -556,7 +559,8 @@ def replay_selective_state_update(
         check_shape(OP, "out", out, [(k, v) for k, v in zip("BTHP", x.shape)])
         check_same_dtype(OP, [("x", x), ("out", out)])
 
-    _replay_op(
+    op = _replay_impl if call_directly() else _replay_op
+    op(
         state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, dt, A, B, C, D, z, dt_bias,
         bool(dt_softplus), state_batch_indices, int(pad_slot_id), out, rand_seed, bool(A_is_log),
     )

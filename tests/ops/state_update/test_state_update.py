@@ -508,3 +508,17 @@ def test_expanded_A_under_inference_mode():
         torch.testing.assert_close(a[:, 0, 0], -torch.exp(A_log))
         A_log.sub_(1.0)
         torch.testing.assert_close(expanded_A(A_log, 4, 2)[:, 0, 0], -torch.exp(A_log))
+
+
+def test_registered_op_declares_its_mutations(device):
+    """Schema (state, out, intermediate_states mutated) and fake impl, as torch.compile uses them."""
+    c = dataclasses.replace(BASE, tokens=2, slots="shuffled")
+    state, (x, dt, A, Bm, Cm), kw = make_inputs(c, device, seed=13)
+    H, P, N = c.heads, c.headdim, c.dstate
+    out = torch.empty_like(x)
+    inter = torch.empty(c.batch, 2, H, P, N, device=device)
+    A_log = torch.log(-A[:, :1, :1]).expand(H, P, N)
+    args = (state, x, dt, A_log, Bm, Cm, kw["D"], kw["z"], kw["dt_bias"], True, kw["state_batch_indices"], -1, out,
+            None, inter, None, True)
+    torch.library.opcheck(torch.ops.fastmamba.selective_state_update_.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
