@@ -14,8 +14,11 @@ from fastmamba.ops._common.checks import (
     check_same_device,
     check_same_dtype,
     check_shape,
+    check_tensors,
+    check_int,
+    check_flag,
 )
-from fastmamba.ops._common.dispatch import interpreter_enabled, use_triton
+from fastmamba.ops._common.dispatch import call_directly, interpreter_enabled, use_triton
 from fastmamba.ops._common.pdl import pdl_active, pdl_supported, sm_count
 from fastmamba.ops._common.slot_rows import scatter_rows
 from fastmamba.ops.replay import configs
@@ -155,6 +158,10 @@ def commit_accepted(
     ([0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 1, 0])
     """
     op = "commit_accepted"
+    check_tensors(op, [("buf_idx", buf_idx), ("prev_accepted", prev_accepted), ("hist_len", hist_len),
+                       ("accepted", accepted)], [("slots", slots)])
+    tokens, history = check_int(op, "tokens", tokens), check_int(op, "history", history)
+    pad_slot_id = check_int(op, "pad_slot_id", pad_slot_id)
     for name, t in (("buf_idx", buf_idx), ("prev_accepted", prev_accepted), ("hist_len", hist_len)):
         check_dtype(op, name, t, INDEX_DTYPES)
     nslots = buf_idx.shape[0]
@@ -182,7 +189,8 @@ def commit_accepted(
         return
     # CPU without the interpreter: the same arithmetic as the kernel, vectorised
     idx = torch.arange(nreq, device=accepted.device) if slots is None else slots
-    rows = torch.where(idx == pad_slot_id, torch.zeros_like(idx), idx).long()  # pad rows read slot 0, write nothing
+    dead = (idx == pad_slot_id) | (idx < 0) | (idx >= nslots)  # outside [0, S): as the pad slot
+    rows = torch.where(dead, torch.zeros_like(idx), idx).long()  # pad rows read slot 0, write nothing
     k = hist_len[rows] + prev_accepted[rows].to(hist_len.dtype)
     stored = k + tokens > history
     scatter_rows(buf_idx, idx, torch.where(stored, 1 - buf_idx[rows], buf_idx[rows]), pad_slot_id)
@@ -209,15 +217,17 @@ def flush_replay_cache(cache: ReplayCache, slots: torch.Tensor, *, pad_slot_id: 
     nearest.
     """
     op = "flush_replay_cache"
+    check_tensors(op, [("slots", slots)])
+    pad_slot_id = check_int(op, "pad_slot_id", pad_slot_id)
     state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len = cache
     nslots, H = state.shape[0], state.shape[1]
     check_indices(op, "slots", slots, slots.shape[0], nslots, pad_slot_id)
     if slots.shape[0] == 0:
         return
-    live = slots != pad_slot_id
+    live = (slots != pad_slot_id) & (slots >= 0) & (slots < nslots)  # outside [0, S): as the pad slot
     rows = torch.where(live, slots, torch.zeros_like(slots)).long()  # pad rows read slot 0 ...
     capacity = old_x.shape[1]
-    r = buf_idx[rows].long()
+    r = (buf_idx[rows] != 0).long()  # 0 or 1 (as the kernels read it)
     k = torch.where(live, hist_len[rows] + prev_accepted[rows], 0).long().clamp(0, capacity)  # ... and replay nothing
     cum = old_cumA[r, rows].float()  # [B, C_h, H]
     pos = torch.arange(capacity, device=state.device)
@@ -262,11 +272,7 @@ def _per_head(name: str, t: torch.Tensor | None, shapes: list[list[tuple[str, in
 
 # Registered so torch.compile and CUDA-graph capture see the in-place writes. The schema is
 # inferred from these annotations (typing.Optional, which every supported torch version reads).
-@torch.library.custom_op(
-    "fastmamba::replay_selective_state_update_",
-    mutates_args=("state", "old_x", "old_B", "old_dt", "old_cumA", "out"),
-)
-def _replay_op(
+def _replay_impl(
     state: torch.Tensor,
     old_x: torch.Tensor,
     old_B: torch.Tensor,
@@ -288,12 +294,13 @@ def _replay_op(
     pad_slot_id: int,
     out: torch.Tensor,
     rand_seed: Optional[torch.Tensor],
+    A_is_log: bool,
 ) -> None:
     """In-place op on checked inputs with per-head A, D, dt_bias ([H]) and dt ([B, T, H])."""
     if not use_triton(x):
         replay_selective_state_update_ref(
             state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, dt, A, B, C, D, z, dt_bias,
-            dt_softplus, state_batch_indices, pad_slot_id=pad_slot_id, out=out,
+            dt_softplus, state_batch_indices, pad_slot_id=pad_slot_id, out=out, A_is_log=A_is_log,
         )
         return
     nreq, ntok, nheads, headdim = x.shape
@@ -340,7 +347,7 @@ def _replay_op(
         Q, scale, kinfo, C16, ckpt_count, ckpt_list,
         dt_softplus=dt_softplus, pad_slot_id=pad_slot_id, heads=cfg.heads, num_warps=cfg.warps_pre,
         use_pdl=pdl_active(x, pre_programs, cfg.warps_pre), launch_dependents=cfg.split and chain_pdl,
-        group_cb=group_cb,
+        group_cb=group_cb, A_is_log=A_is_log,
     )
     if not cfg.split:
         launch_replay_main(
@@ -389,6 +396,13 @@ def checkpoint_programs(x: torch.Tensor, num_warps: int) -> int:
     return sm_count(x) * max(1, 32 // num_warps) if x.is_cuda else 4
 
 
+# plain eager calls skip the dispatcher (dispatch.call_directly) and run the same function
+_replay_op = torch.library.custom_op(
+    "fastmamba::replay_selective_state_update_",
+    mutates_args=("state", "old_x", "old_B", "old_dt", "old_cumA", "out"),
+)(_replay_impl)
+
+
 @_replay_op.register_fake
 def _(*args, **kwargs) -> None:
     return None
@@ -417,6 +431,7 @@ def replay_selective_state_update(
     pad_slot_id: int = -1,
     out: torch.Tensor | None = None,
     rand_seed: torch.Tensor | None = None,
+    A_is_log: bool = False,
 ) -> torch.Tensor:
     """Verify T = K+1 tokens per request with replay-based rollback (the TensorRT-LLM design),
     storing the state only at checkpoints.
@@ -448,7 +463,9 @@ def replay_selective_state_update(
     x             [B, T, H, P]     fp32, bf16 or fp16, any strides; y has the same shape and dtype
     dt            [B, T, H] raw (or [B, T, H, P] stride-0 over P); dt' = softplus(dt + dt_bias)
                                    if dt_softplus, else dt + dt_bias
-    A             [H] fp32 (= -exp(A_log)), or an [H, P, N] stride-0 broadcast of it
+    A             [H] fp32 (= -exp(A_log)), or an [H, P, N] stride-0 broadcast of it; with
+                  ``A_is_log`` it holds A_log itself (same shapes) and the kernel computes
+                  -exp(A_log) in fp32 where it loads it (no cached copy to go stale)
     B, C          [B, T, G, N]     x's dtype; G divides H, head h reads group h // (H // G)
     D, dt_bias    [H] (or [H, P] stride-0 over P) or None;   z like x or None (y *= silu(z))
     state_batch_indices [B] int32/int64 or None (slot b); rows equal to ``pad_slot_id`` get y = 0
@@ -470,6 +487,14 @@ def replay_selective_state_update(
     Returns y [B, T, H, P] (``out`` when given).
     Reference: ``fastmamba.ops.replay.ref.replay_selective_state_update_ref``.
     """
+    check_tensors(OP, [("state", state), ("old_x", old_x), ("old_B", old_B), ("old_dt", old_dt),
+                       ("old_cumA", old_cumA), ("buf_idx", buf_idx), ("prev_accepted", prev_accepted),
+                       ("hist_len", hist_len), ("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)],
+                  [("D", D), ("z", z), ("dt_bias", dt_bias), ("state_batch_indices", state_batch_indices),
+                   ("out", out), ("rand_seed", rand_seed)])
+    pad_slot_id = check_int(OP, "pad_slot_id", pad_slot_id)
+    dt_softplus = check_flag(OP, "dt_softplus", dt_softplus)
+    A_is_log = check_flag(OP, "A_is_log", A_is_log)
     check_dtype(OP, "x", x, FLOAT_DTYPES)
     check_dtype(OP, "state", state, FLOAT_DTYPES)
     if x.dim() != 4:
@@ -507,6 +532,9 @@ def replay_selective_state_update(
     check_dtype(OP, "A", A, FLOAT_DTYPES)
     D = _per_head("D", D, [[("H", nheads)], [("H", nheads), ("P", headdim)]])
     dt_bias = _per_head("dt_bias", dt_bias, [[("H", nheads)], [("H", nheads), ("P", headdim)]])
+    for name, t in (("D", D), ("dt_bias", dt_bias)):
+        if t is not None:
+            check_dtype(OP, name, t, FLOAT_DTYPES)
     if z is not None:
         check_shape(OP, "z", z, [(k, v) for k, v in zip("BTHP", x.shape)])
 
@@ -531,8 +559,9 @@ def replay_selective_state_update(
         check_shape(OP, "out", out, [(k, v) for k, v in zip("BTHP", x.shape)])
         check_same_dtype(OP, [("x", x), ("out", out)])
 
-    _replay_op(
+    op = _replay_impl if call_directly() else _replay_op
+    op(
         state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, dt, A, B, C, D, z, dt_bias,
-        bool(dt_softplus), state_batch_indices, int(pad_slot_id), out, rand_seed,
+        bool(dt_softplus), state_batch_indices, int(pad_slot_id), out, rand_seed, bool(A_is_log),
     )
     return out

@@ -10,8 +10,11 @@ from fastmamba.ops._common.checks import (
     check_same_device,
     check_same_dtype,
     check_shape,
+    check_tensors,
+    check_int,
+    check_flag,
 )
-from fastmamba.ops._common.dispatch import use_triton
+from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops._common.pdl import pdl_active, pdl_requested
 from fastmamba.ops.state_update.configs import pick_config
 from fastmamba.ops.state_update.kernel import launch_selective_state_update
@@ -36,8 +39,7 @@ def _per_head(name: str, t: torch.Tensor | None, H: int, P: int) -> torch.Tensor
     return t
 
 
-@torch.library.custom_op("fastmamba::selective_state_update_", mutates_args=("state", "out", "intermediate_states"))
-def _selective_state_update_op(
+def _selective_state_update_impl(
     state: torch.Tensor,
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -54,13 +56,14 @@ def _selective_state_update_op(
     dst_state_batch_indices: torch.Tensor | None,
     intermediate_states: torch.Tensor | None,
     rand_seed: torch.Tensor | None,
+    A_is_log: bool,
 ) -> None:
     """In-place op on normalised 4-D views (see launch_selective_state_update)."""
     if not use_triton(x):
         selective_state_update_ref(
             state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
             pad_slot_id=pad_slot_id, out=out, dst_state_batch_indices=dst_state_batch_indices,
-            intermediate_states=intermediate_states,
+            intermediate_states=intermediate_states, A_is_log=A_is_log,
         )
         return
     nreq, _, nheads, headdim = x.shape
@@ -74,8 +77,15 @@ def _selective_state_update_op(
         state, x, dt, dt_bias, A, B, C, D, z, out,
         state_batch_indices, dst_state_batch_indices, intermediate_states, rand_seed,
         dt_softplus=dt_softplus, tie_hdim=tie_hdim, pad_slot_id=pad_slot_id,
-        block_p=block_p, num_warps=num_warps, use_pdl=pdl_active(x, programs, num_warps),
+        block_p=block_p, num_warps=num_warps, use_pdl=pdl_active(x, programs, num_warps), A_is_log=A_is_log,
     )
+
+
+# Registered so torch.compile and graph capture see the in-place writes; plain eager calls skip
+# the dispatcher (dispatch.call_directly) and run the same function.
+_selective_state_update_op = torch.library.custom_op(
+    "fastmamba::selective_state_update_", mutates_args=("state", "out", "intermediate_states"))(
+    _selective_state_update_impl)
 
 
 @_selective_state_update_op.register_fake
@@ -101,6 +111,7 @@ def selective_state_update(
     dst_state_batch_indices: torch.Tensor | None = None,
     intermediate_states: torch.Tensor | None = None,
     rand_seed: torch.Tensor | None = None,
+    A_is_log: bool = False,
 ) -> torch.Tensor:
     """Advance the SSM by one (or T) tokens for each of B requests (drop-in for mamba_ssm's op).
 
@@ -114,9 +125,14 @@ def selective_state_update(
     x       activation dtype (fp32/bf16/fp16); y has the same shape and dtype
     dt      x's shape (usually a stride-0 broadcast of [B, H] / [B, T, H]) or [B, H] / [B, T, H];
             dt' = softplus(dt + dt_bias) when dt_softplus, else dt + dt_bias
-    A       [H, P, N] (usually a stride-0 broadcast of [H] = -exp(A_log); see ``expanded_A``) or [H]
-    B, C    same dtype as x; G divides H, head h reads group h // (H // G)
-    D       [H, P] or [H] or None;   dt_bias [H, P] or [H] or None;   z like x or None (y *= silu(z))
+    A       [H, P, N] (usually a stride-0 broadcast of [H] = -exp(A_log)) or [H]; with ``A_is_log``
+            it holds A_log itself (same shapes) and the kernel computes -exp(A_log) in fp32 where it
+            loads it: nothing derived from the weight is cached, so an in-place weight change is seen
+            by eager calls, CUDA graphs and compiled code alike (prefer this to a cached -exp)
+    B, C    any float dtype (e.g. fp32 next to a bf16 x, as mamba_ssm accepts); G divides H, head h
+            reads group h // (H // G)
+    D       [H, P] or [H] or None;   dt_bias [H, P] or [H] or None (any float dtype);
+    z       like x (same dtype) or None (y *= silu(z))
     state_batch_indices     [B] int32/int64 or None (row b); rows equal to ``pad_slot_id`` are
                             skipped: no state read or write, y row zeroed
     dst_state_batch_indices [B] int32/int64 or None: where the new state goes (pad: not written)
@@ -128,9 +144,19 @@ def selective_state_update(
                             Advance it every step, or the same random numbers repeat.
     out                     like x, or None (allocated contiguous)
 
+    Precision: every input is converted to fp32 as it is loaded (so dt, A, B, C, D and dt_bias may
+    each be fp32, bf16 or fp16 whatever x is); the recurrence, the output's reduction, the D skip
+    and the gate run in fp32; y is rounded once to x's dtype and the state once to its own dtype.
     When A, dt, dt_bias and D are stride-0 over P (and A over N), they are loaded as one scalar per
     head. Returns y (``out`` when given). Reference: ``fastmamba.ops.state_update.ref``.
     """
+    check_tensors(OP, [("state", state), ("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)],
+                  [("D", D), ("z", z), ("dt_bias", dt_bias), ("state_batch_indices", state_batch_indices),
+                   ("out", out), ("dst_state_batch_indices", dst_state_batch_indices),
+                   ("intermediate_states", intermediate_states), ("rand_seed", rand_seed)])
+    pad_slot_id = check_int(OP, "pad_slot_id", pad_slot_id)
+    dt_softplus = check_flag(OP, "dt_softplus", dt_softplus)
+    A_is_log = check_flag(OP, "A_is_log", A_is_log)
     check_dtype(OP, "x", x, FLOAT_DTYPES)
     check_dtype(OP, "state", state, FLOAT_DTYPES)
     no_heads = x.dim() == 2
@@ -161,7 +187,10 @@ def selective_state_update(
     check_shape(OP, "C", C, bc_expected[:-2] + [("G", ngroups), ("N", dstate)])
     if nheads % ngroups != 0:
         raise ValueError(f"{OP}: the number of groups G={ngroups} (from `B`) must divide the number of heads H={nheads}")
-    check_same_dtype(OP, [("x", x), ("B", B), ("C", C)] + ([("z", z)] if z is not None else []))
+    check_dtype(OP, "B", B, FLOAT_DTYPES)  # fp32 B / C next to 16-bit x, as mamba_ssm's callers pass them
+    check_dtype(OP, "C", C, FLOAT_DTYPES)
+    if z is not None:
+        check_same_dtype(OP, [("x", x), ("z", z)])
 
     if dt.dim() == x.dim() - 1 and not no_heads:  # [B, H] / [B, T, H]: broadcast over P
         check_shape(OP, "dt", dt, [("B", nreq)] + tok + [("H", nheads)])
@@ -172,8 +201,12 @@ def selective_state_update(
         check_shape(OP, "A", A, [("H", nheads)])
         A = A[:, None, None].expand(nheads, headdim, dstate)
     check_shape(OP, "A", A, [("H", nheads), ("P", headdim), ("N", dstate)])
+    check_dtype(OP, "A", A, FLOAT_DTYPES)
     D = _per_head("D", D, nheads, headdim)
     dt_bias = _per_head("dt_bias", dt_bias, nheads, headdim)
+    for name, t in (("D", D), ("dt_bias", dt_bias)):
+        if t is not None:
+            check_dtype(OP, name, t, FLOAT_DTYPES)
     if z is not None:
         check_shape(OP, "z", z, [(k, v) for k, v in zip("BTHP" if multi_token else "BHP", x.shape)])
 
@@ -208,9 +241,11 @@ def selective_state_update(
     def tokens(t: torch.Tensor | None) -> torch.Tensor | None:
         return t if t is None or multi_token else t.unsqueeze(1)
 
-    _selective_state_update_op(
+    op = _selective_state_update_impl if call_directly() else _selective_state_update_op
+    op(
         state, x4, tokens(dt), A, tokens(B), tokens(C), D, tokens(z), dt_bias, bool(dt_softplus),
         state_batch_indices, int(pad_slot_id), out4, dst_state_batch_indices, intermediate_states, rand_seed,
+        bool(A_is_log),
     )
     y = out4 if multi_token else out4.squeeze(1)
     return y.squeeze(1) if no_heads else y

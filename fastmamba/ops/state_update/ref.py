@@ -6,7 +6,7 @@ G groups of B/C, N state size, S cache slots.
 
 One token, for each head h and request b (g = h // (H // G)):
     dt'   = softplus(dt + dt_bias)             (dt_softplus=True)
-    state = state * exp(A * dt') + (dt' * x)[:, None] * B[g][None, :]
+    state = state * exp(A * dt') + (dt' * x)[:, None] * B[g][None, :]   (A = -exp(A) if A_is_log)
     y     = state @ C[g] + D * x
     y     = y * silu(z)                        (when z is given)
 """
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from fastmamba.ops._common.checks import check_index_values
 
 
 def selective_state_update_ref(
@@ -34,6 +36,7 @@ def selective_state_update_ref(
     dst_state_batch_indices: torch.Tensor | None = None,
     intermediate_states: torch.Tensor | None = None,
     rand_seed: torch.Tensor | None = None,
+    A_is_log: bool = False,
 ) -> torch.Tensor:
     """Same contract as :func:`fastmamba.ops.selective_state_update`; see its docstring.
 
@@ -41,6 +44,11 @@ def selective_state_update_ref(
     state to nearest: stochastic rounding differs from it by at most one unit in the last place.
     """
     del rand_seed
+    # every slot index is checked before anything is written (no partial writes, no row S-3 for -3)
+    check_index_values("selective_state_update_ref", "state_batch_indices", state_batch_indices, state.shape[0],
+                       pad_slot_id)
+    check_index_values("selective_state_update_ref", "dst_state_batch_indices", dst_state_batch_indices,
+                       state.shape[0], pad_slot_id)
     no_heads = x.dim() == 2  # mamba_ssm's (B, D) form: one "head" of P = D channels
     multi_token = x.dim() == 4
     if no_heads:
@@ -57,7 +65,9 @@ def selective_state_update_ref(
     heads_per_group = nheads // ngroups
 
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    A32 = A.float()
+    A32 = -torch.exp(A.float()) if A_is_log else A.float()
+    if A32.dim() == 1:  # [H]: one value per head
+        A32 = A32[:, None, None]
     for b in range(nreq):
         src = b if state_batch_indices is None else int(state_batch_indices[b])
         dst = src if dst_state_batch_indices is None else int(dst_state_batch_indices[b])
