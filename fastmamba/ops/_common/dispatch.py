@@ -29,7 +29,7 @@ def inline_asm_ok(t: torch.Tensor) -> bool:
     return t.is_cuda and not interpreter_enabled()
 
 
-def call_directly() -> bool:
+def call_directly(x: torch.Tensor | None = None) -> bool:
     """Whether a public op may call its registered custom op's implementation as a plain Python
     function, skipping the dispatcher (issue 19: the ``torch.library`` round trip -- argument
     defaults, the autograd key, the redispatch -- is most of an eager call's host time).
@@ -37,7 +37,8 @@ def call_directly() -> bool:
     Only in plain eager use: not while torch.compile / export traces (it must see the custom op and
     its fake impl), not under a Python dispatch mode (FakeTensorMode, functionalization, a user's
     TorchDispatchMode) nor a torch-function mode. CUDA-graph capture records the same kernels
-    either way.
+    either way. With ``x`` (the op's main operand), also not for a tensor subclass (FakeTensor,
+    functional tensors...), which must reach the registered op.
     """
-    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
-            and not torch._C._is_torch_function_mode_enabled())
+    return ((x is None or type(x) is torch.Tensor) and not torch.compiler.is_compiling()
+            and _get_current_dispatch_mode() is None and not torch._C._is_torch_function_mode_enabled())

@@ -6,20 +6,13 @@ from typing import Optional
 import torch
 
 from fastmamba.ops._common.checks import FLOAT_DTYPES, check_dtype, check_same_device, check_unit_stride
-from fastmamba.ops._common.dispatch import use_triton
+from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops._common.pdl import pdl_active
 from fastmamba.ops.add_rmsnorm.kernel import launch_add_rmsnorm, num_warps_for
 from fastmamba.ops.add_rmsnorm.ref import add_rmsnorm_ref
 from fastmamba.ops.gated_rmsnorm.api import check_eps
 
 _OP = "add_rmsnorm"
-
-
-def _direct(x: torch.Tensor) -> bool:
-    """Eager call on a plain tensor: run the op's body directly, skipping the dispatcher round trip
-    of the registered op (tens of microseconds of host time per call). torch.compile tracing and
-    tensor subclasses (FakeTensor, functional tensors) go through the registered op."""
-    return type(x) is torch.Tensor and not torch.compiler.is_compiling()
 
 
 def add_rmsnorm(
@@ -63,7 +56,7 @@ def add_rmsnorm(
     rdtype = residual_dtype or (residual.dtype if residual is not None else torch.float32)
     y = torch.empty(x.shape, dtype=weight.dtype, device=x.device)
     s = torch.empty(x.shape, dtype=rdtype, device=x.device)
-    op = _add_rmsnorm_impl if _direct(x) else torch.ops.fastmamba.add_rmsnorm_
+    op = _add_rmsnorm_impl if call_directly(x) else torch.ops.fastmamba.add_rmsnorm_
     op(x, residual, weight, y, s, eps)
     return y, s
 

@@ -15,7 +15,7 @@ from fastmamba.ops._common.checks import (
     check_shape,
     parse_activation,
 )
-from fastmamba.ops._common.dispatch import use_triton
+from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops._common.host_values import host_list, host_reads_allowed
 from fastmamba.ops.conv1d_fn.kernel import causal_conv1d_fn_launch, causal_conv1d_varlen_launch, is_channel_last
 from fastmamba.ops.conv1d_fn.ref import causal_conv1d_fn_ref, causal_conv1d_varlen_ref
@@ -24,13 +24,6 @@ _OP_FN = "causal_conv1d_fn"
 _OP_VARLEN = "causal_conv1d_varlen"
 _WIDTHS = range(2, 7)
 _FLAG_DTYPES = (torch.bool, torch.int32, torch.int64)
-
-
-def _direct(x: torch.Tensor) -> bool:
-    """Eager call on a plain tensor: run the op's body directly, skipping the dispatcher round trip
-    of the registered op (tens of microseconds of host time per call). torch.compile tracing and
-    tensor subclasses (FakeTensor, functional tensors) go through the registered op."""
-    return type(x) is torch.Tensor and not torch.compiler.is_compiling()
 
 
 def causal_conv1d_fn(
@@ -98,7 +91,7 @@ def causal_conv1d_fn(
             final = torch.empty(B, W - 1, D, dtype=x.dtype, device=x.device).transpose(1, 2)
         else:
             final = torch.empty(B, D, W - 1, dtype=x.dtype, device=x.device)
-    op = _causal_conv1d_fn_impl if _direct(x) else torch.ops.fastmamba.causal_conv1d_fn_
+    op = _causal_conv1d_fn_impl if call_directly(x) else torch.ops.fastmamba.causal_conv1d_fn_
     op(x, weight, bias, seq_idx, initial_states, final, out, silu)
     if final is not None:
         return out, final
@@ -170,7 +163,7 @@ def causal_conv1d_varlen(
     _check_varlen_inputs(x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, pad_slot_id)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    op = _causal_conv1d_varlen_impl if _direct(x) else torch.ops.fastmamba.causal_conv1d_varlen_
+    op = _causal_conv1d_varlen_impl if call_directly(x) else torch.ops.fastmamba.causal_conv1d_varlen_
     op(x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, silu, pad_slot_id)
     return out
 

@@ -15,19 +15,12 @@ from fastmamba.ops._common.checks import (
     check_shape,
     check_unit_stride,
 )
-from fastmamba.ops._common.dispatch import use_triton
+from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops.gated_rmsnorm.configs import pick_config
 from fastmamba.ops.gated_rmsnorm.kernel import gated_rmsnorm_fwd
 from fastmamba.ops.gated_rmsnorm.ref import rmsnorm_ref
 
 _OP = "rmsnorm_fn"
-
-
-def _direct(x: torch.Tensor) -> bool:
-    """Eager call on a plain tensor: run the op's body directly, skipping the dispatcher round trip
-    of the registered op (tens of microseconds of host time per call). torch.compile tracing and
-    tensor subclasses (FakeTensor, functional tensors) go through the registered op."""
-    return type(x) is torch.Tensor and not torch.compiler.is_compiling()
 
 
 def check_eps(op: str, eps: object) -> float:
@@ -116,7 +109,7 @@ def rmsnorm_fn(
             raise ValueError(
                 f"{_OP}: `out` must be viewable as (M, Dh) rows without a copy, got strides {tuple(y.stride())}"
             ) from None
-    op = _rmsnorm_fn_impl if _direct(x) else torch.ops.fastmamba.rmsnorm_fn_
+    op = _rmsnorm_fn_impl if call_directly(x) else torch.ops.fastmamba.rmsnorm_fn_
     op(x, z, weight, bias, y, eps, group_size, bool(norm_before_gate))
     return y
 
