@@ -139,22 +139,26 @@ def run(args: argparse.Namespace, command: str) -> int:
     from fastmamba.generation.engine import Engine
     from fastmamba.generation.sampling import SamplingParams
 
-    if not cuda:
-        os.environ.pop("TRITON_INTERPRET", None)
-    model = fastmamba.load_model(name)
-    engine = Engine(model, max_batch=args.max_batch)
-    kw = {"max_new_tokens": olen}
-    if "ignore_eos" in SamplingParams.__dataclass_fields__:
-        kw["ignore_eos"] = True
-    params = SamplingParams(**kw)
-    engine.generate(prompts[:min(conc, nreq)], SamplingParams(max_new_tokens=min(olen, 8)))  # warm-up
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    if cuda:
-        torch.cuda.synchronize()
-    offline_s = time.perf_counter() - t0
+    # without a GPU the offline run uses the reference ops, as the server did (restored afterwards)
+    saved = None if cuda else os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        model = fastmamba.load_model(name)
+        engine = Engine(model, max_batch=args.max_batch)
+        kw = {"max_new_tokens": olen}
+        if "ignore_eos" in SamplingParams.__dataclass_fields__:
+            kw["ignore_eos"] = True
+        params = SamplingParams(**kw)
+        engine.generate(prompts[:min(conc, nreq)], SamplingParams(max_new_tokens=min(olen, 8)))  # warm-up
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        if cuda:
+            torch.cuda.synchronize()
+        offline_s = time.perf_counter() - t0
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
     offline_tokens = sum(len(o) for o in outs)
 
     server_tps = res["tokens"] / res["wall_s"]

@@ -27,3 +27,16 @@ def test_cpu_load_test_runs(tmp_path, capsys):
     row = json.loads(out.read_text())
     assert row["requests"] == 3 and row["server_tok_per_s"] > 0 and row["offline_tok_per_s"] > 0
     assert row["ttft_p50_ms"] > 0
+
+
+def test_cpu_load_test_leaves_the_environment_alone(monkeypatch, tmp_path):
+    """The CPU run switches to the reference ops for itself only: the interpreter setting of the
+    calling process is restored (later tests in the same process run the kernels)."""
+    import os
+
+    from fastmamba.bench.targets import main
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert main(["serve", "--requests", "1", "--concurrency", "1", "--prompt-len", "3", "--output-len", "2",
+                 "--max-batch", "2"]) == 0
+    assert os.environ.get("TRITON_INTERPRET") == "1"
