@@ -16,6 +16,7 @@ import torch
 import fastmamba
 from fastmamba import cli
 from fastmamba.models.config import PRESETS
+from fastmamba.models.nemotron_h import PRESETS as NEMOTRON_H_PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -236,4 +237,4 @@ def test_entry_point_prints_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         f"fastmamba: error: load_model: '{tmp_path / 'x'}' is neither a directory nor a preset; presets "
-        f"(random weights): {', '.join(PRESETS)}"]
+        f"(random weights): {', '.join([*PRESETS, *NEMOTRON_H_PRESETS])}"]

@@ -472,8 +472,8 @@ def _fake_gpu_timing(monkeypatch):
 
     real = kernels._run_one
 
-    def run_one(bench, case, prov, *args):
-        fatal = real(bench, case, prov, *args)
+    def run_one(bench, case, prov, *args, **kwargs):
+        fatal = real(bench, case, prov, *args, **kwargs)
         row = args[-1]
         if row.status == "ok":
             row.median_us = row.p20_us = row.p80_us = _fake_us(prov.name, case.params["T"], case.batch)
