@@ -10,6 +10,15 @@ With a ``StateCache``: ``prefill_varlen`` runs B prompts of any lengths packed i
 ``commit`` keeps each request's accepted prefix, on one of three paths per step: "replay"
 (replay-based rollback: nothing is copied), "legacy" (a state per position, then a copy of the
 accepted one) or "plain" (one token per request, nothing drafted).
+
+16-bit SSM states (``new_cache(..., ssm_dtype=torch.float16 | torch.bfloat16)``) are stored with
+round to nearest, or stochastically when ``prefill_varlen`` / ``prefill`` / ``decode`` / ``verify``
+get ``rand_seed``: an int64 [n_layer] device tensor, layer i rounding with element i
+(``fastmamba.generation.rounding.StochasticRounding`` keeps and advances it).
+
+Nothing derived from the weights is cached (the kernels read ``A_log`` and compute -exp in fp32), so
+an in-place weight change is seen by the next eager call and the next CUDA-graph replay alike, and
+every method runs under ``torch.inference_mode()`` as outside it.
 """
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ import torch
 from torch import nn
 
 from fastmamba.cache.state_cache import StateCache
+from fastmamba.generation.rounding import check_rand_seed
 from fastmamba.layers.mamba2 import DecodeTricks, Mamba2Mixer
 from fastmamba.models.config import Mamba2Config
 from fastmamba.ops import add_rmsnorm
@@ -64,6 +74,11 @@ class Mamba2LM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
+    def _seed(self, rand_seed: torch.Tensor | None, who: str):
+        """Layer i's one-element view of ``rand_seed`` (checked), as a function of i."""
+        check_rand_seed(rand_seed, self.cfg.n_layer, self.lm_head.weight.device, who)
+        return (lambda i: None) if rand_seed is None else (lambda i: rand_seed[i:i + 1])
+
     def _run(self, input_ids: torch.Tensor, mix, *, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Embeddings -> blocks -> final norm -> fp32 logits (of the leading-dim ``rows`` only, if
         given); ``mix(i, mixer, normed)`` runs layer i's mixer.
@@ -96,7 +111,8 @@ class Mamba2LM(nn.Module):
                           ssm_dtype=ssm_dtype, speculate=speculate)
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor, *,
+                rand_seed: torch.Tensor | None = None) -> torch.Tensor:
         """Run B prompts of equal length [B, L] from their slots' states; returns the last logits [B, V].
 
         The packed call of ``prefill_varlen`` with ``cu_seqlens = [0, L, 2L, ...]``.
@@ -106,7 +122,7 @@ class Mamba2LM(nn.Module):
                              f"got {tuple(input_ids.shape)}")
         nreq, L = input_ids.shape
         cu_seqlens = torch.arange(0, nreq * L + 1, L, dtype=torch.int32, device=input_ids.device)
-        return self.prefill_varlen(input_ids.reshape(-1), cu_seqlens, cache, slots)
+        return self.prefill_varlen(input_ids.reshape(-1), cu_seqlens, cache, slots, rand_seed=rand_seed)
 
     @torch.inference_mode()
     def prefill_varlen(
@@ -116,6 +132,8 @@ class Mamba2LM(nn.Module):
         cache: StateCache,
         slots: torch.Tensor,
         has_initial_state: torch.Tensor | bool = True,
+        *,
+        rand_seed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run B prompts of any lengths packed into one call; returns each one's last-token logits [B, V] fp32.
 
@@ -127,6 +145,7 @@ class Mamba2LM(nn.Module):
         has_initial_state  True (default): every prompt continues from its slot's states (as
                     ``prefill``; a freshly allocated slot holds zeros); False: every prompt starts
                     from zeros and the old contents are not read; or a [B] bool tensor per prompt
+        rand_seed   int64 [n_layer] device tensor or None: stochastic rounding of 16-bit states
         Reads cu_seqlens on the host once to check that no prompt is empty (the ops read it too).
         With a speculative cache, the slots are left ready for ``verify`` (``StateCache.mark_prefilled``);
         a prompt may then continue from a slot's state only if no verify step ran on it since
@@ -153,10 +172,12 @@ class Mamba2LM(nn.Module):
             flags = None  # the ops then start every prompt from zeros without reading its slot
         else:
             flags = has_initial_state
+        seed = self._seed(rand_seed, "Mamba2LM.prefill_varlen")
         last = cu_seqlens[1:] - 1
         logits = self._run(
             input_ids,
-            lambda i, mixer, h: mixer.forward_varlen(h, cu_seqlens, cache.conv[i], cache.ssm[i], slots, flags),
+            lambda i, mixer, h: mixer.forward_varlen(h, cu_seqlens, cache.conv[i], cache.ssm[i], slots, flags,
+                                                     rand_seed=seed(i)),
             rows=last,
         )
         if cache.speculate:
@@ -164,13 +185,17 @@ class Mamba2LM(nn.Module):
         return logits
 
     @torch.inference_mode()
-    def decode(self, token_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor) -> torch.Tensor:
-        """One token per request [B] -> next-token logits [B, V]; the slots' states advance in place."""
-        return self._run(token_ids, lambda i, mixer, h: mixer.step(h, cache.conv[i], cache.ssm[i], slots))
+    def decode(self, token_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor, *,
+               rand_seed: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per request [B] -> next-token logits [B, V]; the slots' states advance in place.
+        rand_seed: int64 [n_layer] device tensor or None (stochastic rounding of 16-bit states)."""
+        seed = self._seed(rand_seed, "Mamba2LM.decode")
+        return self._run(token_ids,
+                         lambda i, mixer, h: mixer.step(h, cache.conv[i], cache.ssm[i], slots, rand_seed=seed(i)))
 
     @torch.inference_mode()
     def verify(self, token_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor, *,
-               path: str = "replay") -> torch.Tensor:
+               path: str = "replay", rand_seed: torch.Tensor | None = None) -> torch.Tensor:
         """Score T tokens per request: token_ids [B, T] int64 -> logits [B, T, V] fp32.
 
         token_ids  row b: [the request's last emitted token, its K drafts]; logits[b, t] predicts
@@ -184,6 +209,8 @@ class Mamba2LM(nn.Module):
                    Legacy and plain read the slots' SSM states directly: their replay histories
                    must be empty (after prefill, after a legacy or plain commit, or after
                    ``cache.flush(slots)``). See ``Mamba2Mixer.verify``.
+        rand_seed  int64 [n_layer] device tensor or None: stochastic rounding of the 16-bit states
+                   the step stores (replay checkpoints, the plain path's state)
         Call ``commit`` with the same path and the accepted counts before the next verify on these
         slots. No host sync of its own (the ops' index checks read the slots once, except while
         a CUDA graph is being captured).
@@ -203,10 +230,11 @@ class Mamba2LM(nn.Module):
         conv_accepted = cache.conv_accepted[slots.long()]
         inter = cache.legacy_intermediate(nreq) if path == "legacy" else [None] * self.cfg.n_layer
         no_dst = cache.legacy_no_dst(nreq) if path == "legacy" else None
+        seed = self._seed(rand_seed, "Mamba2LM.verify")
 
         def mix(i, mixer, h):
             out = mixer.verify(h.view(nreq, ntok, -1), cache.conv[i], cache.replay[i], slots, conv_accepted,
-                               path=path, intermediate_states=inter[i], no_dst=no_dst)
+                               path=path, intermediate_states=inter[i], no_dst=no_dst, rand_seed=seed(i))
             return out.view(nreq * ntok, -1)
 
         return self._run(token_ids.reshape(-1), mix).view(nreq, ntok, -1)
