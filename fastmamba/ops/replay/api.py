@@ -288,12 +288,13 @@ def _replay_op(
     pad_slot_id: int,
     out: torch.Tensor,
     rand_seed: Optional[torch.Tensor],
+    A_is_log: bool,
 ) -> None:
     """In-place op on checked inputs with per-head A, D, dt_bias ([H]) and dt ([B, T, H])."""
     if not use_triton(x):
         replay_selective_state_update_ref(
             state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, dt, A, B, C, D, z, dt_bias,
-            dt_softplus, state_batch_indices, pad_slot_id=pad_slot_id, out=out,
+            dt_softplus, state_batch_indices, pad_slot_id=pad_slot_id, out=out, A_is_log=A_is_log,
         )
         return
     nreq, ntok, nheads, headdim = x.shape
@@ -340,7 +341,7 @@ def _replay_op(
         Q, scale, kinfo, C16, ckpt_count, ckpt_list,
         dt_softplus=dt_softplus, pad_slot_id=pad_slot_id, heads=cfg.heads, num_warps=cfg.warps_pre,
         use_pdl=pdl_active(x, pre_programs, cfg.warps_pre), launch_dependents=cfg.split and chain_pdl,
-        group_cb=group_cb,
+        group_cb=group_cb, A_is_log=A_is_log,
     )
     if not cfg.split:
         launch_replay_main(
@@ -417,6 +418,7 @@ def replay_selective_state_update(
     pad_slot_id: int = -1,
     out: torch.Tensor | None = None,
     rand_seed: torch.Tensor | None = None,
+    A_is_log: bool = False,
 ) -> torch.Tensor:
     """Verify T = K+1 tokens per request with replay-based rollback (the TensorRT-LLM design),
     storing the state only at checkpoints.
@@ -448,7 +450,9 @@ def replay_selective_state_update(
     x             [B, T, H, P]     fp32, bf16 or fp16, any strides; y has the same shape and dtype
     dt            [B, T, H] raw (or [B, T, H, P] stride-0 over P); dt' = softplus(dt + dt_bias)
                                    if dt_softplus, else dt + dt_bias
-    A             [H] fp32 (= -exp(A_log)), or an [H, P, N] stride-0 broadcast of it
+    A             [H] fp32 (= -exp(A_log)), or an [H, P, N] stride-0 broadcast of it; with
+                  ``A_is_log`` it holds A_log itself (same shapes) and the kernel computes
+                  -exp(A_log) in fp32 where it loads it (no cached copy to go stale)
     B, C          [B, T, G, N]     x's dtype; G divides H, head h reads group h // (H // G)
     D, dt_bias    [H] (or [H, P] stride-0 over P) or None;   z like x or None (y *= silu(z))
     state_batch_indices [B] int32/int64 or None (slot b); rows equal to ``pad_slot_id`` get y = 0
@@ -533,6 +537,6 @@ def replay_selective_state_update(
 
     _replay_op(
         state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, dt, A, B, C, D, z, dt_bias,
-        bool(dt_softplus), state_batch_indices, int(pad_slot_id), out, rand_seed,
+        bool(dt_softplus), state_batch_indices, int(pad_slot_id), out, rand_seed, bool(A_is_log),
     )
     return out

@@ -76,7 +76,7 @@ def _replay_precompute_kernel(
     N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, HEADS: tl.constexpr,
     HIST: tl.constexpr, BLOCK_C: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, HAS_KINFO: tl.constexpr,
-    HAS_C16: tl.constexpr, NATIVE16: tl.constexpr, GROUP_CB: tl.constexpr = False,
+    HAS_C16: tl.constexpr, NATIVE16: tl.constexpr, GROUP_CB: tl.constexpr = False, A_IS_LOG: tl.constexpr = False,
 ):
     # one program per (request, group, block of HEADS heads of that group): C B^T is computed once
     # and shared by the block's heads, which differ only in their decay and dt'
@@ -113,6 +113,8 @@ def _replay_precompute_kernel(
     else:
         bias = tl.zeros([HEADS], dtype=tl.float32)
     A = tl.load(A_ptr + h * stride_A_h, mask=mj, other=0.0).to(tl.float32)
+    if A_IS_LOG:  # A holds A_log: the decay rate is computed here, so no cached -exp(A_log) goes stale
+        A = -tl.exp(A)
     if USE_PDL:
         gdc_wait()  # dt, B and C come from the kernels before
     if USE_PDL or LAUNCH_DEPENDENTS:
@@ -804,9 +806,9 @@ def launch_replay_precompute(
     dt, dt_bias, A, B, C, idx, buf_idx, prev_accepted, hist_len, M, old_B, old_dt, old_cumA,
     Q=None, scale=None, kinfo=None, C16=None, ckpt_count=None, ckpt_list=None,
     *, dt_softplus: bool, pad_slot_id: int, heads: int, num_warps: int, use_pdl: bool = False,
-    launch_dependents: bool = False, group_cb: bool = False,
+    launch_dependents: bool = False, group_cb: bool = False, A_is_log: bool = False,
 ):
-    """dt (B,T,H) raw; dt_bias, A (H,) or None; B, C (B,T,G,N); idx (B,) or None; buf_idx,
+    """dt (B,T,H) raw; dt_bias, A (H,) or None (A holds A_log when ``A_is_log``); B, C (B,T,G,N); idx (B,) or None; buf_idx,
     prev_accepted, hist_len (S,); M (B,H,T,T) fp32 scratch, or with ``group_cb`` (the split path's
     one-tile output kernel) (B,G,T,T): C . B^T per group; old_B (2,S,C_h,G,N); old_dt, old_cumA
     (2,S,C_h,H). The split path's scratch (else None): Q (B,G,T,C_h) fp32; ckpt_count (1,) int32,
@@ -829,7 +831,7 @@ def launch_replay_precompute(
         N=dstate, BLOCK_N=dot_dim(dstate), BLOCK_T=dot_dim(ntok),
         HEADS=heads, HIST=Q is not None, BLOCK_C=dot_dim(capacity),
         DOT_PRECISION=_dot_precision(B.dtype, "ieee"), USE_PDL=use_pdl, LAUNCH_DEPENDENTS=launch_dependents,
-        HAS_KINFO=kinfo is not None, HAS_C16=C16 is not None, GROUP_CB=group_cb,
+        HAS_KINFO=kinfo is not None, HAS_C16=C16 is not None, GROUP_CB=group_cb, A_IS_LOG=A_is_log,
         NATIVE16=NATIVE16_PRECOMPUTE and not _interpreting() and B.dtype in (torch.bfloat16, torch.float16)
         and C.dtype == B.dtype and old_B.dtype == B.dtype,
         num_warps=num_warps, launch_pdl=use_pdl,

@@ -75,6 +75,7 @@ def replay_selective_state_update_ref(
     pad_slot_id: int = -1,
     out: torch.Tensor | None = None,
     rand_seed: torch.Tensor | None = None,
+    A_is_log: bool = False,
 ) -> torch.Tensor:
     """Same contract as :func:`fastmamba.ops.replay_selective_state_update`; see its docstring.
 
@@ -86,6 +87,8 @@ def replay_selective_state_update_ref(
     capacity = old_x.shape[1]
     heads_per_group = nheads // B.shape[2]
     A32 = _per_head(A, 1).float()  # (H,)
+    if A_is_log:
+        A32 = -torch.exp(A32)
     D32 = _per_head(D, 1).float() if D is not None else None
     bias32 = _per_head(dt_bias, 1).float() if dt_bias is not None else None
     dt = _per_head(dt, 3)  # (B, T, H)

@@ -105,12 +105,15 @@ def mamba_chunk_scan_combined(
     return_final_states: bool = False,
     return_varlen_states: bool = False,
     state_dtype: torch.dtype | None = None,
+    *,
+    A_is_log: bool = False,
 ):
     """The Mamba-2 SSD scan over whole prompts (drop-in for mamba_ssm's function).
 
     x        [B, L, H, P]   fp32, bf16 or fp16, any strides; read
     dt       [B, L, H]      any float dtype; dt' = clamp(softplus(dt + dt_bias), *dt_limit)
-    A        [H]            fp32 (= -exp(A_log))
+    A        [H]            fp32 (= -exp(A_log)); with A_is_log, A_log itself (the kernel takes
+                            -exp in fp32 where it loads it, so nothing derived from the weight is cached)
     B, C     [B, L, G, N]   x's dtype; head h reads group h // (H // G)
     D        [H] or [H, P]  or None: y += D * x
     z        [B, L, H, P]   or None: y *= silu(z)
@@ -150,7 +153,7 @@ def mamba_chunk_scan_combined(
     if not use_triton(x):
         return mamba_chunk_scan_combined_ref(
             x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
-            return_final_states, return_varlen_states, state_dtype,
+            return_final_states, return_varlen_states, state_dtype, A_is_log=A_is_log,
         )
     dev = x.device
     # segments in the flat token space f = row * L + position
@@ -205,7 +208,7 @@ def mamba_chunk_scan_combined(
     ssd_scan_launch(
         x, dt, A, B, C, D, z, dt_bias, out, segments,
         chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=tuple(dt_limit),
-        state_dtype=state_dtype or torch.float32,
+        state_dtype=state_dtype or torch.float32, A_is_log=A_is_log,
     )
     result = [out]
     if return_final_states:
@@ -235,12 +238,14 @@ def ssd_scan_varlen(
     pad_slot_id: int = -1,
     out: torch.Tensor | None = None,
     chunk_states_out: torch.Tensor | None = None,
+    A_is_log: bool = False,
 ) -> torch.Tensor:
     """Packed variable-length prefill of the SSM, reading and writing each sequence's cache slot.
 
     x          [T, H, P]     fp32, bf16 or fp16, any strides; T tokens of B sequences; read
     dt         [T, H]        any float dtype (raw: dt_bias and softplus are applied inside)
-    A          [H] fp32;  B, C [T, G, N] x's dtype;  D [H] or [H, P];  dt_bias [H]
+    A          [H] fp32 (= -exp(A_log)), or A_log itself when A_is_log (-exp taken in fp32 inside)
+    B, C       [T, G, N] x's dtype;  D [H] or [H, P];  dt_bias [H]
     z          [T, H, P]     or None: y *= silu(z) inside (the norm afterwards runs without z)
     ssm_states [S, H, P, N]  fp32, bf16 or fp16, any strides; slot cache_indices[b] is read as
                              sequence b's initial state when has_initial_state[b], and receives
@@ -298,6 +303,7 @@ def ssd_scan_varlen(
     torch.ops.fastmamba.ssd_scan_varlen_(
         x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
         chunk_states_out, chunk_size, dt_softplus, float(dt_limit[0]), float(dt_limit[1]), pad_slot_id, n_chunks,
+        bool(A_is_log),
     )
     return out
 
@@ -327,6 +333,7 @@ def _ssd_scan_varlen_(
     dt_max: float,
     pad_slot_id: int,
     n_chunks: int,
+    A_is_log: bool,
 ) -> None:
     """In-place op on checked inputs: writes ``out``, the sequences' slots and ``chunk_states_out``."""
     if not use_triton(x):
@@ -334,6 +341,7 @@ def _ssd_scan_varlen_(
             x, dt, A, B, C, ssm_states, cu_seqlens, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
             dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max), cache_indices=cache_indices,
             has_initial_state=has_initial_state, pad_slot_id=pad_slot_id, out=out, chunk_states_out=chunk_states_out,
+            A_is_log=A_is_log,
         )
         return
     nseq = cu_seqlens.shape[0] - 1
@@ -361,10 +369,11 @@ def _ssd_scan_varlen_(
         x.unsqueeze(0), dt.unsqueeze(0), A, B.unsqueeze(0), C.unsqueeze(0), D,
         z.unsqueeze(0) if z is not None else None, dt_bias, out.unsqueeze(0), segments,
         chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max), state_dtype=ssm_states.dtype,
+        A_is_log=A_is_log,
     )
 
 
 @_ssd_scan_varlen_.register_fake
 def _(x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
-      chunk_states_out, chunk_size, dt_softplus, dt_min, dt_max, pad_slot_id, n_chunks):
+      chunk_states_out, chunk_size, dt_softplus, dt_min, dt_max, pad_slot_id, n_chunks, A_is_log):
     return None

@@ -102,7 +102,7 @@ def _chunk_cumsum_kernel(
     n_seg, row_len, H, n_chunk_slots, dt_min, dt_max,
     stride_dt_row, stride_dt_tok, stride_dt_h,
     Q: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SEG: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, A_IS_LOG: tl.constexpr,
 ):
     # one program per (chunk, block of heads): the chunk table entry, dt' and the cumulative log-decay cs
     c = tl.program_id(0)
@@ -129,6 +129,8 @@ def _chunk_cumsum_kernel(
         d = tl.minimum(tl.maximum(d, dt_min), dt_max)
     d = tl.where(mask, d, 0.0)
     A = tl.load(A_ptr + offs_h, mask=mh, other=0.0).to(tl.float32)
+    if A_IS_LOG:
+        A = -tl.exp(A)  # A holds A_log
     cs = tl.cumsum(d * A[None, :], 0)
     dst = (offs_h[None, :] * n_chunk_slots + c) * Q + offs_q[:, None]
     tl.store(dt_out_ptr + dst, d, mask=mask)

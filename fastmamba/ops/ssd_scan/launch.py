@@ -74,8 +74,9 @@ def ssd_scan_launch(
     dt_softplus: bool,
     dt_limit: tuple[float, float],
     state_dtype: torch.dtype,
+    A_is_log: bool = False,
 ) -> None:
-    """x, z, out [R, L, H, P]; dt [R, L, H]; B, C [R, L, G, N]; A [H] fp32; D [H] or [H, P]."""
+    """x, z, out [R, L, H, P]; dt [R, L, H]; B, C [R, L, G, N]; A [H] (A_log when A_is_log); D [H] or [H, P]."""
     _, row_len, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
     Q = chunk_size
@@ -110,7 +111,7 @@ def ssd_scan_launch(
         dt, dt_bias, A, segments.cu, table, dt_scratch, cs_scratch,
         n_seg, row_len, H, n_chunks, float(lo), float(hi), *dt.stride(),
         Q=Q, BLOCK_Q=max(16, triton.next_power_of_2(Q)), BLOCK_H=block_h, BLOCK_SEG=block_seg,
-        DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, num_warps=4,
+        DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, A_IS_LOG=bool(A_is_log), num_warps=4,
     )
     if cfg.chain and segments.seg_final is None:
         # one kernel: chunk states handed from chunk to chunk (no per-chunk fp32 round trip)

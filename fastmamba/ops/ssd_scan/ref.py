@@ -36,6 +36,11 @@ def process_dt(
     return dt
 
 
+def decay_rates(A: torch.Tensor, A_is_log: bool) -> torch.Tensor:
+    """A [H] -> fp32 decay rates: A itself, or -exp(A) when A holds A_log (``A_is_log``)."""
+    return -torch.exp(A.float()) if A_is_log else A.float()
+
+
 def scan_segment(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -95,6 +100,8 @@ def mamba_chunk_scan_combined_ref(
     return_final_states: bool = False,
     return_varlen_states: bool = False,
     state_dtype: torch.dtype | None = None,
+    *,
+    A_is_log: bool = False,
 ):
     """Same contract as :func:`fastmamba.ops.mamba_chunk_scan_combined` (see its docstring).
 
@@ -104,6 +111,7 @@ def mamba_chunk_scan_combined_ref(
     kernel's internal precision and is ignored here (the reference is fp32 throughout).
     """
     del chunk_size, state_dtype
+    A = decay_rates(A, A_is_log)
     nb, L, H, P = x.shape
     N = B.shape[-1]
     dtp = process_dt(dt, dt_bias, dt_softplus, dt_limit)
@@ -157,12 +165,14 @@ def ssd_scan_varlen_ref(
     pad_slot_id: int = -1,
     out: torch.Tensor | None = None,
     chunk_states_out: torch.Tensor | None = None,
+    A_is_log: bool = False,
 ) -> torch.Tensor:
     """Same contract as :func:`fastmamba.ops.ssd_scan_varlen` (see its docstring).
 
     The final state of sequence b is stored into ``ssm_states[cache_indices[b]]`` rounded to
     nearest in the cache dtype; pad sequences get zero output and touch no slot.
     """
+    A = decay_rates(A, A_is_log)
     T, H, P = x.shape
     bounds = [int(v) for v in cu_seqlens.tolist()]
     nseq = len(bounds) - 1

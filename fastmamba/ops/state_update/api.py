@@ -54,13 +54,14 @@ def _selective_state_update_op(
     dst_state_batch_indices: torch.Tensor | None,
     intermediate_states: torch.Tensor | None,
     rand_seed: torch.Tensor | None,
+    A_is_log: bool,
 ) -> None:
     """In-place op on normalised 4-D views (see launch_selective_state_update)."""
     if not use_triton(x):
         selective_state_update_ref(
             state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
             pad_slot_id=pad_slot_id, out=out, dst_state_batch_indices=dst_state_batch_indices,
-            intermediate_states=intermediate_states,
+            intermediate_states=intermediate_states, A_is_log=A_is_log,
         )
         return
     nreq, _, nheads, headdim = x.shape
@@ -74,7 +75,7 @@ def _selective_state_update_op(
         state, x, dt, dt_bias, A, B, C, D, z, out,
         state_batch_indices, dst_state_batch_indices, intermediate_states, rand_seed,
         dt_softplus=dt_softplus, tie_hdim=tie_hdim, pad_slot_id=pad_slot_id,
-        block_p=block_p, num_warps=num_warps, use_pdl=pdl_active(x, programs, num_warps),
+        block_p=block_p, num_warps=num_warps, use_pdl=pdl_active(x, programs, num_warps), A_is_log=A_is_log,
     )
 
 
@@ -101,6 +102,7 @@ def selective_state_update(
     dst_state_batch_indices: torch.Tensor | None = None,
     intermediate_states: torch.Tensor | None = None,
     rand_seed: torch.Tensor | None = None,
+    A_is_log: bool = False,
 ) -> torch.Tensor:
     """Advance the SSM by one (or T) tokens for each of B requests (drop-in for mamba_ssm's op).
 
@@ -114,7 +116,10 @@ def selective_state_update(
     x       activation dtype (fp32/bf16/fp16); y has the same shape and dtype
     dt      x's shape (usually a stride-0 broadcast of [B, H] / [B, T, H]) or [B, H] / [B, T, H];
             dt' = softplus(dt + dt_bias) when dt_softplus, else dt + dt_bias
-    A       [H, P, N] (usually a stride-0 broadcast of [H] = -exp(A_log); see ``expanded_A``) or [H]
+    A       [H, P, N] (usually a stride-0 broadcast of [H] = -exp(A_log)) or [H]; with ``A_is_log``
+            it holds A_log itself (same shapes) and the kernel computes -exp(A_log) in fp32 where it
+            loads it: nothing derived from the weight is cached, so an in-place weight change is seen
+            by eager calls, CUDA graphs and compiled code alike (prefer this to a cached -exp)
     B, C    same dtype as x; G divides H, head h reads group h // (H // G)
     D       [H, P] or [H] or None;   dt_bias [H, P] or [H] or None;   z like x or None (y *= silu(z))
     state_batch_indices     [B] int32/int64 or None (row b); rows equal to ``pad_slot_id`` are
@@ -211,6 +216,7 @@ def selective_state_update(
     _selective_state_update_op(
         state, x4, tokens(dt), A, tokens(B), tokens(C), D, tokens(z), dt_bias, bool(dt_softplus),
         state_batch_indices, int(pad_slot_id), out4, dst_state_batch_indices, intermediate_states, rand_seed,
+        bool(A_is_log),
     )
     y = out4 if multi_token else out4.squeeze(1)
     return y.squeeze(1) if no_heads else y

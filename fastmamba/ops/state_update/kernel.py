@@ -50,7 +50,7 @@ def _selective_state_update_kernel(
     HAS_DT_BIAS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_SRC_IDX: tl.constexpr, HAS_DST_IDX: tl.constexpr, HAS_INTER: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr, USE_PDL: tl.constexpr,
-    PDL_TRIGGER: tl.constexpr, STORE_EARLY: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr, STORE_EARLY: tl.constexpr, A_IS_LOG: tl.constexpr,
     P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # one program per (block of P, request, head); P and N are constexpr so that full tiles
@@ -91,6 +91,8 @@ def _selective_state_update_kernel(
                               mask=mask_p, other=0.0).to(tl.float32)
         if HAS_D:
             Dv = tl.load(D_ptr + h * stride_D_h + offs_p * stride_D_p, mask=mask_p, other=0.0).to(tl.float32)
+    if A_IS_LOG:  # A holds A_log: the decay rate is -exp(A_log), computed here so no cache can go stale
+        A = -tl.exp(A)
 
     # the state tile: the big load, issued before the small per-token ones
     tile_mask = mask_p[:, None] & mask_n[None, :] & valid
@@ -158,9 +160,10 @@ def _selective_state_update_kernel(
 def launch_selective_state_update(
     state, x, dt, dt_bias, A, B, C, D, z, out, src_idx, dst_idx, inter, seed,
     *, dt_softplus: bool, tie_hdim: bool, pad_slot_id: int, block_p: int, num_warps: int, use_pdl: bool = False,
+    A_is_log: bool = False,
 ):
     """Launch the kernel on 4-D views: state (S,H,P,N), x/dt/z/out (B,T,H,P), B/C (B,T,G,N),
-    A (H,P,N), D/dt_bias (H,P), inter (B,T,H,P,N). Optional tensors may be None."""
+    A (H,P,N) (A_log when ``A_is_log``), D/dt_bias (H,P), inter (B,T,H,P,N). Optional tensors may be None."""
     nreq, ntok, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     block_n = triton.next_power_of_2(dstate)
@@ -178,6 +181,6 @@ def launch_selective_state_update(
         HAS_DT_BIAS=dt_bias is not None, HAS_D=D is not None, HAS_Z=z is not None,
         HAS_SRC_IDX=src_idx is not None, HAS_DST_IDX=dst_idx is not None, HAS_INTER=inter is not None,
         DT_SOFTPLUS=dt_softplus, TIE_HDIM=tie_hdim, STOCHASTIC_ROUND=seed is not None, USE_PDL=use_pdl,
-        PDL_TRIGGER=trigger_early(), STORE_EARLY=ntok > 0 and store_state_early(nreq * nheads),
+        PDL_TRIGGER=trigger_early(), STORE_EARLY=ntok > 0 and store_state_early(nreq * nheads), A_IS_LOG=A_is_log,
         P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps, launch_pdl=use_pdl,
     )

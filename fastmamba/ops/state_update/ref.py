@@ -6,7 +6,7 @@ G groups of B/C, N state size, S cache slots.
 
 One token, for each head h and request b (g = h // (H // G)):
     dt'   = softplus(dt + dt_bias)             (dt_softplus=True)
-    state = state * exp(A * dt') + (dt' * x)[:, None] * B[g][None, :]
+    state = state * exp(A * dt') + (dt' * x)[:, None] * B[g][None, :]   (A = -exp(A) if A_is_log)
     y     = state @ C[g] + D * x
     y     = y * silu(z)                        (when z is given)
 """
@@ -34,6 +34,7 @@ def selective_state_update_ref(
     dst_state_batch_indices: torch.Tensor | None = None,
     intermediate_states: torch.Tensor | None = None,
     rand_seed: torch.Tensor | None = None,
+    A_is_log: bool = False,
 ) -> torch.Tensor:
     """Same contract as :func:`fastmamba.ops.selective_state_update`; see its docstring.
 
@@ -57,7 +58,9 @@ def selective_state_update_ref(
     heads_per_group = nheads // ngroups
 
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    A32 = A.float()
+    A32 = -torch.exp(A.float()) if A_is_log else A.float()
+    if A32.dim() == 1:  # [H]: one value per head
+        A32 = A32[:, None, None]
     for b in range(nreq):
         src = b if state_batch_indices is None else int(state_batch_indices[b])
         dst = src if dst_state_batch_indices is None else int(dst_state_batch_indices[b])

@@ -221,6 +221,23 @@ def test_matches_reference(c: Case, path, device):
         assert torch.equal(y[-1], torch.zeros_like(y[-1]))
 
 
+@pytest.mark.parametrize("path", ["auto", "split"])
+def test_A_is_log_equals_minus_exp(path, device):
+    """A_is_log=True with A = A_log gives what A = -exp(A_log) gives (kernel and reference)."""
+    cache, inp, _ = make_inputs(BASE, device, seed=12)
+    A_log = torch.log(-inp["A"])
+    c_log, c_exp, c_ref = _clone(cache), _clone(cache), _clone(cache)
+    with kernel_path(path, device):
+        y_log = replay_selective_state_update(*c_log, **dict(inp, A=A_log), A_is_log=True)
+        y_exp = replay_selective_state_update(*c_exp, **dict(inp, A=-torch.exp(A_log)))
+    y_ref = replay_selective_state_update_ref(*c_ref, **dict(inp, A=A_log), A_is_log=True)
+    for y in (y_log, y_ref):
+        torch.testing.assert_close(y, y_exp, **tol(BASE.act))
+    for c in (c_log, c_ref):
+        torch.testing.assert_close(c.state, c_exp.state, **tol(BASE.act))
+        torch.testing.assert_close(c.old_cumA, c_exp.old_cumA, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
 def test_accepts_broadcast_per_head_forms(device):
     """A as an (H, P, N) stride-0 view, dt as (B, T, H, P) stride 0 over P, D / dt_bias as (H, P)."""
     c = BASE

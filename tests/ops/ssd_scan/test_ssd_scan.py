@@ -391,3 +391,45 @@ def test_chunk_scan_token_step_smaller_than_row_block(device, monkeypatch):
     ref_out, ref_final = mamba_chunk_scan_combined_ref(*args, **kw)
     _close(out, ref_out, torch.float32)
     _close(final, ref_final, torch.float32)
+
+
+# ---- A_is_log: A holds A_log, the kernel takes -exp(A) in fp32 where it loads it ----------------
+
+def test_dense_A_is_log_matches_reference_and_explicit_A(device):
+    nb, L, H, P, G, N = 2, 37, 2, 16, 1, 16
+    inp = _inputs((nb, L), H, P, G, N, torch.float32, device, seed=81)
+    A_log = torch.randn(H, generator=seeded(82)).to(device)
+    init = torch.randn(nb, H, P, N, generator=seeded(83)).to(device)
+    kw = dict(D=inp["D"], z=inp["z"], dt_bias=inp["dt_bias"], dt_softplus=True, initial_states=init,
+              return_final_states=True)
+    args = (inp["x"], inp["dt"], A_log, inp["B"], inp["C"], 16)
+    out, final = mamba_chunk_scan_combined(*args, A_is_log=True, **kw)
+    ref_out, ref_final = mamba_chunk_scan_combined_ref(*args, A_is_log=True, **kw)
+    _close(out, ref_out, torch.float32)
+    _close(final, ref_final, torch.float32)
+    # the same as passing A = -exp(A_log) explicitly (and different from treating A_log as A)
+    exp_args = (inp["x"], inp["dt"], -torch.exp(A_log), inp["B"], inp["C"], 16)
+    want, want_final = mamba_chunk_scan_combined_ref(*exp_args, **kw)
+    _close(out, want, torch.float32)
+    _close(final, want_final, torch.float32)
+    wrong, _ = mamba_chunk_scan_combined_ref(*args, **kw)
+    assert not torch.allclose(wrong, want, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
+def test_varlen_A_is_log_matches_reference(device, state_dtype):
+    lens = [21, 0, 9]
+    inp, cu, states = _varlen_case(device, lens, H=2, P=16, G=1, N=16, state_dtype=state_dtype, seed=84)
+    A_log = torch.randn(2, generator=seeded(85)).to(device)
+    slots = torch.tensor([4, 1, 0], dtype=torch.int32, device=device)
+    flags = torch.tensor([1, 0, 0], dtype=torch.bool, device=device)
+    kw = dict(chunk_size=16, D=inp["D"], z=inp["z"], dt_bias=inp["dt_bias"], cache_indices=slots,
+              has_initial_state=flags)
+    mine, theirs, explicit = states.clone(), states.clone(), states.clone()
+    out = ssd_scan_varlen(inp["x"], inp["dt"], A_log, inp["B"], inp["C"], mine, cu, A_is_log=True, **kw)
+    ref = ssd_scan_varlen_ref(inp["x"], inp["dt"], A_log, inp["B"], inp["C"], theirs, cu, A_is_log=True, **kw)
+    want = ssd_scan_varlen_ref(inp["x"], inp["dt"], -torch.exp(A_log), inp["B"], inp["C"], explicit, cu, **kw)
+    _close(out, ref, state_dtype)
+    _close(mine, theirs, state_dtype)
+    torch.testing.assert_close(ref, want, atol=0, rtol=0)
+    assert torch.equal(theirs, explicit)

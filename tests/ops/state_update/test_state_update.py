@@ -172,6 +172,36 @@ def test_T_tokens_equal_T_single_steps(device):
     torch.testing.assert_close(s_multi, s_steps, **tol(c.act))
 
 
+@pytest.mark.parametrize("tokens", [0, 3], ids=["single-token", "T3"])
+@pytest.mark.parametrize("A_form", ["H", "HPN-broadcast"])
+def test_A_is_log_equals_minus_exp(tokens, A_form, device):
+    """A_is_log=True with A = A_log gives what A = -exp(A_log) gives (kernel and reference), so a
+    caller needs no cached -exp(A_log) that an in-place weight change could leave stale."""
+    c = dataclasses.replace(BASE, tokens=tokens)
+    state, (x, dt, A, Bm, Cm), kw = make_inputs(c, device, seed=11)
+    A_log = torch.log(-A[:, 0, 0]).contiguous()  # A = -exp(A_log)
+    if A_form == "HPN-broadcast":
+        A_log = A_log[:, None, None].expand(c.heads, c.headdim, c.dstate)
+    A_ref = -torch.exp(A_log.float())
+    s_log, s_exp, s_ref = state.clone(), state.clone(), state.clone()
+    out = nan_like(x)
+    y_log = selective_state_update(s_log, x, dt, A_log, Bm, Cm, **kw, out=out, A_is_log=True)
+    y_exp = selective_state_update(s_exp, x, dt, A_ref, Bm, Cm, **kw)
+    y_ref = selective_state_update_ref(s_ref, x, dt, A_log, Bm, Cm, **kw, A_is_log=True)
+    torch.testing.assert_close(y_log, y_exp, **tol(c.act))
+    torch.testing.assert_close(s_log, s_exp, **tol(c.act))
+    torch.testing.assert_close(y_ref, y_exp, **tol(c.act))
+    torch.testing.assert_close(s_ref, s_exp, **tol(c.act))
+    if A_form == "H":  # an in-place weight change is seen by the next call (nothing derived is cached)
+        with torch.no_grad():
+            A_log.sub_(1.0)
+        s2, s2_exp = state.clone(), state.clone()
+        selective_state_update(s2, x, dt, A_log, Bm, Cm, **kw, A_is_log=True)
+        selective_state_update(s2_exp, x, dt, -torch.exp(A_log), Bm, Cm, **kw)
+        torch.testing.assert_close(s2, s2_exp, **tol(c.act))
+        assert not torch.allclose(s2, s_log)
+
+
 @pytest.fixture(params=[True, False], ids=["store-early", "store-late"])
 def store_placement(request, monkeypatch):
     """Both places the kernel may store the final state (configs.STORE_EARLY; the small shapes
