@@ -346,7 +346,7 @@ def run(args: argparse.Namespace, command: str) -> int:
             print(f"[e2e] batch {b} speculative: {sr['decode_tok_s']:.0f} tok/s, acceptance "
                   f"{sr['acceptance']:.0%}", file=sys.stderr, flush=True)
     if args.ablate:
-        variants = [("all tricks on", {}, args.pdl), ("A recomputed every step", {"cache_A": False}, args.pdl),
+        variants = [("all tricks on", {}, args.pdl), ("A = -exp(A_log) in PyTorch", {"A_in_kernel": False}, args.pdl),
                     ("silu(z) gate in the norm", {"gate_in_scan": False}, args.pdl),
                     ("conv update in PyTorch ops", {"fused_conv": False}, args.pdl),
                     ("projections in cuBLAS", {"triton_gemv": False}, args.pdl)]

@@ -1,0 +1,140 @@
+"""Weights are read live: no weight-derived tensor is cached (the kernels compute -exp(A_log)
+themselves), so the model runs under ``torch.inference_mode()`` like outside it, and an in-place
+weight change is seen by the next eager step, the next engine step and the next CUDA-graph replay."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastmamba
+from fastmamba.generation.engine import Engine
+from fastmamba.generation.sampling import SamplingParams
+from tests.helpers import scaled_tiny_model, seeded
+
+EXACT = dict(atol=0.0, rtol=0.0)  # fp32, same kernels, same inputs: bit for bit
+
+
+def _ids(seed: int, shape=(2, 6)) -> torch.Tensor:
+    return torch.randint(0, 256, shape, generator=seeded(seed))
+
+
+def _prefill_decode(model, ids: torch.Tensor, steps: int = 3) -> torch.Tensor:
+    """Logits of a prefill of ids[:, :-steps] then ``steps`` teacher-forced decode steps, stacked."""
+    dev = model.lm_head.weight.device
+    ids = ids.to(dev)
+    cache = model.new_cache(ids.shape[0] + 1)
+    cache.alloc(1)  # the requests use rows 1.. (not the identity mapping)
+    slots = cache.alloc(ids.shape[0])
+    L = ids.shape[1] - steps
+    out = [model.prefill(ids[:, :L], cache, slots)]
+    out += [model.decode(ids[:, t], cache, slots) for t in range(L, ids.shape[1])]
+    return torch.stack(out)
+
+
+def test_inference_mode_load_forward_decode_and_generate_equal_the_normal_path():
+    ids = _ids(0)
+    prompts = [[5, 9, 1], [7, 7, 2, 200, 3]]
+    params = SamplingParams(max_new_tokens=4)
+    normal = fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cpu")
+    want_fwd, want_steps = normal(ids), _prefill_decode(normal, ids)
+    want_gen = Engine(normal, max_batch=2, cuda_graphs=False).generate(prompts, params)
+    with torch.inference_mode():
+        model = fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cpu")
+        assert model.backbone.layers[0].mixer.A_log.is_inference()
+        got_fwd, got_steps = model(ids), _prefill_decode(model, ids)
+        got_gen = Engine(model, max_batch=2, cuda_graphs=False).generate(prompts, params)
+    torch.testing.assert_close(got_fwd, want_fwd, **EXACT)
+    torch.testing.assert_close(got_steps, want_steps, **EXACT)
+    assert got_gen == want_gen
+    # a model loaded normally, then run inside inference mode (the usual serving pattern)
+    with torch.inference_mode():
+        torch.testing.assert_close(_prefill_decode(normal, ids), want_steps, **EXACT)
+
+
+def _change(model, how: str) -> None:
+    """An in-place weight change of every layer, the way a user or a reloader makes it."""
+    mixers = [layer.mixer for layer in model.backbone.layers]
+    with torch.no_grad():
+        if how == "A_log.sub_":
+            for m in mixers:
+                m.A_log.sub_(2)
+        elif how == "param.data.mul_":  # .data does not bump the parameter's version counter
+            for m in mixers:
+                m.A_log.data.mul_(0.25)
+                m.dt_bias.data.add_(0.5)
+        elif how == "load_state_dict":
+            g = seeded(11)
+            sd = {k: v + 0.3 * torch.randn(v.shape, generator=g).to(v) if k.endswith(("A_log", "D", "weight")) else v
+                  for k, v in model.state_dict().items()}
+            model.load_state_dict(sd)
+        else:
+            raise AssertionError(how)
+
+
+CHANGES = ["A_log.sub_", "param.data.mul_", "load_state_dict"]
+
+
+def _fresh_with_change(how: str, device="cpu"):
+    fresh = scaled_tiny_model(device)
+    _change(fresh, how)
+    return fresh
+
+
+@pytest.mark.parametrize("how", CHANGES)
+def test_weight_change_is_seen_by_eager_steps_and_the_engine(how):
+    ids = _ids(1)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    params = SamplingParams(max_new_tokens=5)
+    model = scaled_tiny_model("cpu")
+    before = _prefill_decode(model, ids)  # runs every path once with the old weights (any cache fills)
+    engine = Engine(model, max_batch=2, cuda_graphs=False)
+    old_tokens = engine.generate(prompts, params)
+    _change(model, how)
+
+    fresh = _fresh_with_change(how)
+    want = _prefill_decode(fresh, ids)
+    assert not torch.allclose(want, before, atol=1e-3, rtol=1e-3), "the change must matter for the test to mean anything"
+    torch.testing.assert_close(_prefill_decode(model, ids), want, **EXACT)
+    want_tokens = Engine(fresh, max_batch=2, cuda_graphs=False).generate(prompts, params)
+    assert engine.generate(prompts, params) == want_tokens  # the engine built before the change
+    assert want_tokens != old_tokens
+
+
+@pytest.mark.parametrize("how", CHANGES)
+def test_weight_change_is_seen_under_inference_mode(how):
+    ids = _ids(2)
+    with torch.inference_mode():
+        model = scaled_tiny_model("cpu")
+        _prefill_decode(model, ids)
+        _change(model, how)  # (in-place updates of inference tensors are allowed inside inference mode)
+        got = _prefill_decode(model, ids)
+    torch.testing.assert_close(got, _prefill_decode(_fresh_with_change(how), ids), **EXACT)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", CHANGES)
+def test_graphed_decoder_captured_before_a_weight_change_equals_eager_after_it(how):
+    from fastmamba.generation.cuda_graphs import GraphedDecoder
+
+    model = scaled_tiny_model("cuda")
+    ids = _ids(3, (3, 8)).cuda()
+    graph_cache, eager_cache = model.new_cache(4), model.new_cache(4)
+    slots = torch.tensor([2, 0, 3], dtype=torch.int32, device="cuda")
+    decoder = GraphedDecoder(model, graph_cache, max_batch=4)
+    model.prefill(ids[:, :4], graph_cache, slots)
+    decoder.decode(ids[:, 4], slots)  # captured with the old weights
+    _change(model, how)
+    model.prefill(ids[:, :4], graph_cache, slots)  # both caches restart from the same prompt
+    model.prefill(ids[:, :4], eager_cache, slots)
+    for t in range(4, 8):
+        graphed = decoder.decode(ids[:, t], slots).clone()
+        eager = model.decode(ids[:, t], eager_cache, slots)
+        torch.testing.assert_close(graphed, eager, atol=1e-5, rtol=1e-5)
+    for layer in range(model.cfg.n_layer):
+        torch.testing.assert_close(graph_cache.ssm[layer], eager_cache.ssm[layer], atol=1e-5, rtol=1e-5)
+    fresh = _fresh_with_change(how, "cuda")
+    fresh_cache = fresh.new_cache(4)
+    fresh.prefill(ids[:, :4], fresh_cache, slots)
+    for t in range(4, 8):
+        fresh_logits = fresh.decode(ids[:, t], fresh_cache, slots)
+    torch.testing.assert_close(graphed, fresh_logits, atol=1e-5, rtol=1e-5)
