@@ -4,6 +4,7 @@
     fastmamba generate --model DIR|PRESET (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
                        [--temperature T] [--top-k K] [--top-p P] [--seed S] [--batch B]
                        [--speculate K [--drafter ngram|oracle|model [--draft-model DIR|PRESET]]]
+                       [--ssm-dtype fp32|fp16|bf16 [--stochastic-rounding]]
 
 ``--speculate K`` verifies K drafted tokens per step (greedy acceptance at temperature 0, speculative
 rejection sampling above). ``--drafter ngram`` (default) looks the drafts up in the prompt and the
@@ -53,6 +54,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                           "model = greedy drafts of --draft-model")
     gen.add_argument("--draft-model", metavar="DIR|PRESET", default=None,
                      help="with --drafter model: the draft model (same vocabulary as --model), e.g. mamba2-130m")
+    gen.add_argument("--ssm-dtype", choices=("fp32", "fp16", "bf16"), default="fp32",
+                     help="SSM state dtype (default fp32; fp16/bf16 halve the state traffic)")
+    gen.add_argument("--stochastic-rounding", action="store_true",
+                     help="with --ssm-dtype fp16|bf16: store the states with stochastic rounding (unbiased)")
     gen.set_defaults(_handler=_generate)
     return parser, {"bench": bench, "generate": gen}
 
@@ -65,6 +70,13 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from fastmamba.generation.sampling import SamplingParams
     from fastmamba.generation.tokenizer import load_tokenizer
 
+    import torch
+
+    ssm_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.ssm_dtype]
+    if args.stochastic_rounding and args.ssm_dtype == "fp32":
+        print("error: --stochastic-rounding rounds 16-bit states; it needs --ssm-dtype fp16 or bf16", file=sys.stderr)
+        return 2
+    state_kw = dict(ssm_dtype=ssm_dtype, stochastic_rounding=args.stochastic_rounding)
     model = fastmamba.load_model(args.model, device=args.device)
     tok = load_tokenizer(args.model)
     if args.prompt is not None:
@@ -103,9 +115,9 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 return 2
         else:
             drafter = NgramDrafter()
-        engine = Engine(model, max_batch=batch, speculate=args.speculate, drafter=drafter)
+        engine = Engine(model, max_batch=batch, speculate=args.speculate, drafter=drafter, **state_kw)
     else:
-        engine = Engine(model, max_batch=max(1, args.batch))
+        engine = Engine(model, max_batch=max(1, args.batch), **state_kw)
     rids = [engine.add_request(ids, params) for _ in range(max(1, args.batch))]
     shown: list[int] = []
     t0 = time.perf_counter()
