@@ -9,7 +9,9 @@ their token 0. Nothing in a replay synchronises with the host.
 
 Weights are read at every replay, never captured as values: the kernels compute -exp(A_log) from
 ``A_log`` themselves, so an in-place weight change (``load_state_dict``, ``A_log.sub_()``) is seen by
-the next replay. ``rand_seed`` (int64 [n_layer], ``fastmamba.generation.rounding``) is captured by
+the next replay. A graph does keep the weights' addresses: a change that rebinds storage
+(``param.data = t``, ``load_state_dict(..., assign=True)``, ``model.to(...)``) needs ``invalidate()``
+(the graphs are captured again at their next use). ``rand_seed`` (int64 [n_layer], ``fastmamba.generation.rounding``) is captured by
 address: advance it in place before a replay and the replay's 16-bit state stores use the new seeds.
 """
 from __future__ import annotations
@@ -98,6 +100,10 @@ class GraphedDecoder:
                 logits = run()
         return graph, logits
 
+    def invalidate(self) -> None:
+        """Drop every captured graph (after the weights moved to new storage); recaptured on next use."""
+        self.graphs.clear()
+
     def decode(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[0]
         b = self._bucket(n)
@@ -153,6 +159,11 @@ class GraphedVerifier:
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.commit_graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
+
+    def invalidate(self) -> None:
+        """Drop every captured graph (after the weights moved to new storage); recaptured on next use."""
+        self.graphs.clear()
+        self.commit_graphs.clear()
 
     def buckets(self, path: str) -> list[int]:
         """The batch buckets of ``path`` (legacy: up to ``cache.legacy_max_batch``)."""

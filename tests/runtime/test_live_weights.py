@@ -138,3 +138,24 @@ def test_graphed_decoder_captured_before_a_weight_change_equals_eager_after_it(h
     for t in range(4, 8):
         fresh_logits = fresh.decode(ids[:, t], fresh_cache, slots)
     torch.testing.assert_close(graphed, fresh_logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_graphed_decoder_after_rebinding_the_weights_needs_invalidate():
+    """``load_state_dict(assign=True)`` moves the weights to new storage: ``invalidate()`` recaptures."""
+    from fastmamba.generation.cuda_graphs import GraphedDecoder
+
+    model = scaled_tiny_model("cuda")
+    ids = _ids(4, (2, 6)).cuda()
+    slots = torch.tensor([1, 0], dtype=torch.int32, device="cuda")
+    graph_cache, eager_cache = model.new_cache(2), model.new_cache(2)
+    decoder = GraphedDecoder(model, graph_cache, max_batch=2)
+    decoder.decode(ids[:, 0], slots)
+    sd = {k: (v * 0.5).clone() if k.endswith("A_log") else v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(sd, assign=True)
+    decoder.invalidate()
+    model.prefill(ids[:, :3], graph_cache, slots)
+    model.prefill(ids[:, :3], eager_cache, slots)
+    for t in range(3, 6):
+        torch.testing.assert_close(decoder.decode(ids[:, t], slots), model.decode(ids[:, t], eager_cache, slots),
+                                   atol=1e-5, rtol=1e-5)
