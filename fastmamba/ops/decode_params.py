@@ -1,6 +1,9 @@
 """Per-session decode parameters: the pre-expanded A and reusable slot-index buffers.
 
 Mamba-2 stores ``A_log`` [H]; the state update wants ``A = -exp(A_log)`` broadcast to [H, P, N].
+Prefer passing ``A_log`` itself with ``A_is_log=True`` (the kernels compute -exp on load): nothing
+cached, so nothing goes stale under CUDA graphs, torch.compile or inference mode. ``expanded_A``
+stays for callers that want the [H, P, N] view.
 Recomputing that every layer of every token is wasted work, and caching it naively is dangerous:
 a stale A after a weight reload silently produces garbage. ``expanded_A`` caches per tensor and
 recomputes when the tensor's storage or version counter changes (``copy_``, ``load_state_dict``,
@@ -21,6 +24,9 @@ def expanded_A(A_log: torch.Tensor, headdim: int, dstate: int) -> torch.Tensor:
     """
     if A_log.dim() != 1:
         raise ValueError(f"expanded_A: `A_log` expected shape (H,), got {tuple(A_log.shape)}")
+    if A_log.is_inference():  # no version counter to key on: computed afresh (prefer A_is_log=True)
+        with torch.no_grad():
+            return (-torch.exp(A_log.detach().float()))[:, None, None].expand(A_log.shape[0], headdim, dstate)
     key = (A_log.data_ptr(), A_log._version, A_log.device, headdim, dstate)
     hit = getattr(A_log, _CACHE_ATTR, None)
     if hit is not None and hit[0] == key:

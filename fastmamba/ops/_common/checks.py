@@ -77,6 +77,17 @@ def check_indices(op: str, name: str, idx: torch.Tensor, batch: int, num_slots: 
     check_shape(op, name, idx, [("B", batch)])
     if not host_reads_allowed(idx):
         return
+    check_index_values(op, name, idx, num_slots, pad_slot_id)
+
+
+def check_index_values(op: str, name: str, idx: torch.Tensor | None, num_slots: int, pad_slot_id: int) -> None:
+    """Raise ValueError unless every value of ``idx`` lies in [0, num_slots) or equals pad_slot_id.
+
+    Always reads the values (the references call it before writing anything: a Python index of -3
+    would otherwise write row S-3, and a loop would leave earlier rows written before it failed).
+    """
+    if idx is None:
+        return
     bad = [int(v) for v in host_list(idx) if v != pad_slot_id and not 0 <= v < num_slots][:4]
     if bad:
         raise ValueError(

@@ -45,8 +45,8 @@ def causal_conv1d_update(
                                     channel-last view of an [S, state_len, D] buffer; state_len >= W-1
                                     (W-1 as in vLLM, W as in mamba_ssm). Rows of the requests'
                                     slots are mutated in place; other rows are not touched
-    weight     [D, W]               x's dtype, W in 2..6
-    bias       [D]                  x's dtype, or None
+    weight     [D, W]               fp32, bf16 or fp16 (e.g. fp32 next to a bf16 x), W in 2..6
+    bias       [D]                  fp32, bf16 or fp16, or None
     activation None, "silu" or "swish" (True / False are read as "silu" / None, as vLLM does)
     cache_seqlens [B] int32/int64   circular-buffer mode (causal_conv1d): x[:, :, t] is written at
                                     state column (cache_seqlens[b] + t) % state_len and the window
@@ -63,7 +63,9 @@ def causal_conv1d_update(
                with hist = concat(state[:, :h], x) and h = state_len unless num_accepted_tokens;
                the new state is hist[:, h+L-state_len : h+L] (negative columns written as 0).
 
-    Accumulates in fp32. All checks run before anything is written. Two requests must not share
+    Precision: x, the state, weight and bias are converted to fp32 as they are loaded; the window
+    sum, bias and SiLU run in fp32; y is rounded once to x's dtype, and the state stores x's values
+    in the state's dtype. All checks run before anything is written. Two requests must not share
     a (non-pad) slot. Index range checks read the indices on the host (one sync), except while a
     CUDA graph is being captured.
     Reference: fastmamba.ops.conv1d.ref.causal_conv1d_update_ref
@@ -145,10 +147,10 @@ def _check_inputs(
     W = weight.shape[1]
     if W not in _WIDTHS:
         raise ValueError(f"{_OP}: `weight` width W expected in 2..6, got {W} (shape {tuple(weight.shape)})")
-    check_same_dtype(_OP, [("x", x), ("weight", weight)])
+    check_dtype(_OP, "weight", weight, FLOAT_DTYPES)  # fp32 weights next to 16-bit x, as causal-conv1d accepts
     if bias is not None:
         check_shape(_OP, "bias", bias, [("D", D)])
-        check_same_dtype(_OP, [("weight", weight), ("bias", bias)])
+        check_dtype(_OP, "bias", bias, FLOAT_DTYPES)
 
     check_shape(_OP, "conv_state", conv_state, [("S", None), ("D", D), ("state_len", None)])
     check_dtype(_OP, "conv_state", conv_state, FLOAT_DTYPES)

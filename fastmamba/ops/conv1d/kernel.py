@@ -91,6 +91,7 @@ def _causal_conv1d_update_kernel(
     out_ptr,  # [B, D, L]
     D,
     pad_slot_id,
+    n_slots,
     stride_x_b, stride_x_d, stride_x_l,
     stride_state_s, stride_state_d, stride_state_l,
     stride_weight_d, stride_weight_w,
@@ -130,8 +131,8 @@ def _causal_conv1d_update_kernel(
         slot = b
     state_row = state_ptr + slot * stride_state_s + d * stride_state_d
     live = True
-    if HAS_INDICES:
-        live = slot != pad_slot_id
+    if HAS_INDICES:  # a slot outside [0, S) acts as the pad slot: nothing outside the pool is touched
+        live = (slot != pad_slot_id) & (slot >= 0) & (slot < n_slots)
     if MODE == MODE_SHIFT:
         # the state columns the step needs sit at fixed addresses: under PDL they are read before
         # the wait, like the weights (a padding row reads nothing)
@@ -144,7 +145,7 @@ def _causal_conv1d_update_kernel(
         if PDL_TRIGGER:
             gdc_launch_dependents()
     if HAS_INDICES:
-        if slot == pad_slot_id:  # padding row: zero output, state untouched
+        if (slot == pad_slot_id) | (slot < 0) | (slot >= n_slots):  # padding row: zero output, state untouched
             zero = tl.zeros([BLOCK_D], dtype=out_ptr.dtype.element_ty)
             for t in tl.static_range(L):
                 tl.store(out_row + t * stride_out_l, zero, mask=d_mask)
@@ -225,6 +226,7 @@ def _conv1d_update_vec4_kernel(
     out_ptr,  # [B, D]
     D,
     pad_slot_id,
+    n_slots,
     stride_x_b, stride_x_d,
     stride_state_s,
     stride_weight_d, stride_weight_w,
@@ -271,8 +273,8 @@ def _conv1d_update_vec4_kernel(
         slot = b
     block = state_ptr + slot * stride_state_s + d0 * 4
     valid = True
-    if HAS_INDICES:
-        valid = slot != pad_slot_id
+    if HAS_INDICES:  # a slot outside [0, S) acts as the pad slot
+        valid = (slot != pad_slot_id) & (slot >= 0) & (slot < n_slots)
     # the block's whole state, read once with 16-byte loads (under PDL, before the wait: see pdl.py)
     old = tl.load(block + e, mask=e_mask & valid, other=0.0)
     if USE_PDL:
@@ -281,7 +283,7 @@ def _conv1d_update_vec4_kernel(
             gdc_launch_dependents()
     out_row = out_ptr + b * stride_out_b + (d0 + ch) * stride_out_d
     if HAS_INDICES:
-        if slot == pad_slot_id:
+        if (slot == pad_slot_id) | (slot < 0) | (slot >= n_slots):
             tl.store(out_row, tl.zeros([BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=c_mask)
             return
     x = tl.load(x_ptr + b * stride_x_b + (d0 + ch) * stride_x_d, mask=c_mask, other=0.0)
@@ -340,7 +342,7 @@ def causal_conv1d_update_launch(
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             _conv1d_update_vec4_kernel[(triton.cdiv(D, cfg.block_d), B)](
                 x, conv_state, weight, bias, conv_state_indices, out,
-                D, pad_slot_id,
+                D, pad_slot_id, conv_state.shape[0],
                 x.stride(0), x.stride(1), conv_state.stride(0), *weight.stride(),
                 conv_state_indices.stride(0) if conv_state_indices is not None else 0,
                 out.stride(0), out.stride(1),
@@ -382,7 +384,7 @@ def causal_conv1d_update_launch(
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _causal_conv1d_update_kernel[grid](
             x, conv_state, weight, bias, conv_state_indices, cache_seqlens, num_accepted_tokens, out,
-            D, pad_slot_id,
+            D, pad_slot_id, conv_state.shape[0],
             *x.stride(), *conv_state.stride(), *weight.stride(), stride0(bias),
             stride0(conv_state_indices), stride0(cache_seqlens), stride0(num_accepted_tokens),
             *out.stride(),

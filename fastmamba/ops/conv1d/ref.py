@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fastmamba.ops._common.checks import check_index_values
+
 
 def causal_conv1d_update_ref(
     x: torch.Tensor,
@@ -39,6 +41,9 @@ def causal_conv1d_update_ref(
     x [B, D] or [B, D, L]; conv_state [S, D, state_len] (mutated in place); weight [D, W];
     bias [D]; index tensors [B]. Returns y with x's shape and dtype (written into ``out`` if given).
     """
+    # every slot index is checked before anything is written (no partial writes, no row S-3 for -3)
+    check_index_values("causal_conv1d_update_ref", "conv_state_indices", conv_state_indices, conv_state.shape[0],
+                       pad_slot_id)
     silu = activation in ("silu", "swish", True)
     x3 = x.unsqueeze(-1) if x.dim() == 2 else x
     B, D, L = x3.shape

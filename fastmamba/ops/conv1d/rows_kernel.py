@@ -32,6 +32,7 @@ def _conv1d_update_rows_kernel(
     out_ptr,  # [B, D]
     D,  # a multiple of 8
     pad_slot_id,
+    n_slots,
     stride_x_b, stride_x_d,
     stride_state_s,
     stride_indices_b,
@@ -64,7 +65,7 @@ def _conv1d_update_rows_kernel(
         bias = split8(tl.load(bias_ptr + d0 + 8 * rows + lane, mask=rmask, other=0.0).to(tl.float32))
     if HAS_INDICES:
         slot = tl.load(state_indices_ptr + b * stride_indices_b).to(tl.int64)
-        live = slot != pad_slot_id
+        live = (slot != pad_slot_id) & (slot >= 0) & (slot < n_slots)  # outside [0, S): as the pad slot
     else:
         slot = b
         live = True
@@ -80,7 +81,7 @@ def _conv1d_update_rows_kernel(
             gdc_launch_dependents()
     out_row = out_ptr + b * stride_out_b + (d0 + 8 * rows + lane) * stride_out_d
     if HAS_INDICES:
-        if slot == pad_slot_id:  # padding row: zero output, state untouched
+        if (slot == pad_slot_id) | (slot < 0) | (slot >= n_slots):  # padding row: zero output, state untouched
             tl.store(out_row, tl.zeros([R, 8], dtype=out_ptr.dtype.element_ty), mask=rmask)
             return
     xs = split8(tl.load(x_ptr + b * stride_x_b + (d0 + 8 * rows + lane) * stride_x_d, mask=rmask, other=0.0))
@@ -115,7 +116,7 @@ def launch_conv1d_update_rows(x, conv_state, weight, bias, conv_state_indices, o
     SL, W = conv_state.shape[2], weight.shape[1]
     _conv1d_update_rows_kernel[(triton.cdiv(D, block_d), B)](
         x, conv_state, weight, bias, conv_state_indices, out,
-        D, pad_slot_id,
+        D, pad_slot_id, conv_state.shape[0],
         x.stride(0), x.stride(1), conv_state.stride(0),
         conv_state_indices.stride(0) if conv_state_indices is not None else 0,
         out.stride(0), out.stride(1),

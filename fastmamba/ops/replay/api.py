@@ -182,7 +182,8 @@ def commit_accepted(
         return
     # CPU without the interpreter: the same arithmetic as the kernel, vectorised
     idx = torch.arange(nreq, device=accepted.device) if slots is None else slots
-    rows = torch.where(idx == pad_slot_id, torch.zeros_like(idx), idx).long()  # pad rows read slot 0, write nothing
+    dead = (idx == pad_slot_id) | (idx < 0) | (idx >= nslots)  # outside [0, S): as the pad slot
+    rows = torch.where(dead, torch.zeros_like(idx), idx).long()  # pad rows read slot 0, write nothing
     k = hist_len[rows] + prev_accepted[rows].to(hist_len.dtype)
     stored = k + tokens > history
     scatter_rows(buf_idx, idx, torch.where(stored, 1 - buf_idx[rows], buf_idx[rows]), pad_slot_id)
@@ -214,10 +215,10 @@ def flush_replay_cache(cache: ReplayCache, slots: torch.Tensor, *, pad_slot_id: 
     check_indices(op, "slots", slots, slots.shape[0], nslots, pad_slot_id)
     if slots.shape[0] == 0:
         return
-    live = slots != pad_slot_id
+    live = (slots != pad_slot_id) & (slots >= 0) & (slots < nslots)  # outside [0, S): as the pad slot
     rows = torch.where(live, slots, torch.zeros_like(slots)).long()  # pad rows read slot 0 ...
     capacity = old_x.shape[1]
-    r = buf_idx[rows].long()
+    r = (buf_idx[rows] != 0).long()  # 0 or 1 (as the kernels read it)
     k = torch.where(live, hist_len[rows] + prev_accepted[rows], 0).long().clamp(0, capacity)  # ... and replay nothing
     cum = old_cumA[r, rows].float()  # [B, C_h, H]
     pos = torch.arange(capacity, device=state.device)

@@ -51,17 +51,19 @@ from fastmamba.ops._common.jit_math import silu, silu_approx, softplus, stochast
 
 @triton.jit
 def _slot_history(buf_idx_ptr, hist_ptr, accepted_ptr, slot, capacity):
-    """A slot's history: its read buffer (int64) and k = hist_len + prev_accepted, clamped to
-    [0, capacity] (the tokens to replay)."""
+    """A slot's history: its read buffer (int64, 0 or 1: any other value reads as 1, so a corrupt
+    buf_idx never addresses outside the double buffers) and k = hist_len + prev_accepted, clamped
+    to [0, capacity] (the tokens to replay)."""
     k = tl.load(hist_ptr + slot).to(tl.int32) + tl.load(accepted_ptr + slot).to(tl.int32)
-    return tl.load(buf_idx_ptr + slot).to(tl.int64), tl.minimum(tl.maximum(k, 0), capacity)
+    rbuf = tl.where(tl.load(buf_idx_ptr + slot) != 0, 1, 0).to(tl.int64)
+    return rbuf, tl.minimum(tl.maximum(k, 0), capacity)
 
 
 @triton.jit
 def _replay_precompute_kernel(
     dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, idx_ptr, buf_idx_ptr, accepted_ptr, hist_ptr,
     M_ptr, Q_ptr, scale_ptr, kinfo_ptr, C16_ptr, old_B_ptr, old_dt_ptr, old_cumA_ptr, ckpt_count_ptr, ckpt_list_ptr,
-    T, capacity, heads_per_group, pad_slot_id,
+    T, capacity, heads_per_group, pad_slot_id, n_slots,
     stride_dt_b, stride_dt_t, stride_dt_h,
     stride_dt_bias_h, stride_A_h,
     stride_B_b, stride_B_t, stride_B_g, stride_B_n,
@@ -87,7 +89,7 @@ def _replay_precompute_kernel(
         slot = tl.load(idx_ptr + b).to(tl.int64)
     else:
         slot = b
-    if slot == pad_slot_id:
+    if (slot == pad_slot_id) | (slot < 0) | (slot >= n_slots):  # outside [0, S): as the pad slot
         return  # padding: the main kernel zeroes its output, nothing is recorded
     rbuf, k = _slot_history(buf_idx_ptr, hist_ptr, accepted_ptr, slot, capacity)
     checkpoint = k + T > capacity  # the main kernel stores the state; a new history starts
@@ -300,7 +302,7 @@ def _store_state(s, ptrs, mask, slot, h, nheads, offs_p, offs_n, seed_ptr,
 def _replay_main_kernel(
     state_ptr, old_x_ptr, old_B_ptr, old_dt_ptr, old_cumA_ptr, buf_idx_ptr, accepted_ptr, hist_ptr,
     x_ptr, C_ptr, D_ptr, z_ptr, M_ptr, out_ptr, idx_ptr, seed_ptr,
-    T, capacity, heads_per_group, pad_slot_id,
+    T, capacity, heads_per_group, pad_slot_id, n_slots,
     stride_state_s, stride_state_h, stride_state_p, stride_state_n,
     stride_ox_s, stride_ox_t, stride_ox_h, stride_ox_p,
     stride_oB_r, stride_oB_s, stride_oB_t, stride_oB_g, stride_oB_n,
@@ -331,7 +333,8 @@ def _replay_main_kernel(
         slot = tl.load(idx_ptr + b).to(tl.int64)
     else:
         slot = b
-    if slot == pad_slot_id:  # padding: zero output, no state or cache traffic
+    # padding, or a slot outside [0, S): zero output, no state or cache traffic
+    if (slot == pad_slot_id) | (slot < 0) | (slot >= n_slots):
         tl.store(out_ptr + b * stride_out_b + h * stride_out_h + offs_p[:, None] * stride_out_p
                  + offs_t[None, :] * stride_out_t, tl.zeros((BLOCK_P, BLOCK_T), dtype=out_ptr.dtype.element_ty),
                  mask=mp[:, None] & mt[None, :])
@@ -449,7 +452,7 @@ def _out_outputs(s, x_old, C_T, Q_T, M_T, x_T, zv, e_cs, e_last, u, mc, mt, d_h,
 def _replay_out_kernel(
     state_ptr, old_x_ptr, buf_idx_ptr, accepted_ptr, hist_ptr, kinfo_ptr, scale_ptr,
     x_ptr, C_ptr, D_ptr, z_ptr, M_ptr, Q_ptr, out_ptr, idx_ptr,
-    T, capacity, pad_slot_id, heads_per_group,
+    T, capacity, pad_slot_id, n_slots, heads_per_group,
     stride_state_s, stride_state_h, stride_state_p: tl.constexpr, stride_state_n,
     stride_ox_s, stride_ox_t: tl.constexpr, stride_ox_h, stride_ox_p,
     stride_sc_b, stride_sc_h,
@@ -497,7 +500,8 @@ def _replay_out_kernel(
         slot = tl.load(idx_ptr + b).to(tl.int64)
     else:
         slot = b
-    live = slot != pad_slot_id  # padding: zero output, no state or cache traffic
+    # padding, or a slot outside [0, S): zero output, no state or cache traffic
+    live = (slot != pad_slot_id) & (slot >= 0) & (slot < n_slots)
     if USE_PDL:  # the slot's history length as the precompute kernel reads it
         k = _slot_history(buf_idx_ptr, hist_ptr, accepted_ptr, tl.where(live, slot, 0), capacity)[1]
     else:  # ... as it recorded it (loaded in parallel with the slot index)
@@ -559,7 +563,7 @@ def persistent_tile(tile, nheads, heads_per_group, P: tl.constexpr, BLOCK_P: tl.
 def _replay_out_tma_kernel(
     state_desc, old_x_desc, x_desc, z_desc, C_desc,
     old_x_ptr, kinfo_ptr, scale_ptr, D_ptr, M_ptr, Q_ptr, out_ptr, idx_ptr,
-    T, capacity, pad_slot_id, heads_per_group, nheads, n_tiles,
+    T, capacity, pad_slot_id, n_slots, heads_per_group, nheads, n_tiles,
     stride_ox_s, stride_ox_t: tl.constexpr, stride_ox_h, stride_ox_p: tl.constexpr,
     stride_sc_b, stride_sc_h,
     stride_D_h,
@@ -597,7 +601,7 @@ def _replay_out_tma_kernel(
             slot = tl.load(idx_ptr + b).to(tl.int64)
         else:
             slot = b
-        live = slot != pad_slot_id
+        live = (slot != pad_slot_id) & (slot >= 0) & (slot < n_slots)  # outside [0, S): as the pad slot
         row = tl.where(live, slot, 0)
         k = tl.load(kinfo_ptr + b, mask=live, other=0)
         mc = (offs_c < k) & live
@@ -822,7 +826,7 @@ def launch_replay_precompute(
     capacity = old_dt.shape[2]
     _replay_precompute_kernel[grid](
         dt, dt_bias, A, B, C, idx, buf_idx, prev_accepted, hist_len, M, Q, scale, kinfo, C16, old_B, old_dt, old_cumA,
-        ckpt_count, ckpt_list, ntok, capacity, hpg, pad_slot_id,
+        ckpt_count, ckpt_list, ntok, capacity, hpg, pad_slot_id, old_dt.shape[1],
         *dt.stride(), dt_bias.stride(0) if dt_bias is not None else 0, A.stride(0),
         *B.stride(), *C.stride(), *M.stride(), *(Q.stride() if Q is not None else (0, 0, 0, 0)),
         *(scale.stride()[:2] if scale is not None else (0, 0)),
@@ -851,7 +855,7 @@ def launch_replay_main(
     _replay_main_kernel[grid](
         state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len,
         x, C, D, z, M, out, idx, seed,
-        ntok, old_x.shape[1], nheads // ngroups, pad_slot_id,
+        ntok, old_x.shape[1], nheads // ngroups, pad_slot_id, state.shape[0],
         *state.stride(), *old_x.stride(), *old_B.stride(), *old_dt.stride(), *old_cumA.stride(),
         *x.stride(), *C.stride(), D.stride(0) if D is not None else 0, *z_strides, *M.stride(), *out.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_IDX=idx is not None, STOCHASTIC_ROUND=seed is not None,
@@ -881,7 +885,7 @@ def launch_replay_out(
     sixteen_bit = state.dtype != torch.float32 and x.dtype != torch.float32
     _replay_out_kernel[grid](
         state, old_x, buf_idx, prev_accepted, hist_len, kinfo, scale, x, C, D, z, M, Q, out, idx,
-        ntok, old_x.shape[1], pad_slot_id, nheads // ngroups,
+        ntok, old_x.shape[1], pad_slot_id, state.shape[0], nheads // ngroups,
         *state.stride(), *old_x.stride(), *scale.stride()[:2], *x.stride(), *C.stride(),
         D.stride(0) if D is not None else 0, *z_strides, *M.stride(), *Q.stride(), *out.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_IDX=idx is not None,
@@ -951,7 +955,7 @@ def launch_replay_out_tma(
     _replay_out_tma_kernel[(max(1, min(programs, n_tiles)),)](
         state_desc, old_x_desc, x_desc, z_desc, C_desc,
         old_x, kinfo, scale, D, M, Q, out, idx,
-        ntok, capacity, pad_slot_id, nheads // ngroups, nheads, n_tiles,
+        ntok, capacity, pad_slot_id, state.shape[0], nheads // ngroups, nheads, n_tiles,
         old_x.stride(0), old_x.stride(1), old_x.stride(2), old_x.stride(3), *scale.stride()[:2],
         D.stride(0) if D is not None else 0, *M.stride(), *Q.stride(), *out.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_IDX=idx is not None,
@@ -1023,7 +1027,7 @@ def launch_replay_checkpoint_tma(
 @triton.jit
 def _commit_kernel(
     buf_idx_ptr, accepted_ptr, hist_ptr, slots_ptr, new_ptr,
-    nreq, T, capacity, pad_slot_id,
+    nreq, T, capacity, pad_slot_id, n_slots,
     HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # the bookkeeping after a call (see ref.commit_accepted_ref); one element per request
@@ -1033,7 +1037,7 @@ def _commit_kernel(
         slot = tl.load(slots_ptr + b, mask=mb, other=pad_slot_id).to(tl.int64)
     else:
         slot = b.to(tl.int64)
-    live = mb & (slot != pad_slot_id)
+    live = mb & (slot != pad_slot_id) & (slot >= 0) & (slot < n_slots)  # outside [0, S): as the pad slot
     k = tl.load(hist_ptr + slot, mask=live, other=0) + tl.load(accepted_ptr + slot, mask=live, other=0)
     checkpoint = k + T > capacity
     r = tl.load(buf_idx_ptr + slot, mask=live, other=0)
@@ -1047,6 +1051,6 @@ def launch_commit(buf_idx, prev_accepted, hist_len, slots, accepted, *, tokens: 
     nreq = accepted.shape[0]
     block = 128
     _commit_kernel[(triton.cdiv(nreq, block),)](
-        buf_idx, prev_accepted, hist_len, slots, accepted, nreq, tokens, history, pad_slot_id,
+        buf_idx, prev_accepted, hist_len, slots, accepted, nreq, tokens, history, pad_slot_id, buf_idx.shape[0],
         HAS_SLOTS=slots is not None, BLOCK=block, num_warps=1,
     )

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fastmamba.ops._common.checks import check_index_values
+
 
 def _per_head(t: torch.Tensor | None, lead: int) -> torch.Tensor | None:
     """A per-head tensor given with extra tied trailing dims ((H, P, N) A, (H, P) D, (B, T, H, P)
@@ -83,6 +85,9 @@ def replay_selective_state_update_ref(
     state to nearest: stochastic rounding differs from it by at most one unit in the last place.
     """
     del rand_seed
+    # every slot index is checked before anything is written (no partial writes, no row S-3 for -3)
+    check_index_values("replay_selective_state_update_ref", "state_batch_indices", state_batch_indices,
+                       state.shape[0], pad_slot_id)
     nreq, ntok, nheads, _ = x.shape
     capacity = old_x.shape[1]
     heads_per_group = nheads // B.shape[2]
@@ -161,6 +166,7 @@ def commit_accepted_ref(
         else:                                             hist_len = k
         prev_accepted = accepted[b]
     """
+    check_index_values("commit_accepted_ref", "slots", slots, buf_idx.shape[0], pad_slot_id)
     for b, slot in enumerate(slots.tolist()):
         if slot == pad_slot_id:
             continue
@@ -188,6 +194,7 @@ def flush_ref(
 ) -> None:
     """Store every non-pad slot's replayed state (all hist_len + prev_accepted accepted tokens) and
     empty its history: hist_len = prev_accepted = 0 (buf_idx is kept)."""
+    check_index_values("flush_ref", "slots", slots, state.shape[0], pad_slot_id)
     for slot in slots.tolist():
         if slot == pad_slot_id:
             continue

@@ -239,6 +239,7 @@ def ssd_scan_varlen(
     out: torch.Tensor | None = None,
     chunk_states_out: torch.Tensor | None = None,
     A_is_log: bool = False,
+    rand_seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed variable-length prefill of the SSM, reading and writing each sequence's cache slot.
 
@@ -249,15 +250,23 @@ def ssd_scan_varlen(
     z          [T, H, P]     or None: y *= silu(z) inside (the norm afterwards runs without z)
     ssm_states [S, H, P, N]  fp32, bf16 or fp16, any strides; slot cache_indices[b] is read as
                              sequence b's initial state when has_initial_state[b], and receives
-                             its final state (round to nearest) unless the sequence is empty
+                             its final state unless the sequence is empty (16-bit: round to nearest,
+                             or stochastically with rand_seed)
     cu_seqlens [B+1] int32/int64: 0 = cu[0] <= cu[1] <= ... <= cu[B] = T (empty sequences allowed)
     cache_indices [B] int32/int64 or None (slot b): pad_slot_id marks a padding sequence, whose
-                             output rows are zeroed and whose slot is not touched
+                             output rows are zeroed and whose slot is not touched; checked to lie in
+                             [0, S) (a host read); where the check is skipped (trusted_inputs(),
+                             capture, compile) an index outside [0, S) acts as the pad slot
     has_initial_state [B] bool/int or None (all False: start from zeros)
     out        [T, H, P]     or None; written (must not overlap x)
     chunk_states_out [n_chunks, H, P, N] or None: the state after every chunk (prefix caching);
                              chunk k of sequence b goes to row chunk_offsets(cu_seqlens)[b] + k,
                              and it needs at least num_chunks(cu_seqlens, chunk_size) rows
+    rand_seed  one-element int64 tensor on x's device or None: with a 16-bit ``ssm_states``, the
+                             final states stored into the slots are rounded stochastically (unbiased,
+                             the state update's scheme and random stream); read on the device, so a
+                             CUDA graph may advance it between replays. Ignored for an fp32 cache
+                             (and by the reference, which rounds to nearest).
     Returns out [T, H, P] (x's dtype). Chunks of ``chunk_size`` tokens never cross a sequence.
     Checks read cu_seqlens and cache_indices on the host (skipped while a CUDA graph is captured).
     Reference: fastmamba.ops.ssd_scan.ref.ssd_scan_varlen_ref
@@ -283,6 +292,15 @@ def ssd_scan_varlen(
                          f"S >= B = {nseq} slots, got S = {S}")
     if has_initial_state is not None:
         check_shape(_VARLEN, "has_initial_state", has_initial_state, [("B", nseq)])
+    if rand_seed is not None:
+        check_dtype(_VARLEN, "rand_seed", rand_seed, (torch.int64,))
+        if rand_seed.numel() != 1:
+            raise ValueError(f"{_VARLEN}: `rand_seed` must hold one element, got shape {tuple(rand_seed.shape)}")
+        if rand_seed.device != x.device:
+            raise ValueError(f"{_VARLEN}: `rand_seed` is on {rand_seed.device} but `x` is on {x.device}; "
+                             f"all tensors must share a device")
+        if ssm_states.dtype == torch.float32:
+            rand_seed = None  # nothing to round: an fp32 cache stores the state exactly
     if out is not None:
         check_shape(_VARLEN, "out", out, [("T", T), ("H", H), ("P", P)])
         if out.dtype != x.dtype:
@@ -303,7 +321,7 @@ def ssd_scan_varlen(
     torch.ops.fastmamba.ssd_scan_varlen_(
         x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
         chunk_states_out, chunk_size, dt_softplus, float(dt_limit[0]), float(dt_limit[1]), pad_slot_id, n_chunks,
-        bool(A_is_log),
+        bool(A_is_log), rand_seed,
     )
     return out
 
@@ -334,6 +352,7 @@ def _ssd_scan_varlen_(
     pad_slot_id: int,
     n_chunks: int,
     A_is_log: bool,
+    rand_seed: Optional[torch.Tensor],
 ) -> None:
     """In-place op on checked inputs: writes ``out``, the sequences' slots and ``chunk_states_out``."""
     if not use_triton(x):
@@ -341,14 +360,17 @@ def _ssd_scan_varlen_(
             x, dt, A, B, C, ssm_states, cu_seqlens, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
             dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max), cache_indices=cache_indices,
             has_initial_state=has_initial_state, pad_slot_id=pad_slot_id, out=out, chunk_states_out=chunk_states_out,
-            A_is_log=A_is_log,
+            A_is_log=A_is_log, rand_seed=rand_seed,
         )
         return
     nseq = cu_seqlens.shape[0] - 1
     dev = x.device
     slots = (torch.arange(nseq, dtype=torch.int32, device=dev) if cache_indices is None
              else cache_indices.to(torch.int32))
-    pad = slots == pad_slot_id
+    # a slot outside [0, S) acts as the pad slot (no read, no write, zero output), so unchecked
+    # indices (trusted_inputs, graph capture, compile) never reach outside the pool
+    S = ssm_states.shape[0]
+    pad = (slots == pad_slot_id) | (slots < 0) | (slots >= S)
     none = torch.full_like(slots, -1)
     final_idx = torch.where(pad, none, slots)
     if has_initial_state is not None:
@@ -364,6 +386,7 @@ def _ssd_scan_varlen_(
         final=ssm_states,
         final_idx=final_idx,
         chunk_out=chunk_states_out,
+        final_seed=rand_seed,
     )
     ssd_scan_launch(
         x.unsqueeze(0), dt.unsqueeze(0), A, B.unsqueeze(0), C.unsqueeze(0), D,
@@ -375,5 +398,6 @@ def _ssd_scan_varlen_(
 
 @_ssd_scan_varlen_.register_fake
 def _(x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
-      chunk_states_out, chunk_size, dt_softplus, dt_min, dt_max, pad_slot_id, n_chunks, A_is_log):
+      chunk_states_out, chunk_size, dt_softplus, dt_min, dt_max, pad_slot_id, n_chunks, A_is_log,
+      rand_seed):
     return None

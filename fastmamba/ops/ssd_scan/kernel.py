@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fastmamba.ops._common.jit_math import exp_approx, silu_approx, softplus
+from fastmamba.ops._common.jit_math import exp_approx, silu_approx, softplus, stochastic_round
 
 
 @triton.jit
@@ -60,6 +60,16 @@ def _locate_segment(cu_ptr, n_seg, seg, Q: tl.constexpr, BLOCK_SEG: tl.constexpr
     first = tl.sum(tl.where(sel, ends, 0), 0) - count
     seg_len = tl.sum(tl.where(sel, hi - lo, 0), 0)
     return first, count, seg_len
+
+
+@triton.jit
+def _to_state_dtype(s, seed_ptr, elem, OUT_DTYPE: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr):
+    """fp32 ``s`` -> OUT_DTYPE: rounded to nearest, or stochastically with the random stream of
+    the state update (seed ``*seed_ptr``, one number per state element ``elem``: slot, head, p, n)."""
+    if STOCHASTIC_ROUND:
+        return stochastic_round(s, tl.rand(tl.load(seed_ptr), elem.to(tl.int32)), OUT_DTYPE)
+    else:
+        return s.to(OUT_DTYPE)
 
 
 @triton.jit
@@ -183,12 +193,13 @@ def _chunk_state_kernel(
     "HAS_SEG_FINAL": lambda a: a["seg_final_ptr"] is not None,
     "HAS_CHUNK_OUT": lambda a: a["chunk_out_ptr"] is not None,
     "HAS_SKIP": lambda a: a["skip_ptr"] is not None,
+    "STOCHASTIC_ROUND": lambda a: a["seed_ptr"] is not None,
 })
 @triton.jit(do_not_specialize=["n_seg", "row_len"])
 def _chunk_state_chain_kernel(
     x_ptr, B_ptr, table_ptr, cu_ptr, skip_ptr, states_in_ptr, send_ptr, dt_ptr, cs_ptr,
     ticket_ptr, flag_ptr,
-    init_ptr, init_idx_ptr, final_ptr, final_idx_ptr, seg_final_ptr, chunk_out_ptr,
+    init_ptr, init_idx_ptr, final_ptr, final_idx_ptr, seg_final_ptr, chunk_out_ptr, seed_ptr,
     n_seg, row_len, H, P, N, heads_per_group, n_chunk_slots, n_nblocks,
     stride_x_row, stride_x_tok, stride_x_h, stride_x_p,
     stride_B_row, stride_B_tok, stride_B_g, stride_B_n,
@@ -201,7 +212,7 @@ def _chunk_state_chain_kernel(
     Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
     HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, HAS_SEG_FINAL: tl.constexpr,
-    HAS_CHUNK_OUT: tl.constexpr, HAS_SKIP: tl.constexpr,
+    HAS_CHUNK_OUT: tl.constexpr, HAS_SKIP: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
 ):
     # one program per (chunk, head, block of N), chunk-major by an atomic ticket: the chunk's own
     # contribution S_loc (one matmul), then S_out = exp(cs_last) S_in + S_loc, where S_in is the
@@ -260,8 +271,9 @@ def _chunk_state_chain_kernel(
             slot = tl.load(final_idx_ptr + seg)
             if slot >= 0:
                 dst = final_ptr + slot.to(tl.int64) * stride_final_s + h * stride_final_h
+                elem = ((slot * H + h) * P + offs_p[:, None]) * N + offs_n[None, :]
                 tl.store(dst + offs_p[:, None] * stride_final_p + offs_n[None, :] * stride_final_n,
-                         s.to(final_ptr.dtype.element_ty), mask=mask)
+                         _to_state_dtype(s, seed_ptr, elem, final_ptr.dtype.element_ty, STOCHASTIC_ROUND), mask=mask)
         if HAS_SEG_FINAL:
             dst = seg_final_ptr + seg.to(tl.int64) * stride_sf_s + h * stride_sf_h
             tl.store(dst + offs_p[:, None] * stride_sf_p + offs_n[None, :] * stride_sf_n,
@@ -283,11 +295,12 @@ def _chunk_state_chain_kernel(
     "HAS_SEG_FINAL": lambda a: a["seg_final_ptr"] is not None,
     "HAS_CHUNK_OUT": lambda a: a["chunk_out_ptr"] is not None,
     "HAS_SKIP": lambda a: a["skip_ptr"] is not None,
+    "STOCHASTIC_ROUND": lambda a: a["seed_ptr"] is not None,
 })
 @triton.jit(do_not_specialize=["n_seg"])
 def _state_passing_kernel(
     states_ptr, states_in_ptr, cs_ptr, cu_ptr, skip_ptr,
-    init_ptr, init_idx_ptr, final_ptr, final_idx_ptr, seg_final_ptr, chunk_out_ptr,
+    init_ptr, init_idx_ptr, final_ptr, final_idx_ptr, seg_final_ptr, chunk_out_ptr, seed_ptr,
     n_seg, P, N, n_chunk_slots,
     stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     stride_si_c, stride_si_h, stride_si_p, stride_si_n,
@@ -297,7 +310,7 @@ def _state_passing_kernel(
     stride_co_c, stride_co_h, stride_co_p, stride_co_n,
     Q: tl.constexpr, BLOCK_PN: tl.constexpr, BLOCK_SEG: tl.constexpr,
     HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, HAS_SEG_FINAL: tl.constexpr,
-    HAS_CHUNK_OUT: tl.constexpr, HAS_SKIP: tl.constexpr,
+    HAS_CHUNK_OUT: tl.constexpr, HAS_SKIP: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
 ):
     # one program per (segment, head, block of the flattened P*N state): its chunks in order, fp32
     seg = tl.program_id(0)
@@ -334,7 +347,9 @@ def _state_passing_kernel(
         slot = tl.load(final_idx_ptr + seg)
         if (slot >= 0) & (count > 0):
             dst = final_ptr + slot.to(tl.int64) * stride_final_s + h * stride_final_h
-            tl.store(dst + offs_p * stride_final_p + offs_n * stride_final_n, s.to(final_ptr.dtype.element_ty), mask=mask)
+            elem = (slot * tl.num_programs(1) + h) * (P * N) + offs  # offs = p * N + n
+            tl.store(dst + offs_p * stride_final_p + offs_n * stride_final_n,
+                     _to_state_dtype(s, seed_ptr, elem, final_ptr.dtype.element_ty, STOCHASTIC_ROUND), mask=mask)
     if HAS_SEG_FINAL:
         dst = seg_final_ptr + seg.to(tl.int64) * stride_sf_s + h * stride_sf_h
         tl.store(dst + offs_p * stride_sf_p + offs_n * stride_sf_n, s.to(seg_final_ptr.dtype.element_ty), mask=mask)

@@ -35,6 +35,7 @@ class ScanSegments:
     init, init_idx    [*, H, P, N] and [n_seg] int32 (-1: start from zeros), or None
     final, final_idx  [*, H, P, N] and [n_seg] int32 (-1: not stored), or None; zero-length
                       segments never store
+    final_seed  one-element int64 tensor or None: round 16-bit ``final`` stores stochastically
     seg_final   [n_seg, H, P, N] or None: every segment's final state
     chunk_out   [n_chunks, H, P, N] or None: the state after every chunk
     """
@@ -48,6 +49,7 @@ class ScanSegments:
     final_idx: torch.Tensor | None = None
     seg_final: torch.Tensor | None = None
     chunk_out: torch.Tensor | None = None
+    final_seed: torch.Tensor | None = None
 
     @property
     def n_seg(self) -> int:
@@ -122,6 +124,7 @@ def ssd_scan_launch(
         _chunk_state_chain_kernel[(n_chunks * H * n_nblocks,)](
             x, B, table, segments.cu, segments.skip, states_in, send, dt_scratch, cs_scratch, ticket, flags,
             segments.init, segments.init_idx, segments.final, segments.final_idx, None, segments.chunk_out,
+            segments.final_seed,
             n_seg, row_len, H, P, N, H // G, n_chunks, n_nblocks,
             *x.stride(), *B.stride(), *states_in.stride(), *send.stride(),
             *_strides4(segments.init), *_strides4(segments.final), *_strides4(None), *_strides4(segments.chunk_out),
@@ -141,6 +144,7 @@ def ssd_scan_launch(
         _state_passing_kernel[(n_seg, H, triton.cdiv(P * N, cfg.block_pass))](
             states, states_in, cs_scratch, segments.cu, segments.skip,
             segments.init, segments.init_idx, segments.final, segments.final_idx, segments.seg_final, segments.chunk_out,
+            segments.final_seed,
             n_seg, P, N, n_chunks,
             *states.stride(), *states_in.stride(), *_strides4(segments.init), *_strides4(segments.final),
             *_strides4(segments.seg_final), *_strides4(segments.chunk_out),

@@ -166,17 +166,26 @@ def ssd_scan_varlen_ref(
     out: torch.Tensor | None = None,
     chunk_states_out: torch.Tensor | None = None,
     A_is_log: bool = False,
+    rand_seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`fastmamba.ops.ssd_scan_varlen` (see its docstring).
 
     The final state of sequence b is stored into ``ssm_states[cache_indices[b]]`` rounded to
-    nearest in the cache dtype; pad sequences get zero output and touch no slot.
+    nearest in the cache dtype; pad sequences get zero output and touch no slot. ``rand_seed`` is
+    accepted for signature parity and ignored: stochastic rounding differs from rounding to
+    nearest by at most one unit in the last place.
     """
+    del rand_seed
     A = decay_rates(A, A_is_log)
     T, H, P = x.shape
     bounds = [int(v) for v in cu_seqlens.tolist()]
     nseq = len(bounds) - 1
     slots = list(range(nseq)) if cache_indices is None else [int(v) for v in cache_indices.tolist()]
+    S = ssm_states.shape[0]
+    bad = [v for v in slots if v != pad_slot_id and not 0 <= v < S]
+    if bad:  # before anything is written
+        raise ValueError(f"ssd_scan_varlen_ref: `cache_indices` values must lie in [0, {S}) or equal "
+                         f"pad_slot_id={pad_slot_id}; got {bad[:4]}")
     flags = [False] * nseq if has_initial_state is None else [bool(v) for v in has_initial_state.tolist()]
     dtp = process_dt(dt, dt_bias, dt_softplus, dt_limit)
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

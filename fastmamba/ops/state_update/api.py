@@ -120,8 +120,10 @@ def selective_state_update(
             it holds A_log itself (same shapes) and the kernel computes -exp(A_log) in fp32 where it
             loads it: nothing derived from the weight is cached, so an in-place weight change is seen
             by eager calls, CUDA graphs and compiled code alike (prefer this to a cached -exp)
-    B, C    same dtype as x; G divides H, head h reads group h // (H // G)
-    D       [H, P] or [H] or None;   dt_bias [H, P] or [H] or None;   z like x or None (y *= silu(z))
+    B, C    any float dtype (e.g. fp32 next to a bf16 x, as mamba_ssm accepts); G divides H, head h
+            reads group h // (H // G)
+    D       [H, P] or [H] or None;   dt_bias [H, P] or [H] or None (any float dtype);
+    z       like x (same dtype) or None (y *= silu(z))
     state_batch_indices     [B] int32/int64 or None (row b); rows equal to ``pad_slot_id`` are
                             skipped: no state read or write, y row zeroed
     dst_state_batch_indices [B] int32/int64 or None: where the new state goes (pad: not written)
@@ -133,6 +135,9 @@ def selective_state_update(
                             Advance it every step, or the same random numbers repeat.
     out                     like x, or None (allocated contiguous)
 
+    Precision: every input is converted to fp32 as it is loaded (so dt, A, B, C, D and dt_bias may
+    each be fp32, bf16 or fp16 whatever x is); the recurrence, the output's reduction, the D skip
+    and the gate run in fp32; y is rounded once to x's dtype and the state once to its own dtype.
     When A, dt, dt_bias and D are stride-0 over P (and A over N), they are loaded as one scalar per
     head. Returns y (``out`` when given). Reference: ``fastmamba.ops.state_update.ref``.
     """
@@ -166,7 +171,10 @@ def selective_state_update(
     check_shape(OP, "C", C, bc_expected[:-2] + [("G", ngroups), ("N", dstate)])
     if nheads % ngroups != 0:
         raise ValueError(f"{OP}: the number of groups G={ngroups} (from `B`) must divide the number of heads H={nheads}")
-    check_same_dtype(OP, [("x", x), ("B", B), ("C", C)] + ([("z", z)] if z is not None else []))
+    check_dtype(OP, "B", B, FLOAT_DTYPES)  # fp32 B / C next to 16-bit x, as mamba_ssm's callers pass them
+    check_dtype(OP, "C", C, FLOAT_DTYPES)
+    if z is not None:
+        check_same_dtype(OP, [("x", x), ("z", z)])
 
     if dt.dim() == x.dim() - 1 and not no_heads:  # [B, H] / [B, T, H]: broadcast over P
         check_shape(OP, "dt", dt, [("B", nreq)] + tok + [("H", nheads)])
@@ -177,8 +185,12 @@ def selective_state_update(
         check_shape(OP, "A", A, [("H", nheads)])
         A = A[:, None, None].expand(nheads, headdim, dstate)
     check_shape(OP, "A", A, [("H", nheads), ("P", headdim), ("N", dstate)])
+    check_dtype(OP, "A", A, FLOAT_DTYPES)
     D = _per_head("D", D, nheads, headdim)
     dt_bias = _per_head("dt_bias", dt_bias, nheads, headdim)
+    for name, t in (("D", D), ("dt_bias", dt_bias)):
+        if t is not None:
+            check_dtype(OP, name, t, FLOAT_DTYPES)
     if z is not None:
         check_shape(OP, "z", z, [(k, v) for k, v in zip("BTHP" if multi_token else "BHP", x.shape)])
 

@@ -35,7 +35,7 @@ def _store_state(s, state_ptr, row_off, slot, h, nheads, s_tile_off, mask, seed_
 def _selective_state_update_kernel(
     state_ptr, x_ptr, dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, out_ptr,
     src_idx_ptr, dst_idx_ptr, inter_ptr, seed_ptr,
-    T, heads_per_group, pad_slot_id,
+    T, heads_per_group, pad_slot_id, n_slots,
     stride_state_s, stride_state_h, stride_state_p: tl.constexpr, stride_state_n,
     stride_x_b, stride_x_t, stride_x_h, stride_x_p,
     stride_dt_b, stride_dt_t, stride_dt_h, stride_dt_p,
@@ -73,8 +73,10 @@ def _selective_state_update_kernel(
         dst = tl.load(dst_idx_ptr + b).to(tl.int64)
     else:
         dst = src
-    valid = src != pad_slot_id
-    write_state = valid & (dst != pad_slot_id)
+    # a slot outside [0, S) acts as the pad slot (indices not range-checked on the host: CUDA-graph
+    # capture, torch.compile, trusted_inputs()): nothing is ever read or written outside the pool
+    valid = (src != pad_slot_id) & (src >= 0) & (src < n_slots)
+    write_state = valid & (dst != pad_slot_id) & (dst >= 0) & (dst < n_slots)
 
     # per-head parameters (scalars when tied over P and N, as Mamba-2 calls it)
     if TIE_HDIM:
@@ -175,7 +177,7 @@ def launch_selective_state_update(
     _selective_state_update_kernel[grid](
         state, x, dt, dt_bias, A, B, C, D, z, out,
         src_idx, dst_idx, inter, seed,
-        ntok, nheads // ngroups, pad_slot_id,
+        ntok, nheads // ngroups, pad_slot_id, state.shape[0],
         *state.stride(), *x.stride(), *dt.stride(), *strides(dt_bias, 2), *A.stride(),
         *B.stride(), *C.stride(), *strides(D, 2), *strides(z, 4), *out.stride(), *strides(inter, 5),
         HAS_DT_BIAS=dt_bias is not None, HAS_D=D is not None, HAS_Z=z is not None,

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fastmamba.ops._common.checks import check_index_values
+
 
 def selective_state_update_ref(
     state: torch.Tensor,
@@ -42,6 +44,11 @@ def selective_state_update_ref(
     state to nearest: stochastic rounding differs from it by at most one unit in the last place.
     """
     del rand_seed
+    # every slot index is checked before anything is written (no partial writes, no row S-3 for -3)
+    check_index_values("selective_state_update_ref", "state_batch_indices", state_batch_indices, state.shape[0],
+                       pad_slot_id)
+    check_index_values("selective_state_update_ref", "dst_state_batch_indices", dst_state_batch_indices,
+                       state.shape[0], pad_slot_id)
     no_heads = x.dim() == 2  # mamba_ssm's (B, D) form: one "head" of P = D channels
     multi_token = x.dim() == 4
     if no_heads:

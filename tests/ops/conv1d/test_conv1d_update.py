@@ -360,6 +360,36 @@ def test_docstring_examples():
     assert doctest.testmod(conv1d_api, raise_on_error=False).failed == 0
 
 
+# ---- drop-in dtypes: fp32 weight / bias next to 16-bit activations (as causal-conv1d accepts) ------
+
+@pytest.mark.parametrize("kernel", ["columns", "rows", "vec4", "L2-accepted"])
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fp32_weight_and_bias_with_16bit_x(act, kernel, device):
+    """Computed in fp32 from the fp32 weight and bias: equal to the reference run on the same fp32
+    tensors (not on 16-bit copies of them)."""
+    case = dataclasses.replace(BASE, dtype=act, state_dtype=act)
+    if kernel == "vec4":
+        case = dataclasses.replace(case, extra_state=1)
+    elif kernel == "L2-accepted":
+        case = dataclasses.replace(case, L=2, mode="accepted", extra_state=2)
+    elif kernel == "columns":
+        case = dataclasses.replace(case, state_dtype=torch.float32)
+    inp = make_inputs(case, device, seed=7)
+    g = seeded(8)
+    inp["weight"] = (torch.randn(case.D, case.W, generator=g) / case.W**0.5).to(device)  # fp32, not 16-bit exact
+    inp["bias"] = (0.1 * torch.randn(case.D, generator=g)).to(device)
+    out = nan_like(inp["x"])
+    y, y_ref, state_op, state_ref = run_both(inp, out=out)
+    assert y.dtype == act
+    torch.testing.assert_close(y.float(), y_ref.float(), **tol(act))
+    assert_state_equal(state_op, state_ref, x_dtype=act)
+    # the fp32 weight is used as it is: rounding it to x's dtype first gives a different answer
+    y16 = causal_conv1d_update_ref(inp["x"], inp["conv_state"].clone(), inp["weight"].to(act), inp["bias"].to(act),
+                                   inp["activation"], inp["cache_seqlens"], inp["conv_state_indices"],
+                                   num_accepted_tokens=inp["num_accepted_tokens"])
+    assert not torch.equal(y16, y)
+
+
 # ---- bad input: each raises before any write ---------------------------------------------------
 
 
@@ -376,11 +406,11 @@ BAD_INPUTS = [
     pytest.param(_bad(x=lambda i: i["x"][:, :, None, None]), ValueError, "`x` expected shape", id="x-rank4"),
     pytest.param(_bad(x=lambda i: i["x"][:, :40]), ValueError, "`weight` expected shape", id="x-D-mismatch"),
     pytest.param(_bad(x=lambda i: i["x"].long()), TypeError, "`x`", id="x-int"),
-    pytest.param(_bad(weight=lambda i: i["weight"].half()), TypeError, "`weight`", id="weight-dtype"),
+    pytest.param(_bad(weight=lambda i: i["weight"].int()), TypeError, "`weight` expected dtype", id="weight-int"),
     pytest.param(_bad(weight=lambda i: i["weight"].repeat(1, 2)[:, :7]), ValueError, "got 7", id="width-7"),
     pytest.param(_bad(weight=lambda i: i["weight"][:, :1]), ValueError, "got 1", id="width-1"),
     pytest.param(_bad(bias=lambda i: i["bias"][:10]), ValueError, "`bias`", id="bias-shape"),
-    pytest.param(_bad(bias=lambda i: i["bias"].half()), TypeError, "`bias`", id="bias-dtype"),
+    pytest.param(_bad(bias=lambda i: i["bias"].int()), TypeError, "`bias` expected dtype", id="bias-int"),
     pytest.param(_bad(activation=lambda i: "relu"), ValueError, "`activation`", id="act-relu"),
     pytest.param(_bad(conv_state=lambda i: i["conv_state"][:, :40]), ValueError, "`conv_state`", id="state-D-mismatch"),
     pytest.param(_bad(conv_state=lambda i: i["conv_state"][:, :, :2]), ValueError, "state_len", id="state-too-short"),

@@ -433,3 +433,184 @@ def test_varlen_A_is_log_matches_reference(device, state_dtype):
     _close(mine, theirs, state_dtype)
     torch.testing.assert_close(ref, want, atol=0, rtol=0)
     assert torch.equal(theirs, explicit)
+
+
+# ---- rand_seed: stochastic rounding of the 16-bit final states stored into the cache slots ------
+
+def _seed(v, device):
+    return torch.tensor([v], dtype=torch.int64, device=device)
+
+
+def _neighbour(rn: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The representable value next to ``rn`` (a 16-bit tensor) on the side of ``v`` (fp32); rn
+    itself where rn == v. Stepping the integer bits moves one unit in the last place."""
+    bits = rn.view(torch.int16)
+    step = torch.where(rn.float().abs() < v.abs(), 1, -1).to(torch.int16)
+    other = (bits + step).view(rn.dtype)
+    return torch.where(rn.float() == v, rn, other)
+
+
+@pytest.mark.parametrize("state_dtype,chain", [(torch.float16, False), (torch.bfloat16, False), (torch.float16, True)],
+                         ids=["fp16", "bf16", "fp16-chain"])
+def test_varlen_rand_seed_changes_and_reproduces_the_stored_state(device, monkeypatch, state_dtype, chain):
+    if chain:
+        from fastmamba.ops._common.dispatch import interpreter_enabled
+        from fastmamba.ops.ssd_scan import configs
+
+        base = configs.pick_config(2, 16, 16, 4, interpreter=interpreter_enabled())
+        monkeypatch.setattr(configs, "_forced", base._replace(chain=1))
+    lens = [21, 9]
+    inp, cu, states = _varlen_case(device, lens, H=2, P=16, G=1, N=16, state_dtype=state_dtype, seed=91)
+    slots = torch.tensor([3, 0], dtype=torch.int32, device=device)
+    flags = torch.tensor([1, 1], dtype=torch.bool, device=device)
+    kw = dict(chunk_size=16, D=inp["D"], z=inp["z"], dt_bias=inp["dt_bias"], cache_indices=slots,
+              has_initial_state=flags)
+    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"])
+    runs = {}
+    for name, seed in (("rn", None), ("s1", 1), ("s1again", 1), ("s2", 2)):
+        st = states.clone()
+        out = ssd_scan_varlen(*args, st, cu, rand_seed=None if seed is None else _seed(seed, device), **kw)
+        runs[name] = (out, st)
+    rn_out, rn = runs["rn"]
+    for name, (out, st) in runs.items():
+        assert torch.equal(out, rn_out), name  # outputs never depend on the seed
+        others = [s for s in range(states.shape[0]) if s not in (3, 0)]
+        assert torch.equal(st[others], states[others]), name
+        # each stored value is round-to-nearest's or one unit in the last place next to it
+        step = (st.view(torch.int16).int() - rn.view(torch.int16).int()).abs()
+        assert int(step.max()) <= 1, name
+    assert torch.equal(runs["s1"][1], runs["s1again"][1])  # the same seed reproduces bit for bit
+    assert not torch.equal(runs["s1"][1], runs["s2"][1])  # another seed rounds differently
+    assert not torch.equal(runs["s1"][1], rn)
+    ref = ssd_scan_varlen_ref(*args, states.clone(), cu, **kw)
+    _close(rn_out, ref, state_dtype)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float16, torch.bfloat16])
+def test_varlen_rand_seed_rounds_to_a_neighbour_without_bias(device, state_dtype):
+    """x = 0, so each stored state is init * exp(sum of a) computed in fp32, which an fp32 cache
+    stores exactly: eight sequences with the same inputs and initial state in eight slots give
+    eight independent roundings of the same fp32 values per call, 32 over four seeds."""
+    nseq, H, P, N, L = 8, 1, 16, 16, 12
+    lens = [L] * nseq
+    inp, cu, _ = _varlen_case(device, lens, H=H, P=P, G=1, N=N, seed=93)
+    x = torch.zeros_like(inp["x"])
+    dt = (torch.randn(L, H, generator=seeded(94)) * 0.3 - 4.0).repeat(nseq, 1).to(device)
+    init = torch.randn(H, P, N, generator=seeded(95)).to(device)
+    slots = torch.arange(nseq, dtype=torch.int32, device=device).flip(0)
+    flags = torch.ones(nseq, dtype=torch.bool, device=device)
+    kw = dict(chunk_size=16, cache_indices=slots, has_initial_state=flags, dt_softplus=True)
+    args = (x, dt, inp["A"], inp["B"], inp["C"])
+    init16 = init.to(state_dtype)
+    exact = init16.float().expand(nseq, H, P, N).clone()
+    ssd_scan_varlen(*args, exact, cu, **kw)
+    v = exact[0]
+    assert torch.equal(exact, v.expand_as(exact))  # the same fp32 value in every slot
+    seeded_fp32 = init16.float().expand(nseq, H, P, N).clone()
+    ssd_scan_varlen(*args, seeded_fp32, cu, rand_seed=_seed(5, device), **kw)
+    assert torch.equal(seeded_fp32, exact)  # an fp32 cache ignores the seed
+    rn = v.to(state_dtype)
+    other = _neighbour(rn, v)
+    samples = []
+    for seed in range(4):
+        st = init16.expand(nseq, H, P, N).clone()
+        ssd_scan_varlen(*args, st, cu, rand_seed=_seed(1000 + seed, device), **kw)
+        assert ((st == rn) | (st == other)).all(), f"seed {seed}: a value that is neither neighbour"
+        samples.append(st)
+    samples = torch.cat(samples).float()  # [32, H, P, N]
+    gap = (other.float() - rn.float()).abs()
+    live = gap > 0
+    err = (samples.mean(0) - v)[live] / gap[live]  # per element, in units of the gap
+    rn_err = (rn.float() - v)[live] / gap[live]
+    # 32 Bernoulli draws: |mean error| <= 0.07 of a unit; rounding to nearest gives ~0.25
+    assert err.abs().mean() < 0.12, f"mean |bias| {err.abs().mean():.3f} units (nearest: {rn_err.abs().mean():.3f})"
+    assert abs(float(err.mean())) < 0.03
+    assert rn_err.abs().mean() > 0.15
+
+
+def test_varlen_rand_seed_bad_input(device):
+    inp, cu, states = _varlen_case(device, [5, 7], H=2, P=16, G=1, N=16, state_dtype=torch.float16, seed=96)
+    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], states, cu)
+    before = states.clone()
+    with pytest.raises(TypeError, match="ssd_scan_varlen: `rand_seed` expected dtype in \\(int64\\), got int32"):
+        ssd_scan_varlen(*args, rand_seed=torch.tensor([1], dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="ssd_scan_varlen: `rand_seed` must hold one element"):
+        ssd_scan_varlen(*args, rand_seed=torch.tensor([1, 2], device=device))
+    assert torch.equal(states, before)
+
+
+# ---- no write outside the state pool ------------------------------------------------------------
+
+@pytest.fixture(params=["kernel", "reference"])
+def scan_path(request, monkeypatch):
+    """'kernel': the Triton kernels (interpreter on CPU); 'reference': the public op falling back to
+    ssd_scan_varlen_ref, as on a CPU without the interpreter."""
+    if request.param == "reference":
+        from fastmamba.ops.ssd_scan import api
+
+        monkeypatch.setattr(api, "use_triton", lambda t: False)
+    return request.param
+
+
+def test_varlen_index_changed_behind_version_counter_raises(device, scan_path):
+    lens = [9, 14]
+    inp, cu, states = _varlen_case(device, lens, H=2, P=16, G=1, N=16, seed=101)
+    S = states.shape[0]
+    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], states, cu)
+    idx = torch.tensor([2, 0], dtype=torch.int32, device=device)
+    kw = dict(chunk_size=16, cache_indices=idx, has_initial_state=torch.ones(2, dtype=torch.bool, device=device))
+    ssd_scan_varlen(*args, **kw)  # checked and run once
+    after_first = states.clone()
+    idx.data[0] = S + 3  # behind the version counter: a cached check would miss it
+    with pytest.raises(ValueError, match=rf"ssd_scan_varlen: `cache_indices` values must lie in \[0, {S}\).*{S + 3}"):
+        ssd_scan_varlen(*args, **kw)
+    assert torch.equal(states, after_first)
+
+
+def test_varlen_out_of_range_index_in_trusted_inputs_stays_in_the_pool(device, scan_path):
+    """Inside trusted_inputs() the op does not read the indices on the host: the kernels treat
+    an index outside [0, S) as the pad slot (no read, no write, zero output); the reference
+    validates before writing and raises. Either way the rows around the pool stay bit-identical."""
+    from fastmamba.ops._common.host_values import trusted_inputs
+
+    lens = [9, 14, 5, 7]
+    H, P, N = 2, 16, 16
+    inp, cu, _ = _varlen_case(device, lens, H=H, P=P, G=1, N=N, seed=102)
+    S = 5
+    big = torch.randn(S + 4, H, P, N, generator=seeded(103)).to(device)
+    before = big.clone()
+    pool = big[2:2 + S]  # guard rows 0, 1 and S + 2, S + 3
+    slots = torch.tensor([S + 1, 1, -3, S], dtype=torch.int32, device=device)
+    flags = torch.ones(4, dtype=torch.bool, device=device)
+    kw = dict(chunk_size=16, D=inp["D"], dt_bias=inp["dt_bias"], has_initial_state=flags)
+    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"])
+    out = nan_like(inp["x"])
+    if scan_path == "reference":
+        with trusted_inputs(), pytest.raises(ValueError, match=r"values must lie in \[0, 5\)"):
+            ssd_scan_varlen(*args, pool, cu, cache_indices=slots, out=out, **kw)
+        assert torch.equal(big, before)
+        return
+    with trusted_inputs():
+        ssd_scan_varlen(*args, pool, cu, cache_indices=slots, out=out, **kw)
+    guard = [0, 1, S + 2, S + 3]
+    assert torch.equal(big[guard], before[guard])
+    # what the same call does with the out-of-range sequences marked as padding
+    want_pool = before[2:2 + S].clone()
+    padded = torch.tensor([PAD, 1, PAD, PAD], dtype=torch.int32, device=device)
+    want = ssd_scan_varlen_ref(*args, want_pool, cu, cache_indices=padded, **kw)
+    _close(out, want, torch.float32)
+    assert torch.equal(out[:9], torch.zeros_like(out[:9]))
+    _close(pool, want_pool, torch.float32)
+    untouched = [0, 2, 3, 4]
+    assert torch.equal(pool[untouched], before[2:2 + S][untouched])
+
+
+def test_varlen_reference_validates_indices_before_writing(device):
+    inp, cu, states = _varlen_case(device, [6, 4], H=2, P=16, G=1, N=16, seed=104)
+    before = states.clone()
+    for bad in (states.shape[0], -2):
+        slots = torch.tensor([0, bad], dtype=torch.int32, device=device)  # the valid one comes first
+        with pytest.raises(ValueError, match="ssd_scan_varlen_ref: `cache_indices`"):
+            ssd_scan_varlen_ref(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], states, cu, chunk_size=16,
+                                cache_indices=slots)
+        assert torch.equal(states, before)

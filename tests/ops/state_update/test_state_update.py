@@ -202,6 +202,30 @@ def test_A_is_log_equals_minus_exp(tokens, A_form, device):
         assert not torch.allclose(s2, s_log)
 
 
+@pytest.mark.parametrize("tokens", [0, 2], ids=["single-token", "T2"])
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fp32_B_C_D_dt_bias_dt_with_16bit_x(act, tokens, device):
+    """The drop-in dtype mix of mamba_ssm's callers: fp32 B, C, D, dt_bias and dt next to a 16-bit
+    x (and z). Computed in fp32 from those fp32 tensors: equal to the reference run on the same
+    fp32 tensors."""
+    c = dataclasses.replace(BASE, tokens=tokens)  # fp32 inputs, then x and z rounded to `act`
+    state, (x, dt, A, Bm, Cm), kw = make_inputs(c, device, seed=12)
+    x16 = x.to(act)
+    kw = dict(kw, z=kw["z"].to(act))
+    assert Bm.dtype == Cm.dtype == dt.dtype == kw["D"].dtype == kw["dt_bias"].dtype == torch.float32
+    state0, ref_state = state.clone(), state.clone()
+    out = nan_like(x16)
+    y = selective_state_update(state, x16, dt, A, Bm, Cm, **kw, out=out)
+    y_ref = selective_state_update_ref(ref_state, x16, dt, A, Bm, Cm, **kw)
+    assert y.dtype == act
+    torch.testing.assert_close(y.float(), y_ref.float(), **tol(act))
+    torch.testing.assert_close(state, ref_state, **tol(torch.float32))  # fp32 state: every input was fp32 or exact
+    # rounding B and C to 16 bits first (what a same-dtype API forces on callers) changes the state
+    s16 = state0.clone()
+    selective_state_update_ref(s16, x16, dt, A, Bm.to(act), Cm.to(act), **kw)
+    assert not torch.allclose(s16, ref_state, atol=1e-6, rtol=1e-6)
+
+
 @pytest.fixture(params=[True, False], ids=["store-early", "store-late"])
 def store_placement(request, monkeypatch):
     """Both places the kernel may store the final state (configs.STORE_EARLY; the small shapes
@@ -347,7 +371,7 @@ def _bad(mutate, match, exc=ValueError):
     (lambda a: a.update(B=a["B"][:, :, :8]), r"`B` expected shape .*N=16", ValueError),
     (lambda a: a.update(C=a["C"][:, :1]), r"`C` expected shape", ValueError),
     (lambda a: a.update(B=torch.randn(2, 3, 16), C=torch.randn(2, 3, 16)), r"G=3 .* must divide .* H=4", ValueError),
-    (lambda a: a.update(B=a["B"].half()), r"`B` has dtype float16", TypeError),
+    (lambda a: a.update(B=a["B"].int()), r"`B` expected dtype", TypeError),
     (lambda a: a.update(x=a["x"].int()), r"`x` expected dtype", TypeError),
     (lambda a: a.update(state_batch_indices=torch.tensor([0, 99], dtype=torch.int32)), r"\[0, 5\).*\[99\]", ValueError),
     (lambda a: a.update(state_batch_indices=torch.tensor([0, 1.0])), r"expected dtype in \(int32, int64\)", TypeError),
@@ -356,7 +380,7 @@ def _bad(mutate, match, exc=ValueError):
     (lambda a: a.update(z=a["z"].to("meta")), r"`z` is on meta", ValueError),
     (lambda a: a.update(out=torch.empty(2, 4, 24, dtype=torch.float16)), r"`out` has dtype float16", TypeError),
     (lambda a: a.update(rand_seed=torch.tensor([1, 2])), r"`rand_seed` must hold one element", ValueError),
-], ids=["x-rank", "x-rank5", "B-N", "C-G", "G-divides-H", "dtype-mismatch", "int-x", "slot-range",
+], ids=["x-rank", "x-rank5", "B-N", "C-G", "G-divides-H", "B-int", "int-x", "slot-range",
         "float-index", "dt_bias", "z-shape", "device", "out-dtype", "seed"])
 def test_bad_input(mutate, match, exc):
     _bad(mutate, match, exc)
@@ -463,3 +487,13 @@ def test_pick_config_table(monkeypatch):
     assert pick(640, 2, False) == (16, 1) and pick(640, 2, True) == (16, 1)
     assert pick(5120, 4, True) == (16, 1) and pick(20480, 2, False) == (16, 1)
     assert ssu_configs.pick_config(programs_per_block=640, headdim=32, dstate=256, state_bytes=4, pdl=True) == (16, 2)
+
+
+def test_expanded_A_under_inference_mode():
+    """Inference tensors carry no version counter: computed afresh, never a crash."""
+    with torch.inference_mode():
+        A_log = torch.randn(3)
+        a = expanded_A(A_log, 4, 2)
+        torch.testing.assert_close(a[:, 0, 0], -torch.exp(A_log))
+        A_log.sub_(1.0)
+        torch.testing.assert_close(expanded_A(A_log, 4, 2)[:, 0, 0], -torch.exp(A_log))
