@@ -216,11 +216,10 @@ class Mamba2Mixer(nn.Module):
         x, B, C = self._split_xbc(xbc)
         gate = z.reshape(T, H, P) if self._gate_in_scan() else None
         A, A_is_log = self._A_heads()
-        seed = {} if rand_seed is None else {"rand_seed": rand_seed}  # (an older scan has no such keyword)
         y = ssd_scan_varlen(
             x.reshape(T, H, P), dt, A, B.reshape(T, G, N), C.reshape(T, G, N), ssm_state, cu_seqlens,
             chunk_size=c.chunk_size, D=self.D, z=gate, dt_bias=self.dt_bias, dt_softplus=True,
-            cache_indices=slots, has_initial_state=has_initial_state, A_is_log=A_is_log, **seed,
+            cache_indices=slots, has_initial_state=has_initial_state, A_is_log=A_is_log, rand_seed=rand_seed,
         )
         y = self.norm(y.reshape(T, c.d_inner), None if self._gate_in_scan() else z)
         return self.out_proj(y)
