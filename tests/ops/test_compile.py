@@ -140,3 +140,26 @@ def test_eager_ops_under_inference_mode():
             cache.flush(slots)
             results.append((y1, y2, *cache))
     _assert_same(results[1], results[0])
+
+
+def test_eager_calls_skip_the_dispatcher_but_fake_mode_does_not(monkeypatch):
+    """Plain eager calls run the op's implementation directly (host time, issue 19); under a Python
+    dispatch mode (FakeTensorMode, as tracing uses) the registered custom op and its fake impl run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import fastmamba.ops.conv1d.api as conv1d_api
+    import fastmamba.ops.state_update.api as ssu_api
+    from fastmamba.ops._common.host_values import trusted_inputs
+
+    inp = _inputs(seed=6)
+    calls = []
+    for mod, name in ((ssu_api, "_selective_state_update_op"), (conv1d_api, "_causal_conv1d_update_")):
+        registered = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=registered, **k: (calls.append(_r), _r(*a, **k))[1])
+    expect = _run(decode_step, inp)
+    assert calls == []  # eager: straight to the implementation
+    with FakeTensorMode() as mode, trusted_inputs():
+        fake = {k: mode.from_tensor(v) for k, v in inp.items()}
+        yc, y = decode_step(**fake)
+    assert len(calls) == 2  # both through the registered ops (fake impls: no kernel ran on fake tensors)
+    assert yc.shape == expect[0].shape and y.shape == expect[1].shape

@@ -19,6 +19,36 @@ def _fmt_shape(shape: Sequence[object]) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ")"
 
 
+def check_tensors(op: str, required: Sequence[tuple[str, object]], optional: Sequence[tuple[str, object]] = ()) -> None:
+    """TypeError unless each ``required`` value is a torch.Tensor and each ``optional`` one a
+    tensor or None (a list, a number or None where a tensor is needed would otherwise fail later
+    with an AttributeError that names nothing)."""
+    for name, t in required:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: `{name}` expected a torch.Tensor, got {type(t).__name__}")
+    for name, t in optional:
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: `{name}` expected a torch.Tensor or None, got {type(t).__name__}")
+
+
+def check_int(op: str, name: str, value: object) -> int:
+    """``value`` as an int; TypeError for anything but an integer (bool excluded, float refused:
+    1.5 or "a" as a slot id would otherwise compare unequal to every index)."""
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)) and not hasattr(value, "__index__"):
+        raise TypeError(f"{op}: `{name}` expected an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def check_flag(op: str, name: str, value: object) -> bool:
+    """``value`` as a bool: True / False (or 0 / 1); anything else ("no", 0.5, None...) is a TypeError,
+    not silently truthy."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{op}: `{name}` expected a bool, got {type(value).__name__} {value!r}")
+
+
 def check_shape(op: str, name: str, t: torch.Tensor, expected: Sequence[tuple[str, int | None]]) -> None:
     """Raise ValueError unless ``t.shape`` matches ``expected``.
 

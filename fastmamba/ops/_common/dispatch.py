@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
 def interpreter_enabled() -> bool:
@@ -26,3 +27,17 @@ def inline_asm_ok(t: torch.Tensor) -> bool:
     """Whether a kernel launched on ``t`` may run inline PTX (the approximate-math paths): a CUDA
     tensor outside the interpreter, which runs no inline assembly."""
     return t.is_cuda and not interpreter_enabled()
+
+
+def call_directly() -> bool:
+    """Whether a public op may call its registered custom op's implementation as a plain Python
+    function, skipping the dispatcher (issue 19: the ``torch.library`` round trip -- argument
+    defaults, the autograd key, the redispatch -- is most of an eager call's host time).
+
+    Only in plain eager use: not while torch.compile / export traces (it must see the custom op and
+    its fake impl), not under a Python dispatch mode (FakeTensorMode, functionalization, a user's
+    TorchDispatchMode) nor a torch-function mode. CUDA-graph capture records the same kernels
+    either way.
+    """
+    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and not torch._C._is_torch_function_mode_enabled())

@@ -15,8 +15,10 @@ from fastmamba.ops._common.checks import (
     check_same_dtype,
     check_shape,
     parse_activation,
+    check_tensors,
+    check_int,
 )
-from fastmamba.ops._common.dispatch import use_triton
+from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops.conv1d.kernel import causal_conv1d_update_launch
 from fastmamba.ops.conv1d.ref import causal_conv1d_update_ref
 
@@ -78,13 +80,18 @@ def causal_conv1d_update(
     tensor([[[0., 3., 1.],
              [1., 1., 2.]]])
     """
+    check_tensors(_OP, [("x", x), ("conv_state", conv_state), ("weight", weight)],
+                  [("bias", bias), ("cache_seqlens", cache_seqlens), ("conv_state_indices", conv_state_indices),
+                   ("num_accepted_tokens", num_accepted_tokens), ("out", out)])
+    pad_slot_id = check_int(_OP, "pad_slot_id", pad_slot_id)
     silu = parse_activation(_OP, activation)
     _check_inputs(
         x, conv_state, weight, bias, cache_seqlens, conv_state_indices, num_accepted_tokens, out, pad_slot_id
     )
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    torch.ops.fastmamba.causal_conv1d_update_(
+    op = _causal_conv1d_update_impl if call_directly() else _causal_conv1d_update_
+    op(
         x, conv_state, weight, bias, cache_seqlens, conv_state_indices, num_accepted_tokens, out, silu, pad_slot_id
     )
     return out
@@ -92,8 +99,7 @@ def causal_conv1d_update(
 
 # Registered so torch.compile and CUDA-graph capture see the in-place writes. The schema is
 # inferred from these annotations (typing.Optional, which every supported torch version reads).
-@torch.library.custom_op("fastmamba::causal_conv1d_update_", mutates_args=("conv_state", "out"))
-def _causal_conv1d_update_(
+def _causal_conv1d_update_impl(
     x: torch.Tensor,
     conv_state: torch.Tensor,
     weight: torch.Tensor,
@@ -118,6 +124,11 @@ def _causal_conv1d_update_(
             x, conv_state, weight, bias, "silu" if silu else None, cache_seqlens, conv_state_indices,
             pad_slot_id=pad_slot_id, num_accepted_tokens=num_accepted_tokens, out=out,
         )
+
+
+# plain eager calls skip the dispatcher (dispatch.call_directly) and run the same function
+_causal_conv1d_update_ = torch.library.custom_op(
+    "fastmamba::causal_conv1d_update_", mutates_args=("conv_state", "out"))(_causal_conv1d_update_impl)
 
 
 @_causal_conv1d_update_.register_fake

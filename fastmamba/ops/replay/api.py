@@ -14,8 +14,11 @@ from fastmamba.ops._common.checks import (
     check_same_device,
     check_same_dtype,
     check_shape,
+    check_tensors,
+    check_int,
+    check_flag,
 )
-from fastmamba.ops._common.dispatch import interpreter_enabled, use_triton
+from fastmamba.ops._common.dispatch import call_directly, interpreter_enabled, use_triton
 from fastmamba.ops._common.pdl import pdl_active, pdl_supported, sm_count
 from fastmamba.ops._common.slot_rows import scatter_rows
 from fastmamba.ops.replay import configs
@@ -155,6 +158,10 @@ def commit_accepted(
     ([0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 1, 0])
     """
     op = "commit_accepted"
+    check_tensors(op, [("buf_idx", buf_idx), ("prev_accepted", prev_accepted), ("hist_len", hist_len),
+                       ("accepted", accepted)], [("slots", slots)])
+    tokens, history = check_int(op, "tokens", tokens), check_int(op, "history", history)
+    pad_slot_id = check_int(op, "pad_slot_id", pad_slot_id)
     for name, t in (("buf_idx", buf_idx), ("prev_accepted", prev_accepted), ("hist_len", hist_len)):
         check_dtype(op, name, t, INDEX_DTYPES)
     nslots = buf_idx.shape[0]
@@ -210,6 +217,8 @@ def flush_replay_cache(cache: ReplayCache, slots: torch.Tensor, *, pad_slot_id: 
     nearest.
     """
     op = "flush_replay_cache"
+    check_tensors(op, [("slots", slots)])
+    pad_slot_id = check_int(op, "pad_slot_id", pad_slot_id)
     state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len = cache
     nslots, H = state.shape[0], state.shape[1]
     check_indices(op, "slots", slots, slots.shape[0], nslots, pad_slot_id)
@@ -263,11 +272,7 @@ def _per_head(name: str, t: torch.Tensor | None, shapes: list[list[tuple[str, in
 
 # Registered so torch.compile and CUDA-graph capture see the in-place writes. The schema is
 # inferred from these annotations (typing.Optional, which every supported torch version reads).
-@torch.library.custom_op(
-    "fastmamba::replay_selective_state_update_",
-    mutates_args=("state", "old_x", "old_B", "old_dt", "old_cumA", "out"),
-)
-def _replay_op(
+def _replay_impl(
     state: torch.Tensor,
     old_x: torch.Tensor,
     old_B: torch.Tensor,
@@ -391,6 +396,13 @@ def checkpoint_programs(x: torch.Tensor, num_warps: int) -> int:
     return sm_count(x) * max(1, 32 // num_warps) if x.is_cuda else 4
 
 
+# plain eager calls skip the dispatcher (dispatch.call_directly) and run the same function
+_replay_op = torch.library.custom_op(
+    "fastmamba::replay_selective_state_update_",
+    mutates_args=("state", "old_x", "old_B", "old_dt", "old_cumA", "out"),
+)(_replay_impl)
+
+
 @_replay_op.register_fake
 def _(*args, **kwargs) -> None:
     return None
@@ -475,6 +487,14 @@ def replay_selective_state_update(
     Returns y [B, T, H, P] (``out`` when given).
     Reference: ``fastmamba.ops.replay.ref.replay_selective_state_update_ref``.
     """
+    check_tensors(OP, [("state", state), ("old_x", old_x), ("old_B", old_B), ("old_dt", old_dt),
+                       ("old_cumA", old_cumA), ("buf_idx", buf_idx), ("prev_accepted", prev_accepted),
+                       ("hist_len", hist_len), ("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)],
+                  [("D", D), ("z", z), ("dt_bias", dt_bias), ("state_batch_indices", state_batch_indices),
+                   ("out", out), ("rand_seed", rand_seed)])
+    pad_slot_id = check_int(OP, "pad_slot_id", pad_slot_id)
+    dt_softplus = check_flag(OP, "dt_softplus", dt_softplus)
+    A_is_log = check_flag(OP, "A_is_log", A_is_log)
     check_dtype(OP, "x", x, FLOAT_DTYPES)
     check_dtype(OP, "state", state, FLOAT_DTYPES)
     if x.dim() != 4:
@@ -512,6 +532,9 @@ def replay_selective_state_update(
     check_dtype(OP, "A", A, FLOAT_DTYPES)
     D = _per_head("D", D, [[("H", nheads)], [("H", nheads), ("P", headdim)]])
     dt_bias = _per_head("dt_bias", dt_bias, [[("H", nheads)], [("H", nheads), ("P", headdim)]])
+    for name, t in (("D", D), ("dt_bias", dt_bias)):
+        if t is not None:
+            check_dtype(OP, name, t, FLOAT_DTYPES)
     if z is not None:
         check_shape(OP, "z", z, [(k, v) for k, v in zip("BTHP", x.shape)])
 
@@ -536,7 +559,8 @@ def replay_selective_state_update(
         check_shape(OP, "out", out, [(k, v) for k, v in zip("BTHP", x.shape)])
         check_same_dtype(OP, [("x", x), ("out", out)])
 
-    _replay_op(
+    op = _replay_impl if call_directly() else _replay_op
+    op(
         state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, dt, A, B, C, D, z, dt_bias,
         bool(dt_softplus), state_batch_indices, int(pad_slot_id), out, rand_seed, bool(A_is_log),
     )

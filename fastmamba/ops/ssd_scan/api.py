@@ -14,7 +14,7 @@ from fastmamba.ops._common.checks import (
     check_shape,
 )
 from fastmamba.ops._common.dispatch import use_triton
-from fastmamba.ops._common.host_values import host_list, host_reads_allowed
+from fastmamba.ops._common.host_values import compiling, host_list, host_reads_allowed
 from fastmamba.ops.ssd_scan.launch import ScanSegments, ssd_scan_launch
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
 
@@ -76,6 +76,7 @@ def _check_common(op, x, dt, A, B, C, D, z, dt_bias, lead):
         if t.dtype != x.dtype:
             raise TypeError(f"{op}: `{name}` has dtype {t.dtype} but `x` has {x.dtype}; they must match")
     if D is not None:
+        check_dtype(op, "D", D, FLOAT_DTYPES)
         if tuple(D.shape) not in ((H,), (H, P)):
             raise ValueError(f"{op}: `D` expected shape (H,)=({H},) or (H, P)=({H}, {P}), got {tuple(D.shape)}")
     if z is not None:
@@ -84,6 +85,7 @@ def _check_common(op, x, dt, A, B, C, D, z, dt_bias, lead):
             raise TypeError(f"{op}: `z` has dtype {z.dtype} but `x` has {x.dtype}; they must match")
     if dt_bias is not None:
         check_shape(op, "dt_bias", dt_bias, [("H", H)])
+        check_dtype(op, "dt_bias", dt_bias, FLOAT_DTYPES)
     return H, P, G, N
 
 
@@ -136,10 +138,11 @@ def mamba_chunk_scan_combined(
         raise ValueError(f"{_DENSE}: `x` expected shape (B, L, H, P), got {tuple(x.shape)}")
     nb, L, H, P = x.shape
     _, _, G, N = _check_common(_DENSE, x, dt, A, B, C, D, z, dt_bias, [("B", nb), ("L", L)])
-    if not isinstance(chunk_size, int) or chunk_size < 1:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"{_DENSE}: `chunk_size` expected a positive int, got {chunk_size!r}")
     if initial_states is not None:
         check_shape(_DENSE, "initial_states", initial_states, [("B", nb), ("H", H), ("P", P), ("N", N)])
+        check_dtype(_DENSE, "initial_states", initial_states, FLOAT_DTYPES)
     if cu_seqlens is not None:
         if nb != 1:
             raise ValueError(f"{_DENSE}: `cu_seqlens` needs batch 1 (packed sequences in one row), got B={nb}")
@@ -150,11 +153,63 @@ def mamba_chunk_scan_combined(
     if return_varlen_states and cu_seqlens is None and seq_idx is None:
         raise ValueError(f"{_DENSE}: `return_varlen_states` needs `cu_seqlens` or `seq_idx` to know the sequences")
 
-    if not use_triton(x):
-        return mamba_chunk_scan_combined_ref(
+    out, final_states, varlen_states = torch.ops.fastmamba.mamba_chunk_scan_combined_(
+        x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, bool(dt_softplus),
+        float(dt_limit[0]), float(dt_limit[1]), bool(return_final_states), bool(return_varlen_states), state_dtype,
+        bool(A_is_log), cu_seqlens is not None and host_reads_allowed(cu_seqlens),
+    )
+    result = [out]
+    if return_final_states:
+        result.append(final_states)
+    if return_varlen_states:
+        result.append(varlen_states)
+    return result[0] if len(result) == 1 else tuple(result)
+
+
+def _nothing(x: torch.Tensor) -> torch.Tensor:
+    """The placeholder for a state the caller did not ask for (a custom op returns tensors)."""
+    return torch.empty(0, dtype=torch.float32, device=x.device)
+
+
+# A custom op, so that torch.compile(fullgraph=True) traces the public function without
+# breaking the graph at the launches (and the seq_idx host read happens when the op runs).
+@torch.library.custom_op("fastmamba::mamba_chunk_scan_combined_", mutates_args=())
+def _mamba_chunk_scan_combined_(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: Optional[torch.Tensor],
+    z: Optional[torch.Tensor],
+    dt_bias: Optional[torch.Tensor],
+    initial_states: Optional[torch.Tensor],
+    seq_idx: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    chunk_size: int,
+    dt_softplus: bool,
+    dt_min: float,
+    dt_max: float,
+    return_final_states: bool,
+    return_varlen_states: bool,
+    state_dtype: Optional[torch.dtype],
+    A_is_log: bool,
+    read_cu_seqlens: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checked inputs -> (out, final states or an empty placeholder, per-sequence states or one)."""
+    nb, L, H, P = x.shape
+    N = B.shape[-1]
+    dt_limit = (dt_min, dt_max)
+    if not use_triton(x) or nb * L == 0:  # no tokens: the reference's answer (final = initial states)
+        res = mamba_chunk_scan_combined_ref(
             x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_limit,
             return_final_states, return_varlen_states, state_dtype, A_is_log=A_is_log,
         )
+        res = list(res) if isinstance(res, tuple) else [res]
+        out = res.pop(0)
+        final = res.pop(0) if return_final_states else _nothing(x)
+        varlen = res.pop(0) if return_varlen_states else _nothing(x)
+        return out, final, varlen
     dev = x.device
     # segments in the flat token space f = row * L + position
     if cu_seqlens is not None:
@@ -165,7 +220,9 @@ def mamba_chunk_scan_combined(
         last_of_row = torch.zeros(n_seg, dtype=torch.bool, device=dev)
         last_of_row[-1] = True
         row_of_seg = torch.zeros(n_seg, dtype=torch.int32, device=dev)
-        n_chunks = (_cdiv(L, chunk_size) + n_seg) if not host_reads_allowed(cu) else num_chunks(cu, chunk_size)
+        # the exact chunk count needs a host read; where the caller may not read (decided when it
+        # called, so a compiled graph keeps its answer), an upper bound
+        n_chunks = num_chunks(cu, chunk_size) if read_cu_seqlens else _cdiv(L, chunk_size) + n_seg
     elif seq_idx is not None:
         bounds, rows, firsts, lasts = [], [], [], []
         ids = seq_idx.tolist()
@@ -210,12 +267,23 @@ def mamba_chunk_scan_combined(
         chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=tuple(dt_limit),
         state_dtype=state_dtype or torch.float32, A_is_log=A_is_log,
     )
-    result = [out]
-    if return_final_states:
-        result.append(final_states)
-    if return_varlen_states:
-        result.append(varlen_states)
-    return result[0] if len(result) == 1 else tuple(result)
+    return (out, final_states if final_states is not None else _nothing(x),
+            varlen_states if varlen_states is not None else _nothing(x))
+
+
+@_mamba_chunk_scan_combined_.register_fake
+def _(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus, dt_min, dt_max,
+      return_final_states, return_varlen_states, state_dtype, A_is_log, read_cu_seqlens):
+    nb, _, H, P = x.shape
+    N = B.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    final = x.new_empty(nb, H, P, N, dtype=torch.float32) if return_final_states else _nothing(x)
+    if not return_varlen_states:
+        varlen = _nothing(x)
+    else:  # seq_idx: as many as the runs of equal values, known when the op runs
+        n_seg = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else torch.library.get_ctx().new_dynamic_size()
+        varlen = x.new_empty(n_seg, H, P, N, dtype=torch.float32)
+    return out, final, varlen
 
 
 def ssd_scan_varlen(
@@ -275,7 +343,7 @@ def ssd_scan_varlen(
         raise ValueError(f"{_VARLEN}: `x` expected shape (T, H, P), got {tuple(x.shape)}")
     T, H, P = x.shape
     _, _, G, N = _check_common(_VARLEN, x, dt, A, B, C, D, z, dt_bias, [("T", T)])
-    if not isinstance(chunk_size, int) or chunk_size < 1:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"{_VARLEN}: `chunk_size` expected a positive int, got {chunk_size!r}")
     check_shape(_VARLEN, "ssm_states", ssm_states, [("S", None), ("H", H), ("P", P), ("N", N)])
     check_dtype(_VARLEN, "ssm_states", ssm_states, FLOAT_DTYPES)
@@ -292,6 +360,7 @@ def ssd_scan_varlen(
                          f"S >= B = {nseq} slots, got S = {S}")
     if has_initial_state is not None:
         check_shape(_VARLEN, "has_initial_state", has_initial_state, [("B", nseq)])
+        check_dtype(_VARLEN, "has_initial_state", has_initial_state, (torch.bool, *INDEX_DTYPES))
     if rand_seed is not None:
         check_dtype(_VARLEN, "rand_seed", rand_seed, (torch.int64,))
         if rand_seed.numel() != 1:
@@ -305,11 +374,12 @@ def ssd_scan_varlen(
         check_shape(_VARLEN, "out", out, [("T", T), ("H", H), ("P", P)])
         if out.dtype != x.dtype:
             raise TypeError(f"{_VARLEN}: `out` has dtype {out.dtype} but `x` has {x.dtype}; they must match")
-        if T > 0 and out.data_ptr() == x.data_ptr():
+        if T > 0 and not compiling() and out.data_ptr() == x.data_ptr():
             raise ValueError(f"{_VARLEN}: `out` must not alias `x` (the scan reads x after writing out)")
     total_chunks = None if not host_reads_allowed(cu_seqlens) else num_chunks(cu_seqlens, chunk_size)
     if chunk_states_out is not None:
         check_shape(_VARLEN, "chunk_states_out", chunk_states_out, [("n_chunks", None), ("H", H), ("P", P), ("N", N)])
+        check_dtype(_VARLEN, "chunk_states_out", chunk_states_out, FLOAT_DTYPES)
         if total_chunks is not None and chunk_states_out.shape[0] < total_chunks:
             raise ValueError(f"{_VARLEN}: `chunk_states_out` needs at least {total_chunks} rows (one per chunk), "
                              f"got {chunk_states_out.shape[0]}")

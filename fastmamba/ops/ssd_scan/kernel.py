@@ -63,6 +63,17 @@ def _locate_segment(cu_ptr, n_seg, seg, Q: tl.constexpr, BLOCK_SEG: tl.constexpr
 
 
 @triton.jit
+def _mma(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """tl.dot(a, b, acc). DOT_UPCAST (set under the CPU interpreter for bf16 operands): the
+    operands go in as fp32, since Triton 3.6's interpreter multiplies bf16 operands as their raw
+    uint16 bit patterns (see docs/interpreter_bf16.md); never set on a GPU."""
+    if DOT_UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _to_state_dtype(s, seed_ptr, elem, OUT_DTYPE: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr):
     """fp32 ``s`` -> OUT_DTYPE: rounded to nearest, or stochastically with the random stream of
     the state update (seed ``*seed_ptr``, one number per state element ``elem``: slot, head, p, n)."""
@@ -85,7 +96,7 @@ def _chunk_entry(table_ptr, c):
 def _local_state(x_chunk, B_chunk, cs_chunk, dt_chunk, length, cs_last, offs_p, offs_n, mp, mn,
                  stride_x_tok, stride_x_p, stride_B_tok, stride_B_n,
                  BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 FAST_MATH: tl.constexpr):
+                 FAST_MATH: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """A chunk's own state contribution S_loc = sum_s exp(cs_last - cs_s) dt'_s x_s B_s^T, [BLOCK_P,
     BLOCK_N] fp32, BLOCK_K tokens per tensor-core matmul. x_chunk / B_chunk point at the chunk's
     first token (head h / group g); cs_chunk / dt_chunk at its scratch rows."""
@@ -101,7 +112,7 @@ def _local_state(x_chunk, B_chunk, cs_chunk, dt_chunk, length, cs_last, offs_p, 
                       mask=mk[:, None] & mn[None, :], other=0.0)
         # the weights go on the [P, K] x tile (half the elements of the [K, N] B tile at N = 2P), and
         # B enters the matmul as loaded
-        acc = tl.dot((x_t.to(tl.float32) * w[None, :]).to(x_t.dtype), b_k, acc, input_precision=DOT_PRECISION)
+        acc = _mma((x_t.to(tl.float32) * w[None, :]).to(x_t.dtype), b_k, acc, DOT_PRECISION, DOT_UPCAST)
     return acc
 
 
@@ -156,7 +167,7 @@ def _chunk_state_kernel(
     stride_B_row, stride_B_tok, stride_B_g, stride_B_n,
     stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, HAS_SKIP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, HAS_SKIP: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     # one program per (chunk, head, block of N): S_loc = sum_s exp(cs_last - cs_s) dt'_s x_s B_s^T  [P, N]
     c = tl.program_id(0)
@@ -181,7 +192,7 @@ def _chunk_state_kernel(
     B_chunk = B_ptr + row.to(tl.int64) * stride_B_row + l0.to(tl.int64) * stride_B_tok + g * stride_B_g
     acc = _local_state(x_chunk, B_chunk, cs_ptr + scratch, dt_ptr + scratch, length, cs_last, offs_p, offs_n,
                        mp, mn, stride_x_tok, stride_x_p, stride_B_tok, stride_B_n, BLOCK_K, BLOCK_P, BLOCK_N,
-                       DOT_PRECISION, FAST_MATH)
+                       DOT_PRECISION, FAST_MATH, DOT_UPCAST)
     st = states_ptr + c.to(tl.int64) * stride_st_c + h * stride_st_h
     tl.store(st + offs_p[:, None] * stride_st_p + offs_n[None, :] * stride_st_n,
              acc.to(states_ptr.dtype.element_ty), mask=mp[:, None] & mn[None, :])
@@ -210,7 +221,7 @@ def _chunk_state_chain_kernel(
     stride_sf_s, stride_sf_h, stride_sf_p, stride_sf_n,
     stride_co_c, stride_co_h, stride_co_p, stride_co_n,
     Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, DOT_UPCAST: tl.constexpr,
     HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, HAS_SEG_FINAL: tl.constexpr,
     HAS_CHUNK_OUT: tl.constexpr, HAS_SKIP: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
 ):
@@ -244,7 +255,7 @@ def _chunk_state_chain_kernel(
     B_chunk = B_ptr + row * stride_B_row + l0 * stride_B_tok + g * stride_B_g
     acc = _local_state(x_chunk, B_chunk, cs_ptr + scratch, dt_ptr + scratch, length, cs_last, offs_p, offs_n,
                        mp, mn, stride_x_tok, stride_x_p, stride_B_tok, stride_B_n, BLOCK_K, BLOCK_P, BLOCK_N,
-                       DOT_PRECISION, FAST_MATH)
+                       DOT_PRECISION, FAST_MATH, DOT_UPCAST)
     # the state entering this chunk
     s = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     if is_first:
@@ -363,6 +374,7 @@ def _chunk_cb_kernel(
     stride_C_row, stride_C_tok, stride_C_g, stride_C_n,
     stride_cb_c, stride_cb_g, stride_cb_m, stride_cb_k,
     Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
 ):
     # one program per (chunk, group, causal BLOCK_M x BLOCK_M tile): CB = C B^T, shared by the group's heads
     c = tl.program_id(0)
@@ -389,7 +401,7 @@ def _chunk_cb_kernel(
                      + (n0 + offs_n)[None, :] * stride_C_n, mask=(offs_m < length)[:, None] & mn[None, :], other=0.0)
         Bk = tl.load(B_ptr + row.to(tl.int64) * stride_B_row + g * stride_B_g + tok_k[None, :] * stride_B_tok
                      + (n0 + offs_n)[:, None] * stride_B_n, mask=(offs_k < length)[None, :] & mn[:, None], other=0.0)
-        acc = tl.dot(Cm, Bk, acc, input_precision=DOT_PRECISION)
+        acc = _mma(Cm, Bk, acc, DOT_PRECISION, DOT_UPCAST)
     dst = cb_ptr + c.to(tl.int64) * stride_cb_c + g * stride_cb_g
     tl.store(dst + offs_m[:, None] * stride_cb_m + offs_k[None, :] * stride_cb_k, acc.to(cb_ptr.dtype.element_ty))
 
@@ -414,6 +426,7 @@ def _chunk_scan_kernel(
     Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr, HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_MAJOR: tl.constexpr,
     FAST_MATH: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_SKIP: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
 ):
     # one program per (chunk, HEADS heads, block of BLOCK_M tokens x block of P): y for those tokens.
     # The heads run one after the other, so the group's C and C B^T tiles come from L1 after the first.
@@ -472,7 +485,7 @@ def _chunk_scan_kernel(
             r = 0.0
             if m0 > 0:
                 r = tl.load(cs_ptr + scratch + m0 - 1)
-            acc = tl.dot(C_m, s_T.to(C_m.dtype), input_precision=DOT_PRECISION) * tl.exp(r)
+            acc = _mma(C_m, s_T.to(C_m.dtype), None, DOT_PRECISION, DOT_UPCAST) * tl.exp(r)
             x_chunk = x_ptr + row * stride_x_row + l0 * stride_x_tok + h * stride_x_h
             cb_rows = cb_ptr + c.to(tl.int64) * stride_cb_c + g * stride_cb_g + offs_m[:, None] * stride_cb_m
             for k0 in range(0, m0, BLOCK_K):
@@ -481,8 +494,10 @@ def _chunk_scan_kernel(
                 w = exp_approx(r - tl.load(cs_ptr + scratch + offs_k), FAST_MATH) * tl.load(dt_ptr + scratch + offs_k)
                 x_k = tl.load(x_chunk + offs_k[:, None] * stride_x_tok + offs_p[None, :] * stride_x_p,
                               mask=mp[None, :], other=0.0)
-                acc = tl.dot(cb, (x_k.to(tl.float32) * w[:, None]).to(cb.dtype), acc, input_precision=DOT_PRECISION)
-            acc = acc * tl.exp(cs_m - r)[:, None]
+                acc = _mma(cb, (x_k.to(tl.float32) * w[:, None]).to(cb.dtype), acc, DOT_PRECISION, DOT_UPCAST)
+            # rows past the chunk's end (cs_m = 0 there, r < 0) would overflow exp: they are not
+            # stored, but keep them finite
+            acc = acc * tl.exp(tl.where(mm, cs_m - r, 0.0))[:, None]
             # the block's own rows: exact causal decay per element (a rank-1 split could overflow here)
             for k0 in range(m0, k_end, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -492,12 +507,20 @@ def _chunk_scan_kernel(
                 cb = tl.load(cb_rows + offs_k[None, :] * stride_cb_k).to(tl.float32)
                 cs_k = tl.load(cs_ptr + scratch + offs_k, mask=mk, other=0.0)
                 dt_k = tl.load(dt_ptr + scratch + offs_k, mask=mk, other=0.0)
-                causal = (offs_m[:, None] >= offs_k[None, :]) & mk[None, :]
+                # rows past the chunk's end are left out too: cs there is 0, and exp(0 - cs_k) overflows
+                causal = (offs_m[:, None] >= offs_k[None, :]) & mk[None, :] & mm[:, None]
                 decay = exp_approx(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")), FAST_MATH)
                 cb = tl.where(causal, cb * decay * dt_k[None, :], 0.0)
                 x_k = tl.load(x_chunk + offs_k[:, None] * stride_x_tok + offs_p[None, :] * stride_x_p,
                               mask=mk[:, None] & mp[None, :], other=0.0)
-                acc = tl.dot(cb.to(x_k.dtype), x_k, acc, input_precision=DOT_PRECISION)
+                # a non-finite x_s must not reach rows t < s through a zero weight (0 * NaN = NaN in
+                # the matmul): it enters as 0, and the rows t >= s that it reaches become NaN
+                finite = tl.abs(x_k.to(tl.float32)) < float("inf")
+                acc = _mma(cb.to(x_k.dtype), tl.where(finite, x_k, 0.0).to(x_k.dtype), acc, DOT_PRECISION,
+                           DOT_UPCAST)
+                if tl.min(finite.to(tl.int32)) == 0:
+                    hit = tl.dot(causal.to(tl.float32), (~finite).to(tl.float32), input_precision="ieee")
+                    acc = tl.where(hit > 0, float("nan"), acc)
             if HAS_D:
                 x_m = tl.load(x_chunk + offs_m[:, None] * stride_x_tok + offs_p[None, :] * stride_x_p,
                               mask=mask_mp, other=0.0).to(tl.float32)

@@ -93,6 +93,8 @@ def ssd_scan_launch(
     block_p_scan = block_p_of(cfg, P)
     block_seg = max(16, triton.next_power_of_2(n_seg + 1))
     dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    # Triton 3.6's interpreter multiplies bf16 tl.dot operands as raw bits (docs/interpreter_bf16.md)
+    dot_upcast = interpreter and x.dtype == torch.bfloat16
     dev = x.device
 
     states_in = torch.empty(n_chunks, H, P, N, dtype=x.dtype, device=dev)  # S_in, read by the scan's matmul
@@ -129,7 +131,7 @@ def ssd_scan_launch(
             *x.stride(), *B.stride(), *states_in.stride(), *send.stride(),
             *_strides4(segments.init), *_strides4(segments.final), *_strides4(None), *_strides4(segments.chunk_out),
             Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
-            DOT_PRECISION=dot_precision, FAST_MATH=fast_math, num_warps=cfg.warps_state,
+            DOT_PRECISION=dot_precision, FAST_MATH=fast_math, DOT_UPCAST=dot_upcast, num_warps=cfg.warps_state,
         )
     else:
         states = torch.empty(n_chunks, H, P, N, dtype=state_dtype, device=dev)  # S_loc, recurrence precision
@@ -138,7 +140,7 @@ def ssd_scan_launch(
             n_seg, row_len, P, N, H // G, n_chunks,
             *x.stride(), *B.stride(), *states.stride(),
             Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
-            DOT_PRECISION=dot_precision, FAST_MATH=fast_math,
+            DOT_PRECISION=dot_precision, FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,
             num_warps=cfg.warps_state,
         )
         _state_passing_kernel[(n_seg, H, triton.cdiv(P * N, cfg.block_pass))](
@@ -156,7 +158,7 @@ def ssd_scan_launch(
         B, C, table, cb,
         n_seg, row_len, N,
         *B.stride(), *C.stride(), *cb.stride(),
-        Q=Q, BLOCK_M=cb_block, BLOCK_N=min(block_n, 128), DOT_PRECISION=dot_precision,
+        Q=Q, BLOCK_M=cb_block, BLOCK_N=min(block_n, 128), DOT_PRECISION=dot_precision, DOT_UPCAST=dot_upcast,
         num_warps=4,
     )
     D_strides = (0, 0) if D is None else ((D.stride(0), 0) if D.dim() == 1 else tuple(D.stride()))
@@ -169,7 +171,7 @@ def ssd_scan_launch(
         n_seg, row_len, P, N, H // G, n_chunks,
         *x.stride(), *_strides4(z), *out.stride(), *cb.stride(), *C.stride(), *D_strides, *states_in.stride(),
         Q=Q, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_P=block_p_scan, BLOCK_N=block_n, HEADS=heads,
-        DOT_PRECISION=dot_precision, HEAD_MAJOR=bool(cfg.head_major), FAST_MATH=fast_math,
+        DOT_PRECISION=dot_precision, HEAD_MAJOR=bool(cfg.head_major), FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,
         num_warps=cfg.warps_scan, num_stages=cfg.stages_scan,
         **({"maxnreg": cfg.maxnreg_scan} if cfg.maxnreg_scan and not interpreter else {}),
     )

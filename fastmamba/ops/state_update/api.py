@@ -10,8 +10,11 @@ from fastmamba.ops._common.checks import (
     check_same_device,
     check_same_dtype,
     check_shape,
+    check_tensors,
+    check_int,
+    check_flag,
 )
-from fastmamba.ops._common.dispatch import use_triton
+from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops._common.pdl import pdl_active, pdl_requested
 from fastmamba.ops.state_update.configs import pick_config
 from fastmamba.ops.state_update.kernel import launch_selective_state_update
@@ -36,8 +39,7 @@ def _per_head(name: str, t: torch.Tensor | None, H: int, P: int) -> torch.Tensor
     return t
 
 
-@torch.library.custom_op("fastmamba::selective_state_update_", mutates_args=("state", "out", "intermediate_states"))
-def _selective_state_update_op(
+def _selective_state_update_impl(
     state: torch.Tensor,
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -77,6 +79,13 @@ def _selective_state_update_op(
         dt_softplus=dt_softplus, tie_hdim=tie_hdim, pad_slot_id=pad_slot_id,
         block_p=block_p, num_warps=num_warps, use_pdl=pdl_active(x, programs, num_warps), A_is_log=A_is_log,
     )
+
+
+# Registered so torch.compile and graph capture see the in-place writes; plain eager calls skip
+# the dispatcher (dispatch.call_directly) and run the same function.
+_selective_state_update_op = torch.library.custom_op(
+    "fastmamba::selective_state_update_", mutates_args=("state", "out", "intermediate_states"))(
+    _selective_state_update_impl)
 
 
 @_selective_state_update_op.register_fake
@@ -141,6 +150,13 @@ def selective_state_update(
     When A, dt, dt_bias and D are stride-0 over P (and A over N), they are loaded as one scalar per
     head. Returns y (``out`` when given). Reference: ``fastmamba.ops.state_update.ref``.
     """
+    check_tensors(OP, [("state", state), ("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)],
+                  [("D", D), ("z", z), ("dt_bias", dt_bias), ("state_batch_indices", state_batch_indices),
+                   ("out", out), ("dst_state_batch_indices", dst_state_batch_indices),
+                   ("intermediate_states", intermediate_states), ("rand_seed", rand_seed)])
+    pad_slot_id = check_int(OP, "pad_slot_id", pad_slot_id)
+    dt_softplus = check_flag(OP, "dt_softplus", dt_softplus)
+    A_is_log = check_flag(OP, "A_is_log", A_is_log)
     check_dtype(OP, "x", x, FLOAT_DTYPES)
     check_dtype(OP, "state", state, FLOAT_DTYPES)
     no_heads = x.dim() == 2
@@ -225,7 +241,8 @@ def selective_state_update(
     def tokens(t: torch.Tensor | None) -> torch.Tensor | None:
         return t if t is None or multi_token else t.unsqueeze(1)
 
-    _selective_state_update_op(
+    op = _selective_state_update_impl if call_directly() else _selective_state_update_op
+    op(
         state, x4, tokens(dt), A, tokens(B), tokens(C), D, tokens(z), dt_bias, bool(dt_softplus),
         state_batch_indices, int(pad_slot_id), out4, dst_state_batch_indices, intermediate_states, rand_seed,
         bool(A_is_log),

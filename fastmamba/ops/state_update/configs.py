@@ -9,6 +9,7 @@ entry once it is measured (`python -m fastmamba.bench tune state_update`).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import triton
@@ -82,6 +83,12 @@ def pick_config(
         return _forced
     if interpreter_enabled():
         return min(triton.next_power_of_2(headdim), 16), 1
+    return _pick_config(programs_per_block, headdim, dstate, state_bytes, pdl)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pick_config(programs_per_block: int, headdim: int, dstate: int, state_bytes: int, pdl: bool) -> tuple[int, int]:
+    """pick_config's table lookup, cached per shape (an eager call's host time, issue 19)."""
     bucket = 0 if programs_per_block <= 256 else 1 if programs_per_block <= 2048 else 2
     if pdl and bucket == 0:  # fewer, larger programs leave SM room for the next kernel's early ones
         block_p, num_warps = 32, 8

@@ -438,6 +438,19 @@ def test_flush_matches_reference(state_dtype, device):
     assert torch.equal(cache.prev_accepted[others], ref.prev_accepted[others])
 
 
+def test_commit_and_flush_bad_input():
+    cache, _, slots = make_inputs(BASE, "cpu", seed=10)
+    before = _clone(cache)
+    idx = torch.tensor(slots, dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"commit_accepted: `tokens` expected an int, got float"):
+        cache.commit(idx, torch.ones(3, dtype=torch.int32), 2.5)
+    with pytest.raises(TypeError, match=r"commit_accepted: `accepted` expected a torch.Tensor, got list"):
+        cache.commit(idx, [1, 1, 1], 3)
+    with pytest.raises(TypeError, match=r"flush_replay_cache: `slots` expected a torch.Tensor, got list"):
+        cache.flush(slots)
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(cache, before))
+
+
 def test_docstring_examples():
     assert doctest.testmod(replay_api, raise_on_error=False).failed == 0
 
@@ -483,9 +496,14 @@ def _bad(mutate, match, exc):
     (lambda a: a.update(out=torch.empty(3, 3, 4, 12, dtype=torch.float16)), r"`out` has dtype float16", TypeError),
     (lambda a: a.update(rand_seed=torch.tensor([1, 2])), r"`rand_seed` must hold one element", ValueError),
     (lambda a: a.update(dt=a["dt"].to("meta")), r"`dt` is on meta", ValueError),
+    (lambda a: a.update(x=None), r"`x` expected a torch.Tensor, got NoneType", TypeError),
+    (lambda a: a.update(D=a["D"].long()), r"`D` expected dtype", TypeError),
+    (lambda a: a.update(dt_bias=a["dt_bias"].int()), r"`dt_bias` expected dtype", TypeError),
+    (lambda a: a.update(pad_slot_id=0.5), r"`pad_slot_id` expected an int, got float", TypeError),
+    (lambda a: a.update(dt_softplus="yes"), r"`dt_softplus` expected a bool, got str", TypeError),
 ], ids=["x-rank", "T-over-history", "old_B-G", "hist_len-dtype", "old_dt-dtype", "prev_accepted-dtype", "buf_idx-shape", "old_x-dtype",
         "B-dtype", "G-divides-H", "slot-range", "A-untied", "dt-untied", "D-untied", "z-shape", "out-dtype", "seed",
-        "device"])
+        "device", "x-None", "D-int", "dt_bias-int", "pad-float", "softplus-str"])
 def test_bad_input(mutate, match, exc):
     _bad(mutate, match, exc)
 

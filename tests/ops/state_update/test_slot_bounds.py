@@ -130,3 +130,31 @@ def test_reference_validates_before_writing(name, monkeypatch):
     with pytest.raises(ValueError, match=rf"selective_state_update_ref: `{name}`"):
         selective_state_update_ref(pool, *args, **dict(kw, **{name: torch.tensor([good[0], -3])}))
     assert torch.equal(big, big_before)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_with_out_of_range_slot_writes_nothing_outside_the_pool():
+    """A captured graph never reads the indices on the host: a slot set out of range between
+    replays acts as the pad slot in the kernel, and the guard rows stay bit-identical."""
+    c = dataclasses.replace(BASE, batch=2, slots="shuffled")
+    state, args, kw = make_inputs(c, "cuda", seed=22)
+    S = state.shape[0]
+    big = _pooled(state.cpu())[0].cuda()
+    pool = big[GUARD:GUARD + S]
+    idx = kw["state_batch_indices"].clone()
+    kw = dict(kw, state_batch_indices=idx)
+    out = torch.empty_like(args[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        selective_state_update(pool.clone(), *args, **kw, out=out)  # warm-up / compile
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        selective_state_update(pool, *args, **kw, out=out)
+    big_before = big.clone()
+    idx.fill_(S + 1)  # behind the graph's back
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(big, big_before)
+    assert torch.equal(out, torch.zeros_like(out))

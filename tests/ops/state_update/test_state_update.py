@@ -380,8 +380,19 @@ def _bad(mutate, match, exc=ValueError):
     (lambda a: a.update(z=a["z"].to("meta")), r"`z` is on meta", ValueError),
     (lambda a: a.update(out=torch.empty(2, 4, 24, dtype=torch.float16)), r"`out` has dtype float16", TypeError),
     (lambda a: a.update(rand_seed=torch.tensor([1, 2])), r"`rand_seed` must hold one element", ValueError),
+    (lambda a: a.update(state=a["state"].tolist()), r"`state` expected a torch.Tensor, got list", TypeError),
+    (lambda a: a.update(x=None), r"`x` expected a torch.Tensor, got NoneType", TypeError),
+    (lambda a: a.update(rand_seed=3), r"`rand_seed` expected a torch.Tensor or None, got int", TypeError),
+    (lambda a: a.update(pad_slot_id=1.5), r"`pad_slot_id` expected an int, got float", TypeError),
+    (lambda a: a.update(dt_softplus="no"), r"`dt_softplus` expected a bool, got str", TypeError),
+    (lambda a: a.update(A_is_log=None), r"`A_is_log` expected a bool, got NoneType", TypeError),
+    (lambda a: a.update(A=a["A"].int()), r"`A` expected dtype", TypeError),
+    (lambda a: a.update(D=a["D"].long()), r"`D` expected dtype", TypeError),
+    (lambda a: a.update(dt_bias=a["dt_bias"].int()), r"`dt_bias` expected dtype", TypeError),
+    (lambda a: a.update(z=a["z"].half()), r"`z` has dtype float16 but `x` has float32", TypeError),
 ], ids=["x-rank", "x-rank5", "B-N", "C-G", "G-divides-H", "B-int", "int-x", "slot-range",
-        "float-index", "dt_bias", "z-shape", "device", "out-dtype", "seed"])
+        "float-index", "dt_bias", "z-shape", "device", "out-dtype", "seed", "state-list", "x-None", "seed-int",
+        "pad-float", "softplus-str", "A_is_log-None", "A-int", "D-int", "dt_bias-int", "z-dtype"])
 def test_bad_input(mutate, match, exc):
     _bad(mutate, match, exc)
 
@@ -497,3 +508,17 @@ def test_expanded_A_under_inference_mode():
         torch.testing.assert_close(a[:, 0, 0], -torch.exp(A_log))
         A_log.sub_(1.0)
         torch.testing.assert_close(expanded_A(A_log, 4, 2)[:, 0, 0], -torch.exp(A_log))
+
+
+def test_registered_op_declares_its_mutations(device):
+    """Schema (state, out, intermediate_states mutated) and fake impl, as torch.compile uses them."""
+    c = dataclasses.replace(BASE, tokens=2, slots="shuffled")
+    state, (x, dt, A, Bm, Cm), kw = make_inputs(c, device, seed=13)
+    H, P, N = c.heads, c.headdim, c.dstate
+    out = torch.empty_like(x)
+    inter = torch.empty(c.batch, 2, H, P, N, device=device)
+    A_log = torch.log(-A[:, :1, :1]).expand(H, P, N)
+    args = (state, x, dt, A_log, Bm, Cm, kw["D"], kw["z"], kw["dt_bias"], True, kw["state_batch_indices"], -1, out,
+            None, inter, None, True)
+    torch.library.opcheck(torch.ops.fastmamba.selective_state_update_.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
