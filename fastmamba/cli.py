@@ -4,6 +4,7 @@
     fastmamba generate --model DIR|PRESET (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
                        [--temperature T] [--top-k K] [--top-p P] [--seed S] [--batch B]
                        [--speculate K [--drafter ngram|oracle|model [--draft-model DIR|PRESET]]]
+                       [--ssm-dtype fp32|fp16|bf16 [--stochastic-rounding]]
     fastmamba serve --model DIR|PRESET [--port 8000] ...      (fastmamba/serve/cli.py; the serve extra)
 
 ``--speculate K`` verifies K drafted tokens per step (greedy acceptance at temperature 0, speculative
@@ -125,6 +126,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                           "model = greedy drafts of --draft-model")
     gen.add_argument("--draft-model", metavar="DIR|PRESET", default=None,
                      help="with --drafter model: the draft model (same vocabulary as --model), e.g. mamba2-130m")
+    gen.add_argument("--ssm-dtype", choices=("fp32", "fp16", "bf16"), default="fp32",
+                     help="SSM state dtype (default fp32; fp16/bf16 halve the state traffic)")
+    gen.add_argument("--stochastic-rounding", action="store_true",
+                     help="with --ssm-dtype fp16|bf16: store the states with stochastic rounding (unbiased)")
     gen.set_defaults(_handler=_generate)
     from fastmamba.serve import cli as serve_cli
 
@@ -179,6 +184,12 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     ids = _prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
     if (args.draft_model is not None) != (args.speculate > 0 and args.drafter == "model"):
         raise UsageError("--draft-model goes with --speculate K --drafter model (and that drafter needs it)")
+    import torch
+
+    ssm_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.ssm_dtype]
+    if args.stochastic_rounding and args.ssm_dtype == "fp32":
+        raise UsageError("--stochastic-rounding rounds 16-bit states; it needs --ssm-dtype fp16 or bf16")
+    state_kw = dict(ssm_dtype=ssm_dtype, stochastic_rounding=args.stochastic_rounding)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens)
 
@@ -206,9 +217,9 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 raise UsageError(f"--draft-model {args.draft_model}: {exc}") from exc
         else:
             drafter = NgramDrafter()
-        engine = Engine(model, max_batch=batch, speculate=args.speculate, drafter=drafter)
+        engine = Engine(model, max_batch=batch, speculate=args.speculate, drafter=drafter, **state_kw)
     else:
-        engine = Engine(model, max_batch=args.batch)
+        engine = Engine(model, max_batch=args.batch, **state_kw)
     rids = [engine.add_request(ids, params) for _ in range(args.batch)]
     shown: list[int] = []
     t0 = time.perf_counter()

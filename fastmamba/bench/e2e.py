@@ -4,6 +4,7 @@
                                   [--gen-len 256] [--no-pdl] [--peer] [--json PATH] [--plot PATH]
                                   [--speculate K [--drafter oracle|ngram|model] [--draft-model M]
                                    [--repetitive-prompt]]
+                                  [--ssm-dtype fp32,fp16,bf16] [--stochastic-rounding] [--drift N]
 
 Per batch size B: B random prompts are prefilled into their cache slots (timed), then ``gen-len``
 greedy decode steps run as CUDA-graph replays (argmax on the GPU, no host sync inside the timed
@@ -25,6 +26,15 @@ drafts are rejected: fp32 runs match exactly). Drafters:
 ``oracle`` (every draft accepted: the upper bound), ``ngram`` (prompt lookup; prompts are a random
 block of 16 tokens repeated unless ``--no-repetitive-prompt``), ``model`` (``--draft-model``,
 default mamba2-130m on a GPU and the target itself on a CPU).
+
+16-bit SSM states: ``--ssm-dtype`` lists the state dtypes to time (default fp32); each 16-bit one runs
+with round to nearest, or with stochastic rounding under ``--stochastic-rounding`` (the seeds advance
+in place before every step, inside the timed loop, as the engine does). ``--drift N`` runs both
+roundings for every 16-bit dtype listed, next to an fp32-state run, and adds a second measurement:
+``DRIFT_BATCH`` requests generate N greedy tokens with an fp32 state, and every 16-bit variant decodes
+the same tokens (teacher forced, in lockstep, each with its own cache) while its logits are compared
+with the fp32 run's at every step: relative error ``max|l - l_fp32| / max|l_fp32|`` per request and
+step (max and mean over all), and the first step whose argmax differs from the fp32 run's token.
 """
 from __future__ import annotations
 
@@ -42,6 +52,15 @@ REPEAT_BLOCK = 16  # repetitive prompts: a random block of this many tokens, rep
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DRIFT_BATCH = 4  # requests of the drift measurement
+
+
+def _dtype_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in DTYPES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {sorted(DTYPES)}, got {text!r}")
+    return names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,12 +88,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "ngram = prompt lookup, model = greedy drafts of --draft-model")
     parser.add_argument("--draft-model", metavar="DIR|PRESET", default=None,
                         help="with --drafter model (default: mamba2-130m on a GPU, the target on a CPU)")
+    parser.add_argument("--ssm-dtype", type=_dtype_list, default=["fp32"], metavar="LIST",
+                        help="SSM state dtypes to time, comma-separated from fp32,fp16,bf16 (default fp32)")
+    parser.add_argument("--stochastic-rounding", action="store_true",
+                        help="16-bit states stored with stochastic rounding (default: round to nearest)")
+    parser.add_argument("--drift", type=int, default=0, metavar="N",
+                        help="time every 16-bit --ssm-dtype with and without stochastic rounding next to fp32, "
+                             f"and report the logits' drift from an fp32-state run over N greedy tokens "
+                             f"({DRIFT_BATCH} requests, teacher forced)")
     parser.add_argument("--repetitive-prompt", action=argparse.BooleanOptionalAction, default=None,
                         help=f"prompts made of a random block of {REPEAT_BLOCK} tokens repeated "
                              "(default: on with --drafter ngram, off otherwise)")
 
 
-def step_bytes(model, batch: int) -> int:
+def step_bytes(model, batch: int, ssm_dtype: torch.dtype = torch.float32) -> int:
     """Minimum bytes of one decode step: weights once, plus the B requests' state rows read + written."""
     seen, weights = set(), 0
     for p in model.parameters():
@@ -83,7 +110,7 @@ def step_bytes(model, batch: int) -> int:
             weights += p.numel() * p.element_size()
     c = model.cfg
     conv = 2 * batch * c.conv_dim * c.d_conv * model.dtype.itemsize
-    ssm = 2 * batch * c.nheads * c.headdim * c.d_state * 4  # fp32 state
+    ssm = 2 * batch * c.nheads * c.headdim * c.d_state * ssm_dtype.itemsize
     return weights + c.n_layer * (conv + ssm)
 
 
@@ -108,38 +135,59 @@ def make_prompts(vocab_size: int, batch: int, prompt_len: int, *, repetitive: bo
     return block.repeat(1, -(-prompt_len // REPEAT_BLOCK))[:, :prompt_len].contiguous()
 
 
+def _state_label(ssm_dtype: torch.dtype, stochastic_rounding: bool) -> str:
+    name = {v: k for k, v in DTYPES.items()}[ssm_dtype]
+    return name + (" SR" if stochastic_rounding else "")
+
+
 def run_batch(model, batch: int, prompt_len: int, gen_len: int, *, pdl: bool, device,
-              prompts: torch.Tensor | None = None, record: bool = False) -> dict:
+              prompts: torch.Tensor | None = None, record: bool = False, ssm_dtype: torch.dtype = torch.float32,
+              stochastic_rounding: bool = False) -> dict:
     """Prefill + gen_len timed greedy decode steps of ``batch`` requests (row keys as in the table).
 
     prompts  [batch, prompt_len] int64 (default: ``make_prompts``)
+    ssm_dtype, stochastic_rounding  the SSM state's dtype and rounding (the seeds advance in place
+             before every step, inside the timed loop, as in the engine)
     record   also return "tokens": each request's greedy tokens, [batch][gen_len + 4] host ints (the
              prefill's token, 3 warm-up steps', then the timed steps': one greedy continuation)
     """
     if prompts is None:
         prompts = make_prompts(model.cfg.vocab_size, batch, prompt_len)
+    from fastmamba.generation.rounding import StochasticRounding
+
     prompts = prompts.to(device)
-    cache = model.new_cache(batch)
+    cache = model.new_cache(batch, ssm_dtype=ssm_dtype)
     slots = cache.alloc(batch)
-    model.prefill(prompts[:, :8], cache, slots)  # compile and warm up, then start from zero states
+    rounding = StochasticRounding(model.cfg.n_layer, device) if stochastic_rounding else None
+    seeds = rounding.seeds if rounding else None
+
+    def advance():
+        if rounding is not None:
+            rounding.advance()
+
+    model.prefill(prompts[:, :8], cache, slots, rand_seed=seeds)  # compile and warm up, then start from zero states
     for conv, ssm in zip(cache.conv, cache.ssm):
         conv.zero_()
         ssm.zero_()
     last = {}
-    t_prefill = _timed(lambda: last.setdefault("logits", model.prefill(prompts, cache, slots)), device)
+    advance()
+    t_prefill = _timed(lambda: last.setdefault("logits", model.prefill(prompts, cache, slots, rand_seed=seeds)),
+                       device)
     tokens = last["logits"].argmax(-1)  # the first token to decode
     emitted = [tokens]
 
     if device.type == "cuda":
         from fastmamba.generation.cuda_graphs import GraphedDecoder
 
-        decoder = GraphedDecoder(model, cache, batch, pdl=pdl)
+        decoder = GraphedDecoder(model, cache, batch, pdl=pdl, rand_seed=seeds)
 
         def step(t):
+            advance()
             return decoder.decode(t, slots).argmax(-1)
     else:
         def step(t):
-            return model.decode(t, cache, slots).argmax(-1)
+            advance()
+            return model.decode(t, cache, slots, rand_seed=seeds).argmax(-1)
 
     for _ in range(3):  # capture + warm up
         tokens = step(tokens)
@@ -161,11 +209,102 @@ def run_batch(model, batch: int, prompt_len: int, gen_len: int, *, pdl: bool, de
         "prefill_tok_s": batch * prompt_len / t_prefill,
         "ms_per_step": 1e3 * t_decode / gen_len,
         "decode_tok_s": batch * gen_len / t_decode,
-        "step_bytes": step_bytes(model, batch),
+        "step_bytes": step_bytes(model, batch, ssm_dtype),
+        "ssm_dtype": _state_label(ssm_dtype, False),
+        "stochastic_rounding": stochastic_rounding,
     }
     if record:
         row["tokens"] = torch.stack(emitted, dim=1).tolist()
     return row
+
+
+def state_variants(dtypes: list[str], stochastic_rounding: bool, drift: int) -> list[tuple[torch.dtype, bool]]:
+    """The (ssm_dtype, stochastic_rounding) runs: each listed dtype (16-bit ones with stochastic rounding
+    when asked); with ``drift``, fp32 first, then every listed 16-bit dtype with and without it."""
+    if drift < 0:
+        raise ValueError(f"--drift expects N >= 0 tokens, got {drift}")
+    half = [DTYPES[d] for d in dtypes if d != "fp32"]
+    if drift:
+        if not half:
+            raise ValueError("--drift compares 16-bit states with fp32: list fp16 and/or bf16 in --ssm-dtype")
+        return [(torch.float32, False)] + [(d, sr) for d in half for sr in (False, True)]
+    if stochastic_rounding and not half:
+        raise ValueError("--stochastic-rounding rounds 16-bit states: list fp16 and/or bf16 in --ssm-dtype")
+    return [(DTYPES[d], stochastic_rounding and d != "fp32") for d in dtypes]
+
+
+def run_drift(model, prompts: torch.Tensor, n_tokens: int, variants: list[tuple[torch.dtype, bool]], *,
+              device, pdl: bool | None = None) -> list[dict]:
+    """The logits' drift of 16-bit-state variants from an fp32-state run over ``n_tokens`` greedy tokens.
+
+    prompts   [B, L] int64; every variant prefills them into its own cache, then decodes the fp32
+              run's greedy tokens (teacher forced) in lockstep with it, one step at a time
+    variants  (ssm_dtype, stochastic_rounding) pairs (fp32 with False gives zero drift: a check)
+    Per variant: the relative error ``max|l - l_ref| / max|l_ref|`` of its logits at every request
+    and step (the prefill's last-token logits are step 0), its max and mean, the first step whose
+    argmax differs from the fp32 run's token (None: never) and the number of such (request, step)
+    pairs. CUDA graphs on a GPU; no host sync inside the loop.
+    """
+    from fastmamba.generation.rounding import StochasticRounding
+
+    prompts = prompts.to(device)
+    B = prompts.shape[0]
+    graphs = device.type == "cuda"
+
+    def runner(ssm_dtype: torch.dtype, sr: bool):
+        cache = model.new_cache(B, ssm_dtype=ssm_dtype)
+        slots = cache.alloc(B)
+        rounding = StochasticRounding(model.cfg.n_layer, device) if sr else None
+        seeds = rounding.seeds if rounding else None
+        decoder = None
+        if graphs:
+            from fastmamba.generation.cuda_graphs import GraphedDecoder
+
+            decoder = GraphedDecoder(model, cache, B, pdl=pdl, rand_seed=seeds)
+
+        def prefill():
+            if rounding is not None:
+                rounding.advance()
+            return model.prefill(prompts, cache, slots, rand_seed=seeds)
+
+        def step(tokens):
+            if rounding is not None:
+                rounding.advance()
+            if decoder is not None:
+                return decoder.decode(tokens, slots)
+            return model.decode(tokens, cache, slots, rand_seed=seeds)
+
+        return prefill, step
+
+    ref_prefill, ref_step = runner(torch.float32, False)
+    runs = [runner(d, sr) for d, sr in variants]
+    errs = [[] for _ in variants]  # per variant: [B] relative errors per step
+    diffs = [[] for _ in variants]  # per variant: [B] argmax != fp32 token per step
+
+    def compare(ref: torch.Tensor, tokens: torch.Tensor, outs: list[torch.Tensor]) -> None:
+        scale = ref.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny)
+        for i, out in enumerate(outs):
+            errs[i].append((out - ref).abs().amax(-1) / scale)
+            diffs[i].append(out.argmax(-1) != tokens)
+
+    ref = ref_prefill()
+    tokens = ref.argmax(-1)
+    compare(ref, tokens, [prefill() for prefill, _ in runs])
+    for _ in range(n_tokens - 1):
+        ref = ref_step(tokens)
+        outs = [step(tokens) for _, step in runs]  # every variant decodes the fp32 run's token
+        tokens = ref.argmax(-1)
+        compare(ref, tokens, outs)
+    rows = []
+    for (ssm_dtype, sr), e, d in zip(variants, errs, diffs):
+        e, d = torch.stack(e), torch.stack(d)  # [n_tokens, B]
+        steps = torch.nonzero(d.any(-1)).flatten().tolist()
+        rows.append({
+            "ssm_dtype": _state_label(ssm_dtype, False), "stochastic_rounding": sr, "batch": B,
+            "tokens": n_tokens, "max_rel_err": float(e.max()), "mean_rel_err": float(e.mean()),
+            "first_argmax_diff": steps[0] if steps else None, "argmax_diffs": int(d.sum()),
+        })
+    return rows
 
 
 class CountingDrafter:
@@ -294,6 +433,11 @@ def run(args: argparse.Namespace, command: str) -> int:
         print(f"error: --speculate expects K >= 0, got {K}", file=sys.stderr)
         return 2
     repetitive = args.repetitive_prompt if args.repetitive_prompt is not None else (K > 0 and args.drafter == "ngram")
+    try:
+        variants = state_variants(args.ssm_dtype, args.stochastic_rounding, args.drift)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     copy_gbs = measure_copy_bandwidth(device)
     model = fastmamba.load_model(name, device=device, dtype=DTYPES[args.dtype] if args.dtype else None)
     draft_model, draft_name = None, None
@@ -322,13 +466,19 @@ def run(args: argparse.Namespace, command: str) -> int:
     rows, spec_rows = [], []
     for b in batches:
         prompts = make_prompts(model.cfg.vocab_size, b, prompt_len, repetitive=repetitive)
-        r = run_batch(model, b, prompt_len, gen_len, pdl=args.pdl, device=device, prompts=prompts, record=bool(K))
-        plain_tokens = r.pop("tokens", None)
-        r["provider"] = "fastmamba"
-        r["roofline_ms"] = 1e3 * r["step_bytes"] / (copy_gbs * 1e9)
-        r["pct_roofline"] = 100 * r["roofline_ms"] / r["ms_per_step"]
-        rows.append(r)
-        print(f"[e2e] batch {b}: {r['ms_per_step']:.3f} ms/step", file=sys.stderr, flush=True)
+        for v, (ssm_dtype, rounding) in enumerate(variants):  # the first one is speculation's baseline
+            rv = run_batch(model, b, prompt_len, gen_len, pdl=args.pdl, device=device, prompts=prompts,
+                           record=bool(K) and v == 0, ssm_dtype=ssm_dtype, stochastic_rounding=rounding)
+            label = _state_label(ssm_dtype, rounding)
+            rv["provider"] = "fastmamba" if label == "fp32" else f"fastmamba [{label} state]"
+            rv["roofline_ms"] = 1e3 * rv["step_bytes"] / (copy_gbs * 1e9)
+            rv["pct_roofline"] = 100 * rv["roofline_ms"] / rv["ms_per_step"]
+            rows.append(rv)
+            print(f"[e2e] batch {b}, {label} state: {rv['ms_per_step']:.3f} ms/step", file=sys.stderr, flush=True)
+            if v == 0:
+                r, plain_tokens = rv, rv.pop("tokens", None)
+            if cuda:
+                torch.cuda.empty_cache()
         if K:
             if cuda:
                 torch.cuda.empty_cache()  # the plain run's cache and graphs
@@ -345,8 +495,13 @@ def run(args: argparse.Namespace, command: str) -> int:
                 torch.cuda.empty_cache()
             print(f"[e2e] batch {b} speculative: {sr['decode_tok_s']:.0f} tok/s, acceptance "
                   f"{sr['acceptance']:.0%}", file=sys.stderr, flush=True)
+    drift_rows = []
+    if args.drift:
+        prompts = make_prompts(model.cfg.vocab_size, DRIFT_BATCH, prompt_len)
+        drift_rows = run_drift(model, prompts, args.drift if cuda else min(args.drift, 16), variants, device=device,
+                               pdl=args.pdl)
     if args.ablate:
-        variants = [("all tricks on", {}, args.pdl), ("A recomputed every step", {"cache_A": False}, args.pdl),
+        variants = [("all tricks on", {}, args.pdl), ("A = -exp(A_log) in PyTorch", {"A_in_kernel": False}, args.pdl),
                     ("silu(z) gate in the norm", {"gate_in_scan": False}, args.pdl),
                     ("conv update in PyTorch ops", {"fused_conv": False}, args.pdl),
                     ("projections in cuBLAS", {"triton_gemv": False}, args.pdl)]
@@ -384,9 +539,18 @@ def run(args: argparse.Namespace, command: str) -> int:
                   f"{r['decode_tok_s']:11.0f} {r['speedup']:7.2f}x {r['acceptance']:8.0%} "
                   f"{r['tokens_per_step']:9.2f} {r['ms_per_step']:9.3f} {'yes' if r['tokens_match'] else 'NO':>6}  "
                   f"{paths} ({r.get('verify_path', 'auto')})")
+    if drift_rows:
+        print(f"{'logits drift from an fp32-state run':42} {'state':>8} {'requests':>8} {'tokens':>7} "
+              f"{'max rel err':>12} {'mean rel err':>13} {'first argmax diff':>18} {'argmax diffs':>13}")
+        for r in drift_rows:
+            first = "never" if r["first_argmax_diff"] is None else str(r["first_argmax_diff"])
+            print(f"{'fastmamba (teacher forced)':42} {_state_label(DTYPES[r['ssm_dtype']], r['stochastic_rounding']):>8} "
+                  f"{r['batch']:8d} {r['tokens']:7d} {r['max_rel_err']:12.3e} {r['mean_rel_err']:13.3e} "
+                  f"{first:>18} {r['argmax_diffs']:13d}")
+            r["provider"] = "fastmamba drift"
     if args.json:
         with open(args.json, "a") as f:
-            for r in rows + spec_rows:
+            for r in rows + spec_rows + drift_rows:
                 f.write(json.dumps(dict(r, model=name, device=device_name(device), copy_gbs=copy_gbs,
                                         command=command)) + "\n")
     if args.plot:

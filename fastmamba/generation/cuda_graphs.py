@@ -6,6 +6,13 @@ A graph is captured the first time its bucket is used: static token and slot buf
 with ``copy_``, warm-up runs on a side stream, and every bucket shares one memory pool. Rows past
 the live batch are padding: their slot is ``-1`` (the kernels' pad slot: no state read or write),
 their token 0. Nothing in a replay synchronises with the host.
+
+Weights are read at every replay, never captured as values: the kernels compute -exp(A_log) from
+``A_log`` themselves, so an in-place weight change (``load_state_dict``, ``A_log.sub_()``) is seen by
+the next replay. A graph does keep the weights' addresses: a change that rebinds storage
+(``param.data = t``, ``load_state_dict(..., assign=True)``, ``model.to(...)``) needs ``invalidate()``
+(the graphs are captured again at their next use). ``rand_seed`` (int64 [n_layer], ``fastmamba.generation.rounding``) is captured by
+address: advance it in place before a replay and the replay's 16-bit state stores use the new seeds.
 """
 from __future__ import annotations
 
@@ -58,14 +65,18 @@ class GraphedDecoder:
     (default): on where the GPU has it (sm_90+). A decode step keeps its contract (no kernel
     writes the weights, slot indices or state rows that the next one reads before its wait), and
     it is what lets the step's projections (``gemv``) start streaming their weights early.
+    rand_seed: int64 [n_layer] device tensor or None: the graphs' stochastic-rounding seeds
+    (``StochasticRounding.seeds``), read at every replay; the caller advances them.
     """
 
-    def __init__(self, model: Mamba2LM, cache: StateCache, max_batch: int, *, pdl: bool | None = None):
+    def __init__(self, model: Mamba2LM, cache: StateCache, max_batch: int, *, pdl: bool | None = None,
+                 rand_seed: torch.Tensor | None = None):
         if not torch.cuda.is_available() or model.lm_head.weight.device.type != "cuda":
             raise RuntimeError("GraphedDecoder needs the model on a CUDA device")
         if pdl is None:
             pdl = pdl_supported(model.lm_head.weight)
         self.model, self.cache, self.max_batch, self.pdl = model, cache, max_batch, pdl
+        self.rand_seed = rand_seed
         dev = model.lm_head.weight.device
         self.buckets = buckets_up_to(max_batch)
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=dev)
@@ -79,12 +90,19 @@ class GraphedDecoder:
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         pdl = programmatic_dependent_launch() if self.pdl else contextlib.nullcontext()
         tokens, slots = self.tokens[:b], self.slots[:b]
+        def run() -> torch.Tensor:
+            return self.model.decode(tokens, self.cache, slots, rand_seed=self.rand_seed)
+
         with pdl:
-            _warm_up(lambda: self.model.decode(tokens, self.cache, slots), slots)
+            _warm_up(run, slots)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.model.decode(tokens, self.cache, slots)
+                logits = run()
         return graph, logits
+
+    def invalidate(self) -> None:
+        """Drop every captured graph (after the weights moved to new storage); recaptured on next use."""
+        self.graphs.clear()
 
     def decode(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[0]
@@ -116,12 +134,14 @@ class GraphedVerifier:
 
     The slots' replay histories must be empty before a legacy or plain step (``cache.flush``,
     eagerly, by the caller). The pad rows of a bucket have slot -1: the verify kernels skip them,
-    the legacy commit repeats its first live row's copy for them.
+    the legacy commit repeats its first live row's copy for them. ``rand_seed`` as in
+    ``GraphedDecoder``.
     """
 
     PATHS = ("replay", "legacy", "plain")
 
-    def __init__(self, model: Mamba2LM, cache: StateCache, max_batch: int, *, pdl: bool | None = None):
+    def __init__(self, model: Mamba2LM, cache: StateCache, max_batch: int, *, pdl: bool | None = None,
+                 rand_seed: torch.Tensor | None = None):
         if not torch.cuda.is_available() or model.lm_head.weight.device.type != "cuda":
             raise RuntimeError("GraphedVerifier needs the model on a CUDA device")
         if pdl is None:  # as GraphedDecoder (the same launch configs: a verify step's rounding
@@ -129,6 +149,7 @@ class GraphedVerifier:
         if not cache.speculate:
             raise ValueError("GraphedVerifier: the cache was built without speculation (speculate=0)")
         self.model, self.cache, self.max_batch, self.pdl = model, cache, max_batch, pdl
+        self.rand_seed = rand_seed
         dev = model.lm_head.weight.device
         self.tokens = {"replay": torch.zeros(max_batch, cache.tokens_per_step, dtype=torch.int64, device=dev),
                        "plain": torch.zeros(max_batch, 1, dtype=torch.int64, device=dev)}
@@ -138,6 +159,11 @@ class GraphedVerifier:
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.commit_graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
+
+    def invalidate(self) -> None:
+        """Drop every captured graph (after the weights moved to new storage); recaptured on next use."""
+        self.graphs.clear()
+        self.commit_graphs.clear()
 
     def buckets(self, path: str) -> list[int]:
         """The batch buckets of ``path`` (legacy: up to ``cache.legacy_max_batch``)."""
@@ -162,7 +188,7 @@ class GraphedVerifier:
         tokens, slots = self.tokens[path][:b], self.slots[:b]
 
         def run() -> torch.Tensor:
-            return self.model.verify(tokens, self.cache, slots, path=path)
+            return self.model.verify(tokens, self.cache, slots, path=path, rand_seed=self.rand_seed)
 
         with pdl:
             _warm_up(run, slots)

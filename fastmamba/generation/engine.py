@@ -43,6 +43,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from fastmamba.generation.drafters import Drafter, NgramDrafter
+from fastmamba.generation.rounding import StochasticRounding
 from fastmamba.generation.sampling import Sampler, SamplingParams, stop_reached
 from fastmamba.generation.spec_policy import TableEntry, choose_verify_path, lookup_table
 from fastmamba.models.mamba2_lm import Mamba2LM
@@ -80,6 +81,12 @@ class Engine:
     max_batch     requests decoded together (and slots in the state cache)
     cuda_graphs   replay decode (and verify) steps from CUDA graphs (GPU only; default: on when on a GPU)
     ssm_dtype     SSM state dtype (fp32 default; bf16/fp16 halve the state traffic)
+    stochastic_rounding  with a 16-bit ``ssm_dtype``: every kernel that stores a state (prefill
+                  scan, decode step, verify steps) rounds it stochastically, from per-layer device
+                  seeds (``fastmamba.generation.rounding``) advanced in place before every step
+                  (graph-safe); False (default): round to nearest. With an fp32 state: ValueError
+    rounding_seed the stochastic rounding's seed (int in [0, 2**31)): the same seed and the same
+                  requests give the same states
     pdl           programmatic dependent launch inside the graphs (Hopper+); None (default): on
                   where the GPU has it
     speculate     K >= 1: speculative decoding, verifying K drafts per request per step (greedy
@@ -105,7 +112,13 @@ class Engine:
                  ssm_dtype: torch.dtype = torch.float32, pdl: bool | None = None, speculate: int | None = None,
                  drafter: Drafter | None = None, verify_path: str = "auto",
                  verify_table: Mapping[int | str, int | None] | str | os.PathLike | None = None,
-                 legacy_max_batch: int | None = None):
+                 legacy_max_batch: int | None = None, stochastic_rounding: bool = False, rounding_seed: int = 0):
+        if not isinstance(stochastic_rounding, bool):
+            raise TypeError(f"Engine: stochastic_rounding must be a bool, got {stochastic_rounding!r}")
+        if stochastic_rounding and ssm_dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"Engine: stochastic_rounding=True rounds 16-bit SSM states; it needs ssm_dtype="
+                             f"torch.float16 or torch.bfloat16, got ssm_dtype={ssm_dtype} (fp32 states are stored "
+                             "exactly)")
         if speculate is not None and not (isinstance(speculate, int) and speculate >= 0):
             raise ValueError(f"Engine: speculate must be None or an int >= 0 (number of drafts K), got {speculate!r}")
         self.speculate = speculate or 0
@@ -134,6 +147,7 @@ class Engine:
         self.device = model.lm_head.weight.device
         self.max_batch = max_batch
         self.cache = model.new_cache(max_batch, ssm_dtype=ssm_dtype, speculate=self.speculate)
+        self.rounding = StochasticRounding(model.cfg.n_layer, self.device, rounding_seed) if stochastic_rounding else None
         self.sampler = Sampler(model.cfg.vocab_size, self.device, max_batch)
         self.stats = {"steps": {"replay": 0, "legacy": 0, "plain": 0}, "drafts_proposed": 0, "drafts_accepted": 0}
         self._replay_slots: set[int] = set()  # slots whose SSM state lags their replay history
@@ -151,9 +165,9 @@ class Engine:
             from fastmamba.generation.cuda_graphs import GraphedDecoder, GraphedVerifier
 
             if self.speculate:
-                self.verifier = GraphedVerifier(model, self.cache, max_batch, pdl=pdl)
+                self.verifier = GraphedVerifier(model, self.cache, max_batch, pdl=pdl, rand_seed=self._rand_seed())
             else:
-                self.decoder = GraphedDecoder(model, self.cache, max_batch, pdl=pdl)
+                self.decoder = GraphedDecoder(model, self.cache, max_batch, pdl=pdl, rand_seed=self._rand_seed())
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
@@ -169,6 +183,15 @@ class Engine:
         req = Request(next(self._ids), ids, params)
         self.waiting.append(req)
         return req.rid
+
+    def _rand_seed(self, advance: bool = False) -> torch.Tensor | None:
+        """The stochastic-rounding seeds (None: round to nearest); ``advance``: first move them on
+        (in place, before a step that stores states)."""
+        if self.rounding is None:
+            return None
+        if advance:
+            self.rounding.advance()
+        return self.rounding.seeds
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -221,7 +244,8 @@ class Engine:
         packed = torch.tensor([t for r in admitted for t in r.prompt] + cu_seqlens, dtype=torch.int64)
         packed = packed.to(self.device)
         # fresh slots: start from zeros without reading them
-        logits = self.model.prefill_varlen(packed[:T], packed[T:], self.cache, slots, has_initial_state=False)
+        logits = self.model.prefill_varlen(packed[:T], packed[T:], self.cache, slots, has_initial_state=False,
+                                           rand_seed=self._rand_seed(advance=True))
         self.running.extend(admitted)
         return self._emit(admitted, logits)
 
@@ -236,10 +260,11 @@ class Engine:
         reqs = list(self.running)
         tokens = torch.tensor([r.output[-1] for r in reqs], dtype=torch.int64, device=self.device)
         slots = torch.tensor([r.slot for r in reqs], dtype=torch.int32, device=self.device)
+        seed = self._rand_seed(advance=True)  # the graphs read the advanced seeds at replay
         if self.decoder is not None:
             logits = self.decoder.decode(tokens, slots)
         else:
-            logits = self.model.decode(tokens, self.cache, slots)
+            logits = self.model.decode(tokens, self.cache, slots, rand_seed=seed)
         return self._emit(reqs, logits)
 
     def _table_path(self, batch: int) -> str:
@@ -270,9 +295,10 @@ class Engine:
         return out
 
     def _verify(self, tokens: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:
+        seed = self._rand_seed(advance=True)
         if self.verifier is not None:
             return self.verifier.verify(tokens, slots, path)
-        return self.model.verify(tokens, self.cache, slots, path=path)
+        return self.model.verify(tokens, self.cache, slots, path=path, rand_seed=seed)
 
     def _commit(self, reqs: list[Request], slots: torch.Tensor, consumed: list[int], path: str) -> None:
         accepted = torch.tensor(consumed, dtype=torch.int32, device=self.device)

@@ -16,12 +16,21 @@ of them, ``causal_conv1d_varlen`` on the xBC columns of its output (read in plac
 and write back each prompt's cache slot. ``forward`` (equal lengths [B, L], with or without a
 cache) packs its batch and runs the same path.
 
-The decode step uses fastmamba's kernels with the tricks of the decode-kernel issue: A = -exp(A_log)
-is computed once per weight version as a stride-0 view (``expanded_A``), the silu(z) gate runs
-inside ``selective_state_update`` so the norm takes its z=None path, and the conv window stays in
-registers (``causal_conv1d_update``), and a step of at most 16 requests runs in_proj and out_proj as
+The decode step uses fastmamba's kernels with the tricks of the decode-kernel issue: the kernels
+read ``A_log`` itself and compute A = -exp(A_log) in fp32 where they load it (``A_is_log=True``; a
+stride-0 [H, P, N] view of A_log where the op wants that shape), the silu(z) gate runs inside
+``selective_state_update`` so the norm takes its z=None path, the conv window stays in registers
+(``causal_conv1d_update``), and a step of at most 16 requests runs in_proj and out_proj as
 fastmamba's ``gemv`` (it can start under PDL before the kernel ahead of it ends; cuBLAS cannot).
-The first two apply to prefill as well (the scan gates inside).
+The first two apply to prefill and verification as well (the scan gates inside).
+
+Nothing derived from the weights is cached: a CUDA graph captured before an in-place weight change
+(``A_log.sub_()``, ``load_state_dict``, ``param.data.mul_()``) reads the new values at its next
+replay, and the layer runs the same under ``torch.inference_mode()`` and ``torch.compile``.
+
+16-bit SSM states: ``step``, ``verify`` and ``forward_varlen`` take ``rand_seed`` (a one-element
+int64 device tensor, or None for round to nearest) and hand it to every op that stores the state;
+``fastmamba.generation.rounding`` keeps one per layer and advances it between steps.
 """
 from __future__ import annotations
 
@@ -34,7 +43,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastmamba.ops import RMSNormGated, causal_conv1d_update, causal_conv1d_varlen, selective_state_update
-from fastmamba.ops.decode_params import expanded_A
 from fastmamba.ops.gemv import gemv
 from fastmamba.ops.gemv.configs import MAX_ROWS as GEMV_MAX_ROWS
 from fastmamba.ops.replay import ReplayCache, replay_selective_state_update
@@ -48,7 +56,8 @@ if TYPE_CHECKING:  # (a runtime import would be circular: fastmamba.models impor
 class DecodeTricks:
     """Switches for the decode step's optimisations, so a benchmark can show each one's effect.
 
-    cache_A        A = -exp(A_log) computed once per weight version (off: every layer, every step)
+    A_in_kernel    the kernels compute A = -exp(A_log) from A_log where they load it (off: PyTorch
+                   computes it every layer, every step, and the kernels read A)
     gate_in_scan   silu(z) applied inside the state update, norm without z (off: gate in the norm);
                    prefill follows both switches (its scan takes the same A and gates the same way)
     fused_conv     conv window kept in registers by causal_conv1d_update (off: PyTorch ops that
@@ -59,7 +68,7 @@ class DecodeTricks:
                    never overlaps)
     """
 
-    cache_A: bool = True
+    A_in_kernel: bool = True
     gate_in_scan: bool = True
     fused_conv: bool = True
     triton_gemv: bool = True
@@ -127,15 +136,19 @@ class Mamba2Mixer(nn.Module):
         # silu(z) can run inside the state update only when the norm gates before normalising
         return self.tricks.gate_in_scan and not self.cfg.norm_before_gate
 
-    def _A(self) -> torch.Tensor:
-        c = self.cfg
-        if self.tricks.cache_A:
-            return expanded_A(self.A_log, c.headdim, c.d_state)
-        return (-torch.exp(self.A_log.float()))[:, None, None].expand(c.nheads, c.headdim, c.d_state)
+    def _A_heads(self) -> tuple[torch.Tensor, bool]:
+        """(A, A_is_log) per head for the ops: ``A_log`` [H] itself, the kernels computing -exp in
+        fp32 (``A_in_kernel``), or -exp(A_log) [H] fp32 computed now. Never cached: a weight
+        changed in place (eagerly, or between CUDA-graph replays) is read afresh."""
+        if self.tricks.A_in_kernel:
+            return self.A_log, True
+        return -torch.exp(self.A_log.float()), False
 
-    def _A_heads(self) -> torch.Tensor:
-        """A = -exp(A_log) per head, [H] fp32 (the same cached tensor ``_A`` broadcasts)."""
-        return self._A()[:, 0, 0]
+    def _A(self) -> tuple[torch.Tensor, bool]:
+        """``_A_heads`` as the [H, P, N] stride-0 view that ``selective_state_update`` takes."""
+        c = self.cfg
+        A, is_log = self._A_heads()
+        return A[:, None, None].expand(c.nheads, c.headdim, c.d_state), is_log
 
     def forward(
         self,
@@ -176,6 +189,8 @@ class Mamba2Mixer(nn.Module):
         ssm_state: torch.Tensor,
         slots: torch.Tensor | None = None,
         has_initial_state: torch.Tensor | None = None,
+        *,
+        rand_seed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Prefill of B packed prompts of any lengths: u [T, d_model] -> [T, d_model].
 
@@ -187,7 +202,10 @@ class Mamba2Mixer(nn.Module):
                     (zero output, no state touched)
         has_initial_state [B] bool or None (all False): prompt b continues from its rows' states;
                     otherwise it starts from zeros and the old contents are not read
-        The ops read cu_seqlens and slots on the host for their checks (see their docstrings).
+        rand_seed   one-element int64 device tensor or None: with a 16-bit ``ssm_state``, the final
+                    states are rounded stochastically with it (None: round to nearest)
+        The ops read cu_seqlens and slots on the host for their checks (see their docstrings),
+        except inside ``fastmamba.ops._common.host_values.trusted_inputs()``.
         """
         c = self.cfg
         T = u.shape[0]
@@ -197,16 +215,22 @@ class Mamba2Mixer(nn.Module):
                                    slots, has_initial_state, "silu")
         x, B, C = self._split_xbc(xbc)
         gate = z.reshape(T, H, P) if self._gate_in_scan() else None
+        A, A_is_log = self._A_heads()
         y = ssd_scan_varlen(
-            x.reshape(T, H, P), dt, self._A_heads(), B.reshape(T, G, N), C.reshape(T, G, N), ssm_state, cu_seqlens,
+            x.reshape(T, H, P), dt, A, B.reshape(T, G, N), C.reshape(T, G, N), ssm_state, cu_seqlens,
             chunk_size=c.chunk_size, D=self.D, z=gate, dt_bias=self.dt_bias, dt_softplus=True,
-            cache_indices=slots, has_initial_state=has_initial_state,
+            cache_indices=slots, has_initial_state=has_initial_state, A_is_log=A_is_log, rand_seed=rand_seed,
         )
         y = self.norm(y.reshape(T, c.d_inner), None if self._gate_in_scan() else z)
         return self.out_proj(y)
 
-    def step(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Decode one token per request: u [B, d_model] -> [B, d_model]; states advance in place."""
+    def step(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, *,
+             rand_seed: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode one token per request: u [B, d_model] -> [B, d_model]; states advance in place.
+
+        rand_seed: one-element int64 device tensor or None; with a 16-bit ``ssm_state`` the new
+        state is rounded stochastically with it (advance it between steps). No host read besides
+        the ops' slot checks (skipped under CUDA-graph capture, torch.compile and trusted_inputs())."""
         c = self.cfg
         nreq = u.shape[0]
         H, P, N, G = c.nheads, c.headdim, c.d_state, c.ngroups
@@ -218,9 +242,11 @@ class Mamba2Mixer(nn.Module):
             xbc = _conv_update_torch(xbc, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, slots)
         x, B, C = self._split_xbc(xbc)
         gate = z.reshape(nreq, H, P) if self._gate_in_scan() else None
+        A, A_is_log = self._A()
         y = selective_state_update(
-            ssm_state, x.reshape(nreq, H, P), dt, self._A(),
+            ssm_state, x.reshape(nreq, H, P), dt, A,
             B.reshape(nreq, G, N), C.reshape(nreq, G, N), self.D, gate, self.dt_bias, True, slots,
+            A_is_log=A_is_log, rand_seed=rand_seed,
         )
         y = self.norm(y.reshape(nreq, c.d_inner), None if self._gate_in_scan() else z)
         return self._project("out_proj", y)
@@ -236,6 +262,7 @@ class Mamba2Mixer(nn.Module):
         path: str = "replay",
         intermediate_states: torch.Tensor | None = None,
         no_dst: torch.Tensor | None = None,
+        rand_seed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Speculative verification of T tokens per request: u [B, T, d_model] -> [B, T, d_model].
 
@@ -256,6 +283,10 @@ class Mamba2Mixer(nn.Module):
                     accepted position's state there, ``StateCache.commit_legacy``)
           "plain"   T = 1: single-token ``selective_state_update`` on ``replay.state`` in place
                     (``StateCache.commit_plain`` afterwards)
+        rand_seed      one-element int64 device tensor or None: a 16-bit state stored by the step
+                       (replay: at its checkpoints; plain: in place) is rounded stochastically
+                       with it. The legacy path's per-position states are rounded to nearest
+                       (``selective_state_update`` rounds only the state it stores in the pool).
                     Legacy and plain read ``replay.state`` as the state after the last accepted
                     token: the slots' replay histories must be empty (``StateCache.flush``).
         Output t depends on inputs 0..t only. Nothing is committed here: the caller commits the
@@ -282,18 +313,24 @@ class Mamba2Mixer(nn.Module):
         gate = z.reshape(nreq, ntok, H, P) if self._gate_in_scan() else None
         x, B, C = x.reshape(nreq, ntok, H, P), B.reshape(nreq, ntok, G, N), C.reshape(nreq, ntok, G, N)
         if path == "replay":
+            A, A_is_log = self._A_heads()
             y = replay_selective_state_update(
-                *replay, x, dt, self._A_heads(), B, C, self.D, gate, self.dt_bias, True, slots,
+                *replay, x, dt, A, B, C, self.D, gate, self.dt_bias, True, slots,
+                A_is_log=A_is_log, rand_seed=rand_seed,
             )
         elif path == "legacy":
+            A, A_is_log = self._A()
             y = selective_state_update(
-                replay.state, x, dt, self._A(), B, C, self.D, gate, self.dt_bias, True, slots,
+                replay.state, x, dt, A, B, C, self.D, gate, self.dt_bias, True, slots,
                 dst_state_batch_indices=no_dst, intermediate_states=intermediate_states,
+                A_is_log=A_is_log, rand_seed=rand_seed,
             )
         else:
+            A, A_is_log = self._A()
             y = selective_state_update(
-                replay.state, x[:, 0], dt[:, 0], self._A(), B[:, 0], C[:, 0], self.D,
+                replay.state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], self.D,
                 None if gate is None else gate[:, 0], self.dt_bias, True, slots,
+                A_is_log=A_is_log, rand_seed=rand_seed,
             )
         y = self.norm(y.reshape(nreq * ntok, c.d_inner), None if self._gate_in_scan() else z.reshape(-1, c.d_inner))
         return self._project("out_proj", y).view(nreq, ntok, -1)

@@ -10,17 +10,29 @@ With a ``StateCache``: ``prefill_varlen`` runs B prompts of any lengths packed i
 ``commit`` keeps each request's accepted prefix, on one of three paths per step: "replay"
 (replay-based rollback: nothing is copied), "legacy" (a state per position, then a copy of the
 accepted one) or "plain" (one token per request, nothing drafted).
+
+16-bit SSM states (``new_cache(..., ssm_dtype=torch.float16 | torch.bfloat16)``) are stored with
+round to nearest, or stochastically when ``prefill_varlen`` / ``prefill`` / ``decode`` / ``verify``
+get ``rand_seed``: an int64 [n_layer] device tensor, layer i rounding with element i
+(``fastmamba.generation.rounding.StochasticRounding`` keeps and advances it).
+
+Nothing derived from the weights is cached (the kernels read ``A_log`` and compute -exp in fp32), so
+an in-place weight change is seen by the next eager call and the next CUDA-graph replay alike, and
+every method runs under ``torch.inference_mode()`` as outside it.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from fastmamba.cache.state_cache import StateCache
+from fastmamba.generation.rounding import check_rand_seed
 from fastmamba.layers.mamba2 import DecodeTricks, Mamba2Mixer
 from fastmamba.models.config import Mamba2Config
 from fastmamba.ops import add_rmsnorm
-from fastmamba.ops._common.host_values import host_list
+from fastmamba.ops._common.host_values import host_list, host_reads_allowed, trusted_inputs
 
 
 class RMSNorm(nn.Module):
@@ -64,6 +76,11 @@ class Mamba2LM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
+    def _seed(self, rand_seed: torch.Tensor | None, who: str):
+        """Layer i's one-element view of ``rand_seed`` (checked), as a function of i."""
+        check_rand_seed(rand_seed, self.cfg.n_layer, self.lm_head.weight.device, who)
+        return (lambda i: None) if rand_seed is None else (lambda i: rand_seed[i:i + 1])
+
     def _run(self, input_ids: torch.Tensor, mix, *, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Embeddings -> blocks -> final norm -> fp32 logits (of the leading-dim ``rows`` only, if
         given); ``mix(i, mixer, normed)`` runs layer i's mixer.
@@ -96,7 +113,8 @@ class Mamba2LM(nn.Module):
                           ssm_dtype=ssm_dtype, speculate=speculate)
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor, *,
+                rand_seed: torch.Tensor | None = None) -> torch.Tensor:
         """Run B prompts of equal length [B, L] from their slots' states; returns the last logits [B, V].
 
         The packed call of ``prefill_varlen`` with ``cu_seqlens = [0, L, 2L, ...]``.
@@ -105,8 +123,10 @@ class Mamba2LM(nn.Module):
             raise ValueError(f"Mamba2LM.prefill: `input_ids` expected shape (B, L) with L >= 1, "
                              f"got {tuple(input_ids.shape)}")
         nreq, L = input_ids.shape
-        cu_seqlens = torch.arange(0, nreq * L + 1, L, dtype=torch.int32, device=input_ids.device)
-        return self.prefill_varlen(input_ids.reshape(-1), cu_seqlens, cache, slots)
+        cu_host = list(range(0, nreq * L + 1, L))
+        cu_seqlens = torch.tensor(cu_host, dtype=torch.int32).to(input_ids.device, non_blocking=True)
+        return self.prefill_varlen(input_ids.reshape(-1), cu_seqlens, cache, slots, rand_seed=rand_seed,
+                                   cu_seqlens_host=cu_host)
 
     @torch.inference_mode()
     def prefill_varlen(
@@ -116,6 +136,10 @@ class Mamba2LM(nn.Module):
         cache: StateCache,
         slots: torch.Tensor,
         has_initial_state: torch.Tensor | bool = True,
+        *,
+        rand_seed: torch.Tensor | None = None,
+        cu_seqlens_host: Sequence[int] | None = None,
+        slots_host: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Run B prompts of any lengths packed into one call; returns each one's last-token logits [B, V] fp32.
 
@@ -127,7 +151,14 @@ class Mamba2LM(nn.Module):
         has_initial_state  True (default): every prompt continues from its slot's states (as
                     ``prefill``; a freshly allocated slot holds zeros); False: every prompt starts
                     from zeros and the old contents are not read; or a [B] bool tensor per prompt
-        Reads cu_seqlens on the host once to check that no prompt is empty (the ops read it too).
+        rand_seed   int64 [n_layer] device tensor or None: stochastic rounding of 16-bit states
+        cu_seqlens_host, slots_host  the values of ``cu_seqlens`` and ``slots`` as the host already
+                    holds them (the engine does), or None: then they are read from the tensors
+        The batch's metadata is validated once, here, from host values: cu_seqlens starts at 0,
+        never decreases, ends at T and leaves no prompt empty; every slot lies in [0, S) or is -1
+        (padding), no two prompts share one. Tensors are read in one device-to-host copy (none
+        when both host lists are given), and every layer's ops then run inside
+        ``trusted_inputs()``: no per-layer host read or synchronize.
         With a speculative cache, the slots are left ready for ``verify`` (``StateCache.mark_prefilled``);
         a prompt may then continue from a slot's state only if no verify step ran on it since
         its last prefill (after one, the conv history is not right-aligned and the SSM state
@@ -142,35 +173,79 @@ class Mamba2LM(nn.Module):
         if tuple(slots.shape) != (nseq,):
             raise ValueError(f"Mamba2LM.prefill_varlen: `slots` expected shape (B,)=({nseq},), "
                              f"got {tuple(slots.shape)}")
-        cu = host_list(cu_seqlens)  # read once: the layers' ops reuse this host copy
+        cu, slot_values = self._host_metadata(cu_seqlens, slots, cu_seqlens_host, slots_host)
         empty = [b for b in range(nseq) if cu[b + 1] <= cu[b]]
+        T = input_ids.shape[0]
+        if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+            shown = cu if len(cu) <= 10 else cu[:5] + ["..."] + cu[-3:]
+            raise ValueError(f"Mamba2LM.prefill_varlen: `cu_seqlens` must start at 0, never decrease and end at "
+                             f"T={T} (input_ids' tokens); got {shown}")
         if empty:
             raise ValueError(f"Mamba2LM.prefill_varlen: every prompt needs at least one token; prompts {empty[:8]} "
                              f"have none (cu_seqlens of length {nseq + 1})")
+        S = cache.num_slots
+        bad = [v for v in slot_values if v != -1 and not 0 <= v < S]
+        if bad:
+            raise ValueError(f"Mamba2LM.prefill_varlen: `slots` values must lie in [0, {S}) (the cache's slots) or "
+                             f"be -1 (padding); got {bad[:4]}")
+        live = [v for v in slot_values if v != -1]
+        if len(set(live)) != len(live):
+            dup = sorted({v for v in live if live.count(v) > 1})
+            raise ValueError(f"Mamba2LM.prefill_varlen: two prompts must not share a slot; slots {dup[:4]} appear "
+                             "more than once")
         if has_initial_state is True:
             flags = torch.ones(nseq, dtype=torch.bool, device=input_ids.device)
         elif has_initial_state is False:
             flags = None  # the ops then start every prompt from zeros without reading its slot
         else:
             flags = has_initial_state
+        seed = self._seed(rand_seed, "Mamba2LM.prefill_varlen")
         last = cu_seqlens[1:] - 1
-        logits = self._run(
-            input_ids,
-            lambda i, mixer, h: mixer.forward_varlen(h, cu_seqlens, cache.conv[i], cache.ssm[i], slots, flags),
-            rows=last,
-        )
-        if cache.speculate:
-            cache.mark_prefilled(slots)
+        with trusted_inputs():  # validated above: the layers' ops read nothing on the host
+            logits = self._run(
+                input_ids,
+                lambda i, mixer, h: mixer.forward_varlen(h, cu_seqlens, cache.conv[i], cache.ssm[i], slots, flags,
+                                                         rand_seed=seed(i)),
+                rows=last,
+            )
+            if cache.speculate:
+                cache.mark_prefilled(slots)
         return logits
 
+    @staticmethod
+    def _host_metadata(cu_seqlens: torch.Tensor, slots: torch.Tensor, cu_host: Sequence[int] | None,
+                       slots_host: Sequence[int] | None) -> tuple[list[int], list[int]]:
+        """(cu_seqlens, slots) as host int lists: the given host copies, else one read of both tensors."""
+        who = "Mamba2LM.prefill_varlen"
+        for name, t in (("cu_seqlens", cu_seqlens), ("slots", slots)):
+            if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"{who}: `{name}` expected an int32 or int64 tensor, got "
+                                f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        for name, given, t in (("cu_seqlens_host", cu_host, cu_seqlens), ("slots_host", slots_host, slots)):
+            if given is not None and len(given) != t.shape[0]:
+                raise ValueError(f"{who}: `{name}` has {len(given)} values, its tensor {t.shape[0]}")
+        if cu_host is not None and slots_host is not None:
+            return [int(v) for v in cu_host], [int(v) for v in slots_host]
+        if not host_reads_allowed(cu_seqlens):
+            raise ValueError(f"{who}: cu_seqlens and slots cannot be read on the host here (CUDA-graph capture, "
+                             "torch.compile tracing or trusted_inputs()); pass `cu_seqlens_host` and `slots_host`")
+        both = host_list(torch.cat([cu_seqlens.long(), slots.to(cu_seqlens.device).long()]))  # one read
+        n = cu_seqlens.shape[0]
+        cu = [int(v) for v in cu_host] if cu_host is not None else both[:n]
+        return cu, [int(v) for v in slots_host] if slots_host is not None else both[n:]
+
     @torch.inference_mode()
-    def decode(self, token_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor) -> torch.Tensor:
-        """One token per request [B] -> next-token logits [B, V]; the slots' states advance in place."""
-        return self._run(token_ids, lambda i, mixer, h: mixer.step(h, cache.conv[i], cache.ssm[i], slots))
+    def decode(self, token_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor, *,
+               rand_seed: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per request [B] -> next-token logits [B, V]; the slots' states advance in place.
+        rand_seed: int64 [n_layer] device tensor or None (stochastic rounding of 16-bit states)."""
+        seed = self._seed(rand_seed, "Mamba2LM.decode")
+        return self._run(token_ids,
+                         lambda i, mixer, h: mixer.step(h, cache.conv[i], cache.ssm[i], slots, rand_seed=seed(i)))
 
     @torch.inference_mode()
     def verify(self, token_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor, *,
-               path: str = "replay") -> torch.Tensor:
+               path: str = "replay", rand_seed: torch.Tensor | None = None) -> torch.Tensor:
         """Score T tokens per request: token_ids [B, T] int64 -> logits [B, T, V] fp32.
 
         token_ids  row b: [the request's last emitted token, its K drafts]; logits[b, t] predicts
@@ -184,6 +259,8 @@ class Mamba2LM(nn.Module):
                    Legacy and plain read the slots' SSM states directly: their replay histories
                    must be empty (after prefill, after a legacy or plain commit, or after
                    ``cache.flush(slots)``). See ``Mamba2Mixer.verify``.
+        rand_seed  int64 [n_layer] device tensor or None: stochastic rounding of the 16-bit states
+                   the step stores (replay checkpoints, the plain path's state)
         Call ``commit`` with the same path and the accepted counts before the next verify on these
         slots. No host sync of its own (the ops' index checks read the slots once, except while
         a CUDA graph is being captured).
@@ -203,10 +280,11 @@ class Mamba2LM(nn.Module):
         conv_accepted = cache.conv_accepted[slots.long()]
         inter = cache.legacy_intermediate(nreq) if path == "legacy" else [None] * self.cfg.n_layer
         no_dst = cache.legacy_no_dst(nreq) if path == "legacy" else None
+        seed = self._seed(rand_seed, "Mamba2LM.verify")
 
         def mix(i, mixer, h):
             out = mixer.verify(h.view(nreq, ntok, -1), cache.conv[i], cache.replay[i], slots, conv_accepted,
-                               path=path, intermediate_states=inter[i], no_dst=no_dst)
+                               path=path, intermediate_states=inter[i], no_dst=no_dst, rand_seed=seed(i))
             return out.view(nreq * ntok, -1)
 
         return self._run(token_ids.reshape(-1), mix).view(nreq, ntok, -1)

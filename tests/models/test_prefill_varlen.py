@@ -98,3 +98,73 @@ def test_prefill_varlen_rejects_bad_input(model):
         model.prefill_varlen(ids, torch.tensor([0, 4], dtype=torch.int32), cache, slots)
     with pytest.raises(ValueError, match=r"expected shape \(T,\)"):
         model.prefill_varlen(ids[None], torch.tensor([0, 4], dtype=torch.int32), cache, slots[:1])
+
+
+class HostReads:
+    """Counts host reads of tensor values made by fastmamba's code (``.tolist()``, ``.item()``,
+    ``bool()`` / ``int()`` of a tensor), not the Triton interpreter's own copies."""
+
+    METHODS = ("tolist", "item", "__bool__", "__int__", "__index__", "__float__")
+
+    def __init__(self, monkeypatch):
+        import sys
+
+        self.count = 0
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+
+            def counting(t, *args, _original=original, **kwargs):
+                if sys._getframe(1).f_globals.get("__name__", "").startswith("fastmamba"):
+                    self.count += 1
+                return _original(t, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counting)
+
+
+def test_prefill_reads_the_host_at_most_once(model, monkeypatch):
+    """Metadata validated once at the model boundary; the layers' ops (2 layers: conv and scan
+    each) read nothing. With the host's own lists (as the engine has them), nothing is read at all."""
+    lengths = (3, 1, 6)
+    ids = torch.cat(prompts_of(lengths, 7))
+    cu = cu_seqlens_of(lengths)
+    slots = torch.tensor([2, -1, 0], dtype=torch.int32)  # a padding prompt in the middle
+    caches, logits, counts = [], [], []
+    for extra in ({}, dict(cu_seqlens_host=cu.tolist(), slots_host=slots.tolist())):
+        caches.append(model.new_cache(3))
+        reads = HostReads(monkeypatch)
+        logits.append(model.prefill_varlen(ids, cu, caches[-1], slots, has_initial_state=False, **extra))
+        counts.append(reads.count)
+        monkeypatch.undo()
+    assert counts == [1, 0]
+    torch.testing.assert_close(logits[1][[0, 2]], logits[0][[0, 2]], atol=0.0, rtol=0.0)
+    for a, b in zip((*caches[0].conv, *caches[0].ssm), (*caches[1].conv, *caches[1].ssm)):
+        assert torch.equal(a, b)
+    alone = model.new_cache(1)
+    torch.testing.assert_close(logits[0][2], model.prefill(ids[None, 4:], alone, alone.alloc(1))[0], **FP32)
+
+
+def test_prefill_metadata_errors_touch_nothing(model):
+    cache = model.new_cache(3)
+    poison(cache, 9)
+    before = [t.clone() for t in (*cache.conv, *cache.ssm)]
+    ids = torch.zeros(5, dtype=torch.int64)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    cases = [
+        (cu, torch.tensor([0, 3], dtype=torch.int32), {}, r"`slots` values must lie in \[0, 3\).*got \[3\]"),
+        (cu, torch.tensor([1, 1], dtype=torch.int32), {}, r"must not share a slot; slots \[1\]"),
+        (torch.tensor([0, 3, 2], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), {},
+         "must start at 0, never decrease and end at T=5"),
+        (torch.tensor([0, 2, 4], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), {},
+         "end at T=5"),
+        (cu, torch.tensor([0, 1], dtype=torch.int32), {"slots_host": [0], "cu_seqlens_host": [0, 2, 5]},
+         "`slots_host` has 1 values, its tensor 2"),
+        (cu, torch.tensor([0, 1], dtype=torch.int32), {"slots_host": [0, 7], "cu_seqlens_host": [0, 2, 5]},
+         r"got \[7\]"),
+    ]
+    for cu_t, slots, extra, match in cases:
+        with pytest.raises(ValueError, match=match):
+            model.prefill_varlen(ids, cu_t, cache, slots, **extra)
+    with pytest.raises(TypeError, match="`slots` expected an int32 or int64 tensor, got torch.float32"):
+        model.prefill_varlen(ids, cu, cache, torch.tensor([0.0, 1.0]))
+    for old, new in zip(before, (*cache.conv, *cache.ssm)):
+        assert torch.equal(old, new)
