@@ -3,6 +3,7 @@
     fastmamba bench kernels|prefill|tune|e2e ...     (python -m fastmamba.bench --help)
     fastmamba generate --model DIR|PRESET (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
                        [--temperature T] [--top-k K] [--top-p P] [--seed S] [--batch B]
+                       [--stop STR ...] [--stop-token-ids 1,2] [--ignore-eos]
                        [--speculate K [--drafter ngram|oracle|model [--draft-model DIR|PRESET]]]
 
 ``--speculate K`` verifies K drafted tokens per step (greedy acceptance at temperature 0, speculative
@@ -43,6 +44,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], metavar="STR",
+                     help="stop once the generated text contains STR (repeatable; needs the checkpoint's tokenizer)")
+    gen.add_argument("--stop-token-ids", default=None, metavar="IDS",
+                     help="comma-separated token ids that end generation (the stop token is printed)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="run on past the checkpoint's end-of-sequence token(s) (default: stop there)")
     gen.add_argument("--batch", type=int, default=1, help="run the prompt as B parallel requests; streams the first")
     gen.add_argument("--device", default=None, help="default: cuda when present")
     gen.add_argument("--speculate", type=int, default=0, metavar="K",
@@ -78,8 +85,18 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         except ValueError:
             print(f"error: --prompt-ids expects comma-separated integers, got {args.prompt_ids!r}", file=sys.stderr)
             return 2
+    try:
+        stop_ids = [int(t) for t in (args.stop_token_ids or "").split(",") if t.strip()]
+    except ValueError:
+        print(f"error: --stop-token-ids expects comma-separated integers, got {args.stop_token_ids!r}", file=sys.stderr)
+        return 2
+    if args.stop and tok is None:
+        print(f"error: --stop needs the checkpoint's tokenizer.json to decode the output; {args.model} has none "
+              "(use --stop-token-ids)", file=sys.stderr)
+        return 2
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            max_new_tokens=args.max_new_tokens)
+                            max_new_tokens=args.max_new_tokens, stop_token_ids=stop_ids, stop=args.stop,
+                            ignore_eos=args.ignore_eos)
     if args.speculate < 0:
         print(f"error: --speculate expects K >= 0, got {args.speculate}", file=sys.stderr)
         return 2
@@ -92,7 +109,7 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         batch = max(1, args.batch)
         if args.drafter == "oracle":
-            reference = Engine(model, max_batch=1).generate([ids], params)[0]
+            reference = Engine(model, max_batch=1, tokenizer=tok).generate([ids], params)[0]
             drafter = OracleDrafter.from_runs([ids], [reference])
         elif args.drafter == "model":
             draft = fastmamba.load_model(args.draft_model, dtype=model.dtype, device=model.lm_head.weight.device)
@@ -103,9 +120,9 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 return 2
         else:
             drafter = NgramDrafter()
-        engine = Engine(model, max_batch=batch, speculate=args.speculate, drafter=drafter)
+        engine = Engine(model, max_batch=batch, speculate=args.speculate, drafter=drafter, tokenizer=tok)
     else:
-        engine = Engine(model, max_batch=max(1, args.batch))
+        engine = Engine(model, max_batch=max(1, args.batch), tokenizer=tok)
     rids = [engine.add_request(ids, params) for _ in range(max(1, args.batch))]
     shown: list[int] = []
     t0 = time.perf_counter()
