@@ -246,40 +246,40 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"Engine.add_request: stop strings {list(params.stop)!r} need a tokenizer to decode the "
                              "output; build the engine with Engine(model, tokenizer=...)")
-        ids = self._prompt_ids(prompt)
+        ids = self._prompt_ids(prompt, "Engine.add_request: ")
         req = Request(next(self._ids), ids, params)
         self.waiting.append(req)
         return req.rid
 
-    def _prompt_ids(self, prompt: object) -> list[int]:
-        """The prompt as a list of Python ints in [0, V), or TypeError / ValueError."""
+    def _prompt_ids(self, prompt: object, who: str) -> list[int]:
+        """The prompt as a list of Python ints in [0, V), or TypeError / ValueError starting with ``who``."""
         V = self.model.cfg.vocab_size
         if isinstance(prompt, torch.Tensor):
             if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
-                raise TypeError(f"Engine.add_request: the prompt tensor must hold integer token ids, got dtype {prompt.dtype}")
+                raise TypeError(f"{who}the prompt tensor must hold integer token ids, got dtype {prompt.dtype}")
             if prompt.dim() != 1:
-                raise ValueError(f"Engine.add_request: the prompt tensor must be 1-D [L], got shape {tuple(prompt.shape)}")
+                raise ValueError(f"{who}the prompt tensor must be 1-D [L], got shape {tuple(prompt.shape)}")
             ids = prompt.tolist()
         elif isinstance(prompt, (str, bytes)):
-            raise TypeError(f"Engine.add_request: the prompt must be token ids, got a {type(prompt).__name__} "
+            raise TypeError(f"{who}the prompt must be token ids, got a {type(prompt).__name__} "
                             "(encode the text with the tokenizer first)")
         elif isinstance(prompt, Iterable) and not isinstance(prompt, (Mapping, Set)):  # lists, tuples, numpy
             ids = []
             for i, t in enumerate(prompt):
                 v = _int_token(t)
                 if v is None:
-                    raise TypeError(f"Engine.add_request: prompt[{i}] must be an int token id, got "
+                    raise TypeError(f"{who}prompt[{i}] must be an int token id, got "
                                     f"{type(t).__name__} {t!r}")
                 ids.append(v)
         else:
-            raise TypeError(f"Engine.add_request: the prompt must be a sequence of int token ids or an integer "
+            raise TypeError(f"{who}the prompt must be a sequence of int token ids or an integer "
                             f"tensor, got {type(prompt).__name__}")
         if not ids:
-            raise ValueError("Engine.add_request: the prompt is empty")
+            raise ValueError(f"{who}the prompt is empty")
         bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < V]
         if bad:
             where = ", ".join(f"prompt[{i}]={t}" for i, t in bad[:4])
-            raise ValueError(f"Engine.add_request: token ids must lie in [0, {V}) (the vocabulary), got {where}"
+            raise ValueError(f"{who}token ids must lie in [0, {V}) (the vocabulary), got {where}"
                              f"{' ...' if len(bad) > 4 else ''}")
         return ids
 
@@ -350,7 +350,7 @@ class Engine:
         self.running = [r for r in self.running if not r.finished]
         return out
 
-    def _fail(self, reqs: list[Request], exc: Exception, what: str) -> RequestsFailed:
+    def _fail(self, reqs: list[Request], exc: BaseException, what: str) -> RequestsFailed:
         """Finish the step's unfinished requests with finish_reason "error" and free their slots."""
         failed = [r for r in reqs if not r.finished]
         for r in failed:
@@ -396,6 +396,9 @@ class Engine:
             return run()
         except Exception as exc:
             raise self._fail(reqs, exc, what) from exc
+        except BaseException as exc:  # KeyboardInterrupt and the like: the same bookkeeping, then as it was
+            self._fail(reqs, exc, what)
+            raise
 
     def _decode_step(self) -> list[StepOutput]:
         reqs = list(self.running)
@@ -522,7 +525,7 @@ class Engine:
             if sp.stop and self.tokenizer is None:
                 raise ValueError(f"Engine.generate: params[{i}] has stop strings {list(sp.stop)!r}, which need a "
                                  "tokenizer; build the engine with Engine(model, tokenizer=...)")
-        checked = [self._prompt_ids(p) for p in prompts]
+        checked = [self._prompt_ids(p, f"Engine.generate: prompts[{i}]: ") for i, p in enumerate(prompts)]
         rids = [self.add_request(p, sp) for p, sp in zip(checked, plist)]
         mine, done = set(rids), {}
         try:

@@ -365,3 +365,31 @@ def test_stand_in_model_is_not_shared(monkeypatch):
     CounterModel(eos_token_ids=(5,))
     assert getattr(PRESETS["mamba2-tiny"], "eos_token_ids", ()) in ((), None)
     assert copy.copy(PRESETS["mamba2-tiny"]) == PRESETS["mamba2-tiny"]
+
+
+def test_generate_checks_every_request_before_queueing_any():
+    model = CounterModel()
+    engine = Engine(model, max_batch=2)
+    with pytest.raises(TypeError, match=r"Engine.generate: prompts\[1\]: prompt\[2\] must be an int token id"):
+        engine.generate([PROMPT, [1, 2, 2.5]], SamplingParams(max_new_tokens=2))
+    with pytest.raises(TypeError, match=r"params\[0\] must be a SamplingParams, got NoneType"):
+        engine.generate([PROMPT], [None])
+    assert_idle(engine)
+    assert model.calls == {"prefill": 0, "decode": 0}
+
+
+def test_interrupted_step_frees_its_slots(monkeypatch):
+    """A KeyboardInterrupt inside a step propagates as it is, after the same bookkeeping."""
+    model = CounterModel()
+    engine = Engine(model, max_batch=2)
+    rid = engine.add_request(PROMPT, SamplingParams(max_new_tokens=5))
+    engine.step()
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model, "decode", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert engine.pop_finished(rid).finish_reason == "error"
+    assert_idle(engine)
