@@ -21,9 +21,10 @@ Intake, stopping, finished requests:
     newest ``max_finished`` uncollected ones: a caller that reads the step outputs and never
     collects does not make the engine grow.
   * An exception inside a step (the model, the sampler, the drafter) fails the requests of that
-    step: each is finished with finish_reason "error" (``Request.error`` holds the exception) and
-    its slot freed, then ``step`` raises ``RequestsFailed`` (the exception as its ``__cause__``).
-    Other requests stay queued and later steps run as usual.
+    step: each is finished with finish_reason "error" (``Request.error`` holds the exception; it
+    is kept in ``finished`` like any finished request) and its slot freed; then the exception
+    propagates unchanged (on Python >= 3.11 with a note naming the failed requests). Other
+    requests stay queued and later steps run as usual.
 
 Speculative decoding (``speculate=K``): a decode step asks the drafter for K tokens per running
 request and verifies them in one call (``Mamba2LM.verify``, T = K+1 inputs per request: the last
@@ -75,16 +76,6 @@ class Detokenizer(Protocol):
     Hugging Face tokenizers have it."""
 
     def decode(self, ids: list[int]) -> str: ...
-
-
-class RequestsFailed(RuntimeError):
-    """A step failed; its requests (``rids``, ``requests``) are finished with finish_reason "error"
-    and their slots freed. The exception that failed them is ``__cause__`` (and each ``Request.error``)."""
-
-    def __init__(self, message: str, requests: list[Request]):
-        super().__init__(message)
-        self.requests = requests
-        self.rids = [r.rid for r in requests]
 
 
 @dataclasses.dataclass
@@ -350,15 +341,16 @@ class Engine:
         self.running = [r for r in self.running if not r.finished]
         return out
 
-    def _fail(self, reqs: list[Request], exc: BaseException, what: str) -> RequestsFailed:
-        """Finish the step's unfinished requests with finish_reason "error" and free their slots."""
+    def _fail(self, reqs: list[Request], exc: BaseException, what: str) -> None:
+        """Finish the step's unfinished requests with finish_reason "error", free their slots, and
+        note on ``exc`` which requests failed."""
         failed = [r for r in reqs if not r.finished]
         for r in failed:
             self._finish(r, "error", error=exc)
         self.running = [r for r in self.running if not r.finished]
-        return RequestsFailed(f"Engine.step: the {what} failed ({type(exc).__name__}: {exc}); requests "
-                              f"{[r.rid for r in failed]} are finished with finish_reason 'error' and their slots "
-                              "freed; the engine keeps serving the others", failed)
+        if hasattr(exc, "add_note"):  # Python >= 3.11
+            exc.add_note(f"Engine.step: the {what} failed; requests {[r.rid for r in failed]} are finished with "
+                         "finish_reason 'error' (see Engine.finished) and their slots freed; the engine keeps serving")
 
     def _prefill(self, admitted: list[Request]) -> list[StepOutput]:
         n = len(admitted)
@@ -380,8 +372,8 @@ class Engine:
         """Admit waiting requests if any (prefill), else decode one token for every running one.
 
         Returns one ``StepOutput`` per emitted token (finished requests' last ones carry the
-        ``Request``). Raises ``RequestsFailed`` when the step failed: its requests are finished
-        with finish_reason "error" and their slots freed; the engine stays usable.
+        ``Request``). When the step fails, its requests are finished with finish_reason "error"
+        and their slots freed, then the exception propagates; the engine stays usable.
         """
         if self.waiting and len(self.running) < self.max_batch and self.cache.free_slots:
             n = min(len(self.waiting), self.max_batch - len(self.running), self.cache.free_slots)
@@ -394,9 +386,7 @@ class Engine:
             what, run = ("verify step", self._verify_step) if self.speculate else ("decode step", self._decode_step)
         try:
             return run()
-        except Exception as exc:
-            raise self._fail(reqs, exc, what) from exc
-        except BaseException as exc:  # KeyboardInterrupt and the like: the same bookkeeping, then as it was
+        except BaseException as exc:  # KeyboardInterrupt included: the bookkeeping, then the exception as it was
             self._fail(reqs, exc, what)
             raise
 
@@ -514,7 +504,7 @@ class Engine:
 
         Every request is checked before any is queued. Requests queued earlier (``add_request``)
         run alongside and stay collectable in ``finished``. If a step fails, this call's other
-        requests are aborted and the ``RequestsFailed`` propagates.
+        requests are aborted and the exception propagates.
         """
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
