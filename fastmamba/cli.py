@@ -3,6 +3,7 @@
     fastmamba bench kernels|prefill|tune|e2e ...     (python -m fastmamba.bench --help)
     fastmamba generate --model DIR|PRESET (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]
                        [--temperature T] [--top-k K] [--top-p P] [--seed S] [--batch B]
+                       [--stop STR ...] [--stop-token-ids 1,2] [--ignore-eos]
                        [--speculate K [--drafter ngram|oracle|model [--draft-model DIR|PRESET]]]
                        [--ssm-dtype fp32|fp16|bf16 [--stochastic-rounding]]
     fastmamba serve --model DIR|PRESET [--port 8000] ...      (fastmamba/serve/cli.py; the serve extra)
@@ -115,6 +116,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], metavar="STR",
+                     help="stop once the generated text contains STR (repeatable; needs the checkpoint's tokenizer)")
+    gen.add_argument("--stop-token-ids", default=None, metavar="IDS",
+                     help="comma-separated token ids that end generation (the stop token is printed)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="run on past the checkpoint's end-of-sequence token(s) (default: stop there)")
     gen.add_argument("--batch", type=_positive_int, default=1, metavar="B",
                      help="run the prompt as B parallel requests; streams the first")
     gen.add_argument("--device", default=None, help="default: cuda when present")
@@ -190,8 +197,16 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.stochastic_rounding and args.ssm_dtype == "fp32":
         raise UsageError("--stochastic-rounding rounds 16-bit states; it needs --ssm-dtype fp16 or bf16")
     state_kw = dict(ssm_dtype=ssm_dtype, stochastic_rounding=args.stochastic_rounding)
+    try:
+        stop_ids = [int(t) for t in (args.stop_token_ids or "").split(",") if t.strip()]
+    except ValueError:
+        raise UsageError(f"--stop-token-ids expects comma-separated integers, got {args.stop_token_ids!r}") from None
+    if args.stop and is_preset:
+        raise UsageError(f"--stop needs a checkpoint's tokenizer.json to decode the output; {args.model} is a preset "
+                         "(use --stop-token-ids)")
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            max_new_tokens=args.max_new_tokens)
+                            max_new_tokens=args.max_new_tokens, stop_token_ids=stop_ids, stop=args.stop,
+                            ignore_eos=args.ignore_eos)
 
     # the tokenizer before the model: a bad tokenizer.json fails fast
     tok = None if is_preset or not os.path.isdir(args.model) else load_tokenizer(args.model)
@@ -200,6 +215,8 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         ids = tok.encode(args.prompt).ids
         if not ids:
             raise UsageError(f"--prompt {args.prompt!r} encodes to no tokens")
+    if args.stop and tok is None:
+        raise UsageError(f"--stop needs {args.model}'s tokenizer.json to decode the output (use --stop-token-ids)")
     if is_preset:
         print(preset_notice(args.model), file=sys.stderr)
     if args.speculate:
@@ -207,7 +224,7 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         batch = args.batch
         if args.drafter == "oracle":
-            reference = Engine(model, max_batch=1).generate([ids], params)[0]
+            reference = Engine(model, max_batch=1, tokenizer=tok).generate([ids], params)[0]
             drafter = OracleDrafter.from_runs([ids], [reference])
         elif args.drafter == "model":
             draft = fastmamba.load_model(args.draft_model, dtype=model.dtype, device=model.lm_head.weight.device)
@@ -217,9 +234,9 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 raise UsageError(f"--draft-model {args.draft_model}: {exc}") from exc
         else:
             drafter = NgramDrafter()
-        engine = Engine(model, max_batch=batch, speculate=args.speculate, drafter=drafter, **state_kw)
+        engine = Engine(model, max_batch=batch, speculate=args.speculate, drafter=drafter, tokenizer=tok, **state_kw)
     else:
-        engine = Engine(model, max_batch=args.batch, **state_kw)
+        engine = Engine(model, max_batch=args.batch, tokenizer=tok, **state_kw)
     rids = [engine.add_request(ids, params) for _ in range(args.batch)]
     shown: list[int] = []
     t0 = time.perf_counter()

@@ -350,10 +350,10 @@ def run_speculative(model, prompts: torch.Tensor, plain_tokens: list[list[int]],
     counter = CountingDrafter(drafter)
     engine = Engine(model, max_batch=B, speculate=k, drafter=counter, verify_path=verify_path, pdl=pdl)
     if device.type == "cuda":  # capture the verify graphs and compile, untimed
-        engine.generate(rows, SamplingParams(max_new_tokens=min(gen_len + 1, 2 * (k + 1) + 1)))
+        engine.generate(rows, SamplingParams(max_new_tokens=min(gen_len + 1, 2 * (k + 1) + 1), ignore_eos=True))
     counter.calls = counter.proposed = 0
     engine.stats["steps"] = dict.fromkeys(engine.stats["steps"], 0)  # count the timed run only
-    params = SamplingParams(max_new_tokens=gen_len + 1)
+    params = SamplingParams(max_new_tokens=gen_len + 1, ignore_eos=True)
     rids = [engine.add_request(p, params) for p in rows]
     engine.step()  # the prefill: every request admitted at once (max_batch = B), untimed
     if engine.waiting:

@@ -28,6 +28,7 @@ step that accepted a of its T inputs, both are a (``commit``).
 """
 from __future__ import annotations
 
+import numbers
 from typing import TYPE_CHECKING
 
 import torch
@@ -99,9 +100,19 @@ class StateCache:
         return len(self._free)
 
     def alloc(self, n: int = 1) -> torch.Tensor:
-        """Take ``n`` slots, zero their states, return them as an int32 tensor on the cache's device."""
+        """Take ``n`` slots, zero their states, return them as an int32 tensor on the cache's device.
+
+        n  an int >= 0 (0: an empty tensor). Raises TypeError for a non-int, ValueError for a
+        negative n, RuntimeError when fewer than n slots are free; nothing is taken then.
+        """
+        if not isinstance(n, numbers.Integral) or isinstance(n, bool):
+            raise TypeError(f"StateCache.alloc: n must be an int (the number of slots), got {type(n).__name__} {n!r}")
+        n = int(n)
+        if n < 0:
+            raise ValueError(f"StateCache.alloc: n must be >= 0, got {n}")
         if n > len(self._free):
-            raise RuntimeError(f"StateCache: {n} slots requested, {len(self._free)} of {self.num_slots} free")
+            raise RuntimeError(f"StateCache.alloc: {n} slots requested but only {len(self._free)} of "
+                               f"{self.num_slots} are free (free finished requests' slots first)")
         slots = [self._free.pop() for _ in range(n)]
         idx = torch.tensor(slots, dtype=torch.int32, device=self.conv[0].device)
         for conv, ssm in zip(self.conv, self.ssm):
@@ -112,11 +123,30 @@ class StateCache:
         return idx
 
     def free(self, slots: torch.Tensor | list[int]) -> None:
-        values = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        """Give ``slots`` back (a 1-D integer tensor or a sequence of ints; one host read of a tensor).
+
+        Every slot must be allocated and appear once: otherwise ValueError naming the slot, and no
+        slot of the call is freed.
+        """
+        if isinstance(slots, torch.Tensor):
+            if slots.dim() > 1 or slots.is_floating_point() or slots.is_complex() or slots.dtype == torch.bool:
+                raise TypeError(f"StateCache.free: slots must be a 1-D integer tensor or a sequence of ints, got a "
+                                f"tensor of shape {tuple(slots.shape)} and dtype {slots.dtype}")
+            values = slots.reshape(-1).tolist()
+        else:
+            values = list(slots)
+        free, seen = set(self._free), set()
         for s in values:
-            if not 0 <= s < self.num_slots or s in self._free:
-                raise ValueError(f"StateCache: slot {s} is not allocated")
-            self._free.append(s)
+            if not isinstance(s, numbers.Integral) or isinstance(s, bool):
+                raise TypeError(f"StateCache.free: slots must be ints, got {type(s).__name__} {s!r}")
+            if not 0 <= s < self.num_slots:
+                raise ValueError(f"StateCache.free: slot {s} is outside [0, {self.num_slots})")
+            if s in seen:
+                raise ValueError(f"StateCache.free: slot {s} appears twice in {values}; nothing was freed")
+            if s in free:
+                raise ValueError(f"StateCache.free: slot {s} is not allocated (already free); nothing was freed")
+            seen.add(s)
+        self._free.extend(int(s) for s in values)
 
     # ------------------------------------------------------------------ speculative decoding
 

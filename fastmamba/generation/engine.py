@@ -7,12 +7,31 @@ their slot at once, so a waiting request can take it at the next step.
 All requests admitted in one step are prefilled together, whatever their prompt lengths: one
 packed call (``Mamba2LM.prefill_varlen``) over their prompts laid back to back.
 
+Intake, stopping, finished requests:
+  * ``add_request`` checks the prompt (Python ints or an integer tensor, ids in [0, V)) and the
+    ``SamplingParams`` before anything is queued; a refused request leaves no trace.
+  * A request stops after the token that meets its first stop condition (``Request.finish_reason``):
+    "eos" (one of the model's end-of-sequence ids, ``model.cfg.eos_token_ids``, unless
+    ``params.ignore_eos``), "stop" (one of ``params.stop_token_ids``, or the decoded output now
+    contains one of ``params.stop`` strings: needs ``tokenizer``), "length" (``max_new_tokens``).
+    The token that stopped it is kept in the output. Its slot is freed at once.
+  * Each finished request is handed out once: the ``StepOutput`` that carries its last token has
+    ``finished=True``, its ``finish_reason`` and the ``Request`` itself. The engine also keeps it in
+    ``finished`` (by id) until collected (``pop_finished``, or ``finished.pop(rid)``), but only the
+    newest ``max_finished`` uncollected ones: a caller that reads the step outputs and never
+    collects does not make the engine grow.
+  * An exception inside a step (the model, the sampler, the drafter) fails the requests of that
+    step: each is finished with finish_reason "error" (``Request.error`` holds the exception; it
+    is kept in ``finished`` like any finished request) and its slot freed; then the exception
+    propagates unchanged (on Python >= 3.11 with a note naming the failed requests). Other
+    requests stay queued and later steps run as usual.
+
 Speculative decoding (``speculate=K``): a decode step asks the drafter for K tokens per running
 request and verifies them in one call (``Mamba2LM.verify``, T = K+1 inputs per request: the last
 emitted token, then the drafts). Greedy acceptance keeps the longest prefix of drafts that equal
 the argmax at the positions before them; the request emits those n drafts plus the argmax after
 them (the bonus token), so 1..K+1 tokens per step, exactly the tokens plain greedy decoding emits.
-Requests with temperature > 0 use speculative (rejection) sampling instead
+Requests that sample (temperature > 0) use speculative (rejection) sampling instead
 (``Sampler.speculative_sample``): with p_i the request's sampling distribution at position i,
 draft d_{i+1} is accepted with probability p_i(d_{i+1}); at the first rejection the emitted token
 is drawn from p_i without d_{i+1} (renormalised), and after K acceptances from p_K, so the tokens
@@ -36,29 +55,46 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 import os
-from collections import deque
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Mapping, Sequence, Set
+from typing import Protocol
 
 import torch
 
 from fastmamba.generation.drafters import Drafter, NgramDrafter
 from fastmamba.generation.rounding import StochasticRounding
-from fastmamba.generation.sampling import Sampler, SamplingParams, stop_reached
+from fastmamba.generation.sampling import Sampler, SamplingParams, finish_reason
 from fastmamba.generation.spec_policy import TableEntry, choose_verify_path, lookup_table
 from fastmamba.models.mamba2_lm import Mamba2LM
 
 VERIFY_PATHS = ("auto", "replay", "legacy")
+FINISH_REASONS = ("eos", "stop", "length", "error", "abort")
+
+
+class Detokenizer(Protocol):
+    """What the engine needs of a tokenizer (stop strings): ``tokenizers.Tokenizer`` and
+    Hugging Face tokenizers have it."""
+
+    def decode(self, ids: list[int]) -> str: ...
 
 
 @dataclasses.dataclass
 class Request:
+    """One generation request. ``output`` grows by the tokens emitted; once ``finished``,
+    ``finish_reason`` is one of FINISH_REASONS and ``stop_reason`` the stop token id or stop
+    string that matched (None for "length", "error", "abort"); ``error`` the exception of a failed step."""
+
     rid: int
     prompt: list[int]
     params: SamplingParams
-    slot: int = -1
+    slot: int = -1  # -1 while waiting and once finished (the slot is freed)
     output: list[int] = dataclasses.field(default_factory=list)
     finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: BaseException | None = None
     # speculation: drafts accepted per verify step (as verified; a stop condition may cut the run after)
     accepted: list[int] = dataclasses.field(default_factory=list)
 
@@ -70,9 +106,24 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
+    """One emitted token. On a request's last token ``finished`` is True, ``finish_reason`` says why
+    and ``request`` is the finished ``Request`` (its whole output); otherwise both are None."""
+
     rid: int
     token: int
     finished: bool
+    finish_reason: str | None = None
+    request: Request | None = None
+
+
+def _int_token(t: object) -> int | None:
+    """``t`` as a Python int when it is an integer token id (int, numpy integer, 0-d integer tensor), else None."""
+    if isinstance(t, numbers.Integral) and not isinstance(t, bool):
+        return int(t)
+    if isinstance(t, torch.Tensor) and t.dim() == 0 and not (t.is_floating_point() or t.is_complex()
+                                                               or t.dtype == torch.bool):
+        return int(t)
+    return None
 
 
 class Engine:
@@ -103,6 +154,14 @@ class Engine:
     legacy_max_batch  the largest batch the legacy path may take (its per-position states cost
                   n_layer x batch x T states of memory); None: the largest batch that ``verify_path``
                   and the table send to legacy (max_batch when forced). "auto" uses replay above it.
+    tokenizer     anything with ``decode(ids) -> str`` (``fastmamba.generation.tokenizer.load_tokenizer``);
+                  needed only by requests with ``stop`` strings
+    max_finished  finished requests kept in ``finished`` until collected (the oldest uncollected
+                  ones are dropped beyond it; each was handed out in its last ``StepOutput``);
+                  None: max(1024, 4 * max_batch)
+
+    End-of-sequence ids come from ``model.cfg.eos_token_ids`` (a tuple of ints; empty or absent:
+    none, only the request's own stop conditions apply); ``eos_token_ids`` holds them.
 
     ``stats``: {"steps": {"replay": n, "legacy": n, "plain": n}, "drafts_proposed": n,
     "drafts_accepted": n} over the engine's verify steps (a draft is accepted when it is emitted).
@@ -112,13 +171,27 @@ class Engine:
                  ssm_dtype: torch.dtype = torch.float32, pdl: bool | None = None, speculate: int | None = None,
                  drafter: Drafter | None = None, verify_path: str = "auto",
                  verify_table: Mapping[int | str, int | None] | str | os.PathLike | None = None,
-                 legacy_max_batch: int | None = None, stochastic_rounding: bool = False, rounding_seed: int = 0):
+                 legacy_max_batch: int | None = None, stochastic_rounding: bool = False, rounding_seed: int = 0,
+                 tokenizer: Detokenizer | None = None, max_finished: int | None = None):
         if not isinstance(stochastic_rounding, bool):
             raise TypeError(f"Engine: stochastic_rounding must be a bool, got {stochastic_rounding!r}")
         if stochastic_rounding and ssm_dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"Engine: stochastic_rounding=True rounds 16-bit SSM states; it needs ssm_dtype="
                              f"torch.float16 or torch.bfloat16, got ssm_dtype={ssm_dtype} (fp32 states are stored "
                              "exactly)")
+        if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+            raise TypeError(f"Engine: tokenizer must have a decode(ids) -> str method, got {type(tokenizer).__name__}")
+        if max_finished is None:
+            max_finished = max(1024, 4 * max_batch)
+        if not (isinstance(max_finished, int) and not isinstance(max_finished, bool) and max_finished >= 0):
+            raise ValueError(f"Engine: max_finished must be None or an int >= 0, got {max_finished!r}")
+        eos = getattr(model.cfg, "eos_token_ids", None)
+        eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        if not all(_int_token(t) is not None for t in eos):
+            raise ValueError(f"Engine: model.cfg.eos_token_ids must be ints, got {eos!r}")
+        self.eos_token_ids: tuple[int, ...] = tuple(int(t) for t in eos)
+        self.tokenizer = tokenizer
+        self.max_finished = max_finished
         if speculate is not None and not (isinstance(speculate, int) and speculate >= 0):
             raise ValueError(f"Engine: speculate must be None or an int >= 0 (number of drafts K), got {speculate!r}")
         self.speculate = speculate or 0
@@ -170,16 +243,27 @@ class Engine:
                 self.decoder = GraphedDecoder(model, self.cache, max_batch, pdl=pdl, rand_seed=self._rand_seed())
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.finished: dict[int, Request] = {}
+        self.finished: OrderedDict[int, Request] = OrderedDict()  # uncollected, oldest first
         self._ids = itertools.count()
 
+    # ------------------------------------------------------------------ requests in and out
+
     def add_request(self, prompt: Sequence[int] | torch.Tensor, params: SamplingParams = SamplingParams()) -> int:
-        ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
-        if not ids:
-            raise ValueError("Engine.add_request: the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.model.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"Engine.add_request: token ids {bad[:4]} are outside [0, {self.model.cfg.vocab_size})")
+        """Queue a request; returns its id.
+
+        prompt  token ids: a sequence (list, tuple, 1-D numpy array) of ints, or a 1-D integer
+                tensor; each in [0, V)
+        params  a ``SamplingParams``; ``stop`` strings need the engine's tokenizer
+        Raises TypeError (wrong type: params, the prompt, or the id at a given position) or
+        ValueError (empty prompt, ids out of range, stop strings without a tokenizer) before
+        anything is queued.
+        """
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"Engine.add_request: params must be a SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"Engine.add_request: stop strings {list(params.stop)!r} need a tokenizer to decode the "
+                             "output; build the engine with Engine(model, tokenizer=...)")
+        ids = self._prompt_ids(prompt, "Engine.add_request: ")
         req = Request(next(self._ids), ids, params)
         self.waiting.append(req)
         return req.rid
@@ -193,23 +277,85 @@ class Engine:
             self.rounding.advance()
         return self.rounding.seeds
 
+    def _prompt_ids(self, prompt: object, who: str) -> list[int]:
+        """The prompt as a list of Python ints in [0, V), or TypeError / ValueError starting with ``who``."""
+        V = self.model.cfg.vocab_size
+        if isinstance(prompt, torch.Tensor):
+            if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+                raise TypeError(f"{who}the prompt tensor must hold integer token ids, got dtype {prompt.dtype}")
+            if prompt.dim() != 1:
+                raise ValueError(f"{who}the prompt tensor must be 1-D [L], got shape {tuple(prompt.shape)}")
+            ids = prompt.tolist()
+        elif isinstance(prompt, (str, bytes)):
+            raise TypeError(f"{who}the prompt must be token ids, got a {type(prompt).__name__} "
+                            "(encode the text with the tokenizer first)")
+        elif isinstance(prompt, Iterable) and not isinstance(prompt, (Mapping, Set)):  # lists, tuples, numpy
+            ids = []
+            for i, t in enumerate(prompt):
+                v = _int_token(t)
+                if v is None:
+                    raise TypeError(f"{who}prompt[{i}] must be an int token id, got "
+                                    f"{type(t).__name__} {t!r}")
+                ids.append(v)
+        else:
+            raise TypeError(f"{who}the prompt must be a sequence of int token ids or an integer "
+                            f"tensor, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError(f"{who}the prompt is empty")
+        bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < V]
+        if bad:
+            where = ", ".join(f"prompt[{i}]={t}" for i, t in bad[:4])
+            raise ValueError(f"{who}token ids must lie in [0, {V}) (the vocabulary), got {where}"
+                             f"{' ...' if len(bad) > 4 else ''}")
+        return ids
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def pop_finished(self, rid: int | None = None) -> Request | list[Request]:
+        """Collect finished requests: the one with id ``rid`` (KeyError if it is not among the
+        uncollected finished ones), or with ``rid=None`` all of them, oldest first. Collected
+        requests are no longer kept."""
+        if rid is not None:
+            return self.finished.pop(rid)
+        out = list(self.finished.values())
+        self.finished.clear()
+        return out
+
     def abort(self, rid: int) -> bool:
-        """Cancel request ``rid`` (waiting or running): it leaves the engine and its slot is freed
-        at once. Returns False when no such request is waiting or running (already finished)."""
-        for i, req in enumerate(self.waiting):
-            if req.rid == rid:
-                del self.waiting[i]
-                return True
-        for req in self.running:
-            if req.rid == rid:
-                self.running.remove(req)
-                self.cache.free([req.slot])
-                self._replay_slots.discard(req.slot)
+        """Stop a waiting or running request (finish_reason "abort", its slot freed, kept in
+        ``finished`` like any finished request). Returns False when no such request is unfinished."""
+        for r in itertools.chain(self.waiting, self.running):
+            if r.rid == rid:
+                self._finish(r, "abort")
+                self.waiting = deque(w for w in self.waiting if w is not r)
+                self.running = [x for x in self.running if x is not r]
                 return True
         return False
+
+    def _finish(self, r: Request, reason: str, stop_reason: int | str | None = None,
+                error: BaseException | None = None) -> None:
+        """Mark ``r`` finished, free its slot, keep it in ``finished`` (the oldest beyond max_finished go)."""
+        r.finished, r.finish_reason, r.stop_reason, r.error = True, reason, stop_reason, error
+        if r.slot >= 0:
+            slot, r.slot = r.slot, -1
+            self._replay_slots.discard(slot)
+            self.cache.free([slot])
+        self.finished[r.rid] = r
+        while len(self.finished) > self.max_finished:
+            self.finished.popitem(last=False)
+
+    def _stop(self, r: Request, token: int) -> tuple[str | None, int | str | None]:
+        """(finish reason, stop reason) after ``token``, just appended to ``r.output``; (None, None): go on."""
+        reason = finish_reason(token, len(r.output), r.params, self.eos_token_ids)
+        if reason in ("eos", "stop"):
+            return reason, token
+        if r.params.stop:  # the whole output: a stop string may span tokens (cost O(len(output)) per token)
+            text = self.tokenizer.decode(r.output)
+            for s in r.params.stop:
+                if s in text:
+                    return "stop", s
+        return reason, None
 
     def _emit(self, reqs: list[Request], logits: torch.Tensor) -> list[StepOutput]:
         tokens = self.sampler.sample(logits, [r.params for r in reqs], [len(r.output) for r in reqs]).tolist()
@@ -221,19 +367,28 @@ class Engine:
         for r, run in zip(reqs, runs):
             for t in run:
                 r.output.append(t)
-                if stop_reached(t, len(r.output), r.params):
-                    r.finished = True
-                    self.cache.free([r.slot])
-                    self.finished[r.rid] = r
-                out.append(StepOutput(r.rid, t, r.finished))
-                if r.finished:
+                reason, why = self._stop(r, t)
+                if reason is not None:
+                    self._finish(r, reason, why)
+                    out.append(StepOutput(r.rid, t, True, reason, r))
                     break
+                out.append(StepOutput(r.rid, t, False))
         self.running = [r for r in self.running if not r.finished]
         return out
 
-    def _prefill(self) -> list[StepOutput]:
-        n = min(len(self.waiting), self.max_batch - len(self.running), self.cache.free_slots)
-        admitted = [self.waiting.popleft() for _ in range(n)]
+    def _fail(self, reqs: list[Request], exc: BaseException, what: str) -> None:
+        """Finish the step's unfinished requests with finish_reason "error", free their slots, and
+        note on ``exc`` which requests failed."""
+        failed = [r for r in reqs if not r.finished]
+        for r in failed:
+            self._finish(r, "error", error=exc)
+        self.running = [r for r in self.running if not r.finished]
+        if hasattr(exc, "add_note"):  # Python >= 3.11
+            exc.add_note(f"Engine.step: the {what} failed; requests {[r.rid for r in failed]} are finished with "
+                         "finish_reason 'error' (see Engine.finished) and their slots freed; the engine keeps serving")
+
+    def _prefill(self, admitted: list[Request]) -> list[StepOutput]:
+        n = len(admitted)
         slots = self.cache.alloc(n)  # one alloc: one zeroing pass; int32 on the device, admitted order
         for req, slot in zip(admitted, slots.tolist()):
             req.slot = slot
@@ -250,13 +405,28 @@ class Engine:
         return self._emit(admitted, logits)
 
     def step(self) -> list[StepOutput]:
-        """Admit waiting requests if any (prefill), else decode one token for every running one."""
+        """Admit waiting requests if any (prefill), else decode one token for every running one.
+
+        Returns one ``StepOutput`` per emitted token (finished requests' last ones carry the
+        ``Request``). When the step fails, its requests are finished with finish_reason "error"
+        and their slots freed, then the exception propagates; the engine stays usable.
+        """
         if self.waiting and len(self.running) < self.max_batch and self.cache.free_slots:
-            return self._prefill()
-        if not self.running:
+            n = min(len(self.waiting), self.max_batch - len(self.running), self.cache.free_slots)
+            admitted = [self.waiting.popleft() for _ in range(n)]
+            reqs, what, run = admitted, "prefill", lambda: self._prefill(admitted)
+        elif not self.running:
             return []
-        if self.speculate:
-            return self._verify_step()
+        else:
+            reqs = list(self.running)
+            what, run = ("verify step", self._verify_step) if self.speculate else ("decode step", self._decode_step)
+        try:
+            return run()
+        except BaseException as exc:  # KeyboardInterrupt included: the bookkeeping, then the exception as it was
+            self._fail(reqs, exc, what)
+            raise
+
+    def _decode_step(self) -> list[StepOutput]:
         reqs = list(self.running)
         tokens = torch.tensor([r.output[-1] for r in reqs], dtype=torch.int64, device=self.device)
         slots = torch.tensor([r.slot for r in reqs], dtype=torch.int32, device=self.device)
@@ -333,7 +503,7 @@ class Engine:
         inputs = [[r.output[-1]] + d + [(d or [r.output[-1]])[-1]] * (K - len(d)) for r, d in zip(reqs, drafts)]
         tokens = torch.tensor(inputs, dtype=torch.int64, device=self.device)
         logits = self._verify(tokens, slots, path)  # [B, T, V']
-        sampled = [i for i, r in enumerate(reqs) if r.params.temperature > 0]
+        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         spec = {}  # sampled rows: (drafts accepted, token emitted after them), by rejection sampling
         if sampled:
             idx = torch.tensor(sampled, dtype=torch.int64, device=self.device)
@@ -368,11 +538,35 @@ class Engine:
         return self._emit_runs(reqs, runs)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] = SamplingParams()) -> list[list[int]]:
-        """Run every prompt to completion; returns the generated ids in prompt order."""
+        """Run every prompt to completion; returns the generated ids in prompt order.
+
+        Every request is checked before any is queued. Requests queued earlier (``add_request``)
+        run alongside and stay collectable in ``finished``. If a step fails, this call's other
+        requests are aborted and the exception propagates.
+        """
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"Engine.generate: {len(prompts)} prompts but {len(plist)} SamplingParams")
-        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        while self.has_unfinished():
-            self.step()
-        return [self.finished.pop(rid).output for rid in rids]
+        for i, sp in enumerate(plist):  # before queueing anything
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"Engine.generate: params[{i}] must be a SamplingParams, got {type(sp).__name__}")
+            if sp.stop and self.tokenizer is None:
+                raise ValueError(f"Engine.generate: params[{i}] has stop strings {list(sp.stop)!r}, which need a "
+                                 "tokenizer; build the engine with Engine(model, tokenizer=...)")
+        checked = [self._prompt_ids(p, f"Engine.generate: prompts[{i}]: ") for i, p in enumerate(prompts)]
+        rids = [self.add_request(p, sp) for p, sp in zip(checked, plist)]
+        mine, done = set(rids), {}
+        try:
+            while len(done) < len(rids) and self.has_unfinished():
+                for out in self.step():
+                    if out.finished and out.rid in mine:
+                        done[out.rid] = out.request
+                        self.finished.pop(out.rid, None)
+        except BaseException:
+            for rid in mine.difference(done):
+                self.abort(rid)
+                self.finished.pop(rid, None)
+            raise
+        for rid in mine.difference(done):  # finished without a step output (aborted meanwhile)
+            done[rid] = self.finished.pop(rid)
+        return [done[rid].output for rid in rids]

@@ -3,8 +3,10 @@
 Each request carries its own ``SamplingParams``; one ``Sampler.sample`` call draws one token for
 every row of a ``[B, V]`` logits tensor:
 
-    temperature == 0   argmax(logits)                            (top_k / top_p are ignored)
-    temperature  > 0   l = logits / temperature
+    temperature < GREEDY_BELOW   argmax(logits)                  (top_k / top_p are ignored)
+    otherwise          l = (logits - max(logits)) / temperature  (shifting by the row's max changes
+                              nothing mathematically; it keeps l <= 0, so a tiny temperature gives
+                              -inf for the other tokens, never inf - inf = NaN)
                        top-k: keep the k largest l (k = 0: all)  exactly k; ties broken by sort order
                        top-p: keep the smallest prefix of the top-k tokens, by descending probability
                               under softmax(top-k-masked l), whose probability sum reaches top_p;
@@ -35,7 +37,11 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["SamplingParams", "Sampler", "speculative_accept", "stop_reached"]
+__all__ = ["GREEDY_BELOW", "SamplingParams", "Sampler", "finish_reason", "speculative_accept", "stop_reached"]
+
+# Temperatures below this (the smallest normal fp32, ~1.2e-38) sample greedily: the per-row
+# temperature travels to the device as fp32, where a smaller one is subnormal or 0.
+GREEDY_BELOW = float(torch.finfo(torch.float32).tiny)
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -51,17 +57,27 @@ def _is_real(v: object) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request picks its tokens (immutable and hashable).
+    """How one request picks its tokens and when it stops (immutable and hashable).
 
-    temperature     >= 0; 0 means greedy (argmax), which ignores top_k, top_p and seed
-    top_k           >= 0; keep the k most likely tokens, 0 = off
+    temperature     finite, >= 0; 0 (or anything below ``GREEDY_BELOW``, ~1.2e-38) means greedy
+                    (argmax), which ignores top_k, top_p and seed
+    top_k           int >= 0; keep the k most likely tokens, 0 = off
     top_p           in (0, 1]; nucleus sampling over the top-k tokens, 1 = off
     seed            None: draw from the engine's generator; an int: the request's tokens are
                     reproducible (token t depends only on the logits, these params, seed and t)
-    max_new_tokens  >= 1; generation stops after this many tokens
-    stop_token_ids  generation stops after emitting any of these (the stop token is kept in the output)
+    max_new_tokens  int >= 1; generation stops after this many tokens (finish reason "length")
+    stop_token_ids  ints >= 0; generation stops after emitting any of these (finish reason "stop";
+                    the stop token is kept in the output)
+    stop            strings (one string is taken as a list of one); generation stops once the
+                    decoded output contains any of them (finish reason "stop"). Needs an engine
+                    with a tokenizer. The output keeps every token up to and including the one that
+                    completed the match (so the text may run past the stop string by the rest of
+                    that token)
+    ignore_eos      False (default): generation stops at the model's end-of-sequence token(s)
+                    (``model.cfg.eos_token_ids``; finish reason "eos", the token kept); True: run on
+                    (benchmarks). ``stop_token_ids`` and ``stop`` apply either way
 
-    Raises ValueError naming the field and the value when a field is out of range.
+    Raises ValueError naming the field and the value when a field has the wrong type or is out of range.
     """
 
     temperature: float = 0.0
@@ -70,6 +86,8 @@ class SamplingParams:
     seed: int | None = None
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -91,6 +109,16 @@ class SamplingParams:
             raise ValueError(bad_stops) from None
         if not all(_is_int(s) and s >= 0 for s in stops):
             raise ValueError(bad_stops)
+        strings = (self.stop,) if isinstance(self.stop, str) else self.stop
+        bad_strings = f"SamplingParams: stop must be a string or a sequence of non-empty strings, got {self.stop!r}"
+        try:
+            strings = tuple(strings)
+        except TypeError:
+            raise ValueError(bad_strings) from None
+        if not all(isinstance(s, str) and s for s in strings):
+            raise ValueError(bad_strings)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams: ignore_eos must be a bool, got {self.ignore_eos!r}")
         # normalise so that equal params hash equally (a list of stop ids would not hash at all)
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_k", int(self.top_k))
@@ -98,16 +126,38 @@ class SamplingParams:
         object.__setattr__(self, "seed", None if self.seed is None else int(self.seed))
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
         object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in stops))
+        object.__setattr__(self, "stop", strings)
+
+    @property
+    def greedy(self) -> bool:
+        """True when tokens are picked by argmax (temperature below ``GREEDY_BELOW``)."""
+        return self.temperature < GREEDY_BELOW
 
 
-def stop_reached(token: int, produced: int, params: SamplingParams) -> bool:
-    """Host-side stop test, after the token has been copied to the host.
+def finish_reason(token: int, produced: int, params: SamplingParams,
+                  eos_token_ids: Sequence[int] = ()) -> str | None:
+    """Host-side stop test on token ids, after the token has been copied to the host.
 
-    token     the token just emitted (a Python int)
-    produced  tokens generated for this request so far, ``token`` included
-    Returns True when ``token`` is one of ``params.stop_token_ids`` or ``produced >= params.max_new_tokens``.
+    token          the token just emitted (a Python int)
+    produced       tokens generated for this request so far, ``token`` included
+    eos_token_ids  the model's end-of-sequence tokens (ignored when ``params.ignore_eos``)
+    Returns "eos" when ``token`` is an end-of-sequence token, "stop" when it is one of
+    ``params.stop_token_ids``, "length" when ``produced >= params.max_new_tokens``, else None
+    (the first that applies, in that order). Stop strings need the decoded text: the engine
+    checks them (``Engine``).
     """
-    return token in params.stop_token_ids or produced >= params.max_new_tokens
+    if not params.ignore_eos and token in eos_token_ids:
+        return "eos"
+    if token in params.stop_token_ids:
+        return "stop"
+    if produced >= params.max_new_tokens:
+        return "length"
+    return None
+
+
+def stop_reached(token: int, produced: int, params: SamplingParams, eos_token_ids: Sequence[int] = ()) -> bool:
+    """``finish_reason(...) is not None``: the request stops after ``token``."""
+    return finish_reason(token, produced, params, eos_token_ids) is not None
 
 
 def _mix_seed(seed: int, step: int) -> int:
@@ -312,7 +362,9 @@ class Sampler:
     def _masked_probs(self, x: torch.Tensor, plan: _Plan) -> torch.Tensor:
         """softmax of the temperature-scaled, top-k/top-p-masked logits x [B, vocab_size] fp32 (a new tensor)."""
         B, V = x.shape
-        scaled = x / plan.temperature[:, None]  # [B, V] fp32, a new tensor: logits stay untouched
+        # [B, V] fp32, a new tensor (logits stay untouched); <= 0, so a tiny temperature sends the
+        # other tokens to -inf and keeps the maximum at 0: no inf / inf, no NaN
+        scaled = (x - x.amax(dim=-1, keepdim=True)) / plan.temperature[:, None]
         if plan.k_cand:
             # candidates in descending order: topk when every filtered row has k < V, else a full sort
             if plan.k_cand < V:
@@ -373,7 +425,7 @@ class Sampler:
         for b, p in enumerate(params):
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"Sampler.sample: params[{b}] is a {type(p).__name__}, not SamplingParams")
-            if p.temperature == 0:
+            if p.greedy:
                 any_greedy = True
                 row = (1.0, V, 1.0, 1.0, 1.0)
             else:

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from fastmamba.generation.sampling import Sampler, SamplingParams, _mix_seed, stop_reached
+from fastmamba.generation.sampling import GREEDY_BELOW, Sampler, SamplingParams, _mix_seed, finish_reason, stop_reached
 
 # Chi-square threshold. Every distribution test uses a 5-token vocabulary, so the statistic has at
 # most 4 degrees of freedom, where P(chi2_4 > x) = exp(-x/2) * (1 + x/2) exactly: at x = 40 that is
@@ -299,6 +299,17 @@ def test_mixed_batch_frequencies(device):
         ("max_new_tokens", 0),
         ("stop_token_ids", (-1,)),
         ("stop_token_ids", 5),
+        ("temperature", "1.0"),
+        ("temperature", True),
+        ("top_k", True),
+        ("max_new_tokens", 2.0),
+        ("max_new_tokens", None),
+        ("seed", "7"),
+        ("stop", [""]),
+        ("stop", ["a", 3]),
+        ("stop", 5),
+        ("ignore_eos", 1),
+        ("ignore_eos", "yes"),
     ],
 )
 def test_invalid_params_raise(field, value):
@@ -308,10 +319,75 @@ def test_invalid_params_raise(field, value):
 
 
 def test_params_are_normalised_and_hashable():
-    p = SamplingParams(temperature=1, stop_token_ids=[2, 0])
-    assert p.stop_token_ids == (2, 0) and isinstance(p.temperature, float)
-    assert p == SamplingParams(temperature=1.0, stop_token_ids=(2, 0))
-    assert hash(p) == hash(SamplingParams(temperature=1.0, stop_token_ids=(2, 0)))
+    p = SamplingParams(temperature=1, stop_token_ids=[2, 0], stop=["ab", "c"])
+    assert p.stop_token_ids == (2, 0) and isinstance(p.temperature, float) and p.stop == ("ab", "c")
+    assert p == SamplingParams(temperature=1.0, stop_token_ids=(2, 0), stop=("ab", "c"))
+    assert hash(p) == hash(SamplingParams(temperature=1.0, stop_token_ids=(2, 0), stop=("ab", "c")))
+    assert SamplingParams(stop="a b").stop == ("a b",)  # one string is one stop string, not its characters
+    assert SamplingParams().ignore_eos is False and SamplingParams(ignore_eos=True).ignore_eos is True
+
+
+@pytest.mark.parametrize("temperature, greedy", [(0.0, True), (1e-45, True), (1e-39, True), (GREEDY_BELOW, False),
+                                                 (1e-30, False), (1.0, False)])
+def test_greedy_below_the_smallest_normal_fp32(temperature, greedy):
+    assert SamplingParams(temperature=temperature).greedy is greedy
+
+
+# ------------------------------------------------------------------------------------ tiny temperatures
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-39, 2e-38, 1e-30, 1e-12, 1e-6])
+def test_tiny_temperatures_give_the_argmax_never_nan(device, temperature):
+    """The limit of softmax(l / T) as T -> 0 is the argmax: no overflow to inf / inf = NaN (which
+    made every draw token 0 at T = 1e-39), whatever the size of the logits."""
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 50, generator=g) * 10).to(device)
+    logits[:, 0] = -100.0  # token 0 is never the answer
+    sampler = Sampler(50, device, 6, seed=1)
+    params = [SamplingParams(temperature=temperature, seed=s) for s in range(3)] + \
+             [SamplingParams(temperature=temperature, top_k=5), SamplingParams(temperature=temperature, top_p=0.5),
+              SamplingParams(temperature=temperature)]
+    expect = logits.argmax(dim=-1)
+    assert torch.equal(sampler.sample(logits, params, [0] * 6), expect)
+    probs = sampler.probs(logits, params)
+    assert torch.equal(probs, torch.nn.functional.one_hot(expect, 50).float())
+
+
+def test_tiny_temperature_splits_tied_maxima(device):
+    """At T = 2e-38 (above GREEDY_BELOW: sampled) two equal maxima of size 10 share the mass; the old
+    division overflowed (10 / 2e-38 = inf) and gave NaN."""
+    row = torch.full((20,), -3.0)
+    row[[4, 11]] = 10.0
+    row[7] = 9.999  # close, but infinitely less likely at this temperature
+    logits = row.to(device).expand(2000, -1)
+    sampler = Sampler(20, device, 2000, seed=3)
+    params = SamplingParams(temperature=2e-38)
+    probs = sampler.probs(logits[:1], [params])[0].cpu()
+    want = torch.zeros(20)
+    want[[4, 11]] = 0.5
+    torch.testing.assert_close(probs, want, atol=1e-6, rtol=0)
+    counts = torch.bincount(sampler.sample(logits, [params] * 2000, [0] * 2000).cpu(), minlength=20)
+    assert counts.sum() == counts[4] + counts[11] and min(counts[4], counts[11]) > 800, counts.tolist()
+
+
+@pytest.mark.parametrize(
+    "token, produced, params, eos, expect",
+    [
+        (5, 1, SamplingParams(max_new_tokens=4), (), None),
+        (5, 4, SamplingParams(max_new_tokens=4), (), "length"),
+        (2, 1, SamplingParams(), (2,), "eos"),
+        (2, 4, SamplingParams(max_new_tokens=4, stop_token_ids=(2,)), (2, 9), "eos"),
+        (2, 1, SamplingParams(ignore_eos=True), (2,), None),
+        (2, 1, SamplingParams(ignore_eos=True, stop_token_ids=(2,)), (2,), "stop"),
+        (3, 4, SamplingParams(max_new_tokens=4, stop_token_ids=(3,)), (), "stop"),
+        (2, 4, SamplingParams(max_new_tokens=4, ignore_eos=True), (2,), "length"),
+    ],
+    ids=["running", "length", "eos", "eos-first", "ignore-eos", "ignore-eos-stop-id", "stop-before-length",
+         "ignore-eos-length"],
+)
+def test_finish_reason(token, produced, params, eos, expect):
+    assert finish_reason(token, produced, params, eos) == expect
+    assert stop_reached(token, produced, params, eos) is (expect is not None)
 
 
 @pytest.mark.parametrize(
