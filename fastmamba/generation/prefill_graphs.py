@@ -65,10 +65,12 @@ class GraphedPrefill:
                   is False and the caller prefills eagerly
     max_requests  the most real requests per call
     pdl           programmatic dependent launch inside the graphs; None: where the GPU has it
+    rand_seed     int64 [n_layer] device tensor or None: stochastic rounding of 16-bit states (the
+                  graphs read it at replay: advance it in place)
     """
 
     def __init__(self, model: Mamba2LM, cache: StateCache, *, max_tokens: int = 2048, max_requests: int = 64,
-                 pdl: bool | None = None):
+                 pdl: bool | None = None, rand_seed: torch.Tensor | None = None):
         if not torch.cuda.is_available() or model.lm_head.weight.device.type != "cuda":
             raise RuntimeError("GraphedPrefill needs the model on a CUDA device")
         if max_tokens < MIN_TOKEN_BUCKET or max_requests < 1:
@@ -77,6 +79,7 @@ class GraphedPrefill:
         if pdl is None:
             pdl = pdl_supported(model.lm_head.weight)
         self.model, self.cache, self.pdl = model, cache, pdl
+        self.rand_seed = rand_seed  # stochastic rounding's [n_layer] seeds, read by address at replay
         self.token_buckets = powers_of_two_up_to(MIN_TOKEN_BUCKET, max_tokens)
         self.request_buckets = powers_of_two_up_to(2, max_requests + 1)
         dev = model.lm_head.weight.device
@@ -117,12 +120,16 @@ class GraphedPrefill:
         if bad or len(set(slots)) != len(slots):
             raise ValueError(f"GraphedPrefill.prefill: slots must be distinct ints in [0, {S}), got {list(slots)[:8]}")
 
-    def _capture(self, tb: int, rb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, tb: int, rb: int, cu_host: list[int], slots_host: list[int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture the bucket's call. ``cu_host`` / ``slots_host``: this batch's metadata, which the
+        model validates on the host while capturing (replays run no Python)."""
         ids, cu, slots, flags = self.ids[:tb], self.cu_seqlens[:rb + 1], self.slots[:rb], self.flags[:rb]
 
-        def run() -> torch.Tensor:
+        def run(slot_values: list[int]) -> torch.Tensor:
             with trusted_inputs():
-                return self.model.prefill_varlen(ids, cu, self.cache, slots, has_initial_state=flags)
+                return self.model.prefill_varlen(ids, cu, self.cache, slots, has_initial_state=flags,
+                                                 rand_seed=self.rand_seed, cu_seqlens_host=cu_host,
+                                                 slots_host=slot_values)
 
         pdl = programmatic_dependent_launch() if self.pdl else contextlib.nullcontext()
         with pdl:
@@ -132,12 +139,12 @@ class GraphedPrefill:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    run()
+                    run([PAD_SLOT] * rb)
             torch.cuda.current_stream().wait_stream(side)
             slots.copy_(saved)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = run()
+                logits = run(slots_host)
         return graph, logits
 
     def prefill(self, prompts: Sequence[Sequence[int]], slots: Sequence[int],
@@ -168,7 +175,7 @@ class GraphedPrefill:
         self.slots[:rb].copy_(dev[tb + rb + 1:tb + 2 * rb + 1])
         self.flags[:rb].copy_(dev[tb + 2 * rb + 1:] != 0)
         if (tb, rb) not in self.graphs:
-            self.graphs[(tb, rb)] = self._capture(tb, rb)
+            self.graphs[(tb, rb)] = self._capture(tb, rb, cu, list(slots) + [PAD_SLOT] * (rb - n))
         graph, logits = self.graphs[(tb, rb)]
         graph.replay()
         return logits[:n]

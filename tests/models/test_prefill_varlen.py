@@ -124,6 +124,10 @@ class HostReads:
 def test_prefill_reads_the_host_at_most_once(model, monkeypatch):
     """Metadata validated once at the model boundary; the layers' ops (2 layers: conv and scan
     each) read nothing. With the host's own lists (as the engine has them), nothing is read at all."""
+    from fastmamba.ops._common.dispatch import interpreter_enabled
+
+    if not interpreter_enabled():
+        pytest.skip("counts the kernels' path (TRITON_INTERPRET=1 on a CPU); the references loop over host values")
     lengths = (3, 1, 6)
     ids = torch.cat(prompts_of(lengths, 7))
     cu = cu_seqlens_of(lengths)
@@ -168,3 +172,24 @@ def test_prefill_metadata_errors_touch_nothing(model):
         model.prefill_varlen(ids, cu, cache, torch.tensor([0.0, 1.0]))
     for old, new in zip(before, (*cache.conv, *cache.ssm)):
         assert torch.equal(old, new)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_never_synchronizes():
+    """With the host's own metadata (as the engine passes it), a packed prefill on a GPU runs with no
+    device-to-host read: torch.cuda.set_sync_debug_mode("error") turns any sync into an error."""
+    m = fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cuda")
+    lengths = (3, 1, 6)
+    ids = torch.cat(prompts_of(lengths, 8)).cuda()
+    cu = cu_seqlens_of(lengths)
+    slots = torch.tensor([2, -1, 0], dtype=torch.int32)
+    cache = m.new_cache(4)
+    cu_dev, slots_dev = cu.cuda(), slots.cuda()
+    m.prefill_varlen(ids, cu_dev, cache, slots_dev, cu_seqlens_host=cu.tolist(), slots_host=slots.tolist())  # warm
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        m.prefill_varlen(ids, cu_dev, cache, slots_dev, cu_seqlens_host=cu.tolist(), slots_host=slots.tolist())
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()

@@ -22,6 +22,9 @@ from fastmamba.ops import (
 )
 
 S, B, H, P, N, G, D_CONV, W = 6, 3, 4, 24, 16, 2, 40, 4
+# CUDA when present (the kernels), else the CPU under the interpreter (CPU tensors on a GPU machine
+# without the interpreter would run the references, which refuse an out-of-range slot instead)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _inputs(seed: int = 0, tokens: int = 0):
@@ -31,7 +34,7 @@ def _inputs(seed: int = 0, tokens: int = 0):
         return torch.randn(*shape, generator=g) * scale
 
     lead = (B, tokens) if tokens else (B,)
-    return dict(
+    return {k: v.to(DEVICE) for k, v in dict(
         conv_state=rnd(S, D_CONV, W - 1),
         xc=rnd(B, D_CONV),
         weight=rnd(D_CONV, W, scale=0.5),
@@ -47,7 +50,7 @@ def _inputs(seed: int = 0, tokens: int = 0):
         dt_bias=rnd(H, scale=0.5),
         slots=torch.tensor([4, -1, 1], dtype=torch.int32),
         dst=torch.tensor([2, -1, 1], dtype=torch.int32),
-    )
+    ).items()}
 
 
 def decode_step(conv_state, xc, weight, bias, state, x, dt, A_log, Bm, Cm, D, z, dt_bias, slots, dst):
@@ -87,10 +90,11 @@ def test_compiled_decode_ops_equal_eager():
     inp = _inputs(seed=2)
     _assert_same(_run(compiled, inp), _run(decode_step, inp))
     for slots, dst in (([0, 5, -1], [3, 5, -1]), ([S + 2, 0, 3], [1, 0, 3])):
-        inp2 = dict(inp, slots=torch.tensor(slots, dtype=torch.int32), dst=torch.tensor(dst, dtype=torch.int32))
+        inp2 = dict(inp, slots=torch.tensor(slots, dtype=torch.int32, device=DEVICE),
+                    dst=torch.tensor(dst, dtype=torch.int32, device=DEVICE))
         expect = dict(inp2)
         if slots[0] >= S:  # the eager reference of the out-of-range row: a pad row
-            expect["slots"] = torch.tensor([-1] + slots[1:], dtype=torch.int32)
+            expect["slots"] = torch.tensor([-1] + slots[1:], dtype=torch.int32, device=DEVICE)
         with torch.inference_mode():  # compiled code under inference mode too
             got = _run(compiled, inp2)
         _assert_same(got, _run(decode_step, expect))

@@ -223,14 +223,15 @@ def paged_decode_attention(
     if out is None:
         out = torch.empty_like(q)
     check_shape(op, "out", out, [("B", B), ("Hq", Hq), ("Dh", Dh)])
+    if num_splits is not None and not (isinstance(num_splits, int) and 1 <= num_splits <= 64
+                                       and num_splits & (num_splits - 1) == 0):
+        raise ValueError(f"{op}: `num_splits` expected a power of two in [1, 64], got {num_splits!r}")
     if not use_triton(q):
         out.copy_(paged_decode_attention_ref(q, k_pages, v_pages, block_table, seq_lens, slots, scale=scale))
         return out
     Pmax = block_table.shape[1]
     if num_splits is None:
         num_splits = _auto_splits(q, B * Hkv, Pmax)
-    if not (isinstance(num_splits, int) and 1 <= num_splits <= 64 and num_splits & (num_splits - 1) == 0):
-        raise ValueError(f"{op}: `num_splits` expected a power of two in [1, 64], got {num_splits!r}")
     if B:
         launch_paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, slots, out, scale,
                                       num_splits=num_splits)

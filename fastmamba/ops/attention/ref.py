@@ -25,8 +25,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, fir
     k = k.repeat_interleave(G, dim=1)
     v = v.repeat_interleave(G, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    qpos = torch.arange(q.shape[0])[:, None] + first_pos
-    kpos = torch.arange(k.shape[0])[None, :]
+    qpos = torch.arange(q.shape[0], device=q.device)[:, None] + first_pos
+    kpos = torch.arange(k.shape[0], device=q.device)[None, :]
     scores = scores.masked_fill(kpos > qpos, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
 

@@ -635,7 +635,9 @@ def test_dense_bf16_at_the_issue_shape(device):
     assert torch.isfinite(out).all() and torch.isfinite(final).all()
     rel_final = ((final - ref_final).norm() / ref_final.norm()).item()
     if device.type == "cuda":
-        _error_baseline_check(out, ref.float(), ref.to(torch.bfloat16))
+        # the output is bf16 either way (its reference rounded to bf16 is the reference): a bf16 tolerance
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < 1e-2, f"relative error {err:.3e}"
         assert rel_final < 5e-3
     else:
         rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
