@@ -128,7 +128,9 @@ def test_graphed_decoder_captured_before_a_weight_change_equals_eager_after_it(h
     model.prefill(ids[:, :4], graph_cache, slots)
     decoder.decode(ids[:, 4], slots)  # captured with the old weights
     _change(model, how)
-    model.prefill(ids[:, :4], graph_cache, slots)  # both caches restart from the same prompt
+    for pool in (*graph_cache.conv, *graph_cache.ssm):  # both caches restart from the same prompt
+        pool.zero_()  # (the decode above advanced graph_cache's slots)
+    model.prefill(ids[:, :4], graph_cache, slots)
     model.prefill(ids[:, :4], eager_cache, slots)
     for t in range(4, 8):
         graphed = decoder.decode(ids[:, t], slots).clone()
@@ -158,6 +160,8 @@ def test_graphed_decoder_after_rebinding_the_weights_needs_invalidate():
     sd = {k: (v * 0.5).clone() if k.endswith("A_log") else v.clone() for k, v in model.state_dict().items()}
     model.load_state_dict(sd, assign=True)
     decoder.invalidate()
+    for pool in (*graph_cache.conv, *graph_cache.ssm):  # the decode above advanced graph_cache's slots
+        pool.zero_()
     model.prefill(ids[:, :3], graph_cache, slots)
     model.prefill(ids[:, :3], eager_cache, slots)
     for t in range(3, 6):

@@ -461,7 +461,11 @@ def _ssd_scan_varlen_(
     ssd_scan_launch(
         x.unsqueeze(0), dt.unsqueeze(0), A, B.unsqueeze(0), C.unsqueeze(0), D,
         z.unsqueeze(0) if z is not None else None, dt_bias, out.unsqueeze(0), segments,
-        chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max), state_dtype=ssm_states.dtype,
+        chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max),
+        # with stochastic rounding the states between the kernels stay fp32, so that the one rounding
+        # of a prompt's final state into the 16-bit cache is the stochastic one (16-bit chunk states
+        # would already have rounded it to nearest)
+        state_dtype=torch.float32 if rand_seed is not None else ssm_states.dtype,
         A_is_log=A_is_log,
     )
 
