@@ -95,6 +95,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: BaseException | None = None
+    prefilled: int = 0  # prompt tokens fed so far (chunked prefill: a prompt may take several steps)
     # speculation: drafts accepted per verify step (as verified; a stop condition may cut the run after)
     accepted: list[int] = dataclasses.field(default_factory=list)
 
@@ -172,7 +173,15 @@ class Engine:
                  drafter: Drafter | None = None, verify_path: str = "auto",
                  verify_table: Mapping[int | str, int | None] | str | os.PathLike | None = None,
                  legacy_max_batch: int | None = None, stochastic_rounding: bool = False, rounding_seed: int = 0,
-                 tokenizer: Detokenizer | None = None, max_finished: int | None = None):
+                 tokenizer: Detokenizer | None = None, max_finished: int | None = None,
+                 prefill_chunk: int | None = None, graph_prefill_tokens: int | None = 2048):
+        if prefill_chunk is not None and not (isinstance(prefill_chunk, int) and not isinstance(prefill_chunk, bool)
+                                              and prefill_chunk >= 1):
+            raise ValueError(f"Engine: prefill_chunk must be None or an int >= 1 (tokens per step), got {prefill_chunk!r}")
+        if graph_prefill_tokens is not None and not (isinstance(graph_prefill_tokens, int)
+                                                     and graph_prefill_tokens >= 16):
+            raise ValueError(f"Engine: graph_prefill_tokens must be None or an int >= 16, got {graph_prefill_tokens!r}")
+        self.prefill_chunk = prefill_chunk
         if not isinstance(stochastic_rounding, bool):
             raise TypeError(f"Engine: stochastic_rounding must be a bool, got {stochastic_rounding!r}")
         if stochastic_rounding and ssm_dtype not in (torch.float16, torch.bfloat16):
@@ -241,7 +250,14 @@ class Engine:
                 self.verifier = GraphedVerifier(model, self.cache, max_batch, pdl=pdl, rand_seed=self._rand_seed())
             else:
                 self.decoder = GraphedDecoder(model, self.cache, max_batch, pdl=pdl, rand_seed=self._rand_seed())
+        self.prefiller = None
+        if cuda_graphs and graph_prefill_tokens:
+            from fastmamba.generation.prefill_graphs import GraphedPrefill
+
+            self.prefiller = GraphedPrefill(model, self.cache, max_tokens=graph_prefill_tokens, max_requests=max_batch,
+                                            pdl=pdl, rand_seed=self._rand_seed())
         self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []  # holding a slot, prompt partly fed (chunked prefill)
         self.running: list[Request] = []
         self.finished: OrderedDict[int, Request] = OrderedDict()  # uncollected, oldest first
         self._ids = itertools.count()
@@ -310,7 +326,7 @@ class Engine:
         return ids
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     def pop_finished(self, rid: int | None = None) -> Request | list[Request]:
         """Collect finished requests: the one with id ``rid`` (KeyError if it is not among the
@@ -325,10 +341,11 @@ class Engine:
     def abort(self, rid: int) -> bool:
         """Stop a waiting or running request (finish_reason "abort", its slot freed, kept in
         ``finished`` like any finished request). Returns False when no such request is unfinished."""
-        for r in itertools.chain(self.waiting, self.running):
+        for r in itertools.chain(self.waiting, self.prefilling, self.running):
             if r.rid == rid:
                 self._finish(r, "abort")
                 self.waiting = deque(w for w in self.waiting if w is not r)
+                self.prefilling = [x for x in self.prefilling if x is not r]
                 self.running = [x for x in self.running if x is not r]
                 return True
         return False
@@ -383,43 +400,121 @@ class Engine:
         for r in failed:
             self._finish(r, "error", error=exc)
         self.running = [r for r in self.running if not r.finished]
+        self.prefilling = [r for r in self.prefilling if not r.finished]
         if hasattr(exc, "add_note"):  # Python >= 3.11
             exc.add_note(f"Engine.step: the {what} failed; requests {[r.rid for r in failed]} are finished with "
                          "finish_reason 'error' (see Engine.finished) and their slots freed; the engine keeps serving")
 
-    def _prefill(self, admitted: list[Request]) -> list[StepOutput]:
-        n = len(admitted)
-        slots = self.cache.alloc(n)  # one alloc: one zeroing pass; int32 on the device, admitted order
-        for req, slot in zip(admitted, slots.tolist()):
+    def _run_prefill(self, reqs: list[Request], chunks: list[list[int]]) -> torch.Tensor:
+        """Feed each request its chunk of prompt tokens (continuing from its slot's state when part of
+        its prompt is already in) in one packed call; returns the chunks' last-token logits [B, V].
+        From a CUDA graph when the batch fits one (``GraphedPrefill``), else eagerly; either way the
+        metadata go down from the host's own lists (no device-to-host read)."""
+        slots = [r.slot for r in reqs]
+        flags = [r.prefilled > 0 for r in reqs]
+        seed = self._rand_seed(advance=True)
+        lengths = [len(c) for c in chunks]
+        if self.prefiller is not None and self.prefiller.fits(lengths):
+            return self.prefiller.prefill(chunks, slots, flags)
+        cu = list(itertools.accumulate(lengths, initial=0))
+        T = cu[-1]
+        # one host-to-device copy: the chunks back to back, cu_seqlens, slots, flags
+        packed = torch.tensor([t for c in chunks for t in c] + cu + slots + [int(f) for f in flags], dtype=torch.int64)
+        packed = packed.to(self.device)
+        n = len(reqs)
+        has_initial = (packed[T + n + 1 + n:] != 0) if any(flags) else False  # all fresh: no slot is read
+        return self.model.prefill_varlen(packed[:T], packed[T:T + n + 1], self.cache,
+                                         packed[T + n + 1:T + 2 * n + 1].to(torch.int32), has_initial_state=has_initial,
+                                         rand_seed=seed, cu_seqlens_host=cu, slots_host=slots)
+
+    def _admit(self, n: int) -> list[Request]:
+        """Move ``n`` waiting requests to fresh slots (one alloc: one zeroing pass)."""
+        admitted = [self.waiting.popleft() for _ in range(n)]
+        for req, slot in zip(admitted, self.cache.alloc(n).tolist()):
             req.slot = slot
             self._replay_slots.discard(slot)  # prefill leaves nothing to replay
-        # one packed call: the prompts back to back, then cu_seqlens, in one host-to-device copy
-        cu_seqlens = list(itertools.accumulate((len(r.prompt) for r in admitted), initial=0))
-        T = cu_seqlens[-1]
-        packed = torch.tensor([t for r in admitted for t in r.prompt] + cu_seqlens, dtype=torch.int64)
-        packed = packed.to(self.device)
-        # fresh slots: start from zeros without reading them
-        logits = self.model.prefill_varlen(packed[:T], packed[T:], self.cache, slots, has_initial_state=False,
-                                           rand_seed=self._rand_seed(advance=True))
+        return admitted
+
+    def _prefill(self, admitted: list[Request]) -> list[StepOutput]:
+        """Whole prompts of freshly admitted requests in one call, then their first tokens."""
+        logits = self._run_prefill(admitted, [r.prompt for r in admitted])
+        for r in admitted:
+            r.prefilled = len(r.prompt)
         self.running.extend(admitted)
         return self._emit(admitted, logits)
 
-    def step(self) -> list[StepOutput]:
-        """Admit waiting requests if any (prefill), else decode one token for every running one.
+    def _plan_chunk(self) -> tuple[list[Request], list[list[int]]]:
+        """This step's prefill chunk: the partly fed prompts first, then new requests (each admitted
+        to a fresh slot) while the ``prefill_chunk`` token budget and the batch's room last."""
+        budget = self.prefill_chunk
+        reqs, chunks = [], []
+        for r in self.prefilling:
+            if budget <= 0:
+                break
+            take = min(len(r.prompt) - r.prefilled, budget)
+            reqs.append(r)
+            chunks.append(r.prompt[r.prefilled:r.prefilled + take])
+            budget -= take
+        room = min(self.max_batch - len(self.running) - len(self.prefilling), self.cache.free_slots)
+        while budget > 0 and room > 0 and self.waiting:
+            r = self._admit(1)[0]
+            take = min(len(r.prompt), budget)
+            self.prefilling.append(r)
+            reqs.append(r)
+            chunks.append(r.prompt[:take])
+            budget -= take
+            room -= 1
+        return reqs, chunks
 
-        Returns one ``StepOutput`` per emitted token (finished requests' last ones carry the
-        ``Request``). When the step fails, its requests are finished with finish_reason "error"
-        and their slots freed, then the exception propagates; the engine stays usable.
-        """
-        if self.waiting and len(self.running) < self.max_batch and self.cache.free_slots:
-            n = min(len(self.waiting), self.max_batch - len(self.running), self.cache.free_slots)
-            admitted = [self.waiting.popleft() for _ in range(n)]
-            reqs, what, run = admitted, "prefill", lambda: self._prefill(admitted)
-        elif not self.running:
+    def _prefill_chunk(self, reqs: list[Request], chunks: list[list[int]]) -> list[StepOutput]:
+        """Feed the planned chunks; requests whose prompt is now complete emit their first token and
+        decode from the next step on, the others keep their slot and continue next step."""
+        logits = self._run_prefill(reqs, chunks)
+        done = []
+        for i, (r, c) in enumerate(zip(reqs, chunks)):
+            r.prefilled += len(c)
+            if r.prefilled == len(r.prompt):
+                done.append(i)
+        if not done:
             return []
-        else:
-            reqs = list(self.running)
-            what, run = ("verify step", self._verify_step) if self.speculate else ("decode step", self._decode_step)
+        complete = [reqs[i] for i in done]
+        self.prefilling = [r for r in self.prefilling if r.prefilled < len(r.prompt)]
+        self.running.extend(complete)
+        rows = logits if len(done) == len(reqs) else logits[torch.tensor(done, device=logits.device)]
+        return self._emit(complete, rows)
+
+    def step(self) -> list[StepOutput]:
+        """One engine step; returns one ``StepOutput`` per emitted token (finished requests' last
+        ones carry the ``Request``).
+
+        Without ``prefill_chunk``: admit waiting requests if any (their whole prompts in one packed
+        prefill, then their first tokens), else decode one token for every running request. With
+        it: decode every running request, then feed one prefill chunk of at most ``prefill_chunk``
+        prompt tokens (partly fed prompts first), so a long prompt never stalls the running ones.
+        When a part fails, its requests are finished with finish_reason "error" and their slots
+        freed, then the exception propagates; the engine stays usable.
+        """
+        if self.prefill_chunk is None:
+            if self.waiting and len(self.running) < self.max_batch and self.cache.free_slots:
+                n = min(len(self.waiting), self.max_batch - len(self.running), self.cache.free_slots)
+                admitted = self._admit(n)
+                return self._guarded(admitted, "prefill", lambda: self._prefill(admitted))
+            if not self.running:
+                return []
+            return self._guarded(list(self.running), *self._decode_part())
+        out = []
+        if self.running:
+            out += self._guarded(list(self.running), *self._decode_part())
+        if self.prefilling or self.waiting:
+            reqs, chunks = self._plan_chunk()
+            if reqs:
+                out += self._guarded(reqs, "prefill chunk", lambda: self._prefill_chunk(reqs, chunks))
+        return out
+
+    def _decode_part(self):
+        return ("verify step", self._verify_step) if self.speculate else ("decode step", self._decode_step)
+
+    def _guarded(self, reqs: list[Request], what: str, run) -> list[StepOutput]:
         try:
             return run()
         except BaseException as exc:  # KeyboardInterrupt included: the bookkeeping, then the exception as it was
