@@ -333,8 +333,10 @@ def ssd_scan_varlen(
     rand_seed  one-element int64 tensor on x's device or None: with a 16-bit ``ssm_states``, the
                              final states stored into the slots are rounded stochastically (unbiased,
                              the state update's scheme and random stream); read on the device, so a
-                             CUDA graph may advance it between replays. Ignored for an fp32 cache
-                             (and by the reference, which rounds to nearest).
+                             CUDA graph may advance it between replays. With it the chunk states
+                             between the kernels stay fp32 (so the stored state is rounded once, at
+                             random, from the fp32 value). Ignored for an fp32 cache (and by the
+                             reference, which rounds to nearest).
     Returns out [T, H, P] (x's dtype). Chunks of ``chunk_size`` tokens never cross a sequence.
     Checks read cu_seqlens and cache_indices on the host (skipped while a CUDA graph is captured).
     Reference: fastmamba.ops.ssd_scan.ref.ssd_scan_varlen_ref
