@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 512; CPU 8)")
     parser.add_argument("--output-len", type=int, default=None, help="tokens generated per request (default 128; CPU 4)")
     parser.add_argument("--max-batch", type=int, default=64, help="the server's and the offline engine's batch")
+    parser.add_argument("--prefill-chunk", type=int, default=2048,
+                        help="prompt tokens per engine step, server and offline alike (0: whole prompts)")
     parser.add_argument("--json", metavar="PATH", help="append the result as one JSON line")
 
 
@@ -108,6 +110,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     log = open(os.devnull, "w")
     proc = subprocess.Popen([sys.executable, "-m", "fastmamba.serve", "--model", name, "--port", str(port),
                              "--max-batch", str(args.max_batch), "--max-waiting", str(nreq + 1),
+                             "--prefill-chunk", str(args.prefill_chunk),
                              "--log-level", "warning"], env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -143,7 +146,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     saved = None if cuda else os.environ.pop("TRITON_INTERPRET", None)
     try:
         model = fastmamba.load_model(name)
-        engine = Engine(model, max_batch=args.max_batch)
+        engine = Engine(model, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk or None)
         kw = {"max_new_tokens": olen}
         if "ignore_eos" in SamplingParams.__dataclass_fields__:
             kw["ignore_eos"] = True

@@ -196,9 +196,9 @@ def create_app(engine: Engine, *, model_name: str, codec: Codec | None = None, a
                 worker.abort(choice.handle)  # a stop string matched: the engine may stop
             return "token"
         if kind == "finished":
-            if choice.finish_reason is None:
+            if choice.finish_reason is None:  # the engine's reason: eos / stop -> "stop", length -> "length"
                 limit = choice.handle.params.max_new_tokens
-                choice.finish_reason = "length" if len(choice.tokens) >= limit else "stop"
+                choice.finish_reason = "length" if value == "length" or len(choice.tokens) >= limit else "stop"
             return "finished"
         raise RuntimeError(str(value))
 

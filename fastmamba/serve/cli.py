@@ -2,7 +2,7 @@
 
     fastmamba serve --model DIR|PRESET [--tokenizer DIR] [--host 127.0.0.1] [--port 8000]
                     [--max-batch 64] [--max-waiting 256] [--api-key KEY] [--served-model-name NAME]
-                    [--max-model-len N] [--device cuda|cpu] [--dtype bf16|fp16|fp32]
+                    [--max-model-len N] [--prefill-chunk 2048] [--device cuda|cpu] [--dtype bf16|fp16|fp32]
 
 Presets have random weights and no tokenizer: they serve token-id prompts (``"prompt": [1, 2, 3]``)
 unless ``--tokenizer DIR`` names a directory with a tokenizer.json (and, for chat, a
@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
     parser.add_argument("--served-model-name", default=None, help="the model id in /v1/models (default: --model)")
     parser.add_argument("--max-model-len", type=int, default=None, help="refuse prompt + max_tokens above this")
+    parser.add_argument("--prefill-chunk", type=int, default=2048,
+                        help="prompt tokens fed per engine step (chunked prefill: running streams keep going while a "
+                             "long prompt is admitted); 0 = whole prompts, one step each")
     parser.add_argument("--device", default=None, help="default: cuda when present")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="weights and activations (default: the loader's)")
     parser.add_argument("--log-level", default="info")
@@ -48,7 +51,7 @@ def build_app(args: argparse.Namespace):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
     model = fastmamba.load_model(args.model, dtype=dtype, device=args.device)
     tok_dir = args.tokenizer or (args.model if os.path.isdir(args.model) else None)
-    engine = Engine(model, max_batch=args.max_batch)
+    engine = Engine(model, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk or None)
     return create_app(engine, model_name=args.served_model_name or args.model, codec=Codec(tok_dir),
                       api_key=args.api_key, max_waiting=args.max_waiting, max_model_len=args.max_model_len)
 

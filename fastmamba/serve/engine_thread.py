@@ -120,13 +120,25 @@ class EngineThread:
                 self._handles[handle.rid] = handle
             elif kind == "abort" and handle.rid is not None and not handle.done:
                 self.engine.abort(handle.rid)
+                self.engine.finished.pop(handle.rid, None)
                 self._handles.pop(handle.rid, None)
                 handle.done = True
                 handle.push("finished", "abort")
 
+    def _fail_finished(self, message: str) -> None:
+        """After a failed step: the requests the engine finished with an error get ``message``; the
+        rest keep going."""
+        for rid, handle in list(self._handles.items()):
+            req = self.engine.finished.pop(rid, None)
+            if req is not None:
+                handle.done = True
+                self._handles.pop(rid)
+                handle.push("error", message)
+
     def _fail_all(self, message: str) -> None:
         for rid, handle in list(self._handles.items()):
             self.engine.abort(rid)
+            self.engine.finished.pop(rid, None)
             handle.done = True
             handle.push("error", message)
         self._handles.clear()
@@ -145,8 +157,8 @@ class EngineThread:
             t0 = time.perf_counter()
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
-                self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others
+                self._fail_finished(f"engine step failed: {type(exc).__name__}: {exc}")
                 continue
             for out in outputs:
                 handle = self._handles.get(out.rid)
@@ -156,6 +168,7 @@ class EngineThread:
                 if out.finished:
                     handle.done = True
                     self._handles.pop(out.rid, None)
-                    handle.push("finished", "done")
+                    self.engine.finished.pop(out.rid, None)  # handed out: the engine need not keep it
+                    handle.push("finished", out.finish_reason or "done")
             if self.on_step is not None:
                 self.on_step(self.engine, outputs, time.perf_counter() - t0)
