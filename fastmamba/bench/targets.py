@@ -31,6 +31,7 @@ TARGETS = {
         Target("tune", "fastmamba.bench.tune", "sweep the kernels' launch configs (GPU only)"),
         Target("spec", "fastmamba.bench.spec", "speculative verification: replay vs per-position states vs plain decode"),
         Target("e2e", "fastmamba.bench.e2e", "end-to-end prefill and decode tok/s vs the bandwidth roofline"),
+        Target("chunked", "fastmamba.bench.chunked", "inter-token latency of running requests while a long prompt arrives, chunked or not"),
         Target("serve", "fastmamba.bench.serve", "load test of fastmamba serve on loopback vs the offline engine"),
         Target("ttft", "fastmamba.bench.ttft", "time to first token: warm whole-model prefill (eager and graphed) vs its floor"),
     )

@@ -1,0 +1,23 @@
+"""bench chunked on the CPU (reference ops): the table and one JSON row per budget."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def reference_ops(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # scheduling and timing plumbing, not kernels
+
+
+def test_cpu_run(tmp_path, capsys):
+    from fastmamba.bench.targets import main
+
+    out = tmp_path / "chunked.jsonl"
+    assert main(["chunked", "--running", "2", "--prompt-len", "12", "--budgets", "none,4", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| none (whole prompt) |" in text and "| 4 |" in text
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["budget"] for r in rows] == [None, 4]
+    assert all(r["long_ttft_ms"] > 0 and r["itl_p99_ms"] >= r["itl_p50_ms"] > 0 for r in rows)
