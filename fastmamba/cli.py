@@ -201,15 +201,12 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         stop_ids = [int(t) for t in (args.stop_token_ids or "").split(",") if t.strip()]
     except ValueError:
         raise UsageError(f"--stop-token-ids expects comma-separated integers, got {args.stop_token_ids!r}") from None
-    if args.stop and is_preset:
-        raise UsageError(f"--stop needs a checkpoint's tokenizer.json to decode the output; {args.model} is a preset "
-                         "(use --stop-token-ids)")
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens, stop_token_ids=stop_ids, stop=args.stop,
                             ignore_eos=args.ignore_eos)
 
     # the tokenizer before the model: a bad tokenizer.json fails fast
-    tok = None if is_preset or not os.path.isdir(args.model) else load_tokenizer(args.model)
+    tok = load_tokenizer(args.model)  # None for a preset or a directory without tokenizer.json
     model = fastmamba.load_model(args.model, device=args.device)
     if args.prompt is not None:
         ids = tok.encode(args.prompt).ids

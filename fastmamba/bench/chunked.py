@@ -73,7 +73,8 @@ def measure(model, budget: int | None, running: int, prompt_len: int, vocab: int
     while len(engine.running) < running:
         engine.step()
     # warm-up: the long prompt once (graphs of its buckets captured), then dropped
-    warm = engine.add_request(long_prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))
+    # (two tokens: the step after its prefill decodes running + 1 requests, capturing that graph too)
+    warm = engine.add_request(long_prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))
     while engine.has_unfinished() and not any(r.rid == warm for r in engine.finished.values()):
         engine.step()
     engine.finished.pop(warm, None)

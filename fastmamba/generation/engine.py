@@ -161,6 +161,14 @@ class Engine:
                   ones are dropped beyond it; each was handed out in its last ``StepOutput``);
                   None: max(1024, 4 * max_batch)
 
+    prefill_chunk prompt tokens fed per step (chunked prefill): every step decodes the running
+                  requests and then feeds at most this many prompt tokens (partly fed prompts first,
+                  each continuing from its slot's state), so a long prompt never stalls the running
+                  ones; None (default): a step admits whole prompts or decodes, never both
+    graph_prefill_tokens  on a GPU with CUDA graphs, packed prefills of up to this many tokens
+                  (more when ``prefill_chunk`` needs it) replay from ``GraphedPrefill``'s graphs;
+                  None: prefill always runs eagerly
+
     End-of-sequence ids come from ``model.cfg.eos_token_ids`` (a tuple of ints; empty or absent:
     none, only the request's own stop conditions apply); ``eos_token_ids`` holds them.
 
@@ -254,7 +262,9 @@ class Engine:
         if cuda_graphs and graph_prefill_tokens:
             from fastmamba.generation.prefill_graphs import GraphedPrefill
 
-            self.prefiller = GraphedPrefill(model, self.cache, max_tokens=graph_prefill_tokens, max_requests=max_batch,
+            # room for a whole chunk of prefill_chunk tokens plus the padding requests' tokens
+            cap = max(graph_prefill_tokens, (prefill_chunk or 0) + max_batch + 1)
+            self.prefiller = GraphedPrefill(model, self.cache, max_tokens=cap, max_requests=max_batch,
                                             pdl=pdl, rand_seed=self._rand_seed())
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # holding a slot, prompt partly fed (chunked prefill)

@@ -49,7 +49,7 @@ def test_mixed_prompt_lengths_share_one_prefill(model, monkeypatch):
         return packed_prefill(ids, cu_seqlens, *args, **kwargs)
 
     monkeypatch.setattr(model, "prefill_varlen", counting)
-    engine = Engine(model, max_batch=4)
+    engine = Engine(model, max_batch=4, graph_prefill_tokens=None)  # eager prefill: the spy reads cu_seqlens
     assert engine.generate(prompts, params) == alone
     assert calls == [[0, 1, 6, 19]]  # the three admitted together: one packed prefill
     assert engine.cache.free_slots == 4

@@ -66,19 +66,21 @@ class CounterModel(torch.nn.Module):
         logits[torch.arange(len(states)), torch.tensor([_next(s) for s in states])] = 4.0
         return logits
 
-    def prefill_varlen(self, ids, cu_seqlens, cache, slots, has_initial_state=True):
+    def prefill_varlen(self, ids, cu_seqlens, cache, slots, has_initial_state=True, **kw):
+        # kw: the real model's keywords (rand_seed, cu_seqlens_host, slots_host), which change nothing here
         self.calls["prefill"] += 1
         ids, cu = ids.tolist(), cu_seqlens.tolist()
         states = []
         for b, slot in enumerate(slots.tolist()):
-            s = int(cache.ssm[0][slot, 0, 0, 0]) if has_initial_state is True else 0
+            cont = has_initial_state is True or (isinstance(has_initial_state, torch.Tensor) and bool(has_initial_state[b]))
+            s = int(cache.ssm[0][slot, 0, 0, 0]) if cont else 0
             for t in ids[cu[b]:cu[b + 1]]:
                 s = _advance(s, t)
             cache.ssm[0][slot, 0, 0, 0] = s
             states.append(s)
         return self._logits(states)
 
-    def decode(self, tokens, cache, slots):
+    def decode(self, tokens, cache, slots, **kw):
         self.calls["decode"] += 1
         states = []
         for tok, slot in zip(tokens.tolist(), slots.tolist()):

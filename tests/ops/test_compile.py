@@ -130,15 +130,15 @@ def test_eager_ops_under_inference_mode():
     for mode in (False, True):
         with torch.inference_mode(mode):
             g = torch.Generator().manual_seed(5)
-            cache = allocate_replay_cache(S, T, H, P, G, N, torch.float32, torch.float32, "cpu")
+            cache = allocate_replay_cache(S, T, H, P, G, N, torch.float32, torch.float32, DEVICE)
             cache.state.copy_(torch.randn(cache.state.shape, generator=g))
-            x = torch.randn(B, T, H, P, generator=g)
-            dt = torch.randn(B, T, H, generator=g) - 3
-            Bm, Cm = (torch.randn(B, T, G, N, generator=g) * 0.3 for _ in range(2))
-            slots = torch.tensor([4, -1, 1], dtype=torch.int32)
+            x = torch.randn(B, T, H, P, generator=g).to(DEVICE)
+            dt = torch.randn(B, T, H, generator=g).to(DEVICE) - 3
+            Bm, Cm = ((torch.randn(B, T, G, N, generator=g) * 0.3).to(DEVICE) for _ in range(2))
+            slots = torch.tensor([4, -1, 1], dtype=torch.int32, device=DEVICE)
             y1 = replay_selective_state_update(*cache, x, dt, inp["A_log"], Bm, Cm, inp["D"], None, inp["dt_bias"],
                                                True, slots, A_is_log=True)
-            cache.commit(slots, torch.tensor([1, 0, 2], dtype=torch.int32), T)
+            cache.commit(slots, torch.tensor([1, 0, 2], dtype=torch.int32, device=DEVICE), T)
             y2 = replay_selective_state_update(*cache, x.flip(1), dt, inp["A_log"], Bm, Cm, inp["D"], None,
                                                inp["dt_bias"], True, slots, A_is_log=True)
             cache.flush(slots)

@@ -117,11 +117,12 @@ def test_verify_steps_pass_the_seed(model):
     for seed in (1, 1, 2):
         cache = model.new_cache(2, ssm_dtype=torch.float16, speculate=1)
         slots = cache.alloc(2)
-        r = StochasticRounding(model.cfg.n_layer, "cpu", seed)
-        model.verify(torch.tensor([[4], [7]]), cache, slots, path="plain", rand_seed=r.seeds)
-        model.commit(cache, slots, torch.ones(2, dtype=torch.int32), path="plain")
+        dev = model.lm_head.weight.device
+        r = StochasticRounding(model.cfg.n_layer, dev, seed)
+        model.verify(torch.tensor([[4], [7]], device=dev), cache, slots, path="plain", rand_seed=r.seeds)
+        model.commit(cache, slots, torch.ones(2, dtype=torch.int32, device=dev), path="plain")
         r.advance()
-        model.verify(torch.tensor([[9], [1]]), cache, slots, path="plain", rand_seed=r.seeds)
+        model.verify(torch.tensor([[9], [1]], device=dev), cache, slots, path="plain", rand_seed=r.seeds)
         out.append([s[slots.long()].clone() for s in cache.ssm])
     assert all(torch.equal(a, b) for a, b in zip(out[0], out[1]))
     assert not all(torch.equal(a, c) for a, c in zip(out[0], out[2]))
