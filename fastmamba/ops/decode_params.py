@@ -1,41 +1,12 @@
-"""Per-session decode parameters: the pre-expanded A and reusable slot-index buffers.
+"""Reusable slot-index buffers for decode steps.
 
-Mamba-2 stores ``A_log`` [H]; the state update wants ``A = -exp(A_log)`` broadcast to [H, P, N].
-Prefer passing ``A_log`` itself with ``A_is_log=True`` (the kernels compute -exp on load): nothing
-cached, so nothing goes stale under CUDA graphs, torch.compile or inference mode. ``expanded_A``
-stays for callers that want the [H, P, N] view.
-Recomputing that every layer of every token is wasted work, and caching it naively is dangerous:
-a stale A after a weight reload silently produces garbage. ``expanded_A`` caches per tensor and
-recomputes when the tensor's storage or version counter changes (``copy_``, ``load_state_dict``,
-``param.data = ...`` all change one of them).
+(``A = -exp(A_log)`` is not precomputed here any more: every op that takes ``A`` takes
+``A_is_log=True`` and computes it in the kernel, so no derived copy of a weight can go stale under
+CUDA graphs, ``.data`` updates, torch.compile or inference mode.)
 """
 from __future__ import annotations
 
 import torch
-
-_CACHE_ATTR = "_fastmamba_expanded_A"  # (key, view) stored on the A_log tensor object itself
-
-
-def expanded_A(A_log: torch.Tensor, headdim: int, dstate: int) -> torch.Tensor:
-    """``-exp(A_log.float())`` as an [H, P, N] stride-0 view, computed once per weight version.
-
-    A_log   [H] any float dtype. Returns an fp32 [H, P, N] view with strides (1, 0, 0).
-    The cache key is (storage pointer, version counter, device, P, N); a changed weight misses.
-    """
-    if A_log.dim() != 1:
-        raise ValueError(f"expanded_A: `A_log` expected shape (H,), got {tuple(A_log.shape)}")
-    if A_log.is_inference():  # no version counter to key on: computed afresh (prefer A_is_log=True)
-        with torch.no_grad():
-            return (-torch.exp(A_log.detach().float()))[:, None, None].expand(A_log.shape[0], headdim, dstate)
-    key = (A_log.data_ptr(), A_log._version, A_log.device, headdim, dstate)
-    hit = getattr(A_log, _CACHE_ATTR, None)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    with torch.no_grad():
-        A = -torch.exp(A_log.detach().float())
-    view = A[:, None, None].expand(A.shape[0], headdim, dstate)
-    setattr(A_log, _CACHE_ATTR, (key, view))
-    return view
 
 
 class SlotIndexBuffer:

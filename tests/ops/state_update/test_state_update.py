@@ -11,7 +11,7 @@ import triton.language as tl
 
 from fastmamba.ops import selective_state_update
 from fastmamba.ops._common.jit_math import stochastic_round
-from fastmamba.ops.decode_params import SlotIndexBuffer, expanded_A
+from fastmamba.ops.decode_params import SlotIndexBuffer
 from fastmamba.ops.state_update.ref import selective_state_update_ref
 from tests.helpers import nan_like, tol
 
@@ -323,26 +323,6 @@ def test_stochastic_rounding_through_the_op(state_dtype, device):
     assert not torch.equal(results[0], results[1]), "a different seed must give different roundings"
 
 
-# ---- helpers -------------------------------------------------------------------------------
-
-def test_expanded_A_is_cached_and_invalidated():
-    A_log = torch.randn(5)
-    a1 = expanded_A(A_log, 4, 3)
-    assert a1.shape == (5, 4, 3) and a1.stride() == (1, 0, 0)
-    assert expanded_A(A_log, 4, 3) is a1  # computed once
-    torch.testing.assert_close(a1[:, 0, 0], -torch.exp(A_log))
-    with torch.no_grad():
-        A_log.copy_(torch.randn(5))  # a weight reload in place
-    a2 = expanded_A(A_log, 4, 3)
-    assert a2 is not a1
-    torch.testing.assert_close(a2[:, 0, 0], -torch.exp(A_log))
-    p = torch.nn.Parameter(torch.randn(5))
-    a3 = expanded_A(p, 4, 3)
-    p.data = torch.randn(5)  # replaced storage
-    torch.testing.assert_close(expanded_A(p, 4, 3)[:, 0, 0], -torch.exp(p.detach()))
-    assert expanded_A(p, 4, 3) is not a3
-
-
 def test_slot_index_buffer_reuses_memory():
     buf = SlotIndexBuffer(8, "cpu")
     v1 = buf.fill([3, 1, 4])
@@ -498,16 +478,6 @@ def test_pick_config_table(monkeypatch):
     assert pick(640, 2, False) == (16, 1) and pick(640, 2, True) == (16, 1)
     assert pick(5120, 4, True) == (16, 1) and pick(20480, 2, False) == (16, 1)
     assert ssu_configs.pick_config(programs_per_block=640, headdim=32, dstate=256, state_bytes=4, pdl=True) == (16, 2)
-
-
-def test_expanded_A_under_inference_mode():
-    """Inference tensors carry no version counter: computed afresh, never a crash."""
-    with torch.inference_mode():
-        A_log = torch.randn(3)
-        a = expanded_A(A_log, 4, 2)
-        torch.testing.assert_close(a[:, 0, 0], -torch.exp(A_log))
-        A_log.sub_(1.0)
-        torch.testing.assert_close(expanded_A(A_log, 4, 2)[:, 0, 0], -torch.exp(A_log))
 
 
 def test_registered_op_declares_its_mutations(device):
