@@ -4,10 +4,8 @@ CPU: the "aot_eager" backend (dynamo + AOTAutograd tracing, then eager kernels):
 code generation on this machine adds minutes and tests nothing of ours. The slot check of the
 state-update and conv ops is skipped while dynamo traces (``host_values.host_reads_allowed``).
 
-The gated RMSNorm (``fastmamba.ops.gated_rmsnorm``) launches its Triton kernel from Python rather
-than through a ``torch.library`` custom op, so under the Triton interpreter dynamo traces into the
-interpreter and fails (on a GPU dynamo captures the launch itself). Until that op is a custom op,
-the test routes the norm through a test-local custom op; the rest of the step is the layer's own.
+Every op of the step (conv update, state update, gated RMSNorm, the projections) is a registered
+custom op or a plain torch op, so the layer's own step traces whole, the norm included.
 """
 from __future__ import annotations
 
@@ -15,32 +13,14 @@ import pytest
 import torch
 
 import fastmamba
-from fastmamba.ops import rmsnorm_fn
-from fastmamba.ops.gated_rmsnorm import api as norm_api
 
-
-def _norm_is_custom_op() -> bool:
-    return isinstance(getattr(norm_api, "_gated_rmsnorm_", None), torch._library.custom_ops.CustomOpDef)
-
-
-@torch.library.custom_op("fastmamba_tests::gated_rmsnorm", mutates_args=())
-def _norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int) -> torch.Tensor:
-    return rmsnorm_fn(x, weight, None, z=None, eps=eps, group_size=group_size, norm_before_gate=False)
-
-
-@_norm_op.register_fake
-def _(x, weight, eps, group_size):
-    return torch.empty_like(x)
+pytestmark = pytest.mark.kernels  # the kernels inside the custom ops (the interpreter on a CPU)
 
 
 @pytest.fixture(scope="module")
 def mixer():
     model = fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cpu")
-    mixer = model.backbone.layers[0].mixer
-    if not _norm_is_custom_op():
-        norm = mixer.norm
-        norm.forward = lambda x, z=None: _norm_op(x, norm.weight, norm.eps, norm.group_size)
-    return mixer
+    return model.backbone.layers[0].mixer
 
 
 def _inputs(mixer, seed: int):
