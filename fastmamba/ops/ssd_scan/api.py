@@ -58,6 +58,13 @@ def _check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, total: int) -> None:
         )
 
 
+def _as_x_dtype(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``B`` / ``C`` in x's dtype: fp32 B and C next to 16-bit x (as mamba_ssm's callers pass them)
+    are converted first, a copy of G*N values per token (small next to x's H*P); the scan's
+    tensor-core dots then take x's dtype, as they do when the dtypes match."""
+    return t if t.dtype == x.dtype else t.to(x.dtype)
+
+
 def _check_common(op, x, dt, A, B, C, D, z, dt_bias, lead):
     """Shapes shared by both entries; ``lead`` are the leading (letter, size) pairs of x."""
     check_same_device(op, [("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("dt_bias", dt_bias)])
@@ -73,8 +80,7 @@ def _check_common(op, x, dt, A, B, C, D, z, dt_bias, lead):
         raise ValueError(f"{op}: heads H={H} must be a multiple of the groups G={G} of `B` (shape {tuple(B.shape)})")
     check_shape(op, "C", C, [*lead, ("G", G), ("N", N)])
     for name, t in (("B", B), ("C", C)):
-        if t.dtype != x.dtype:
-            raise TypeError(f"{op}: `{name}` has dtype {t.dtype} but `x` has {x.dtype}; they must match")
+        check_dtype(op, name, t, FLOAT_DTYPES)  # another float dtype than x's: converted (_as_x_dtype)
     if D is not None:
         check_dtype(op, "D", D, FLOAT_DTYPES)
         if tuple(D.shape) not in ((H,), (H, P)):
@@ -116,7 +122,7 @@ def mamba_chunk_scan_combined(
     dt       [B, L, H]      any float dtype; dt' = clamp(softplus(dt + dt_bias), *dt_limit)
     A        [H]            fp32 (= -exp(A_log)); with A_is_log, A_log itself (the kernel takes
                             -exp in fp32 where it loads it, so nothing derived from the weight is cached)
-    B, C     [B, L, G, N]   x's dtype; head h reads group h // (H // G)
+    B, C     [B, L, G, N]   x's dtype, or another float dtype (converted to x's first: a copy); head h reads group h // (H // G)
     D        [H] or [H, P]  or None: y += D * x
     z        [B, L, H, P]   or None: y *= silu(z)
     dt_bias  [H]            or None
@@ -138,6 +144,7 @@ def mamba_chunk_scan_combined(
         raise ValueError(f"{_DENSE}: `x` expected shape (B, L, H, P), got {tuple(x.shape)}")
     nb, L, H, P = x.shape
     _, _, G, N = _check_common(_DENSE, x, dt, A, B, C, D, z, dt_bias, [("B", nb), ("L", L)])
+    B, C = _as_x_dtype(B, x), _as_x_dtype(C, x)
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"{_DENSE}: `chunk_size` expected a positive int, got {chunk_size!r}")
     if initial_states is not None:
@@ -314,7 +321,7 @@ def ssd_scan_varlen(
     x          [T, H, P]     fp32, bf16 or fp16, any strides; T tokens of B sequences; read
     dt         [T, H]        any float dtype (raw: dt_bias and softplus are applied inside)
     A          [H] fp32 (= -exp(A_log)), or A_log itself when A_is_log (-exp taken in fp32 inside)
-    B, C       [T, G, N] x's dtype;  D [H] or [H, P];  dt_bias [H]
+    B, C       [T, G, N] x's dtype (another float dtype is converted first: a copy);  D [H] or [H, P];  dt_bias [H]
     z          [T, H, P]     or None: y *= silu(z) inside (the norm afterwards runs without z)
     ssm_states [S, H, P, N]  fp32, bf16 or fp16, any strides; slot cache_indices[b] is read as
                              sequence b's initial state when has_initial_state[b], and receives
@@ -345,6 +352,7 @@ def ssd_scan_varlen(
         raise ValueError(f"{_VARLEN}: `x` expected shape (T, H, P), got {tuple(x.shape)}")
     T, H, P = x.shape
     _, _, G, N = _check_common(_VARLEN, x, dt, A, B, C, D, z, dt_bias, [("T", T)])
+    B, C = _as_x_dtype(B, x), _as_x_dtype(C, x)
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"{_VARLEN}: `chunk_size` expected a positive int, got {chunk_size!r}")
     check_shape(_VARLEN, "ssm_states", ssm_states, [("S", None), ("H", H), ("P", P), ("N", N)])

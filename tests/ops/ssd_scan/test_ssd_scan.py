@@ -719,3 +719,25 @@ def test_dense_zero_length_matches_reference(device):
     assert torch.equal(varlen, r_varlen)
     plain = mamba_chunk_scan_combined(*args)
     assert plain.shape == (nb, 0, H, P)
+
+
+def test_fp32_B_C_next_to_16bit_x_are_accepted(device):
+    """As mamba_ssm's callers pass them: fp32 B and C with bf16 x give exactly the call with B and C
+    converted to bf16 first (the scan's dots take x's dtype); dense and varlen."""
+    import torch.nn.functional as F
+
+    g = seeded(21)
+    L, H, P, G, N = 20, 2, 16, 1, 16
+    x = torch.randn(1, L, H, P, generator=g).to(device, torch.bfloat16)
+    dt = F.softplus(torch.randn(1, L, H, generator=g) - 3).to(device)
+    A = (-torch.rand(H, generator=g) - 0.5).to(device)
+    B, C = ((torch.randn(1, L, G, N, generator=g) * 0.3).to(device) for _ in range(2))
+    got = mamba_chunk_scan_combined(x, dt, A, B, C, 16)
+    want = mamba_chunk_scan_combined(x, dt, A, B.bfloat16(), C.bfloat16(), 16)
+    assert torch.equal(got, want)
+    cu = torch.tensor([0, 7, L], dtype=torch.int32, device=device)
+    states = torch.zeros(3, H, P, N, device=device)
+    s1, s2 = states.clone(), states.clone()
+    got = ssd_scan_varlen(x[0], dt[0], A, B[0], C[0], s1, cu, chunk_size=16)
+    want = ssd_scan_varlen(x[0], dt[0], A, B[0].bfloat16(), C[0].bfloat16(), s2, cu, chunk_size=16)
+    assert torch.equal(got, want) and torch.equal(s1, s2)
