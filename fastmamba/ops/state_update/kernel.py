@@ -152,7 +152,15 @@ def _selective_state_update_kernel(
         if HAS_INTER:
             inter_off = b * stride_inter_b + t * stride_inter_t + h * stride_inter_h + (
                 offs_p[:, None] * stride_inter_p + offs_n[None, :] * stride_inter_n)
-            tl.store(inter_ptr + inter_off, s.to(inter_ptr.dtype.element_ty), mask=tile_mask)
+            if STOCHASTIC_ROUND and inter_ptr.dtype.element_ty != tl.float32:
+                # a 16-bit per-position state (speculative legacy path) rounds like the stored state,
+                # with its own random numbers per (request, position, head, p, n)
+                seed = tl.load(seed_ptr)
+                inter_elem = (((b * T + t) * tl.num_programs(2) + h) * P + offs_p[:, None]) * N + offs_n[None, :]
+                s_inter = stochastic_round(s, tl.rand(seed + 1, inter_elem.to(tl.int32)), inter_ptr.dtype.element_ty)
+            else:
+                s_inter = s.to(inter_ptr.dtype.element_ty)
+            tl.store(inter_ptr + inter_off, s_inter, mask=tile_mask)
 
     if not STORE_EARLY:
         _store_state(s, state_ptr, dst * stride_state_s + h * stride_state_h, dst, h, tl.num_programs(2),

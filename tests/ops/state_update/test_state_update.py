@@ -492,3 +492,38 @@ def test_registered_op_declares_its_mutations(device):
             None, inter, None, True)
     torch.library.opcheck(torch.ops.fastmamba.selective_state_update_.default, args,
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_stochastic_rounding_of_per_position_states(state_dtype, device):
+    """Multi-token mode with 16-bit ``intermediate_states`` (the speculative legacy path): each stored
+    per-position state is one of the two neighbours of the fp32 one, a seed reproduces them, another
+    seed rounds some differently, and without a seed they round to nearest."""
+    g = torch.Generator().manual_seed(31)
+    S, B, T, H, P, N = 3, 2, 3, 2, 16, 16
+    state = (torch.randn(S, H, P, N, generator=g) * 0.5).to(device)
+    x = torch.randn(B, T, H, P, generator=g).to(device)
+    dt = (torch.rand(B, T, H, generator=g) * 0.1).to(device)
+    A = (-torch.rand(H, generator=g) - 0.5).to(device)
+    Bm, Cm = ((torch.randn(B, T, 1, N, generator=g) * 0.3).to(device) for _ in range(2))
+    slots = torch.tensor([2, 0], dtype=torch.int32, device=device)
+
+    def run(inter_dtype, seed):
+        inter = torch.full((B, T, H, P, N), float("nan"), device=device, dtype=inter_dtype)
+        st = state.to(state_dtype)
+        rs = None if seed is None else torch.tensor([seed], dtype=torch.int64, device=device)
+        selective_state_update(st, x, dt, A, Bm, Cm, state_batch_indices=slots, intermediate_states=inter, rand_seed=rs)
+        return inter
+
+    # the fp32 per-position states from the same 16-bit starting state
+    exact = torch.full((B, T, H, P, N), float("nan"), device=device)
+    selective_state_update(state.to(state_dtype), x, dt, A, Bm, Cm, state_batch_indices=slots,
+                           intermediate_states=exact)
+    down = exact.to(state_dtype)
+    up = torch.nextafter(down, torch.where(exact > down.float(), torch.inf, -torch.inf).to(state_dtype))
+    a, again, other, nearest = run(state_dtype, 5), run(state_dtype, 5), run(state_dtype, 6), run(state_dtype, None)
+    if device.type == "cuda" or state_dtype == torch.float16:  # the interpreter's fp32 -> bf16 casts truncate
+        assert torch.equal(nearest, down)  # (docs/interpreter_bf16.md)
+    for got in (a, other, nearest):
+        assert bool(((got.float() == down.float()) | (got.float() == up.float())).all())
+    assert torch.equal(a, again) and not torch.equal(a, other) and not torch.equal(a, nearest)
