@@ -8,6 +8,7 @@ import os
 import torch
 from torch import nn
 
+from fastmamba.layers.mamba2 import Mamba2Mixer
 from fastmamba.models.config import PRESETS, Mamba2Config
 from fastmamba.models.mamba2_lm import Mamba2LM
 
@@ -59,9 +60,10 @@ def _default_device(device, *, where: str = "load_model") -> torch.device:
 
 
 @torch.no_grad()
-def random_init(model: Mamba2LM, seed: int = 0) -> Mamba2LM:
-    """Deterministic random weights (for presets, demos and benchmarks): N(0, 0.02) matrices,
-    Mamba-2's A_log / dt_bias / D initialisation, unit norms. Same seed, same weights."""
+def random_init(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Deterministic random weights of any of our LMs (presets, demos, benchmarks): N(0, 0.02)
+    matrices, Mamba-2's A_log / dt_bias / D initialisation in every ``Mamba2Mixer``, unit norms.
+    Same seed, same weights (the matrices and the SSM parameters draw from separate generators)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     dev_gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
     for module in model.modules():
@@ -69,8 +71,8 @@ def random_init(model: Mamba2LM, seed: int = 0) -> Mamba2LM:
             module.weight.normal_(0.0, 0.02, generator=dev_gen)
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()
-    for block in model.backbone.layers:
-        block.mixer.reset_ssm_parameters(gen)
+        if isinstance(module, Mamba2Mixer):
+            module.reset_ssm_parameters(gen)
     return model
 
 

@@ -44,6 +44,7 @@ from fastmamba.layers.attention import KVBatch
 from fastmamba.layers.mamba2 import Mamba2Mixer
 from fastmamba.models.blocks import Batch, RMSNorm, build_blocks
 from fastmamba.models.config import Mamba2Config, _as_float
+from fastmamba.models.loader import _default_device, random_init  # random_init: re-exported for the presets
 from fastmamba.ops import add_rmsnorm
 from fastmamba.ops._common.host_values import host_list
 
@@ -469,28 +470,6 @@ class NemotronHLM(nn.Module):
 
 # ---------------------------------------------------------------------------------------------
 # loading
-
-
-def _default_device(device) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-@torch.no_grad()
-def random_init(model: NemotronHLM, seed: int = 0) -> NemotronHLM:
-    """Deterministic random weights: N(0, 0.02) matrices, Mamba-2's A_log / dt_bias / D
-    initialisation, unit norms. Same seed, same weights."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    dev_gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
-            module.weight.normal_(0.0, 0.02, generator=dev_gen)
-            if getattr(module, "bias", None) is not None:
-                module.bias.zero_()
-        if isinstance(module, Mamba2Mixer):
-            module.reset_ssm_parameters(gen)
-    return model
 
 
 def load_nemotron_h(path_or_preset: str | os.PathLike, dtype: torch.dtype | None = None, device=None) -> NemotronHLM:
