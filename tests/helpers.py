@@ -1,6 +1,7 @@
 """Shared test utilities: poisoned buffers, dtype tolerances, seeded generators."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 # (atol, rtol) by the lowest-precision dtype involved; the reference runs in fp32 from the same
@@ -56,3 +57,18 @@ def run_to_completion(engine, prompts, params):
     reqs = [engine.finished.pop(rid) for rid in rids]
     assert engine.cache.free_slots == engine.max_batch
     return reqs
+
+
+@pytest.fixture(autouse=True, scope="module")
+def runtime_reference_ops(request):
+    """For the runtime test folders (imported by their conftest.py): their subject is scheduling,
+    sampling, caches and bookkeeping, not kernels (tests/ops covers those), so the ops run as their
+    PyTorch references (TRITON_INTERPRET=0 while a module runs, its module-scoped fixtures
+    included), several times faster on a CPU than the Triton interpreter. A module that needs the
+    kernels' path (the interpreter on a CPU) sets ``pytestmark = pytest.mark.kernels``."""
+    if request.node.get_closest_marker("kernels") is not None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "0")
+        yield
