@@ -45,6 +45,42 @@ def prefix_hashes(tokens: Sequence[int]) -> list[int]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class SnapshotPlan:
+    """States to copy out of a packed prefill while it runs (no second pass over the tokens).
+
+    Snapshot i is the conv and SSM state of the call's sequence ``seq[i]`` after its first
+    ``ends[i]`` tokens of this call; ``ends[i]`` must be a multiple of the model's chunk size (the
+    chunked scan's per-chunk states are taken as they are) and at least the conv state's length.
+    It goes to row ``rows[i]`` of every layer's ``conv[l]`` [R, E, state_len] and ``ssm[l]``
+    [R, H, P, N] (a ``PrefixCache``'s pools, the shapes of the slot pools).
+    """
+
+    seq: tuple[int, ...]
+    ends: tuple[int, ...]
+    rows: tuple[int, ...]
+    conv: list[torch.Tensor]
+    ssm: list[torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSnapshot:
+    """One layer's share of a ``SnapshotPlan``, as device index tensors (built once per call).
+
+    chunk_states [n_chunks, H, P, N] fp32 scratch for the scan's per-chunk states (shared by layers)
+    chunk_rows   [n] int64: row of chunk_states holding snapshot i's SSM state
+    conv_tokens  [n, state_len] int64: packed token rows whose conv inputs form snapshot i's conv state
+    rows         [n] int64: destination rows of ``conv`` / ``ssm``
+    """
+
+    chunk_states: torch.Tensor
+    chunk_rows: torch.Tensor
+    conv_tokens: torch.Tensor
+    rows: torch.Tensor
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+
 @dataclasses.dataclass
 class PrefixEntry:
     index: int  # row of the pool
@@ -89,42 +125,82 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def _evict_one(self) -> int:
-        index, key = self._lru.popitem(last=False)
+    def _evict_one(self, protect: frozenset[int] | set[int] = frozenset()) -> int | None:
+        """Drop the least recently used snapshot outside ``protect`` (pool rows); its row, or None."""
+        for index in self._lru:
+            if index not in protect:
+                break
+        else:
+            return None
+        self._forget(index)
+        self.stats["evictions"] += 1
+        return index
+
+    def _forget(self, index: int) -> None:
+        key = self._lru.pop(index)
         del self._by_key[key]
         self._lengths[key[0]] -= 1
         if not self._lengths[key[0]]:
             del self._lengths[key[0]]
-        self.stats["evictions"] += 1
-        return index
 
-    def save(self, tokens: Sequence[int], cache: StateCache, slot: int) -> PrefixEntry | None:
-        """Snapshot slot ``slot``'s states as the states after ``tokens``. An existing snapshot of
-        the same prefix is refreshed in the LRU order instead. Returns the entry (None if skipped)."""
+    def lookup(self, tokens: Sequence[int]) -> PrefixEntry | None:
+        """The snapshot of exactly ``tokens`` (refreshed in the LRU order), or None. No stats counted."""
         tokens = tuple(int(t) for t in tokens)
-        if len(tokens) < self.min_length:
+        entry = self._by_key.get((len(tokens), prefix_hashes(tokens)[-1]))
+        if entry is None or entry.tokens != tokens:
             return None
-        if not 0 <= slot < cache.num_slots:
-            raise ValueError(f"PrefixCache.save: slot {slot} outside [0, {cache.num_slots})")
+        self._lru.move_to_end(entry.index)
+        return entry
+
+    def claim(self, tokens: Sequence[int], protect: frozenset[int] | set[int] = frozenset()) -> PrefixEntry | None:
+        """Register a snapshot of ``tokens`` whose states the caller is about to write into row
+        ``entry.index`` of ``conv`` / ``ssm`` (e.g. from inside a prefill). Returns None when there
+        is nothing to write: the prefix is shorter than ``min_length``, already cached (then only
+        refreshed), or every row is taken by ``protect`` (rows claimed earlier in the same step, whose
+        writes are still pending). If the write does not happen, ``drop`` the entry."""
+        tokens = tuple(int(t) for t in tokens)
+        if len(tokens) < self.min_length or self.lookup(tokens) is not None:
+            return None
         key = (len(tokens), prefix_hashes(tokens)[-1])
-        hit = self._by_key.get(key)
-        if hit is not None and hit.tokens == tokens:
-            self._lru.move_to_end(hit.index)
-            return hit
-        if hit is not None:  # a colliding prefix: replace it
-            self._lru.pop(hit.index)
-            self._free.append(hit.index)
-            self._lengths[key[0]] -= 1
-        index = self._free.pop() if self._free else self._evict_one()
-        for dst, src in zip(self.conv, cache.conv):
-            dst[index].copy_(src[slot])
-        for dst, src in zip(self.ssm, cache.ssm):
-            dst[index].copy_(src[slot])
+        old = self._by_key.get(key)
+        if old is not None:  # a colliding prefix: its row is reused
+            if old.index in protect:
+                return None
+            self._forget(old.index)
+            self._free.append(old.index)
+        index = self._free.pop() if self._free else self._evict_one(protect)
+        if index is None:
+            return None
         entry = PrefixEntry(index, tokens)
         self._by_key[key] = entry
         self._lru[index] = key
         self._lengths[key[0]] = self._lengths.get(key[0], 0) + 1
         self.stats["saves"] += 1
+        return entry
+
+    def drop(self, entry: PrefixEntry) -> None:
+        """Forget a claimed entry whose states were never written (its row becomes free)."""
+        key = (entry.length, prefix_hashes(entry.tokens)[-1])
+        if self._by_key.get(key) is entry:
+            self._forget(entry.index)
+            self._free.append(entry.index)
+            self.stats["saves"] -= 1
+
+    def save(self, tokens: Sequence[int], cache: StateCache, slot: int) -> PrefixEntry | None:
+        """Snapshot slot ``slot``'s states as the states after ``tokens``. An existing snapshot of
+        the same prefix is refreshed in the LRU order instead. Returns the entry (None if skipped)."""
+        if not 0 <= slot < cache.num_slots:
+            raise ValueError(f"PrefixCache.save: slot {slot} outside [0, {cache.num_slots})")
+        existing = self.lookup(tokens)
+        if existing is not None:
+            return existing
+        entry = self.claim(tokens)
+        if entry is None:
+            return None
+        for dst, src in zip(self.conv, cache.conv):
+            dst[entry.index].copy_(src[slot])
+        for dst, src in zip(self.ssm, cache.ssm):
+            dst[entry.index].copy_(src[slot])
         return entry
 
     def match(self, prompt: Sequence[int]) -> PrefixEntry | None:

@@ -63,6 +63,7 @@ from typing import Protocol
 
 import torch
 
+from fastmamba.cache.prefix_cache import PrefixCache, SnapshotPlan
 from fastmamba.generation.drafters import Drafter, NgramDrafter
 from fastmamba.generation.rounding import StochasticRounding
 from fastmamba.generation.sampling import Sampler, SamplingParams, finish_reason
@@ -96,6 +97,7 @@ class Request:
     stop_reason: int | str | None = None
     error: BaseException | None = None
     prefilled: int = 0  # prompt tokens fed so far (chunked prefill: a prompt may take several steps)
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
     # speculation: drafts accepted per verify step (as verified; a stop condition may cut the run after)
     accepted: list[int] = dataclasses.field(default_factory=list)
 
@@ -108,13 +110,17 @@ class Request:
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
     """One emitted token. On a request's last token ``finished`` is True, ``finish_reason`` says why
-    and ``request`` is the finished ``Request`` (its whole output); otherwise both are None."""
+    and ``request`` is the finished ``Request`` (its whole output); otherwise both are None. With
+    ``SamplingParams.logprobs`` set, ``logprob`` and ``top_logprobs`` come from the model's
+    distribution at that position (log-softmax of the logits, before temperature / top-k / top-p)."""
 
     rid: int
     token: int
     finished: bool
     finish_reason: str | None = None
     request: Request | None = None
+    logprob: float | None = None  # with params.logprobs: the token's log-probability
+    top_logprobs: tuple[tuple[int, float], ...] | None = None  # and the k most likely (id, logprob), best first
 
 
 def _int_token(t: object) -> int | None:
@@ -169,6 +175,22 @@ class Engine:
                   (more when ``prefill_chunk`` needs it) replay from ``GraphedPrefill``'s graphs;
                   None: prefill always runs eagerly
 
+    prefix_cache_bytes / prefix_cache_entries  prefix caching of states (off when both are None):
+                  a ``PrefixCache`` of that many bytes / snapshots. A new request starts from the
+                  longest cached prefix of its prompt and prefills only the rest. Snapshots are
+                  taken (1) while prompts are prefilled, at every multiple of ``prefix_block``
+                  tokens, from the chunked scan's per-chunk states (no second pass), and (2) when a
+                  request finishes (eos / stop / length), of its prompt and output but the last token
+                  (what its state holds), so the next turn of a conversation continues where this
+                  one ended. With speculation (2) is skipped: a verified slot's conv history is not
+                  in prefill's layout. ``prefix_stats`` counts lookups, hits and tokens served.
+    prefix_block  the snapshot interval (tokens); a multiple of the model's ``chunk_size``; None:
+                  the multiple of it nearest 512. A prompt whose prefill resumes off that grid (after
+                  a hit on a finished request's snapshot) gets no block snapshots in that call.
+
+    ``stats["prefill_tokens"]`` counts the prompt tokens actually run through prefill (a prefix-cache
+    hit's tokens are not).
+
     End-of-sequence ids come from ``model.cfg.eos_token_ids`` (a tuple of ints; empty or absent:
     none, only the request's own stop conditions apply); ``eos_token_ids`` holds them.
 
@@ -182,7 +204,9 @@ class Engine:
                  verify_table: Mapping[int | str, int | None] | str | os.PathLike | None = None,
                  legacy_max_batch: int | None = None, stochastic_rounding: bool = False, rounding_seed: int = 0,
                  tokenizer: Detokenizer | None = None, max_finished: int | None = None,
-                 prefill_chunk: int | None = None, graph_prefill_tokens: int | None = 2048):
+                 prefill_chunk: int | None = None, graph_prefill_tokens: int | None = 2048,
+                 prefix_cache_bytes: int | None = None, prefix_cache_entries: int | None = None,
+                 prefix_block: int | None = None):
         if prefill_chunk is not None and not (isinstance(prefill_chunk, int) and not isinstance(prefill_chunk, bool)
                                               and prefill_chunk >= 1):
             raise ValueError(f"Engine: prefill_chunk must be None or an int >= 1 (tokens per step), got {prefill_chunk!r}")
@@ -239,7 +263,10 @@ class Engine:
         self.cache = model.new_cache(max_batch, ssm_dtype=ssm_dtype, speculate=self.speculate)
         self.rounding = StochasticRounding(model.cfg.n_layer, self.device, rounding_seed) if stochastic_rounding else None
         self.sampler = Sampler(model.cfg.vocab_size, self.device, max_batch)
-        self.stats = {"steps": {"replay": 0, "legacy": 0, "plain": 0}, "drafts_proposed": 0, "drafts_accepted": 0}
+        self.stats = {"steps": {"replay": 0, "legacy": 0, "plain": 0}, "drafts_proposed": 0, "drafts_accepted": 0,
+                      "prefill_tokens": 0}
+        self.prefix, self.prefix_block = self._make_prefix_cache(prefix_cache_bytes, prefix_cache_entries,
+                                                                 prefix_block)
         self._replay_slots: set[int] = set()  # slots whose SSM state lags their replay history
         self.legacy_max_batch = 0
         if self.speculate:
@@ -271,6 +298,30 @@ class Engine:
         self.running: list[Request] = []
         self.finished: OrderedDict[int, Request] = OrderedDict()  # uncollected, oldest first
         self._ids = itertools.count()
+
+    def _make_prefix_cache(self, budget: int | None, entries: int | None,
+                           block: int | None) -> tuple[PrefixCache | None, int]:
+        chunk = self.model.cfg.chunk_size
+        if block is None:
+            block = max(chunk, round(512 / chunk) * chunk)
+        if not (isinstance(block, int) and not isinstance(block, bool) and block >= chunk and block % chunk == 0):
+            raise ValueError(f"Engine: prefix_block must be a positive multiple of the model's chunk_size {chunk} "
+                             f"(snapshots come from the chunked scan's per-chunk states), got {block!r}")
+        for name, v in (("prefix_cache_bytes", budget), ("prefix_cache_entries", entries)):
+            if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+                raise ValueError(f"Engine: {name} must be None or an int >= 0, got {v!r}")
+        if not budget and not entries:
+            return None, block
+        state_len = self.cache.conv[0].shape[-1]
+        if chunk < state_len:
+            raise ValueError(f"Engine: prefix caching needs the model's chunk_size ({chunk}) to be at least the conv "
+                             f"state's length ({state_len} columns)")
+        return PrefixCache(self.cache, max_entries=entries or None, budget_bytes=budget or None), block
+
+    @property
+    def prefix_stats(self) -> dict[str, int] | None:
+        """The prefix cache's counters (lookups, hits, prompt_tokens, hit_tokens, saves, evictions), or None."""
+        return None if self.prefix is None else dict(self.prefix.stats)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -364,6 +415,10 @@ class Engine:
                 error: BaseException | None = None) -> None:
         """Mark ``r`` finished, free its slot, keep it in ``finished`` (the oldest beyond max_finished go)."""
         r.finished, r.finish_reason, r.stop_reason, r.error = True, reason, stop_reason, error
+        if (self.prefix is not None and r.slot >= 0 and reason in ("eos", "stop", "length") and not self.speculate
+                and r.prefilled == len(r.prompt) and r.output):
+            # the slot holds the state after the prompt and every output token but the last (not yet fed)
+            self.prefix.save(r.prompt + r.output[:-1], self.cache, r.slot)
         if r.slot >= 0:
             slot, r.slot = r.slot, -1
             self._replay_slots.discard(slot)
@@ -386,20 +441,47 @@ class Engine:
 
     def _emit(self, reqs: list[Request], logits: torch.Tensor) -> list[StepOutput]:
         tokens = self.sampler.sample(logits, [r.params for r in reqs], [len(r.output) for r in reqs]).tolist()
-        return self._emit_runs(reqs, [[t] for t in tokens])
+        return self._emit_runs(reqs, [[t] for t in tokens], logits[:, None])
 
-    def _emit_runs(self, reqs: list[Request], runs: list[list[int]]) -> list[StepOutput]:
-        """Append each request's run of tokens, stopping (and freeing its slot) at a stop condition."""
+    @staticmethod
+    def _logprobs(reqs: list[Request], runs: list[list[int]], logits: torch.Tensor | None):
+        """(request index, position) -> (logprob, top) for the requests that asked for logprobs;
+        ``logits`` [B, T, V] (position j scores run token j). One device-to-host copy."""
+        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not want or logits is None:
+            return {}
+        k = max(reqs[i].params.logprobs for i in want)
+        rows = [(i, j) for i in want for j in range(len(runs[i]))]
+        dev = logits.device
+        ri = torch.tensor([i for i, _ in rows], device=dev)
+        rj = torch.tensor([j for _, j in rows], device=dev)
+        lp = torch.log_softmax(logits[ri, rj].float(), dim=-1)  # [R, V]
+        tok = torch.tensor([runs[i][j] for i, j in rows], device=dev)
+        chosen = lp.gather(1, tok[:, None])[:, 0]
+        top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        chosen, top_v, top_i = chosen.tolist(), top_v.tolist(), top_i.tolist()
+        out = {}
+        for n, (i, j) in enumerate(rows):
+            kk = reqs[i].params.logprobs
+            out[i, j] = chosen[n], tuple(zip(top_i[n][:kk], top_v[n][:kk]))
+        return out
+
+    def _emit_runs(self, reqs: list[Request], runs: list[list[int]],
+                   logits: torch.Tensor | None = None) -> list[StepOutput]:
+        """Append each request's run of tokens, stopping (and freeing its slot) at a stop condition.
+        ``logits`` [B, T, V]: the scores of each run's positions (for requests that want logprobs)."""
+        lps = self._logprobs(reqs, runs, logits)
         out = []
-        for r, run in zip(reqs, runs):
-            for t in run:
+        for i, (r, run) in enumerate(zip(reqs, runs)):
+            for j, t in enumerate(run):
                 r.output.append(t)
+                lp, top = lps.get((i, j), (None, None))
                 reason, why = self._stop(r, t)
                 if reason is not None:
                     self._finish(r, reason, why)
-                    out.append(StepOutput(r.rid, t, True, reason, r))
+                    out.append(StepOutput(r.rid, t, True, reason, r, lp, top))
                     break
-                out.append(StepOutput(r.rid, t, False))
+                out.append(StepOutput(r.rid, t, False, logprob=lp, top_logprobs=top))
         self.running = [r for r in self.running if not r.finished]
         return out
 
@@ -424,7 +506,41 @@ class Engine:
         flags = [r.prefilled > 0 for r in reqs]
         seed = self._rand_seed(advance=True)
         lengths = [len(c) for c in chunks]
-        if self.prefiller is not None and self.prefiller.fits(lengths):
+        self.stats["prefill_tokens"] += sum(lengths)
+        plan, entries = self._plan_snapshots(reqs, chunks)
+        try:
+            return self._run_packed(reqs, chunks, slots, flags, seed, lengths, plan)
+        except BaseException:
+            for e in entries:  # never written: forget them
+                self.prefix.drop(e)
+            raise
+
+    def _plan_snapshots(self, reqs: list[Request], chunks: list[list[int]]) -> tuple[SnapshotPlan | None, list]:
+        """The prefix-cache snapshots this prefill call takes: for each request, the absolute
+        positions that are multiples of ``prefix_block`` inside its chunk, on the scan's chunk grid
+        of this call, not cached yet (each claims a pool row; rows claimed in this call are never
+        evicted by a later claim of the same call)."""
+        if self.prefix is None:
+            return None, []
+        chunk, block = self.model.cfg.chunk_size, self.prefix_block
+        seq, ends, rows, entries = [], [], [], []
+        for b, (r, c) in enumerate(zip(reqs, chunks)):
+            start = r.prefilled
+            for q in range((start // block + 1) * block, start + len(c) + 1, block):
+                if (q - start) % chunk:
+                    continue  # off this call's chunk grid: no per-chunk state there
+                entry = self.prefix.claim(r.prompt[:q], protect={e.index for e in entries})
+                if entry is not None:
+                    seq.append(b)
+                    ends.append(q - start)
+                    rows.append(entry.index)
+                    entries.append(entry)
+        if not entries:
+            return None, []
+        return SnapshotPlan(tuple(seq), tuple(ends), tuple(rows), self.prefix.conv, self.prefix.ssm), entries
+
+    def _run_packed(self, reqs, chunks, slots, flags, seed, lengths, plan) -> torch.Tensor:
+        if plan is None and self.prefiller is not None and self.prefiller.fits(lengths):
             return self.prefiller.prefill(chunks, slots, flags)
         cu = list(itertools.accumulate(lengths, initial=0))
         T = cu[-1]
@@ -435,7 +551,7 @@ class Engine:
         has_initial = (packed[T + n + 1 + n:] != 0) if any(flags) else False  # all fresh: no slot is read
         return self.model.prefill_varlen(packed[:T], packed[T:T + n + 1], self.cache,
                                          packed[T + n + 1:T + 2 * n + 1].to(torch.int32), has_initial_state=has_initial,
-                                         rand_seed=seed, cu_seqlens_host=cu, slots_host=slots)
+                                         rand_seed=seed, cu_seqlens_host=cu, slots_host=slots, snapshots=plan)
 
     def _admit(self, n: int) -> list[Request]:
         """Move ``n`` waiting requests to fresh slots (one alloc: one zeroing pass)."""
@@ -443,11 +559,16 @@ class Engine:
         for req, slot in zip(admitted, self.cache.alloc(n).tolist()):
             req.slot = slot
             self._replay_slots.discard(slot)  # prefill leaves nothing to replay
+            if self.prefix is not None:  # start from the longest cached prefix: prefill only the rest
+                entry = self.prefix.match(req.prompt)
+                if entry is not None:
+                    self.prefix.restore(entry, self.cache, slot)
+                    req.prefilled = req.cached_tokens = entry.length
         return admitted
 
     def _prefill(self, admitted: list[Request]) -> list[StepOutput]:
         """Whole prompts of freshly admitted requests in one call, then their first tokens."""
-        logits = self._run_prefill(admitted, [r.prompt for r in admitted])
+        logits = self._run_prefill(admitted, [r.prompt[r.prefilled:] for r in admitted])
         for r in admitted:
             r.prefilled = len(r.prompt)
         self.running.extend(admitted)
@@ -468,10 +589,10 @@ class Engine:
         room = min(self.max_batch - len(self.running) - len(self.prefilling), self.cache.free_slots)
         while budget > 0 and room > 0 and self.waiting:
             r = self._admit(1)[0]
-            take = min(len(r.prompt), budget)
+            take = min(len(r.prompt) - r.prefilled, budget)
             self.prefilling.append(r)
             reqs.append(r)
-            chunks.append(r.prompt[:take])
+            chunks.append(r.prompt[r.prefilled:r.prefilled + take])
             budget -= take
             room -= 1
         return reqs, chunks
@@ -640,7 +761,7 @@ class Engine:
         # commit before emitting: a request finishing in this step frees its slot, which a new
         # request may then take (its prefill resets the slot's speculation counters anyway)
         self._commit(reqs, slots, consumed, path)
-        return self._emit_runs(reqs, runs)
+        return self._emit_runs(reqs, runs, logits)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] = SamplingParams()) -> list[list[int]]:
         """Run every prompt to completion; returns the generated ids in prompt order.

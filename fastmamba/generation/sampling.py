@@ -55,6 +55,9 @@ def _is_real(v: object) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens and when it stops (immutable and hashable).
@@ -76,6 +79,10 @@ class SamplingParams:
     ignore_eos      False (default): generation stops at the model's end-of-sequence token(s)
                     (``model.cfg.eos_token_ids``; finish reason "eos", the token kept); True: run on
                     (benchmarks). ``stop_token_ids`` and ``stop`` apply either way
+    logprobs        None (default): none; an int k in [0, MAX_LOGPROBS]: every emitted token comes with
+                    its log-probability and the k most likely tokens' (``StepOutput.logprob``,
+                    ``top_logprobs``), under the model's distribution (the logits' log-softmax, before
+                    temperature, top-k and top-p)
 
     Raises ValueError naming the field and the value when a field has the wrong type or is out of range.
     """
@@ -88,6 +95,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -102,6 +110,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams: seed must be None or an int, got {self.seed!r}")
         if not (_is_int(self.max_new_tokens) and self.max_new_tokens >= 1):
             raise ValueError(f"SamplingParams: max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"SamplingParams: logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
+                             f"got {self.logprobs!r}")
         bad_stops = f"SamplingParams: stop_token_ids must be a sequence of ints >= 0, got {self.stop_token_ids!r}"
         try:
             stops = tuple(self.stop_token_ids)

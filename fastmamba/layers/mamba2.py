@@ -49,6 +49,7 @@ from fastmamba.ops.replay import ReplayCache, replay_selective_state_update
 from fastmamba.ops.ssd_scan import ssd_scan_varlen
 
 if TYPE_CHECKING:  # (a runtime import would be circular: fastmamba.models imports this module)
+    from fastmamba.cache.prefix_cache import LayerSnapshot
     from fastmamba.models.config import Mamba2Config
 
 
@@ -191,6 +192,7 @@ class Mamba2Mixer(nn.Module):
         has_initial_state: torch.Tensor | None = None,
         *,
         rand_seed: torch.Tensor | None = None,
+        snapshot: LayerSnapshot | None = None,
     ) -> torch.Tensor:
         """Prefill of B packed prompts of any lengths: u [T, d_model] -> [T, d_model].
 
@@ -204,6 +206,8 @@ class Mamba2Mixer(nn.Module):
                     otherwise it starts from zeros and the old contents are not read
         rand_seed   one-element int64 device tensor or None: with a 16-bit ``ssm_state``, the final
                     states are rounded stochastically with it (None: round to nearest)
+        snapshot    ``fastmamba.cache.prefix_cache.LayerSnapshot`` or None: also copy the states at
+                    chunk ends it names into its pools (prefix caching), from the scan's chunk states
         The ops read cu_seqlens and slots on the host for their checks (see their docstrings),
         except inside ``fastmamba.ops._common.host_values.trusted_inputs()``.
         """
@@ -211,6 +215,8 @@ class Mamba2Mixer(nn.Module):
         T = u.shape[0]
         H, P, N, G = c.nheads, c.headdim, c.d_state, c.ngroups
         z, xbc, dt = self._split(self.in_proj(u))  # column views of one [T, d_in_proj] buffer
+        if snapshot is not None:  # conv states at the snapshot points: the conv's inputs there
+            snapshot.conv[snapshot.rows] = xbc[snapshot.conv_tokens].transpose(1, 2).to(snapshot.conv.dtype)
         xbc = causal_conv1d_varlen(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state, cu_seqlens,
                                    slots, has_initial_state, "silu")
         x, B, C = self._split_xbc(xbc)
@@ -220,7 +226,10 @@ class Mamba2Mixer(nn.Module):
             x.reshape(T, H, P), dt, A, B.reshape(T, G, N), C.reshape(T, G, N), ssm_state, cu_seqlens,
             chunk_size=c.chunk_size, D=self.D, z=gate, dt_bias=self.dt_bias, dt_softplus=True,
             cache_indices=slots, has_initial_state=has_initial_state, A_is_log=A_is_log, rand_seed=rand_seed,
+            chunk_states_out=None if snapshot is None else snapshot.chunk_states,
         )
+        if snapshot is not None:
+            snapshot.ssm[snapshot.rows] = snapshot.chunk_states[snapshot.chunk_rows].to(snapshot.ssm.dtype)
         y = self.norm(y.reshape(T, c.d_inner), None if self._gate_in_scan() else z)
         return self.out_proj(y)
 

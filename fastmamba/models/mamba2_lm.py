@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from fastmamba.cache.prefix_cache import LayerSnapshot, SnapshotPlan
 from fastmamba.cache.state_cache import StateCache
 from fastmamba.generation.rounding import check_rand_seed
 from fastmamba.layers.mamba2 import DecodeTricks, Mamba2Mixer
@@ -140,6 +141,7 @@ class Mamba2LM(nn.Module):
         rand_seed: torch.Tensor | None = None,
         cu_seqlens_host: Sequence[int] | None = None,
         slots_host: Sequence[int] | None = None,
+        snapshots: SnapshotPlan | None = None,
     ) -> torch.Tensor:
         """Run B prompts of any lengths packed into one call; returns each one's last-token logits [B, V] fp32.
 
@@ -159,6 +161,9 @@ class Mamba2LM(nn.Module):
         (padding), no two prompts share one. Tensors are read in one device-to-host copy (none
         when both host lists are given), and every layer's ops then run inside
         ``trusted_inputs()``: no per-layer host read or synchronize.
+        snapshots   a ``fastmamba.cache.prefix_cache.SnapshotPlan`` or None: also copy the states
+                    of some prompts after some of their chunks (prefix caching) into its pools,
+                    taken from the chunked scan's per-chunk states as it runs
         With a speculative cache, the slots are left ready for ``verify`` (``StateCache.mark_prefilled``);
         a prompt may then continue from a slot's state only if no verify step ran on it since
         its last prefill (after one, the conv history is not right-aligned and the SSM state
@@ -200,17 +205,53 @@ class Mamba2LM(nn.Module):
         else:
             flags = has_initial_state
         seed = self._seed(rand_seed, "Mamba2LM.prefill_varlen")
+        snap = (lambda i: None) if snapshots is None else self._snapshot_plan(snapshots, cu, cache, input_ids.device)
         last = cu_seqlens[1:] - 1
         with trusted_inputs():  # validated above: the layers' ops read nothing on the host
             logits = self._run(
                 input_ids,
                 lambda i, mixer, h: mixer.forward_varlen(h, cu_seqlens, cache.conv[i], cache.ssm[i], slots, flags,
-                                                         rand_seed=seed(i)),
+                                                         rand_seed=seed(i), snapshot=snap(i)),
                 rows=last,
             )
             if cache.speculate:
                 cache.mark_prefilled(slots)
         return logits
+
+    def _snapshot_plan(self, plan: SnapshotPlan, cu: list[int], cache: StateCache, device: torch.device):
+        """Checks ``plan`` against the call (host values only) and returns layer i's ``LayerSnapshot``
+        as a function of i: the index tensors go to the device in one copy, one fp32 scratch for
+        the chunk states serves every layer."""
+        who, chunk = "Mamba2LM.prefill_varlen", self.cfg.chunk_size
+        n, nseq = len(plan.seq), len(cu) - 1
+        if not (len(plan.ends) == len(plan.rows) == n) or len(plan.conv) != self.cfg.n_layer \
+                or len(plan.ssm) != self.cfg.n_layer:
+            raise ValueError(f"{who}: `snapshots` needs as many ends and rows as seq ({n}) and one conv and one ssm "
+                             f"pool per layer ({self.cfg.n_layer}); got {len(plan.ends)} ends, {len(plan.rows)} rows, "
+                             f"{len(plan.conv)} conv and {len(plan.ssm)} ssm pools")
+        state_len, R = cache.conv[0].shape[-1], plan.ssm[0].shape[0]
+        offsets, first = [], 0  # each sequence's first chunk row: chunks never cross a sequence
+        for b in range(nseq):
+            offsets.append(first)
+            first += -(-(cu[b + 1] - cu[b]) // chunk)
+        for b, end, row in zip(plan.seq, plan.ends, plan.rows):
+            if not 0 <= b < nseq or not 0 <= row < R:
+                raise ValueError(f"{who}: snapshot of sequence {b} into row {row}: sequences lie in [0, {nseq}), "
+                                 f"rows in [0, {R})")
+            if end % chunk or not state_len <= end <= cu[b + 1] - cu[b]:
+                raise ValueError(f"{who}: a snapshot of sequence {b} after {end} tokens: the end must be a multiple "
+                                 f"of the chunk size {chunk}, at least the conv state's {state_len} columns and at "
+                                 f"most the sequence's {cu[b + 1] - cu[b]} tokens")
+        if n == 0:
+            return lambda i: None
+        conv_tokens = [cu[b] + end - state_len + j for b, end in zip(plan.seq, plan.ends) for j in range(state_len)]
+        chunk_rows = [offsets[b] + end // chunk - 1 for b, end in zip(plan.seq, plan.ends)]
+        idx = torch.tensor(conv_tokens + chunk_rows + list(plan.rows), dtype=torch.int64).to(device)
+        k = n * state_len
+        c = self.cfg
+        scratch = torch.empty(first, c.nheads, c.headdim, c.d_state, dtype=torch.float32, device=device)
+        return lambda i: LayerSnapshot(scratch, idx[k:k + n], idx[:k].view(n, state_len), idx[k + n:],
+                                       plan.conv[i], plan.ssm[i])
 
     @staticmethod
     def _host_metadata(cu_seqlens: torch.Tensor, slots: torch.Tensor, cu_host: Sequence[int] | None,

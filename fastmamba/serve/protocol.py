@@ -11,8 +11,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
+from fastmamba.generation.sampling import MAX_LOGPROBS
+
 MAX_N = 16  # choices per request
-MAX_LOGPROBS = 20
 
 
 class _Request(BaseModel):
