@@ -31,6 +31,7 @@ import torch
 
 from fastmamba.cache.state_cache import StateCache
 
+MAX_ENTRIES_FROM_BUDGET = 4096
 _MOD = (1 << 61) - 1
 _BASE = 1_000_003
 
@@ -96,7 +97,8 @@ class PrefixCache:
 
     cache         the engine's StateCache: the snapshot rows mirror its per-layer conv and SSM pools
                   (same shapes and dtypes)
-    max_entries   snapshots kept; or ``budget_bytes``: as many as fit (at least one)
+    max_entries   snapshots kept; or ``budget_bytes``: as many as fit (at least one, at most
+                  MAX_ENTRIES_FROM_BUDGET: a small model's snapshots are tiny)
     min_length    prefixes shorter than this are not worth a snapshot (``save`` skips them)
     """
 
@@ -107,7 +109,7 @@ class PrefixCache:
         if max_entries is None:
             if budget_bytes is None:
                 raise ValueError("PrefixCache: give max_entries or budget_bytes")
-            max_entries = budget_bytes // per_entry
+            max_entries = min(budget_bytes // per_entry, MAX_ENTRIES_FROM_BUDGET)
         if not (isinstance(max_entries, int) and max_entries >= 1):
             raise ValueError(f"PrefixCache: room for at least one snapshot of {per_entry} bytes is needed, got "
                              f"max_entries={max_entries} (budget_bytes={budget_bytes})")

@@ -41,13 +41,19 @@ class _Choice:
     def __init__(self, index: int, handle: RequestHandle, stops: list[str], codec: Codec):
         self.index, self.handle, self.stops, self.codec = index, handle, stops, codec
         self.tokens: list[int] = []
+        self.logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = []  # per token, when asked
         self.text = ""  # decoded output, cut at a matched stop string
         self.sent = 0  # characters of text already streamed
+        self.streamed = 0  # tokens already streamed
         self.finish_reason: str | None = None
+        self.ended = False  # its last event ("finished" or "error") came
         self.last_token_at: float | None = None
 
-    def add(self, token: int) -> None:
-        self.tokens.append(token)
+    def add(self, out) -> None:
+        """Take one ``StepOutput``."""
+        self.tokens.append(out.token)
+        if out.logprob is not None:
+            self.logprobs.append((out.logprob, out.top_logprobs or ()))
         if not self.codec.has_text:
             return
         text = self.codec.decode(self.tokens)
@@ -68,6 +74,32 @@ class _Choice:
             if text.endswith("\ufffd"):
                 text = text[:-1]
         return text
+
+
+def _token_text(codec: Codec, token: int) -> str:
+    """A token as OpenAI's logprobs name it: its text, or ``token_id:N`` without a tokenizer."""
+    return codec.decode([token]) if codec.has_text else f"token_id:{token}"
+
+
+def completion_logprobs(codec: Codec, tokens: list[int], lps: list, offset: int = 0) -> dict:
+    """The completions API's logprobs object for ``tokens`` (their (logprob, top) pairs in ``lps``);
+    ``offset``: text characters before the first of them."""
+    names = [_token_text(codec, t) for t in tokens]
+    offsets = []
+    for n in names:
+        offsets.append(offset)
+        offset += len(n)
+    return {"tokens": names, "token_logprobs": [lp for lp, _ in lps],
+            "top_logprobs": [{_token_text(codec, t): v for t, v in top} for _, top in lps], "text_offset": offsets}
+
+
+def chat_logprobs(codec: Codec, tokens: list[int], lps: list) -> dict:
+    """The chat API's logprobs object: {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}."""
+    def entry(t, v):
+        name = _token_text(codec, t)
+        return {"token": name, "logprob": v, "bytes": list(name.encode())}
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]}
+                        for t, (lp, top) in zip(tokens, lps)]}
 
 
 def create_app(engine: Engine, *, model_name: str, codec: Codec | None = None, api_key: str | None = None,
@@ -154,26 +186,28 @@ def create_app(engine: Engine, *, model_name: str, codec: Codec | None = None, a
             return ids
         return check_ids(list(p), param)
 
-    def sampling(req, max_tokens: int, prompt_len: int, i: int) -> SamplingParams:
+    def sampling(req, max_tokens: int, prompt_len: int, i: int, logprobs: int | None) -> SamplingParams:
         if max_model_len is not None and prompt_len + max_tokens > max_model_len:
             raise BadRequest(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceed the model's limit "
                              f"of {max_model_len} tokens", param="max_tokens")
         kw = dict(temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
                   seed=None if req.seed is None else req.seed + i, max_new_tokens=max_tokens,
-                  stop_token_ids=tuple(check_ids(req.stop_token_ids or [], "stop_token_ids")))
+                  stop_token_ids=tuple(check_ids(req.stop_token_ids or [], "stop_token_ids")), logprobs=logprobs)
         if "ignore_eos" in SamplingParams.__dataclass_fields__:
             kw["ignore_eos"] = req.ignore_eos
         return SamplingParams(**kw)
 
-    def submit_all(prompts: list[list[int]], req, max_tokens: int) -> list[_Choice]:
+    def submit_all(prompts: list[list[int]], req, max_tokens: int, logprobs: int | None) -> list[_Choice]:
+        import asyncio
+
         stops = list(req.stop or [])
         if stops and not codec.has_text:
             raise BadRequest("stop: stop strings need a tokenizer; use stop_token_ids", param="stop")
-        planned = [(ids, sampling(req, max_tokens, len(ids), i)) for ids in prompts for i in range(req.n)]
-        choices = []
+        planned = [(ids, sampling(req, max_tokens, len(ids), i, logprobs)) for ids in prompts for i in range(req.n)]
+        choices, events = [], asyncio.Queue()  # one queue for all the choices of this request
         try:
             for k, (ids, params) in enumerate(planned):
-                choices.append(_Choice(k, worker.submit(ids, params), stops, codec))
+                choices.append(_Choice(k, worker.submit(ids, params, events), stops, codec))
         except QueueFull as exc:
             for c in choices:
                 worker.abort(c.handle)
@@ -181,9 +215,11 @@ def create_app(engine: Engine, *, model_name: str, codec: Codec | None = None, a
         metrics.prompt_tokens.inc(sum(len(ids) for ids, _ in planned))
         return choices
 
-    async def next_event(choice: _Choice):
-        """Consume the choice's next event; returns "token", "finished" or raises on error."""
-        kind, value = await choice.handle.events.get()
+    def take(choices: list[_Choice], event) -> tuple[_Choice, str]:
+        """Apply one event of the request's queue to its choice; returns (choice, "token" |
+        "finished"), or raises RuntimeError for an error event."""
+        handle, kind, value = event
+        choice = next(c for c in choices if c.handle is handle)
         if kind == "token":
             now = time.perf_counter()
             if choice.last_token_at is None:
@@ -191,24 +227,25 @@ def create_app(engine: Engine, *, model_name: str, codec: Codec | None = None, a
             else:
                 metrics.itl.observe(now - choice.last_token_at)
             choice.last_token_at = now
-            choice.add(value.token)
-            if choice.finish_reason is not None:
-                worker.abort(choice.handle)  # a stop string matched: the engine may stop
-            return "token"
+            if choice.finish_reason is None:  # tokens after a matched stop string are dropped
+                choice.add(value)
+                if choice.finish_reason is not None:
+                    worker.abort(choice.handle)  # a stop string matched: the engine may stop
+            return choice, "token"
         if kind == "finished":
             if choice.finish_reason is None:  # the engine's reason: eos / stop -> "stop", length -> "length"
                 limit = choice.handle.params.max_new_tokens
                 choice.finish_reason = "length" if value == "length" or len(choice.tokens) >= limit else "stop"
-            return "finished"
+            choice.ended = True
+            return choice, "finished"
+        choice.finish_reason = choice.finish_reason or "error"
+        choice.ended = True
         raise RuntimeError(str(value))
 
     async def run_to_end(choices: list[_Choice]) -> None:
-        for c in choices:
-            while True:
-                if c.finish_reason is not None and c.handle.done:
-                    break
-                if await next_event(c) == "finished":
-                    break
+        events = choices[0].handle.events
+        while not all(c.ended for c in choices):
+            take(choices, await events.get())
 
     def usage(prompts: list[list[int]], n: int, choices: list[_Choice]) -> dict:
         p = sum(len(ids) for ids in prompts) * n
@@ -216,38 +253,37 @@ def create_app(engine: Engine, *, model_name: str, codec: Codec | None = None, a
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     async def stream(choices: list[_Choice], make_chunk, first_chunks: list[dict], tail_chunks) -> AsyncIterator[str]:
-        import asyncio
-
+        """Server-sent events: one chunk per token (text held back while it may start a stop string),
+        a last chunk per choice with its finish reason, then ``data: [DONE]``. The events that are
+        ready go out in one write."""
+        events = choices[0].handle.events
         try:
-            for chunk in first_chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
-            pending = {asyncio.ensure_future(next_event(c)): c for c in choices}
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for fut in done:
-                    c = pending.pop(fut)
+            parts = [f"data: {json.dumps(chunk)}\n\n" for chunk in first_chunks]
+            while not all(c.ended for c in choices):
+                batch = [await events.get()]
+                while not events.empty():
+                    batch.append(events.get_nowait())
+                for event in batch:
                     try:
-                        kind = fut.result()
+                        c, kind = take(choices, event)
                     except RuntimeError as exc:
-                        yield f"data: {json.dumps(error_body(str(exc), type='server_error'))}\n\n"
-                        c.finish_reason = c.finish_reason or "error"
+                        parts.append(f"data: {json.dumps(error_body(str(exc), type='server_error'))}\n\n")
                         continue
-                    new_text = c.safe_text()[c.sent:]
-                    c.sent += len(new_text)
-                    finished = kind == "finished" or (c.finish_reason is not None and c.handle.done)
-                    if kind == "token":  # every token (its text may be held back or empty)
-                        yield f"data: {json.dumps(make_chunk(c, new_text, [c.tokens[-1]], None))}\n\n"
-                    if kind == "finished":
+                    if kind == "token":
+                        if len(c.tokens) > c.streamed:  # every kept token (its text may be held back or empty)
+                            new_text = c.safe_text()[c.sent:]
+                            c.sent += len(new_text)
+                            parts.append(f"data: {json.dumps(make_chunk(c, new_text, c.tokens[c.streamed:], None))}\n\n")
+                            c.streamed = len(c.tokens)
+                    else:
                         rest = c.text[c.sent:]
                         c.sent += len(rest)
-                        yield f"data: {json.dumps(make_chunk(c, rest, [], c.finish_reason))}\n\n"
-                    elif c.finish_reason is not None:  # stop string: wait for the abort's "finished"
-                        pass
-                    if not finished:
-                        pending[asyncio.ensure_future(next_event(c))] = c
+                        parts.append(f"data: {json.dumps(make_chunk(c, rest, [], c.finish_reason))}\n\n")
+                yield "".join(parts)
+                parts = []
             for chunk in tail_chunks():
-                yield f"data: {json.dumps(chunk)}\n\n"
-            yield "data: [DONE]\n\n"
+                parts.append(f"data: {json.dumps(chunk)}\n\n")
+            yield "".join(parts) + "data: [DONE]\n\n"
         finally:
             for c in choices:
                 worker.abort(c.handle)
@@ -272,16 +308,21 @@ def create_app(engine: Engine, *, model_name: str, codec: Codec | None = None, a
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await parse(request, CompletionRequest)
-        if req.logprobs:
-            raise BadRequest("logprobs: not supported yet", param="logprobs")
         prompts = [encode_prompt(p, "prompt") for p in req.prompts()]
-        choices = submit_all(prompts, req, req.max_tokens)
+        choices = submit_all(prompts, req, req.max_tokens, req.logprobs)
+
+        def logprobs(c, ids, first=0):
+            if req.logprobs is None:
+                return None
+            return completion_logprobs(codec, ids, c.logprobs[first:first + len(ids)],
+                                       offset=len(c.codec.decode(c.tokens[:first])) if codec.has_text and first else 0)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         metrics.requests.labels("/v1/completions", "200").inc()
 
         def chunk(c, text, ids, finish):
             return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": [{"index": c.index, "text": text, "token_ids": ids, "logprobs": None,
+                    "choices": [{"index": c.index, "text": text, "token_ids": ids,
+                                 "logprobs": logprobs(c, ids, len(c.tokens) - len(ids)) if ids else None,
                                  "finish_reason": finish}]}
 
         if req.stream:
@@ -291,8 +332,8 @@ def create_app(engine: Engine, *, model_name: str, codec: Codec | None = None, a
         except RuntimeError as exc:
             return fail(500, str(exc), type="server_error")
         return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                "choices": [{"index": c.index, "text": c.text, "token_ids": c.tokens, "logprobs": None,
-                             "finish_reason": c.finish_reason} for c in choices],
+                "choices": [{"index": c.index, "text": c.text, "token_ids": c.tokens,
+                             "logprobs": logprobs(c, c.tokens), "finish_reason": c.finish_reason} for c in choices],
                 "usage": usage(prompts, req.n, choices)}
 
     @app.post("/v1/chat/completions")
@@ -301,18 +342,23 @@ def create_app(engine: Engine, *, model_name: str, codec: Codec | None = None, a
         if not codec.has_text or not codec.chat_template:
             raise BadRequest("this model has no chat template (tokenizer_config.json `chat_template`); use "
                              "/v1/completions", param="messages")
-        if req.logprobs:
-            raise BadRequest("logprobs: not supported yet", param="logprobs")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise BadRequest("top_logprobs: needs logprobs: true", param="top_logprobs")
         text = codec.render_chat([m.model_dump() for m in req.messages])
         prompts = [encode_prompt(text, "messages")]
-        choices = submit_all(prompts, req, req.output_limit(default=256))
+        choices = submit_all(prompts, req, req.output_limit(default=256),
+                             (req.top_logprobs or 0) if req.logprobs else None)
+
+        def logprobs(c, ids, first=0):
+            return chat_logprobs(codec, ids, c.logprobs[first:first + len(ids)]) if req.logprobs else None
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         metrics.requests.labels("/v1/chat/completions", "200").inc()
 
         def chunk(c, text, ids, finish):
             delta = {"content": text} if text or finish is None else {}
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                    "choices": [{"index": c.index, "delta": delta, "token_ids": ids, "logprobs": None,
+                    "choices": [{"index": c.index, "delta": delta, "token_ids": ids,
+                                 "logprobs": logprobs(c, ids, len(c.tokens) - len(ids)) if ids else None,
                                  "finish_reason": finish}]}
 
         if req.stream:
@@ -326,7 +372,8 @@ def create_app(engine: Engine, *, model_name: str, codec: Codec | None = None, a
             return fail(500, str(exc), type="server_error")
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                             "token_ids": c.tokens, "logprobs": None, "finish_reason": c.finish_reason}
+                             "token_ids": c.tokens, "logprobs": logprobs(c, c.tokens),
+                             "finish_reason": c.finish_reason}
                             for c in choices],
                 "usage": usage(prompts, req.n, choices)}
 

@@ -3,6 +3,7 @@
     fastmamba serve --model DIR|PRESET [--tokenizer DIR] [--host 127.0.0.1] [--port 8000]
                     [--max-batch 64] [--max-waiting 256] [--api-key KEY] [--served-model-name NAME]
                     [--max-model-len N] [--prefill-chunk 2048] [--device cuda|cpu] [--dtype bf16|fp16|fp32]
+                    [--prefix-cache-gb 4] [--prefix-block N]
 
 Presets have random weights and no tokenizer: they serve token-id prompts (``"prompt": [1, 2, 3]``)
 unless ``--tokenizer DIR`` names a directory with a tokenizer.json (and, for chat, a
@@ -32,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=2048,
                         help="prompt tokens fed per engine step (chunked prefill: running streams keep going while a "
                              "long prompt is admitted); 0 = whole prompts, one step each")
+    parser.add_argument("--prefix-cache-gb", type=float, default=4.0,
+                        help="memory for prefix caching of Mamba states (snapshots at every --prefix-block tokens of a "
+                             "prompt and at the end of every request, so the next turn of a conversation or a shared "
+                             "system prompt is not prefilled again); 0 = off")
+    parser.add_argument("--prefix-block", type=int, default=None,
+                        help="snapshot interval in tokens, a multiple of the model's chunk size (default: ~512)")
     parser.add_argument("--device", default=None, help="default: cuda when present")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="weights and activations (default: the loader's)")
     parser.add_argument("--log-level", default="info")
@@ -51,7 +58,11 @@ def build_app(args: argparse.Namespace):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
     model = fastmamba.load_model(args.model, dtype=dtype, device=args.device)
     tok_dir = args.tokenizer or (args.model if os.path.isdir(args.model) else None)
-    engine = Engine(model, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk or None)
+    if args.prefix_cache_gb < 0:
+        raise ValueError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
+    budget = int(args.prefix_cache_gb * 2**30)
+    engine = Engine(model, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk or None,
+                    prefix_cache_bytes=budget or None, prefix_block=args.prefix_block)
     return create_app(engine, model_name=args.served_model_name or args.model, codec=Codec(tok_dir),
                       api_key=args.api_key, max_waiting=args.max_waiting, max_model_len=args.max_model_len)
 

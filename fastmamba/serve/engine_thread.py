@@ -2,8 +2,10 @@
 to each request's asyncio queue.
 
 Handlers call ``submit`` (from the event loop), which enqueues the request and returns a
-``RequestHandle`` whose ``events`` queue receives ``("token", StepOutput)``, then one
-``("finished", reason)`` or ``("error", message)``. ``abort`` (a client that went away, a stop
+``RequestHandle`` whose ``events`` queue receives ``(handle, "token", StepOutput)``, then one
+``(handle, "finished", reason)`` or ``(handle, "error", message)``; the choices of one HTTP request
+may share one queue (``submit(..., events=q)``). A step's events reach each event loop in one
+thread-safe call (one wake-up per step, not per token). ``abort`` (a client that went away, a stop
 string matched) removes the request at the thread's next turn and frees its slot. Between steps
 the thread drains the inbox; with nothing to run it blocks on the inbox. An exception inside a
 step fails the requests of that step with "error" and the thread keeps serving the rest.
@@ -37,7 +39,13 @@ class RequestHandle:
 
     def push(self, kind: str, value: object) -> None:
         """Thread-safe: hand an event to the handler's event loop."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (self, kind, value))
+
+
+def _deliver(events: list[tuple[RequestHandle, str, object]]) -> None:
+    """Runs on an event loop: put a step's events into their handles' queues."""
+    for handle, kind, value in events:
+        handle.events.put_nowait((handle, kind, value))
 
 
 class EngineThread:
@@ -68,8 +76,9 @@ class EngineThread:
     def in_flight(self) -> int:
         return len(self._handles) + self._pending
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> RequestHandle:
-        """Queue one request (call from the event loop's thread)."""
+    def submit(self, prompt: list[int], params: SamplingParams, events: asyncio.Queue | None = None) -> RequestHandle:
+        """Queue one request (call from the event loop's thread); ``events``: the queue its events go
+        to (default: a new one)."""
         if self._stop.is_set():
             raise QueueFull("the server is shutting down")
         with self._lock:
@@ -77,7 +86,8 @@ class EngineThread:
             if waiting >= self.max_waiting:
                 raise QueueFull(f"{waiting} requests are waiting (limit {self.max_waiting})")
             self._pending += 1
-        handle = RequestHandle(list(prompt), params, asyncio.get_running_loop(), asyncio.Queue())
+        handle = RequestHandle(list(prompt), params, asyncio.get_running_loop(),
+                               asyncio.Queue() if events is None else events)
         self._inbox.put(("add", handle))
         return handle
 
@@ -160,15 +170,19 @@ class EngineThread:
             except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others
                 self._fail_finished(f"engine step failed: {type(exc).__name__}: {exc}")
                 continue
+            batches: dict[asyncio.AbstractEventLoop, list] = {}
             for out in outputs:
                 handle = self._handles.get(out.rid)
                 if handle is None:
                     continue
-                handle.push("token", out)
+                batch = batches.setdefault(handle.loop, [])
+                batch.append((handle, "token", out))
                 if out.finished:
                     handle.done = True
                     self._handles.pop(out.rid, None)
                     self.engine.finished.pop(out.rid, None)  # handed out: the engine need not keep it
-                    handle.push("finished", out.finish_reason or "done")
+                    batch.append((handle, "finished", out.finish_reason or "done"))
+            for loop, batch in batches.items():
+                loop.call_soon_threadsafe(_deliver, batch)
             if self.on_step is not None:
                 self.on_step(self.engine, outputs, time.perf_counter() - t0)

@@ -23,6 +23,12 @@ class ServerMetrics:
         self.slots_total = Gauge("fastmamba_slots_total", "state-cache slots", registry=r)
         self.kv_pages_used = Gauge("fastmamba_kv_pages_in_use", "attention KV pages held (0: no attention layers)",
                                    registry=r)
+        self.prefill_tokens = Gauge("fastmamba_prefill_tokens", "prompt tokens run through prefill since start "
+                                    "(tokens served by the prefix cache are not)", registry=r)
+        self.prefix_hits = Gauge("fastmamba_prefix_cache_hits", "requests that started from a cached prefix since start",
+                                 registry=r)
+        self.prefix_hit_tokens = Gauge("fastmamba_prefix_cache_hit_tokens", "prompt tokens served from the prefix "
+                                       "cache since start", registry=r)
         self.prefix_hit_rate = Gauge("fastmamba_prefix_cache_hit_rate",
                                      "prompt tokens served from the prefix cache / prompt tokens", registry=r)
 
@@ -35,9 +41,13 @@ class ServerMetrics:
         self.slots_used.set(total - engine.cache.free_slots)
         pages = getattr(engine.cache, "kv_pages_in_use", 0)
         self.kv_pages_used.set(pages() if callable(pages) else pages)
+        self.prefill_tokens.set(engine.stats.get("prefill_tokens", 0))
         stats = getattr(engine, "prefix_stats", None)
-        if stats and stats.get("prompt_tokens"):
-            self.prefix_hit_rate.set(stats["hit_tokens"] / stats["prompt_tokens"])
+        if stats:
+            self.prefix_hits.set(stats["hits"])
+            self.prefix_hit_tokens.set(stats["hit_tokens"])
+            if stats.get("prompt_tokens"):
+                self.prefix_hit_rate.set(stats["hit_tokens"] / stats["prompt_tokens"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

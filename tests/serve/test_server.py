@@ -223,3 +223,71 @@ def test_full_queue_503_then_graceful_sigterm(tmp_path):
     finally:
         rc = s.terminate()
     assert rc == 0, s.output()
+
+
+def offline_logprobs(prompt, max_tokens, k):
+    """(tokens, logprobs, top) of the offline engine, greedy, with the same preset and weights."""
+    import fastmamba
+    from fastmamba.generation.engine import Engine
+
+    model = fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cpu")
+    eng = Engine(model, max_batch=2, cuda_graphs=False)
+    eng.add_request(prompt, SamplingParams(max_new_tokens=max_tokens, logprobs=k))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    return [o.token for o in outs], [o.logprob for o in outs], [o.top_logprobs for o in outs]
+
+
+def test_logprobs_completions_and_chat(server, client, reference_ops, tokenizer_dir):
+    from fastmamba.serve.tokenization import Codec
+
+    name = Codec(str(tokenizer_dir)).decode  # the server has a tokenizer: tokens are named by their text
+    prompt = [7, 31, 8, 99, 4]
+    tokens, lps, tops = offline_logprobs(prompt, 5, 3)
+    out = client.completions.create(model="mamba2-tiny", prompt=prompt, max_tokens=5, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].model_extra["token_ids"] == tokens
+    assert lp.tokens == [name([t]) for t in tokens]
+    assert lp.token_logprobs == pytest.approx(lps, abs=1e-5)
+    for got, want in zip(lp.top_logprobs, tops):
+        expect = {name([t]): v for t, v in want}  # OpenAI's format keys by text: equal texts collide
+        assert list(got) == list(expect) and list(got.values()) == pytest.approx(list(expect.values()), abs=1e-5)
+    streamed = []
+    for chunk in client.completions.create(model="mamba2-tiny", prompt=prompt, max_tokens=5, temperature=0,
+                                           logprobs=3, stream=True):
+        if chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.token_logprobs
+    assert streamed == pytest.approx(lps, abs=1e-5)
+    chat = client.chat.completions.create(model="mamba2-tiny", messages=[{"role": "user", "content": "w1 w2 w3"}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 4
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-6)  # greedy: the best token
+        assert bytes(entry.bytes).decode() == entry.token
+    r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH,
+                   json={"messages": [{"role": "user", "content": "w1"}], "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+def test_multi_turn_conversation_prefills_only_new_tokens(server, client, reference_ops):
+    """Five turns of a conversation (token ids: each prompt is the history plus new tokens): from the
+    second turn on, the engine starts from the previous turn's end-of-request snapshot and prefills
+    only the new tokens and the previous reply's last token (counted through /metrics)."""
+    rng = random.Random(11)
+    history: list[int] = []
+    for turn in range(5):
+        new = [rng.randrange(200, 250) for _ in range(4)]
+        prompt = history + new
+        before = (server.metric("fastmamba_prefill_tokens"), server.metric("fastmamba_prefix_cache_hits"))
+        out = client.completions.create(model="mamba2-tiny", prompt=prompt, max_tokens=3, temperature=0)
+        reply = out.choices[0].model_extra["token_ids"]
+        assert reply == offline([prompt], 3)[0]  # the same tokens as without a cache
+        after = (server.metric("fastmamba_prefill_tokens"), server.metric("fastmamba_prefix_cache_hits"))
+        if turn:
+            assert after[0] - before[0] == len(new) + 1, turn
+            assert after[1] - before[1] == 1
+        history = prompt + reply
