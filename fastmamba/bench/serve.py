@@ -2,6 +2,7 @@
 
     python -m fastmamba.bench serve [--model mamba2-2.7b] [--requests 256] [--concurrency 64]
                                     [--prompt-len 512] [--output-len 128] [--max-batch 64] [--json PATH]
+    python -m fastmamba.bench serve --shared-prefix 2048 [--requests 16] [--prompt-len 64] ...
 
 The server runs in a subprocess (``python -m fastmamba.serve`` on a free 127.0.0.1 port); this
 process drives it with ``--concurrency`` streaming clients (httpx) that send ``--requests`` token-id
@@ -9,7 +10,13 @@ completions (random prompts, greedy, ``ignore_eos``) and record each request's t
 and the gaps between its tokens. Then the server is stopped and the same prompts run through the
 offline ``Engine.generate`` in this process (after a warm-up run). Reported: request throughput,
 output tok/s, time to first token and inter-token latency p50 / p99 for the server, output tok/s
-offline, and server / offline. Without a GPU: the tiny preset with a handful of short requests
+offline, and server / offline.
+
+``--shared-prefix N``: the prefix-cache test instead. Every prompt is one shared N-token system
+prompt followed by its own ``--prompt-len`` tokens; the requests go one after another (one client)
+to a server with the prefix cache on and then to one with it off (``--prefix-cache-gb 0``), and the
+report gives each one's time to first token (median over the requests after the first, which
+fills the cache) and the ratio. Without a GPU: the tiny preset with a handful of short requests
 (PyTorch reference ops), which checks the plumbing only.
 """
 from __future__ import annotations
@@ -37,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=64, help="the server's and the offline engine's batch")
     parser.add_argument("--prefill-chunk", type=int, default=2048,
                         help="prompt tokens per engine step, server and offline alike (0: whole prompts)")
+    parser.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                        help="prefix-cache test: prompts share an N-token system prompt; TTFT with the cache on / off")
     parser.add_argument("--json", metavar="PATH", help="append the result as one JSON line")
 
 
@@ -92,6 +101,74 @@ async def _drive(url: str, prompts: list[list[int]], output_len: int, concurrenc
     return {"wall_s": wall, "ttft": ttft, "itl": itl, "tokens": sum(counts)}
 
 
+def _start_server(name: str, nreq: int, args: argparse.Namespace, extra: list[str], cuda: bool):
+    """``python -m fastmamba.serve`` on a free loopback port; (process, url) once /health answers,
+    or (None, error) after printing why not."""
+    import httpx
+
+    port = _free_port()
+    env = dict(os.environ)
+    if not cuda:
+        env.pop("TRITON_INTERPRET", None)  # the reference ops: this checks plumbing, not kernels
+    proc = subprocess.Popen([sys.executable, "-m", "fastmamba.serve", "--model", name, "--port", str(port),
+                             "--max-batch", str(args.max_batch), "--max-waiting", str(nreq + 1),
+                             "--prefill-chunk", str(args.prefill_chunk), "--log-level", "warning", *extra],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while True:
+        if proc.poll() is not None:
+            print(f"error: the server exited with {proc.returncode}", file=sys.stderr)
+            return None, "exited"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            print("error: the server did not come up in 600 s", file=sys.stderr)
+            return None, "timeout"
+        time.sleep(0.5)
+
+
+def _shared_prefix(args, command: str, name: str, suffixes: list[list[int]], olen: int, cuda: bool) -> int:
+    """TTFT of prompts sharing a system prompt, one request at a time, prefix cache on and off."""
+    vocab = 256 if name == "mamba2-tiny" else 50280
+    system = torch.randint(0, vocab, (args.shared_prefix,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompts = [system + s for s in suffixes]
+    rows = {}
+    for label, extra in (("prefix cache on", []), ("prefix cache off", ["--prefix-cache-gb", "0"])):
+        proc, url = _start_server(name, len(prompts), args, extra, cuda)
+        if proc is None:
+            return 1
+        try:
+            # warm-up on other system prompts (graphs, compiles; nothing of these prompts is cached)
+            other = torch.randint(0, vocab, (2, args.shared_prefix), generator=torch.Generator().manual_seed(2))
+            asyncio.run(_drive(url, [o + suffixes[0] for o in other.tolist()], 2, 1))
+            res = asyncio.run(_drive(url, prompts, olen, 1))
+        finally:
+            proc.terminate()
+            proc.wait(120)
+        later = res["ttft"][1:]  # the first request fills the cache
+        rows[label] = (1e3 * res["ttft"][0], 1e3 * statistics.median(later), 1e3 * percentile(later, 0.99))
+    dev = torch.cuda.get_device_name() if cuda else "CPU (reference ops)"
+    print(f"# prefix cache: {name}, {dev}, shared system prompt {args.shared_prefix} tokens + {len(suffixes[0])} own, "
+          f"{len(prompts)} requests one at a time, output {olen}; command: {command}")
+    print("| server | first request TTFT ms | later requests TTFT p50 / p99 ms |")
+    print("|---|---:|---:|")
+    for label, (first, p50, p99) in rows.items():
+        print(f"| {label} | {first:.1f} | {p50:.1f} / {p99:.1f} |")
+    ratio = rows["prefix cache off"][1] / rows["prefix cache on"][1]
+    print(f"later requests' TTFT, cache off / on: {ratio:.1f}x (target >= 5x)")
+    if args.json:
+        with open(args.json, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"model": name, "shared_prefix": args.shared_prefix, "suffix": len(suffixes[0]),
+                                "requests": len(prompts), "ttft_ms": rows, "off_over_on": ratio,
+                                "command": command}) + "\n")
+    return 0
+
+
 def run(args: argparse.Namespace, command: str) -> int:
     cuda = torch.cuda.is_available()
     name = args.model or ("mamba2-2.7b" if cuda else "mamba2-tiny")
@@ -103,40 +180,18 @@ def run(args: argparse.Namespace, command: str) -> int:
     vocab = 256 if name == "mamba2-tiny" else 50280
     prompts = torch.randint(0, vocab, (nreq, plen), generator=g).tolist()
 
-    port = _free_port()
-    env = dict(os.environ)
-    if not cuda:
-        env.pop("TRITON_INTERPRET", None)  # the reference ops: this checks plumbing, not kernels
-    log = open(os.devnull, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "fastmamba.serve", "--model", name, "--port", str(port),
-                             "--max-batch", str(args.max_batch), "--max-waiting", str(nreq + 1),
-                             "--prefill-chunk", str(args.prefill_chunk),
-                             "--log-level", "warning"], env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    if args.shared_prefix:
+        return _shared_prefix(args, command, name, prompts, olen, cuda)
+    proc, url = _start_server(name, nreq, args, [], cuda)
+    if proc is None:
+        return 1
     try:
-        import httpx
-
-        deadline = time.time() + 600
-        while True:
-            if proc.poll() is not None:
-                print(f"error: the server exited with {proc.returncode}", file=sys.stderr)
-                return 1
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                print("error: the server did not come up in 600 s", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
         warm = asyncio.run(_drive(url, prompts[:min(conc, nreq)], min(olen, 8), conc))  # graphs, compiles
         del warm
         res = asyncio.run(_drive(url, prompts, olen, conc))
     finally:
         proc.terminate()
         proc.wait(120)
-        log.close()
 
     import fastmamba
     from fastmamba.generation.engine import Engine

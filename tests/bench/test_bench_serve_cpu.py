@@ -50,3 +50,20 @@ def test_cpu_load_test_leaves_the_environment_alone(monkeypatch, tmp_path):
     assert main(["serve", "--requests", "1", "--concurrency", "1", "--prompt-len", "3", "--output-len", "2",
                  "--max-batch", "2"]) == 0
     assert os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_cpu_shared_prefix_run(tmp_path, capsys):
+    """``--shared-prefix``: two servers (prefix cache on, off), prompts sharing a system prompt."""
+    import torch
+
+    from fastmamba.bench.targets import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a CPU smoke run (on a GPU: python -m fastmamba.bench serve --shared-prefix 2048)")
+    out = tmp_path / "prefix.jsonl"
+    assert main(["serve", "--shared-prefix", "32", "--requests", "3", "--prompt-len", "4", "--output-len", "2",
+                 "--max-batch", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| prefix cache on |" in text and "| prefix cache off |" in text
+    row = json.loads(out.read_text())
+    assert row["shared_prefix"] == 32 and row["off_over_on"] > 0
