@@ -179,7 +179,8 @@ class Engine:
                   a ``PrefixCache`` of that many bytes / snapshots. A new request starts from the
                   longest cached prefix of its prompt and prefills only the rest. Snapshots are
                   taken (1) while prompts are prefilled, at every multiple of ``prefix_block``
-                  tokens, from the chunked scan's per-chunk states (no second pass), and (2) when a
+                  tokens short of the prompt's end, from the chunked scan's per-chunk states (no
+                  second pass; a prefill that takes one runs eagerly, not from a graph), and (2) when a
                   request finishes (eos / stop / length), of its prompt and output but the last token
                   (what its state holds), so the next turn of a conversation continues where this
                   one ended. With speculation (2) is skipped: a verified slot's conv history is not
@@ -517,8 +518,9 @@ class Engine:
 
     def _plan_snapshots(self, reqs: list[Request], chunks: list[list[int]]) -> tuple[SnapshotPlan | None, list]:
         """The prefix-cache snapshots this prefill call takes: for each request, the absolute
-        positions that are multiples of ``prefix_block`` inside its chunk, on the scan's chunk grid
-        of this call, not cached yet (each claims a pool row; rows claimed in this call are never
+        positions that are multiples of ``prefix_block`` inside its chunk and before the prompt's
+        end (the state after the whole prompt is kept when the request finishes, with its output),
+        on the scan's chunk grid of this call, not cached yet (each claims a pool row; rows claimed in this call are never
         evicted by a later claim of the same call)."""
         if self.prefix is None:
             return None, []
@@ -526,7 +528,7 @@ class Engine:
         seq, ends, rows, entries = [], [], [], []
         for b, (r, c) in enumerate(zip(reqs, chunks)):
             start = r.prefilled
-            for q in range((start // block + 1) * block, start + len(c) + 1, block):
+            for q in range((start // block + 1) * block, min(start + len(c), len(r.prompt) - 1) + 1, block):
                 if (q - start) % chunk:
                     continue  # off this call's chunk grid: no per-chunk state there
                 entry = self.prefix.claim(r.prompt[:q], protect={e.index for e in entries})

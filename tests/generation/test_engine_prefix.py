@@ -137,9 +137,11 @@ def test_a_prompt_that_is_exactly_a_cached_prefix_still_runs_its_last_token(mode
     eng = Engine(model, max_batch=1, cuda_graphs=False, prefix_cache_entries=4, prefix_block=16)
     ref = Engine(model, max_batch=1, cuda_graphs=False)
     p = tokens(32, 30)
-    assert run(eng, [p + [1]]) == run(ref, [p + [1]])
+    assert run(eng, [p + [1, 2]]) == run(ref, [p + [1, 2]])  # snapshots at 16 and 32
     assert run(eng, [p]) == run(ref, [p])  # the 32-token snapshot cannot serve a 32-token prompt
     assert eng.prefix_stats["hit_tokens"] == 16
+    eng.prefix.stats["saves"] = 0
+    assert run(eng, [tokens(48, 31)]) and eng.prefix.stats["saves"] == 3  # 16, 32 and the end of the request
 
 
 def test_pool_stays_bounded_and_aborted_or_failed_requests_save_nothing(model):
