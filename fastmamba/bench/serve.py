@@ -101,6 +101,37 @@ async def _drive(url: str, prompts: list[list[int]], output_len: int, concurrenc
     return {"wall_s": wall, "ttft": ttft, "itl": itl, "tokens": sum(counts)}
 
 
+def _engine_timing(url: str) -> dict[str, float]:
+    """The server's engine-thread counters from /metrics (steps, seconds in and around steps, tokens)."""
+    import httpx
+
+    names = {"fastmamba_engine_steps": "steps", "fastmamba_engine_step_seconds": "step_s",
+             "fastmamba_engine_around_seconds": "around_s", "fastmamba_generation_tokens_total": "tokens"}
+    out = dict.fromkeys(names.values(), 0.0)
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        key = line.split(" ", 1)[0]
+        if key in names:
+            out[names[key]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _timed_steps(engine) -> dict[str, float]:
+    """Wrap ``engine.step`` to count steps, their seconds and tokens (the offline side of the diagnosis)."""
+    timing = {"steps": 0, "step_s": 0.0, "around_s": 0.0, "tokens": 0}
+    step = engine.step
+
+    def timed():
+        t0 = time.perf_counter()
+        out = step()
+        timing["steps"] += 1
+        timing["step_s"] += time.perf_counter() - t0
+        timing["tokens"] += len(out)
+        return out
+
+    engine.step = timed
+    return timing
+
+
 def _start_server(name: str, nreq: int, args: argparse.Namespace, extra: list[str], cuda: bool):
     """``python -m fastmamba.serve`` on a free loopback port; (process, url) once /health answers,
     or (None, error) after printing why not."""
@@ -152,6 +183,7 @@ def _shared_prefix(args, command: str, name: str, suffixes: list[list[int]], ole
             proc.wait(120)
         later = res["ttft"][1:]  # the first request fills the cache
         rows[label] = (1e3 * res["ttft"][0], 1e3 * statistics.median(later), 1e3 * percentile(later, 0.99))
+    rows.update(_engine_ttft(name, args, system, suffixes, cuda))
     dev = torch.cuda.get_device_name() if cuda else "CPU (reference ops)"
     print(f"# prefix cache: {name}, {dev}, shared system prompt {args.shared_prefix} tokens + {len(suffixes[0])} own, "
           f"{len(prompts)} requests one at a time, output {olen}; command: {command}")
@@ -160,13 +192,52 @@ def _shared_prefix(args, command: str, name: str, suffixes: list[list[int]], ole
     for label, (first, p50, p99) in rows.items():
         print(f"| {label} | {first:.1f} | {p50:.1f} / {p99:.1f} |")
     ratio = rows["prefix cache off"][1] / rows["prefix cache on"][1]
-    print(f"later requests' TTFT, cache off / on: {ratio:.1f}x (target >= 5x)")
+    print(f"later requests' TTFT, cache off / on: {ratio:.1f}x (target >= 5x); in the engine alone (no HTTP): "
+          f"{rows['engine, cache off'][1] / rows['engine, cache on'][1]:.1f}x")
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:
             f.write(json.dumps({"model": name, "shared_prefix": args.shared_prefix, "suffix": len(suffixes[0]),
                                 "requests": len(prompts), "ttft_ms": rows, "off_over_on": ratio,
                                 "command": command}) + "\n")
     return 0
+
+
+def _engine_ttft(name: str, args, system: list[int], suffixes: list[list[int]], cuda: bool) -> dict:
+    """The same requests through an in-process ``Engine`` (no HTTP): time from ``add_request`` to
+    the request's first token, prefix cache on and off (first request, later ones' p50 / p99)."""
+    import fastmamba
+    from fastmamba.generation.engine import Engine
+    from fastmamba.generation.sampling import SamplingParams
+
+    saved = None if cuda else os.environ.pop("TRITON_INTERPRET", None)
+    rows = {}
+    try:
+        model = fastmamba.load_model(name)
+        params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+        vocab = model.cfg.vocab_size
+        for label, budget in (("engine, cache on", 4 << 30), ("engine, cache off", None)):
+            engine = Engine(model, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk or None,
+                            prefix_cache_bytes=budget)
+            other = torch.randint(0, min(vocab, 50280), (2, len(system)), generator=torch.Generator().manual_seed(2))
+            engine.generate([o + suffixes[0] for o in other.tolist()], params)  # warm-up: graphs
+            times = []
+            for s in suffixes:
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                rid = engine.add_request(system + s, params)
+                while not any(o.rid == rid for o in engine.step()):
+                    pass
+                times.append(time.perf_counter() - t0)
+                while engine.has_unfinished():
+                    engine.step()
+            later = times[1:]
+            rows[label] = (1e3 * times[0], 1e3 * statistics.median(later), 1e3 * percentile(later, 0.99))
+            del engine
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+    return rows
 
 
 def run(args: argparse.Namespace, command: str) -> int:
@@ -188,7 +259,10 @@ def run(args: argparse.Namespace, command: str) -> int:
     try:
         warm = asyncio.run(_drive(url, prompts[:min(conc, nreq)], min(olen, 8), conc))  # graphs, compiles
         del warm
+        before = _engine_timing(url)
         res = asyncio.run(_drive(url, prompts, olen, conc))
+        after = _engine_timing(url)
+        server_timing = {k: after[k] - before[k] for k in after}
     finally:
         proc.terminate()
         proc.wait(120)
@@ -209,6 +283,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         engine.generate(prompts[:min(conc, nreq)], SamplingParams(max_new_tokens=min(olen, 8)))  # warm-up
         if cuda:
             torch.cuda.synchronize()
+        offline_timing = _timed_steps(engine)
         t0 = time.perf_counter()
         outs = engine.generate(prompts, params)
         if cuda:
@@ -239,6 +314,12 @@ def run(args: argparse.Namespace, command: str) -> int:
     print(f"| offline Engine.generate | {nreq / offline_s:.2f} | {offline_tps:.0f} | — | — |")
     print(f"server / offline output tok/s: {row['server_over_offline']:.2f} (target >= 0.90)")
     print(f"mean output tokens per request: server {res['tokens'] / nreq:.1f}, offline {offline_tokens / nreq:.1f}")
+    for label, t, wall in (("server", server_timing, res["wall_s"]), ("offline", offline_timing, offline_s)):
+        if t["steps"]:
+            print(f"{label} engine: {t['steps']:.0f} steps, {1e3 * t['step_s'] / t['steps']:.2f} ms per step, "
+                  f"{t['tokens'] / t['steps']:.1f} tokens per step, {100 * t['step_s'] / wall:.0f}% of the wall time in "
+                  f"steps, {1e3 * t['around_s'] / t['steps']:.2f} ms between steps")
+    row["server_engine"], row["offline_engine"] = server_timing, offline_timing
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")

@@ -199,10 +199,8 @@ class PrefixCache:
         entry = self.claim(tokens)
         if entry is None:
             return None
-        for dst, src in zip(self.conv, cache.conv):
-            dst[entry.index].copy_(src[slot])
-        for dst, src in zip(self.ssm, cache.ssm):
-            dst[entry.index].copy_(src[slot])
+        i = entry.index
+        torch._foreach_copy_([d[i] for d in self.conv + self.ssm], [s[slot] for s in cache.conv + cache.ssm])
         return entry
 
     def match(self, prompt: Sequence[int]) -> PrefixEntry | None:
@@ -229,7 +227,5 @@ class PrefixCache:
         """Copy ``entry``'s states into slot ``slot`` of ``cache`` (every layer)."""
         if self._lru.get(entry.index) is None or self._by_key.get((entry.length, prefix_hashes(entry.tokens)[-1])) is not entry:
             raise ValueError("PrefixCache.restore: the entry was evicted; call match() again")
-        for src, dst in zip(self.conv, cache.conv):
-            dst[slot].copy_(src[entry.index])
-        for src, dst in zip(self.ssm, cache.ssm):
-            dst[slot].copy_(src[entry.index])
+        i = entry.index
+        torch._foreach_copy_([d[slot] for d in cache.conv + cache.ssm], [s[i] for s in self.conv + self.ssm])

@@ -300,6 +300,7 @@ def create_app(engine: Engine, *, model_name: str, codec: Codec | None = None, a
 
     @app.get("/metrics")
     async def prom():
+        metrics.observe_thread(worker.timing)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")

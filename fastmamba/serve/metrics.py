@@ -29,6 +29,11 @@ class ServerMetrics:
                                  registry=r)
         self.prefix_hit_tokens = Gauge("fastmamba_prefix_cache_hit_tokens", "prompt tokens served from the prefix "
                                        "cache since start", registry=r)
+        self.engine_steps = Gauge("fastmamba_engine_steps", "engine steps since start", registry=r)
+        self.engine_step_seconds = Gauge("fastmamba_engine_step_seconds", "time inside engine steps since start",
+                                         registry=r)
+        self.engine_around_seconds = Gauge("fastmamba_engine_around_seconds", "engine-thread time between steps "
+                                           "while busy (inbox, events, metrics) since start", registry=r)
         self.prefix_hit_rate = Gauge("fastmamba_prefix_cache_hit_rate",
                                      "prompt tokens served from the prefix cache / prompt tokens", registry=r)
 
@@ -48,6 +53,11 @@ class ServerMetrics:
             self.prefix_hit_tokens.set(stats["hit_tokens"])
             if stats.get("prompt_tokens"):
                 self.prefix_hit_rate.set(stats["hit_tokens"] / stats["prompt_tokens"])
+
+    def observe_thread(self, timing: dict) -> None:
+        self.engine_steps.set(timing["steps"])
+        self.engine_step_seconds.set(timing["step_s"])
+        self.engine_around_seconds.set(timing["around_s"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
