@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fastmamba
-from fastmamba.cache.prefix_cache import PrefixCache, prefix_hashes
+from fastmamba.cache.prefix_cache import MAX_ENTRIES_FROM_BUDGET, PrefixCache, prefix_hashes
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_match_rules_and_lru(model):
 def test_sizing(model):
     cache = model.new_cache(1)
     pc = PrefixCache(cache, budget_bytes=10**9)
-    assert pc.max_entries == 10**9 // pc.bytes_per_entry
+    assert pc.max_entries == min(10**9 // pc.bytes_per_entry, MAX_ENTRIES_FROM_BUDGET)
     with pytest.raises(ValueError, match="at least one snapshot"):
         PrefixCache(cache, budget_bytes=10)
     with pytest.raises(ValueError, match="max_entries or budget_bytes"):
