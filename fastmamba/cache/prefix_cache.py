@@ -138,6 +138,14 @@ class PrefixCache:
         self.stats["evictions"] += 1
         return index
 
+    def clear(self) -> None:
+        """Forget every snapshot and zero the counters."""
+        self._by_key.clear()
+        self._lru.clear()
+        self._lengths.clear()
+        self._free = list(range(self.max_entries - 1, -1, -1))
+        self.stats = dict.fromkeys(self.stats, 0)
+
     def _forget(self, index: int) -> None:
         key = self._lru.pop(index)
         del self._by_key[key]

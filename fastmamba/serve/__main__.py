@@ -2,4 +2,5 @@ import sys
 
 from fastmamba.serve.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # the engine process (spawn) imports this module under another name
+    sys.exit(main())

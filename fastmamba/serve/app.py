@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fastmamba.generation.engine import Engine
 from fastmamba.generation.sampling import SamplingParams
+from fastmamba.serve.engine_process import EngineProcess
 from fastmamba.serve.engine_thread import EngineThread, QueueFull, RequestHandle
 from fastmamba.serve.metrics import ServerMetrics
 from fastmamba.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
@@ -104,25 +105,31 @@ def chat_logprobs(codec: Codec, tokens: list[int], lps: list) -> dict:
                         for t, (lp, top) in zip(tokens, lps)]}
 
 
-def create_app(engine: Engine, *, model_name: str, codec: Codec | None = None, api_key: str | None = None,
-               max_waiting: int = 256, max_model_len: int | None = None) -> FastAPI:
-    """The app around ``engine`` (which it owns from now on: only its thread calls it)."""
+def create_app(engine: Engine | EngineProcess, *, model_name: str, codec: Codec | None = None,
+               api_key: str | None = None, max_waiting: int = 256, max_model_len: int | None = None) -> FastAPI:
+    """The app around ``engine``: an ``Engine`` (run by a thread of this process, which owns it from
+    now on) or an ``EngineProcess`` (the engine in a child process; ``fastmamba serve`` does this,
+    so that HTTP work never delays a step). The worker starts with the app unless already started."""
     codec = codec or Codec(None)
     metrics = ServerMetrics()
-    vocab = engine.model.cfg.vocab_size
 
-    def on_step(eng, outputs, seconds):
-        metrics.generation_tokens.inc(len(outputs))
-        metrics.observe_engine(eng)
+    def on_step(stats: dict, tokens: int) -> None:
+        metrics.generation_tokens.inc(tokens)
+        metrics.observe_engine(stats)
 
-    worker = EngineThread(engine, max_waiting=max_waiting, on_step=on_step)
+    if isinstance(engine, EngineProcess):
+        worker = engine
+        worker.on_step, worker.max_waiting = on_step, max_waiting
+    else:
+        worker = EngineThread(engine, max_waiting=max_waiting, on_step=on_step)
 
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
     async def lifespan(app):
-        metrics.observe_engine(engine)
-        worker.start()
+        if not worker.alive():
+            worker.start()
+        metrics.observe_engine(worker.stats) if worker.stats else None
         yield
         worker.stop(drain=True, timeout=30)
 
@@ -173,6 +180,7 @@ def create_app(engine: Engine, *, model_name: str, codec: Codec | None = None, a
                              param=loc[0] if loc else None) from None
 
     def check_ids(ids: list[int], param: str) -> list[int]:
+        vocab = worker.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise BadRequest(f"{param}: token ids {bad[:4]} are outside the vocabulary [0, {vocab})", param=param)
@@ -294,8 +302,8 @@ def create_app(engine: Engine, *, model_name: str, codec: Codec | None = None, a
 
     @app.get("/health")
     async def health():
-        if not worker._thread.is_alive():
-            return fail(503, "the engine thread is not running", type="server_error")
+        if not worker.alive():
+            return fail(503, "the engine is not running", type="server_error")
         return {"status": "ok"}
 
     @app.get("/metrics")

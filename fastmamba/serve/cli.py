@@ -44,26 +44,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info")
 
 
-def build_app(args: argparse.Namespace):
-    from fastmamba.serve import require_serve_deps
-
-    require_serve_deps()
+def build_engine(model: str, dtype: str | None, device: str | None, engine_kwargs: dict):
+    """Load ``model`` and build its ``Engine`` (runs in the engine process)."""
     import torch
 
     import fastmamba
     from fastmamba.generation.engine import Engine
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype)
+    return Engine(fastmamba.load_model(model, dtype=torch_dtype, device=device), **engine_kwargs)
+
+
+def build_app(args: argparse.Namespace):
+    """The app with its engine process started (the model loaded): load errors surface here."""
+    import functools
+
+    from fastmamba.serve import require_serve_deps
+
+    require_serve_deps()
     from fastmamba.serve.app import create_app
+    from fastmamba.serve.engine_process import EngineProcess
     from fastmamba.serve.tokenization import Codec
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
-    model = fastmamba.load_model(args.model, dtype=dtype, device=args.device)
     tok_dir = args.tokenizer or (args.model if os.path.isdir(args.model) else None)
+    codec = Codec(tok_dir)
     if args.prefix_cache_gb < 0:
         raise ValueError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
     budget = int(args.prefix_cache_gb * 2**30)
-    engine = Engine(model, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk or None,
-                    prefix_cache_bytes=budget or None, prefix_block=args.prefix_block)
-    return create_app(engine, model_name=args.served_model_name or args.model, codec=Codec(tok_dir),
+    kwargs = dict(max_batch=args.max_batch, prefill_chunk=args.prefill_chunk or None,
+                  prefix_cache_bytes=budget or None, prefix_block=args.prefix_block)
+    worker = EngineProcess(functools.partial(build_engine, args.model, args.dtype, args.device, kwargs),
+                           max_waiting=args.max_waiting)
+    try:
+        worker.start()
+    except RuntimeError as exc:
+        raise ValueError(str(exc)) from None
+    return create_app(worker, model_name=args.served_model_name or args.model, codec=codec,
                       api_key=args.api_key, max_waiting=args.max_waiting, max_model_len=args.max_model_len)
 
 

@@ -23,6 +23,15 @@ from fastmamba.generation.engine import Engine
 from fastmamba.generation.sampling import SamplingParams
 
 
+def engine_stats(engine: Engine) -> dict:
+    """What the metrics show of an engine: request counts, slots, KV pages, prefill and prefix-cache counters."""
+    pages = getattr(engine.cache, "kv_pages_in_use", 0)
+    return {"running": len(engine.running), "waiting": len(engine.waiting),
+            "slots_total": engine.cache.num_slots, "slots_used": engine.cache.num_slots - engine.cache.free_slots,
+            "kv_pages": pages() if callable(pages) else pages,
+            "prefill_tokens": engine.stats.get("prefill_tokens", 0), "prefix": engine.prefix_stats}
+
+
 class QueueFull(RuntimeError):
     """More requests are waiting than ``max_waiting``: the server answers 503 with Retry-After."""
 
@@ -53,12 +62,14 @@ class EngineThread:
 
     engine       the ``Engine``; nothing else may call it while this thread runs
     max_waiting  requests accepted but not yet running before ``submit`` raises QueueFull
-    on_step      optional callback(engine, outputs, seconds) after every step (metrics)
+    on_step      optional callback(stats, tokens) after every step and every change of the request set
+                 (``engine_stats``; tokens emitted by the step): the metrics
     """
 
     def __init__(self, engine: Engine, *, max_waiting: int = 256,
-                 on_step: Callable[[Engine, Sequence, float], None] | None = None):
+                 on_step: Callable[[dict, int], None] | None = None):
         self.engine = engine
+        self.vocab_size = engine.model.cfg.vocab_size
         self.max_waiting = max_waiting
         self.on_step = on_step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -74,6 +85,13 @@ class EngineThread:
 
     def start(self) -> None:
         self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def stats(self) -> dict:
+        return engine_stats(self.engine)
 
     @property
     def in_flight(self) -> int:
@@ -167,7 +185,7 @@ class EngineThread:
                 self._fail_all("the server shut down") if self._handles else None
                 return
             if self._take(block=not busy) and self.on_step is not None:
-                self.on_step(self.engine, [], 0.0)  # gauges see adds and aborts at once
+                self.on_step(engine_stats(self.engine), 0)  # gauges see adds and aborts at once
             if not self.engine.has_unfinished():
                 continue
             t0 = time.perf_counter()
@@ -196,5 +214,5 @@ class EngineThread:
             for loop, batch in batches.items():
                 loop.call_soon_threadsafe(_deliver, batch)
             if self.on_step is not None:
-                self.on_step(self.engine, outputs, time.perf_counter() - t0)
+                self.on_step(engine_stats(self.engine), len(outputs))
             last_end = time.perf_counter()

@@ -37,22 +37,20 @@ class ServerMetrics:
         self.prefix_hit_rate = Gauge("fastmamba_prefix_cache_hit_rate",
                                      "prompt tokens served from the prefix cache / prompt tokens", registry=r)
 
-    def observe_engine(self, engine) -> None:
-        """Gauges from the engine's bookkeeping (called by the engine thread after each step)."""
-        self.running.set(len(engine.running))
-        self.waiting.set(len(engine.waiting))
-        total = engine.cache.num_slots
-        self.slots_total.set(total)
-        self.slots_used.set(total - engine.cache.free_slots)
-        pages = getattr(engine.cache, "kv_pages_in_use", 0)
-        self.kv_pages_used.set(pages() if callable(pages) else pages)
-        self.prefill_tokens.set(engine.stats.get("prefill_tokens", 0))
-        stats = getattr(engine, "prefix_stats", None)
-        if stats:
-            self.prefix_hits.set(stats["hits"])
-            self.prefix_hit_tokens.set(stats["hit_tokens"])
-            if stats.get("prompt_tokens"):
-                self.prefix_hit_rate.set(stats["hit_tokens"] / stats["prompt_tokens"])
+    def observe_engine(self, stats: dict) -> None:
+        """Gauges from an engine's bookkeeping (``engine_thread.engine_stats``), after each step."""
+        self.running.set(stats["running"])
+        self.waiting.set(stats["waiting"])
+        self.slots_total.set(stats["slots_total"])
+        self.slots_used.set(stats["slots_used"])
+        self.kv_pages_used.set(stats["kv_pages"])
+        self.prefill_tokens.set(stats["prefill_tokens"])
+        prefix = stats.get("prefix")
+        if prefix:
+            self.prefix_hits.set(prefix["hits"])
+            self.prefix_hit_tokens.set(prefix["hit_tokens"])
+            if prefix.get("prompt_tokens"):
+                self.prefix_hit_rate.set(prefix["hit_tokens"] / prefix["prompt_tokens"])
 
     def observe_thread(self, timing: dict) -> None:
         self.engine_steps.set(timing["steps"])

@@ -196,9 +196,10 @@ def test_full_queue_503_then_graceful_sigterm(tmp_path):
 
         async def main():
             async with httpx.AsyncClient(base_url=s.url, timeout=300) as cl:
-                first = asyncio.create_task(post(cl, 30))
+                # long enough that the first still runs and the second still waits when the third comes
+                first = asyncio.create_task(post(cl, 400))
                 await asyncio.sleep(1.0)
-                second = asyncio.create_task(post(cl, 30))
+                second = asyncio.create_task(post(cl, 400))
                 await asyncio.sleep(0.5)
                 third = await post(cl, 2)
                 return await first, await second, third
