@@ -15,6 +15,7 @@ from fastmamba.ops._common.checks import (
 )
 from fastmamba.ops._common.dispatch import use_triton
 from fastmamba.ops._common.host_values import compiling, host_list, host_reads_allowed
+from fastmamba.ops.ssd_scan.fused import choose_fused, longest_sequence_bound
 from fastmamba.ops.ssd_scan.launch import ScanSegments, ssd_scan_launch
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
 
@@ -315,6 +316,8 @@ def ssd_scan_varlen(
     chunk_states_out: torch.Tensor | None = None,
     A_is_log: bool = False,
     rand_seed: torch.Tensor | None = None,
+    fused: bool | None = None,
+    max_seqlen: int | None = None,
 ) -> torch.Tensor:
     """Packed variable-length prefill of the SSM, reading and writing each sequence's cache slot.
 
@@ -344,6 +347,13 @@ def ssd_scan_varlen(
                              between the kernels stay fp32 (so the stored state is rounded once, at
                              random, from the fp32 value). Ignored for an fp32 cache (and by the
                              reference, which rounds to nearest).
+    fused      None (automatic), True or False: the one-launch kernel for short sequences
+                             (ops/ssd_scan/fused_kernel.py) instead of the five-kernel chunked path;
+                             automatic: fused when every sequence is at most fused_configs.MAX_FUSED_LEN
+                             tokens. Same results up to rounding.
+    max_seqlen int or None: a host bound on the longest sequence (the runtime knows it), which
+                             picks the path and tiles without reading cu_seqlens; None: from
+                             cu_seqlens where the op reads it anyway, else T
     Returns out [T, H, P] (x's dtype). Chunks of ``chunk_size`` tokens never cross a sequence.
     Checks read cu_seqlens and cache_indices on the host (skipped while a CUDA graph is captured).
     Reference: fastmamba.ops.ssd_scan.ref.ssd_scan_varlen_ref
@@ -396,6 +406,16 @@ def ssd_scan_varlen(
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if T == 0:
+        return out
+    if max_seqlen is not None and (not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 0):
+        raise ValueError(f"{_VARLEN}: `max_seqlen` expected a non-negative int or None, got {max_seqlen!r}")
+    max_len = longest_sequence_bound(cu_seqlens, T, max_seqlen)
+    if choose_fused(fused, max_len):
+        torch.ops.fastmamba.ssd_scan_varlen_fused_(
+            x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
+            chunk_states_out, chunk_size, dt_softplus, float(dt_limit[0]), float(dt_limit[1]), pad_slot_id,
+            bool(A_is_log), rand_seed, max_len,
+        )
         return out
     n_chunks = total_chunks if total_chunks is not None else _cdiv(T, chunk_size) + nseq
     torch.ops.fastmamba.ssd_scan_varlen_(
