@@ -122,7 +122,8 @@ def sweep_configs(L: int, P: int) -> list[dict]:
     block_ts = [t for t in (16, 32, 64) if t <= max(16, L)]
     block_ps = [p for p in (16, 32, 64) if p <= max(16, P)]
     return [dict(block_t=t, block_p=p, num_warps=w, num_stages=s)
-            for t, p, w, s in itertools.product(block_ts, block_ps, (2, 4, 8), (1, 2))]
+            for t, p, w, s in itertools.product(block_ts, block_ps, (2, 4, 8), (1, 2))
+            if s == 1 or t < L]  # pipelining needs more than one trip of the token loop
 
 
 def _fmt(row: dict) -> str:

@@ -390,6 +390,10 @@ def ssd_scan_varlen(
                              f"all tensors must share a device")
         if ssm_states.dtype == torch.float32:
             rand_seed = None  # nothing to round: an fp32 cache stores the state exactly
+    if fused is not None and not isinstance(fused, bool):
+        raise TypeError(f"{_VARLEN}: `fused` expected None, True or False, got {fused!r}")
+    if max_seqlen is not None and (not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 0):
+        raise ValueError(f"{_VARLEN}: `max_seqlen` expected a non-negative int or None, got {max_seqlen!r}")
     if out is not None:
         check_shape(_VARLEN, "out", out, [("T", T), ("H", H), ("P", P)])
         if out.dtype != x.dtype:
@@ -407,8 +411,6 @@ def ssd_scan_varlen(
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    if max_seqlen is not None and (not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 0):
-        raise ValueError(f"{_VARLEN}: `max_seqlen` expected a non-negative int or None, got {max_seqlen!r}")
     max_len = longest_sequence_bound(cu_seqlens, T, max_seqlen)
     if choose_fused(fused, max_len):
         torch.ops.fastmamba.ssd_scan_varlen_fused_(

@@ -32,8 +32,8 @@ class FusedScanConfig(NamedTuple):
 # (longest sequence at most, programs (sequences x heads) at most) -> config; first match wins.
 # Few (sequence, head) pairs: split P to fill the SMs (132 on an H100); many: whole P per program.
 TABLE: list[tuple[int, int, FusedScanConfig]] = [
-    (16, 256, FusedScanConfig(block_t=16, block_p=16, num_warps=4)),
-    (16, 1 << 30, FusedScanConfig(block_t=16, block_p=32, num_warps=4)),
+    (16, 256, FusedScanConfig(block_t=16, block_p=16, num_warps=2)),
+    (16, 1 << 30, FusedScanConfig(block_t=16, block_p=32, num_warps=2)),
     (32, 256, FusedScanConfig(block_t=32, block_p=16, num_warps=4)),
     (32, 1 << 30, FusedScanConfig(block_t=32, block_p=32, num_warps=4)),
     (1 << 30, 256, FusedScanConfig(block_t=64, block_p=16, num_warps=4)),
