@@ -45,18 +45,20 @@ def chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return torch.cumsum(n, 0) - n
 
 
-def _check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, total: int) -> None:
+def _check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, total: int) -> list[int] | None:
+    """Checks cu_seqlens; returns the values it read on the host (None where it may not read them)."""
     check_dtype(op, "cu_seqlens", cu_seqlens, INDEX_DTYPES)
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"{op}: `cu_seqlens` expected shape (B+1,) with B >= 1, got {tuple(cu_seqlens.shape)}")
     if not host_reads_allowed(cu_seqlens):
-        return
+        return None
     values = host_list(cu_seqlens)
     if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values[:-1], values[1:])):
         shown = values if len(values) <= 10 else values[:5] + ["..."] + values[-3:]
         raise ValueError(
             f"{op}: `cu_seqlens` must start at 0, never decrease and end at the token count {total}; got {shown}"
         )
+    return values
 
 
 def _as_x_dtype(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -370,7 +372,7 @@ def ssd_scan_varlen(
     check_same_device(_VARLEN, [("x", x), ("ssm_states", ssm_states), ("cu_seqlens", cu_seqlens),
                                 ("cache_indices", cache_indices), ("has_initial_state", has_initial_state),
                                 ("out", out), ("chunk_states_out", chunk_states_out)])
-    _check_cu_seqlens(_VARLEN, cu_seqlens, T)
+    cu_values = _check_cu_seqlens(_VARLEN, cu_seqlens, T)
     nseq = cu_seqlens.shape[0] - 1
     S = ssm_states.shape[0]
     if cache_indices is not None:
@@ -411,7 +413,7 @@ def ssd_scan_varlen(
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    max_len = longest_sequence_bound(cu_seqlens, T, max_seqlen)
+    max_len = longest_sequence_bound(cu_values, T, max_seqlen)
     if choose_fused(fused, max_len):
         torch.ops.fastmamba.ssd_scan_varlen_fused_(
             x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,

@@ -3,7 +3,7 @@
 ``ssd_scan_varlen`` takes this path when every sequence of the call is at most
 ``fused_configs.MAX_FUSED_LEN`` tokens (or when the caller passes ``fused=True``). The longest
 sequence is known on the host without a device read: the caller's ``max_seqlen``, else the values
-of cu_seqlens where the op may read them (it reads them for its checks anyway), else the packed
+of cu_seqlens that its checks read on the host anyway (no extra read), else the packed
 token count T, which bounds every sequence (inside trusted_inputs(), CUDA-graph capture, compile).
 """
 from __future__ import annotations
@@ -13,20 +13,19 @@ from typing import Optional
 import torch
 
 from fastmamba.ops._common.dispatch import use_triton
-from fastmamba.ops._common.host_values import host_list, host_reads_allowed
 from fastmamba.ops.ssd_scan import fused_configs
 from fastmamba.ops.ssd_scan.fused_kernel import ssd_scan_fused_launch
 from fastmamba.ops.ssd_scan.ref import ssd_scan_varlen_ref
 
 
-def longest_sequence_bound(cu_seqlens: torch.Tensor, T: int, max_seqlen: int | None) -> int:
-    """A host bound on the longest sequence: ``max_seqlen`` when given, else the lengths from
-    cu_seqlens where a host read is allowed (never under capture, compile or trusted_inputs()), else T."""
+def longest_sequence_bound(cu_values: list[int] | None, T: int, max_seqlen: int | None) -> int:
+    """A host bound on the longest sequence: ``max_seqlen`` when given, else the lengths from the
+    cu_seqlens values the op's checks read on the host (None under capture, compile or
+    trusted_inputs(), where they read nothing), else T."""
     if max_seqlen is not None:
         return int(max_seqlen)
-    if host_reads_allowed(cu_seqlens):
-        cu = host_list(cu_seqlens)
-        return max((int(b) - int(a) for a, b in zip(cu[:-1], cu[1:])), default=0)
+    if cu_values is not None:
+        return max((int(b) - int(a) for a, b in zip(cu_values[:-1], cu_values[1:])), default=0)
     return T
 
 

@@ -260,7 +260,7 @@ def test_choice_without_a_host_read(device, launches, monkeypatch):
     def no_read(t):
         raise AssertionError("cu_seqlens read on the host inside trusted_inputs()")
 
-    monkeypatch.setattr(fused, "host_list", no_read)
+    monkeypatch.setattr(scan_api, "host_list", no_read)
     with trusted_inputs():
         args, kw = _dispatch_case(device, (3, 6))  # T = 9 <= 10
         ssd_scan_varlen(*args, **kw)
