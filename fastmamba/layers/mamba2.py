@@ -191,6 +191,7 @@ class Mamba2Mixer(nn.Module):
         has_initial_state: torch.Tensor | None = None,
         *,
         rand_seed: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
         """Prefill of B packed prompts of any lengths: u [T, d_model] -> [T, d_model].
 
@@ -204,6 +205,8 @@ class Mamba2Mixer(nn.Module):
                     otherwise it starts from zeros and the old contents are not read
         rand_seed   one-element int64 device tensor or None: with a 16-bit ``ssm_state``, the final
                     states are rounded stochastically with it (None: round to nearest)
+        max_seqlen  int or None: the longest prompt, when the caller knows it on the host; lets the
+                    scan pick its short-prompt path without reading cu_seqlens (ssd_scan_varlen)
         The ops read cu_seqlens and slots on the host for their checks (see their docstrings),
         except inside ``fastmamba.ops._common.host_values.trusted_inputs()``.
         """
@@ -220,6 +223,7 @@ class Mamba2Mixer(nn.Module):
             x.reshape(T, H, P), dt, A, B.reshape(T, G, N), C.reshape(T, G, N), ssm_state, cu_seqlens,
             chunk_size=c.chunk_size, D=self.D, z=gate, dt_bias=self.dt_bias, dt_softplus=True,
             cache_indices=slots, has_initial_state=has_initial_state, A_is_log=A_is_log, rand_seed=rand_seed,
+            max_seqlen=max_seqlen,
         )
         y = self.norm(y.reshape(T, c.d_inner), None if self._gate_in_scan() else z)
         return self.out_proj(y)
