@@ -201,10 +201,11 @@ class Mamba2LM(nn.Module):
             flags = has_initial_state
         seed = self._seed(rand_seed, "Mamba2LM.prefill_varlen")
         last = cu_seqlens[1:] - 1
-        # the longest prompt picks the scan's path (fused when short); not while a CUDA graph is
-        # captured, whose replays see other lengths of the same bucket: the scan then bounds it by T
-        capturing = input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
-        longest = None if capturing else max(b - a for a, b in zip(cu, cu[1:]))
+        # the longest prompt picks the scan's path (fused when short) and its tiles. Also while a
+        # CUDA graph is captured: the warm-up before capture then runs the same kernels (nothing
+        # compiles inside the capture); replays with other lengths of the bucket stay correct (both
+        # paths take any length), with the capture batch's choice
+        longest = max(b - a for a, b in zip(cu, cu[1:]))
         with trusted_inputs():  # validated above: the layers' ops read nothing on the host
             logits = self._run(
                 input_ids,
