@@ -36,6 +36,7 @@ ROWS = {
     "no-D-no-z": dict(D=None, z=False),
     "A_is_log-per-channel-D-dt-limit": dict(A_is_log=True, D="HP", dt_limit=(0.05, 2.0)),
     "chunk16-no-pad": dict(Q=16, slots=(1, 3, 0, 5)),
+    "P12-N10": dict(P=12, N=10),
     "fp16-state-pool": dict(state_dtype=torch.float16),
     "bf16-state-pool": dict(state_dtype=torch.bfloat16),
 }
@@ -44,7 +45,7 @@ ROWS = {
 def _run_row(device, row, *, seed):
     c = {**BASE, **row}
     lens = (*c["lens"], 0) if len(c["slots"]) == 4 else c["lens"]  # an empty fourth sequence: slot untouched
-    inp, cu, states = _case(device, lens, state_dtype=c["state_dtype"], seed=seed)
+    inp, cu, states = _case(device, lens, P=c.get("P", 16), N=c.get("N", 16), state_dtype=c["state_dtype"], seed=seed)
     H, P = inp["x"].shape[1:]
     D = {None: None, "H": inp["D"], "HP": torch.randn(H, P, generator=seeded(seed + 2)).to(device)}[c["D"]]
     A = torch.log(-inp["A"]) if c["A_is_log"] else inp["A"]  # A_log: the kernel takes -exp
