@@ -13,7 +13,8 @@ from tests.helpers import seeded, tol
 
 @pytest.fixture(scope="module")
 def model():
-    return fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cpu")
+    # the kernels themselves: CUDA when present, else the interpreter on the CPU
+    return fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_short_prompts_take_the_fused_scan_with_the_same_logits(model, monkeypatch):
@@ -31,9 +32,10 @@ def test_short_prompts_take_the_fused_scan_with_the_same_logits(model, monkeypat
     monkeypatch.setattr(fused_configs, "MAX_FUSED_LEN", 8)
     g = seeded(0)
     lengths = (5, 6)
-    ids = torch.randint(0, 256, (sum(lengths),), generator=g)
-    cu = torch.tensor([0, 5, 11], dtype=torch.int32)
-    slots = torch.tensor([1, 0], dtype=torch.int32)
+    dev = model.lm_head.weight.device
+    ids = torch.randint(0, 256, (sum(lengths),), generator=g).to(dev)
+    cu = torch.tensor([0, 5, 11], dtype=torch.int32, device=dev)
+    slots = torch.tensor([1, 0], dtype=torch.int32, device=dev)
     logits = {}
     for name, limit in (("fused", 8), ("chunked", -1)):
         monkeypatch.setattr(fused_configs, "MAX_FUSED_LEN", limit)
