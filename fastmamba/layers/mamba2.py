@@ -193,6 +193,7 @@ class Mamba2Mixer(nn.Module):
         *,
         rand_seed: torch.Tensor | None = None,
         snapshot: LayerSnapshot | None = None,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
         """Prefill of B packed prompts of any lengths: u [T, d_model] -> [T, d_model].
 
@@ -208,6 +209,8 @@ class Mamba2Mixer(nn.Module):
                     states are rounded stochastically with it (None: round to nearest)
         snapshot    ``fastmamba.cache.prefix_cache.LayerSnapshot`` or None: also copy the states at
                     chunk ends it names into its pools (prefix caching), from the scan's chunk states
+        max_seqlen  int or None: the longest prompt, when the caller knows it on the host; lets the
+                    scan pick its short-prompt path without reading cu_seqlens (ssd_scan_varlen)
         The ops read cu_seqlens and slots on the host for their checks (see their docstrings),
         except inside ``fastmamba.ops._common.host_values.trusted_inputs()``.
         """
@@ -226,7 +229,7 @@ class Mamba2Mixer(nn.Module):
             x.reshape(T, H, P), dt, A, B.reshape(T, G, N), C.reshape(T, G, N), ssm_state, cu_seqlens,
             chunk_size=c.chunk_size, D=self.D, z=gate, dt_bias=self.dt_bias, dt_softplus=True,
             cache_indices=slots, has_initial_state=has_initial_state, A_is_log=A_is_log, rand_seed=rand_seed,
-            chunk_states_out=None if snapshot is None else snapshot.chunk_states,
+            chunk_states_out=None if snapshot is None else snapshot.chunk_states, max_seqlen=max_seqlen,
         )
         if snapshot is not None:
             snapshot.ssm[snapshot.rows] = snapshot.chunk_states[snapshot.chunk_rows].to(snapshot.ssm.dtype)

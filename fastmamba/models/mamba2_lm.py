@@ -207,11 +207,16 @@ class Mamba2LM(nn.Module):
         seed = self._seed(rand_seed, "Mamba2LM.prefill_varlen")
         snap = (lambda i: None) if snapshots is None else self._snapshot_plan(snapshots, cu, cache, input_ids.device)
         last = cu_seqlens[1:] - 1
+        # the longest prompt picks the scan's path (fused when short) and its tiles. Also while a
+        # CUDA graph is captured: the warm-up before capture then runs the same kernels (nothing
+        # compiles inside the capture); replays with other lengths of the bucket stay correct (both
+        # paths take any length), with the capture batch's choice
+        longest = max(b - a for a, b in zip(cu, cu[1:]))
         with trusted_inputs():  # validated above: the layers' ops read nothing on the host
             logits = self._run(
                 input_ids,
                 lambda i, mixer, h: mixer.forward_varlen(h, cu_seqlens, cache.conv[i], cache.ssm[i], slots, flags,
-                                                         rand_seed=seed(i), snapshot=snap(i)),
+                                                         rand_seed=seed(i), snapshot=snap(i), max_seqlen=longest),
                 rows=last,
             )
             if cache.speculate:

@@ -15,6 +15,7 @@ from fastmamba.ops._common.checks import (
 )
 from fastmamba.ops._common.dispatch import use_triton
 from fastmamba.ops._common.host_values import compiling, host_list, host_reads_allowed
+from fastmamba.ops.ssd_scan.fused import choose_fused, longest_sequence_bound
 from fastmamba.ops.ssd_scan.launch import ScanSegments, ssd_scan_launch
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
 
@@ -44,18 +45,20 @@ def chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return torch.cumsum(n, 0) - n
 
 
-def _check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, total: int) -> None:
+def _check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, total: int) -> list[int] | None:
+    """Checks cu_seqlens; returns the values it read on the host (None where it may not read them)."""
     check_dtype(op, "cu_seqlens", cu_seqlens, INDEX_DTYPES)
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"{op}: `cu_seqlens` expected shape (B+1,) with B >= 1, got {tuple(cu_seqlens.shape)}")
     if not host_reads_allowed(cu_seqlens):
-        return
+        return None
     values = host_list(cu_seqlens)
     if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values[:-1], values[1:])):
         shown = values if len(values) <= 10 else values[:5] + ["..."] + values[-3:]
         raise ValueError(
             f"{op}: `cu_seqlens` must start at 0, never decrease and end at the token count {total}; got {shown}"
         )
+    return values
 
 
 def _as_x_dtype(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -315,6 +318,8 @@ def ssd_scan_varlen(
     chunk_states_out: torch.Tensor | None = None,
     A_is_log: bool = False,
     rand_seed: torch.Tensor | None = None,
+    fused: bool | None = None,
+    max_seqlen: int | None = None,
 ) -> torch.Tensor:
     """Packed variable-length prefill of the SSM, reading and writing each sequence's cache slot.
 
@@ -344,6 +349,13 @@ def ssd_scan_varlen(
                              between the kernels stay fp32 (so the stored state is rounded once, at
                              random, from the fp32 value). Ignored for an fp32 cache (and by the
                              reference, which rounds to nearest).
+    fused      None (automatic), True or False: the one-launch kernel for short sequences
+                             (ops/ssd_scan/fused_kernel.py) instead of the five-kernel chunked path;
+                             automatic: fused when every sequence is at most fused_configs.MAX_FUSED_LEN
+                             tokens. Same results up to rounding.
+    max_seqlen int or None: a host bound on the longest sequence (the runtime knows it), which
+                             picks the path and tiles without reading cu_seqlens; None: from
+                             cu_seqlens where the op reads it anyway, else T
     Returns out [T, H, P] (x's dtype). Chunks of ``chunk_size`` tokens never cross a sequence.
     Checks read cu_seqlens and cache_indices on the host (skipped while a CUDA graph is captured).
     Reference: fastmamba.ops.ssd_scan.ref.ssd_scan_varlen_ref
@@ -360,7 +372,7 @@ def ssd_scan_varlen(
     check_same_device(_VARLEN, [("x", x), ("ssm_states", ssm_states), ("cu_seqlens", cu_seqlens),
                                 ("cache_indices", cache_indices), ("has_initial_state", has_initial_state),
                                 ("out", out), ("chunk_states_out", chunk_states_out)])
-    _check_cu_seqlens(_VARLEN, cu_seqlens, T)
+    cu_values = _check_cu_seqlens(_VARLEN, cu_seqlens, T)
     nseq = cu_seqlens.shape[0] - 1
     S = ssm_states.shape[0]
     if cache_indices is not None:
@@ -380,6 +392,10 @@ def ssd_scan_varlen(
                              f"all tensors must share a device")
         if ssm_states.dtype == torch.float32:
             rand_seed = None  # nothing to round: an fp32 cache stores the state exactly
+    if fused is not None and not isinstance(fused, bool):
+        raise TypeError(f"{_VARLEN}: `fused` expected None, True or False, got {fused!r}")
+    if max_seqlen is not None and (not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 0):
+        raise ValueError(f"{_VARLEN}: `max_seqlen` expected a non-negative int or None, got {max_seqlen!r}")
     if out is not None:
         check_shape(_VARLEN, "out", out, [("T", T), ("H", H), ("P", P)])
         if out.dtype != x.dtype:
@@ -396,6 +412,14 @@ def ssd_scan_varlen(
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if T == 0:
+        return out
+    max_len = longest_sequence_bound(cu_values, T, max_seqlen)
+    if choose_fused(fused, max_len):
+        torch.ops.fastmamba.ssd_scan_varlen_fused_(
+            x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
+            chunk_states_out, chunk_size, dt_softplus, float(dt_limit[0]), float(dt_limit[1]), pad_slot_id,
+            bool(A_is_log), rand_seed, max_len,
+        )
         return out
     n_chunks = total_chunks if total_chunks is not None else _cdiv(T, chunk_size) + nseq
     torch.ops.fastmamba.ssd_scan_varlen_(

@@ -1,0 +1,70 @@
+"""Tiles of the fused small-L scan (``fused_kernel.py``) and when the varlen op takes it.
+
+The fused kernel runs one program per (sequence, head, block of P) and walks the sequence's tokens
+in blocks of BLOCK_T with the state in registers, so its cost grows with the longest sequence while
+the five-kernel path spreads a long sequence's chunks over the GPU. ``MAX_FUSED_LEN`` is where the
+automatic choice switches: every sequence of a call at most that many tokens -> fused.
+
+Defaults until the GPU experiment replaces them
+(``python -m fastmamba.bench.ops.scan_small_l --sweep``, mamba2-2.7b layer shape, bf16, fp32 state):
+the table below is a first guess from the register budget (a 64 x 128 fp32 state is 64 registers
+per thread on 4 warps), not a measurement.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import triton
+
+# every sequence of a call at most this many tokens -> the fused kernel (two chunks of 256)
+MAX_FUSED_LEN = 512
+
+
+class FusedScanConfig(NamedTuple):
+    block_t: int  # tokens per step of the scan (the state advances once per step); power of 2, >= 16
+    block_p: int  # head-dim columns per program (0: all of P); smaller -> more programs
+    num_warps: int
+    num_stages: int = 1
+
+
+# (longest sequence at most, programs (sequences x heads) at most) -> config; first match wins.
+# Few (sequence, head) pairs: split P to fill the SMs (132 on an H100); many: whole P per program.
+TABLE: list[tuple[int, int, FusedScanConfig]] = [
+    (16, 256, FusedScanConfig(block_t=16, block_p=16, num_warps=2)),
+    (16, 1 << 30, FusedScanConfig(block_t=16, block_p=32, num_warps=2)),
+    (32, 256, FusedScanConfig(block_t=32, block_p=16, num_warps=4)),
+    (32, 1 << 30, FusedScanConfig(block_t=32, block_p=32, num_warps=4)),
+    (1 << 30, 256, FusedScanConfig(block_t=64, block_p=16, num_warps=4)),
+    (1 << 30, 1 << 30, FusedScanConfig(block_t=64, block_p=32, num_warps=4)),
+]
+
+_forced: FusedScanConfig | None = None
+
+
+@contextlib.contextmanager
+def forced_fused_config(**fields: int) -> Iterator[None]:
+    """Use this config for every fused launch inside the block (the experiment's sweep hook)."""
+    global _forced
+    previous = _forced
+    _forced = FusedScanConfig(**fields)
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def pick_fused_config(max_len: int, nseq: int, H: int, P: int, *, interpreter: bool) -> FusedScanConfig:
+    """Tiles for sequences of at most ``max_len`` tokens (a host bound), ``nseq`` sequences of H heads."""
+    if _forced is not None:
+        cfg = _forced
+    elif interpreter:
+        # the interpreter's cost is per program and loop trip: the smallest tiles tl.dot accepts
+        cfg = FusedScanConfig(block_t=16, block_p=16, num_warps=1)
+    else:
+        programs = nseq * H
+        cfg = next(c for lmax, pmax, c in TABLE if max_len <= lmax and programs <= pmax)
+    full_p = max(16, triton.next_power_of_2(P))
+    block_p = full_p if cfg.block_p == 0 else min(max(16, cfg.block_p), full_p)
+    return cfg._replace(block_p=block_p, block_t=max(16, triton.next_power_of_2(cfg.block_t)))
