@@ -34,11 +34,13 @@ class FusedScanConfig(NamedTuple):
 TABLE: list[tuple[int, int, FusedScanConfig]] = [
     (16, 256, FusedScanConfig(block_t=16, block_p=16, num_warps=2)),
     (16, 1 << 30, FusedScanConfig(block_t=16, block_p=32, num_warps=2)),
-    (32, 256, FusedScanConfig(block_t=32, block_p=16, num_warps=4)),
-    (32, 1 << 30, FusedScanConfig(block_t=32, block_p=32, num_warps=4)),
-    (1 << 30, 256, FusedScanConfig(block_t=64, block_p=16, num_warps=4)),
-    (1 << 30, 1 << 30, FusedScanConfig(block_t=64, block_p=32, num_warps=4)),
+    (1 << 30, 256, FusedScanConfig(block_t=32, block_p=16, num_warps=4)),
+    (1 << 30, 1 << 30, FusedScanConfig(block_t=32, block_p=32, num_warps=4)),
 ]
+# Triton 3.6 on an H100: BLOCK_T = 64 with 16-bit inputs and 4 warps compiles into a kernel that
+# faults (illegal memory access; 2.7b layer shape, 1 x 40 tokens), and with 2 more rows it returned
+# garbage instead; 8 warps or BLOCK_T <= 32 run correctly. So BLOCK_T = 64 always gets 8 warps.
+MIN_WARPS_AT_BLOCK_T_64 = 8
 
 _forced: FusedScanConfig | None = None
 
@@ -67,4 +69,6 @@ def pick_fused_config(max_len: int, nseq: int, H: int, P: int, *, interpreter: b
         cfg = next(c for lmax, pmax, c in TABLE if max_len <= lmax and programs <= pmax)
     full_p = max(16, triton.next_power_of_2(P))
     block_p = full_p if cfg.block_p == 0 else min(max(16, cfg.block_p), full_p)
-    return cfg._replace(block_p=block_p, block_t=max(16, triton.next_power_of_2(cfg.block_t)))
+    block_t = max(16, triton.next_power_of_2(cfg.block_t))
+    warps = max(cfg.num_warps, MIN_WARPS_AT_BLOCK_T_64) if block_t >= 64 and not interpreter else cfg.num_warps
+    return cfg._replace(block_p=block_p, block_t=block_t, num_warps=warps)
