@@ -9,6 +9,7 @@ kernel: argument checks, index / cu_seqlens host reads, config lookup, allocatio
 ops, the launcher's own Python. Triton's real launcher (argument binding, the compiled-kernel
 cache lookup) is not in it: on a GPU it adds a few microseconds per launch.
 
+CPU times are this thread's CPU time (``time.thread_time_ns``: steadier on a shared machine).
 CUDA: nothing stubbed; N calls are timed with ``time.perf_counter_ns`` without synchronizing
 (the queue holds them: a call's kernel is shorter than its host time at these batch-1 shapes),
 and the synchronize after them is not counted. Each figure is the median over ``--repeats`` runs
@@ -114,17 +115,20 @@ def build_calls(device: torch.device, shape: str) -> dict:
 
 
 def time_host(fn, calls: int, repeats: int, cuda: bool) -> float:
-    """Median over ``repeats`` of (elapsed of ``calls`` calls) / calls, in µs; syncs not counted."""
+    """Median over ``repeats`` of (elapsed of ``calls`` calls) / calls, in µs; syncs not counted.
+    CPU runs count this thread's CPU time (time.thread_time_ns), which a machine shared with other
+    work inflates less than wall time; CUDA runs count wall time (the driver's waits are host time)."""
+    clock = time.perf_counter_ns if cuda else time.thread_time_ns
     for _ in range(3):
         fn()
     if cuda:
         torch.cuda.synchronize()
     per_call = []
     for _ in range(repeats):
-        t0 = time.perf_counter_ns()
+        t0 = clock()
         for _ in range(calls):
             fn()
-        per_call.append((time.perf_counter_ns() - t0) / calls / 1e3)
+        per_call.append((clock() - t0) / calls / 1e3)
         if cuda:
             torch.cuda.synchronize()
     return statistics.median(per_call)

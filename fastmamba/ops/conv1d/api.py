@@ -8,6 +8,7 @@ import torch
 from fastmamba.ops._common.host_values import host_reads_allowed
 from fastmamba.ops._common.checks import (
     FLOAT_DTYPES,
+    check_index_values,
     INDEX_DTYPES,
     check_dtype,
     check_indices,
@@ -19,7 +20,9 @@ from fastmamba.ops._common.checks import (
     check_int,
 )
 from fastmamba.ops._common.dispatch import call_directly, use_triton
-from fastmamba.ops.conv1d.kernel import causal_conv1d_update_launch
+from fastmamba.ops._common import pdl as _pdl
+from fastmamba.ops.conv1d import configs as conv_configs
+from fastmamba.ops.conv1d.kernel import causal_conv1d_update_launch, causal_conv1d_update_plan, launch_update_plan
 from fastmamba.ops.conv1d.ref import causal_conv1d_update_ref
 
 _OP = "causal_conv1d_update"
@@ -80,6 +83,25 @@ def causal_conv1d_update(
     tensor([[[0., 3., 1.],
              [1., 1., 2.]]])
     """
+    # Fast path: a signature an earlier call validated (every check but the index values depends on
+    # the signature alone): check the slot values, allocate, launch (issue 19: eager host time).
+    if num_accepted_tokens is None and pad_slot_id.__class__ is int and type(x) is torch.Tensor:
+        try:
+            key = (x.shape, x.stride(), x.dtype, x.device, _sig(conv_state), _sig(weight), _sig(bias),
+                   _sig(cache_seqlens), _sig(conv_state_indices), _sig(out), activation, pad_slot_id, _pdl._enabled,
+                   conv_configs._forced)
+        except (AttributeError, TypeError):  # a non-tensor or an unhashable activation: the checks say which
+            key = None
+        plan = _PLANS.get(key)
+        if plan is not None and use_triton(x) and call_directly(x):
+            if conv_state_indices is not None and host_reads_allowed(conv_state_indices):
+                check_index_values(_OP, "conv_state_indices", conv_state_indices, conv_state.shape[0], pad_slot_id)
+            if out is None:
+                out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            launch_update_plan(plan, x, conv_state, weight, bias, cache_seqlens, conv_state_indices, None, out)
+            return out
+    else:
+        key = None
     check_tensors(_OP, [("x", x), ("conv_state", conv_state), ("weight", weight)],
                   [("bias", bias), ("cache_seqlens", cache_seqlens), ("conv_state_indices", conv_state_indices),
                    ("num_accepted_tokens", num_accepted_tokens), ("out", out)])
@@ -90,11 +112,34 @@ def causal_conv1d_update(
     )
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if key is not None and use_triton(x) and call_directly(x) and len(_PLANS) < _MAX_PLANS:
+        x3 = x.unsqueeze(-1) if x.dim() == 2 else x
+        out3 = out.unsqueeze(-1) if out.dim() == 2 else out
+        plan = _PLANS[key] = causal_conv1d_update_plan(
+            x3, conv_state, weight, bias, cache_seqlens, conv_state_indices, None, out3, silu, pad_slot_id)
+        launch_update_plan(plan, x, conv_state, weight, bias, cache_seqlens, conv_state_indices, None, out)
+        return out
     op = _causal_conv1d_update_impl if call_directly() else _causal_conv1d_update_
     op(
         x, conv_state, weight, bias, cache_seqlens, conv_state_indices, num_accepted_tokens, out, silu, pad_slot_id
     )
     return out
+
+
+# Launch plans of plain eager calls whose signature passed every check (see the fast path above),
+# keyed by each tensor's shape, strides, dtype and device, the activation and the pad id (and the
+# PDL switch, which the plan depends on). Tests that swap a kernel-choice hook clear it.
+_PLANS: dict = {}
+_MAX_PLANS = 1024
+
+
+def clear_plans() -> None:
+    """Forget every cached launch plan (after changing a kernel-choice or config hook)."""
+    _PLANS.clear()
+
+
+def _sig(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
 # Registered so torch.compile and CUDA-graph capture see the in-place writes. The schema is

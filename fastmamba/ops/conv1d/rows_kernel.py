@@ -108,19 +108,28 @@ def _conv1d_update_rows_kernel(
         tl.store(block + rows * (8 * SL) + v * 8 + lane, vec, mask=rmask)
 
 
-def launch_conv1d_update_rows(x, conv_state, weight, bias, conv_state_indices, out, *, silu: bool,
-                              pad_slot_id: int, block_d: int, num_warps: int, use_pdl: bool, pdl_trigger: bool) -> None:
-    """x, out: [B, D] views (any strides); conv_state [S, D, SL] 16-bit with strides (., SL, 1);
-    weight [D, W] contiguous; D % 8 == 0 (see the module docstring)."""
+def rows_update_plan(x, conv_state, weight, bias, conv_state_indices, out, *, silu: bool, pad_slot_id: int,
+                     block_d: int, num_warps: int, use_pdl: bool, pdl_trigger: bool) -> tuple:
+    """The launch (kernel, grid, False, scalars, keyword arguments: see conv1d.kernel's
+    causal_conv1d_update_plan) for x, out: [B, D] views (any strides); conv_state [S, D, SL] 16-bit
+    with strides (., SL, 1); weight [D, W] contiguous; D % 8 == 0 (see the module docstring)."""
     B, D = x.shape
     SL, W = conv_state.shape[2], weight.shape[1]
-    _conv1d_update_rows_kernel[(triton.cdiv(D, block_d), B)](
-        x, conv_state, weight, bias, conv_state_indices, out,
+    scalars = (
         D, pad_slot_id, conv_state.shape[0],
         x.stride(0), x.stride(1), conv_state.stride(0),
         conv_state_indices.stride(0) if conv_state_indices is not None else 0,
         out.stride(0), out.stride(1),
+    )
+    consts = dict(
         W=W, SL=SL, BLOCK_D=block_d, SILU=silu, HAS_BIAS=bias is not None,
         HAS_INDICES=conv_state_indices is not None, USE_PDL=use_pdl, PDL_TRIGGER=pdl_trigger,
         num_warps=num_warps, launch_pdl=use_pdl,
     )
+    return _conv1d_update_rows_kernel, (triton.cdiv(D, block_d), B), False, scalars, consts
+
+
+def launch_conv1d_update_rows(x, conv_state, weight, bias, conv_state_indices, out, **kw) -> None:
+    """Launch the rows kernel (arguments as ``rows_update_plan``)."""
+    kernel, grid, _, scalars, consts = rows_update_plan(x, conv_state, weight, bias, conv_state_indices, out, **kw)
+    kernel[grid](x, conv_state, weight, bias, conv_state_indices, out, *scalars, **consts)

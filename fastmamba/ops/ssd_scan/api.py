@@ -13,7 +13,7 @@ from fastmamba.ops._common.checks import (
     check_same_device,
     check_shape,
 )
-from fastmamba.ops._common.dispatch import use_triton
+from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops._common.host_values import compiling, host_list, host_reads_allowed
 from fastmamba.ops.ssd_scan.launch import ScanSegments, ssd_scan_launch
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
@@ -33,7 +33,10 @@ def num_chunks(cu_seqlens: torch.Tensor, chunk_size: int) -> int:
     Reads cu_seqlens on the host (once per tensor version). Chunk k of sequence b has index
     ``chunk_offsets(cu_seqlens, chunk_size)[b] + k`` in ``chunk_states_out``.
     """
-    cu = host_list(cu_seqlens)
+    return _count_chunks(host_list(cu_seqlens), chunk_size)
+
+
+def _count_chunks(cu: list[int], chunk_size: int) -> int:
     return sum(_cdiv(int(b) - int(a), chunk_size) for a, b in zip(cu[:-1], cu[1:]))
 
 
@@ -44,18 +47,21 @@ def chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return torch.cumsum(n, 0) - n
 
 
-def _check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, total: int) -> None:
+def _check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, total: int) -> list[int] | None:
+    """Shape and dtype; where host reads are allowed also the values, which it returns (one read
+    serves the check and the chunk count), else None."""
     check_dtype(op, "cu_seqlens", cu_seqlens, INDEX_DTYPES)
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"{op}: `cu_seqlens` expected shape (B+1,) with B >= 1, got {tuple(cu_seqlens.shape)}")
     if not host_reads_allowed(cu_seqlens):
-        return
+        return None
     values = host_list(cu_seqlens)
     if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values[:-1], values[1:])):
         shown = values if len(values) <= 10 else values[:5] + ["..."] + values[-3:]
         raise ValueError(
             f"{op}: `cu_seqlens` must start at 0, never decrease and end at the token count {total}; got {shown}"
         )
+    return values
 
 
 def _as_x_dtype(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -160,7 +166,8 @@ def mamba_chunk_scan_combined(
     if return_varlen_states and cu_seqlens is None and seq_idx is None:
         raise ValueError(f"{_DENSE}: `return_varlen_states` needs `cu_seqlens` or `seq_idx` to know the sequences")
 
-    out, final_states, varlen_states = torch.ops.fastmamba.mamba_chunk_scan_combined_(
+    op = _mamba_chunk_scan_combined_impl if call_directly(x) else _mamba_chunk_scan_combined_
+    out, final_states, varlen_states = op(
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, bool(dt_softplus),
         float(dt_limit[0]), float(dt_limit[1]), bool(return_final_states), bool(return_varlen_states), state_dtype,
         bool(A_is_log), cu_seqlens is not None and host_reads_allowed(cu_seqlens),
@@ -178,10 +185,7 @@ def _nothing(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.float32, device=x.device)
 
 
-# A custom op, so that torch.compile(fullgraph=True) traces the public function without
-# breaking the graph at the launches (and the seq_idx host read happens when the op runs).
-@torch.library.custom_op("fastmamba::mamba_chunk_scan_combined_", mutates_args=())
-def _mamba_chunk_scan_combined_(
+def _mamba_chunk_scan_combined_impl(
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -278,6 +282,13 @@ def _mamba_chunk_scan_combined_(
             varlen_states if varlen_states is not None else _nothing(x))
 
 
+# A custom op, so that torch.compile(fullgraph=True) traces the public function without
+# breaking the graph at the launches (and the seq_idx host read happens when the op runs). Plain
+# eager calls on plain tensors skip the dispatcher (dispatch.call_directly) and run the same body.
+_mamba_chunk_scan_combined_ = torch.library.custom_op("fastmamba::mamba_chunk_scan_combined_", mutates_args=())(
+    _mamba_chunk_scan_combined_impl)
+
+
 @_mamba_chunk_scan_combined_.register_fake
 def _(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, dt_softplus, dt_min, dt_max,
       return_final_states, return_varlen_states, state_dtype, A_is_log, read_cu_seqlens):
@@ -360,7 +371,7 @@ def ssd_scan_varlen(
     check_same_device(_VARLEN, [("x", x), ("ssm_states", ssm_states), ("cu_seqlens", cu_seqlens),
                                 ("cache_indices", cache_indices), ("has_initial_state", has_initial_state),
                                 ("out", out), ("chunk_states_out", chunk_states_out)])
-    _check_cu_seqlens(_VARLEN, cu_seqlens, T)
+    cu_values = _check_cu_seqlens(_VARLEN, cu_seqlens, T)
     nseq = cu_seqlens.shape[0] - 1
     S = ssm_states.shape[0]
     if cache_indices is not None:
@@ -386,7 +397,7 @@ def ssd_scan_varlen(
             raise TypeError(f"{_VARLEN}: `out` has dtype {out.dtype} but `x` has {x.dtype}; they must match")
         if T > 0 and not compiling() and out.data_ptr() == x.data_ptr():
             raise ValueError(f"{_VARLEN}: `out` must not alias `x` (the scan reads x after writing out)")
-    total_chunks = None if not host_reads_allowed(cu_seqlens) else num_chunks(cu_seqlens, chunk_size)
+    total_chunks = None if cu_values is None else _count_chunks(cu_values, chunk_size)
     if chunk_states_out is not None:
         check_shape(_VARLEN, "chunk_states_out", chunk_states_out, [("n_chunks", None), ("H", H), ("P", P), ("N", N)])
         check_dtype(_VARLEN, "chunk_states_out", chunk_states_out, FLOAT_DTYPES)
@@ -398,7 +409,8 @@ def ssd_scan_varlen(
     if T == 0:
         return out
     n_chunks = total_chunks if total_chunks is not None else _cdiv(T, chunk_size) + nseq
-    torch.ops.fastmamba.ssd_scan_varlen_(
+    op = _ssd_scan_varlen_impl if call_directly(x) else _ssd_scan_varlen_
+    op(
         x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
         chunk_states_out, chunk_size, dt_softplus, float(dt_limit[0]), float(dt_limit[1]), pad_slot_id, n_chunks,
         bool(A_is_log), rand_seed,
@@ -406,11 +418,7 @@ def ssd_scan_varlen(
     return out
 
 
-# Registered so torch.compile and CUDA-graph capture see the in-place writes.
-@torch.library.custom_op(
-    "fastmamba::ssd_scan_varlen_", mutates_args=("ssm_states", "out", "chunk_states_out")
-)
-def _ssd_scan_varlen_(
+def _ssd_scan_varlen_impl(
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -478,6 +486,12 @@ def _ssd_scan_varlen_(
         state_dtype=torch.float32 if rand_seed is not None else ssm_states.dtype,
         A_is_log=A_is_log,
     )
+
+
+# Registered so torch.compile and CUDA-graph capture see the in-place writes (plain eager calls on
+# plain tensors run the body directly: dispatch.call_directly).
+_ssd_scan_varlen_ = torch.library.custom_op(
+    "fastmamba::ssd_scan_varlen_", mutates_args=("ssm_states", "out", "chunk_states_out"))(_ssd_scan_varlen_impl)
 
 
 @_ssd_scan_varlen_.register_fake

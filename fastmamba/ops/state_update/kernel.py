@@ -167,13 +167,16 @@ def _selective_state_update_kernel(
                      s_tile_off, tile_mask & write_state, seed_ptr, offs_p, offs_n, P, N, STOCHASTIC_ROUND)
 
 
-def launch_selective_state_update(
+def plan_selective_state_update(
     state, x, dt, dt_bias, A, B, C, D, z, out, src_idx, dst_idx, inter, seed,
     *, dt_softplus: bool, tie_hdim: bool, pad_slot_id: int, block_p: int, num_warps: int, use_pdl: bool = False,
     A_is_log: bool = False,
-):
-    """Launch the kernel on 4-D views: state (S,H,P,N), x/dt/z/out (B,T,H,P), B/C (B,T,G,N),
-    A (H,P,N) (A_log when ``A_is_log``), D/dt_bias (H,P), inter (B,T,H,P,N). Optional tensors may be None."""
+) -> tuple[tuple, tuple, dict]:
+    """(grid, scalar arguments, keyword arguments) of the launch on 4-D views: state (S,H,P,N),
+    x/dt/z/out (B,T,H,P), B/C (B,T,G,N), A (H,P,N) (A_log when ``A_is_log``), D/dt_bias (H,P),
+    inter (B,T,H,P,N); optional tensors may be None. Everything but the tensors' addresses: a plan
+    serves every later call whose tensors have the same shapes, strides and dtypes (the public
+    op caches it per call signature), with the tensors passed as they come (views share them)."""
     nreq, ntok, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     block_n = triton.next_power_of_2(dstate)
@@ -182,15 +185,36 @@ def launch_selective_state_update(
     def strides(t, n):
         return tuple(t.stride()) if t is not None else (0,) * n
 
-    _selective_state_update_kernel[grid](
-        state, x, dt, dt_bias, A, B, C, D, z, out,
-        src_idx, dst_idx, inter, seed,
+    scalars = (
         ntok, nheads // ngroups, pad_slot_id, state.shape[0],
         *state.stride(), *x.stride(), *dt.stride(), *strides(dt_bias, 2), *A.stride(),
         *B.stride(), *C.stride(), *strides(D, 2), *strides(z, 4), *out.stride(), *strides(inter, 5),
+    )
+    consts = dict(
         HAS_DT_BIAS=dt_bias is not None, HAS_D=D is not None, HAS_Z=z is not None,
         HAS_SRC_IDX=src_idx is not None, HAS_DST_IDX=dst_idx is not None, HAS_INTER=inter is not None,
         DT_SOFTPLUS=dt_softplus, TIE_HDIM=tie_hdim, STOCHASTIC_ROUND=seed is not None, USE_PDL=use_pdl,
         PDL_TRIGGER=trigger_early(), STORE_EARLY=ntok > 0 and store_state_early(nreq * nheads), A_IS_LOG=A_is_log,
         P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps, launch_pdl=use_pdl,
     )
+    return grid, scalars, consts
+
+
+def launch_planned(plan, state, x, dt, dt_bias, A, B, C, D, z, out, src_idx, dst_idx, inter, seed) -> None:
+    """Launch a ``plan_selective_state_update`` plan on these tensors."""
+    grid, scalars, consts = plan
+    _selective_state_update_kernel[grid](
+        state, x, dt, dt_bias, A, B, C, D, z, out, src_idx, dst_idx, inter, seed, *scalars, **consts)
+
+
+def launch_selective_state_update(
+    state, x, dt, dt_bias, A, B, C, D, z, out, src_idx, dst_idx, inter, seed,
+    *, dt_softplus: bool, tie_hdim: bool, pad_slot_id: int, block_p: int, num_warps: int, use_pdl: bool = False,
+    A_is_log: bool = False,
+):
+    """Launch the kernel on 4-D views (see plan_selective_state_update)."""
+    plan = plan_selective_state_update(
+        state, x, dt, dt_bias, A, B, C, D, z, out, src_idx, dst_idx, inter, seed, dt_softplus=dt_softplus,
+        tie_hdim=tie_hdim, pad_slot_id=pad_slot_id, block_p=block_p, num_warps=num_warps, use_pdl=use_pdl,
+        A_is_log=A_is_log)
+    launch_planned(plan, state, x, dt, dt_bias, A, B, C, D, z, out, src_idx, dst_idx, inter, seed)

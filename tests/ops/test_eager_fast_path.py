@@ -1,0 +1,140 @@
+"""The lean eager path of the decode ops (issue 19 item 0): a call whose signature (shapes, strides,
+dtypes, devices, flags) an earlier call validated skips the checks and launches from a cached plan.
+It must give the same answer as the checked path with fresh values, still check the slot values
+on every call, and a changed signature must go through every check again."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastmamba.ops import causal_conv1d_update, selective_state_update
+from fastmamba.ops.conv1d import api as conv1d_api
+from fastmamba.ops.conv1d.ref import causal_conv1d_update_ref
+from fastmamba.ops.state_update import api as ssu_api
+from fastmamba.ops.state_update.ref import selective_state_update_ref
+
+H, P, N, G, S = 3, 16, 16, 1, 6  # odd head count
+
+
+def _ssu_inputs(device, seed, B=2, state_dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*s, scale=1.0):
+        return (torch.randn(*s, generator=g) * scale).to(device)
+
+    A = -torch.rand(H, generator=g).to(device) - 0.5
+    dt_bias = r(H, scale=0.1)
+    return dict(
+        state=r(S, H, P, N, scale=0.5).to(state_dtype), x=r(B, H, P), dt=r(B, H, scale=0.5).unsqueeze(-1).expand(B, H, P),
+        A=A[:, None, None].expand(H, P, N), B=r(B, G, N, scale=0.3), C=r(B, G, N, scale=0.3), D=r(H)[:, None].expand(H, P),
+        z=r(B, H, P), dt_bias=dt_bias[:, None].expand(H, P),
+        idx=torch.randperm(S, generator=g)[:B].to(device=device, dtype=torch.int32),
+    )
+
+
+def _ssu_call(fn, i, idx=None):
+    return fn(i["state"], i["x"], i["dt"], i["A"], i["B"], i["C"], i["D"], i["z"], i["dt_bias"], True,
+              i["idx"] if idx is None else idx)
+
+
+def _no_checks(monkeypatch, module, names):
+    def boom(*a, **k):
+        raise AssertionError("the fast path ran a check it should have skipped")
+
+    for name in names:
+        monkeypatch.setattr(module, name, boom)
+
+
+def test_ssu_repeat_calls_skip_checks_and_match_reference(device, monkeypatch):
+    first = _ssu_inputs(device, 0)
+    want_state = first["state"].clone()
+    want = _ssu_call(lambda s, *a: selective_state_update_ref(want_state, *a), first)
+    got = _ssu_call(selective_state_update, first)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(first["state"], want_state, atol=1e-4, rtol=1e-4)
+    if device.type != "cuda" and not ssu_api.use_triton(first["x"]):
+        pytest.skip("no Triton path on this CPU (TRITON_INTERPRET unset): nothing is planned")
+    assert len(ssu_api._PLANS) == 1
+    # same signature, fresh values, the shape checks made to fail if they ran
+    _no_checks(monkeypatch, ssu_api, ["check_shape", "check_tensors", "check_same_device", "check_indices"])
+    second = _ssu_inputs(device, 1)
+    want_state = second["state"].clone()
+    want = _ssu_call(lambda s, *a: selective_state_update_ref(want_state, *a), second)
+    got = _ssu_call(selective_state_update, second)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(second["state"], want_state, atol=1e-4, rtol=1e-4)
+    # the pad slot keeps working on the fast path: zero output, no state touched
+    third = _ssu_inputs(device, 2)
+    before = third["state"].clone()
+    pad = torch.tensor([third["idx"][0].item(), -1], dtype=torch.int32, device=device)
+    y = _ssu_call(selective_state_update, third, idx=pad)
+    assert torch.equal(y[1], torch.zeros_like(y[1]))
+    untouched = [s for s in range(S) if s != pad[0].item()]
+    assert torch.equal(third["state"][untouched], before[untouched])
+
+
+def test_ssu_fast_path_still_checks_slot_values(device):
+    i = _ssu_inputs(device, 0)
+    _ssu_call(selective_state_update, i)
+    before = i["state"].clone()
+    bad = torch.tensor([1, S + 2], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=rf"selective_state_update: `state_batch_indices` values must lie in \[0, {S}\).*{S + 2}"):
+        _ssu_call(selective_state_update, i, idx=bad)
+    assert torch.equal(i["state"], before)
+
+
+def test_ssu_changed_signature_is_checked_again(device):
+    i = _ssu_inputs(device, 0)
+    _ssu_call(selective_state_update, i)
+    i["z"] = i["z"].to(torch.float16)  # z must match x's dtype
+    with pytest.raises(TypeError, match="selective_state_update: `z` has dtype float16 but `x` has float32"):
+        _ssu_call(selective_state_update, i)
+    j = _ssu_inputs(device, 0)
+    j["C"] = j["C"][:, :, : N - 1]
+    with pytest.raises(ValueError, match="selective_state_update: `C` expected shape"):
+        _ssu_call(selective_state_update, j)
+    with pytest.raises(TypeError, match="pad_slot_id"):  # a float pad id never takes the fast path
+        selective_state_update(i["state"], i["x"], i["dt"], i["A"], i["B"], i["C"], pad_slot_id=-1.0)
+
+
+def _conv_inputs(device, seed, B=3, D=40, W=4):
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        x=torch.randn(B, D, generator=g).to(device), state=torch.randn(S, D, W - 1, generator=g).to(device),
+        weight=(torch.randn(D, W, generator=g) * 0.5).to(device), bias=(torch.randn(D, generator=g) * 0.1).to(device),
+        idx=torch.randperm(S, generator=g)[:B].to(device=device, dtype=torch.int32),
+    )
+
+
+def _conv_call(fn, i, state, idx=None):
+    return fn(i["x"], state, i["weight"], i["bias"], "silu", None, i["idx"] if idx is None else idx)
+
+
+def test_conv_repeat_calls_skip_checks_and_match_reference(device, monkeypatch):
+    for seed in (0, 1):
+        i = _conv_inputs(device, seed)
+        want_state = i["state"].clone()
+        want = _conv_call(causal_conv1d_update_ref, i, want_state)
+        got = _conv_call(causal_conv1d_update, i, i["state"])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(i["state"], want_state)  # data movement: exact
+        if seed == 0:
+            if device.type != "cuda" and not conv1d_api.use_triton(i["x"]):
+                pytest.skip("no Triton path on this CPU (TRITON_INTERPRET unset): nothing is planned")
+            assert len(conv1d_api._PLANS) == 1
+            _no_checks(monkeypatch, conv1d_api, ["_check_inputs", "check_tensors", "parse_activation"])
+
+
+def test_conv_fast_path_still_checks_slot_values_and_changed_signatures(device):
+    i = _conv_inputs(device, 0)
+    _conv_call(causal_conv1d_update, i, i["state"])
+    before = i["state"].clone()
+    with pytest.raises(ValueError, match=rf"causal_conv1d_update: `conv_state_indices` values must lie in \[0, {S}\).*\[{S}\]"):
+        _conv_call(causal_conv1d_update, i, i["state"], idx=torch.tensor([0, S, 1], dtype=torch.int32, device=device))
+    assert torch.equal(i["state"], before)
+    with pytest.raises(ValueError, match="activation"):
+        i["x"] = i["x"].clone()
+        causal_conv1d_update(i["x"], i["state"], i["weight"], i["bias"], "gelu", None, i["idx"])
+    with pytest.raises(ValueError, match="causal_conv1d_update: `bias` expected shape"):
+        causal_conv1d_update(i["x"], i["state"], i["weight"], i["bias"][:-1], "silu", None, i["idx"])
+    assert torch.equal(i["state"], before)
