@@ -169,7 +169,7 @@ def causal_conv1d_fn() -> Peer:
 # --- vLLM's Triton mamba ops ----------------------------------------------------------------------
 # vLLM is a large install with CUDA extensions; its Mamba ops (vllm/model_executor/layers/mamba/ops/)
 # are plain Triton. They are taken from the vLLM wheel into the git-ignored ``peers/vllm_mamba_ops/``
-# (see peers/README or the bench docs):
+# (scripts/fetch_vllm_peer.sh does this):
 #     pip download --no-deps vllm==0.33.0 -d /tmp/vllm_whl
 #     unzip /tmp/vllm_whl/vllm-*.whl 'vllm/model_executor/layers/mamba/ops/*'  -> copy that folder
 # and imported under their own ``vllm.*`` names, with stand-in modules for the few vLLM modules

@@ -138,3 +138,22 @@ def test_conv_fast_path_still_checks_slot_values_and_changed_signatures(device):
     with pytest.raises(ValueError, match="causal_conv1d_update: `bias` expected shape"):
         causal_conv1d_update(i["x"], i["state"], i["weight"], i["bias"][:-1], "silu", None, i["idx"])
     assert torch.equal(i["state"], before)
+
+
+def test_rmsnorm_repeat_calls_skip_checks_and_match_reference(device, monkeypatch):
+    from fastmamba.ops import rmsnorm_fn
+    from fastmamba.ops.gated_rmsnorm import api as norm_api
+    from fastmamba.ops.gated_rmsnorm.ref import rmsnorm_ref
+
+    monkeypatch.setattr(norm_api, "_VALID", {})
+    for seed in (0, 1):
+        g = torch.Generator().manual_seed(seed)
+        x, z = torch.randn(3, 48, generator=g).to(device), torch.randn(3, 48, generator=g).to(device)
+        w = (1 + 0.1 * torch.randn(48, generator=g)).to(device)
+        got = rmsnorm_fn(x, w, None, z, 1e-5, 16, False)
+        torch.testing.assert_close(got, rmsnorm_ref(x, w, None, z, 1e-5, 16, False), atol=1e-5, rtol=1e-5)
+        if seed == 0:
+            assert len(norm_api._VALID) == 1
+            _no_checks(monkeypatch, norm_api, ["check_dtype", "check_shape", "check_same_device", "check_eps"])
+    with pytest.raises(AssertionError, match="fast path ran a check"):  # another group size: checked again
+        rmsnorm_fn(x, w, None, z, 1e-5, 24, False)

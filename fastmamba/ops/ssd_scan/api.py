@@ -15,6 +15,7 @@ from fastmamba.ops._common.checks import (
 )
 from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops._common.host_values import compiling, host_list, host_reads_allowed
+from fastmamba.ops.ssd_scan.kernel import _segment_slots_kernel
 from fastmamba.ops.ssd_scan.launch import ScanSegments, ssd_scan_launch
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
 
@@ -453,22 +454,24 @@ def _ssd_scan_varlen_impl(
         return
     nseq = cu_seqlens.shape[0] - 1
     dev = x.device
-    slots = (torch.arange(nseq, dtype=torch.int32, device=dev) if cache_indices is None
-             else cache_indices.to(torch.int32))
     # a slot outside [0, S) acts as the pad slot (no read, no write, zero output), so unchecked
-    # indices (trusted_inputs, graph capture, compile) never reach outside the pool
+    # indices (trusted_inputs, graph capture, compile) never reach outside the pool; one small
+    # kernel derives the rows (final_idx, init_idx) and the skip flags
     S = ssm_states.shape[0]
-    pad = (slots == pad_slot_id) | (slots < 0) | (slots >= S)
-    none = torch.full_like(slots, -1)
-    final_idx = torch.where(pad, none, slots)
-    if has_initial_state is not None:
-        init_idx = torch.where(has_initial_state.to(torch.bool) & ~pad, slots, none)
-    else:
-        init_idx = None
+    has_init = has_initial_state is not None
+    rows = torch.empty(2 if has_init else 1, nseq, dtype=torch.int32, device=dev)
+    skip = torch.empty(nseq, dtype=torch.int8, device=dev) if cache_indices is not None else None
+    block = 128
+    _segment_slots_kernel[(-(-nseq // block),)](
+        cache_indices, has_initial_state, rows, skip, nseq, pad_slot_id, S,
+        HAS_SLOTS=cache_indices is not None, HAS_INIT=has_init, BLOCK=block, num_warps=4,
+    )
+    final_idx = rows[0]
+    init_idx = rows[1] if has_init else None
     segments = ScanSegments(
         cu=cu_seqlens,
         n_chunks=n_chunks,
-        skip=pad.to(torch.int8) if cache_indices is not None else None,
+        skip=skip,
         init=ssm_states if init_idx is not None else None,
         init_idx=init_idx,
         final=ssm_states,
