@@ -157,3 +157,101 @@ def test_rmsnorm_repeat_calls_skip_checks_and_match_reference(device, monkeypatc
             _no_checks(monkeypatch, norm_api, ["check_dtype", "check_shape", "check_same_device", "check_eps"])
     with pytest.raises(AssertionError, match="fast path ran a check"):  # another group size: checked again
         rmsnorm_fn(x, w, None, z, 1e-5, 24, False)
+
+
+@pytest.mark.parametrize("name", ["state_batch_indices", "dst_state_batch_indices"])
+def test_ssu_device_checked_slots_report_at_the_next_call(device, monkeypatch, name):
+    """Indices the lean path does not read on the host (a GPU's; here CPU ones with the switch on):
+    the kernel treats a bad one as the pad slot and records it; the next call raises the
+    ValueError before launching anything, and the one after runs again."""
+    from fastmamba.ops._common import slot_errors
+
+    if device.type != "cuda" and not ssu_api.use_triton(torch.empty(1)):
+        pytest.skip("the kernel path needs TRITON_INTERPRET=1 on the CPU")
+    monkeypatch.setattr(ssu_api, "DEVICE_CHECK_CPU", True)
+    i = _ssu_inputs(device, 0)
+    if name == "state_batch_indices":
+        _ssu_call(selective_state_update, i)  # the first call of a signature is checked on the host
+        good = i["idx"].tolist()
+        bad = torch.tensor([good[0], S + 5], dtype=torch.int32, device=device)
+        before = i["state"].clone()
+        y = _ssu_call(selective_state_update, i, idx=bad)  # lean path: no host read, no error yet
+        assert torch.equal(y[1], torch.zeros_like(y[1]))  # the bad row acts as a pad row
+        untouched = [s for s in range(S) if s != good[0]]
+        assert torch.equal(i["state"][untouched], before[untouched])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        after_bad = i["state"].clone()
+        with pytest.raises(ValueError, match=rf"selective_state_update: `state_batch_indices` values must lie in "
+                                             rf"\[0, {S}\).*\[{S + 5}\].*nothing was written outside the pool"):
+            _ssu_call(selective_state_update, i)
+        assert torch.equal(i["state"], after_bad)  # raised before launching
+        _ssu_call(selective_state_update, i)  # reported once: the next call runs
+    else:  # dst indices take the checked path; the device record stays clean
+        _ssu_call(selective_state_update, i)
+        _ssu_call(selective_state_update, i)
+        slot_errors.raise_pending_slot_errors()
+
+
+@pytest.mark.parametrize("kernel", ["generic", "vec4", "rows"], ids=["generic-SL3", "vec4-SL4", "rows-SL3-bf16"])
+def test_conv_device_checked_slots_report_at_the_next_call(device, monkeypatch, kernel):
+    import fastmamba.ops.conv1d.kernel as conv_kernel
+
+    if device.type != "cuda" and not conv1d_api.use_triton(torch.empty(1)):
+        pytest.skip("the kernel path needs TRITON_INTERPRET=1 on the CPU")
+    monkeypatch.setattr(conv1d_api, "DEVICE_CHECK_CPU", True)
+    taken = []
+    for name in ("_conv1d_update_vec4_kernel", "_causal_conv1d_update_kernel"):
+        monkeypatch.setattr(conv_kernel, name, _Spy(getattr(conv_kernel, name), taken, name))
+    monkeypatch.setattr(conv_kernel, "use_rows_kernel", lambda D, B: kernel == "rows")
+    monkeypatch.setattr(conv_kernel, "use_vec4_kernel", lambda D, B: kernel == "vec4")
+    i = _conv_inputs(device, 0)
+    if kernel == "vec4":
+        i["state"] = torch.randn(S, i["x"].shape[1], 4).to(device)
+    if kernel == "rows":
+        i["state"] = i["state"].to(torch.bfloat16)
+    _conv_call(causal_conv1d_update, i, i["state"])  # first call of the signature: checked on the host
+    good = i["idx"].tolist()
+    bad = torch.tensor([good[0], S + 7, good[2]], dtype=torch.int32, device=device)
+    before = i["state"].clone()
+    y = _conv_call(causal_conv1d_update, i, i["state"], idx=bad)  # no host read: the kernel skips row 1
+    assert torch.equal(y[1], torch.zeros_like(y[1]))
+    untouched = [s for s in range(S) if s not in (good[0], good[2])]
+    assert torch.equal(i["state"][untouched], before[untouched])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    after_bad = i["state"].clone()
+    with pytest.raises(ValueError, match=rf"causal_conv1d_update: `conv_state_indices` values must lie in \[0, {S}\)"
+                                         rf".*\[{S + 7}\]"):
+        _conv_call(causal_conv1d_update, i, i["state"])
+    assert torch.equal(i["state"], after_bad)
+    _conv_call(causal_conv1d_update, i, i["state"])  # reported once
+    want = {"generic": "_causal_conv1d_update_kernel", "vec4": "_conv1d_update_vec4_kernel", "rows": None}[kernel]
+    assert set(taken) == ({want} if want else set()), taken
+
+
+class _Spy:
+    """A kernel stand-in that records its name when launched, then launches the kernel."""
+
+    def __init__(self, kernel, taken, name):
+        self.kernel, self.taken, self.name = kernel, taken, name
+
+    def __getitem__(self, grid):
+        self.taken.append(self.name)
+        return self.kernel[grid]
+
+
+def test_raise_pending_slot_errors_reports_on_demand(device, monkeypatch):
+    from fastmamba.ops import raise_pending_slot_errors
+
+    if device.type != "cuda" and not conv1d_api.use_triton(torch.empty(1)):
+        pytest.skip("the kernel path needs TRITON_INTERPRET=1 on the CPU")
+    monkeypatch.setattr(conv1d_api, "DEVICE_CHECK_CPU", True)
+    i = _conv_inputs(device, 3)
+    _conv_call(causal_conv1d_update, i, i["state"])
+    _conv_call(causal_conv1d_update, i, i["state"], idx=torch.tensor([-5, 0, 1], dtype=torch.int32, device=device))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"causal_conv1d_update: `conv_state_indices`.*\[-5\]"):
+        raise_pending_slot_errors()
+    raise_pending_slot_errors()  # cleared

@@ -48,6 +48,7 @@ from fastmamba.ops._common.pdl import fits_one_wave, pdl_launch, pdl_requested
 from fastmamba.ops.conv1d.configs import (
     force_rows_kernel, pick_config, pick_rows_config, pick_vec4_config, use_rows_kernel, use_vec4_kernel,
 )
+from fastmamba.ops._common.slot_errors import report_bad_slot, slot_record
 from fastmamba.ops.conv1d.rows_kernel import rows_update_plan
 
 MODE_SHIFT = tl.constexpr(0)  # state = last state_len inputs, shifted left by L
@@ -109,6 +110,8 @@ def _causal_conv1d_update_kernel(
     MODE: tl.constexpr,
     USE_PDL: tl.constexpr,
     PDL_TRIGGER: tl.constexpr,
+    err_ptr=None,  # slot-error record (REPORT_SLOTS: fastmamba.ops._common.slot_errors)
+    REPORT_SLOTS: tl.constexpr = False,
 ):
     # one program per (block of BLOCK_D channels, request b)
     pid_d = tl.program_id(0)
@@ -133,6 +136,9 @@ def _causal_conv1d_update_kernel(
     live = True
     if HAS_INDICES:  # a slot outside [0, S) acts as the pad slot: nothing outside the pool is touched
         live = (slot != pad_slot_id) & (slot >= 0) & (slot < n_slots)
+        if REPORT_SLOTS:
+            if pid_d == 0:
+                report_bad_slot(err_ptr, slot, pad_slot_id, n_slots, 1)
     if MODE == MODE_SHIFT:
         # the state columns the step needs sit at fixed addresses: under PDL they are read before
         # the wait, like the weights (a padding row reads nothing)
@@ -241,6 +247,8 @@ def _conv1d_update_vec4_kernel(
     HAS_INDICES: tl.constexpr,
     USE_PDL: tl.constexpr,
     PDL_TRIGGER: tl.constexpr,
+    err_ptr=None,  # slot-error record (REPORT_SLOTS: fastmamba.ops._common.slot_errors)
+    REPORT_SLOTS: tl.constexpr = False,
 ):
     # one program per (block of BLOCK_D channels, request b); state_len is 4
     pid_d = tl.program_id(0)
@@ -275,6 +283,9 @@ def _conv1d_update_vec4_kernel(
     valid = True
     if HAS_INDICES:  # a slot outside [0, S) acts as the pad slot
         valid = (slot != pad_slot_id) & (slot >= 0) & (slot < n_slots)
+        if REPORT_SLOTS:
+            if pid_d == 0:
+                report_bad_slot(err_ptr, slot, pad_slot_id, n_slots, 1)
     # the block's whole state, read once with 16-byte loads (under PDL, before the wait: see pdl.py)
     old = tl.load(block + e, mask=e_mask & valid, other=0.0)
     if USE_PDL:
@@ -347,10 +358,12 @@ def launch_update_plan(plan, x, conv_state, weight, bias, cache_seqlens, conv_st
 
 
 def causal_conv1d_update_plan(x, conv_state, weight, bias, cache_seqlens, conv_state_indices, num_accepted_tokens,
-                              out, silu: bool, pad_slot_id: int) -> tuple | None:
+                              out, silu: bool, pad_slot_id: int, report_slots: bool = False) -> tuple | None:
     """(kernel, grid, generic argument order, scalar arguments, keyword arguments) of the launch on
     these [B, D, L] views, or None when there is nothing to do: everything but the tensors'
-    addresses, so a plan serves every call with the same shapes, strides and dtypes."""
+    addresses, so a plan serves every call with the same shapes, strides and dtypes. With
+    ``report_slots`` the kernel records a bad slot index in the op's slot-error record on x's
+    device (slot_errors.py; the record is the same tensor for every call, so the plan holds it)."""
     B, D, L = x.shape
     state_len = conv_state.shape[-1]
     W = weight.shape[1]
@@ -374,7 +387,7 @@ def causal_conv1d_update_plan(x, conv_state, weight, bias, cache_seqlens, conv_s
             W=W, WEIGHT_FLAT=W == 4 and tuple(weight.stride()) == (4, 1),
             BLOCK_D=cfg.block_d, EVEN_D=D % cfg.block_d == 0, SILU=silu, HAS_BIAS=bias is not None,
             HAS_INDICES=conv_state_indices is not None, USE_PDL=use_pdl, PDL_TRIGGER=early,
-            num_warps=cfg.num_warps, launch_pdl=use_pdl,
+            num_warps=cfg.num_warps, launch_pdl=use_pdl, **_report(x, report_slots),
         )
         return _conv1d_update_vec4_kernel, (triton.cdiv(D, cfg.block_d), B), False, scalars, consts
 
@@ -393,7 +406,7 @@ def causal_conv1d_update_plan(x, conv_state, weight, bias, cache_seqlens, conv_s
         return rows_update_plan(
             x[:, :, 0], conv_state, weight, bias, conv_state_indices, out[:, :, 0], silu=silu,
             pad_slot_id=pad_slot_id, block_d=cfg.block_d, num_warps=cfg.num_warps,
-            use_pdl=use_pdl, pdl_trigger=early,
+            use_pdl=use_pdl, pdl_trigger=early, **_report(x, report_slots),
         )
 
     xc = history_columns(W, state_len, L, cache_seqlens is not None)
@@ -413,7 +426,14 @@ def causal_conv1d_update_plan(x, conv_state, weight, bias, cache_seqlens, conv_s
     consts = dict(
         W=W, SL=state_len, L=L, XC=xc,
         BLOCK_D=cfg.block_d, SILU=silu, USE_PDL=use_pdl, PDL_TRIGGER=early,
-        num_warps=cfg.num_warps, launch_pdl=use_pdl,
+        num_warps=cfg.num_warps, launch_pdl=use_pdl, **_report(x, report_slots),
     )
     return _causal_conv1d_update_kernel, grid, True, scalars, consts
+
+
+def _report(x: torch.Tensor, report_slots: bool) -> dict:
+    """The keyword arguments that make an update kernel record bad slot indices (slot_errors.py)."""
+    if not report_slots:
+        return {}
+    return dict(err_ptr=slot_record("causal_conv1d_update", x.device)[0], REPORT_SLOTS=True)
 

@@ -17,6 +17,7 @@ from fastmamba.ops._common.checks import (
 from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops._common.pdl import pdl_active, pdl_requested
 from fastmamba.ops._common import pdl as _pdl
+from fastmamba.ops._common import slot_errors
 from fastmamba.ops._common.checks import check_index_values
 from fastmamba.ops._common.host_values import host_reads_allowed
 from fastmamba.ops.state_update import configs as ssu_configs
@@ -77,7 +78,7 @@ def _selective_state_update_impl(
 
 
 def _plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, pad_slot_id, out,
-          dst_state_batch_indices, intermediate_states, rand_seed, A_is_log) -> tuple:
+          dst_state_batch_indices, intermediate_states, rand_seed, A_is_log, report_slots=False) -> tuple:
     """The kernel launch for these normalised 4-D views, but for the tensors' addresses."""
     nreq, _, nheads, headdim = x.shape
     block_p, num_warps = pick_config(
@@ -91,7 +92,21 @@ def _plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices
         state_batch_indices, dst_state_batch_indices, intermediate_states, rand_seed,
         dt_softplus=dt_softplus, tie_hdim=tie_hdim, pad_slot_id=pad_slot_id,
         block_p=block_p, num_warps=num_warps, use_pdl=pdl_active(x, programs, num_warps), A_is_log=A_is_log,
+        report_slots=report_slots,
     )
+
+
+# Whether the lean path also checks CPU indices on the device instead of the host (tests of the
+# device check without a GPU; on a CPU the host read costs no synchronize, so it stays off).
+DEVICE_CHECK_CPU = False
+SLOT_NAMES = ("state_batch_indices", "dst_state_batch_indices")
+slot_errors.NAMES[OP] = SLOT_NAMES
+
+
+def _device_check(idx: torch.Tensor | None) -> bool:
+    """Whether a lean call checks ``idx`` in the kernel (reported at the next call: slot_errors.py)
+    instead of reading it on the host: indices on a GPU that the caller has not vouched for."""
+    return idx is not None and (idx.is_cuda or DEVICE_CHECK_CPU) and host_reads_allowed(idx)
 
 
 # Launch plans of plain eager calls (issue 19: an eager call's host time), keyed by the call's
@@ -115,7 +130,7 @@ def _sig(t: torch.Tensor | None) -> tuple | None:
 def _plan_key(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx, pad_slot_id, A_is_log) -> tuple:
     return (x.shape, x.stride(), x.dtype, x.device, _sig(state), _sig(dt), _sig(A), _sig(B), _sig(C),
             _sig(D), _sig(z), _sig(dt_bias), _sig(idx), dt_softplus, pad_slot_id, A_is_log,
-            _pdl._enabled, ssu_configs._forced, ssu_configs.STORE_EARLY)
+            _pdl._enabled, ssu_configs._forced, ssu_configs.STORE_EARLY, _device_check(idx))
 
 
 # Registered so torch.compile and graph capture see the in-place writes; plain eager calls skip
@@ -171,7 +186,11 @@ def selective_state_update(
     D       [H, P] or [H] or None;   dt_bias [H, P] or [H] or None (any float dtype);
     z       like x (same dtype) or None (y *= silu(z))
     state_batch_indices     [B] int32/int64 or None (row b); rows equal to ``pad_slot_id`` are
-                            skipped: no state read or write, y row zeroed
+                            skipped: no state read or write, y row zeroed. Values outside [0, S)
+                            raise ValueError: at once where reading them costs no synchronize (CPU
+                            indices, the first call of a call signature); on a GPU, repeated plain
+                            calls leave the check to the kernel, which skips such a row and makes
+                            the op's next call raise (fastmamba.ops._common.slot_errors)
     dst_state_batch_indices [B] int32/int64 or None: where the new state goes (pad: not written)
     intermediate_states     [B, T, H, P, N] float or None: written with the state after every token
                             (the per-position buffers of speculative verification)
@@ -199,10 +218,15 @@ def selective_state_update(
             key = None
         plan = _PLANS.get(key)
         if plan is not None and use_triton(x) and call_directly(x):
-            if state_batch_indices is not None and host_reads_allowed(state_batch_indices):
+            err = None
+            if key[-1]:  # indices checked by the kernel: report what an earlier call found
+                err, host = slot_errors.slot_record(OP, x.device)
+                if host[0]:
+                    slot_errors.raise_pending(OP, x.device, SLOT_NAMES)
+            elif state_batch_indices is not None and host_reads_allowed(state_batch_indices):
                 check_index_values(OP, "state_batch_indices", state_batch_indices, state.shape[0], pad_slot_id)
             y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            launch_planned(plan, state, x, dt, dt_bias, A, B, C, D, z, y, state_batch_indices, None, None, None)
+            launch_planned(plan, state, x, dt, dt_bias, A, B, C, D, z, y, state_batch_indices, None, None, None, err)
             return y
     else:
         key = None
@@ -302,9 +326,11 @@ def selective_state_update(
             bool(A_is_log))
     if key is not None and use_triton(x4) and call_directly(x4) and len(_PLANS) < _MAX_PLANS:
         # checked: plan this signature (out4 is the contiguous buffer the fast path allocates too)
-        plan = _PLANS[key] = _plan(*args)
+        report = key[-1]
+        err = slot_errors.slot_record(OP, x4.device)[0] if report else None
+        plan = _PLANS[key] = _plan(*args, report_slots=report)
         launch_planned(plan, state, x4, args[2], dt_bias, A, args[4], args[5], D, args[7], out4,
-                       state_batch_indices, None, None, None)
+                       state_batch_indices, None, None, None, err)
     else:
         op = _selective_state_update_impl if call_directly() else _selective_state_update_op
         op(*args)
