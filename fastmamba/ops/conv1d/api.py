@@ -97,12 +97,12 @@ def causal_conv1d_update(
                    conv_configs._forced, _device_check(conv_state_indices))
         except (AttributeError, TypeError):  # a non-tensor or an unhashable activation: the checks say which
             key = None
+        checked_on_device = key is not None and key[-1]
+        if checked_on_device and slot_errors.slot_record(_OP, x.device)[1][0]:
+            slot_errors.raise_pending(_OP, x.device, SLOT_NAMES)  # what an earlier call's kernel found
         plan = _PLANS.get(key)
         if plan is not None and use_triton(x) and call_directly(x):
-            if key[-1]:  # indices checked by the kernel: report what an earlier call found
-                if slot_errors.slot_record(_OP, x.device)[1][0]:
-                    slot_errors.raise_pending(_OP, x.device, SLOT_NAMES)
-            elif conv_state_indices is not None and host_reads_allowed(conv_state_indices):
+            if not checked_on_device and conv_state_indices is not None and host_reads_allowed(conv_state_indices):
                 check_index_values(_OP, "conv_state_indices", conv_state_indices, conv_state.shape[0], pad_slot_id)
             if out is None:
                 out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

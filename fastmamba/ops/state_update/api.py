@@ -216,14 +216,14 @@ def selective_state_update(
                             A_is_log)
         except AttributeError:  # not a tensor somewhere: the checks below say which
             key = None
+        err = None
+        if key is not None and key[-1]:  # indices checked by the kernels: report what an earlier call found
+            err, host = slot_errors.slot_record(OP, x.device)
+            if host[0]:
+                slot_errors.raise_pending(OP, x.device, SLOT_NAMES)
         plan = _PLANS.get(key)
         if plan is not None and use_triton(x) and call_directly(x):
-            err = None
-            if key[-1]:  # indices checked by the kernel: report what an earlier call found
-                err, host = slot_errors.slot_record(OP, x.device)
-                if host[0]:
-                    slot_errors.raise_pending(OP, x.device, SLOT_NAMES)
-            elif state_batch_indices is not None and host_reads_allowed(state_batch_indices):
+            if err is None and state_batch_indices is not None and host_reads_allowed(state_batch_indices):
                 check_index_values(OP, "state_batch_indices", state_batch_indices, state.shape[0], pad_slot_id)
             y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
             launch_planned(plan, state, x, dt, dt_bias, A, B, C, D, z, y, state_batch_indices, None, None, None, err)
