@@ -255,3 +255,22 @@ def test_raise_pending_slot_errors_reports_on_demand(device, monkeypatch):
     with pytest.raises(ValueError, match=r"causal_conv1d_update: `conv_state_indices`.*\[-5\]"):
         raise_pending_slot_errors()
     raise_pending_slot_errors()  # cleared
+
+
+def test_conv_fn_repeat_calls_skip_checks_and_match_reference(device, monkeypatch):
+    from fastmamba.ops import causal_conv1d_fn
+    from fastmamba.ops.conv1d_fn import api as fn_api
+    from fastmamba.ops.conv1d_fn.ref import causal_conv1d_fn_ref
+
+    monkeypatch.setattr(fn_api, "_VALID_FN", {})
+    for seed in (0, 1):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(2, 19, 24, generator=g).to(device).transpose(1, 2)  # channel-last (B, D, L), L odd
+        w, b = (torch.randn(24, 4, generator=g) * 0.5).to(device), (torch.randn(24, generator=g) * 0.1).to(device)
+        got = causal_conv1d_fn(x, w, b, activation="silu")
+        torch.testing.assert_close(got, causal_conv1d_fn_ref(x, w, b, activation="silu"), atol=1e-5, rtol=1e-5)
+        if seed == 0:
+            assert len(fn_api._VALID_FN) == 1
+            _no_checks(monkeypatch, fn_api, ["_check_fn_inputs", "parse_activation"])
+    with pytest.raises(AssertionError, match="fast path ran a check"):  # another activation: checked again
+        causal_conv1d_fn(x, w, b, activation=None)
