@@ -21,7 +21,6 @@ import os
 import re
 import sys
 import types
-from types import SimpleNamespace  # noqa: F401  (vllm_conv_metadata)
 from collections.abc import Callable
 from dataclasses import dataclass
 
