@@ -181,6 +181,25 @@ def mamba_chunk_scan_combined(
     return result[0] if len(result) == 1 else tuple(result)
 
 
+# Segment tables of dense calls (one sequence per row), by (rows, length, device): constant index
+# tensors the kernels only read, made once instead of three small launches per call (issue 19).
+_DENSE_SEGMENTS: dict = {}
+
+
+def _dense_segments(nb: int, L: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cu [nb+1] = 0, L, 2L, ..., row of each segment [nb] = 0..nb-1, [nb] of -1), cached; made
+    outside any CUDA-graph capture's pool where possible (a capture only reads them)."""
+    key = (nb, L, dev)
+    seg = _DENSE_SEGMENTS.get(key)
+    if seg is None:
+        seg = (torch.arange(0, nb * L + 1, L, dtype=torch.int32, device=dev),
+               torch.arange(nb, dtype=torch.int32, device=dev),
+               torch.full((nb,), -1, dtype=torch.int32, device=dev))
+        if len(_DENSE_SEGMENTS) < 256 and not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _DENSE_SEGMENTS[key] = seg
+    return seg
+
+
 def _nothing(x: torch.Tensor) -> torch.Tensor:
     """The placeholder for a state the caller did not ask for (a custom op returns tensors)."""
     return torch.empty(0, dtype=torch.float32, device=x.device)
@@ -252,12 +271,12 @@ def _mamba_chunk_scan_combined_impl(
         last_of_row = torch.tensor(lasts, dtype=torch.bool, device=dev)
         n_chunks = sum(_cdiv(e - s, chunk_size) for s, e in zip(bounds[:-1], bounds[1:]))
     else:
-        cu = torch.arange(0, nb * L + 1, L, dtype=torch.int32, device=dev)
-        row_of_seg = torch.arange(nb, dtype=torch.int32, device=dev)
+        cu, row_of_seg, none = _dense_segments(nb, L, dev)
         first_of_row = last_of_row = None
         n_chunks = nb * _cdiv(L, chunk_size)
     n_seg = cu.shape[0] - 1
-    none = torch.full((n_seg,), -1, dtype=torch.int32, device=dev)
+    if cu_seqlens is not None or seq_idx is not None:
+        none = torch.full((n_seg,), -1, dtype=torch.int32, device=dev)
 
     def where_row(flags):
         return row_of_seg if flags is None else torch.where(flags, row_of_seg, none)
