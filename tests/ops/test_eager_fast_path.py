@@ -274,3 +274,41 @@ def test_conv_fn_repeat_calls_skip_checks_and_match_reference(device, monkeypatc
             _no_checks(monkeypatch, fn_api, ["_check_fn_inputs", "parse_activation"])
     with pytest.raises(AssertionError, match="fast path ran a check"):  # another activation: checked again
         causal_conv1d_fn(x, w, b, activation=None)
+
+
+def test_repeat_decode_calls_read_no_index_on_the_host(device, monkeypatch):
+    """With the device check on (as for GPU indices), a repeated signature reads no slot index on
+    the host: zero host reads after the first call."""
+    import fastmamba.ops._common.checks as checks
+
+    if device.type != "cuda" and not ssu_api.use_triton(torch.empty(1)):
+        pytest.skip("the kernel path needs TRITON_INTERPRET=1 on the CPU")
+    monkeypatch.setattr(ssu_api, "DEVICE_CHECK_CPU", True)
+    monkeypatch.setattr(conv1d_api, "DEVICE_CHECK_CPU", True)
+    i, c = _ssu_inputs(device, 0), _conv_inputs(device, 0)
+    _ssu_call(selective_state_update, i)
+    _conv_call(causal_conv1d_update, c, c["state"])
+    reads = []
+    real = checks.host_list
+    monkeypatch.setattr(checks, "host_list", lambda t: reads.append(t) or real(t))
+    for _ in range(3):
+        _ssu_call(selective_state_update, i)
+        _conv_call(causal_conv1d_update, c, c["state"])
+    assert reads == []
+
+
+@pytest.mark.gpu
+def test_repeat_decode_calls_never_synchronize():
+    """On a GPU the lean path of the decode ops makes no device-to-host copy or synchronize."""
+    i, c = _ssu_inputs(torch.device("cuda"), 0), _conv_inputs(torch.device("cuda"), 0)
+    _ssu_call(selective_state_update, i)  # first call of each signature: checked on the host
+    _conv_call(causal_conv1d_update, c, c["state"])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            _ssu_call(selective_state_update, i)
+            _conv_call(causal_conv1d_update, c, c["state"])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
