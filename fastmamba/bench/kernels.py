@@ -429,7 +429,7 @@ def _run_one(
         )
         if eager and device.type == "cuda":
             row.eager_us = t.median_us if t.mode == "eager" else time_eager(make_call, n_sets, config).median_us
-            row.host_us = time_host(make_call, n_sets)
+            row.host_us = time_host(make_call, n_sets, calls=config.host_calls)
     except Exception as exc:  # noqa: BLE001 - a failing provider is a row, not the end of the run
         row.status, row.note = "error", describe(exc)
         if device.type == "cuda" and not _cuda_alive():

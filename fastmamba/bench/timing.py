@@ -47,6 +47,7 @@ class TimingConfig:
     max_rep_ms: float = 2000.0
     min_calls: int = 16  # calls captured per graph (the sets are repeated to reach it)
     cpu_reps: int = 5
+    host_calls: int = 200  # back-to-back calls per pass of time_host (few enough not to fill the launch queue)
 
     @classmethod
     def quick(cls) -> "TimingConfig":
@@ -56,11 +57,13 @@ class TimingConfig:
     def prefill(cls) -> "TimingConfig":
         """Prefill calls run for 10 us to a few ms: a handful per graph already hides the launch
         (and each one's output lives in the graph's pool), and 20 replays of the long ones are plenty."""
-        return cls(warmup_ms=25.0, rep_ms=100.0, min_reps=20, max_rep_ms=500.0, min_calls=4, cpu_reps=3)
+        return cls(warmup_ms=25.0, rep_ms=100.0, min_reps=20, max_rep_ms=500.0, min_calls=4, cpu_reps=3,
+                   host_calls=20)
 
     @classmethod
     def prefill_quick(cls) -> "TimingConfig":
-        return cls(warmup_ms=10.0, rep_ms=40.0, min_reps=10, max_rep_ms=200.0, min_calls=2, cpu_reps=1)
+        return cls(warmup_ms=10.0, rep_ms=40.0, min_reps=10, max_rep_ms=200.0, min_calls=2, cpu_reps=1,
+                   host_calls=20)
 
 
 QUANTILES = [0.2, 0.5, 0.8]

@@ -3,6 +3,7 @@
 Swap ``from mamba_ssm.ops.triton.selective_state_update import selective_state_update`` for
 ``from fastmamba.ops import selective_state_update`` (and likewise for the others).
 """
+from fastmamba.ops._common.slot_errors import raise_pending_slot_errors
 from fastmamba.ops.add_rmsnorm import add_rmsnorm
 from fastmamba.ops.conv1d import causal_conv1d_update
 from fastmamba.ops.conv1d_fn import causal_conv1d_fn, causal_conv1d_varlen
@@ -21,4 +22,5 @@ __all__ = [
     "RMSNormGated", "add_rmsnorm", "causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_varlen",
     "mamba_chunk_scan_combined", "rmsnorm_fn", "selective_state_update", "ssd_scan_varlen",
     "ReplayCache", "allocate_replay_cache", "commit_accepted", "flush_replay_cache", "replay_selective_state_update",
+    "raise_pending_slot_errors",
 ]

@@ -224,6 +224,22 @@ def peer_provider(peer: peers.Peer, device: torch.device, cpu_reason: str) -> Pr
     return Provider(peer.name, "peer", peer.version, peer.fn, reason=peer.reason, source=peer.source)
 
 
+def adapted_peer_provider(peer: peers.Peer, device: torch.device, adapt: Callable[[Callable], Callable],
+                          cpu_reason: str = "", note: str = "") -> Provider:
+    """A peer whose signature differs from ours: ``adapt(peer.fn)`` is a callable taking the bench's
+    positional arguments. A Triton peer (vLLM's ops) also runs on the CPU under the interpreter,
+    unless ``cpu_reason`` says why it cannot."""
+    if not peer.available:
+        return Provider(peer.name, "peer", peer.version, None, reason=peer.reason, source=peer.source)
+    if device.type != "cuda":
+        from fastmamba.ops._common.dispatch import interpreter_enabled
+
+        why = cpu_reason or ("" if interpreter_enabled() else "its Triton kernels need TRITON_INTERPRET=1 on the CPU")
+        if why:
+            return Provider(peer.name, "peer", peer.version, None, reason=f"loaded, but {why}", source=peer.source)
+    return Provider(peer.name, "peer", peer.version, adapt(peer.fn), note=note, source=peer.source)
+
+
 _COMPARE_CHUNK = 1 << 30  # elements per torch.testing comparison
 
 

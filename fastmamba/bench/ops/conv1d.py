@@ -18,6 +18,7 @@ from fastmamba.bench.ops._base import (
     Case,
     OpBench,
     Provider,
+    adapted_peer_provider,
     fastmamba_pdl_provider,
     fastmamba_provider,
     peer_provider,
@@ -64,8 +65,15 @@ class ConvUpdateBench(OpBench):
             fastmamba_provider("conv1d", "causal_conv1d_update"),
             fastmamba_pdl_provider("conv1d", "causal_conv1d_update", device),
             peer_provider(peers.causal_conv1d_update(), device, "a CUDA extension has no CPU path"),
+            adapted_peer_provider(peers.vllm_causal_conv1d_update(), device, vllm_adapter, cpu_reason=VLLM_CPU,
+                                  note="out allocated per call, as ours (without it vLLM overwrites x)"),
             reference_provider("conv1d", "causal_conv1d_update_ref"),
         ]
+
+    def skip_reason(self, prov: Provider, case: Case) -> str:
+        if prov.name == "vLLM" and case.params["state_len"] != case.params["W"] - 1:
+            return "state_len W-1 only (a longer state is its speculative-decoding layout, read from other columns)"
+        return ""
 
     def make_set(self, case: Case, device: torch.device, seed: int) -> dict:
         p = case.params
@@ -88,6 +96,25 @@ class ConvUpdateBench(OpBench):
         # causal_conv1d_update(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
         i = inp
         return (i["x"], i["conv_state"], i["weight"], i["bias"], "silu", None, i["idx"])
+
+
+# the CPU cases are bf16, which its kernel gets wrong under Triton 3.6's interpreter (fp32 matches
+# the reference there: tests/bench/test_vllm_peers_cpu.py)
+VLLM_CPU = "its bf16 path computes garbage under Triton 3.6's interpreter (the CPU cases are bf16)"
+
+
+def vllm_adapter(fn):
+    """vLLM's causal_conv1d_update with our positional signature (no cache_seqlens: the bench passes
+    None), ``out`` allocated here as our op allocates it, padding marked by ``null_block_id``."""
+
+    def call(x, conv_state, weight, bias, activation, cache_seqlens, idx):
+        if cache_seqlens is not None:
+            raise NotImplementedError("vLLM's causal_conv1d_update has no circular-buffer mode")
+        out = torch.empty_like(x)
+        fn(x, conv_state, weight, bias, activation, idx, null_block_id=-1, out=out)
+        return out
+
+    return call
 
 
 BENCH = ConvUpdateBench()

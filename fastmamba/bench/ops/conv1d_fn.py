@@ -33,6 +33,7 @@ from fastmamba.bench.ops._base import (
     Case,
     OpBench,
     Provider,
+    adapted_peer_provider,
     describe,
     fastmamba_pdl_provider,
     fastmamba_provider,
@@ -133,6 +134,9 @@ class ConvFnBench(OpBench):
             fastmamba_provider("conv1d_fn", "causal_conv1d_fn"),
             fastmamba_pdl_provider("conv1d_fn", "causal_conv1d_fn", device),
             peer_provider(peers.causal_conv1d_fn(), device, "a CUDA extension has no CPU path"),
+            adapted_peer_provider(peers.vllm_causal_conv1d_fn(), device, vllm_adapter, cpu_reason=VLLM_CPU,
+                                  note="the B rows as B packed sequences with precomputed metadata (as vLLM's "
+                                  "builder makes once per batch), final states into a slot cache"),
             Provider("torch", "ref", f"torch {torch.__version__}", torch_conv1d, note="F.conv1d + silu"),
         ]
 
@@ -154,6 +158,8 @@ class ConvFnBench(OpBench):
     def skip_reason(self, prov: Provider, case: Case) -> str:
         if prov.name == "torch" and case.params["layout"] != "channel-first":
             return "channel-first only (F.conv1d would copy a channel-last x)"
+        if prov.name == "vLLM" and case.params["layout"] != "channel-last":
+            return "channel-last only (its x is [D, T] with stride 1 over D)"
         return ""
 
     def tune_cases(self, device: torch.device, batches: Sequence[int] | None = None) -> list[Case]:
@@ -191,6 +197,42 @@ class ConvFnBench(OpBench):
     def args(self, case: Case, inp: dict) -> tuple:
         # causal_conv1d_fn(x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out, activation)
         return (inp["x"], inp["weight"], inp["bias"], None, None, False, None, case.params["activation"])
+
+
+# its launch grid callback rewrites a tensor argument, which the interpreter does not allow
+VLLM_CPU = "its launch grid rewrites a kernel argument, which the Triton interpreter cannot run"
+
+
+def vllm_adapter(fn):
+    """vLLM's causal_conv1d_fn (the packed varlen conv) with causal_conv1d_fn's positional signature,
+    for a channel-last x [B, D, L] without initial or final states: the B rows become B packed
+    sequences of L tokens ([D, B*L], a view of the same buffer), each with its own slot of a conv
+    cache the call writes (allocated once per shape, with vLLM's per-batch metadata, outside the
+    timed call as vLLM's metadata builder does once per batch). Returns y [B, D, L] (a view)."""
+    cache: dict = {}
+
+    def call(x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out, activation):
+        if seq_idx is not None or initial_states is not None or return_final_states or final_states_out is not None:
+            raise NotImplementedError("the vLLM adapter covers the bench's calls (no seq_idx, no initial/final states)")
+        B, D, L = x.shape
+        key = (B, D, L, weight.shape[1], x.dtype, x.device)
+        setup = cache.get(key)
+        if setup is None:
+            dev = x.device
+            setup = cache[key] = (
+                torch.zeros(B, weight.shape[1] - 1, D, dtype=x.dtype, device=dev).transpose(1, 2),
+                torch.arange(0, B * L + 1, L, dtype=torch.int32, device=dev),
+                torch.arange(B, dtype=torch.int32, device=dev),
+                torch.zeros(B, dtype=torch.bool, device=dev),
+                peers.vllm_conv_metadata([L] * B, dev),
+            )
+        states, query_start_loc, slots, has_initial_state, metadata = setup
+        xt = x.transpose(1, 2).reshape(B * L, D).t()  # [D, T], stride 1 over D: a view for channel-last x
+        y = fn(xt, weight, bias, states, query_start_loc, slots, has_initial_state, activation,
+               pad_slot_id=-1, metadata=metadata)
+        return y.t().reshape(B, L, D).transpose(1, 2)
+
+    return call
 
 
 BENCH = ConvFnBench()

@@ -217,6 +217,19 @@ def _mamba_ssm(device: torch.device) -> Provider:
     return prov
 
 
+def _vllm(device: torch.device) -> Provider:
+    peer = peers.vllm_chunk_scan_combined()
+    if not peer.available:
+        return Provider(peer.name, "peer", peer.version, None, reason=peer.reason, source=peer.source)
+    if device.type != "cuda":
+        from fastmamba.ops._common.dispatch import interpreter_enabled
+
+        if not interpreter_enabled():
+            return Provider(peer.name, "peer", peer.version, None, source=peer.source,
+                            reason="loaded, but its Triton kernels need TRITON_INTERPRET=1 on the CPU")
+    return Provider(peer.name, "peer", peer.version, ScanFns(peer.fn, peer.fn, style="vllm"), source=peer.source)
+
+
 def _fp32_oracle(note: str) -> Provider:
     return Provider("fp32 ssd", "ref", f"torch {torch.__version__}",
                     ScanFns(ssd_chunked_fp32, ssd_varlen_chunked_fp32), note=note)
@@ -281,7 +294,7 @@ class SsdScanBench(OpBench):
         return [c for c in self.cases(device) if c.params["L"] == longest]
 
     def providers(self, device: torch.device) -> list[Provider]:
-        return [_ours(device), _mamba_ssm(device)]
+        return [_ours(device), _mamba_ssm(device), _vllm(device)]
 
     def oracle(self, device: torch.device, providers: Sequence[Provider], mode: str = "auto") -> Provider | None:
         """auto: the op's references on the CPU (small shapes), the fp32 chunked scan on a GPU."""
@@ -303,6 +316,11 @@ class SsdScanBench(OpBench):
         return prov.fn.missing.get(mode, "") if isinstance(prov.fn, ScanFns) else ""
 
     def row_note(self, prov: Provider, case: Case) -> str:
+        if isinstance(prov.fn, ScanFns) and prov.fn.style == "vllm":
+            return ("mamba_chunk_scan_combined_varlen, chunk metadata precomputed (once per batch, as vLLM's builder); "
+                    "timed call: out allocation, initial states gathered from the cache (torch.where, as vLLM's "
+                    "layer does), scan, final states written into the slots"
+                    + ("" if case.params["varlen"] else "; dense: one sequence, final states returned"))
         if not isinstance(prov.fn, ScanFns) or prov.fn.style != "mamba_ssm":
             return ""
         if case.params["varlen"]:
@@ -370,6 +388,8 @@ class SsdScanBench(OpBench):
         p = case.params
         i = inp
         common = dict(D=i["D"], z=i["z"], dt_bias=i["dt_bias"], dt_softplus=True)
+        if fns.style == "vllm":
+            return self._bind_vllm(fns.dense, case, inp)
         if p["varlen"] and fns.style == "mamba_ssm":
             fn = fns.dense
             args = (i["x"][None], i["dt"][None], i["A"], i["B"][None], i["C"][None], p["chunk_size"])
@@ -387,6 +407,39 @@ class SsdScanBench(OpBench):
             if fns.state_dtype_arg:
                 kwargs["state_dtype"] = p["state_dtype"]
         return lambda: fn(*args, **kwargs)
+
+    def _bind_vllm(self, fn: Callable, case: Case, inp: dict) -> Callable[[], object]:
+        """vLLM's mamba_chunk_scan_combined_varlen on the case: packed [T, ...] tensors, chunk
+        metadata computed here (not timed), per-sequence initial states gathered from the cache in
+        the call. Varlen: final states go into the slots (final_states_out); returns out [T, H, P].
+        Dense: one sequence from ``initial_states``; returns (out [1, L, H, P], final [1, H, P, N])."""
+        p, i = case.params, inp
+        varlen = p["varlen"]
+        lead = (lambda t: t) if varlen else (lambda t: t[0])
+        x, dt, B, C, z = (lead(i[k]) for k in ("x", "dt", "B", "C", "z"))
+        meta = peers.vllm_chunk_metadata(p["lengths"], p["chunk_size"], x.device)
+        chunks = (p["chunk_size"], meta["cu_seqlens"], meta["cu_chunk_seqlens"], meta["last_chunk_indices"],
+                  meta["seq_idx"])
+        common = dict(D=i["D"], z=z, dt_bias=i["dt_bias"], dt_softplus=True)
+        if varlen:
+            states, slots = i["ssm_states"], i["cache_indices"]
+            rows, has_init = slots.long(), i["has_initial_state"][:, None, None, None]
+
+            def call():
+                out = torch.empty_like(x)
+                init = torch.where(has_init, states[rows], 0)
+                fn(x, dt, i["A"], B, C, *chunks, out, initial_states=init, final_states_out=states,
+                   final_state_indices=slots, **common)
+                return out
+
+            return call
+
+        def call_dense():
+            out = torch.empty_like(x)
+            final = fn(x, dt, i["A"], B, C, *chunks, out, initial_states=i["initial_states"], **common)
+            return out[None], final
+
+        return call_dense
 
     def results(self, prov: Provider, case: Case, inp: dict) -> dict[str, object]:
         """Call ``prov`` once on ``inp`` (which it may mutate: pass clones) and name what it produced:
@@ -417,7 +470,7 @@ class SsdScanBench(OpBench):
         except Exception as exc:  # noqa: BLE001
             return f"ref error: {describe(exc)}"
         problems = [compare_relative(name, got[name], want[name], REL_TOL) for name in want]
-        if varlen and prov.fn.style == "fastmamba":
+        if varlen and prov.fn.style in ("fastmamba", "vllm"):
             used = set(inp["cache_indices"].tolist())
             untouched = [s for s in range(inp["ssm_states"].shape[0]) if s not in used]
             if not torch.equal(mine["ssm_states"][untouched], inp["ssm_states"][untouched]):

@@ -18,6 +18,7 @@ from fastmamba.bench.ops._base import (
     Case,
     OpBench,
     Provider,
+    adapted_peer_provider,
     fastmamba_pdl_provider,
     fastmamba_provider,
     peer_provider,
@@ -64,6 +65,8 @@ class StateUpdateBench(OpBench):
             fastmamba_provider("state_update", "selective_state_update"),
             fastmamba_pdl_provider("state_update", "selective_state_update", device),
             peer_provider(peers.mamba_ssm_selective_state_update(), device, MAMBA_SSM_CPU),
+            adapted_peer_provider(peers.vllm_selective_state_update(), device, vllm_adapter,
+                                  note="out allocated per call, as ours; null_block_id = our pad id -1"),
             reference_provider("state_update", "selective_state_update_ref"),
         ]
 
@@ -98,6 +101,18 @@ class StateUpdateBench(OpBench):
         # selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
         i = inp
         return (i["state"], i["x"], i["dt"], i["A"], i["B"], i["C"], i["D"], i["z"], i["dt_bias"], True, i["idx"])
+
+
+def vllm_adapter(fn):
+    """vLLM's selective_state_update with our positional signature: D before dt_bias before z,
+    ``out`` required (allocated here, as our op allocates it), padding marked by ``null_block_id``."""
+
+    def call(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx):
+        out = torch.empty_like(x)
+        fn(state, x, dt, A, B, C, D, dt_bias, z, dt_softplus, idx, null_block_id=-1, out=out)
+        return out
+
+    return call
 
 
 BENCH = StateUpdateBench()

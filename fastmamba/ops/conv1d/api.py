@@ -8,6 +8,7 @@ import torch
 from fastmamba.ops._common.host_values import host_reads_allowed
 from fastmamba.ops._common.checks import (
     FLOAT_DTYPES,
+    check_index_values,
     INDEX_DTYPES,
     check_dtype,
     check_indices,
@@ -19,7 +20,10 @@ from fastmamba.ops._common.checks import (
     check_int,
 )
 from fastmamba.ops._common.dispatch import call_directly, use_triton
-from fastmamba.ops.conv1d.kernel import causal_conv1d_update_launch
+from fastmamba.ops._common import pdl as _pdl
+from fastmamba.ops._common import slot_errors
+from fastmamba.ops.conv1d import configs as conv_configs
+from fastmamba.ops.conv1d.kernel import causal_conv1d_update_launch, causal_conv1d_update_plan, launch_update_plan
 from fastmamba.ops.conv1d.ref import causal_conv1d_update_ref
 
 _OP = "causal_conv1d_update"
@@ -55,7 +59,11 @@ def causal_conv1d_update(
                                     is the W-1 columns circularly before it; outputs read the
                                     state as it was before this call's writes. Not modified.
     conv_state_indices [B] int32/int64: state row per request (None: row b, needs S >= B);
-                                    rows equal to pad_slot_id get y = 0 and touch no state
+                                    rows equal to pad_slot_id get y = 0 and touch no state; a value
+                                    outside [0, S) raises ValueError, at once where reading it costs
+                                    no synchronize (CPU indices, a call signature's first call), else
+                                    (repeated plain calls on a GPU) the kernel skips the row and the
+                                    op's next call raises (fastmamba.ops._common.slot_errors)
     num_accepted_tokens [B] int32/int64 (vLLM speculative decoding): history length
                                     h = num_accepted_tokens[b] + W - 2, i.e. token 0's window starts
                                     at state column num_accepted_tokens[b] - 1; values must lie in
@@ -80,6 +88,28 @@ def causal_conv1d_update(
     tensor([[[0., 3., 1.],
              [1., 1., 2.]]])
     """
+    # Fast path: a signature an earlier call validated (every check but the index values depends on
+    # the signature alone): check the slot values, allocate, launch (issue 19: eager host time).
+    if num_accepted_tokens is None and pad_slot_id.__class__ is int and type(x) is torch.Tensor:
+        try:
+            key = (x.shape, x.stride(), x.dtype, x.device, _sig(conv_state), _sig(weight), _sig(bias),
+                   _sig(cache_seqlens), _sig(conv_state_indices), _sig(out), activation, pad_slot_id, _pdl._enabled,
+                   conv_configs._forced, _device_check(conv_state_indices))
+        except (AttributeError, TypeError):  # a non-tensor or an unhashable activation: the checks say which
+            key = None
+        checked_on_device = key is not None and key[-1]
+        if checked_on_device and slot_errors.slot_record(_OP, x.device)[1][0]:
+            slot_errors.raise_pending(_OP, x.device, SLOT_NAMES)  # what an earlier call's kernel found
+        plan = _PLANS.get(key)
+        if plan is not None and use_triton(x) and call_directly(x):
+            if not checked_on_device and conv_state_indices is not None and host_reads_allowed(conv_state_indices):
+                check_index_values(_OP, "conv_state_indices", conv_state_indices, conv_state.shape[0], pad_slot_id)
+            if out is None:
+                out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            launch_update_plan(plan, x, conv_state, weight, bias, cache_seqlens, conv_state_indices, None, out)
+            return out
+    else:
+        key = None
     check_tensors(_OP, [("x", x), ("conv_state", conv_state), ("weight", weight)],
                   [("bias", bias), ("cache_seqlens", cache_seqlens), ("conv_state_indices", conv_state_indices),
                    ("num_accepted_tokens", num_accepted_tokens), ("out", out)])
@@ -90,11 +120,48 @@ def causal_conv1d_update(
     )
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if key is not None and use_triton(x) and call_directly(x) and len(_PLANS) < _MAX_PLANS:
+        x3 = x.unsqueeze(-1) if x.dim() == 2 else x
+        out3 = out.unsqueeze(-1) if out.dim() == 2 else out
+        plan = _PLANS[key] = causal_conv1d_update_plan(
+            x3, conv_state, weight, bias, cache_seqlens, conv_state_indices, None, out3, silu, pad_slot_id,
+            report_slots=key[-1])
+        launch_update_plan(plan, x, conv_state, weight, bias, cache_seqlens, conv_state_indices, None, out)
+        return out
     op = _causal_conv1d_update_impl if call_directly() else _causal_conv1d_update_
     op(
         x, conv_state, weight, bias, cache_seqlens, conv_state_indices, num_accepted_tokens, out, silu, pad_slot_id
     )
     return out
+
+
+# Launch plans of plain eager calls whose signature passed every check (see the fast path above),
+# keyed by each tensor's shape, strides, dtype and device, the activation and the pad id (and the
+# PDL switch, which the plan depends on). Tests that swap a kernel-choice hook clear it.
+_PLANS: dict = {}
+_MAX_PLANS = 1024
+
+
+# Whether the lean path checks CPU indices in the kernel too (tests of the device check without a
+# GPU; on a CPU the host read costs no synchronize, so it stays off).
+DEVICE_CHECK_CPU = False
+SLOT_NAMES = ("conv_state_indices",)
+slot_errors.NAMES[_OP] = SLOT_NAMES
+
+
+def _device_check(idx: torch.Tensor | None) -> bool:
+    """Whether a lean call leaves ``idx``'s range check to the kernel (reported at the next call:
+    slot_errors.py) instead of reading it on the host: GPU indices the caller has not vouched for."""
+    return idx is not None and (idx.is_cuda or DEVICE_CHECK_CPU) and host_reads_allowed(idx)
+
+
+def clear_plans() -> None:
+    """Forget every cached launch plan (after changing a kernel-choice or config hook)."""
+    _PLANS.clear()
+
+
+def _sig(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
 # Registered so torch.compile and CUDA-graph capture see the in-place writes. The schema is

@@ -48,7 +48,8 @@ from fastmamba.ops._common.pdl import fits_one_wave, pdl_launch, pdl_requested
 from fastmamba.ops.conv1d.configs import (
     force_rows_kernel, pick_config, pick_rows_config, pick_vec4_config, use_rows_kernel, use_vec4_kernel,
 )
-from fastmamba.ops.conv1d.rows_kernel import launch_conv1d_update_rows
+from fastmamba.ops._common.slot_errors import report_bad_slot, slot_record
+from fastmamba.ops.conv1d.rows_kernel import rows_update_plan
 
 MODE_SHIFT = tl.constexpr(0)  # state = last state_len inputs, shifted left by L
 MODE_CIRCULAR = tl.constexpr(1)  # state is a circular buffer written at cache_seqlens[b] % state_len
@@ -109,6 +110,8 @@ def _causal_conv1d_update_kernel(
     MODE: tl.constexpr,
     USE_PDL: tl.constexpr,
     PDL_TRIGGER: tl.constexpr,
+    err_ptr=None,  # slot-error record (REPORT_SLOTS: fastmamba.ops._common.slot_errors)
+    REPORT_SLOTS: tl.constexpr = False,
 ):
     # one program per (block of BLOCK_D channels, request b)
     pid_d = tl.program_id(0)
@@ -133,6 +136,9 @@ def _causal_conv1d_update_kernel(
     live = True
     if HAS_INDICES:  # a slot outside [0, S) acts as the pad slot: nothing outside the pool is touched
         live = (slot != pad_slot_id) & (slot >= 0) & (slot < n_slots)
+        if REPORT_SLOTS:
+            if pid_d == 0:
+                report_bad_slot(err_ptr, slot, pad_slot_id, n_slots, 1)
     if MODE == MODE_SHIFT:
         # the state columns the step needs sit at fixed addresses: under PDL they are read before
         # the wait, like the weights (a padding row reads nothing)
@@ -241,6 +247,8 @@ def _conv1d_update_vec4_kernel(
     HAS_INDICES: tl.constexpr,
     USE_PDL: tl.constexpr,
     PDL_TRIGGER: tl.constexpr,
+    err_ptr=None,  # slot-error record (REPORT_SLOTS: fastmamba.ops._common.slot_errors)
+    REPORT_SLOTS: tl.constexpr = False,
 ):
     # one program per (block of BLOCK_D channels, request b); state_len is 4
     pid_d = tl.program_id(0)
@@ -275,6 +283,9 @@ def _conv1d_update_vec4_kernel(
     valid = True
     if HAS_INDICES:  # a slot outside [0, S) acts as the pad slot
         valid = (slot != pad_slot_id) & (slot >= 0) & (slot < n_slots)
+        if REPORT_SLOTS:
+            if pid_d == 0:
+                report_bad_slot(err_ptr, slot, pad_slot_id, n_slots, 1)
     # the block's whole state, read once with 16-byte loads (under PDL, before the wait: see pdl.py)
     old = tl.load(block + e, mask=e_mask & valid, other=0.0)
     if USE_PDL:
@@ -326,11 +337,38 @@ def causal_conv1d_update_launch(
     pad_slot_id: int,
 ) -> None:
     """Launch the kernel on checked inputs; ``x`` and ``out`` are [B, D, L] views (any strides)."""
+    plan = causal_conv1d_update_plan(x, conv_state, weight, bias, cache_seqlens, conv_state_indices,
+                                     num_accepted_tokens, out, silu, pad_slot_id)
+    launch_update_plan(plan, x, conv_state, weight, bias, cache_seqlens, conv_state_indices, num_accepted_tokens, out)
+
+
+def launch_update_plan(plan, x, conv_state, weight, bias, cache_seqlens, conv_state_indices, num_accepted_tokens,
+                       out) -> None:
+    """Launch a ``causal_conv1d_update_plan`` plan on these tensors (x and out as [B, D] or [B, D, L]:
+    views of one buffer share its address, and the plan holds the strides)."""
+    if plan is None:
+        return
+    kernel, grid, generic, scalars, consts = plan
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        if generic:
+            kernel[grid](x, conv_state, weight, bias, conv_state_indices, cache_seqlens, num_accepted_tokens, out,
+                         *scalars, **consts)
+        else:
+            kernel[grid](x, conv_state, weight, bias, conv_state_indices, out, *scalars, **consts)
+
+
+def causal_conv1d_update_plan(x, conv_state, weight, bias, cache_seqlens, conv_state_indices, num_accepted_tokens,
+                              out, silu: bool, pad_slot_id: int, report_slots: bool = False) -> tuple | None:
+    """(kernel, grid, generic argument order, scalar arguments, keyword arguments) of the launch on
+    these [B, D, L] views, or None when there is nothing to do: everything but the tensors'
+    addresses, so a plan serves every call with the same shapes, strides and dtypes. With
+    ``report_slots`` the kernel records a bad slot index in the op's slot-error record on x's
+    device (slot_errors.py; the record is the same tensor for every call, so the plan holds it)."""
     B, D, L = x.shape
     state_len = conv_state.shape[-1]
     W = weight.shape[1]
     if B == 0 or D == 0:
-        return
+        return None
     vec4 = (
         L == 1 and cache_seqlens is None and num_accepted_tokens is None and state_len == 4
         and conv_state.stride(2) == 1 and conv_state.stride(1) == 4
@@ -339,19 +377,19 @@ def causal_conv1d_update_launch(
     if vec4:
         cfg = pick_vec4_config(D, B, interpreter=not x.is_cuda)
         use_pdl, early = pdl_launch(x, triton.cdiv(D, cfg.block_d) * B, cfg.num_warps)
-        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-            _conv1d_update_vec4_kernel[(triton.cdiv(D, cfg.block_d), B)](
-                x, conv_state, weight, bias, conv_state_indices, out,
-                D, pad_slot_id, conv_state.shape[0],
-                x.stride(0), x.stride(1), conv_state.stride(0), *weight.stride(),
-                conv_state_indices.stride(0) if conv_state_indices is not None else 0,
-                out.stride(0), out.stride(1),
-                W=W, WEIGHT_FLAT=W == 4 and tuple(weight.stride()) == (4, 1),
-                BLOCK_D=cfg.block_d, EVEN_D=D % cfg.block_d == 0, SILU=silu, HAS_BIAS=bias is not None,
-                HAS_INDICES=conv_state_indices is not None, USE_PDL=use_pdl, PDL_TRIGGER=early,
-                num_warps=cfg.num_warps, launch_pdl=use_pdl,
-            )
-        return
+        scalars = (
+            D, pad_slot_id, conv_state.shape[0],
+            x.stride(0), x.stride(1), conv_state.stride(0), *weight.stride(),
+            conv_state_indices.stride(0) if conv_state_indices is not None else 0,
+            out.stride(0), out.stride(1),
+        )
+        consts = dict(
+            W=W, WEIGHT_FLAT=W == 4 and tuple(weight.stride()) == (4, 1),
+            BLOCK_D=cfg.block_d, EVEN_D=D % cfg.block_d == 0, SILU=silu, HAS_BIAS=bias is not None,
+            HAS_INDICES=conv_state_indices is not None, USE_PDL=use_pdl, PDL_TRIGGER=early,
+            num_warps=cfg.num_warps, launch_pdl=use_pdl, **_report(x, report_slots),
+        )
+        return _conv1d_update_vec4_kernel, (triton.cdiv(D, cfg.block_d), B), False, scalars, consts
 
     rows = (
         L == 1 and cache_seqlens is None and num_accepted_tokens is None and (state_len != 4 or force_rows_kernel())
@@ -365,13 +403,11 @@ def causal_conv1d_update_launch(
             one_wave=(lambda c: fits_one_wave(x, triton.cdiv(D, c.block_d) * B, c.num_warps)) if pdl_requested(x) else None,
         )
         use_pdl, early = pdl_launch(x, triton.cdiv(D, cfg.block_d) * B, cfg.num_warps)
-        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-            launch_conv1d_update_rows(
-                x[:, :, 0], conv_state, weight, bias, conv_state_indices, out[:, :, 0], silu=silu,
-                pad_slot_id=pad_slot_id, block_d=cfg.block_d, num_warps=cfg.num_warps,
-                use_pdl=use_pdl, pdl_trigger=early,
-            )
-        return
+        return rows_update_plan(
+            x[:, :, 0], conv_state, weight, bias, conv_state_indices, out[:, :, 0], silu=silu,
+            pad_slot_id=pad_slot_id, block_d=cfg.block_d, num_warps=cfg.num_warps,
+            use_pdl=use_pdl, pdl_trigger=early, **_report(x, report_slots),
+        )
 
     xc = history_columns(W, state_len, L, cache_seqlens is not None)
     cfg = pick_config(D, B, xc + 2 * L + W, interpreter=not x.is_cuda)
@@ -381,15 +417,23 @@ def causal_conv1d_update_launch(
     def stride0(t: torch.Tensor | None) -> int:
         return t.stride(0) if t is not None else 0
 
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _causal_conv1d_update_kernel[grid](
-            x, conv_state, weight, bias, conv_state_indices, cache_seqlens, num_accepted_tokens, out,
-            D, pad_slot_id, conv_state.shape[0],
-            *x.stride(), *conv_state.stride(), *weight.stride(), stride0(bias),
-            stride0(conv_state_indices), stride0(cache_seqlens), stride0(num_accepted_tokens),
-            *out.stride(),
-            W=W, SL=state_len, L=L, XC=xc,
-            BLOCK_D=cfg.block_d, SILU=silu, USE_PDL=use_pdl, PDL_TRIGGER=early,
-            num_warps=cfg.num_warps, launch_pdl=use_pdl,
-        )
+    scalars = (
+        D, pad_slot_id, conv_state.shape[0],
+        *x.stride(), *conv_state.stride(), *weight.stride(), stride0(bias),
+        stride0(conv_state_indices), stride0(cache_seqlens), stride0(num_accepted_tokens),
+        *out.stride(),
+    )
+    consts = dict(
+        W=W, SL=state_len, L=L, XC=xc,
+        BLOCK_D=cfg.block_d, SILU=silu, USE_PDL=use_pdl, PDL_TRIGGER=early,
+        num_warps=cfg.num_warps, launch_pdl=use_pdl, **_report(x, report_slots),
+    )
+    return _causal_conv1d_update_kernel, grid, True, scalars, consts
+
+
+def _report(x: torch.Tensor, report_slots: bool) -> dict:
+    """The keyword arguments that make an update kernel record bad slot indices (slot_errors.py)."""
+    if not report_slots:
+        return {}
+    return dict(err_ptr=slot_record("causal_conv1d_update", x.device)[0], REPORT_SLOTS=True)
 

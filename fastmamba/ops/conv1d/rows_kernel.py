@@ -20,6 +20,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.jit_math import join8, silu, split8
+from fastmamba.ops._common.slot_errors import report_bad_slot
 
 
 @triton.jit
@@ -45,6 +46,8 @@ def _conv1d_update_rows_kernel(
     HAS_INDICES: tl.constexpr,
     USE_PDL: tl.constexpr,
     PDL_TRIGGER: tl.constexpr,
+    err_ptr=None,  # slot-error record (REPORT_SLOTS: fastmamba.ops._common.slot_errors)
+    REPORT_SLOTS: tl.constexpr = False,
 ):
     # one program per (block of BLOCK_D channels, request b); row r of the block = channels
     # d0 + 8r .. d0 + 8r + 7
@@ -66,6 +69,9 @@ def _conv1d_update_rows_kernel(
     if HAS_INDICES:
         slot = tl.load(state_indices_ptr + b * stride_indices_b).to(tl.int64)
         live = (slot != pad_slot_id) & (slot >= 0) & (slot < n_slots)  # outside [0, S): as the pad slot
+        if REPORT_SLOTS:
+            if tl.program_id(0) == 0:
+                report_bad_slot(err_ptr, slot, pad_slot_id, n_slots, 1)
     else:
         slot = b
         live = True
@@ -108,19 +114,28 @@ def _conv1d_update_rows_kernel(
         tl.store(block + rows * (8 * SL) + v * 8 + lane, vec, mask=rmask)
 
 
-def launch_conv1d_update_rows(x, conv_state, weight, bias, conv_state_indices, out, *, silu: bool,
-                              pad_slot_id: int, block_d: int, num_warps: int, use_pdl: bool, pdl_trigger: bool) -> None:
-    """x, out: [B, D] views (any strides); conv_state [S, D, SL] 16-bit with strides (., SL, 1);
-    weight [D, W] contiguous; D % 8 == 0 (see the module docstring)."""
+def rows_update_plan(x, conv_state, weight, bias, conv_state_indices, out, *, silu: bool, pad_slot_id: int,
+                     block_d: int, num_warps: int, use_pdl: bool, pdl_trigger: bool, **report) -> tuple:
+    """The launch (kernel, grid, False, scalars, keyword arguments: see conv1d.kernel's
+    causal_conv1d_update_plan) for x, out: [B, D] views (any strides); conv_state [S, D, SL] 16-bit
+    with strides (., SL, 1); weight [D, W] contiguous; D % 8 == 0 (see the module docstring)."""
     B, D = x.shape
     SL, W = conv_state.shape[2], weight.shape[1]
-    _conv1d_update_rows_kernel[(triton.cdiv(D, block_d), B)](
-        x, conv_state, weight, bias, conv_state_indices, out,
+    scalars = (
         D, pad_slot_id, conv_state.shape[0],
         x.stride(0), x.stride(1), conv_state.stride(0),
         conv_state_indices.stride(0) if conv_state_indices is not None else 0,
         out.stride(0), out.stride(1),
+    )
+    consts = dict(
         W=W, SL=SL, BLOCK_D=block_d, SILU=silu, HAS_BIAS=bias is not None,
         HAS_INDICES=conv_state_indices is not None, USE_PDL=use_pdl, PDL_TRIGGER=pdl_trigger,
-        num_warps=num_warps, launch_pdl=use_pdl,
+        num_warps=num_warps, launch_pdl=use_pdl, **report,
     )
+    return _conv1d_update_rows_kernel, (triton.cdiv(D, block_d), B), False, scalars, consts
+
+
+def launch_conv1d_update_rows(x, conv_state, weight, bias, conv_state_indices, out, **kw) -> None:
+    """Launch the rows kernel (arguments as ``rows_update_plan``)."""
+    kernel, grid, _, scalars, consts = rows_update_plan(x, conv_state, weight, bias, conv_state_indices, out, **kw)
+    kernel[grid](x, conv_state, weight, bias, conv_state_indices, out, *scalars, **consts)

@@ -76,8 +76,18 @@ def causal_conv1d_fn(
     >>> y, final
     (tensor([[[6., 3., 5.]]]), tensor([[[3.]]]))
     """
-    silu = parse_activation(_OP_FN, activation)
-    _check_fn_inputs(x, weight, bias, seq_idx, initial_states, final_states_out)
+    # a signature an earlier call validated skips the checks (they read nothing but it)
+    try:
+        key = (x.shape, x.stride(), x.dtype, x.device, _sig(weight), _sig(bias), _sig(seq_idx), _sig(initial_states),
+               _sig(final_states_out), return_final_states, activation)
+        silu = _VALID_FN.get(key)
+    except (AttributeError, TypeError):  # a non-tensor or an unhashable argument: the checks say which
+        key, silu = None, None
+    if silu is None or type(x) is not torch.Tensor:
+        silu = parse_activation(_OP_FN, activation)
+        _check_fn_inputs(x, weight, bias, seq_idx, initial_states, final_states_out)
+        if key is not None and len(_VALID_FN) < 1024:
+            _VALID_FN[key] = silu
     B, D, L = x.shape
     W = weight.shape[1]
     channel_last = is_channel_last(x)
@@ -96,6 +106,15 @@ def causal_conv1d_fn(
     if final is not None:
         return out, final
     return out
+
+
+# Signatures of causal_conv1d_fn calls that passed every check -> the parsed activation: each tensor's
+# shape, strides, dtype and device, return_final_states and the activation (issue 19: host time).
+_VALID_FN: dict = {}
+
+
+def _sig(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
 def causal_conv1d_varlen(

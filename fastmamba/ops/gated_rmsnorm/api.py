@@ -71,6 +71,20 @@ def rmsnorm_fn(
     >>> y.shape, y.dtype
     (torch.Size([2, 8]), torch.float32)
     """
+    # Fast path: a signature an earlier call validated (the checks depend on it alone: no values)
+    if out is None and type(x) is torch.Tensor and eps.__class__ is float:
+        try:
+            key = (x.shape, x.stride(), x.dtype, x.device, _sig(weight), _sig(bias), _sig(z), eps, group_size,
+                   norm_before_gate)
+        except (AttributeError, TypeError):  # a non-tensor or an unhashable argument: the checks say which
+            key = None
+        gs = _VALID.get(key)
+        if gs is not None and call_directly(x):
+            y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            _rmsnorm_fn_impl(x, z, weight, bias, y, eps, gs, bool(norm_before_gate))
+            return y
+    else:
+        key = None
     if x.dim() < 1:
         raise ValueError(f"{_OP}: `x` expected shape (..., Dh), got a 0-d tensor")
     Dh = x.shape[-1]
@@ -99,6 +113,8 @@ def rmsnorm_fn(
         if t is not None:
             check_unit_stride(_OP, name, t, -1)
 
+    if key is not None and len(_VALID) < 1024:
+        _VALID[key] = group_size
     if out is None:
         y = torch.empty(x.shape, dtype=x.dtype, device=device)  # contiguous: viewable as rows
     else:
@@ -112,6 +128,15 @@ def rmsnorm_fn(
     op = _rmsnorm_fn_impl if call_directly(x) else torch.ops.fastmamba.rmsnorm_fn_
     op(x, z, weight, bias, y, eps, group_size, bool(norm_before_gate))
     return y
+
+
+# Signatures of calls without ``out`` that passed every check -> their group size (issue 19: the
+# eager host path): every tensor's shape, strides, dtype and device, eps, group_size and the flag.
+_VALID: dict = {}
+
+
+def _sig(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
 # Registered so that torch.compile (fullgraph) treats the launch as one opaque op that writes

@@ -5,7 +5,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from fastmamba.ops._common.host_values import host_reads_allowed
+from fastmamba.ops._common.host_values import host_list, host_reads_allowed
 from fastmamba.ops._common.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -179,10 +179,10 @@ def commit_accepted(
         raise ValueError(f"{op}: without slots, the cache needs at least B={nreq} rows, got {nslots}")
     check_same_device(op, [("buf_idx", buf_idx), ("prev_accepted", prev_accepted), ("hist_len", hist_len),
                            ("slots", slots), ("accepted", accepted)])
-    if check and host_reads_allowed(accepted):
-        bad = (accepted < 0) | (accepted > tokens)
-        if bool(bad.any()):
-            raise ValueError(f"{op}: `accepted` values must lie in [0, {tokens}]; got {accepted[bad][:4].tolist()}")
+    if check and host_reads_allowed(accepted):  # one read of the values, no device-side temporaries
+        bad = [int(v) for v in host_list(accepted) if not 0 <= v <= tokens][:4]
+        if bad:
+            raise ValueError(f"{op}: `accepted` values must lie in [0, {tokens}]; got {bad}")
     if use_triton(accepted):
         launch_commit(buf_idx, prev_accepted, hist_len, slots, accepted, tokens=tokens, history=history,
                       pad_slot_id=pad_slot_id)

@@ -13,9 +13,10 @@ from fastmamba.ops._common.checks import (
     check_same_device,
     check_shape,
 )
-from fastmamba.ops._common.dispatch import use_triton
+from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops._common.host_values import compiling, host_list, host_reads_allowed
 from fastmamba.ops.ssd_scan.fused import choose_fused, longest_sequence_bound
+from fastmamba.ops.ssd_scan.kernel import _segment_slots_kernel
 from fastmamba.ops.ssd_scan.launch import ScanSegments, ssd_scan_launch
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
 
@@ -34,7 +35,10 @@ def num_chunks(cu_seqlens: torch.Tensor, chunk_size: int) -> int:
     Reads cu_seqlens on the host (once per tensor version). Chunk k of sequence b has index
     ``chunk_offsets(cu_seqlens, chunk_size)[b] + k`` in ``chunk_states_out``.
     """
-    cu = host_list(cu_seqlens)
+    return _count_chunks(host_list(cu_seqlens), chunk_size)
+
+
+def _count_chunks(cu: list[int], chunk_size: int) -> int:
     return sum(_cdiv(int(b) - int(a), chunk_size) for a, b in zip(cu[:-1], cu[1:]))
 
 
@@ -46,7 +50,8 @@ def chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
 
 
 def _check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, total: int) -> list[int] | None:
-    """Checks cu_seqlens; returns the values it read on the host (None where it may not read them)."""
+    """Shape and dtype; where host reads are allowed also the values, which it returns (one read
+    serves the check, the chunk count and the fused path's length bound), else None."""
     check_dtype(op, "cu_seqlens", cu_seqlens, INDEX_DTYPES)
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"{op}: `cu_seqlens` expected shape (B+1,) with B >= 1, got {tuple(cu_seqlens.shape)}")
@@ -163,7 +168,8 @@ def mamba_chunk_scan_combined(
     if return_varlen_states and cu_seqlens is None and seq_idx is None:
         raise ValueError(f"{_DENSE}: `return_varlen_states` needs `cu_seqlens` or `seq_idx` to know the sequences")
 
-    out, final_states, varlen_states = torch.ops.fastmamba.mamba_chunk_scan_combined_(
+    op = _mamba_chunk_scan_combined_impl if call_directly(x) else _mamba_chunk_scan_combined_
+    out, final_states, varlen_states = op(
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, bool(dt_softplus),
         float(dt_limit[0]), float(dt_limit[1]), bool(return_final_states), bool(return_varlen_states), state_dtype,
         bool(A_is_log), cu_seqlens is not None and host_reads_allowed(cu_seqlens),
@@ -176,15 +182,31 @@ def mamba_chunk_scan_combined(
     return result[0] if len(result) == 1 else tuple(result)
 
 
+# Segment tables of dense calls (one sequence per row), by (rows, length, device): constant index
+# tensors the kernels only read, made once instead of three small launches per call (issue 19).
+_DENSE_SEGMENTS: dict = {}
+
+
+def _dense_segments(nb: int, L: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cu [nb+1] = 0, L, 2L, ..., row of each segment [nb] = 0..nb-1, [nb] of -1), cached; made
+    outside any CUDA-graph capture's pool where possible (a capture only reads them)."""
+    key = (nb, L, dev)
+    seg = _DENSE_SEGMENTS.get(key)
+    if seg is None:
+        seg = (torch.arange(0, nb * L + 1, L, dtype=torch.int32, device=dev),
+               torch.arange(nb, dtype=torch.int32, device=dev),
+               torch.full((nb,), -1, dtype=torch.int32, device=dev))
+        if len(_DENSE_SEGMENTS) < 256 and not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _DENSE_SEGMENTS[key] = seg
+    return seg
+
+
 def _nothing(x: torch.Tensor) -> torch.Tensor:
     """The placeholder for a state the caller did not ask for (a custom op returns tensors)."""
     return torch.empty(0, dtype=torch.float32, device=x.device)
 
 
-# A custom op, so that torch.compile(fullgraph=True) traces the public function without
-# breaking the graph at the launches (and the seq_idx host read happens when the op runs).
-@torch.library.custom_op("fastmamba::mamba_chunk_scan_combined_", mutates_args=())
-def _mamba_chunk_scan_combined_(
+def _mamba_chunk_scan_combined_impl(
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -250,12 +272,12 @@ def _mamba_chunk_scan_combined_(
         last_of_row = torch.tensor(lasts, dtype=torch.bool, device=dev)
         n_chunks = sum(_cdiv(e - s, chunk_size) for s, e in zip(bounds[:-1], bounds[1:]))
     else:
-        cu = torch.arange(0, nb * L + 1, L, dtype=torch.int32, device=dev)
-        row_of_seg = torch.arange(nb, dtype=torch.int32, device=dev)
+        cu, row_of_seg, none = _dense_segments(nb, L, dev)
         first_of_row = last_of_row = None
         n_chunks = nb * _cdiv(L, chunk_size)
     n_seg = cu.shape[0] - 1
-    none = torch.full((n_seg,), -1, dtype=torch.int32, device=dev)
+    if cu_seqlens is not None or seq_idx is not None:
+        none = torch.full((n_seg,), -1, dtype=torch.int32, device=dev)
 
     def where_row(flags):
         return row_of_seg if flags is None else torch.where(flags, row_of_seg, none)
@@ -279,6 +301,13 @@ def _mamba_chunk_scan_combined_(
     )
     return (out, final_states if final_states is not None else _nothing(x),
             varlen_states if varlen_states is not None else _nothing(x))
+
+
+# A custom op, so that torch.compile(fullgraph=True) traces the public function without
+# breaking the graph at the launches (and the seq_idx host read happens when the op runs). Plain
+# eager calls on plain tensors skip the dispatcher (dispatch.call_directly) and run the same body.
+_mamba_chunk_scan_combined_ = torch.library.custom_op("fastmamba::mamba_chunk_scan_combined_", mutates_args=())(
+    _mamba_chunk_scan_combined_impl)
 
 
 @_mamba_chunk_scan_combined_.register_fake
@@ -402,7 +431,7 @@ def ssd_scan_varlen(
             raise TypeError(f"{_VARLEN}: `out` has dtype {out.dtype} but `x` has {x.dtype}; they must match")
         if T > 0 and not compiling() and out.data_ptr() == x.data_ptr():
             raise ValueError(f"{_VARLEN}: `out` must not alias `x` (the scan reads x after writing out)")
-    total_chunks = None if not host_reads_allowed(cu_seqlens) else num_chunks(cu_seqlens, chunk_size)
+    total_chunks = None if cu_values is None else _count_chunks(cu_values, chunk_size)
     if chunk_states_out is not None:
         check_shape(_VARLEN, "chunk_states_out", chunk_states_out, [("n_chunks", None), ("H", H), ("P", P), ("N", N)])
         check_dtype(_VARLEN, "chunk_states_out", chunk_states_out, FLOAT_DTYPES)
@@ -422,7 +451,8 @@ def ssd_scan_varlen(
         )
         return out
     n_chunks = total_chunks if total_chunks is not None else _cdiv(T, chunk_size) + nseq
-    torch.ops.fastmamba.ssd_scan_varlen_(
+    op = _ssd_scan_varlen_impl if call_directly(x) else _ssd_scan_varlen_
+    op(
         x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
         chunk_states_out, chunk_size, dt_softplus, float(dt_limit[0]), float(dt_limit[1]), pad_slot_id, n_chunks,
         bool(A_is_log), rand_seed,
@@ -430,11 +460,7 @@ def ssd_scan_varlen(
     return out
 
 
-# Registered so torch.compile and CUDA-graph capture see the in-place writes.
-@torch.library.custom_op(
-    "fastmamba::ssd_scan_varlen_", mutates_args=("ssm_states", "out", "chunk_states_out")
-)
-def _ssd_scan_varlen_(
+def _ssd_scan_varlen_impl(
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -469,22 +495,24 @@ def _ssd_scan_varlen_(
         return
     nseq = cu_seqlens.shape[0] - 1
     dev = x.device
-    slots = (torch.arange(nseq, dtype=torch.int32, device=dev) if cache_indices is None
-             else cache_indices.to(torch.int32))
     # a slot outside [0, S) acts as the pad slot (no read, no write, zero output), so unchecked
-    # indices (trusted_inputs, graph capture, compile) never reach outside the pool
+    # indices (trusted_inputs, graph capture, compile) never reach outside the pool; one small
+    # kernel derives the rows (final_idx, init_idx) and the skip flags
     S = ssm_states.shape[0]
-    pad = (slots == pad_slot_id) | (slots < 0) | (slots >= S)
-    none = torch.full_like(slots, -1)
-    final_idx = torch.where(pad, none, slots)
-    if has_initial_state is not None:
-        init_idx = torch.where(has_initial_state.to(torch.bool) & ~pad, slots, none)
-    else:
-        init_idx = None
+    has_init = has_initial_state is not None
+    rows = torch.empty(2 if has_init else 1, nseq, dtype=torch.int32, device=dev)
+    skip = torch.empty(nseq, dtype=torch.int8, device=dev) if cache_indices is not None else None
+    block = 128
+    _segment_slots_kernel[(-(-nseq // block),)](
+        cache_indices, has_initial_state, rows, skip, nseq, pad_slot_id, S,
+        HAS_SLOTS=cache_indices is not None, HAS_INIT=has_init, BLOCK=block, num_warps=4,
+    )
+    final_idx = rows[0]
+    init_idx = rows[1] if has_init else None
     segments = ScanSegments(
         cu=cu_seqlens,
         n_chunks=n_chunks,
-        skip=pad.to(torch.int8) if cache_indices is not None else None,
+        skip=skip,
         init=ssm_states if init_idx is not None else None,
         init_idx=init_idx,
         final=ssm_states,
@@ -502,6 +530,12 @@ def _ssd_scan_varlen_(
         state_dtype=torch.float32 if rand_seed is not None else ssm_states.dtype,
         A_is_log=A_is_log,
     )
+
+
+# Registered so torch.compile and CUDA-graph capture see the in-place writes (plain eager calls on
+# plain tensors run the body directly: dispatch.call_directly).
+_ssd_scan_varlen_ = torch.library.custom_op(
+    "fastmamba::ssd_scan_varlen_", mutates_args=("ssm_states", "out", "chunk_states_out"))(_ssd_scan_varlen_impl)
 
 
 @_ssd_scan_varlen_.register_fake

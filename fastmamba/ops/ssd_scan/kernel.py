@@ -532,3 +532,25 @@ def _chunk_scan_kernel(
                              mask=mask_mp, other=0.0).to(tl.float32)
                 acc = acc * silu_approx(zv, FAST_MATH)
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_mp)
+
+
+@triton.jit
+def _segment_slots_kernel(slots_ptr, has_init_ptr, idx_ptr, skip_ptr, n_seg, pad_slot_id, S,
+                          HAS_SLOTS: tl.constexpr, HAS_INIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Per-sequence state rows of ssd_scan_varlen in one launch (instead of a dozen small torch ops):
+    a slot outside [0, S) or equal to pad_slot_id is padding (skip 1, no read, no write);
+    idx[0] = the slot the final state goes to (-1: none), idx[1] = the slot the initial state comes
+    from (-1: zeros; only with HAS_INIT). One program per BLOCK sequences."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n_seg
+    if HAS_SLOTS:
+        slot = tl.load(slots_ptr + offs, mask=m, other=0).to(tl.int32)
+    else:
+        slot = offs
+    pad = (slot == pad_slot_id) | (slot < 0) | (slot >= S)
+    tl.store(idx_ptr + offs, tl.where(pad, -1, slot), mask=m)
+    if HAS_SLOTS:
+        tl.store(skip_ptr + offs, pad.to(tl.int8), mask=m)
+    if HAS_INIT:
+        has = tl.load(has_init_ptr + offs, mask=m, other=0) != 0
+        tl.store(idx_ptr + n_seg + offs, tl.where(has & (pad == 0), slot, -1), mask=m)

@@ -16,8 +16,13 @@ from fastmamba.ops._common.checks import (
 )
 from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops._common.pdl import pdl_active, pdl_requested
+from fastmamba.ops._common import pdl as _pdl
+from fastmamba.ops._common import slot_errors
+from fastmamba.ops._common.checks import check_index_values
+from fastmamba.ops._common.host_values import host_reads_allowed
+from fastmamba.ops.state_update import configs as ssu_configs
 from fastmamba.ops.state_update.configs import pick_config
-from fastmamba.ops.state_update.kernel import launch_selective_state_update
+from fastmamba.ops.state_update.kernel import launch_planned, plan_selective_state_update
 from fastmamba.ops.state_update.ref import selective_state_update_ref
 
 OP = "selective_state_update"
@@ -66,6 +71,15 @@ def _selective_state_update_impl(
             intermediate_states=intermediate_states, A_is_log=A_is_log,
         )
         return
+    plan = _plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, pad_slot_id, out,
+                 dst_state_batch_indices, intermediate_states, rand_seed, A_is_log)
+    launch_planned(plan, state, x, dt, dt_bias, A, B, C, D, z, out,
+                   state_batch_indices, dst_state_batch_indices, intermediate_states, rand_seed)
+
+
+def _plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, pad_slot_id, out,
+          dst_state_batch_indices, intermediate_states, rand_seed, A_is_log, report_slots=False) -> tuple:
+    """The kernel launch for these normalised 4-D views, but for the tensors' addresses."""
     nreq, _, nheads, headdim = x.shape
     block_p, num_warps = pick_config(
         programs_per_block=nreq * nheads, headdim=headdim, dstate=B.shape[-1], state_bytes=state.element_size(),
@@ -73,12 +87,50 @@ def _selective_state_update_impl(
     )
     tie_hdim = _tied(A, (1, 2)) and _tied(dt, (3,)) and _tied(dt_bias, (1,)) and _tied(D, (1,))
     programs = nreq * nheads * -(-headdim // block_p)
-    launch_selective_state_update(
+    return plan_selective_state_update(
         state, x, dt, dt_bias, A, B, C, D, z, out,
         state_batch_indices, dst_state_batch_indices, intermediate_states, rand_seed,
         dt_softplus=dt_softplus, tie_hdim=tie_hdim, pad_slot_id=pad_slot_id,
         block_p=block_p, num_warps=num_warps, use_pdl=pdl_active(x, programs, num_warps), A_is_log=A_is_log,
+        report_slots=report_slots,
     )
+
+
+# Whether the lean path also checks CPU indices on the device instead of the host (tests of the
+# device check without a GPU; on a CPU the host read costs no synchronize, so it stays off).
+DEVICE_CHECK_CPU = False
+SLOT_NAMES = ("state_batch_indices", "dst_state_batch_indices")
+slot_errors.NAMES[OP] = SLOT_NAMES
+
+
+def _device_check(idx: torch.Tensor | None) -> bool:
+    """Whether a lean call checks ``idx`` in the kernel (reported at the next call: slot_errors.py)
+    instead of reading it on the host: indices on a GPU that the caller has not vouched for."""
+    return idx is not None and (idx.is_cuda or DEVICE_CHECK_CPU) and host_reads_allowed(idx)
+
+
+# Launch plans of plain eager calls (issue 19: an eager call's host time), keyed by the call's
+# signature: every tensor's shape, strides, dtype and device, the flags, and the switches a plan
+# depends on (PDL, the tuning hooks). A signature gets a plan only after a call with it passed
+# every check, and every check but the slot-index values depends on the signature alone; the
+# index values are checked on every call (where host reads are allowed).
+_PLANS: dict = {}
+_MAX_PLANS = 1024
+
+
+def clear_plans() -> None:
+    """Forget every cached launch plan (after changing a config hook)."""
+    _PLANS.clear()
+
+
+def _sig(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _plan_key(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx, pad_slot_id, A_is_log) -> tuple:
+    return (x.shape, x.stride(), x.dtype, x.device, _sig(state), _sig(dt), _sig(A), _sig(B), _sig(C),
+            _sig(D), _sig(z), _sig(dt_bias), _sig(idx), dt_softplus, pad_slot_id, A_is_log,
+            _pdl._enabled, ssu_configs._forced, ssu_configs.STORE_EARLY, _device_check(idx))
 
 
 # Registered so torch.compile and graph capture see the in-place writes; plain eager calls skip
@@ -134,7 +186,11 @@ def selective_state_update(
     D       [H, P] or [H] or None;   dt_bias [H, P] or [H] or None (any float dtype);
     z       like x (same dtype) or None (y *= silu(z))
     state_batch_indices     [B] int32/int64 or None (row b); rows equal to ``pad_slot_id`` are
-                            skipped: no state read or write, y row zeroed
+                            skipped: no state read or write, y row zeroed. Values outside [0, S)
+                            raise ValueError: at once where reading them costs no synchronize (CPU
+                            indices, the first call of a call signature); on a GPU, repeated plain
+                            calls leave the check to the kernel, which skips such a row and makes
+                            the op's next call raise (fastmamba.ops._common.slot_errors)
     dst_state_batch_indices [B] int32/int64 or None: where the new state goes (pad: not written)
     intermediate_states     [B, T, H, P, N] float or None: written with the state after every token
                             (the per-position buffers of speculative verification)
@@ -150,6 +206,30 @@ def selective_state_update(
     When A, dt, dt_bias and D are stride-0 over P (and A over N), they are loaded as one scalar per
     head. Returns y (``out`` when given). Reference: ``fastmamba.ops.state_update.ref``.
     """
+    # Fast path: a plain call (no out / dst / intermediate / seed) whose signature an earlier call
+    # validated and planned: only the slot values are checked, then one launch.
+    if (out is None and dst_state_batch_indices is None and intermediate_states is None and rand_seed is None
+            and pad_slot_id.__class__ is int and dt_softplus.__class__ is bool and A_is_log.__class__ is bool
+            and type(x) is torch.Tensor):
+        try:
+            key = _plan_key(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, pad_slot_id,
+                            A_is_log)
+        except AttributeError:  # not a tensor somewhere: the checks below say which
+            key = None
+        err = None
+        if key is not None and key[-1]:  # indices checked by the kernels: report what an earlier call found
+            err, host = slot_errors.slot_record(OP, x.device)
+            if host[0]:
+                slot_errors.raise_pending(OP, x.device, SLOT_NAMES)
+        plan = _PLANS.get(key)
+        if plan is not None and use_triton(x) and call_directly(x):
+            if err is None and state_batch_indices is not None and host_reads_allowed(state_batch_indices):
+                check_index_values(OP, "state_batch_indices", state_batch_indices, state.shape[0], pad_slot_id)
+            y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            launch_planned(plan, state, x, dt, dt_bias, A, B, C, D, z, y, state_batch_indices, None, None, None, err)
+            return y
+    else:
+        key = None
     check_tensors(OP, [("state", state), ("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)],
                   [("D", D), ("z", z), ("dt_bias", dt_bias), ("state_batch_indices", state_batch_indices),
                    ("out", out), ("dst_state_batch_indices", dst_state_batch_indices),
@@ -241,11 +321,18 @@ def selective_state_update(
     def tokens(t: torch.Tensor | None) -> torch.Tensor | None:
         return t if t is None or multi_token else t.unsqueeze(1)
 
-    op = _selective_state_update_impl if call_directly() else _selective_state_update_op
-    op(
-        state, x4, tokens(dt), A, tokens(B), tokens(C), D, tokens(z), dt_bias, bool(dt_softplus),
-        state_batch_indices, int(pad_slot_id), out4, dst_state_batch_indices, intermediate_states, rand_seed,
-        bool(A_is_log),
-    )
+    args = (state, x4, tokens(dt), A, tokens(B), tokens(C), D, tokens(z), dt_bias, bool(dt_softplus),
+            state_batch_indices, int(pad_slot_id), out4, dst_state_batch_indices, intermediate_states, rand_seed,
+            bool(A_is_log))
+    if key is not None and use_triton(x4) and call_directly(x4) and len(_PLANS) < _MAX_PLANS:
+        # checked: plan this signature (out4 is the contiguous buffer the fast path allocates too)
+        report = key[-1]
+        err = slot_errors.slot_record(OP, x4.device)[0] if report else None
+        plan = _PLANS[key] = _plan(*args, report_slots=report)
+        launch_planned(plan, state, x4, args[2], dt_bias, A, args[4], args[5], D, args[7], out4,
+                       state_batch_indices, None, None, None, err)
+    else:
+        op = _selective_state_update_impl if call_directly() else _selective_state_update_op
+        op(*args)
     y = out4 if multi_token else out4.squeeze(1)
     return y.squeeze(1) if no_heads else y

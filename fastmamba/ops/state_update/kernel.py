@@ -34,7 +34,7 @@ def _store_state(s, state_ptr, row_off, slot, h, nheads, s_tile_off, mask, seed_
 @triton.jit
 def _selective_state_update_kernel(
     state_ptr, x_ptr, dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, out_ptr,
-    src_idx_ptr, dst_idx_ptr, inter_ptr, seed_ptr,
+    src_idx_ptr, dst_idx_ptr, inter_ptr, seed_ptr, err_ptr,
     T, heads_per_group, pad_slot_id, n_slots,
     stride_state_s, stride_state_h, stride_state_p: tl.constexpr, stride_state_n,
     stride_x_b, stride_x_t, stride_x_h, stride_x_p,
@@ -52,6 +52,7 @@ def _selective_state_update_kernel(
     DT_SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr, USE_PDL: tl.constexpr,
     PDL_TRIGGER: tl.constexpr, STORE_EARLY: tl.constexpr, A_IS_LOG: tl.constexpr,
     P: tl.constexpr, N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    REPORT_SLOTS: tl.constexpr = False,
 ):
     # one program per (block of P, request, head); P and N are constexpr so that full tiles
     # carry no mask along N and the state moves in 16-byte vectors
@@ -77,6 +78,15 @@ def _selective_state_update_kernel(
     # capture, torch.compile, trusted_inputs()): nothing is ever read or written outside the pool
     valid = (src != pad_slot_id) & (src >= 0) & (src < n_slots)
     write_state = valid & (dst != pad_slot_id) & (dst >= 0) & (dst < n_slots)
+    if REPORT_SLOTS:  # unchecked indices of a plain call: record a bad one (slot_errors.py), once per request
+        if (pid_p == 0) & (h == 0):
+            bad_src = (src != pad_slot_id) & ((src < 0) | (src >= n_slots))
+            bad_dst = (dst != pad_slot_id) & ((dst < 0) | (dst >= n_slots))
+            if bad_src | bad_dst:
+                tl.store(err_ptr + 1, tl.where(bad_src, 1, 2).to(tl.int64))
+                tl.store(err_ptr + 2, tl.where(bad_src, src, dst).to(tl.int64))
+                tl.store(err_ptr + 3, n_slots)
+                tl.store(err_ptr, 1)
 
     # per-head parameters (scalars when tied over P and N, as Mamba-2 calls it)
     if TIE_HDIM:
@@ -167,13 +177,16 @@ def _selective_state_update_kernel(
                      s_tile_off, tile_mask & write_state, seed_ptr, offs_p, offs_n, P, N, STOCHASTIC_ROUND)
 
 
-def launch_selective_state_update(
+def plan_selective_state_update(
     state, x, dt, dt_bias, A, B, C, D, z, out, src_idx, dst_idx, inter, seed,
     *, dt_softplus: bool, tie_hdim: bool, pad_slot_id: int, block_p: int, num_warps: int, use_pdl: bool = False,
-    A_is_log: bool = False,
-):
-    """Launch the kernel on 4-D views: state (S,H,P,N), x/dt/z/out (B,T,H,P), B/C (B,T,G,N),
-    A (H,P,N) (A_log when ``A_is_log``), D/dt_bias (H,P), inter (B,T,H,P,N). Optional tensors may be None."""
+    A_is_log: bool = False, report_slots: bool = False,
+) -> tuple[tuple, tuple, dict]:
+    """(grid, scalar arguments, keyword arguments) of the launch on 4-D views: state (S,H,P,N),
+    x/dt/z/out (B,T,H,P), B/C (B,T,G,N), A (H,P,N) (A_log when ``A_is_log``), D/dt_bias (H,P),
+    inter (B,T,H,P,N); optional tensors may be None. Everything but the tensors' addresses: a plan
+    serves every later call whose tensors have the same shapes, strides and dtypes (the public
+    op caches it per call signature), with the tensors passed as they come (views share them)."""
     nreq, ntok, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     block_n = triton.next_power_of_2(dstate)
@@ -182,15 +195,38 @@ def launch_selective_state_update(
     def strides(t, n):
         return tuple(t.stride()) if t is not None else (0,) * n
 
-    _selective_state_update_kernel[grid](
-        state, x, dt, dt_bias, A, B, C, D, z, out,
-        src_idx, dst_idx, inter, seed,
+    scalars = (
         ntok, nheads // ngroups, pad_slot_id, state.shape[0],
         *state.stride(), *x.stride(), *dt.stride(), *strides(dt_bias, 2), *A.stride(),
         *B.stride(), *C.stride(), *strides(D, 2), *strides(z, 4), *out.stride(), *strides(inter, 5),
+    )
+    consts = dict(
         HAS_DT_BIAS=dt_bias is not None, HAS_D=D is not None, HAS_Z=z is not None,
         HAS_SRC_IDX=src_idx is not None, HAS_DST_IDX=dst_idx is not None, HAS_INTER=inter is not None,
         DT_SOFTPLUS=dt_softplus, TIE_HDIM=tie_hdim, STOCHASTIC_ROUND=seed is not None, USE_PDL=use_pdl,
         PDL_TRIGGER=trigger_early(), STORE_EARLY=ntok > 0 and store_state_early(nreq * nheads), A_IS_LOG=A_is_log,
         P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps, launch_pdl=use_pdl,
+        REPORT_SLOTS=report_slots,
     )
+    return grid, scalars, consts
+
+
+def launch_planned(plan, state, x, dt, dt_bias, A, B, C, D, z, out, src_idx, dst_idx, inter, seed, err=None) -> None:
+    """Launch a ``plan_selective_state_update`` plan on these tensors (``err``: the slot-error
+    record, for a plan made with report_slots)."""
+    grid, scalars, consts = plan
+    _selective_state_update_kernel[grid](
+        state, x, dt, dt_bias, A, B, C, D, z, out, src_idx, dst_idx, inter, seed, err, *scalars, **consts)
+
+
+def launch_selective_state_update(
+    state, x, dt, dt_bias, A, B, C, D, z, out, src_idx, dst_idx, inter, seed,
+    *, dt_softplus: bool, tie_hdim: bool, pad_slot_id: int, block_p: int, num_warps: int, use_pdl: bool = False,
+    A_is_log: bool = False,
+):
+    """Launch the kernel on 4-D views (see plan_selective_state_update)."""
+    plan = plan_selective_state_update(
+        state, x, dt, dt_bias, A, B, C, D, z, out, src_idx, dst_idx, inter, seed, dt_softplus=dt_softplus,
+        tie_hdim=tie_hdim, pad_slot_id=pad_slot_id, block_p=block_p, num_warps=num_warps, use_pdl=use_pdl,
+        A_is_log=A_is_log)
+    launch_planned(plan, state, x, dt, dt_bias, A, B, C, D, z, out, src_idx, dst_idx, inter, seed)

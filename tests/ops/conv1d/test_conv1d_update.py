@@ -210,8 +210,8 @@ def test_rows_kernel_matches_ref(case: Case, device, monkeypatch):
     import fastmamba.ops.conv1d.kernel as conv_kernel
 
     calls = []
-    launch = conv_kernel.launch_conv1d_update_rows
-    monkeypatch.setattr(conv_kernel, "launch_conv1d_update_rows", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    plan = conv_kernel.rows_update_plan
+    monkeypatch.setattr(conv_kernel, "rows_update_plan", lambda *a, **k: calls.append(1) or plan(*a, **k))
     monkeypatch.setattr(conv_kernel, "use_rows_kernel", lambda D, B: True)
     check_against_ref(case, device)
     if device.type == "cuda" or INTERPRET:
@@ -227,7 +227,8 @@ def test_rows_kernel_not_taken_outside_its_conditions(change: dict, device, monk
     import fastmamba.ops.conv1d.kernel as conv_kernel
 
     calls = []
-    monkeypatch.setattr(conv_kernel, "launch_conv1d_update_rows", lambda *a, **k: calls.append(1))
+    plan = conv_kernel.rows_update_plan
+    monkeypatch.setattr(conv_kernel, "rows_update_plan", lambda *a, **k: calls.append(1) or plan(*a, **k))
     monkeypatch.setattr(conv_kernel, "use_rows_kernel", lambda D, B: True)
     check_against_ref(dataclasses.replace(ROWS, **change), device)
     assert not calls

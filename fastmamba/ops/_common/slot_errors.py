@@ -1,0 +1,79 @@
+"""Slot-index errors found by the kernels, reported on the host without a synchronize (issue 19).
+
+Reading slot indices on the host to range-check them costs a device-to-host copy and a
+synchronize per call: most of an eager decode call's time. Where an op skips that read (its
+lean eager path, for indices on a GPU), its kernel checks each index as it loads it anyway (an
+index outside [0, S) that is not the pad id is treated as the pad slot: nothing is read or
+written outside the pool) and records the first bad one in a small per-(op, device) buffer of
+pinned host memory, which the kernel writes directly (unified addressing). The op's next call
+reads the buffer -- host memory, no synchronize -- and raises the ValueError there, naming the
+argument and the value. ``raise_pending_slot_errors()`` does the same check on demand (after a
+synchronize it reports everything launched before it).
+
+Record layout (int64): [set, argument number, bad value, S].
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import triton
+import triton.language as tl
+
+_records: dict = {}
+_lock = threading.Lock()
+
+
+def slot_record(op: str, device: torch.device) -> tuple[torch.Tensor, object]:
+    """(the record a kernel of ``op`` on ``device`` writes, a numpy view of it for the host)."""
+    key = (op, device)
+    rec = _records.get(key)
+    if rec is None:
+        with _lock:
+            rec = _records.get(key)
+            if rec is None:
+                t = torch.zeros(4, dtype=torch.int64, pin_memory=device.type == "cuda")
+                rec = _records[key] = (t, t.numpy())
+    return rec
+
+
+def raise_pending(op: str, device: torch.device, names: tuple[str, ...]) -> None:
+    """Raise the ValueError an earlier call of ``op`` on ``device`` recorded (and clear it);
+    ``names[k - 1]`` is argument number k."""
+    rec = _records.get((op, device))
+    if rec is not None and rec[1][0]:
+        _raise(op, rec, names)
+
+
+def _raise(op: str, rec, names: tuple[str, ...]) -> None:
+    arr = rec[1]
+    which, value, S = int(arr[1]), int(arr[2]), int(arr[3])
+    arr[:] = 0
+    name = names[which - 1] if 1 <= which <= len(names) else "slot index"
+    raise ValueError(
+        f"{op}: `{name}` values must lie in [0, {S}) or equal pad_slot_id; an earlier call got [{value}] "
+        f"(checked on the device and reported at this call; that row was skipped: nothing was written "
+        f"outside the pool)"
+    )
+
+
+NAMES: dict[str, tuple[str, ...]] = {}
+
+
+def raise_pending_slot_errors() -> None:
+    """Raise the first slot-index error any op recorded on the device since the last report.
+    Synchronize first to include every launch made so far."""
+    for (op, _device), rec in list(_records.items()):
+        if rec[1][0]:
+            _raise(op, rec, NAMES.get(op, ()))
+
+
+@triton.jit
+def report_bad_slot(err_ptr, slot, pad_slot_id, n_slots, which: tl.constexpr):
+    """In a kernel: record ``slot`` as argument number ``which``'s bad value when it lies outside
+    [0, n_slots) and is not the pad id (call it from one program per request)."""
+    if (slot != pad_slot_id) & ((slot < 0) | (slot >= n_slots)):
+        tl.store(err_ptr + 1, which)
+        tl.store(err_ptr + 2, slot.to(tl.int64))
+        tl.store(err_ptr + 3, n_slots)
+        tl.store(err_ptr, 1)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Extract vLLM's Triton mamba ops into the git-ignored peers/vllm_mamba_ops/ (the bench's vLLM peer:
+# fastmamba/bench/peers.py loads them with stand-in vllm.* modules). Needs pip and unzip; ~400 KB.
+#   scripts/fetch_vllm_peer.sh [version]     (default 0.33.0, the version peers.VLLM_VERSION names)
+set -euo pipefail
+version="${1:-0.33.0}"
+root="$(cd "$(dirname "$0")/.." && pwd)"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+python -m pip download --no-deps "vllm==${version}" -d "$tmp" >/dev/null
+unzip -q "$tmp"/vllm-*.whl 'vllm/model_executor/layers/mamba/ops/*' -d "$tmp/x"
+rm -rf "$root/peers/vllm_mamba_ops"
+mkdir -p "$root/peers"
+cp -r "$tmp/x/vllm/model_executor/layers/mamba/ops" "$root/peers/vllm_mamba_ops"
+# not used by the bench (CuTe-DSL GDN kernels, the CPU ops' GDN attention)
+rm -rf "$root/peers/vllm_mamba_ops/gdn_chunk_cutedsl" "$root/peers/vllm_mamba_ops/cpu/gdn_attention.py"
+echo "vLLM ${version} mamba ops -> $root/peers/vllm_mamba_ops ($(du -sh "$root/peers/vllm_mamba_ops" | cut -f1))"
