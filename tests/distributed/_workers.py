@@ -1,0 +1,54 @@
+"""Functions the tensor-parallel tests run on every spawned rank (importable, so "spawn" finds them).
+
+Each builds its rank's model, runs the same fixed inputs as the test's TP=1 reference and returns
+plain CPU tensors / lists (rank 0's result is what the test compares; every rank returns its own
+so the test can check that the ranks agree)."""
+from __future__ import annotations
+
+import torch
+
+from fastmamba.distributed import build_tp_mamba2, load_tp_model, shard_state_dict_into
+
+
+def run_model(model, prompts: torch.Tensor, steps: torch.Tensor) -> dict:
+    """Prefill ``prompts`` [B, L] into slots 0..B-1, then one decode step per column of ``steps``
+    [B, n]; the logits of each call, fp32 on the CPU."""
+    nreq = prompts.shape[0]
+    cache = model.new_cache(nreq + 1)
+    slots = torch.arange(nreq, dtype=torch.int32)
+    out = [model.prefill(prompts, cache, slots).cpu()]
+    for j in range(steps.shape[1]):
+        out.append(model.decode(steps[:, j].contiguous(), cache, slots).cpu())
+    # a packed varlen prefill of two different lengths, into fresh slots
+    cache2 = model.new_cache(2)
+    ids = torch.cat([prompts[0, :3], prompts[-1]])
+    cu = torch.tensor([0, 3, 3 + prompts.shape[1]], dtype=torch.int32)
+    out.append(model.prefill_varlen(ids, cu, cache2, torch.arange(2, dtype=torch.int32)).cpu())
+    return {"logits": out}
+
+
+def greedy(model, prompt_lists: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    from fastmamba.generation.engine import Engine
+    from fastmamba.generation.sampling import SamplingParams
+
+    engine = Engine(model, max_batch=len(prompt_lists), cuda_graphs=False)
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    reqs = engine.generate(prompt_lists, params)
+    return [list(r) for r in reqs]
+
+
+def tp_check(tp, cfg, state_dict, ckpt_dir, prompts, steps, prompt_lists, max_new_tokens) -> dict:
+    """From memory (``state_dict``) and, when given, from the safetensors checkpoint ``ckpt_dir``:
+    the logits of ``run_model``, the engine's greedy outputs and the bytes each load read."""
+    model = build_tp_mamba2(cfg, tp, dtype=torch.float32)
+    shard_state_dict_into(model, state_dict)
+    result = run_model(model.eval(), prompts, steps)
+    result["greedy"] = greedy(model, prompt_lists, max_new_tokens)
+    result["local_bytes"] = sum(p.nbytes for p in model.parameters())  # a tied lm_head counted once
+    if ckpt_dir is not None:
+        loaded = load_tp_model(ckpt_dir, tp)
+        result["file_bytes_read"] = loaded.load_stats.bytes_read
+        result["file_checkpoint_bytes"] = loaded.load_stats.checkpoint_bytes
+        result["file_logits"] = run_model(loaded, prompts, steps)["logits"]
+    result["rank"] = tp.rank
+    return result
