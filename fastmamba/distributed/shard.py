@@ -15,8 +15,9 @@ rank r holds heads [r*H/w, (r+1)*H/w)):
 
 Groups: G % w == 0 splits the groups with the heads (each rank holds G/w whole groups, so the gated
 RMSNorm, whose groups are the B/C groups, stays local). G == 1 with w > 1 replicates B and C on
-every rank (vLLM does the same) and the norm, whose one group spans all heads, all-reduces its sum
-of squares (``TPGatedRMSNorm``). Every other combination, and H not divisible by w, is refused by
+every rank (vLLM does the same) and the norm, whose one group spans all heads, needs the sum of
+squares over every rank (``TPGatedRMSNorm``): by default it rides in the out_proj's all-reduce
+(the rms is a per-row scalar that commutes with out_proj), so a layer still costs one collective. Every other combination, and H not divisible by w, is refused by
 ``check_tp`` before anything is read.
 
 Each rank's model is a ``Mamba2LM`` built from a ``ShardedMamba2Config``: the full config with the
@@ -181,10 +182,15 @@ def slice_tensor(t: torch.Tensor, s: Slices | None) -> torch.Tensor:
 # the per-rank model
 
 
-def build_tp_mamba2(cfg: Mamba2Config, tp: TPGroup, *, dtype: torch.dtype) -> Mamba2LM:
+def build_tp_mamba2(cfg: Mamba2Config, tp: TPGroup, *, dtype: torch.dtype, fuse_norm_reduce: bool = True) -> Mamba2LM:
     """Rank ``tp.rank``'s ``Mamba2LM`` (uninitialised weights on ``tp.device``): local mixers, a
     row-parallel out_proj, a distributed norm where groups are replicated, vocab-parallel
-    embeddings and lm_head (tied when ``cfg.tie_embeddings``). ``model.tp`` is the group."""
+    embeddings and lm_head (tied when ``cfg.tie_embeddings``). ``model.tp`` is the group.
+
+    fuse_norm_reduce  where the norm is distributed (ngroups = 1), its sum of squares travels in
+                      the out_proj's all-reduce (one collective per layer, not two; see
+                      ``RowParallelLinear``); off, or with an out_proj bias or norm_before_gate:
+                      a separate all-reduce in the norm"""
     local = local_config(cfg, tp.rank, tp.world_size)
     meta = torch.device("meta")
     model = Mamba2LM(local, device=meta, dtype=dtype)
@@ -195,8 +201,9 @@ def build_tp_mamba2(cfg: Mamba2Config, tp: TPGroup, *, dtype: torch.dtype) -> Ma
         mixer.out_proj = RowParallelLinear(local.d_inner, cfg.d_model, tp, bias=cfg.proj_bias, device=meta,
                                            dtype=dtype)
         if local.groups_replicated:
+            fuse = fuse_norm_reduce and not cfg.proj_bias and not cfg.norm_before_gate
             mixer.norm = TPGatedRMSNorm(local.d_inner, cfg.d_inner, tp, cfg.norm_eps, cfg.norm_before_gate,
-                                        device=meta, dtype=dtype)
+                                        device=meta, dtype=dtype, defer_to=mixer.out_proj if fuse else None)
     model.to_empty(device=tp.device)
     if cfg.tie_embeddings:  # to_empty gives each module its own new tensor
         model.lm_head.weight = model.backbone.embeddings.weight
@@ -334,7 +341,8 @@ def load_safetensors_slices(model: Mamba2LM, root: str | os.PathLike) -> LoadSta
     return stats
 
 
-def load_tp_model(path_or_preset: str | os.PathLike, tp: TPGroup, *, dtype: torch.dtype | str | None = None) -> Mamba2LM:
+def load_tp_model(path_or_preset: str | os.PathLike, tp: TPGroup, *, dtype: torch.dtype | str | None = None,
+                  fuse_norm_reduce: bool = True) -> Mamba2LM:
     """Rank ``tp.rank``'s share of a Mamba-2 LM, on ``tp.device``, ready to run.
 
     path_or_preset  a safetensors checkpoint directory (config.json + model.safetensors or a sharded
@@ -342,6 +350,7 @@ def load_tp_model(path_or_preset: str | os.PathLike, tp: TPGroup, *, dtype: torc
                     whole random model is built on this rank's device (same seed on every rank,
                     so the weights equal TP=1's) and sliced
     dtype           as ``load_model``'s (default: the checkpoint's; presets: bf16 on a GPU, fp32 on a CPU)
+    fuse_norm_reduce  see ``build_tp_mamba2``
     The sizes are checked (``check_tp``) before any weight is read. ``model.load_stats`` holds the
     bytes this rank read.
     """
@@ -355,7 +364,7 @@ def load_tp_model(path_or_preset: str | os.PathLike, tp: TPGroup, *, dtype: torc
         check_tp(cfg, tp.world_size, who="load_tp_model")
         dtype = dtype or (torch.bfloat16 if tp.device.type == "cuda" else torch.float32)
         whole = load_model(key, dtype=dtype, device=tp.device)
-        model = build_tp_mamba2(cfg, tp, dtype=dtype)
+        model = build_tp_mamba2(cfg, tp, dtype=dtype, fuse_norm_reduce=fuse_norm_reduce)
         shard_state_dict_into(model, whole.state_dict())
         del whole
         return model.eval()
@@ -383,7 +392,7 @@ def load_tp_model(path_or_preset: str | os.PathLike, tp: TPGroup, *, dtype: torc
             key0 = next((k for k in ("backbone.embeddings.weight", "backbone.embedding.weight") if k in keys), keys[0])
             dtype = _SAFETENSORS_DTYPES.get(f.get_slice(key0).get_dtype(), torch.float32)
         dtype = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
-    model = build_tp_mamba2(cfg, tp, dtype=dtype)
+    model = build_tp_mamba2(cfg, tp, dtype=dtype, fuse_norm_reduce=fuse_norm_reduce)
     load_safetensors_slices(model, root)
     return model.eval()
 

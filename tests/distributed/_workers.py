@@ -50,5 +50,11 @@ def tp_check(tp, cfg, state_dict, ckpt_dir, prompts, steps, prompt_lists, max_ne
         result["file_bytes_read"] = loaded.load_stats.bytes_read
         result["file_checkpoint_bytes"] = loaded.load_stats.checkpoint_bytes
         result["file_logits"] = run_model(loaded, prompts, steps)["logits"]
+    if cfg.ngroups == 1 and tp.world_size > 1:  # the norm's separate all-reduce (not fused into out_proj's)
+        unfused = build_tp_mamba2(cfg, tp, dtype=torch.float32, fuse_norm_reduce=False)
+        shard_state_dict_into(unfused, state_dict)
+        assert unfused.backbone.layers[0].mixer.norm.defer_to is None
+        assert model.backbone.layers[0].mixer.norm.defer_to is not None
+        result["unfused_logits"] = run_model(unfused.eval(), prompts, steps)["logits"]
     result["rank"] = tp.rank
     return result

@@ -95,6 +95,9 @@ def _check_ranks(results, ref_logits, ref_greedy, cfg, world):
             err = ((got - want).abs().max() / want.abs().max()).item()
             assert err <= RTOL, f"rank {res['rank']}, call {j}: relative error {err:.2e}"
             torch.testing.assert_close(got, results[0]["logits"][j], rtol=0, atol=0)  # every rank samples the same
+        for j, (want, got) in enumerate(zip(ref_logits, res.get("unfused_logits", []))):
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            assert err <= RTOL, f"rank {res['rank']} (norm's own all-reduce), call {j}: relative error {err:.2e}"
         for j, (want, got) in enumerate(zip(ref_logits, res["file_logits"])):
             err = ((got - want).abs().max() / want.abs().max()).item()
             assert err <= RTOL, f"rank {res['rank']} (loaded from files), call {j}: relative error {err:.2e}"
@@ -127,12 +130,19 @@ def _inputs(vocab: int, seed: int):
 def test_tp2_replicated_groups_equal_tp1(tmp_path):
     model = scaled_tiny_model("cpu")
     assert model.cfg.ngroups == 1 and model.cfg.nheads == 8
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # mixers that dominate the logits, norm weights that differ per channel
+        for layer in model.backbone.layers:
+            layer.mixer.out_proj.weight.mul_(10)
+            layer.mixer.norm.weight.copy_(1 + 0.5 * torch.randn(layer.mixer.norm.weight.shape, generator=g))
+            layer.norm.weight.copy_(1 + 0.5 * torch.randn(layer.norm.weight.shape, generator=g))
     prompts, steps, prompt_lists = _inputs(model.cfg.vocab_size, 1)
     ref_logits, ref_greedy = _reference(model, prompts, steps, prompt_lists, 6)
     _save(tmp_path / "ckpt", model, shards=2, state_spaces=False)
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     results = spawn_tp(tp_check, 2, model.cfg, sd, str(tmp_path / "ckpt"), prompts, steps, prompt_lists, 6,
                        device="cpu", timeout_s=240)
+    assert all(len(r["unfused_logits"]) == len(ref_logits) for r in results)
     _check_ranks(results, ref_logits, ref_greedy, model.cfg, 2)
 
 
@@ -144,7 +154,7 @@ def _uneven_model() -> Mamba2LM:
             m = layer.mixer
             m.in_proj.weight.mul_(10)
             m.conv1d.weight.mul_(10)
-            m.out_proj.weight.mul_(30)
+            m.out_proj.weight.mul_(300)
             m.in_proj.bias.copy_(torch.randn(m.in_proj.bias.shape, generator=g))
             m.out_proj.bias.copy_(torch.randn(m.out_proj.bias.shape, generator=g))
             m.norm.weight.copy_(1 + 0.5 * torch.randn(m.norm.weight.shape, generator=g))
