@@ -4,9 +4,10 @@ sharded across the ranks of a host. See ``shard.py`` (who holds what, loading), 
 ``runtime.py`` (how the engine runs on every rank)."""
 from fastmamba.distributed.group import TPGroup, destroy_tp, init_tp, under_torchrun
 from fastmamba.distributed.launch import run_tp, spawn_tp
-from fastmamba.distributed.shard import (LoadStats, ShardedMamba2Config, build_tp_mamba2, check_tp, load_tp_model,
+from fastmamba.distributed.shard import (LoadStats, ShardedMamba2Config, build_tp_mamba2, check_tp, check_tp_source,
+                                         load_tp_model,
                                          local_config, shard_plan, shard_state_dict_into)
 
 __all__ = ["TPGroup", "init_tp", "destroy_tp", "under_torchrun", "run_tp", "spawn_tp", "LoadStats",
-           "ShardedMamba2Config", "build_tp_mamba2", "check_tp", "load_tp_model", "local_config", "shard_plan",
+           "ShardedMamba2Config", "build_tp_mamba2", "check_tp", "check_tp_source", "load_tp_model", "local_config", "shard_plan",
            "shard_state_dict_into"]

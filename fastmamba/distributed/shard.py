@@ -341,6 +341,23 @@ def load_safetensors_slices(model: Mamba2LM, root: str | os.PathLike) -> LoadSta
     return stats
 
 
+def check_tp_source(path_or_preset: str | os.PathLike, world_size: int, *, who: str = "check_tp_source") -> Mamba2Config:
+    """The config of a preset or checkpoint directory (config.json only, no weight read), checked
+    for ``world_size`` ranks (``check_tp``): what a launcher calls before it starts any process."""
+    from fastmamba.models.config import PRESETS
+
+    key = os.fspath(path_or_preset)
+    if key in PRESETS:
+        cfg = PRESETS[key]
+    elif os.path.isdir(key):
+        cfg = Mamba2Config.from_dir(key)
+    else:
+        raise FileNotFoundError(f"{who}: {key!r} is neither a checkpoint directory nor a Mamba-2 preset "
+                                f"({', '.join(PRESETS)}); tensor parallelism covers Mamba-2 models only")
+    check_tp(cfg, world_size, who=who)
+    return cfg
+
+
 def load_tp_model(path_or_preset: str | os.PathLike, tp: TPGroup, *, dtype: torch.dtype | str | None = None,
                   fuse_norm_reduce: bool = True) -> Mamba2LM:
     """Rank ``tp.rank``'s share of a Mamba-2 LM, on ``tp.device``, ready to run.

@@ -27,11 +27,14 @@ def run_model(model, prompts: torch.Tensor, steps: torch.Tensor) -> dict:
     return {"logits": out}
 
 
-def greedy(model, prompt_lists: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def greedy(model, prompt_lists: list[list[int]], max_new_tokens: int, speculate: int = 0) -> list[list[int]]:
+    """The engine's greedy outputs (``speculate`` K > 0: speculative decoding, n-gram drafts)."""
+    from fastmamba.generation.drafters import NgramDrafter
     from fastmamba.generation.engine import Engine
     from fastmamba.generation.sampling import SamplingParams
 
-    engine = Engine(model, max_batch=len(prompt_lists), cuda_graphs=False)
+    spec = dict(speculate=speculate, drafter=NgramDrafter()) if speculate else {}
+    engine = Engine(model, max_batch=len(prompt_lists), cuda_graphs=False, **spec)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
     reqs = engine.generate(prompt_lists, params)
     return [list(r) for r in reqs]
@@ -44,6 +47,7 @@ def tp_check(tp, cfg, state_dict, ckpt_dir, prompts, steps, prompt_lists, max_ne
     shard_state_dict_into(model, state_dict)
     result = run_model(model.eval(), prompts, steps)
     result["greedy"] = greedy(model, prompt_lists, max_new_tokens)
+    result["greedy_spec"] = greedy(model, prompt_lists, max_new_tokens, speculate=2)
     result["local_bytes"] = sum(p.nbytes for p in model.parameters())  # a tied lm_head counted once
     if ckpt_dir is not None:
         loaded = load_tp_model(ckpt_dir, tp)

@@ -102,6 +102,7 @@ def _check_ranks(results, ref_logits, ref_greedy, cfg, world):
             err = ((got - want).abs().max() / want.abs().max()).item()
             assert err <= RTOL, f"rank {res['rank']} (loaded from files), call {j}: relative error {err:.2e}"
         assert res["greedy"] == ref_greedy
+        assert res["greedy_spec"] == ref_greedy  # speculative decoding (verify + replay per rank)
         expected = _expected_bytes(cfg, world, res["rank"])
         assert res["file_bytes_read"] == expected
         # what it holds is exactly what it read (plus, off rank 0, the zeros of out_proj's bias)
