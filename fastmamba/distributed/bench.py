@@ -1,7 +1,7 @@
 """Tensor-parallel decode benchmark: the same preset at several TP sizes, outputs compared.
 
     python -m fastmamba.distributed.bench --model mamba2-2.7b --tp 1,2 --batch 1 --dtype fp32
-    python -m fastmamba.distributed.bench --model mamba2-2.7b --tp 1,2,8 --batch 1,8,64,256    (bf16)
+    fastmamba bench tp --model mamba2-2.7b --tp 1,2,8 --batch 1,8,64,256      (the same, bf16)
 
 For every TP size N a fresh group of N processes (spawned; one GPU each, NCCL) loads the model
 (presets: the same random weights at every N), then per batch size runs ``fastmamba.bench.e2e``'s
@@ -120,8 +120,7 @@ def _rank_bench(tp: TPGroup, opts: dict) -> dict:
             if tp.device.type == "cuda" else "cpu"}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fastmamba.distributed.bench", description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="mamba2-2.7b", help="Mamba-2 preset or safetensors checkpoint directory")
     p.add_argument("--tp", type=_int_list, default=[1, 2], help="TP sizes, e.g. 1,2,8 (default 1,2)")
     p.add_argument("--batch", type=_int_list, default=[1], help="batch sizes (default 1)")
@@ -136,11 +135,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="append one JSON line per row")
     p.add_argument("--require-equal", action="store_true",
                    help="exit 1 unless every TP size's greedy tokens equal the first's")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fastmamba.distributed.bench", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
+    return run(args, " ".join(["python -m fastmamba.distributed.bench", *argv]))
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    """Target ``tp`` of ``fastmamba bench`` (see the module docstring)."""
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
         have = torch.cuda.device_count()
         if max(args.tp) > have:
-            p.error(f"--tp {max(args.tp)} needs {max(args.tp)} GPUs, torch sees {have}")
+            raise ValueError(f"--tp {max(args.tp)} needs {max(args.tp)} GPUs, torch sees {have}")
     from fastmamba.distributed.shard import check_tp_source
 
     for n in args.tp:
@@ -151,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.tp:
         results[n] = spawn_tp(_rank_bench, n, opts, device=args.device, timeout_s=3600)[0]
     base = args.tp[0]
-    print(f"# {' '.join(['python -m fastmamba.distributed.bench', *(argv if argv is not None else sys.argv[1:])])}")
+    print(f"# {command}")
     print(f"# model {args.model}, dtype {args.dtype or 'default'}, prompt {args.prompt_len}, gen {args.gen_len}, "
           f"device {results[base]['device']}")
     print(f"{'tp':>3} {'batch':>5} {'tok/s':>10} {'ms/step':>8} {'speedup':>7} {'% roof':>6} {'coll ms':>7} "
