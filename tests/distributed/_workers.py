@@ -64,5 +64,13 @@ def tp_check(tp, cfg, state_dict, ckpt_dir, prompts, steps, prompt_lists, max_ne
         assert unfused.backbone.layers[0].mixer.norm.defer_to is None
         assert model.backbone.layers[0].mixer.norm.defer_to is not None
         result["unfused_logits"] = run_model(unfused.eval(), prompts, steps)["logits"]
+    from fastmamba.distributed.runtime import check_ranks_agree
+
+    check_ranks_agree(tp, result["greedy"])  # equal outputs pass
+    try:  # a rank that generated something else is caught
+        check_ranks_agree(tp, [[tp.rank == tp.world_size - 1]])
+        result["divergence_caught"] = False
+    except RuntimeError as exc:
+        result["divergence_caught"] = str(exc)
     result["rank"] = tp.rank
     return result

@@ -102,6 +102,7 @@ def _check_ranks(results, ref_logits, ref_greedy, cfg, world):
             err = ((got - want).abs().max() / want.abs().max()).item()
             assert err <= RTOL, f"rank {res['rank']} (loaded from files), call {j}: relative error {err:.2e}"
         assert res["greedy"] == ref_greedy
+        assert f"ranks [{world - 1}] generated other tokens than rank 0" in res["divergence_caught"]
         assert res["greedy_spec"] == ref_greedy  # speculative decoding (verify + replay per rank)
         expected = _expected_bytes(cfg, world, res["rank"])
         assert res["file_bytes_read"] == expected
@@ -208,3 +209,43 @@ def test_supported_combinations_pass_check():
     check_tp(fastmamba.models.config.PRESETS["mamba2-tiny"], 2)  # ngroups=1 replicated
     check_tp(fastmamba.models.config.PRESETS["mamba2-tiny"], 8)  # one head per rank
     check_tp(Mamba2Config(d_model=64, n_layer=1, vocab_size=64, d_state=8, headdim=16, ngroups=4), 2)
+
+
+def test_checkpoint_problems_fail_before_reading(tmp_path):
+    """A missing tensor and a misshaped one are both named, and nothing is copied (rank 1 of 2: the
+    loader needs no process group until the model runs)."""
+    model = scaled_tiny_model("cpu")
+    sd = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    del sd["backbone.layers.1.mixer.A_log"]
+    sd["backbone.layers.0.mixer.conv1d.weight"] = sd["backbone.layers.0.mixer.conv1d.weight"][:-1].contiguous()
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(_state_spaces_config(model.cfg)))
+    save_file(sd, str(root / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"nothing was read") as info:
+        load_tp_model(root, TPGroup(rank=1, world_size=2, device=torch.device("cpu")))
+    msg = str(info.value)
+    assert "missing from the checkpoint: backbone.layers.1.mixer.A_log" in msg
+    assert "backbone.layers.0.mixer.conv1d.weight: expected (160, 1, 4), got (159, 1, 4)" in msg
+
+
+def test_rank_reads_only_its_bytes_in_process(tmp_path):
+    """Each rank's byte count from the files, without a process group: rank r of 2 and of 4 (one
+    group replicated, 8 heads), tied embeddings."""
+    model = scaled_tiny_model("cpu")
+    _save(tmp_path / "ckpt", model, shards=2, state_spaces=False)
+    for world in (2, 4):
+        for rank in range(world):
+            tp = TPGroup(rank=rank, world_size=world, device=torch.device("cpu"))
+            loaded = load_tp_model(tmp_path / "ckpt", tp)
+            assert loaded.load_stats.bytes_read == _expected_bytes(model.cfg, world, rank)
+            assert sum(p.nbytes for p in loaded.parameters()) == loaded.load_stats.bytes_read
+            mixer = loaded.backbone.layers[0].mixer
+            P = model.cfg.headdim
+            h0 = rank * (8 // world)
+            torch.testing.assert_close(mixer.A_log, model.backbone.layers[0].mixer.A_log[h0:h0 + 8 // world])
+            # the x rows of in_proj: rows d_inner + h0*P ... of the full matrix
+            D = model.cfg.d_inner
+            full = model.backbone.layers[0].mixer.in_proj.weight
+            Dl = D // world
+            torch.testing.assert_close(mixer.in_proj.weight[Dl:2 * Dl], full[D + h0 * P:D + h0 * P + Dl])
