@@ -124,11 +124,10 @@ class Slices:
 WHOLE = None  # plan value of a replicated tensor
 
 
-def shard_plan(cfg: Mamba2Config, rank: int, world_size: int) -> dict[str, Slices | None]:
-    """{checkpoint name: Slices, or None (WHOLE) for a replicated tensor} for rank ``rank``; names as
-    ``Mamba2LM.state_dict()`` (Hugging Face's), lm_head.weight included even when tied."""
-    check_tp(cfg, world_size, who="shard_plan")
-    H, P, N, G, M = cfg.nheads, cfg.headdim, cfg.d_state, cfg.ngroups, cfg.d_model
+def mamba_mixer_plan(prefix: str, cfg: Mamba2Config, rank: int, world_size: int) -> dict[str, Slices | None]:
+    """The plan of one ``Mamba2Mixer``'s tensors (names ``prefix`` + "in_proj.weight" ...) for a
+    whole-model mixer config ``cfg`` (``check_tp`` passed)."""
+    H, P, N, G = cfg.nheads, cfg.headdim, cfg.d_state, cfg.ngroups
     D = cfg.d_inner
     Hl, Dl = H // world_size, D // world_size
     h0, d0 = rank * Hl, rank * Dl
@@ -142,24 +141,36 @@ def shard_plan(cfg: Mamba2Config, rank: int, world_size: int) -> dict[str, Slice
                (2 * D + 2 * GN + h0, 2 * D + 2 * GN + h0 + Hl))
     conv_rows = ((d0, d0 + Dl), (D + b0, D + b1), (D + GN + b0, D + GN + b1))
     heads = Slices(0, ((h0, h0 + Hl),))
-    vocab = Slices(0, (split_range(cfg.vocab_size, world_size, rank),))
+    m = prefix
+    plan: dict[str, Slices | None] = {m + "in_proj.weight": Slices(0, in_rows)}
+    if cfg.proj_bias:
+        plan[m + "in_proj.bias"] = Slices(0, in_rows)
+        plan[m + "out_proj.bias"] = WHOLE if rank == 0 else Slices(zeros=True)
+    plan[m + "conv1d.weight"] = Slices(0, conv_rows)
+    if cfg.conv_bias:
+        plan[m + "conv1d.bias"] = Slices(0, conv_rows)
+    for name in ("dt_bias", "A_log", "D"):
+        plan[m + name] = heads
+    plan[m + "norm.weight"] = Slices(0, ((d0, d0 + Dl),))
+    plan[m + "out_proj.weight"] = Slices(1, ((d0, d0 + Dl),))
+    return plan
+
+
+def vocab_plan(vocab_size: int, rank: int, world_size: int) -> Slices:
+    return Slices(0, (split_range(vocab_size, world_size, rank),))
+
+
+def shard_plan(cfg: Mamba2Config, rank: int, world_size: int) -> dict[str, Slices | None]:
+    """{checkpoint name: Slices, or None (WHOLE) for a replicated tensor} for rank ``rank``; names as
+    ``Mamba2LM.state_dict()`` (Hugging Face's), lm_head.weight included even when tied."""
+    check_tp(cfg, world_size, who="shard_plan")
+    vocab = vocab_plan(cfg.vocab_size, rank, world_size)
     plan: dict[str, Slices | None] = {"backbone.embeddings.weight": vocab, "backbone.norm_f.weight": WHOLE,
                                       "lm_head.weight": vocab}
     for i in range(cfg.n_layer):
         p = f"backbone.layers.{i}."
         plan[p + "norm.weight"] = WHOLE
-        m = p + "mixer."
-        plan[m + "in_proj.weight"] = Slices(0, in_rows)
-        if cfg.proj_bias:
-            plan[m + "in_proj.bias"] = Slices(0, in_rows)
-            plan[m + "out_proj.bias"] = WHOLE if rank == 0 else Slices(zeros=True)
-        plan[m + "conv1d.weight"] = Slices(0, conv_rows)
-        if cfg.conv_bias:
-            plan[m + "conv1d.bias"] = Slices(0, conv_rows)
-        for name in ("dt_bias", "A_log", "D"):
-            plan[m + name] = heads
-        plan[m + "norm.weight"] = Slices(0, ((d0, d0 + Dl),))
-        plan[m + "out_proj.weight"] = Slices(1, ((d0, d0 + Dl),))
+        plan.update(mamba_mixer_plan(p + "mixer.", cfg, rank, world_size))
     return plan
 
 
@@ -208,6 +219,8 @@ def build_tp_mamba2(cfg: Mamba2Config, tp: TPGroup, *, dtype: torch.dtype, fuse_
     if cfg.tie_embeddings:  # to_empty gives each module its own new tensor
         model.lm_head.weight = model.backbone.embeddings.weight
     model.tp = tp
+    model.tp_plan = shard_plan(cfg, tp.rank, tp.world_size)
+    model.tp_full_shapes = full_shapes(cfg)
     return model
 
 
@@ -221,12 +234,12 @@ class LoadStats:
     checkpoint_bytes: int = 0
 
 
-def _fill(model: Mamba2LM, cfg: Mamba2Config, plan: Mapping[str, Slices | None],
+def _fill(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], plan: Mapping[str, Slices | None],
           available: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
           read: Callable[[str, Slices | None], torch.Tensor], where: str) -> None:
     """Copy every target of ``model`` from ``read(name, slices)``; every name, shape and tie is
-    checked against ``available`` ({name: (full shape, dtype)}) before anything is read."""
-    shapes = full_shapes(cfg)
+    checked against ``available`` ({name: (full shape, dtype)}) and ``shapes`` (the whole model's)
+    before anything is read."""
     targets = model.state_dict(keep_vars=True)
     groups: dict[int, list[str]] = {}
     for name, t in targets.items():
@@ -255,11 +268,11 @@ def _fill(model: Mamba2LM, cfg: Mamba2Config, plan: Mapping[str, Slices | None],
             target.data.copy_(src)
 
 
-def shard_state_dict_into(model: Mamba2LM, state_dict: Mapping[str, torch.Tensor]) -> LoadStats:
-    """Fill a ``build_tp_mamba2`` model from the whole model's ``state_dict`` (in memory; names as
-    ``normalize_names`` gives them), slicing each tensor by ``shard_plan``."""
-    tp, cfg = model.tp, model.cfg.full
-    plan = shard_plan(cfg, tp.rank, tp.world_size)
+def shard_state_dict_into(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> LoadStats:
+    """Fill a ``build_tp_mamba2`` (or ``build_tp_nemotron_h``) model from the whole model's
+    ``state_dict`` (in memory; names as ``normalize_names`` gives them), slicing each tensor by the
+    model's plan (``model.tp_plan``)."""
+    plan = model.tp_plan
     stats = LoadStats(checkpoint_bytes=sum(t.nbytes for t in state_dict.values()))
 
     def read(name, s):
@@ -269,7 +282,7 @@ def shard_state_dict_into(model: Mamba2LM, state_dict: Mapping[str, torch.Tensor
             stats.tensors_read += 1
         return part
 
-    _fill(model, cfg, plan, {k: (tuple(v.shape), v.dtype) for k, v in state_dict.items()}, read,
+    _fill(model, model.tp_full_shapes, plan, {k: (tuple(v.shape), v.dtype) for k, v in state_dict.items()}, read,
           "shard_state_dict_into")
     model.load_stats = stats
     return stats
@@ -298,8 +311,7 @@ def load_safetensors_slices(model: Mamba2LM, root: str | os.PathLike) -> LoadSta
 
     from fastmamba.models.weights import _STATE_SPACES_RENAMES
 
-    tp, cfg = model.tp, model.cfg.full
-    plan = shard_plan(cfg, tp.rank, tp.world_size)
+    plan = model.tp_plan
     stats = LoadStats()
     handles, where_is, available = {}, {}, {}
     try:
@@ -334,7 +346,7 @@ def load_safetensors_slices(model: Mamba2LM, root: str | os.PathLike) -> LoadSta
             stats.tensors_read += 1
             return part
 
-        _fill(model, cfg, plan, available, read, "load_tp_model")
+        _fill(model, model.tp_full_shapes, plan, available, read, "load_tp_model")
     finally:
         handles.clear()
     model.load_stats = stats
