@@ -74,3 +74,27 @@ def tp_check(tp, cfg, state_dict, ckpt_dir, prompts, steps, prompt_lists, max_ne
         result["divergence_caught"] = str(exc)
     result["rank"] = tp.rank
     return result
+
+
+def run_nemotron_h(model, prompts: torch.Tensor, steps: torch.Tensor) -> list[torch.Tensor]:
+    """A hybrid's prefill of ``prompts`` [B, L] then one decode per column of ``steps``: the logits."""
+    dev = model.lm_head.weight.device
+    prompts, steps = prompts.to(dev), steps.to(dev)
+    cache = model.new_cache(prompts.shape[0], max_seq_len=32, page_size=4)
+    slots = cache.alloc(prompts.shape[0])
+    out = [model.prefill(prompts, cache, slots).cpu()]
+    for j in range(steps.shape[1]):
+        out.append(model.decode(steps[:, j].contiguous(), cache, slots).cpu())
+    return out
+
+
+def tp_nemotron_h(tp, cases, prompts, steps) -> list[list[torch.Tensor]]:
+    """For each (config, whole state dict) of ``cases``: the sharded hybrid's ``run_nemotron_h`` logits."""
+    from fastmamba.distributed.nemotron_h import build_tp_nemotron_h
+
+    out = []
+    for cfg, state_dict in cases:
+        model = build_tp_nemotron_h(cfg, tp, dtype=torch.float32)
+        shard_state_dict_into(model, state_dict)
+        out.append(run_nemotron_h(model.eval(), prompts, steps))
+    return out
