@@ -36,7 +36,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, device_kind: str, fn, args, results) -> None:
+def _worker(rank: int, world_size: int, port: int, device_kind: str, fn, args, kwargs, results) -> None:
     try:
         device = None if device_kind == "auto" else device_kind
         if device == "cuda":
@@ -45,7 +45,7 @@ def _worker(rank: int, world_size: int, port: int, device_kind: str, fn, args, r
         try:
             # plain pickle (tensors by value): torch's queue would share storages by file
             # descriptor, which dies with this process
-            results.put(pickle.dumps((rank, True, fn(tp, *args), None)))
+            results.put(pickle.dumps((rank, True, fn(tp, *args, **kwargs), None)))
         finally:
             destroy_tp()
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
@@ -56,8 +56,8 @@ def _worker(rank: int, world_size: int, port: int, device_kind: str, fn, args, r
             results.put(pickle.dumps((rank, False, None, tb)))
 
 
-def spawn_tp(fn, world_size: int, *args, device: str = "auto", timeout_s: float = 600.0) -> list:
-    """Run ``fn(tp, *args)`` on ``world_size`` fresh processes joined by gloo (CPU) or NCCL (GPU);
+def spawn_tp(fn, world_size: int, *args, device: str = "auto", timeout_s: float = 600.0, **kwargs) -> list:
+    """Run ``fn(tp, *args, **kwargs)`` on ``world_size`` fresh processes joined by gloo (CPU) or NCCL (GPU);
     returns the per-rank results. ``device``: "auto" (GPU ``rank`` when CUDA is present, else CPU),
     "cpu" or "cuda". Raises the failing rank's exception (see the module docstring)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -70,7 +70,7 @@ def spawn_tp(fn, world_size: int, *args, device: str = "auto", timeout_s: float 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, device, fn, args, results), daemon=False)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, device, fn, args, kwargs, results), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -119,7 +119,7 @@ def spawn_tp(fn, world_size: int, *args, device: str = "auto", timeout_s: float 
     return [got[r][1] for r in range(world_size)]
 
 
-def run_tp(fn, tp_size: int, *args, device: str = "auto"):
+def run_tp(fn, tp_size: int, *args, device: str = "auto", **kwargs):
     """``fn(tp, *args)`` on every rank of a tensor-parallel group of ``tp_size``; returns this
     process's result under torchrun, else rank 0's (see the module docstring)."""
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
@@ -131,10 +131,10 @@ def run_tp(fn, tp_size: int, *args, device: str = "auto"):
                              "pass --nproc-per-node equal to --tp")
         tp = init_tp(device=None if device == "auto" else device)
         try:
-            return fn(tp, *args)
+            return fn(tp, *args, **kwargs)
         finally:
             destroy_tp()
     if tp_size == 1:
         dev = "cuda" if (device == "cuda" or (device == "auto" and torch.cuda.is_available())) else "cpu"
-        return fn(TPGroup.single(dev), *args)
-    return spawn_tp(fn, tp_size, *args, device=device)[0]
+        return fn(TPGroup.single(dev), *args, **kwargs)
+    return spawn_tp(fn, tp_size, *args, device=device, **kwargs)[0]

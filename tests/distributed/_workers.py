@@ -44,9 +44,10 @@ def greedy(model, prompt_lists: list[list[int]], max_new_tokens: int, speculate:
 
 
 def tp_check(tp, cfg, state_dict, ckpt_dir, prompts, steps, prompt_lists, max_new_tokens, *,
-             cuda_graphs: bool = False, dtype: torch.dtype = torch.float32) -> dict:
+             cuda_graphs: bool = False, dtype: torch.dtype = torch.float32, hybrid=None) -> dict:
     """From memory (``state_dict``) and, when given, from the safetensors checkpoint ``ckpt_dir``:
-    the logits of ``run_model``, the engine's greedy outputs and the bytes each load read."""
+    the logits of ``run_model``, the engine's greedy outputs and the bytes each load read; with
+    ``hybrid`` = (cases, prompts, steps), also ``tp_nemotron_h``'s logits (same ranks, no new spawn)."""
     model = build_tp_mamba2(cfg, tp, dtype=dtype)
     shard_state_dict_into(model, state_dict)
     result = run_model(model.eval(), prompts, steps)
@@ -72,6 +73,8 @@ def tp_check(tp, cfg, state_dict, ckpt_dir, prompts, steps, prompt_lists, max_ne
         result["divergence_caught"] = False
     except RuntimeError as exc:
         result["divergence_caught"] = str(exc)
+    if hybrid is not None:
+        result["hybrid"] = tp_nemotron_h(tp, *hybrid)
     result["rank"] = tp.rank
     return result
 

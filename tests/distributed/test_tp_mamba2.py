@@ -24,41 +24,14 @@ from fastmamba.generation.sampling import SamplingParams
 from fastmamba.models.config import Mamba2Config
 from fastmamba.models.loader import random_init
 from fastmamba.models.mamba2_lm import Mamba2LM
+from tests.distributed._cases import inputs as _inputs, reference as _reference, save as _save, \
+    state_spaces_config as _state_spaces_config
 from tests.distributed._workers import run_model, tp_check
 from tests.helpers import scaled_tiny_model
 
 RTOL = 1e-5
 UNEVEN = Mamba2Config(d_model=48, n_layer=2, vocab_size=256, d_state=8, headdim=16, ngroups=3, chunk_size=16,
                       proj_bias=True, tie_embeddings=False)
-
-
-def _state_spaces_config(cfg: Mamba2Config) -> dict:
-    return {"d_model": cfg.d_model, "n_layer": cfg.n_layer, "vocab_size": cfg.vocab_size,
-            "pad_vocab_size_multiple": 1, "tie_embeddings": cfg.tie_embeddings,
-            "ssm_cfg": {"layer": "Mamba2", "d_state": cfg.d_state, "d_conv": cfg.d_conv, "expand": cfg.expand,
-                        "headdim": cfg.headdim, "ngroups": cfg.ngroups, "chunk_size": cfg.chunk_size,
-                        "bias": cfg.proj_bias, "conv_bias": cfg.conv_bias}}
-
-
-def _save(root, model: Mamba2LM, *, shards: int, state_spaces: bool) -> None:
-    """model's weights as safetensors (tied lm_head left out) in ``shards`` files + config.json."""
-    sd = {k: v.contiguous() for k, v in model.state_dict().items()
-          if not (k == "lm_head.weight" and model.cfg.tie_embeddings)}
-    if state_spaces:
-        sd["backbone.embedding.weight"] = sd.pop("backbone.embeddings.weight")
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(_state_spaces_config(model.cfg)))
-    if shards == 1:
-        save_file(sd, str(root / "model.safetensors"))
-        return
-    names = list(sd)
-    weight_map = {}
-    for s in range(shards):
-        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: sd[n] for n in names[s::shards]}
-        save_file(part, str(root / file))
-        weight_map.update({n: file for n in part})
-    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
 def _expected_bytes(cfg: Mamba2Config, world: int, rank: int) -> int:
@@ -80,13 +53,6 @@ def _expected_bytes(cfg: Mamba2Config, world: int, rank: int) -> int:
     rows = V // world + (rank < V % world)
     total = cfg.n_layer * per_layer + M + rows * M * (1 if cfg.tie_embeddings else 2)
     return 4 * total
-
-
-def _reference(model: Mamba2LM, prompts, steps, prompt_lists, max_new):
-    logits = run_model(model, prompts, steps)["logits"]
-    engine = Engine(model, max_batch=len(prompt_lists), cuda_graphs=False)
-    greedy = engine.generate(prompt_lists, SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True))
-    return logits, [list(g) for g in greedy]
 
 
 def _check_ranks(results, ref_logits, ref_greedy, cfg, world):
@@ -121,31 +87,12 @@ def _check_ranks(results, ref_logits, ref_greedy, cfg, world):
     assert sum(r["file_bytes_read"] for r in results) == full + 4 * (world - 1) * replicated
 
 
-def _inputs(vocab: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, vocab, (2, 6), generator=g)
-    steps = torch.randint(0, vocab, (2, 3), generator=g)
-    prompt_lists = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 2, 9)]
-    return prompts, steps, prompt_lists
-
-
-def test_tp2_replicated_groups_equal_tp1(tmp_path):
-    model = scaled_tiny_model("cpu")
-    assert model.cfg.ngroups == 1 and model.cfg.nheads == 8
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():  # mixers that dominate the logits, norm weights that differ per channel
-        for layer in model.backbone.layers:
-            layer.mixer.out_proj.weight.mul_(10)
-            layer.mixer.norm.weight.copy_(1 + 0.5 * torch.randn(layer.mixer.norm.weight.shape, generator=g))
-            layer.norm.weight.copy_(1 + 0.5 * torch.randn(layer.norm.weight.shape, generator=g))
-    prompts, steps, prompt_lists = _inputs(model.cfg.vocab_size, 1)
-    ref_logits, ref_greedy = _reference(model, prompts, steps, prompt_lists, 6)
-    _save(tmp_path / "ckpt", model, shards=2, state_spaces=False)
-    sd = {k: v.clone() for k, v in model.state_dict().items()}
-    results = spawn_tp(tp_check, 2, model.cfg, sd, str(tmp_path / "ckpt"), prompts, steps, prompt_lists, 6,
-                       device="cpu", timeout_s=240)
-    assert all(len(r["unfused_logits"]) == len(ref_logits) for r in results)
-    _check_ranks(results, ref_logits, ref_greedy, model.cfg, 2)
+def test_tp2_replicated_groups_equal_tp1(tp2_run):
+    """The shared TP=2 run (conftest.py ``tp2_run``): Mamba2LM checks."""
+    run = tp2_run
+    results = run["results"]
+    assert all(len(r["unfused_logits"]) == len(run["ref_logits"]) for r in results)
+    _check_ranks(results, run["ref_logits"], run["ref_greedy"], run["cfg"], 2)
 
 
 def _uneven_model() -> Mamba2LM:

@@ -10,43 +10,23 @@ import dataclasses
 import pytest
 import torch
 
-from fastmamba.distributed import TPGroup, spawn_tp
+from fastmamba.distributed import TPGroup
 from fastmamba.distributed.nemotron_h import build_tp_nemotron_h, check_tp_nemotron_h, nemotron_h_shard_plan
-from fastmamba.models.loader import random_init
 from fastmamba.models.nemotron_h import PRESETS, NemotronHLM
-from tests.distributed._workers import run_nemotron_h, tp_nemotron_h
 
 TINY = PRESETS["nemotron-h-tiny"]
 REPLICATED = dataclasses.replace(TINY, n_kv_heads=1, n_groups=1)
 
 
-def _model(cfg, seed):
-    model = random_init(NemotronHLM(cfg, device="cpu", dtype=torch.float32), seed=seed).eval()
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():  # blocks that matter, norms that differ per channel
-        for name, p in model.named_parameters():
-            if name.endswith(("in_proj.weight", "conv1d.weight", "q_proj.weight", "k_proj.weight", "up_proj.weight")):
-                p.mul_(10)
-            elif name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")):
-                p.mul_(30)
-            elif name.endswith("norm.weight"):
-                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
-    return model
-
-
-def test_tp2_nemotron_h_equal_tp1():
-    g = torch.Generator().manual_seed(3)
-    prompts = torch.randint(0, TINY.vocab_size, (2, 7), generator=g)
-    steps = torch.randint(0, TINY.vocab_size, (2, 3), generator=g)
-    models = [_model(TINY, 1), _model(REPLICATED, 2)]
-    refs = [run_nemotron_h(m, prompts, steps) for m in models]
-    cases = [(m.cfg, {k: v.clone() for k, v in m.state_dict().items()}) for m in models]
-    results = spawn_tp(tp_nemotron_h, 2, cases, prompts, steps, device="cpu", timeout_s=240)
-    for rank, per_case in enumerate(results):
-        for c, (ref, got) in enumerate(zip(refs, per_case)):
+def test_tp2_nemotron_h_equal_tp1(tp2_run):
+    """The shared TP=2 run (conftest.py ``tp2_run``): both hybrid shapes' logits on every rank."""
+    assert [m.cfg for m in tp2_run["hybrids"]] == [TINY, REPLICATED]
+    for res in tp2_run["results"]:
+        for c, (ref, got) in enumerate(zip(tp2_run["hybrid_refs"], res["hybrid"])):
+            assert len(got) == len(ref) == 4
             for j, (want, have) in enumerate(zip(ref, got)):
                 err = ((have - want).abs().max() / want.abs().max()).item()
-                assert err <= 1e-5, f"rank {rank}, case {c}, call {j}: relative error {err:.2e}"
+                assert err <= 1e-5, f"rank {res['rank']}, case {c}, call {j}: relative error {err:.2e}"
 
 
 def test_nemotron_h_plan_slices_and_local_shapes():
