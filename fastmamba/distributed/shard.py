@@ -359,6 +359,14 @@ def check_tp_source(path_or_preset: str | os.PathLike, world_size: int, *, who: 
     from fastmamba.models.config import PRESETS
 
     key = os.fspath(path_or_preset)
+    from fastmamba.models.nemotron_h import PRESETS as NEMOTRON_H_PRESETS
+
+    if key in NEMOTRON_H_PRESETS:
+        from fastmamba.distributed.nemotron_h import check_tp_nemotron_h
+
+        cfg = NEMOTRON_H_PRESETS[key]
+        check_tp_nemotron_h(cfg, world_size, who=who)
+        return cfg
     if key in PRESETS:
         cfg = PRESETS[key]
     elif os.path.isdir(key):
@@ -375,9 +383,9 @@ def load_tp_model(path_or_preset: str | os.PathLike, tp: TPGroup, *, dtype: torc
     """Rank ``tp.rank``'s share of a Mamba-2 LM, on ``tp.device``, ready to run.
 
     path_or_preset  a safetensors checkpoint directory (config.json + model.safetensors or a sharded
-                    index): each rank reads its own slices only; or a Mamba-2 preset name: the
-                    whole random model is built on this rank's device (same seed on every rank,
-                    so the weights equal TP=1's) and sliced
+                    index) of a Mamba-2 LM: each rank reads its own slices only; or a Mamba-2 or
+                    Nemotron-H preset name: the whole random model is built on this rank's device
+                    (same seed on every rank, so the weights equal TP=1's) and sliced
     dtype           as ``load_model``'s (default: the checkpoint's; presets: bf16 on a GPU, fp32 on a CPU)
     fuse_norm_reduce  see ``build_tp_mamba2``
     The sizes are checked (``check_tp``) before any weight is read. ``model.load_stats`` holds the
@@ -388,6 +396,20 @@ def load_tp_model(path_or_preset: str | os.PathLike, tp: TPGroup, *, dtype: torc
 
     dtype = parse_dtype(dtype, where="load_tp_model")
     key = os.fspath(path_or_preset)
+    from fastmamba.models.nemotron_h import PRESETS as NEMOTRON_H_PRESETS
+
+    if key in NEMOTRON_H_PRESETS:  # the hybrid: built whole (same seed on every rank) and sliced
+        from fastmamba.distributed.nemotron_h import build_tp_nemotron_h, check_tp_nemotron_h
+        from fastmamba.models.nemotron_h import load_nemotron_h
+
+        cfg = NEMOTRON_H_PRESETS[key]
+        check_tp_nemotron_h(cfg, tp.world_size, who="load_tp_model")
+        dtype = dtype or (torch.bfloat16 if tp.device.type == "cuda" else torch.float32)
+        whole = load_nemotron_h(key, dtype=dtype, device=tp.device)
+        model = build_tp_nemotron_h(cfg, tp, dtype=dtype, fuse_norm_reduce=fuse_norm_reduce)
+        shard_state_dict_into(model, whole.state_dict())
+        del whole
+        return model.eval()
     if key in PRESETS:
         cfg = PRESETS[key]
         check_tp(cfg, tp.world_size, who="load_tp_model")

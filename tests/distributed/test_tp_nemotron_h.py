@@ -55,3 +55,19 @@ def test_nemotron_h_plan_slices_and_local_shapes():
 def test_nemotron_h_bad_combinations(cfg, world, match):
     with pytest.raises(ValueError, match=match):
         check_tp_nemotron_h(cfg, world)
+
+
+def test_load_tp_model_nemotron_h_preset_slices():
+    """``load_tp_model`` of a hybrid preset on rank 1 of 2 (no process group needed to load): every
+    tensor is its plan's slice of the whole preset."""
+    from fastmamba.distributed import load_tp_model
+    from fastmamba.distributed.shard import slice_tensor
+    from fastmamba.models.nemotron_h import load_nemotron_h
+
+    whole = load_nemotron_h("nemotron-h-tiny", dtype=torch.float32, device="cpu").state_dict()
+    tp = TPGroup(rank=1, world_size=2, device=torch.device("cpu"))
+    part = load_tp_model("nemotron-h-tiny", tp)
+    assert part.cfg.n_heads == 2 and part.cfg.n_kv_heads == 1 and part.cfg.mamba_nheads == 4
+    plan = nemotron_h_shard_plan(TINY, 1, 2)
+    for name, t in part.state_dict().items():
+        torch.testing.assert_close(t, slice_tensor(whole[name], plan[name]), rtol=0, atol=0, msg=name)
