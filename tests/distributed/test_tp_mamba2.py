@@ -92,6 +92,7 @@ def test_tp2_replicated_groups_equal_tp1(tp2_run):
     run = tp2_run
     results = run["results"]
     assert all(len(r["unfused_logits"]) == len(run["ref_logits"]) for r in results)
+    assert all(r["coll_ms"] > 0 for r in results)
     _check_ranks(results, run["ref_logits"], run["ref_greedy"], run["cfg"], 2)
 
 
