@@ -446,10 +446,3 @@ def load_tp_model(path_or_preset: str | os.PathLike, tp: TPGroup, *, dtype: torc
     model = build_tp_mamba2(cfg, tp, dtype=dtype, fuse_norm_reduce=fuse_norm_reduce)
     load_safetensors_slices(model, root)
     return model.eval()
-
-
-def describe_shard(model: nn.Module) -> str:
-    """A one-line summary of a rank's model: its rank, local heads and groups."""
-    c = model.cfg
-    return (f"rank {c.tp_rank}/{c.tp_size}: {c.nheads} of {c.full.nheads} heads, {c.ngroups} of {c.full_ngroups} "
-            f"groups{' (replicated)' if c.groups_replicated else ''}")

@@ -125,7 +125,7 @@ class Mamba2Mixer(nn.Module):
     def _project(self, name: str, u: torch.Tensor) -> torch.Tensor:
         """self.<name>(u) for a decode or verify step's rows [..., K]: ``gemv`` when
         ``triton_gemv`` covers it (CUDA, 16-bit, at most 16 rows), else the nn.Linear (cuBLAS).
-        A layer with ``reduce_output`` (``fastmamba.distributed.RowParallelLinear``) gets its
+        A layer with ``reduce_output`` (``fastmamba.distributed.layers.RowParallelLinear``) gets its
         partial product summed over the tensor-parallel ranks after ``gemv`` too."""
         layer = getattr(self, name)
         if (self.tricks.triton_gemv and name in GEMV_PROJECTIONS and u.is_cuda
