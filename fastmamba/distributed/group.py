@@ -122,9 +122,12 @@ def init_tp(rank: int | None = None, world_size: int | None = None, *, device: t
     if world_size == 1 and not dist.is_initialized():
         return TPGroup(0, 1, device, None, None)
     if not dist.is_initialized():
-        kw = {"device_id": device} if backend == "nccl" else {}
-        dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s), **kw)
+        kw = dict(init_method=init_method or "env://", rank=rank, world_size=world_size,
+                  timeout=datetime.timedelta(seconds=timeout_s))
+        try:  # device_id (torch >= 2.3) binds the NCCL communicator to this GPU at once
+            dist.init_process_group(backend, **kw, **({"device_id": device} if backend == "nccl" else {}))
+        except TypeError:
+            dist.init_process_group(backend, **kw)
     tp = TPGroup(rank, world_size, device, None, backend)
     warm = torch.ones(1, device=device)
     tp.all_reduce(warm)  # builds NCCL's communicator now, outside any CUDA-graph capture
