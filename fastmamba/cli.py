@@ -5,7 +5,8 @@
                        [--temperature T] [--top-k K] [--top-p P] [--seed S] [--batch B]
                        [--stop STR ...] [--stop-token-ids 1,2] [--ignore-eos]
                        [--speculate K [--drafter ngram|oracle|model [--draft-model DIR|PRESET]]]
-                       [--ssm-dtype fp32|fp16|bf16 [--stochastic-rounding]]
+                       [--ssm-dtype fp32|fp16|bf16 [--stochastic-rounding]] [--dtype fp32|fp16|bf16]
+                       [--tp N]   (tensor parallelism: N processes, spawned or under torchrun)
     fastmamba serve --model DIR|PRESET [--port 8000] ...      (fastmamba/serve/cli.py; the serve extra)
 
 ``--speculate K`` verifies K drafted tokens per step (greedy acceptance at temperature 0, speculative
@@ -125,6 +126,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     gen.add_argument("--batch", type=_positive_int, default=1, metavar="B",
                      help="run the prompt as B parallel requests; streams the first")
     gen.add_argument("--device", default=None, help="default: cuda when present")
+    gen.add_argument("--dtype", default=None, metavar="DTYPE",
+                     help="weights' dtype: fp32, fp16, bf16 (default: the checkpoint's; presets bf16 on a GPU)")
+    gen.add_argument("--tp", type=_positive_int, default=1, metavar="N",
+                     help="tensor parallelism over N GPUs (N processes: spawned here, or joined under torchrun "
+                          "--nproc-per-node N); the heads of every layer are split across them")
     gen.add_argument("--speculate", type=_non_negative_int, default=0, metavar="K",
                      help="speculative decoding with K drafts per step (0 = off)")
     gen.add_argument("--drafter", choices=("ngram", "oracle", "model"), default="ngram",
@@ -170,8 +176,36 @@ def preset_notice(name: str) -> str:
             'fastmamba generate --model DIR --prompt "..."]')
 
 
+_TP_GROUP = None  # the tensor-parallel group while ``_generate`` runs on one of --tp N ranks
+
+
+def _generate_on_rank(tp, args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``_generate`` on one rank of ``--tp N`` (SPMD: every rank runs it; only rank 0 prints)."""
+    global _TP_GROUP
+    _TP_GROUP = tp
+    quiet = open(os.devnull, "w") if tp.rank else None  # noqa: SIM115 - closed below
+    saved = sys.stdout, sys.stderr
+    if quiet is not None:
+        sys.stdout = sys.stderr = quiet
+    try:
+        return _generate(args, argv)
+    finally:
+        sys.stdout, sys.stderr = saved
+        _TP_GROUP = None
+        if quiet is not None:
+            quiet.close()
+
+
 def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import time
+
+    if getattr(args, "tp", 1) > 1 and _TP_GROUP is None:
+        from fastmamba.distributed import check_tp_source
+        from fastmamba.distributed.launch import run_tp
+
+        check_tp_source(args.model, args.tp, who="fastmamba generate --tp")  # before any process starts
+        on_cpu = args.device is not None and str(args.device).startswith("cpu")
+        return run_tp(_generate_on_rank, args.tp, args, list(argv), device="cpu" if on_cpu else "auto")
 
     import fastmamba
     from fastmamba.generation.engine import Engine
@@ -207,7 +241,12 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     # the tokenizer before the model: a bad tokenizer.json fails fast
     tok = load_tokenizer(args.model)  # None for a preset or a directory without tokenizer.json
-    model = fastmamba.load_model(args.model, device=args.device)
+    if _TP_GROUP is not None:
+        from fastmamba.distributed import load_tp_model
+
+        model = load_tp_model(args.model, _TP_GROUP, dtype=getattr(args, "dtype", None))
+    else:
+        model = fastmamba.load_model(args.model, dtype=getattr(args, "dtype", None), device=args.device)
     if args.prompt is not None:
         ids = tok.encode(args.prompt).ids
         if not ids:
@@ -252,9 +291,13 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     dt = time.perf_counter() - t0
+    if _TP_GROUP is not None:
+        from fastmamba.distributed.runtime import check_ranks_agree
+
+        check_ranks_agree(_TP_GROUP, [shown], who="fastmamba generate --tp")
     n = len(shown) * len(rids)
-    print(f"[{n} tokens in {dt:.2f} s: {n / dt:.1f} tok/s, batch {len(rids)}, {model.lm_head.weight.device}]",
-          file=sys.stderr)
+    where = f"{model.lm_head.weight.device}" + (f", tp {_TP_GROUP.world_size}" if _TP_GROUP is not None else "")
+    print(f"[{n} tokens in {dt:.2f} s: {n / dt:.1f} tok/s, batch {len(rids)}, {where}]", file=sys.stderr)
     if args.speculate:
         req = engine.finished[rids[0]]
         steps, acc = len(req.accepted), req.accepted_drafts

@@ -34,6 +34,7 @@ TARGETS = {
         Target("chunked", "fastmamba.bench.chunked", "inter-token latency of running requests while a long prompt arrives, chunked or not"),
         Target("serve", "fastmamba.bench.serve", "load test of fastmamba serve on loopback vs the offline engine"),
         Target("ttft", "fastmamba.bench.ttft", "time to first token: warm whole-model prefill (eager and graphed) vs its floor"),
+        Target("tp", "fastmamba.distributed.bench", "tensor-parallel decode at several TP sizes: speedup, collectives, equal outputs"),
     )
 }
 PLANNED: tuple[str, ...] = ()

@@ -125,12 +125,16 @@ class Mamba2Mixer(nn.Module):
 
     def _project(self, name: str, u: torch.Tensor) -> torch.Tensor:
         """self.<name>(u) for a decode or verify step's rows [..., K]: ``gemv`` when
-        ``triton_gemv`` covers it (CUDA, 16-bit, at most 16 rows), else the nn.Linear (cuBLAS)."""
+        ``triton_gemv`` covers it (CUDA, 16-bit, at most 16 rows), else the nn.Linear (cuBLAS).
+        A layer with ``reduce_output`` (``fastmamba.distributed.layers.RowParallelLinear``) gets its
+        partial product summed over the tensor-parallel ranks after ``gemv`` too."""
         layer = getattr(self, name)
         if (self.tricks.triton_gemv and name in GEMV_PROJECTIONS and u.is_cuda
                 and u.numel() <= GEMV_MAX_ROWS * u.shape[-1]
                 and u.dtype in (torch.float16, torch.bfloat16) and layer.weight.dtype == u.dtype):
-            return gemv(u, layer.weight, layer.bias)
+            out = gemv(u, layer.weight, layer.bias)
+            reduce = getattr(layer, "reduce_output", None)  # tensor parallel: a row-parallel out_proj's all-reduce
+            return out if reduce is None else reduce(out)
         return layer(u)
 
     def _gate_in_scan(self) -> bool:

@@ -1,0 +1,106 @@
+"""Functions the tensor-parallel tests run on every spawned rank (importable, so "spawn" finds them).
+
+Each builds its rank's model, runs the same fixed inputs as the test's TP=1 reference and returns
+plain CPU tensors / lists (rank 0's result is what the test compares; every rank returns its own
+so the test can check that the ranks agree)."""
+from __future__ import annotations
+
+import torch
+
+from fastmamba.distributed import build_tp_mamba2, load_tp_model, shard_state_dict_into
+
+
+def run_model(model, prompts: torch.Tensor, steps: torch.Tensor) -> dict:
+    """Prefill ``prompts`` [B, L] into slots 0..B-1, then one decode step per column of ``steps``
+    [B, n]; the logits of each call, fp32 on the CPU."""
+    dev = model.lm_head.weight.device
+    prompts, steps = prompts.to(dev), steps.to(dev)
+    nreq = prompts.shape[0]
+    cache = model.new_cache(nreq + 1)
+    slots = torch.arange(nreq, dtype=torch.int32, device=dev)
+    out = [model.prefill(prompts, cache, slots).cpu()]
+    for j in range(steps.shape[1]):
+        out.append(model.decode(steps[:, j].contiguous(), cache, slots).cpu())
+    # a packed varlen prefill of two different lengths, into fresh slots
+    cache2 = model.new_cache(2)
+    ids = torch.cat([prompts[0, :3], prompts[-1]])
+    cu = torch.tensor([0, 3, 3 + prompts.shape[1]], dtype=torch.int32, device=dev)
+    out.append(model.prefill_varlen(ids, cu, cache2, torch.arange(2, dtype=torch.int32, device=dev)).cpu())
+    return {"logits": out}
+
+
+def greedy(model, prompt_lists: list[list[int]], max_new_tokens: int, speculate: int = 0, *,
+           cuda_graphs: bool = False) -> list[list[int]]:
+    """The engine's greedy outputs (``speculate`` K > 0: speculative decoding, n-gram drafts)."""
+    from fastmamba.generation.drafters import NgramDrafter
+    from fastmamba.generation.engine import Engine
+    from fastmamba.generation.sampling import SamplingParams
+
+    spec = dict(speculate=speculate, drafter=NgramDrafter()) if speculate else {}
+    engine = Engine(model, max_batch=len(prompt_lists), cuda_graphs=cuda_graphs, **spec)
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    reqs = engine.generate(prompt_lists, params)
+    return [list(r) for r in reqs]
+
+
+def tp_check(tp, cfg, state_dict, ckpt_dir, prompts, steps, prompt_lists, max_new_tokens, *,
+             cuda_graphs: bool = False, dtype: torch.dtype = torch.float32, hybrid=None) -> dict:
+    """From memory (``state_dict``) and, when given, from the safetensors checkpoint ``ckpt_dir``:
+    the logits of ``run_model``, the engine's greedy outputs and the bytes each load read; with
+    ``hybrid`` = (cases, prompts, steps), also ``tp_nemotron_h``'s logits (same ranks, no new spawn)."""
+    model = build_tp_mamba2(cfg, tp, dtype=dtype)
+    shard_state_dict_into(model, state_dict)
+    result = run_model(model.eval(), prompts, steps)
+    result["greedy"] = greedy(model, prompt_lists, max_new_tokens, cuda_graphs=cuda_graphs)
+    result["greedy_spec"] = greedy(model, prompt_lists, max_new_tokens, speculate=2, cuda_graphs=cuda_graphs)
+    result["local_bytes"] = sum(p.nbytes for p in model.parameters())  # a tied lm_head counted once
+    if ckpt_dir is not None:
+        loaded = load_tp_model(ckpt_dir, tp)
+        result["file_bytes_read"] = loaded.load_stats.bytes_read
+        result["file_checkpoint_bytes"] = loaded.load_stats.checkpoint_bytes
+        result["file_logits"] = run_model(loaded, prompts, steps)["logits"]
+    if cfg.ngroups == 1 and tp.world_size > 1:  # the norm's separate all-reduce (not fused into out_proj's)
+        unfused = build_tp_mamba2(cfg, tp, dtype=dtype, fuse_norm_reduce=False)
+        shard_state_dict_into(unfused, state_dict)
+        assert unfused.backbone.layers[0].mixer.norm.defer_to is None
+        assert model.backbone.layers[0].mixer.norm.defer_to is not None
+        result["unfused_logits"] = run_model(unfused.eval(), prompts, steps)["logits"]
+    from fastmamba.distributed.runtime import check_ranks_agree
+
+    check_ranks_agree(tp, result["greedy"])  # equal outputs pass
+    try:  # a rank that generated something else is caught
+        check_ranks_agree(tp, [[tp.rank == tp.world_size - 1]])
+        result["divergence_caught"] = False
+    except RuntimeError as exc:
+        result["divergence_caught"] = str(exc)
+    from fastmamba.distributed.bench import collective_ms
+
+    result["coll_ms"] = collective_ms(model, tp, 2, reps=3)  # the benchmark's collectives-only step runs
+    if hybrid is not None:
+        result["hybrid"] = tp_nemotron_h(tp, *hybrid)
+    result["rank"] = tp.rank
+    return result
+
+
+def run_nemotron_h(model, prompts: torch.Tensor, steps: torch.Tensor) -> list[torch.Tensor]:
+    """A hybrid's prefill of ``prompts`` [B, L] then one decode per column of ``steps``: the logits."""
+    dev = model.lm_head.weight.device
+    prompts, steps = prompts.to(dev), steps.to(dev)
+    cache = model.new_cache(prompts.shape[0], max_seq_len=32, page_size=4)
+    slots = cache.alloc(prompts.shape[0])
+    out = [model.prefill(prompts, cache, slots).cpu()]
+    for j in range(steps.shape[1]):
+        out.append(model.decode(steps[:, j].contiguous(), cache, slots).cpu())
+    return out
+
+
+def tp_nemotron_h(tp, cases, prompts, steps) -> list[list[torch.Tensor]]:
+    """For each (config, whole state dict) of ``cases``: the sharded hybrid's ``run_nemotron_h`` logits."""
+    from fastmamba.distributed.nemotron_h import build_tp_nemotron_h
+
+    out = []
+    for cfg, state_dict in cases:
+        model = build_tp_nemotron_h(cfg, tp, dtype=torch.float32)
+        shard_state_dict_into(model, state_dict)
+        out.append(run_nemotron_h(model.eval(), prompts, steps))
+    return out
