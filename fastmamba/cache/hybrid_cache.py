@@ -18,6 +18,8 @@ from fastmamba.models.config import Mamba2Config
 
 
 class HybridCache:
+    speculate = 0  # what the engine reads of a StateCache; speculative decoding of hybrids: not yet
+
     def __init__(
         self,
         max_batch: int,
@@ -111,6 +113,40 @@ class HybridCache:
         for s in values:
             self._len[s] = 0
             self._free.append(s)
+
+    # -- KV capacity (the engine's admission control) ----------------------------------------------
+
+    @property
+    def max_len(self) -> int | None:
+        """The most tokens one request can ever hold: its page-table width, or the whole pool if
+        that is smaller. None without attention layers (no limit)."""
+        if self.kv is None:
+            return None
+        return min(self.kv.max_len, self.kv.num_pages * self.kv.page_size)
+
+    @property
+    def free_pages(self) -> int | None:
+        """Free KV pages (None without attention layers)."""
+        return None if self.kv is None else self.kv.free_pages
+
+    def room(self, slot: int | None, pages: int) -> int:
+        """How many more tokens ``slot`` (None: a request not yet admitted, length 0) can take with
+        at most ``pages`` new pages: the rest of its last page plus ``pages`` pages, capped by the
+        page table's width. Without attention layers: unlimited (a large int)."""
+        if self.kv is None:
+            return 1 << 62
+        n = 0 if slot is None else self._len[slot]
+        P = self.kv.page_size
+        held = -(-n // P) * P
+        return max(0, min(held + max(pages, 0) * P, self.kv.max_len) - n)
+
+    def pages_for(self, slot: int | None, new_tokens: int) -> int:
+        """New pages ``slot`` (None: a fresh request) needs for ``new_tokens`` more tokens (0 without attention)."""
+        if self.kv is None:
+            return 0
+        n = 0 if slot is None else self._len[slot]
+        P = self.kv.page_size
+        return -(-(n + new_tokens) // P) - -(-n // P)
 
     def can_grow(self, slots: list[int], new_tokens: list[int]) -> bool:
         """Whether ``grow(slots, new_tokens)`` would find enough free pages (admission control)."""

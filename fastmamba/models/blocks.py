@@ -45,12 +45,15 @@ class Batch(NamedTuple):
     cu_seqlens         [B+1] (prefill) or None (decode: one token per request)
     has_initial_state  [B] bool (prefill): request b continues from its slot's states
     kv                 KVBatch or None (a model without attention)
+    rand_seed          int64 [n >= Mamba layers] device tensor or None: stochastic rounding of
+                       16-bit SSM states; the j-th Mamba layer rounds with element j
     """
 
     slots: torch.Tensor
     cu_seqlens: torch.Tensor | None = None
     has_initial_state: torch.Tensor | None = None
     kv: KVBatch | None = None
+    rand_seed: torch.Tensor | None = None
 
 
 class Block(nn.Module):
@@ -81,14 +84,18 @@ class MambaBlock(Block):
     def make_mixer(self, cfg, *, device, dtype) -> nn.Module:
         return Mamba2Mixer(cfg.mamba, device=device, dtype=dtype)
 
+    def _seed(self, batch):
+        j = self.cache_index
+        return None if batch.rand_seed is None else batch.rand_seed[j:j + 1]
+
     def prefill(self, h, cache, batch):
         j = self.cache_index
         return self.mixer.forward_varlen(h, batch.cu_seqlens, cache.conv[j], cache.ssm[j], batch.slots,
-                                         batch.has_initial_state)
+                                         batch.has_initial_state, rand_seed=self._seed(batch))
 
     def decode(self, h, cache, batch):
         j = self.cache_index
-        return self.mixer.step(h, cache.conv[j], cache.ssm[j], batch.slots)
+        return self.mixer.step(h, cache.conv[j], cache.ssm[j], batch.slots, rand_seed=self._seed(batch))
 
 
 class AttentionBlock(Block):
