@@ -10,11 +10,15 @@ state adds its pool here and keeps the same alloc / free.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from fastmamba.cache.kv_pages import KVPages
 from fastmamba.cache.state_cache import StateCache
-from fastmamba.models.config import Mamba2Config
+
+if TYPE_CHECKING:  # (a runtime import would be circular: fastmamba.models imports this module)
+    from fastmamba.models.config import Mamba2Config
 
 
 class HybridCache:
