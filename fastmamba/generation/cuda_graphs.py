@@ -166,6 +166,9 @@ class GraphedVerifier:
             raise ValueError("GraphedVerifier: the cache was built without speculation (speculate=0)")
         self.model, self.cache, self.max_batch, self.pdl = model, cache, max_batch, pdl
         self.rand_seed = rand_seed
+        # a paged KV cache (hybrid models): the caller grows it by T before verify and shrinks it to
+        # the accepted tokens after commit (``HybridCache.grow`` / ``rollback``), outside the graphs
+        self.paged = callable(getattr(cache, "grow", None))
         dev = model.lm_head.weight.device
         self.tokens = {"replay": torch.zeros(max_batch, cache.tokens_per_step, dtype=torch.int64, device=dev),
                        "plain": torch.zeros(max_batch, 1, dtype=torch.int64, device=dev)}
@@ -203,8 +206,10 @@ class GraphedVerifier:
         pdl = programmatic_dependent_launch() if self.pdl else contextlib.nullcontext()
         tokens, slots = self.tokens[path][:b], self.slots[:b]
 
+        grow = {"grow": False} if self.paged else {}
+
         def run() -> torch.Tensor:
-            return self.model.verify(tokens, self.cache, slots, path=path, rand_seed=self.rand_seed)
+            return self.model.verify(tokens, self.cache, slots, path=path, rand_seed=self.rand_seed, **grow)
 
         with pdl:
             _warm_up(run, slots)
@@ -235,8 +240,10 @@ class GraphedVerifier:
             return
         slots_b, accepted_b = self.slots[:b], self.accepted[:b]
 
+        rollback = {"rollback": False} if self.paged else {}
+
         def run() -> None:
-            self.model.commit(self.cache, slots_b, accepted_b, path=path)
+            self.model.commit(self.cache, slots_b, accepted_b, path=path, **rollback)
 
         # the first commit of a (path, bucket) runs eagerly, checks included: that is its warm-up;
         # capturing then records the same kernels without running them again

@@ -38,7 +38,8 @@ a few ``_kv_*`` helpers (no-ops for a pure Mamba-2 model):
     pages untouched) while the others advance. If no request can advance at all, the newest one
     holding pages is finished with finish_reason "error" (``Request.error``: a RuntimeError
     naming the exhausted pool; it gets no StepOutput, like an aborted one) and its pages freed.
-Speculative decoding and graphed prefill are Mamba-2 only for now.
+Speculative decoding: a verify step grows each request's KV by its T inputs, the commit shortens
+it to the accepted ones (``HybridCache.rollback``). Graphed prefill is Mamba-2 only for now.
 
 Speculative decoding (``speculate=K``): a decode step asks the drafter for K tokens per running
 request and verifies them in one call (``Mamba2LM.verify``, T = K+1 inputs per request: the last
@@ -258,7 +259,8 @@ class Engine:
             state = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(ssm_dtype, "fp32")
             weight = model.lm_head.weight
             gpu = torch.cuda.get_device_name(weight.device) if weight.device.type == "cuda" else None
-            self.verify_table_entry = lookup_table(model.cfg.nheads, model.cfg.headdim, model.cfg.d_state, state,
+            shape = getattr(model.cfg, "mamba", model.cfg)  # a hybrid's Mamba layers
+            self.verify_table_entry = lookup_table(shape.nheads, shape.headdim, shape.d_state, state,
                                                    device_name=gpu, path=verify_table)
             verify_table = self.verify_table_entry.table
         self.verify_path, self.verify_table = verify_path, verify_table
@@ -267,6 +269,8 @@ class Engine:
         self.max_batch = max_batch
         self.cache = model.new_cache(max_batch, ssm_dtype=ssm_dtype, speculate=self.speculate, **kv_options)
         self._paged = callable(getattr(self.cache, "grow", None))  # the engine grows the KV before each decode step
+        self._no_grow = {"grow": False} if self._paged else {}  # ... and shrinks it after a verify step
+        self._no_rollback = {"rollback": False} if self._paged else {}
         self.rounding = StochasticRounding(model.cfg.n_layer, self.device, rounding_seed) if stochastic_rounding else None
         self.sampler = Sampler(model.cfg.vocab_size, self.device, max_batch)
         self.stats = {"steps": {"replay": 0, "legacy": 0, "plain": 0}, "drafts_proposed": 0, "drafts_accepted": 0}
@@ -582,8 +586,7 @@ class Engine:
         if self.decoder is not None:
             logits = self.decoder.decode(tokens, slots)
         else:
-            logits = self.model.decode(tokens, self.cache, slots, rand_seed=seed,
-                                       **({"grow": False} if self._paged else {}))
+            logits = self.model.decode(tokens, self.cache, slots, rand_seed=seed, **self._no_grow)
         return self._emit(reqs, logits)
 
     def _table_path(self, batch: int) -> str:
@@ -617,15 +620,18 @@ class Engine:
         seed = self._rand_seed(advance=True)
         if self.verifier is not None:
             return self.verifier.verify(tokens, slots, path)
-        return self.model.verify(tokens, self.cache, slots, path=path, rand_seed=seed)
+        return self.model.verify(tokens, self.cache, slots, path=path, rand_seed=seed, **self._no_grow)
 
     def _commit(self, reqs: list[Request], slots: torch.Tensor, consumed: list[int], path: str) -> None:
         accepted = torch.tensor(consumed, dtype=torch.int32, device=self.device)
         if self.verifier is not None:
             self.verifier.commit(slots, accepted, path)
         else:
-            self.model.commit(self.cache, slots, accepted, path=path)
+            self.model.commit(self.cache, slots, accepted, path=path, **self._no_rollback)
         ids = [r.slot for r in reqs]
+        if self._paged:  # the rejected drafts' K/V go (the pages past each request's new length too)
+            ntok = 1 if path == "plain" else self.speculate + 1
+            self.cache.rollback(ids, [ntok - c for c in consumed])
         if path == "replay":
             self._replay_slots.update(ids)
         else:
@@ -633,10 +639,14 @@ class Engine:
 
     def _verify_step(self) -> list[StepOutput]:
         """One speculative step for every running request: draft, verify, accept, commit, emit."""
-        reqs, K = list(self.running), self.speculate
+        reqs, K = self._kv_decode_ready(self.speculate + 1, grow=False), self.speculate
+        if not reqs:
+            return []
         drafts = self._drafts(reqs)
         real = [len(d) for d in drafts]
         path = self._choose_path(len(reqs)) if any(real) else "plain"
+        if self._paged:  # room for this step's tokens: 1 (plain) or K+1 (verify), shortened at the commit
+            self.cache.grow([r.slot for r in reqs], [1 if path == "plain" else K + 1] * len(reqs))
         self.stats["steps"][path] += 1
         slots = torch.tensor([r.slot for r in reqs], dtype=torch.int32, device=self.device)
         if path != "replay":  # legacy and plain read the SSM state: materialise pending replay histories
@@ -710,7 +720,7 @@ class Engine:
     def _kv_check_fits(self, ids: list[int], params: SamplingParams, who: str) -> None:
         """ValueError when the request can never fit one request's KV (its last token is never fed)."""
         limit = getattr(self.cache, "max_len", None) if self._paged else None
-        need = len(ids) + params.max_new_tokens - 1
+        need = len(ids) + params.max_new_tokens - 1 + self.speculate  # a verify step holds K drafts more
         if limit is not None and need > limit:
             kv = self.cache.kv
             raise ValueError(f"{who}the prompt ({len(ids)} tokens) with max_new_tokens={params.max_new_tokens} needs "
@@ -748,22 +758,24 @@ class Engine:
             k += 1
         return k
 
-    def _kv_decode_ready(self) -> list[Request]:
-        """The running requests that advance this step, each one's KV already grown by its token.
-        One whose token needs a page when none is free waits; when none can advance, the newest
-        request holding pages is failed to free them (``_kv_evict``)."""
+    def _kv_decode_ready(self, ntok: int = 1, grow: bool = True) -> list[Request]:
+        """The running requests that advance this step (``grow``: each one's KV already grown by
+        ``ntok`` tokens; a verify step reserves K+1). One whose tokens need a page when none is free
+        waits; when none can advance, the newest request holding pages is failed to free them
+        (``_kv_evict``)."""
         if not self._paged:
             return list(self.running)
         while self.running:
             pages = self._kv_free_pages()
             ready = []
             for r in self.running:
-                need = self.cache.pages_for(r.slot, 1)
+                need = self.cache.pages_for(r.slot, ntok)
                 if pages is None or need <= pages:
                     ready.append(r)
                     pages = None if pages is None else pages - need
             if ready:
-                self.cache.grow([r.slot for r in ready], [1] * len(ready))
+                if grow:
+                    self.cache.grow([r.slot for r in ready], [ntok] * len(ready))
                 return ready
             self._kv_evict()
         return []

@@ -44,7 +44,7 @@ from fastmamba.cache.hybrid_cache import HybridCache
 from fastmamba.generation.rounding import check_rand_seed
 from fastmamba.layers.attention import KVBatch
 from fastmamba.layers.mamba2 import Mamba2Mixer
-from fastmamba.models.blocks import Batch, RMSNorm, build_blocks
+from fastmamba.models.blocks import Batch, RMSNorm, SpecBatch, build_blocks
 from fastmamba.models.config import Mamba2Config, _as_float
 from fastmamba.models.loader import _default_device, random_init  # random_init: re-exported for the presets
 from fastmamba.ops import add_rmsnorm
@@ -323,7 +323,7 @@ class NemotronHBackbone(nn.Module):
 
 class NemotronHLM(nn.Module):
     """``forward(input_ids [B, L]) -> logits [B, L, V]`` (fp32); ``prefill_varlen`` / ``decode`` with a
-    ``HybridCache`` (``new_cache``). The same API as ``Mamba2LM`` (without speculative ``verify``)."""
+    ``HybridCache`` (``new_cache``). The same API as ``Mamba2LM``, speculative ``verify`` / ``commit`` included."""
 
     graphed_prefill = False  # its prefill grows the KV pages on the host: the engine prefills it eagerly
 
@@ -375,16 +375,14 @@ class NemotronHLM(nn.Module):
         """Mamba slot pools for ``max_batch`` requests and the attention layers' paged KV (pages of
         ``page_size`` tokens: ``num_pages`` of them, or as many as ``kv_budget_bytes`` holds, or by
         default enough for every request at ``max_seq_len``). ``speculate``: 0 only (speculative
-        decoding of hybrids is not implemented yet: ValueError otherwise)."""
-        if speculate:
-            raise ValueError(f"NemotronHLM.new_cache: speculate={speculate!r}: speculative decoding (verify / "
-                             "commit) is not implemented for hybrid models yet; use speculate=0")
+        ``speculate=K``: what ``verify`` with T = K+1 needs (the Mamba pools' replay and legacy
+        buffers; needs Mamba layers)."""
         c = self.cfg
         return HybridCache(
             max_batch, mamba_cfg=c.mamba if "M" in c.pattern else None, n_attn_layers=c.pattern.count("*"),
             n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, max_seq_len=max_seq_len, page_size=page_size,
             num_pages=num_pages, kv_budget_bytes=kv_budget_bytes, device=self.lm_head.weight.device,
-            dtype=self.dtype, ssm_dtype=ssm_dtype,
+            dtype=self.dtype, ssm_dtype=ssm_dtype, speculate=speculate,
         )
 
     @torch.inference_mode()
@@ -475,8 +473,11 @@ class NemotronHLM(nn.Module):
             kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions, token_rows, cu_seqlens, ctx)
         batch = Batch(slots, cu_seqlens, has_initial_state, kv, rand_seed)
         with trusted_inputs():  # validated above, from host values: the layers' ops read nothing back
-            return self._run(input_ids, lambda block, h: block.prefill(h, cache, batch),
-                             rows=cu_seqlens[1:].long() - 1)
+            logits = self._run(input_ids, lambda block, h: block.prefill(h, cache, batch),
+                               rows=cu_seqlens[1:].long() - 1)
+            if cache.speculate:
+                cache.mark_prefilled(slots)
+        return logits
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, cache: HybridCache, slots: torch.Tensor, *,
@@ -503,6 +504,71 @@ class NemotronHLM(nn.Module):
         return self._run(token_ids, lambda block, h: block.decode(h, cache, batch))
 
     step = decode
+
+    @torch.inference_mode()
+    def verify(self, token_ids: torch.Tensor, cache: HybridCache, slots: torch.Tensor, *, path: str = "replay",
+               rand_seed: torch.Tensor | None = None, grow: bool = True) -> torch.Tensor:
+        """Score T tokens per request (speculative decoding): token_ids [B, T] -> logits [B, T, V] fp32.
+
+        As ``Mamba2LM.verify`` (row b: the last emitted token, then K drafts; T = K+1, or 1 on the
+        "plain" path; ``path`` picks the Mamba layers' rollback scheme; slot -1 a pad row), plus
+        the attention layers: the T tokens' K/V are written at positions ctx .. ctx+T-1 of the
+        request and token t attends to its first ctx + t + 1 tokens (its cache and the tokens
+        before it). grow: True: ``cache.grow(slots, [T] * B)`` first (reads slots on the host);
+        False: the caller grew it (a CUDA-graph replay: no host read below). ``commit`` then keeps
+        the accepted tokens and drops the rest of the K/V (``rollback``).
+        """
+        if not cache.speculate:
+            raise ValueError("NemotronHLM.verify: the cache was built without speculation; use new_cache(..., speculate=K)")
+        if path not in ("replay", "legacy", "plain"):
+            raise ValueError(f'NemotronHLM.verify: `path` expected "replay", "legacy" or "plain", got {path!r}')
+        ntok_expected = 1 if path == "plain" else cache.tokens_per_step
+        if token_ids.dim() != 2 or token_ids.shape[1] != ntok_expected:
+            raise ValueError(f"NemotronHLM.verify: `token_ids` expected shape (B, {ntok_expected}) on the {path} path, "
+                             f"got {tuple(token_ids.shape)}")
+        nreq, ntok = token_ids.shape
+        if tuple(slots.shape) != (nreq,):
+            raise ValueError(f"NemotronHLM.verify: `slots` expected shape (B,)=({nreq},), got {tuple(slots.shape)}")
+        check_rand_seed(rand_seed, self.cfg.n_layer, self.lm_head.weight.device, "NemotronHLM.verify")
+        if grow:
+            cache.grow(host_list(slots), [ntok] * nreq)
+        sl = slots.long()
+        n_mamba = len(self.cfg.layers_of("M"))
+        inter = cache.legacy_intermediate(nreq) if path == "legacy" else [None] * n_mamba
+        no_dst = cache.legacy_no_dst(nreq) if path == "legacy" else None
+        kv = kv_read = None
+        if cache.kv is not None:
+            dev = token_ids.device
+            base = cache.kv.seq_lens[sl.clamp(min=0)].long() - ntok  # each request's length before this step
+            positions = (base[:, None] + torch.arange(ntok, device=dev)).reshape(-1)
+            token_rows = torch.arange(nreq, device=dev).repeat_interleave(ntok)
+            kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions, token_rows)
+            live = (sl >= 0).repeat_interleave(ntok)
+            rows = torch.where(live, torch.arange(nreq * ntok, device=dev), -1).to(torch.int32)
+            table = cache.kv.block_table[sl.clamp(min=0)].repeat_interleave(ntok, dim=0)
+            kv_read = KVBatch(table, (positions + 1).to(torch.int32), rows, positions)
+        spec = SpecBatch(ntok, path, cache.conv_accepted[sl], inter, no_dst, kv_read)
+        batch = Batch(slots, kv=kv, rand_seed=rand_seed, spec=spec)
+        return self._run(token_ids.reshape(-1), lambda block, h: block.verify(h, cache, batch)).view(nreq, ntok, -1)
+
+    def commit(self, cache: HybridCache, slots: torch.Tensor, accepted: torch.Tensor, *, path: str = "replay",
+               rollback: bool = True) -> None:
+        """After ``verify`` on ``path``: request b keeps its first ``accepted[b]`` inputs (1..T).
+        The Mamba layers as ``Mamba2LM.commit``; rollback: True: the rejected tokens' K/V are
+        dropped (``cache.rollback``; reads slots and accepted on the host); False: the caller
+        does it (after a CUDA-graph replay of the rest)."""
+        if path == "replay":
+            cache.commit(slots, accepted)
+        elif path == "legacy":
+            cache.commit_legacy(slots, accepted)
+        elif path == "plain":
+            cache.commit_plain(slots)
+        else:
+            raise ValueError(f'NemotronHLM.commit: `path` expected "replay", "legacy" or "plain", got {path!r}')
+        if rollback:
+            ntok = 1 if path == "plain" else cache.tokens_per_step
+            live = [(s, ntok - a) for s, a in zip(host_list(slots), host_list(accepted)) if s != -1]
+            cache.rollback([s for s, _ in live], [d for _, d in live])
 
 
 # ---------------------------------------------------------------------------------------------
