@@ -22,7 +22,9 @@ host (``HybridCache.grow``, as the engine does), then replays the CUDA graph. Th
 of a step add, per request, the attention layers' K/V read over the mean context of the timed
 steps (plus the new token's K/V written) to the weights and the Mamba layers' conv and SSM states
 read and written. ``--peer``: transformers' NemotronHForCausalLM.generate on the same weights at
-batch 1 (a few tokens: it is slow). Speculative decoding, --drift and --ablate are Mamba-2 only.
+batch 1 (a few tokens: it is slow). ``--speculate K`` (oracle or ngram drafter) as for Mamba-2: the
+engine's speculative run against the plain graphed loop, same tokens expected. --drift and
+--ablate are Mamba-2 only.
 
 With ``--speculate K`` the plain run of each batch B is also the baseline of speculative decoding:
 its greedy tokens are kept (the oracle drafter replays them), then ``Engine(model, max_batch=B,
@@ -156,7 +158,7 @@ HYBRID_PREFILL_TOKENS = 16384  # tokens per prefill call of the hybrid benchmark
 
 def run_batch_hybrid(model, batch: int, prompt_len: int, gen_len: int, *, pdl: bool, device,
                      prompts: torch.Tensor | None = None, ssm_dtype: torch.dtype = torch.float32,
-                     page_size: int = 16) -> dict:
+                     page_size: int = 16, record: bool = False) -> dict:
     """``run_batch`` for a hybrid model: prefill (its time is the batch's time to first token), then
     gen_len timed greedy decode steps, each growing the paged KV on the host, then one graph replay."""
     if prompts is None:
@@ -177,6 +179,7 @@ def run_batch_hybrid(model, batch: int, prompt_len: int, gen_len: int, *, pdl: b
     last = {}
     t_prefill = _timed(lambda: last.setdefault("logits", prefill()).argmax(-1).tolist(), device)
     tokens = last["logits"].argmax(-1)
+    emitted = [tokens]
 
     if device.type == "cuda":
         from fastmamba.generation.cuda_graphs import GraphedDecoder
@@ -192,6 +195,7 @@ def run_batch_hybrid(model, batch: int, prompt_len: int, gen_len: int, *, pdl: b
 
     for _ in range(3):  # capture + warm up
         tokens = step(tokens)
+        emitted.append(tokens)
     state = {"t": tokens}
     context0 = cache.length(slots_host[0])
 
@@ -199,11 +203,14 @@ def run_batch_hybrid(model, batch: int, prompt_len: int, gen_len: int, *, pdl: b
         t = state["t"]
         for _ in range(gen_len):
             t = step(t)
+            if record:
+                emitted.append(t)  # a device tensor: no sync in the loop
         state["t"] = t
 
     t_decode = _timed(loop, device)
     context = context0 + (gen_len - 1) / 2  # mean KV length read over the timed steps
-    return {
+    extra = {"tokens": torch.stack(emitted, dim=1).tolist()} if record else {}
+    return extra | {
         "batch": batch,
         "prefill_s": t_prefill,
         "ttft_ms": 1e3 * t_prefill,
@@ -480,7 +487,8 @@ def make_bench_drafter(name: str, *, prompts: list[list[int]], plain_tokens: lis
 
 
 def run_speculative(model, prompts: torch.Tensor, plain_tokens: list[list[int]], gen_len: int, k: int, drafter,
-                    *, device, verify_path: str = "auto", pdl: bool | None = None) -> dict:
+                    *, device, verify_path: str = "auto", pdl: bool | None = None,
+                    engine_kw: dict | None = None) -> dict:
     """Speculative greedy decoding of the B prompts [B, L] until each has gen_len + 1 tokens (the
     prefill's, then gen_len decoded, as the plain run's timed steps); the decode part is timed.
 
@@ -493,7 +501,8 @@ def run_speculative(model, prompts: torch.Tensor, plain_tokens: list[list[int]],
     B = prompts.shape[0]
     rows = prompts.tolist()
     counter = CountingDrafter(drafter)
-    engine = Engine(model, max_batch=B, speculate=k, drafter=counter, verify_path=verify_path, pdl=pdl)
+    engine = Engine(model, max_batch=B, speculate=k, drafter=counter, verify_path=verify_path, pdl=pdl,
+                    **(engine_kw or {}))
     if device.type == "cuda":  # capture the verify graphs and compile, untimed
         engine.generate(rows, SamplingParams(max_new_tokens=min(gen_len + 1, 2 * (k + 1) + 1), ignore_eos=True))
     counter.calls = counter.proposed = 0
@@ -578,20 +587,40 @@ def _run_hybrid(args, model, name, batches, prompt_len, gen_len, variants, copy_
     c = model.cfg
     print(f"# hybrid: {c.pattern.count('M')} Mamba / {c.pattern.count('*')} attention / "
           f"{c.pattern.count('-')} MLP layers, context {prompt_len}")
-    rows = []
+    rows, spec_rows = [], []
+    K = args.speculate
     for b in batches:
-        prompts = make_prompts(c.vocab_size, b, prompt_len)
-        for ssm_dtype, _ in variants:
+        prompts = make_prompts(c.vocab_size, b, prompt_len, repetitive=K > 0 and args.drafter == "ngram")
+        for v, (ssm_dtype, _) in enumerate(variants):
             if _:
                 print("note: --stochastic-rounding is not timed for hybrid models; round to nearest", file=sys.stderr)
             r = run_batch_hybrid(model, b, prompt_len, gen_len, pdl=args.pdl, device=device, prompts=prompts,
-                                 ssm_dtype=ssm_dtype)
+                                 ssm_dtype=ssm_dtype, record=bool(K) and v == 0)
+            if v == 0:
+                plain, plain_tokens = r, r.pop("tokens", None)
             label = _state_label(ssm_dtype, False)
             r["provider"] = "fastmamba" if label == "fp32" else f"fastmamba [{label} state]"
             r["roofline_ms"] = 1e3 * r["step_bytes"] / (copy_gbs * 1e9)
             r["pct_roofline"] = 100 * r["roofline_ms"] / r["ms_per_step"]
             rows.append(r)
             print(f"[e2e] batch {b}, {label} state: {r['ms_per_step']:.3f} ms/step", file=sys.stderr, flush=True)
+            if cuda:
+                torch.cuda.empty_cache()
+        if K:
+            if args.drafter == "model":
+                print("error: --drafter model is not wired for hybrid models; use oracle or ngram", file=sys.stderr)
+                return 2
+            drafter = make_bench_drafter(args.drafter, prompts=prompts.tolist(), plain_tokens=plain_tokens,
+                                         draft_model=None, batch=b, vocab_size=c.vocab_size)
+            sr = run_speculative(model, prompts, plain_tokens, gen_len, K, drafter, device=device, pdl=args.pdl,
+                                 verify_path=args.verify_path,
+                                 engine_kw={"max_seq_len": prompt_len + gen_len + K + 8})
+            sr.update(provider=f"fastmamba speculative K={K} ({args.drafter})", drafter=args.drafter,
+                      prompt_len=prompt_len, gen_len=gen_len, plain_decode_tok_s=plain["decode_tok_s"],
+                      speedup=sr["decode_tok_s"] / plain["decode_tok_s"])
+            spec_rows.append(sr)
+            print(f"[e2e] batch {b} speculative: {sr['decode_tok_s']:.0f} tok/s, acceptance "
+                  f"{sr['acceptance']:.0%}", file=sys.stderr, flush=True)
             if cuda:
                 torch.cuda.empty_cache()
     if args.peer:
@@ -612,9 +641,16 @@ def _run_hybrid(args, model, name, batches, prompt_len, gen_len, variants, copy_
     peer = next((r for r in rows if "fastmamba_speedup" in r), None)
     if peer:
         print(f"fastmamba / transformers decode tok/s at batch 1: {peer['fastmamba_speedup']:.1f}x")
+    if spec_rows:
+        print(f"{'speculative decoding':34} {'batch':>5} {'K':>3} {'plain tok/s':>12} {'spec tok/s':>11} "
+              f"{'speedup':>8} {'accepted':>9} {'tok/step':>9} {'match':>6}")
+        for r in spec_rows:
+            print(f"{r['provider']:34} {r['batch']:5d} {r['speculate']:3d} {r['plain_decode_tok_s']:12.1f} "
+                  f"{r['decode_tok_s']:11.1f} {r['speedup']:7.2f}x {r['acceptance']:8.0%} "
+                  f"{r['tokens_per_step']:9.2f} {'yes' if r['tokens_match'] else 'NO':>6}")
     if args.json:
         with open(args.json, "a") as f:
-            for r in rows:
+            for r in rows + spec_rows:
                 f.write(json.dumps(dict(r, model=name, device=device_name(device), copy_gbs=copy_gbs,
                                         command=command)) + "\n")
     if args.plot:
@@ -634,8 +670,8 @@ def run(args: argparse.Namespace, command: str) -> int:
     hybrid_name = name.startswith("nemotron") or _is_hybrid_dir(name)
     prompt_len = args.prompt_len or (2048 if hybrid_name else 128)
     prompt_len = prompt_len if cuda else min(prompt_len, 16)
-    if hybrid_name and (args.speculate or args.drift or args.ablate):
-        print("error: --speculate, --drift and --ablate are not implemented for hybrid (Nemotron-H) models yet",
+    if hybrid_name and (args.drift or args.ablate):
+        print("error: --drift and --ablate are not implemented for hybrid (Nemotron-H) models yet",
               file=sys.stderr)
         return 2
     if not cuda:

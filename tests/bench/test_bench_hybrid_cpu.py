@@ -49,5 +49,17 @@ def test_hybrid_step_bytes_formula():
 
 
 def test_e2e_hybrid_refuses_mamba_only_options(capsys):
-    assert targets.main(["e2e", "--model", "nemotron-h-tiny", "--speculate", "2", "--batch", "1"]) == 2
+    assert targets.main(["e2e", "--model", "nemotron-h-tiny", "--drift", "4", "--batch", "1"]) == 2
     assert "not implemented for hybrid" in capsys.readouterr().err
+
+
+def test_e2e_hybrid_speculative_oracle(tmp_path, capsys):
+    """K=2, batch 1, gen-len 6: the engine's speculative tokens equal the plain loop's, every draft accepted."""
+    path = tmp_path / "e2e.jsonl"
+    argv = ["e2e", "--model", "nemotron-h-tiny", "--batch", "1", "--gen-len", "6", "--prompt-len", "8",
+            "--speculate", "2", "--json", str(path)]
+    assert targets.main(argv) == 0
+    spec = [json.loads(line) for line in path.read_text().splitlines()][-1]
+    assert spec["provider"] == "fastmamba speculative K=2 (oracle)" and spec["speculate"] == 2
+    assert spec["tokens_match"] is True and spec["acceptance"] == 1.0 and spec["tokens_per_step"] == 3.0
+    assert "yes" in capsys.readouterr().out.splitlines()[-1]
