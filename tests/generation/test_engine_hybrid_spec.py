@@ -100,3 +100,27 @@ def test_speculation_needs_room_for_the_drafts(model):  # noqa: F811
     with pytest.raises(ValueError, match="needs 17 KV positions"):  # 10 + 5 - 1 + 3 drafts
         engine.add_request(list(range(10)), SamplingParams(max_new_tokens=5))
     engine.add_request(list(range(10)), SamplingParams(max_new_tokens=4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("verify_path", ["replay", "legacy"])
+def test_graphed_speculative_equals_plain_on_gpu(verify_path):
+    """On a GPU: the verify and commit steps replay from GraphedVerifier's graphs (the KV grown
+    before and shrunk after, outside them); the tokens equal plain eager greedy decoding, with all
+    drafts accepted or some rejected."""
+    from fastmamba.models.nemotron_h import NemotronHLM, random_init
+
+    m = random_init(NemotronHLM(CFG, device="cuda", dtype=torch.float32)).eval()
+    prompts, n_new = PROMPTS[1:4], (6, 9, 5)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in n_new]
+    kv = dict(kv_page_size=PAGE, max_seq_len=64)
+    plain = Engine(m, max_batch=2, cuda_graphs=False, **kv).generate(prompts, params)
+    for wrong_at in (None, lambda step: [1, 3, 0, 2][step % 4]):
+        drafter = OracleDrafter.from_runs(prompts, plain)
+        if wrong_at is not None:
+            drafter = CorruptedOracle(drafter, wrong_at)
+        engine = Engine(m, max_batch=2, speculate=3, drafter=drafter, verify_path=verify_path, cuda_graphs=True, **kv)
+        assert engine.verifier is not None and engine.prefiller is None
+        assert engine.generate(prompts, params) == plain
+        assert engine.stats["steps"][verify_path] > 0
+        assert_all_free(engine)
