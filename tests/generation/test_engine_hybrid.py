@@ -14,6 +14,7 @@ import fastmamba
 from fastmamba.generation.engine import Engine
 from fastmamba.generation.sampling import SamplingParams
 from fastmamba.models.nemotron_h import NemotronHConfig, NemotronHLM, random_init
+from fastmamba.ops._common.dispatch import interpreter_enabled
 
 # every kind twice, attention first and last, GQA (4 query / 2 KV heads), 2 Mamba groups
 CFG = NemotronHConfig(d_model=64, vocab_size=256, pattern="*M-M*-M*", n_heads=4, n_kv_heads=2, head_dim=16,
@@ -248,6 +249,33 @@ def test_stop_conditions(model):
     out = engine.generate([p], SamplingParams(max_new_tokens=6, stop_token_ids=(ref[2],), ignore_eos=True))[0]
     assert out == ref[:ref.index(ref[2]) + 1]
     assert engine.finished == {} and engine.cache.kv.free_pages == engine.cache.kv.num_pages
+
+
+INTERPRETER_AT_START = interpreter_enabled()  # Triton reads TRITON_INTERPRET once, at import
+
+
+@pytest.mark.skipif(not INTERPRETER_AT_START, reason="the decode kernels on a CPU need TRITON_INTERPRET=1 at import")
+def test_rounding_seeds_reach_the_mamba_layers(monkeypatch):
+    """With 16-bit SSM states and the engine's seeds (``StochasticRounding``), a hybrid's Mamba
+    layers round stochastically: the same seed reproduces the states, another one changes them."""
+    from fastmamba.generation.rounding import StochasticRounding
+
+    m = random_init(NemotronHLM(CFG, device="cpu", dtype=torch.float32)).eval()
+
+    def states(seed):
+        cache = m.new_cache(2, max_seq_len=32, page_size=PAGE, ssm_dtype=torch.bfloat16)
+        slot = cache.alloc(1)
+        m.prefill(torch.tensor([PROMPTS[3]]), cache, slot)  # the references (the fixture's TRITON_INTERPRET=0)
+        rounding = StochasticRounding(m.cfg.n_layer, torch.device("cpu"), seed)
+        rounding.advance()
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the decode step's kernels, in the interpreter
+        m.decode(torch.tensor([5]), cache, slot, rand_seed=rounding.seeds)
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        return [s.clone() for s in cache.ssm]
+
+    a, again, other = states(1), states(1), states(2)
+    assert all(torch.equal(x, y) for x, y in zip(a, again))
+    assert not any(torch.equal(x, y) for x, y in zip(a, other))
 
 
 @pytest.mark.gpu
