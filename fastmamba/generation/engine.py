@@ -144,7 +144,7 @@ def _int_token(t: object) -> int | None:
 
 
 class Engine:
-    """Generation over a ``Mamba2LM`` with continuous batching.
+    """Generation over a ``Mamba2LM`` or a hybrid ``NemotronHLM`` with continuous batching.
 
     max_batch     requests decoded together (and slots in the state cache)
     cuda_graphs   replay decode (and verify) steps from CUDA graphs (GPU only; default: on when on a GPU)
@@ -268,8 +268,10 @@ class Engine:
         self.device = model.lm_head.weight.device
         self.max_batch = max_batch
         self.cache = model.new_cache(max_batch, ssm_dtype=ssm_dtype, speculate=self.speculate, **kv_options)
-        self._paged = callable(getattr(self.cache, "grow", None))  # the engine grows the KV before each decode step
-        self._no_grow = {"grow": False} if self._paged else {}  # ... and shrinks it after a verify step
+        # a paged KV cache (hybrid models): the engine grows it on the host before each decode or
+        # verify step and shrinks it after a commit, so the model (or its graph) must do neither
+        self._paged = callable(getattr(self.cache, "grow", None))
+        self._no_grow = {"grow": False} if self._paged else {}
         self._no_rollback = {"rollback": False} if self._paged else {}
         self.rounding = StochasticRounding(model.cfg.n_layer, self.device, rounding_seed) if stochastic_rounding else None
         self.sampler = Sampler(model.cfg.vocab_size, self.device, max_batch)
