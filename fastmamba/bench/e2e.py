@@ -230,17 +230,19 @@ def run_peer_hybrid(model, prompt_len: int, gen_len: int, device) -> dict | None
         import transformers
 
         c = model.cfg
-        kinds = {"M": "mamba", "*": "attention", "-": "mlp"}
         kw = dict(vocab_size=c.vocab_size, hidden_size=c.d_model, num_attention_heads=c.n_heads,
                   num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim, intermediate_size=c.intermediate_size,
                   mamba_num_heads=c.mamba_nheads, mamba_head_dim=c.mamba_headdim, n_groups=c.n_groups,
                   ssm_state_size=c.d_state, conv_kernel=c.d_conv, chunk_size=c.chunk_size,
                   tie_word_embeddings=c.tie_embeddings, layer_norm_epsilon=c.norm_eps, use_conv_bias=c.conv_bias,
                   use_bias=c.mamba_proj_bias, mlp_bias=c.mlp_bias, residual_in_fp32=c.residual_in_fp32)
-        try:  # transformers >= 5.2x: a list of layer types; older: the pattern string
-            hf_cfg = transformers.NemotronHConfig(layers_block_type=[kinds[k] for k in c.pattern], **kw)
-        except TypeError:
-            hf_cfg = transformers.NemotronHConfig(hybrid_override_pattern=c.pattern, num_hidden_layers=c.n_layer, **kw)
+        # the pattern string: what 5.17 reads, and what later releases turn into ``layers_block_type``
+        hf_cfg = transformers.NemotronHConfig(hybrid_override_pattern=c.pattern, num_hidden_layers=c.n_layer, **kw)
+        from fastmamba.models.nemotron_h import _pattern_of
+
+        got = _pattern_of({k: getattr(hf_cfg, k, None) for k in ("hybrid_override_pattern", "layers_block_type")})
+        if got != c.pattern:
+            raise ValueError(f"its config reads the layer pattern as {got!r}, ours is {c.pattern!r}")
         with torch.device("meta"):
             hf = transformers.NemotronHForCausalLM(hf_cfg)
         sd = model.state_dict()  # transformers' checkpoint names; its module tree may say model. for backbone.
