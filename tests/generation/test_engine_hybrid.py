@@ -280,6 +280,48 @@ def test_rounding_seeds_reach_the_mamba_layers(monkeypatch):
     assert not any(torch.equal(x, y) for x, y in zip(a, other))
 
 
+@pytest.mark.skipif(not INTERPRETER_AT_START, reason="the decode kernels on a CPU need TRITON_INTERPRET=1 at import")
+def test_graph_steps_read_nothing_on_the_host(monkeypatch):
+    """What the CUDA graphs capture (decode and verify with grow=False, commit with rollback=False,
+    a pad row in the batch) reads no tensor value on the host: the CPU stand-in for capture, with
+    the ops' own checks off as they are while capturing (trusted_inputs) and every host read raising."""
+    import contextlib
+
+    from fastmamba.ops._common.host_values import trusted_inputs
+
+    m = random_init(NemotronHLM(CFG, device="cpu", dtype=torch.float32)).eval()
+
+    @contextlib.contextmanager
+    def no_host_reads():
+        names = ("tolist", "item", "__bool__", "__int__", "__float__")
+
+        def boom(self, *args, **kwargs):
+            raise AssertionError("a host read inside a graph step")
+
+        with monkeypatch.context() as mp, trusted_inputs():
+            mp.setenv("TRITON_INTERPRET", "1")
+            for name in names:
+                mp.setattr(torch.Tensor, name, boom)
+            yield
+
+    for speculate in (0, 2):
+        cache = m.new_cache(4, max_seq_len=64, page_size=PAGE, speculate=speculate)
+        live = cache.alloc(2)
+        m.prefill_varlen(torch.tensor(PROMPTS[1] + PROMPTS[2]), torch.tensor([0, 5, 18]), cache, live)
+        a, b = live.tolist()
+        slots = torch.tensor([a, -1, b], dtype=torch.int32)
+        ntok = speculate + 1
+        cache.grow([a, b], [ntok, ntok])
+        with no_host_reads():
+            if speculate:
+                out = m.verify(torch.ones(3, ntok, dtype=torch.long), cache, slots, grow=False)
+                m.commit(cache, slots, torch.tensor([2, 1, 3], dtype=torch.int32), rollback=False)
+            else:
+                out = m.decode(torch.ones(3, dtype=torch.long), cache, slots, grow=False)
+        assert out.shape[0] == 3 and bool(torch.isfinite(out).all())
+        cache.kv.check()
+
+
 @pytest.mark.gpu
 def test_graphed_decode_equals_eager_on_gpu():
     """GraphedDecoder over a HybridCache (grown on the host before each replay, static block table
