@@ -799,7 +799,8 @@ class Engine:
 
         Every request is checked before any is queued. Requests queued earlier (``add_request``)
         run alongside and stay collectable in ``finished``. If a step fails, this call's other
-        requests are aborted and the exception propagates.
+        requests are aborted and the exception propagates; a request failed on its own (a hybrid's
+        exhausted KV pool) raises its ``Request.error`` once the others are done.
         """
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
@@ -828,4 +829,7 @@ class Engine:
             raise
         for rid in mine.difference(done):  # finished without a step output (aborted meanwhile)
             done[rid] = self.finished.pop(rid)
+        failed = [done[rid] for rid in rids if done[rid].finish_reason == "error"]
+        if failed:  # a request failed without its step failing (a hybrid's KV pool ran out): not a result
+            raise failed[0].error
         return [done[rid].output for rid in rids]

@@ -193,6 +193,9 @@ def test_exhausted_pool_fails_the_newest_request_cleanly(model):
     assert req_b.output == greedy_reference(model, b, 5)
     assert [o.rid for o in outs if o.finished] == [ra]  # like an abort, the failed one gets no StepOutput
     assert_all_free(engine)
+    with pytest.raises(RuntimeError, match="out of pages"):  # generate does not return a partial output
+        engine.generate([a, b], params)
+    assert_all_free(engine)
 
 
 def test_a_request_waits_for_a_page_while_others_advance(model):
