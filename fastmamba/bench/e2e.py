@@ -145,7 +145,9 @@ def hybrid_step_bytes(model, batch: int, context: float, ssm_dtype: torch.dtype 
     total = weights
     if "M" in c.pattern:
         m = c.mamba
-        per_layer = 2 * (m.conv_dim * m.d_conv * model.dtype.itemsize + m.nheads * m.headdim * m.d_state * ssm_dtype.itemsize)
+        conv = m.conv_dim * m.d_conv * model.dtype.itemsize
+        ssm = m.nheads * m.headdim * m.d_state * ssm_dtype.itemsize
+        per_layer = 2 * (conv + ssm)
         total += batch * c.pattern.count("M") * per_layer
     if "*" in c.pattern:
         kv_token = 2 * c.n_kv_heads * c.head_dim * model.dtype.itemsize  # K and V of one token, one layer

@@ -97,7 +97,8 @@ class PagedAttentionBench(OpBench):
 
     def oracle(self, device, providers, mode="auto"):
         # the gathered SDPA: fp32 softmax on a GPU too, and it runs at every size
-        return next((p for p in providers if p.kind == "peer" and p.available), None) or super().oracle(device, providers, mode)
+        sdpa = next((p for p in providers if p.kind == "peer" and p.available), None)
+        return sdpa or super().oracle(device, providers, mode)
 
     def make_set(self, case: Case, device: torch.device, seed: int) -> dict:
         p = case.params
