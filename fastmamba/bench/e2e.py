@@ -14,6 +14,18 @@ conv and SSM state rows of the B requests read and written once. With ``--peer``
 transformers' Mamba2ForCausalLM runs the same weights (its plain PyTorch path) at batch 1.
 Without a GPU it says so and runs the tiny preset eagerly on the CPU.
 
+Hybrid models (``--model nemotron-h-8b``, ``nemotron-h-4b``, ``nemotron-h-tiny`` or a Nemotron-H
+checkpoint): the prompts default to 2048 tokens (the decode cost now depends on the context), the
+prefill runs in groups of at most ``HYBRID_PREFILL_TOKENS`` tokens (its time is the batch's time to
+first token: every prompt arrives at once), and each decode step first grows the paged KV on the
+host (``HybridCache.grow``, as the engine does), then replays the CUDA graph. The roofline bytes
+of a step add, per request, the attention layers' K/V read over the mean context of the timed
+steps (plus the new token's K/V written) to the weights and the Mamba layers' conv and SSM states
+read and written. ``--peer``: transformers' NemotronHForCausalLM.generate on the same weights at
+batch 1 (a few tokens: it is slow). ``--speculate K`` (oracle or ngram drafter) as for Mamba-2: the
+engine's speculative run against the plain graphed loop, same tokens expected. --drift and
+--ablate are Mamba-2 only.
+
 With ``--speculate K`` the plain run of each batch B is also the baseline of speculative decoding:
 its greedy tokens are kept (the oracle drafter replays them), then ``Engine(model, max_batch=B,
 speculate=K, drafter=...)`` generates as many tokens from the same prompts (its first step, the
@@ -66,7 +78,8 @@ def _dtype_list(text: str) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="preset or checkpoint dir (default: mamba2-2.7b on a GPU, mamba2-tiny on a CPU)")
     parser.add_argument("--batch", type=_int_list, default=None, help="default 1,8,64,256 on a GPU, 1,2 on a CPU")
-    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=None,
+                        help="prompt tokens (default 128; 2048 for hybrid models, whose decode reads the context)")
     parser.add_argument("--gen-len", type=int, default=256)
     parser.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                         help="programmatic dependent launch inside the decode graphs (default: on where the GPU "
@@ -112,6 +125,149 @@ def step_bytes(model, batch: int, ssm_dtype: torch.dtype = torch.float32) -> int
     conv = 2 * batch * c.conv_dim * c.d_conv * model.dtype.itemsize
     ssm = 2 * batch * c.nheads * c.headdim * c.d_state * ssm_dtype.itemsize
     return weights + c.n_layer * (conv + ssm)
+
+
+def is_hybrid(model) -> bool:
+    """A model with a layer pattern (Nemotron-H: Mamba-2, attention and MLP layers)."""
+    return hasattr(model.cfg, "pattern")
+
+
+def hybrid_step_bytes(model, batch: int, context: float, ssm_dtype: torch.dtype = torch.float32) -> int:
+    """Minimum bytes of one decode step of a hybrid model: the weights once; per request, every Mamba
+    layer's conv and SSM state read and written, and every attention layer's K and V read over
+    ``context`` tokens plus the new token's K and V written."""
+    seen, weights = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            weights += p.numel() * p.element_size()
+    c = model.cfg
+    total = weights
+    if "M" in c.pattern:
+        m = c.mamba
+        conv = m.conv_dim * m.d_conv * model.dtype.itemsize
+        ssm = m.nheads * m.headdim * m.d_state * ssm_dtype.itemsize
+        per_layer = 2 * (conv + ssm)
+        total += batch * c.pattern.count("M") * per_layer
+    if "*" in c.pattern:
+        kv_token = 2 * c.n_kv_heads * c.head_dim * model.dtype.itemsize  # K and V of one token, one layer
+        total += int(batch * c.pattern.count("*") * kv_token * (context + 1))
+    return total
+
+
+HYBRID_PREFILL_TOKENS = 16384  # tokens per prefill call of the hybrid benchmark (activations' memory)
+
+
+def run_batch_hybrid(model, batch: int, prompt_len: int, gen_len: int, *, pdl: bool, device,
+                     prompts: torch.Tensor | None = None, ssm_dtype: torch.dtype = torch.float32,
+                     page_size: int = 16, record: bool = False) -> dict:
+    """``run_batch`` for a hybrid model: prefill (its time is the batch's time to first token), then
+    gen_len timed greedy decode steps, each growing the paged KV on the host, then one graph replay."""
+    if prompts is None:
+        prompts = make_prompts(model.cfg.vocab_size, batch, prompt_len)
+    prompts = prompts.to(device)
+    cache = model.new_cache(batch, max_seq_len=prompt_len + gen_len + 8, page_size=page_size, ssm_dtype=ssm_dtype)
+    warm = cache.alloc(batch)
+    model.prefill(prompts[:, :8], cache, warm)  # compile and warm up, then fresh slots (zero states, no pages)
+    cache.free(warm)
+    slots = cache.alloc(batch)
+    slots_host, ones = slots.tolist(), [1] * batch
+    group = max(1, HYBRID_PREFILL_TOKENS // prompt_len)
+
+    def prefill():
+        return torch.cat([model.prefill(prompts[i:i + group], cache, slots[i:i + group])
+                          for i in range(0, batch, group)])
+
+    last = {}
+    t_prefill = _timed(lambda: last.setdefault("logits", prefill()).argmax(-1).tolist(), device)
+    tokens = last["logits"].argmax(-1)
+    emitted = [tokens]
+
+    if device.type == "cuda":
+        from fastmamba.generation.cuda_graphs import GraphedDecoder
+
+        decoder = GraphedDecoder(model, cache, batch, pdl=pdl)
+
+        def step(t):
+            cache.grow(slots_host, ones)  # the engine's host-side step: pages and lengths
+            return decoder.decode(t, slots).argmax(-1)
+    else:
+        def step(t):
+            return model.decode(t, cache, slots).argmax(-1)
+
+    for _ in range(3):  # capture + warm up
+        tokens = step(tokens)
+        emitted.append(tokens)
+    state = {"t": tokens}
+    context0 = cache.length(slots_host[0])
+
+    def loop():
+        t = state["t"]
+        for _ in range(gen_len):
+            t = step(t)
+            if record:
+                emitted.append(t)  # a device tensor: no sync in the loop
+        state["t"] = t
+
+    t_decode = _timed(loop, device)
+    context = context0 + (gen_len - 1) / 2  # mean KV length read over the timed steps
+    extra = {"tokens": torch.stack(emitted, dim=1).tolist()} if record else {}
+    return extra | {
+        "batch": batch,
+        "prefill_s": t_prefill,
+        "ttft_ms": 1e3 * t_prefill,
+        "prefill_tok_s": batch * prompt_len / t_prefill,
+        "ms_per_step": 1e3 * t_decode / gen_len,
+        "decode_tok_s": batch * gen_len / t_decode,
+        "context": prompt_len,
+        "step_bytes": hybrid_step_bytes(model, batch, context, ssm_dtype),
+        "ssm_dtype": _state_label(ssm_dtype, False),
+        "stochastic_rounding": False,
+    }
+
+
+def run_peer_hybrid(model, prompt_len: int, gen_len: int, device) -> dict | None:
+    """transformers' NemotronHForCausalLM.generate on the same weights, batch 1, greedy."""
+    try:
+        import transformers
+
+        c = model.cfg
+        kw = dict(vocab_size=c.vocab_size, hidden_size=c.d_model, num_attention_heads=c.n_heads,
+                  num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim, intermediate_size=c.intermediate_size,
+                  mamba_num_heads=c.mamba_nheads, mamba_head_dim=c.mamba_headdim, n_groups=c.n_groups,
+                  ssm_state_size=c.d_state, conv_kernel=c.d_conv, chunk_size=c.chunk_size,
+                  tie_word_embeddings=c.tie_embeddings, layer_norm_epsilon=c.norm_eps, use_conv_bias=c.conv_bias,
+                  use_bias=c.mamba_proj_bias, mlp_bias=c.mlp_bias, residual_in_fp32=c.residual_in_fp32)
+        # the pattern string: what 5.17 reads, and what later releases turn into ``layers_block_type``
+        hf_cfg = transformers.NemotronHConfig(hybrid_override_pattern=c.pattern, num_hidden_layers=c.n_layer, **kw)
+        from fastmamba.models.nemotron_h import _pattern_of
+
+        got = _pattern_of({k: getattr(hf_cfg, k, None) for k in ("hybrid_override_pattern", "layers_block_type")})
+        if got != c.pattern:
+            raise ValueError(f"its config reads the layer pattern as {got!r}, ours is {c.pattern!r}")
+        with torch.device("meta"):
+            hf = transformers.NemotronHForCausalLM(hf_cfg)
+        sd = model.state_dict()  # transformers' checkpoint names; its module tree may say model. for backbone.
+        if not any(k.startswith("backbone.") for k in hf.state_dict()):
+            base = next(k for k in hf.state_dict() if k.endswith("embeddings.weight")).split("embeddings.weight")[0]
+            sd = {(base + k[len("backbone."):] if k.startswith("backbone.") else k): v for k, v in sd.items()}
+        missing, unexpected = hf.load_state_dict(sd, assign=True, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"weights do not map: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        hf = hf.to(device=device, dtype=model.dtype).eval()
+    except Exception as exc:  # the peer is optional: say why and go on
+        print(f"peer skipped: transformers' NemotronHForCausalLM: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+    ids = torch.randint(0, model.cfg.vocab_size, (1, prompt_len), device=device)
+    kw = dict(max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False, use_cache=True)
+    with torch.no_grad():
+        hf.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm-up
+        t_total = _timed(lambda: hf.generate(ids, **kw), device)
+        t_prefill = _timed(lambda: hf.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False), device)
+    t_decode = max(t_total - t_prefill, 1e-9)
+    return {"batch": 1, "provider": f"transformers {transformers.__version__} NemotronH", "context": prompt_len,
+            "ttft_ms": 1e3 * t_prefill, "ms_per_step": 1e3 * t_decode / max(gen_len - 1, 1),
+            "decode_tok_s": max(gen_len - 1, 1) / t_decode}
 
 
 def _timed(fn, device) -> float:
@@ -335,7 +491,8 @@ def make_bench_drafter(name: str, *, prompts: list[list[int]], plain_tokens: lis
 
 
 def run_speculative(model, prompts: torch.Tensor, plain_tokens: list[list[int]], gen_len: int, k: int, drafter,
-                    *, device, verify_path: str = "auto", pdl: bool | None = None) -> dict:
+                    *, device, verify_path: str = "auto", pdl: bool | None = None,
+                    engine_kw: dict | None = None) -> dict:
     """Speculative greedy decoding of the B prompts [B, L] until each has gen_len + 1 tokens (the
     prefill's, then gen_len decoded, as the plain run's timed steps); the decode part is timed.
 
@@ -348,7 +505,8 @@ def run_speculative(model, prompts: torch.Tensor, plain_tokens: list[list[int]],
     B = prompts.shape[0]
     rows = prompts.tolist()
     counter = CountingDrafter(drafter)
-    engine = Engine(model, max_batch=B, speculate=k, drafter=counter, verify_path=verify_path, pdl=pdl)
+    engine = Engine(model, max_batch=B, speculate=k, drafter=counter, verify_path=verify_path, pdl=pdl,
+                    **(engine_kw or {}))
     if device.type == "cuda":  # capture the verify graphs and compile, untimed
         engine.generate(rows, SamplingParams(max_new_tokens=min(gen_len + 1, 2 * (k + 1) + 1), ignore_eos=True))
     counter.calls = counter.proposed = 0
@@ -415,6 +573,95 @@ def run_peer(model, prompt_len: int, gen_len: int, device) -> dict | None:
             "ms_per_step": 1e3 * t_decode / gen_len, "decode_tok_s": gen_len / t_decode}
 
 
+def _is_hybrid_dir(name: str) -> bool:
+    import os
+
+    path = os.path.join(name, "config.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        return json.load(f).get("model_type") == "nemotron_h"
+
+
+def _run_hybrid(args, model, name, batches, prompt_len, gen_len, variants, copy_gbs, header, device, command) -> int:
+    """The e2e table of a hybrid model: decode tok/s, ms/step, % of roofline, TTFT per batch."""
+    from fastmamba.bench.peak import device_name
+
+    cuda = device.type == "cuda"
+    c = model.cfg
+    print(f"# hybrid: {c.pattern.count('M')} Mamba / {c.pattern.count('*')} attention / "
+          f"{c.pattern.count('-')} MLP layers, context {prompt_len}")
+    rows, spec_rows = [], []
+    K = args.speculate
+    for b in batches:
+        prompts = make_prompts(c.vocab_size, b, prompt_len, repetitive=K > 0 and args.drafter == "ngram")
+        for v, (ssm_dtype, _) in enumerate(variants):
+            if _:
+                print("note: --stochastic-rounding is not timed for hybrid models; round to nearest", file=sys.stderr)
+            r = run_batch_hybrid(model, b, prompt_len, gen_len, pdl=args.pdl, device=device, prompts=prompts,
+                                 ssm_dtype=ssm_dtype, record=bool(K) and v == 0)
+            if v == 0:
+                plain, plain_tokens = r, r.pop("tokens", None)
+            label = _state_label(ssm_dtype, False)
+            r["provider"] = "fastmamba" if label == "fp32" else f"fastmamba [{label} state]"
+            r["roofline_ms"] = 1e3 * r["step_bytes"] / (copy_gbs * 1e9)
+            r["pct_roofline"] = 100 * r["roofline_ms"] / r["ms_per_step"]
+            rows.append(r)
+            print(f"[e2e] batch {b}, {label} state: {r['ms_per_step']:.3f} ms/step", file=sys.stderr, flush=True)
+            if cuda:
+                torch.cuda.empty_cache()
+        if K:
+            if args.drafter == "model":
+                print("error: --drafter model is not wired for hybrid models; use oracle or ngram", file=sys.stderr)
+                return 2
+            drafter = make_bench_drafter(args.drafter, prompts=prompts.tolist(), plain_tokens=plain_tokens,
+                                         draft_model=None, batch=b, vocab_size=c.vocab_size)
+            sr = run_speculative(model, prompts, plain_tokens, gen_len, K, drafter, device=device, pdl=args.pdl,
+                                 verify_path=args.verify_path,
+                                 engine_kw={"max_seq_len": prompt_len + gen_len + K + 8})
+            sr.update(provider=f"fastmamba speculative K={K} ({args.drafter})", drafter=args.drafter,
+                      prompt_len=prompt_len, gen_len=gen_len, plain_decode_tok_s=plain["decode_tok_s"],
+                      speedup=sr["decode_tok_s"] / plain["decode_tok_s"])
+            spec_rows.append(sr)
+            print(f"[e2e] batch {b} speculative: {sr['decode_tok_s']:.0f} tok/s, acceptance "
+                  f"{sr['acceptance']:.0%}", file=sys.stderr, flush=True)
+            if cuda:
+                torch.cuda.empty_cache()
+    if args.peer:
+        peer = run_peer_hybrid(model, prompt_len, min(gen_len, 16) if cuda else min(gen_len, 4), device)
+        if peer:
+            peer["roofline_ms"] = 1e3 * hybrid_step_bytes(model, 1, prompt_len) / (copy_gbs * 1e9)
+            peer["pct_roofline"] = 100 * peer["roofline_ms"] / peer["ms_per_step"]
+            rows.append(peer)
+            ours = next((r for r in rows if r["batch"] == 1 and r["provider"] == "fastmamba"), None)
+            if ours:
+                peer["fastmamba_speedup"] = ours["decode_tok_s"] / peer["decode_tok_s"]
+    print(f"{'provider':34} {'batch':>5} {'context':>7} {'TTFT ms':>9} {'prefill tok/s':>14} {'ms/step':>9} "
+          f"{'decode tok/s':>13} {'roofline ms':>12} {'% roofline':>10}")
+    for r in rows:
+        pre = f"{r['prefill_tok_s']:14.0f}" if "prefill_tok_s" in r else f"{'—':>14}"
+        print(f"{r['provider']:34} {r['batch']:5d} {r['context']:7d} {r['ttft_ms']:9.2f} {pre} "
+              f"{r['ms_per_step']:9.3f} {r['decode_tok_s']:13.1f} {r['roofline_ms']:12.3f} {r['pct_roofline']:9.0f}%")
+    peer = next((r for r in rows if "fastmamba_speedup" in r), None)
+    if peer:
+        print(f"fastmamba / transformers decode tok/s at batch 1: {peer['fastmamba_speedup']:.1f}x")
+    if spec_rows:
+        print(f"{'speculative decoding':34} {'batch':>5} {'K':>3} {'plain tok/s':>12} {'spec tok/s':>11} "
+              f"{'speedup':>8} {'accepted':>9} {'tok/step':>9} {'match':>6}")
+        for r in spec_rows:
+            print(f"{r['provider']:34} {r['batch']:5d} {r['speculate']:3d} {r['plain_decode_tok_s']:12.1f} "
+                  f"{r['decode_tok_s']:11.1f} {r['speedup']:7.2f}x {r['acceptance']:8.0%} "
+                  f"{r['tokens_per_step']:9.2f} {'yes' if r['tokens_match'] else 'NO':>6}")
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in rows + spec_rows:
+                f.write(json.dumps(dict(r, model=name, device=device_name(device), copy_gbs=copy_gbs,
+                                        command=command)) + "\n")
+    if args.plot:
+        print("--plot: not drawn for hybrid models", file=sys.stderr)
+    return 0
+
+
 def run(args: argparse.Namespace, command: str) -> int:
     import fastmamba
     from fastmamba.bench.peak import device_name, measure_copy_bandwidth
@@ -424,7 +671,13 @@ def run(args: argparse.Namespace, command: str) -> int:
     name = args.model or ("mamba2-2.7b" if cuda else "mamba2-tiny")
     batches = args.batch or ([1, 8, 64, 256] if cuda else [1, 2])
     gen_len = args.gen_len if cuda else min(args.gen_len, 16)
-    prompt_len = args.prompt_len if cuda else min(args.prompt_len, 16)
+    hybrid_name = name.startswith("nemotron") or _is_hybrid_dir(name)
+    prompt_len = args.prompt_len or (2048 if hybrid_name else 128)
+    prompt_len = prompt_len if cuda else min(prompt_len, 16)
+    if hybrid_name and (args.drift or args.ablate):
+        print("error: --drift and --ablate are not implemented for hybrid (Nemotron-H) models yet",
+              file=sys.stderr)
+        return 2
     if not cuda:
         print("no GPU: running the tiny preset eagerly on the CPU (Triton interpreter if TRITON_INTERPRET=1); "
               "these timings say nothing about GPU speed", file=sys.stderr)
@@ -464,6 +717,9 @@ def run(args: argparse.Namespace, command: str) -> int:
                    f"{f' ({draft_name})' if draft_name else ''}, {'repetitive' if repetitive else 'random'} prompts")
     print(header)
     rows, spec_rows = [], []
+    if is_hybrid(model):
+        return _run_hybrid(args, model, name, batches, prompt_len, gen_len, variants, copy_gbs, header, device,
+                           command)
     for b in batches:
         prompts = make_prompts(model.cfg.vocab_size, b, prompt_len, repetitive=repetitive)
         for v, (ssm_dtype, rounding) in enumerate(variants):  # the first one is speculation's baseline

@@ -42,6 +42,7 @@ OPS = {
     "ssu": "fastmamba.bench.ops.state_update",
     "conv": "fastmamba.bench.ops.conv1d",
     "norm": "fastmamba.bench.ops.gated_rmsnorm",
+    "attn": "fastmamba.bench.ops.paged_attention",  # hybrid models' paged decode attention
 }
 GPU_BATCHES = (1, 8, 64, 256)
 CPU_BATCHES = (1, 2)

@@ -10,11 +10,15 @@ state adds its pool here and keeps the same alloc / free.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from fastmamba.cache.kv_pages import KVPages
 from fastmamba.cache.state_cache import StateCache
-from fastmamba.models.config import Mamba2Config
+
+if TYPE_CHECKING:  # (a runtime import would be circular: fastmamba.models imports this module)
+    from fastmamba.models.config import Mamba2Config
 
 
 class HybridCache:
@@ -33,6 +37,7 @@ class HybridCache:
         device: torch.device | str,
         dtype: torch.dtype = torch.bfloat16,
         ssm_dtype: torch.dtype = torch.float32,
+        speculate: int = 0,
     ):
         """max_batch    requests held at once (slots)
         mamba_cfg      the Mamba layers' config (``n_layer`` = their count) or None without any
@@ -41,6 +46,10 @@ class HybridCache:
         page_size      tokens per page (a power of two)
         num_pages      pages in the pool; default from ``kv_budget_bytes`` when given, else enough
                        for every slot at ``max_seq_len``
+        speculate      K >= 1: the Mamba pools get what speculative verify with T = K+1 needs
+                       (``StateCache(speculate=K)``: replay histories, legacy buffers); the KV
+                       needs nothing more (a verify step grows it by T tokens, the commit
+                       shortens it to the accepted ones: ``rollback``)
         """
         if not (isinstance(max_batch, int) and max_batch >= 1):
             raise ValueError(f"HybridCache: `max_batch` expected a positive integer, got {max_batch!r}")
@@ -49,7 +58,11 @@ class HybridCache:
         if num_pages is not None and kv_budget_bytes is not None:
             raise ValueError("HybridCache: pass `num_pages` or `kv_budget_bytes`, not both")
         self.max_batch = max_batch
-        self.state = (StateCache(mamba_cfg, max_batch, device=device, conv_dtype=dtype, ssm_dtype=ssm_dtype)
+        if speculate and mamba_cfg is None:
+            raise ValueError("HybridCache: speculate needs Mamba layers (an attention-only model has no verify path)")
+        self.speculate = speculate
+        self.state = (StateCache(mamba_cfg, max_batch, device=device, conv_dtype=dtype, ssm_dtype=ssm_dtype,
+                                 speculate=speculate)
                       if mamba_cfg is not None else None)
         self.kv: KVPages | None = None
         if n_attn_layers:
@@ -75,6 +88,62 @@ class HybridCache:
     @property
     def ssm(self) -> list[torch.Tensor]:
         return self.state.ssm if self.state is not None else []
+
+    # -- speculative decoding: the Mamba pools' part (``StateCache``'s) -------------------------------
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.state.tokens_per_step
+
+    @property
+    def replay(self):
+        return self.state.replay
+
+    @property
+    def conv_accepted(self) -> torch.Tensor | None:
+        return self.state.conv_accepted
+
+    @property
+    def legacy_max_batch(self) -> int:
+        return self.state.legacy_max_batch
+
+    def mark_prefilled(self, slots: torch.Tensor) -> None:
+        self.state.mark_prefilled(slots)
+
+    def reserve_legacy(self, max_batch: int) -> None:
+        self.state.reserve_legacy(max_batch)
+
+    def legacy_intermediate(self, nreq: int) -> list[torch.Tensor]:
+        return self.state.legacy_intermediate(nreq)
+
+    def legacy_no_dst(self, nreq: int) -> torch.Tensor:
+        return self.state.legacy_no_dst(nreq)
+
+    def flush(self, slots: torch.Tensor) -> None:
+        self.state.flush(slots)
+
+    def commit(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        self.state.commit(slots, accepted)
+
+    def commit_legacy(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        self.state.commit_legacy(slots, accepted)
+
+    def commit_plain(self, slots: torch.Tensor) -> None:
+        self.state.commit_plain(slots)
+
+    def rollback(self, slots: list[int], drop: list[int]) -> None:
+        """After a verify step: slot ``slots[i]`` forgets its last ``drop[i]`` tokens (the rejected
+        drafts' K/V; their pages past the new length go back to the pool). Host lists; one sync
+        of the device block table and lengths."""
+        for s, d in zip(slots, drop):
+            if not 0 <= s < self.max_batch or s in self._free or not 0 <= d <= self._len[s]:
+                raise ValueError(f"HybridCache.rollback: slot {s} (allocated: {s not in self._free}) cannot drop {d} "
+                                 "tokens")
+        new = [self._len[s] - d for s, d in zip(slots, drop)]
+        if self.kv is not None:
+            self.kv.shrink(slots, new)
+        for s, n in zip(slots, new):
+            self._len[s] = n
 
     # -- requests -------------------------------------------------------------------------------------
 
@@ -111,6 +180,40 @@ class HybridCache:
         for s in values:
             self._len[s] = 0
             self._free.append(s)
+
+    # -- KV capacity (the engine's admission control) ----------------------------------------------
+
+    @property
+    def max_len(self) -> int | None:
+        """The most tokens one request can ever hold: its page-table width, or the whole pool if
+        that is smaller. None without attention layers (no limit)."""
+        if self.kv is None:
+            return None
+        return min(self.kv.max_len, self.kv.num_pages * self.kv.page_size)
+
+    @property
+    def free_pages(self) -> int | None:
+        """Free KV pages (None without attention layers)."""
+        return None if self.kv is None else self.kv.free_pages
+
+    def room(self, slot: int | None, pages: int) -> int:
+        """How many more tokens ``slot`` (None: a request not yet admitted, length 0) can take with
+        at most ``pages`` new pages: the rest of its last page plus ``pages`` pages, capped by the
+        page table's width. Without attention layers: unlimited (a large int)."""
+        if self.kv is None:
+            return 1 << 62
+        n = 0 if slot is None else self._len[slot]
+        P = self.kv.page_size
+        held = -(-n // P) * P
+        return max(0, min(held + max(pages, 0) * P, self.kv.max_len) - n)
+
+    def pages_for(self, slot: int | None, new_tokens: int) -> int:
+        """New pages ``slot`` (None: a fresh request) needs for ``new_tokens`` more tokens (0 without attention)."""
+        if self.kv is None:
+            return 0
+        n = 0 if slot is None else self._len[slot]
+        P = self.kv.page_size
+        return -(-(n + new_tokens) // P) - -(-n // P)
 
     def can_grow(self, slots: list[int], new_tokens: list[int]) -> bool:
         """Whether ``grow(slots, new_tokens)`` would find enough free pages (admission control)."""

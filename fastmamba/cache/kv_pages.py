@@ -116,6 +116,23 @@ class KVPages:
         self._sync(rows, bt_rows, bt_cols, bt_pages)
         return before
 
+    def shrink(self, rows: list[int], new_lens: list[int]) -> None:
+        """``truncate`` for several rows with one device update (speculative rollback of a batch)."""
+        for r, n in zip(rows, new_lens):
+            if not 0 <= r < self.num_rows or not 0 <= n <= self._len[r]:
+                raise ValueError(f"KVPages.shrink: row {r} holds {self._len[r] if 0 <= r < self.num_rows else '?'} "
+                                 f"tokens, cannot shrink to {n}")
+        bt_rows, bt_cols = [], []
+        for r, n in zip(rows, new_lens):
+            keep = -(-n // self.page_size)
+            dropped = self._pages[r][keep:]
+            del self._pages[r][keep:]
+            self._free.extend(reversed(dropped))
+            bt_rows += [r] * len(dropped)
+            bt_cols += list(range(keep, keep + len(dropped)))
+            self._len[r] = n
+        self._sync(list(rows), bt_rows, bt_cols, [-1] * len(bt_rows))
+
     def truncate(self, row: int, new_len: int) -> None:
         """Shorten row ``row`` to ``new_len`` tokens, returning the pages past it to the pool."""
         if not 0 <= new_len <= self._len[row]:
@@ -136,13 +153,21 @@ class KVPages:
             self.truncate(r, 0)
 
     def _sync(self, len_rows: list[int], bt_rows: list[int], bt_cols: list[int], bt_pages: list[int]) -> None:
+        """Write the changed block-table entries and lengths to the device copies: one host-to-device
+        copy of all the values (from pinned memory, not waiting for the device, on a GPU), then two
+        index writes on the current stream."""
+        if not len_rows and not bt_rows:
+            return
+        nb, nl = len(bt_rows), len(len_rows)
+        vals = torch.tensor(bt_rows + bt_cols + bt_pages + len_rows + [self._len[r] for r in len_rows],
+                            dtype=torch.int64)
         dev = self.seq_lens.device
-        if bt_rows:
-            self.block_table[torch.tensor(bt_rows, device=dev).long(), torch.tensor(bt_cols, device=dev).long()] = \
-                torch.tensor(bt_pages, dtype=torch.int32, device=dev)
-        if len_rows:
-            self.seq_lens[torch.tensor(len_rows, device=dev).long()] = \
-                torch.tensor([self._len[r] for r in len_rows], dtype=torch.int32, device=dev)
+        vals = vals.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else vals.to(dev)
+        if nb:
+            self.block_table[vals[:nb], vals[nb:2 * nb]] = vals[2 * nb:3 * nb].to(torch.int32)
+        if nl:
+            o = 3 * nb
+            self.seq_lens[vals[o:o + nl]] = vals[o + nl:o + 2 * nl].to(torch.int32)
 
     def check(self) -> None:
         """Bookkeeping invariants (for tests): no page both free and held, none held twice, none

@@ -17,12 +17,17 @@ address: advance it in place before a replay and the replay's 16-bit state store
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 
 from fastmamba.cache.state_cache import StateCache
 from fastmamba.models.mamba2_lm import Mamba2LM
 from fastmamba.ops._common.pdl import pdl_supported, programmatic_dependent_launch
+
+if TYPE_CHECKING:
+    from fastmamba.cache.hybrid_cache import HybridCache
+    from fastmamba.models.nemotron_h import NemotronHLM
 
 PAD_SLOT = -1
 
@@ -60,6 +65,12 @@ def _warm_up(run, slots: torch.Tensor) -> None:
 class GraphedDecoder:
     """``decode(tokens [B] int64, slots [B] int32) -> logits [B, V]`` fp32, B <= max_batch.
 
+    Hybrid models (``NemotronHLM`` with a ``HybridCache``): the caller grows the cache first
+    (``cache.grow(slots, [1] * B)``: KV pages and lengths, host bookkeeping plus one small copy
+    into the static block table and lengths); the graph runs ``decode(..., grow=False)``, whose
+    positions and attention lengths come from those static buffers. Pad rows (slot -1) write
+    their K/V to the scratch page and attend to nothing.
+
     The returned logits are a view of a static buffer: valid until the next call.
     pdl: programmatic dependent launch inside the graphs (``fastmamba.ops._common.pdl``); None
     (default): on where the GPU has it (sm_90+). A decode step keeps its contract (no kernel
@@ -69,14 +80,15 @@ class GraphedDecoder:
     (``StochasticRounding.seeds``), read at every replay; the caller advances them.
     """
 
-    def __init__(self, model: Mamba2LM, cache: StateCache, max_batch: int, *, pdl: bool | None = None,
-                 rand_seed: torch.Tensor | None = None):
+    def __init__(self, model: Mamba2LM | NemotronHLM, cache: StateCache | HybridCache, max_batch: int, *,
+                 pdl: bool | None = None, rand_seed: torch.Tensor | None = None):
         if not torch.cuda.is_available() or model.lm_head.weight.device.type != "cuda":
             raise RuntimeError("GraphedDecoder needs the model on a CUDA device")
         if pdl is None:
             pdl = pdl_supported(model.lm_head.weight)
         self.model, self.cache, self.max_batch, self.pdl = model, cache, max_batch, pdl
         self.rand_seed = rand_seed
+        self.paged = callable(getattr(cache, "grow", None))
         dev = model.lm_head.weight.device
         self.buckets = buckets_up_to(max_batch)
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=dev)
@@ -90,8 +102,12 @@ class GraphedDecoder:
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         pdl = programmatic_dependent_launch() if self.pdl else contextlib.nullcontext()
         tokens, slots = self.tokens[:b], self.slots[:b]
+        # a paged KV cache (hybrid models) is grown by the caller before each replay: the graph
+        # reads its block table and lengths as static buffers
+        grow = {"grow": False} if self.paged else {}
+
         def run() -> torch.Tensor:
-            return self.model.decode(tokens, self.cache, slots, rand_seed=self.rand_seed)
+            return self.model.decode(tokens, self.cache, slots, rand_seed=self.rand_seed, **grow)
 
         with pdl:
             _warm_up(run, slots)
@@ -150,6 +166,9 @@ class GraphedVerifier:
             raise ValueError("GraphedVerifier: the cache was built without speculation (speculate=0)")
         self.model, self.cache, self.max_batch, self.pdl = model, cache, max_batch, pdl
         self.rand_seed = rand_seed
+        # a paged KV cache (hybrid models): the caller grows it by T before verify and shrinks it to
+        # the accepted tokens after commit (``HybridCache.grow`` / ``rollback``), outside the graphs
+        self.paged = callable(getattr(cache, "grow", None))
         dev = model.lm_head.weight.device
         self.tokens = {"replay": torch.zeros(max_batch, cache.tokens_per_step, dtype=torch.int64, device=dev),
                        "plain": torch.zeros(max_batch, 1, dtype=torch.int64, device=dev)}
@@ -187,8 +206,10 @@ class GraphedVerifier:
         pdl = programmatic_dependent_launch() if self.pdl else contextlib.nullcontext()
         tokens, slots = self.tokens[path][:b], self.slots[:b]
 
+        grow = {"grow": False} if self.paged else {}
+
         def run() -> torch.Tensor:
-            return self.model.verify(tokens, self.cache, slots, path=path, rand_seed=self.rand_seed)
+            return self.model.verify(tokens, self.cache, slots, path=path, rand_seed=self.rand_seed, **grow)
 
         with pdl:
             _warm_up(run, slots)
@@ -219,8 +240,10 @@ class GraphedVerifier:
             return
         slots_b, accepted_b = self.slots[:b], self.accepted[:b]
 
+        rollback = {"rollback": False} if self.paged else {}
+
         def run() -> None:
-            self.model.commit(self.cache, slots_b, accepted_b, path=path)
+            self.model.commit(self.cache, slots_b, accepted_b, path=path, **rollback)
 
         # the first commit of a (path, bucket) runs eagerly, checks included: that is its warm-up;
         # capturing then records the same kernels without running them again

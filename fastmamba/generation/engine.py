@@ -26,6 +26,21 @@ Intake, stopping, finished requests:
     propagates unchanged (on Python >= 3.11 with a note naming the failed requests). Other
     requests stay queued and later steps run as usual.
 
+Hybrid models (``NemotronHLM``: Mamba-2, attention and MLP layers) run through the same calls;
+their cache (``HybridCache``) adds paged K/V for the attention layers, which the engine manages in
+a few ``_kv_*`` helpers (no-ops for a pure Mamba-2 model):
+  * ``add_request`` refuses a request whose prompt plus ``max_new_tokens`` can never fit one
+    request's KV (``max_seq_len``, or the whole pool if smaller);
+  * a request is admitted (and a prefill chunk sized) only while free pages hold its tokens,
+    keeping one free page per running request in reserve;
+  * a decode step grows each request's KV by one token on the host before the model (or its CUDA
+    graph) runs; a request whose next token needs a page when none is free waits (state and
+    pages untouched) while the others advance. If no request can advance at all, the newest one
+    holding pages is finished with finish_reason "error" (``Request.error``: a RuntimeError
+    naming the exhausted pool; it gets no StepOutput, like an aborted one) and its pages freed.
+Speculative decoding: a verify step grows each request's KV by its T inputs, the commit shortens
+it to the accepted ones (``HybridCache.rollback``). Graphed prefill is Mamba-2 only for now.
+
 Speculative decoding (``speculate=K``): a decode step asks the drafter for K tokens per running
 request and verifies them in one call (``Mamba2LM.verify``, T = K+1 inputs per request: the last
 emitted token, then the drafts). Greedy acceptance keeps the longest prefix of drafts that equal
@@ -54,6 +69,7 @@ verify steps replay from graphs per (path, batch bucket) (``GraphedVerifier``).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import numbers
 import os
@@ -134,7 +150,7 @@ def _int_token(t: object) -> int | None:
 
 
 class Engine:
-    """Generation over a ``Mamba2LM`` with continuous batching.
+    """Generation over a ``Mamba2LM`` or a hybrid ``NemotronHLM`` with continuous batching.
 
     max_batch     requests decoded together (and slots in the state cache)
     cuda_graphs   replay decode (and verify) steps from CUDA graphs (GPU only; default: on when on a GPU)
@@ -173,7 +189,14 @@ class Engine:
                   ones; None (default): a step admits whole prompts or decodes, never both
     graph_prefill_tokens  on a GPU with CUDA graphs, packed prefills of up to this many tokens
                   (more when ``prefill_chunk`` needs it) replay from ``GraphedPrefill``'s graphs;
-                  None: prefill always runs eagerly
+                  None: prefill always runs eagerly (always for hybrid models)
+
+    Paged KV (models with attention layers, ``NemotronHLM``; a ValueError for others):
+    max_seq_len   the most tokens one request holds (prompt + generated - 1); None: the model's
+                  default (4096)
+    kv_page_size  tokens per KV page (a power of two); None: 16
+    kv_num_pages  pages in the KV pool, or ``kv_budget_bytes``: as many as that many bytes hold;
+                  neither: enough for max_batch requests at max_seq_len (the pool never runs out)
 
     prefix_cache_bytes / prefix_cache_entries  prefix caching of states (off when both are None):
                   a ``PrefixCache`` of that many bytes / snapshots. A new request starts from the
@@ -206,8 +229,9 @@ class Engine:
                  legacy_max_batch: int | None = None, stochastic_rounding: bool = False, rounding_seed: int = 0,
                  tokenizer: Detokenizer | None = None, max_finished: int | None = None,
                  prefill_chunk: int | None = None, graph_prefill_tokens: int | None = 2048,
-                 prefix_cache_bytes: int | None = None, prefix_cache_entries: int | None = None,
-                 prefix_block: int | None = None):
+                 max_seq_len: int | None = None, kv_page_size: int | None = None, kv_num_pages: int | None = None,
+                 kv_budget_bytes: int | None = None, prefix_cache_bytes: int | None = None,
+                 prefix_cache_entries: int | None = None, prefix_block: int | None = None):
         if prefill_chunk is not None and not (isinstance(prefill_chunk, int) and not isinstance(prefill_chunk, bool)
                                               and prefill_chunk >= 1):
             raise ValueError(f"Engine: prefill_chunk must be None or an int >= 1 (tokens per step), got {prefill_chunk!r}")
@@ -247,6 +271,11 @@ class Engine:
             raise ValueError(f"Engine: verify_path='legacy' runs every batch up to max_batch={max_batch} on the legacy "
                              f"path, but legacy_max_batch={legacy_max_batch}; use verify_path='auto' to fall back "
                              "to replay above it")
+        if self.speculate and not callable(getattr(model, "verify", None)):
+            raise ValueError(f"Engine: speculate={self.speculate} needs a model with speculative verify / commit; "
+                             f"{type(model).__name__} has none yet (use speculate=None)")
+        kv_options = self._kv_options(model, max_seq_len=max_seq_len, page_size=kv_page_size,
+                                      num_pages=kv_num_pages, kv_budget_bytes=kv_budget_bytes)
         self.drafter = (drafter or NgramDrafter()) if self.speculate else None
         self.verify_table_entry: TableEntry | None = None
         if isinstance(verify_table, (str, os.PathLike)) or (verify_table is None and self.speculate):
@@ -254,14 +283,20 @@ class Engine:
             state = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(ssm_dtype, "fp32")
             weight = model.lm_head.weight
             gpu = torch.cuda.get_device_name(weight.device) if weight.device.type == "cuda" else None
-            self.verify_table_entry = lookup_table(model.cfg.nheads, model.cfg.headdim, model.cfg.d_state, state,
+            shape = getattr(model.cfg, "mamba", model.cfg)  # a hybrid's Mamba layers
+            self.verify_table_entry = lookup_table(shape.nheads, shape.headdim, shape.d_state, state,
                                                    device_name=gpu, path=verify_table)
             verify_table = self.verify_table_entry.table
         self.verify_path, self.verify_table = verify_path, verify_table
         self.model = model
         self.device = model.lm_head.weight.device
         self.max_batch = max_batch
-        self.cache = model.new_cache(max_batch, ssm_dtype=ssm_dtype, speculate=self.speculate)
+        self.cache = model.new_cache(max_batch, ssm_dtype=ssm_dtype, speculate=self.speculate, **kv_options)
+        # a paged KV cache (hybrid models): the engine grows it on the host before each decode or
+        # verify step and shrinks it after a commit, so the model (or its graph) must do neither
+        self._paged = callable(getattr(self.cache, "grow", None))
+        self._no_grow = {"grow": False} if self._paged else {}
+        self._no_rollback = {"rollback": False} if self._paged else {}
         self.rounding = StochasticRounding(model.cfg.n_layer, self.device, rounding_seed) if stochastic_rounding else None
         self.sampler = Sampler(model.cfg.vocab_size, self.device, max_batch)
         self.stats = {"steps": {"replay": 0, "legacy": 0, "plain": 0}, "drafts_proposed": 0, "drafts_accepted": 0,
@@ -287,7 +322,7 @@ class Engine:
             else:
                 self.decoder = GraphedDecoder(model, self.cache, max_batch, pdl=pdl, rand_seed=self._rand_seed())
         self.prefiller = None
-        if cuda_graphs and graph_prefill_tokens:
+        if cuda_graphs and graph_prefill_tokens and getattr(model, "graphed_prefill", True):
             from fastmamba.generation.prefill_graphs import GraphedPrefill
 
             # room for a whole chunk of prefill_chunk tokens plus the padding requests' tokens
@@ -313,6 +348,10 @@ class Engine:
                 raise ValueError(f"Engine: {name} must be None or an int >= 0, got {v!r}")
         if not budget and not entries:
             return None, block
+        if self._paged:
+            raise ValueError("Engine: prefix caching covers Mamba states only; a model with attention layers would "
+                             "also need its KV pages kept (not built yet): leave prefix_cache_bytes / "
+                             "prefix_cache_entries unset for it")
         state_len = self.cache.conv[0].shape[-1]
         if chunk < state_len:
             raise ValueError(f"Engine: prefix caching needs the model's chunk_size ({chunk}) to be at least the conv "
@@ -342,6 +381,7 @@ class Engine:
             raise ValueError(f"Engine.add_request: stop strings {list(params.stop)!r} need a tokenizer to decode the "
                              "output; build the engine with Engine(model, tokenizer=...)")
         ids = self._prompt_ids(prompt, "Engine.add_request: ")
+        self._kv_check_fits(ids, params, "Engine.add_request: ")
         req = Request(next(self._ids), ids, params)
         self.waiting.append(req)
         return req.rid
@@ -580,18 +620,25 @@ class Engine:
         """This step's prefill chunk: the partly fed prompts first, then new requests (each admitted
         to a fresh slot) while the ``prefill_chunk`` token budget and the batch's room last."""
         budget = self.prefill_chunk
+        pages = self._kv_free_pages()
         reqs, chunks = [], []
         for r in self.prefilling:
             if budget <= 0:
                 break
-            take = min(len(r.prompt) - r.prefilled, budget)
+            take, pages = self._kv_take(r.slot, min(len(r.prompt) - r.prefilled, budget), pages)
+            if not take:
+                continue
             reqs.append(r)
             chunks.append(r.prompt[r.prefilled:r.prefilled + take])
             budget -= take
         room = min(self.max_batch - len(self.running) - len(self.prefilling), self.cache.free_slots)
+        pages = self._kv_reserve(pages)  # new requests leave a page per running request free
         while budget > 0 and room > 0 and self.waiting:
+            take, pages = self._kv_take(None, min(len(self.waiting[0].prompt), budget), pages)
+            if not take:
+                break
             r = self._admit(1)[0]
-            take = min(len(r.prompt) - r.prefilled, budget)
+            take = min(take, len(r.prompt) - r.prefilled)  # a prefix-cache hit leaves fewer to feed
             self.prefilling.append(r)
             reqs.append(r)
             chunks.append(r.prompt[r.prefilled:r.prefilled + take])
@@ -630,8 +677,10 @@ class Engine:
         if self.prefill_chunk is None:
             if self.waiting and len(self.running) < self.max_batch and self.cache.free_slots:
                 n = min(len(self.waiting), self.max_batch - len(self.running), self.cache.free_slots)
-                admitted = self._admit(n)
-                return self._guarded(admitted, "prefill", lambda: self._prefill(admitted))
+                n = self._kv_admissible(n)
+                if n:
+                    admitted = self._admit(n)
+                    return self._guarded(admitted, "prefill", lambda: self._prefill(admitted))
             if not self.running:
                 return []
             return self._guarded(list(self.running), *self._decode_part())
@@ -642,6 +691,8 @@ class Engine:
             reqs, chunks = self._plan_chunk()
             if reqs:
                 out += self._guarded(reqs, "prefill chunk", lambda: self._prefill_chunk(reqs, chunks))
+            elif self._paged and not out and self.prefilling and not self.running:
+                self._kv_evict()  # partly fed prompts hold every page and none can go on
         return out
 
     def _decode_part(self):
@@ -655,14 +706,16 @@ class Engine:
             raise
 
     def _decode_step(self) -> list[StepOutput]:
-        reqs = list(self.running)
+        reqs = self._kv_decode_ready()
+        if not reqs:
+            return []
         tokens = torch.tensor([r.output[-1] for r in reqs], dtype=torch.int64, device=self.device)
         slots = torch.tensor([r.slot for r in reqs], dtype=torch.int32, device=self.device)
         seed = self._rand_seed(advance=True)  # the graphs read the advanced seeds at replay
         if self.decoder is not None:
             logits = self.decoder.decode(tokens, slots)
         else:
-            logits = self.model.decode(tokens, self.cache, slots, rand_seed=seed)
+            logits = self.model.decode(tokens, self.cache, slots, rand_seed=seed, **self._no_grow)
         return self._emit(reqs, logits)
 
     def _table_path(self, batch: int) -> str:
@@ -696,15 +749,18 @@ class Engine:
         seed = self._rand_seed(advance=True)
         if self.verifier is not None:
             return self.verifier.verify(tokens, slots, path)
-        return self.model.verify(tokens, self.cache, slots, path=path, rand_seed=seed)
+        return self.model.verify(tokens, self.cache, slots, path=path, rand_seed=seed, **self._no_grow)
 
     def _commit(self, reqs: list[Request], slots: torch.Tensor, consumed: list[int], path: str) -> None:
         accepted = torch.tensor(consumed, dtype=torch.int32, device=self.device)
         if self.verifier is not None:
             self.verifier.commit(slots, accepted, path)
         else:
-            self.model.commit(self.cache, slots, accepted, path=path)
+            self.model.commit(self.cache, slots, accepted, path=path, **self._no_rollback)
         ids = [r.slot for r in reqs]
+        if self._paged:  # the rejected drafts' K/V go (the pages past each request's new length too)
+            ntok = 1 if path == "plain" else self.speculate + 1
+            self.cache.rollback(ids, [ntok - c for c in consumed])
         if path == "replay":
             self._replay_slots.update(ids)
         else:
@@ -712,10 +768,14 @@ class Engine:
 
     def _verify_step(self) -> list[StepOutput]:
         """One speculative step for every running request: draft, verify, accept, commit, emit."""
-        reqs, K = list(self.running), self.speculate
+        reqs, K = self._kv_decode_ready(self.speculate + 1, grow=False), self.speculate
+        if not reqs:
+            return []
         drafts = self._drafts(reqs)
         real = [len(d) for d in drafts]
         path = self._choose_path(len(reqs)) if any(real) else "plain"
+        if self._paged:  # room for this step's tokens: 1 (plain) or K+1 (verify), shortened at the commit
+            self.cache.grow([r.slot for r in reqs], [1 if path == "plain" else K + 1] * len(reqs))
         self.stats["steps"][path] += 1
         slots = torch.tensor([r.slot for r in reqs], dtype=torch.int32, device=self.device)
         if path != "replay":  # legacy and plain read the SSM state: materialise pending replay histories
@@ -765,12 +825,109 @@ class Engine:
         self._commit(reqs, slots, consumed, path)
         return self._emit_runs(reqs, runs, logits)
 
+    # ------------------------------------------------------------------ paged KV (hybrid models)
+    # A model with attention layers keeps its K/V in pages (``HybridCache``); these helpers are all
+    # the engine knows of them. With a ``StateCache`` (no ``grow``) each one is a no-op.
+
+    @staticmethod
+    def _kv_options(model, **given) -> dict:
+        """The cache's KV options that were set (checked); ValueError when the model has no paged KV."""
+        names = {"max_seq_len": "max_seq_len", "page_size": "kv_page_size", "num_pages": "kv_num_pages",
+                 "kv_budget_bytes": "kv_budget_bytes"}
+        given = {k: v for k, v in given.items() if v is not None}
+        for k, v in given.items():
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                raise ValueError(f"Engine: {names[k]} must be None or an int >= 1, got {v!r}")
+        if given:
+            accepted = inspect.signature(model.new_cache).parameters
+            missing = [names[k] for k in given if k not in accepted]
+            if missing:
+                raise ValueError(f"Engine: {', '.join(missing)} configure a paged KV cache (models with attention "
+                                 f"layers); {type(model).__name__} has none")
+        return given
+
+    def _kv_check_fits(self, ids: list[int], params: SamplingParams, who: str) -> None:
+        """ValueError when the request can never fit one request's KV (its last token is never fed)."""
+        limit = getattr(self.cache, "max_len", None) if self._paged else None
+        need = len(ids) + params.max_new_tokens - 1 + self.speculate  # a verify step holds K drafts more
+        if limit is not None and need > limit:
+            kv = self.cache.kv
+            raise ValueError(f"{who}the prompt ({len(ids)} tokens) with max_new_tokens={params.max_new_tokens} needs "
+                             f"{need} KV positions, more than one request can hold: {limit} (max_seq_len="
+                             f"{kv.max_len}, a pool of {kv.num_pages} pages of {kv.page_size} tokens); shorten the "
+                             "prompt, lower max_new_tokens, or build the engine with a larger max_seq_len / KV pool")
+
+    def _kv_free_pages(self) -> int | None:
+        return self.cache.free_pages if self._paged else None
+
+    def _kv_reserve(self, pages: int | None) -> int | None:
+        """``pages`` less one per running request (their next decode steps' pages)."""
+        return None if pages is None else pages - len(self.running)
+
+    def _kv_take(self, slot: int | None, n: int, pages: int | None) -> tuple[int, int | None]:
+        """How many of ``n`` new tokens ``slot`` (None: a request not yet admitted) can take with
+        ``pages`` free pages, and the pages left after them."""
+        if pages is None:
+            return n, None
+        n = min(n, self.cache.room(slot, max(pages, 0)))
+        return n, pages - self.cache.pages_for(slot, n)
+
+    def _kv_admissible(self, n: int) -> int:
+        """How many of the first ``n`` waiting requests the free pages hold (whole prompts), with
+        a page per running request kept in reserve."""
+        pages = self._kv_reserve(self._kv_free_pages())
+        if pages is None:
+            return n
+        k = 0
+        for r in itertools.islice(self.waiting, n):
+            need = self.cache.pages_for(None, len(r.prompt))
+            if need > pages:
+                break
+            pages -= need
+            k += 1
+        return k
+
+    def _kv_decode_ready(self, ntok: int = 1, grow: bool = True) -> list[Request]:
+        """The running requests that advance this step (``grow``: each one's KV already grown by
+        ``ntok`` tokens; a verify step reserves K+1). One whose tokens need a page when none is free
+        waits; when none can advance, the newest request holding pages is failed to free them
+        (``_kv_evict``)."""
+        if not self._paged:
+            return list(self.running)
+        while self.running:
+            pages = self._kv_free_pages()
+            ready = []
+            for r in self.running:
+                need = self.cache.pages_for(r.slot, ntok)
+                if pages is None or need <= pages:
+                    ready.append(r)
+                    pages = None if pages is None else pages - need
+            if ready:
+                if grow:
+                    self.cache.grow([r.slot for r in ready], [ntok] * len(ready))
+                return ready
+            self._kv_evict()
+        return []
+
+    def _kv_evict(self) -> None:
+        """Finish the newest request holding a slot with finish_reason "error" (its pages go back)."""
+        victim = max(self.running + self.prefilling, key=lambda r: r.rid)
+        kv = self.cache.kv
+        exc = RuntimeError(f"Engine: the KV cache is out of pages ({kv.num_pages} pages of {kv.page_size} tokens) "
+                           f"and no request can advance; request {victim.rid}, the newest, is finished with "
+                           f"finish_reason 'error' to free its {len(kv.pages_of(victim.slot))} pages. Give the engine "
+                           "more pages (kv_num_pages / kv_budget_bytes) or a smaller max_batch")
+        self._finish(victim, "error", error=exc)
+        self.running = [r for r in self.running if r is not victim]
+        self.prefilling = [r for r in self.prefilling if r is not victim]
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] = SamplingParams()) -> list[list[int]]:
         """Run every prompt to completion; returns the generated ids in prompt order.
 
         Every request is checked before any is queued. Requests queued earlier (``add_request``)
         run alongside and stay collectable in ``finished``. If a step fails, this call's other
-        requests are aborted and the exception propagates.
+        requests are aborted and the exception propagates; a request failed on its own (a hybrid's
+        exhausted KV pool) raises its ``Request.error`` once the others are done.
         """
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
@@ -782,6 +939,8 @@ class Engine:
                 raise ValueError(f"Engine.generate: params[{i}] has stop strings {list(sp.stop)!r}, which need a "
                                  "tokenizer; build the engine with Engine(model, tokenizer=...)")
         checked = [self._prompt_ids(p, f"Engine.generate: prompts[{i}]: ") for i, p in enumerate(prompts)]
+        for i, (ids, sp) in enumerate(zip(checked, plist)):
+            self._kv_check_fits(ids, sp, f"Engine.generate: prompts[{i}]: ")
         rids = [self.add_request(p, sp) for p, sp in zip(checked, plist)]
         mine, done = set(rids), {}
         try:
@@ -797,4 +956,7 @@ class Engine:
             raise
         for rid in mine.difference(done):  # finished without a step output (aborted meanwhile)
             done[rid] = self.finished.pop(rid)
+        failed = [done[rid] for rid in rids if done[rid].finish_reason == "error"]
+        if failed:  # a request failed without its step failing (a hybrid's KV pool ran out): not a result
+            raise failed[0].error
         return [done[rid].output for rid in rids]

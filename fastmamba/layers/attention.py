@@ -10,6 +10,9 @@ so the model computes it once (``KVBatch``) and hands it to each layer.
     forward_varlen packed prompts: K/V written to their pages, then causal attention over each
                    request's cached context plus the prompt (``varlen_prefill_attention``)
     step           one token per request: K/V written, then ``paged_decode_attention`` (Triton)
+    verify         T tokens per request (speculative decoding): K/V of all T written, then each
+                   token attends to its request's cache and the tokens before it: the same
+                   ``paged_decode_attention`` over B*T query rows, each with its own length
 """
 from __future__ import annotations
 
@@ -85,4 +88,15 @@ class Attention(nn.Module):
         q, k, v = self._qkv(u)
         paged_kv_write(k, v, k_pages, v_pages, kv.block_table, kv.slots, kv.positions)
         o = paged_decode_attention(q, k_pages, v_pages, kv.block_table, kv.seq_lens, kv.slots, scale=self.scale)
+        return self.o_proj(o.reshape(u.shape[0], -1))
+
+    def verify(self, u: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, kv: KVBatch,
+               kv_read: KVBatch) -> torch.Tensor:
+        """T tokens per request, u [B*T, M] -> [B*T, M]: their K/V land at ``kv.positions`` (rows
+        ``kv.token_rows``, mutated), then query row i attends over ``kv_read``'s row i (its
+        request's pages, ``kv_read.seq_lens[i]`` tokens: causal within the T). No host read."""
+        q, k, v = self._qkv(u)
+        paged_kv_write(k, v, k_pages, v_pages, kv.block_table, kv.slots, kv.positions, kv.token_rows)
+        o = paged_decode_attention(q, k_pages, v_pages, kv_read.block_table, kv_read.seq_lens, kv_read.slots,
+                                   scale=self.scale)
         return self.o_proj(o.reshape(u.shape[0], -1))

@@ -11,6 +11,7 @@ Every block has the same three entries, so the model's loop never asks a block i
     forward(h)                  [B, L, M] -> [B, L, M]   no cache (full logits)
     prefill(h, cache, batch)    [T, M] -> [T, M]         packed prompts (``Batch.cu_seqlens``)
     decode(h, cache, batch)     [B, M] -> [B, M]         one token per request
+    verify(h, cache, batch)     [B*T, M] -> [B*T, M]     T tokens per request (speculative decoding)
 
 ``h`` is the block's normed input; the residual add and the next norm are one fused
 ``add_rmsnorm`` in the model. A block finds its slice of the cache by ``cache_index``, its ordinal
@@ -45,12 +46,36 @@ class Batch(NamedTuple):
     cu_seqlens         [B+1] (prefill) or None (decode: one token per request)
     has_initial_state  [B] bool (prefill): request b continues from its slot's states
     kv                 KVBatch or None (a model without attention)
+    rand_seed          int64 [n >= Mamba layers] device tensor or None: stochastic rounding of
+                       16-bit SSM states; the j-th Mamba layer rounds with element j
     """
 
     slots: torch.Tensor
     cu_seqlens: torch.Tensor | None = None
     has_initial_state: torch.Tensor | None = None
     kv: KVBatch | None = None
+    rand_seed: torch.Tensor | None = None
+    spec: "SpecBatch | None" = None
+
+
+class SpecBatch(NamedTuple):
+    """What a speculative verify call adds (built once per call by the model).
+
+    ntok          T tokens per request (1 on the plain path)
+    path          "replay", "legacy" or "plain" (the Mamba layers' rollback scheme)
+    conv_accepted [B] int32: each request's accepted count of its previous step (the conv history)
+    intermediate  per Mamba layer: legacy per-position states [B, T, H, P, N], or None
+    no_dst        [B] int32 of -1 (legacy) or None
+    kv_read       KVBatch over B*T query rows: row (b, t) attends to its request's first
+                  ctx_b + t + 1 tokens (its own block-table row repeated, lengths per row)
+    """
+
+    ntok: int
+    path: str
+    conv_accepted: torch.Tensor | None
+    intermediate: list
+    no_dst: torch.Tensor | None
+    kv_read: KVBatch | None
 
 
 class Block(nn.Module):
@@ -74,6 +99,9 @@ class Block(nn.Module):
     def decode(self, h: torch.Tensor, cache, batch: Batch) -> torch.Tensor:
         return self.mixer(h)
 
+    def verify(self, h: torch.Tensor, cache, batch: Batch) -> torch.Tensor:
+        return self.mixer(h)
+
 
 class MambaBlock(Block):
     kind = "M"
@@ -81,14 +109,26 @@ class MambaBlock(Block):
     def make_mixer(self, cfg, *, device, dtype) -> nn.Module:
         return Mamba2Mixer(cfg.mamba, device=device, dtype=dtype)
 
+    def _seed(self, batch):
+        j = self.cache_index
+        return None if batch.rand_seed is None else batch.rand_seed[j:j + 1]
+
     def prefill(self, h, cache, batch):
         j = self.cache_index
         return self.mixer.forward_varlen(h, batch.cu_seqlens, cache.conv[j], cache.ssm[j], batch.slots,
-                                         batch.has_initial_state)
+                                         batch.has_initial_state, rand_seed=self._seed(batch))
 
     def decode(self, h, cache, batch):
         j = self.cache_index
-        return self.mixer.step(h, cache.conv[j], cache.ssm[j], batch.slots)
+        return self.mixer.step(h, cache.conv[j], cache.ssm[j], batch.slots, rand_seed=self._seed(batch))
+
+    def verify(self, h, cache, batch):
+        j, sp = self.cache_index, batch.spec
+        nreq = batch.slots.shape[0]
+        out = self.mixer.verify(h.view(nreq, sp.ntok, -1), cache.conv[j], cache.replay[j], batch.slots,
+                                sp.conv_accepted, path=sp.path, intermediate_states=sp.intermediate[j],
+                                no_dst=sp.no_dst, rand_seed=self._seed(batch))
+        return out.view(nreq * sp.ntok, -1)
 
 
 class AttentionBlock(Block):
@@ -104,6 +144,10 @@ class AttentionBlock(Block):
     def decode(self, h, cache, batch):
         j = self.cache_index
         return self.mixer.step(h, cache.kv.k[j], cache.kv.v[j], batch.kv)
+
+    def verify(self, h, cache, batch):
+        j = self.cache_index
+        return self.mixer.verify(h, cache.kv.k[j], cache.kv.v[j], batch.kv, batch.spec.kv_read)
 
 
 class MLPBlock(Block):

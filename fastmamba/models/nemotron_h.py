@@ -34,19 +34,21 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from fastmamba.cache.hybrid_cache import HybridCache
+from fastmamba.generation.rounding import check_rand_seed
 from fastmamba.layers.attention import KVBatch
 from fastmamba.layers.mamba2 import Mamba2Mixer
-from fastmamba.models.blocks import Batch, RMSNorm, build_blocks
+from fastmamba.models.blocks import Batch, RMSNorm, SpecBatch, build_blocks
 from fastmamba.models.config import Mamba2Config, _as_float
 from fastmamba.models.loader import _default_device, random_init  # random_init: re-exported for the presets
 from fastmamba.ops import add_rmsnorm
-from fastmamba.ops._common.host_values import host_list
+from fastmamba.ops._common.host_values import host_list, trusted_inputs
 
 # pattern character -> transformers' ``layers_block_type`` name (and the legacy names it remaps)
 PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
@@ -321,7 +323,9 @@ class NemotronHBackbone(nn.Module):
 
 class NemotronHLM(nn.Module):
     """``forward(input_ids [B, L]) -> logits [B, L, V]`` (fp32); ``prefill_varlen`` / ``decode`` with a
-    ``HybridCache`` (``new_cache``). The same API as ``Mamba2LM`` (without speculative ``verify``)."""
+    ``HybridCache`` (``new_cache``). The same API as ``Mamba2LM``, speculative ``verify`` / ``commit`` included."""
+
+    graphed_prefill = False  # its prefill grows the KV pages on the host: the engine prefills it eagerly
 
     def __init__(self, cfg: NemotronHConfig, device=None, dtype=None):
         super().__init__()
@@ -366,16 +370,19 @@ class NemotronHLM(nn.Module):
         num_pages: int | None = None,
         kv_budget_bytes: int | None = None,
         ssm_dtype: torch.dtype = torch.float32,
+        speculate: int = 0,
     ) -> HybridCache:
         """Mamba slot pools for ``max_batch`` requests and the attention layers' paged KV (pages of
         ``page_size`` tokens: ``num_pages`` of them, or as many as ``kv_budget_bytes`` holds, or by
-        default enough for every request at ``max_seq_len``)."""
+        default enough for every request at ``max_seq_len``). ``speculate``: 0 only (speculative
+        ``speculate=K``: what ``verify`` with T = K+1 needs (the Mamba pools' replay and legacy
+        buffers; needs Mamba layers)."""
         c = self.cfg
         return HybridCache(
             max_batch, mamba_cfg=c.mamba if "M" in c.pattern else None, n_attn_layers=c.pattern.count("*"),
             n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, max_seq_len=max_seq_len, page_size=page_size,
             num_pages=num_pages, kv_budget_bytes=kv_budget_bytes, device=self.lm_head.weight.device,
-            dtype=self.dtype, ssm_dtype=ssm_dtype,
+            dtype=self.dtype, ssm_dtype=ssm_dtype, speculate=speculate,
         )
 
     @torch.inference_mode()
@@ -395,6 +402,11 @@ class NemotronHLM(nn.Module):
         cu_seqlens: torch.Tensor,
         cache: HybridCache,
         slots: torch.Tensor,
+        has_initial_state: torch.Tensor | bool | None = None,
+        *,
+        rand_seed: torch.Tensor | None = None,
+        cu_seqlens_host: Sequence[int] | None = None,
+        slots_host: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Run B prompts of any lengths packed into one call; returns each one's last-token logits [B, V] fp32.
 
@@ -405,9 +417,17 @@ class NemotronHLM(nn.Module):
                     continues its slot's request: a fresh slot starts from nothing; one that has
                     consumed tokens (an earlier prefill chunk or decode steps) continues from its
                     Mamba states and attends to its cached K/V (chunked prefill)
+        has_initial_state  None (default): the cache decides (a slot that holds tokens continues,
+                    a fresh one starts from zeros). Accepted for ``Mamba2LM``'s call: True, False
+                    or a [B] bool tensor, checked against the cache's lengths where that costs no
+                    device read (False while a slot holds tokens: ValueError); the cache's
+                    lengths are what is used
+        rand_seed   int64 [n_layer] device tensor or None: stochastic rounding of 16-bit SSM
+                    states (the j-th Mamba layer uses element j)
+        cu_seqlens_host, slots_host  the values of ``cu_seqlens`` and ``slots`` as the host holds
+                    them (the engine does), or None: read from the tensors (one device read each)
         The cache grows first (``HybridCache.grow``: KV pages for the new tokens); Mamba states are
-        mutated in place, the prompts' K/V written into their pages. Reads cu_seqlens and slots
-        on the host (the growth needs them).
+        mutated in place, the prompts' K/V written into their pages.
         """
         if input_ids.dim() != 1:
             raise ValueError(f"NemotronHLM.prefill_varlen: `input_ids` expected shape (T,), "
@@ -419,7 +439,12 @@ class NemotronHLM(nn.Module):
         if tuple(slots.shape) != (nseq,):
             raise ValueError(f"NemotronHLM.prefill_varlen: `slots` expected shape (B,)=({nseq},), "
                              f"got {tuple(slots.shape)}")
-        cu = host_list(cu_seqlens)
+        for name, given, t in (("cu_seqlens_host", cu_seqlens_host, cu_seqlens), ("slots_host", slots_host, slots)):
+            if given is not None and len(given) != t.shape[0]:
+                raise ValueError(f"NemotronHLM.prefill_varlen: `{name}` has {len(given)} values, its tensor "
+                                 f"{t.shape[0]}")
+        check_rand_seed(rand_seed, self.cfg.n_layer, self.lm_head.weight.device, "NemotronHLM.prefill_varlen")
+        cu = [int(v) for v in cu_seqlens_host] if cu_seqlens_host is not None else host_list(cu_seqlens)
         if cu[0] != 0 or cu[-1] != input_ids.shape[0]:
             raise ValueError(f"NemotronHLM.prefill_varlen: `cu_seqlens` must start at 0 and end at T="
                              f"{input_ids.shape[0]}, got {cu[0]} .. {cu[-1]}")
@@ -427,9 +452,15 @@ class NemotronHLM(nn.Module):
         if empty:
             raise ValueError(f"NemotronHLM.prefill_varlen: every prompt needs at least one token; prompts "
                              f"{empty[:8]} have none")
-        sl = host_list(slots)
+        if any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"NemotronHLM.prefill_varlen: `cu_seqlens` must not decrease, got {cu[:16]}")
+        sl = [int(v) for v in slots_host] if slots_host is not None else host_list(slots)
         if -1 in sl or len(set(sl)) != len(sl):
             raise ValueError(f"NemotronHLM.prefill_varlen: `slots` must be distinct allocated slots, got {sl[:16]}")
+        if has_initial_state is False and any(cache.length(s) for s in sl):
+            held = [s for s in sl if cache.length(s)]
+            raise ValueError(f"NemotronHLM.prefill_varlen: has_initial_state=False but slots {held[:8]} hold tokens "
+                             "already (their K/V are cached): free them, or let the prompt continue")
         lens = [cu[b + 1] - cu[b] for b in range(nseq)]
         ctx = cache.grow(sl, lens)  # raises before anything is touched if a slot is not allocated
         dev = input_ids.device
@@ -440,32 +471,104 @@ class NemotronHLM(nn.Module):
                                      device=dev)
             token_rows = torch.repeat_interleave(torch.arange(nseq, device=dev), torch.tensor(lens, device=dev))
             kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions, token_rows, cu_seqlens, ctx)
-        batch = Batch(slots, cu_seqlens, has_initial_state, kv)
-        return self._run(input_ids, lambda block, h: block.prefill(h, cache, batch), rows=cu_seqlens[1:].long() - 1)
+        batch = Batch(slots, cu_seqlens, has_initial_state, kv, rand_seed)
+        with trusted_inputs():  # validated above, from host values: the layers' ops read nothing back
+            logits = self._run(input_ids, lambda block, h: block.prefill(h, cache, batch),
+                               rows=cu_seqlens[1:].long() - 1)
+            if cache.speculate:
+                cache.mark_prefilled(slots)
+        return logits
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, cache: HybridCache, slots: torch.Tensor, *,
-               grow: bool = True) -> torch.Tensor:
+               rand_seed: torch.Tensor | None = None, grow: bool = True) -> torch.Tensor:
         """One token per request [B] -> next-token logits [B, V] fp32; states and KV advance in place.
 
         slots   [B] int32/int64; -1 marks a pad row (no state touched, its K/V go to the scratch page)
         grow    True: ``cache.grow(slots, [1] * B)`` first (reads slots on the host). False: the
                 caller has grown the cache already (a CUDA-graph replay: everything below reads
                 static device buffers only; the positions come from ``cache.kv.seq_lens``).
+        rand_seed  int64 [n_layer] device tensor or None: stochastic rounding of 16-bit SSM states
         """
         if token_ids.dim() != 1 or tuple(slots.shape) != tuple(token_ids.shape):
             raise ValueError(f"NemotronHLM.decode: `token_ids` and `slots` expected shape (B,), got "
                              f"{tuple(token_ids.shape)} and {tuple(slots.shape)}")
+        check_rand_seed(rand_seed, self.cfg.n_layer, self.lm_head.weight.device, "NemotronHLM.decode")
         if grow:
             cache.grow(host_list(slots), [1] * token_ids.shape[0])
         kv = None
         if cache.kv is not None:
             positions = cache.kv.seq_lens[slots.long().clamp(min=0)].long() - 1
             kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions)
-        batch = Batch(slots, kv=kv)
+        batch = Batch(slots, kv=kv, rand_seed=rand_seed)
         return self._run(token_ids, lambda block, h: block.decode(h, cache, batch))
 
     step = decode
+
+    @torch.inference_mode()
+    def verify(self, token_ids: torch.Tensor, cache: HybridCache, slots: torch.Tensor, *, path: str = "replay",
+               rand_seed: torch.Tensor | None = None, grow: bool = True) -> torch.Tensor:
+        """Score T tokens per request (speculative decoding): token_ids [B, T] -> logits [B, T, V] fp32.
+
+        As ``Mamba2LM.verify`` (row b: the last emitted token, then K drafts; T = K+1, or 1 on the
+        "plain" path; ``path`` picks the Mamba layers' rollback scheme; slot -1 a pad row), plus
+        the attention layers: the T tokens' K/V are written at positions ctx .. ctx+T-1 of the
+        request and token t attends to its first ctx + t + 1 tokens (its cache and the tokens
+        before it). grow: True: ``cache.grow(slots, [T] * B)`` first (reads slots on the host);
+        False: the caller grew it (a CUDA-graph replay: no host read below). ``commit`` then keeps
+        the accepted tokens and drops the rest of the K/V (``rollback``).
+        """
+        if not cache.speculate:
+            raise ValueError("NemotronHLM.verify: the cache was built without speculation; use new_cache(..., speculate=K)")
+        if path not in ("replay", "legacy", "plain"):
+            raise ValueError(f'NemotronHLM.verify: `path` expected "replay", "legacy" or "plain", got {path!r}')
+        ntok_expected = 1 if path == "plain" else cache.tokens_per_step
+        if token_ids.dim() != 2 or token_ids.shape[1] != ntok_expected:
+            raise ValueError(f"NemotronHLM.verify: `token_ids` expected shape (B, {ntok_expected}) on the {path} path, "
+                             f"got {tuple(token_ids.shape)}")
+        nreq, ntok = token_ids.shape
+        if tuple(slots.shape) != (nreq,):
+            raise ValueError(f"NemotronHLM.verify: `slots` expected shape (B,)=({nreq},), got {tuple(slots.shape)}")
+        check_rand_seed(rand_seed, self.cfg.n_layer, self.lm_head.weight.device, "NemotronHLM.verify")
+        if grow:
+            cache.grow(host_list(slots), [ntok] * nreq)
+        sl = slots.long()
+        n_mamba = len(self.cfg.layers_of("M"))
+        inter = cache.legacy_intermediate(nreq) if path == "legacy" else [None] * n_mamba
+        no_dst = cache.legacy_no_dst(nreq) if path == "legacy" else None
+        kv = kv_read = None
+        if cache.kv is not None:
+            dev = token_ids.device
+            base = cache.kv.seq_lens[sl.clamp(min=0)].long() - ntok  # each request's length before this step
+            positions = (base[:, None] + torch.arange(ntok, device=dev)).reshape(-1)
+            token_rows = torch.arange(nreq, device=dev).repeat_interleave(ntok)
+            kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions, token_rows)
+            live = (sl >= 0).repeat_interleave(ntok)
+            rows = torch.where(live, torch.arange(nreq * ntok, device=dev), -1).to(torch.int32)
+            table = cache.kv.block_table[sl.clamp(min=0)].repeat_interleave(ntok, dim=0)
+            kv_read = KVBatch(table, (positions + 1).to(torch.int32), rows, positions)
+        spec = SpecBatch(ntok, path, cache.conv_accepted[sl], inter, no_dst, kv_read)
+        batch = Batch(slots, kv=kv, rand_seed=rand_seed, spec=spec)
+        return self._run(token_ids.reshape(-1), lambda block, h: block.verify(h, cache, batch)).view(nreq, ntok, -1)
+
+    def commit(self, cache: HybridCache, slots: torch.Tensor, accepted: torch.Tensor, *, path: str = "replay",
+               rollback: bool = True) -> None:
+        """After ``verify`` on ``path``: request b keeps its first ``accepted[b]`` inputs (1..T).
+        The Mamba layers as ``Mamba2LM.commit``; rollback: True: the rejected tokens' K/V are
+        dropped (``cache.rollback``; reads slots and accepted on the host); False: the caller
+        does it (after a CUDA-graph replay of the rest)."""
+        if path == "replay":
+            cache.commit(slots, accepted)
+        elif path == "legacy":
+            cache.commit_legacy(slots, accepted)
+        elif path == "plain":
+            cache.commit_plain(slots)
+        else:
+            raise ValueError(f'NemotronHLM.commit: `path` expected "replay", "legacy" or "plain", got {path!r}')
+        if rollback:
+            ntok = 1 if path == "plain" else cache.tokens_per_step
+            live = [(s, ntok - a) for s, a in zip(host_list(slots), host_list(accepted)) if s != -1]
+            cache.rollback([s for s, _ in live], [d for _, d in live])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,7 +52,13 @@ def build_engine(model: str, dtype: str | None, device: str | None, engine_kwarg
     from fastmamba.generation.engine import Engine
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype)
-    return Engine(fastmamba.load_model(model, dtype=torch_dtype, device=device), **engine_kwargs)
+    lm = fastmamba.load_model(model, dtype=torch_dtype, device=device)
+    if "*" in getattr(lm.cfg, "pattern", "") and engine_kwargs.get("prefix_cache_bytes"):
+        # prefix caching keeps Mamba states only: a model with attention layers is served without it
+        print("fastmamba serve: prefix caching is off for this model (attention layers' KV pages are not cached "
+              "yet)", flush=True)
+        engine_kwargs = {k: v for k, v in engine_kwargs.items() if k not in ("prefix_cache_bytes", "prefix_block")}
+    return Engine(lm, **engine_kwargs)
 
 
 def build_app(args: argparse.Namespace):

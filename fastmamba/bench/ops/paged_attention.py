@@ -1,0 +1,129 @@
+"""Paged decode attention (``paged_decode_attention``), the attention layers' decode op of a hybrid model.
+
+B requests of one query token each attend over L cached tokens (all requests the same L), GQA with
+Nemotron-H's attention shape (32 query / 8 KV heads of 128), bf16, pages of 16 tokens handed out
+in a random order (a fragmented pool, as after churn). Peer: PyTorch's
+``scaled_dot_product_attention`` on a contiguous cache [B, Hkv, L, Dh] gathered beforehand (not
+timed: the best case for a dense kernel, which a paged cache would first have to gather).
+Bytes per call: K and V of every cached token read once, q read, out written, the block table's
+used entries and the lengths read.
+
+Every provider takes the same arguments (the paged pools, block table, lengths, slots, and the
+gathered cache) and uses its own part of them.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from fastmamba.bench.ops._base import DTYPE_NAMES, Case, OpBench, Provider, _fastmamba_version, describe
+
+# name -> (Hq, Hkv, Dh, PAGE)
+GPU_SHAPES = {"nemotron-h": (32, 8, 128, 16)}
+CPU_SHAPES = {"tiny": (4, 2, 16, 4)}
+GPU_CONTEXTS = (1024, 4096, 8192, 32768)
+CPU_CONTEXTS = (16, 37)
+GPU_EXTRA_BATCHES = (32,)  # the issue's bar: >= 80% of copy at batch >= 32, 8k context
+MAX_CACHED_TOKENS = 1 << 21  # B x L cap (paged + gathered copies: 2 x 8 GiB at the GPU shape)
+DTYPE = torch.bfloat16
+
+
+def attention_bytes(B: int, L: int, Hq: int, Hkv: int, Dh: int, page: int, dtype: torch.dtype) -> int:
+    e = dtype.itemsize
+    return 2 * B * L * Hkv * Dh * e + 2 * B * Hq * Dh * e + B * (-(-L // page)) * 4 + B * 4 * 2
+
+
+def _ours(q, k_pages, v_pages, block_table, seq_lens, slots, k_dense, v_dense):
+    from fastmamba.ops.attention import paged_decode_attention
+
+    return paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, slots)
+
+
+def _sdpa(q, k_pages, v_pages, block_table, seq_lens, slots, k_dense, v_dense):
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k_dense, v_dense, enable_gqa=q.shape[1] != k_dense.shape[1])
+    return o.squeeze(2)
+
+
+def _ref(q, k_pages, v_pages, block_table, seq_lens, slots, k_dense, v_dense):
+    from fastmamba.ops.attention.ref import paged_decode_attention_ref
+
+    return paged_decode_attention_ref(q, k_pages, v_pages, block_table, seq_lens, slots)
+
+
+class PagedAttentionBench(OpBench):
+    key = "attn"
+    title = "paged_decode_attention"
+
+    def cases(self, device: torch.device, batches: Sequence[int]) -> list[Case]:
+        cuda = device.type == "cuda"
+        shapes = GPU_SHAPES if cuda else CPU_SHAPES
+        contexts = GPU_CONTEXTS if cuda else CPU_CONTEXTS
+        batches = sorted(set(batches) | set(GPU_EXTRA_BATCHES)) if cuda else list(batches)
+        out = []
+        for shape, (Hq, Hkv, Dh, page) in shapes.items():
+            for L in contexts:
+                for B in batches:
+                    if B * L > MAX_CACHED_TOKENS:
+                        continue
+                    out.append(Case(
+                        op=self.key, shape=shape, dims=f"Hq{Hq} Hkv{Hkv} Dh{Dh} page{page} L{L}",
+                        dtype=DTYPE_NAMES[DTYPE], batch=B,
+                        nbytes=attention_bytes(B, L, Hq, Hkv, Dh, page, DTYPE),
+                        params=dict(Hq=Hq, Hkv=Hkv, Dh=Dh, page=page, L=L, dtype=DTYPE), variant=f"L{L}",
+                    ))
+        return out
+
+    def providers(self, device: torch.device) -> list[Provider]:
+        version = f"torch {torch.__version__}"
+        try:
+            from fastmamba.ops.attention import paged_decode_attention  # noqa: F401
+
+            ours = Provider("fastmamba", "ours", _fastmamba_version(), _ours)
+        except Exception as exc:  # noqa: BLE001
+            ours = Provider("fastmamba", "ours", _fastmamba_version(), None, reason=describe(exc))
+        return [
+            ours,
+            Provider("sdpa (gathered)", "peer", version, _sdpa,
+                     note="torch scaled_dot_product_attention on a contiguous [B, Hkv, L, Dh] cache"),
+            Provider("torch-ref", "ref", version, _ref, preflight_sync=True),
+        ]
+
+    def skip_reason(self, prov: Provider, case: Case) -> str:
+        if prov.kind == "ref" and case.batch * case.params["L"] > (1 << 16):
+            return "reference: one Python-level SDPA per request, too slow at this size (the check uses it below)"
+        return ""
+
+    def oracle(self, device, providers, mode="auto"):
+        # the gathered SDPA: fp32 softmax on a GPU too, and it runs at every size
+        sdpa = next((p for p in providers if p.kind == "peer" and p.available), None)
+        return sdpa or super().oracle(device, providers, mode)
+
+    def make_set(self, case: Case, device: torch.device, seed: int) -> dict:
+        p = case.params
+        B, L, Hq, Hkv, Dh, page, dtype = case.batch, p["L"], p["Hq"], p["Hkv"], p["Dh"], p["page"], p["dtype"]
+        g = torch.Generator(device=device).manual_seed(seed)
+        per = -(-L // page)
+        Np = B * per + 1  # + the scratch page
+        k_pages = torch.randn(Np, page, Hkv, Dh, generator=g, device=device).to(dtype)
+        v_pages = torch.randn(Np, page, Hkv, Dh, generator=g, device=device).to(dtype)
+        order = torch.randperm(B * per, generator=g, device=device)  # a fragmented pool
+        block_table = order.view(B, per).to(torch.int32)
+        rows = block_table.long()
+        k_dense = k_pages[rows].reshape(B, per * page, Hkv, Dh)[:, :L].transpose(1, 2).contiguous()
+        v_dense = v_pages[rows].reshape(B, per * page, Hkv, Dh)[:, :L].transpose(1, 2).contiguous()
+        return {
+            "q": torch.randn(B, Hq, Dh, generator=g, device=device).to(dtype),
+            "k_pages": k_pages, "v_pages": v_pages, "block_table": block_table,
+            "seq_lens": torch.full((B,), L, dtype=torch.int32, device=device),
+            "slots": torch.arange(B, dtype=torch.int32, device=device),
+            "k_dense": k_dense, "v_dense": v_dense,
+        }
+
+    def args(self, case: Case, inp: dict) -> tuple:
+        return (inp["q"], inp["k_pages"], inp["v_pages"], inp["block_table"], inp["seq_lens"], inp["slots"],
+                inp["k_dense"], inp["v_dense"])
+
+
+BENCH = PagedAttentionBench()

@@ -1,0 +1,39 @@
+"""``bench kernels --ops attn`` on the CPU (tiny shapes, the Triton kernel in the interpreter when
+TRITON_INTERPRET=1): the paged decode attention rows, checked against the gathered SDPA peer, with
+the byte model (K and V read once). Timings here mean nothing.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from fastmamba import cli
+from fastmamba.bench.ops import paged_attention
+
+
+def test_kernels_attention_rows(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    rc = cli.main(["bench", "kernels", "--ops", "attn", "--batch", "1,3", "--quick", "--device", "cpu",
+                   "--json", str(out)])
+    assert rc == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines() if '"record"' not in line]
+    cases = {(r["batch"], r["params"]["L"]) for r in rows}
+    assert cases == {(b, L) for b in (1, 3) for L in paged_attention.CPU_CONTEXTS}
+    assert {r["provider"] for r in rows} == {"fastmamba", "sdpa (gathered)", "torch-ref"}
+    for r in rows:
+        assert r["status"] == "ok"
+        assert r["bytes"] == paged_attention.attention_bytes(r["batch"], r["params"]["L"], 4, 2, 16, 4, torch.bfloat16)
+        if r["provider"] == "fastmamba":
+            assert r["check"] == "ok"
+
+
+def test_make_set_gathers_the_same_cache():
+    bench = paged_attention.BENCH
+    case = next(c for c in bench.cases(torch.device("cpu"), [3]) if c.params["L"] == 37)
+    inp = bench.make_set(case, torch.device("cpu"), seed=1)
+    args = bench.args(case, inp)
+    assert inp["block_table"].unique().numel() == inp["block_table"].numel()  # no page shared
+    want = paged_attention._ref(*args).float()
+    for fn in (paged_attention._sdpa, paged_attention._ours):
+        torch.testing.assert_close(fn(*args).float(), want, atol=5e-2, rtol=1e-2)
