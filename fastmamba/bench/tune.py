@@ -69,8 +69,10 @@ CPU_BATCHES = (1,)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ops", type=ops_list(TUNE_OPS), default=list(OPS),
-                        help=f"comma-separated subset of {','.join(TUNE_OPS)} (default: the decode ops {','.join(OPS)})")
+    decode_ops = [k for k in OPS if k in CONFIG_MODULES]  # the decode ops with launch configs (not attn)
+    parser.add_argument("--ops", type=ops_list(TUNE_OPS), default=decode_ops,
+                        help=f"comma-separated subset of {','.join(TUNE_OPS)} (default: the decode ops "
+                             f"{','.join(decode_ops)})")
     parser.add_argument("--batch", type=_int_list, default=None,
                         help=f"batch sizes of the decode ops (default {','.join(map(str, GPU_BATCHES))}; replay "
                         f"{','.join(map(str, spec_verify.GPU_BATCHES))}; the prefill ops have fixed cases)")

@@ -167,6 +167,16 @@ class HybridCache:
         taken = [self._free.pop() for _ in range(n)]
         return torch.tensor(taken, dtype=torch.int32, device=self.device)
 
+    def take(self, n: int = 1) -> list[int]:
+        """``alloc`` as host ints, without a device-to-host read (``StateCache.take``)."""
+        if n > len(self._free):
+            raise RuntimeError(f"HybridCache: {n} slots requested, {len(self._free)} of {self.max_batch} free")
+        if self.state is not None:
+            taken = self.state.take(n)
+            self._free = [s for s in self._free if s not in taken]
+            return taken
+        return [self._free.pop() for _ in range(n)]
+
     def free(self, slots: torch.Tensor | list[int]) -> None:
         """Give slots back: their Mamba rows and every KV page they hold. Checks all first."""
         values = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)

@@ -122,6 +122,21 @@ class StateCache:
             self.mark_prefilled(idx)
         return idx
 
+    def take(self, n: int = 1) -> list[int]:
+        """``alloc`` for a caller that wants host ints (the engine): the same slots, zeroed states
+        (one ``_foreach_zero_`` over the rows, not a kernel per layer), no device-to-host read."""
+        if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"StateCache.take: n must be an int >= 0, got {n!r}")
+        if n > len(self._free):
+            raise RuntimeError(f"StateCache.take: {n} slots requested but only {len(self._free)} of "
+                               f"{self.num_slots} are free (free finished requests' slots first)")
+        slots = [self._free.pop() for _ in range(n)]
+        if slots:
+            torch._foreach_zero_([pool[s] for pool in self.conv + self.ssm for s in slots])
+            if self.speculate:
+                self.mark_prefilled(torch.tensor(slots, dtype=torch.int32).to(self.conv[0].device, non_blocking=True))
+        return slots
+
     def free(self, slots: torch.Tensor | list[int]) -> None:
         """Give ``slots`` back (a 1-D integer tensor or a sequence of ints; one host read of a tensor).
 

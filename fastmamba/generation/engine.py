@@ -593,12 +593,13 @@ class Engine:
         has_initial = (packed[T + n + 1 + n:] != 0) if any(flags) else False  # all fresh: no slot is read
         return self.model.prefill_varlen(packed[:T], packed[T:T + n + 1], self.cache,
                                          packed[T + n + 1:T + 2 * n + 1].to(torch.int32), has_initial_state=has_initial,
-                                         rand_seed=seed, cu_seqlens_host=cu, slots_host=slots, snapshots=plan)
+                                         rand_seed=seed, cu_seqlens_host=cu, slots_host=slots,
+                                         **({} if plan is None else {"snapshots": plan}))
 
     def _admit(self, n: int) -> list[Request]:
-        """Move ``n`` waiting requests to fresh slots (one alloc: one zeroing pass)."""
+        """Move ``n`` waiting requests to fresh slots (one take: one zeroing pass, no host read)."""
         admitted = [self.waiting.popleft() for _ in range(n)]
-        for req, slot in zip(admitted, self.cache.alloc(n).tolist()):
+        for req, slot in zip(admitted, self.cache.take(n)):
             req.slot = slot
             self._replay_slots.discard(slot)  # prefill leaves nothing to replay
             if self.prefix is not None:  # start from the longest cached prefix: prefill only the rest
