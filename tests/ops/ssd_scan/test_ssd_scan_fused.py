@@ -301,7 +301,7 @@ def test_gpu_fused_2p7b_shape(device, lens, state_dtype):
     # max_seqlen: the same tiles as the graph's call below (which cannot read cu_seqlens)
     out = ssd_scan_varlen(*args, mine, cu, fused=True, max_seqlen=max(lens), **kw)
     out_chunked = ssd_scan_varlen(*args, chunked, cu, fused=False, **kw)
-    ref_states = states.float()
+    ref_states = states.float().clone()  # (.float() of an fp32 tensor is the tensor: the ref must not touch it)
     ref = ssd_scan_varlen_ref(*(t.float() for t in args), ref_states, cu, **{
         k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()})
     low = ssd_scan_varlen_ref(*args, states.clone(), cu, **kw)
