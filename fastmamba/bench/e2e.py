@@ -9,8 +9,9 @@
 Per batch size B: B random prompts are prefilled into their cache slots (timed), then ``gen-len``
 greedy decode steps run as CUDA-graph replays (argmax on the GPU, no host sync inside the timed
 loop; programmatic dependent launch inside the graphs where the GPU has it, unless ``--no-pdl``). The roofline of one decode step is the bytes it must move, over the device-to-device copy
-bandwidth measured in the same run: every weight once (tied embeddings once) plus each layer's
-conv and SSM state rows of the B requests read and written once. With ``--peer``, Hugging Face
+bandwidth measured in the same run: every weight once (tied embeddings once; of an untied input
+embedding table only the B tokens' rows) plus each layer's conv and SSM state rows of the B requests
+read and written once. With ``--peer``, Hugging Face
 transformers' Mamba2ForCausalLM runs the same weights (its plain PyTorch path) at batch 1.
 Without a GPU it says so and runs the tiny preset eagerly on the CPU.
 
@@ -114,13 +115,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: on with --drafter ngram, off otherwise)")
 
 
-def step_bytes(model, batch: int, ssm_dtype: torch.dtype = torch.float32) -> int:
-    """Minimum bytes of one decode step: weights once, plus the B requests' state rows read + written."""
+def decode_weight_bytes(model, batch: int) -> int:
+    """Weight bytes one decode step of ``batch`` requests must read: every parameter once (shared ones
+    once), except an untied input embedding table, of which the step reads only the rows of its
+    ``batch`` tokens (at most ``vocab`` distinct rows); a tied table is read whole by the LM head."""
     seen, weights = set(), 0
     for p in model.parameters():
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             weights += p.numel() * p.element_size()
+    emb = model.backbone.embeddings.weight
+    if emb.data_ptr() != model.lm_head.weight.data_ptr():  # untied: a gather of B rows, not the table
+        weights -= (emb.shape[0] - min(batch, emb.shape[0])) * emb.shape[1] * emb.element_size()
+    return weights
+
+
+def step_bytes(model, batch: int, ssm_dtype: torch.dtype = torch.float32) -> int:
+    """Minimum bytes of one decode step: the weights it reads (``decode_weight_bytes``), plus the B
+    requests' state rows read + written."""
+    weights = decode_weight_bytes(model, batch)
     c = model.cfg
     conv = 2 * batch * c.conv_dim * c.d_conv * model.dtype.itemsize
     ssm = 2 * batch * c.nheads * c.headdim * c.d_state * ssm_dtype.itemsize
@@ -133,16 +146,13 @@ def is_hybrid(model) -> bool:
 
 
 def hybrid_step_bytes(model, batch: int, context: float, ssm_dtype: torch.dtype = torch.float32) -> int:
-    """Minimum bytes of one decode step of a hybrid model: the weights once; per request, every Mamba
-    layer's conv and SSM state read and written, and every attention layer's K and V read over
-    ``context`` tokens plus the new token's K and V written."""
-    seen, weights = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            weights += p.numel() * p.element_size()
+    """Minimum bytes of one decode step of a hybrid model: the weights it reads once
+    (``decode_weight_bytes``: an untied embedding table only in its B rows); per request, every Mamba
+    layer's conv state (model dtype) and SSM state (``ssm_dtype``) read and written, and every
+    attention layer's K and V (model dtype) read over ``context`` tokens plus the new token's K and V
+    written. The dtypes are the model's: a preset loads in bf16 on a GPU and fp32 on the CPU."""
     c = model.cfg
-    total = weights
+    total = decode_weight_bytes(model, batch)
     if "M" in c.pattern:
         m = c.mamba
         conv = m.conv_dim * m.d_conv * model.dtype.itemsize
@@ -628,9 +638,13 @@ def _run_hybrid(args, model, name, batches, prompt_len, gen_len, variants, copy_
             if cuda:
                 torch.cuda.empty_cache()
     if args.peer:
-        peer = run_peer_hybrid(model, prompt_len, min(gen_len, 16) if cuda else min(gen_len, 4), device)
+        peer_gen = min(gen_len, 16) if cuda else min(gen_len, 4)
+        peer = run_peer_hybrid(model, prompt_len, peer_gen, device)
         if peer:
-            peer["roofline_ms"] = 1e3 * hybrid_step_bytes(model, 1, prompt_len) / (copy_gbs * 1e9)
+            # its timed decode steps (generate's tokens after the first) read prompt_len .. prompt_len + peer_gen - 2
+            peer_context = prompt_len + max(peer_gen - 2, 0) / 2
+            peer["step_bytes"] = hybrid_step_bytes(model, 1, peer_context)
+            peer["roofline_ms"] = 1e3 * peer["step_bytes"] / (copy_gbs * 1e9)
             peer["pct_roofline"] = 100 * peer["roofline_ms"] / peer["ms_per_step"]
             rows.append(peer)
             ours = next((r for r in rows if r["batch"] == 1 and r["provider"] == "fastmamba"), None)
