@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt tokens per engine step, server and offline alike (0: whole prompts)")
     parser.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                         help="prefix-cache test: prompts share an N-token system prompt; TTFT with the cache on / off")
+    parser.add_argument("--server-args", default="", metavar="ARGS",
+                        help="extra arguments for the server (e.g. '--prefix-cache-gb 0'); the offline engine is "
+                             "built without a prefix cache either way")
     parser.add_argument("--json", metavar="PATH", help="append the result as one JSON line")
 
 
@@ -106,7 +109,8 @@ def _engine_timing(url: str) -> dict[str, float]:
     import httpx
 
     names = {"fastmamba_engine_steps": "steps", "fastmamba_engine_step_seconds": "step_s",
-             "fastmamba_engine_around_seconds": "around_s", "fastmamba_generation_tokens_total": "tokens"}
+             "fastmamba_engine_around_seconds": "around_s", "fastmamba_generation_tokens_total": "tokens",
+             "fastmamba_engine_prefill_steps": "prefill_steps", "fastmamba_engine_prefill_step_seconds": "prefill_step_s"}
     out = dict.fromkeys(names.values(), 0.0)
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         key = line.split(" ", 1)[0]
@@ -117,15 +121,20 @@ def _engine_timing(url: str) -> dict[str, float]:
 
 def _timed_steps(engine) -> dict[str, float]:
     """Wrap ``engine.step`` to count steps, their seconds and tokens (the offline side of the diagnosis)."""
-    timing = {"steps": 0, "step_s": 0.0, "around_s": 0.0, "tokens": 0}
+    timing = {"steps": 0, "step_s": 0.0, "around_s": 0.0, "tokens": 0, "prefill_steps": 0, "prefill_step_s": 0.0}
     step = engine.step
 
     def timed():
         t0 = time.perf_counter()
+        fed = engine.stats["prefill_tokens"]
         out = step()
+        dt = time.perf_counter() - t0
         timing["steps"] += 1
-        timing["step_s"] += time.perf_counter() - t0
+        timing["step_s"] += dt
         timing["tokens"] += len(out)
+        if engine.stats["prefill_tokens"] != fed:
+            timing["prefill_steps"] += 1
+            timing["prefill_step_s"] += dt
         return out
 
     engine.step = timed
@@ -253,7 +262,7 @@ def run(args: argparse.Namespace, command: str) -> int:
 
     if args.shared_prefix:
         return _shared_prefix(args, command, name, prompts, olen, cuda)
-    proc, url = _start_server(name, nreq, args, [], cuda)
+    proc, url = _start_server(name, nreq, args, args.server_args.split(), cuda)
     if proc is None:
         return 1
     try:
@@ -318,7 +327,9 @@ def run(args: argparse.Namespace, command: str) -> int:
         if t["steps"]:
             print(f"{label} engine: {t['steps']:.0f} steps, {1e3 * t['step_s'] / t['steps']:.2f} ms per step, "
                   f"{t['tokens'] / t['steps']:.1f} tokens per step, {100 * t['step_s'] / wall:.0f}% of the wall time in "
-                  f"steps, {1e3 * t['around_s'] / t['steps']:.2f} ms between steps")
+                  f"steps, {1e3 * t['around_s'] / t['steps']:.2f} ms between steps; {t['prefill_steps']:.0f} steps "
+                  f"prefilled ({1e3 * t['prefill_step_s'] / max(t['prefill_steps'], 1):.2f} ms each), the others "
+                  f"{1e3 * (t['step_s'] - t['prefill_step_s']) / max(t['steps'] - t['prefill_steps'], 1):.2f} ms each")
     row["server_engine"], row["offline_engine"] = server_timing, offline_timing
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:

@@ -48,7 +48,7 @@ def _child(factory: Callable, conn) -> None:
     by_rid: dict[int, int] = {}  # engine rid -> server cid
     rid_of: dict[int, int] = {}  # server cid -> engine rid
     stopping, drain = False, True
-    timing = {"steps": 0, "step_s": 0.0, "around_s": 0.0, "tokens": 0}
+    timing = {"steps": 0, "step_s": 0.0, "around_s": 0.0, "tokens": 0, "prefill_steps": 0, "prefill_step_s": 0.0}
     last_end = None
     while True:
         busy = engine.has_unfinished()
@@ -91,6 +91,7 @@ def _child(factory: Callable, conn) -> None:
             t0 = time.perf_counter()
             if last_end is not None:
                 timing["around_s"] += t0 - last_end
+            fed = engine.stats["prefill_tokens"]
             try:
                 outputs = engine.step()
             except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others
@@ -103,6 +104,9 @@ def _child(factory: Callable, conn) -> None:
                 outputs = []
             timing["steps"] += 1
             timing["step_s"] += time.perf_counter() - t0
+            if engine.stats["prefill_tokens"] != fed:  # a step that prefilled (and maybe decoded)
+                timing["prefill_steps"] += 1
+                timing["prefill_step_s"] += time.perf_counter() - t0
             timing["tokens"] += len(outputs)
             for out in outputs:
                 cid = by_rid.get(out.rid)
@@ -143,7 +147,8 @@ class EngineProcess:
         self._stopping = False
         self.vocab_size: int | None = None
         self.stats: dict = {}
-        self.timing = {"steps": 0, "step_s": 0.0, "around_s": 0.0, "tokens": 0}
+        self.timing = {"steps": 0, "step_s": 0.0, "around_s": 0.0, "tokens": 0, "prefill_steps": 0,
+                       "prefill_step_s": 0.0}
 
     def start(self) -> None:
         """Start the child and wait until its engine is built (raises RuntimeError if that fails)."""

@@ -34,6 +34,10 @@ class ServerMetrics:
                                          registry=r)
         self.engine_around_seconds = Gauge("fastmamba_engine_around_seconds", "engine-thread time between steps "
                                            "while busy (inbox, events, metrics) since start", registry=r)
+        self.engine_prefill_steps = Gauge("fastmamba_engine_prefill_steps", "engine steps that prefilled since start",
+                                          registry=r)
+        self.engine_prefill_step_seconds = Gauge("fastmamba_engine_prefill_step_seconds",
+                                                 "time inside engine steps that prefilled since start", registry=r)
         self.prefix_hit_rate = Gauge("fastmamba_prefix_cache_hit_rate",
                                      "prompt tokens served from the prefix cache / prompt tokens", registry=r)
 
@@ -56,6 +60,8 @@ class ServerMetrics:
         self.engine_steps.set(timing["steps"])
         self.engine_step_seconds.set(timing["step_s"])
         self.engine_around_seconds.set(timing["around_s"])
+        self.engine_prefill_steps.set(timing.get("prefill_steps", 0))
+        self.engine_prefill_step_seconds.set(timing.get("prefill_step_s", 0.0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
