@@ -1,0 +1,61 @@
+"""Where a prefix-cache hit's time to first token goes (GPU): one engine, a shared 2048-token system
+prompt, then requests that hit it; cProfile of the steps that prefill the 64 new tokens, next to
+the wall time of the same steps without the profiler.
+
+    python scripts/profile_prefix_hit.py [--model mamba2-2.7b] [--system 2048] [--suffix 64]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import torch
+
+import fastmamba
+from fastmamba.generation.engine import Engine
+from fastmamba.generation.sampling import SamplingParams
+
+
+def first_token(engine: Engine, prompt: list[int], params: SamplingParams) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    rid = engine.add_request(prompt, params)
+    while not any(o.rid == rid for o in engine.step()):
+        pass
+    dt = time.perf_counter() - t0
+    while engine.has_unfinished():
+        engine.step()
+    return dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="mamba2-2.7b")
+    ap.add_argument("--system", type=int, default=2048)
+    ap.add_argument("--suffix", type=int, default=64)
+    args = ap.parse_args()
+    model = fastmamba.load_model(args.model)
+    g = torch.Generator().manual_seed(0)
+    system = torch.randint(0, 50000, (args.system,), generator=g).tolist()
+    suffixes = torch.randint(0, 50000, (12, args.suffix), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    engine = Engine(model, max_batch=64, prefill_chunk=2048, prefix_cache_bytes=4 << 30)
+    for s in suffixes[:3]:  # fills the cache, captures the graphs
+        first_token(engine, system + s, params)
+    walls = [first_token(engine, system + s, params) for s in suffixes[3:8]]
+    print(f"hit TTFT without profiler: median {1e3 * statistics.median(walls):.2f} ms "
+          f"({', '.join(f'{1e3 * w:.2f}' for w in walls)})")
+    prof = cProfile.Profile()
+    prof.enable()
+    for s in suffixes[8:]:
+        first_token(engine, system + s, params)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+
+
+if __name__ == "__main__":
+    main()
