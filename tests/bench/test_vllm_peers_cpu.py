@@ -89,7 +89,7 @@ def test_vllm_causal_conv1d_update_matches_reference(vllm, device):
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense-L37", "varlen-3seqs"])
 def test_vllm_chunk_scan_matches_reference(vllm, device, varlen):
-    from fastmamba.bench.ops.ssd_scan import SsdScanBench, ScanFns
+    from fastmamba.bench.ops.ssd_scan import REL_TOL, SsdScanBench, ScanFns
     from fastmamba.bench.ops._base import Provider
     from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
 
@@ -102,8 +102,17 @@ def test_vllm_chunk_scan_matches_reference(vllm, device, varlen):
     theirs = {k: (v.clone() if k == "ssm_states" else v) for k, v in inp.items()}
     got, want = bench.results(prov, case, mine), bench.results(ref, case, theirs)
     assert set(got) == set(want)
+    # The interpreter runs vLLM's tl.dot in exact fp32, so on the CPU the answers agree to 1e-4. On a
+    # GPU, Triton's tl.dot on fp32 operands defaults to tf32 (inputs rounded to a 10-bit mantissa,
+    # unit roundoff 2^-11 ~ 4.9e-4), and the chunked scan chains several such dots (C.B, the chunk
+    # states, C.prev_states): an H100 run gave elementwise differences up to 3.2e-3 on O(1) values
+    # (relative 0.03-0.07 on near-zero ones). There: 1e-2 per element, and the relative error norm
+    # within the bench's own criterion (REL_TOL, 1e-2; tf32 gives about 1e-3).
+    tol = 1e-2 if device.type == "cuda" else 1e-4
     for name in want:
-        torch.testing.assert_close(got[name].float(), want[name].float(), atol=1e-4, rtol=1e-4)
+        g, w = got[name].float(), want[name].float()
+        torch.testing.assert_close(g, w, atol=tol, rtol=tol)
+        assert ((g - w).norm() / w.norm()).item() < (REL_TOL if device.type == "cuda" else 1e-5), name
     if varlen:  # slots of no sequence untouched
         used = set(inp["cache_indices"].tolist())
         other = [s for s in range(inp["ssm_states"].shape[0]) if s not in used]

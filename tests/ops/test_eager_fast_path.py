@@ -73,14 +73,56 @@ def test_ssu_repeat_calls_skip_checks_and_match_reference(device, monkeypatch):
     assert torch.equal(third["state"][untouched], before[untouched])
 
 
-def test_ssu_fast_path_still_checks_slot_values(device):
+def _guarded_pool(state, extra=8):
+    """``state`` copied into the first S rows of a larger buffer: the rows after it are a guard that
+    shows any write outside the pool (slot S + k lands in guard row k)."""
+    big = torch.randn(state.shape[0] + extra, *state.shape[1:]).to(device=state.device, dtype=state.dtype)
+    big[: state.shape[0]] = state
+    return big, big[: state.shape[0]]
+
+
+def _skip_without_kernel_path(device, api, device_check_cpu):
+    if device_check_cpu and device.type != "cuda" and not api.use_triton(torch.empty(1)):
+        pytest.skip("the device check runs in the kernel: TRITON_INTERPRET=1 on the CPU")
+
+
+@pytest.mark.parametrize("device_check_cpu", [False, True], ids=["cpu-host-check", "device-check"])
+def test_ssu_fast_path_still_checks_slot_values(device, monkeypatch, device_check_cpu):
+    """A bad slot value on a cached signature. Indices read on the host (CPU ones): ValueError at
+    that call, nothing written. Indices left to the kernel (CUDA ones; on the CPU with the switch
+    on): that call skips the row (y row zero, nothing written outside the pool, the good row exact),
+    and the op's next call raises the ValueError naming the argument and the value, before it
+    launches; the call after that runs."""
+    _skip_without_kernel_path(device, ssu_api, device_check_cpu)
+    monkeypatch.setattr(ssu_api, "DEVICE_CHECK_CPU", device_check_cpu)
     i = _ssu_inputs(device, 0)
-    _ssu_call(selective_state_update, i)
-    before = i["state"].clone()
+    big, i["state"] = _guarded_pool(i["state"])
+    _ssu_call(selective_state_update, i)  # the first call of the signature: checked on the host
+    before, big_before = i["state"].clone(), big.clone()
     bad = torch.tensor([1, S + 2], dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match=rf"selective_state_update: `state_batch_indices` values must lie in \[0, {S}\).*{S + 2}"):
-        _ssu_call(selective_state_update, i, idx=bad)
-    assert torch.equal(i["state"], before)
+    msg = rf"selective_state_update: `state_batch_indices` values must lie in \[0, {S}\).*\[{S + 2}\]"
+    if not ssu_api._device_check(bad):
+        with pytest.raises(ValueError, match=msg):
+            _ssu_call(selective_state_update, i, idx=bad)
+        assert torch.equal(big, big_before)
+        return
+    want_state = before.clone()
+    pad = torch.tensor([1, -1], dtype=torch.int32, device=device)
+    want = _ssu_call(lambda s, *a: selective_state_update_ref(want_state, *a), i, idx=pad)
+    y = _ssu_call(selective_state_update, i, idx=bad)  # lean path: no host read, so no error yet
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # the record is written when the kernel runs
+    torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4)  # row 1 (the bad one) is zero, as a pad row
+    assert torch.equal(y[1], torch.zeros_like(y[1]))
+    torch.testing.assert_close(i["state"], want_state, atol=1e-4, rtol=1e-4)
+    assert torch.equal(big[S:], big_before[S:])  # nothing written outside the pool
+    after_bad = big.clone()
+    with pytest.raises(ValueError, match=msg + r".*reported at this call.*nothing was written outside the pool"):
+        _ssu_call(selective_state_update, i)
+    assert torch.equal(big, after_bad)  # raised before launching
+    _ssu_call(selective_state_update, i)  # reported once: the next call runs
+    from fastmamba.ops import raise_pending_slot_errors
+    raise_pending_slot_errors()  # nothing left
 
 
 def test_ssu_changed_signature_is_checked_again(device):
@@ -125,19 +167,44 @@ def test_conv_repeat_calls_skip_checks_and_match_reference(device, monkeypatch):
             _no_checks(monkeypatch, conv1d_api, ["_check_inputs", "check_tensors", "parse_activation"])
 
 
-def test_conv_fast_path_still_checks_slot_values_and_changed_signatures(device):
+@pytest.mark.parametrize("device_check_cpu", [False, True], ids=["cpu-host-check", "device-check"])
+def test_conv_fast_path_still_checks_slot_values_and_changed_signatures(device, monkeypatch, device_check_cpu):
+    """As the SSU test above: a bad slot value on a cached signature raises at that call (host-read
+    indices) or at the op's next call (kernel-checked indices: CUDA ones), never writing outside
+    the pool; a changed signature goes through every check again."""
+    _skip_without_kernel_path(device, conv1d_api, device_check_cpu)
+    monkeypatch.setattr(conv1d_api, "DEVICE_CHECK_CPU", device_check_cpu)
     i = _conv_inputs(device, 0)
+    big, i["state"] = _guarded_pool(i["state"])
     _conv_call(causal_conv1d_update, i, i["state"])
-    before = i["state"].clone()
-    with pytest.raises(ValueError, match=rf"causal_conv1d_update: `conv_state_indices` values must lie in \[0, {S}\).*\[{S}\]"):
-        _conv_call(causal_conv1d_update, i, i["state"], idx=torch.tensor([0, S, 1], dtype=torch.int32, device=device))
-    assert torch.equal(i["state"], before)
+    before, big_before = i["state"].clone(), big.clone()
+    bad = torch.tensor([0, S, 1], dtype=torch.int32, device=device)
+    msg = rf"causal_conv1d_update: `conv_state_indices` values must lie in \[0, {S}\).*\[{S}\]"
+    if not conv1d_api._device_check(bad):
+        with pytest.raises(ValueError, match=msg):
+            _conv_call(causal_conv1d_update, i, i["state"], idx=bad)
+        assert torch.equal(big, big_before)
+    else:
+        want_state = before.clone()
+        pad = torch.tensor([0, -1, 1], dtype=torch.int32, device=device)
+        want = _conv_call(causal_conv1d_update_ref, i, want_state, idx=pad)
+        y = _conv_call(causal_conv1d_update, i, i["state"], idx=bad)  # lean path: the kernel skips row 1
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the record is written when the kernel runs
+        torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(y[1], torch.zeros_like(y[1]))
+        assert torch.equal(i["state"], want_state)  # data movement: exact
+        assert torch.equal(big[S:], big_before[S:])  # nothing written outside the pool
+        before, big_before = i["state"].clone(), big.clone()
+        with pytest.raises(ValueError, match=msg + r".*reported at this call.*nothing was written outside the pool"):
+            _conv_call(causal_conv1d_update, i, i["state"])
+        assert torch.equal(big, big_before)  # raised before launching
     with pytest.raises(ValueError, match="activation"):
         i["x"] = i["x"].clone()
         causal_conv1d_update(i["x"], i["state"], i["weight"], i["bias"], "gelu", None, i["idx"])
     with pytest.raises(ValueError, match="causal_conv1d_update: `bias` expected shape"):
         causal_conv1d_update(i["x"], i["state"], i["weight"], i["bias"][:-1], "silu", None, i["idx"])
-    assert torch.equal(i["state"], before)
+    assert torch.equal(big, big_before)
 
 
 def test_rmsnorm_repeat_calls_skip_checks_and_match_reference(device, monkeypatch):
@@ -255,6 +322,31 @@ def test_raise_pending_slot_errors_reports_on_demand(device, monkeypatch):
     with pytest.raises(ValueError, match=r"causal_conv1d_update: `conv_state_indices`.*\[-5\]"):
         raise_pending_slot_errors()
     raise_pending_slot_errors()  # cleared
+
+
+def test_pending_slot_error_is_reported_only_by_the_same_op(device, monkeypatch):
+    """A bad index a conv kernel recorded is not reported by another op's call (the SSU's runs),
+    and the conv op's next call reports it even when that call takes the checked path (a new
+    signature), naming the op and the device."""
+    if device.type != "cuda" and not conv1d_api.use_triton(torch.empty(1)):
+        pytest.skip("the kernel path needs TRITON_INTERPRET=1 on the CPU")
+    monkeypatch.setattr(conv1d_api, "DEVICE_CHECK_CPU", True)
+    monkeypatch.setattr(ssu_api, "DEVICE_CHECK_CPU", True)
+    c, i = _conv_inputs(device, 4), _ssu_inputs(device, 4)
+    _conv_call(causal_conv1d_update, c, c["state"])
+    _ssu_call(selective_state_update, i)
+    _conv_call(causal_conv1d_update, c, c["state"], idx=torch.tensor([0, 1, S + 3], dtype=torch.int32, device=device))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    for _ in range(2):  # another op on the same device: runs, reports nothing
+        _ssu_call(selective_state_update, i)
+    d = _conv_inputs(device, 5, B=2)  # a new signature: the checked path
+    before = d["state"].clone()
+    with pytest.raises(ValueError, match=rf"causal_conv1d_update: `conv_state_indices` values must lie in \[0, {S}\) or equal "
+                                         rf"pad_slot_id; an earlier call of causal_conv1d_update on {device.type}.*\[{S + 3}\]"):
+        _conv_call(causal_conv1d_update, d, d["state"])
+    assert torch.equal(d["state"], before)
+    _conv_call(causal_conv1d_update, d, d["state"])  # reported once
 
 
 def test_conv_fn_repeat_calls_skip_checks_and_match_reference(device, monkeypatch):

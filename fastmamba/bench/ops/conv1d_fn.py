@@ -136,7 +136,8 @@ class ConvFnBench(OpBench):
             peer_provider(peers.causal_conv1d_fn(), device, "a CUDA extension has no CPU path"),
             adapted_peer_provider(peers.vllm_causal_conv1d_fn(), device, vllm_adapter, cpu_reason=VLLM_CPU,
                                   note="the B rows as B packed sequences with precomputed metadata (as vLLM's "
-                                  "builder makes once per batch), final states into a slot cache"),
+                                  "builder makes once per batch), final states into a slot cache; "
+                                  "null_block_id = our pad id -1"),
             Provider("torch", "ref", f"torch {torch.__version__}", torch_conv1d, note="F.conv1d + silu"),
         ]
 
@@ -208,7 +209,11 @@ def vllm_adapter(fn):
     for a channel-last x [B, D, L] without initial or final states: the B rows become B packed
     sequences of L tokens ([D, B*L], a view of the same buffer), each with its own slot of a conv
     cache the call writes (allocated once per shape, with vLLM's per-batch metadata, outside the
-    timed call as vLLM's metadata builder does once per batch). Returns y [B, D, L] (a view)."""
+    timed call as vLLM's metadata builder does once per batch). Returns y [B, D, L] (a view).
+
+    Slots are 0..B-1 with ``null_block_id=-1`` (our pad id, as the other vLLM adapters pass it):
+    vLLM's default null block is slot 0, and a sequence whose slot is the null block is skipped
+    (its y left unwritten), so with the default the first row was never computed."""
     cache: dict = {}
 
     def call(x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out, activation):
@@ -229,7 +234,7 @@ def vllm_adapter(fn):
         states, query_start_loc, slots, has_initial_state, metadata = setup
         xt = x.transpose(1, 2).reshape(B * L, D).t()  # [D, T], stride 1 over D: a view for channel-last x
         y = fn(xt, weight, bias, states, query_start_loc, slots, has_initial_state, activation,
-               pad_slot_id=-1, metadata=metadata)
+               pad_slot_id=-1, null_block_id=-1, metadata=metadata)
         return y.t().reshape(B, L, D).transpose(1, 2)
 
     return call

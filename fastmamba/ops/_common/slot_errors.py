@@ -7,8 +7,12 @@ index outside [0, S) that is not the pad id is treated as the pad slot: nothing 
 written outside the pool) and records the first bad one in a small per-(op, device) buffer of
 pinned host memory, which the kernel writes directly (unified addressing). The op's next call
 reads the buffer -- host memory, no synchronize -- and raises the ValueError there, naming the
-argument and the value. ``raise_pending_slot_errors()`` does the same check on demand (after a
-synchronize it reports everything launched before it).
+op, the device, the argument and the value. Only a later call of the same op on the same device
+reports it (any call of it: the lean path or the checked one), never another op. The record is
+written when the bad call's kernel runs, so a call made before that (no synchronize in between)
+cannot see it yet: the first call after the kernel ran reports it. ``raise_pending_slot_errors()``
+does the same check on demand for every op and device (after a synchronize it reports everything
+launched before it).
 
 Record layout (int64): [set, argument number, bad value, S].
 """
@@ -40,21 +44,37 @@ def slot_record(op: str, device: torch.device) -> tuple[torch.Tensor, object]:
 def raise_pending(op: str, device: torch.device, names: tuple[str, ...]) -> None:
     """Raise the ValueError an earlier call of ``op`` on ``device`` recorded (and clear it);
     ``names[k - 1]`` is argument number k."""
+    if torch.compiler.is_compiling():  # a trace reads no host record (the eager calls report)
+        return
     rec = _records.get((op, device))
     if rec is not None and rec[1][0]:
-        _raise(op, rec, names)
+        _raise(op, device, rec, names, "at this call")
 
 
-def _raise(op: str, rec, names: tuple[str, ...]) -> None:
+def _raise(op: str, device: torch.device, rec, names: tuple[str, ...], where: str) -> None:
     arr = rec[1]
     which, value, S = int(arr[1]), int(arr[2]), int(arr[3])
     arr[:] = 0
     name = names[which - 1] if 1 <= which <= len(names) else "slot index"
     raise ValueError(
-        f"{op}: `{name}` values must lie in [0, {S}) or equal pad_slot_id; an earlier call got [{value}] "
-        f"(checked on the device and reported at this call; that row was skipped: nothing was written "
+        f"{op}: `{name}` values must lie in [0, {S}) or equal pad_slot_id; an earlier call of {op} on {device} "
+        f"got [{value}] (checked on the device and reported {where}; that row was skipped: nothing was written "
         f"outside the pool)"
     )
+
+
+def clear_pending_slot_errors() -> list[str]:
+    """Drop every recorded slot-index error without raising (tests: no error crosses from one test
+    to the next); returns the ops that had one. Synchronizes an initialized CUDA first, so a kernel
+    still running cannot record after the clear."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    dropped = []
+    for (op, device), rec in list(_records.items()):
+        if rec[1][0]:
+            dropped.append(f"{op} on {device}")
+        rec[1][:] = 0
+    return dropped
 
 
 NAMES: dict[str, tuple[str, ...]] = {}
@@ -63,9 +83,9 @@ NAMES: dict[str, tuple[str, ...]] = {}
 def raise_pending_slot_errors() -> None:
     """Raise the first slot-index error any op recorded on the device since the last report.
     Synchronize first to include every launch made so far."""
-    for (op, _device), rec in list(_records.items()):
+    for (op, device), rec in list(_records.items()):
         if rec[1][0]:
-            _raise(op, rec, NAMES.get(op, ()))
+            _raise(op, device, rec, NAMES.get(op, ()), "by raise_pending_slot_errors()")
 
 
 @triton.jit

@@ -118,6 +118,7 @@ def causal_conv1d_update(
     _check_inputs(
         x, conv_state, weight, bias, cache_seqlens, conv_state_indices, num_accepted_tokens, out, pad_slot_id
     )
+    slot_errors.raise_pending(_OP, x.device, SLOT_NAMES)  # an earlier lean call's bad index: report it at this call
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if key is not None and use_triton(x) and call_directly(x) and len(_PLANS) < _MAX_PLANS:

@@ -294,6 +294,7 @@ def selective_state_update(
                            ("z", z), ("dt_bias", dt_bias), ("state_batch_indices", state_batch_indices),
                            ("dst_state_batch_indices", dst_state_batch_indices),
                            ("intermediate_states", intermediate_states), ("rand_seed", rand_seed), ("out", out)])
+    slot_errors.raise_pending(OP, x.device, SLOT_NAMES)  # an earlier lean call's bad index: report it at this call
     if state_batch_indices is not None:
         check_indices(OP, "state_batch_indices", state_batch_indices, nreq, nslots, pad_slot_id)
     elif nslots < nreq:
