@@ -537,6 +537,10 @@ def run_speculative(model, prompts: torch.Tensor, plain_tokens: list[list[int]],
     accepted = sum(r.accepted_drafts for r in reqs)
     decoded = sum(len(r.output) - 1 for r in reqs)
     matches = [r.output == list(t[:gen_len + 1]) for r, t in zip(reqs, plain_tokens)]
+    # where each request first left the plain run's tokens (None: never): a bf16 near-tie flips
+    # one token somewhere, a wrong verify diverges at once (the prefill token is index 0)
+    first_diff = [next((i for i, (a, b) in enumerate(zip(r.output, t)) if a != b), None)
+                  for r, t in zip(reqs, plain_tokens)]
     return {
         "batch": B,
         "speculate": k,
@@ -549,6 +553,7 @@ def run_speculative(model, prompts: torch.Tensor, plain_tokens: list[list[int]],
         "tokens_per_step": decoded / max(1, request_steps),
         "tokens_match": all(matches),
         "requests_matching": sum(matches),
+        "first_mismatch": first_diff,
         "verify_path": verify_path,
         "steps_by_path": dict(engine.stats["steps"]),  # the engine's per-step choice (replay / legacy / plain)
     }
@@ -634,7 +639,8 @@ def _run_hybrid(args, model, name, batches, prompt_len, gen_len, variants, copy_
                       speedup=sr["decode_tok_s"] / plain["decode_tok_s"])
             spec_rows.append(sr)
             print(f"[e2e] batch {b} speculative: {sr['decode_tok_s']:.0f} tok/s, acceptance "
-                  f"{sr['acceptance']:.0%}", file=sys.stderr, flush=True)
+                  f"{sr['acceptance']:.0%}, first token off the plain run's per request: {sr['first_mismatch'][:8]}",
+                  file=sys.stderr, flush=True)
             if cuda:
                 torch.cuda.empty_cache()
     if args.peer:

@@ -94,4 +94,5 @@ def test_e2e_hybrid_speculative_oracle(tmp_path, capsys):
     spec = [json.loads(line) for line in path.read_text().splitlines()][-1]
     assert spec["provider"] == "fastmamba speculative K=2 (oracle)" and spec["speculate"] == 2
     assert spec["tokens_match"] is True and spec["acceptance"] == 1.0 and spec["tokens_per_step"] == 3.0
+    assert spec["first_mismatch"] == [None]  # no request left the plain run's tokens
     assert "yes" in capsys.readouterr().out.splitlines()[-1]
