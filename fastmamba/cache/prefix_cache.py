@@ -12,9 +12,9 @@ preallocated pool, keyed by the exact token prefix:
 - ``restore(entry, cache, slot)`` copies the entry's states into a slot: the request then prefills
   only ``prompt[entry.length:]``, continuing from them.
 
-Lookup hashes every prefix of the prompt once (a rolling 64-bit polynomial hash, O(L)) and checks the
-candidate lengths against a dict; a hit is confirmed by comparing the stored tokens, so a hash
-collision can never hand out a wrong state. Restoring copies exactly the stored bits: the output
+Snapshots are keyed by their token tuple itself (a dict: Python hashes and compares the tuple in C,
+so a hash collision can never hand out a wrong state); a lookup tries the cached lengths, longest
+first, each one a slice and a dict probe of the prompt. Restoring copies exactly the stored bits: the output
 with a hit equals the output without one whenever the states are (fp32: bit-equal logits, given
 the same split of the prefill at the cached length).
 
@@ -32,18 +32,12 @@ import torch
 from fastmamba.cache.state_cache import StateCache
 
 MAX_ENTRIES_FROM_BUDGET = 4096
-_MOD = (1 << 61) - 1
-_BASE = 1_000_003
 
 
-def prefix_hashes(tokens: Sequence[int]) -> list[int]:
-    """h[k] = hash of tokens[:k] for k = 0..len(tokens) (rolling polynomial hash mod 2^61 - 1)."""
-    out = [0]
-    h = 0
-    for t in tokens:
-        h = (h * _BASE + int(t) + 1) % _MOD
-        out.append(h)
-    return out
+def as_tokens(tokens: Sequence[int]) -> tuple[int, ...]:
+    """``tokens`` as a tuple of Python ints (the cache's key): a list of ints converts in C."""
+    t = tuple(tokens)
+    return t if all(type(v) is int for v in t) else tuple(int(v) for v in t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +112,8 @@ class PrefixCache:
         self.min_length = max(1, int(min_length))
         self.conv = [torch.empty((max_entries, *c.shape[1:]), dtype=c.dtype, device=c.device) for c in cache.conv]
         self.ssm = [torch.empty((max_entries, *s.shape[1:]), dtype=s.dtype, device=s.device) for s in cache.ssm]
-        self._by_key: dict[tuple[int, int], PrefixEntry] = {}  # (length, hash) -> entry
-        self._lru: OrderedDict[int, tuple[int, int]] = OrderedDict()  # pool row -> key, oldest first
+        self._by_key: dict[tuple[int, ...], PrefixEntry] = {}  # tokens -> entry
+        self._lru: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # pool row -> key, oldest first
         self._free = list(range(max_entries - 1, -1, -1))
         self._lengths: dict[int, int] = {}  # length -> snapshots of that length
         self.stats = {"lookups": 0, "hits": 0, "prompt_tokens": 0, "hit_tokens": 0, "saves": 0, "evictions": 0}
@@ -149,15 +143,14 @@ class PrefixCache:
     def _forget(self, index: int) -> None:
         key = self._lru.pop(index)
         del self._by_key[key]
-        self._lengths[key[0]] -= 1
-        if not self._lengths[key[0]]:
-            del self._lengths[key[0]]
+        self._lengths[len(key)] -= 1
+        if not self._lengths[len(key)]:
+            del self._lengths[len(key)]
 
     def lookup(self, tokens: Sequence[int]) -> PrefixEntry | None:
         """The snapshot of exactly ``tokens`` (refreshed in the LRU order), or None. No stats counted."""
-        tokens = tuple(int(t) for t in tokens)
-        entry = self._by_key.get((len(tokens), prefix_hashes(tokens)[-1]))
-        if entry is None or entry.tokens != tokens:
+        entry = self._by_key.get(as_tokens(tokens))
+        if entry is None:
             return None
         self._lru.move_to_end(entry.index)
         return entry
@@ -168,30 +161,23 @@ class PrefixCache:
         is nothing to write: the prefix is shorter than ``min_length``, already cached (then only
         refreshed), or every row is taken by ``protect`` (rows claimed earlier in the same step, whose
         writes are still pending). If the write does not happen, ``drop`` the entry."""
-        tokens = tuple(int(t) for t in tokens)
+        tokens = as_tokens(tokens)
         if len(tokens) < self.min_length or self.lookup(tokens) is not None:
             return None
-        key = (len(tokens), prefix_hashes(tokens)[-1])
-        old = self._by_key.get(key)
-        if old is not None:  # a colliding prefix: its row is reused
-            if old.index in protect:
-                return None
-            self._forget(old.index)
-            self._free.append(old.index)
+        key = tokens
         index = self._free.pop() if self._free else self._evict_one(protect)
         if index is None:
             return None
         entry = PrefixEntry(index, tokens)
         self._by_key[key] = entry
         self._lru[index] = key
-        self._lengths[key[0]] = self._lengths.get(key[0], 0) + 1
+        self._lengths[len(key)] = self._lengths.get(len(key), 0) + 1
         self.stats["saves"] += 1
         return entry
 
     def drop(self, entry: PrefixEntry) -> None:
         """Forget a claimed entry whose states were never written (its row becomes free)."""
-        key = (entry.length, prefix_hashes(entry.tokens)[-1])
-        if self._by_key.get(key) is entry:
+        if self._by_key.get(entry.tokens) is entry:
             self._forget(entry.index)
             self._free.append(entry.index)
             self.stats["saves"] -= 1
@@ -201,6 +187,7 @@ class PrefixCache:
         the same prefix is refreshed in the LRU order instead. Returns the entry (None if skipped)."""
         if not 0 <= slot < cache.num_slots:
             raise ValueError(f"PrefixCache.save: slot {slot} outside [0, {cache.num_slots})")
+        tokens = as_tokens(tokens)
         existing = self.lookup(tokens)
         if existing is not None:
             return existing
@@ -217,12 +204,12 @@ class PrefixCache:
         self.stats["prompt_tokens"] += len(prompt)
         best = None
         if self._lengths:
-            hashes = prefix_hashes(prompt)
+            prompt = as_tokens(prompt)
             for length in sorted(self._lengths, reverse=True):
                 if length >= len(prompt):
                     continue
-                entry = self._by_key.get((length, hashes[length]))
-                if entry is not None and entry.tokens == tuple(int(t) for t in prompt[:length]):
+                entry = self._by_key.get(prompt[:length])
+                if entry is not None:
                     best = entry
                     break
         if best is not None:
@@ -233,7 +220,7 @@ class PrefixCache:
 
     def restore(self, entry: PrefixEntry, cache: StateCache, slot: int) -> None:
         """Copy ``entry``'s states into slot ``slot`` of ``cache`` (every layer)."""
-        if self._lru.get(entry.index) is None or self._by_key.get((entry.length, prefix_hashes(entry.tokens)[-1])) is not entry:
+        if self._by_key.get(entry.tokens) is not entry:
             raise ValueError("PrefixCache.restore: the entry was evicted; call match() again")
         i = entry.index
         torch._foreach_copy_([d[slot] for d in cache.conv + cache.ssm], [s[i] for s in self.conv + self.ssm])

@@ -407,6 +407,8 @@ class Engine:
         elif isinstance(prompt, (str, bytes)):
             raise TypeError(f"{who}the prompt must be token ids, got a {type(prompt).__name__} "
                             "(encode the text with the tokenizer first)")
+        elif isinstance(prompt, (list, tuple)) and all(type(t) is int for t in prompt):  # the common case, in C
+            ids = list(prompt)
         elif isinstance(prompt, Iterable) and not isinstance(prompt, (Mapping, Set)):  # lists, tuples, numpy
             ids = []
             for i, t in enumerate(prompt):
@@ -420,8 +422,8 @@ class Engine:
                             f"tensor, got {type(prompt).__name__}")
         if not ids:
             raise ValueError(f"{who}the prompt is empty")
-        bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < V]
-        if bad:
+        if min(ids) < 0 or max(ids) >= V:
+            bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < V]
             where = ", ".join(f"prompt[{i}]={t}" for i, t in bad[:4])
             raise ValueError(f"{who}token ids must lie in [0, {V}) (the vocabulary), got {where}"
                              f"{' ...' if len(bad) > 4 else ''}")

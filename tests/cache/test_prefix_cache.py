@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fastmamba
-from fastmamba.cache.prefix_cache import MAX_ENTRIES_FROM_BUDGET, PrefixCache, prefix_hashes
+from fastmamba.cache.prefix_cache import MAX_ENTRIES_FROM_BUDGET, PrefixCache, as_tokens
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +23,12 @@ def prefill(model, cache, slot, tokens, continue_=False):
                                 torch.tensor([slot], dtype=torch.int32), has_initial_state=continue_)
 
 
-def test_hashes_are_prefix_consistent():
-    h = prefix_hashes([5, 6, 7])
-    assert len(h) == 4 and h[:3] == prefix_hashes([5, 6]) and h[0] == 0
-    assert prefix_hashes([1, 2])[-1] != prefix_hashes([2, 1])[-1]
+def test_keys_are_exact_token_tuples():
+    import numpy as np
+
+    assert as_tokens([5, 6, 7]) == (5, 6, 7) and as_tokens(np.array([5, 6])) == (5, 6)
+    assert all(type(t) is int for t in as_tokens(np.array([5, 6])))
+    assert as_tokens(torch.tensor([1, 2])) == (1, 2)
 
 
 def test_hit_restores_the_exact_state(model):
