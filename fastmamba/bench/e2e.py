@@ -205,21 +205,9 @@ def run_batch_hybrid(model, batch: int, prompt_len: int, gen_len: int, *, pdl: b
         def step(t):
             return model.decode(t, cache, slots).argmax(-1)
 
-    for _ in range(3):  # capture + warm up
-        tokens = step(tokens)
-        emitted.append(tokens)
-    state = {"t": tokens}
+    tokens = _warm_up(step, tokens, emitted)
     context0 = cache.length(slots_host[0])
-
-    def loop():
-        t = state["t"]
-        for _ in range(gen_len):
-            t = step(t)
-            if record:
-                emitted.append(t)  # a device tensor: no sync in the loop
-        state["t"] = t
-
-    t_decode = _timed(loop, device)
+    t_decode = _time_decode(step, tokens, gen_len, device, emitted if record else None)
     context = context0 + (gen_len - 1) / 2  # mean KV length read over the timed steps
     extra = {"tokens": torch.stack(emitted, dim=1).tolist()} if record else {}
     return extra | {
@@ -291,6 +279,30 @@ def _timed(fn, device) -> float:
     return time.perf_counter() - t0
 
 
+def _warm_up(step, tokens: torch.Tensor, emitted: list) -> torch.Tensor:
+    """Three decode steps first (graph capture, compiles); their tokens go to ``emitted``."""
+    for _ in range(3):
+        tokens = step(tokens)
+        emitted.append(tokens)
+    return tokens
+
+
+def _time_decode(step, tokens: torch.Tensor, gen_len: int, device, emitted: list | None) -> float:
+    """Seconds for ``gen_len`` decode steps from ``tokens`` (``_timed``); each step's tokens are
+    appended to ``emitted`` when given (device tensors: no sync in the loop)."""
+    state = {"t": tokens}
+
+    def loop():
+        t = state["t"]
+        for _ in range(gen_len):
+            t = step(t)
+            if emitted is not None:
+                emitted.append(t)
+        state["t"] = t
+
+    return _timed(loop, device)
+
+
 def make_prompts(vocab_size: int, batch: int, prompt_len: int, *, repetitive: bool = False) -> torch.Tensor:
     """[batch, prompt_len] int64 random token ids on the CPU, seeded by the batch size; repetitive:
     each row a random block of REPEAT_BLOCK tokens repeated (cut to prompt_len)."""
@@ -355,20 +367,8 @@ def run_batch(model, batch: int, prompt_len: int, gen_len: int, *, pdl: bool, de
             advance()
             return model.decode(t, cache, slots, rand_seed=seeds).argmax(-1)
 
-    for _ in range(3):  # capture + warm up
-        tokens = step(tokens)
-        emitted.append(tokens)
-    state = {"t": tokens}
-
-    def loop():
-        t = state["t"]
-        for _ in range(gen_len):
-            t = step(t)
-            if record:
-                emitted.append(t)  # a device tensor: no sync in the loop
-        state["t"] = t
-
-    t_decode = _timed(loop, device)
+    tokens = _warm_up(step, tokens, emitted)
+    t_decode = _time_decode(step, tokens, gen_len, device, emitted if record else None)
     row = {
         "batch": batch,
         "prefill_s": t_prefill,

@@ -131,6 +131,9 @@ class HybridCache:
     def commit_plain(self, slots: torch.Tensor) -> None:
         self.state.commit_plain(slots)
 
+    def commit_path(self, slots: torch.Tensor, accepted: torch.Tensor, path: str, who: str) -> None:
+        self.state.commit_path(slots, accepted, path, who)
+
     def rollback(self, slots: list[int], drop: list[int]) -> None:
         """After a verify step: slot ``slots[i]`` forgets its last ``drop[i]`` tokens (the rejected
         drafts' K/V; their pages past the new length go back to the pool). Host lists; one sync

@@ -214,6 +214,18 @@ class StateCache:
     _legacy_inter: list[torch.Tensor] | None = None
     _no_dst: dict[int, torch.Tensor] | None = None
 
+    def commit_path(self, slots: torch.Tensor, accepted: torch.Tensor, path: str, who: str) -> None:
+        """After a verify step on ``path``: "replay" ``commit``, "legacy" ``commit_legacy``, "plain"
+        ``commit_plain``; ValueError naming ``who`` for another path. (The models' ``commit``.)"""
+        if path == "replay":
+            self.commit(slots, accepted)
+        elif path == "legacy":
+            self.commit_legacy(slots, accepted)
+        elif path == "plain":
+            self.commit_plain(slots)
+        else:
+            raise ValueError(f'{who}: `path` expected "replay", "legacy" or "plain", got {path!r}')
+
     def reserve_legacy(self, max_batch: int) -> None:
         """Bound the legacy (per-position) path to ``max_batch`` requests per step. Its buffers,
         n_layer x [max_batch, T, H, P, N] in the SSM state dtype, are allocated at the first legacy

@@ -340,11 +340,4 @@ class Mamba2LM(nn.Module):
         last emitted token plus the accepted drafts; 1 on the plain path). "replay":
         ``StateCache.commit``; "legacy": ``StateCache.commit_legacy`` (copies the accepted
         position's state into the slot); "plain": ``StateCache.commit_plain``."""
-        if path == "replay":
-            cache.commit(slots, accepted)
-        elif path == "legacy":
-            cache.commit_legacy(slots, accepted)
-        elif path == "plain":
-            cache.commit_plain(slots)
-        else:
-            raise ValueError(f'Mamba2LM.commit: `path` expected "replay", "legacy" or "plain", got {path!r}')
+        cache.commit_path(slots, accepted, path, "Mamba2LM.commit")

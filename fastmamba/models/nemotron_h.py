@@ -557,14 +557,7 @@ class NemotronHLM(nn.Module):
         The Mamba layers as ``Mamba2LM.commit``; rollback: True: the rejected tokens' K/V are
         dropped (``cache.rollback``; reads slots and accepted on the host); False: the caller
         does it (after a CUDA-graph replay of the rest)."""
-        if path == "replay":
-            cache.commit(slots, accepted)
-        elif path == "legacy":
-            cache.commit_legacy(slots, accepted)
-        elif path == "plain":
-            cache.commit_plain(slots)
-        else:
-            raise ValueError(f'NemotronHLM.commit: `path` expected "replay", "legacy" or "plain", got {path!r}')
+        cache.commit_path(slots, accepted, path, "NemotronHLM.commit")
         if rollback:
             ntok = 1 if path == "plain" else cache.tokens_per_step
             live = [(s, ntok - a) for s, a in zip(host_list(slots), host_list(accepted)) if s != -1]
