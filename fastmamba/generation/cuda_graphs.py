@@ -17,6 +17,7 @@ address: advance it in place before a replay and the replay's 16-bit state store
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +31,23 @@ if TYPE_CHECKING:
     from fastmamba.models.nemotron_h import NemotronHLM
 
 PAD_SLOT = -1
+
+
+class CaptureClock:
+    """How many CUDA graphs an owner captured and the host seconds that took (warm-up runs
+    included): a capture in the middle of serving stalls every running request for that long."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds = 0, 0.0
+
+    @contextlib.contextmanager
+    def timing(self):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.count += 1
+            self.seconds += time.perf_counter() - t0
 
 
 def buckets_up_to(max_batch: int) -> list[int]:
@@ -95,6 +113,7 @@ class GraphedDecoder:
         self.slots = torch.full((max_batch,), PAD_SLOT, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.captured = CaptureClock()
 
     def _bucket(self, n: int) -> int:
         return _bucket_for(self.buckets, n, "GraphedDecoder")
@@ -129,7 +148,8 @@ class GraphedDecoder:
             self.tokens[n:b].zero_()
             self.slots[n:b].fill_(PAD_SLOT)
         if b not in self.graphs:
-            self.graphs[b] = self._capture(b)
+            with self.captured.timing():
+                self.graphs[b] = self._capture(b)
         graph, logits = self.graphs[b]
         graph.replay()
         return logits[:n]
@@ -178,6 +198,7 @@ class GraphedVerifier:
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.commit_graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.captured = CaptureClock()
 
     def invalidate(self) -> None:
         """Drop every captured graph (after the weights moved to new storage); recaptured on next use."""
@@ -225,7 +246,8 @@ class GraphedVerifier:
                              f"got {tuple(tokens.shape)} and {tuple(slots.shape)}")
         n, b = self._fill(path, tokens, slots)
         if (path, b) not in self.graphs:
-            self.graphs[(path, b)] = self._capture(path, b)
+            with self.captured.timing():
+                self.graphs[(path, b)] = self._capture(path, b)
         graph, logits = self.graphs[(path, b)]
         graph.replay()
         return logits[:n]

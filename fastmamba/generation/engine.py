@@ -363,6 +363,13 @@ class Engine:
         """The prefix cache's counters (lookups, hits, prompt_tokens, hit_tokens, saves, evictions), or None."""
         return None if self.prefix is None else dict(self.prefix.stats)
 
+    @property
+    def graph_captures(self) -> dict[str, float]:
+        """CUDA graphs captured so far (decode, verify and prefill) and the host seconds the captures
+        took: {"count": n, "seconds": s}. Graphs are captured at a bucket's first use."""
+        owners = [o for o in (self.decoder, self.verifier, self.prefiller) if o is not None]
+        return {"count": sum(o.captured.count for o in owners), "seconds": sum(o.captured.seconds for o in owners)}
+
     # ------------------------------------------------------------------ requests in and out
 
     def add_request(self, prompt: Sequence[int] | torch.Tensor, params: SamplingParams = SamplingParams()) -> int:

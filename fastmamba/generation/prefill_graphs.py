@@ -4,7 +4,8 @@ A warm prefill of a few hundred tokens is host-bound: every layer launches a doz
 Python, so a 64-layer model spends tens of milliseconds on the CPU for a few milliseconds of GPU
 work. ``GraphedPrefill`` captures ``Mamba2LM.prefill_varlen`` once per bucket and replays it:
 
-- token buckets 16, 32, 64, ... up to ``max_tokens`` (the packed length T is padded up);
+- token buckets 16, 24, 32, 48, 64, ... (powers of two and their midpoints) up to ``max_tokens``
+  (the packed length T is padded up);
 - request buckets 1, 2, 4, ... up to ``max_requests`` + 1 (one spare request for the padding).
 
 Padding never touches a real slot: the padded tokens form extra requests of at least one token
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from fastmamba.cache.state_cache import StateCache
+from fastmamba.generation.cuda_graphs import CaptureClock
 from fastmamba.models.mamba2_lm import Mamba2LM
 from fastmamba.ops._common.host_values import trusted_inputs
 from fastmamba.ops._common.pdl import pdl_supported, programmatic_dependent_launch
@@ -38,6 +40,20 @@ def powers_of_two_up_to(lo: int, hi: int) -> list[int]:
     out, b = [], lo
     while b < hi:
         out.append(b)
+        b *= 2
+    return out + [hi]
+
+
+def token_buckets_up_to(lo: int, hi: int) -> list[int]:
+    """Powers of two from ``lo`` (a power of two >= 4) and the midpoints between them (lo, 1.5 lo,
+    2 lo, 3 lo, 4 lo, ...), up to and including ``hi``: a call pads its tokens by less than half,
+    where powers of two alone nearly double a batch just above one (one 512-token prompt plus its
+    padding request is 513 tokens: 768, not 1024)."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        if b + b // 2 < hi:
+            out.append(b + b // 2)
         b *= 2
     return out + [hi]
 
@@ -80,7 +96,7 @@ class GraphedPrefill:
             pdl = pdl_supported(model.lm_head.weight)
         self.model, self.cache, self.pdl = model, cache, pdl
         self.rand_seed = rand_seed  # stochastic rounding's [n_layer] seeds, read by address at replay
-        self.token_buckets = powers_of_two_up_to(MIN_TOKEN_BUCKET, max_tokens)
+        self.token_buckets = token_buckets_up_to(MIN_TOKEN_BUCKET, max_tokens)
         self.request_buckets = powers_of_two_up_to(2, max_requests + 1)
         dev = model.lm_head.weight.device
         nb = self.request_buckets[-1]
@@ -90,6 +106,7 @@ class GraphedPrefill:
         self.flags = torch.zeros(nb, dtype=torch.bool, device=dev)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.captured = CaptureClock()
 
     def buckets(self, lengths: Sequence[int]) -> tuple[int, int] | None:
         """(token bucket, request bucket) for requests of these lengths, or None if none fits."""
@@ -175,7 +192,8 @@ class GraphedPrefill:
         self.slots[:rb].copy_(dev[tb + rb + 1:tb + 2 * rb + 1])
         self.flags[:rb].copy_(dev[tb + 2 * rb + 1:] != 0)
         if (tb, rb) not in self.graphs:
-            self.graphs[(tb, rb)] = self._capture(tb, rb, cu, list(slots) + [PAD_SLOT] * (rb - n))
+            with self.captured.timing():
+                self.graphs[(tb, rb)] = self._capture(tb, rb, cu, list(slots) + [PAD_SLOT] * (rb - n))
         graph, logits = self.graphs[(tb, rb)]
         graph.replay()
         return logits[:n]

@@ -10,6 +10,7 @@ requests aborted (their slots freed at the engine thread's next turn).
 """
 from __future__ import annotations
 
+import hmac
 import json
 import sys
 import time
@@ -105,6 +106,26 @@ def chat_logprobs(codec: Codec, tokens: list[int], lps: list) -> dict:
                         for t, (lp, top) in zip(tokens, lps)]}
 
 
+class _BearerAuth:
+    """ASGI middleware: ``/v1/*`` needs ``Authorization: Bearer <api_key>``, else 401 with an
+    OpenAI-style body. Plain ASGI rather than ``@app.middleware("http")``, whose wrapper re-streams
+    every response through a task and a memory channel (measurable on each streamed token)."""
+
+    def __init__(self, app, *, api_key: str, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+        self.expected = f"Bearer {api_key}".encode("latin-1")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):  # constant time
+                self.metrics.requests.labels(scope["path"], "401").inc()
+                body = error_body("invalid or missing API key (Authorization: Bearer ...)", type="authentication_error")
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(engine: Engine | EngineProcess, *, model_name: str, codec: Codec | None = None,
                api_key: str | None = None, max_waiting: int = 256, max_model_len: int | None = None) -> FastAPI:
     """The app around ``engine``: an ``Engine`` (run by a thread of this process, which owns it from
@@ -155,13 +176,8 @@ def create_app(engine: Engine | EngineProcess, *, model_name: str, codec: Codec 
         headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
         return fail(exc.status, str(exc), param=exc.param, type=exc.type, headers=headers)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                metrics.requests.labels(request.url.path, "401").inc()
-                return fail(401, "invalid or missing API key (Authorization: Bearer ...)", type="authentication_error")
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(_BearerAuth, api_key=api_key, metrics=metrics)
 
     async def parse(request: Request, schema):
         try:

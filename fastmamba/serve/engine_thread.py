@@ -29,7 +29,8 @@ def engine_stats(engine: Engine) -> dict:
     return {"running": len(engine.running), "waiting": len(engine.waiting),
             "slots_total": engine.cache.num_slots, "slots_used": engine.cache.num_slots - engine.cache.free_slots,
             "kv_pages": pages() if callable(pages) else pages,
-            "prefill_tokens": engine.stats.get("prefill_tokens", 0), "prefix": engine.prefix_stats}
+            "prefill_tokens": engine.stats.get("prefill_tokens", 0), "prefix": engine.prefix_stats,
+            "graph_captures": engine.graph_captures}
 
 
 class QueueFull(RuntimeError):

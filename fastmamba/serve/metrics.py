@@ -38,6 +38,10 @@ class ServerMetrics:
                                           registry=r)
         self.engine_prefill_step_seconds = Gauge("fastmamba_engine_prefill_step_seconds",
                                                  "time inside engine steps that prefilled since start", registry=r)
+        self.graph_captures = Gauge("fastmamba_engine_graph_captures", "CUDA graphs the engine captured since start "
+                                    "(each at its bucket's first use; the steps that capture are slow)", registry=r)
+        self.graph_capture_seconds = Gauge("fastmamba_engine_graph_capture_seconds",
+                                           "host time spent capturing CUDA graphs since start", registry=r)
         self.prefix_hit_rate = Gauge("fastmamba_prefix_cache_hit_rate",
                                      "prompt tokens served from the prefix cache / prompt tokens", registry=r)
 
@@ -49,6 +53,10 @@ class ServerMetrics:
         self.slots_used.set(stats["slots_used"])
         self.kv_pages_used.set(stats["kv_pages"])
         self.prefill_tokens.set(stats["prefill_tokens"])
+        captures = stats.get("graph_captures")
+        if captures:
+            self.graph_captures.set(captures["count"])
+            self.graph_capture_seconds.set(captures["seconds"])
         prefix = stats.get("prefix")
         if prefix:
             self.prefix_hits.set(prefix["hits"])

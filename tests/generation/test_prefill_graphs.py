@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fastmamba
-from fastmamba.generation.prefill_graphs import GraphedPrefill, padded_layout, powers_of_two_up_to
+from fastmamba.generation.prefill_graphs import GraphedPrefill, padded_layout, powers_of_two_up_to, token_buckets_up_to
 from tests.helpers import seeded, tol
 
 
@@ -33,6 +33,20 @@ def test_bucket_choice_leaves_room_for_padding():
     assert gp.buckets([100] * 8) == (1024, 9)
     assert gp.buckets([1] * 9) is None  # more requests than the largest bucket holds
     assert gp.buckets([2048]) is None  # no room for the padding token
+
+
+def test_token_buckets_pad_by_less_than_half():
+    assert token_buckets_up_to(16, 200) == [16, 24, 32, 48, 64, 96, 128, 192, 200]
+    assert token_buckets_up_to(16, 20) == [16, 20]
+    gp = object.__new__(GraphedPrefill)
+    gp.token_buckets = token_buckets_up_to(16, 2113)
+    gp.request_buckets = powers_of_two_up_to(2, 65)
+    assert gp.buckets([512]) == (768, 2)  # 513 tokens with the padding request
+    assert gp.buckets([512, 512]) == (1536, 4)
+    assert gp.buckets([64]) == (96, 2)
+    for n in range(1, 2050, 37):  # every fit wastes less than half of its bucket
+        tb, _ = gp.buckets([n])
+        assert n + 1 <= tb and (tb <= 16 or tb < 1.5 * (n + 1) + 1)
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +100,9 @@ def test_graphed_prefill_equals_eager():
                                              device="cuda"),
                                 eager_cache, torch.tensor(slots, dtype=torch.int32, device="cuda"), False)
         gp = GraphedPrefill(m, graph_cache, max_tokens=512, max_requests=7)
-        for _ in range(2):  # first call captures, second replays
+        for i in range(2):  # first call captures, second replays
             got = gp.prefill(prompts, slots, False)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            assert gp.captured.count == 1 and gp.captured.seconds > 0, i  # counted once, at the first call
         for a, b in zip((*graph_cache.conv, *graph_cache.ssm), (*eager_cache.conv, *eager_cache.ssm)):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

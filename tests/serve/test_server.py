@@ -292,3 +292,4 @@ def test_multi_turn_conversation_prefills_only_new_tokens(server, client, refere
             assert after[0] - before[0] == len(new) + 1, turn
             assert after[1] - before[1] == 1
         history = prompt + reply
+    assert server.metric("fastmamba_engine_graph_captures") == 0  # the reference ops on a CPU: no CUDA graph
