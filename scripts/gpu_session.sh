@@ -37,6 +37,7 @@ for step in "${steps[@]}"; do
         e2e)       timeout 360 python3 -m fastmamba.bench e2e --peer --json "$OUT/e2e.jsonl" --plot "$OUT/e2e.png" > "$OUT/e2e.txt" 2> "$OUT/e2e.err"; echo "rc=$?"; cat "$OUT/e2e.txt"; tail -5 "$OUT/e2e.err" ;;
         ttft)      timeout 400 python3 -m fastmamba.bench ttft --json "$OUT/ttft.jsonl" > "$OUT/ttft.txt" 2> "$OUT/ttft.err"; echo "rc=$?"; cat "$OUT/ttft.txt"; tail -3 "$OUT/ttft.err" ;;
         serve)     timeout 500 python3 -m fastmamba.bench serve --json "$OUT/serve.jsonl" > "$OUT/serve.txt" 2> "$OUT/serve.err"; echo "rc=$?"; cat "$OUT/serve.txt"; tail -3 "$OUT/serve.err" ;;
+        profile-hit) timeout 200 python3 scripts/profile_prefix_hit.py > "$OUT/profile-hit.txt" 2>&1; echo "rc=$?"; head -8 "$OUT/profile-hit.txt" ;;
         prefix)    timeout 400 python3 -m fastmamba.bench serve --shared-prefix 2048 --requests 16 --prompt-len 64 --output-len 16 --json "$OUT/prefix.jsonl" > "$OUT/prefix.txt" 2> "$OUT/prefix.err"; echo "rc=$?"; cat "$OUT/prefix.txt"; tail -3 "$OUT/prefix.err" ;;
         tests-*)   timeout 400 python3 -m pytest -q -n 8 ${step#tests-} > "$OUT/tests.log" 2>&1; echo "rc=$?"; tail -n 15 "$OUT/tests.log" ;;
         crossover) FASTMAMBA_GIT_COMMIT=${FASTMAMBA_GIT_COMMIT:-unknown} timeout 400 python3 -m fastmamba.bench spec --shapes mamba2-2.7b,nemotron-h --tokens 2,4,6,8,16 --state fp32,fp16 --write-table > "$OUT/crossover.txt" 2> "$OUT/crossover.err"; echo "rc=$?"; tail -n 30 "$OUT/crossover.txt"; tail -3 "$OUT/crossover.err"; cp fastmamba/generation/verify_crossover.json "$OUT/" ;;

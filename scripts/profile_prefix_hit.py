@@ -48,6 +48,25 @@ def main() -> None:
     walls = [first_token(engine, system + s, params) for s in suffixes[3:8]]
     print(f"hit TTFT without profiler: median {1e3 * statistics.median(walls):.2f} ms "
           f"({', '.join(f'{1e3 * w:.2f}' for w in walls)})")
+    # the hit's parts alone, synchronised: the state restore, the graphed prefill of the new tokens
+    entry = engine.prefix.match(system + suffixes[3])
+    slot = engine.cache.take(1)[0]
+
+    def timed(fn, n=20):
+        ts = []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(ts)
+
+    restore = timed(lambda: engine.prefix.restore(entry, engine.cache, slot))
+    prefill = timed(lambda: engine.prefiller.prefill([suffixes[3]], [slot], True))
+    print(f"parts: restore {restore:.2f} ms, graphed prefill of {args.suffix} tokens {prefill:.2f} ms "
+          f"(bucket {engine.prefiller.buckets([args.suffix])})")
+    engine.cache.free([slot])
     prof = cProfile.Profile()
     prof.enable()
     for s in suffixes[8:]:
