@@ -35,9 +35,22 @@ MAX_ENTRIES_FROM_BUDGET = 4096
 
 
 def as_tokens(tokens: Sequence[int]) -> tuple[int, ...]:
-    """``tokens`` as a tuple of Python ints (the cache's key): a list of ints converts in C."""
+    """``tokens`` as a tuple of Python ints (the cache's key): a list of ints converts and is
+    checked in C (``set(map(type, ...))``: no Python-level loop over a long prompt)."""
     t = tuple(tokens)
-    return t if all(type(v) is int for v in t) else tuple(int(v) for v in t)
+    return t if set(map(type, t)) <= {int} else tuple(int(v) for v in t)
+
+
+def copy_rows(dst: list[torch.Tensor], dst_row: int, src: list[torch.Tensor], src_row: int) -> None:
+    """``dst[l][dst_row] = src[l][src_row]`` for every l, one fused multi-tensor copy per dtype
+    (``_foreach_copy_`` takes its fast path only when all its tensors share a dtype)."""
+    by_dtype: dict[torch.dtype, tuple[list, list]] = {}
+    for d, s in zip(dst, src):
+        pair = by_dtype.setdefault(d.dtype, ([], []))
+        pair[0].append(d[dst_row])
+        pair[1].append(s[src_row])
+    for d, s in by_dtype.values():
+        torch._foreach_copy_(d, s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +208,7 @@ class PrefixCache:
         if entry is None:
             return None
         i = entry.index
-        torch._foreach_copy_([d[i] for d in self.conv + self.ssm], [s[slot] for s in cache.conv + cache.ssm])
+        copy_rows(self.conv + self.ssm, i, cache.conv + cache.ssm, slot)
         return entry
 
     def match(self, prompt: Sequence[int]) -> PrefixEntry | None:
@@ -223,4 +236,4 @@ class PrefixCache:
         if self._by_key.get(entry.tokens) is not entry:
             raise ValueError("PrefixCache.restore: the entry was evicted; call match() again")
         i = entry.index
-        torch._foreach_copy_([d[slot] for d in cache.conv + cache.ssm], [s[i] for s in self.conv + self.ssm])
+        copy_rows(cache.conv + cache.ssm, slot, self.conv + self.ssm, i)

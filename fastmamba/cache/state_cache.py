@@ -29,6 +29,7 @@ step that accepted a of its T inputs, both are a (``commit``).
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -122,17 +123,23 @@ class StateCache:
             self.mark_prefilled(idx)
         return idx
 
-    def take(self, n: int = 1) -> list[int]:
+    def take(self, n: int = 1, *, zero: Sequence[bool] | None = None) -> list[int]:
         """``alloc`` for a caller that wants host ints (the engine): the same slots, zeroed states
-        (one ``_foreach_zero_`` over the rows, not a kernel per layer), no device-to-host read."""
+        (one ``_foreach_zero_`` per state dtype over the rows, not a kernel per layer), no
+        device-to-host read. ``zero``: n bools, False leaves that slot's rows as they are, for a
+        caller that overwrites all of them next (a prefix-cache restore)."""
         if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 0:
             raise ValueError(f"StateCache.take: n must be an int >= 0, got {n!r}")
+        if zero is not None and len(zero) != n:
+            raise ValueError(f"StateCache.take: `zero` expected {n} bools (one per slot), got {len(zero)}")
         if n > len(self._free):
             raise RuntimeError(f"StateCache.take: {n} slots requested but only {len(self._free)} of "
                                f"{self.num_slots} are free (free finished requests' slots first)")
         slots = [self._free.pop() for _ in range(n)]
-        if slots:
-            torch._foreach_zero_([pool[s] for pool in self.conv + self.ssm for s in slots])
+        wipe = slots if zero is None else [s for s, z in zip(slots, zero) if z]
+        if wipe:
+            for pools in (self.conv, self.ssm):  # one dtype per call: the fused multi-tensor kernel
+                torch._foreach_zero_([pool[s] for pool in pools for s in wipe])
             if self.speculate:
                 self.mark_prefilled(torch.tensor(slots, dtype=torch.int32).to(self.conv[0].device, non_blocking=True))
         return slots

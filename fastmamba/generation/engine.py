@@ -608,14 +608,18 @@ class Engine:
     def _admit(self, n: int) -> list[Request]:
         """Move ``n`` waiting requests to fresh slots (one take: one zeroing pass, no host read)."""
         admitted = [self.waiting.popleft() for _ in range(n)]
-        for req, slot in zip(admitted, self.cache.take(n)):
-            req.slot = slot
-            self._replay_slots.discard(slot)  # prefill leaves nothing to replay
-            if self.prefix is not None:  # start from the longest cached prefix: prefill only the rest
-                entry = self.prefix.match(req.prompt)
+        if self.prefix is None:
+            slots = self.cache.take(n)
+        else:  # start from the longest cached prefix: prefill only the rest (a restored slot needs no zeroing)
+            entries = [self.prefix.match(req.prompt) for req in admitted]
+            slots = self.cache.take(n, zero=[e is None for e in entries])
+            for req, slot, entry in zip(admitted, slots, entries):
                 if entry is not None:
                     self.prefix.restore(entry, self.cache, slot)
                     req.prefilled = req.cached_tokens = entry.length
+        for req, slot in zip(admitted, slots):
+            req.slot = slot
+            self._replay_slots.discard(slot)  # prefill leaves nothing to replay
         return admitted
 
     def _prefill(self, admitted: list[Request]) -> list[StepOutput]:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fastmamba
-from fastmamba.cache.prefix_cache import MAX_ENTRIES_FROM_BUDGET, PrefixCache, as_tokens
+from fastmamba.cache.prefix_cache import MAX_ENTRIES_FROM_BUDGET, PrefixCache, as_tokens, copy_rows
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +29,29 @@ def test_keys_are_exact_token_tuples():
     assert as_tokens([5, 6, 7]) == (5, 6, 7) and as_tokens(np.array([5, 6])) == (5, 6)
     assert all(type(t) is int for t in as_tokens(np.array([5, 6])))
     assert as_tokens(torch.tensor([1, 2])) == (1, 2)
+    assert all(type(t) is int for t in as_tokens([True, 3]))  # bool is not kept as a key element
+
+
+def test_copy_rows_mixed_dtypes():
+    """Rows of pools of two dtypes (bf16 conv, fp32 SSM) copied layer by layer; other rows untouched."""
+    g = torch.Generator().manual_seed(3)
+    src = [torch.randn(4, 3, 5, generator=g).to(torch.bfloat16), torch.randn(4, 2, 2, generator=g),
+           torch.randn(4, 3, 5, generator=g).to(torch.bfloat16), torch.randn(4, 2, 2, generator=g)]
+    dst = [torch.full((6,) + tuple(t.shape[1:]), float("nan"), dtype=t.dtype) for t in src]
+    copy_rows(dst, 5, src, 2)
+    for d, s in zip(dst, src):
+        assert torch.equal(d[5], s[2]) and d[:5].isnan().all()
+
+
+def test_take_leaves_restored_slots_unzeroed(model):
+    cache = model.new_cache(3)
+    for pool in cache.conv + cache.ssm:
+        pool.fill_(7.0)
+    a, b = cache.take(2, zero=[True, False])
+    for pool in cache.conv + cache.ssm:
+        assert (pool[a] == 0).all() and (pool[b] == 7).all()
+    with pytest.raises(ValueError, match="`zero` expected 1 bools"):
+        cache.take(1, zero=[True, False])
 
 
 def test_hit_restores_the_exact_state(model):
