@@ -66,6 +66,18 @@ def main() -> None:
     prefill = timed(lambda: engine.prefiller.prefill([suffixes[3]], [slot], True))
     print(f"parts: restore {restore:.2f} ms, graphed prefill of {args.suffix} tokens {prefill:.2f} ms "
           f"(bucket {engine.prefiller.buckets([args.suffix])})")
+    # restore variants: one copy_ per tensor, and index_copy_ over the whole pool
+    pairs = list(zip(engine.cache.conv + engine.cache.ssm, engine.prefix.conv + engine.prefix.ssm))
+    per_tensor = timed(lambda: [d[slot].copy_(s[entry.index]) for d, s in pairs])
+    nbytes = sum(d[slot].numel() * d.element_size() for d, _ in pairs)
+    print(f"restore: {nbytes / 1e6:.1f} MB of states; one copy_ per tensor {per_tensor:.2f} ms; "
+          f"dtypes {sorted({str(d.dtype) for d, _ in pairs})}")
+    # the kernels of one graphed prefill of the new tokens (CUPTI sees the graph's kernels)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.prefiller.prefill([suffixes[3]], [slot], True)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
     engine.cache.free([slot])
     prof = cProfile.Profile()
     prof.enable()

@@ -414,7 +414,7 @@ class Engine:
         elif isinstance(prompt, (str, bytes)):
             raise TypeError(f"{who}the prompt must be token ids, got a {type(prompt).__name__} "
                             "(encode the text with the tokenizer first)")
-        elif isinstance(prompt, (list, tuple)) and all(type(t) is int for t in prompt):  # the common case, in C
+        elif isinstance(prompt, (list, tuple)) and set(map(type, prompt)) <= {int}:  # the common case, in C
             ids = list(prompt)
         elif isinstance(prompt, Iterable) and not isinstance(prompt, (Mapping, Set)):  # lists, tuples, numpy
             ids = []
