@@ -41,16 +41,12 @@ def as_tokens(tokens: Sequence[int]) -> tuple[int, ...]:
     return t if set(map(type, t)) <= {int} else tuple(int(v) for v in t)
 
 
-def copy_rows(dst: list[torch.Tensor], dst_row: int, src: list[torch.Tensor], src_row: int) -> None:
-    """``dst[l][dst_row] = src[l][src_row]`` for every l, one fused multi-tensor copy per dtype
-    (``_foreach_copy_`` takes its fast path only when all its tensors share a dtype)."""
-    by_dtype: dict[torch.dtype, tuple[list, list]] = {}
+def copy_rows(dst: Sequence[torch.Tensor], dst_row: int, src: Sequence[torch.Tensor], src_row: int) -> None:
+    """``dst[k][:, dst_row] = src[k][:, src_row]`` for each stacked pool pair k ([n_layer, rows, ...]):
+    all layers' states of one row in one strided copy per pool (a copy per layer costs ~10 us of
+    Python each: 1 ms for a 64-layer model's 128 pools, for 0.1 ms of copying)."""
     for d, s in zip(dst, src):
-        pair = by_dtype.setdefault(d.dtype, ([], []))
-        pair[0].append(d[dst_row])
-        pair[1].append(s[src_row])
-    for d, s in by_dtype.values():
-        torch._foreach_copy_(d, s)
+        d[:, dst_row].copy_(s[:, src_row])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +119,12 @@ class PrefixCache:
         self.bytes_per_entry = per_entry
         self.max_entries = max_entries
         self.min_length = max(1, int(min_length))
-        self.conv = [torch.empty((max_entries, *c.shape[1:]), dtype=c.dtype, device=c.device) for c in cache.conv]
-        self.ssm = [torch.empty((max_entries, *s.shape[1:]), dtype=s.dtype, device=s.device) for s in cache.ssm]
+        # stacked like the StateCache's pools ([n_layer, entries, ...]): a snapshot is one strided row
+        c0, s0 = cache.conv_stack, cache.ssm_stack
+        self.conv_stack = torch.empty((c0.shape[0], max_entries, *c0.shape[2:]), dtype=c0.dtype, device=c0.device)
+        self.ssm_stack = torch.empty((s0.shape[0], max_entries, *s0.shape[2:]), dtype=s0.dtype, device=s0.device)
+        self.conv = list(self.conv_stack.unbind(0))
+        self.ssm = list(self.ssm_stack.unbind(0))
         self._by_key: dict[tuple[int, ...], PrefixEntry] = {}  # tokens -> entry
         self._lru: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # pool row -> key, oldest first
         self._free = list(range(max_entries - 1, -1, -1))
@@ -208,7 +208,7 @@ class PrefixCache:
         if entry is None:
             return None
         i = entry.index
-        copy_rows(self.conv + self.ssm, i, cache.conv + cache.ssm, slot)
+        copy_rows((self.conv_stack, self.ssm_stack), i, (cache.conv_stack, cache.ssm_stack), slot)
         return entry
 
     def match(self, prompt: Sequence[int]) -> PrefixEntry | None:
@@ -236,4 +236,4 @@ class PrefixCache:
         if self._by_key.get(entry.tokens) is not entry:
             raise ValueError("PrefixCache.restore: the entry was evicted; call match() again")
         i = entry.index
-        copy_rows(cache.conv + cache.ssm, slot, self.conv + self.ssm, i)
+        copy_rows((cache.conv_stack, cache.ssm_stack), slot, (self.conv_stack, self.ssm_stack), i)

@@ -64,10 +64,13 @@ class StateCache:
         self.speculate = speculate
         W = cfg.d_conv
         state_len = W - 1 + speculate if speculate else W
-        self.conv = [torch.zeros(num_slots, cfg.conv_dim, state_len, device=device, dtype=conv_dtype)
-                     for _ in range(cfg.n_layer)]
-        self.ssm = [torch.zeros(num_slots, cfg.nheads, cfg.headdim, cfg.d_state, device=device, dtype=ssm_dtype)
-                    for _ in range(cfg.n_layer)]
+        # every layer's pool is a view of one stacked tensor per kind: a slot's states in all layers
+        # are then one strided tensor, copied or zeroed by one kernel (prefix-cache restores)
+        self.conv_stack = torch.zeros(cfg.n_layer, num_slots, cfg.conv_dim, state_len, device=device, dtype=conv_dtype)
+        self.ssm_stack = torch.zeros(cfg.n_layer, num_slots, cfg.nheads, cfg.headdim, cfg.d_state, device=device,
+                                     dtype=ssm_dtype)
+        self.conv = list(self.conv_stack.unbind(0))
+        self.ssm = list(self.ssm_stack.unbind(0))
         self.replay: list[ReplayCache] = []
         self.conv_accepted: torch.Tensor | None = None
         if speculate:
@@ -125,7 +128,7 @@ class StateCache:
 
     def take(self, n: int = 1, *, zero: Sequence[bool] | None = None) -> list[int]:
         """``alloc`` for a caller that wants host ints (the engine): the same slots, zeroed states
-        (one ``_foreach_zero_`` per state dtype over the rows, not a kernel per layer), no
+        (one kernel per kind and slot over every layer's rows, not a kernel per layer), no
         device-to-host read. ``zero``: n bools, False leaves that slot's rows as they are, for a
         caller that overwrites all of them next (a prefix-cache restore)."""
         if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 0:
@@ -137,9 +140,9 @@ class StateCache:
                                f"{self.num_slots} are free (free finished requests' slots first)")
         slots = [self._free.pop() for _ in range(n)]
         wipe = slots if zero is None else [s for s, z in zip(slots, zero) if z]
-        if wipe:
-            for pools in (self.conv, self.ssm):  # one dtype per call: the fused multi-tensor kernel
-                torch._foreach_zero_([pool[s] for pool in pools for s in wipe])
+        for s in wipe:  # all layers' rows of a slot: one strided tensor per kind
+            self.conv_stack[:, s].zero_()
+            self.ssm_stack[:, s].zero_()
             if self.speculate:
                 self.mark_prefilled(torch.tensor(slots, dtype=torch.int32).to(self.conv[0].device, non_blocking=True))
         return slots

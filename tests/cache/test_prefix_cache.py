@@ -32,15 +32,14 @@ def test_keys_are_exact_token_tuples():
     assert all(type(t) is int for t in as_tokens([True, 3]))  # bool is not kept as a key element
 
 
-def test_copy_rows_mixed_dtypes():
-    """Rows of pools of two dtypes (bf16 conv, fp32 SSM) copied layer by layer; other rows untouched."""
+def test_copy_rows_of_stacked_pools():
+    """One row of every layer of stacked pools ([n_layer, rows, ...], bf16 and fp32) copied; other rows untouched."""
     g = torch.Generator().manual_seed(3)
-    src = [torch.randn(4, 3, 5, generator=g).to(torch.bfloat16), torch.randn(4, 2, 2, generator=g),
-           torch.randn(4, 3, 5, generator=g).to(torch.bfloat16), torch.randn(4, 2, 2, generator=g)]
-    dst = [torch.full((6,) + tuple(t.shape[1:]), float("nan"), dtype=t.dtype) for t in src]
+    src = [torch.randn(3, 4, 3, 5, generator=g).to(torch.bfloat16), torch.randn(3, 4, 2, 2, generator=g)]
+    dst = [torch.full((3, 6, *t.shape[2:]), float("nan"), dtype=t.dtype) for t in src]
     copy_rows(dst, 5, src, 2)
     for d, s in zip(dst, src):
-        assert torch.equal(d[5], s[2]) and d[:5].isnan().all()
+        assert torch.equal(d[:, 5], s[:, 2]) and d[:, :5].isnan().all()
 
 
 def test_take_leaves_restored_slots_unzeroed(model):

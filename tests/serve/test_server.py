@@ -194,13 +194,20 @@ def test_full_queue_503_then_graceful_sigterm(tmp_path):
         async def post(cl, n):
             return await cl.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": n, "temperature": 0})
 
+        async def until(name, value):
+            for _ in range(600):
+                if await asyncio.to_thread(s.metric, name) == value:
+                    return
+                await asyncio.sleep(0.02)
+            raise AssertionError(f"{name} never reached {value}")
+
         async def main():
             async with httpx.AsyncClient(base_url=s.url, timeout=300) as cl:
-                # long enough that the first still runs and the second still waits when the third comes
-                first = asyncio.create_task(post(cl, 400))
-                await asyncio.sleep(1.0)
-                second = asyncio.create_task(post(cl, 400))
-                await asyncio.sleep(0.5)
+                # the first runs and the second waits (seen through /metrics) when the third comes
+                first = asyncio.create_task(post(cl, 1000))
+                await until("fastmamba_running_requests", 1)
+                second = asyncio.create_task(post(cl, 1000))
+                await until("fastmamba_waiting_requests", 1)
                 third = await post(cl, 2)
                 return await first, await second, third
 
