@@ -5,10 +5,8 @@ in blocks of BLOCK_T with the state in registers, so its cost grows with the lon
 the five-kernel path spreads a long sequence's chunks over the GPU. ``MAX_FUSED_LEN`` is where the
 automatic choice switches: every sequence of a call at most that many tokens -> fused.
 
-Defaults until the GPU experiment replaces them
-(``python -m fastmamba.bench.ops.scan_small_l --sweep``, mamba2-2.7b layer shape, bf16, fp32 state):
-the table below is a first guess from the register budget (a 64 x 128 fp32 state is 64 registers
-per thread on 4 warps), not a measurement.
+The table below comes from the GPU sweep (``python -m fastmamba.bench.ops.scan_small_l --sweep``,
+mamba2-2.7b layer shape, bf16, fp32 state); its comment gives the run.
 """
 from __future__ import annotations
 
@@ -33,12 +31,17 @@ class FusedScanConfig(NamedTuple):
 
 
 # (longest sequence at most, programs (sequences x heads) at most) -> config; first match wins.
-# Few (sequence, head) pairs: split P to fill the SMs (132 on an H100); many: whole P per program.
+# From the sweep on an H100 (2026-11-25, `python -m fastmamba.bench.ops.scan_small_l --sweep --shapes
+# 1x16,1x64,2x64,1x128,16x64`, 2.7b layer: 80 heads of P 64, N 128, bf16, fp32 state, CUDA graphs):
+# 1x64 13.5 us (was 19.0 with t32 p16 w4), 1x128 20.4 (was 32.9), 2x64 19.6 (was 28.7), 16x64 103.0
+# (was 113.2); 1x16 kept its 8.2 us. A prefix-cache hit's 64 new tokens plus a padding request are
+# the 2x64 row.
 TABLE: list[tuple[int, int, FusedScanConfig]] = [
     (16, 256, FusedScanConfig(block_t=16, block_p=16, num_warps=2)),
     (16, 1 << 30, FusedScanConfig(block_t=16, block_p=32, num_warps=2)),
-    (1 << 30, 256, FusedScanConfig(block_t=32, block_p=16, num_warps=4)),
-    (1 << 30, 1 << 30, FusedScanConfig(block_t=32, block_p=32, num_warps=4)),
+    (1 << 30, 128, FusedScanConfig(block_t=32, block_p=32, num_warps=4, num_stages=2)),
+    (1 << 30, 256, FusedScanConfig(block_t=32, block_p=32, num_warps=2)),
+    (1 << 30, 1 << 30, FusedScanConfig(block_t=16, block_p=64, num_warps=4, num_stages=2)),
 ]
 # Triton 3.6 on an H100: BLOCK_T = 64 with 16-bit inputs and 4 warps compiles into a kernel that
 # faults (illegal memory access; 2.7b layer shape, 1 x 40 tokens), and with 2 more rows it returned
