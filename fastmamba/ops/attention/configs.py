@@ -7,9 +7,9 @@ The kernel is a stream over K and V: batch 32 at an 8k context reads 1 GiB for 3
 KV head) programs, so what matters is bytes in flight, not arithmetic. The defaults below are a
 first-principles guess, to be replaced by measured rows (``python scripts/tune_paged_attention.py``
 prints the table and the best config per shape):
-- a tile of 64 tokens: a 16 KiB K tile and a 16 KiB V tile at head dim 128 in bf16, 8 KiB per
-  token-row page at 16-token pages; 3 stages keep two tiles (64 KiB) in flight per program, and
-  three stages of 32 KiB leave room for two programs per SM (228 KiB of shared memory);
+- a tile of 64 tokens (4 pages of 16): a 16 KiB K tile and a 16 KiB V tile at head dim 128 in
+  bf16, each token's row 256 contiguous bytes; 3 stages keep two tiles (64 KiB) in flight per
+  program, and three stages of 32 KiB leave room for two programs per SM (228 KiB of shared memory);
 - 4 warps: the tile's two tensor-core products are [16, 128] x [128, 64] and [16, 64] x [64, 128]
   (the G = 4 query heads of a KV head padded to 16 rows), small work for 4 warps;
 - splits: enough (request, KV head, split) programs for SPLIT_TARGET_WAVES programs per SM, since
@@ -47,6 +47,18 @@ TILES: dict[tuple[int, int], tuple[int, int, int]] = {
 SPLIT_TARGET_WAVES = 4  # aim for this many programs per SM ...
 MIN_SPLIT_TOKENS = 512  # ... with runs of at least this many tokens of the table's width
 INTERPRET_CONFIG = DecodeConfig(block_n=16, num_warps=1, num_stages=1, num_splits=1)
+SMEM_BYTES = 227 * 1024  # shared memory one program may use on an H100 / H200
+
+# what scripts/tune_paged_attention.py sweeps: (block_n, num_warps, num_stages) ...
+CANDIDATE_TILES = [(n, w, st) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+# ... and split counts
+CANDIDATE_SPLITS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def tile_smem_bytes(block_n: int, num_stages: int, head_dim: int, itemsize: int) -> int:
+    """Shared memory of the pipelined K and V tiles: one buffer per stage (an upper bound)."""
+    block_d = 1 << (max(16, head_dim) - 1).bit_length()
+    return 2 * block_n * block_d * itemsize * max(1, num_stages)
 
 
 def fallback_tile(head_dim: int, itemsize: int) -> tuple[int, int, int]:
