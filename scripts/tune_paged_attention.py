@@ -1,7 +1,7 @@
 """Tune and validate ``paged_decode_attention``'s launch configs on one GPU (a few minutes).
 
     python scripts/tune_paged_attention.py [--quick] [--batches 1,8,32,64,256] [--contexts 1024,8192,32768]
-                                           [--budget-s 200]
+                                           [--budget-s 190]
 
 Nemotron-H's attention shape (32 query / 8 KV heads of 128), bf16, pages of 16 tokens handed out
 in a shuffled order, every request at the same context L; B x L <= 2^21. Per shape:
@@ -136,7 +136,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,32,64,256")
     ap.add_argument("--contexts", default="1024,8192,32768")
-    ap.add_argument("--budget-s", type=float, default=200.0, help="stop sweeping (auto + copy only) after this")
+    ap.add_argument("--budget-s", type=float, default=190.0, help="stop sweeping (auto + copy only) after this")
     ap.add_argument("--quick", action="store_true", help="batch 32 and 64 at 8k only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -160,41 +160,54 @@ def main() -> None:
             f"Hq {HQ} Hkv {HKV} Dh {DH}, {PAGE}-token pages shuffled, bf16")
     print(head, flush=True)
     default_tile = configs.TILES.get((DH, 2)) or configs.fallback_tile(DH, 2)
-    tiles = [t for t in configs.CANDIDATE_TILES
-             if configs.tile_smem_bytes(t[0], t[2], DH, 2) <= configs.SMEM_BYTES]
     rows: list[dict] = []
-    summary: list[dict] = []
+    timed: dict[tuple[int, int], dict[configs.DecodeConfig, float]] = {}
+    summary: dict[tuple[int, int], dict] = {}
+    # pass 1, every shape: the copy, the auto config, the split counts at the default tile
     for B, L in shapes:
         shape = Shape(B, L, l2)
         copy_us = time_graph(copy_calls(shape.nbytes, shape.n_sets, dev), shape.n_sets, TIMING).median_us
         print(f"B{B} L{L}: {shape.nbytes / 1e6:.1f} MB, copy {copy_us:.1f} us, {shape.n_sets} sets", flush=True)
         auto = _auto(shape)
         auto_us = run_config(shape, None, rows, copy_us, "auto")
-        timed: dict[configs.DecodeConfig, float] = {}
+        summary[B, L] = dict(B=B, L=L, mbytes=shape.nbytes / 1e6, copy_us=copy_us, auto=cfg_name(auto),
+                             auto_config=auto._asdict(), auto_us=auto_us,
+                             auto_pct=100 * copy_us / auto_us if auto_us else None)
+        t = timed.setdefault((B, L), {})
         if time.time() - t0 < args.budget_s:
-            for s in splits_for(shape, default_tile[0], sms):
-                c = configs.DecodeConfig(*default_tile, s)
-                timed[c] = run_config(shape, c, rows, copy_us, "splits") or math.inf
-            best_s = min(timed, key=timed.get).num_splits
-            near = sorted({best_s, max(1, best_s // 2), min(configs.MAX_SPLITS, best_s * 2)})
-            for t in tiles:
-                if time.time() - t0 >= args.budget_s:
-                    print("  (budget spent: tile sweep cut short)", flush=True)
-                    break
-                for s in near:
-                    c = configs.DecodeConfig(*t, s)
-                    if c not in timed and s in splits_for(shape, t[0], sms):
-                        timed[c] = run_config(shape, c, rows, copy_us, "tiles") or math.inf
-        ok = {c: us for c, us in timed.items() if us < math.inf}
-        best = min(ok, key=ok.get) if ok else None
-        summary.append(dict(
-            B=B, L=L, mbytes=shape.nbytes / 1e6, copy_us=copy_us, auto=cfg_name(auto), auto_us=auto_us,
-            auto_pct=100 * copy_us / auto_us if auto_us else None,
-            best=cfg_name(best) if best else None, best_us=ok.get(best), best_config=best._asdict() if best else None,
-            best_pct=100 * copy_us / ok[best] if best else None,
-        ))
+            for sp in splits_for(shape, default_tile[0], sms):
+                c = configs.DecodeConfig(*default_tile, sp)
+                t[c] = run_config(shape, c, rows, copy_us, "splits") or math.inf
         del shape
         torch.cuda.empty_cache()
+    # pass 2, the issue's shapes first, while the budget lasts: every tile at the best split so far
+    # and its two neighbours
+    for B, L in shapes:
+        if time.time() - t0 >= args.budget_s:
+            print("(budget spent: tile sweep cut short)", flush=True)
+            break
+        t = timed[B, L]
+        if not any(us < math.inf for us in t.values()):
+            continue
+        shape = Shape(B, L, l2)
+        copy_us = summary[B, L]["copy_us"]
+        best_s = min(t, key=t.get).num_splits
+        near = sorted({best_s, max(1, best_s // 2), min(configs.MAX_SPLITS, best_s * 2)})
+        for tile in configs.CANDIDATE_TILES:
+            if time.time() - t0 >= args.budget_s:
+                break
+            for sp in near:
+                c = configs.DecodeConfig(*tile, sp)
+                if c not in t and sp in splits_for(shape, tile[0], sms):
+                    t[c] = run_config(shape, c, rows, copy_us, "tiles") or math.inf
+        del shape
+        torch.cuda.empty_cache()
+    for key, s in summary.items():
+        ok = {c: us for c, us in timed[key].items() if us < math.inf}
+        best = min(ok, key=ok.get) if ok else None
+        s.update(best=cfg_name(best) if best else None, best_config=best._asdict() if best else None,
+                 best_us=ok.get(best), best_pct=100 * s["copy_us"] / ok[best] if best else None)
+    summary = list(summary.values())
 
     lines = [head, "", "| B | L | MB | copy µs | auto config | auto µs | auto % copy | best config | best µs | best % copy |",
              "|---:|---:|---:|---:|---|---:|---:|---|---:|---:|"]

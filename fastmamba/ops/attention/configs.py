@@ -49,14 +49,20 @@ MIN_SPLIT_TOKENS = 512  # ... with runs of at least this many tokens of the tabl
 INTERPRET_CONFIG = DecodeConfig(block_n=16, num_warps=1, num_stages=1, num_splits=1)
 SMEM_BYTES = 227 * 1024  # shared memory one program may use on an H100 / H200
 
-# what scripts/tune_paged_attention.py sweeps: (block_n, num_warps, num_stages) ...
-CANDIDATE_TILES = [(n, w, st) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+# what scripts/tune_paged_attention.py sweeps: (block_n, num_warps, num_stages) ... The page ids
+# are a load that K and V's addresses depend on: Triton's pipeliner then splits num_stages - 1
+# trips of look-ahead between the two levels (stages 3 and 4: page ids two trips ahead, K and V
+# one; 5: K and V two), and with 2 stages it leaves the page ids unpipelined.
+CANDIDATE_TILES = ([(64, w, st) for w in (2, 4, 8) for st in (2, 3, 4, 5)]
+                   + [(32, w, st) for w in (2, 4) for st in (3, 5)]
+                   + [(128, w, st) for w in (4, 8) for st in (2, 3, 4)])
 # ... and split counts
 CANDIDATE_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def tile_smem_bytes(block_n: int, num_stages: int, head_dim: int, itemsize: int) -> int:
-    """Shared memory of the pipelined K and V tiles: one buffer per stage (an upper bound)."""
+    """Shared memory of the pipelined K and V tiles if each stage had its own buffer (an upper
+    bound: with the page-id indirection Triton keeps fewer)."""
     block_d = 1 << (max(16, head_dim) - 1).bit_length()
     return 2 * block_n * block_d * itemsize * max(1, num_stages)
 

@@ -77,7 +77,10 @@ def _paged_decode_attention_kernel(
         tok_ok = in_run & (page >= 0) & (page < num_pages)  # a page outside the pool is never read
         page = tl.where(tok_ok, page, 0)
         row = pos % PAGE
-        kv_mask = tok_ok[:, None] & dmask[None, :]
+        if D == BLOCK_D:
+            kv_mask = tok_ok[:, None]  # constant along the head dim: 16-byte vector loads
+        else:
+            kv_mask = tok_ok[:, None] & dmask[None, :]
         k = tl.load(k_head + page[:, None] * stride_k_p + row[:, None] * stride_k_t, mask=kv_mask, other=0.0)
         v = tl.load(v_head + page[:, None] * stride_v_p + row[:, None] * stride_v_t, mask=kv_mask, other=0.0)
         if UPCAST:
@@ -103,29 +106,26 @@ def _paged_decode_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
 
 
-@triton.jit(do_not_specialize=["nsplit"])
+@triton.jit
 def _paged_decode_combine_kernel(
-    part_ml_ptr, part_o_ptr, out_ptr, nsplit,
+    part_ml_ptr, part_o_ptr, out_ptr,
     stride_o_b, stride_o_h, stride_o_d,
-    D: tl.constexpr, BLOCK_D: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, NSPLIT: tl.constexpr,
 ):
-    # one program per (request, query head): merges its nsplit partial softmaxes in split order
-    # (a run with no tokens has m = -1e30, l = 0: weight 0 next to any run that has one)
+    # one program per (request, query head): merges its NSPLIT partial softmaxes, all loaded at
+    # once (a run with no tokens has m = -1e30, l = 0: weight 0 next to any run that has one)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     H = tl.num_programs(1)
+    offs_s = tl.arange(0, NSPLIT)
     offs_d = tl.arange(0, BLOCK_D)
-    row0 = (b * H + h) * nsplit
-    m_all = tl.load(part_ml_ptr + row0 * 2)
-    for i in range(1, nsplit):
-        m_all = tl.maximum(m_all, tl.load(part_ml_ptr + (row0 + i) * 2))
-    l_all = 0.0
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for i in range(0, nsplit):
-        w = tl.exp2(tl.load(part_ml_ptr + (row0 + i) * 2) - m_all)
-        l_all += tl.load(part_ml_ptr + (row0 + i) * 2 + 1) * w
-        acc += tl.load(part_o_ptr + (row0 + i) * BLOCK_D + offs_d) * w
-    out = acc / tl.where(l_all > 0, l_all, 1.0)
+    rows = (b * H + h) * NSPLIT + offs_s
+    m = tl.load(part_ml_ptr + rows * 2)
+    l = tl.load(part_ml_ptr + rows * 2 + 1)
+    acc = tl.load(part_o_ptr + rows[:, None] * BLOCK_D + offs_d[None, :])
+    w = tl.exp2(m - tl.max(m, axis=0))
+    l_all = tl.sum(l * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(l_all > 0, l_all, 1.0)
     tl.store(out_ptr + b * stride_o_b + h * stride_o_h + offs_d * stride_o_d,
              out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
@@ -162,5 +162,6 @@ def launch_paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, sl
     )
     if splits > 1:
         _paged_decode_combine_kernel[(B, Hq)](
-            part_ml, part_o, out, splits, *out.stride(), D=D, BLOCK_D=block_d, num_warps=1 if block_d <= 128 else 2,
+            part_ml, part_o, out, *out.stride(), D=D, BLOCK_D=block_d, NSPLIT=splits,
+            num_warps=4 if splits * block_d >= 2048 else 1,
         )
