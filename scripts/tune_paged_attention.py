@@ -1,7 +1,7 @@
 """Tune and validate ``paged_decode_attention``'s launch configs on one GPU (a few minutes).
 
     python scripts/tune_paged_attention.py [--quick] [--batches 1,8,32,64,256] [--contexts 1024,8192,32768]
-                                           [--budget-s 190]
+                                           [--budget-s 150]
 
 Nemotron-H's attention shape (32 query / 8 KV heads of 128), bf16, pages of 16 tokens handed out
 in a shuffled order, every request at the same context L; B x L <= 2^21. Per shape:
@@ -136,7 +136,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,32,64,256")
     ap.add_argument("--contexts", default="1024,8192,32768")
-    ap.add_argument("--budget-s", type=float, default=190.0, help="stop sweeping (auto + copy only) after this")
+    ap.add_argument("--budget-s", type=float, default=150.0, help="stop sweeping (auto + copy only) after this")
     ap.add_argument("--quick", action="store_true", help="batch 32 and 64 at 8k only")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -8,14 +8,17 @@ KV head) programs, so what matters is bytes in flight, not arithmetic. The defau
 first-principles guess, to be replaced by measured rows (``python scripts/tune_paged_attention.py``
 prints the table and the best config per shape):
 - a tile of 64 tokens (4 pages of 16): a 16 KiB K tile and a 16 KiB V tile at head dim 128 in
-  bf16, each token's row 256 contiguous bytes; 3 stages keep two tiles (64 KiB) in flight per
-  program, and three stages of 32 KiB leave room for two programs per SM (228 KiB of shared memory);
+  bf16, each token's row 256 contiguous bytes; 3 stages: Triton splits the look-ahead between the
+  two load levels (page ids two trips ahead, K and V one), so each program has the next tile's
+  32 KiB in flight while it computes one, and two buffers of 32 KiB leave room for several
+  programs per SM (228 KiB of shared memory);
 - 4 warps: the tile's two tensor-core products are [16, 128] x [128, 64] and [16, 64] x [64, 128]
   (the G = 4 query heads of a KV head padded to 16 rows), small work for 4 warps;
 - splits: enough (request, KV head, split) programs for SPLIT_TARGET_WAVES programs per SM, since
-  one program alone is latency-bound (each trip waits on the loads issued num_stages - 1 trips
-  earlier), but no run shorter than MIN_SPLIT_TOKENS of the block table's width, where the
-  partials (fp32, written and read back once) and the merge kernel would start to cost.
+  one program alone is latency-bound (each trip waits on loads issued a trip or two earlier), but
+  no run shorter than MIN_SPLIT_TOKENS of the block table's width: a run's partials (G rows of
+  Dh + 2 fp32, written and read back once) are then under 2% of the 128 KiB of K and V it reads
+  (head dim 128, bf16), and the merge is one small extra kernel.
 The split count only changes how a request's tokens are grouped into partial sums, so it changes
 results by rounding only; the block table's width (not the requests' lengths, which stay on the
 device) is the context bound it sees.
@@ -45,7 +48,7 @@ TILES: dict[tuple[int, int], tuple[int, int, int]] = {
     (128, 4): (32, 4, 2),
 }
 SPLIT_TARGET_WAVES = 4  # aim for this many programs per SM ...
-MIN_SPLIT_TOKENS = 512  # ... with runs of at least this many tokens of the table's width
+MIN_SPLIT_TOKENS = 256  # ... with runs of at least this many tokens of the table's width
 INTERPRET_CONFIG = DecodeConfig(block_n=16, num_warps=1, num_stages=1, num_splits=1)
 SMEM_BYTES = 227 * 1024  # shared memory one program may use on an H100 / H200
 
