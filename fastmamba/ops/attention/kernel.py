@@ -29,7 +29,8 @@ def _paged_decode_attention_kernel(
     stride_bt_s, stride_bt_p,
     stride_o_b, stride_o_h, stride_o_d,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGES_PER_TILE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # one program per (KV head, request, split of the request's context); the KV head varies
     # fastest in launch order, so the Hkv programs reading the same pages (a page holds every
@@ -73,7 +74,13 @@ def _paged_decode_attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         in_run = pos < hi
-        page = tl.load(bt_row + (pos // PAGE) * stride_bt_p, mask=in_run, other=-1).to(tl.int64)
+        # the tile's page ids: BLOCK_N / PAGE scalar loads (start is a multiple of the page or of
+        # the tile, whichever is smaller), spread over the tile's rows
+        first = start // PAGE
+        page = tl.full([BLOCK_N], -1, tl.int64)
+        for j in tl.static_range(PAGES_PER_TILE):
+            pid = tl.load(bt_row + (first + j) * stride_bt_p, mask=start + j * PAGE < hi, other=-1).to(tl.int64)
+            page = tl.where(offs_n // PAGE == j, pid, page)
         tok_ok = in_run & (page >= 0) & (page < num_pages)  # a page outside the pool is never read
         page = tl.where(tok_ok, page, 0)
         row = pos % PAGE
@@ -143,6 +150,7 @@ def launch_paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, sl
     G = Hq // Hkv
     block_d = max(16, triton.next_power_of_2(D))
     splits = config.num_splits
+    block_n = min(config.block_n, max(16, 8 * PAGE))  # at most 8 page-id loads per trip
     if splits > 1:
         part_ml = torch.empty(B, Hq, splits, 2, device=q.device, dtype=torch.float32)
         part_o = torch.empty(B, Hq, splits, block_d, device=q.device, dtype=torch.float32)
@@ -157,7 +165,8 @@ def launch_paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, sl
         block_table.shape[0], Np, block_table.shape[1], scale * LOG2E,
         *q.stride(), *k_pages.stride(), *v_pages.stride(), *block_table.stride(), *out.stride(),
         G=G, D=D, PAGE=PAGE, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=block_d,
-        BLOCK_N=config.block_n, SPLIT=splits > 1, UPCAST=upcast, DOT_PRECISION=precision,
+        BLOCK_N=block_n, PAGES_PER_TILE=max(1, block_n // PAGE), SPLIT=splits > 1, UPCAST=upcast,
+        DOT_PRECISION=precision,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
