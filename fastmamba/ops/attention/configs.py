@@ -8,10 +8,9 @@ KV head) programs, so what matters is bytes in flight, not arithmetic. The defau
 first-principles guess, to be replaced by measured rows (``python scripts/tune_paged_attention.py``
 prints the table and the best config per shape):
 - a tile of 64 tokens (4 pages of 16): a 16 KiB K tile and a 16 KiB V tile at head dim 128 in
-  bf16, each token's row 256 contiguous bytes; 3 stages: Triton splits the look-ahead between the
-  two load levels (page ids two trips ahead, K and V one), so each program has the next tile's
-  32 KiB in flight while it computes one, and two buffers of 32 KiB leave room for several
-  programs per SM (228 KiB of shared memory);
+  bf16, each token's row 256 contiguous bytes; 3 stages: two K and two V buffers, so the next
+  tile's 32 KiB are in flight while one is computed (sm_90 compile: 70 KiB of shared memory and
+  160 registers a program, three programs per SM);
 - 4 warps: the tile's two tensor-core products are [16, 128] x [128, 64] and [16, 64] x [64, 128]
   (the G = 4 query heads of a KV head padded to 16 rows), small work for 4 warps;
 - splits: enough (request, KV head, split) programs for SPLIT_TARGET_WAVES programs per SM, since
@@ -52,13 +51,12 @@ MIN_SPLIT_TOKENS = 256  # ... with runs of at least this many tokens of the tabl
 INTERPRET_CONFIG = DecodeConfig(block_n=16, num_warps=1, num_stages=1, num_splits=1)
 SMEM_BYTES = 227 * 1024  # shared memory one program may use on an H100 / H200
 
-# what scripts/tune_paged_attention.py sweeps: (block_n, num_warps, num_stages) ... The page ids
-# are a load that K and V's addresses depend on: Triton's pipeliner then splits num_stages - 1
-# trips of look-ahead between the two levels (stages 3 and 4: page ids two trips ahead, K and V
-# one; 5: K and V two), and with 2 stages it leaves the page ids unpipelined.
-CANDIDATE_TILES = ([(64, w, st) for w in (2, 4, 8) for st in (2, 3, 4, 5)]
-                   + [(32, w, st) for w in (2, 4) for st in (3, 5)]
-                   + [(128, w, st) for w in (4, 8) for st in (2, 3, 4)])
+# what scripts/tune_paged_attention.py sweeps: (block_n, num_warps, num_stages) ... num_stages - 1
+# tiles are loaded ahead of the one computed (2 stages: none overlaps the compute, the program
+# waits for each tile; other programs on the SM hide it or not).
+CANDIDATE_TILES = ([(64, w, st) for w in (2, 4, 8) for st in (3, 4, 5)] + [(64, 4, 2)]
+                   + [(32, 2, 4), (32, 4, 3), (32, 4, 5), (32, 8, 5)]
+                   + [(128, 4, 3), (128, 8, 3), (128, 8, 4)])
 # ... and split counts
 CANDIDATE_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 

@@ -2,12 +2,14 @@
 an optional split of each request's context (split-K), and the kernel that merges the splits.
 
 Each loop trip of the attention kernel takes a tile of BLOCK_N tokens, which spans BLOCK_N / PAGE
-pages (or part of one page when PAGE > BLOCK_N): the tile's page ids are gathered as a vector, one
-per token, and every token row gets its own address, so one trip is a [BLOCK_N, Dh] K tile and a
-V tile whatever the page size. The G query heads of a KV head are padded to BLOCK_G >= 16 rows so
-that q K^T and p V run on tensor cores (tl.dot); the loads of a trip do not depend on the previous
-trip's softmax, so with num_stages > 1 Triton's pipeliner issues the next tiles' loads (page ids
-first, then K and V) while the current one is computed.
+pages (or part of one page when PAGE > BLOCK_N): the tile's page ids are BLOCK_N / PAGE scalar
+loads, spread over the tile's rows, and every token row gets its own address, so one trip is a
+[BLOCK_N, Dh] K tile and a V tile whatever the page size. The G query heads of a KV head are padded
+to BLOCK_G >= 16 rows so that q K^T and p V run on tensor cores (tl.dot). The loads of a trip do
+not depend on the previous trip's softmax, so Triton's pipeliner issues them num_stages - 1 trips
+ahead (cp.async into shared memory). The page ids are scalar loads on purpose: as a vector load
+they became a pipelined level of their own, which left K and V one buffer and a wait for every
+load at the top of each trip (sm_90 TTGIR, Triton 3.6).
 """
 from __future__ import annotations
 

@@ -189,6 +189,7 @@ TILE_ROWS = [
     pytest.param(4, 2, 16, 16, 16, 1, id="P16-N16"),          # one page per trip
     pytest.param(4, 2, 16, 16, 32, 1, id="P16-N32"),          # two pages per trip
     pytest.param(4, 2, 16, 4, 32, 1, id="P4-N32"),            # eight pages per trip
+    pytest.param(4, 2, 16, 4, 64, 1, id="P4-N64-capped"),     # the launcher caps trips at 8 pages
     pytest.param(4, 2, 16, 64, 16, 1, id="P64-N16"),          # four trips per page
     pytest.param(4, 2, 16, 4, 16, 2, id="P4-N16-split2"),
     pytest.param(4, 2, 16, 16, 32, 4, id="P16-N32-split4"),   # runs past the short requests' ends
