@@ -127,6 +127,41 @@ def _auto(shape: Shape) -> configs.DecodeConfig:
     return _launch_config(shape.qs[0], shape.B * HKV, shape.bts[0].shape[1] * PAGE, DH, 2)
 
 
+def _compile_worker(tiles: list[tuple[int, int, int]]) -> list[str]:
+    """Launch every tile once, split and not, on a tiny problem with the sweep's argument
+    specialisation (contiguous pools, block-table rows a multiple of 16 entries): Triton's disk
+    cache then holds the binaries, and the sweep loads them instead of compiling one at a time."""
+    q = torch.randn(2, HQ, DH, device=DEVICE, dtype=DTYPE)
+    k = torch.randn(65, PAGE, HKV, DH, device=DEVICE, dtype=DTYPE)
+    bt = torch.randperm(64, device=DEVICE).int().view(2, 32)
+    lens = torch.full((2,), 32 * PAGE - 3, dtype=torch.int32, device=DEVICE)
+    slots = torch.arange(2, dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(q)
+    errors = []
+    for tile in tiles:
+        for splits in (1, 2):
+            try:
+                launch_paged_decode_attention(q, k, k, bt, lens, slots, out, 1.0, configs.DecodeConfig(*tile, splits))
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 -- reported, the sweep shows it again
+                errors.append(f"{tile} x{splits}: {type(exc).__name__}")
+    return errors
+
+
+def precompile(tiles: list[tuple[int, int, int]], workers: int) -> None:
+    """Compile the candidate tiles in ``workers`` processes (one CUDA context each)."""
+    import concurrent.futures
+    import multiprocessing
+
+    t = time.time()
+    chunks = [tiles[i::workers] for i in range(workers)]
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        errors = [e for errs in pool.map(_compile_worker, [c for c in chunks if c]) for e in errs]
+    print(f"precompiled {len(tiles)} tiles x 2 variants in {time.time() - t:.0f} s"
+          + (f"; failed: {', '.join(errors)}" if errors else ""), flush=True)
+
+
 def splits_for(shape: Shape, block_n: int, sms: int) -> list[int]:
     return [s for s in configs.CANDIDATE_SPLITS
             if s == 1 or (shape.L // s >= 2 * block_n and shape.B * HKV * s <= 32 * sms)]
@@ -138,6 +173,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop sweeping (auto + copy only) after this")
     ap.add_argument("--quick", action="store_true", help="batch 32 and 64 at 8k only")
+    ap.add_argument("--compile-workers", type=int, default=min(8, max(1, (os.cpu_count() or 2) - 2)),
+                    help="processes compiling the candidate tiles up front (0: compile as the sweep goes)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("tune_paged_attention: needs a CUDA GPU")
@@ -159,6 +196,9 @@ def main() -> None:
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, 2 GiB copy {copy_gbs:.0f} GB/s; "
             f"Hq {HQ} Hkv {HKV} Dh {DH}, {PAGE}-token pages shuffled, bf16")
     print(head, flush=True)
+    if args.compile_workers > 0:
+        default_tile_ = configs.TILES.get((DH, 2)) or configs.fallback_tile(DH, 2)
+        precompile(sorted({default_tile_, *configs.CANDIDATE_TILES}), args.compile_workers)
     default_tile = configs.TILES.get((DH, 2)) or configs.fallback_tile(DH, 2)
     rows: list[dict] = []
     timed: dict[tuple[int, int], dict[configs.DecodeConfig, float]] = {}
