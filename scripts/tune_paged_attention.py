@@ -198,7 +198,10 @@ def main() -> None:
     print(head, flush=True)
     if args.compile_workers > 0:
         default_tile_ = configs.TILES.get((DH, 2)) or configs.fallback_tile(DH, 2)
-        precompile(sorted({default_tile_, *configs.CANDIDATE_TILES}), args.compile_workers)
+        try:
+            precompile(sorted({default_tile_, *configs.CANDIDATE_TILES}), args.compile_workers)
+        except Exception as exc:  # noqa: BLE001 -- a broken worker pool only costs compile time in the sweep
+            print(f"precompile failed ({type(exc).__name__}: {exc}); the sweep compiles as it goes", flush=True)
     default_tile = configs.TILES.get((DH, 2)) or configs.fallback_tile(DH, 2)
     rows: list[dict] = []
     timed: dict[tuple[int, int], dict[configs.DecodeConfig, float]] = {}
