@@ -252,7 +252,8 @@ def main() -> None:
                  best_us=ok.get(best), best_pct=100 * s["copy_us"] / ok[best] if best else None)
     summary = list(summary.values())
 
-    lines = [head, "", "| B | L | MB | copy µs | auto config | auto µs | auto % copy | best config | best µs | best % copy |",
+    lines = [head, "",
+             "| B | L | MB | copy µs | auto config | auto µs | auto % copy | best config | best µs | best % copy |",
              "|---:|---:|---:|---:|---|---:|---:|---|---:|---:|"]
     fmt = lambda x, f: (f % x) if x is not None else "-"  # noqa: E731
     for s in sorted(summary, key=lambda s: (s["L"], s["B"])):

@@ -243,7 +243,8 @@ def paged_decode_attention(
 def _launch_config(q: torch.Tensor, programs: int, max_tokens: int, head_dim: int, itemsize: int) -> DecodeConfig:
     """The tile, warps and stages of ``configs.pick_config`` (the smallest tile in the interpreter)
     with ``_auto_splits`` runs."""
-    config = pick_config(programs, max_tokens, head_dim, itemsize, sm_count(q.device)) if q.is_cuda else INTERPRET_CONFIG
+    config = (pick_config(programs, max_tokens, head_dim, itemsize, sm_count(q.device)) if q.is_cuda
+              else INTERPRET_CONFIG)
     return config._replace(num_splits=_auto_splits(q, programs, max_tokens))
 
 
