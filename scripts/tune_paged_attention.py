@@ -261,7 +261,8 @@ def main() -> None:
                      f"{fmt(s['auto_us'], '%.1f')} | {fmt(s['auto_pct'], '%.0f%%')} | {s['best'] or '-'} | "
                      f"{fmt(s['best_us'], '%.1f')} | {fmt(s['best_pct'], '%.0f%%')} |")
     # each tile's standing: per shape, its best time over the splits tried / the shape's best time
-    lines += ["", "Tiles (block_n, warps, stages): mean over the shapes where it ran of best-of-shape / its best µs",
+    lines += ["", "Tiles (block_n, warps, stages), over the shapes the tile sweep reached: mean of the shape's best µs "
+              "/ the tile's best µs",
               "", "| tile | shapes | mean of best / tile |", "|---|---:|---:|"]
     by_shape: dict[tuple[int, int], dict[tuple[int, int, int], float]] = {}
     for r in rows:
@@ -271,11 +272,18 @@ def main() -> None:
             d[t] = min(d.get(t, math.inf), r["us"])
     score: dict[tuple[int, int, int], list[float]] = {}
     for d in by_shape.values():
+        if len(d) < 2:  # the tile sweep did not reach this shape
+            continue
         top = min(d.values())
         for t, us in d.items():
             score.setdefault(t, []).append(top / us)
-    for t, v in sorted(score.items(), key=lambda kv: -sum(kv[1]) / len(kv[1])):
+    ranked = sorted(score.items(), key=lambda kv: (-len(kv[1]), -sum(kv[1]) / len(kv[1])))
+    for t, v in ranked:
         lines.append(f"| {t} | {len(v)} | {sum(v) / len(v):.3f} |")
+    if ranked:
+        top = ranked[0][0]
+        lines += ["", f"suggested: configs.TILES[({DH}, 2)] = {top} (now {default_tile}); the split counts: compare "
+                      "the auto and best configs' xN above with configs.pick_splits"]
     bar = [s for s in summary if s["B"] >= 32 and s["L"] == 8192]
     lines.append("")
     for s in bar:
