@@ -261,8 +261,8 @@ def main() -> None:
                      f"{fmt(s['auto_us'], '%.1f')} | {fmt(s['auto_pct'], '%.0f%%')} | {s['best'] or '-'} | "
                      f"{fmt(s['best_us'], '%.1f')} | {fmt(s['best_pct'], '%.0f%%')} |")
     # each tile's standing: per shape, its best time over the splits tried / the shape's best time
-    lines += ["", "Tiles (block_n, warps, stages), over the shapes the tile sweep reached: mean of the shape's best µs "
-              "/ the tile's best µs",
+    lines += ["", "Tiles (block_n, warps, stages), over the shapes the tile sweep reached: "
+              "mean of the shape's best µs / the tile's best µs",
               "", "| tile | shapes | mean of best / tile |", "|---|---:|---:|"]
     by_shape: dict[tuple[int, int], dict[tuple[int, int, int], float]] = {}
     for r in rows:
