@@ -25,6 +25,7 @@ from fastmamba.ops._common.checks import (
 )
 from fastmamba.ops._common.dispatch import use_triton
 from fastmamba.ops._common.host_values import host_list
+from fastmamba.ops.attention.configs import INTERPRET_CONFIG, DecodeConfig, pick_config, pick_splits, sm_count
 from fastmamba.ops.attention.kernel import launch_paged_decode_attention
 from fastmamba.ops.attention.ref import paged_decode_attention_ref
 
@@ -192,16 +193,18 @@ def paged_decode_attention(
     """One query token per request attending over its cached tokens (GQA, paged, no mask needed).
 
     q            [B, Hq, Dh]   fp32, bf16 or fp16; read (query head h uses KV head h // (Hq/Hkv))
-    k_pages, v_pages [Np, PAGE, Hkv, Dh]   read; PAGE a power of two
+    k_pages, v_pages [Np, PAGE, Hkv, Dh]   read; PAGE a power of two; q and the pools may differ
+                 in dtype (then every product runs in fp32)
     block_table  [S, Pmax] int32/int64: request s's pages; only the first ceil(seq_lens[s]/PAGE)
                  entries are read (a page id outside [0, Np) is read as masked, never dereferenced)
     seq_lens     [S] int32/int64: tokens cached for request s, the current one included
     slots        [B] int32/int64: request b's row; -1 (any value outside [0, S)) marks a pad row:
                  zero output, nothing read
-    num_splits   split-K: each request's context (up to Pmax pages) is cut into this many runs,
-                 attended by separate programs and merged by a second kernel (a power of two,
-                 1 to 64). None: 1 unless B x Hkv programs would leave most of a GPU idle, then
-                 enough runs for about two programs per SM (never runs of fewer than 16 pages)
+    num_splits   split-K: each request's context is cut into this many runs of about equal length
+                 (from its own seq_lens, on the device), attended by separate programs and merged
+                 by a second kernel (a power of two, 1 to 64). None: the launch config's choice
+                 (``fastmamba.ops.attention.configs.pick_config``): enough runs for a few programs
+                 per SM when B x Hkv is small, 1 under the interpreter
     Returns [B, Hq, Dh] in q's dtype (``out`` when given). fp32 softmax and accumulation.
     Reads nothing on the host except the slots' range check where host reads are allowed
     (graph safe: block_table, seq_lens and slots can be static buffers).
@@ -229,22 +232,23 @@ def paged_decode_attention(
     if not use_triton(q):
         out.copy_(paged_decode_attention_ref(q, k_pages, v_pages, block_table, seq_lens, slots, scale=scale))
         return out
-    Pmax = block_table.shape[1]
-    if num_splits is None:
-        num_splits = _auto_splits(q, B * Hkv, Pmax)
     if B:
-        launch_paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, slots, out, scale,
-                                      num_splits=num_splits)
+        config = _launch_config(q, B * Hkv, block_table.shape[1] * PAGE, Dh, k_pages.element_size())
+        if num_splits is not None:
+            config = config._replace(num_splits=num_splits)
+        launch_paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, slots, out, scale, config)
     return out
 
 
-def _auto_splits(q: torch.Tensor, programs: int, max_pages: int) -> int:
-    """Split-K runs for a decode call: about two programs per SM when B x Hkv is small and the
-    block table is wide enough for runs of at least 16 pages; 1 elsewhere (and in the interpreter)."""
-    if not q.is_cuda:
-        return 1
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    splits = 1
-    while splits < 64 and programs * splits < 2 * sms and max_pages >= 16 * splits * 2:
-        splits *= 2
-    return splits
+def _launch_config(q: torch.Tensor, programs: int, max_tokens: int, head_dim: int, itemsize: int) -> DecodeConfig:
+    """The tile, warps and stages of ``configs.pick_config`` (the smallest tile in the interpreter)
+    with ``_auto_splits`` runs."""
+    config = (pick_config(programs, max_tokens, head_dim, itemsize, sm_count(q.device)) if q.is_cuda
+              else INTERPRET_CONFIG)
+    return config._replace(num_splits=_auto_splits(q, programs, max_tokens))
+
+
+def _auto_splits(q: torch.Tensor, programs: int, max_tokens: int) -> int:
+    """Split-K runs for ``programs`` = rows x KV heads over a block table of ``max_tokens`` tokens:
+    ``configs.pick_splits`` on a GPU, 1 in the interpreter (tests force splits through this hook)."""
+    return pick_splits(programs, max_tokens, sm_count(q.device)) if q.is_cuda else 1

@@ -1,99 +1,138 @@
 """Triton kernels: decode attention over a paged KV cache (one query token per request, GQA), with
-an optional split over the context (split-K) and the kernel that merges the splits."""
+an optional split of each request's context (split-K), and the kernel that merges the splits.
+
+Each loop trip of the attention kernel takes a tile of BLOCK_N tokens, which spans BLOCK_N / PAGE
+pages (or part of one page when PAGE > BLOCK_N): the tile's page ids are BLOCK_N / PAGE scalar
+loads, spread over the tile's rows, and every token row gets its own address, so one trip is a
+[BLOCK_N, Dh] K tile and a V tile whatever the page size. The G query heads of a KV head are padded
+to BLOCK_G >= 16 rows so that q K^T and p V run on tensor cores (tl.dot). The loads of a trip do
+not depend on the previous trip's softmax, so Triton's pipeliner issues them num_stages - 1 trips
+ahead (cp.async into shared memory). The page ids are scalar loads on purpose: as a vector load
+they became a pipelined level of their own, which left K and V one buffer and a wait for every
+load at the top of each trip (sm_90 TTGIR, Triton 3.6).
+"""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from fastmamba.ops.attention.configs import DecodeConfig
 
-@triton.jit(do_not_specialize=["S", "num_pages", "scale", "pages_per_split"])
+LOG2E = 1.4426950408889634
+
+
+@triton.jit(do_not_specialize=["S", "num_pages", "max_pages", "qk_scale"])
 def _paged_decode_attention_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, slots_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
-    S, num_pages, scale, pages_per_split,
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, slots_ptr, out_ptr, part_ml_ptr, part_o_ptr,
+    S, num_pages, max_pages, qk_scale,
     stride_q_b, stride_q_h, stride_q_d,
     stride_k_p, stride_k_t, stride_k_h, stride_k_d,
     stride_v_p, stride_v_t, stride_v_h, stride_v_d,
     stride_bt_s, stride_bt_p,
     stride_o_b, stride_o_h, stride_o_d,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    NSPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGES_PER_TILE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    # one program per (request, KV head, split of the context): its G query heads attend over the
-    # split's pages with an online softmax (fp32), one page of PAGE tokens per loop trip. With
-    # NSPLIT == 1 it writes the output; otherwise its (max, sum, unnormalised output) partials,
-    # which _paged_decode_combine_kernel merges.
-    b = tl.program_id(0).to(tl.int64)
-    kh = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2).to(tl.int64)
+    # one program per (KV head, request, split of the request's context); the KV head varies
+    # fastest in launch order, so the Hkv programs reading the same pages (a page holds every
+    # head's rows) run side by side. The request's L tokens are cut into num_programs(2) runs of
+    # ceil(L / splits) tokens rounded up to whole tiles (from L itself, read on the device: the
+    # runs are as even as the tiles allow whatever the block table's width). Its G query heads
+    # attend over the run with an online softmax (fp32, base 2): without SPLIT it writes the
+    # output; with SPLIT its (max, sum) and unnormalised output, merged by
+    # _paged_decode_combine_kernel.
+    kh = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    nsplit = tl.num_programs(2)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     valid = (slot >= 0) & (slot < S)  # outside the pool = a pad row: nothing read, zero output
     slot = tl.where(valid, slot, 0)
-    L = tl.load(lens_ptr + slot).to(tl.int64)
+    L = tl.load(lens_ptr + slot)
     L = tl.where(valid, L, 0)
+    L = tl.maximum(tl.minimum(L, max_pages * PAGE), 0)  # never past the block table's row
+    per = tl.cdiv(tl.cdiv(L, nsplit), BLOCK_N) * BLOCK_N
+    lo = split * per
+    hi = tl.minimum(lo + per, L)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_t = tl.arange(0, PAGE)
+    offs_n = tl.arange(0, BLOCK_N)
     gmask = offs_g < G
     dmask = offs_d < D
     qh = kh * G + offs_g
     q = tl.load(q_ptr + b * stride_q_b + qh[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
-                mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * scale
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    bt_row = bt_ptr + slot * stride_bt_s
+    k_head = k_ptr + kh * stride_k_h + offs_d[None, :] * stride_k_d
+    v_head = v_ptr + kh * stride_v_h + offs_d[None, :] * stride_v_d
 
-    m = tl.full([BLOCK_G], -1e30, tl.float32)  # finite: a fully masked page leaves alpha = 1, p = 0
+    m = tl.full([BLOCK_G], -1e30, tl.float32)  # finite: a fully masked tile leaves alpha = 1, p = 0
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    npages = (L + PAGE - 1) // PAGE
-    p_lo = split * pages_per_split
-    p_hi = tl.minimum(p_lo + pages_per_split, npages)
-    for p in range(p_lo, p_hi):
-        page = tl.load(bt_ptr + slot * stride_bt_s + p * stride_bt_p).to(tl.int64)
-        page_ok = (page >= 0) & (page < num_pages)  # never read outside the pool
-        page = tl.where(page_ok, page, 0)
-        pos = p * PAGE + offs_t
-        tmask = (pos < L) & page_ok
-        kv_mask = tmask[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + page * stride_k_p + offs_t[:, None] * stride_k_t + kh * stride_k_h
-                    + offs_d[None, :] * stride_k_d, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, PAGE]
-        s = tl.where(tmask[None, :], s, float("-inf"))
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        in_run = pos < hi
+        # the tile's page ids: BLOCK_N / PAGE scalar loads (start is a multiple of the page or of
+        # the tile, whichever is smaller), spread over the tile's rows
+        first = start // PAGE
+        page = tl.full([BLOCK_N], -1, tl.int64)
+        for j in tl.static_range(PAGES_PER_TILE):
+            pid = tl.load(bt_row + (first + j) * stride_bt_p, mask=start + j * PAGE < hi, other=-1).to(tl.int64)
+            page = tl.where(offs_n // PAGE == j, pid, page)
+        tok_ok = in_run & (page >= 0) & (page < num_pages)  # a page outside the pool is never read
+        page = tl.where(tok_ok, page, 0)
+        row = pos % PAGE
+        if D == BLOCK_D:
+            kv_mask = tok_ok[:, None]  # constant along the head dim: 16-byte vector loads
+        else:
+            kv_mask = tok_ok[:, None] & dmask[None, :]
+        k = tl.load(k_head + page[:, None] * stride_k_p + row[:, None] * stride_k_t, mask=kv_mask, other=0.0)
+        v = tl.load(v_head + page[:, None] * stride_v_p + row[:, None] * stride_v_t, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        pexp = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(pexp, axis=1)
-        v = tl.load(v_ptr + page * stride_v_p + offs_t[:, None] * stride_v_t + kh * stride_v_h
-                    + offs_d[None, :] * stride_v_d, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(pexp[:, :, None] * v[None, :, :], axis=1)
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m = m_new
-    if NSPLIT == 1:
+    if SPLIT:
+        # partials: (m, l) [B, Hq, splits, 2] and acc [B, Hq, splits, BLOCK_D], contiguous fp32
+        prow = (b * (G * tl.num_programs(0)) + qh) * nsplit + split
+        tl.store(part_ml_ptr + prow * 2, m, mask=gmask)
+        tl.store(part_ml_ptr + prow * 2 + 1, l, mask=gmask)
+        tl.store(part_o_ptr + prow[:, None] * BLOCK_D + offs_d[None, :], acc, mask=gmask[:, None])
+    else:
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(out_ptr + b * stride_o_b + qh[:, None] * stride_o_h + offs_d[None, :] * stride_o_d,
                  out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
-    else:
-        # partials [B, Hq, NSPLIT] (m, l) and [B, Hq, NSPLIT, BLOCK_D] (acc), contiguous fp32
-        row = (b * (G * tl.num_programs(1)) + qh) * NSPLIT + split
-        tl.store(part_m_ptr + row, m, mask=gmask)
-        tl.store(part_l_ptr + row, l, mask=gmask)
-        tl.store(part_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=gmask[:, None])
 
 
 @triton.jit
 def _paged_decode_combine_kernel(
-    part_m_ptr, part_l_ptr, part_o_ptr, out_ptr,
+    part_ml_ptr, part_o_ptr, out_ptr,
     stride_o_b, stride_o_h, stride_o_d,
-    H: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_D: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, NSPLIT: tl.constexpr,
 ):
-    # one program per (request, query head): merges its NSPLIT partial softmaxes
+    # one program per (request, query head): merges its NSPLIT partial softmaxes, all loaded at
+    # once (a run with no tokens has m = -1e30, l = 0: weight 0 next to any run that has one)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    H = tl.num_programs(1)
     offs_s = tl.arange(0, NSPLIT)
     offs_d = tl.arange(0, BLOCK_D)
-    row = (b * H + h) * NSPLIT + offs_s
-    m = tl.load(part_m_ptr + row)
-    l = tl.load(part_l_ptr + row)
-    acc = tl.load(part_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :])
-    m_all = tl.max(m, axis=0)
-    w = tl.exp(m - m_all)
+    rows = (b * H + h) * NSPLIT + offs_s
+    m = tl.load(part_ml_ptr + rows * 2)
+    l = tl.load(part_ml_ptr + rows * 2 + 1)
+    acc = tl.load(part_o_ptr + rows[:, None] * BLOCK_D + offs_d[None, :])
+    w = tl.exp2(m - tl.max(m, axis=0))
     l_all = tl.sum(l * w, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(l_all > 0, l_all, 1.0)
     tl.store(out_ptr + b * stride_o_b + h * stride_o_h + offs_d * stride_o_d,
@@ -101,32 +140,39 @@ def _paged_decode_combine_kernel(
 
 
 def launch_paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, slots, out, scale: float,
-                                  *, num_splits: int = 1) -> None:
+                                  config: DecodeConfig) -> None:
     """q, out [B, Hq, Dh]; k_pages, v_pages [Np, PAGE, Hkv, Dh]; block_table [S, Pmax]; seq_lens [S];
-    slots [B]; num_splits a power of two: the context of each request is cut into that many runs
-    of ceil(Pmax / num_splits) pages (split-K), merged by a second kernel."""
+    slots [B]; ``config`` the tile (block_n tokens per loop trip), num_warps, num_stages and
+    num_splits: each request's context is cut into that many runs (split-K), merged by a second
+    kernel. Allocates the splits' fp32 partials (no host read: graph safe)."""
     import torch
 
     B, Hq, D = q.shape
     Np, PAGE, Hkv, _ = k_pages.shape
     G = Hq // Hkv
-    block_d = triton.next_power_of_2(D)
-    pages_per_split = triton.cdiv(block_table.shape[1], num_splits)
-    if num_splits > 1:
-        part_m = torch.empty(B, Hq, num_splits, device=q.device, dtype=torch.float32)
-        part_l = torch.empty_like(part_m)
-        part_o = torch.empty(B, Hq, num_splits, block_d, device=q.device, dtype=torch.float32)
+    block_d = max(16, triton.next_power_of_2(D))
+    splits = config.num_splits
+    block_n = min(config.block_n, max(16, 8 * PAGE))  # at most 8 page-id loads per trip
+    if splits > 1:
+        part_ml = torch.empty(B, Hq, splits, 2, device=q.device, dtype=torch.float32)
+        part_o = torch.empty(B, Hq, splits, block_d, device=q.device, dtype=torch.float32)
     else:
-        part_m = part_l = part_o = out  # not touched
-    _paged_decode_attention_kernel[(B, Hkv, num_splits)](
-        q, k_pages, v_pages, block_table, seq_lens, slots, out, part_m, part_l, part_o,
-        block_table.shape[0], Np, scale, pages_per_split,
+        part_ml = part_o = out  # not touched
+    # mixed dtypes: every operand in fp32; so for bf16 in the interpreter, whose bf16 tl.dot
+    # returns garbage (Triton 3.6: a 16x16 product off by 1e10)
+    upcast = not q.dtype == k_pages.dtype == v_pages.dtype or (q.dtype == torch.bfloat16 and not q.is_cuda)
+    precision = "ieee" if (upcast or q.dtype == torch.float32) else "tf32"  # tf32: unused by 16-bit dots
+    _paged_decode_attention_kernel[(Hkv, B, splits)](
+        q, k_pages, v_pages, block_table, seq_lens, slots, out, part_ml, part_o,
+        block_table.shape[0], Np, block_table.shape[1], scale * LOG2E,
         *q.stride(), *k_pages.stride(), *v_pages.stride(), *block_table.stride(), *out.stride(),
-        G=G, D=D, PAGE=PAGE, BLOCK_G=triton.next_power_of_2(G), BLOCK_D=block_d, NSPLIT=num_splits,
-        num_warps=4,
+        G=G, D=D, PAGE=PAGE, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=block_d,
+        BLOCK_N=block_n, PAGES_PER_TILE=max(1, block_n // PAGE), SPLIT=splits > 1, UPCAST=upcast,
+        DOT_PRECISION=precision,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if num_splits > 1:
+    if splits > 1:
         _paged_decode_combine_kernel[(B, Hq)](
-            part_m, part_l, part_o, out, *out.stride(), H=Hq, D=D, NSPLIT=num_splits, BLOCK_D=block_d,
-            num_warps=4,
+            part_ml, part_o, out, *out.stride(), D=D, BLOCK_D=block_d, NSPLIT=splits,
+            num_warps=4 if splits * block_d >= 2048 else 1,
         )

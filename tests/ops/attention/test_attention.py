@@ -144,7 +144,7 @@ def test_attention_ops_reject_bad_input():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,ctx,dtype", [(1, 4096, torch.bfloat16), (32, 2000, torch.bfloat16),
-                                         (7, 333, torch.float16)])
+                                         (7, 333, torch.float16), (3, 1000, torch.float32)])
 def test_paged_decode_attention_large_gpu(B, ctx, dtype):
     """Nemotron-H-8B's attention shape (32 query / 8 KV heads of 128), long contexts, 16-token pages."""
     Hq, Hkv, Dh, PAGE = 32, 8, 128, 16
@@ -158,3 +158,169 @@ def test_paged_decode_attention_large_gpu(B, ctx, dtype):
     for splits in (None, 1, 8):
         got = paged_decode_attention(*args, num_splits=splits)
         torch.testing.assert_close(got.float(), want, **tol(dtype))
+
+
+# ---- the kernel's tiles: a loop trip of block_n tokens over block_n / PAGE pages ----------------
+
+def dense_decode(q, keys, vals, scale):
+    """fp32 attention of q [Hq, Dh] over keys / vals [n, Hkv, Dh] (every key, no mask)."""
+    G = q.shape[0] // keys.shape[1]
+    k, v = keys.float().repeat_interleave(G, 1), vals.float().repeat_interleave(G, 1)
+    w = torch.einsum("hd,nhd->hn", q.float(), k).mul(scale).softmax(-1)
+    return torch.einsum("hn,nhd->hd", w, v)
+
+
+def poison_unused(k, v, bt, seq_lens):
+    """NaN in every pool row no request owns (pages never handed out, the tail rows of each
+    request's last page, the scratch page): a kernel that reads one fails the comparison."""
+    PAGE = k.shape[1]
+    used = torch.zeros(k.shape[:2], dtype=torch.bool)
+    for s in range(bt.shape[0]):
+        n = int(seq_lens[s])
+        for t in range(n):
+            used[int(bt[s, t // PAGE]), t % PAGE] = True
+    k[~used] = float("nan")
+    v[~used] = float("nan")
+
+
+# base row, then rows that each change one thing: (Hq, Hkv, Dh, PAGE, block_n, num_splits)
+TILE_ROWS = [
+    pytest.param(4, 2, 16, 4, 16, 1, id="P4-N16"),
+    pytest.param(4, 2, 16, 16, 16, 1, id="P16-N16"),          # one page per trip
+    pytest.param(4, 2, 16, 16, 32, 1, id="P16-N32"),          # two pages per trip
+    pytest.param(4, 2, 16, 4, 32, 1, id="P4-N32"),            # eight pages per trip
+    pytest.param(4, 2, 16, 4, 64, 1, id="P4-N64-capped"),     # the launcher caps trips at 8 pages
+    pytest.param(4, 2, 16, 64, 16, 1, id="P64-N16"),          # four trips per page
+    pytest.param(4, 2, 16, 4, 16, 2, id="P4-N16-split2"),
+    pytest.param(4, 2, 16, 16, 32, 4, id="P16-N32-split4"),   # runs past the short requests' ends
+    pytest.param(4, 4, 16, 4, 16, 1, id="G1"),
+    pytest.param(6, 2, 24, 4, 16, 2, id="G3-D24-split2"),
+    pytest.param(8, 1, 16, 16, 16, 1, id="G8-MQA"),
+]
+
+
+@pytest.mark.parametrize("Hq,Hkv,Dh,PAGE,block_n,num_splits", TILE_ROWS)
+def test_paged_decode_tiles_match_ref(Hq, Hkv, Dh, PAGE, block_n, num_splits, device):
+    """Every tile / page / split combination against the reference, launched with an explicit
+    config; lengths that end inside a page and inside a tile (45, 33), exactly one tile (16), one
+    token, none; shuffled slots, a pad row; every pool row no request owns is NaN."""
+    from fastmamba.ops.attention.configs import DecodeConfig
+    from fastmamba.ops.attention.kernel import launch_paged_decode_attention
+
+    lens = (45, 1, 0, 16, 33)
+    k, v, bt, seq_lens = paged_pool(S=6, Np=-(-45 // PAGE) * 4 + 6, PAGE=PAGE, Hkv=Hkv, Dh=Dh, lens=lens)
+    poison_unused(k, v, bt, seq_lens)
+    slots = torch.tensor([4, 0, -1, 3, 2, 1], dtype=torch.int32)
+    q = torch.randn(6, Hq, Dh, generator=seeded(7))
+    k, v, bt, seq_lens, slots, q = (t.to(device) for t in (k, v, bt, seq_lens, slots, q))
+    out = nan_like(q)
+    launch_paged_decode_attention(q, k, v, bt, seq_lens, slots, out, Dh ** -0.5,
+                                  DecodeConfig(block_n, 1, 1, num_splits))
+    want = paged_decode_attention_ref(q, k, v, bt, seq_lens, slots)
+    torch.testing.assert_close(out, want, **tol(torch.float32))
+    assert torch.equal(out[2], torch.zeros_like(out[2]))  # pad row
+    assert torch.equal(out[4], torch.zeros_like(out[4]))  # slot 2: nothing cached
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_paged_decode_skips_out_of_pool_pages(num_splits, device):
+    """A block-table entry outside [0, Np) inside a request's length is masked: the output equals
+    attention over the tokens of its other pages; nothing else is read (unowned rows are NaN).
+    Batch 1; 16-token pages."""
+    Hq, Hkv, Dh, PAGE = 4, 2, 16, 16
+    n = 70  # 5 pages, the last one partly filled
+    k, v, bt, seq_lens = paged_pool(S=2, Np=9, PAGE=PAGE, Hkv=Hkv, Dh=Dh, lens=(n,))
+    poison_unused(k, v, bt, seq_lens)
+    bad = bt.clone()
+    bad[0, 1] = 9 + 3   # past the pool
+    bad[0, 3] = -7      # negative
+    q = torch.randn(1, Hq, Dh, generator=seeded(8))
+    keep = [p for p in range(5) if p not in (1, 3)]
+    rows = [(int(bt[0, p]), t) for p in keep for t in range(PAGE) if p * PAGE + t < n]
+    keys = torch.stack([k[pg, t] for pg, t in rows])
+    vals = torch.stack([v[pg, t] for pg, t in rows])
+    want = dense_decode(q[0], keys, vals, Dh ** -0.5)
+    d = lambda t: t.to(device)  # noqa: E731
+    got = paged_decode_attention(d(q), d(k), d(v), d(bad), d(seq_lens), d(torch.tensor([0], dtype=torch.int32)),
+                                 num_splits=num_splits, out=nan_like(d(q)))
+    torch.testing.assert_close(got[0].cpu(), want, **tol(torch.float32))
+
+
+def test_paged_decode_mixed_dtypes_match_ref(device):
+    """An fp32 query over bf16 pools (every product in fp32): the reference's result."""
+    Hq, Hkv, Dh, PAGE = 4, 2, 16, 4
+    k, v, bt, seq_lens = paged_pool(S=3, Np=12, PAGE=PAGE, Hkv=Hkv, Dh=Dh, lens=(19, 6, 1), dtype=torch.bfloat16)
+    q = torch.randn(3, Hq, Dh, generator=seeded(9))
+    slots = torch.tensor([2, 0, 1], dtype=torch.int32)
+    args = [t.to(device) for t in (q, k, v, bt, seq_lens, slots)]
+    got = paged_decode_attention(*args, out=nan_like(args[0]))
+    want = paged_decode_attention_ref(*args)
+    torch.testing.assert_close(got, want, **tol(torch.float32))
+
+
+def test_launch_config_heuristic():
+    """The launcher's choice: tiles that fit in shared memory (two programs per SM for bf16 at head
+    dim 128), powers of two; more split-K runs the fewer (request, KV head) programs there are, none
+    for a GPU-filling batch, and never runs shorter than MIN_SPLIT_TOKENS of the table's width."""
+    from fastmamba.ops.attention import configs
+
+    for dh, size in [(128, 2), (64, 2), (128, 4), (256, 2), (80, 2)]:
+        c = configs.pick_config(8, 8192, dh, size, 132)
+        assert c.block_n >= 16 and c.block_n & (c.block_n - 1) == 0
+        assert configs.tile_smem_bytes(c.block_n, c.num_stages, dh, size) <= configs.SMEM_BYTES
+    c = configs.pick_config(32 * 8, 8192, 128, 2, 132)
+    assert 2 * configs.tile_smem_bytes(c.block_n, c.num_stages, 128, 2) <= configs.SMEM_BYTES
+    sms = 132
+    prev = configs.MAX_SPLITS
+    for programs in (1, 8, 64, 256, 512, 2048, 8192):
+        s = configs.pick_splits(programs, 32768, sms)
+        assert 1 <= s <= prev and s & (s - 1) == 0
+        assert s == 1 or 32768 // s >= configs.MIN_SPLIT_TOKENS
+        assert s == configs.MAX_SPLITS or programs * s >= configs.SPLIT_TARGET_WAVES * sms or \
+            32768 // (2 * s) < configs.MIN_SPLIT_TOKENS  # as many as the target asks for, or at the floor
+        prev = s
+    assert configs.pick_splits(8, 32768, sms) > 1  # batch 1 at the 8B shape: split
+    assert configs.pick_splits(configs.SPLIT_TARGET_WAVES * sms, 32768, sms) == 1
+    assert configs.pick_splits(8, 1024, sms) <= 1024 // configs.MIN_SPLIT_TOKENS  # short tables: long runs
+
+
+@pytest.mark.gpu
+def test_paged_decode_attention_cuda_graph_gpu():
+    """Captured once with static block table, lengths and slots (the automatic config: split-K at
+    this batch), replayed after the requests grew, moved to other slots and pages and one became
+    a pad row: every replay equals the reference on the buffers' new contents (no host read)."""
+    Hq, Hkv, Dh, PAGE, B, dtype = 32, 8, 128, 16, 4, torch.bfloat16
+    S, Pmax, Np = 6, 80, 6 * 80 + 1
+    g = seeded(10)
+    k = torch.randn(Np, PAGE, Hkv, Dh, generator=g).to(dtype).cuda()
+    v = torch.randn(Np, PAGE, Hkv, Dh, generator=g).to(dtype).cuda()
+    bt = torch.full((S, Pmax), -1, dtype=torch.int32, device="cuda")
+    seq_lens = torch.zeros(S, dtype=torch.int32, device="cuda")
+    slots = torch.zeros(B, dtype=torch.int32, device="cuda")
+    q = torch.zeros(B, Hq, Dh, dtype=dtype, device="cuda")
+    out = torch.empty_like(q)
+
+    def fill(lens, slot_ids, seed):
+        gen = seeded(seed)
+        perm = torch.randperm(Np - 1, generator=gen)
+        bt.copy_(perm[: S * Pmax].view(S, Pmax).int())
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        slots.copy_(torch.tensor(slot_ids, dtype=torch.int32))
+        q.copy_(torch.randn(B, Hq, Dh, generator=gen).to(dtype))
+
+    fill([100, 7, 1200, 0, 33, 16], [0, 1, 2, 3], 11)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        paged_decode_attention(q, k, v, bt, seq_lens, slots, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(q, k, v, bt, seq_lens, slots, out=out)
+    for lens, slot_ids, seed in [([100, 7, 1200, 0, 33, 16], [0, 1, 2, 3], 11),
+                                 ([1279, 8, 1201, 0, 34, 17], [2, 5, -1, 0], 12)]:
+        fill(lens, slot_ids, seed)
+        out.fill_(float("nan"))
+        graph.replay()
+        want = paged_decode_attention_ref(q, k, v, bt, seq_lens, slots)
+        torch.testing.assert_close(out.float(), want, **tol(dtype))

@@ -1,0 +1,97 @@
+"""Launch configs of ``paged_decode_attention``: tile (tokens per loop trip), warps, stages, splits.
+
+Chosen by the launcher, never by @triton.autotune (STYLE.md section 4); under the interpreter the
+smallest tile runs, unpipelined, with one split unless the caller asks for more.
+
+The kernel is a stream over K and V: batch 32 at an 8k context reads 1 GiB for 32 x 8 (request,
+KV head) programs, so what matters is bytes in flight, not arithmetic. The defaults below are a
+first-principles guess, to be replaced by measured rows (``python scripts/tune_paged_attention.py``
+prints the table and the best config per shape):
+- a tile of 64 tokens (4 pages of 16): a 16 KiB K tile and a 16 KiB V tile at head dim 128 in
+  bf16, each token's row 256 contiguous bytes; 3 stages: two K and two V buffers, so the next
+  tile's 32 KiB are in flight while one is computed (sm_90 compile: 70 KiB of shared memory and
+  160 registers a program, three programs per SM);
+- 4 warps: the tile's two tensor-core products are [16, 128] x [128, 64] and [16, 64] x [64, 128]
+  (the G = 4 query heads of a KV head padded to 16 rows), small work for 4 warps;
+- splits: enough (request, KV head, split) programs for SPLIT_TARGET_WAVES programs per SM, since
+  one program alone is latency-bound (each trip waits on loads issued a trip or two earlier), but
+  no run shorter than MIN_SPLIT_TOKENS of the block table's width: a run's partials (G rows of
+  Dh + 2 fp32, written and read back once) are then under 2% of the 128 KiB of K and V it reads
+  (head dim 128, bf16), and the merge is one small extra kernel.
+The split count only changes how a request's tokens are grouped into partial sums, so it changes
+results by rounding only; the block table's width (not the requests' lengths, which stay on the
+device) is the context bound it sees.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+MAX_SPLITS = 64
+
+
+class DecodeConfig(NamedTuple):
+    block_n: int  # tokens per loop trip (a power of two >= 16)
+    num_warps: int
+    num_stages: int
+    num_splits: int  # runs per request's context (split-K), a power of two in [1, MAX_SPLITS]
+
+
+# (head dim, itemsize) -> (block_n, num_warps, num_stages): the tile for dims not listed is the
+# fallback's. First-principles defaults (see the module docstring); replace with measured rows.
+TILES: dict[tuple[int, int], tuple[int, int, int]] = {
+    (128, 2): (64, 4, 3),
+    (64, 2): (64, 4, 3),
+    (128, 4): (32, 4, 2),
+}
+SPLIT_TARGET_WAVES = 4  # aim for this many programs per SM ...
+MIN_SPLIT_TOKENS = 256  # ... with runs of at least this many tokens of the table's width
+INTERPRET_CONFIG = DecodeConfig(block_n=16, num_warps=1, num_stages=1, num_splits=1)
+SMEM_BYTES = 227 * 1024  # shared memory one program may use on an H100 / H200
+
+# what scripts/tune_paged_attention.py sweeps: (block_n, num_warps, num_stages) ... num_stages - 1
+# tiles are loaded ahead of the one computed (2 stages: none overlaps the compute, the program
+# waits for each tile; other programs on the SM hide it or not).
+CANDIDATE_TILES = ([(64, w, st) for w in (2, 4, 8) for st in (3, 4, 5)] + [(64, 4, 2)]
+                   + [(32, 2, 4), (32, 4, 3), (32, 4, 5), (32, 8, 5)]
+                   + [(128, 4, 3), (128, 8, 3), (128, 8, 4)])
+# ... and split counts
+CANDIDATE_SPLITS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def tile_smem_bytes(block_n: int, num_stages: int, head_dim: int, itemsize: int) -> int:
+    """Shared memory of the pipelined K and V tiles if each stage had its own buffer (an upper
+    bound: with the page-id indirection Triton keeps fewer)."""
+    block_d = 1 << (max(16, head_dim) - 1).bit_length()
+    return 2 * block_n * block_d * itemsize * max(1, num_stages)
+
+
+def fallback_tile(head_dim: int, itemsize: int) -> tuple[int, int, int]:
+    """(block_n, num_warps, num_stages) for a (head dim, dtype size) not in TILES: tiles of about
+    16 KiB of K per trip, two stages past 128 head dims."""
+    block_n = max(16, min(128, (16384 // itemsize) // max(head_dim, 16)))
+    block_n = 1 << (block_n.bit_length() - 1)
+    return block_n, 4 if head_dim <= 128 else 8, 3 if head_dim * itemsize <= 256 else 2
+
+
+def pick_splits(programs: int, max_tokens: int, sms: int) -> int:
+    """Split-K runs for ``programs`` (request, KV head) pairs over contexts of up to ``max_tokens``."""
+    splits = 1
+    while (splits < MAX_SPLITS and programs * splits < SPLIT_TARGET_WAVES * sms
+           and max_tokens >= MIN_SPLIT_TOKENS * splits * 2):
+        splits *= 2
+    return splits
+
+
+def pick_config(programs: int, max_tokens: int, head_dim: int, itemsize: int, sms: int) -> DecodeConfig:
+    """The launch config for ``programs`` = rows x KV heads over a block table of ``max_tokens``
+    tokens (= width x page size), on a GPU of ``sms`` SMs."""
+    block_n, warps, stages = TILES.get((head_dim, itemsize)) or fallback_tile(head_dim, itemsize)
+    return DecodeConfig(block_n, warps, stages, pick_splits(programs, max_tokens, sms))
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,0 +1,71 @@
+"""The paged decode kernel compiled for sm_90 (no GPU needed: Triton's own ptxas), checked for the
+software pipeline its speed rests on: at the default tile, num_stages - 1 K and V buffers in shared
+memory beyond the one computed, the loop waiting only for the oldest tile, tensor-core products.
+A page-id vector load used to become a pipelined level of its own, which left K and V a single
+buffer and a wait for every load at each trip: the GPU then idles while a program's loads fly.
+
+The compile runs in a subprocess without ``TRITON_INTERPRET`` (Triton reads it at import)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def compile_sm90(block_n: int, num_warps: int, num_stages: int, split: bool) -> dict:
+    """Compile the kernel at the Nemotron-H shape (G 4, Dh 128, 16-token pages, bf16) for sm_90;
+    returns its TTGIR and PTX. Runs in the interpreter-free subprocess."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fastmamba.ops.attention.kernel import _paged_decode_attention_kernel as kernel
+
+    consts = dict(G=4, D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=block_n, PAGES_PER_TILE=block_n // 16,
+                  SPLIT=split, UPCAST=False, DOT_PRECISION="tf32",
+                  stride_q_d=1, stride_k_d=1, stride_v_d=1, stride_bt_p=1, stride_o_d=1)
+    ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", lens_ptr="*i32", slots_ptr="*i32",
+                out_ptr="*bf16", part_ml_ptr="*fp32", part_o_ptr="*fp32", qk_scale="fp32")
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if sig[n].startswith("*") or n.startswith("stride")}  # what a launch specialises
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()},
+                    attrs=aligned)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    return {"ttgir": k.asm["ttgir"], "ptx": k.asm["ptx"]}
+
+
+def _run(block_n: int, num_warps: int, num_stages: int, split: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, __file__, json.dumps([block_n, num_warps, num_stages, split])],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    if done.returncode != 0:
+        if "ptxas" in done.stderr and ("not found" in done.stderr or "No such file" in done.stderr):
+            pytest.skip("Triton's NVIDIA backend has no ptxas here")
+        raise AssertionError(f"sm_90 compile failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("num_stages,split", [(3, False), (4, True)], ids=["st3", "st4-split"])
+def test_default_tile_is_software_pipelined_on_sm90(num_stages, split):
+    from fastmamba.ops.attention.configs import TILES
+
+    block_n, warps, _ = TILES[(128, 2)]
+    asm = _run(block_n, warps, num_stages, split)
+    ttgir, ptx = asm["ttgir"], asm["ptx"]
+    bufs = f"memdesc<{num_stages - 1}x{block_n}x128xbf16"
+    assert ttgir.count(f"ttg.local_alloc : () -> !ttg.{bufs}") == 2, "K and V: num_stages - 1 buffers each"
+    # in the loop, wait until only the newest tiles' K and V copies (2 commit groups a tile) are in flight
+    assert f"{{num = {2 * (num_stages - 2)} : i32}}" in ttgir
+    assert "cp.async" in ptx and "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
+    print(json.dumps(compile_sm90(*json.loads(sys.argv[1]))))
