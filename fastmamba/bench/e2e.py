@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
@@ -260,8 +261,11 @@ def run_peer_hybrid(model, prompt_len: int, gen_len: int, device) -> dict | None
     kw = dict(max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False, use_cache=True)
     with torch.no_grad():
         hf.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm-up
-        t_total = _timed(lambda: hf.generate(ids, **kw), device)
-        t_prefill = _timed(lambda: hf.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False), device)
+        # medians of 3: a single pair of runs moved the decode estimate by +-30% (its host-bound steps)
+        t_total = statistics.median(_timed(lambda: hf.generate(ids, **kw), device) for _ in range(3))
+        t_prefill = statistics.median(
+            _timed(lambda: hf.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False), device)
+            for _ in range(3))
     t_decode = max(t_total - t_prefill, 1e-9)
     return {"batch": 1, "provider": f"transformers {transformers.__version__} NemotronH", "context": prompt_len,
             "ttft_ms": 1e3 * t_prefill, "ms_per_step": 1e3 * t_decode / max(gen_len - 1, 1),
