@@ -141,12 +141,13 @@ class GraphedPrefill:
         """Capture the bucket's call. ``cu_host`` / ``slots_host``: this batch's metadata, which the
         model validates on the host while capturing (replays run no Python)."""
         ids, cu, slots, flags = self.ids[:tb], self.cu_seqlens[:rb + 1], self.slots[:rb], self.flags[:rb]
+        live = sum(s != PAD_SLOT for s in slots_host)  # the padding-only warm-up picks the same tiles
 
         def run(slot_values: list[int]) -> torch.Tensor:
             with trusted_inputs():
                 return self.model.prefill_varlen(ids, cu, self.cache, slots, has_initial_state=flags,
                                                  rand_seed=self.rand_seed, cu_seqlens_host=cu_host,
-                                                 slots_host=slot_values)
+                                                 slots_host=slot_values, live_seqs=live)
 
         pdl = programmatic_dependent_launch() if self.pdl else contextlib.nullcontext()
         with pdl:

@@ -198,6 +198,7 @@ class Mamba2Mixer(nn.Module):
         rand_seed: torch.Tensor | None = None,
         snapshot: LayerSnapshot | None = None,
         max_seqlen: int | None = None,
+        live_seqs: int | None = None,
     ) -> torch.Tensor:
         """Prefill of B packed prompts of any lengths: u [T, d_model] -> [T, d_model].
 
@@ -215,6 +216,8 @@ class Mamba2Mixer(nn.Module):
                     chunk ends it names into its pools (prefix caching), from the scan's chunk states
         max_seqlen  int or None: the longest prompt, when the caller knows it on the host; lets the
                     scan pick its short-prompt path without reading cu_seqlens (ssd_scan_varlen)
+        live_seqs   int or None: how many prompts are not padding (slot -1), when the caller knows;
+                    sizes the short-prompt scan's tiles for them (ssd_scan_varlen)
         The ops read cu_seqlens and slots on the host for their checks (see their docstrings),
         except inside ``fastmamba.ops._common.host_values.trusted_inputs()``.
         """
@@ -234,6 +237,7 @@ class Mamba2Mixer(nn.Module):
             chunk_size=c.chunk_size, D=self.D, z=gate, dt_bias=self.dt_bias, dt_softplus=True,
             cache_indices=slots, has_initial_state=has_initial_state, A_is_log=A_is_log, rand_seed=rand_seed,
             chunk_states_out=None if snapshot is None else snapshot.chunk_states, max_seqlen=max_seqlen,
+            live_seqs=live_seqs,
         )
         if snapshot is not None:
             snapshot.ssm[snapshot.rows] = snapshot.chunk_states[snapshot.chunk_rows].to(snapshot.ssm.dtype)

@@ -142,6 +142,7 @@ class Mamba2LM(nn.Module):
         cu_seqlens_host: Sequence[int] | None = None,
         slots_host: Sequence[int] | None = None,
         snapshots: SnapshotPlan | None = None,
+        live_seqs: int | None = None,
     ) -> torch.Tensor:
         """Run B prompts of any lengths packed into one call; returns each one's last-token logits [B, V] fp32.
 
@@ -164,6 +165,9 @@ class Mamba2LM(nn.Module):
         snapshots   a ``fastmamba.cache.prefix_cache.SnapshotPlan`` or None: also copy the states
                     of some prompts after some of their chunks (prefix caching) into its pools,
                     taken from the chunked scan's per-chunk states as it runs
+        live_seqs   int or None: how many prompts are not padding, for the short-prompt scan's
+                    tiles (None: counted from the slots); a graph capture passes its batch's count
+                    to its all-padding warm-up too, so both run the same kernels
         With a speculative cache, the slots are left ready for ``verify`` (``StateCache.mark_prefilled``);
         a prompt may then continue from a slot's state only if no verify step ran on it since
         its last prefill (after one, the conv history is not right-aligned and the SSM state
@@ -198,6 +202,10 @@ class Mamba2LM(nn.Module):
             dup = sorted({v for v in live if live.count(v) > 1})
             raise ValueError(f"Mamba2LM.prefill_varlen: two prompts must not share a slot; slots {dup[:4]} appear "
                              "more than once")
+        if live_seqs is not None and not (isinstance(live_seqs, int) and not isinstance(live_seqs, bool)
+                                          and 0 <= live_seqs <= nseq):
+            raise ValueError(f"Mamba2LM.prefill_varlen: `live_seqs` expected an int in [0, B={nseq}] or None, "
+                             f"got {live_seqs!r}")
         if has_initial_state is True:
             flags = torch.ones(nseq, dtype=torch.bool, device=input_ids.device)
         elif has_initial_state is False:
@@ -212,11 +220,14 @@ class Mamba2LM(nn.Module):
         # compiles inside the capture); replays with other lengths of the bucket stay correct (both
         # paths take any length), with the capture batch's choice
         longest = max(b - a for a, b in zip(cu, cu[1:]))
+        if live_seqs is None:  # the prompts that are not padding: the short-prompt scan's tiles are sized for them
+            live_seqs = len(live)
         with trusted_inputs():  # validated above: the layers' ops read nothing on the host
             logits = self._run(
                 input_ids,
                 lambda i, mixer, h: mixer.forward_varlen(h, cu_seqlens, cache.conv[i], cache.ssm[i], slots, flags,
-                                                         rand_seed=seed(i), snapshot=snap(i), max_seqlen=longest),
+                                                         rand_seed=seed(i), snapshot=snap(i), max_seqlen=longest,
+                                                         live_seqs=live_seqs),
                 rows=last,
             )
             if cache.speculate:

@@ -98,6 +98,8 @@ def test_prefill_varlen_rejects_bad_input(model):
         model.prefill_varlen(ids, torch.tensor([0, 4], dtype=torch.int32), cache, slots)
     with pytest.raises(ValueError, match=r"expected shape \(T,\)"):
         model.prefill_varlen(ids[None], torch.tensor([0, 4], dtype=torch.int32), cache, slots[:1])
+    with pytest.raises(ValueError, match=r"`live_seqs` expected an int in \[0, B=2\] or None, got 5"):
+        model.prefill_varlen(ids, torch.tensor([0, 2, 4], dtype=torch.int32), cache, slots, live_seqs=5)
 
 
 class HostReads:

@@ -349,6 +349,7 @@ def ssd_scan_varlen(
     rand_seed: torch.Tensor | None = None,
     fused: bool | None = None,
     max_seqlen: int | None = None,
+    live_seqs: int | None = None,
 ) -> torch.Tensor:
     """Packed variable-length prefill of the SSM, reading and writing each sequence's cache slot.
 
@@ -385,6 +386,9 @@ def ssd_scan_varlen(
     max_seqlen int or None: a host bound on the longest sequence (the runtime knows it), which
                              picks the path and tiles without reading cu_seqlens; None: from
                              cu_seqlens where the op reads it anyway, else T
+    live_seqs  int or None: how many of the B sequences are not padding (pad slot), when the host
+                             knows (a graphed prefill's padding requests): the fused path sizes its
+                             tiles for them. Tiles only: the result is the same for any value
     Returns out [T, H, P] (x's dtype). Chunks of ``chunk_size`` tokens never cross a sequence.
     Checks read cu_seqlens and cache_indices on the host (skipped while a CUDA graph is captured).
     Reference: fastmamba.ops.ssd_scan.ref.ssd_scan_varlen_ref
@@ -425,6 +429,9 @@ def ssd_scan_varlen(
         raise TypeError(f"{_VARLEN}: `fused` expected None, True or False, got {fused!r}")
     if max_seqlen is not None and (not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 0):
         raise ValueError(f"{_VARLEN}: `max_seqlen` expected a non-negative int or None, got {max_seqlen!r}")
+    if live_seqs is not None and (not isinstance(live_seqs, int) or isinstance(live_seqs, bool)
+                                  or not 0 <= live_seqs <= nseq):
+        raise ValueError(f"{_VARLEN}: `live_seqs` expected an int in [0, B={nseq}] or None, got {live_seqs!r}")
     if out is not None:
         check_shape(_VARLEN, "out", out, [("T", T), ("H", H), ("P", P)])
         if out.dtype != x.dtype:
@@ -447,7 +454,7 @@ def ssd_scan_varlen(
         torch.ops.fastmamba.ssd_scan_varlen_fused_(
             x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
             chunk_states_out, chunk_size, dt_softplus, float(dt_limit[0]), float(dt_limit[1]), pad_slot_id,
-            bool(A_is_log), rand_seed, max_len,
+            bool(A_is_log), rand_seed, max_len, live_seqs or 0,
         )
         return out
     n_chunks = total_chunks if total_chunks is not None else _cdiv(T, chunk_size) + nseq

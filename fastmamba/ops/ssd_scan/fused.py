@@ -63,6 +63,7 @@ def _ssd_scan_varlen_fused_(
     A_is_log: bool,
     rand_seed: Optional[torch.Tensor],
     max_len: int,
+    live_seqs: int,
 ) -> None:
     """In-place op on checked inputs (ssd_scan_varlen's): one launch of the fused kernel."""
     if not use_triton(x):
@@ -74,7 +75,8 @@ def _ssd_scan_varlen_fused_(
         )
         return
     ssd_scan_fused_launch(
-        x, dt, A, B, C, ssm_states, cu_seqlens, out, max_len=max_len, chunk_size=chunk_size, D=D, z=z,
+        x, dt, A, B, C, ssm_states, cu_seqlens, out, max_len=max_len, live_seqs=live_seqs or None,
+        chunk_size=chunk_size, D=D, z=z,
         dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max), cache_indices=cache_indices,
         has_initial_state=has_initial_state, pad_slot_id=pad_slot_id, chunk_states_out=chunk_states_out,
         A_is_log=A_is_log, rand_seed=rand_seed,
@@ -83,5 +85,6 @@ def _ssd_scan_varlen_fused_(
 
 @_ssd_scan_varlen_fused_.register_fake
 def _(x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
-      chunk_states_out, chunk_size, dt_softplus, dt_min, dt_max, pad_slot_id, A_is_log, rand_seed, max_len):
+      chunk_states_out, chunk_size, dt_softplus, dt_min, dt_max, pad_slot_id, A_is_log, rand_seed, max_len,
+      live_seqs):
     return None

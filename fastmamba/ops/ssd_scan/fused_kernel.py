@@ -179,6 +179,7 @@ def ssd_scan_fused_launch(
     out: torch.Tensor,
     *,
     max_len: int,
+    live_seqs: int | None = None,
     chunk_size: int,
     D: torch.Tensor | None = None,
     z: torch.Tensor | None = None,
@@ -194,12 +195,14 @@ def ssd_scan_fused_launch(
 ) -> None:
     """Checked varlen inputs (ssd_scan_varlen's shapes: x, z, out [T, H, P], dt [T, H], B, C [T, G, N],
     ssm_states [S, H, P, N]) -> one launch. ``max_len``: a host bound on the longest sequence (tiles
-    only: any value gives the same result)."""
+    only: any value gives the same result); ``live_seqs``: how many sequences are not padding, when
+    the caller knows (tiles only: padding programs just write zeros, so the tiles are sized for the
+    live ones)."""
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     nseq = cu_seqlens.shape[0] - 1
     interpreter = interpreter_enabled()
-    cfg = pick_fused_config(max_len, nseq, H, P, interpreter=interpreter)
+    cfg = pick_fused_config(max_len, live_seqs or nseq, H, P, interpreter=interpreter)
     lo, hi = dt_limit
     if has_initial_state is not None and has_initial_state.dtype == torch.bool:
         has_initial_state = has_initial_state.view(torch.uint8)  # a view: no kernel

@@ -280,7 +280,34 @@ def test_bad_max_seqlen_or_fused_raises_before_writing(device):
         ssd_scan_varlen(*args, max_seqlen=-1, **kw)
     with pytest.raises(TypeError, match="ssd_scan_varlen: `fused` expected None, True or False, got 'yes'"):
         ssd_scan_varlen(*args, fused="yes", **kw)
+    with pytest.raises(ValueError, match=r"ssd_scan_varlen: `live_seqs` expected an int in \[0, B=2\] or None, got 3"):
+        ssd_scan_varlen(*args, live_seqs=3, **kw)
     assert torch.equal(args[5], before)
+
+
+def test_live_seqs_changes_tiles_only(device):
+    """``live_seqs`` (how many sequences are not padding) sizes the fused tiles; the results are the
+    same whatever it says, a padding sequence still gets zeros and its slot is untouched."""
+    lens = (9, 5)
+    inp, cu, _ = _case(device, lens, H=2, P=16, G=1, N=16, seed=21)
+    pool = torch.randn(3, 2, 16, 16, generator=seeded(22)).to(device)
+    slots = torch.tensor([1, PAD], dtype=torch.int32, device=device)
+    kw = dict(chunk_size=16, dt_bias=inp["dt_bias"], cache_indices=slots, fused=True,
+              has_initial_state=torch.ones(2, dtype=torch.bool, device=device))
+    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"])
+    outs, pools = [], []
+    for live in (None, 1, 2):
+        p, out = pool.clone(), nan_like(inp["x"])
+        ssd_scan_varlen(*args, p, cu, out=out, live_seqs=live, **kw)
+        outs.append(out)
+        pools.append(p)
+    want_pool = pool.clone()
+    want = ssd_scan_varlen_ref(*args, want_pool, cu, **{k: v for k, v in kw.items() if k != "fused"})
+    for out, p in zip(outs, pools):
+        _close(out, want, torch.float32)
+        _close(p, want_pool, torch.float32)
+        assert torch.equal(out[9:], torch.zeros_like(out[9:]))
+        assert torch.equal(p[[0, 2]], pool[[0, 2]])
 
 
 # ---- GPU: the mamba2-2.7b layer shape -----------------------------------------------------------
