@@ -136,8 +136,11 @@ class GraphedDecoder:
         return graph, logits
 
     def invalidate(self) -> None:
-        """Drop every captured graph (after the weights moved to new storage); recaptured on next use."""
+        """Drop every captured graph (after the weights moved to new storage); recaptured on next use,
+        into a fresh memory pool (the old one goes with its graphs: capturing into a pool whose graphs
+        were all freed trips the caching allocator's use-count assert)."""
         self.graphs.clear()
+        self.pool = torch.cuda.graph_pool_handle()
 
     def decode(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[0]
@@ -201,9 +204,11 @@ class GraphedVerifier:
         self.captured = CaptureClock()
 
     def invalidate(self) -> None:
-        """Drop every captured graph (after the weights moved to new storage); recaptured on next use."""
+        """Drop every captured graph (after the weights moved to new storage); recaptured on next use,
+        into a fresh memory pool (as ``GraphedDecoder.invalidate``)."""
         self.graphs.clear()
         self.commit_graphs.clear()
+        self.pool = torch.cuda.graph_pool_handle()
 
     def buckets(self, path: str) -> list[int]:
         """The batch buckets of ``path`` (legacy: up to ``cache.legacy_max_batch``)."""
