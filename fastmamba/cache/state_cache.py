@@ -143,8 +143,8 @@ class StateCache:
         for s in wipe:  # all layers' rows of a slot: one strided tensor per kind
             self.conv_stack[:, s].zero_()
             self.ssm_stack[:, s].zero_()
-            if self.speculate:
-                self.mark_prefilled(torch.tensor(slots, dtype=torch.int32).to(self.conv[0].device, non_blocking=True))
+        if slots and self.speculate:  # every taken slot, zeroed or about to be restored
+            self.mark_prefilled(torch.tensor(slots, dtype=torch.int32).to(self.conv[0].device, non_blocking=True))
         return slots
 
     def free(self, slots: torch.Tensor | list[int]) -> None:

@@ -53,6 +53,14 @@ def test_take_leaves_restored_slots_unzeroed(model):
         cache.take(1, zero=[True, False])
 
 
+def test_take_marks_every_speculative_slot_prefilled(model):
+    """A slot taken for a prefix-cache restore (not zeroed) is still left ready for verify."""
+    cache = model.new_cache(3, speculate=2)
+    cache.conv_accepted.fill_(0)
+    a, b = cache.take(2, zero=[False, False])
+    assert cache.conv_accepted[[a, b]].tolist() == [cache.tokens_per_step] * 2
+
+
 def test_hit_restores_the_exact_state(model):
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(0, 256, (20,), generator=g).tolist()
