@@ -59,6 +59,24 @@ def run_to_completion(engine, prompts, params):
     return reqs
 
 
+class CorruptedOracle:
+    """An oracle drafter's drafts with draft ``wrong_at(step)`` of every request made wrong (K or
+    more: none wrong), so a step accepts exactly min(wrong_at(step), K) drafts. ``vocab``: the
+    model's vocabulary size (a wrong draft is the right token + 1, wrapped)."""
+
+    def __init__(self, oracle, wrong_at, vocab: int):
+        self.oracle, self.wrong_at, self.vocab, self.step = oracle, wrong_at, vocab, 0
+
+    def propose(self, requests, k):
+        drafts = self.oracle.propose(requests, k)
+        j = self.wrong_at(self.step)
+        self.step += 1
+        for d in drafts:
+            if j < len(d):
+                d[j] = (d[j] + 1) % self.vocab
+        return drafts
+
+
 @pytest.fixture(autouse=True, scope="module")
 def runtime_reference_ops(request):
     """For the runtime test folders (imported by their conftest.py): their subject is scheduling,

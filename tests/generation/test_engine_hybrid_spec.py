@@ -13,26 +13,9 @@ from fastmamba.generation.engine import Engine
 from fastmamba.generation.sampling import SamplingParams
 from tests.generation.test_engine_hybrid import CFG, PAGE, PROMPTS, assert_all_free, greedy_reference
 from tests.generation.test_engine_hybrid import model  # noqa: F401  (the module fixture)
-from tests.helpers import run_to_completion, tol
+from tests.helpers import CorruptedOracle, run_to_completion, tol
 
 FP32 = tol(torch.float32)
-
-
-class CorruptedOracle:
-    """The oracle's drafts with draft ``wrong_at(step)`` of every request made wrong (K or more:
-    none), so a step accepts exactly min(wrong_at(step), K) of them."""
-
-    def __init__(self, oracle, wrong_at):
-        self.oracle, self.wrong_at, self.step = oracle, wrong_at, 0
-
-    def propose(self, requests, k):
-        drafts = self.oracle.propose(requests, k)
-        j = self.wrong_at(self.step)
-        self.step += 1
-        for d in drafts:
-            if j < len(d):
-                d[j] = (d[j] + 1) % CFG.vocab_size
-        return drafts
 
 
 @pytest.mark.parametrize("path", ["replay", "legacy"])
@@ -82,7 +65,7 @@ def test_speculative_greedy_equals_plain_greedy(model, verify_path, wrong_at):  
     plain = [greedy_reference(model, p, n) for p, n in zip(prompts, n_new)]
     drafter = OracleDrafter.from_runs(prompts, plain)
     if wrong_at is not None:
-        drafter = CorruptedOracle(drafter, wrong_at)
+        drafter = CorruptedOracle(drafter, wrong_at, CFG.vocab_size)
     engine = Engine(model, max_batch=2, speculate=K, drafter=drafter, verify_path=verify_path,
                     kv_page_size=PAGE, max_seq_len=64)
     reqs = run_to_completion(engine, prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in n_new])
@@ -118,7 +101,7 @@ def test_graphed_speculative_equals_plain_on_gpu(verify_path):
     for wrong_at in (None, lambda step: [1, 3, 0, 2][step % 4]):
         drafter = OracleDrafter.from_runs(prompts, plain)
         if wrong_at is not None:
-            drafter = CorruptedOracle(drafter, wrong_at)
+            drafter = CorruptedOracle(drafter, wrong_at, CFG.vocab_size)
         engine = Engine(m, max_batch=2, speculate=3, drafter=drafter, verify_path=verify_path, cuda_graphs=True, **kv)
         assert engine.verifier is not None and engine.prefiller is None
         assert engine.generate(prompts, params) == plain

@@ -9,7 +9,7 @@ import torch
 from fastmamba.generation.drafters import NgramDrafter, OracleDrafter
 from fastmamba.generation.engine import Engine
 from fastmamba.generation.sampling import Sampler, SamplingParams, speculative_accept
-from tests.helpers import run_to_completion, scaled_tiny_model
+from tests.helpers import CorruptedOracle, run_to_completion, scaled_tiny_model
 
 FP32 = dict(atol=1e-4, rtol=1e-4)
 PROMPT_LENS = (3, 9, 5)
@@ -40,23 +40,6 @@ def run(engine, prompts, params):
     """Run to completion; returns (outputs, accepted-drafts-per-step lists) in prompt order."""
     reqs = run_to_completion(engine, prompts, params)
     return [r.output for r in reqs], [r.accepted for r in reqs]
-
-
-class CorruptedOracle:
-    """The oracle's drafts with draft ``wrong_at(step)`` made wrong (K or more: none wrong), so a
-    step accepts exactly min(wrong_at(step), K) drafts."""
-
-    def __init__(self, oracle: OracleDrafter, wrong_at):
-        self.oracle, self.wrong_at, self.step = oracle, wrong_at, 0
-
-    def propose(self, requests, k):
-        drafts = self.oracle.propose(requests, k)
-        j = self.wrong_at(self.step)
-        self.step += 1
-        for d in drafts:
-            if j < k:
-                d[j] = (d[j] + 1) % 256
-        return drafts
 
 
 def test_verify_then_commit_matches_the_accepted_history(model):
@@ -134,7 +117,7 @@ def test_oracle_accepts_everything_and_stops_mid_run(model, prompts, plain):
 ], ids=["adversarial-K2", "partial-K3"])
 def test_wrong_drafts_are_rejected(model, prompts, plain, wrong_at, K, expected):
     n_new = 1 + sum(a + 1 for a in expected)  # the prefill token, then a + 1 per step
-    drafter = CorruptedOracle(OracleDrafter.from_runs(prompts[:1], plain[:1]), wrong_at)
+    drafter = CorruptedOracle(OracleDrafter.from_runs(prompts[:1], plain[:1]), wrong_at, 256)
     engine = Engine(model, max_batch=1, speculate=K, drafter=drafter)
     outs, acc = run(engine, prompts[:1], [SamplingParams(max_new_tokens=n_new)])
     assert outs == [plain[0][:n_new]]
