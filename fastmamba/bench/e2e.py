@@ -322,6 +322,15 @@ def _state_label(ssm_dtype: torch.dtype, stochastic_rounding: bool) -> str:
     return name + (" SR" if stochastic_rounding else "")
 
 
+def _label_row(r: dict, batch: int, label: str, copy_gbs: float) -> dict:
+    """A timed decode row's provider (its state label) and roofline columns; logs its ms/step."""
+    r["provider"] = "fastmamba" if label == "fp32" else f"fastmamba [{label} state]"
+    r["roofline_ms"] = 1e3 * r["step_bytes"] / (copy_gbs * 1e9)
+    r["pct_roofline"] = 100 * r["roofline_ms"] / r["ms_per_step"]
+    print(f"[e2e] batch {batch}, {label} state: {r['ms_per_step']:.3f} ms/step", file=sys.stderr, flush=True)
+    return r
+
+
 def run_batch(model, batch: int, prompt_len: int, gen_len: int, *, pdl: bool, device,
               prompts: torch.Tensor | None = None, record: bool = False, ssm_dtype: torch.dtype = torch.float32,
               stochastic_rounding: bool = False) -> dict:
@@ -621,12 +630,7 @@ def _run_hybrid(args, model, name, batches, prompt_len, gen_len, variants, copy_
                                  ssm_dtype=ssm_dtype, record=bool(K) and v == 0)
             if v == 0:
                 plain, plain_tokens = r, r.pop("tokens", None)
-            label = _state_label(ssm_dtype, False)
-            r["provider"] = "fastmamba" if label == "fp32" else f"fastmamba [{label} state]"
-            r["roofline_ms"] = 1e3 * r["step_bytes"] / (copy_gbs * 1e9)
-            r["pct_roofline"] = 100 * r["roofline_ms"] / r["ms_per_step"]
-            rows.append(r)
-            print(f"[e2e] batch {b}, {label} state: {r['ms_per_step']:.3f} ms/step", file=sys.stderr, flush=True)
+            rows.append(_label_row(r, b, _state_label(ssm_dtype, False), copy_gbs))
             if cuda:
                 torch.cuda.empty_cache()
         if K:
@@ -749,12 +753,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         for v, (ssm_dtype, rounding) in enumerate(variants):  # the first one is speculation's baseline
             rv = run_batch(model, b, prompt_len, gen_len, pdl=args.pdl, device=device, prompts=prompts,
                            record=bool(K) and v == 0, ssm_dtype=ssm_dtype, stochastic_rounding=rounding)
-            label = _state_label(ssm_dtype, rounding)
-            rv["provider"] = "fastmamba" if label == "fp32" else f"fastmamba [{label} state]"
-            rv["roofline_ms"] = 1e3 * rv["step_bytes"] / (copy_gbs * 1e9)
-            rv["pct_roofline"] = 100 * rv["roofline_ms"] / rv["ms_per_step"]
-            rows.append(rv)
-            print(f"[e2e] batch {b}, {label} state: {rv['ms_per_step']:.3f} ms/step", file=sys.stderr, flush=True)
+            rows.append(_label_row(rv, b, _state_label(ssm_dtype, rounding), copy_gbs))
             if v == 0:
                 r, plain_tokens = rv, rv.pop("tokens", None)
             if cuda:
