@@ -25,7 +25,7 @@ from fastmamba.ops._common.checks import (
 )
 from fastmamba.ops._common.dispatch import use_triton
 from fastmamba.ops._common.host_values import host_list
-from fastmamba.ops.attention.configs import INTERPRET_CONFIG, DecodeConfig, pick_config, pick_splits, sm_count
+from fastmamba.ops.attention.configs import INTERPRET_CONFIG, DecodeConfig, pick_splits, pick_tile, sm_count
 from fastmamba.ops.attention.kernel import launch_paged_decode_attention
 from fastmamba.ops.attention.ref import paged_decode_attention_ref
 
@@ -241,11 +241,12 @@ def paged_decode_attention(
 
 
 def _launch_config(q: torch.Tensor, programs: int, max_tokens: int, head_dim: int, itemsize: int) -> DecodeConfig:
-    """The tile, warps and stages of ``configs.pick_config`` (the smallest tile in the interpreter)
-    with ``_auto_splits`` runs."""
-    config = (pick_config(programs, max_tokens, head_dim, itemsize, sm_count(q.device)) if q.is_cuda
-              else INTERPRET_CONFIG)
-    return config._replace(num_splits=_auto_splits(q, programs, max_tokens))
+    """The tile, warps and stages of ``configs.pick_tile`` (the smallest tile in the interpreter)
+    with ``_auto_splits`` runs (``configs.pick_config``'s choice on a GPU, worked out once)."""
+    splits = _auto_splits(q, programs, max_tokens)
+    if not q.is_cuda:
+        return INTERPRET_CONFIG._replace(num_splits=splits)
+    return DecodeConfig(*pick_tile(head_dim, itemsize), splits)
 
 
 def _auto_splits(q: torch.Tensor, programs: int, max_tokens: int) -> int:
