@@ -34,8 +34,8 @@ class FusedScanConfig(NamedTuple):
 # From the sweep on an H100 (2026-11-25, `python -m fastmamba.bench.ops.scan_small_l --sweep --shapes
 # 1x16,1x64,2x64,1x128,16x64`, 2.7b layer: 80 heads of P 64, N 128, bf16, fp32 state, CUDA graphs):
 # 1x64 13.5 us (was 19.0 with t32 p16 w4), 1x128 20.4 (was 32.9), 2x64 19.6 (was 28.7), 16x64 103.0
-# (was 113.2); 1x16 kept its 8.2 us. A prefix-cache hit's 64 new tokens plus a padding request are
-# the 2x64 row.
+# (was 113.2); 1x16 kept its 8.2 us. "programs" counts live sequences only (``live_seqs``): a graphed
+# prefill's padding request just writes zeros, so a prefix-cache hit's 64 new tokens take the 1x64 tiles.
 TABLE: list[tuple[int, int, FusedScanConfig]] = [
     (16, 256, FusedScanConfig(block_t=16, block_p=16, num_warps=2)),
     (16, 1 << 30, FusedScanConfig(block_t=16, block_p=32, num_warps=2)),
