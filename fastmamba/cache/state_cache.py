@@ -133,8 +133,9 @@ class StateCache:
         caller that overwrites all of them next (a prefix-cache restore)."""
         if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 0:
             raise ValueError(f"StateCache.take: n must be an int >= 0, got {n!r}")
-        if zero is not None and len(zero) != n:
-            raise ValueError(f"StateCache.take: `zero` expected {n} bools (one per slot), got {len(zero)}")
+        if zero is not None and (not isinstance(zero, Sequence) or isinstance(zero, str) or len(zero) != n):
+            got = f"{len(zero)}" if isinstance(zero, Sequence) else f"a {type(zero).__name__}"
+            raise ValueError(f"StateCache.take: `zero` expected {n} bools (one per slot), got {got}")
         if n > len(self._free):
             raise RuntimeError(f"StateCache.take: {n} slots requested but only {len(self._free)} of "
                                f"{self.num_slots} are free (free finished requests' slots first)")

@@ -51,6 +51,9 @@ def test_take_leaves_restored_slots_unzeroed(model):
         assert (pool[a] == 0).all() and (pool[b] == 7).all()
     with pytest.raises(ValueError, match="`zero` expected 1 bools"):
         cache.take(1, zero=[True, False])
+    with pytest.raises(ValueError, match=r"`zero` expected 1 bools \(one per slot\), got a bool"):
+        cache.take(1, zero=True)
+    assert cache.free_slots == 1  # nothing taken by the refused calls
 
 
 def test_take_marks_every_speculative_slot_prefilled(model):
