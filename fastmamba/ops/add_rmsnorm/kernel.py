@@ -4,6 +4,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from fastmamba.ops._common.launch import lean
 
 
 @triton.jit(do_not_specialize=["eps"])
@@ -42,7 +43,7 @@ def launch_add_rmsnorm(x, residual, weight, y, res_out, eps: float, *, num_warps
     """x, residual (or None), y, res_out: (M, D) row views with unit column stride."""
     M, D = x.shape
     block_d = _next_pow2(D)
-    _add_rmsnorm_kernel[(M,)](
+    lean(_add_rmsnorm_kernel)[(M,)](
         x, residual, weight, y, res_out, D, float(eps),
         x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), res_out.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK_D=block_d, USE_PDL=use_pdl,

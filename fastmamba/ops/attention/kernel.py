@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from fastmamba.ops.attention.configs import DecodeConfig
+from fastmamba.ops._common.launch import lean
 
 LOG2E = 1.4426950408889634
 
@@ -162,7 +163,7 @@ def launch_paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, sl
     # returns garbage (Triton 3.6: a 16x16 product off by 1e10)
     upcast = not q.dtype == k_pages.dtype == v_pages.dtype or (q.dtype == torch.bfloat16 and not q.is_cuda)
     precision = "ieee" if (upcast or q.dtype == torch.float32) else "tf32"  # tf32: unused by 16-bit dots
-    _paged_decode_attention_kernel[(Hkv, B, splits)](
+    lean(_paged_decode_attention_kernel)[(Hkv, B, splits)](
         q, k_pages, v_pages, block_table, seq_lens, slots, out, part_ml, part_o,
         block_table.shape[0], Np, block_table.shape[1], scale * LOG2E,
         *q.stride(), *k_pages.stride(), *v_pages.stride(), *block_table.stride(), *out.stride(),
@@ -172,7 +173,7 @@ def launch_paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, sl
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
-        _paged_decode_combine_kernel[(B, Hq)](
+        lean(_paged_decode_combine_kernel)[(B, Hq)](
             part_ml, part_o, out, *out.stride(), D=D, BLOCK_D=block_d, NSPLIT=splits,
             num_warps=4 if splits * block_d >= 2048 else 1,
         )

@@ -50,6 +50,7 @@ from fastmamba.ops.conv1d.configs import (
 )
 from fastmamba.ops._common.slot_errors import report_bad_slot, slot_record
 from fastmamba.ops.conv1d.rows_kernel import rows_update_plan
+from fastmamba.ops._common.launch import lean
 
 MODE_SHIFT = tl.constexpr(0)  # state = last state_len inputs, shifted left by L
 MODE_CIRCULAR = tl.constexpr(1)  # state is a circular buffer written at cache_seqlens[b] % state_len
@@ -351,10 +352,10 @@ def launch_update_plan(plan, x, conv_state, weight, bias, cache_seqlens, conv_st
     kernel, grid, generic, scalars, consts = plan
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         if generic:
-            kernel[grid](x, conv_state, weight, bias, conv_state_indices, cache_seqlens, num_accepted_tokens, out,
+            lean(kernel)[grid](x, conv_state, weight, bias, conv_state_indices, cache_seqlens, num_accepted_tokens, out,
                          *scalars, **consts)
         else:
-            kernel[grid](x, conv_state, weight, bias, conv_state_indices, out, *scalars, **consts)
+            lean(kernel)[grid](x, conv_state, weight, bias, conv_state_indices, out, *scalars, **consts)
 
 
 def causal_conv1d_update_plan(x, conv_state, weight, bias, cache_seqlens, conv_state_indices, num_accepted_tokens,

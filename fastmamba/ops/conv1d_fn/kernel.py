@@ -53,6 +53,7 @@ from fastmamba.ops._common.jit_math import SILU_PTX, split8
 from fastmamba.ops._common.pdl import pdl_launch, pdl_launch_early
 from fastmamba.ops.conv1d_fn import configs
 from fastmamba.ops.conv1d_fn.configs import pick_cols_config, pick_rows_config, vector_width
+from fastmamba.ops._common.launch import lean
 
 
 @triton.jit
@@ -623,14 +624,14 @@ def causal_conv1d_fn_launch(
     if channel_last:
         use_pdl, early = pdl_launch_early(x)
         with _device(x):
-            _conv1d_fwd_rows_kernel[grid](
+            lean(_conv1d_fwd_rows_kernel)[grid](
                 *args, W=W, BLOCK_L=cfg.block_l, BLOCK_D=cfg.block_d, ALIGN=align, SILU=silu_mode,
                 USE_PDL=use_pdl, PDL_TRIGGER=early, num_warps=cfg.num_warps, launch_pdl=use_pdl,
             )
         return
     use_pdl, early = pdl_launch(x, grid[0] * B, cfg.num_warps)
     with _device(x):
-        _conv1d_fwd_cols_kernel[grid](
+        lean(_conv1d_fwd_cols_kernel)[grid](
             *args, W=W, V=V, BLOCK_L=cfg.block_l, BLOCK_D=cfg.block_d, ALIGN=align, SILU=silu_mode,
             USE_PDL=use_pdl, PDL_TRIGGER=early, num_warps=cfg.num_warps, launch_pdl=use_pdl,
         )
@@ -679,7 +680,7 @@ def causal_conv1d_varlen_launch(
         return t.stride(0) if t is not None else 0
 
     with _device(x):
-        _conv1d_varlen_kernel[grid](
+        lean(_conv1d_varlen_kernel)[grid](
             x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out,
             D, T, S, B, (B - 1).bit_length(), pad_slot_id,
             *xs, *weight.stride(), stride0(bias), *conv_states.stride(),

@@ -15,6 +15,7 @@ from fastmamba.ops._common.dispatch import inline_asm_ok
 from fastmamba.ops._common.jit_math import silu_approx
 from fastmamba.ops._common.pdl import pdl_active, trigger_early
 from fastmamba.ops.gated_rmsnorm.configs import GatedRMSNormConfig
+from fastmamba.ops._common.launch import lean
 
 
 @triton.heuristics({
@@ -125,7 +126,7 @@ def gated_rmsnorm_fwd(
     G = Dh // group_size
     grid = (-(-M // cfg.block_m), G)  # cdiv (triton.cdiv costs microseconds on the host)
     use_pdl = pdl_active(x, grid[0] * grid[1], cfg.num_warps)
-    _gated_rmsnorm_fwd_kernel[grid](
+    lean(_gated_rmsnorm_fwd_kernel)[grid](
         x, z, weight, bias, out,
         M, float(eps),
         x.stride(0), z.stride(0) if z is not None else 0, out.stride(0),

@@ -47,6 +47,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
 from fastmamba.ops._common.jit_math import silu, silu_approx, softplus, stochastic_round
+from fastmamba.ops._common.launch import lean
 
 
 @triton.jit
@@ -824,7 +825,7 @@ def launch_replay_precompute(
     hpg = nheads // ngroups
     grid = (nreq, ngroups, triton.cdiv(hpg, heads))
     capacity = old_dt.shape[2]
-    _replay_precompute_kernel[grid](
+    lean(_replay_precompute_kernel)[grid](
         dt, dt_bias, A, B, C, idx, buf_idx, prev_accepted, hist_len, M, Q, scale, kinfo, C16, old_B, old_dt, old_cumA,
         ckpt_count, ckpt_list, ntok, capacity, hpg, pad_slot_id, old_dt.shape[1],
         *dt.stride(), dt_bias.stride(0) if dt_bias is not None else 0, A.stride(0),
@@ -852,7 +853,7 @@ def launch_replay_main(
     ngroups, dstate = C.shape[2], C.shape[3]
     grid = (triton.cdiv(headdim, block_p), nreq, nheads)
     z_strides = tuple(z.stride()) if z is not None else (0, 0, 0, 0)
-    _replay_main_kernel[grid](
+    lean(_replay_main_kernel)[grid](
         state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len,
         x, C, D, z, M, out, idx, seed,
         ntok, old_x.shape[1], nheads // ngroups, pad_slot_id, state.shape[0],
@@ -883,7 +884,7 @@ def launch_replay_out(
     split = x.dtype == torch.bfloat16 and not _interpreting()
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
     sixteen_bit = state.dtype != torch.float32 and x.dtype != torch.float32
-    _replay_out_kernel[grid](
+    lean(_replay_out_kernel)[grid](
         state, old_x, buf_idx, prev_accepted, hist_len, kinfo, scale, x, C, D, z, M, Q, out, idx,
         ntok, old_x.shape[1], pad_slot_id, state.shape[0], nheads // ngroups,
         *state.stride(), *old_x.stride(), *scale.stride()[:2], *x.stride(), *C.stride(),
@@ -952,7 +953,7 @@ def launch_replay_out_tma(
     z_desc = _view_desc(z, hp, [block_t, block_p]) if z is not None else None
     C_desc = _view_desc(C, ngroups * dstate, [block_t, dstate])
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
-    _replay_out_tma_kernel[(max(1, min(programs, n_tiles)),)](
+    lean(_replay_out_tma_kernel)[(max(1, min(programs, n_tiles)),)](
         state_desc, old_x_desc, x_desc, z_desc, C_desc,
         old_x, kinfo, scale, D, M, Q, out, idx,
         ntok, capacity, pad_slot_id, state.shape[0], nheads // ngroups, nheads, n_tiles,
@@ -975,7 +976,7 @@ def launch_replay_checkpoint(
     the precompute kernel). Shapes as ``launch_replay_main``."""
     nreq, ntok, nheads, headdim = x.shape
     ngroups, dstate = old_B.shape[3], old_B.shape[4]
-    _replay_checkpoint_kernel[(programs,)](
+    lean(_replay_checkpoint_kernel)[(programs,)](
         state, old_x, old_B, old_dt, old_cumA, x, seed, ckpt_count, ckpt_list,
         ntok, nheads // ngroups, nheads,
         *state.stride(), *old_x.stride(), *old_B.stride(), *old_dt.stride(), *old_cumA.stride(), *x.stride(),
@@ -1009,7 +1010,7 @@ def launch_replay_checkpoint_tma(
     capacity = old_x.shape[1]
     block_t = dot_dim(ntok)
     block_c = dot_dim(capacity)
-    _replay_checkpoint_tma_kernel[(max(1, programs),)](
+    lean(_replay_checkpoint_tma_kernel)[(max(1, programs),)](
         _view_desc(state, dstate, [block_p, dstate]),
         _view_desc(old_x, nheads * headdim, [block_c, block_p]),
         _view_desc(old_B, ngroups * dstate, [block_c, dstate]),
@@ -1050,7 +1051,7 @@ def launch_commit(buf_idx, prev_accepted, hist_len, slots, accepted, *, tokens: 
     """buf_idx, prev_accepted, hist_len (S,) int32/int64 (one dtype); slots (B,) or None; accepted (B,)."""
     nreq = accepted.shape[0]
     block = 128
-    _commit_kernel[(triton.cdiv(nreq, block),)](
+    lean(_commit_kernel)[(triton.cdiv(nreq, block),)](
         buf_idx, prev_accepted, hist_len, slots, accepted, nreq, tokens, history, pad_slot_id, buf_idx.shape[0],
         HAS_SLOTS=slots is not None, BLOCK=block, num_warps=1,
     )

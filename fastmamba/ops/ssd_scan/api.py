@@ -15,10 +15,11 @@ from fastmamba.ops._common.checks import (
 )
 from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops._common.host_values import compiling, host_list, host_reads_allowed
-from fastmamba.ops.ssd_scan.fused import choose_fused, longest_sequence_bound
+from fastmamba.ops.ssd_scan.fused import choose_fused, longest_sequence_bound, ssd_scan_varlen_fused_impl
 from fastmamba.ops.ssd_scan.kernel import _segment_slots_kernel
 from fastmamba.ops.ssd_scan.launch import ScanSegments, ssd_scan_launch
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
+from fastmamba.ops._common.launch import lean
 
 _DENSE = "mamba_chunk_scan_combined"
 _VARLEN = "ssd_scan_varlen"
@@ -451,7 +452,8 @@ def ssd_scan_varlen(
         return out
     max_len = longest_sequence_bound(cu_values, T, max_seqlen)
     if choose_fused(fused, max_len):
-        torch.ops.fastmamba.ssd_scan_varlen_fused_(
+        fused_op = ssd_scan_varlen_fused_impl if call_directly(x) else torch.ops.fastmamba.ssd_scan_varlen_fused_
+        fused_op(
             x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
             chunk_states_out, chunk_size, dt_softplus, float(dt_limit[0]), float(dt_limit[1]), pad_slot_id,
             bool(A_is_log), rand_seed, max_len, live_seqs or 0,
@@ -510,7 +512,7 @@ def _ssd_scan_varlen_impl(
     rows = torch.empty(2 if has_init else 1, nseq, dtype=torch.int32, device=dev)
     skip = torch.empty(nseq, dtype=torch.int8, device=dev) if cache_indices is not None else None
     block = 128
-    _segment_slots_kernel[(-(-nseq // block),)](
+    lean(_segment_slots_kernel)[(-(-nseq // block),)](
         cache_indices, has_initial_state, rows, skip, nseq, pad_slot_id, S,
         HAS_SLOTS=cache_indices is not None, HAS_INIT=has_init, BLOCK=block, num_warps=4,
     )

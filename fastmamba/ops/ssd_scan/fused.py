@@ -36,11 +36,7 @@ def choose_fused(fused: bool | None, max_len: int) -> bool:
     return max_len <= fused_configs.MAX_FUSED_LEN
 
 
-# Registered so torch.compile and CUDA-graph capture see the in-place writes.
-@torch.library.custom_op(
-    "fastmamba::ssd_scan_varlen_fused_", mutates_args=("ssm_states", "out", "chunk_states_out")
-)
-def _ssd_scan_varlen_fused_(
+def ssd_scan_varlen_fused_impl(
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -81,6 +77,14 @@ def _ssd_scan_varlen_fused_(
         has_initial_state=has_initial_state, pad_slot_id=pad_slot_id, chunk_states_out=chunk_states_out,
         A_is_log=A_is_log, rand_seed=rand_seed,
     )
+
+
+# Registered so torch.compile and CUDA-graph capture see the in-place writes; plain eager calls on
+# plain tensors run the body directly (dispatch.call_directly): the dispatcher's round trip cost
+# more host time than the whole layer's other ops.
+_ssd_scan_varlen_fused_ = torch.library.custom_op(
+    "fastmamba::ssd_scan_varlen_fused_", mutates_args=("ssm_states", "out", "chunk_states_out"))(
+    ssd_scan_varlen_fused_impl)
 
 
 @_ssd_scan_varlen_fused_.register_fake

@@ -25,6 +25,7 @@ from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
 from fastmamba.ops._common.jit_math import exp_approx, silu_approx, softplus
 from fastmamba.ops.ssd_scan.fused_configs import pick_fused_config
 from fastmamba.ops.ssd_scan.kernel import _locate_segment, _mma, _to_state_dtype
+from fastmamba.ops._common.launch import lean
 
 
 @triton.heuristics({
@@ -210,7 +211,7 @@ def ssd_scan_fused_launch(
         rand_seed = None
     D_strides = (0, 0) if D is None else ((D.stride(0), 0) if D.dim() == 1 else tuple(D.stride()))
     grid = (nseq, H, triton.cdiv(P, cfg.block_p))
-    _ssd_scan_fused_kernel[grid](
+    lean(_ssd_scan_fused_kernel)[grid](
         x, dt, A, B, C, D, z, dt_bias, out,
         ssm_states, cu_seqlens, cache_indices, has_initial_state, chunk_states_out, rand_seed,
         nseq, ssm_states.shape[0], H, P, N, H // G, pad_slot_id, float(lo), float(hi),

@@ -13,6 +13,7 @@ import triton
 
 from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
 from fastmamba.ops.ssd_scan.configs import block_p_of, check_config, pick_config
+from fastmamba.ops._common.launch import lean
 from fastmamba.ops.ssd_scan.kernel import (
     _chunk_cb_kernel,
     _chunk_cumsum_kernel,
@@ -111,7 +112,7 @@ def ssd_scan_launch(
 
     table = torch.empty(n_chunks, 4, dtype=torch.int32, device=dev)
     block_h = 4 if interpreter else 8
-    _chunk_cumsum_kernel[(n_chunks, triton.cdiv(H, block_h))](
+    lean(_chunk_cumsum_kernel)[(n_chunks, triton.cdiv(H, block_h))](
         dt, dt_bias, A, segments.cu, table, dt_scratch, cs_scratch,
         n_seg, row_len, H, n_chunks, float(lo), float(hi), *dt.stride(),
         Q=Q, BLOCK_Q=max(16, triton.next_power_of_2(Q)), BLOCK_H=block_h, BLOCK_SEG=block_seg,
@@ -123,7 +124,7 @@ def ssd_scan_launch(
         send = torch.empty(n_chunks, H, P, N, dtype=torch.float32, device=dev)
         ticket = torch.zeros(1, dtype=torch.int32, device=dev)
         flags = torch.zeros(n_chunks * H * n_nblocks, dtype=torch.int32, device=dev)
-        _chunk_state_chain_kernel[(n_chunks * H * n_nblocks,)](
+        lean(_chunk_state_chain_kernel)[(n_chunks * H * n_nblocks,)](
             x, B, table, segments.cu, segments.skip, states_in, send, dt_scratch, cs_scratch, ticket, flags,
             segments.init, segments.init_idx, segments.final, segments.final_idx, None, segments.chunk_out,
             segments.final_seed,
@@ -135,7 +136,7 @@ def ssd_scan_launch(
         )
     else:
         states = torch.empty(n_chunks, H, P, N, dtype=state_dtype, device=dev)  # S_loc, recurrence precision
-        _chunk_state_kernel[(n_chunks, H, triton.cdiv(N, block_n_state))](
+        lean(_chunk_state_kernel)[(n_chunks, H, triton.cdiv(N, block_n_state))](
             x, B, table, segments.skip, states, dt_scratch, cs_scratch,
             n_seg, row_len, P, N, H // G, n_chunks,
             *x.stride(), *B.stride(), *states.stride(),
@@ -143,7 +144,7 @@ def ssd_scan_launch(
             DOT_PRECISION=dot_precision, FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,
             num_warps=cfg.warps_state,
         )
-        _state_passing_kernel[(n_seg, H, triton.cdiv(P * N, cfg.block_pass))](
+        lean(_state_passing_kernel)[(n_seg, H, triton.cdiv(P * N, cfg.block_pass))](
             states, states_in, cs_scratch, segments.cu, segments.skip,
             segments.init, segments.init_idx, segments.final, segments.final_idx, segments.seg_final, segments.chunk_out,
             segments.final_seed,
@@ -154,7 +155,7 @@ def ssd_scan_launch(
             num_warps=4,
         )
     n_tiles = triton.cdiv(Q, cb_block)
-    _chunk_cb_kernel[(n_chunks, G, n_tiles * n_tiles)](
+    lean(_chunk_cb_kernel)[(n_chunks, G, n_tiles * n_tiles)](
         B, C, table, cb,
         n_seg, row_len, N,
         *B.stride(), *C.stride(), *cb.stride(),
@@ -165,7 +166,7 @@ def ssd_scan_launch(
     m_blocks = triton.cdiv(Q, cfg.block_m)
     tiles = m_blocks * triton.cdiv(P, block_p_scan)
     heads = cfg.heads if H % cfg.heads == 0 else 1
-    _chunk_scan_kernel[(tiles, n_chunks, H // heads) if cfg.head_major else (n_chunks, H // heads, tiles)](
+    lean(_chunk_scan_kernel)[(tiles, n_chunks, H // heads) if cfg.head_major else (n_chunks, H // heads, tiles)](
         x, z, out, cb, C, D, table, segments.skip,
         states_in, dt_scratch, cs_scratch,
         n_seg, row_len, P, N, H // G, n_chunks,

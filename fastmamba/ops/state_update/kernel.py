@@ -14,6 +14,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from fastmamba.ops._common.jit_math import silu, softplus, stochastic_round
 from fastmamba.ops._common.pdl import trigger_early
 from fastmamba.ops.state_update.configs import store_state_early
+from fastmamba.ops._common.launch import lean
 
 
 @triton.jit
@@ -215,7 +216,7 @@ def launch_planned(plan, state, x, dt, dt_bias, A, B, C, D, z, out, src_idx, dst
     """Launch a ``plan_selective_state_update`` plan on these tensors (``err``: the slot-error
     record, for a plan made with report_slots)."""
     grid, scalars, consts = plan
-    _selective_state_update_kernel[grid](
+    lean(_selective_state_update_kernel)[grid](
         state, x, dt, dt_bias, A, B, C, D, z, out, src_idx, dst_idx, inter, seed, err, *scalars, **consts)
 
 

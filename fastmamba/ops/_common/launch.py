@@ -1,0 +1,156 @@
+"""Lean Triton launches: the compiled kernel called directly once Triton's JIT has picked it.
+
+``kernel[grid](*args, **kwargs)`` on a ``triton.jit`` function runs Triton's whole launch path on
+every call: argument binding and specialization of every argument, a cache-key string built from
+the options, the global-value check, launch metadata for hooks, then the compiled launcher. For
+kernels that take their strides as arguments (ours take 20 to 60) that costs tens of microseconds
+of host time, more than the kernel itself at decode sizes (issue 19 item 0).
+
+``lean(kernel)`` wraps a ``triton.jit`` function with the same ``[grid](*args, **kwargs)`` call.
+The first call with a given *signature* goes through Triton's JIT (which compiles or finds the
+kernel) and keeps the compiled kernel; later calls with that signature call its launcher
+directly. The signature holds everything Triton specializes on, so the direct call runs exactly
+the kernel the JIT would have picked:
+
+- every non-tensor argument by value (ints: Triton specializes on ``== 1`` and divisibility by 16;
+  None becomes a constexpr; constexpr keywords and launch options); an int parameter Triton does
+  not specialize (``do_not_specialize``) by its width alone,
+- every tensor's dtype and its address modulo 16 (Triton's pointer specialization), and the
+  current CUDA device.
+
+Only the tensors' addresses, those ints and the grid change between calls that share a signature.
+The direct path is off (every call goes through Triton's JIT) under the interpreter, for a
+callable grid, while a launch hook is installed (profilers such as proton), for arguments it
+cannot key (TMA descriptors) and for a kernel that needs scratch memory.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+from triton import knobs
+from triton.runtime.autotuner import Heuristics
+from triton.runtime.jit import JITFunction
+
+# FASTMAMBA_LEAN_LAUNCH=0 sends every launch through Triton's JIT (for measurements and bisection).
+ENABLED = os.environ.get("FASTMAMBA_LEAN_LAUNCH", "1").lower() not in ("0", "false", "no", "off")
+MAX_SIGNATURES = 4096  # per kernel; a call with a new signature past this runs through the JIT
+
+_Tensor = torch.Tensor
+_hooks = knobs.runtime
+
+
+class _Entry:
+    """The compiled kernel of one signature and what its launcher takes besides the call's arguments."""
+
+    __slots__ = ("launch", "function", "head", "tail", "coop", "pdl", "scratch")
+
+    def __init__(self, compiled, tail: tuple):
+        launcher = compiled.run  # CudaLauncher (loads the binary on first use)
+        self.launch = launcher.launch
+        self.function = compiled.function
+        self.coop = launcher.launch_cooperative_grid
+        self.pdl = launcher.launch_pdl
+        self.head = compiled.packed_metadata
+        self.tail = tail
+        self.scratch = bool(launcher.global_scratch_size or launcher.profile_scratch_size)
+
+
+def signature(args: tuple, unspecialized: tuple = ()) -> tuple:
+    """The key of a launch's positional ``args`` (see the module docstring): a tensor by its dtype
+    and its address modulo 16 (Triton specializes on 16-byte alignment), an int or None by value,
+    any other value with its type (True == 1 == 1.0 as keys, but Triton types a bool, an int and
+    a float apart). An int at a position in ``unspecialized`` is keyed by whether it fits 32 bits
+    (Triton's i32 / i64), not its value. Raises TypeError for an unhashable argument."""
+    key = [a if a.__class__ is int else (a.dtype, a.data_ptr() & 15) if isinstance(a, _Tensor)
+           else a if a is None else (a.__class__, a) for a in args]
+    for i in unspecialized:
+        if i < len(key) and args[i].__class__ is int:
+            key[i] = -0x80000000 <= args[i] <= 0x7FFFFFFF
+    return tuple(key)
+
+
+def trailing_params(fn, n_positional: int, kwargs: dict) -> tuple:
+    """The values of ``fn``'s parameters after the first ``n_positional``, in order: the keywords
+    given, else the parameter's default (Triton's launcher takes every parameter, constexprs too)."""
+    out = []
+    for p in fn.params[n_positional:]:
+        name = p.name
+        if name in kwargs:
+            out.append(kwargs[name])
+        elif p.default is not inspect.Parameter.empty:
+            out.append(p.default)
+        else:
+            raise TypeError(f"{fn.__name__}: missing argument `{name}`")
+    return tuple(out)
+
+
+class LeanKernel:
+    """A ``triton.jit`` function (or one under ``triton.heuristics``, whose values must follow from
+    what the signature holds: ours test ``is not None``) whose launches skip Triton's JIT path after
+    the first call of each signature. ``k[grid](*args, **kwargs)`` as for the function itself;
+    attributes pass through."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.entries: dict = {}
+        jit = fn.fn if isinstance(fn, Heuristics) else fn
+        self.jit = jit
+        self.heuristics = fn.values if isinstance(fn, Heuristics) else {}
+        self.direct = isinstance(jit, JITFunction)  # not the interpreter's function
+        # parameters Triton does not specialize on: an int there is keyed by its type (i32 or i64)
+        # alone, so a varying length does not make a new signature
+        self.unspecialized = tuple(p.num for p in jit.params if p.do_not_specialize) if self.direct else ()
+
+    def __getattr__(self, name):
+        return getattr(self.fn, name)
+
+    def __getitem__(self, grid):
+        if not (self.direct and ENABLED) or callable(grid):
+            return self.fn[grid]
+        return lambda *args, **kwargs: self.run(grid, args, kwargs)
+
+    def run(self, grid, args: tuple, kwargs: dict):
+        if _hooks.launch_enter_hook.calls or _hooks.launch_exit_hook.calls:
+            return self.fn[grid](*args, **kwargs)
+        device = torch.cuda.current_device()
+        try:
+            key = (device, signature(args, self.unspecialized), tuple(kwargs.items()))
+            entry = self.entries.get(key)
+        except TypeError:  # an unhashable argument (a TMA descriptor): Triton's path binds it
+            return self.fn[grid](*args, **kwargs)
+        if entry is None:
+            compiled = self.fn[grid](*args, **kwargs)
+            if compiled is not None and len(self.entries) < MAX_SIGNATURES:
+                entry = _Entry(compiled, trailing_params(self.jit, len(args), self._with_heuristics(args, kwargs)))
+                if not entry.scratch:
+                    self.entries[key] = entry
+            return compiled
+        n = len(grid)
+        # tensors go to the launcher as they are: it reads their addresses and checks each one
+        # with the driver, as on Triton's path
+        entry.launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+                     torch._C._cuda_getCurrentRawStream(device), entry.function, entry.coop, entry.pdl,
+                     None, None, entry.head, None, None, None, *args, *entry.tail)
+        return None
+
+    def _with_heuristics(self, args: tuple, kwargs: dict) -> dict:
+        """``kwargs`` plus the values the kernel's heuristics give for this call."""
+        if not self.heuristics:
+            return kwargs
+        named = {**dict(zip(self.jit.arg_names, args)), **kwargs}
+        return {**kwargs, **{name: h(named) for name, h in self.heuristics.items()}}
+
+
+_wrapped: dict = {}
+
+
+def lean(fn) -> LeanKernel:
+    """The lean launcher of a ``triton.jit`` function (see the module docstring), made on first use
+    and kept: call sites write ``lean(_kernel)[grid](...)``, so a kernel replaced at run time (a
+    test's spy, the interpreter's function) is launched as it is."""
+    k = _wrapped.get(fn)
+    if k is None:
+        k = _wrapped[fn] = LeanKernel(fn)
+    return k
