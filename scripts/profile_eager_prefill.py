@@ -4,8 +4,10 @@ GPU time, then cProfile's top functions by own time.
     python scripts/profile_eager_prefill.py [--model mamba2-2.7b] [--shape 1x16] [--reps 10] [--top 30]
 
 The GPU time is the sum of the kernels' device time in a torch.profiler trace of one prefill; the
-wall time is the median of ``--reps`` synchronised calls after three warm-ups. cProfile's figures
-are inflated by its own per-call cost, so read them as shares, not microseconds.
+wall time is the median of ``--reps`` synchronised calls after three warm-ups. Then the host time
+of each op a layer calls, per layer: the functions are wrapped with a clock (no synchronize: the
+launches return at once while the host is the bottleneck). cProfile's figures at the end are
+inflated by its own per-call cost, so read them as shares, not microseconds.
 """
 from __future__ import annotations
 
@@ -20,6 +22,51 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+
+def print_op_times(model, once, reps: int) -> None:
+    """Host µs per layer of each op of a prefill layer (wrapped in place, then restored)."""
+    import fastmamba.layers.mamba2 as layer_mod
+    import fastmamba.models.mamba2_lm as lm_mod
+
+    spent: dict[str, float] = {}
+
+    def timed(name, fn):
+        def inner(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return inner
+
+    saved = [(layer_mod, n, getattr(layer_mod, n)) for n in ("causal_conv1d_varlen", "ssd_scan_varlen")]
+    saved.append((lm_mod, "add_rmsnorm", lm_mod.add_rmsnorm))
+    mixers = [layer.mixer for layer in model.backbone.layers]
+    mods = [(m, n, getattr(m, n)) for m in mixers for n in ("in_proj", "out_proj", "norm")]
+    fwd = [(m, "forward_varlen", m.forward_varlen) for m in mixers]
+    for mod, name, fn in saved:
+        setattr(mod, name, timed(name, fn))
+    for m, name, fn in mods:
+        m.__dict__[name] = timed(name, fn)  # found before the module's _modules entry
+    for m, name, fn in fwd:
+        setattr(m, name, timed("mixer.forward_varlen (all)", fn))
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            once()
+        torch.cuda.synchronize()
+        total = time.perf_counter() - t0
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+        for m, name, _ in mods + fwd:
+            m.__dict__.pop(name, None)
+    per = reps * len(mixers)
+    print(f"host µs per layer (wrapped calls; whole prefill {total / reps * 1e3:.2f} ms):")
+    for name, sec in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:32s} {sec / per * 1e6:8.1f}")
 
 
 def main() -> int:
@@ -62,6 +109,7 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}  {args.model} {args.shape} bf16 eager prefill: "
           f"wall {wall:.2f} ms (median of {args.reps}), GPU kernels {gpu_us / 1e3:.2f} ms, "
           f"host-bound share {max(0.0, 1 - gpu_us / 1e3 / wall):.0%}; {wall / n_layer * 1e3:.0f} us of wall per layer")
+    print_op_times(model, once, args.reps)
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(args.reps):

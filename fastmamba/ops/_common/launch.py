@@ -25,6 +25,7 @@ cannot key (TMA descriptors) and for a kernel that needs scratch memory.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 
@@ -114,7 +115,7 @@ class LeanKernel:
     def run(self, grid, args: tuple, kwargs: dict):
         if _hooks.launch_enter_hook.calls or _hooks.launch_exit_hook.calls:
             return self.fn[grid](*args, **kwargs)
-        device = torch.cuda.current_device()
+        device = torch._C._cuda_getDevice()  # CUDA is initialised: the tensors are on it
         try:
             key = (device, signature(args, self.unspecialized), tuple(kwargs.items()))
             entry = self.entries.get(key)
@@ -144,6 +145,15 @@ class LeanKernel:
 
 
 _wrapped: dict = {}
+_NO_SWITCH = contextlib.nullcontext()
+
+
+def on_device(t: torch.Tensor):
+    """A context in which kernels launch on ``t``'s GPU: ``torch.cuda.device`` only when that is not
+    already the current device (entering it costs microseconds per launch), else nothing."""
+    if t.is_cuda and t.get_device() != torch._C._cuda_getDevice():
+        return torch.cuda.device(t.device)
+    return _NO_SWITCH
 
 
 def lean(fn) -> LeanKernel:

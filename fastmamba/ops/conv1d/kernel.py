@@ -35,7 +35,6 @@ replaces the column kernel (H200, W=4, state_len 3, batch 256: 74% of copy at D=
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import triton
@@ -50,7 +49,7 @@ from fastmamba.ops.conv1d.configs import (
 )
 from fastmamba.ops._common.slot_errors import report_bad_slot, slot_record
 from fastmamba.ops.conv1d.rows_kernel import rows_update_plan
-from fastmamba.ops._common.launch import lean
+from fastmamba.ops._common.launch import lean, on_device
 
 MODE_SHIFT = tl.constexpr(0)  # state = last state_len inputs, shifted left by L
 MODE_CIRCULAR = tl.constexpr(1)  # state is a circular buffer written at cache_seqlens[b] % state_len
@@ -350,7 +349,7 @@ def launch_update_plan(plan, x, conv_state, weight, bias, cache_seqlens, conv_st
     if plan is None:
         return
     kernel, grid, generic, scalars, consts = plan
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+    with on_device(x):
         if generic:
             lean(kernel)[grid](x, conv_state, weight, bias, conv_state_indices, cache_seqlens, num_accepted_tokens, out,
                          *scalars, **consts)

@@ -40,7 +40,6 @@ history's layout differs from x's. This also makes ``final_states_out`` = ``init
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -53,7 +52,7 @@ from fastmamba.ops._common.jit_math import SILU_PTX, split8
 from fastmamba.ops._common.pdl import pdl_launch, pdl_launch_early
 from fastmamba.ops.conv1d_fn import configs
 from fastmamba.ops.conv1d_fn.configs import pick_cols_config, pick_rows_config, vector_width
-from fastmamba.ops._common.launch import lean
+from fastmamba.ops._common.launch import lean, on_device
 
 
 @triton.jit
@@ -543,7 +542,7 @@ def _silu_mode(silu: bool, x: torch.Tensor) -> int:
 
 
 def _device(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    return on_device(t)
 
 
 # Launchers. ALIGN (see _ALIGN_NOTE) is computed from the sizes and strides the kernel multiplies;

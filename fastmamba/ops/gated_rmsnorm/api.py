@@ -1,7 +1,6 @@
 """Public entry for gated RMSNorm: checks, row views, allocation, config pick, launch."""
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 from typing import Optional
@@ -15,6 +14,7 @@ from fastmamba.ops._common.checks import (
     check_shape,
     check_unit_stride,
 )
+from fastmamba.ops._common.launch import on_device
 from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops.gated_rmsnorm.configs import pick_config
 from fastmamba.ops.gated_rmsnorm.kernel import gated_rmsnorm_fwd
@@ -167,7 +167,7 @@ def _rmsnorm_fn_impl(x, z, weight, bias, out, eps, group_size, norm_before_gate)
         return
     z_rows = z.reshape(-1, Dh) if z is not None else None
     cfg = pick_config(M, group_size, Dh // group_size, x.dtype, x.device)
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+    with on_device(x):
         gated_rmsnorm_fwd(x_rows, z_rows, weight, bias, out.view(-1, Dh), eps, group_size, norm_before_gate, cfg)
 
 
