@@ -54,16 +54,20 @@ def check_shape(op: str, name: str, t: torch.Tensor, expected: Sequence[tuple[st
 
     ``expected`` is a sequence of (letter, size) pairs; a size of None accepts any extent.
     """
-    want = [s for _, s in expected]
-    ok = t.dim() == len(want) and all(w is None or w == g for w, g in zip(want, t.shape))
-    if not ok:
-        desc = _fmt_shape(f"{k}={v}" if v is not None else k for k, v in expected)
-        raise ValueError(f"{op}: `{name}` expected shape {desc}, got {_fmt_shape(tuple(t.shape))}")
+    shape = t.shape
+    if len(shape) == len(expected):
+        for (_, w), g in zip(expected, shape):
+            if w is not None and w != g:
+                break
+        else:
+            return
+    desc = _fmt_shape(f"{k}={v}" if v is not None else k for k, v in expected)
+    raise ValueError(f"{op}: `{name}` expected shape {desc}, got {_fmt_shape(tuple(shape))}")
 
 
 def check_dtype(op: str, name: str, t: torch.Tensor, allowed: Iterable[torch.dtype]) -> None:
-    allowed = tuple(allowed)
     if t.dtype not in allowed:
+        allowed = tuple(allowed)
         names = ", ".join(str(d).replace("torch.", "") for d in allowed)
         raise TypeError(f"{op}: `{name}` expected dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
 
@@ -79,12 +83,15 @@ def check_same_dtype(op: str, names_tensors: Sequence[tuple[str, torch.Tensor]])
 
 
 def check_same_device(op: str, names_tensors: Sequence[tuple[str, torch.Tensor | None]]) -> torch.device:
-    present = [(n, t) for n, t in names_tensors if t is not None]
-    ref_name, ref = present[0]
-    for name, t in present[1:]:
-        if t.device != ref.device:
-            raise ValueError(f"{op}: `{name}` is on {t.device} but `{ref_name}` is on {ref.device}; all tensors must share a device")
-    return ref.device
+    ref_name = ref = device = None
+    for name, t in names_tensors:
+        if t is None:
+            continue
+        if ref is None:
+            ref_name, ref, device = name, t, t.device
+        elif t.device != device:
+            raise ValueError(f"{op}: `{name}` is on {t.device} but `{ref_name}` is on {device}; all tensors must share a device")
+    return device
 
 
 def check_unit_stride(op: str, name: str, t: torch.Tensor, dim: int) -> None:

@@ -39,6 +39,8 @@ ENABLED = os.environ.get("FASTMAMBA_LEAN_LAUNCH", "1").lower() not in ("0", "fal
 MAX_SIGNATURES = 4096  # per kernel; a call with a new signature past this runs through the JIT
 
 _Tensor = torch.Tensor
+# Triton types a float as fp32 and a bool as u1 whatever the value: keyed by type alone
+_UNSPECIALIZED = {float: (float,), bool: (bool,)}
 _hooks = knobs.runtime
 
 
@@ -61,11 +63,11 @@ class _Entry:
 def signature(args: tuple, unspecialized: tuple = ()) -> tuple:
     """The key of a launch's positional ``args`` (see the module docstring): a tensor by its dtype
     and its address modulo 16 (Triton specializes on 16-byte alignment), an int or None by value,
-    any other value with its type (True == 1 == 1.0 as keys, but Triton types a bool, an int and
-    a float apart). An int at a position in ``unspecialized`` is keyed by whether it fits 32 bits
+    a float or bool by its type alone (fp32 / u1 whatever the value), any other value with its
+    type (True == 1 == 1.0 as keys, but Triton types them apart). An int at a position in ``unspecialized`` is keyed by whether it fits 32 bits
     (Triton's i32 / i64), not its value. Raises TypeError for an unhashable argument."""
     key = [a if a.__class__ is int else (a.dtype, a.data_ptr() & 15) if isinstance(a, _Tensor)
-           else a if a is None else (a.__class__, a) for a in args]
+           else a if a is None else _UNSPECIALIZED.get(a.__class__) or (a.__class__, a) for a in args]
     for i in unspecialized:
         if i < len(key) and args[i].__class__ is int:
             key[i] = -0x80000000 <= args[i] <= 0x7FFFFFFF
