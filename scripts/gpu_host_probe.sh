@@ -26,7 +26,7 @@ for step in "${steps[@]}"; do
                   sed -n '/wall/,/^ *[0-9]* function calls/p' "$OUT/prof_$shape.txt" | grep -v "function calls"
               done ;;
         ttft) timeout 400 python3 -m fastmamba.bench ttft 2>&1 | tee "$OUT/ttft.txt" | tail -n 12 ;;
-        eager) timeout 300 python3 -m fastmamba.bench kernels --eager --quick --ops ssu,conv,norm --markdown "$OUT/eager_kernels.md" > "$OUT/eager_kernels.txt" 2>&1; echo "rc=$?"; cat "$OUT/eager_kernels.md"
+        eager) timeout 300 python3 -m fastmamba.bench kernels --eager --quick --batch 1 --ops ssu,conv,norm --markdown "$OUT/eager_kernels.md" > "$OUT/eager_kernels.txt" 2>&1; echo "rc=$?"; cat "$OUT/eager_kernels.md"
                timeout 300 python3 -m fastmamba.bench prefill --eager --markdown "$OUT/eager_prefill.md" > "$OUT/eager_prefill.txt" 2>&1; echo "rc=$?"; cat "$OUT/eager_prefill.md" ;;
     esac
 done
