@@ -76,17 +76,23 @@ def _axpb_kernel(x_ptr, y_ptr, n, a, b, stride, BLOCK: tl.constexpr, ADD_ONE: tl
     tl.store(y_ptr + offs, y, mask=mask)
 
 
+def _direct(kernel, device):
+    """``lean(kernel)``, or a skip where the direct path cannot run (no GPU, or the interpreter)."""
+    if device.type != "cuda":
+        pytest.skip("needs a CUDA GPU: the direct path calls the compiled kernel's launcher")
+    k = lean(kernel)
+    if not k.direct:
+        pytest.skip("TRITON_INTERPRET is set: Triton's interpreter has no compiled kernels")
+    return k
+
+
 def _ref(x, a, b, stride, n, add_one=False):
     return x[: n * stride: stride][:n] * a + b + (1.0 if add_one else 0.0)
 
 
 @pytest.mark.gpu
 def test_gpu_direct_launches_match_the_jit(device):
-    if device.type != "cuda":
-        pytest.skip("needs a CUDA GPU: the direct path calls the compiled kernel's launcher")
-    k = lean(_axpb_kernel)
-    if not k.direct:
-        pytest.skip("TRITON_INTERPRET is set: Triton's interpreter has no compiled kernels")
+    k = _direct(_axpb_kernel, device)
     k.entries.clear()
     g = torch.Generator(device="cpu").manual_seed(0)
     base = torch.randn(4096, generator=g).to(device)
@@ -113,12 +119,8 @@ def test_gpu_direct_launches_match_the_jit(device):
 
 
 @pytest.mark.gpu
-def test_gpu_direct_launches_capture_in_cuda_graphs_and_respect_hooks(device, monkeypatch):
-    if device.type != "cuda":
-        pytest.skip("needs a CUDA GPU: CUDA graphs and the compiled launcher")
-    k = lean(_axpb_kernel)
-    if not k.direct:
-        pytest.skip("TRITON_INTERPRET is set")
+def test_gpu_direct_launches_capture_in_cuda_graphs_and_respect_hooks(device):
+    k = _direct(_axpb_kernel, device)
     x = torch.randn(300, device=device)
     y = torch.empty(300, device=device)
     args = (x, y, 300, 3.0, 1.0, 1)
@@ -144,21 +146,23 @@ def test_gpu_direct_launches_capture_in_cuda_graphs_and_respect_hooks(device, mo
 
 @pytest.mark.gpu
 def test_gpu_ops_take_the_direct_path(device):
-    """A repeated eager op call launches from the kept entries (the decode step's ops)."""
-    if device.type != "cuda":
-        pytest.skip("needs a CUDA GPU")
+    """A repeated eager op call launches from the kept entry (the decode step's ops)."""
     from fastmamba.ops import selective_state_update
     from fastmamba.ops.state_update.kernel import _selective_state_update_kernel
     from fastmamba.ops.state_update.ref import selective_state_update_ref
 
-    k = lean(_selective_state_update_kernel)
-    if not k.direct:
-        pytest.skip("TRITON_INTERPRET is set")
+    k = _direct(_selective_state_update_kernel, device)
+    k.entries.clear()
+    direct_launches = []
     H, P, N, S = 3, 16, 16, 5
     g = torch.Generator(device="cpu").manual_seed(1)
     state = torch.randn(S, H, P, N, generator=g).to(device)
     want_state = state.clone()
     for step in range(3):
+        if step == 1:  # the first call kept the entry: count the launches made from it
+            (entry,) = k.entries.values()
+            launch = entry.launch
+            entry.launch = lambda *a: (direct_launches.append(1), launch(*a))
         x = torch.randn(2, H, P, generator=g).to(device)
         dt = torch.rand(2, H, P, generator=g).to(device)
         A = -torch.rand(H, P, N, generator=g).to(device)
@@ -169,5 +173,5 @@ def test_gpu_ops_take_the_direct_path(device):
         want = selective_state_update_ref(want_state, x, dt, A, B, C, state_batch_indices=idx)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(state, want_state, atol=1e-4, rtol=1e-4)
-    assert k.entries  # the later calls launched from a kept entry
+    assert len(direct_launches) == 2  # the two later calls launched from the kept entry
 

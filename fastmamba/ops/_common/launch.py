@@ -64,8 +64,9 @@ def signature(args: tuple, unspecialized: tuple = ()) -> tuple:
     """The key of a launch's positional ``args`` (see the module docstring): a tensor by its dtype
     and its address modulo 16 (Triton specializes on 16-byte alignment), an int or None by value,
     a float or bool by its type alone (fp32 / u1 whatever the value), any other value with its
-    type (True == 1 == 1.0 as keys, but Triton types them apart). An int at a position in ``unspecialized`` is keyed by whether it fits 32 bits
-    (Triton's i32 / i64), not its value. Raises TypeError for an unhashable argument."""
+    type (True == 1 == 1.0 as keys, but Triton types them apart). An int at a position in
+    ``unspecialized`` is keyed by whether it fits 32 bits (Triton's i32 / i64), not its value.
+    Raises TypeError for an unhashable argument."""
     key = [a if a.__class__ is int else (a.dtype, a.data_ptr() & 15) if isinstance(a, _Tensor)
            else a if a is None else _UNSPECIALIZED.get(a.__class__) or (a.__class__, a) for a in args]
     for i in unspecialized:

@@ -35,7 +35,6 @@ replaces the column kernel (H200, W=4, state_len 3, batch 256: 74% of copy at D=
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

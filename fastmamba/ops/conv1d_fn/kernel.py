@@ -541,10 +541,6 @@ def _silu_mode(silu: bool, x: torch.Tensor) -> int:
     return 0 if not silu else (2 if inline_asm_ok(x) else 1)
 
 
-def _device(t: torch.Tensor):
-    return on_device(t)
-
-
 # Launchers. ALIGN (see _ALIGN_NOTE) is computed from the sizes and strides the kernel multiplies;
 # a stride of a dimension of size 1 is left out: it is only ever multiplied by index 0 (other
 # indices are masked), so the kernel may round it.
@@ -622,14 +618,14 @@ def causal_conv1d_fn_launch(
     )
     if channel_last:
         use_pdl, early = pdl_launch_early(x)
-        with _device(x):
+        with on_device(x):
             lean(_conv1d_fwd_rows_kernel)[grid](
                 *args, W=W, BLOCK_L=cfg.block_l, BLOCK_D=cfg.block_d, ALIGN=align, SILU=silu_mode,
                 USE_PDL=use_pdl, PDL_TRIGGER=early, num_warps=cfg.num_warps, launch_pdl=use_pdl,
             )
         return
     use_pdl, early = pdl_launch(x, grid[0] * B, cfg.num_warps)
-    with _device(x):
+    with on_device(x):
         lean(_conv1d_fwd_cols_kernel)[grid](
             *args, W=W, V=V, BLOCK_L=cfg.block_l, BLOCK_D=cfg.block_d, ALIGN=align, SILU=silu_mode,
             USE_PDL=use_pdl, PDL_TRIGGER=early, num_warps=cfg.num_warps, launch_pdl=use_pdl,
@@ -678,7 +674,7 @@ def causal_conv1d_varlen_launch(
     def stride0(t: torch.Tensor | None) -> int:
         return t.stride(0) if t is not None else 0
 
-    with _device(x):
+    with on_device(x):
         lean(_conv1d_varlen_kernel)[grid](
             x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out,
             D, T, S, B, (B - 1).bit_length(), pad_slot_id,
