@@ -514,16 +514,18 @@ def _chunk_scan_kernel(
                 x_k = tl.load(x_chunk + offs_k[:, None] * stride_x_tok + offs_p[None, :] * stride_x_p,
                               mask=mk[:, None] & mp[None, :], other=0.0)
                 # a non-finite x_s must not reach rows t < s through a zero weight (0 * NaN = NaN in
-                # the matmul): it enters as 0, and the rows t >= s that it reaches become NaN
-                finite = tl.abs(x_k.to(tl.float32)) < float("inf")
-                acc = _mma(cb.to(x_k.dtype), tl.where(finite, x_k, 0.0).to(x_k.dtype), acc, DOT_PRECISION,
-                           DOT_UPCAST)
-                if tl.min(finite.to(tl.int32)) == 0:
-                    hit = tl.dot(causal.to(tl.float32), (~finite).to(tl.float32), input_precision="ieee")
-                    acc = tl.where(hit > 0, float("nan"), acc)
+                # the matmul): it enters as 0 here (elementwise: the loop stays pipelined), and the
+                # rows t >= s are set to NaN below
+                x_k = tl.where(tl.abs(x_k.to(tl.float32)) < float("inf"), x_k, 0.0).to(x_k.dtype)
+                acc = _mma(cb.to(x_k.dtype), x_k, acc, DOT_PRECISION, DOT_UPCAST)
+            # the block's rows are the diagonal's tokens: column p is NaN from its first non-finite
+            # x_s on (one reduction per program, after the loop; a test and a second matmul in every
+            # trip of the loop made the whole scan 1.85x slower on an H100)
+            x_m = tl.load(x_chunk + offs_m[:, None] * stride_x_tok + offs_p[None, :] * stride_x_p,
+                          mask=mask_mp, other=0.0).to(tl.float32)
+            first_bad = tl.min(tl.where(tl.abs(x_m) < float("inf"), BLOCK_M + m0, offs_m[:, None]), axis=0)
+            acc = tl.where(offs_m[:, None] >= first_bad[None, :], float("nan"), acc)
             if HAS_D:
-                x_m = tl.load(x_chunk + offs_m[:, None] * stride_x_tok + offs_p[None, :] * stride_x_p,
-                              mask=mask_mp, other=0.0).to(tl.float32)
                 d = tl.load(D_ptr + h * stride_D_h + offs_p * stride_D_p, mask=mp, other=0.0).to(tl.float32)
                 acc += x_m * d[None, :]
             if HAS_Z:
