@@ -69,10 +69,20 @@ def print_op_times(model, once, reps: int) -> None:
         print(f"  {name:32s} {sec / per * 1e6:8.1f}")
 
 
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        b, l = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected B x L like 1x16, got {text!r}") from None
+    if b < 1 or l < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: batch and length must be >= 1")
+    return b, l
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="mamba2-2.7b")
-    ap.add_argument("--shape", default="1x16")
+    ap.add_argument("--shape", default="1x16", type=_shape, help="B x L, e.g. 1x16")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
@@ -81,7 +91,7 @@ def main() -> int:
         return 2
     import fastmamba
 
-    b, l = (int(v) for v in args.shape.split("x"))
+    b, l = args.shape
     model = fastmamba.load_model(args.model, device="cuda", dtype=torch.bfloat16)
     cache = model.new_cache(b + 1)
     ids = torch.randint(0, model.cfg.vocab_size, (b, l), device="cuda")
@@ -106,7 +116,7 @@ def main() -> int:
                  not e.key.startswith("cuda") and e.device_type == torch.autograd.DeviceType.CUDA)
     n_layer = model.cfg.n_layer
     wall = statistics.median(walls)
-    print(f"{torch.cuda.get_device_name()}  {args.model} {args.shape} bf16 eager prefill: "
+    print(f"{torch.cuda.get_device_name()}  {args.model} {b}x{l} bf16 eager prefill: "
           f"wall {wall:.2f} ms (median of {args.reps}), GPU kernels {gpu_us / 1e3:.2f} ms, "
           f"host-bound share {max(0.0, 1 - gpu_us / 1e3 / wall):.0%}; {wall / n_layer * 1e3:.0f} us of wall per layer")
     print_op_times(model, once, args.reps)

@@ -44,6 +44,19 @@ def test_signature_refuses_unhashable_arguments():
         hash(signature((torch.zeros(2), desc)))
 
 
+def test_switch_reads_its_variable_strictly(monkeypatch):
+    from fastmamba.ops._common.launch import _switch
+
+    monkeypatch.delenv("FASTMAMBA_TEST_SWITCH", raising=False)
+    assert _switch("FASTMAMBA_TEST_SWITCH", True) is True
+    for value, want in (("0", False), ("off", False), ("YES", True), ("1", True)):
+        monkeypatch.setenv("FASTMAMBA_TEST_SWITCH", value)
+        assert _switch("FASTMAMBA_TEST_SWITCH", True) is want
+    monkeypatch.setenv("FASTMAMBA_TEST_SWITCH", "maybe")
+    with pytest.raises(ValueError, match="FASTMAMBA_TEST_SWITCH expected 1/0.*'maybe'"):
+        _switch("FASTMAMBA_TEST_SWITCH", True)
+
+
 def test_trailing_params_fills_keywords_then_defaults():
     P = inspect.Parameter
     fn = SimpleNamespace(__name__="k", params=[SimpleNamespace(name=n, default=d) for n, d in

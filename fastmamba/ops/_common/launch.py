@@ -34,8 +34,21 @@ from triton import knobs
 from triton.runtime.autotuner import Heuristics
 from triton.runtime.jit import JITFunction
 
+
+def _switch(name: str, default: bool) -> bool:
+    """A boolean environment variable: 1/0, true/false, yes/no, on/off; anything else is an error."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} expected 1/0, true/false, yes/no or on/off, got {os.environ[name]!r}")
+
+
 # FASTMAMBA_LEAN_LAUNCH=0 sends every launch through Triton's JIT (for measurements and bisection).
-ENABLED = os.environ.get("FASTMAMBA_LEAN_LAUNCH", "1").lower() not in ("0", "false", "no", "off")
+ENABLED = _switch("FASTMAMBA_LEAN_LAUNCH", True)
 MAX_SIGNATURES = 4096  # per kernel; a call with a new signature past this runs through the JIT
 
 _Tensor = torch.Tensor
