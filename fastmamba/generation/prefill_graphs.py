@@ -6,12 +6,15 @@ work. ``GraphedPrefill`` captures ``Mamba2LM.prefill_varlen`` once per bucket an
 
 - token buckets 16, 24, 32, 48, 64, ... (powers of two and their midpoints) up to ``max_tokens``
   (the packed length T is padded up);
-- request buckets 1, 2, 4, ... up to ``max_requests`` + 1 (one spare request for the padding).
+- request buckets 2, 4, ... up to ``max_requests`` + 1 (one spare request for the padding).
 
 Padding never touches a real slot: the padded tokens form extra requests of at least one token
 each, with slot -1 (the kernels' pad slot: zero output, no state read or written), so every
 request of the padded call is non-empty and the real requests' cu_seqlens are unchanged. The
-real requests' logits are rows 0..B-1 of the graph's output.
+real requests' logits are rows 0..B-1 of the graph's output. A batch whose tokens fill a token
+bucket exactly (one 64-token prompt, or a 2048-token prefill chunk) needs no padding: it runs as
+(that bucket, its own request count) when the count is 1 or a request bucket, instead of one
+bucket up (64 tokens were 96; 2048 did not fit at all and ran eagerly).
 
 The batch is validated once, on the host, from the Python lists the caller already holds (prompt
 lengths, slots); the graph then runs with no device-to-host read. A batch larger than the biggest
@@ -61,13 +64,17 @@ def token_buckets_up_to(lo: int, hi: int) -> list[int]:
 def padded_layout(lengths: Sequence[int], token_bucket: int, request_bucket: int) -> list[int]:
     """The request lengths of the padded call: ``lengths`` first, then padding requests of one
     token each, the last of them holding the rest, so that they fill ``token_bucket`` tokens over
-    ``request_bucket`` requests. Needs ``sum(lengths) + (request_bucket - len(lengths)) <= token_bucket``.
+    ``request_bucket`` requests. Needs ``sum(lengths) + (request_bucket - len(lengths)) <= token_bucket``
+    with at least one padding request, or an exact fit (``request_bucket == len(lengths)`` and
+    ``sum(lengths) == token_bucket``: ``lengths`` unchanged).
     """
     n, total = len(lengths), sum(lengths)
     pads = request_bucket - n
+    if pads == 0 and total == token_bucket:  # an exact fit: nothing to pad
+        return list(lengths)
     if pads < 1 or total + pads > token_bucket:
         raise ValueError(f"padded_layout: {n} requests of {total} tokens do not fit {request_bucket} requests "
-                         f"of {token_bucket} tokens with at least one padding request")
+                         f"of {token_bucket} tokens with at least one padding request (or exactly, with none)")
     return list(lengths) + [1] * (pads - 1) + [token_bucket - total - (pads - 1)]
 
 
@@ -111,6 +118,8 @@ class GraphedPrefill:
     def buckets(self, lengths: Sequence[int]) -> tuple[int, int] | None:
         """(token bucket, request bucket) for requests of these lengths, or None if none fits."""
         n, total = len(lengths), sum(lengths)
+        if total in self.token_buckets and (n == 1 or n in self.request_buckets):
+            return total, n  # an exact fit: no padding request
         for rb in self.request_buckets:
             if rb > n:
                 break

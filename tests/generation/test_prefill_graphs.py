@@ -16,8 +16,12 @@ def test_buckets_and_layout():
     assert powers_of_two_up_to(2, 2) == [2]
     assert padded_layout([5, 3], 16, 4) == [5, 3, 1, 7]  # two padding requests: 1 token, then the rest
     assert padded_layout([16], 32, 2) == [16, 16]
+    assert padded_layout([16], 16, 1) == [16]  # an exact fit: no padding request
+    assert padded_layout([10, 6], 16, 2) == [10, 6]
     with pytest.raises(ValueError, match="do not fit"):
         padded_layout([16], 16, 2)  # the padding request needs a token
+    with pytest.raises(ValueError, match="do not fit"):
+        padded_layout([15], 16, 1)  # not exact, and no padding request
     with pytest.raises(ValueError, match="do not fit"):
         padded_layout([1, 1], 16, 2)  # no room for a padding request
 
@@ -26,13 +30,19 @@ def test_bucket_choice_leaves_room_for_padding():
     gp = object.__new__(GraphedPrefill)  # bucket arithmetic only: no device needed
     gp.token_buckets = powers_of_two_up_to(16, 2048)
     gp.request_buckets = powers_of_two_up_to(2, 9)
-    assert gp.buckets([16]) == (32, 2)  # 16 tokens + one padding token
+    assert gp.buckets([17]) == (32, 2)  # 17 tokens + one padding token
+    assert gp.buckets([16]) == (16, 1)  # an exact fit: no padding request
     assert gp.buckets([15]) == (16, 2)
+    assert gp.buckets([8, 8]) == (16, 2)  # exact, and 2 is a request bucket
+    assert gp.buckets([8, 4, 4]) == (32, 4)  # exact in tokens, but 3 requests: padded to 4
     assert gp.buckets([5, 5, 5]) == (16, 4)
     assert gp.buckets([5, 5, 6]) == (32, 4)
     assert gp.buckets([100] * 8) == (1024, 9)
     assert gp.buckets([1] * 9) is None  # more requests than the largest bucket holds
-    assert gp.buckets([2048]) is None  # no room for the padding token
+    assert gp.buckets([2048]) == (2048, 1)  # the largest bucket, exactly
+    assert gp.buckets([2047, 1]) == (2048, 2)
+    assert gp.buckets([2049]) is None
+    assert gp.buckets([2046, 1]) is None  # no room for the padding token
 
 
 def test_token_buckets_pad_by_less_than_half():
@@ -41,12 +51,16 @@ def test_token_buckets_pad_by_less_than_half():
     gp = object.__new__(GraphedPrefill)
     gp.token_buckets = token_buckets_up_to(16, 2113)
     gp.request_buckets = powers_of_two_up_to(2, 65)
-    assert gp.buckets([512]) == (768, 2)  # 513 tokens with the padding request
-    assert gp.buckets([512, 512]) == (1536, 4)
-    assert gp.buckets([64]) == (96, 2)
+    assert gp.buckets([512]) == (512, 1)  # exact
+    assert gp.buckets([511]) == (512, 2)
+    assert gp.buckets([513]) == (768, 2)  # 514 tokens with the padding request
+    assert gp.buckets([512, 512]) == (1024, 2)  # exact
+    assert gp.buckets([512, 513]) == (1536, 4)
+    assert gp.buckets([64]) == (64, 1)  # a prefix-cache hit's 64 new tokens: no padding (was 96 with it)
+    assert gp.buckets([65]) == (96, 2)
     for n in range(1, 2050, 37):  # every fit wastes less than half of its bucket
-        tb, _ = gp.buckets([n])
-        assert n + 1 <= tb and (tb <= 16 or tb < 1.5 * (n + 1) + 1)
+        tb, rb = gp.buckets([n])
+        assert (tb, rb) == (n, 1) if n in gp.token_buckets else n + 1 <= tb and (tb <= 16 or tb < 1.5 * (n + 1) + 1)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +104,7 @@ def test_padded_call_equals_unpadded(model):
 def test_graphed_prefill_equals_eager():
     m = fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cuda")
     g = seeded(2)
-    cases = [[7], [16], [3, 40, 1], [100, 100, 100, 5]]
+    cases = [[7], [16], [32, 32], [512], [3, 40, 1], [100, 100, 100, 5]]  # [16], [32, 32], [512]: exact fits
     for lengths in cases:
         prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
         eager_cache, graph_cache = m.new_cache(8), m.new_cache(8)
@@ -100,6 +114,8 @@ def test_graphed_prefill_equals_eager():
                                              device="cuda"),
                                 eager_cache, torch.tensor(slots, dtype=torch.int32, device="cuda"), False)
         gp = GraphedPrefill(m, graph_cache, max_tokens=512, max_requests=7)
+        if sum(lengths) in gp.token_buckets and len(lengths) in (1, 2):
+            assert gp.buckets(lengths) == (sum(lengths), len(lengths))  # no padding request
         for i in range(2):  # first call captures, second replays
             got = gp.prefill(prompts, slots, False)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
