@@ -126,3 +126,70 @@ def test_pdl_verify_chain_matches_eager(B):
     for name, a, b in zip(type(cache)._fields, c_graph, c_eager):
         assert torch.equal(a, b), name
     assert int(c_eager.hist_len.max()) < 8 and bool((c_eager.buf_idx != 0).any() or (c_eager.hist_len != 0).any())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="PDL needs a Hopper (sm_90) or newer GPU")
+def test_pdl_prefill_chain_matches_eager():
+    """A short prefill's chain (varlen conv -> fused scan -> gated norm), pad slot and all, captured
+    with PDL: the fused scan reads its slot's state before the grid-dependency wait."""
+    from fastmamba.ops import causal_conv1d_varlen, ssd_scan_varlen
+    from fastmamba.ops._common.host_values import trusted_inputs
+
+    torch.manual_seed(1)
+    dev, H, P, G, N, W = "cuda", 16, 64, 1, 128, 4
+    E = H * P + 2 * G * N
+    lengths = [37, 1, 20, 6]  # the last: a padding request on slot -1
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    slots = torch.tensor([2, 0, 5, -1], dtype=torch.int32, device=dev)
+    flags = torch.tensor([True, False, True, False], device=dev)
+    T = sum(lengths)
+    conv_w = torch.randn(E, W, device=dev, dtype=torch.bfloat16) * 0.3
+    conv_b = torch.randn(E, device=dev, dtype=torch.bfloat16)
+    A_log, D = torch.rand(H, device=dev), torch.randn(H, device=dev)
+    dt_bias, norm_w = torch.randn(H, device=dev) * 0.3, torch.randn(H * P, device=dev, dtype=torch.bfloat16)
+    xBC = torch.randn(T, E, device=dev, dtype=torch.bfloat16)
+    z = torch.randn(T, H, P, device=dev, dtype=torch.bfloat16)
+    dt = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    conv0 = torch.randn(8, E, W - 1, device=dev, dtype=torch.bfloat16)
+    ssm0 = torch.randn(8, H, P, N, device=dev)
+
+    def step(conv_state, ssm_state):
+        with trusted_inputs():
+            xc = causal_conv1d_varlen(xBC, conv_w, conv_b, conv_state, cu, slots, flags, "silu")
+            x, Bm, Cm = torch.split(xc, [H * P, G * N, G * N], dim=-1)
+            y = ssd_scan_varlen(x.view(T, H, P), dt, A_log, Bm.view(T, G, N), Cm.view(T, G, N), ssm_state, cu,
+                                D=D, z=z, dt_bias=dt_bias, cache_indices=slots, has_initial_state=flags,
+                                A_is_log=True, fused=True, max_seqlen=max(lengths))
+        return torch.cat([rmsnorm_fn(y.view(T, H * P), norm_w, None, group_size=H * P // G).flatten().float(),
+                          ssm_state.flatten(), conv_state.flatten().float()])
+
+    want = step(conv0.clone(), ssm0.clone())
+    conv_g, ssm_g = conv0.clone(), ssm0.clone()
+
+    def warm_up():
+        step(conv0.clone(), ssm0.clone())
+
+    def graphed():
+        return step(conv_g, ssm_g)
+
+    def reset_then(expected):  # every replay starts from the same states
+        conv_g.copy_(conv0)
+        ssm_g.copy_(ssm0)
+        return expected
+
+    with programmatic_dependent_launch():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            warm_up()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = graphed()
+    for _ in range(3):
+        reset_then(want)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)

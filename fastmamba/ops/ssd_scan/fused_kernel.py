@@ -14,6 +14,11 @@ The first block reads the slot's state (has_initial_state), the last stores the 
 slot (16-bit pools: round to nearest, or stochastically with the state update's random stream).
 Everything the five-kernel path does with small torch ops first (slot / pad / flag resolution) is
 done here, per program, from the raw index tensors: a call is one launch.
+
+Under programmatic dependent launch (``fastmamba.ops._common.pdl``: the runtime's prefill graphs) a
+program reads what the kernel before it never writes (cu_seqlens, the slot and flag, its slot's
+state, A, D, dt_bias) before the grid-dependency wait, and writes nothing before it: the state's
+load latency hides behind the end of the conv kernel.
 """
 from __future__ import annotations
 
@@ -21,8 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
 from fastmamba.ops._common.jit_math import exp_approx, silu_approx, softplus
+from fastmamba.ops._common.pdl import pdl_active, trigger_early
 from fastmamba.ops.ssd_scan.fused_configs import pick_fused_config
 from fastmamba.ops.ssd_scan.kernel import _locate_segment, _mma, _to_state_dtype
 from fastmamba.ops._common.launch import lean
@@ -57,6 +65,7 @@ def _ssd_scan_fused_kernel(
     DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, DOT_UPCAST: tl.constexpr,
     HAS_IDX: tl.constexpr, HAS_INIT: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, HAS_CHUNK_OUT: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
+    USE_PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = True,
 ):
     # one program per (sequence, head, block of P): the sequence's tokens in order, the state in fp32 registers
     b = tl.program_id(0)
@@ -78,6 +87,26 @@ def _ssd_scan_fused_kernel(
     mn = offs_n < N
     mask_pn = mp[:, None] & mn[None, :]
     out_h = out_ptr + h * stride_o_h
+    # before the grid-dependency wait: only what the kernel before never writes (indices, the
+    # slot's state, the per-head parameters); nothing is stored
+    s = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    st_h = states_ptr + slot * stride_s_s + h * stride_s_h
+    st_offs = offs_p[:, None] * stride_s_p + offs_n[None, :] * stride_s_n
+    if HAS_INIT:
+        if not pad:
+            if tl.load(init_flag_ptr + b) != 0:
+                s = tl.load(st_h + st_offs, mask=mask_pn, other=0.0).to(tl.float32)
+    A = tl.load(A_ptr + h).to(tl.float32)
+    if A_IS_LOG:
+        A = -tl.exp(A)  # A holds A_log
+    if HAS_DT_BIAS:
+        dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    if HAS_D:
+        Dv = tl.load(D_ptr + h * stride_D_h + offs_p * stride_D_p, mask=mp, other=0.0).to(tl.float32)
+    if USE_PDL:
+        gdc_wait()  # x, dt, B, C, z come from the kernels before
+        if PDL_TRIGGER:
+            gdc_launch_dependents()
     if pad:
         for t0 in range(0, seq_len, BLOCK_T):
             tok = lo + t0 + offs_t
@@ -85,19 +114,6 @@ def _ssd_scan_fused_kernel(
                      tl.zeros((BLOCK_T, BLOCK_P), dtype=out_ptr.dtype.element_ty),
                      mask=((t0 + offs_t) < seq_len)[:, None] & mp[None, :])
     else:
-        s = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-        st_h = states_ptr + slot * stride_s_s + h * stride_s_h
-        st_offs = offs_p[:, None] * stride_s_p + offs_n[None, :] * stride_s_n
-        if HAS_INIT:
-            if tl.load(init_flag_ptr + b) != 0:
-                s = tl.load(st_h + st_offs, mask=mask_pn, other=0.0).to(tl.float32)
-        A = tl.load(A_ptr + h).to(tl.float32)
-        if A_IS_LOG:
-            A = -tl.exp(A)  # A holds A_log
-        if HAS_DT_BIAS:
-            dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-        if HAS_D:
-            Dv = tl.load(D_ptr + h * stride_D_h + offs_p * stride_D_p, mask=mp, other=0.0).to(tl.float32)
         if HAS_CHUNK_OUT:
             first_chunk, _, _ = _locate_segment(cu_ptr, nseq, b, Q, BLOCK_SEG)
         x_h = x_ptr + h * stride_x_h
@@ -211,6 +227,7 @@ def ssd_scan_fused_launch(
         rand_seed = None
     D_strides = (0, 0) if D is None else ((D.stride(0), 0) if D.dim() == 1 else tuple(D.stride()))
     grid = (nseq, H, triton.cdiv(P, cfg.block_p))
+    use_pdl = pdl_active(x, nseq * H * grid[2], cfg.num_warps)
     lean(_ssd_scan_fused_kernel)[grid](
         x, dt, A, B, C, D, z, dt_bias, out,
         ssm_states, cu_seqlens, cache_indices, has_initial_state, chunk_states_out, rand_seed,
@@ -223,5 +240,6 @@ def ssd_scan_fused_launch(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", FAST_MATH=inline_asm_ok(x),
         # Triton 3.6's interpreter multiplies bf16 tl.dot operands as raw bits (docs/interpreter_bf16.md)
         DOT_UPCAST=interpreter and x.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_PDL=use_pdl, PDL_TRIGGER=trigger_early(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
     )
