@@ -1,8 +1,9 @@
 """Decode-time projections: our Triton GEMV tiles against cuBLAS (F.linear) (development aid; GPU).
 
-    python scripts/dev_gemv_sweep.py [quick]
+    python scripts/dev_gemv_sweep.py [quick] [rows=1,4] [prefill]
 
-mamba2-2.7b in_proj (N=10576, K=2560) and out_proj (N=2560, K=5120), bf16, M = 1 and 8 rows:
+mamba2-2.7b in_proj (N=10576, K=2560) and out_proj (N=2560, K=5120), bf16, M rows (default 1, 4;
+``prefill``: 16, 64, 128, the short prefills' row counts, with wider tiles in the sweep):
 µs per product in a CUDA graph of 64 back-to-back products on 64 distinct weight matrices (as a
 decode step streams its 64 layers' weights: none comes from L2, and the launch gaps inside a graph
 count), median of do_bench over graph replays; GB/s of the weight bytes.
@@ -36,14 +37,20 @@ def bench(fn) -> float:
 
 def main() -> None:
     quick = "quick" in sys.argv
-    dot_cfgs = list(itertools.product((16, 32, 64), (128, 256, 512), (4,), (3, 4)))
+    prefill = "prefill" in sys.argv
+    row_arg = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("rows=")), None)
+    ms = [int(m) for m in row_arg.split(",")] if row_arg else ([16, 64, 128] if prefill else [1, 4])
+    if prefill:
+        dot_cfgs = list(itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 5)))
+    else:
+        dot_cfgs = list(itertools.product((16, 32, 64), (128, 256, 512), (4,), (3, 4)))
     fma_cfgs = list(itertools.product((8, 16), (256, 512), (4, 8), (1, 2)))
     if quick:
         dot_cfgs, fma_cfgs = dot_cfgs[::4], fma_cfgs[::4]
     for name, (N, K) in SHAPES.items():
         ws = [torch.randn(N, K, device="cuda").bfloat16() for _ in range(LAYERS)]
         gb = N * K * 2 / 1e9
-        for M in (1, 4):
+        for M in ms:
             x = torch.randn(M, K, device="cuda").bfloat16()
             ref = F.linear(x, ws[0])
             out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
