@@ -9,7 +9,8 @@ prompt admitted once and dropped), one request of ``--prompt-len`` tokens arrive
 its first token and 8 steps beyond is timed (wall clock: each step ends with the host reading the
 sampled tokens). Reported: the running requests' plain step time (median of 16 steps before the
 arrival), their inter-token latency p50 / p99 over the window (a step in which they emit nothing
-adds to the next gap), the ratio p99 / plain step, and the long prompt's time to first token.
+adds to the next gap), the ratio p99 / plain step, and the long prompt's time to first token; the
+JSON rows also hold every timed step's wall time from the arrival on (``steps_ms``).
 """
 from __future__ import annotations
 
@@ -82,10 +83,11 @@ def measure(model, budget: int | None, running: int, prompt_len: int, vocab: int
     long_rid = engine.add_request(long_prompt, SamplingParams(max_new_tokens=9, ignore_eos=True))
     t_arrive = time.perf_counter()
     last = {rid: t_arrive for rid in run_ids}
-    gaps, ttft, after = [], None, 0
+    gaps, ttft, after, steps = [], None, 0, []
     while after < 8:
         dt, outs = _timed_step(engine)
         now = time.perf_counter()
+        steps.append(1e3 * dt)
         for o in outs:
             if o.rid in last:
                 gaps.append(now - last[o.rid])
@@ -99,7 +101,8 @@ def measure(model, budget: int | None, running: int, prompt_len: int, vocab: int
     plain_ms = 1e3 * statistics.median(plain)
     return {"budget": budget, "plain_step_ms": plain_ms, "itl_p50_ms": 1e3 * percentile(gaps, 0.5),
             "itl_p99_ms": 1e3 * percentile(gaps, 0.99), "itl_max_ms": 1e3 * max(gaps),
-            "p99_over_plain": 1e3 * percentile(gaps, 0.99) / plain_ms, "long_ttft_ms": 1e3 * ttft}
+            "p99_over_plain": 1e3 * percentile(gaps, 0.99) / plain_ms, "long_ttft_ms": 1e3 * ttft,
+            "steps_ms": [round(v, 3) for v in steps]}
 
 
 def run(args: argparse.Namespace, command: str) -> int:

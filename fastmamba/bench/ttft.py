@@ -6,7 +6,8 @@
 Per shape B x L: B random prompts of L tokens are prefilled into fresh cache slots
 (``Mamba2LM.prefill``, ids [B, L]; the first token's logits come out of it) three times to warm
 up, then ``--reps`` times timed (wall clock around the call, synchronised): the median is the
-eager time. Where the packed batch fits the graph buckets (B*L + 1 <= ``--graph-max-tokens``),
+eager time. Where the packed batch fits the graph buckets (``GraphedPrefill.fits``: B*L tokens plus
+a padding request within ``--graph-max-tokens``, or B*L exactly a token bucket),
 ``GraphedPrefill`` (fastmamba/generation/prefill_graphs.py) runs the same prompts from a CUDA graph
 (host-side copy of the batch included). The floor is max(weight bytes / copy bandwidth, 2 x
 parameters x tokens / bf16 matmul rate), both measured in the same run: the prefill must read
@@ -107,12 +108,13 @@ def run(args: argparse.Namespace, command: str) -> int:
         ids_dev = ids.to(device)
         eager = _median_ms(lambda: model.prefill(ids_dev, cache, slots), reps, cuda, warmup=3 if cuda else 0)
         graphed = None
-        if cuda and args.graph_max_tokens and b * length + 1 <= args.graph_max_tokens:
+        if cuda and args.graph_max_tokens:
             from fastmamba.generation.prefill_graphs import GraphedPrefill
 
             gp = GraphedPrefill(model, cache, max_tokens=args.graph_max_tokens, max_requests=b)
-            prompts, slot_list = ids.tolist(), slots.tolist()
-            graphed = _median_ms(lambda: gp.prefill(prompts, slot_list, False), reps, cuda, warmup=3)
+            if gp.fits([length] * b):
+                prompts, slot_list = ids.tolist(), slots.tolist()
+                graphed = _median_ms(lambda: gp.prefill(prompts, slot_list, False), reps, cuda, warmup=3)
             del gp
         floor = floor_ms(wbytes, params, b * length, copy_gbs, mm_tflops)
         row = {"model": name, "batch": b, "length": length, "eager_ms": eager, "graphed_ms": graphed,
