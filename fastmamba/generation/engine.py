@@ -670,6 +670,12 @@ class Engine:
             if r.prefilled == len(r.prompt):
                 done.append(i)
         if not done:
+            # wait for the chunk now: the running requests' tokens of this step then come out after
+            # one decode and one chunk, never after two chunks (without it, the chunk runs on into the
+            # next step, and the step that completes a prompt waited for the chunk before and its own:
+            # H100, 2.7b, 512-token chunks next to 8 decodes, 21.3 ms against 12.8 for the others)
+            if logits.is_cuda:
+                torch.cuda.current_stream(logits.device).synchronize()
             return []
         complete = [reqs[i] for i in done]
         self.prefilling = [r for r in self.prefilling if r.prefilled < len(r.prompt)]

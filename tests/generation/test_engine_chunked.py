@@ -67,3 +67,19 @@ def test_chunk_budget_is_shared_and_slots_come_back(model):
 def test_bad_chunk_budget(model):
     with pytest.raises(ValueError, match="prefill_chunk"):
         Engine(model, max_batch=2, prefill_chunk=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the chunk's kernels run asynchronously)")
+def test_a_chunk_step_ends_with_its_chunk_done():
+    """A step that feeds a chunk and completes no prompt returns only once the chunk has run: the
+    next step's gap then holds one chunk, not this one's tail and its own."""
+    m = scaled_tiny_model("cuda")
+    engine = Engine(m, max_batch=4, prefill_chunk=8)
+    short = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    engine.step()
+    engine.add_request(list(range(10, 50)), SamplingParams(max_new_tokens=2, ignore_eos=True))
+    for _ in range(4):  # 40 prompt tokens at 8 per step: the first four steps complete nothing
+        outs = engine.step()
+        assert [o.rid for o in outs] == [short] and engine.prefilling
+        assert torch.cuda.current_stream().query()  # nothing of the step left on the GPU
