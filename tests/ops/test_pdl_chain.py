@@ -131,9 +131,11 @@ def test_pdl_verify_chain_matches_eager(B):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="PDL needs a Hopper (sm_90) or newer GPU")
-def test_pdl_prefill_chain_matches_eager():
-    """A short prefill's chain (varlen conv -> fused scan -> gated norm), pad slot and all, captured
-    with PDL: the fused scan reads its slot's state before the grid-dependency wait."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_pdl_prefill_chain_matches_eager(fused):
+    """A short prefill's chain (varlen conv -> scan -> gated norm), pad slot and all, captured with
+    PDL: the fused scan reads its slot's state before the grid-dependency wait; the five kernels of
+    the chunked path (16-token chunks here: several per sequence) each wait at their start."""
     from fastmamba.ops import causal_conv1d_varlen, ssd_scan_varlen
     from fastmamba.ops._common.host_values import trusted_inputs
 
@@ -161,7 +163,8 @@ def test_pdl_prefill_chain_matches_eager():
             x, Bm, Cm = torch.split(xc, [H * P, G * N, G * N], dim=-1)
             y = ssd_scan_varlen(x.view(T, H, P), dt, A_log, Bm.view(T, G, N), Cm.view(T, G, N), ssm_state, cu,
                                 D=D, z=z, dt_bias=dt_bias, cache_indices=slots, has_initial_state=flags,
-                                A_is_log=True, fused=True, max_seqlen=max(lengths))
+                                A_is_log=True, fused=fused, chunk_size=256 if fused else 16,
+                                max_seqlen=max(lengths))
         return torch.cat([rmsnorm_fn(y.view(T, H * P), norm_w, None, group_size=H * P // G).flatten().float(),
                           ssm_state.flatten(), conv_state.flatten().float()])
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.jit_math import exp_approx, silu_approx, softplus, stochastic_round
 
@@ -124,7 +125,12 @@ def _chunk_cumsum_kernel(
     stride_dt_row, stride_dt_tok, stride_dt_h,
     Q: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SEG: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, A_IS_LOG: tl.constexpr,
+    USE_PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = True,
 ):
+    if USE_PDL:  # everything this kernel reads may come from the kernel before: wait first
+        gdc_wait()
+        if PDL_TRIGGER:
+            gdc_launch_dependents()
     # one program per (chunk, block of heads): the chunk table entry, dt' and the cumulative log-decay cs
     c = tl.program_id(0)
     seg, start, length, valid = _locate_chunk(cu_ptr, n_seg, c, Q, BLOCK_SEG)
@@ -168,7 +174,12 @@ def _chunk_state_kernel(
     stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, HAS_SKIP: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    USE_PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = True,
 ):
+    if USE_PDL:  # everything this kernel reads may come from the kernel before: wait first
+        gdc_wait()
+        if PDL_TRIGGER:
+            gdc_launch_dependents()
     # one program per (chunk, head, block of N): S_loc = sum_s exp(cs_last - cs_s) dt'_s x_s B_s^T  [P, N]
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -322,7 +333,12 @@ def _state_passing_kernel(
     Q: tl.constexpr, BLOCK_PN: tl.constexpr, BLOCK_SEG: tl.constexpr,
     HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, HAS_SEG_FINAL: tl.constexpr,
     HAS_CHUNK_OUT: tl.constexpr, HAS_SKIP: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
+    USE_PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = True,
 ):
+    if USE_PDL:  # everything this kernel reads may come from the kernel before: wait first
+        gdc_wait()
+        if PDL_TRIGGER:
+            gdc_launch_dependents()
     # one program per (segment, head, block of the flattened P*N state): its chunks in order, fp32
     seg = tl.program_id(0)
     h = tl.program_id(1)
@@ -375,7 +391,12 @@ def _chunk_cb_kernel(
     stride_cb_c, stride_cb_g, stride_cb_m, stride_cb_k,
     Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    USE_PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = True,
 ):
+    if USE_PDL:  # everything this kernel reads may come from the kernel before: wait first
+        gdc_wait()
+        if PDL_TRIGGER:
+            gdc_launch_dependents()
     # one program per (chunk, group, causal BLOCK_M x BLOCK_M tile): CB = C B^T, shared by the group's heads
     c = tl.program_id(0)
     g = tl.program_id(1)
@@ -427,7 +448,12 @@ def _chunk_scan_kernel(
     BLOCK_N: tl.constexpr, HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_MAJOR: tl.constexpr,
     FAST_MATH: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_SKIP: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    USE_PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = True,
 ):
+    if USE_PDL:  # everything this kernel reads may come from the kernel before: wait first
+        gdc_wait()
+        if PDL_TRIGGER:
+            gdc_launch_dependents()
     # one program per (chunk, HEADS heads, block of BLOCK_M tokens x block of P): y for those tokens.
     # The heads run one after the other, so the group's C and C B^T tiles come from L1 after the first.
     # HEAD_MAJOR: grid (tiles, chunks, head blocks), so the tiles of one (chunk, head) run side by side

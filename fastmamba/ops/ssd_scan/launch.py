@@ -11,7 +11,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
+import math
+
 from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
+from fastmamba.ops._common.pdl import pdl_active, trigger_early
 from fastmamba.ops.ssd_scan.configs import block_p_of, check_config, pick_config
 from fastmamba.ops._common.launch import lean
 from fastmamba.ops.ssd_scan.kernel import (
@@ -55,6 +58,14 @@ class ScanSegments:
     @property
     def n_seg(self) -> int:
         return self.cu.shape[0] - 1
+
+
+def _pdl(x: torch.Tensor, grid: tuple[int, ...], num_warps: int) -> dict:
+    """Launch options of one of the scan's kernels under programmatic dependent launch (the
+    runtime's prefill graphs; ``fastmamba.ops._common.pdl``): each kernel waits for the one before
+    at its start, so PDL hides the launch gap of single-wave grids (short prompts)."""
+    use = pdl_active(x, math.prod(grid), num_warps)
+    return dict(USE_PDL=use, PDL_TRIGGER=trigger_early(), launch_pdl=use)
 
 
 def _strides4(t: torch.Tensor | None) -> tuple[int, int, int, int]:
@@ -112,11 +123,12 @@ def ssd_scan_launch(
 
     table = torch.empty(n_chunks, 4, dtype=torch.int32, device=dev)
     block_h = 4 if interpreter else 8
-    lean(_chunk_cumsum_kernel)[(n_chunks, triton.cdiv(H, block_h))](
+    grid = (n_chunks, triton.cdiv(H, block_h))
+    lean(_chunk_cumsum_kernel)[grid](
         dt, dt_bias, A, segments.cu, table, dt_scratch, cs_scratch,
         n_seg, row_len, H, n_chunks, float(lo), float(hi), *dt.stride(),
         Q=Q, BLOCK_Q=max(16, triton.next_power_of_2(Q)), BLOCK_H=block_h, BLOCK_SEG=block_seg,
-        DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, A_IS_LOG=bool(A_is_log), num_warps=4,
+        DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, A_IS_LOG=bool(A_is_log), num_warps=4, **_pdl(x, grid, 4),
     )
     if cfg.chain and segments.seg_final is None:
         # one kernel: chunk states handed from chunk to chunk (no per-chunk fp32 round trip)
@@ -136,15 +148,17 @@ def ssd_scan_launch(
         )
     else:
         states = torch.empty(n_chunks, H, P, N, dtype=state_dtype, device=dev)  # S_loc, recurrence precision
-        lean(_chunk_state_kernel)[(n_chunks, H, triton.cdiv(N, block_n_state))](
+        grid = (n_chunks, H, triton.cdiv(N, block_n_state))
+        lean(_chunk_state_kernel)[grid](
             x, B, table, segments.skip, states, dt_scratch, cs_scratch,
             n_seg, row_len, P, N, H // G, n_chunks,
             *x.stride(), *B.stride(), *states.stride(),
             Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
             DOT_PRECISION=dot_precision, FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,
-            num_warps=cfg.warps_state,
+            num_warps=cfg.warps_state, **_pdl(x, grid, cfg.warps_state),
         )
-        lean(_state_passing_kernel)[(n_seg, H, triton.cdiv(P * N, cfg.block_pass))](
+        grid = (n_seg, H, triton.cdiv(P * N, cfg.block_pass))
+        lean(_state_passing_kernel)[grid](
             states, states_in, cs_scratch, segments.cu, segments.skip,
             segments.init, segments.init_idx, segments.final, segments.final_idx, segments.seg_final, segments.chunk_out,
             segments.final_seed,
@@ -152,27 +166,29 @@ def ssd_scan_launch(
             *states.stride(), *states_in.stride(), *_strides4(segments.init), *_strides4(segments.final),
             *_strides4(segments.seg_final), *_strides4(segments.chunk_out),
             Q=Q, BLOCK_PN=cfg.block_pass, BLOCK_SEG=block_seg,
-            num_warps=4,
+            num_warps=4, **_pdl(x, grid, 4),
         )
     n_tiles = triton.cdiv(Q, cb_block)
-    lean(_chunk_cb_kernel)[(n_chunks, G, n_tiles * n_tiles)](
+    grid = (n_chunks, G, n_tiles * n_tiles)
+    lean(_chunk_cb_kernel)[grid](
         B, C, table, cb,
         n_seg, row_len, N,
         *B.stride(), *C.stride(), *cb.stride(),
         Q=Q, BLOCK_M=cb_block, BLOCK_N=min(block_n, 128), DOT_PRECISION=dot_precision, DOT_UPCAST=dot_upcast,
-        num_warps=4,
+        num_warps=4, **_pdl(x, grid, 4),
     )
     D_strides = (0, 0) if D is None else ((D.stride(0), 0) if D.dim() == 1 else tuple(D.stride()))
     m_blocks = triton.cdiv(Q, cfg.block_m)
     tiles = m_blocks * triton.cdiv(P, block_p_scan)
     heads = cfg.heads if H % cfg.heads == 0 else 1
-    lean(_chunk_scan_kernel)[(tiles, n_chunks, H // heads) if cfg.head_major else (n_chunks, H // heads, tiles)](
+    grid = (tiles, n_chunks, H // heads) if cfg.head_major else (n_chunks, H // heads, tiles)
+    lean(_chunk_scan_kernel)[grid](
         x, z, out, cb, C, D, table, segments.skip,
         states_in, dt_scratch, cs_scratch,
         n_seg, row_len, P, N, H // G, n_chunks,
         *x.stride(), *_strides4(z), *out.stride(), *cb.stride(), *C.stride(), *D_strides, *states_in.stride(),
         Q=Q, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_P=block_p_scan, BLOCK_N=block_n, HEADS=heads,
         DOT_PRECISION=dot_precision, HEAD_MAJOR=bool(cfg.head_major), FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,
-        num_warps=cfg.warps_scan, num_stages=cfg.stages_scan,
+        num_warps=cfg.warps_scan, num_stages=cfg.stages_scan, **_pdl(x, grid, cfg.warps_scan),
         **({"maxnreg": cfg.maxnreg_scan} if cfg.maxnreg_scan and not interpreter else {}),
     )
