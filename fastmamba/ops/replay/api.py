@@ -27,6 +27,7 @@ from fastmamba.ops.replay.kernel import (
     checkpoint_tma_usable,
     dot_dim,
     launch_commit,
+    launch_flush,
     launch_replay_checkpoint,
     launch_replay_checkpoint_tma,
     launch_replay_main,
@@ -212,9 +213,10 @@ def flush_replay_cache(cache: ReplayCache, slots: torch.Tensor, *, pad_slot_id: 
     other paths (plain decode, per-position verification, prefill continuation) can use the state.
 
     slots [B] int32/int64 on the cache's device. ``reset=False`` leaves the counters alone (for
-    caches whose layers share them: flush every layer, then reset once). Plain torch, batched over the slots: a few kernels
-    and a temporary of B x C_h x H x (P + N) floats; no host sync. 16-bit states are rounded to
-    nearest.
+    caches whose layers share them: flush every layer, then reset once). One kernel launch
+    (``_flush_kernel``: the replay kernels' history loop) plus the counter reset; plain torch on a
+    CPU without the interpreter. No host sync besides the slot check. 16-bit states are rounded
+    to nearest. Reference: ``ref.flush_ref``.
     """
     op = "flush_replay_cache"
     check_tensors(op, [("slots", slots)])
@@ -224,6 +226,13 @@ def flush_replay_cache(cache: ReplayCache, slots: torch.Tensor, *, pad_slot_id: 
     check_indices(op, "slots", slots, slots.shape[0], nslots, pad_slot_id)
     if slots.shape[0] == 0:
         return
+    if use_triton(state):
+        launch_flush(state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, slots,
+                     pad_slot_id=pad_slot_id)
+        if reset:
+            reset_history(cache, slots, pad_slot_id=pad_slot_id)
+        return
+    # CPU without the interpreter: the same arithmetic in plain torch, batched over the slots
     live = (slots != pad_slot_id) & (slots >= 0) & (slots < nslots)  # outside [0, S): as the pad slot
     rows = torch.where(live, slots, torch.zeros_like(slots)).long()  # pad rows read slot 0 ...
     capacity = old_x.shape[1]

@@ -419,12 +419,23 @@ def test_commit_kernel_matches_reference(device):
     assert not all(torch.equal(a.cpu(), b) for a, b in zip(mine, (buf, prev, hist)))
 
 
+FLUSH_CASES = [
+    dataclasses.replace(BASE, id="flush", accepted=(2, 0, 3), hist=(3, 0, 5), slots="shuffled"),
+    # k = 23 and 39: the kernel's history loop takes 16 tokens per trip
+    dataclasses.replace(BASE, id="flush-C40", history=40, accepted=(3, 3, 2), hist=(20, 36, 0), slots="shuffled"),
+    dataclasses.replace(BASE, id="flush-bf16-act-G1", act=torch.bfloat16, heads=3, groups=1, accepted=(1, 2, 3),
+                        hist=(4, 0, 5), slots="shuffled"),
+    dataclasses.replace(BASE, id="flush-P40-N16", headdim=40, dstate=16, accepted=(3, 1, 0), hist=(5, 2, 0),
+                        slots="shuffled"),  # two P blocks
+]
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_flush_matches_reference(state_dtype, device):
+@pytest.mark.parametrize("case", FLUSH_CASES, ids=lambda c: c.id)
+def test_flush_matches_reference(case, state_dtype, device):
     """flush stores the replayed states of the given slots (pad rows skipped, other slots untouched)
     and empties their histories; NaN in unused history positions is never read."""
-    c = dataclasses.replace(BASE, id="flush", accepted=(2, 0, 3), hist=(3, 0, 5), state_dtype=state_dtype,
-                            slots="shuffled")
+    c = dataclasses.replace(case, state_dtype=state_dtype)
     cache, _, slots = make_inputs(c, device, seed=9)
     ref = _clone(cache)
     idx = torch.tensor(slots + [-1], dtype=torch.int32, device=device)
@@ -619,3 +630,16 @@ def test_gpu_bf16_activations_take_the_tma_checkpoint_kernel():
     long_x, long_B = torch.zeros(S, 128, H, P, **bf16), torch.zeros(2, S, 128, G, N, **bf16)
     assert not checkpoint_tma_usable(state, long_x, long_B, x, block_p)  # history past 64
     assert replay_configs.checkpoint_tma_programs_per_sm(24) == replay_configs.CKPT_TMA_PROGRAMS[32]
+
+
+@pytest.mark.parametrize("case", FLUSH_CASES[:2], ids=lambda c: c.id)
+def test_flush_torch_path_matches_reference(case, monkeypatch):
+    """The plain-torch flush (a CPU without the interpreter) against the reference."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cache, _, slots = make_inputs(case, "cpu", seed=12)
+    ref = _clone(cache)
+    idx = torch.tensor(slots + [-1], dtype=torch.int32)
+    flush_replay_cache(cache, idx)
+    flush_ref(*ref, idx)
+    torch.testing.assert_close(cache.state, ref.state, **tol(torch.float32))
+    assert torch.equal(cache.hist_len, ref.hist_len) and torch.equal(cache.prev_accepted, ref.prev_accepted)
