@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fastmamba.ops._common.host_values import host_reads_allowed
+from fastmamba.ops._common.host_values import host_reads_allowed, trusted_inputs
 from fastmamba.ops._common.slot_rows import scatter_rows
 from fastmamba.ops.replay import ReplayCache, commit_accepted, default_history, flush_replay_cache, reset_history
 
@@ -212,10 +212,14 @@ class StateCache:
         """Store the slots' replayed SSM states in every layer (``flush_replay_cache``) and empty
         their replay histories, so that ssm[l][slot] is the request's state after its last
         committed token. The conv state needs nothing (``conv_accepted`` already locates its
-        window). No host sync besides the slot check (skipped while capturing)."""
+        window). No host sync besides the slot check (once, skipped while capturing)."""
         self._require_speculative("flush")
-        for replay in self.replay:  # the counters are shared: reset them once, after every layer
-            flush_replay_cache(replay, slots, pad_slot_id=pad_slot_id, reset=False)
+        # the counters are shared: reset them once, after every layer; the slots are checked by
+        # the first layer's call (one host read), the other layers trust them
+        flush_replay_cache(self.replay[0], slots, pad_slot_id=pad_slot_id, reset=False)
+        with trusted_inputs():
+            for replay in self.replay[1:]:
+                flush_replay_cache(replay, slots, pad_slot_id=pad_slot_id, reset=False)
         self.mark_replay_fresh(slots, pad_slot_id=pad_slot_id)
 
     # ------------------------------------------------------------------ legacy and plain verify paths

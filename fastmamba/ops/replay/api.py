@@ -28,6 +28,7 @@ from fastmamba.ops.replay.kernel import (
     dot_dim,
     launch_commit,
     launch_flush,
+    launch_reset_history,
     launch_replay_checkpoint,
     launch_replay_checkpoint_tma,
     launch_replay_main,
@@ -201,7 +202,13 @@ def commit_accepted(
 
 def reset_history(cache: ReplayCache, slots: torch.Tensor, *, pad_slot_id: int = -1) -> None:
     """Slots whose ``state`` was just written from outside (prefill, a plain decode step, a copy):
-    nothing to replay (hist_len = prev_accepted = 0). No host sync."""
+    nothing to replay (hist_len = prev_accepted = 0). No host sync: one small kernel (plain torch
+    on a CPU without the interpreter)."""
+    if slots.shape[0] == 0:
+        return
+    if use_triton(slots):
+        launch_reset_history(cache.prev_accepted, cache.hist_len, slots, pad_slot_id=pad_slot_id)
+        return
     zeros = torch.zeros(slots.shape[0], dtype=torch.int32, device=slots.device)
     scatter_rows(cache.hist_len, slots, zeros, pad_slot_id)
     scatter_rows(cache.prev_accepted, slots, zeros, pad_slot_id)

@@ -1112,3 +1112,22 @@ def launch_flush(state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, 
         SPLIT=old_x.dtype == torch.bfloat16 and not _interpreting(), DOT_PRECISION=_dot_precision(old_x.dtype, "ieee"),
         num_warps=4,
     )
+
+
+@triton.jit
+def _reset_history_kernel(accepted_ptr, hist_ptr, slots_ptr, nreq, pad_slot_id, n_slots, BLOCK: tl.constexpr):
+    # hist_len = prev_accepted = 0 at every live listed slot (see replay.api.reset_history)
+    b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mb = b < nreq
+    slot = tl.load(slots_ptr + b, mask=mb, other=pad_slot_id).to(tl.int64)
+    live = mb & (slot != pad_slot_id) & (slot >= 0) & (slot < n_slots)  # outside [0, S): as the pad slot
+    tl.store(hist_ptr + slot, tl.zeros([BLOCK], dtype=hist_ptr.dtype.element_ty), mask=live)
+    tl.store(accepted_ptr + slot, tl.zeros([BLOCK], dtype=accepted_ptr.dtype.element_ty), mask=live)
+
+
+def launch_reset_history(prev_accepted, hist_len, slots, *, pad_slot_id: int) -> None:
+    """prev_accepted, hist_len (S,) integer; slots (B,) integer, on one device."""
+    nreq, block = slots.shape[0], 128
+    lean(_reset_history_kernel)[(triton.cdiv(nreq, block),)](
+        prev_accepted, hist_len, slots, nreq, pad_slot_id, hist_len.shape[0], BLOCK=block, num_warps=1,
+    )

@@ -643,3 +643,21 @@ def test_flush_torch_path_matches_reference(case, monkeypatch):
     flush_ref(*ref, idx)
     torch.testing.assert_close(cache.state, ref.state, **tol(torch.float32))
     assert torch.equal(cache.hist_len, ref.hist_len) and torch.equal(cache.prev_accepted, ref.prev_accepted)
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_reset_history_zeroes_listed_slots_only(slot_dtype, device):
+    """hist_len = prev_accepted = 0 at the live listed slots (one kernel on a GPU / the
+    interpreter); pad rows and slots outside [0, S) write nothing, other slots keep their counters."""
+    g = torch.Generator().manual_seed(13)
+    S = 37
+    cache = allocate_replay_cache(S, 2, 2, 16, 1, 16, torch.float32, torch.float32, device)
+    cache.hist_len.copy_(torch.randint(1, 9, (S,), generator=g, dtype=torch.int32))
+    cache.prev_accepted.copy_(torch.randint(1, 4, (S,), generator=g, dtype=torch.int32))
+    hist0, prev0 = cache.hist_len.clone(), cache.prev_accepted.clone()
+    listed = [5, -1, 0, 36, 40, 17]  # a pad row and a slot past the end
+    replay_api.reset_history(cache, torch.tensor(listed, dtype=slot_dtype, device=device))
+    live = [5, 0, 36, 17]
+    others = [s for s in range(S) if s not in live]
+    assert cache.hist_len[live].tolist() == [0] * 4 and cache.prev_accepted[live].tolist() == [0] * 4
+    assert torch.equal(cache.hist_len[others], hist0[others]) and torch.equal(cache.prev_accepted[others], prev0[others])
