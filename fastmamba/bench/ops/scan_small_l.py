@@ -77,10 +77,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_shape(nb: int, L: int, *, shape: dict, dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device,
-              config: TimingConfig, configs: list[dict] | None = None) -> dict:
+              config: TimingConfig, configs: list[dict] | None = None, chunk_sizes: list[int] = ()) -> dict:
     H, P, N, G, chunk = shape["H"], shape["P"], shape["N"], shape["G"], shape["chunk"]
     base = _inputs(nb, L, H, P, N, G, dtype, state_dtype, device, seed=nb * 1000 + L)
     # check: the fused path against the chunked path on the same inputs and pool
+    init_states = base["states"].clone()  # the timed calls below advance the pool in place
     st_f, st_c = base["states"].clone(), base["states"].clone()
     out_f = _call(base, L, chunk, True, st_f)
     out_c = _call(base, L, chunk, False, st_c)
@@ -100,6 +101,12 @@ def run_shape(nb: int, L: int, *, shape: dict, dtype: torch.dtype, state_dtype: 
         t = time_calls(maker(fused), n_sets, device=device, config=config)
         row[f"{name}_us"], row[f"{name}_p20_us"], row[f"{name}_p80_us"], row[f"{name}_mode"] = (
             t.median_us, t.p20_us, t.p80_us, t.mode)
+    for q in chunk_sizes:  # the chunked path with other chunks (a tiling choice: same result up to rounding)
+        st_q = init_states.clone()
+        out_q = _call(base, L, q, False, st_q)
+        row[f"chunked_q{q}_err"] = max(_rel(out_q, out_c), _rel(st_q[live], st_c[live]))
+        row[f"chunked_q{q}_us"] = time_calls(lambda i, q=q: (lambda: _call(sets[i], L, q, False, out=outs[i])), n_sets,
+                                             device=device, config=config).median_us
     row["speedup"] = row["chunked_us"] / row["fused_us"]
     row["fused_GBps"] = _set_bytes(base) / (row["fused_us"] * 1e-6) / 1e9
     if configs:
@@ -133,7 +140,9 @@ def _fmt(row: dict) -> str:
         best = f"  best fused: {b['us']:.1f} us (t{b['block_t']} p{b['block_p']} w{b['num_warps']} s{b.get('num_stages', 1)})"
     return (f"{row['B']:>3} x {row['L']:<5} chunked {row['chunked_us']:9.1f} us ({row['chunked_mode']})  "
             f"fused {row['fused_us']:9.1f} us  {row['speedup']:5.2f}x  {row['fused_GBps']:7.1f} GB/s  "
-            f"err out {row['out_rel_err']:.1e} state {row['state_rel_err']:.1e}{best}")
+            f"err out {row['out_rel_err']:.1e} state {row['state_rel_err']:.1e}{best}"
+            + "".join(f"  chunk {k[9:-3]}: {v:.1f} us (err {row[k[:-3] + '_err']:.1e})"
+                      for k, v in row.items() if k.startswith("chunked_q") and k.endswith("_us")))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -142,6 +151,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--sweep", action="store_true", help="also time every fused tile config per shape")
     ap.add_argument("--tiny", action="store_true", help="tiny layer shape (CPU smoke run under the interpreter)")
+    ap.add_argument("--chunk-sizes", default="", help="also time the chunked path with these chunk sizes, e.g. 64,128")
     ap.add_argument("--quick", action="store_true", help="shorter timing")
     ap.add_argument("--json", default=None, help="write the rows here (JSON lines)")
     args = ap.parse_args(argv)
@@ -164,7 +174,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for nb, L in shapes:
         configs = sweep_configs(L, shape["P"]) if args.sweep else None
         row = run_shape(nb, L, shape=shape, dtype=dtype, state_dtype=state_dtype, device=device, config=config,
-                        configs=configs)
+                        configs=configs, chunk_sizes=[int(q) for q in args.chunk_sizes.split(",") if q])
         rows.append(row)
         print(_fmt(row), flush=True)
     if args.json:
