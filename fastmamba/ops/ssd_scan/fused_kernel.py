@@ -26,13 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
 from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
 from fastmamba.ops._common.jit_math import exp_approx, silu_approx, softplus
 from fastmamba.ops._common.pdl import pdl_active, trigger_early
 from fastmamba.ops.ssd_scan.fused_configs import pick_fused_config
-from fastmamba.ops.ssd_scan.kernel import _locate_segment, _mma, _to_state_dtype
+from fastmamba.ops.ssd_scan.kernel import _locate_segment, _mma, _to_state_dtype, _wait_for_kernel_before
 from fastmamba.ops._common.launch import lean
 
 
@@ -103,10 +101,7 @@ def _ssd_scan_fused_kernel(
         dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     if HAS_D:
         Dv = tl.load(D_ptr + h * stride_D_h + offs_p * stride_D_p, mask=mp, other=0.0).to(tl.float32)
-    if USE_PDL:
-        gdc_wait()  # x, dt, B, C, z come from the kernels before
-        if PDL_TRIGGER:
-            gdc_launch_dependents()
+    _wait_for_kernel_before(USE_PDL, PDL_TRIGGER)  # x, dt, B, C, z come from the kernels before
     if pad:
         for t0 in range(0, seq_len, BLOCK_T):
             tok = lo + t0 + offs_t

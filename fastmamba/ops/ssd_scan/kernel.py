@@ -64,6 +64,16 @@ def _locate_segment(cu_ptr, n_seg, seg, Q: tl.constexpr, BLOCK_SEG: tl.constexpr
 
 
 @triton.jit
+def _wait_for_kernel_before(USE_PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr):
+    """Under programmatic dependent launch: wait until the kernel before has finished (its writes
+    visible), then, with PDL_TRIGGER, let the next kernel's programs launch. Nothing otherwise."""
+    if USE_PDL:
+        gdc_wait()
+        if PDL_TRIGGER:
+            gdc_launch_dependents()
+
+
+@triton.jit
 def _mma(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """tl.dot(a, b, acc). DOT_UPCAST (set under the CPU interpreter for bf16 operands): the
     operands go in as fp32, since Triton 3.6's interpreter multiplies bf16 operands as their raw
@@ -127,10 +137,7 @@ def _chunk_cumsum_kernel(
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, A_IS_LOG: tl.constexpr,
     USE_PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = True,
 ):
-    if USE_PDL:  # everything this kernel reads may come from the kernel before: wait first
-        gdc_wait()
-        if PDL_TRIGGER:
-            gdc_launch_dependents()
+    _wait_for_kernel_before(USE_PDL, PDL_TRIGGER)  # everything this kernel reads may come from it
     # one program per (chunk, block of heads): the chunk table entry, dt' and the cumulative log-decay cs
     c = tl.program_id(0)
     seg, start, length, valid = _locate_chunk(cu_ptr, n_seg, c, Q, BLOCK_SEG)
@@ -176,10 +183,7 @@ def _chunk_state_kernel(
     DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, HAS_SKIP: tl.constexpr, DOT_UPCAST: tl.constexpr,
     USE_PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = True,
 ):
-    if USE_PDL:  # everything this kernel reads may come from the kernel before: wait first
-        gdc_wait()
-        if PDL_TRIGGER:
-            gdc_launch_dependents()
+    _wait_for_kernel_before(USE_PDL, PDL_TRIGGER)  # everything this kernel reads may come from it
     # one program per (chunk, head, block of N): S_loc = sum_s exp(cs_last - cs_s) dt'_s x_s B_s^T  [P, N]
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -335,10 +339,7 @@ def _state_passing_kernel(
     HAS_CHUNK_OUT: tl.constexpr, HAS_SKIP: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
     USE_PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = True,
 ):
-    if USE_PDL:  # everything this kernel reads may come from the kernel before: wait first
-        gdc_wait()
-        if PDL_TRIGGER:
-            gdc_launch_dependents()
+    _wait_for_kernel_before(USE_PDL, PDL_TRIGGER)  # everything this kernel reads may come from it
     # one program per (segment, head, block of the flattened P*N state): its chunks in order, fp32
     seg = tl.program_id(0)
     h = tl.program_id(1)
@@ -393,10 +394,7 @@ def _chunk_cb_kernel(
     DOT_UPCAST: tl.constexpr,
     USE_PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = True,
 ):
-    if USE_PDL:  # everything this kernel reads may come from the kernel before: wait first
-        gdc_wait()
-        if PDL_TRIGGER:
-            gdc_launch_dependents()
+    _wait_for_kernel_before(USE_PDL, PDL_TRIGGER)  # everything this kernel reads may come from it
     # one program per (chunk, group, causal BLOCK_M x BLOCK_M tile): CB = C B^T, shared by the group's heads
     c = tl.program_id(0)
     g = tl.program_id(1)
@@ -450,10 +448,7 @@ def _chunk_scan_kernel(
     DOT_UPCAST: tl.constexpr,
     USE_PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = True,
 ):
-    if USE_PDL:  # everything this kernel reads may come from the kernel before: wait first
-        gdc_wait()
-        if PDL_TRIGGER:
-            gdc_launch_dependents()
+    _wait_for_kernel_before(USE_PDL, PDL_TRIGGER)  # everything this kernel reads may come from it
     # one program per (chunk, HEADS heads, block of BLOCK_M tokens x block of P): y for those tokens.
     # The heads run one after the other, so the group's C and C B^T tiles come from L1 after the first.
     # HEAD_MAJOR: grid (tiles, chunks, head blocks), so the tiles of one (chunk, head) run side by side
