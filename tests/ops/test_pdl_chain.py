@@ -26,9 +26,10 @@ def _step(conv_state, ssm_state, xBC, z, dt, conv_w, conv_b, A, D, dt_bias, norm
     return rmsnorm_fn(y.view(nreq, H * P), norm_w, None, group_size=H * P // G)
 
 
-def _replays_match(warm_up, step, outs_eager) -> None:
+def _replays_match(warm_up, step, outs_eager, before_replay=None) -> None:
     """With PDL on: run ``warm_up`` (compiles, on copies) on a side stream, capture ``step`` in a
-    CUDA graph, then replay it once per eager output; each replay's output must equal it exactly."""
+    CUDA graph, then replay it once per eager output (after ``before_replay()``, when given); each
+    replay's output must equal it exactly."""
     with programmatic_dependent_launch():
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -39,6 +40,8 @@ def _replays_match(warm_up, step, outs_eager) -> None:
         with torch.cuda.graph(graph):
             out = step()
     for expected in outs_eager:
+        if before_replay is not None:
+            before_replay()
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
@@ -171,28 +174,9 @@ def test_pdl_prefill_chain_matches_eager(fused):
     want = step(conv0.clone(), ssm0.clone())
     conv_g, ssm_g = conv0.clone(), ssm0.clone()
 
-    def warm_up():
-        step(conv0.clone(), ssm0.clone())
-
-    def graphed():
-        return step(conv_g, ssm_g)
-
-    def reset_then(expected):  # every replay starts from the same states
+    def reset():  # every replay starts from the same states
         conv_g.copy_(conv0)
         ssm_g.copy_(ssm0)
-        return expected
 
-    with programmatic_dependent_launch():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            warm_up()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = graphed()
-    for _ in range(3):
-        reset_then(want)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want)
+    _replays_match(lambda: step(conv0.clone(), ssm0.clone()), lambda: step(conv_g, ssm_g), [want] * 3,
+                   before_replay=reset)
