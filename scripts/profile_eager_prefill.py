@@ -23,6 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from fastmamba.bench.ttft import parse_shape  # noqa: E402
+
 
 def print_op_times(model, once, reps: int) -> None:
     """Host µs per layer of each op of a prefill layer (wrapped in place, then restored)."""
@@ -69,20 +71,10 @@ def print_op_times(model, once, reps: int) -> None:
         print(f"  {name:32s} {sec / per * 1e6:8.1f}")
 
 
-def _shape(text: str) -> tuple[int, int]:
-    try:
-        b, l = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected B x L like 1x16, got {text!r}") from None
-    if b < 1 or l < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: batch and length must be >= 1")
-    return b, l
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="mamba2-2.7b")
-    ap.add_argument("--shape", default="1x16", type=_shape, help="B x L, e.g. 1x16")
+    ap.add_argument("--shape", default="1x16", type=parse_shape, help="B x L, e.g. 1x16")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()

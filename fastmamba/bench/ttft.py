@@ -27,17 +27,19 @@ import torch
 DEFAULT_SHAPES = "1x16,1x128,1x512,1x2048,1x8192,8x2048,32x512"
 
 
+def parse_shape(text: str) -> tuple[int, int]:
+    """One prefill shape ``BxL`` (e.g. 1x128) -> (B, L); argparse's error for anything else."""
+    try:
+        b, l = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected B x L like 1x128, got {text!r}") from None
+    if b < 1 or l < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: batch and length must be >= 1")
+    return b, l
+
+
 def _shapes(text: str) -> list[tuple[int, int]]:
-    out = []
-    for part in text.split(","):
-        try:
-            b, l = (int(v) for v in part.lower().split("x"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected shapes like 1x128,8x2048, got {part!r}") from None
-        if b < 1 or l < 1:
-            raise argparse.ArgumentTypeError(f"shape {part!r}: batch and length must be >= 1")
-        out.append((b, l))
-    return out
+    return [parse_shape(part) for part in text.split(",")]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
