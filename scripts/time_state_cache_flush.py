@@ -9,6 +9,7 @@ median of 20 synchronised calls after 5 warm-up calls, for 1 and 8 slots.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
@@ -17,7 +18,10 @@ from fastmamba.cache.state_cache import StateCache
 from fastmamba.models.config import PRESETS
 
 
-def main() -> None:
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("error: time_state_cache_flush.py needs a CUDA GPU (torch sees none)", file=sys.stderr)
+        return 2
     cache = StateCache(PRESETS["mamba2-2.7b"], 16, device="cuda", conv_dtype=torch.bfloat16,
                        ssm_dtype=torch.float32, speculate=5)
     for n in (1, 8):
@@ -32,7 +36,8 @@ def main() -> None:
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         print(f"StateCache.flush of {n} slot(s), 64 layers: {1e3 * statistics.median(times[5:]):.2f} ms")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

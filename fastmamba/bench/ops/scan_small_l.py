@@ -145,13 +145,24 @@ def _fmt(row: dict) -> str:
                       for k, v in row.items() if k.startswith("chunked_q") and k.endswith("_us")))
 
 
+def _chunk_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(q) for q in text.split(",") if q.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected positive ints like 64,128, got {text!r}") from None
+    if any(q < 1 for q in sizes):
+        raise argparse.ArgumentTypeError(f"chunk sizes must be >= 1, got {text!r}")
+    return sizes
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m fastmamba.bench.ops.scan_small_l", description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=None, help="comma-separated BxL, e.g. 1x16,4x128 (default: the issue's)")
     ap.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--sweep", action="store_true", help="also time every fused tile config per shape")
     ap.add_argument("--tiny", action="store_true", help="tiny layer shape (CPU smoke run under the interpreter)")
-    ap.add_argument("--chunk-sizes", default="", help="also time the chunked path with these chunk sizes, e.g. 64,128")
+    ap.add_argument("--chunk-sizes", default=[], type=_chunk_sizes,
+                    help="also time the chunked path with these chunk sizes, e.g. 64,128")
     ap.add_argument("--quick", action="store_true", help="shorter timing")
     ap.add_argument("--json", default=None, help="write the rows here (JSON lines)")
     args = ap.parse_args(argv)
@@ -174,7 +185,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for nb, L in shapes:
         configs = sweep_configs(L, shape["P"]) if args.sweep else None
         row = run_shape(nb, L, shape=shape, dtype=dtype, state_dtype=state_dtype, device=device, config=config,
-                        configs=configs, chunk_sizes=[int(q) for q in args.chunk_sizes.split(",") if q])
+                        configs=configs, chunk_sizes=args.chunk_sizes)
         rows.append(row)
         print(_fmt(row), flush=True)
     if args.json:
