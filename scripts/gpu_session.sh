@@ -39,6 +39,7 @@ for step in "${steps[@]}"; do
         serve)     timeout 500 python3 -m fastmamba.bench serve --json "$OUT/serve.jsonl" > "$OUT/serve.txt" 2> "$OUT/serve.err"; echo "rc=$?"; cat "$OUT/serve.txt"; tail -3 "$OUT/serve.err" ;;
         profile-hit) timeout 200 python3 scripts/profile_prefix_hit.py > "$OUT/profile-hit.txt" 2>&1; echo "rc=$?"; head -8 "$OUT/profile-hit.txt" ;;
         prefix)    timeout 400 python3 -m fastmamba.bench serve --shared-prefix 2048 --requests 16 --prompt-len 64 --output-len 16 --json "$OUT/prefix.jsonl" > "$OUT/prefix.txt" 2> "$OUT/prefix.err"; echo "rc=$?"; cat "$OUT/prefix.txt"; tail -3 "$OUT/prefix.err" ;;
+        prefix-*)  timeout 400 python3 -m fastmamba.bench serve --shared-prefix 2048 --requests 16 --prompt-len 64 --output-len 16 --client "${step#prefix-}" --json "$OUT/prefix.jsonl" >> "$OUT/prefix.txt" 2>> "$OUT/prefix.err"; echo "rc=$?"; tail -n 9 "$OUT/prefix.txt"; tail -3 "$OUT/prefix.err" ;;
         state-flush) timeout 120 python3 scripts/time_state_cache_flush.py > "$OUT/state-flush.txt" 2>&1; echo "rc=$?"; cat "$OUT/state-flush.txt" ;;
         chunked)   timeout 300 python3 -m fastmamba.bench chunked --json "$OUT/chunked.jsonl" > "$OUT/chunked.txt" 2> "$OUT/chunked.err"; echo "rc=$?"; cat "$OUT/chunked.txt" ;;
         gemv-prefill) timeout 420 python3 scripts/dev_gemv_sweep.py prefill > "$OUT/gemv-prefill.txt" 2>&1; echo "rc=$?"; grep -v ": [A-Z][a-zA-Z]*Error$" "$OUT/gemv-prefill.txt" ;;

@@ -5,7 +5,8 @@
     python -m fastmamba.bench serve --shared-prefix 2048 [--requests 16] [--prompt-len 64] ...
 
 The server runs in a subprocess (``python -m fastmamba.serve`` on a free 127.0.0.1 port); this
-process drives it with ``--concurrency`` streaming clients (httpx) that send ``--requests`` token-id
+process drives it with ``--concurrency`` streaming clients (``--client``: aiohttp where installed, else
+httpx) that send ``--requests`` token-id
 completions (random prompts, greedy, ``ignore_eos``) and record each request's time to first token
 and the gaps between its tokens. Then the server is stopped and the same prompts run through the
 offline ``Engine.generate`` in this process. Both sides first run a warm-up of the same traffic on
@@ -51,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server-args", default="", metavar="ARGS",
                         help="extra arguments for the server (e.g. '--prefix-cache-gb 0'); the offline engine is "
                              "built without a prefix cache either way")
+    parser.add_argument("--client", choices=("aiohttp", "httpx"), default=None,
+                        help="the benchmark's HTTP client (default: aiohttp where installed, as vLLM's and "
+                             "SGLang's serving benchmarks use, else httpx)")
     parser.add_argument("--json", metavar="PATH", help="append the result as one JSON line")
 
 
@@ -70,9 +74,56 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _drive(url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
-    import httpx
+def default_client() -> str:
+    """aiohttp where installed (the client of vLLM's and SGLang's serving benchmarks: its per-request
+    cost is a third of httpx's on loopback), else httpx (the openai client's transport)."""
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        return "httpx"
+    return "aiohttp"
 
+
+class _Client:
+    """One HTTP client library behind one call: ``lines(body)`` streams a completion's SSE lines."""
+
+    def __init__(self, kind: str, url: str, concurrency: int):
+        self.kind, self.url, self.concurrency = kind, url, concurrency
+
+    async def __aenter__(self):
+        if self.kind == "aiohttp":
+            import aiohttp
+
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.concurrency + 8),
+                                                  timeout=aiohttp.ClientTimeout(total=600))
+        else:
+            import httpx
+
+            limits = httpx.Limits(max_connections=self.concurrency + 8, max_keepalive_connections=self.concurrency + 8)
+            self._session = httpx.AsyncClient(base_url=self.url, timeout=600, limits=limits)
+        await self._session.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self._session.__aexit__(*exc)
+
+    async def lines(self, body: dict):
+        """The response's lines (str, without the line break); raises on a status other than 200."""
+        if self.kind == "aiohttp":
+            async with self._session.post(self.url + "/v1/completions", json=body) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"server answered {r.status}: {await r.read()}")
+                async for raw in r.content:
+                    yield raw.decode().rstrip("\r\n")
+        else:
+            async with self._session.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"server answered {r.status_code}: {await r.aread()}")
+                async for line in r.aiter_lines():
+                    yield line
+
+
+async def _drive(url: str, prompts: list[list[int]], output_len: int, concurrency: int, client: str = "httpx") -> dict:
     sem = asyncio.Semaphore(concurrency)
     ttft, itl, counts = [], [], []
 
@@ -81,25 +132,21 @@ async def _drive(url: str, prompts: list[list[int]], output_len: int, concurrenc
             body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True, "ignore_eos": True}
             t0 = time.perf_counter()
             last, n = None, 0
-            async with cl.stream("POST", "/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    raise RuntimeError(f"server answered {r.status_code}: {await r.aread()}")
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    got = len(json.loads(line[6:])["choices"][0]["token_ids"])
-                    if not got:
-                        continue
-                    now = time.perf_counter()
-                    if last is None:
-                        ttft.append(now - t0)
-                    else:
-                        itl.append(now - last)
-                    last, n = now, n + got
+            async for line in cl.lines(body):
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                got = len(json.loads(line[6:])["choices"][0]["token_ids"])
+                if not got:
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    ttft.append(now - t0)
+                else:
+                    itl.append(now - last)
+                last, n = now, n + got
             counts.append(n)
 
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as cl:
+    async with _Client(client, url, concurrency) as cl:
         t0 = time.perf_counter()
         await asyncio.gather(*(one(cl, p) for p in prompts))
         wall = time.perf_counter() - t0
@@ -192,8 +239,8 @@ def _shared_prefix(args, command: str, name: str, suffixes: list[list[int]], ole
         try:
             # warm-up on other system prompts (graphs, compiles; nothing of these prompts is cached)
             other = torch.randint(0, vocab, (2, args.shared_prefix), generator=torch.Generator().manual_seed(2))
-            asyncio.run(_drive(url, [o + suffixes[0] for o in other.tolist()], 2, 1))
-            res = asyncio.run(_drive(url, prompts, olen, 1))
+            asyncio.run(_drive(url, [o + suffixes[0] for o in other.tolist()], 2, 1, args.client))
+            res = asyncio.run(_drive(url, prompts, olen, 1, args.client))
         finally:
             proc.terminate()
             proc.wait(120)
@@ -202,7 +249,7 @@ def _shared_prefix(args, command: str, name: str, suffixes: list[list[int]], ole
     rows.update(_engine_ttft(name, args, system, suffixes, cuda))
     dev = torch.cuda.get_device_name() if cuda else "CPU (reference ops)"
     print(f"# prefix cache: {name}, {dev}, shared system prompt {args.shared_prefix} tokens + {len(suffixes[0])} own, "
-          f"{len(prompts)} requests one at a time, output {olen}; command: {command}")
+          f"{len(prompts)} requests one at a time, output {olen}, client {args.client}; command: {command}")
     print("| server | first request TTFT ms | later requests TTFT p50 / p99 ms |")
     print("|---|---:|---:|")
     for label, (first, p50, p99) in rows.items():
@@ -213,7 +260,7 @@ def _shared_prefix(args, command: str, name: str, suffixes: list[list[int]], ole
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:
             f.write(json.dumps({"model": name, "shared_prefix": args.shared_prefix, "suffix": len(suffixes[0]),
-                                "requests": len(prompts), "ttft_ms": rows, "off_over_on": ratio,
+                                "requests": len(prompts), "ttft_ms": rows, "off_over_on": ratio, "client": args.client,
                                 "command": command}) + "\n")
     return 0
 
@@ -258,6 +305,7 @@ def _engine_ttft(name: str, args, system: list[int], suffixes: list[list[int]], 
 
 def run(args: argparse.Namespace, command: str) -> int:
     cuda = torch.cuda.is_available()
+    args.client = args.client or default_client()
     name = args.model or ("mamba2-2.7b" if cuda else "mamba2-tiny")
     nreq = args.requests or (256 if cuda else 8)
     conc = args.concurrency or (64 if cuda else 4)
@@ -277,9 +325,9 @@ def run(args: argparse.Namespace, command: str) -> int:
     if proc is None:
         return 1
     try:
-        asyncio.run(_drive(url, warm_prompts, olen, conc))
+        asyncio.run(_drive(url, warm_prompts, olen, conc, args.client))
         before = _engine_timing(url)
-        res = asyncio.run(_drive(url, prompts, olen, conc))
+        res = asyncio.run(_drive(url, prompts, olen, conc, args.client))
         after = _engine_timing(url)
         server_timing = {k: after[k] - before[k] for k in after}
     finally:
@@ -321,11 +369,11 @@ def run(args: argparse.Namespace, command: str) -> int:
         "offline_tok_per_s": offline_tps, "server_over_offline": server_tps / offline_tps,
         "ttft_p50_ms": 1e3 * percentile(res["ttft"], 0.5), "ttft_p99_ms": 1e3 * percentile(res["ttft"], 0.99),
         "itl_p50_ms": 1e3 * percentile(res["itl"], 0.5), "itl_p99_ms": 1e3 * percentile(res["itl"], 0.99),
-        "command": command,
+        "client": args.client, "command": command,
     }
     dev = torch.cuda.get_device_name() if cuda else "CPU (reference ops)"
     print(f"# serve load test: {name}, {dev}, {nreq} requests, {conc} concurrent, prompt {plen}, output {olen}, "
-          f"max batch {args.max_batch}; command: {command}")
+          f"max batch {args.max_batch}, client {args.client}; command: {command}")
     print("| provider | req/s | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
     print("|---|---:|---:|---:|---:|")
     print(f"| server (HTTP, streaming) | {row['server_req_per_s']:.2f} | {server_tps:.0f} | "

@@ -16,22 +16,26 @@ def test_percentile():
     assert percentile([1.0, 2.0], 0.99) == pytest.approx(1.99)
 
 
-def test_cpu_load_test_runs(tmp_path, capsys):
+@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
+def test_cpu_load_test_runs(tmp_path, capsys, client):
     import torch
 
     from fastmamba.bench.targets import main
 
     if torch.cuda.is_available():
         pytest.skip("a CPU smoke run (on a GPU the bench runs the 2.7b preset: python -m fastmamba.bench serve)")
+    pytest.importorskip(client)
 
     out = tmp_path / "serve.jsonl"
     assert main(["serve", "--requests", "3", "--concurrency", "2", "--prompt-len", "4", "--output-len", "3",
-                 "--max-batch", "4", "--json", str(out)]) == 0
+                 "--max-batch", "4", "--client", client, "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "| server (HTTP, streaming) |" in text and "| offline Engine.generate |" in text
+    assert f"client {client};" in text
     row = json.loads(out.read_text())
     assert row["requests"] == 3 and row["server_tok_per_s"] > 0 and row["offline_tok_per_s"] > 0
-    assert row["ttft_p50_ms"] > 0
+    assert row["ttft_p50_ms"] > 0 and row["client"] == client
+    assert "mean output tokens per request: server 3.0, offline 3.0" in text  # every token came through
 
 
 def test_cpu_load_test_leaves_the_environment_alone(monkeypatch, tmp_path):
