@@ -213,7 +213,7 @@ def create_app(engine: Engine | EngineProcess, *, model_name: str, codec: Codec 
             if not ids:
                 raise BadRequest(f"{param}: the text encodes to no tokens", param=param)
             return ids
-        return check_ids(list(p), param)
+        return check_ids(p if type(p) is list else list(p), param)  # pydantic's list is ours to keep
 
     def sampling(req, max_tokens: int, prompt_len: int, i: int, logprobs: int | None) -> SamplingParams:
         if max_model_len is not None and prompt_len + max_tokens > max_model_len:

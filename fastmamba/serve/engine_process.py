@@ -71,8 +71,8 @@ def _child(factory: Callable, conn) -> None:
                 if stopping:
                     events.append((cid, "finished", "abort"))
                     continue
-                try:
-                    rid = engine.add_request(prompt, params)
+                try:  # the server checked the prompt (ids in the vocabulary) and the params
+                    rid = engine.add_validated_request(prompt, params)
                 except (TypeError, ValueError) as exc:  # validated by the server before, but never wedge
                     events.append((cid, "error", str(exc)))
                     continue
@@ -182,7 +182,7 @@ class EngineProcess:
         waiting = len(self._handles) - len(self._started)
         if waiting >= self.max_waiting:
             raise QueueFull(f"{waiting} requests are waiting (limit {self.max_waiting})")
-        handle = RequestHandle(list(prompt), params, asyncio.get_running_loop(),
+        handle = RequestHandle(prompt if type(prompt) is list else list(prompt), params, asyncio.get_running_loop(),
                                asyncio.Queue() if events is None else events)
         handle.rid = next(self._ids)
         self._handles[handle.rid] = handle
