@@ -17,7 +17,7 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from fastmamba.generation.engine import Engine
 from fastmamba.generation.sampling import SamplingParams
