@@ -30,6 +30,7 @@ import torch
 
 from fastmamba.cache.state_cache import StateCache
 from fastmamba.generation.cuda_graphs import CaptureClock
+from fastmamba.generation.staging import StagedInputs
 from fastmamba.models.mamba2_lm import Mamba2LM
 from fastmamba.ops._common.host_values import trusted_inputs
 from fastmamba.ops._common.pdl import pdl_supported, programmatic_dependent_launch
@@ -107,10 +108,12 @@ class GraphedPrefill:
         self.request_buckets = powers_of_two_up_to(2, max_requests + 1)
         dev = model.lm_head.weight.device
         nb = self.request_buckets[-1]
-        self.ids = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
-        self.cu_seqlens = torch.zeros(nb + 1, dtype=torch.int32, device=dev)
-        self.slots = torch.full((nb,), PAD_SLOT, dtype=torch.int32, device=dev)
-        self.flags = torch.zeros(nb, dtype=torch.bool, device=dev)
+        # the graphs' static inputs, filled from the host lists in one asynchronous copy per call
+        self.inputs = StagedInputs({"ids": (torch.int64, max_tokens), "cu_seqlens": (torch.int32, nb + 1),
+                                    "slots": (torch.int32, nb), "flags": (torch.bool, nb)}, dev)
+        self.inputs.set("slots", [PAD_SLOT] * nb)
+        self.inputs.upload()
+        self.ids, self.cu_seqlens, self.slots, self.flags = (self.inputs.dev[k] for k in ("ids", "cu_seqlens", "slots", "flags"))
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.captured = CaptureClock()
@@ -192,15 +195,13 @@ class GraphedPrefill:
         flags = [bool(has_initial_state)] * n if isinstance(has_initial_state, bool) else [bool(f) for f in has_initial_state]
         if len(flags) != n:
             raise ValueError(f"GraphedPrefill.prefill: has_initial_state expected {n} flags, got {len(flags)}")
-        # one host-to-device copy: ids (padding tokens 0), then cu_seqlens, slots and flags
-        host = torch.tensor([t for p in prompts for t in p] + [0] * (tb - sum(lengths)) + cu
-                            + list(slots) + [PAD_SLOT] * (rb - n) + [int(f) for f in flags] + [0] * (rb - n),
-                            dtype=torch.int64)
-        dev = host.to(self.ids.device)
-        self.ids[:tb].copy_(dev[:tb])
-        self.cu_seqlens[:rb + 1].copy_(dev[tb:tb + rb + 1])
-        self.slots[:rb].copy_(dev[tb + rb + 1:tb + 2 * rb + 1])
-        self.flags[:rb].copy_(dev[tb + 2 * rb + 1:] != 0)
+        # one asynchronous host-to-device copy: ids (padding tokens 0), cu_seqlens, slots, flags
+        st = self.inputs
+        st.set("ids", [t for p in prompts for t in p] + [0] * (tb - sum(lengths)))
+        st.set("cu_seqlens", cu)
+        st.set("slots", list(slots) + [PAD_SLOT] * (rb - n))
+        st.set("flags", flags + [False] * (rb - n))
+        st.upload()
         if (tb, rb) not in self.graphs:
             with self.captured.timing():
                 self.graphs[(tb, rb)] = self._capture(tb, rb, cu, list(slots) + [PAD_SLOT] * (rb - n))
