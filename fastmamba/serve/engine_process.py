@@ -123,6 +123,13 @@ def _child(factory: Callable, conn) -> None:
             last_end = time.perf_counter()
 
 
+def _deliver_then(events: list, on_step: Callable[[dict, int], None] | None, stats: dict, tokens: int) -> None:
+    """Runs on an event loop: a report's events to their queues, then ``on_step`` (the metrics)."""
+    _deliver(events)
+    if on_step is not None:
+        on_step(stats, tokens)
+
+
 class EngineProcess:
     """An engine built by ``factory()`` (a picklable callable: it runs in the child) in its own process.
 
@@ -232,10 +239,15 @@ class EngineProcess:
                         del self._handles[cid]
                         self._started.discard(cid)
                     batches.setdefault(handle.loop, []).append((handle, what, value))
-                for loop, batch in batches.items():
-                    loop.call_soon_threadsafe(_deliver, batch)
-                if self.on_step is not None:
-                    self.on_step(stats, sum(1 for e in events if e[1] == "token"))
+                tokens = sum(1 for e in events if e[1] == "token")
+                if not batches:
+                    if self.on_step is not None:
+                        self.on_step(stats, tokens)
+                    continue
+                # the metrics after the tokens, on the (first) loop: this thread goes back to the
+                # pipe at once and lets the loop have the GIL for the tokens
+                for i, (loop, batch) in enumerate(batches.items()):
+                    loop.call_soon_threadsafe(_deliver_then, batch, None if i else self.on_step, stats, tokens)
         except (EOFError, OSError):  # the child died: fail what it held
             pass
         finally:
