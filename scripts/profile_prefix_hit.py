@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--model", default="mamba2-2.7b")
     ap.add_argument("--system", type=int, default=2048)
     ap.add_argument("--suffix", type=int, default=64)
+    ap.add_argument("--trace", metavar="PATH", help="also write a torch.profiler (CPU + CUDA) Chrome trace of two hits")
     args = ap.parse_args()
     model = fastmamba.load_model(args.model)
     g = torch.Generator().manual_seed(0)
@@ -66,6 +67,36 @@ def main() -> None:
     prefill = timed(lambda: engine.prefiller.prefill([suffixes[3]], [slot], True))
     print(f"parts: restore {restore:.2f} ms, graphed prefill of {args.suffix} tokens {prefill:.2f} ms "
           f"(bucket {engine.prefiller.buckets([args.suffix])})")
+    # the graph launch alone: host time of replay(), GPU time between events around it, wall time
+    # to completion (wall - GPU = what the GPU waited for the launch)
+    graph, _ = engine.prefiller.graphs[engine.prefiller.buckets([args.suffix])]
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    host, gpu, wall = [], [], []
+    for _ in range(20):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        e0.record()
+        graph.replay()
+        t1 = time.perf_counter()
+        e1.record()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        host.append(t1 - t0)
+        wall.append(t2 - t0)
+        gpu.append(e0.elapsed_time(e1) / 1e3)
+    med = lambda v: 1e3 * statistics.median(v)  # noqa: E731
+    print(f"graph launch: replay() host {med(host):.3f} ms, GPU (events) {med(gpu):.3f} ms, wall to done {med(wall):.3f} ms")
+    # the same with the GPU kept busy while the host launches (a 2 ms sleep kernel first)
+    gpu_busy = []
+    for _ in range(20):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000)
+        e0.record()
+        graph.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        gpu_busy.append(e0.elapsed_time(e1) / 1e3)
+    print(f"graph launch behind a busy GPU: GPU (events) {med(gpu_busy):.3f} ms")
     # restore variants: one copy_ per tensor, and index_copy_ over the whole pool
     pairs = list(zip(engine.cache.conv + engine.cache.ssm, engine.prefix.conv + engine.prefix.ssm))
     per_tensor = timed(lambda: [d[slot].copy_(s[entry.index]) for d, s in pairs])
@@ -86,6 +117,13 @@ def main() -> None:
     prof.disable()
     pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
     pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    if args.trace:  # the host and GPU timelines of two whole hits (where the GPU waits for the host)
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for s in suffixes[3:5]:
+                with torch.profiler.record_function("hit"):
+                    first_token(engine, system + s, params)
+        prof.export_chrome_trace(args.trace)
 
 
 if __name__ == "__main__":
