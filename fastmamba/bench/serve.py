@@ -259,7 +259,7 @@ def _shared_prefix(args, command: str, name: str, suffixes: list[list[int]], ole
     for label, (first, p50, p99) in rows.items():
         print(f"| {label} | {first:.1f} | {p50:.1f} / {p99:.1f} |")
     ratio = rows["prefix cache off"][1] / rows["prefix cache on"][1]
-    print(f"later requests' TTFT, cache off / on: {ratio:.1f}x (target >= 5x); in the engine alone (no HTTP): "
+    print(f"later requests' TTFT, cache off / on: {ratio:.2f}x (target >= 5x); in the engine alone (no HTTP): "
           f"{rows['engine, cache off'][1] / rows['engine, cache on'][1]:.1f}x")
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:
