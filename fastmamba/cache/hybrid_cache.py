@@ -10,6 +10,7 @@ state adds its pool here and keeps the same alloc / free.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -151,8 +152,17 @@ class HybridCache:
     # -- requests -------------------------------------------------------------------------------------
 
     @property
+    def num_slots(self) -> int:
+        return self.max_batch
+
+    @property
     def free_slots(self) -> int:
         return len(self._free)
+
+    @property
+    def kv_pages_in_use(self) -> int:
+        """KV pages held by requests (0 without attention layers)."""
+        return 0 if self.kv is None else self.kv.num_pages - self.kv.free_pages
 
     def length(self, slot: int) -> int:
         """Tokens slot ``slot`` has consumed so far."""
@@ -170,12 +180,13 @@ class HybridCache:
         taken = [self._free.pop() for _ in range(n)]
         return torch.tensor(taken, dtype=torch.int32, device=self.device)
 
-    def take(self, n: int = 1) -> list[int]:
-        """``alloc`` as host ints, without a device-to-host read (``StateCache.take``)."""
+    def take(self, n: int = 1, *, zero: Sequence[bool] | None = None) -> list[int]:
+        """``alloc`` as host ints, without a device-to-host read (``StateCache.take``; ``zero``: n
+        bools, False leaves that slot's Mamba rows as they are, for a prefix-cache restore)."""
         if n > len(self._free):
             raise RuntimeError(f"HybridCache: {n} slots requested, {len(self._free)} of {self.max_batch} free")
         if self.state is not None:
-            taken = self.state.take(n)
+            taken = self.state.take(n, zero=zero)
             self._free = [s for s in self._free if s not in taken]
             return taken
         return [self._free.pop() for _ in range(n)]

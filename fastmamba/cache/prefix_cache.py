@@ -20,12 +20,19 @@ the same split of the prefill at the cached length).
 
 The pool's size is set by ``max_entries`` or by a byte budget (``budget_bytes``); ``stats`` counts
 lookups, hits and the prompt tokens served from the cache.
+
+Hybrid models (``HybridCache``: Mamba slots and paged attention K/V) keep, with each snapshot, the
+K/V of its tokens: ``kv_pages`` pages of the cache's page size in a pool of the prefix cache's own
+(per attention layer, like ``KVPages``). ``save`` copies the slot's first pages into free ones of
+that pool (evicting the least recently used snapshots until enough are free); ``restore`` grows the
+fresh slot by the snapshot's length (``HybridCache.grow``: the slot's own pages) and copies the K/V
+back, so the request's attention layers see the prefix as if they had prefilled it.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -85,42 +92,110 @@ class LayerSnapshot:
     ssm: torch.Tensor
 
 
+def layer_snapshots(plan: SnapshotPlan, cu: list[int], state_len: int, cfg, device: torch.device,
+                    who: str) -> Callable[[int], LayerSnapshot | None]:
+    """Checks ``plan`` against a prefill call (``cu``: its cu_seqlens on the host; ``state_len``: the
+    conv state's columns; ``cfg``: the Mamba layers' config, ``n_layer`` of them) and returns
+    Mamba layer i's ``LayerSnapshot`` as a function of i (None without snapshots): the index
+    tensors go to the device in one copy, one fp32 scratch for the chunk states serves every layer.
+    ValueError (starting with ``who``) before anything runs when the plan does not fit the call."""
+    chunk = cfg.chunk_size
+    n, nseq = len(plan.seq), len(cu) - 1
+    if not (len(plan.ends) == len(plan.rows) == n) or len(plan.conv) != cfg.n_layer or len(plan.ssm) != cfg.n_layer:
+        raise ValueError(f"{who}: `snapshots` needs as many ends and rows as seq ({n}) and one conv and one ssm "
+                         f"pool per Mamba layer ({cfg.n_layer}); got {len(plan.ends)} ends, {len(plan.rows)} rows, "
+                         f"{len(plan.conv)} conv and {len(plan.ssm)} ssm pools")
+    R = plan.ssm[0].shape[0]
+    offsets, first = [], 0  # each sequence's first chunk row: chunks never cross a sequence
+    for b in range(nseq):
+        offsets.append(first)
+        first += -(-(cu[b + 1] - cu[b]) // chunk)
+    for b, end, row in zip(plan.seq, plan.ends, plan.rows):
+        if not 0 <= b < nseq or not 0 <= row < R:
+            raise ValueError(f"{who}: snapshot of sequence {b} into row {row}: sequences lie in [0, {nseq}), "
+                             f"rows in [0, {R})")
+        if end % chunk or not state_len <= end <= cu[b + 1] - cu[b]:
+            raise ValueError(f"{who}: a snapshot of sequence {b} after {end} tokens: the end must be a multiple "
+                             f"of the chunk size {chunk}, at least the conv state's {state_len} columns and at "
+                             f"most the sequence's {cu[b + 1] - cu[b]} tokens")
+    if n == 0:
+        return lambda i: None
+    conv_tokens = [cu[b] + end - state_len + j for b, end in zip(plan.seq, plan.ends) for j in range(state_len)]
+    chunk_rows = [offsets[b] + end // chunk - 1 for b, end in zip(plan.seq, plan.ends)]
+    idx = torch.tensor(conv_tokens + chunk_rows + list(plan.rows), dtype=torch.int64).to(device)
+    k = n * state_len
+    scratch = torch.empty(first, cfg.nheads, cfg.headdim, cfg.d_state, dtype=torch.float32, device=device)
+    return lambda i: LayerSnapshot(scratch, idx[k:k + n], idx[:k].view(n, state_len), idx[k + n:],
+                                   plan.conv[i], plan.ssm[i])
+
+
 @dataclasses.dataclass
 class PrefixEntry:
     index: int  # row of the pool
     tokens: tuple[int, ...]
+    pages: list[int] = dataclasses.field(default_factory=list)  # K/V pages of the prefix pool (hybrids)
 
     @property
     def length(self) -> int:
         return len(self.tokens)
 
 
-class PrefixCache:
-    """A bounded LRU pool of state snapshots for ``StateCache`` slots of one model.
+def _mamba_part(cache) -> StateCache:
+    """The ``StateCache`` of a ``StateCache`` or of a ``HybridCache`` (its Mamba slots)."""
+    return cache if isinstance(cache, StateCache) else cache.state
 
-    cache         the engine's StateCache: the snapshot rows mirror its per-layer conv and SSM pools
-                  (same shapes and dtypes)
+
+class PrefixCache:
+    """A bounded LRU pool of state snapshots for the slots of one model's cache.
+
+    cache         the engine's StateCache, or its HybridCache (Mamba slots and paged K/V): the
+                  snapshot rows mirror the per-layer conv and SSM pools (same shapes and dtypes)
     max_entries   snapshots kept; or ``budget_bytes``: as many as fit (at least one, at most
-                  MAX_ENTRIES_FROM_BUDGET: a small model's snapshots are tiny)
+                  MAX_ENTRIES_FROM_BUDGET: a small model's snapshots are tiny). With K/V, half the
+                  budget goes to the snapshots' states and the rest to K/V pages
+    kv_pages      with K/V: pages of the K/V pool (default from the budget, else room for every
+                  snapshot at the cache's longest request)
     min_length    prefixes shorter than this are not worth a snapshot (``save`` skips them)
     """
 
-    def __init__(self, cache: StateCache, *, max_entries: int | None = None, budget_bytes: int | None = None,
-                 min_length: int = 1):
-        per_entry = sum(c[0].numel() * c.element_size() for c in cache.conv) + \
-            sum(s[0].numel() * s.element_size() for s in cache.ssm)
+    def __init__(self, cache, *, max_entries: int | None = None, budget_bytes: int | None = None,
+                 min_length: int = 1, kv_pages: int | None = None):
+        kv = getattr(cache, "kv", None)
+        state = _mamba_part(cache)
+        if state is None:
+            raise ValueError("PrefixCache: the cache has no Mamba slots (an attention-only model keeps no states)")
+        per_entry = sum(c[0].numel() * c.element_size() for c in state.conv) + \
+            sum(s[0].numel() * s.element_size() for s in state.ssm)
         if max_entries is None:
             if budget_bytes is None:
                 raise ValueError("PrefixCache: give max_entries or budget_bytes")
-            max_entries = min(budget_bytes // per_entry, MAX_ENTRIES_FROM_BUDGET)
+            max_entries = min((budget_bytes // 2 if kv is not None else budget_bytes) // per_entry,
+                              MAX_ENTRIES_FROM_BUDGET)
         if not (isinstance(max_entries, int) and max_entries >= 1):
             raise ValueError(f"PrefixCache: room for at least one snapshot of {per_entry} bytes is needed, got "
                              f"max_entries={max_entries} (budget_bytes={budget_bytes})")
+        self.kv = kv
+        self.kv_k: list[torch.Tensor] = []
+        self.kv_v: list[torch.Tensor] = []
+        self._kv_free: list[int] = []
+        if kv is not None:
+            k0 = kv.k[0]
+            page_bytes = 2 * len(kv.k) * k0[0].numel() * k0.element_size()
+            if kv_pages is None:
+                kv_pages = ((budget_bytes - max_entries * per_entry) // page_bytes if budget_bytes is not None
+                            else max_entries * kv.max_pages_per_row)
+            if not (isinstance(kv_pages, int) and kv_pages >= 1):
+                raise ValueError(f"PrefixCache: room for at least one K/V page of {page_bytes} bytes is needed, got "
+                                 f"kv_pages={kv_pages} (budget_bytes={budget_bytes})")
+            self.kv_k = [torch.empty((kv_pages, *k.shape[1:]), dtype=k.dtype, device=k.device) for k in kv.k]
+            self.kv_v = [torch.empty((kv_pages, *v.shape[1:]), dtype=v.dtype, device=v.device) for v in kv.v]
+            self._kv_free = list(range(kv_pages - 1, -1, -1))
+        self.kv_pages = kv_pages if kv is not None else 0
         self.bytes_per_entry = per_entry
         self.max_entries = max_entries
         self.min_length = max(1, int(min_length))
         # stacked like the StateCache's pools ([n_layer, entries, ...]): a snapshot is one strided row
-        c0, s0 = cache.conv_stack, cache.ssm_stack
+        c0, s0 = state.conv_stack, state.ssm_stack
         self.conv_stack = torch.empty((c0.shape[0], max_entries, *c0.shape[2:]), dtype=c0.dtype, device=c0.device)
         self.ssm_stack = torch.empty((s0.shape[0], max_entries, *s0.shape[2:]), dtype=s0.dtype, device=s0.device)
         self.conv = list(self.conv_stack.unbind(0))
@@ -151,11 +226,12 @@ class PrefixCache:
         self._lru.clear()
         self._lengths.clear()
         self._free = list(range(self.max_entries - 1, -1, -1))
+        self._kv_free = list(range(self.kv_pages - 1, -1, -1))
         self.stats = dict.fromkeys(self.stats, 0)
 
     def _forget(self, index: int) -> None:
         key = self._lru.pop(index)
-        del self._by_key[key]
+        self._kv_free.extend(reversed(self._by_key.pop(key).pages))
         self._lengths[len(key)] -= 1
         if not self._lengths[len(key)]:
             del self._lengths[len(key)]
@@ -195,45 +271,106 @@ class PrefixCache:
             self._free.append(entry.index)
             self.stats["saves"] -= 1
 
-    def save(self, tokens: Sequence[int], cache: StateCache, slot: int) -> PrefixEntry | None:
-        """Snapshot slot ``slot``'s states as the states after ``tokens``. An existing snapshot of
-        the same prefix is refreshed in the LRU order instead. Returns the entry (None if skipped)."""
-        if not 0 <= slot < cache.num_slots:
-            raise ValueError(f"PrefixCache.save: slot {slot} outside [0, {cache.num_slots})")
+    def save(self, tokens: Sequence[int], cache, slot: int) -> PrefixEntry | None:
+        """Snapshot slot ``slot``'s states as the states after ``tokens`` (with K/V: the K/V of its
+        first ``len(tokens)`` positions too, which the slot must hold). An existing snapshot of the
+        same prefix is refreshed in the LRU order instead. Returns the entry (None if skipped)."""
+        state = _mamba_part(cache)
+        if not 0 <= slot < state.num_slots:
+            raise ValueError(f"PrefixCache.save: slot {slot} outside [0, {state.num_slots})")
         tokens = as_tokens(tokens)
+        if self.kv is not None and cache.length(slot) < len(tokens):
+            raise ValueError(f"PrefixCache.save: slot {slot} holds the K/V of {cache.length(slot)} tokens, fewer than "
+                             f"the snapshot's {len(tokens)}")
         existing = self.lookup(tokens)
         if existing is not None:
             return existing
         entry = self.claim(tokens)
         if entry is None:
             return None
+        if self.kv is not None and not self.claim_pages(entry):
+            self.drop(entry)
+            return None
         i = entry.index
-        copy_rows((self.conv_stack, self.ssm_stack), i, (cache.conv_stack, cache.ssm_stack), slot)
+        copy_rows((self.conv_stack, self.ssm_stack), i, (state.conv_stack, state.ssm_stack), slot)
+        if entry.pages:
+            self.copy_kv_in(entry, cache, slot)
         return entry
+
+    def claim_pages(self, entry: PrefixEntry, protect: frozenset[int] | set[int] = frozenset()) -> bool:
+        """Give a claimed ``entry`` the K/V pages its length needs (hybrids), evicting snapshots
+        other than it and ``protect`` (rows) while too few are free; False (nothing taken) when the
+        pool cannot hold them. Their contents come from ``copy_kv_in``."""
+        need = -(-entry.length // self.kv.page_size)
+        if need > self.kv_pages:
+            return False
+        while len(self._kv_free) < need:
+            row = self._evict_one(protect={entry.index, *protect})
+            if row is None:
+                return False
+            self._free.append(row)  # its pages went back with it (``_forget``), and so does its row
+        entry.pages = [self._kv_free.pop() for _ in range(need)]
+        return True
+
+    def copy_kv_in(self, entry: PrefixEntry, cache, slot: int) -> None:
+        """Copy the K/V of slot ``slot``'s first ``entry.length`` positions (every attention layer)
+        into ``entry``'s pages."""
+        if cache.length(slot) < entry.length:
+            raise ValueError(f"PrefixCache.copy_kv_in: slot {slot} holds the K/V of {cache.length(slot)} tokens, "
+                             f"fewer than the snapshot's {entry.length}")
+        src = self.kv.pages_of(slot)[:len(entry.pages)]
+        self._copy_pages(self.kv_k, self.kv_v, entry.pages, self.kv.k, self.kv.v, src)
+
+    @staticmethod
+    def _copy_pages(dst_k, dst_v, dst_pages, src_k, src_v, src_pages) -> None:
+        """Pages ``src_pages`` of every layer's K and V pools into pages ``dst_pages`` of ``dst_*``."""
+        dev = dst_k[0].device
+        d = torch.tensor(dst_pages, dtype=torch.int64).to(dev, non_blocking=True)
+        s = torch.tensor(src_pages, dtype=torch.int64).to(dev, non_blocking=True)
+        for dk, dv, sk, sv in zip(dst_k, dst_v, src_k, src_v):
+            dk.index_copy_(0, d, sk.index_select(0, s))
+            dv.index_copy_(0, d, sv.index_select(0, s))
+
+    def _longest(self, prompt: Sequence[int]) -> PrefixEntry | None:
+        if not self._lengths:
+            return None
+        prompt = as_tokens(prompt)
+        for length in sorted(self._lengths, reverse=True):
+            if length < len(prompt):
+                entry = self._by_key.get(prompt[:length])
+                if entry is not None:
+                    return entry
+        return None
+
+    def peek(self, prompt: Sequence[int]) -> int:
+        """The length ``match`` would restore for ``prompt`` (0: none), counting and touching nothing."""
+        entry = self._longest(prompt)
+        return 0 if entry is None else entry.length
 
     def match(self, prompt: Sequence[int]) -> PrefixEntry | None:
         """The longest cached prefix of ``prompt`` shorter than the prompt, or None. Counts the lookup."""
         self.stats["lookups"] += 1
         self.stats["prompt_tokens"] += len(prompt)
-        best = None
-        if self._lengths:
-            prompt = as_tokens(prompt)
-            for length in sorted(self._lengths, reverse=True):
-                if length >= len(prompt):
-                    continue
-                entry = self._by_key.get(prompt[:length])
-                if entry is not None:
-                    best = entry
-                    break
+        best = self._longest(prompt)
         if best is not None:
             self._lru.move_to_end(best.index)
             self.stats["hits"] += 1
             self.stats["hit_tokens"] += best.length
         return best
 
-    def restore(self, entry: PrefixEntry, cache: StateCache, slot: int) -> None:
-        """Copy ``entry``'s states into slot ``slot`` of ``cache`` (every layer)."""
+    def restore(self, entry: PrefixEntry, cache, slot: int) -> None:
+        """Copy ``entry``'s states into slot ``slot`` of ``cache`` (every layer). With K/V the slot
+        must be fresh (no tokens yet): it grows by the snapshot's length (its own new pages), which
+        then receive the snapshot's K/V."""
         if self._by_key.get(entry.tokens) is not entry:
             raise ValueError("PrefixCache.restore: the entry was evicted; call match() again")
+        if self.kv is not None:
+            if cache.length(slot):
+                raise ValueError(f"PrefixCache.restore: slot {slot} holds {cache.length(slot)} tokens already; a "
+                                 "snapshot restores into a fresh slot")
+            cache.grow([slot], [entry.length])  # raises before anything is copied when pages run out
+            dst = self.kv.pages_of(slot)[:len(entry.pages)]
+            self._copy_pages(self.kv.k, self.kv.v, dst, self.kv_k, self.kv_v, entry.pages)
+        state = _mamba_part(cache)
         i = entry.index
-        copy_rows((cache.conv_stack, cache.ssm_stack), slot, (self.conv_stack, self.ssm_stack), i)
+        copy_rows((state.conv_stack, state.ssm_stack), slot, (self.conv_stack, self.ssm_stack), i)

@@ -208,6 +208,10 @@ class Engine:
                   (what its state holds), so the next turn of a conversation continues where this
                   one ended. With speculation (2) is skipped: a verified slot's conv history is not
                   in prefill's layout. ``prefix_stats`` counts lookups, hits and tokens served.
+                  Hybrid models (paged K/V): each snapshot keeps the K/V of its tokens as well, in
+                  pages of the prefix cache's own (half of ``prefix_cache_bytes``), copied out of the
+                  request's pages after the prefill that took it, and back into fresh pages of a
+                  request that hits it.
     prefix_block  the snapshot interval (tokens); a multiple of the model's ``chunk_size``; None:
                   the multiple of it nearest 512. A prompt whose prefill resumes off that grid (after
                   a hit on a finished request's snapshot) gets no block snapshots in that call.
@@ -348,10 +352,6 @@ class Engine:
                 raise ValueError(f"Engine: {name} must be None or an int >= 0, got {v!r}")
         if not budget and not entries:
             return None, block
-        if self._paged:
-            raise ValueError("Engine: prefix caching covers Mamba states only; a model with attention layers would "
-                             "also need its KV pages kept (not built yet): leave prefix_cache_bytes / "
-                             "prefix_cache_entries unset for it")
         state_len = self.cache.conv[0].shape[-1]
         if chunk < state_len:
             raise ValueError(f"Engine: prefix caching needs the model's chunk_size ({chunk}) to be at least the conv "
@@ -575,11 +575,15 @@ class Engine:
         self.stats["prefill_tokens"] += sum(lengths)
         plan, entries = self._plan_snapshots(reqs, chunks)
         try:
-            return self._run_packed(reqs, chunks, slots, flags, seed, lengths, plan)
+            logits = self._run_packed(reqs, chunks, slots, flags, seed, lengths, plan)
         except BaseException:
             for e in entries:  # never written: forget them
                 self.prefix.drop(e)
             raise
+        if self._paged:  # the snapshots' K/V: the first positions of their slots' pages, written now
+            for e, b in zip(entries, plan.seq if plan is not None else ()):
+                self.prefix.copy_kv_in(e, self.cache, slots[b])
+        return logits
 
     def _plan_snapshots(self, reqs: list[Request], chunks: list[list[int]]) -> tuple[SnapshotPlan | None, list]:
         """The prefix-cache snapshots this prefill call takes: for each request, the absolute
@@ -596,7 +600,11 @@ class Engine:
             for q in range((start // block + 1) * block, min(start + len(c), len(r.prompt) - 1) + 1, block):
                 if (q - start) % chunk:
                     continue  # off this call's chunk grid: no per-chunk state there
-                entry = self.prefix.claim(r.prompt[:q], protect={e.index for e in entries})
+                protect = {e.index for e in entries}
+                entry = self.prefix.claim(r.prompt[:q], protect=protect)
+                if entry is not None and self._paged and not self.prefix.claim_pages(entry, protect):
+                    self.prefix.drop(entry)  # a hybrid's snapshot keeps its K/V too: no pages, no snapshot
+                    entry = None
                 if entry is not None:
                     seq.append(b)
                     ends.append(q - start)
@@ -664,8 +672,12 @@ class Engine:
         room = min(self.max_batch - len(self.running) - len(self.prefilling), self.cache.free_slots)
         pages = self._kv_reserve(pages)  # new requests leave a page per running request free
         while budget > 0 and room > 0 and self.waiting:
-            take, pages = self._kv_take(None, min(len(self.waiting[0].prompt), budget), pages)
-            if not take:
+            prompt = self.waiting[0].prompt
+            # a hybrid's prefix-cache hit restores its prefix's K/V into pages of its own: count them
+            hit = self.prefix.peek(prompt) if self._paged and self.prefix is not None else 0
+            total, pages = self._kv_take(None, hit + min(len(prompt) - hit, budget), pages)
+            take = total - hit
+            if take <= 0:
                 break
             r = self._admit(1)[0]
             take = min(take, len(r.prompt) - r.prefilled)  # a prefix-cache hit leaves fewer to feed

@@ -20,6 +20,7 @@ one entry in ``BLOCK_KINDS``.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -48,6 +49,8 @@ class Batch(NamedTuple):
     kv                 KVBatch or None (a model without attention)
     rand_seed          int64 [n >= Mamba layers] device tensor or None: stochastic rounding of
                        16-bit SSM states; the j-th Mamba layer rounds with element j
+    snapshot           (prefill) None, or j -> the j-th Mamba layer's ``LayerSnapshot`` (prefix
+                       caching: states copied out at chunk ends while the prompts run)
     """
 
     slots: torch.Tensor
@@ -56,6 +59,7 @@ class Batch(NamedTuple):
     kv: KVBatch | None = None
     rand_seed: torch.Tensor | None = None
     spec: "SpecBatch | None" = None
+    snapshot: "Callable[[int], object] | None" = None
 
 
 class SpecBatch(NamedTuple):
@@ -116,7 +120,8 @@ class MambaBlock(Block):
     def prefill(self, h, cache, batch):
         j = self.cache_index
         return self.mixer.forward_varlen(h, batch.cu_seqlens, cache.conv[j], cache.ssm[j], batch.slots,
-                                         batch.has_initial_state, rand_seed=self._seed(batch))
+                                         batch.has_initial_state, rand_seed=self._seed(batch),
+                                         snapshot=None if batch.snapshot is None else batch.snapshot(j))
 
     def decode(self, h, cache, batch):
         j = self.cache_index

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from fastmamba.cache.prefix_cache import LayerSnapshot, SnapshotPlan
+from fastmamba.cache.prefix_cache import SnapshotPlan, layer_snapshots
 from fastmamba.cache.state_cache import StateCache
 from fastmamba.generation.rounding import check_rand_seed
 from fastmamba.layers.mamba2 import DecodeTricks, Mamba2Mixer
@@ -213,7 +213,8 @@ class Mamba2LM(nn.Module):
         else:
             flags = has_initial_state
         seed = self._seed(rand_seed, "Mamba2LM.prefill_varlen")
-        snap = (lambda i: None) if snapshots is None else self._snapshot_plan(snapshots, cu, cache, input_ids.device)
+        snap = (lambda i: None) if snapshots is None else layer_snapshots(
+            snapshots, cu, cache.conv[0].shape[-1], self.cfg, input_ids.device, "Mamba2LM.prefill_varlen")
         last = cu_seqlens[1:] - 1
         # the longest prompt picks the scan's path (fused when short) and its tiles. Also while a
         # CUDA graph is captured: the warm-up before capture then runs the same kernels (nothing
@@ -233,41 +234,6 @@ class Mamba2LM(nn.Module):
             if cache.speculate:
                 cache.mark_prefilled(slots)
         return logits
-
-    def _snapshot_plan(self, plan: SnapshotPlan, cu: list[int], cache: StateCache, device: torch.device):
-        """Checks ``plan`` against the call (host values only) and returns layer i's ``LayerSnapshot``
-        as a function of i: the index tensors go to the device in one copy, one fp32 scratch for
-        the chunk states serves every layer."""
-        who, chunk = "Mamba2LM.prefill_varlen", self.cfg.chunk_size
-        n, nseq = len(plan.seq), len(cu) - 1
-        if not (len(plan.ends) == len(plan.rows) == n) or len(plan.conv) != self.cfg.n_layer \
-                or len(plan.ssm) != self.cfg.n_layer:
-            raise ValueError(f"{who}: `snapshots` needs as many ends and rows as seq ({n}) and one conv and one ssm "
-                             f"pool per layer ({self.cfg.n_layer}); got {len(plan.ends)} ends, {len(plan.rows)} rows, "
-                             f"{len(plan.conv)} conv and {len(plan.ssm)} ssm pools")
-        state_len, R = cache.conv[0].shape[-1], plan.ssm[0].shape[0]
-        offsets, first = [], 0  # each sequence's first chunk row: chunks never cross a sequence
-        for b in range(nseq):
-            offsets.append(first)
-            first += -(-(cu[b + 1] - cu[b]) // chunk)
-        for b, end, row in zip(plan.seq, plan.ends, plan.rows):
-            if not 0 <= b < nseq or not 0 <= row < R:
-                raise ValueError(f"{who}: snapshot of sequence {b} into row {row}: sequences lie in [0, {nseq}), "
-                                 f"rows in [0, {R})")
-            if end % chunk or not state_len <= end <= cu[b + 1] - cu[b]:
-                raise ValueError(f"{who}: a snapshot of sequence {b} after {end} tokens: the end must be a multiple "
-                                 f"of the chunk size {chunk}, at least the conv state's {state_len} columns and at "
-                                 f"most the sequence's {cu[b + 1] - cu[b]} tokens")
-        if n == 0:
-            return lambda i: None
-        conv_tokens = [cu[b] + end - state_len + j for b, end in zip(plan.seq, plan.ends) for j in range(state_len)]
-        chunk_rows = [offsets[b] + end // chunk - 1 for b, end in zip(plan.seq, plan.ends)]
-        idx = torch.tensor(conv_tokens + chunk_rows + list(plan.rows), dtype=torch.int64).to(device)
-        k = n * state_len
-        c = self.cfg
-        scratch = torch.empty(first, c.nheads, c.headdim, c.d_state, dtype=torch.float32, device=device)
-        return lambda i: LayerSnapshot(scratch, idx[k:k + n], idx[:k].view(n, state_len), idx[k + n:],
-                                       plan.conv[i], plan.ssm[i])
 
     @staticmethod
     def _host_metadata(cu_seqlens: torch.Tensor, slots: torch.Tensor, cu_host: Sequence[int] | None,

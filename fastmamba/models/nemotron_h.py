@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from fastmamba.cache.hybrid_cache import HybridCache
+from fastmamba.cache.prefix_cache import SnapshotPlan, layer_snapshots
 from fastmamba.generation.rounding import check_rand_seed
 from fastmamba.layers.attention import KVBatch
 from fastmamba.layers.mamba2 import Mamba2Mixer
@@ -407,6 +408,7 @@ class NemotronHLM(nn.Module):
         rand_seed: torch.Tensor | None = None,
         cu_seqlens_host: Sequence[int] | None = None,
         slots_host: Sequence[int] | None = None,
+        snapshots: SnapshotPlan | None = None,
     ) -> torch.Tensor:
         """Run B prompts of any lengths packed into one call; returns each one's last-token logits [B, V] fp32.
 
@@ -426,6 +428,10 @@ class NemotronHLM(nn.Module):
                     states (the j-th Mamba layer uses element j)
         cu_seqlens_host, slots_host  the values of ``cu_seqlens`` and ``slots`` as the host holds
                     them (the engine does), or None: read from the tensors (one device read each)
+        snapshots   a ``fastmamba.cache.prefix_cache.SnapshotPlan`` (its pools: one per Mamba layer)
+                    or None: also copy the Mamba layers' states at the chunk ends it names into its
+                    pools, as ``Mamba2LM.prefill_varlen`` does (the K/V of those positions stay in
+                    the slots' pages, for the caller to copy)
         The cache grows first (``HybridCache.grow``: KV pages for the new tokens); Mamba states are
         mutated in place, the prompts' K/V written into their pages.
         """
@@ -462,6 +468,12 @@ class NemotronHLM(nn.Module):
             raise ValueError(f"NemotronHLM.prefill_varlen: has_initial_state=False but slots {held[:8]} hold tokens "
                              "already (their K/V are cached): free them, or let the prompt continue")
         lens = [cu[b + 1] - cu[b] for b in range(nseq)]
+        snap = None
+        if snapshots is not None:  # checked before the cache grows
+            if cache.state is None:
+                raise ValueError("NemotronHLM.prefill_varlen: `snapshots` needs Mamba layers; this model has none")
+            snap = layer_snapshots(snapshots, cu, cache.conv[0].shape[-1], self.cfg.mamba, input_ids.device,
+                                   "NemotronHLM.prefill_varlen")
         ctx = cache.grow(sl, lens)  # raises before anything is touched if a slot is not allocated
         dev = input_ids.device
         has_initial_state = torch.tensor([c > 0 for c in ctx], dtype=torch.bool, device=dev)
@@ -471,7 +483,7 @@ class NemotronHLM(nn.Module):
                                      device=dev)
             token_rows = torch.repeat_interleave(torch.arange(nseq, device=dev), torch.tensor(lens, device=dev))
             kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions, token_rows, cu_seqlens, ctx)
-        batch = Batch(slots, cu_seqlens, has_initial_state, kv, rand_seed)
+        batch = Batch(slots, cu_seqlens, has_initial_state, kv, rand_seed, snapshot=snap)
         with trusted_inputs():  # validated above, from host values: the layers' ops read nothing back
             logits = self._run(input_ids, lambda block, h: block.prefill(h, cache, batch),
                                rows=cu_seqlens[1:].long() - 1)

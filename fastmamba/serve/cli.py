@@ -34,9 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt tokens fed per engine step (chunked prefill: running streams keep going while a "
                              "long prompt is admitted); 0 = whole prompts, one step each")
     parser.add_argument("--prefix-cache-gb", type=float, default=4.0,
-                        help="memory for prefix caching of Mamba states (snapshots at every --prefix-block tokens of a "
-                             "prompt and at the end of every request, so the next turn of a conversation or a shared "
-                             "system prompt is not prefilled again); 0 = off")
+                        help="memory for prefix caching of Mamba states, and of the attention layers' K/V in "
+                             "hybrid models (snapshots at every --prefix-block tokens of a prompt and at the end of "
+                             "every request, so the next turn of a conversation or a shared system prompt is not "
+                             "prefilled again); 0 = off")
     parser.add_argument("--prefix-block", type=int, default=None,
                         help="snapshot interval in tokens, a multiple of the model's chunk size (default: ~512)")
     parser.add_argument("--device", default=None, help="default: cuda when present")
@@ -53,11 +54,6 @@ def build_engine(model: str, dtype: str | None, device: str | None, engine_kwarg
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype)
     lm = fastmamba.load_model(model, dtype=torch_dtype, device=device)
-    if "*" in getattr(lm.cfg, "pattern", "") and engine_kwargs.get("prefix_cache_bytes"):
-        # prefix caching keeps Mamba states only: a model with attention layers is served without it
-        print("fastmamba serve: prefix caching is off for this model (attention layers' KV pages are not cached "
-              "yet)", flush=True)
-        engine_kwargs = {k: v for k, v in engine_kwargs.items() if k not in ("prefix_cache_bytes", "prefix_block")}
     return Engine(lm, **engine_kwargs)
 
 

@@ -24,8 +24,8 @@ G = torch.Generator().manual_seed(7)
 PROMPTS = [torch.randint(0, 256, (n,), generator=G).tolist() for n in (1, 5, 13, 22, 3, 9)]
 
 
-@pytest.fixture(scope="module")
-def model():
+def build_model() -> NemotronHLM:
+    """The tiny hybrid of these tests (fp32, CPU)."""
     m = random_init(NemotronHLM(CFG, device="cpu", dtype=torch.float32)).eval()
     with torch.no_grad():  # larger mixer weights than the random preset's: every layer moves the logits
         for block in m.backbone.layers:
@@ -33,6 +33,11 @@ def model():
                 if p.dim() == 2:
                     p.mul_(3)
     return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model()
 
 
 _REFERENCE: dict[tuple[int, ...], list[int]] = {}

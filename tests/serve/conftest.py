@@ -45,14 +45,14 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, args: list[str], tmp_path):
+    def __init__(self, args: list[str], tmp_path, model: str = "mamba2-tiny"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         self.log_path = tmp_path / f"server-{self.port}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fastmamba.serve", "--model", "mamba2-tiny", "--dtype", "fp32", "--device", "cpu",
+            [sys.executable, "-m", "fastmamba.serve", "--model", model, "--dtype", "fp32", "--device", "cpu",
              "--port", str(self.port), "--log-level", "warning", *args],
             env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.wait_ready()

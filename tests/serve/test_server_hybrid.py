@@ -1,0 +1,56 @@
+"""The server over a hybrid model (the nemotron-h-tiny preset: Mamba-2, attention and MLP layers,
+paged K/V) with its prefix cache on: a conversation's later turns start from the previous turn's
+snapshot (Mamba states and K/V) and prefill only their new tokens, with the offline engine's
+output; every KV page comes back afterwards (counted through /metrics)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fastmamba.generation.sampling import SamplingParams
+from tests.serve.conftest import Server
+
+pytest.importorskip("fastapi")
+pytest.importorskip("openai")
+
+MODEL = "nemotron-h-tiny"
+
+
+@pytest.fixture(scope="module")
+def hybrid_server(tmp_path_factory):
+    s = Server(["--max-batch", "4"], tmp_path_factory.mktemp("log"), model=MODEL)
+    yield s
+    s.terminate()
+
+
+def offline(prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy ids of the offline engine (no prefix cache) for the same preset and weights."""
+    import fastmamba
+    from fastmamba.generation.engine import Engine
+
+    model = fastmamba.load_model(MODEL, dtype=torch.float32, device="cpu")
+    return Engine(model, max_batch=2, cuda_graphs=False).generate([prompt], SamplingParams(max_new_tokens=max_tokens))[0]
+
+
+def test_hybrid_conversation_hits_the_prefix_cache(hybrid_server, reference_ops):
+    import openai
+
+    client = openai.OpenAI(base_url=hybrid_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    rng = random.Random(5)
+    history: list[int] = []
+    for turn in range(4):
+        new = [rng.randrange(1, 250) for _ in range(5)]
+        prompt = history + new
+        before = (hybrid_server.metric("fastmamba_prefill_tokens"), hybrid_server.metric("fastmamba_prefix_cache_hits"))
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+        reply = out.choices[0].model_extra["token_ids"]
+        assert reply == offline(prompt, 3), turn  # the same tokens as without a cache
+        after = (hybrid_server.metric("fastmamba_prefill_tokens"), hybrid_server.metric("fastmamba_prefix_cache_hits"))
+        if turn:
+            assert after[0] - before[0] == len(new) + 1, turn  # the new tokens and the last reply token
+            assert after[1] - before[1] == 1
+        history = prompt + reply
+    assert hybrid_server.metric("fastmamba_kv_pages_in_use") == 0
+    assert hybrid_server.metric("fastmamba_slots_in_use") == 0
