@@ -173,6 +173,21 @@ def test_prefix_pages_stay_bounded_and_a_hit_waits_for_pages(model):
     assert eng.prefix_stats["hits"] == 1 and eng.prefix_stats["hit_tokens"] == 24
 
 
+def test_speculative_engine_takes_block_snapshots_and_hits_them(model):
+    """With speculation (verify steps roll the K/V back): block snapshots only, as for Mamba2LM;
+    the second prompt hits the shared prefix and keeps the output of the engine without a cache."""
+    shared = tokens(16, 80)
+    prompts = [shared + tokens(5, 81), shared + tokens(3, 82)]
+    ref = engine_of(model, max_batch=2, speculate=2, prefill_chunk=8)
+    eng = engine_of(model, max_batch=2, speculate=2, prefill_chunk=8, prefix_cache_entries=4, prefix_block=8)
+    for p in prompts:
+        scrub(eng)
+        same_run(run(eng, p), run(ref, p))
+    assert eng.prefix_stats["hit_tokens"] == 16
+    assert all(e.length in (8, 16) for e in eng.prefix._by_key.values())  # no end-of-request snapshot
+    assert_all_free(eng)
+
+
 @pytest.mark.gpu
 def test_hybrid_prefix_cache_on_gpu_keeps_the_output():
     """The same hits on a GPU (the kernels' snapshot path, CUDA-graph decode with paged K/V)."""
