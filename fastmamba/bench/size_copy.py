@@ -21,6 +21,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from fastmamba.bench import report
 from fastmamba.bench.ops._base import Provider
 from fastmamba.bench.timing import MakeCall
+from fastmamba.ops._common.host_math import cdiv
 
 NAME = "copy"
 PDL = "+pdl"  # the suffix of the PDL rows (ours: fastmamba+pdl)
@@ -49,7 +50,7 @@ def copy_words(src: torch.Tensor, dst: torch.Tensor, pdl: bool = False) -> None:
     """dst[:] = src[:] for 1-d int32 tensors of one length (the copy row's kernel); ``pdl``: a
     programmatic dependent launch (GPU, sm_90+)."""
     n = src.numel()
-    _copy_kernel[(triton.cdiv(n, BLOCK_WORDS),)](src, dst, n, BLOCK=BLOCK_WORDS, USE_PDL=pdl, num_warps=WARPS,
+    _copy_kernel[(cdiv(n, BLOCK_WORDS),)](src, dst, n, BLOCK=BLOCK_WORDS, USE_PDL=pdl, num_warps=WARPS,
                                                   **({"launch_pdl": True} if pdl else {}))
 
 

@@ -5,6 +5,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from fastmamba.ops._common.launch import lean
+from fastmamba.ops._common.host_math import next_power_of_2
 
 
 @triton.jit(do_not_specialize=["eps"])
@@ -30,19 +31,15 @@ def _add_rmsnorm_kernel(
     tl.store(y_ptr + row * stride_y + cols, (s * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length() if n > 1 else 1  # triton.next_power_of_2 costs microseconds on the host
-
-
 def num_warps_for(D: int) -> int:
     """About 8 elements per thread (one 16-byte bf16 vector), 1 to 16 warps."""
-    return max(1, min(16, _next_pow2(D) // 256))
+    return max(1, min(16, next_power_of_2(D) // 256))
 
 
 def launch_add_rmsnorm(x, residual, weight, y, res_out, eps: float, *, num_warps: int, use_pdl: bool) -> None:
     """x, residual (or None), y, res_out: (M, D) row views with unit column stride."""
     M, D = x.shape
-    block_d = _next_pow2(D)
+    block_d = next_power_of_2(D)
     lean(_add_rmsnorm_kernel)[(M,)](
         x, residual, weight, y, res_out, D, float(eps),
         x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), res_out.stride(0),

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from fastmamba.ops.attention.configs import DecodeConfig
 from fastmamba.ops._common.launch import lean
+from fastmamba.ops._common.host_math import next_power_of_2
 
 LOG2E = 1.4426950408889634
 
@@ -151,7 +152,7 @@ def launch_paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, sl
     B, Hq, D = q.shape
     Np, PAGE, Hkv, _ = k_pages.shape
     G = Hq // Hkv
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = max(16, next_power_of_2(D))
     splits = config.num_splits
     block_n = min(config.block_n, max(16, 8 * PAGE))  # at most 8 page-id loads per trip
     if splits > 1:
@@ -167,7 +168,7 @@ def launch_paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, sl
         q, k_pages, v_pages, block_table, seq_lens, slots, out, part_ml, part_o,
         block_table.shape[0], Np, block_table.shape[1], scale * LOG2E,
         *q.stride(), *k_pages.stride(), *v_pages.stride(), *block_table.stride(), *out.stride(),
-        G=G, D=D, PAGE=PAGE, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=block_d,
+        G=G, D=D, PAGE=PAGE, BLOCK_G=max(16, next_power_of_2(G)), BLOCK_D=block_d,
         BLOCK_N=block_n, PAGES_PER_TILE=max(1, block_n // PAGE), SPLIT=splits > 1, UPCAST=upcast,
         DOT_PRECISION=precision,
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
-import triton
+from fastmamba.ops._common.host_math import cdiv
 
 
 class Conv1dUpdateConfig(NamedTuple):
@@ -61,7 +61,7 @@ def use_vec4_kernel(D: int, B: int) -> bool:
     """The state_len-4 vector kernel wins once there is bandwidth to win (H200: 72% vs 58% of copy
     at D=10240, batch 256); at batch 1-8 the column kernel's smaller programs are faster
     (2.3 us vs 2.6-2.9 us), so it keeps the latency-bound sizes."""
-    return B * triton.cdiv(D, 128) >= 1024
+    return B * cdiv(D, 128) >= 1024
 
 
 def pick_vec4_config(D: int, B: int, *, interpreter: bool) -> Conv1dUpdateConfig:
@@ -98,7 +98,7 @@ def use_rows_kernel(D: int, B: int) -> bool:
     5.19 vs 6.28 us; batch 8 2.67 vs 2.56 us and 2.82 vs 2.70 us; batch 1 2.42 vs 2.26 us (D=5376)."""
     if ROWS_KERNEL != "auto":
         return ROWS_KERNEL == "rows"
-    return B * triton.cdiv(D, 128) >= 1024
+    return B * cdiv(D, 128) >= 1024
 
 
 def pick_rows_config(

@@ -49,6 +49,7 @@ from fastmamba.ops.conv1d.configs import (
 from fastmamba.ops._common.slot_errors import report_bad_slot, slot_record
 from fastmamba.ops.conv1d.rows_kernel import rows_update_plan
 from fastmamba.ops._common.launch import lean, on_device
+from fastmamba.ops._common.host_math import cdiv
 
 MODE_SHIFT = tl.constexpr(0)  # state = last state_len inputs, shifted left by L
 MODE_CIRCULAR = tl.constexpr(1)  # state is a circular buffer written at cache_seqlens[b] % state_len
@@ -375,7 +376,7 @@ def causal_conv1d_update_plan(x, conv_state, weight, bias, cache_seqlens, conv_s
     )
     if vec4:
         cfg = pick_vec4_config(D, B, interpreter=not x.is_cuda)
-        use_pdl, early = pdl_launch(x, triton.cdiv(D, cfg.block_d) * B, cfg.num_warps)
+        use_pdl, early = pdl_launch(x, cdiv(D, cfg.block_d) * B, cfg.num_warps)
         scalars = (
             D, pad_slot_id, conv_state.shape[0],
             x.stride(0), x.stride(1), conv_state.stride(0), *weight.stride(),
@@ -388,7 +389,7 @@ def causal_conv1d_update_plan(x, conv_state, weight, bias, cache_seqlens, conv_s
             HAS_INDICES=conv_state_indices is not None, USE_PDL=use_pdl, PDL_TRIGGER=early,
             num_warps=cfg.num_warps, launch_pdl=use_pdl, **_report(x, report_slots),
         )
-        return _conv1d_update_vec4_kernel, (triton.cdiv(D, cfg.block_d), B), False, scalars, consts
+        return _conv1d_update_vec4_kernel, (cdiv(D, cfg.block_d), B), False, scalars, consts
 
     rows = (
         L == 1 and cache_seqlens is None and num_accepted_tokens is None and (state_len != 4 or force_rows_kernel())
@@ -399,9 +400,9 @@ def causal_conv1d_update_plan(x, conv_state, weight, bias, cache_seqlens, conv_s
     if rows:
         cfg = pick_rows_config(
             D, B, interpreter=not x.is_cuda,
-            one_wave=(lambda c: fits_one_wave(x, triton.cdiv(D, c.block_d) * B, c.num_warps)) if pdl_requested(x) else None,
+            one_wave=(lambda c: fits_one_wave(x, cdiv(D, c.block_d) * B, c.num_warps)) if pdl_requested(x) else None,
         )
-        use_pdl, early = pdl_launch(x, triton.cdiv(D, cfg.block_d) * B, cfg.num_warps)
+        use_pdl, early = pdl_launch(x, cdiv(D, cfg.block_d) * B, cfg.num_warps)
         return rows_update_plan(
             x[:, :, 0], conv_state, weight, bias, conv_state_indices, out[:, :, 0], silu=silu,
             pad_slot_id=pad_slot_id, block_d=cfg.block_d, num_warps=cfg.num_warps,
@@ -410,7 +411,7 @@ def causal_conv1d_update_plan(x, conv_state, weight, bias, cache_seqlens, conv_s
 
     xc = history_columns(W, state_len, L, cache_seqlens is not None)
     cfg = pick_config(D, B, xc + 2 * L + W, interpreter=not x.is_cuda)
-    grid = (triton.cdiv(D, cfg.block_d), B)
+    grid = (cdiv(D, cfg.block_d), B)
     use_pdl, early = pdl_launch(x, grid[0] * B, cfg.num_warps)
 
     def stride0(t: torch.Tensor | None) -> int:

@@ -21,6 +21,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.jit_math import join8, silu, split8
 from fastmamba.ops._common.slot_errors import report_bad_slot
+from fastmamba.ops._common.host_math import cdiv
 
 
 @triton.jit
@@ -132,7 +133,7 @@ def rows_update_plan(x, conv_state, weight, bias, conv_state_indices, out, *, si
         HAS_INDICES=conv_state_indices is not None, USE_PDL=use_pdl, PDL_TRIGGER=pdl_trigger,
         num_warps=num_warps, launch_pdl=use_pdl, **report,
     )
-    return _conv1d_update_rows_kernel, (triton.cdiv(D, block_d), B), False, scalars, consts
+    return _conv1d_update_rows_kernel, (cdiv(D, block_d), B), False, scalars, consts
 
 
 def launch_conv1d_update_rows(x, conv_state, weight, bias, conv_state_indices, out, **kw) -> None:

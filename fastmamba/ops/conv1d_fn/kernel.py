@@ -53,6 +53,7 @@ from fastmamba.ops._common.pdl import pdl_launch, pdl_launch_early
 from fastmamba.ops.conv1d_fn import configs
 from fastmamba.ops.conv1d_fn.configs import pick_cols_config, pick_rows_config, vector_width
 from fastmamba.ops._common.launch import lean, on_device
+from fastmamba.ops._common.host_math import cdiv
 
 
 @triton.jit
@@ -554,10 +555,6 @@ _fn_plans: dict[tuple, tuple] = {}
 _varlen_plans: dict[tuple, tuple] = {}
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv costs microseconds on the host (a constexpr function)
-
-
 def _remember(plans: dict, key: tuple, plan: tuple) -> tuple:
     if len(plans) >= _PLAN_CACHE_SIZE:
         plans.clear()
@@ -574,7 +571,7 @@ def _fn_plan(x: torch.Tensor, W: int, xs: tuple, os_: tuple, silu: bool) -> tupl
         _check_block_l(cfg.block_l, W)
         sized = [(D, True), (xs[0], B > 1), (xs[2], L > 1), (os_[0], B > 1), (os_[2], L > 1)]
         align = _align_hint(16 // x.element_size(), [v for v, used in sized if used])
-        grid = (_cdiv(D, cfg.block_d) * _cdiv(L, cfg.block_l), B)
+        grid = (cdiv(D, cfg.block_d) * cdiv(L, cfg.block_l), B)
         return True, cfg, 0, align, grid, _silu_mode(silu, x)
     V = vector_width(x.element_size(), W)
     cfg = pick_cols_config(D, L, B, V, interpreter=interpreter)
@@ -582,7 +579,7 @@ def _fn_plan(x: torch.Tensor, W: int, xs: tuple, os_: tuple, silu: bool) -> tupl
         raise ValueError(f"causal_conv1d_fn: BLOCK_L={cfg.block_l} must be a multiple of {V} tokens here")
     sized = [(L, True), (xs[0], B > 1), (xs[1], D > 1), (os_[0], B > 1), (os_[1], D > 1)]
     align = _align_hint(V, [v for v, used in sized if used]) if xs[2] == 1 else 1
-    grid = (_cdiv(L, cfg.block_l) * _cdiv(D, cfg.block_d), B)
+    grid = (cdiv(L, cfg.block_l) * cdiv(D, cfg.block_d), B)
     return False, cfg, V, align, grid, _silu_mode(silu, x)
 
 
@@ -639,7 +636,7 @@ def _varlen_plan(x: torch.Tensor, B: int, W: int, xs: tuple, os_: tuple, silu: b
     _check_block_l(cfg.block_l, W)
     sized = [(D, True), (xs[0], T > 1), (os_[0], T > 1)]
     align = _align_hint(16 // x.element_size(), [v for v, used in sized if used])
-    grid = (_cdiv(D, cfg.block_d) * (T // cfg.block_l + B),)
+    grid = (cdiv(D, cfg.block_d) * (T // cfg.block_l + B),)
     return cfg, align, grid, _silu_mode(silu, x)
 
 

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import triton
+from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 
 MAX_TILE_N = 8192        # widest group kept whole in registers (columns)
 CHUNK_N = 4096           # column chunk of the two-pass path
@@ -77,7 +77,7 @@ def heuristic(M: int, group_size: int, G: int, dtype: torch.dtype, num_sms: int)
     """Fallback config from (rows M, group_size, groups G, dtype, SM count); see the module doc."""
     per_thread = VECTORS_PER_THREAD * (16 // dtype.itemsize)
 
-    block_n = triton.next_power_of_2(group_size)
+    block_n = next_power_of_2(group_size)
     if block_n > MAX_TILE_N:
         block_n = CHUNK_N
         warps = max(1, min(MAX_WARPS, block_n // (32 * per_thread)))
@@ -85,7 +85,7 @@ def heuristic(M: int, group_size: int, G: int, dtype: torch.dtype, num_sms: int)
 
     block_m = 1
     while (2 * block_m * block_n <= TARGET_TILE
-           and triton.cdiv(M, 2 * block_m) * G >= MIN_PROGRAMS_PER_SM * num_sms):
+           and cdiv(M, 2 * block_m) * G >= MIN_PROGRAMS_PER_SM * num_sms):
         block_m *= 2
     warps = max(1, min(MAX_WARPS, block_m * block_n // (32 * per_thread)))
     return GatedRMSNormConfig(block_m=block_m, block_n=block_n, single_tile=True, num_warps=warps)

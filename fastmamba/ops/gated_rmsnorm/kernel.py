@@ -16,6 +16,7 @@ from fastmamba.ops._common.jit_math import silu_approx
 from fastmamba.ops._common.pdl import pdl_active, trigger_early
 from fastmamba.ops.gated_rmsnorm.configs import GatedRMSNormConfig
 from fastmamba.ops._common.launch import lean
+from fastmamba.ops._common.host_math import cdiv
 
 
 @triton.heuristics({
@@ -124,7 +125,7 @@ def gated_rmsnorm_fwd(
     """Launch the kernel on (M, Dh) row views; writes ``out``. Inputs are already validated."""
     M, Dh = x.shape
     G = Dh // group_size
-    grid = (-(-M // cfg.block_m), G)  # cdiv (triton.cdiv costs microseconds on the host)
+    grid = (cdiv(M, cfg.block_m), G)
     use_pdl = pdl_active(x, grid[0] * grid[1], cfg.num_warps)
     lean(_gated_rmsnorm_fwd_kernel)[grid](
         x, z, weight, bias, out,

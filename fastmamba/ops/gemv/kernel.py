@@ -16,6 +16,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.dispatch import interpreter_enabled
 from fastmamba.ops._common.launch import lean
+from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -87,8 +88,8 @@ def launch_gemv(x, weight, bias, y, *, block_n: int, block_k: int, num_warps: in
     bias (N,) or None. ``use_dot`` False needs M == 1."""
     M, K = x.shape
     N = weight.shape[0]
-    block_m = max(16, triton.next_power_of_2(M)) if use_dot else 1
-    lean(_gemv_kernel)[(triton.cdiv(N, block_n),)](
+    block_m = max(16, next_power_of_2(M)) if use_dot else 1
+    lean(_gemv_kernel)[(cdiv(N, block_n),)](
         x, weight, bias, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         USE_DOT=use_dot, DOT_FP32=interpreter_enabled(), EVEN=(N % block_n == 0 and K % block_k == 0), USE_PDL=use_pdl,

@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import NamedTuple
 
-import triton
+from fastmamba.ops._common.host_math import next_power_of_2
 
 
 class ReplayConfig(NamedTuple):
@@ -74,7 +74,7 @@ CKPT_TMA_PROGRAMS = {16: 4, 32: 4, 64: 3}  # history capacity (power of two) -> 
 
 def checkpoint_tma_programs_per_sm(capacity: int) -> int:
     """Programs per SM of the TMA checkpoint kernel for a history of ``capacity`` positions."""
-    return CKPT_TMA_PROGRAMS.get(max(16, triton.next_power_of_2(capacity)), 3)
+    return CKPT_TMA_PROGRAMS.get(max(16, next_power_of_2(capacity)), 3)
 
 
 # The split path's three kernels run as a chain of programmatic dependent launches where the GPU
@@ -113,12 +113,12 @@ def forced_config(block_p: int, num_warps: int, heads: int, warps_pre: int = 4, 
 
 def padded_tokens(T: int) -> int:
     """The token count the kernels pad T to for tl.dot (>= 16, a power of two): the table's second key."""
-    return max(16, triton.next_power_of_2(T))
+    return max(16, next_power_of_2(T))
 
 
 def table_key(*, programs_per_block: int, t_pad: int) -> tuple[int, int]:
     """TABLE's key: (requests x heads rounded up to a power of two, the padded token count)."""
-    return triton.next_power_of_2(max(1, programs_per_block)), t_pad
+    return next_power_of_2(max(1, programs_per_block)), t_pad
 
 
 # (requests x heads bucket, padded T) -> config, for 16-bit activations (fp32 activations take the
@@ -190,7 +190,7 @@ def pick_config(
     path's output tile comes from OUT_TILES (by state dtype) unless forced. ``dstate`` is not a
     key: every measured shape has N = 128.
     """
-    p_cap = triton.next_power_of_2(headdim)
+    p_cap = next_power_of_2(headdim)
     if _forced is not None:
         cfg = _forced
     elif interpreter:

@@ -48,6 +48,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
 from fastmamba.ops._common.jit_math import silu, silu_approx, softplus, stochastic_round
 from fastmamba.ops._common.launch import lean
+from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -790,7 +791,7 @@ NATIVE16_PRECOMPUTE = True
 
 def dot_dim(n: int) -> int:
     """A block size for a dimension of n that tl.dot takes: a power of two, at least 16."""
-    return max(16, triton.next_power_of_2(n))
+    return max(16, next_power_of_2(n))
 
 
 def _interpreting() -> bool:
@@ -823,7 +824,7 @@ def launch_replay_precompute(
     nreq, ntok, nheads = dt.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     hpg = nheads // ngroups
-    grid = (nreq, ngroups, triton.cdiv(hpg, heads))
+    grid = (nreq, ngroups, cdiv(hpg, heads))
     capacity = old_dt.shape[2]
     lean(_replay_precompute_kernel)[grid](
         dt, dt_bias, A, B, C, idx, buf_idx, prev_accepted, hist_len, M, Q, scale, kinfo, C16, old_B, old_dt, old_cumA,
@@ -851,7 +852,7 @@ def launch_replay_main(
     M from the precompute kernel; idx (B,) or None; seed one-element int64 or None."""
     nreq, ntok, nheads, headdim = x.shape
     ngroups, dstate = C.shape[2], C.shape[3]
-    grid = (triton.cdiv(headdim, block_p), nreq, nheads)
+    grid = (cdiv(headdim, block_p), nreq, nheads)
     z_strides = tuple(z.stride()) if z is not None else (0, 0, 0, 0)
     lean(_replay_main_kernel)[grid](
         state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len,
@@ -879,7 +880,7 @@ def launch_replay_out(
     trigger its dependents)."""
     nreq, ntok, nheads, headdim = x.shape
     ngroups, dstate = C.shape[2], C.shape[3]
-    grid = (triton.cdiv(headdim, block_p), nreq, nheads)
+    grid = (cdiv(headdim, block_p), nreq, nheads)
     z_strides = tuple(z.stride()) if z is not None else (0, 0, 0, 0)
     split = x.dtype == torch.bfloat16 and not _interpreting()
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
@@ -908,7 +909,7 @@ def _tma_views_ok(tensors, x, N: int, block_p: int, rows: int) -> bool:
         return False
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors):
         return False
-    return N == triton.next_power_of_2(N) and x.shape[3] % block_p == 0 and rows < 2**31
+    return N == next_power_of_2(N) and x.shape[3] % block_p == 0 and rows < 2**31
 
 
 def out_tma_usable(state, old_x, x, z, C, block_p: int) -> bool:
@@ -1051,7 +1052,7 @@ def launch_commit(buf_idx, prev_accepted, hist_len, slots, accepted, *, tokens: 
     """buf_idx, prev_accepted, hist_len (S,) int32/int64 (one dtype); slots (B,) or None; accepted (B,)."""
     nreq = accepted.shape[0]
     block = 128
-    lean(_commit_kernel)[(triton.cdiv(nreq, block),)](
+    lean(_commit_kernel)[(cdiv(nreq, block),)](
         buf_idx, prev_accepted, hist_len, slots, accepted, nreq, tokens, history, pad_slot_id, buf_idx.shape[0],
         HAS_SLOTS=slots is not None, BLOCK=block, num_warps=1,
     )
@@ -1104,7 +1105,7 @@ def launch_flush(state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, 
     S, H, P, N = state.shape
     G = old_B.shape[3]
     block_p = min(dot_dim(P), 32)
-    lean(_flush_kernel)[(slots.shape[0], H, triton.cdiv(P, block_p))](
+    lean(_flush_kernel)[(slots.shape[0], H, cdiv(P, block_p))](
         state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, slots,
         S, pad_slot_id, old_x.shape[1], H // G, P, N,
         *state.stride(), *old_x.stride(), *old_B.stride(), *old_dt.stride(), *old_cumA.stride(),
@@ -1128,6 +1129,6 @@ def _reset_history_kernel(accepted_ptr, hist_ptr, slots_ptr, nreq, pad_slot_id, 
 def launch_reset_history(prev_accepted, hist_len, slots, *, pad_slot_id: int) -> None:
     """prev_accepted, hist_len (S,) integer; slots (B,) integer, on one device."""
     nreq, block = slots.shape[0], 128
-    lean(_reset_history_kernel)[(triton.cdiv(nreq, block),)](
+    lean(_reset_history_kernel)[(cdiv(nreq, block),)](
         prev_accepted, hist_len, slots, nreq, pad_slot_id, hist_len.shape[0], BLOCK=block, num_warps=1,
     )

@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import NamedTuple
 
-import triton
+from fastmamba.ops._common.host_math import next_power_of_2
 
 
 class SsdScanConfig(NamedTuple):
@@ -89,5 +89,5 @@ def check_config(config: SsdScanConfig) -> None:
 
 def block_p_of(config: SsdScanConfig, P: int) -> int:
     """The chunk-scan program's P tile: the config's, or all of P (rounded up to a power of 2, >= 16)."""
-    full = max(16, triton.next_power_of_2(P))
+    full = max(16, next_power_of_2(P))
     return full if config.block_p == 0 else min(config.block_p, full)

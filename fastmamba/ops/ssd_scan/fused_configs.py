@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import NamedTuple
 
-import triton
+from fastmamba.ops._common.host_math import next_power_of_2
 
 # every sequence of a call at most this many tokens -> the fused kernel. Measured on an H100
 # (bench.ops.scan_small_l, 2.7b layer, bf16, fp32 state, CUDA graphs; fused vs five kernels):
@@ -73,8 +73,8 @@ def pick_fused_config(max_len: int, nseq: int, H: int, P: int, *, interpreter: b
     else:
         programs = nseq * H
         cfg = next(c for lmax, pmax, c in TABLE if max_len <= lmax and programs <= pmax)
-    full_p = max(16, triton.next_power_of_2(P))
+    full_p = max(16, next_power_of_2(P))
     block_p = full_p if cfg.block_p == 0 else min(max(16, cfg.block_p), full_p)
-    block_t = max(16, triton.next_power_of_2(cfg.block_t))
+    block_t = max(16, next_power_of_2(cfg.block_t))
     warps = max(cfg.num_warps, MIN_WARPS_AT_BLOCK_T_64) if block_t >= 64 and not interpreter else cfg.num_warps
     return cfg._replace(block_p=block_p, block_t=block_t, num_warps=warps)

@@ -32,6 +32,7 @@ from fastmamba.ops._common.pdl import pdl_active, trigger_early
 from fastmamba.ops.ssd_scan.fused_configs import pick_fused_config
 from fastmamba.ops.ssd_scan.kernel import _locate_segment, _mma, _to_state_dtype, _wait_for_kernel_before
 from fastmamba.ops._common.launch import lean
+from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 
 
 @triton.heuristics({
@@ -221,7 +222,7 @@ def ssd_scan_fused_launch(
     if rand_seed is not None and ssm_states.dtype == torch.float32:
         rand_seed = None
     D_strides = (0, 0) if D is None else ((D.stride(0), 0) if D.dim() == 1 else tuple(D.stride()))
-    grid = (nseq, H, triton.cdiv(P, cfg.block_p))
+    grid = (nseq, H, cdiv(P, cfg.block_p))
     use_pdl = pdl_active(x, nseq * H * grid[2], cfg.num_warps)
     lean(_ssd_scan_fused_kernel)[grid](
         x, dt, A, B, C, D, z, dt_bias, out,
@@ -229,8 +230,8 @@ def ssd_scan_fused_launch(
         nseq, ssm_states.shape[0], H, P, N, H // G, pad_slot_id, float(lo), float(hi),
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *D_strides, *_strides(z, 3), *out.stride(),
         *ssm_states.stride(), *_strides(chunk_states_out, 4),
-        Q=chunk_size, BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_N=max(16, triton.next_power_of_2(N)),
-        BLOCK_SEG=max(16, triton.next_power_of_2(nseq + 1)) if chunk_states_out is not None else 16,
+        Q=chunk_size, BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_N=max(16, next_power_of_2(N)),
+        BLOCK_SEG=max(16, next_power_of_2(nseq + 1)) if chunk_states_out is not None else 16,
         DT_SOFTPLUS=bool(dt_softplus), HAS_DT_LIMIT=lo > 0.0 or hi != float("inf"), A_IS_LOG=bool(A_is_log),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", FAST_MATH=inline_asm_ok(x),
         # Triton 3.6's interpreter multiplies bf16 tl.dot operands as raw bits (docs/interpreter_bf16.md)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 import math
 
@@ -25,6 +24,7 @@ from fastmamba.ops.ssd_scan.kernel import (
     _chunk_state_kernel,
     _state_passing_kernel,
 )
+from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 
 CB_BLOCK = 64  # C B^T tile (rows = columns); the chunk scan reads it in its own tiles
 
@@ -100,10 +100,10 @@ def ssd_scan_launch(
     fast_math = inline_asm_ok(x)  # the approximate PTX exp2 / silu
     cfg = pick_config(H, P, N, x.element_size(), interpreter=interpreter)
     check_config(cfg)
-    block_n = max(16, triton.next_power_of_2(N))
-    block_p_full = max(16, triton.next_power_of_2(P))
+    block_n = max(16, next_power_of_2(N))
+    block_p_full = max(16, next_power_of_2(P))
     block_p_scan = block_p_of(cfg, P)
-    block_seg = max(16, triton.next_power_of_2(n_seg + 1))
+    block_seg = max(16, next_power_of_2(n_seg + 1))
     dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
     # Triton 3.6's interpreter multiplies bf16 tl.dot operands as raw bits (docs/interpreter_bf16.md)
     dot_upcast = interpreter and x.dtype == torch.bfloat16
@@ -112,10 +112,10 @@ def ssd_scan_launch(
     states_in = torch.empty(n_chunks, H, P, N, dtype=x.dtype, device=dev)  # S_in, read by the scan's matmul
     dt_scratch = torch.empty(H, n_chunks, Q, dtype=torch.float32, device=dev)
     cs_scratch = torch.empty(H, n_chunks, Q, dtype=torch.float32, device=dev)
-    cb_block = min(CB_BLOCK, max(16, triton.next_power_of_2(Q)))
+    cb_block = min(CB_BLOCK, max(16, next_power_of_2(Q)))
     # the chunk scan reads whole tiles of the CB buffer without masks: pad it to every tile size
     tile = max(cb_block, cfg.block_m, cfg.block_k)
-    q_pad = triton.cdiv(Q, tile) * tile
+    q_pad = cdiv(Q, tile) * tile
     cb = torch.empty(n_chunks, G, q_pad, q_pad, dtype=x.dtype, device=dev)
     lo, hi = dt_limit
     has_limit = lo > 0.0 or hi != float("inf")
@@ -123,16 +123,16 @@ def ssd_scan_launch(
 
     table = torch.empty(n_chunks, 4, dtype=torch.int32, device=dev)
     block_h = 4 if interpreter else 8
-    grid = (n_chunks, triton.cdiv(H, block_h))
+    grid = (n_chunks, cdiv(H, block_h))
     lean(_chunk_cumsum_kernel)[grid](
         dt, dt_bias, A, segments.cu, table, dt_scratch, cs_scratch,
         n_seg, row_len, H, n_chunks, float(lo), float(hi), *dt.stride(),
-        Q=Q, BLOCK_Q=max(16, triton.next_power_of_2(Q)), BLOCK_H=block_h, BLOCK_SEG=block_seg,
+        Q=Q, BLOCK_Q=max(16, next_power_of_2(Q)), BLOCK_H=block_h, BLOCK_SEG=block_seg,
         DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, A_IS_LOG=bool(A_is_log), num_warps=4, **_pdl(x, grid, 4),
     )
     if cfg.chain and segments.seg_final is None:
         # one kernel: chunk states handed from chunk to chunk (no per-chunk fp32 round trip)
-        n_nblocks = triton.cdiv(N, block_n_state)
+        n_nblocks = cdiv(N, block_n_state)
         send = torch.empty(n_chunks, H, P, N, dtype=torch.float32, device=dev)
         ticket = torch.zeros(1, dtype=torch.int32, device=dev)
         flags = torch.zeros(n_chunks * H * n_nblocks, dtype=torch.int32, device=dev)
@@ -148,7 +148,7 @@ def ssd_scan_launch(
         )
     else:
         states = torch.empty(n_chunks, H, P, N, dtype=state_dtype, device=dev)  # S_loc, recurrence precision
-        grid = (n_chunks, H, triton.cdiv(N, block_n_state))
+        grid = (n_chunks, H, cdiv(N, block_n_state))
         lean(_chunk_state_kernel)[grid](
             x, B, table, segments.skip, states, dt_scratch, cs_scratch,
             n_seg, row_len, P, N, H // G, n_chunks,
@@ -157,7 +157,7 @@ def ssd_scan_launch(
             DOT_PRECISION=dot_precision, FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,
             num_warps=cfg.warps_state, **_pdl(x, grid, cfg.warps_state),
         )
-        grid = (n_seg, H, triton.cdiv(P * N, cfg.block_pass))
+        grid = (n_seg, H, cdiv(P * N, cfg.block_pass))
         lean(_state_passing_kernel)[grid](
             states, states_in, cs_scratch, segments.cu, segments.skip,
             segments.init, segments.init_idx, segments.final, segments.final_idx, segments.seg_final, segments.chunk_out,
@@ -168,7 +168,7 @@ def ssd_scan_launch(
             Q=Q, BLOCK_PN=cfg.block_pass, BLOCK_SEG=block_seg,
             num_warps=4, **_pdl(x, grid, 4),
         )
-    n_tiles = triton.cdiv(Q, cb_block)
+    n_tiles = cdiv(Q, cb_block)
     grid = (n_chunks, G, n_tiles * n_tiles)
     lean(_chunk_cb_kernel)[grid](
         B, C, table, cb,
@@ -178,8 +178,8 @@ def ssd_scan_launch(
         num_warps=4, **_pdl(x, grid, 4),
     )
     D_strides = (0, 0) if D is None else ((D.stride(0), 0) if D.dim() == 1 else tuple(D.stride()))
-    m_blocks = triton.cdiv(Q, cfg.block_m)
-    tiles = m_blocks * triton.cdiv(P, block_p_scan)
+    m_blocks = cdiv(Q, cfg.block_m)
+    tiles = m_blocks * cdiv(P, block_p_scan)
     heads = cfg.heads if H % cfg.heads == 0 else 1
     grid = (tiles, n_chunks, H // heads) if cfg.head_major else (n_chunks, H // heads, tiles)
     lean(_chunk_scan_kernel)[grid](

@@ -12,9 +12,9 @@ import contextlib
 import functools
 from collections.abc import Iterator
 
-import triton
 
 from fastmamba.ops._common.dispatch import interpreter_enabled
+from fastmamba.ops._common.host_math import next_power_of_2
 
 
 # what `python -m fastmamba.bench tune --ops ssu` tries
@@ -82,7 +82,7 @@ def pick_config(
     if _forced is not None:
         return _forced
     if interpreter_enabled():
-        return min(triton.next_power_of_2(headdim), 16), 1
+        return min(next_power_of_2(headdim), 16), 1
     return _pick_config(programs_per_block, headdim, dstate, state_bytes, pdl)
 
 
@@ -99,7 +99,7 @@ def _pick_config(programs_per_block: int, headdim: int, dstate: int, state_bytes
         block_p, num_warps = 16, 1
     else:
         block_p, num_warps = _MEASURED.get((min(state_bytes, 4), bucket), (16, 1))
-    scale = max(1, triton.next_power_of_2(dstate) // 128)
-    block_p = min(block_p, triton.next_power_of_2(headdim))
+    scale = max(1, next_power_of_2(dstate) // 128)
+    block_p = min(block_p, next_power_of_2(headdim))
     num_warps = max(1, min(8, num_warps * scale))
     return block_p, num_warps

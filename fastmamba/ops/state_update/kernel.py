@@ -15,6 +15,7 @@ from fastmamba.ops._common.jit_math import silu, softplus, stochastic_round
 from fastmamba.ops._common.pdl import trigger_early
 from fastmamba.ops.state_update.configs import store_state_early
 from fastmamba.ops._common.launch import lean
+from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -190,8 +191,8 @@ def plan_selective_state_update(
     op caches it per call signature), with the tensors passed as they come (views share them)."""
     nreq, ntok, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
-    block_n = triton.next_power_of_2(dstate)
-    grid = (triton.cdiv(headdim, block_p), nreq, nheads)
+    block_n = next_power_of_2(dstate)
+    grid = (cdiv(headdim, block_p), nreq, nheads)
 
     def strides(t, n):
         return tuple(t.stride()) if t is not None else (0,) * n
