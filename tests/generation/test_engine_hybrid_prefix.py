@@ -205,3 +205,40 @@ def test_hybrid_prefix_cache_on_gpu_keeps_the_output():
         same_run(run(eng, p), w)
     assert eng.prefix_stats["hit_tokens"] == 2 * 64
     assert eng.cache.kv_pages_in_use == 0
+
+
+def test_pool_sizes_from_a_budget_and_page_eviction_order(model):
+    """A byte budget: half for the snapshots' states, the rest for K/V pages. When the pages run
+    short, the least recently used snapshots go first (their rows and pages both come back)."""
+    cache = model.new_cache(2, page_size=PAGE, max_seq_len=64)
+    per_entry = PrefixCache(cache, max_entries=1).bytes_per_entry
+    page_bytes = 2 * len(cache.kv.k) * cache.kv.k[0][0].numel() * cache.kv.k[0].element_size()
+    budget = 6 * per_entry + 5 * page_bytes
+    pool = PrefixCache(cache, budget_bytes=budget)
+    assert pool.max_entries == 3 and pool.kv_pages == (budget - 3 * per_entry) // page_bytes
+    pool = PrefixCache(cache, max_entries=4, kv_pages=5)
+    slot = cache.take(1)[0]
+    ids = tokens(20, 90)
+    prefill(model, cache, slot, ids)
+    a = pool.save(ids[:8], cache, slot)  # 2 pages
+    assert pool.save(ids[:4], cache, slot) is not None  # 1 page
+    pool.lookup(ids[:8])  # a is now the most recently used
+    c = pool.save(ids[:12], cache, slot)  # 3 pages: 2 free, so b (least recent) goes
+    assert pool.lookup(ids[:4]) is None and pool.lookup(ids[:8]) is a and pool.lookup(ids[:12]) is c
+    assert sorted(a.pages + c.pages) == sorted(set(a.pages + c.pages)) and len(pool._kv_free) == 0
+    d = pool.save(ids[:20], cache, slot)  # all 5 pages: every other snapshot goes
+    assert d is not None and len(pool) == 1 and len(d.pages) == 5 and pool.lookup(ids[:12]) is None
+    small = PrefixCache(cache, max_entries=2, kv_pages=4)  # 5 pages can never fit: nothing is taken
+    assert small.save(ids[:20], cache, slot) is None and len(small) == 0 and len(small._kv_free) == 4
+    assert small.save(ids[:8], cache, slot) is not None and small.stats["saves"] == 1
+    assert pool.lookup(ids[:4]) is None
+    cache.free([slot])
+
+
+def test_an_attention_only_cache_has_no_states_to_keep():
+    from fastmamba.cache.hybrid_cache import HybridCache
+
+    cache = HybridCache(2, mamba_cfg=None, n_attn_layers=1, n_kv_heads=1, head_dim=4, max_seq_len=16,
+                        page_size=PAGE, device="cpu", dtype=torch.float32)
+    with pytest.raises(ValueError, match="no Mamba slots"):
+        PrefixCache(cache, max_entries=2)
