@@ -68,6 +68,19 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def vocab_size(name: str) -> int:
+    """The vocabulary of a preset or a checkpoint directory (its config.json), without loading
+    weights: the random prompts' ids lie below it."""
+    from fastmamba.models.config import PRESETS
+    from fastmamba.models.nemotron_h import PRESETS as NEMOTRON_H_PRESETS
+
+    cfg = PRESETS.get(name) or NEMOTRON_H_PRESETS.get(name)
+    if cfg is not None:
+        return cfg.vocab_size
+    with open(os.path.join(name, "config.json"), encoding="utf-8") as f:
+        return int(json.load(f)["vocab_size"])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -232,7 +245,7 @@ def _start_server(name: str, nreq: int, args: argparse.Namespace, extra: list[st
 
 def _shared_prefix(args, command: str, name: str, suffixes: list[list[int]], olen: int, cuda: bool) -> int:
     """TTFT of prompts sharing a system prompt, one request at a time, prefix cache on and off."""
-    vocab = 256 if name == "mamba2-tiny" else 50280
+    vocab = vocab_size(name)
     system = torch.randint(0, vocab, (args.shared_prefix,), generator=torch.Generator().manual_seed(1)).tolist()
     prompts = [system + s for s in suffixes]
     rows = {}
@@ -316,7 +329,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     plen = args.prompt_len or (512 if cuda else 8)
     olen = args.output_len or (128 if cuda else 4)
     g = torch.Generator().manual_seed(0)
-    vocab = 256 if name == "mamba2-tiny" else 50280
+    vocab = vocab_size(name)
     prompts = torch.randint(0, vocab, (nreq, plen), generator=g).tolist()
     # the warm-up: the same traffic on other prompts (half as many requests), so that the graphs
     # its arrival pattern needs are captured before the timed run, as in a server that has been up

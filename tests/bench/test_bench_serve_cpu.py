@@ -71,3 +71,21 @@ def test_cpu_shared_prefix_run(tmp_path, capsys):
     assert "| prefix cache on |" in text and "| prefix cache off |" in text
     row = json.loads(out.read_text())
     assert row["shared_prefix"] == 32 and row["off_over_on"] > 0
+
+
+def test_cpu_shared_prefix_run_over_a_hybrid(tmp_path, capsys):
+    """The same with the hybrid preset (paged K/V; its prefix cache keeps the K/V too): the prompts'
+    ids lie within its vocabulary (ids past it would be refused with 400 and the run would fail)."""
+    import torch
+
+    from fastmamba.bench.serve import vocab_size
+    from fastmamba.bench.targets import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a CPU smoke run (on a GPU: python -m fastmamba.bench serve --shared-prefix 2048)")
+    assert vocab_size("nemotron-h-tiny") == 256 and vocab_size("mamba2-2.7b") == 50288
+    out = tmp_path / "prefix.jsonl"
+    assert main(["serve", "--model", "nemotron-h-tiny", "--shared-prefix", "32", "--requests", "3",
+                 "--prompt-len", "4", "--output-len", "2", "--max-batch", "2", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert row["model"] == "nemotron-h-tiny" and row["off_over_on"] > 0
