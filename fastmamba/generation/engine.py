@@ -894,6 +894,14 @@ class Engine:
                                  f"layers); {type(model).__name__} has none")
         return given
 
+    @property
+    def max_request_tokens(self) -> int | None:
+        """The most KV positions one request may use (a model with attention layers): its prompt
+        plus max_new_tokens - 1 must not exceed it (verify steps hold the drafts too). None: no
+        limit (a pure Mamba-2 model keeps a fixed-size state per request)."""
+        limit = getattr(self.cache, "max_len", None) if self._paged else None
+        return None if limit is None else limit - self.speculate
+
     def _kv_check_fits(self, ids: list[int], params: SamplingParams, who: str) -> None:
         """ValueError when the request can never fit one request's KV (its last token is never fed)."""
         limit = getattr(self.cache, "max_len", None) if self._paged else None

@@ -219,6 +219,12 @@ def create_app(engine: Engine | EngineProcess, *, model_name: str, codec: Codec 
         if max_model_len is not None and prompt_len + max_tokens > max_model_len:
             raise BadRequest(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceed the model's limit "
                              f"of {max_model_len} tokens", param="max_tokens")
+        kv_limit = worker.max_request_tokens  # a model with attention layers: its KV cache per request
+        if kv_limit is not None and prompt_len + max_tokens - 1 > kv_limit:
+            raise BadRequest(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) need "
+                             f"{prompt_len + max_tokens - 1} KV positions; one request of this model holds at most "
+                             f"{kv_limit} (its KV cache: the engine's max_seq_len and page pool); shorten the prompt "
+                             "or lower max_tokens", param="prompt" if prompt_len > kv_limit else "max_tokens")
         kw = dict(temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
                   seed=None if req.seed is None else req.seed + i, max_new_tokens=max_tokens,
                   stop_token_ids=tuple(check_ids(req.stop_token_ids or [], "stop_token_ids")), logprobs=logprobs)

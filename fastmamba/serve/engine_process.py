@@ -14,7 +14,7 @@ with kind "token" (value: (token, logprob, top_logprobs)), "finished" (the finis
 "error" (a message). ``cid`` is the server's id of a request. A thread of the server process
 reads the pipe (blocking, without the GIL) and hands each step's events to the handlers' event
 loops in one call per loop. ``EngineProcess`` offers what ``EngineThread`` does (start, submit,
-abort, stop, alive, stats, timing, vocab_size), so the app takes either.
+abort, stop, alive, stats, timing, vocab_size, max_request_tokens), so the app takes either.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _child(factory: Callable, conn) -> None:
     except BaseException as exc:  # noqa: BLE001 - tell the server why, then exit
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", {"vocab_size": engine.model.cfg.vocab_size}))
+    conn.send(("ready", {"vocab_size": engine.model.cfg.vocab_size, "max_request_tokens": engine.max_request_tokens}))
     by_rid: dict[int, int] = {}  # engine rid -> server cid
     rid_of: dict[int, int] = {}  # server cid -> engine rid
     stopping, drain = False, True
@@ -153,6 +153,7 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read, name="fastmamba-engine-pipe", daemon=True)
         self._stopping = False
         self.vocab_size: int | None = None
+        self.max_request_tokens: int | None = None  # the engine's KV limit per request (None: none)
         self.stats: dict = {}
         self.timing = {"steps": 0, "step_s": 0.0, "around_s": 0.0, "tokens": 0, "prefill_steps": 0,
                        "prefill_step_s": 0.0}
@@ -169,6 +170,7 @@ class EngineProcess:
             self._proc.join(5)
             raise RuntimeError(f"the engine process failed to start: {info}")
         self.vocab_size = info["vocab_size"]
+        self.max_request_tokens = info.get("max_request_tokens")
         self._reader.start()
 
     def alive(self) -> bool:

@@ -71,6 +71,7 @@ class EngineThread:
                  on_step: Callable[[dict, int], None] | None = None):
         self.engine = engine
         self.vocab_size = engine.model.cfg.vocab_size
+        self.max_request_tokens = engine.max_request_tokens  # the KV limit per request (None: none)
         self.max_waiting = max_waiting
         self.on_step = on_step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -242,3 +242,17 @@ def test_an_attention_only_cache_has_no_states_to_keep():
                         page_size=PAGE, device="cpu", dtype=torch.float32)
     with pytest.raises(ValueError, match="no Mamba slots"):
         PrefixCache(cache, max_entries=2)
+
+
+def test_max_request_tokens_is_the_kv_limit(model):
+    """What the server checks requests against (400 before the engine): the KV positions one
+    request may use; none for a pure Mamba-2 model."""
+    import fastmamba
+    from fastmamba.generation.engine import Engine
+
+    assert engine_of(model, max_batch=2).max_request_tokens == 64  # max_seq_len 64
+    assert engine_of(model, max_batch=2, speculate=2).max_request_tokens == 62  # verify holds 2 drafts
+    assert engine_of(model, max_batch=2, kv_num_pages=5).max_request_tokens == 5 * PAGE  # the pool is smaller
+    tiny = fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cpu")
+    assert Engine(tiny, max_batch=2, cuda_graphs=False).max_request_tokens is None
+

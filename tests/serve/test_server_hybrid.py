@@ -91,3 +91,25 @@ def test_hybrid_streams_and_disconnects_give_every_page_back(hybrid_server):
     assert hybrid_server.metric("fastmamba_slots_in_use") == 0
     assert hybrid_server.metric("fastmamba_kv_pages_in_use") == 0
     assert max(peak) > 0  # the metric follows the pages (it is not stuck at zero)
+
+
+def test_requests_beyond_the_kv_limit_get_400(hybrid_server):
+    """A prompt and max_tokens that one request's KV cache cannot hold are refused with 400 and an
+    OpenAI-style body before they reach the engine (they failed inside it with 500 before), streamed
+    or not; one position less fits."""
+    import httpx
+
+    limit = 4096  # the engine's default max_seq_len for the preset (pages of 16)
+    for stream in (False, True):
+        body = {"prompt": [1] * (limit - 10), "max_tokens": 12, "temperature": 0, "stream": stream}
+        r = httpx.post(hybrid_server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "max_tokens" and err["type"] == "invalid_request_error"
+        assert f"need {limit + 1} KV positions" in err["message"] and f"at most {limit}" in err["message"]
+    r = httpx.post(hybrid_server.url + "/v1/completions", timeout=60,
+                   json={"prompt": [1] * (limit + 1), "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(hybrid_server.url + "/v1/completions", timeout=120,
+                   json={"prompt": [1] * (limit - 10), "max_tokens": 11, "temperature": 0})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 11
