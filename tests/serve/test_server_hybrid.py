@@ -113,3 +113,23 @@ def test_requests_beyond_the_kv_limit_get_400(hybrid_server):
     r = httpx.post(hybrid_server.url + "/v1/completions", timeout=120,
                    json={"prompt": [1] * (limit - 10), "max_tokens": 11, "temperature": 0})
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 11
+
+
+def test_hybrid_n_logprobs_and_stop_ids(hybrid_server, reference_ops):
+    """n > 1 (each choice its own request and pages), logprobs and a stop token id over the hybrid:
+    greedy choices equal the offline engine's tokens, cut at the stop id."""
+    import openai
+
+    client = openai.OpenAI(base_url=hybrid_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    prompt = [7, 3, 99, 42, 5, 5, 18]
+    want = offline(prompt, 6)
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, n=2, logprobs=2)
+    assert [c.model_extra["token_ids"] for c in out.choices] == [want, want]
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == 6 and all(v <= 0 for v in lp.token_logprobs) and len(lp.top_logprobs[0]) == 2
+    stop = want[2]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                    extra_body={"stop_token_ids": [stop]})
+    ids = out.choices[0].model_extra["token_ids"]
+    assert ids == want[:want.index(stop) + 1] and out.choices[0].finish_reason == "stop"
+    assert hybrid_server.metric("fastmamba_kv_pages_in_use") == 0
