@@ -19,6 +19,8 @@ mkdir -p "$TRITON_CACHE_DIR"
 # tune-<op> sweeps one op, e.g. tune-conv_fn, tune-ssd (the prefill ops are not in the default tune)
 # spec-<shape> runs the spec benchmark on one shape (nemotron-h, nemotron-h-tp8, mamba2-2.7b);
 # e2e-spec: batch-1 speculative decoding, K=5, oracle then ngram drafter, against plain decoding
+# prefix-<client>: the prefix-cache test (mamba2-2.7b) with that HTTP client; prefixm-<model>: with that model
+# (e.g. prefixm-nemotron-h-4b: a hybrid, whose snapshots keep K/V too)
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests tune kernels)
@@ -40,6 +42,7 @@ for step in "${steps[@]}"; do
         serve)     timeout 500 python3 -m fastmamba.bench serve --json "$OUT/serve.jsonl" > "$OUT/serve.txt" 2> "$OUT/serve.err"; echo "rc=$?"; cat "$OUT/serve.txt"; tail -3 "$OUT/serve.err" ;;
         profile-hit) timeout 200 python3 scripts/profile_prefix_hit.py --trace "$OUT/hit_trace.json" > "$OUT/profile-hit.txt" 2>&1; echo "rc=$?"; head -8 "$OUT/profile-hit.txt" ;;
         prefix)    timeout 400 python3 -m fastmamba.bench serve --shared-prefix 2048 --requests 16 --prompt-len 64 --output-len 16 --json "$OUT/prefix.jsonl" > "$OUT/prefix.txt" 2> "$OUT/prefix.err"; echo "rc=$?"; cat "$OUT/prefix.txt"; tail -3 "$OUT/prefix.err" ;;
+        prefixm-*) timeout 500 python3 -m fastmamba.bench serve --model "${step#prefixm-}" --shared-prefix 2048 --requests 16 --prompt-len 64 --output-len 16 --json "$OUT/prefix.jsonl" >> "$OUT/prefix.txt" 2>> "$OUT/prefix.err"; echo "rc=$?"; tail -n 9 "$OUT/prefix.txt"; tail -3 "$OUT/prefix.err" ;;
         prefix-*)  timeout 400 python3 -m fastmamba.bench serve --shared-prefix 2048 --requests 16 --prompt-len 64 --output-len 16 --client "${step#prefix-}" --json "$OUT/prefix.jsonl" >> "$OUT/prefix.txt" 2>> "$OUT/prefix.err"; echo "rc=$?"; tail -n 9 "$OUT/prefix.txt"; tail -3 "$OUT/prefix.err" ;;
         state-flush) timeout 120 python3 scripts/time_state_cache_flush.py > "$OUT/state-flush.txt" 2>&1; echo "rc=$?"; cat "$OUT/state-flush.txt" ;;
         chunked)   timeout 300 python3 -m fastmamba.bench chunked --json "$OUT/chunked.jsonl" > "$OUT/chunked.txt" 2> "$OUT/chunked.err"; echo "rc=$?"; cat "$OUT/chunked.txt" ;;
