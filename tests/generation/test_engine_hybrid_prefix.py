@@ -188,6 +188,22 @@ def test_speculative_engine_takes_block_snapshots_and_hits_them(model):
     assert_all_free(eng)
 
 
+@pytest.mark.parametrize("prefill_chunk", [None, 8])
+def test_requests_sharing_a_prefix_in_one_batch(model, prefill_chunk):
+    """Four requests sharing a 16-token prefix arrive together: the first steps take the snapshots
+    (one per prefix, however many requests pass it in one call), later admissions hit them while
+    others are still prefilling; every output equals the engine's without a cache."""
+    shared = tokens(16, 100)
+    prompts = [shared + tokens(3 + i, 101 + i) for i in range(4)]
+    ref = engine_of(model, max_batch=2, prefill_chunk=prefill_chunk)
+    want = ref.generate(prompts, GREEDY)
+    eng = engine_of(model, max_batch=2, prefill_chunk=prefill_chunk, prefix_cache_entries=8, prefix_block=8)
+    assert eng.generate(prompts, GREEDY) == want
+    assert eng.prefix_stats["hits"] >= 2  # max_batch 2: the last two start after snapshots exist
+    assert all(len(e.tokens) in (8, 16) or e.tokens[:16] == tuple(shared) for e in eng.prefix._by_key.values())
+    assert_all_free(eng)
+
+
 @pytest.mark.gpu
 def test_hybrid_prefix_cache_on_gpu_keeps_the_output():
     """The same hits on a GPU (the kernels' snapshot path, CUDA-graph decode with paged K/V)."""
