@@ -143,6 +143,44 @@ def mamba_ssm_chunk_scan_combined() -> Peer:
     return _mamba_ssm_peer("ops.triton.ssd_combined", "mamba_chunk_scan_combined")
 
 
+def mamba_ssm_model_kwargs(cfg) -> dict:
+    """``mamba_ssm.models.config_mamba.MambaConfig`` fields for a fastmamba ``Mamba2Config``: the same
+    Mamba-2 LM shape (every layer Mamba-2, no MLP, RMSNorm with fused add, fp32 residual as
+    configured). ``use_mem_eff_path`` is off: the fused path calls causal-conv1d's CUDA extension,
+    which the pure-Python wheel lacks; the unfused path runs the conv through ``nn.Conv1d`` when
+    causal-conv1d is absent, the scan and the norms through mamba_ssm's Triton kernels."""
+    return {
+        "d_model": cfg.d_model, "d_intermediate": 0, "n_layer": cfg.n_layer, "vocab_size": cfg.vocab_size,
+        "ssm_cfg": {"layer": "Mamba2", "d_state": cfg.d_state, "d_conv": cfg.d_conv, "expand": cfg.expand,
+                    "headdim": cfg.headdim, "ngroups": cfg.ngroups, "chunk_size": cfg.chunk_size,
+                    "use_mem_eff_path": False},
+        "rms_norm": True, "residual_in_fp32": cfg.residual_in_fp32, "fused_add_norm": True,
+        "pad_vocab_size_multiple": 1, "tie_embeddings": cfg.tie_embeddings,
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def mamba_ssm_lm_head_model(search_path: tuple[str, ...] | None = None) -> Peer:
+    """mamba_ssm's ``MambaLMHeadModel`` (``models.mixer_seq_simple``), imported without mamba_ssm's
+    ``__init__``. ``fn(cfg, device, dtype)`` builds the model of a fastmamba ``Mamba2Config`` with
+    random weights (``mamba_ssm_model_kwargs``). Its Mamba-1 module imports ``selective_scan_cuda``,
+    a CUDA extension the pure-Python wheel never built and Mamba-2 models never call: a stand-in
+    module is registered under that name (in this process's ``sys.modules``) before the import."""
+    version = _mamba_ssm_version(list(search_path) if search_path else None)
+    try:
+        sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
+        models = import_without_init("mamba_ssm", "models.mixer_seq_simple", list(search_path) if search_path else None)
+        config = import_without_init("mamba_ssm", "models.config_mamba", list(search_path) if search_path else None)
+    except Exception as exc:  # missing package, einops, transformers, a Triton incompatibility...
+        return Peer("mamba_ssm", version, None, _describe(exc))
+
+    def build(cfg, device, dtype):
+        return models.MambaLMHeadModel(config.MambaConfig(**mamba_ssm_model_kwargs(cfg)), device=device,
+                                       dtype=dtype).eval()
+
+    return Peer("mamba_ssm", version, build, source=getattr(models, "__file__", "") or "")
+
+
 def _causal_conv1d_peer(attr: str) -> Peer:
     version = dist_version("causal_conv1d", "causal-conv1d")
     try:

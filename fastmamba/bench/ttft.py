@@ -1,6 +1,6 @@
 """Target ``ttft``: time to first token, i.e. a warm whole-model prefill, against its floor.
 
-    python -m fastmamba.bench ttft [--model mamba2-2.7b] [--shapes 1x16,1x128,1x512,1x2048,1x8192,8x2048,32x512]
+    python -m fastmamba.bench ttft [--model mamba2-2.7b] [--shapes 1x16,1x128,1x512,1x2048,1x8192,8x2048,32x512] [--peer]
                                    [--reps 7] [--graph-max-tokens 2048] [--json PATH]
 
 Per shape B x L: B random prompts of L tokens are prefilled into fresh cache slots
@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=7, help="timed prefills per shape (median reported)")
     parser.add_argument("--graph-max-tokens", type=int, default=2048,
                         help="largest token bucket of the graphed prefill (0: eager only)")
+    parser.add_argument("--peer", action="store_true",
+                        help="also mamba_ssm's whole-model prefill (MambaLMHeadModel forward, last-token logits, "
+                             "eager) with the same weights, side by side (pure Mamba-2 models, GPU)")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line per shape")
 
 
@@ -82,6 +85,47 @@ def _median_ms(fn, reps: int, cuda: bool, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def _peer_row(peer, model, ids: torch.Tensor, reps: int) -> tuple[float | None, float | None]:
+    """The peer's median prefill ms for ``ids`` [B, L], and max |its last logits - ours| / max |ours|
+    (the same weights; bf16 GEMMs blocked differently differ in the last bits); (None, None) when
+    it fails (out of memory, a kernel error), which the row shows as a dash."""
+    try:
+        with torch.inference_mode():
+            ms = _median_ms(lambda: peer(ids, num_last_tokens=1), reps, True)
+            theirs = peer(ids, num_last_tokens=1).logits[:, -1].float()
+            cache = model.new_cache(ids.shape[0])
+            ours = model.prefill(ids, cache, cache.alloc(ids.shape[0])).float()
+    except Exception as exc:  # noqa: BLE001 - one failed shape is a dash, not a failed run
+        print(f"# mamba_ssm at {tuple(ids.shape)}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+        return None, None
+    return ms, float((theirs - ours).abs().max() / ours.abs().max().clamp_min(1e-12))
+
+
+def load_peer(model, device: torch.device):
+    """(mamba_ssm's MambaLMHeadModel with ``model``'s weights, '') or (None, why not)."""
+    from fastmamba.bench import peers
+    from fastmamba.bench.ops._base import MAMBA_SSM_CPU
+    from fastmamba.models.mamba2_lm import Mamba2LM
+
+    if not isinstance(model, Mamba2LM):
+        return None, f"mamba_ssm has no {type(model).__name__}"
+    if device.type != "cuda":
+        return None, MAMBA_SSM_CPU
+    peer = peers.mamba_ssm_lm_head_model()
+    if not peer.available:
+        return None, peer.reason
+    try:
+        lm = peer.fn(model.cfg, device, model.dtype)
+        # the same weights: mamba_ssm names the embedding backbone.embedding
+        state = {k.replace("backbone.embeddings.", "backbone.embedding."): v for k, v in model.state_dict().items()}
+        missing, unexpected = lm.load_state_dict(state, strict=False)
+        if missing:
+            return None, f"its parameters {missing[:3]} have no counterpart in ours"
+    except Exception as exc:  # noqa: BLE001 - a peer that cannot be built is reported, not fatal
+        return None, f"{type(exc).__name__}: {exc}"
+    return lm, f"mamba_ssm {peer.version} ({peer.source})"
+
+
 def run(args: argparse.Namespace, command: str) -> int:
     import fastmamba
     from fastmamba.bench.peak import device_name, measure_copy_bandwidth, measure_matmul_tflops
@@ -100,7 +144,15 @@ def run(args: argparse.Namespace, command: str) -> int:
     wbytes, params = weight_bytes_and_params(model)
     print(f"# ttft: {name} ({params / 1e9:.2f} B params, {model.dtype}), {device_name(device)}, copy {copy_gbs:.0f} "
           f"GB/s, matmul {mm_tflops:.0f} TFLOP/s, median of {reps} warm prefills; command: {command}")
-    print(f"{'B x L':>9}  {'eager ms':>9}  {'graphed ms':>10}  {'floor ms':>8}  {'eager/floor':>11}  {'graphed/floor':>13}")
+    peer, peer_note = load_peer(model, device) if args.peer else (None, "")
+    if args.peer:
+        print(f"# peer: {peer_note if peer is not None else 'mamba_ssm unavailable: ' + peer_note}; its MambaLMHeadModel "
+              "forward with our weights, last-token logits only, eager (Mamba-2 layers on its unfused path: "
+              "nn.Conv1d, then its Triton scan and norms)")
+    head = f"{'B x L':>9}  {'eager ms':>9}  {'graphed ms':>10}  {'floor ms':>8}  {'eager/floor':>11}  {'graphed/floor':>13}"
+    if peer is not None:
+        head += f"  {'mamba_ssm ms':>12}  {'vs mamba_ssm':>12}  {'logits diff':>11}"
+    print(head)
     g = torch.Generator(device="cpu").manual_seed(0)
     rows = []
     for b, length in shapes:
@@ -121,10 +173,17 @@ def run(args: argparse.Namespace, command: str) -> int:
         floor = floor_ms(wbytes, params, b * length, copy_gbs, mm_tflops)
         row = {"model": name, "batch": b, "length": length, "eager_ms": eager, "graphed_ms": graphed,
                "floor_ms": floor, "device": device_name(device), "command": command}
+        ptxt = ""
+        if peer is not None:
+            peer_ms, diff = _peer_row(peer, model, ids_dev, reps)
+            best = min(eager, graphed) if graphed is not None else eager
+            row.update(peer_ms=peer_ms, logits_rel_diff=diff)
+            ptxt = (f"  {peer_ms:12.2f}  {peer_ms / best:11.2f}x  {diff:11.1e}" if peer_ms is not None
+                    else f"  {'—':>12}  {'—':>12}  {'—':>11}")
         rows.append(row)
         gtxt = f"{graphed:10.2f}" if graphed is not None else f"{'—':>10}"
         grat = f"{graphed / floor:12.1f}x" if graphed is not None else f"{'—':>13}"
-        print(f"{b:>4} x {length:<4}  {eager:9.2f}  {gtxt}  {floor:8.2f}  {eager / floor:10.1f}x  {grat}", flush=True)
+        print(f"{b:>4} x {length:<4}  {eager:9.2f}  {gtxt}  {floor:8.2f}  {eager / floor:10.1f}x  {grat}{ptxt}", flush=True)
         del cache
         if cuda:
             torch.cuda.empty_cache()

@@ -37,3 +37,56 @@ def test_cpu_run_prints_a_row(tmp_path, capsys):
         assert row["graphed_ms"] > 0
     else:
         assert row["graphed_ms"] is None  # no GPU: eager only
+
+
+def test_mamba_ssm_model_config_mirrors_ours():
+    """The peer model is built to our config's shape: every Mamba-2 field carried over, the fused
+    path (causal-conv1d's CUDA extension) off, the vocabulary not padded again."""
+    from fastmamba.bench.peers import mamba_ssm_model_kwargs
+    from fastmamba.models.config import PRESETS
+
+    cfg = PRESETS["mamba2-2.7b"]
+    kw = mamba_ssm_model_kwargs(cfg)
+    assert (kw["d_model"], kw["n_layer"], kw["vocab_size"], kw["d_intermediate"]) == (2560, 64, cfg.vocab_size, 0)
+    ssm = kw["ssm_cfg"]
+    assert ssm["layer"] == "Mamba2" and not ssm["use_mem_eff_path"]
+    assert (ssm["d_state"], ssm["headdim"], ssm["ngroups"], ssm["chunk_size"], ssm["expand"], ssm["d_conv"]) == \
+        (cfg.d_state, cfg.headdim, cfg.ngroups, cfg.chunk_size, cfg.expand, cfg.d_conv)
+    assert kw["pad_vocab_size_multiple"] == 1 and kw["tie_embeddings"] == cfg.tie_embeddings
+
+
+def test_peer_is_reported_where_it_cannot_run(capsys):
+    """On a CPU (mamba_ssm's launchers need CUDA) and for a hybrid (mamba_ssm has none), --peer
+    says why in the header and the run goes on without the columns."""
+    import torch
+
+    import fastmamba
+    from fastmamba.bench.targets import main
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU run's report (on a GPU the peer runs: python -m fastmamba.bench ttft --peer)")
+    assert main(["ttft", "--model", "mamba2-tiny", "--shapes", "1x3", "--peer"]) == 0
+    text = capsys.readouterr().out
+    assert "# peer: mamba_ssm unavailable: GPU only" in text and "mamba_ssm ms" not in text
+    hybrid = fastmamba.load_model("nemotron-h-tiny", dtype=torch.float32, device="cpu")
+    assert ttft.load_peer(hybrid, torch.device("cpu")) == (None, "mamba_ssm has no NemotronHLM")
+
+
+def test_peer_model_takes_our_weights():
+    """Where mamba_ssm imports (its pure-Python wheel, einops, transformers): its model of our tiny
+    config has exactly our parameters under its names (the embedding renamed), so both run the
+    same weights."""
+    import torch
+
+    import fastmamba
+    from fastmamba.bench import peers
+
+    peer = peers.mamba_ssm_lm_head_model()
+    if not peer.available:
+        pytest.skip(f"mamba_ssm does not import here ({peer.reason})")
+    ours = fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cpu")
+    lm = peer.fn(ours.cfg, "cpu", torch.float32)
+    state = {k.replace("backbone.embeddings.", "backbone.embedding."): v for k, v in ours.state_dict().items()}
+    missing, unexpected = lm.load_state_dict(state, strict=False)
+    assert missing == [] and unexpected == []
+    assert torch.equal(lm.lm_head.weight, ours.lm_head.weight)
