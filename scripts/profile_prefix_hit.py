@@ -1,6 +1,9 @@
 """Where a prefix-cache hit's time to first token goes (GPU): one engine, a shared 2048-token system
-prompt, then requests that hit it; cProfile of the steps that prefill the 64 new tokens, next to
-the wall time of the same steps without the profiler.
+prompt, then requests that hit it. Printed: the hit TTFT; its phases (host time and the GPU's
+position at the entry and exit of add_request, admission, prefix match, restore, the graphed
+prefill, the graph replay and sampling: ``phases``); the restore and the graphed prefill alone;
+the graph launch alone; the kernels of one graphed prefill; cProfile of the steps; with --trace a
+CPU + CUDA Chrome trace (the profiler inflates graph launches: read host gaps from the phases).
 
     python scripts/profile_prefix_hit.py [--model mamba2-2.7b] [--system 2048] [--suffix 64]
 """
@@ -31,6 +34,62 @@ def first_token(engine: Engine, prompt: list[int], params: SamplingParams) -> fl
     return dt
 
 
+def phases(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> None:
+    """Where a hit's time goes, without a profiler (which inflates graph launches to ~1 ms): the
+    host time and the GPU's position (a CUDA event recorded there) at the entry and exit of the
+    engine's parts, from add_request, median over ``prompts``. A GPU event equal to its host time
+    means the GPU had run dry and waited for the host there."""
+    from fastmamba.cache.prefix_cache import PrefixCache
+    from fastmamba.generation import engine as engine_module
+    from fastmamba.generation.prefill_graphs import GraphedPrefill
+
+    marks: list = []
+    parts = [(engine_module.Engine, "add_request", "add"), (engine_module.Engine, "_admit", "admit"),
+             (PrefixCache, "match", "match"), (PrefixCache, "restore", "restore"),
+             (GraphedPrefill, "prefill", "graphed prefill"), (torch.cuda.CUDAGraph, "replay", "replay"),
+             (engine_module.Engine, "_emit", "sample")]
+    saved = [(cls, name, getattr(cls, name)) for cls, name, _ in parts]
+
+    def mark(what: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((what, time.perf_counter(), event))
+
+    def wrapped(orig, label):
+        def call(*a, **k):
+            mark(label + " >")
+            out = orig(*a, **k)
+            mark(label + " <")
+            return out
+        return call
+
+    for cls, name, label in parts:
+        setattr(cls, name, wrapped(getattr(cls, name), label))
+    runs = []
+    try:
+        for prompt in prompts:
+            torch.cuda.synchronize()
+            marks.clear()
+            mark("start")
+            first_token(engine, prompt, params)
+            torch.cuda.synchronize()
+            runs.append(list(marks))
+    finally:
+        for cls, name, orig in saved:
+            setattr(cls, name, orig)
+    print("phases of a hit (median over the hits; ms from add_request):   host    GPU there")
+    table: dict = {}
+    for run in runs:
+        t0, e0 = run[0][1], run[0][2]
+        seen: dict = {}
+        for what, t, e in run[1:]:
+            seen[what] = seen.get(what, 0) + 1
+            if seen[what] == 1:  # the first time: the hit's own step
+                table.setdefault(what, []).append((1e3 * (t - t0), e0.elapsed_time(e)))
+    for what, vals in sorted(table.items(), key=lambda kv: statistics.median(v[0] for v in kv[1])):
+        print(f"  {what:20s} {statistics.median(v[0] for v in vals):7.3f}  {statistics.median(v[1] for v in vals):7.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="mamba2-2.7b")
@@ -49,6 +108,7 @@ def main() -> None:
     walls = [first_token(engine, system + s, params) for s in suffixes[3:8]]
     print(f"hit TTFT without profiler: median {1e3 * statistics.median(walls):.2f} ms "
           f"({', '.join(f'{1e3 * w:.2f}' for w in walls)})")
+    phases(engine, [system + s for s in suffixes[3:8]], params)
     # the hit's parts alone, synchronised: the state restore, the graphed prefill of the new tokens
     entry = engine.prefix.match(system + suffixes[3])
     slot = engine.cache.take(1)[0]
