@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fastmamba.ops._common.host_math import cdiv
+
 ALIGN = 16  # bytes: every field starts on a 16-byte boundary
 
 
@@ -27,9 +29,9 @@ class StagedInputs:
     def __init__(self, fields: dict[str, tuple[torch.dtype, int]], device: torch.device):
         spans, end = {}, 0
         for name, (dtype, length) in fields.items():
-            nbytes = length * torch.empty((), dtype=dtype).element_size()
+            nbytes = length * dtype.itemsize
             spans[name] = (end, end + nbytes, dtype)
-            end += -(-nbytes // ALIGN) * ALIGN
+            end += cdiv(nbytes, ALIGN) * ALIGN
         self._host = torch.zeros(max(end, ALIGN), dtype=torch.uint8, pin_memory=True)
         self._dev = torch.zeros(max(end, ALIGN), dtype=torch.uint8, device=device)
         self.host = {n: self._host[a:b].view(dt) for n, (a, b, dt) in spans.items()}

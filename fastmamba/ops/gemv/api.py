@@ -7,6 +7,7 @@ import torch
 
 from fastmamba.ops._common.checks import check_dtype, check_same_device, check_same_dtype, check_unit_stride
 from fastmamba.ops._common.dispatch import use_triton
+from fastmamba.ops._common.host_math import cdiv
 from fastmamba.ops._common.pdl import pdl_active
 from fastmamba.ops.gemv.configs import MAX_ROWS, pick_config
 from fastmamba.ops.gemv.kernel import launch_gemv
@@ -60,5 +61,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         # x.reshape: a view for the usual row-strided x
         launch_gemv(x.reshape(M, K), weight, bias, y.view(M, N), block_n=cfg.block_n, block_k=cfg.block_k,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, use_dot=cfg.use_dot,
-                    use_pdl=pdl_active(x, -(-N // cfg.block_n), cfg.num_warps))
+                    use_pdl=pdl_active(x, cdiv(N, cfg.block_n), cfg.num_warps))
     return y

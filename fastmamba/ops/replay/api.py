@@ -19,6 +19,7 @@ from fastmamba.ops._common.checks import (
     check_flag,
 )
 from fastmamba.ops._common.dispatch import call_directly, interpreter_enabled, use_triton
+from fastmamba.ops._common.host_math import cdiv
 from fastmamba.ops._common.pdl import pdl_active, pdl_supported, sm_count
 from fastmamba.ops._common.slot_rows import scatter_rows
 from fastmamba.ops.replay import configs
@@ -327,7 +328,7 @@ def _replay_impl(
     )
     ngroups = B.shape[2]
     pre_programs = nreq * ngroups * -(-(nheads // ngroups) // cfg.heads)
-    main_programs = -(-headdim // cfg.block_p) * nreq * nheads
+    main_programs = cdiv(headdim, cfg.block_p) * nreq * nheads
     # The split path (large batches): the output kernel produces every request's outputs straight
     # from the stored state (and records x where no state is stored); then the checkpoint kernel,
     # on a persistent grid, replays and stores the state of the requests that store it this step,

@@ -19,15 +19,12 @@ from fastmamba.ops.ssd_scan.fused import choose_fused, longest_sequence_bound, s
 from fastmamba.ops.ssd_scan.kernel import _segment_slots_kernel
 from fastmamba.ops.ssd_scan.launch import ScanSegments, ssd_scan_launch
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
+from fastmamba.ops._common.host_math import cdiv
 from fastmamba.ops._common.launch import lean
 
 _DENSE = "mamba_chunk_scan_combined"
 _VARLEN = "ssd_scan_varlen"
 _INF = float("inf")
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def num_chunks(cu_seqlens: torch.Tensor, chunk_size: int) -> int:
@@ -40,7 +37,7 @@ def num_chunks(cu_seqlens: torch.Tensor, chunk_size: int) -> int:
 
 
 def _count_chunks(cu: list[int], chunk_size: int) -> int:
-    return sum(_cdiv(int(b) - int(a), chunk_size) for a, b in zip(cu[:-1], cu[1:]))
+    return sum(cdiv(int(b) - int(a), chunk_size) for a, b in zip(cu[:-1], cu[1:]))
 
 
 def chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -255,7 +252,7 @@ def _mamba_chunk_scan_combined_impl(
         row_of_seg = torch.zeros(n_seg, dtype=torch.int32, device=dev)
         # the exact chunk count needs a host read; where the caller may not read (decided when it
         # called, so a compiled graph keeps its answer), an upper bound
-        n_chunks = num_chunks(cu, chunk_size) if read_cu_seqlens else _cdiv(L, chunk_size) + n_seg
+        n_chunks = num_chunks(cu, chunk_size) if read_cu_seqlens else cdiv(L, chunk_size) + n_seg
     elif seq_idx is not None:
         bounds, rows, firsts, lasts = [], [], [], []
         ids = seq_idx.tolist()
@@ -271,11 +268,11 @@ def _mamba_chunk_scan_combined_impl(
         row_of_seg = torch.tensor(rows, dtype=torch.int32, device=dev)
         first_of_row = torch.tensor(firsts, dtype=torch.bool, device=dev)
         last_of_row = torch.tensor(lasts, dtype=torch.bool, device=dev)
-        n_chunks = sum(_cdiv(e - s, chunk_size) for s, e in zip(bounds[:-1], bounds[1:]))
+        n_chunks = sum(cdiv(e - s, chunk_size) for s, e in zip(bounds[:-1], bounds[1:]))
     else:
         cu, row_of_seg, none = _dense_segments(nb, L, dev)
         first_of_row = last_of_row = None
-        n_chunks = nb * _cdiv(L, chunk_size)
+        n_chunks = nb * cdiv(L, chunk_size)
     n_seg = cu.shape[0] - 1
     if cu_seqlens is not None or seq_idx is not None:
         none = torch.full((n_seg,), -1, dtype=torch.int32, device=dev)
@@ -459,7 +456,7 @@ def ssd_scan_varlen(
             bool(A_is_log), rand_seed, max_len, live_seqs or 0,
         )
         return out
-    n_chunks = total_chunks if total_chunks is not None else _cdiv(T, chunk_size) + nseq
+    n_chunks = total_chunks if total_chunks is not None else cdiv(T, chunk_size) + nseq
     op = _ssd_scan_varlen_impl if call_directly(x) else _ssd_scan_varlen_
     op(
         x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
@@ -512,7 +509,7 @@ def _ssd_scan_varlen_impl(
     rows = torch.empty(2 if has_init else 1, nseq, dtype=torch.int32, device=dev)
     skip = torch.empty(nseq, dtype=torch.int8, device=dev) if cache_indices is not None else None
     block = 128
-    lean(_segment_slots_kernel)[(-(-nseq // block),)](
+    lean(_segment_slots_kernel)[(cdiv(nseq, block),)](
         cache_indices, has_initial_state, rows, skip, nseq, pad_slot_id, S,
         HAS_SLOTS=cache_indices is not None, HAS_INIT=has_init, BLOCK=block, num_warps=4,
     )

@@ -20,6 +20,7 @@ from fastmamba.ops._common import pdl as _pdl
 from fastmamba.ops._common import slot_errors
 from fastmamba.ops._common.checks import check_index_values
 from fastmamba.ops._common.host_values import host_reads_allowed
+from fastmamba.ops._common.host_math import cdiv
 from fastmamba.ops.state_update import configs as ssu_configs
 from fastmamba.ops.state_update.configs import pick_config
 from fastmamba.ops.state_update.kernel import launch_planned, plan_selective_state_update
@@ -86,7 +87,7 @@ def _plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices
         pdl=pdl_requested(x),
     )
     tie_hdim = _tied(A, (1, 2)) and _tied(dt, (3,)) and _tied(dt_bias, (1,)) and _tied(D, (1,))
-    programs = nreq * nheads * -(-headdim // block_p)
+    programs = nreq * nheads * cdiv(headdim, block_p)
     return plan_selective_state_update(
         state, x, dt, dt_bias, A, B, C, D, z, out,
         state_batch_indices, dst_state_batch_indices, intermediate_states, rand_seed,
