@@ -77,8 +77,15 @@ def vocab_size(name: str) -> int:
     cfg = PRESETS.get(name) or NEMOTRON_H_PRESETS.get(name)
     if cfg is not None:
         return cfg.vocab_size
-    with open(os.path.join(name, "config.json"), encoding="utf-8") as f:
-        return int(json.load(f)["vocab_size"])
+    path = os.path.join(name, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"bench serve: --model {name!r} is neither a preset ({', '.join([*PRESETS, *NEMOTRON_H_PRESETS])}) "
+                                "nor a checkpoint directory with a config.json")
+    with open(path, encoding="utf-8") as f:
+        value = json.load(f).get("vocab_size")
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"bench serve: {path}: `vocab_size` expected a positive int, got {value!r}")
+    return value
 
 
 def _free_port() -> int:

@@ -84,6 +84,11 @@ def test_cpu_shared_prefix_run_over_a_hybrid(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("a CPU smoke run (on a GPU: python -m fastmamba.bench serve --shared-prefix 2048)")
     assert vocab_size("nemotron-h-tiny") == 256 and vocab_size("mamba2-2.7b") == 50288
+    with pytest.raises(FileNotFoundError, match="neither a preset"):
+        vocab_size(str(tmp_path / "missing"))
+    (tmp_path / "config.json").write_text('{"vocab_size": "many"}')
+    with pytest.raises(ValueError, match="`vocab_size` expected a positive int, got 'many'"):
+        vocab_size(str(tmp_path))
     out = tmp_path / "prefix.jsonl"
     assert main(["serve", "--model", "nemotron-h-tiny", "--shared-prefix", "32", "--requests", "3",
                  "--prompt-len", "4", "--output-len", "2", "--max-batch", "2", "--json", str(out)]) == 0
