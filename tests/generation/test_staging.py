@@ -11,15 +11,22 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory and a device copy need CUDA")
 
 
-def _staged():
+def _staged(writer: str = "numpy"):
+    """writer: "numpy" (the host views ``set`` writes through when numpy is installed) or "torch"
+    (the path without numpy)."""
     from fastmamba.generation.staging import StagedInputs
 
-    return StagedInputs({"ids": (torch.int64, 37), "cu": (torch.int32, 5), "flags": (torch.bool, 3),
-                         "slots": (torch.int32, 4)}, torch.device("cuda"))
+    st = StagedInputs({"ids": (torch.int64, 37), "cu": (torch.int32, 5), "flags": (torch.bool, 3),
+                       "slots": (torch.int32, 4)}, torch.device("cuda"))
+    assert st._np is not None  # numpy is in the test environment
+    if writer == "torch":
+        st._np = None
+    return st
 
 
-def test_fields_round_trip_in_one_copy():
-    st = _staged()
+@pytest.mark.parametrize("writer", ["numpy", "torch"])
+def test_fields_round_trip_in_one_copy(writer):
+    st = _staged(writer)
     for name, dtype, n in (("ids", torch.int64, 37), ("cu", torch.int32, 5), ("flags", torch.bool, 3),
                            ("slots", torch.int32, 4)):
         assert st.dev[name].dtype == dtype and st.dev[name].shape == (n,) and st.dev[name].is_cuda
@@ -37,8 +44,9 @@ def test_fields_round_trip_in_one_copy():
         assert st.dev["slots"].tolist() == slots and st.dev["flags"].tolist() == flags
 
 
-def test_partial_writes_keep_the_rest_and_overflow_is_refused():
-    st = _staged()
+@pytest.mark.parametrize("writer", ["numpy", "torch"])
+def test_partial_writes_keep_the_rest_and_overflow_is_refused(writer):
+    st = _staged(writer)
     st.set("slots", [5, 6, 7, 8])
     st.set("slots", [1], start=2)
     st.upload()
