@@ -40,6 +40,7 @@ for step in "${steps[@]}"; do
         ttft)      timeout 500 python3 -m fastmamba.bench ttft --peer --json "$OUT/ttft.jsonl" > "$OUT/ttft.txt" 2> "$OUT/ttft.err"; echo "rc=$?"; cat "$OUT/ttft.txt"; tail -3 "$OUT/ttft.err" ;;
         ttft-*)    timeout 400 python3 -m fastmamba.bench ttft --shapes "${step#ttft-}" --json "$OUT/ttft.jsonl" >> "$OUT/ttft.txt" 2>> "$OUT/ttft.err"; echo "rc=$?"; tail -n 14 "$OUT/ttft.txt"; tail -3 "$OUT/ttft.err" ;;
         serve)     timeout 500 python3 -m fastmamba.bench serve --json "$OUT/serve.jsonl" > "$OUT/serve.txt" 2> "$OUT/serve.err"; echo "rc=$?"; cat "$OUT/serve.txt"; tail -3 "$OUT/serve.err" ;;
+        profile-graph) timeout 200 python3 scripts/profile_graphed_prefill.py > "$OUT/profile-graph.txt" 2>&1; echo "rc=$?"; cat "$OUT/profile-graph.txt" ;;
         profile-hit) timeout 200 python3 scripts/profile_prefix_hit.py --trace "$OUT/hit_trace.json" > "$OUT/profile-hit.txt" 2>&1; echo "rc=$?"; head -24 "$OUT/profile-hit.txt" ;;
         prefix)    timeout 400 python3 -m fastmamba.bench serve --shared-prefix 2048 --requests 16 --prompt-len 64 --output-len 16 --json "$OUT/prefix.jsonl" > "$OUT/prefix.txt" 2> "$OUT/prefix.err"; echo "rc=$?"; cat "$OUT/prefix.txt"; tail -3 "$OUT/prefix.err" ;;
         prefixm-*) timeout 500 python3 -m fastmamba.bench serve --model "${step#prefixm-}" --shared-prefix 2048 --requests 16 --prompt-len 64 --output-len 16 --json "$OUT/prefix.jsonl" >> "$OUT/prefix.txt" 2>> "$OUT/prefix.err"; echo "rc=$?"; tail -n 9 "$OUT/prefix.txt"; tail -3 "$OUT/prefix.err" ;;
