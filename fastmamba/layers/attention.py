@@ -35,6 +35,8 @@ class KVBatch(NamedTuple):
     token_rows   [T] int64 or None token t belongs to request token_rows[t] (None: T == B)
     cu_seqlens   [B+1] or None     prefill only: the packed prompts
     ctx_lens     list[int] or None prefill only: tokens each request had before this call (host)
+    cu_host, slots_host  list[int] or None: prefill only, the values of cu_seqlens and slots as the
+                 host holds them (then the attention prefill reads nothing back from the device)
     """
 
     block_table: torch.Tensor
@@ -44,6 +46,8 @@ class KVBatch(NamedTuple):
     token_rows: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     ctx_lens: list[int] | None = None
+    cu_host: list[int] | None = None
+    slots_host: list[int] | None = None
 
 
 class Attention(nn.Module):
@@ -80,7 +84,8 @@ class Attention(nn.Module):
         q, k, v = self._qkv(u)
         paged_kv_write(k, v, k_pages, v_pages, kv.block_table, kv.slots, kv.positions, kv.token_rows)
         o = varlen_prefill_attention(q, k_pages, v_pages, kv.block_table, kv.slots, kv.cu_seqlens, kv.ctx_lens,
-                                     k_new=k, v_new=v, scale=self.scale)
+                                     k_new=k, v_new=v, scale=self.scale, cu_seqlens_host=kv.cu_host,
+                                     slots_host=kv.slots_host)
         return self.o_proj(o.reshape(u.shape[0], -1))
 
     def step(self, u: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, kv: KVBatch) -> torch.Tensor:

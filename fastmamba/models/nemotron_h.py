@@ -476,13 +476,21 @@ class NemotronHLM(nn.Module):
                                    "NemotronHLM.prefill_varlen")
         ctx = cache.grow(sl, lens)  # raises before anything is touched if a slot is not allocated
         dev = input_ids.device
-        has_initial_state = torch.tensor([c > 0 for c in ctx], dtype=torch.bool, device=dev)
+        # the flags (and, with attention layers, each token's position and request) from the host's
+        # lists in one host-to-device copy, from pinned memory on a GPU: nothing waits for the device
+        T = cu[-1]
+        values = [int(c > 0) for c in ctx]
+        if cache.kv is not None:
+            values += [c + i for c, n in zip(ctx, lens) for i in range(n)]
+            values += [b for b, n in enumerate(lens) for _ in range(n)]
+        packed = torch.tensor(values, dtype=torch.int64)
+        packed = packed.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else packed.to(dev)
+        has_initial_state = packed[:nseq] != 0
         kv = None
         if cache.kv is not None:
-            positions = torch.tensor([c + i for c, n in zip(ctx, lens) for i in range(n)], dtype=torch.int64,
-                                     device=dev)
-            token_rows = torch.repeat_interleave(torch.arange(nseq, device=dev), torch.tensor(lens, device=dev))
-            kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions, token_rows, cu_seqlens, ctx)
+            positions, token_rows = packed[nseq:nseq + T], packed[nseq + T:]
+            kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions, token_rows, cu_seqlens, ctx,
+                         cu_host=cu, slots_host=sl)
         batch = Batch(slots, cu_seqlens, has_initial_state, kv, rand_seed, snapshot=snap)
         with trusted_inputs():  # validated above, from host values: the layers' ops read nothing back
             logits = self._run(input_ids, lambda block, h: block.prefill(h, cache, batch),

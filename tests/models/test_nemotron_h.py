@@ -317,6 +317,67 @@ def test_decode_runs_the_triton_kernels(monkeypatch):
         torch.testing.assert_close(a, b, **FP32)
 
 
+def test_prefill_with_host_lists_reads_nothing_back(monkeypatch):
+    """With the host's own cu_seqlens and slots (as the engine passes them) a hybrid prefill reads
+    nothing back from the device: the attention layers' prefill takes the lists too, and the flags,
+    positions and token rows go down in one copy (issue 19's host-free prefill path). Without them,
+    the model boundary reads cu_seqlens and slots once each, and its layers nothing more. Same
+    logits, states and K/V either way. A micro model: the Mamba kernels run in the interpreter."""
+    from fastmamba.models.nemotron_h import random_init
+    from tests.models.test_prefill_varlen import HostReads
+
+    if not INTERPRETER_AT_START:
+        pytest.skip("counts the kernels' path (TRITON_INTERPRET=1 before Python starts); the references "
+                    "loop over host values")
+    cfg = NemotronHConfig(d_model=32, vocab_size=VOCAB, pattern="*M*-", n_heads=2, n_kv_heads=1, head_dim=16,
+                          intermediate_size=48, mamba_nheads=2, mamba_headdim=16, n_groups=2, d_state=16,
+                          chunk_size=8)
+    m = random_init(NemotronHLM(cfg, dtype=torch.float32)).eval()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    lengths = (3, 6)
+    ids, cu = torch.cat(prompts_of(lengths, 5)), cu_of(lengths)
+    logits, counts, caches = [], [], []
+    for extra in ({}, dict(cu_seqlens_host=cu.tolist(), slots_host=[1, 2])):
+        cache = m.new_cache(3, max_seq_len=16, page_size=4)
+        cache.alloc(1)
+        slots = cache.alloc(2)  # slots 1 and 2
+        with monkeypatch.context() as mp:
+            reads = HostReads(mp)
+            logits.append(m.prefill_varlen(ids, cu, cache, slots, **extra))
+            counts.append(reads.count)
+        caches.append(cache)
+    assert counts == [2, 0]
+    assert torch.equal(logits[0], logits[1])
+    for a, b in zip((*caches[0].conv, *caches[0].ssm, *caches[0].kv.k, *caches[0].kv.v),
+                    (*caches[1].conv, *caches[1].ssm, *caches[1].kv.k, *caches[1].kv.v)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_hybrid_prefill_with_host_lists_never_synchronizes():
+    """On a GPU, with the host's metadata (as the engine passes it), a hybrid prefill (Mamba,
+    attention with a cached context, MLP) runs with no device-to-host sync:
+    torch.cuda.set_sync_debug_mode("error") turns any into an error."""
+    m = load_nemotron_h("nemotron-h-tiny", dtype=torch.float32, device="cuda")
+    cache = m.new_cache(4, max_seq_len=64, page_size=16)
+    slots = cache.alloc(2)
+    sl = slots.tolist()
+    first, second = prompts_of((5, 9), 6), prompts_of((4, 3), 7)
+    for prompts in (first, second):  # the second call continues both requests (cached K/V and states)
+        lengths = [len(p) for p in prompts]
+        ids, cu = torch.cat(prompts).cuda(), cu_of(lengths)
+        cu_dev = cu.cuda()
+        if prompts is second:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = m.prefill_varlen(ids, cu_dev, cache, slots, cu_seqlens_host=cu.tolist(), slots_host=sl)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert out.shape == (2, m.cfg.vocab_size) and bool(torch.isfinite(out).all())
+
+
 def test_prefill_and_decode_reject_bad_input_before_touching_the_cache():
     m = load_nemotron_h("nemotron-h-tiny", device="cpu")
     cache = m.new_cache(3, max_seq_len=8, page_size=4)

@@ -110,6 +110,8 @@ def varlen_prefill_attention(
     v_new: torch.Tensor | None = None,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    cu_seqlens_host: list[int] | None = None,
+    slots_host: list[int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of B packed prompts over their requests' pages (GQA).
 
@@ -122,12 +124,14 @@ def varlen_prefill_attention(
                  every earlier position of their request
     k_new, v_new [T, Hkv, Dh] or None: the prompts' own K/V; a prompt with ctx_lens 0 then
                  attends over them directly instead of gathering its pages (same values)
+    cu_seqlens_host, slots_host  the values of ``cu_seqlens`` and ``slots`` as the host holds them
+                 (the model does), or None: read from the tensors (a device-to-host read each)
     Returns [T, Hq, Dh] in q's dtype (``out`` when given); softmax in fp32 inside SDPA for fp32
     inputs, SDPA's own precision otherwise.
     Runs ``torch.nn.functional.scaled_dot_product_attention`` once per prompt (causal; with an
     explicit mask when the prompt continues a cached context): on a GPU that is the flash /
     memory-efficient kernel, and it keeps each prompt's result independent of the batch. Reads
-    cu_seqlens, ctx_lens and slots on the host (prefill does anyway).
+    cu_seqlens, ctx_lens and slots on the host where their host values are not given.
     Reference: fastmamba.ops.attention.ref.varlen_prefill_attention_ref
     """
     op = "varlen_prefill_attention"
@@ -137,7 +141,10 @@ def varlen_prefill_attention(
         raise ValueError(f"{op}: `cu_seqlens` expected shape (B+1,) with B >= 1, got {tuple(cu_seqlens.shape)}")
     B = cu_seqlens.shape[0] - 1
     check_indices(op, "slots", slots, B, block_table.shape[0], -1)
-    cu = host_list(cu_seqlens)
+    for name, given, t in (("cu_seqlens_host", cu_seqlens_host, cu_seqlens), ("slots_host", slots_host, slots)):
+        if given is not None and len(given) != t.shape[0]:
+            raise ValueError(f"{op}: `{name}` has {len(given)} values, its tensor {t.shape[0]}")
+    cu = list(cu_seqlens_host) if cu_seqlens_host is not None else host_list(cu_seqlens)
     ctx = host_list(ctx_lens) if isinstance(ctx_lens, torch.Tensor) else list(ctx_lens)
     if len(ctx) != B:
         raise ValueError(f"{op}: `ctx_lens` expected {B} values (one per prompt), got {len(ctx)}")
@@ -152,7 +159,7 @@ def varlen_prefill_attention(
     if out is None:
         out = torch.empty_like(q)
     check_shape(op, "out", out, [("T", T), ("Hq", Hq), ("Dh", Dh)])
-    sl = host_list(slots)
+    sl = list(slots_host) if slots_host is not None else host_list(slots)
     for b in range(B):
         lo, hi = cu[b], cu[b + 1]
         if hi == lo:

@@ -123,6 +123,10 @@ def test_varlen_prefill_attention_matches_ref(Hq, Hkv, device):
     torch.testing.assert_close(got.cpu(), want, **tol(torch.float32))
     got_pages = varlen_prefill_attention(d(q), d(k_pool), d(v_pool), d(bt), d(slots), d(cu), ctx)
     torch.testing.assert_close(got_pages.cpu(), want, **tol(torch.float32))
+    # the host's own values of cu_seqlens and slots (as the model passes them): the same result
+    got_host = varlen_prefill_attention(d(q), d(k_pool), d(v_pool), d(bt), d(slots), d(cu), ctx, k_new=d(k_new),
+                                        v_new=d(v_new), cu_seqlens_host=cu.tolist(), slots_host=slots.tolist())
+    assert torch.equal(got_host, got)
 
 
 def test_attention_ops_reject_bad_input():
@@ -137,6 +141,12 @@ def test_attention_ops_reject_bad_input():
         paged_decode_attention(torch.randn(2, 4, 8), k, v, bt, seq_lens, torch.tensor([0, 1]), num_splits=3)
     with pytest.raises(ValueError, match="varlen_prefill_attention: `ctx_lens` expected 1 values"):
         varlen_prefill_attention(torch.randn(3, 4, 8), k, v, bt, torch.tensor([0]), torch.tensor([0, 3]), [0, 0])
+    with pytest.raises(ValueError, match="varlen_prefill_attention: `cu_seqlens_host` has 3 values, its tensor 2"):
+        varlen_prefill_attention(torch.randn(3, 4, 8), k, v, bt, torch.tensor([0]), torch.tensor([0, 3]), [0],
+                                 cu_seqlens_host=[0, 1, 3])
+    with pytest.raises(ValueError, match="varlen_prefill_attention: `slots_host` has 2 values, its tensor 1"):
+        varlen_prefill_attention(torch.randn(3, 4, 8), k, v, bt, torch.tensor([0]), torch.tensor([0, 3]), [0],
+                                 slots_host=[0, 1])
     with pytest.raises(ValueError, match="paged_kv_write: `k` expected shape"):
         paged_kv_write(torch.randn(2, 3, 8), torch.randn(2, 3, 8), k, v, bt, torch.tensor([0, 1]),
                        torch.tensor([0, 1]))
