@@ -68,11 +68,13 @@ def _kernel_covers(d: torch.Tensor, s: torch.Tensor) -> bool:
 def copy_rows(dst: Sequence[torch.Tensor], dst_row: int, src: Sequence[torch.Tensor], src_row: int) -> None:
     """``dst[k][:, dst_row] = src[k][:, src_row]`` for each stacked pool pair k ([n_layer, rows,
     *row_shape], same n_layer and row shape): all layers' states of one row, one launch per pair.
-    Rows are checked against each pool's row count (IndexError) before anything is copied."""
+    Rows are checked (TypeError for a non-int, IndexError outside a pool's rows) before anything is copied."""
     if len(dst) != len(src):
         raise ValueError(f"copy_rows: {len(dst)} destination pools for {len(src)} source pools")
     for d, s in zip(dst, src):
         for name, t, r in (("dst_row", d, dst_row), ("src_row", s, src_row)):
+            if not isinstance(r, int) or isinstance(r, bool):
+                raise TypeError(f"copy_rows: {name} expected an int, got {type(r).__name__}")
             if not 0 <= r < t.shape[1]:
                 raise IndexError(f"copy_rows: {name} {r} outside [0, {t.shape[1]}) of a pool of shape {tuple(t.shape)}")
     for d, s in zip(dst, src):

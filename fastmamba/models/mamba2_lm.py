@@ -33,6 +33,7 @@ from fastmamba.generation.rounding import check_rand_seed
 from fastmamba.layers.mamba2 import DecodeTricks, Mamba2Mixer
 from fastmamba.models.config import Mamba2Config
 from fastmamba.ops import add_rmsnorm
+from fastmamba.ops._common.checks import check_host_copies
 from fastmamba.ops._common.host_values import host_list, host_reads_allowed, trusted_inputs
 
 
@@ -244,9 +245,7 @@ class Mamba2LM(nn.Module):
             if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
                 raise TypeError(f"{who}: `{name}` expected an int32 or int64 tensor, got "
                                 f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
-        for name, given, t in (("cu_seqlens_host", cu_host, cu_seqlens), ("slots_host", slots_host, slots)):
-            if given is not None and len(given) != t.shape[0]:
-                raise ValueError(f"{who}: `{name}` has {len(given)} values, its tensor {t.shape[0]}")
+        check_host_copies(who, (("cu_seqlens_host", cu_host, cu_seqlens), ("slots_host", slots_host, slots)))
         if cu_host is not None and slots_host is not None:
             return [int(v) for v in cu_host], [int(v) for v in slots_host]
         if not host_reads_allowed(cu_seqlens):

@@ -49,6 +49,7 @@ from fastmamba.models.blocks import Batch, RMSNorm, SpecBatch, build_blocks
 from fastmamba.models.config import Mamba2Config, _as_float
 from fastmamba.models.loader import _default_device, random_init  # random_init: re-exported for the presets
 from fastmamba.ops import add_rmsnorm
+from fastmamba.ops._common.checks import check_host_copies
 from fastmamba.ops._common.host_values import host_list, trusted_inputs
 
 # pattern character -> transformers' ``layers_block_type`` name (and the legacy names it remaps)
@@ -445,10 +446,8 @@ class NemotronHLM(nn.Module):
         if tuple(slots.shape) != (nseq,):
             raise ValueError(f"NemotronHLM.prefill_varlen: `slots` expected shape (B,)=({nseq},), "
                              f"got {tuple(slots.shape)}")
-        for name, given, t in (("cu_seqlens_host", cu_seqlens_host, cu_seqlens), ("slots_host", slots_host, slots)):
-            if given is not None and len(given) != t.shape[0]:
-                raise ValueError(f"NemotronHLM.prefill_varlen: `{name}` has {len(given)} values, its tensor "
-                                 f"{t.shape[0]}")
+        check_host_copies("NemotronHLM.prefill_varlen", (("cu_seqlens_host", cu_seqlens_host, cu_seqlens),
+                                                         ("slots_host", slots_host, slots)))
         check_rand_seed(rand_seed, self.cfg.n_layer, self.lm_head.weight.device, "NemotronHLM.prefill_varlen")
         cu = [int(v) for v in cu_seqlens_host] if cu_seqlens_host is not None else host_list(cu_seqlens)
         if cu[0] != 0 or cu[-1] != input_ids.shape[0]:

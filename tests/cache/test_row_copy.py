@@ -95,5 +95,7 @@ def test_rows_outside_a_pool_raise_before_any_copy(device):
     assert not dst[0].any()
     with pytest.raises(IndexError, match="src_row -1"):
         copy_rows(dst, 0, src, -1)
+    with pytest.raises(TypeError, match="dst_row expected an int, got Tensor"):
+        copy_rows(dst, torch.tensor(0), src, 0)
     with pytest.raises(ValueError, match="2 destination pools for 1 source"):
         copy_rows(dst, 0, src[:1], 0)

@@ -117,15 +117,18 @@ def check_indices(op: str, name: str, idx: torch.Tensor, batch: int, num_slots: 
     check_index_values(op, name, idx, num_slots, pad_slot_id)
 
 
-def check_index_values(op: str, name: str, idx: torch.Tensor | None, num_slots: int, pad_slot_id: int) -> None:
+def check_index_values(op: str, name: str, idx: torch.Tensor | Sequence[int] | None, num_slots: int,
+                       pad_slot_id: int) -> None:
     """Raise ValueError unless every value of ``idx`` lies in [0, num_slots) or equals pad_slot_id.
 
-    Always reads the values (the references call it before writing anything: a Python index of -3
-    would otherwise write row S-3, and a loop would leave earlier rows written before it failed).
+    Always reads the values of a tensor (the references call it before writing anything: a Python
+    index of -3 would otherwise write row S-3, and a loop would leave earlier rows written before it
+    failed); a host sequence (a caller's copy of the values) is checked as it is.
     """
     if idx is None:
         return
-    bad = [int(v) for v in host_list(idx) if v != pad_slot_id and not 0 <= v < num_slots][:4]
+    values = host_list(idx) if isinstance(idx, torch.Tensor) else idx
+    bad = [int(v) for v in values if v != pad_slot_id and not 0 <= v < num_slots][:4]
     if bad:
         raise ValueError(
             f"{op}: `{name}` values must lie in [0, {num_slots}) or equal pad_slot_id={pad_slot_id}; got {bad}"
@@ -140,3 +143,11 @@ def parse_activation(op: str, activation: str | bool | None) -> bool:
     if activation is True or activation in ("silu", "swish"):
         return True
     raise ValueError(f'{op}: `activation` expected None, "silu" or "swish", got {activation!r}')
+
+
+def check_host_copies(op: str, copies: Iterable[tuple[str, Sequence[int] | None, torch.Tensor]]) -> None:
+    """``copies``: (name, the caller's host copy of a tensor's values or None, the tensor). Raise
+    ValueError when a given copy's length differs from its tensor's."""
+    for name, given, t in copies:
+        if given is not None and len(given) != t.shape[0]:
+            raise ValueError(f"{op}: `{name}` has {len(given)} values, its tensor {t.shape[0]}")

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from fastmamba.ops._common.checks import (
-    FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_indices, check_same_device, check_shape,
+    FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_host_copies, check_index_values, check_indices, check_same_device,
+    check_shape,
 )
 from fastmamba.ops._common.dispatch import use_triton
 from fastmamba.ops._common.host_values import host_list
@@ -141,9 +142,9 @@ def varlen_prefill_attention(
         raise ValueError(f"{op}: `cu_seqlens` expected shape (B+1,) with B >= 1, got {tuple(cu_seqlens.shape)}")
     B = cu_seqlens.shape[0] - 1
     check_indices(op, "slots", slots, B, block_table.shape[0], -1)
-    for name, given, t in (("cu_seqlens_host", cu_seqlens_host, cu_seqlens), ("slots_host", slots_host, slots)):
-        if given is not None and len(given) != t.shape[0]:
-            raise ValueError(f"{op}: `{name}` has {len(given)} values, its tensor {t.shape[0]}")
+    check_host_copies(op, (("cu_seqlens_host", cu_seqlens_host, cu_seqlens), ("slots_host", slots_host, slots)))
+    if slots_host is not None:  # the host copy indexes the block table below: its values too
+        check_index_values(op, "slots_host", slots_host, block_table.shape[0], -1)
     cu = list(cu_seqlens_host) if cu_seqlens_host is not None else host_list(cu_seqlens)
     ctx = host_list(ctx_lens) if isinstance(ctx_lens, torch.Tensor) else list(ctx_lens)
     if len(ctx) != B:

@@ -147,6 +147,9 @@ def test_attention_ops_reject_bad_input():
     with pytest.raises(ValueError, match="varlen_prefill_attention: `slots_host` has 2 values, its tensor 1"):
         varlen_prefill_attention(torch.randn(3, 4, 8), k, v, bt, torch.tensor([0]), torch.tensor([0, 3]), [0],
                                  slots_host=[0, 1])
+    with pytest.raises(ValueError, match=r"varlen_prefill_attention: `slots_host` values must lie in \[0, 2\).*got \[5\]"):
+        varlen_prefill_attention(torch.randn(3, 4, 8), k, v, bt, torch.tensor([0]), torch.tensor([0, 3]), [0],
+                                 slots_host=[5])
     with pytest.raises(ValueError, match="paged_kv_write: `k` expected shape"):
         paged_kv_write(torch.randn(2, 3, 8), torch.randn(2, 3, 8), k, v, bt, torch.tensor([0, 1]),
                        torch.tensor([0, 1]))
