@@ -99,6 +99,22 @@ def cu_of(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
+def micro_model(pattern: str, *, n_groups: int = 2, seed: int = 0) -> NemotronHLM:
+    """A random fp32 model small enough for the interpreter's Mamba kernels (two Mamba heads of 16;
+    2 query / 1 KV heads), layers as ``pattern`` says."""
+    from fastmamba.models.nemotron_h import random_init
+
+    cfg = NemotronHConfig(d_model=32, vocab_size=VOCAB, pattern=pattern, n_heads=2, n_kv_heads=1, head_dim=16,
+                          intermediate_size=48, mamba_nheads=2, mamba_headdim=16, n_groups=n_groups, d_state=16,
+                          chunk_size=8)
+    return random_init(NemotronHLM(cfg, dtype=torch.float32), seed=seed).eval()
+
+
+def cache_tensors(cache) -> tuple[torch.Tensor, ...]:
+    """Every state and K/V pool of a HybridCache with attention layers."""
+    return (*cache.conv, *cache.ssm, *cache.kv.k, *cache.kv.v)
+
+
 LENGTHS = (1, 5, 11, 19)  # one token; shorter than the conv; across chunks of 8
 
 
@@ -289,15 +305,10 @@ def test_decode_runs_the_triton_kernels(monkeypatch):
     """A decode step with the kernels (the interpreter on a CPU) equals the reference ops' step, pad
     row included, and leaves the same states and K/V behind. A micro model (two Mamba heads): the
     interpreter costs seconds per Mamba layer call."""
-    from fastmamba.models.nemotron_h import random_init
-
     if not INTERPRETER_AT_START:
         pytest.skip("needs TRITON_INTERPRET=1 before Python starts (Triton reads it at import); the GPU tests "
                     "run the kernels on CUDA tensors")
-    cfg = NemotronHConfig(d_model=32, vocab_size=VOCAB, pattern="M*-", n_heads=2, n_kv_heads=1, head_dim=16,
-                          intermediate_size=48, mamba_nheads=2, mamba_headdim=16, n_groups=2, d_state=16,
-                          chunk_size=8)
-    m = random_init(NemotronHLM(cfg, dtype=torch.float32)).eval()
+    m = micro_model("M*-")
     prompts = prompts_of((3, 6), 4)
     caches = []
     for _ in range(2):
@@ -312,8 +323,7 @@ def test_decode_runs_the_triton_kernels(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     got = m.decode(tokens, caches[1], slots)
     torch.testing.assert_close(got, want, **FP32)
-    for a, b in zip((*caches[0].conv, *caches[0].ssm, *caches[0].kv.k, *caches[0].kv.v),
-                    (*caches[1].conv, *caches[1].ssm, *caches[1].kv.k, *caches[1].kv.v)):
+    for a, b in zip(cache_tensors(caches[0]), cache_tensors(caches[1])):
         torch.testing.assert_close(a, b, **FP32)
 
 
@@ -323,16 +333,12 @@ def test_prefill_with_host_lists_reads_nothing_back(monkeypatch):
     positions and token rows go down in one copy (issue 19's host-free prefill path). Without them,
     the model boundary reads cu_seqlens and slots once each, and its layers nothing more. Same
     logits, states and K/V either way. A micro model: the Mamba kernels run in the interpreter."""
-    from fastmamba.models.nemotron_h import random_init
     from tests.models.test_prefill_varlen import HostReads
 
     if not INTERPRETER_AT_START:
         pytest.skip("counts the kernels' path (TRITON_INTERPRET=1 before Python starts); the references "
                     "loop over host values")
-    cfg = NemotronHConfig(d_model=32, vocab_size=VOCAB, pattern="*M*-", n_heads=2, n_kv_heads=1, head_dim=16,
-                          intermediate_size=48, mamba_nheads=2, mamba_headdim=16, n_groups=2, d_state=16,
-                          chunk_size=8)
-    m = random_init(NemotronHLM(cfg, dtype=torch.float32)).eval()
+    m = micro_model("*M*-")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     lengths = (3, 6)
     ids, cu = torch.cat(prompts_of(lengths, 5)), cu_of(lengths)
@@ -348,8 +354,7 @@ def test_prefill_with_host_lists_reads_nothing_back(monkeypatch):
         caches.append(cache)
     assert counts == [2, 0]
     assert torch.equal(logits[0], logits[1])
-    for a, b in zip((*caches[0].conv, *caches[0].ssm, *caches[0].kv.k, *caches[0].kv.v),
-                    (*caches[1].conv, *caches[1].ssm, *caches[1].kv.k, *caches[1].kv.v)):
+    for a, b in zip(cache_tensors(caches[0]), cache_tensors(caches[1])):
         assert torch.equal(a, b)
 
 
@@ -419,15 +424,10 @@ def test_any_pattern_decodes_like_its_forward(pattern):
     """Kinds are only a pattern: without attention (no KV pool), without Mamba (no slot pools) or
     starting with an MLP, step-by-step decode equals the full forward. The second half of the
     steps runs with ``grow=False`` after the caller grew the cache (the CUDA-graph replay path)."""
-    from fastmamba.models.nemotron_h import random_init
-
     if not INTERPRETER_AT_START:
         pytest.skip("needs TRITON_INTERPRET=1 before Python starts (Triton reads it at import); the GPU tests "
                     "run the kernels on CUDA tensors")
-    cfg = NemotronHConfig(d_model=32, vocab_size=VOCAB, pattern=pattern, n_heads=2, n_kv_heads=1, head_dim=16,
-                          intermediate_size=48, mamba_nheads=2, mamba_headdim=16, n_groups=1, d_state=16,
-                          chunk_size=8)
-    m = random_init(NemotronHLM(cfg, dtype=torch.float32), seed=3).eval()
+    m = micro_model(pattern, n_groups=1, seed=3)
     ids = prompts_of([10], 9)[0]
     full = m(ids[None])[0]
     cache = m.new_cache(1, max_seq_len=16, page_size=4)
