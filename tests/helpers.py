@@ -26,6 +26,17 @@ def nan_like(t: torch.Tensor) -> torch.Tensor:
     return torch.full_like(t, float("nan"))
 
 
+def raises_now_or_at_next_call(device: torch.device, call, match: str) -> None:
+    """A bad cu_seqlens or slot value given to a packed-batch op (causal_conv1d_varlen,
+    ssd_scan_varlen): CPU tensors raise the ValueError at this call (host check); GPU tensors at the
+    op's next call (the device check, ops/_common/varlen_checks.py: this call runs as padding)."""
+    if device.type == "cuda":
+        call()
+        torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
 def seeded(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     g = torch.Generator(device="cpu")
     g.manual_seed(seed)

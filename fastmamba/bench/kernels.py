@@ -428,7 +428,7 @@ def _run_one(
             config=config,
             preflight_sync=prov.preflight_sync,
         )
-        if eager and device.type == "cuda":
+        if eager and device.type == "cuda" and prov.kind in ("ours", "peer"):  # not the reference's loops
             row.eager_us = t.median_us if t.mode == "eager" else time_eager(make_call, n_sets, config).median_us
             row.host_us = time_host(make_call, n_sets, calls=config.host_calls)
     except Exception as exc:  # noqa: BLE001 - a failing provider is a row, not the end of the run

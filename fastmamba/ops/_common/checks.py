@@ -101,18 +101,20 @@ def check_unit_stride(op: str, name: str, t: torch.Tensor, dim: int) -> None:
         )
 
 
-def check_indices(op: str, name: str, idx: torch.Tensor, batch: int, num_slots: int, pad_slot_id: int) -> None:
+def check_indices(op: str, name: str, idx: torch.Tensor, batch: int, num_slots: int, pad_slot_id: int,
+                  read: bool = True) -> None:
     """Slot indices: shape (B,), int32/int64, each in [0, num_slots) or equal to pad_slot_id.
 
     The range check reads the indices on the host (a small device sync on CUDA), every call: a
     cached read could miss a change made behind the version counter. It is skipped where host
     reads are not allowed (CUDA-graph capture, torch.compile tracing, ``trusted_inputs()``: see
     host_values.py); the kernels then treat an index outside [0, num_slots) as a pad slot, so
-    nothing is ever written outside the pool.
+    nothing is ever written outside the pool. ``read=False``: shape and dtype only (the caller
+    checks the values on the device: ops/_common/varlen_checks.py).
     """
     check_dtype(op, name, idx, INDEX_DTYPES)
     check_shape(op, name, idx, [("B", batch)])
-    if not host_reads_allowed(idx):
+    if not read or not host_reads_allowed(idx):
         return
     check_index_values(op, name, idx, num_slots, pad_slot_id)
 

@@ -14,7 +14,11 @@ cannot see it yet: the first call after the kernel ran reports it. ``raise_pendi
 does the same check on demand for every op and device (after a synchronize it reports everything
 launched before it).
 
-Record layout (int64): [set, argument number, bad value, S].
+The packed-batch ops (causal_conv1d_varlen, ssd_scan_varlen) check their cu_seqlens the same way
+(ops/_common/varlen_checks.py): a call with any bad slot index or cu_seqlens value then runs as
+all padding (no state read or written, zero outputs), and its next call raises.
+
+Record layout (int64): [set, argument number, bad value, bound (S, or T for cu_seqlens), position].
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ def slot_record(op: str, device: torch.device) -> tuple[torch.Tensor, object]:
         with _lock:
             rec = _records.get(key)
             if rec is None:
-                t = torch.zeros(4, dtype=torch.int64, pin_memory=device.type == "cuda")
+                t = torch.zeros(5, dtype=torch.int64, pin_memory=device.type == "cuda")
                 rec = _records[key] = (t, t.numpy())
     return rec
 
@@ -51,15 +55,26 @@ def raise_pending(op: str, device: torch.device, names: tuple[str, ...]) -> None
         _raise(op, device, rec, names, "at this call")
 
 
+# what a call with a bad index did instead, by op (default: the decode ops' row skip)
+EFFECTS: dict[str, str] = {}
+_ROW_SKIPPED = "that row was skipped: nothing was written outside the pool"
+
+
 def _raise(op: str, device: torch.device, rec, names: tuple[str, ...], where: str) -> None:
     arr = rec[1]
-    which, value, S = int(arr[1]), int(arr[2]), int(arr[3])
+    which, value, bound, position = int(arr[1]), int(arr[2]), int(arr[3]), int(arr[4])
     arr[:] = 0
     name = names[which - 1] if 1 <= which <= len(names) else "slot index"
+    effect = EFFECTS.get(op, _ROW_SKIPPED)
+    if name == "cu_seqlens":
+        raise ValueError(
+            f"{op}: `cu_seqlens` must start at 0, never decrease and end at the token count {bound}; an "
+            f"earlier call of {op} on {device} got cu_seqlens[{position}] = {value} (checked on the device and "
+            f"reported {where}; {effect})"
+        )
     raise ValueError(
-        f"{op}: `{name}` values must lie in [0, {S}) or equal pad_slot_id; an earlier call of {op} on {device} "
-        f"got [{value}] (checked on the device and reported {where}; that row was skipped: nothing was written "
-        f"outside the pool)"
+        f"{op}: `{name}` values must lie in [0, {bound}) or equal pad_slot_id; an earlier call of {op} on {device} "
+        f"got [{value}] (checked on the device and reported {where}; {effect})"
     )
 
 

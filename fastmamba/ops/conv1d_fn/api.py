@@ -15,6 +15,7 @@ from fastmamba.ops._common.checks import (
     check_shape,
     parse_activation,
 )
+from fastmamba.ops._common import slot_errors, varlen_checks
 from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops._common.host_values import host_list, host_reads_allowed
 from fastmamba.ops.conv1d_fn.kernel import causal_conv1d_fn_launch, causal_conv1d_varlen_launch, is_channel_last
@@ -160,11 +161,15 @@ def causal_conv1d_varlen(
     computed in fp32, y is rounded once to x's dtype and the new state to the cache's dtype (the
     state columns are copies of inputs, exact when the cache's dtype holds x's).
 
-    All checks run before anything is written; the cu_seqlens and index checks read them on the
-    host (one sync each), every call, except where host reads are not allowed (CUDA-graph capture,
-    torch.compile tracing, ``trusted_inputs()``: see fastmamba.ops._common.host_values).
-    Unchecked values never make the kernel read or write outside the tensors: a slot outside
-    [0, S) acts as pad_slot_id, and the token ranges are clamped into [0, T].
+    All checks of shapes, dtypes and devices run before anything is written. The cu_seqlens and
+    slot values: CPU tensors are read on the host and checked first; an eager call on GPU tensors
+    checks them on the device with no synchronize (ops/_common/varlen_checks.py): a call with a
+    bad value runs as padding (no state read or written, zero outputs) and the op's next call
+    raises the ValueError (or ``fastmamba.ops.raise_pending_slot_errors()`` does). Nothing is
+    checked where host reads are not allowed (CUDA-graph capture, torch.compile tracing,
+    ``trusted_inputs()``: see fastmamba.ops._common.host_values); unchecked values never make the
+    kernel read or write outside the tensors: a slot outside [0, S) acts as pad_slot_id, and the
+    token ranges are clamped into [0, T].
     Reference: fastmamba.ops.conv1d_fn.ref.causal_conv1d_varlen_ref
 
     >>> x = torch.tensor([[1.0], [2.0], [3.0]])            # T=3 tokens of D=1 channel
@@ -179,9 +184,14 @@ def causal_conv1d_varlen(
     tensor([1., 3.])
     """
     silu = parse_activation(_OP_VARLEN, activation)
-    _check_varlen_inputs(x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, pad_slot_id)
+    on_device = _check_varlen_inputs(x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out,
+                                     pad_slot_id)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if on_device and cu_seqlens.shape[0] > 1:
+        cu_seqlens, cache_indices = varlen_checks.sanitize(
+            _OP_VARLEN, cu_seqlens, cache_indices, x.shape[0], conv_states.shape[0], pad_slot_id,
+            cu_which=2, idx_which=1)
     op = _causal_conv1d_varlen_impl if call_directly(x) else torch.ops.fastmamba.causal_conv1d_varlen_
     op(x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, silu, pad_slot_id)
     return out
@@ -309,10 +319,11 @@ def _check_fn_inputs(x, weight, bias, seq_idx, initial_states, final_states_out)
 
 def _check_varlen_inputs(
     x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, pad_slot_id
-) -> None:
+) -> bool:
     """Raise ValueError / TypeError naming the argument. The cu_seqlens values and the slot range
-    are read on the host (one sync each) where host_reads_allowed (not under CUDA-graph capture,
-    torch.compile tracing or trusted_inputs())."""
+    are read on the host (one sync each on a GPU) where host_reads_allowed (not under CUDA-graph
+    capture, torch.compile tracing or trusted_inputs()), except for GPU tensors, whose values the
+    caller checks on the device (varlen_checks.sanitize): returns True for those."""
     op = _OP_VARLEN
     if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, int):
         raise TypeError(f"{op}: `pad_slot_id` expected an int, got {type(pad_slot_id).__name__} {pad_slot_id!r}")
@@ -343,7 +354,9 @@ def _check_varlen_inputs(
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
         raise ValueError(f"{op}: `cu_seqlens` expected shape (B+1,), got {tuple(cu_seqlens.shape)}")
     B = cu_seqlens.shape[0] - 1
-    if host_reads_allowed(cu_seqlens):
+    on_device = varlen_checks.device_checked(x, cu_seqlens)
+    slot_errors.raise_pending(op, x.device, VARLEN_NAMES)  # what an earlier call's device check found
+    if not on_device and host_reads_allowed(cu_seqlens):
         cu = host_list(cu_seqlens)
         if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
             shown = cu if len(cu) <= 10 else cu[:5] + ["..."] + cu[-3:]
@@ -353,7 +366,7 @@ def _check_varlen_inputs(
             )
 
     if cache_indices is not None:
-        check_indices(op, "cache_indices", cache_indices, B, S, pad_slot_id)
+        check_indices(op, "cache_indices", cache_indices, B, S, pad_slot_id, read=not on_device)
     elif S < B:
         raise ValueError(
             f"{op}: without `cache_indices` sequence b uses slot b, so `conv_states` needs S >= B = {B} "
@@ -367,3 +380,9 @@ def _check_varlen_inputs(
         if tuple(out.shape) != tuple(x.shape):
             raise ValueError(f"{op}: `out` expected shape {tuple(x.shape)} (as x), got {tuple(out.shape)}")
         check_same_dtype(op, [("x", x), ("out", out)])
+    return on_device
+
+
+VARLEN_NAMES = ("cache_indices", "cu_seqlens")  # argument numbers 1, 2 of the device check's record
+slot_errors.NAMES[_OP_VARLEN] = VARLEN_NAMES
+slot_errors.EFFECTS[_OP_VARLEN] = "that call ran as padding: no state was read or written, its outputs are zeros"

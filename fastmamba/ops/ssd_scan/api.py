@@ -14,6 +14,7 @@ from fastmamba.ops._common.checks import (
     check_shape,
 )
 from fastmamba.ops._common.dispatch import call_directly, use_triton
+from fastmamba.ops._common import slot_errors, varlen_checks
 from fastmamba.ops._common.host_values import compiling, host_list, host_reads_allowed
 from fastmamba.ops.ssd_scan.fused import choose_fused, longest_sequence_bound, ssd_scan_varlen_fused_impl
 from fastmamba.ops.ssd_scan.kernel import _segment_slots_kernel
@@ -47,13 +48,13 @@ def chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return torch.cumsum(n, 0) - n
 
 
-def _check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, total: int) -> list[int] | None:
-    """Shape and dtype; where host reads are allowed also the values, which it returns (one read
-    serves the check, the chunk count and the fused path's length bound), else None."""
+def _check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, total: int, read: bool = True) -> list[int] | None:
+    """Shape and dtype; where host reads are allowed (and ``read``) also the values, which it
+    returns (one read serves the check, the chunk count and the fused path's length bound), else None."""
     check_dtype(op, "cu_seqlens", cu_seqlens, INDEX_DTYPES)
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"{op}: `cu_seqlens` expected shape (B+1,) with B >= 1, got {tuple(cu_seqlens.shape)}")
-    if not host_reads_allowed(cu_seqlens):
+    if not read or not host_reads_allowed(cu_seqlens):
         return None
     values = host_list(cu_seqlens)
     if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values[:-1], values[1:])):
@@ -363,8 +364,8 @@ def ssd_scan_varlen(
     cu_seqlens [B+1] int32/int64: 0 = cu[0] <= cu[1] <= ... <= cu[B] = T (empty sequences allowed)
     cache_indices [B] int32/int64 or None (slot b): pad_slot_id marks a padding sequence, whose
                              output rows are zeroed and whose slot is not touched; checked to lie in
-                             [0, S) (a host read); where the check is skipped (trusted_inputs(),
-                             capture, compile) an index outside [0, S) acts as the pad slot
+                             [0, S); where the check is skipped (trusted_inputs(), capture, compile)
+                             an index outside [0, S) acts as the pad slot
     has_initial_state [B] bool/int or None (all False: start from zeros)
     out        [T, H, P]     or None; written (must not overlap x)
     chunk_states_out [n_chunks, H, P, N] or None: the state after every chunk (prefix caching);
@@ -388,7 +389,13 @@ def ssd_scan_varlen(
                              knows (a graphed prefill's padding requests): the fused path sizes its
                              tiles for them. Tiles only: the result is the same for any value
     Returns out [T, H, P] (x's dtype). Chunks of ``chunk_size`` tokens never cross a sequence.
-    Checks read cu_seqlens and cache_indices on the host (skipped while a CUDA graph is captured).
+    cu_seqlens and cache_indices values: CPU tensors are checked on the host (ValueError before
+    anything is written); an eager call on GPU tensors checks them on the device with no
+    synchronize (ops/_common/varlen_checks.py): a call with a bad value runs as padding (no state
+    read or written, zero outputs) and the op's next call raises the ValueError (or
+    ``fastmamba.ops.raise_pending_slot_errors()`` does); with ``chunk_states_out`` they are read on
+    the host. Nothing is checked while a CUDA graph is captured, under torch.compile or inside
+    ``trusted_inputs()``.
     Reference: fastmamba.ops.ssd_scan.ref.ssd_scan_varlen_ref
     """
     if x.dim() != 3:
@@ -403,11 +410,15 @@ def ssd_scan_varlen(
     check_same_device(_VARLEN, [("x", x), ("ssm_states", ssm_states), ("cu_seqlens", cu_seqlens),
                                 ("cache_indices", cache_indices), ("has_initial_state", has_initial_state),
                                 ("out", out), ("chunk_states_out", chunk_states_out)])
-    cu_values = _check_cu_seqlens(_VARLEN, cu_seqlens, T)
+    # an eager call on GPU tensors checks cu_seqlens and the slots on the device (no synchronize:
+    # varlen_checks.py) unless chunk_states_out needs the exact chunk count on the host
+    on_device = chunk_states_out is None and varlen_checks.device_checked(x, cu_seqlens)
+    slot_errors.raise_pending(_VARLEN, x.device, VARLEN_NAMES)  # what an earlier call's check found
+    cu_values = _check_cu_seqlens(_VARLEN, cu_seqlens, T, read=not on_device)
     nseq = cu_seqlens.shape[0] - 1
     S = ssm_states.shape[0]
     if cache_indices is not None:
-        check_indices(_VARLEN, "cache_indices", cache_indices, nseq, S, pad_slot_id)
+        check_indices(_VARLEN, "cache_indices", cache_indices, nseq, S, pad_slot_id, read=not on_device)
     elif S < nseq:
         raise ValueError(f"{_VARLEN}: without `cache_indices` sequence b uses slot b, so `ssm_states` needs "
                          f"S >= B = {nseq} slots, got S = {S}")
@@ -447,6 +458,9 @@ def ssd_scan_varlen(
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
+    if on_device:
+        cu_seqlens, cache_indices = varlen_checks.sanitize(
+            _VARLEN, cu_seqlens, cache_indices, T, S, pad_slot_id, cu_which=2, idx_which=1)
     max_len = longest_sequence_bound(cu_values, T, max_seqlen)
     if choose_fused(fused, max_len):
         fused_op = ssd_scan_varlen_fused_impl if call_directly(x) else torch.ops.fastmamba.ssd_scan_varlen_fused_
@@ -464,6 +478,11 @@ def ssd_scan_varlen(
         bool(A_is_log), rand_seed,
     )
     return out
+
+
+VARLEN_NAMES = ("cache_indices", "cu_seqlens")  # argument numbers 1, 2 of the device check's record
+slot_errors.NAMES[_VARLEN] = VARLEN_NAMES
+slot_errors.EFFECTS[_VARLEN] = "that call ran as padding: no state was read or written, its outputs are zeros"
 
 
 def _ssd_scan_varlen_impl(

@@ -13,7 +13,7 @@ import torch
 from fastmamba.ops import selective_state_update
 from fastmamba.ops.ssd_scan import chunk_offsets, mamba_chunk_scan_combined, num_chunks, ssd_scan_varlen
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
-from tests.helpers import nan_like, seeded, tol
+from tests.helpers import nan_like, raises_now_or_at_next_call, seeded, tol
 
 PAD = -1
 
@@ -239,20 +239,29 @@ def test_bad_inputs_raise_before_writing(device):
     args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"])
     before = states.clone()
     T = sum(lens)
-    cases = [
+    values = [  # index values: on a GPU checked on the device and raised at the next call
         (dict(cu_seqlens=torch.tensor([0, 7, 5], device=device)), "never decrease"),
         (dict(cu_seqlens=torch.tensor([0, 5, 11], device=device)), f"token count {T}"),
         (dict(cu_seqlens=torch.tensor([1, 5, 12], device=device)), "start at 0"),
         (dict(cache_indices=torch.tensor([0, 99], dtype=torch.int32, device=device)), "values must lie in"),
+    ]
+    shapes = [
         (dict(has_initial_state=torch.ones(3, dtype=torch.bool, device=device)), "has_initial_state"),
         (dict(out=torch.empty(T, 4, 9, device=device)), "`out` expected shape"),
     ]
-    for extra, message in cases:
+    for k, (extra, message) in enumerate(values + shapes):
         kw = dict(cu_seqlens=cu)
         kw.update(extra)
         cu_arg = kw.pop("cu_seqlens")
-        with pytest.raises(ValueError, match=message):
+
+        def call():
             ssd_scan_varlen(*args, states, cu_arg, chunk_size=16, **kw)
+
+        if k < len(values):
+            raises_now_or_at_next_call(device, call, message)
+        else:
+            with pytest.raises(ValueError, match=message):
+                call()
         assert torch.equal(states, before)
     with pytest.raises(ValueError, match="multiple of the groups"):
         ssd_scan_varlen(inp["x"], inp["dt"], inp["A"], inp["B"][:, :1].expand(T, 3, 8), inp["C"][:, :1].expand(T, 3, 8),
@@ -572,8 +581,8 @@ def test_varlen_index_changed_behind_version_counter_raises(device, scan_path):
     ssd_scan_varlen(*args, **kw)  # checked and run once
     after_first = states.clone()
     idx.data[0] = S + 3  # behind the version counter: a cached check would miss it
-    with pytest.raises(ValueError, match=rf"ssd_scan_varlen: `cache_indices` values must lie in \[0, {S}\).*{S + 3}"):
-        ssd_scan_varlen(*args, **kw)
+    raises_now_or_at_next_call(device, lambda: ssd_scan_varlen(*args, **kw),
+                               rf"ssd_scan_varlen: `cache_indices` values must lie in \[0, {S}\).*{S + 3}")
     assert torch.equal(states, after_first)
 
 
