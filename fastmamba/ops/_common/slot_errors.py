@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastmamba.ops._common.launch import lean
+
 _records: dict = {}
 _lock = threading.Lock()
 
@@ -66,6 +68,11 @@ def _raise(op: str, device: torch.device, rec, names: tuple[str, ...], where: st
     arr[:] = 0
     name = names[which - 1] if 1 <= which <= len(names) else "slot index"
     effect = EFFECTS.get(op, _ROW_SKIPPED)
+    if name == "accepted":  # commit_accepted's counts, in [0, T]
+        raise ValueError(
+            f"{op}: `accepted` values must lie in [0, {bound}]; an earlier call of {op} on {device} got [{value}] "
+            f"(checked on the device and reported {where}; {effect})"
+        )
     if name == "cu_seqlens":
         raise ValueError(
             f"{op}: `cu_seqlens` must start at 0, never decrease and end at the token count {bound}; an "
@@ -112,3 +119,31 @@ def report_bad_slot(err_ptr, slot, pad_slot_id, n_slots, which: tl.constexpr):
         tl.store(err_ptr + 2, slot.to(tl.int64))
         tl.store(err_ptr + 3, n_slots)
         tl.store(err_ptr, 1)
+
+
+@triton.jit(do_not_specialize=["B", "n_slots", "pad_slot_id"])
+def _check_slots_kernel(idx_ptr, stride_idx, err_ptr, B, n_slots, pad_slot_id, WHICH: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """One program: record the first of ``idx``'s B values outside [0, n_slots) that is not the pad id."""
+    NONE: tl.constexpr = 2 ** 62
+    bad_at = tl.full([], NONE, tl.int64)
+    for start in range(0, B, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < B
+        slot = tl.load(idx_ptr + offs * stride_idx, mask=m, other=0).to(tl.int64)
+        bad = m & (slot != pad_slot_id) & ((slot < 0) | (slot >= n_slots))
+        bad_at = tl.minimum(bad_at, tl.min(tl.where(bad, offs.to(tl.int64), NONE), 0))
+    if bad_at < NONE:
+        tl.store(err_ptr + 1, WHICH)
+        tl.store(err_ptr + 2, tl.load(idx_ptr + bad_at * stride_idx).to(tl.int64))
+        tl.store(err_ptr + 3, n_slots.to(tl.int64))
+        tl.store(err_ptr + 4, bad_at)
+        tl.store(err_ptr, 1)
+
+
+def check_slots_on_device(op: str, idx: torch.Tensor, n_slots: int, pad_slot_id: int, which: int) -> None:
+    """For an op whose kernels treat a slot outside [0, n_slots) as the pad slot but cannot record
+    it themselves: one single-program launch that records the first bad value of ``idx`` ([B]
+    int32/int64) as argument number ``which``, reported at the op's next call."""
+    lean(_check_slots_kernel)[(1,)](idx, idx.stride(0), slot_record(op, idx.device)[0], idx.shape[0], n_slots,
+                                    pad_slot_id, WHICH=which, BLOCK=256, num_warps=4)

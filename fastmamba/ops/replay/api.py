@@ -5,6 +5,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from fastmamba.ops._common import slot_errors
 from fastmamba.ops._common.host_values import host_list, host_reads_allowed
 from fastmamba.ops._common.checks import (
     FLOAT_DTYPES,
@@ -41,6 +42,21 @@ from fastmamba.ops.replay.kernel import (
 from fastmamba.ops.replay.ref import replay_selective_state_update_ref
 
 OP = "replay_selective_state_update"
+
+
+# Tests of the device check without a GPU: CPU indices (under the interpreter) checked on the
+# device too; a real CPU run reads them on the host (no synchronize there).
+DEVICE_CHECK_CPU = False
+_ROW_SKIPPED = "that row was skipped: nothing was written outside the pool"
+slot_errors.NAMES["replay_selective_state_update"] = ("state_batch_indices",)
+slot_errors.NAMES["flush_replay_cache"] = ("slots",)
+slot_errors.NAMES["commit_accepted"] = ("slots", "accepted")
+
+
+def _device_check(t: torch.Tensor | None) -> bool:
+    """Whether a call checks ``t``'s index values on the device (recorded, raised at the op's next
+    call: ops/_common/slot_errors.py) instead of reading them on the host: eager GPU tensors."""
+    return t is not None and (t.is_cuda or DEVICE_CHECK_CPU) and host_reads_allowed(t)
 
 
 def default_history(tokens: int) -> int:
@@ -144,7 +160,9 @@ def commit_accepted(
     slots      [B] int32/int64, the step's ``state_batch_indices`` (None: slot b); pad rows skipped
     accepted   [B] integer in 0..T: tokens accepted per request (0: none; the next step then
                replays only the older history)
-    check      range-check ``accepted`` on the host (one sync; skipped while a CUDA graph is captured)
+    check      range-check ``accepted`` (CPU: on the host; eager GPU calls: in the kernel, which
+               skips a bad row and records it for the op's next call to raise; skipped while a
+               CUDA graph is captured). Slots are checked the same way
 
     Must run once for every slot of every replay call, with the call's T, before the next call on
     that slot. One kernel launch on a GPU (plain torch on the CPU), no host sync of its own when
@@ -176,19 +194,25 @@ def commit_accepted(
         raise TypeError(f"{op}: `accepted` expected an integer dtype, got {str(accepted.dtype).replace('torch.', '')}")
     if not 1 <= tokens <= history:
         raise ValueError(f"{op}: need 1 <= tokens <= history, got tokens={tokens}, history={history}")
-    if slots is not None:
-        check_indices(op, "slots", slots, nreq, nslots, pad_slot_id)
-    elif nreq > nslots:
-        raise ValueError(f"{op}: without slots, the cache needs at least B={nreq} rows, got {nslots}")
     check_same_device(op, [("buf_idx", buf_idx), ("prev_accepted", prev_accepted), ("hist_len", hist_len),
                            ("slots", slots), ("accepted", accepted)])
-    if check and host_reads_allowed(accepted):  # one read of the values, no device-side temporaries
+    on_device = _device_check(accepted) and use_triton(accepted)
+    slot_errors.raise_pending(op, accepted.device, slot_errors.NAMES[op])
+    if slots is not None:
+        check_indices(op, "slots", slots, nreq, nslots, pad_slot_id, read=not on_device)
+    elif nreq > nslots:
+        raise ValueError(f"{op}: without slots, the cache needs at least B={nreq} rows, got {nslots}")
+    if check and not on_device and host_reads_allowed(accepted):  # one read of the values
         bad = [int(v) for v in host_list(accepted) if not 0 <= v <= tokens][:4]
         if bad:
             raise ValueError(f"{op}: `accepted` values must lie in [0, {tokens}]; got {bad}")
     if use_triton(accepted):
+        # eager GPU calls: the kernel checks slots (and, with ``check``, accepted), skips a bad
+        # row and records it for the next call
         launch_commit(buf_idx, prev_accepted, hist_len, slots, accepted, tokens=tokens, history=history,
-                      pad_slot_id=pad_slot_id)
+                      pad_slot_id=pad_slot_id,
+                      err=slot_errors.slot_record(op, accepted.device)[0] if on_device else None,
+                      check_accepted=bool(check))
         return
     # CPU without the interpreter: the same arithmetic as the kernel, vectorised
     idx = torch.arange(nreq, device=accepted.device) if slots is None else slots
@@ -223,18 +247,23 @@ def flush_replay_cache(cache: ReplayCache, slots: torch.Tensor, *, pad_slot_id: 
     slots [B] int32/int64 on the cache's device. ``reset=False`` leaves the counters alone (for
     caches whose layers share them: flush every layer, then reset once). One kernel launch
     (``_flush_kernel``: the replay kernels' history loop) plus the counter reset; plain torch on a
-    CPU without the interpreter. No host sync besides the slot check. 16-bit states are rounded
-    to nearest. Reference: ``ref.flush_ref``.
+    CPU without the interpreter. No host sync: CPU slots are checked on the host, eager GPU ones
+    on the device (a bad slot is skipped and the op's next call raises). 16-bit states are
+    rounded to nearest. Reference: ``ref.flush_ref``.
     """
     op = "flush_replay_cache"
     check_tensors(op, [("slots", slots)])
     pad_slot_id = check_int(op, "pad_slot_id", pad_slot_id)
     state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len = cache
     nslots, H = state.shape[0], state.shape[1]
-    check_indices(op, "slots", slots, slots.shape[0], nslots, pad_slot_id)
+    on_device = _device_check(slots) and use_triton(state)
+    slot_errors.raise_pending(op, slots.device, slot_errors.NAMES[op])
+    check_indices(op, "slots", slots, slots.shape[0], nslots, pad_slot_id, read=not on_device)
     if slots.shape[0] == 0:
         return
     if use_triton(state):
+        if on_device:  # the kernels skip a slot outside [0, S); this records it for the next call
+            slot_errors.check_slots_on_device(op, slots, nslots, pad_slot_id, which=1)
         launch_flush(state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, slots,
                      pad_slot_id=pad_slot_id)
         if reset:
@@ -559,8 +588,10 @@ def replay_selective_state_update(
                            ("old_cumA", old_cumA), ("buf_idx", buf_idx), ("prev_accepted", prev_accepted),
                            ("hist_len", hist_len), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("dt_bias", dt_bias),
                            ("state_batch_indices", state_batch_indices), ("rand_seed", rand_seed), ("out", out)])
+    on_device = _device_check(state_batch_indices) and use_triton(x)
+    slot_errors.raise_pending(OP, x.device, slot_errors.NAMES[OP])
     if state_batch_indices is not None:
-        check_indices(OP, "state_batch_indices", state_batch_indices, nreq, nslots, pad_slot_id)
+        check_indices(OP, "state_batch_indices", state_batch_indices, nreq, nslots, pad_slot_id, read=not on_device)
     elif nslots < nreq:
         raise ValueError(f"{OP}: without state_batch_indices, `state` needs at least B={nreq} rows, got {nslots}")
     if rand_seed is not None:
@@ -576,6 +607,8 @@ def replay_selective_state_update(
         check_shape(OP, "out", out, [(k, v) for k, v in zip("BTHP", x.shape)])
         check_same_dtype(OP, [("x", x), ("out", out)])
 
+    if on_device:  # the kernels skip a slot outside [0, S); this records it for the next call
+        slot_errors.check_slots_on_device(OP, state_batch_indices, nslots, pad_slot_id, which=1)
     op = _replay_impl if call_directly() else _replay_op
     op(
         state, old_x, old_B, old_dt, old_cumA, buf_idx, prev_accepted, hist_len, x, dt, A, B, C, D, z, dt_bias,

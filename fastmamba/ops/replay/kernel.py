@@ -1028,9 +1028,9 @@ def launch_replay_checkpoint_tma(
 
 @triton.jit
 def _commit_kernel(
-    buf_idx_ptr, accepted_ptr, hist_ptr, slots_ptr, new_ptr,
+    buf_idx_ptr, accepted_ptr, hist_ptr, slots_ptr, new_ptr, err_ptr,
     nreq, T, capacity, pad_slot_id, n_slots,
-    HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr, REPORT: tl.constexpr = False, CHECK_NEW: tl.constexpr = False,
 ):
     # the bookkeeping after a call (see ref.commit_accepted_ref); one element per request
     b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -1040,6 +1040,27 @@ def _commit_kernel(
     else:
         slot = b.to(tl.int64)
     live = mb & (slot != pad_slot_id) & (slot >= 0) & (slot < n_slots)  # outside [0, S): as the pad slot
+    if REPORT:  # eager calls (slot_errors.py): record the first bad slot / accepted count, skip its row
+        NONE: tl.constexpr = 2 ** 62
+        bad_slot = mb & (slot != pad_slot_id) & ((slot < 0) | (slot >= n_slots))
+        at = tl.min(tl.where(bad_slot, b.to(tl.int64), NONE), 0)
+        if at < NONE:
+            tl.store(err_ptr + 1, 1)
+            tl.store(err_ptr + 2, tl.sum(tl.where(b == at, slot, 0), 0))
+            tl.store(err_ptr + 3, tl.full([], 0, tl.int64) + n_slots)  # (an int Triton may have made a constant)
+            tl.store(err_ptr + 4, at)
+            tl.store(err_ptr, 1)
+        if CHECK_NEW:
+            n = tl.load(new_ptr + b, mask=live, other=0).to(tl.int64)
+            bad_new = live & ((n < 0) | (n > T))
+            at = tl.min(tl.where(bad_new, b.to(tl.int64), NONE), 0)
+            if at < NONE:
+                tl.store(err_ptr + 1, 2)
+                tl.store(err_ptr + 2, tl.sum(tl.where(b == at, n, 0), 0))
+                tl.store(err_ptr + 3, tl.full([], 0, tl.int64) + T)
+                tl.store(err_ptr + 4, at)
+                tl.store(err_ptr, 1)
+            live = live & (bad_new == 0)
     k = tl.load(hist_ptr + slot, mask=live, other=0) + tl.load(accepted_ptr + slot, mask=live, other=0)
     checkpoint = k + T > capacity
     r = tl.load(buf_idx_ptr + slot, mask=live, other=0)
@@ -1048,13 +1069,17 @@ def _commit_kernel(
     tl.store(accepted_ptr + slot, tl.load(new_ptr + b, mask=live, other=0).to(accepted_ptr.dtype.element_ty), mask=live)
 
 
-def launch_commit(buf_idx, prev_accepted, hist_len, slots, accepted, *, tokens: int, history: int, pad_slot_id: int):
-    """buf_idx, prev_accepted, hist_len (S,) int32/int64 (one dtype); slots (B,) or None; accepted (B,)."""
+def launch_commit(buf_idx, prev_accepted, hist_len, slots, accepted, *, tokens: int, history: int, pad_slot_id: int,
+                  err=None, check_accepted: bool = False):
+    """buf_idx, prev_accepted, hist_len (S,) int32/int64 (one dtype); slots (B,) or None; accepted (B,).
+    ``err``: the op's slot-error record (slot_errors.py): bad slots (and, with ``check_accepted``,
+    accepted counts outside [0, T]) are recorded there and their rows skipped."""
     nreq = accepted.shape[0]
     block = 128
     lean(_commit_kernel)[(cdiv(nreq, block),)](
-        buf_idx, prev_accepted, hist_len, slots, accepted, nreq, tokens, history, pad_slot_id, buf_idx.shape[0],
-        HAS_SLOTS=slots is not None, BLOCK=block, num_warps=1,
+        buf_idx, prev_accepted, hist_len, slots, accepted, err, nreq, tokens, history, pad_slot_id, buf_idx.shape[0],
+        HAS_SLOTS=slots is not None, BLOCK=block, REPORT=err is not None, CHECK_NEW=err is not None and check_accepted,
+        num_warps=1,
     )
 
 

@@ -384,7 +384,9 @@ def ssd_scan_varlen(
                              tokens. Same results up to rounding.
     max_seqlen int or None: a host bound on the longest sequence (the runtime knows it), which
                              picks the path and tiles without reading cu_seqlens; None: from
-                             cu_seqlens where the op reads it anyway, else T
+                             cu_seqlens where the op reads it anyway (CPU tensors), else T (GPU
+                             tensors: pass it to get the fused path for short sequences packed
+                             past MAX_FUSED_LEN tokens)
     live_seqs  int or None: how many of the B sequences are not padding (pad slot), when the host
                              knows (a graphed prefill's padding requests): the fused path sizes its
                              tiles for them. Tiles only: the result is the same for any value

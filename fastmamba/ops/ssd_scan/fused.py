@@ -3,8 +3,9 @@
 ``ssd_scan_varlen`` takes this path when every sequence of the call is at most
 ``fused_configs.MAX_FUSED_LEN`` tokens (or when the caller passes ``fused=True``). The longest
 sequence is known on the host without a device read: the caller's ``max_seqlen``, else the values
-of cu_seqlens that its checks read on the host anyway (no extra read), else the packed
-token count T, which bounds every sequence (inside trusted_inputs(), CUDA-graph capture, compile).
+of cu_seqlens that its checks read on the host anyway (CPU tensors: no extra read), else the packed
+token count T, which bounds every sequence (GPU tensors, whose values are checked on the device;
+inside trusted_inputs(), CUDA-graph capture, compile).
 """
 from __future__ import annotations
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fastmamba.ops._common.checks as checks
 import fastmamba.ops.replay.api as replay_api
-from fastmamba.ops import ReplayCache, commit_accepted, flush_replay_cache, replay_selective_state_update
+from fastmamba.ops import ReplayCache, replay_selective_state_update
 from fastmamba.ops._common.host_values import trusted_inputs
 from fastmamba.ops.replay.ref import commit_accepted_ref, flush_ref, replay_selective_state_update_ref
 from tests.helpers import nan_like, tol
@@ -128,3 +129,89 @@ def test_reference_validates_before_writing(monkeypatch):
     with pytest.raises(ValueError, match=r"flush_ref: `slots`.*\[-3\]"):
         flush_ref(*pooled, idx)
     assert all(torch.equal(_bits(b), s) for b, s in zip(bigs, snapshot))
+
+
+# (d) eager calls on GPU tensors check their slots (and commit's accepted counts) on the device: no
+# synchronize; a bad row is skipped and the op's next call raises (ops/_common/slot_errors.py). On
+# the CPU the same path runs under the interpreter with DEVICE_CHECK_CPU on.
+
+def _device_checked(monkeypatch, device):
+    if device.type != "cuda":
+        _kernel_path_only()
+        monkeypatch.setattr(replay_api, "DEVICE_CHECK_CPU", True)
+
+
+def test_device_checked_slots_skip_the_row_and_the_next_call_raises(monkeypatch, device):
+    _device_checked(monkeypatch, device)
+    cache, inp, slots = make_inputs(BASE, device, seed=44)
+    S = cache.state.shape[0]
+    bigs, pooled = _pooled(_clone(cache)) if device.type == "cpu" else (None, _clone(cache))
+    before = _guards(bigs) if bigs else None
+    idx = inp["state_batch_indices"].clone()
+    idx[2] = S + 1  # the base case's pad row gets an out-of-range slot
+    ref = _clone(cache)
+    y_ref = replay_selective_state_update_ref(*[t.cpu() for t in ref], **{k: v.cpu() if isinstance(v, torch.Tensor)
+                                                                       else v for k, v in inp.items()})
+    out = nan_like(inp["x"])
+    reads = []
+    for module in (checks, replay_api):
+        monkeypatch.setattr(module, "host_list", lambda t, real=module.host_list: reads.append(t) or real(t))
+    replay_selective_state_update(*pooled, **dict(inp, state_batch_indices=idx), out=out)
+    assert reads == []  # checked on the device
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    torch.testing.assert_close(out.cpu(), y_ref, **tol(BASE.act))
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    if bigs:
+        assert _guards_equal(bigs, before)
+    state_after = pooled.state.clone()
+    with pytest.raises(ValueError, match=rf"replay_selective_state_update: `state_batch_indices` values must lie in "
+                                         rf"\[0, {S}\).*an earlier call.*\[{S + 1}\].*row was skipped"):
+        replay_selective_state_update(*pooled, **inp)
+    assert torch.equal(pooled.state, state_after)  # raised before launching
+
+    pooled.commit(idx, torch.tensor([1, 2, 3], dtype=torch.int32, device=device), BASE.tokens)  # row 2 skipped
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=rf"commit_accepted: `slots` values must lie in \[0, {S}\).*\[{S + 1}\]"):
+        pooled.commit(inp["state_batch_indices"], torch.ones(3, dtype=torch.int32, device=device), BASE.tokens)
+    assert pooled.prev_accepted[idx[:2].long()].tolist() == [1, 2]  # the two live rows were committed
+
+    good = inp["state_batch_indices"]
+    too_many = torch.tensor([BASE.tokens + 1, 0, 0], dtype=torch.int32, device=device)
+    kept = pooled.prev_accepted.clone()
+    pooled.commit(good, too_many, BASE.tokens)  # row 0 skipped, rows 1 (and the pad row) committed
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    assert pooled.prev_accepted[good[0]] == kept[good[0]]
+    with pytest.raises(ValueError, match=rf"commit_accepted: `accepted` values must lie in \[0, {BASE.tokens}\].*"
+                                         rf"\[{BASE.tokens + 1}\]"):
+        pooled.commit(good, torch.ones(3, dtype=torch.int32, device=device), BASE.tokens)
+
+    pooled.flush(idx)  # the out-of-range slot skipped
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=rf"flush_replay_cache: `slots` values must lie in \[0, {S}\).*\[{S + 1}\]"):
+        pooled.flush(good)
+    if bigs:
+        assert _guards_equal(bigs, before)
+    pooled.flush(good)  # reported once
+
+
+@pytest.mark.gpu
+def test_gpu_replay_ops_never_synchronize():
+    device = torch.device("cuda")
+    cache, inp, slots = make_inputs(BASE, device, seed=45)
+    idx, accepted = inp["state_batch_indices"], torch.tensor([1, 2, 3], dtype=torch.int32, device=device)
+    for _ in range(2):  # compile
+        replay_selective_state_update(*cache, **inp)
+        cache.commit(idx, accepted, BASE.tokens)
+        cache.flush(idx)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        replay_selective_state_update(*cache, **inp)
+        cache.commit(idx, accepted, BASE.tokens)
+        cache.flush(idx)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

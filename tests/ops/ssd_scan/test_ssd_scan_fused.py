@@ -236,8 +236,15 @@ def _dispatch_case(device, lens):
 
 
 def test_automatic_choice_from_host_cu_seqlens(device, launches):
+    """CPU tensors: the lengths come from the cu_seqlens values the host check reads. GPU tensors
+    are checked on the device (no host read): without max_seqlen, T = 13 > 10 bounds the longest."""
     args, kw = _dispatch_case(device, (10, 3))  # longest 10 <= 10: fused
     ssd_scan_varlen(*args, **kw)
+    if device.type == "cuda":
+        assert launches == {"fused": 0, "chunked": 1}
+        ssd_scan_varlen(*args, max_seqlen=10, **kw)
+        assert launches == {"fused": 1, "chunked": 1}
+        return
     assert launches == {"fused": 1, "chunked": 0}
     args, kw = _dispatch_case(device, (3, 11))  # longest 11 > 10: chunked
     ssd_scan_varlen(*args, **kw)
