@@ -13,7 +13,8 @@ CPU times are this thread's CPU time (``time.thread_time_ns``: steadier on a sha
 CUDA: nothing stubbed; N calls are timed with ``time.perf_counter_ns`` without synchronizing
 (the queue holds them: a call's kernel is shorter than its host time at these batch-1 shapes),
 and the synchronize after them is not counted. Each figure is the median over ``--repeats`` runs
-of N calls, in µs per call.
+of N calls, in µs per call. GPU runs end with the host limit measured the same way: one
+``torch.empty``, one ``torch.add`` and one lean launch of a small Triton kernel.
 
 Shapes: mamba2-2.7b (H80 P64 N128 G1, conv dim 5376, W4) at batch 1, L=16 for the prefill ops,
 T=4 for the speculative ops. ``--shape tiny`` (H2 P16 N16) for a quick CPU check.
@@ -118,6 +119,23 @@ def build_calls(device: torch.device, shape: str) -> dict:
     }
 
 
+def floor_calls(device: torch.device) -> dict:
+    """The host limit on the same machine (GPU runs): what one allocation, one torch op and one
+    lean Triton launch cost, the pieces every op's call is made of."""
+    from fastmamba.ops._common.launch import lean
+    from fastmamba.ops._common.slot_errors import _check_slots_kernel, slot_record
+
+    x = torch.zeros(1, 80, 64, dtype=torch.bfloat16, device=device)
+    idx = torch.zeros(1, dtype=torch.int32, device=device)
+    err = slot_record("host_overhead", device)[0]
+    return {
+        "floor: torch.empty (one allocation)": lambda: torch.empty(x.shape, dtype=x.dtype, device=x.device),
+        "floor: torch.add (one torch op)": lambda: torch.add(x, x),
+        "floor: one lean Triton launch": lambda: lean(_check_slots_kernel)[(1,)](
+            idx, 1, err, 1, 4, -1, WHICH=1, BLOCK=256, num_warps=4),
+    }
+
+
 def time_host(fn, calls: int, repeats: int, cuda: bool) -> float:
     """Median over ``repeats`` of (elapsed of ``calls`` calls) / calls, in µs; syncs not counted.
     CPU runs count this thread's CPU time (time.thread_time_ns), which a machine shared with other
@@ -171,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     for op in wanted:
         us = time_host(calls[op], args.calls, args.repeats, cuda)
         print(f"{op:32s} {us:9.1f}", flush=True)
+    if cuda:
+        for name, fn in floor_calls(device).items():
+            print(f"{name:32s} {time_host(fn, args.calls, args.repeats, cuda):9.1f}", flush=True)
     return 0
 
 

@@ -134,8 +134,9 @@ def ssd_scan_launch(
         # one kernel: chunk states handed from chunk to chunk (no per-chunk fp32 round trip)
         n_nblocks = cdiv(N, block_n_state)
         send = torch.empty(n_chunks, H, P, N, dtype=torch.float32, device=dev)
-        ticket = torch.zeros(1, dtype=torch.int32, device=dev)
-        flags = torch.zeros(n_chunks * H * n_nblocks, dtype=torch.int32, device=dev)
+        n_flags = n_chunks * H * n_nblocks
+        counters = torch.zeros(n_flags + 1, dtype=torch.int32, device=dev)  # one fill launch for both
+        flags, ticket = counters[:n_flags], counters[n_flags:]  # flags keep the allocation's alignment
         lean(_chunk_state_chain_kernel)[(n_chunks * H * n_nblocks,)](
             x, B, table, segments.cu, segments.skip, states_in, send, dt_scratch, cs_scratch, ticket, flags,
             segments.init, segments.init_idx, segments.final, segments.final_idx, None, segments.chunk_out,
