@@ -25,7 +25,8 @@ from fastmamba.ops._common.checks import (
     check_shape,
 )
 from fastmamba.ops._common.dispatch import use_triton
-from fastmamba.ops._common.host_values import host_list
+from fastmamba.ops._common import slot_errors
+from fastmamba.ops._common.host_values import host_list, host_reads_allowed
 from fastmamba.ops.attention.configs import INTERPRET_CONFIG, DecodeConfig, pick_splits, pick_tile, sm_count
 from fastmamba.ops.attention.kernel import launch_paged_decode_attention
 from fastmamba.ops.attention.ref import paged_decode_attention_ref
@@ -186,6 +187,12 @@ def varlen_prefill_attention(
     return out
 
 
+# Tests of the device check without a GPU: CPU slots (under the interpreter) checked on the device
+# too; a real CPU run reads them on the host (no synchronize there).
+DEVICE_CHECK_CPU = False
+slot_errors.NAMES["paged_decode_attention"] = ("slots",)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -214,8 +221,10 @@ def paged_decode_attention(
                  (``fastmamba.ops.attention.configs.pick_config``): enough runs for a few programs
                  per SM when B x Hkv is small, 1 under the interpreter
     Returns [B, Hq, Dh] in q's dtype (``out`` when given). fp32 softmax and accumulation.
-    Reads nothing on the host except the slots' range check where host reads are allowed
-    (graph safe: block_table, seq_lens and slots can be static buffers).
+    Reads nothing on the host (graph safe: block_table, seq_lens and slots can be static buffers).
+    The slots' range is checked on the host for CPU tensors; an eager call on GPU tensors checks
+    them on the device (one small launch, no synchronize): a bad row is skipped (zero output) and
+    the op's next call raises the ValueError. Not checked under capture, compile or trusted_inputs().
     Reference: fastmamba.ops.attention.ref.paged_decode_attention_ref
     """
     op = "paged_decode_attention"
@@ -225,9 +234,11 @@ def paged_decode_attention(
     S = block_table.shape[0]
     check_dtype(op, "seq_lens", seq_lens, INDEX_DTYPES)
     check_shape(op, "seq_lens", seq_lens, [("S", S)])
-    check_indices(op, "slots", slots, B, S, -1)
     check_same_device(op, [("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("block_table", block_table),
                            ("seq_lens", seq_lens), ("slots", slots)])
+    on_device = (slots.is_cuda or DEVICE_CHECK_CPU) and use_triton(q) and host_reads_allowed(slots)
+    slot_errors.raise_pending(op, slots.device, slot_errors.NAMES[op])
+    check_indices(op, "slots", slots, B, S, -1, read=not on_device)
     if PAGE & (PAGE - 1):
         raise ValueError(f"{op}: the page size (k_pages.shape[1]) must be a power of two, got {PAGE}")
     scale = scale if scale is not None else 1.0 / math.sqrt(Dh)
@@ -241,6 +252,8 @@ def paged_decode_attention(
         out.copy_(paged_decode_attention_ref(q, k_pages, v_pages, block_table, seq_lens, slots, scale=scale))
         return out
     if B:
+        if on_device:  # the kernel treats a slot outside [0, S) as a pad row; this records it
+            slot_errors.check_slots_on_device(op, slots, S, -1, which=1)
         config = _launch_config(q, B * Hkv, block_table.shape[1] * PAGE, Dh, k_pages.element_size())
         if num_splits is not None:
             config = config._replace(num_splits=num_splits)

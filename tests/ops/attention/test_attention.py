@@ -337,3 +337,48 @@ def test_paged_decode_attention_cuda_graph_gpu():
         graph.replay()
         want = paged_decode_attention_ref(q, k, v, bt, seq_lens, slots)
         torch.testing.assert_close(out.float(), want, **tol(dtype))
+
+
+def test_decode_slots_checked_on_the_device_report_at_the_next_call(device, monkeypatch):
+    """An eager call on GPU tensors (here CPU ones with the switch on, under the interpreter) reads
+    no slot on the host: a bad slot's row is skipped (zero output) and the next call raises."""
+    import fastmamba.ops._common.checks as checks
+    from fastmamba.ops.attention import api as attention_api
+    from fastmamba.ops.attention.ref import paged_decode_attention_ref
+
+    if device.type != "cuda":
+        if not attention_api.use_triton(torch.empty(1)):
+            pytest.skip("the kernel path needs TRITON_INTERPRET=1 on the CPU")
+        monkeypatch.setattr(attention_api, "DEVICE_CHECK_CPU", True)
+    k, v, bt, seq_lens = (t.to(device) for t in paged_pool(S=3, Np=8, PAGE=4, Hkv=2, Dh=8, lens=(5, 3, 7)))
+    q = torch.randn(2, 4, 8, generator=seeded(1)).to(device)
+    reads = []
+    monkeypatch.setattr(checks, "host_list", lambda t, real=checks.host_list: reads.append(t) or real(t))
+    out = paged_decode_attention(q, k, v, bt, seq_lens, torch.tensor([2, 5], dtype=torch.int32, device=device))
+    assert reads == []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    want = paged_decode_attention_ref(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), seq_lens.cpu(), torch.tensor([2, -1]))
+    torch.testing.assert_close(out.cpu(), want, **tol(torch.float32))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))  # the bad row acts as a pad row
+    good = torch.tensor([2, 0], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"paged_decode_attention: `slots` values must lie in \[0, 3\).*earlier "
+                                         r"call.*\[5\]"):
+        paged_decode_attention(q, k, v, bt, seq_lens, good)
+    paged_decode_attention(q, k, v, bt, seq_lens, good)  # reported once
+
+
+@pytest.mark.gpu
+def test_gpu_decode_attention_never_synchronizes():
+    dev = torch.device("cuda")
+    k, v, bt, seq_lens = (t.to(dev) for t in paged_pool(S=3, Np=8, PAGE=4, Hkv=2, Dh=8, lens=(5, 3, 7)))
+    q = torch.randn(2, 4, 8, device=dev)
+    slots = torch.tensor([2, 0], dtype=torch.int32, device=dev)
+    paged_decode_attention(q, k, v, bt, seq_lens, slots)  # compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            paged_decode_attention(q, k, v, bt, seq_lens, slots)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
