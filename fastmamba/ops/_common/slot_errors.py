@@ -121,24 +121,48 @@ def report_bad_slot(err_ptr, slot, pad_slot_id, n_slots, which: tl.constexpr):
         tl.store(err_ptr, 1)
 
 
+NO_BAD: tl.constexpr = tl.constexpr(2 ** 62)  # "no bad position" in the helpers below
+
+
+@triton.jit
+def load_slots(idx_ptr, stride_idx, offs, mask, HAS_IDX: tl.constexpr):
+    """Slots ``offs`` of an index tensor (int64), or ``offs`` themselves without one (slot b = b)."""
+    if HAS_IDX:
+        return tl.load(idx_ptr + offs * stride_idx, mask=mask, other=0).to(tl.int64)
+    return offs.to(tl.int64)
+
+
+@triton.jit
+def first_bad_slot(idx_ptr, stride_idx, B, n_slots, pad_slot_id, HAS_IDX: tl.constexpr, BLOCK: tl.constexpr):
+    """(In one program) the position of the first of B slots outside [0, n_slots) that is not the
+    pad id, or NO_BAD."""
+    bad_at = tl.full([], NO_BAD, tl.int64)
+    for start in range(0, B, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < B
+        slot = load_slots(idx_ptr, stride_idx, offs, m, HAS_IDX)
+        bad = m & (slot != pad_slot_id) & ((slot < 0) | (slot >= n_slots))
+        bad_at = tl.minimum(bad_at, tl.min(tl.where(bad, offs.to(tl.int64), NO_BAD), 0))
+    return bad_at
+
+
+@triton.jit
+def record(err_ptr, which, value, bound, position):
+    """Write an op's record (layout in the module docstring); the set flag last."""
+    tl.store(err_ptr + 1, which)
+    tl.store(err_ptr + 2, value.to(tl.int64))
+    tl.store(err_ptr + 3, tl.full([], 0, tl.int64) + bound)  # (an int Triton may have made a constant)
+    tl.store(err_ptr + 4, position)
+    tl.store(err_ptr, 1)
+
+
 @triton.jit(do_not_specialize=["B", "n_slots", "pad_slot_id"])
 def _check_slots_kernel(idx_ptr, stride_idx, err_ptr, B, n_slots, pad_slot_id, WHICH: tl.constexpr,
                         BLOCK: tl.constexpr):
     """One program: record the first of ``idx``'s B values outside [0, n_slots) that is not the pad id."""
-    NONE: tl.constexpr = 2 ** 62
-    bad_at = tl.full([], NONE, tl.int64)
-    for start in range(0, B, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        m = offs < B
-        slot = tl.load(idx_ptr + offs * stride_idx, mask=m, other=0).to(tl.int64)
-        bad = m & (slot != pad_slot_id) & ((slot < 0) | (slot >= n_slots))
-        bad_at = tl.minimum(bad_at, tl.min(tl.where(bad, offs.to(tl.int64), NONE), 0))
-    if bad_at < NONE:
-        tl.store(err_ptr + 1, WHICH)
-        tl.store(err_ptr + 2, tl.load(idx_ptr + bad_at * stride_idx).to(tl.int64))
-        tl.store(err_ptr + 3, n_slots.to(tl.int64))
-        tl.store(err_ptr + 4, bad_at)
-        tl.store(err_ptr, 1)
+    bad_at = first_bad_slot(idx_ptr, stride_idx, B, n_slots, pad_slot_id, True, BLOCK)
+    if bad_at < NO_BAD:
+        record(err_ptr, WHICH, tl.load(idx_ptr + bad_at * stride_idx), n_slots, bad_at)
 
 
 def check_slots_on_device(op: str, idx: torch.Tensor, n_slots: int, pad_slot_id: int, which: int) -> None:

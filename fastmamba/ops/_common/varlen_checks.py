@@ -29,7 +29,7 @@ import triton.language as tl
 
 from fastmamba.ops._common.host_values import host_reads_allowed
 from fastmamba.ops._common.launch import lean
-from fastmamba.ops._common.slot_errors import slot_record
+from fastmamba.ops._common.slot_errors import NO_BAD, first_bad_slot, load_slots, record, slot_record
 
 # Tests of the device check without a GPU: CPU tensors (under the interpreter) checked on the
 # device too. On a real CPU run the host read is cheaper and stays.
@@ -53,28 +53,18 @@ def _sanitize_kernel(cu_ptr, stride_cu, idx_ptr, stride_idx, safe_ptr, err_ptr, 
                      HAS_IDX: tl.constexpr, CU_WHICH: tl.constexpr, IDX_WHICH: tl.constexpr,
                      BLOCK: tl.constexpr):
     """One program. safe_ptr [2B+1] int32: cu_seqlens (B+1 values) then the slots (B values)."""
-    NONE: tl.constexpr = 2 ** 62
-    cu_bad_at = tl.full([], NONE, tl.int64)
-    carry = tl.full([], -NONE, tl.int64)
+    cu_bad_at = tl.full([], NO_BAD, tl.int64)
+    carry = tl.full([], -NO_BAD, tl.int64)
     for start in range(0, B + 1, BLOCK):  # cu_seqlens: the first position breaking the rules
         offs = start + tl.arange(0, BLOCK)
         m = offs <= B
         v = tl.load(cu_ptr + offs * stride_cu, mask=m, other=0).to(tl.int64)
-        run = tl.maximum(tl.associative_scan(tl.where(m, v, -NONE), 0, _max2), carry)  # running max
+        run = tl.maximum(tl.associative_scan(tl.where(m, v, -NO_BAD), 0, _max2), carry)  # running max
         bad = m & ((v < run) | (v < 0) | (v > T) | ((offs == 0) & (v != 0)) | ((offs == B) & (v != T)))
-        cu_bad_at = tl.minimum(cu_bad_at, tl.min(tl.where(bad, offs.to(tl.int64), NONE), 0))
+        cu_bad_at = tl.minimum(cu_bad_at, tl.min(tl.where(bad, offs.to(tl.int64), NO_BAD), 0))
         carry = tl.max(run, 0)
-    slot_bad_at = tl.full([], NONE, tl.int64)
-    for start in range(0, B, BLOCK):  # slots
-        offs = start + tl.arange(0, BLOCK)
-        m = offs < B
-        if HAS_IDX:
-            slot = tl.load(idx_ptr + offs * stride_idx, mask=m, other=0).to(tl.int64)
-        else:
-            slot = offs.to(tl.int64)
-        bad = m & (slot != pad_slot_id) & ((slot < 0) | (slot >= S))
-        slot_bad_at = tl.minimum(slot_bad_at, tl.min(tl.where(bad, offs.to(tl.int64), NONE), 0))
-    invalid = (cu_bad_at < NONE) | (slot_bad_at < NONE)
+    slot_bad_at = first_bad_slot(idx_ptr, stride_idx, B, S, pad_slot_id, HAS_IDX, BLOCK)
+    invalid = (cu_bad_at < NO_BAD) | (slot_bad_at < NO_BAD)
     for start in range(0, B + 1, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         m = offs <= B
@@ -83,26 +73,12 @@ def _sanitize_kernel(cu_ptr, stride_cu, idx_ptr, stride_idx, safe_ptr, err_ptr, 
     for start in range(0, B, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         m = offs < B
-        if HAS_IDX:
-            slot = tl.load(idx_ptr + offs * stride_idx, mask=m, other=0).to(tl.int64)
-        else:
-            slot = offs.to(tl.int64)
+        slot = load_slots(idx_ptr, stride_idx, offs, m, HAS_IDX)
         tl.store(safe_ptr + B + 1 + offs, tl.where(invalid, pad_slot_id, slot).to(tl.int32), mask=m)
-    if cu_bad_at < NONE:
-        tl.store(err_ptr + 1, CU_WHICH)
-        tl.store(err_ptr + 2, tl.load(cu_ptr + cu_bad_at * stride_cu).to(tl.int64))
-        tl.store(err_ptr + 3, T.to(tl.int64))
-        tl.store(err_ptr + 4, cu_bad_at)
-        tl.store(err_ptr, 1)
-    elif slot_bad_at < NONE:
-        tl.store(err_ptr + 1, IDX_WHICH)
-        if HAS_IDX:
-            tl.store(err_ptr + 2, tl.load(idx_ptr + slot_bad_at * stride_idx).to(tl.int64))
-        else:
-            tl.store(err_ptr + 2, slot_bad_at)
-        tl.store(err_ptr + 3, S.to(tl.int64))
-        tl.store(err_ptr + 4, slot_bad_at)
-        tl.store(err_ptr, 1)
+    if cu_bad_at < NO_BAD:
+        record(err_ptr, CU_WHICH, tl.load(cu_ptr + cu_bad_at * stride_cu), T, cu_bad_at)
+    elif slot_bad_at < NO_BAD:
+        record(err_ptr, IDX_WHICH, load_slots(idx_ptr, stride_idx, slot_bad_at, True, HAS_IDX), S, slot_bad_at)
 
 
 def sanitize(op: str, cu_seqlens: torch.Tensor, cache_indices: torch.Tensor | None, T: int, S: int,

@@ -48,6 +48,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
 from fastmamba.ops._common.jit_math import silu, silu_approx, softplus, stochastic_round
 from fastmamba.ops._common.launch import lean
+from fastmamba.ops._common.slot_errors import NO_BAD, record
 from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 
 
@@ -1041,25 +1042,16 @@ def _commit_kernel(
         slot = b.to(tl.int64)
     live = mb & (slot != pad_slot_id) & (slot >= 0) & (slot < n_slots)  # outside [0, S): as the pad slot
     if REPORT:  # eager calls (slot_errors.py): record the first bad slot / accepted count, skip its row
-        NONE: tl.constexpr = 2 ** 62
         bad_slot = mb & (slot != pad_slot_id) & ((slot < 0) | (slot >= n_slots))
-        at = tl.min(tl.where(bad_slot, b.to(tl.int64), NONE), 0)
-        if at < NONE:
-            tl.store(err_ptr + 1, 1)
-            tl.store(err_ptr + 2, tl.sum(tl.where(b == at, slot, 0), 0))
-            tl.store(err_ptr + 3, tl.full([], 0, tl.int64) + n_slots)  # (an int Triton may have made a constant)
-            tl.store(err_ptr + 4, at)
-            tl.store(err_ptr, 1)
+        at = tl.min(tl.where(bad_slot, b.to(tl.int64), NO_BAD), 0)
+        if at < NO_BAD:
+            record(err_ptr, 1, tl.sum(tl.where(b == at, slot, 0), 0), n_slots, at)
         if CHECK_NEW:
             n = tl.load(new_ptr + b, mask=live, other=0).to(tl.int64)
             bad_new = live & ((n < 0) | (n > T))
-            at = tl.min(tl.where(bad_new, b.to(tl.int64), NONE), 0)
-            if at < NONE:
-                tl.store(err_ptr + 1, 2)
-                tl.store(err_ptr + 2, tl.sum(tl.where(b == at, n, 0), 0))
-                tl.store(err_ptr + 3, tl.full([], 0, tl.int64) + T)
-                tl.store(err_ptr + 4, at)
-                tl.store(err_ptr, 1)
+            at = tl.min(tl.where(bad_new, b.to(tl.int64), NO_BAD), 0)
+            if at < NO_BAD:
+                record(err_ptr, 2, tl.sum(tl.where(b == at, n, 0), 0), T, at)
             live = live & (bad_new == 0)
     k = tl.load(hist_ptr + slot, mask=live, other=0) + tl.load(accepted_ptr + slot, mask=live, other=0)
     checkpoint = k + T > capacity
