@@ -188,3 +188,33 @@ def test_gpu_varlen_calls_never_synchronize(op):
     torch.cuda.synchronize()
     with pytest.raises(ValueError, match="never decrease"):
         _call(op, kw)
+
+
+def test_dense_scan_cu_seqlens_checked_on_the_device(dev, monkeypatch):
+    """mamba_chunk_scan_combined with cu_seqlens (B=1): no host read; a bad cu_seqlens is raised by
+    the op's next call."""
+    from fastmamba.ops import mamba_chunk_scan_combined
+    from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref
+
+    kw = _case("ssd-chunked", dev, seed=6)
+    L = T
+    x, dt, B, C = (kw[k].unsqueeze(0) for k in ("x", "dt", "B", "C"))
+    args = (x, dt, kw["A"], B, C, 8)
+    extra = dict(D=kw["D"], dt_bias=kw["dt_bias"], dt_softplus=True, return_varlen_states=True)
+    reads = _count_host_reads(monkeypatch)
+    out, varlen = mamba_chunk_scan_combined(*args, cu_seqlens=kw["cu_seqlens"], **extra)
+    assert reads == []
+    cpu = [t.cpu() if isinstance(t, torch.Tensor) else t for t in args]
+    r_out, r_varlen = mamba_chunk_scan_combined_ref(*cpu, cu_seqlens=kw["cu_seqlens"].cpu(),
+                                                    **{k: v.cpu() if isinstance(v, torch.Tensor) else v
+                                                       for k, v in extra.items()})
+    torch.testing.assert_close(out.cpu(), r_out, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(varlen.cpu(), r_varlen, atol=2e-4, rtol=2e-4)
+    bad = torch.tensor([0, 5, 2, 14, L], dtype=torch.int32, device=dev)
+    mamba_chunk_scan_combined(*args, cu_seqlens=bad, **extra)  # runs (as one sequence), records
+    _sync(dev)
+    with pytest.raises(ValueError, match=rf"mamba_chunk_scan_combined: `cu_seqlens` must start at 0, never decrease "
+                                         rf"and end at the token count {L}; an earlier call.*cu_seqlens\[2\] = 2"):
+        mamba_chunk_scan_combined(*args, cu_seqlens=kw["cu_seqlens"], **extra)
+    out2, _ = mamba_chunk_scan_combined(*args, cu_seqlens=kw["cu_seqlens"], **extra)  # reported once
+    torch.testing.assert_close(out2, out, atol=0, rtol=0)

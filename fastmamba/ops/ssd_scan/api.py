@@ -137,7 +137,10 @@ def mamba_chunk_scan_combined(
     seq_idx  [B, L] int32   or None: a new sequence (state from zeros) starts wherever it changes.
                             Read on the host (one sync) to find the boundaries.
     cu_seqlens [S+1]        or None: with B = 1, the row packs S sequences at these offsets
-                            (takes precedence over seq_idx for the boundaries)
+                            (takes precedence over seq_idx for the boundaries). CPU tensors are
+                            checked on the host; an eager call on GPU tensors checks them on the
+                            device (no synchronize): a call with bad values runs its tokens as one
+                            sequence and the op's next call raises the ValueError
     state_dtype             dtype of the per-chunk states between the kernels (default fp32;
                             bf16 halves their traffic at some precision)
     Returns out [B, L, H, P] (x's dtype); with return_final_states also the state after each row
@@ -157,21 +160,28 @@ def mamba_chunk_scan_combined(
     if initial_states is not None:
         check_shape(_DENSE, "initial_states", initial_states, [("B", nb), ("H", H), ("P", P), ("N", N)])
         check_dtype(_DENSE, "initial_states", initial_states, FLOAT_DTYPES)
+    cu_on_device = False
     if cu_seqlens is not None:
         if nb != 1:
             raise ValueError(f"{_DENSE}: `cu_seqlens` needs batch 1 (packed sequences in one row), got B={nb}")
-        _check_cu_seqlens(_DENSE, cu_seqlens, L)
+        check_same_device(_DENSE, [("x", x), ("cu_seqlens", cu_seqlens)])
+        cu_on_device = varlen_checks.device_checked(x, cu_seqlens)
+        slot_errors.raise_pending(_DENSE, x.device, DENSE_NAMES)  # what an earlier call's check found
+        _check_cu_seqlens(_DENSE, cu_seqlens, L, read=not cu_on_device)
     elif seq_idx is not None:
         check_shape(_DENSE, "seq_idx", seq_idx, [("B", nb), ("L", L)])
         check_dtype(_DENSE, "seq_idx", seq_idx, INDEX_DTYPES)
     if return_varlen_states and cu_seqlens is None and seq_idx is None:
         raise ValueError(f"{_DENSE}: `return_varlen_states` needs `cu_seqlens` or `seq_idx` to know the sequences")
 
+    if cu_on_device and L > 0:  # checked on the device, no synchronize (varlen_checks.py)
+        n_seg = cu_seqlens.shape[0] - 1
+        cu_seqlens, _ = varlen_checks.sanitize(_DENSE, cu_seqlens, None, L, n_seg, -1, cu_which=1, idx_which=2)
     op = _mamba_chunk_scan_combined_impl if call_directly(x) else _mamba_chunk_scan_combined_
     out, final_states, varlen_states = op(
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, bool(dt_softplus),
         float(dt_limit[0]), float(dt_limit[1]), bool(return_final_states), bool(return_varlen_states), state_dtype,
-        bool(A_is_log), cu_seqlens is not None and host_reads_allowed(cu_seqlens),
+        bool(A_is_log), cu_seqlens is not None and not cu_on_device and host_reads_allowed(cu_seqlens),
     )
     result = [out]
     if return_final_states:
@@ -179,6 +189,12 @@ def mamba_chunk_scan_combined(
     if return_varlen_states:
         result.append(varlen_states)
     return result[0] if len(result) == 1 else tuple(result)
+
+
+DENSE_NAMES = ("cu_seqlens",)  # argument number 1 of the device check's record
+slot_errors.NAMES[_DENSE] = DENSE_NAMES
+slot_errors.EFFECTS[_DENSE] = ("that call ran its tokens as one sequence: its outputs and states are not the "
+                               "ones asked for")
 
 
 # Segment tables of dense calls (one sequence per row), by (rows, length, device): constant index
