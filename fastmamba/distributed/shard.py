@@ -127,7 +127,7 @@ WHOLE = None  # plan value of a replicated tensor
 def mamba_mixer_plan(prefix: str, cfg: Mamba2Config, rank: int, world_size: int) -> dict[str, Slices | None]:
     """The plan of one ``Mamba2Mixer``'s tensors (names ``prefix`` + "in_proj.weight" ...) for a
     whole-model mixer config ``cfg`` (``check_tp`` passed)."""
-    H, P, N, G = cfg.nheads, cfg.headdim, cfg.d_state, cfg.ngroups
+    H, N, G = cfg.nheads, cfg.d_state, cfg.ngroups
     D = cfg.d_inner
     Hl, Dl = H // world_size, D // world_size
     h0, d0 = rank * Hl, rank * Dl

@@ -44,7 +44,6 @@ from fastmamba.cache.hybrid_cache import HybridCache
 from fastmamba.cache.prefix_cache import SnapshotPlan, layer_snapshots
 from fastmamba.generation.rounding import check_rand_seed
 from fastmamba.layers.attention import KVBatch
-from fastmamba.layers.mamba2 import Mamba2Mixer
 from fastmamba.models.blocks import Batch, RMSNorm, SpecBatch, build_blocks
 from fastmamba.models.config import Mamba2Config, _as_float
 from fastmamba.models.loader import _default_device, random_init  # random_init: re-exported for the presets
