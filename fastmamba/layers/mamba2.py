@@ -63,8 +63,8 @@ class DecodeTricks:
                    prefill follows both switches (its scan takes the same A and gates the same way)
     fused_conv     conv window kept in registers by causal_conv1d_update (off: PyTorch ops that
                    shift the state in memory and re-read it, as a plain implementation does)
-    triton_gemv    the projections (GEMV_PROJECTIONS) of a decode or verify step of at most 16
-                   rows (requests x tokens) run as fastmamba's ``gemv``, which can start under PDL
+    triton_gemv    the projections (GEMV_PROJECTIONS) of a decode or verify step, or a prefill, of
+                   at most 16 rows (tokens) run as fastmamba's ``gemv``, which can start under PDL
                    before the kernel ahead of it ends (off: ``nn.Linear``, i.e. cuBLAS, which
                    never overlaps)
     """
@@ -75,7 +75,7 @@ class DecodeTricks:
     triton_gemv: bool = True
 
 
-GEMV_PROJECTIONS = ("in_proj", "out_proj")  # which decode-step projections ``triton_gemv`` covers
+GEMV_PROJECTIONS = ("in_proj", "out_proj")  # which projections ``triton_gemv`` covers
 
 
 def _conv_update_torch(x, conv_state, weight, bias, slots):
@@ -124,8 +124,8 @@ class Mamba2Mixer(nn.Module):
         return torch.split(xbc, [c.d_inner, c.ngroups * c.d_state, c.ngroups * c.d_state], dim=-1)
 
     def _project(self, name: str, u: torch.Tensor) -> torch.Tensor:
-        """self.<name>(u) for a decode or verify step's rows [..., K]: ``gemv`` when
-        ``triton_gemv`` covers it (CUDA, 16-bit, at most 16 rows), else the nn.Linear (cuBLAS).
+        """self.<name>(u) for the rows [..., K] of a decode or verify step or a prefill: ``gemv``
+        when ``triton_gemv`` covers it (CUDA, 16-bit, at most 16 rows), else the nn.Linear (cuBLAS).
         A layer with ``reduce_output`` (``fastmamba.distributed.layers.RowParallelLinear``) gets its
         partial product summed over the tensor-parallel ranks after ``gemv`` too."""
         layer = getattr(self, name)
@@ -224,7 +224,7 @@ class Mamba2Mixer(nn.Module):
         c = self.cfg
         T = u.shape[0]
         H, P, N, G = c.nheads, c.headdim, c.d_state, c.ngroups
-        z, xbc, dt = self._split(self.in_proj(u))  # column views of one [T, d_in_proj] buffer
+        z, xbc, dt = self._split(self._project("in_proj", u))  # column views of one [T, d_in_proj] buffer
         if snapshot is not None:  # conv states at the snapshot points: the conv's inputs there
             snapshot.conv[snapshot.rows] = xbc[snapshot.conv_tokens].transpose(1, 2).to(snapshot.conv.dtype)
         xbc = causal_conv1d_varlen(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state, cu_seqlens,
@@ -242,7 +242,7 @@ class Mamba2Mixer(nn.Module):
         if snapshot is not None:
             snapshot.ssm[snapshot.rows] = snapshot.chunk_states[snapshot.chunk_rows].to(snapshot.ssm.dtype)
         y = self.norm(y.reshape(T, c.d_inner), None if self._gate_in_scan() else z)
-        return self.out_proj(y)
+        return self._project("out_proj", y)
 
     def step(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, *,
              rand_seed: torch.Tensor | None = None) -> torch.Tensor:
