@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastmamba.ops import RMSNormGated, causal_conv1d_update, causal_conv1d_varlen, selective_state_update
-from fastmamba.ops.gemv import gemv
+from fastmamba.ops.gemv import gemv, rmsnorm_gemv
 from fastmamba.ops.gemv.configs import MAX_ROWS as GEMV_MAX_ROWS
 from fastmamba.ops.replay import ReplayCache, replay_selective_state_update
 from fastmamba.ops.ssd_scan import ssd_scan_varlen
@@ -67,12 +67,17 @@ class DecodeTricks:
                    at most 16 rows (tokens) run as fastmamba's ``gemv``, which can start under PDL
                    before the kernel ahead of it ends (off: ``nn.Linear``, i.e. cuBLAS, which
                    never overlaps)
+    fused_norm_gemv  where ``triton_gemv`` runs out_proj and the norm takes no gate (gate_in_scan),
+                   the norm runs inside out_proj's gemv (``rmsnorm_gemv``: one kernel, the
+                   normalised rows never written). Off by default until a GPU run measures it
+                   (``bench e2e --ablate``; CPU-tested against the two ops it replaces)
     """
 
     A_in_kernel: bool = True
     gate_in_scan: bool = True
     fused_conv: bool = True
     triton_gemv: bool = True
+    fused_norm_gemv: bool = False
 
 
 GEMV_PROJECTIONS = ("in_proj", "out_proj")  # which projections ``triton_gemv`` covers
@@ -129,13 +134,26 @@ class Mamba2Mixer(nn.Module):
         A layer with ``reduce_output`` (``fastmamba.distributed.layers.RowParallelLinear``) gets its
         partial product summed over the tensor-parallel ranks after ``gemv`` too."""
         layer = getattr(self, name)
-        if (self.tricks.triton_gemv and name in GEMV_PROJECTIONS and u.is_cuda
-                and u.numel() <= GEMV_MAX_ROWS * u.shape[-1]
-                and u.dtype in (torch.float16, torch.bfloat16) and layer.weight.dtype == u.dtype):
+        if name in GEMV_PROJECTIONS and self._gemv_covers(layer, u):
             out = gemv(u, layer.weight, layer.bias)
             reduce = getattr(layer, "reduce_output", None)  # tensor parallel: a row-parallel out_proj's all-reduce
             return out if reduce is None else reduce(out)
         return layer(u)
+
+    def _gemv_covers(self, layer: torch.nn.Module, u: torch.Tensor) -> bool:
+        """Whether ``triton_gemv`` runs ``layer`` (in_proj or out_proj) on the rows u [..., K]."""
+        return (self.tricks.triton_gemv and u.is_cuda and u.numel() <= GEMV_MAX_ROWS * u.shape[-1]
+                and u.dtype in (torch.float16, torch.bfloat16) and layer.weight.dtype == u.dtype)
+
+    def _norm_out_proj(self, y: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+        """out_proj(norm(y, z)) for rows y [R, d_inner]: one ``rmsnorm_gemv`` where
+        ``fused_norm_gemv`` covers it (no gate, no norm bias, gemv's rows, no tensor-parallel
+        reduction), else the norm and then ``_project``."""
+        norm, proj = self.norm, self.out_proj
+        if (self.tricks.fused_norm_gemv and z is None and norm.bias is None and not norm.norm_before_gate
+                and getattr(proj, "reduce_output", None) is None and self._gemv_covers(proj, y)):
+            return rmsnorm_gemv(y, norm.weight, proj.weight, proj.bias, eps=norm.eps, group_size=norm.group_size)
+        return self._project("out_proj", norm(y, z))
 
     def _gate_in_scan(self) -> bool:
         # silu(z) can run inside the state update only when the norm gates before normalising
@@ -241,8 +259,7 @@ class Mamba2Mixer(nn.Module):
         )
         if snapshot is not None:
             snapshot.ssm[snapshot.rows] = snapshot.chunk_states[snapshot.chunk_rows].to(snapshot.ssm.dtype)
-        y = self.norm(y.reshape(T, c.d_inner), None if self._gate_in_scan() else z)
-        return self._project("out_proj", y)
+        return self._norm_out_proj(y.reshape(T, c.d_inner), None if self._gate_in_scan() else z)
 
     def step(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, *,
              rand_seed: torch.Tensor | None = None) -> torch.Tensor:
@@ -268,8 +285,7 @@ class Mamba2Mixer(nn.Module):
             B.reshape(nreq, G, N), C.reshape(nreq, G, N), self.D, gate, self.dt_bias, True, slots,
             A_is_log=A_is_log, rand_seed=rand_seed,
         )
-        y = self.norm(y.reshape(nreq, c.d_inner), None if self._gate_in_scan() else z)
-        return self._project("out_proj", y)
+        return self._norm_out_proj(y.reshape(nreq, c.d_inner), None if self._gate_in_scan() else z)
 
     def verify(
         self,
@@ -352,5 +368,5 @@ class Mamba2Mixer(nn.Module):
                 None if gate is None else gate[:, 0], self.dt_bias, True, slots,
                 A_is_log=A_is_log, rand_seed=rand_seed,
             )
-        y = self.norm(y.reshape(nreq * ntok, c.d_inner), None if self._gate_in_scan() else z.reshape(-1, c.d_inner))
-        return self._project("out_proj", y).view(nreq, ntok, -1)
+        z = None if self._gate_in_scan() else z.reshape(-1, c.d_inner)
+        return self._norm_out_proj(y.reshape(nreq * ntok, c.d_inner), z).view(nreq, ntok, -1)

@@ -187,3 +187,22 @@ def test_each_decode_trick_off_gives_the_same_logits(switch):
         results.append(torch.stack(out))
     model.set_decode_tricks()
     torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_norm_fused_into_out_proj_keeps_the_logits():
+    """fused_norm_gemv (the norm inside out_proj's gemv: decode steps and prefills of <= 16 tokens)
+    against the two ops, bf16 on a GPU: the logits differ by rounding only."""
+    model = fastmamba.load_model("mamba2-tiny", dtype=torch.bfloat16, device="cuda")
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(8)).cuda()
+    results = []
+    for tricks in ({}, {"fused_norm_gemv": True}):
+        model.set_decode_tricks(**tricks)
+        cache = model.new_cache(3)
+        slots = cache.alloc(2)
+        out = [model.prefill(ids, cache, slots)]
+        out += [model.decode(ids[:, t], cache, slots) for t in range(4)]
+        results.append(torch.stack(out).float())
+    model.set_decode_tricks()
+    rel = ((results[1] - results[0]).norm() / results[0].norm()).item()
+    assert rel < 2e-2, rel

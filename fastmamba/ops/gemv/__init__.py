@@ -1,3 +1,3 @@
-from fastmamba.ops.gemv.api import gemv
+from fastmamba.ops.gemv.api import gemv, rmsnorm_gemv
 
-__all__ = ["gemv"]
+__all__ = ["gemv", "rmsnorm_gemv"]

@@ -10,3 +10,14 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def rmsnorm_gemv_ref(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None = None, *, eps: float, group_size: int) -> torch.Tensor:
+    """The two ops it fuses, as the unfused layer runs them: the grouped RMSNorm of x (fp32 inside,
+    rounded to x's dtype), then ``gemv_ref``. x (..., K), norm_weight (K,), weight (N, K)."""
+    K = x.shape[-1]
+    xf = x.float().reshape(*x.shape[:-1], K // group_size, group_size)
+    normed = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    normed = (normed.reshape(x.shape) * norm_weight.float()).to(x.dtype)
+    return gemv_ref(normed, weight, bias)
