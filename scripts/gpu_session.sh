@@ -37,6 +37,8 @@ for step in "${steps[@]}"; do
         spec-*)    timeout 540 python3 -m fastmamba.bench spec --shapes "${step#spec-}" --json "$OUT/spec.jsonl" --markdown "$OUT/spec-${step#spec-}.md" >> "$OUT/spec.txt" 2>> "$OUT/spec.err"; echo "rc=$?"; tail -n 40 "$OUT/spec.txt" ;;
         e2e-spec)  for d in oracle ngram; do timeout 280 python3 -m fastmamba.bench e2e --batch 1 --gen-len 128 --speculate 5 --drafter $d --json "$OUT/e2e-spec.jsonl" >> "$OUT/e2e-spec.txt" 2>> "$OUT/e2e-spec.err"; echo "rc=$?"; done; cat "$OUT/e2e-spec.txt"; tail -3 "$OUT/e2e-spec.err" ;;
         e2e)       timeout 360 python3 -m fastmamba.bench e2e --peer --json "$OUT/e2e.jsonl" --plot "$OUT/e2e.png" > "$OUT/e2e.txt" 2> "$OUT/e2e.err"; echo "rc=$?"; cat "$OUT/e2e.txt"; tail -5 "$OUT/e2e.err" ;;
+        ablate)    timeout 400 python3 -m fastmamba.bench e2e --batch 1 --ablate --json "$OUT/ablate.jsonl" > "$OUT/ablate.txt" 2> "$OUT/ablate.err"; echo "rc=$?"; cat "$OUT/ablate.txt"; tail -3 "$OUT/ablate.err" ;;
+        host)      timeout 120 python3 scripts/host_overhead.py --device cuda > "$OUT/host.txt" 2>&1; echo "rc=$?"; cat "$OUT/host.txt" ;;
         ttft)      timeout 500 python3 -m fastmamba.bench ttft --peer --json "$OUT/ttft.jsonl" > "$OUT/ttft.txt" 2> "$OUT/ttft.err"; echo "rc=$?"; cat "$OUT/ttft.txt"; tail -3 "$OUT/ttft.err" ;;
         ttft-*)    timeout 400 python3 -m fastmamba.bench ttft --shapes "${step#ttft-}" --json "$OUT/ttft.jsonl" >> "$OUT/ttft.txt" 2>> "$OUT/ttft.err"; echo "rc=$?"; tail -n 14 "$OUT/ttft.txt"; tail -3 "$OUT/ttft.err" ;;
         serve)     timeout 500 python3 -m fastmamba.bench serve --json "$OUT/serve.jsonl" > "$OUT/serve.txt" 2> "$OUT/serve.err"; echo "rc=$?"; cat "$OUT/serve.txt"; tail -3 "$OUT/serve.err" ;;
