@@ -218,3 +218,18 @@ def test_dense_scan_cu_seqlens_checked_on_the_device(dev, monkeypatch):
         mamba_chunk_scan_combined(*args, cu_seqlens=kw["cu_seqlens"], **extra)
     out2, _ = mamba_chunk_scan_combined(*args, cu_seqlens=kw["cu_seqlens"], **extra)  # reported once
     torch.testing.assert_close(out2, out, atol=0, rtol=0)
+
+
+def test_launches_after_the_check_run_without_pdl(monkeypatch):
+    """With PDL switched on (FASTMAMBA_PDL=1), the launches reading what the check kernel just
+    wrote run plainly: a PDL program reads its indices before its grid-dependency wait."""
+    from fastmamba.ops._common import pdl
+
+    x = torch.empty(1)
+    monkeypatch.setattr(varlen_checks, "pdl_requested", lambda t: True)
+    monkeypatch.setattr(pdl, "_enabled", True)
+    with varlen_checks.launches_after(True, x):
+        assert not pdl._enabled
+    assert pdl._enabled
+    with varlen_checks.launches_after(False, x):  # no check ran: PDL as asked
+        assert pdl._enabled

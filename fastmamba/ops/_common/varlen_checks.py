@@ -23,12 +23,15 @@ values), and CPU tensors are checked on the host, which costs no synchronize.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 
 from fastmamba.ops._common.host_values import host_reads_allowed
 from fastmamba.ops._common.launch import lean
+from fastmamba.ops._common.pdl import pdl_requested, programmatic_dependent_launch
 from fastmamba.ops._common.slot_errors import NO_BAD, first_bad_slot, load_slots, record, slot_record
 
 # Tests of the device check without a GPU: CPU tensors (under the interpreter) checked on the
@@ -41,6 +44,15 @@ def device_checked(x: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
     """Whether a call checks its metadata with ``sanitize`` instead of reading it on the host: an
     eager call on GPU tensors (or CPU ones with DEVICE_CHECK_CPU) that may read them at all."""
     return (x.is_cuda or DEVICE_CHECK_CPU) and host_reads_allowed(cu_seqlens)
+
+
+def launches_after(checked: bool, x: torch.Tensor):
+    """The context for the launches that read what ``sanitize`` just wrote: PDL off when it is on
+    (``FASTMAMBA_PDL=1``), since a PDL program reads its indices before the grid-dependency wait and
+    pdl.py's contract forbids the kernel just before to write them; else nothing."""
+    if checked and pdl_requested(x):
+        return programmatic_dependent_launch(False)
+    return contextlib.nullcontext()
 
 
 @triton.jit

@@ -193,7 +193,8 @@ def causal_conv1d_varlen(
             _OP_VARLEN, cu_seqlens, cache_indices, x.shape[0], conv_states.shape[0], pad_slot_id,
             cu_which=2, idx_which=1)
     op = _causal_conv1d_varlen_impl if call_directly(x) else torch.ops.fastmamba.causal_conv1d_varlen_
-    op(x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, silu, pad_slot_id)
+    with varlen_checks.launches_after(on_device, x):  # no PDL overlap with the check's writes
+        op(x, weight, bias, conv_states, cu_seqlens, cache_indices, has_initial_state, out, silu, pad_slot_id)
     return out
 
 

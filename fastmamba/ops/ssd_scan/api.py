@@ -178,11 +178,12 @@ def mamba_chunk_scan_combined(
         n_seg = cu_seqlens.shape[0] - 1
         cu_seqlens, _ = varlen_checks.sanitize(_DENSE, cu_seqlens, None, L, n_seg, -1, cu_which=1, idx_which=2)
     op = _mamba_chunk_scan_combined_impl if call_directly(x) else _mamba_chunk_scan_combined_
-    out, final_states, varlen_states = op(
-        x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, bool(dt_softplus),
-        float(dt_limit[0]), float(dt_limit[1]), bool(return_final_states), bool(return_varlen_states), state_dtype,
-        bool(A_is_log), cu_seqlens is not None and not cu_on_device and host_reads_allowed(cu_seqlens),
-    )
+    with varlen_checks.launches_after(cu_on_device, x):  # no PDL overlap with the check's writes
+        out, final_states, varlen_states = op(
+            x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, chunk_size, bool(dt_softplus),
+            float(dt_limit[0]), float(dt_limit[1]), bool(return_final_states), bool(return_varlen_states),
+            state_dtype, bool(A_is_log), cu_seqlens is not None and not cu_on_device and host_reads_allowed(cu_seqlens),
+        )
     result = [out]
     if return_final_states:
         result.append(final_states)
@@ -479,23 +480,24 @@ def ssd_scan_varlen(
     if on_device:
         cu_seqlens, cache_indices = varlen_checks.sanitize(
             _VARLEN, cu_seqlens, cache_indices, T, S, pad_slot_id, cu_which=2, idx_which=1)
-    max_len = longest_sequence_bound(cu_values, T, max_seqlen)
-    if choose_fused(fused, max_len):
-        fused_op = ssd_scan_varlen_fused_impl if call_directly(x) else torch.ops.fastmamba.ssd_scan_varlen_fused_
-        fused_op(
+    with varlen_checks.launches_after(on_device, x):  # no PDL overlap with the check's writes
+        max_len = longest_sequence_bound(cu_values, T, max_seqlen)
+        if choose_fused(fused, max_len):
+            fused_op = ssd_scan_varlen_fused_impl if call_directly(x) else torch.ops.fastmamba.ssd_scan_varlen_fused_
+            fused_op(
+                x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
+                chunk_states_out, chunk_size, dt_softplus, float(dt_limit[0]), float(dt_limit[1]), pad_slot_id,
+                bool(A_is_log), rand_seed, max_len, live_seqs or 0,
+            )
+            return out
+        n_chunks = total_chunks if total_chunks is not None else cdiv(T, chunk_size) + nseq
+        op = _ssd_scan_varlen_impl if call_directly(x) else _ssd_scan_varlen_
+        op(
             x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
-            chunk_states_out, chunk_size, dt_softplus, float(dt_limit[0]), float(dt_limit[1]), pad_slot_id,
-            bool(A_is_log), rand_seed, max_len, live_seqs or 0,
+            chunk_states_out, chunk_size, dt_softplus, float(dt_limit[0]), float(dt_limit[1]), pad_slot_id, n_chunks,
+            bool(A_is_log), rand_seed,
         )
         return out
-    n_chunks = total_chunks if total_chunks is not None else cdiv(T, chunk_size) + nseq
-    op = _ssd_scan_varlen_impl if call_directly(x) else _ssd_scan_varlen_
-    op(
-        x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
-        chunk_states_out, chunk_size, dt_softplus, float(dt_limit[0]), float(dt_limit[1]), pad_slot_id, n_chunks,
-        bool(A_is_log), rand_seed,
-    )
-    return out
 
 
 VARLEN_NAMES = ("cache_indices", "cu_seqlens")  # argument numbers 1, 2 of the device check's record
