@@ -47,7 +47,6 @@ OP = "replay_selective_state_update"
 # Tests of the device check without a GPU: CPU indices (under the interpreter) checked on the
 # device too; a real CPU run reads them on the host (no synchronize there).
 DEVICE_CHECK_CPU = False
-_ROW_SKIPPED = "that row was skipped: nothing was written outside the pool"
 slot_errors.NAMES["replay_selective_state_update"] = ("state_batch_indices",)
 slot_errors.NAMES["flush_replay_cache"] = ("slots",)
 slot_errors.NAMES["commit_accepted"] = ("slots", "accepted")
