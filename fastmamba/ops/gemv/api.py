@@ -9,13 +9,15 @@ from fastmamba.ops._common.checks import check_dtype, check_same_device, check_s
 from fastmamba.ops._common.dispatch import use_triton
 from fastmamba.ops._common.host_math import cdiv
 from fastmamba.ops._common.pdl import pdl_active
+from fastmamba.ops.add_rmsnorm import add_rmsnorm
 from fastmamba.ops.gated_rmsnorm import rmsnorm_fn
 from fastmamba.ops.gemv.configs import MAX_ROWS, pick_config
 from fastmamba.ops.gemv.kernel import launch_gemv, launch_rmsnorm_gemv
-from fastmamba.ops.gemv.ref import gemv_ref, rmsnorm_gemv_ref
+from fastmamba.ops.gemv.ref import add_rmsnorm_gemv_ref, gemv_ref, rmsnorm_gemv_ref
 
 _OP = "gemv"
 _NORM_OP = "rmsnorm_gemv"
+_ADD_OP = "add_rmsnorm_gemv"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -112,3 +114,49 @@ def rmsnorm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tenso
                         block_n=cfg.block_n, block_k=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                         use_pdl=pdl_active(x, cdiv(N, cfg.block_n), cfg.num_warps))
     return y
+
+
+def add_rmsnorm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None = None, *, eps: float,
+                     residual_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rmsnorm`` (a block boundary: s = residual + x, then RMSNorm(s) * norm_weight) and the
+    next block's in_proj ``gemv`` in one kernel, for at most 16 rows: the normalised rows are never
+    written; the new residual s is (by one program).
+
+    x            (..., K)  fp16 or bf16, unit stride along K (a block's output, or the embeddings)
+    residual     (..., K)  any float dtype, unit stride along K, or None (s = x)
+    norm_weight  (K,)      the block norm's weight;  weight (N, K) x's dtype;  bias (N,) or None
+    residual_dtype  fp32, bf16 or fp16: the dtype of s (default: residual's, fp32 without one)
+    Returns (y (..., N) in x's dtype, s (..., K) contiguous). fp32 inside, as ``rmsnorm_gemv``.
+    Shapes the kernel does not tile run the two ops unfused.
+    Reference: fastmamba.ops.gemv.ref.add_rmsnorm_gemv_ref
+    """
+    lead, M, N, K = _check_linear(_ADD_OP, x, weight, bias, None,
+                                  (("norm_weight", norm_weight), ("residual", residual)))
+    check_dtype(_ADD_OP, "norm_weight", norm_weight, (torch.float32, *HALF_DTYPES))
+    if tuple(norm_weight.shape) != (K,):
+        raise ValueError(f"{_ADD_OP}: `norm_weight` expected shape (K={K},), got {tuple(norm_weight.shape)}")
+    if residual is not None:
+        check_dtype(_ADD_OP, "residual", residual, (torch.float32, *HALF_DTYPES))
+        if residual.shape != x.shape:
+            raise ValueError(f"{_ADD_OP}: `residual` expected shape {tuple(x.shape)} (as x), got {tuple(residual.shape)}")
+        check_unit_stride(_ADD_OP, "residual", residual, -1)
+    if residual_dtype is not None and residual_dtype not in (torch.float32, *HALF_DTYPES):
+        raise TypeError(f"{_ADD_OP}: `residual_dtype` expected float32, bfloat16, float16 or None, got {residual_dtype!r}")
+    eps = float(eps)
+    if not eps >= 0.0:
+        raise ValueError(f"{_ADD_OP}: `eps` expected a non-negative float, got {eps!r}")
+    rdtype = residual_dtype or (residual.dtype if residual is not None else torch.float32)
+    if not use_triton(x):
+        return add_rmsnorm_gemv_ref(x, residual, norm_weight, weight, bias, eps=eps, residual_dtype=rdtype)
+    cfg = pick_config(max(M, 2), K)  # the tensor-core tiles (for any row count)
+    if not (M and N) or K % cfg.block_k or not norm_weight.is_contiguous():
+        normed, s = add_rmsnorm(x, residual, norm_weight, eps, residual_dtype=rdtype)
+        return gemv(normed.to(x.dtype), weight, bias), s
+    y = torch.empty(lead + (N,), dtype=x.dtype, device=x.device)
+    s = torch.empty(x.shape, dtype=rdtype, device=x.device)
+    launch_rmsnorm_gemv(x.reshape(M, K), norm_weight, weight, bias, y.view(M, N), eps=eps, group_size=K,
+                        block_n=cfg.block_n, block_k=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                        use_pdl=pdl_active(x, cdiv(N, cfg.block_n), cfg.num_warps),
+                        residual=residual.reshape(M, K) if residual is not None else None, sum_out=s.view(M, K))
+    return y, s

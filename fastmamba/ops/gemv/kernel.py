@@ -98,10 +98,17 @@ def launch_gemv(x, weight, bias, y, *, block_n: int, block_k: int, num_warps: in
 
 
 @triton.jit
-def _norm_gemv_tile(acc, ss, x_ptr, nw_ptr, w, offs_m, offs_k, M, stride_xm, DOT_FP32: tl.constexpr):
-    """(acc + (x * norm_weight)[:, offs_k] @ w^T, ss + the tile's sum of x^2 per row)."""
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=offs_m[:, None] < M,
-                other=0.0).to(tl.float32)
+def _norm_gemv_tile(acc, ss, x_ptr, res_ptr, sum_ptr, nw_ptr, w, offs_m, offs_k, M, stride_xm, stride_rm, stride_sm,
+                    store_sum, HAS_RESIDUAL: tl.constexpr, STORE_SUM: tl.constexpr, DOT_FP32: tl.constexpr):
+    """(acc + (s * norm_weight)[:, offs_k] @ w^T, ss + the tile's sum of s^2 per row) with s = x (+
+    residual); the program with ``store_sum`` also writes s (the block's new residual)."""
+    mm = offs_m[:, None] < M
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mm, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mm, other=0.0).to(tl.float32)
+    if STORE_SUM:
+        if store_sum:
+            tl.store(sum_ptr + offs_m[:, None] * stride_sm + offs_k[None, :], x.to(sum_ptr.dtype.element_ty), mask=mm)
     ss += tl.sum(x * x, axis=1)
     xw = x * tl.load(nw_ptr + offs_k).to(tl.float32)[None, :]
     if DOT_FP32:  # (the CPU interpreter, whose 16-bit tl.dot is wrong in Triton 3.6)
@@ -121,34 +128,39 @@ def _fold_group(out, acc, ss, last, group_size, eps):
 
 @triton.jit
 def _rmsnorm_gemv_kernel(
-    x_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr,
+    x_ptr, res_ptr, sum_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr,
     M, N, K, group_size, eps,
-    stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_xm, stride_rm, stride_sm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_SUM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_BLOCKS: tl.constexpr, DOT_FP32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # as _gemv_kernel (tensor-core tiles, K a multiple of BLOCK_K), with the rows of x normalised
-    # on the way: y = sum over groups of (x * norm_weight)_g @ W_g^T / rms(x_g), every program
-    # summing each row's squares itself (x is a few rows, read from L2)
+    # as _gemv_kernel (tensor-core tiles, K a multiple of BLOCK_K), with the rows of s = x (+ the
+    # residual) normalised on the way: y = sum over groups of (s * norm_weight)_g @ W_g^T / rms(s_g),
+    # every program summing each row's squares itself (a few rows, read from L2); program 0 also
+    # writes s when STORE_SUM (add_rmsnorm's new residual)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_kb = tl.arange(0, BLOCK_K)
     mn = offs_n < N
+    store_sum = pid == 0
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     w = tl.load(w_rows + offs_kb[None, :], mask=mn[:, None], other=0.0)
     if USE_PDL:
-        gdc_wait()  # x comes from the kernel before; the first weight tile is already in flight
+        gdc_wait()  # x and the residual come from the kernels before; the first weight tile is in flight
         gdc_launch_dependents()
     out = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, ss = _norm_gemv_tile(acc, ss, x_ptr, nw_ptr, w, offs_m, offs_kb, M, stride_xm, DOT_FP32)
+    acc, ss = _norm_gemv_tile(acc, ss, x_ptr, res_ptr, sum_ptr, nw_ptr, w, offs_m, offs_kb, M, stride_xm, stride_rm,
+                              stride_sm, store_sum, HAS_RESIDUAL, STORE_SUM, DOT_FP32)
     out, acc, ss = _fold_group(out, acc, ss, GROUP_BLOCKS == 1, group_size, eps)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + offs_kb
         w = tl.load(w_rows + offs_k[None, :], mask=mn[:, None], other=0.0)
-        acc, ss = _norm_gemv_tile(acc, ss, x_ptr, nw_ptr, w, offs_m, offs_k, M, stride_xm, DOT_FP32)
+        acc, ss = _norm_gemv_tile(acc, ss, x_ptr, res_ptr, sum_ptr, nw_ptr, w, offs_m, offs_k, M, stride_xm,
+                                  stride_rm, stride_sm, store_sum, HAS_RESIDUAL, STORE_SUM, DOT_FP32)
         out, acc, ss = _fold_group(out, acc, ss, (k0 // BLOCK_K + 1) % GROUP_BLOCKS == 0, group_size, eps)
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
@@ -157,14 +169,19 @@ def _rmsnorm_gemv_kernel(
 
 
 def launch_rmsnorm_gemv(x, norm_weight, weight, bias, y, *, eps: float, group_size: int, block_n: int, block_k: int,
-                        num_warps: int, num_stages: int, use_pdl: bool) -> None:
+                        num_warps: int, num_stages: int, use_pdl: bool, residual=None, sum_out=None) -> None:
     """x (M, K) unit stride along K, K and group_size multiples of ``block_k``; norm_weight (K,)
-    contiguous; weight (N, K) unit stride along K; bias (N,) or None; y (M, N)."""
+    contiguous; weight (N, K) unit stride along K; bias (N,) or None; y (M, N). With ``residual``
+    (M, K) the rows normalised are x + residual; ``sum_out`` (M, K) receives them (unit stride
+    along K)."""
     M, K = x.shape
     N = weight.shape[0]
     lean(_rmsnorm_gemv_kernel)[(cdiv(N, block_n),)](
-        x, norm_weight, weight, bias, y, M, N, K, group_size, float(eps), x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=max(16, next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
+        x, residual, sum_out, norm_weight, weight, bias, y, M, N, K, group_size, float(eps),
+        x.stride(0), residual.stride(0) if residual is not None else 0, sum_out.stride(0) if sum_out is not None else 0,
+        weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, STORE_SUM=sum_out is not None,
+        BLOCK_M=max(16, next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
         GROUP_BLOCKS=group_size // block_k, DOT_FP32=interpreter_enabled(), USE_PDL=use_pdl,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl,
     )

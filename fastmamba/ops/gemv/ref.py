@@ -21,3 +21,14 @@ def rmsnorm_gemv_ref(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.T
     normed = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     normed = (normed.reshape(x.shape) * norm_weight.float()).to(x.dtype)
     return gemv_ref(normed, weight, bias)
+
+
+def add_rmsnorm_gemv_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                         weight: torch.Tensor, bias: torch.Tensor | None = None, *, eps: float,
+                         residual_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two ops it fuses: ``add_rmsnorm`` (the block boundary), then ``gemv_ref`` on its output.
+    Returns (y (..., N) in x's dtype, the new residual s)."""
+    from fastmamba.ops.add_rmsnorm.ref import add_rmsnorm_ref
+
+    normed, s = add_rmsnorm_ref(x, residual, norm_weight, eps, residual_dtype=residual_dtype)
+    return gemv_ref(normed.to(x.dtype), weight, bias), s

@@ -66,3 +66,37 @@ def test_bad_arguments_raise(device):
         rmsnorm_gemv(torch.zeros(17, 256, dtype=torch.bfloat16, device=device), nw, w, b, eps=1e-5, group_size=256)
     with pytest.raises(TypeError, match=r"rmsnorm_gemv: `x` expected dtype in \(float16, bfloat16\), got float32"):
         rmsnorm_gemv(x.float(), nw, w, b, eps=1e-5, group_size=256)
+
+
+@pytest.mark.parametrize("lead,N,K,res_dtype,out_rdtype", [
+    ((1,), 37, 512, torch.float32, None),            # decode at batch 1, fp32 residual stream
+    ((4,), 64, 256, torch.bfloat16, torch.float32),  # a bf16 residual promoted
+    ((2, 8), 40, 384, None, None),                   # the first block (no residual), 16 rows
+], ids=["M1-fp32-res", "M4-bf16-res", "M16-first-block"])
+def test_add_rmsnorm_gemv_matches_the_two_ops(lead, N, K, res_dtype, out_rdtype, device):
+    from fastmamba.ops import add_rmsnorm
+    from fastmamba.ops.gemv import add_rmsnorm_gemv
+    from fastmamba.ops.gemv.ref import add_rmsnorm_gemv_ref
+
+    x, nw, w, b = _case(lead, N, K, torch.bfloat16, True, device, seed=K + N)
+    g = torch.Generator().manual_seed(5)
+    res = None if res_dtype is None else (torch.randn(*lead, K, generator=g) * 2).to(device, res_dtype)
+    y, s = add_rmsnorm_gemv(x, res, nw, w, b, eps=1e-5, residual_dtype=out_rdtype)
+    want_y, want_s = add_rmsnorm_gemv_ref(x, res, nw, w, b, eps=1e-5, residual_dtype=out_rdtype)
+    assert y.shape == lead + (N,) and y.dtype == torch.bfloat16 and s.dtype == want_s.dtype and s.is_contiguous()
+    torch.testing.assert_close(y.float(), want_y.float(), **tol(torch.bfloat16))
+    normed, s_unfused = add_rmsnorm(x, res, nw, 1e-5, residual_dtype=out_rdtype)
+    assert torch.equal(s, s_unfused)  # the new residual bit for bit
+    torch.testing.assert_close(y.float(), gemv(normed, w, b).float(), **tol(torch.bfloat16))
+
+
+def test_add_rmsnorm_gemv_bad_arguments_raise(device):
+    from fastmamba.ops.gemv import add_rmsnorm_gemv
+
+    x, nw, w, b = _case((2,), 24, 256, torch.bfloat16, True, device, seed=12)
+    with pytest.raises(ValueError, match=r"add_rmsnorm_gemv: `residual` expected shape \(2, 256\) \(as x\), got \(1, 256\)"):
+        add_rmsnorm_gemv(x, x[:1].float(), nw, w, b, eps=1e-5)
+    with pytest.raises(TypeError, match=r"add_rmsnorm_gemv: `residual_dtype` expected float32, bfloat16, float16 or None"):
+        add_rmsnorm_gemv(x, None, nw, w, b, eps=1e-5, residual_dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"add_rmsnorm_gemv: `norm_weight` expected shape \(K=256,\)"):
+        add_rmsnorm_gemv(x, None, nw[:8], w, b, eps=1e-5)
