@@ -67,10 +67,12 @@ class DecodeTricks:
                    at most 16 rows (tokens) run as fastmamba's ``gemv``, which can start under PDL
                    before the kernel ahead of it ends (off: ``nn.Linear``, i.e. cuBLAS, which
                    never overlaps)
-    fused_norm_gemv  where ``triton_gemv`` runs out_proj and the norm takes no gate (gate_in_scan),
-                   the norm runs inside out_proj's gemv (``rmsnorm_gemv``: one kernel, the
-                   normalised rows never written). Off by default until a GPU run measures it
-                   (``bench e2e --ablate``; CPU-tested against the two ops it replaces)
+    fused_norm_gemv  where ``triton_gemv`` runs the projections, the norms run inside them: the
+                   block boundary (residual add + RMSNorm) inside in_proj's gemv
+                   (``add_rmsnorm_gemv``, Mamba2LM) and the mixer's norm, when it takes no gate
+                   (gate_in_scan), inside out_proj's (``rmsnorm_gemv``): the normalised rows are
+                   never written. Off by default until a GPU run measures it (``bench e2e
+                   --ablate``; CPU-tested against the ops it replaces)
     """
 
     A_in_kernel: bool = True
@@ -81,6 +83,8 @@ class DecodeTricks:
 
 
 GEMV_PROJECTIONS = ("in_proj", "out_proj")  # which projections ``triton_gemv`` covers
+# Tests: the gemv paths on CPU tensors too (under the Triton interpreter); off, CPU runs use nn.Linear
+GEMV_ON_CPU = False
 
 
 def _conv_update_torch(x, conv_state, weight, bias, slots):
@@ -142,8 +146,14 @@ class Mamba2Mixer(nn.Module):
 
     def _gemv_covers(self, layer: torch.nn.Module, u: torch.Tensor) -> bool:
         """Whether ``triton_gemv`` runs ``layer`` (in_proj or out_proj) on the rows u [..., K]."""
-        return (self.tricks.triton_gemv and u.is_cuda and u.numel() <= GEMV_MAX_ROWS * u.shape[-1]
+        return (self.tricks.triton_gemv and (u.is_cuda or GEMV_ON_CPU) and u.numel() <= GEMV_MAX_ROWS * u.shape[-1]
                 and u.dtype in (torch.float16, torch.bfloat16) and layer.weight.dtype == u.dtype)
+
+    def fuses_block_norm(self, h: torch.Tensor) -> bool:
+        """Whether the block boundary before this mixer (add_rmsnorm of the rows h [R, d_model])
+        runs inside in_proj's gemv (``fused_norm_gemv``: ``add_rmsnorm_gemv``)."""
+        return (self.tricks.fused_norm_gemv and getattr(self.in_proj, "reduce_output", None) is None
+                and self._gemv_covers(self.in_proj, h))
 
     def _norm_out_proj(self, y: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
         """out_proj(norm(y, z)) for rows y [R, d_inner]: one ``rmsnorm_gemv`` where
@@ -217,8 +227,10 @@ class Mamba2Mixer(nn.Module):
         snapshot: LayerSnapshot | None = None,
         max_seqlen: int | None = None,
         live_seqs: int | None = None,
+        projected: bool = False,
     ) -> torch.Tensor:
-        """Prefill of B packed prompts of any lengths: u [T, d_model] -> [T, d_model].
+        """Prefill of B packed prompts of any lengths: u [T, d_model] -> [T, d_model]
+        (``projected``: u is in_proj's output [T, d_in_proj] already, from ``add_rmsnorm_gemv``).
 
         cu_seqlens  [B+1] int32/int64: prompt b is tokens cu_seqlens[b] .. cu_seqlens[b+1]-1
         conv_state  [S, E, W]      rows slots[b] mutated in place: the prompt's last W conv inputs
@@ -242,7 +254,7 @@ class Mamba2Mixer(nn.Module):
         c = self.cfg
         T = u.shape[0]
         H, P, N, G = c.nheads, c.headdim, c.d_state, c.ngroups
-        z, xbc, dt = self._split(self._project("in_proj", u))  # column views of one [T, d_in_proj] buffer
+        z, xbc, dt = self._split(u if projected else self._project("in_proj", u))  # column views of one buffer
         if snapshot is not None:  # conv states at the snapshot points: the conv's inputs there
             snapshot.conv[snapshot.rows] = xbc[snapshot.conv_tokens].transpose(1, 2).to(snapshot.conv.dtype)
         xbc = causal_conv1d_varlen(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state, cu_seqlens,
@@ -262,8 +274,9 @@ class Mamba2Mixer(nn.Module):
         return self._norm_out_proj(y.reshape(T, c.d_inner), None if self._gate_in_scan() else z)
 
     def step(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, *,
-             rand_seed: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode one token per request: u [B, d_model] -> [B, d_model]; states advance in place.
+             rand_seed: torch.Tensor | None = None, projected: bool = False) -> torch.Tensor:
+        """Decode one token per request: u [B, d_model] -> [B, d_model]; states advance in place
+        (``projected``: u is in_proj's output [B, d_in_proj] already).
 
         rand_seed: one-element int64 device tensor or None; with a 16-bit ``ssm_state`` the new
         state is rounded stochastically with it (advance it between steps). No host read besides
@@ -271,7 +284,7 @@ class Mamba2Mixer(nn.Module):
         c = self.cfg
         nreq = u.shape[0]
         H, P, N, G = c.nheads, c.headdim, c.d_state, c.ngroups
-        z, xbc, dt = self._split(self._project("in_proj", u))
+        z, xbc, dt = self._split(u if projected else self._project("in_proj", u))
         if self.tricks.fused_conv:
             xbc = causal_conv1d_update(xbc, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, "silu",
                                        conv_state_indices=slots)
@@ -299,8 +312,10 @@ class Mamba2Mixer(nn.Module):
         intermediate_states: torch.Tensor | None = None,
         no_dst: torch.Tensor | None = None,
         rand_seed: torch.Tensor | None = None,
+        projected: bool = False,
     ) -> torch.Tensor:
-        """Speculative verification of T tokens per request: u [B, T, d_model] -> [B, T, d_model].
+        """Speculative verification of T tokens per request: u [B, T, d_model] -> [B, T, d_model]
+        (``projected``: u is in_proj's output [B, T, d_in_proj] already).
 
         conv_state     [S, E, W-1+K]  rows slots[b] mutated: the T new inputs are appended after
                        the history that ends ``conv_accepted[b]`` inputs into the previous step
@@ -339,7 +354,7 @@ class Mamba2Mixer(nn.Module):
                              f"{tuple(u.shape)}")
         if path == "legacy" and intermediate_states is None:
             raise ValueError("Mamba2Mixer.verify: the legacy path needs `intermediate_states` [B, T, H, P, N]")
-        z, xbc, dt = self._split(self._project("in_proj", u))  # [B, T, *] column views
+        z, xbc, dt = self._split(u if projected else self._project("in_proj", u))  # [B, T, *] column views
         # the conv works on [B, E, T]: transposed views in and out, so xbc stays [B, T, E] contiguous
         conv_out = u.new_empty(nreq, ntok, E)
         causal_conv1d_update(xbc.transpose(1, 2), conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias,
