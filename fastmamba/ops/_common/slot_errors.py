@@ -28,10 +28,18 @@ import torch
 import triton
 import triton.language as tl
 
+from fastmamba.ops._common.host_values import host_reads_allowed
 from fastmamba.ops._common.launch import lean
 
 _records: dict = {}
 _lock = threading.Lock()
+
+
+def checked_on_device(t: torch.Tensor | None, cpu_too: bool) -> bool:
+    """Whether an eager call checks the index values of ``t`` on the device (recorded, raised at
+    the op's next call) instead of reading them on the host: a GPU tensor (or, with ``cpu_too``,
+    the switch the tests set, a CPU one) whose values may be read at all (host_values.py)."""
+    return t is not None and (t.is_cuda or cpu_too) and host_reads_allowed(t)
 
 
 def slot_record(op: str, device: torch.device) -> tuple[torch.Tensor, object]:
@@ -115,10 +123,7 @@ def report_bad_slot(err_ptr, slot, pad_slot_id, n_slots, which: tl.constexpr):
     """In a kernel: record ``slot`` as argument number ``which``'s bad value when it lies outside
     [0, n_slots) and is not the pad id (call it from one program per request)."""
     if (slot != pad_slot_id) & ((slot < 0) | (slot >= n_slots)):
-        tl.store(err_ptr + 1, which)
-        tl.store(err_ptr + 2, slot.to(tl.int64))
-        tl.store(err_ptr + 3, n_slots)
-        tl.store(err_ptr, 1)
+        record(err_ptr, which, slot, n_slots, 0)
 
 
 NO_BAD: tl.constexpr = tl.constexpr(2 ** 62)  # "no bad position" in the helpers below

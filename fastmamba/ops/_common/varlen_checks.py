@@ -29,10 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fastmamba.ops._common.host_values import host_reads_allowed
 from fastmamba.ops._common.launch import lean
 from fastmamba.ops._common.pdl import pdl_requested, programmatic_dependent_launch
-from fastmamba.ops._common.slot_errors import NO_BAD, first_bad_slot, load_slots, record, slot_record
+from fastmamba.ops._common.slot_errors import NO_BAD, checked_on_device, first_bad_slot, load_slots, record, slot_record
 
 # Tests of the device check without a GPU: CPU tensors (under the interpreter) checked on the
 # device too. On a real CPU run the host read is cheaper and stays.
@@ -43,7 +42,7 @@ _BLOCK = 256
 def device_checked(x: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
     """Whether a call checks its metadata with ``sanitize`` instead of reading it on the host: an
     eager call on GPU tensors (or CPU ones with DEVICE_CHECK_CPU) that may read them at all."""
-    return (x.is_cuda or DEVICE_CHECK_CPU) and host_reads_allowed(cu_seqlens)
+    return checked_on_device(cu_seqlens, DEVICE_CHECK_CPU)  # (on x's device: checked before)
 
 
 def launches_after(checked: bool, x: torch.Tensor):

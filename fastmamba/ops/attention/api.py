@@ -26,7 +26,7 @@ from fastmamba.ops._common.checks import (
 )
 from fastmamba.ops._common.dispatch import use_triton
 from fastmamba.ops._common import slot_errors
-from fastmamba.ops._common.host_values import host_list, host_reads_allowed
+from fastmamba.ops._common.host_values import host_list
 from fastmamba.ops.attention.configs import INTERPRET_CONFIG, DecodeConfig, pick_splits, pick_tile, sm_count
 from fastmamba.ops.attention.kernel import launch_paged_decode_attention
 from fastmamba.ops.attention.ref import paged_decode_attention_ref
@@ -236,7 +236,7 @@ def paged_decode_attention(
     check_shape(op, "seq_lens", seq_lens, [("S", S)])
     check_same_device(op, [("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("block_table", block_table),
                            ("seq_lens", seq_lens), ("slots", slots)])
-    on_device = (slots.is_cuda or DEVICE_CHECK_CPU) and use_triton(q) and host_reads_allowed(slots)
+    on_device = slot_errors.checked_on_device(slots, DEVICE_CHECK_CPU) and use_triton(q)
     slot_errors.raise_pending(op, slots.device, slot_errors.NAMES[op])
     check_indices(op, "slots", slots, B, S, -1, read=not on_device)
     if PAGE & (PAGE - 1):

@@ -153,7 +153,7 @@ slot_errors.NAMES[_OP] = SLOT_NAMES
 def _device_check(idx: torch.Tensor | None) -> bool:
     """Whether a lean call leaves ``idx``'s range check to the kernel (reported at the next call:
     slot_errors.py) instead of reading it on the host: GPU indices the caller has not vouched for."""
-    return idx is not None and (idx.is_cuda or DEVICE_CHECK_CPU) and host_reads_allowed(idx)
+    return slot_errors.checked_on_device(idx, DEVICE_CHECK_CPU)
 
 
 def clear_plans() -> None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from fastmamba.ops.add_rmsnorm.ref import add_rmsnorm_ref
+
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K), weight (N, K), bias (N,) or None -> y (..., N) in x's dtype."""
@@ -28,7 +30,5 @@ def add_rmsnorm_gemv_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_we
                          residual_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The two ops it fuses: ``add_rmsnorm`` (the block boundary), then ``gemv_ref`` on its output.
     Returns (y (..., N) in x's dtype, the new residual s)."""
-    from fastmamba.ops.add_rmsnorm.ref import add_rmsnorm_ref
-
     normed, s = add_rmsnorm_ref(x, residual, norm_weight, eps, residual_dtype=residual_dtype)
     return gemv_ref(normed.to(x.dtype), weight, bias), s

@@ -55,7 +55,7 @@ slot_errors.NAMES["commit_accepted"] = ("slots", "accepted")
 def _device_check(t: torch.Tensor | None) -> bool:
     """Whether a call checks ``t``'s index values on the device (recorded, raised at the op's next
     call: ops/_common/slot_errors.py) instead of reading them on the host: eager GPU tensors."""
-    return t is not None and (t.is_cuda or DEVICE_CHECK_CPU) and host_reads_allowed(t)
+    return slot_errors.checked_on_device(t, DEVICE_CHECK_CPU)
 
 
 def default_history(tokens: int) -> int:

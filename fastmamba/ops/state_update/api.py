@@ -107,7 +107,7 @@ slot_errors.NAMES[OP] = SLOT_NAMES
 def _device_check(idx: torch.Tensor | None) -> bool:
     """Whether a lean call checks ``idx`` in the kernel (reported at the next call: slot_errors.py)
     instead of reading it on the host: indices on a GPU that the caller has not vouched for."""
-    return idx is not None and (idx.is_cuda or DEVICE_CHECK_CPU) and host_reads_allowed(idx)
+    return slot_errors.checked_on_device(idx, DEVICE_CHECK_CPU)
 
 
 # Launch plans of plain eager calls (issue 19: an eager call's host time), keyed by the call's
