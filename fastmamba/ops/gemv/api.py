@@ -11,6 +11,7 @@ from fastmamba.ops._common.host_math import cdiv
 from fastmamba.ops._common.pdl import pdl_active
 from fastmamba.ops.add_rmsnorm import add_rmsnorm
 from fastmamba.ops.gated_rmsnorm import rmsnorm_fn
+from fastmamba.ops.gated_rmsnorm.api import check_eps
 from fastmamba.ops.gemv.configs import MAX_ROWS, pick_config
 from fastmamba.ops.gemv.kernel import launch_gemv, launch_rmsnorm_gemv
 from fastmamba.ops.gemv.ref import add_rmsnorm_gemv_ref, gemv_ref, rmsnorm_gemv_ref
@@ -100,9 +101,7 @@ def rmsnorm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tenso
         raise ValueError(f"{_NORM_OP}: `norm_weight` expected shape (K={K},), got {tuple(norm_weight.shape)}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or K % group_size:
         raise ValueError(f"{_NORM_OP}: `group_size` expected a positive int dividing K={K}, got {group_size!r}")
-    eps = float(eps)
-    if not eps >= 0.0:
-        raise ValueError(f"{_NORM_OP}: `eps` expected a non-negative float, got {eps!r}")
+    eps = check_eps(_NORM_OP, eps)
     if not use_triton(x):
         y = rmsnorm_gemv_ref(x, norm_weight, weight, bias, eps=eps, group_size=group_size)
         return y if out is None else out.copy_(y)
@@ -143,9 +142,7 @@ def add_rmsnorm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
         check_unit_stride(_ADD_OP, "residual", residual, -1)
     if residual_dtype is not None and residual_dtype not in (torch.float32, *HALF_DTYPES):
         raise TypeError(f"{_ADD_OP}: `residual_dtype` expected float32, bfloat16, float16 or None, got {residual_dtype!r}")
-    eps = float(eps)
-    if not eps >= 0.0:
-        raise ValueError(f"{_ADD_OP}: `eps` expected a non-negative float, got {eps!r}")
+    eps = check_eps(_ADD_OP, eps)
     rdtype = residual_dtype or (residual.dtype if residual is not None else torch.float32)
     if not use_triton(x):
         return add_rmsnorm_gemv_ref(x, residual, norm_weight, weight, bias, eps=eps, residual_dtype=rdtype)

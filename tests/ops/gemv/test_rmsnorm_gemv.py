@@ -60,8 +60,10 @@ def test_bad_arguments_raise(device):
         rmsnorm_gemv(x, nw[:128], w, b, eps=1e-5, group_size=256)
     with pytest.raises(ValueError, match=r"rmsnorm_gemv: `group_size` expected a positive int dividing K=256, got 100"):
         rmsnorm_gemv(x, nw, w, b, eps=1e-5, group_size=100)
-    with pytest.raises(ValueError, match=r"rmsnorm_gemv: `eps` expected a non-negative float, got -1.0"):
+    with pytest.raises(ValueError, match=r"rmsnorm_gemv: `eps` expected a finite number >= 0, got -1"):
         rmsnorm_gemv(x, nw, w, b, eps=-1, group_size=256)
+    with pytest.raises(TypeError, match=r"rmsnorm_gemv: `eps` expected a float, got str 'a'"):
+        rmsnorm_gemv(x, nw, w, b, eps="a", group_size=256)
     with pytest.raises(ValueError, match=r"rmsnorm_gemv: x has 17 rows; at most 16"):
         rmsnorm_gemv(torch.zeros(17, 256, dtype=torch.bfloat16, device=device), nw, w, b, eps=1e-5, group_size=256)
     with pytest.raises(TypeError, match=r"rmsnorm_gemv: `x` expected dtype in \(float16, bfloat16\), got float32"):
@@ -100,3 +102,5 @@ def test_add_rmsnorm_gemv_bad_arguments_raise(device):
         add_rmsnorm_gemv(x, None, nw, w, b, eps=1e-5, residual_dtype=torch.int32)
     with pytest.raises(ValueError, match=r"add_rmsnorm_gemv: `norm_weight` expected shape \(K=256,\)"):
         add_rmsnorm_gemv(x, None, nw[:8], w, b, eps=1e-5)
+    with pytest.raises(ValueError, match=r"add_rmsnorm_gemv: `eps` expected a finite number >= 0, got inf"):
+        add_rmsnorm_gemv(x, None, nw, w, b, eps=float("inf"))
