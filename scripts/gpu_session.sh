@@ -40,7 +40,6 @@ for step in "${steps[@]}"; do
         ablate)    timeout 400 python3 -m fastmamba.bench e2e --batch 1 --ablate --json "$OUT/ablate.jsonl" > "$OUT/ablate.txt" 2> "$OUT/ablate.err"; echo "rc=$?"; cat "$OUT/ablate.txt"; tail -3 "$OUT/ablate.err" ;;
         host)      timeout 120 python3 scripts/host_overhead.py --device cuda > "$OUT/host.txt" 2>&1; echo "rc=$?"; cat "$OUT/host.txt" ;;
         ttft)      timeout 500 python3 -m fastmamba.bench ttft --peer --json "$OUT/ttft.jsonl" > "$OUT/ttft.txt" 2> "$OUT/ttft.err"; echo "rc=$?"; cat "$OUT/ttft.txt"; tail -3 "$OUT/ttft.err" ;;
-        ttftfused-*) timeout 400 python3 -m fastmamba.bench ttft --fused-norm-gemv --shapes "${step#ttftfused-}" --json "$OUT/ttft.jsonl" >> "$OUT/ttft.txt" 2>> "$OUT/ttft.err"; echo "rc=$?"; tail -n 14 "$OUT/ttft.txt"; tail -3 "$OUT/ttft.err" ;;
         ttft-*)    timeout 400 python3 -m fastmamba.bench ttft --shapes "${step#ttft-}" --json "$OUT/ttft.jsonl" >> "$OUT/ttft.txt" 2>> "$OUT/ttft.err"; echo "rc=$?"; tail -n 14 "$OUT/ttft.txt"; tail -3 "$OUT/ttft.err" ;;
         serve)     timeout 500 python3 -m fastmamba.bench serve --json "$OUT/serve.jsonl" > "$OUT/serve.txt" 2> "$OUT/serve.err"; echo "rc=$?"; cat "$OUT/serve.txt"; tail -3 "$OUT/serve.err" ;;
         profile-graph) timeout 200 python3 scripts/profile_graphed_prefill.py > "$OUT/profile-graph.txt" 2>&1; echo "rc=$?"; cat "$OUT/profile-graph.txt" ;;

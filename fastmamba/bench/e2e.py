@@ -88,8 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "has it, sm_90+; --no-pdl turns it off)")
     parser.add_argument("--peer", action="store_true", help="also time transformers' Mamba2ForCausalLM at batch 1")
     parser.add_argument("--ablate", action="store_true",
-                        help="also time batch 1 with each decode trick switched off (and the norms fused into the "
-                        "projections' gemvs switched on), and with PDL switched")
+                        help="also time batch 1 with each decode trick switched off, and with PDL switched")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line per row")
     parser.add_argument("--plot", metavar="PATH", help="PNG of decode tok/s vs batch (needs matplotlib)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -784,8 +783,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         variants = [("all tricks on", {}, args.pdl), ("A = -exp(A_log) in PyTorch", {"A_in_kernel": False}, args.pdl),
                     ("silu(z) gate in the norm", {"gate_in_scan": False}, args.pdl),
                     ("conv update in PyTorch ops", {"fused_conv": False}, args.pdl),
-                    ("projections in cuBLAS", {"triton_gemv": False}, args.pdl),
-                    ("norms fused into the gemvs", {"fused_norm_gemv": True}, args.pdl)]
+                    ("projections in cuBLAS", {"triton_gemv": False}, args.pdl)]
         if cuda:  # (the CPU runs no graphs)
             variants.append(("all on, PDL off" if args.pdl else "all on, PDL on", {}, not args.pdl))
         print(f"{'ablation (batch 1)':34} {'ms/step':>9} {'tok/s':>8} {'vs all on':>10}")

@@ -52,9 +52,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer", action="store_true",
                         help="also mamba_ssm's whole-model prefill (MambaLMHeadModel forward, last-token logits, "
                              "eager) with the same weights, side by side (pure Mamba-2 models, GPU)")
-    parser.add_argument("--fused-norm-gemv", action="store_true",
-                        help="the norms inside the projections' gemvs for prompts of at most 16 tokens "
-                             "(DecodeTricks.fused_norm_gemv; pure Mamba-2 models)")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line per shape")
 
 
@@ -144,11 +141,6 @@ def run(args: argparse.Namespace, command: str) -> int:
     copy_gbs = measure_copy_bandwidth(device)
     mm_tflops = measure_matmul_tflops(device)
     model = fastmamba.load_model(name, device=device)
-    if args.fused_norm_gemv:
-        if not hasattr(model, "set_decode_tricks"):
-            print(f"error: --fused-norm-gemv needs a pure Mamba-2 model; {name} has no decode tricks", file=sys.stderr)
-            return 2
-        model.set_decode_tricks(fused_norm_gemv=True)
     wbytes, params = weight_bytes_and_params(model)
     print(f"# ttft: {name} ({params / 1e9:.2f} B params, {model.dtype}), {device_name(device)}, copy {copy_gbs:.0f} "
           f"GB/s, matmul {mm_tflops:.0f} TFLOP/s, median of {reps} warm prefills; command: {command}")
@@ -180,8 +172,7 @@ def run(args: argparse.Namespace, command: str) -> int:
             del gp
         floor = floor_ms(wbytes, params, b * length, copy_gbs, mm_tflops)
         row = {"model": name, "batch": b, "length": length, "eager_ms": eager, "graphed_ms": graphed,
-               "floor_ms": floor, "device": device_name(device), "command": command,
-               "fused_norm_gemv": bool(args.fused_norm_gemv)}
+               "floor_ms": floor, "device": device_name(device), "command": command}
         ptxt = ""
         if peer is not None:
             peer_ms, diff = _peer_row(peer, model, ids_dev, reps)

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastmamba.ops import RMSNormGated, causal_conv1d_update, causal_conv1d_varlen, selective_state_update
-from fastmamba.ops.gemv import gemv, rmsnorm_gemv
+from fastmamba.ops.gemv import gemv
 from fastmamba.ops.gemv.configs import MAX_ROWS as GEMV_MAX_ROWS
 from fastmamba.ops.replay import ReplayCache, replay_selective_state_update
 from fastmamba.ops.ssd_scan import ssd_scan_varlen
@@ -67,24 +67,15 @@ class DecodeTricks:
                    at most 16 rows (tokens) run as fastmamba's ``gemv``, which can start under PDL
                    before the kernel ahead of it ends (off: ``nn.Linear``, i.e. cuBLAS, which
                    never overlaps)
-    fused_norm_gemv  where ``triton_gemv`` runs the projections, the norms run inside them: the
-                   block boundary (residual add + RMSNorm) inside in_proj's gemv
-                   (``add_rmsnorm_gemv``, Mamba2LM) and the mixer's norm, when it takes no gate
-                   (gate_in_scan), inside out_proj's (``rmsnorm_gemv``): the normalised rows are
-                   never written. Off by default until a GPU run measures it (``bench e2e
-                   --ablate``; CPU-tested against the ops it replaces)
     """
 
     A_in_kernel: bool = True
     gate_in_scan: bool = True
     fused_conv: bool = True
     triton_gemv: bool = True
-    fused_norm_gemv: bool = False
 
 
 GEMV_PROJECTIONS = ("in_proj", "out_proj")  # which projections ``triton_gemv`` covers
-# Tests: the gemv paths on CPU tensors too (under the Triton interpreter); off, CPU runs use nn.Linear
-GEMV_ON_CPU = False
 
 
 def _conv_update_torch(x, conv_state, weight, bias, slots):
@@ -138,32 +129,13 @@ class Mamba2Mixer(nn.Module):
         A layer with ``reduce_output`` (``fastmamba.distributed.layers.RowParallelLinear``) gets its
         partial product summed over the tensor-parallel ranks after ``gemv`` too."""
         layer = getattr(self, name)
-        if name in GEMV_PROJECTIONS and self._gemv_covers(layer, u):
+        if (self.tricks.triton_gemv and name in GEMV_PROJECTIONS and u.is_cuda
+                and u.numel() <= GEMV_MAX_ROWS * u.shape[-1]
+                and u.dtype in (torch.float16, torch.bfloat16) and layer.weight.dtype == u.dtype):
             out = gemv(u, layer.weight, layer.bias)
             reduce = getattr(layer, "reduce_output", None)  # tensor parallel: a row-parallel out_proj's all-reduce
             return out if reduce is None else reduce(out)
         return layer(u)
-
-    def _gemv_covers(self, layer: torch.nn.Module, u: torch.Tensor) -> bool:
-        """Whether ``triton_gemv`` runs ``layer`` (in_proj or out_proj) on the rows u [..., K]."""
-        return (self.tricks.triton_gemv and (u.is_cuda or GEMV_ON_CPU) and u.numel() <= GEMV_MAX_ROWS * u.shape[-1]
-                and u.dtype in (torch.float16, torch.bfloat16) and layer.weight.dtype == u.dtype)
-
-    def fuses_block_norm(self, h: torch.Tensor) -> bool:
-        """Whether the block boundary before this mixer (add_rmsnorm of the rows h [R, d_model])
-        runs inside in_proj's gemv (``fused_norm_gemv``: ``add_rmsnorm_gemv``)."""
-        return (self.tricks.fused_norm_gemv and getattr(self.in_proj, "reduce_output", None) is None
-                and self._gemv_covers(self.in_proj, h))
-
-    def _norm_out_proj(self, y: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
-        """out_proj(norm(y, z)) for rows y [R, d_inner]: one ``rmsnorm_gemv`` where
-        ``fused_norm_gemv`` covers it (no gate, no norm bias, gemv's rows, no tensor-parallel
-        reduction), else the norm and then ``_project``."""
-        norm, proj = self.norm, self.out_proj
-        if (self.tricks.fused_norm_gemv and z is None and norm.bias is None and not norm.norm_before_gate
-                and getattr(proj, "reduce_output", None) is None and self._gemv_covers(proj, y)):
-            return rmsnorm_gemv(y, norm.weight, proj.weight, proj.bias, eps=norm.eps, group_size=norm.group_size)
-        return self._project("out_proj", norm(y, z))
 
     def _gate_in_scan(self) -> bool:
         # silu(z) can run inside the state update only when the norm gates before normalising
@@ -227,10 +199,8 @@ class Mamba2Mixer(nn.Module):
         snapshot: LayerSnapshot | None = None,
         max_seqlen: int | None = None,
         live_seqs: int | None = None,
-        projected: bool = False,
     ) -> torch.Tensor:
-        """Prefill of B packed prompts of any lengths: u [T, d_model] -> [T, d_model]
-        (``projected``: u is in_proj's output [T, d_in_proj] already, from ``add_rmsnorm_gemv``).
+        """Prefill of B packed prompts of any lengths: u [T, d_model] -> [T, d_model].
 
         cu_seqlens  [B+1] int32/int64: prompt b is tokens cu_seqlens[b] .. cu_seqlens[b+1]-1
         conv_state  [S, E, W]      rows slots[b] mutated in place: the prompt's last W conv inputs
@@ -254,7 +224,7 @@ class Mamba2Mixer(nn.Module):
         c = self.cfg
         T = u.shape[0]
         H, P, N, G = c.nheads, c.headdim, c.d_state, c.ngroups
-        z, xbc, dt = self._split(u if projected else self._project("in_proj", u))  # column views of one buffer
+        z, xbc, dt = self._split(self._project("in_proj", u))  # column views of one [T, d_in_proj] buffer
         if snapshot is not None:  # conv states at the snapshot points: the conv's inputs there
             snapshot.conv[snapshot.rows] = xbc[snapshot.conv_tokens].transpose(1, 2).to(snapshot.conv.dtype)
         xbc = causal_conv1d_varlen(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state, cu_seqlens,
@@ -271,12 +241,12 @@ class Mamba2Mixer(nn.Module):
         )
         if snapshot is not None:
             snapshot.ssm[snapshot.rows] = snapshot.chunk_states[snapshot.chunk_rows].to(snapshot.ssm.dtype)
-        return self._norm_out_proj(y.reshape(T, c.d_inner), None if self._gate_in_scan() else z)
+        y = self.norm(y.reshape(T, c.d_inner), None if self._gate_in_scan() else z)
+        return self._project("out_proj", y)
 
     def step(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, *,
-             rand_seed: torch.Tensor | None = None, projected: bool = False) -> torch.Tensor:
-        """Decode one token per request: u [B, d_model] -> [B, d_model]; states advance in place
-        (``projected``: u is in_proj's output [B, d_in_proj] already).
+             rand_seed: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode one token per request: u [B, d_model] -> [B, d_model]; states advance in place.
 
         rand_seed: one-element int64 device tensor or None; with a 16-bit ``ssm_state`` the new
         state is rounded stochastically with it (advance it between steps). No host read besides
@@ -284,7 +254,7 @@ class Mamba2Mixer(nn.Module):
         c = self.cfg
         nreq = u.shape[0]
         H, P, N, G = c.nheads, c.headdim, c.d_state, c.ngroups
-        z, xbc, dt = self._split(u if projected else self._project("in_proj", u))
+        z, xbc, dt = self._split(self._project("in_proj", u))
         if self.tricks.fused_conv:
             xbc = causal_conv1d_update(xbc, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, "silu",
                                        conv_state_indices=slots)
@@ -298,7 +268,8 @@ class Mamba2Mixer(nn.Module):
             B.reshape(nreq, G, N), C.reshape(nreq, G, N), self.D, gate, self.dt_bias, True, slots,
             A_is_log=A_is_log, rand_seed=rand_seed,
         )
-        return self._norm_out_proj(y.reshape(nreq, c.d_inner), None if self._gate_in_scan() else z)
+        y = self.norm(y.reshape(nreq, c.d_inner), None if self._gate_in_scan() else z)
+        return self._project("out_proj", y)
 
     def verify(
         self,
@@ -312,10 +283,8 @@ class Mamba2Mixer(nn.Module):
         intermediate_states: torch.Tensor | None = None,
         no_dst: torch.Tensor | None = None,
         rand_seed: torch.Tensor | None = None,
-        projected: bool = False,
     ) -> torch.Tensor:
-        """Speculative verification of T tokens per request: u [B, T, d_model] -> [B, T, d_model]
-        (``projected``: u is in_proj's output [B, T, d_in_proj] already).
+        """Speculative verification of T tokens per request: u [B, T, d_model] -> [B, T, d_model].
 
         conv_state     [S, E, W-1+K]  rows slots[b] mutated: the T new inputs are appended after
                        the history that ends ``conv_accepted[b]`` inputs into the previous step
@@ -354,7 +323,7 @@ class Mamba2Mixer(nn.Module):
                              f"{tuple(u.shape)}")
         if path == "legacy" and intermediate_states is None:
             raise ValueError("Mamba2Mixer.verify: the legacy path needs `intermediate_states` [B, T, H, P, N]")
-        z, xbc, dt = self._split(u if projected else self._project("in_proj", u))  # [B, T, *] column views
+        z, xbc, dt = self._split(self._project("in_proj", u))  # [B, T, *] column views
         # the conv works on [B, E, T]: transposed views in and out, so xbc stays [B, T, E] contiguous
         conv_out = u.new_empty(nreq, ntok, E)
         causal_conv1d_update(xbc.transpose(1, 2), conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias,
@@ -383,5 +352,5 @@ class Mamba2Mixer(nn.Module):
                 None if gate is None else gate[:, 0], self.dt_bias, True, slots,
                 A_is_log=A_is_log, rand_seed=rand_seed,
             )
-        z = None if self._gate_in_scan() else z.reshape(-1, c.d_inner)
-        return self._norm_out_proj(y.reshape(nreq * ntok, c.d_inner), z).view(nreq, ntok, -1)
+        y = self.norm(y.reshape(nreq * ntok, c.d_inner), None if self._gate_in_scan() else z.reshape(-1, c.d_inner))
+        return self._project("out_proj", y).view(nreq, ntok, -1)

@@ -33,7 +33,6 @@ from fastmamba.generation.rounding import check_rand_seed
 from fastmamba.layers.mamba2 import DecodeTricks, Mamba2Mixer
 from fastmamba.models.config import Mamba2Config
 from fastmamba.ops import add_rmsnorm
-from fastmamba.ops.gemv import add_rmsnorm_gemv
 from fastmamba.ops._common.checks import check_host_copies
 from fastmamba.ops._common.host_values import host_list, host_reads_allowed, trusted_inputs
 
@@ -84,28 +83,17 @@ class Mamba2LM(nn.Module):
         check_rand_seed(rand_seed, self.cfg.n_layer, self.lm_head.weight.device, who)
         return (lambda i: None) if rand_seed is None else (lambda i: rand_seed[i:i + 1])
 
-    def _run(self, input_ids: torch.Tensor, mix, *, rows: torch.Tensor | None = None,
-             fusable: bool = True) -> torch.Tensor:
+    def _run(self, input_ids: torch.Tensor, mix, *, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Embeddings -> blocks -> final norm -> fp32 logits (of the leading-dim ``rows`` only, if
-        given); ``mix(i, mixer, h, projected)`` runs layer i's mixer on the normalised rows h, or on
-        in_proj's output of them when ``projected``.
+        given); ``mix(i, mixer, normed)`` runs layer i's mixer.
 
-        Each block boundary is one fused kernel: residual += previous output, then RMSNorm; where the
-        mixer's ``fused_norm_gemv`` covers it (``fusable`` callers), that kernel is in_proj's gemv
-        too (``add_rmsnorm_gemv``).
+        Each block boundary is one fused kernel: residual += previous output, then RMSNorm.
         """
         rdtype = torch.float32 if self.cfg.residual_in_fp32 else self.dtype
         out, residual = self.backbone.embeddings(input_ids), None
         for i, layer in enumerate(self.backbone.layers):
-            mixer, norm = layer.mixer, layer.norm
-            if fusable and mixer.fuses_block_norm(out):
-                proj = mixer.in_proj
-                zxbcdt, residual = add_rmsnorm_gemv(out, residual, norm.weight, proj.weight, proj.bias, eps=norm.eps,
-                                                    residual_dtype=rdtype)
-                out = mix(i, mixer, zxbcdt, True)
-                continue
-            normed, residual = add_rmsnorm(out, residual, norm.weight, norm.eps, residual_dtype=rdtype)
-            out = mix(i, mixer, normed, False)
+            normed, residual = add_rmsnorm(out, residual, layer.norm.weight, layer.norm.eps, residual_dtype=rdtype)
+            out = mix(i, layer.mixer, normed)
         if rows is not None:
             out, residual = out[rows], residual[rows]
         norm_f = self.backbone.norm_f
@@ -114,7 +102,7 @@ class Mamba2LM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self._run(input_ids, lambda i, mixer, h, projected: mixer(h), fusable=False)
+        return self._run(input_ids, lambda i, mixer, h: mixer(h))
 
     def set_decode_tricks(self, **switches: bool) -> None:
         """Turn the mixers' decode optimisations on or off (see ``DecodeTricks``); for ablations."""
@@ -239,9 +227,9 @@ class Mamba2LM(nn.Module):
         with trusted_inputs():  # validated above: the layers' ops read nothing on the host
             logits = self._run(
                 input_ids,
-                lambda i, mixer, h, projected: mixer.forward_varlen(
-                    h, cu_seqlens, cache.conv[i], cache.ssm[i], slots, flags, rand_seed=seed(i), snapshot=snap(i),
-                    max_seqlen=longest, live_seqs=live_seqs, projected=projected),
+                lambda i, mixer, h: mixer.forward_varlen(h, cu_seqlens, cache.conv[i], cache.ssm[i], slots, flags,
+                                                         rand_seed=seed(i), snapshot=snap(i), max_seqlen=longest,
+                                                         live_seqs=live_seqs),
                 rows=last,
             )
             if cache.speculate:
@@ -275,8 +263,7 @@ class Mamba2LM(nn.Module):
         rand_seed: int64 [n_layer] device tensor or None (stochastic rounding of 16-bit states)."""
         seed = self._seed(rand_seed, "Mamba2LM.decode")
         return self._run(token_ids,
-                         lambda i, mixer, h, projected: mixer.step(h, cache.conv[i], cache.ssm[i], slots,
-                                                                   rand_seed=seed(i), projected=projected))
+                         lambda i, mixer, h: mixer.step(h, cache.conv[i], cache.ssm[i], slots, rand_seed=seed(i)))
 
     @torch.inference_mode()
     def verify(self, token_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor, *,
@@ -317,10 +304,9 @@ class Mamba2LM(nn.Module):
         no_dst = cache.legacy_no_dst(nreq) if path == "legacy" else None
         seed = self._seed(rand_seed, "Mamba2LM.verify")
 
-        def mix(i, mixer, h, projected):
+        def mix(i, mixer, h):
             out = mixer.verify(h.view(nreq, ntok, -1), cache.conv[i], cache.replay[i], slots, conv_accepted,
-                               path=path, intermediate_states=inter[i], no_dst=no_dst, rand_seed=seed(i),
-                               projected=projected)
+                               path=path, intermediate_states=inter[i], no_dst=no_dst, rand_seed=seed(i))
             return out.view(nreq * ntok, -1)
 
         return self._run(token_ids.reshape(-1), mix).view(nreq, ntok, -1)

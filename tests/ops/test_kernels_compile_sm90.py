@@ -1,7 +1,6 @@
-"""Kernels not yet run on a GPU, or with branches the interpreter never takes, compile for sm_90 in
-each of their variants (no GPU needed: Triton's own compiler and ptxas): the index checks on the
-device (ops/_common/varlen_checks.py, ops/_common/slot_errors.py, the replay commit kernel's
-report) and the norm fused into gemv (ops/gemv/kernel.py). The interpreter only runs the branches
+"""The kernels that check index values on the device (ops/_common/varlen_checks.py,
+ops/_common/slot_errors.py, the replay commit kernel's report) compile for sm_90 in each of their
+variants (no GPU needed: Triton's own compiler and ptxas). The interpreter only runs the branches
 a test's values reach, so a branch touching a None pointer, or an int Triton turned into a
 constant (a launch passing 1 specialises it), compiles nowhere but here.
 
@@ -31,28 +30,6 @@ VARIANTS = {
                             dict(buf_idx_ptr="*i32", accepted_ptr="*i32", hist_ptr="*i32", slots_ptr="*i32",
                                  new_ptr="*i64", err_ptr="*i64"),
                             dict(HAS_SLOTS=True, BLOCK=128, REPORT=True, CHECK_NEW=True, T=1, n_slots=1)),
-    "rmsnorm-gemv-G1": ("fastmamba.ops.gemv.kernel", "_rmsnorm_gemv_kernel",
-                        dict(x_ptr="*bf16", nw_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", eps="fp32"),
-                        dict(bias_ptr=None, res_ptr=None, sum_ptr=None, HAS_BIAS=False, HAS_RESIDUAL=False,
-                             STORE_SUM=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_BLOCKS=20,
-                             DOT_FP32=False, USE_PDL=True)),
-    "rmsnorm-gemv-G4-bias": ("fastmamba.ops.gemv.kernel", "_rmsnorm_gemv_kernel",
-                             dict(x_ptr="*bf16", nw_ptr="*fp32", w_ptr="*bf16", bias_ptr="*bf16", y_ptr="*bf16",
-                                  eps="fp32"),
-                             dict(res_ptr=None, sum_ptr=None, HAS_BIAS=True, HAS_RESIDUAL=False, STORE_SUM=False,
-                                  BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_BLOCKS=4, DOT_FP32=False,
-                                  USE_PDL=False)),
-    "add-rmsnorm-gemv": ("fastmamba.ops.gemv.kernel", "_rmsnorm_gemv_kernel",
-                         dict(x_ptr="*bf16", res_ptr="*fp32", sum_ptr="*fp32", nw_ptr="*bf16", w_ptr="*bf16",
-                              y_ptr="*bf16", eps="fp32"),
-                         dict(bias_ptr=None, HAS_BIAS=False, HAS_RESIDUAL=True, STORE_SUM=True, BLOCK_M=16,
-                              BLOCK_N=32, BLOCK_K=256, GROUP_BLOCKS=10, DOT_FP32=False, USE_PDL=True)),
-    "add-rmsnorm-gemv-first-block": ("fastmamba.ops.gemv.kernel", "_rmsnorm_gemv_kernel",
-                                     dict(x_ptr="*bf16", sum_ptr="*fp32", nw_ptr="*bf16", w_ptr="*bf16",
-                                          y_ptr="*bf16", eps="fp32"),
-                                     dict(bias_ptr=None, res_ptr=None, HAS_BIAS=False, HAS_RESIDUAL=False,
-                                          STORE_SUM=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_BLOCKS=10,
-                                          DOT_FP32=False, USE_PDL=False)),
 }
 
 
@@ -74,7 +51,7 @@ def compile_sm90(name: str) -> int:
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_kernel_compiles_for_sm90(name):
+def test_index_check_kernels_compile_for_sm90(name):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, __file__, name], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
