@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer", action="store_true",
                         help="also mamba_ssm's whole-model prefill (MambaLMHeadModel forward, last-token logits, "
                              "eager) with the same weights, side by side (pure Mamba-2 models, GPU)")
+    parser.add_argument("--norm-pass", action="store_true",
+                        help="the mixers' norm as its own pass (DecodeTricks.norm_in_scan off; pure Mamba-2 "
+                             "models): the baseline of the deferred norm")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line per shape")
 
 
@@ -141,6 +144,11 @@ def run(args: argparse.Namespace, command: str) -> int:
     copy_gbs = measure_copy_bandwidth(device)
     mm_tflops = measure_matmul_tflops(device)
     model = fastmamba.load_model(name, device=device)
+    if args.norm_pass:
+        if not hasattr(model, "set_decode_tricks"):
+            print(f"error: --norm-pass needs a pure Mamba-2 model; {name} has no such switch", file=sys.stderr)
+            return 2
+        model.set_decode_tricks(norm_in_scan=False)
     wbytes, params = weight_bytes_and_params(model)
     print(f"# ttft: {name} ({params / 1e9:.2f} B params, {model.dtype}), {device_name(device)}, copy {copy_gbs:.0f} "
           f"GB/s, matmul {mm_tflops:.0f} TFLOP/s, median of {reps} warm prefills; command: {command}")
@@ -172,7 +180,8 @@ def run(args: argparse.Namespace, command: str) -> int:
             del gp
         floor = floor_ms(wbytes, params, b * length, copy_gbs, mm_tflops)
         row = {"model": name, "batch": b, "length": length, "eager_ms": eager, "graphed_ms": graphed,
-               "floor_ms": floor, "device": device_name(device), "command": command}
+               "floor_ms": floor, "device": device_name(device), "command": command,
+               "norm_in_scan": not args.norm_pass}
         ptxt = ""
         if peer is not None:
             peer_ms, diff = _peer_row(peer, model, ids_dev, reps)

@@ -42,11 +42,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastmamba.ops import RMSNormGated, causal_conv1d_update, causal_conv1d_varlen, selective_state_update
+from fastmamba.ops import PendingNorm, RMSNormGated, causal_conv1d_update, causal_conv1d_varlen, selective_state_update
 from fastmamba.ops.gemv import gemv
 from fastmamba.ops.gemv.configs import MAX_ROWS as GEMV_MAX_ROWS
 from fastmamba.ops.replay import ReplayCache, replay_selective_state_update
 from fastmamba.ops.ssd_scan import ssd_scan_varlen
+from fastmamba.ops.ssd_scan.kernel import NORM_SPAN
 
 if TYPE_CHECKING:  # (a runtime import would be circular: fastmamba.models imports this module)
     from fastmamba.cache.prefix_cache import LayerSnapshot
@@ -67,12 +68,17 @@ class DecodeTricks:
                    at most 16 rows (tokens) run as fastmamba's ``gemv``, which can start under PDL
                    before the kernel ahead of it ends (off: ``nn.Linear``, i.e. cuBLAS, which
                    never overlaps)
+    norm_in_scan   prefill through ``Mamba2LM`` (where ``defers_norm``): the mixer's norm is
+                   deferred, the scan writing y * norm_weight and each token's sums of y^2, and
+                   the next block boundary (``add_rmsnorm``'s ``pending_norm``) scaling out_proj's
+                   rows by 1 / rms (off: the norm's own pass, a read and a write of y [T, d_inner])
     """
 
     A_in_kernel: bool = True
     gate_in_scan: bool = True
     fused_conv: bool = True
     triton_gemv: bool = True
+    norm_in_scan: bool = True
 
 
 GEMV_PROJECTIONS = ("in_proj", "out_proj")  # which projections ``triton_gemv`` covers
@@ -137,6 +143,20 @@ class Mamba2Mixer(nn.Module):
             return out if reduce is None else reduce(out)
         return layer(u)
 
+    def defers_norm(self) -> bool:
+        """Whether a prefill may leave the norm to the next block boundary (``norm_in_scan``): the
+        norm is one group over d_inner with no bias, gated in the scan (then 1 / rms is a per-token
+        scale that commutes with out_proj), the head dim a multiple of 16, and out_proj not
+        row-parallel (tensor parallel: the rms would need every rank's sums)."""
+        c, n = self.cfg, self.norm
+        return (self.tricks.norm_in_scan and self._gate_in_scan() and getattr(n, "bias", None) is None
+                and n.group_size == c.d_inner and c.headdim % NORM_SPAN.value == 0
+                and getattr(self.out_proj, "reduce_output", None) is None)
+
+    def pending_norm(self, norm_sumsq: torch.Tensor) -> PendingNorm:
+        """The deferred norm of a ``forward_varlen(..., norm_sumsq=...)`` call, for ``add_rmsnorm``."""
+        return PendingNorm(norm_sumsq, self.cfg.d_inner, self.norm.eps)
+
     def _gate_in_scan(self) -> bool:
         # silu(z) can run inside the state update only when the norm gates before normalising
         return self.tricks.gate_in_scan and not self.cfg.norm_before_gate
@@ -199,6 +219,7 @@ class Mamba2Mixer(nn.Module):
         snapshot: LayerSnapshot | None = None,
         max_seqlen: int | None = None,
         live_seqs: int | None = None,
+        norm_sumsq: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Prefill of B packed prompts of any lengths: u [T, d_model] -> [T, d_model].
 
@@ -218,12 +239,20 @@ class Mamba2Mixer(nn.Module):
                     scan pick its short-prompt path without reading cu_seqlens (ssd_scan_varlen)
         live_seqs   int or None: how many prompts are not padding (slot -1), when the caller knows;
                     sizes the short-prompt scan's tiles for them (ssd_scan_varlen)
+        norm_sumsq  [T, d_inner / 16] fp32 or None (only where ``defers_norm()``): the norm is left
+                    to the caller: the result is out_proj(y * norm.weight), its rows not yet divided
+                    by rms(y), and norm_sumsq receives the sums that the caller's next
+                    ``add_rmsnorm`` takes as ``pending_norm=self.pending_norm(norm_sumsq)``
         The ops read cu_seqlens and slots on the host for their checks (see their docstrings),
         except inside ``fastmamba.ops._common.host_values.trusted_inputs()``.
         """
         c = self.cfg
         T = u.shape[0]
         H, P, N, G = c.nheads, c.headdim, c.d_state, c.ngroups
+        if norm_sumsq is not None and not self.defers_norm():
+            raise ValueError("Mamba2Mixer.forward_varlen: `norm_sumsq` given but this mixer cannot defer its norm "
+                             "(see defers_norm: the norm_in_scan switch, one norm group, no norm bias, gate in the "
+                             "scan, head dim a multiple of 16, no tensor-parallel out_proj)")
         z, xbc, dt = self._split(self._project("in_proj", u))  # column views of one [T, d_in_proj] buffer
         if snapshot is not None:  # conv states at the snapshot points: the conv's inputs there
             snapshot.conv[snapshot.rows] = xbc[snapshot.conv_tokens].transpose(1, 2).to(snapshot.conv.dtype)
@@ -237,12 +266,13 @@ class Mamba2Mixer(nn.Module):
             chunk_size=c.chunk_size, D=self.D, z=gate, dt_bias=self.dt_bias, dt_softplus=True,
             cache_indices=slots, has_initial_state=has_initial_state, A_is_log=A_is_log, rand_seed=rand_seed,
             chunk_states_out=None if snapshot is None else snapshot.chunk_states, max_seqlen=max_seqlen,
-            live_seqs=live_seqs,
+            live_seqs=live_seqs, norm_weight=None if norm_sumsq is None else self.norm.weight, norm_sumsq=norm_sumsq,
         )
         if snapshot is not None:
             snapshot.ssm[snapshot.rows] = snapshot.chunk_states[snapshot.chunk_rows].to(snapshot.ssm.dtype)
-        y = self.norm(y.reshape(T, c.d_inner), None if self._gate_in_scan() else z)
-        return self._project("out_proj", y)
+        if norm_sumsq is None:
+            y = self.norm(y.reshape(T, c.d_inner), None if self._gate_in_scan() else z)
+        return self._project("out_proj", y.reshape(T, c.d_inner))
 
     def step(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, *,
              rand_seed: torch.Tensor | None = None) -> torch.Tensor:

@@ -35,6 +35,7 @@ from fastmamba.models.config import Mamba2Config
 from fastmamba.ops import add_rmsnorm
 from fastmamba.ops._common.checks import check_host_copies
 from fastmamba.ops._common.host_values import host_list, host_reads_allowed, trusted_inputs
+from fastmamba.ops.ssd_scan.kernel import NORM_SPAN
 
 
 class RMSNorm(nn.Module):
@@ -83,21 +84,34 @@ class Mamba2LM(nn.Module):
         check_rand_seed(rand_seed, self.cfg.n_layer, self.lm_head.weight.device, who)
         return (lambda i: None) if rand_seed is None else (lambda i: rand_seed[i:i + 1])
 
-    def _run(self, input_ids: torch.Tensor, mix, *, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def _run(self, input_ids: torch.Tensor, mix, *, rows: torch.Tensor | None = None,
+             defer_norm: bool = False) -> torch.Tensor:
         """Embeddings -> blocks -> final norm -> fp32 logits (of the leading-dim ``rows`` only, if
-        given); ``mix(i, mixer, normed)`` runs layer i's mixer.
+        given); ``mix(i, mixer, normed)`` runs layer i's mixer, or ``mix(i, mixer, normed,
+        norm_sumsq)`` with ``defer_norm`` (a prefill's ``forward_varlen``).
 
-        Each block boundary is one fused kernel: residual += previous output, then RMSNorm.
+        Each block boundary is one fused kernel: residual += previous output, then RMSNorm. With
+        ``defer_norm``, a mixer that ``defers_norm()`` leaves its own norm to that kernel: its
+        output rows are scaled there by the 1 / rms its scan summed (``add_rmsnorm``'s
+        ``pending_norm``), which saves the norm's pass over [T, d_inner].
         """
         rdtype = torch.float32 if self.cfg.residual_in_fp32 else self.dtype
-        out, residual = self.backbone.embeddings(input_ids), None
+        out, residual, pending = self.backbone.embeddings(input_ids), None, None
         for i, layer in enumerate(self.backbone.layers):
-            normed, residual = add_rmsnorm(out, residual, layer.norm.weight, layer.norm.eps, residual_dtype=rdtype)
-            out = mix(i, layer.mixer, normed)
+            mixer = layer.mixer
+            normed, residual = add_rmsnorm(out, residual, layer.norm.weight, layer.norm.eps, residual_dtype=rdtype,
+                                           pending_norm=pending)
+            if defer_norm and mixer.defers_norm():
+                sumsq = torch.empty(normed.shape[0], mixer.cfg.d_inner // NORM_SPAN.value, dtype=torch.float32,
+                                    device=normed.device)
+                out, pending = mix(i, mixer, normed, sumsq), mixer.pending_norm(sumsq)
+            else:
+                out, pending = mix(i, mixer, normed), None
         if rows is not None:
             out, residual = out[rows], residual[rows]
+            pending = None if pending is None else pending._replace(sumsq=pending.sumsq[rows])
         norm_f = self.backbone.norm_f
-        normed, _ = add_rmsnorm(out, residual, norm_f.weight, norm_f.eps, residual_dtype=rdtype)
+        normed, _ = add_rmsnorm(out, residual, norm_f.weight, norm_f.eps, residual_dtype=rdtype, pending_norm=pending)
         return self.lm_head(normed).float()
 
     @torch.inference_mode()
@@ -227,10 +241,10 @@ class Mamba2LM(nn.Module):
         with trusted_inputs():  # validated above: the layers' ops read nothing on the host
             logits = self._run(
                 input_ids,
-                lambda i, mixer, h: mixer.forward_varlen(h, cu_seqlens, cache.conv[i], cache.ssm[i], slots, flags,
-                                                         rand_seed=seed(i), snapshot=snap(i), max_seqlen=longest,
-                                                         live_seqs=live_seqs),
-                rows=last,
+                lambda i, mixer, h, norm_sumsq=None: mixer.forward_varlen(
+                    h, cu_seqlens, cache.conv[i], cache.ssm[i], slots, flags, rand_seed=seed(i), snapshot=snap(i),
+                    max_seqlen=longest, live_seqs=live_seqs, norm_sumsq=norm_sumsq),
+                rows=last, defer_norm=True,
             )
             if cache.speculate:
                 cache.mark_prefilled(slots)

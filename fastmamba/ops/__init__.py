@@ -4,7 +4,7 @@ Swap ``from mamba_ssm.ops.triton.selective_state_update import selective_state_u
 ``from fastmamba.ops import selective_state_update`` (and likewise for the others).
 """
 from fastmamba.ops._common.slot_errors import raise_pending_slot_errors
-from fastmamba.ops.add_rmsnorm import add_rmsnorm
+from fastmamba.ops.add_rmsnorm import PendingNorm, add_rmsnorm
 from fastmamba.ops.conv1d import causal_conv1d_update
 from fastmamba.ops.conv1d_fn import causal_conv1d_fn, causal_conv1d_varlen
 from fastmamba.ops.gated_rmsnorm import RMSNormGated, rmsnorm_fn
@@ -19,7 +19,7 @@ from fastmamba.ops.ssd_scan import mamba_chunk_scan_combined, ssd_scan_varlen
 from fastmamba.ops.state_update import selective_state_update
 
 __all__ = [
-    "RMSNormGated", "add_rmsnorm", "causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_varlen",
+    "PendingNorm", "RMSNormGated", "add_rmsnorm", "causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_varlen",
     "mamba_chunk_scan_combined", "rmsnorm_fn", "selective_state_update", "ssd_scan_varlen",
     "ReplayCache", "allocate_replay_cache", "commit_accepted", "flush_replay_cache", "replay_selective_state_update",
     "raise_pending_slot_errors",

@@ -169,7 +169,7 @@ def test_presets_are_deterministic_and_errors_are_clear(tmp_path):
         fastmamba.load_model(tmp_path / "empty")
 
 
-@pytest.mark.parametrize("switch", ["A_in_kernel", "gate_in_scan", "fused_conv"])
+@pytest.mark.parametrize("switch", ["A_in_kernel", "gate_in_scan", "fused_conv", "norm_in_scan"])
 def test_each_decode_trick_off_gives_the_same_logits(switch):
     # fp32 weights: in bf16 the switched paths round in different places (the GPU run at commit
     # 1f58add failed this test for fused_conv and one more switch with the bf16 default on CUDA)
@@ -187,3 +187,52 @@ def test_each_decode_trick_off_gives_the_same_logits(switch):
         results.append(torch.stack(out))
     model.set_decode_tricks()
     torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)
+
+
+def _count_norm_calls(model, monkeypatch) -> list[int]:
+    """Counts calls of the mixers' own norm (RMSNormGated.forward) into a one-element list."""
+    calls = [0]
+    for layer in model.backbone.layers:
+        norm = layer.mixer.norm
+        original = norm.forward
+
+        def counted(*args, _original=original, **kwargs):
+            calls[0] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(norm, "forward", counted)
+    return calls
+
+
+def test_norm_in_scan_leaves_out_the_norm_pass(monkeypatch):
+    """With norm_in_scan (the default) a prefill runs no norm of its own: the scan sums the squares
+    and the next block boundary scales the rows; the logits, the states and the decode steps after
+    it equal the norm-pass run's (fp32). A model whose norm has groups cannot defer it."""
+    model = fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cpu")
+    calls = _count_norm_calls(model, monkeypatch)
+    ids = torch.randint(0, model.cfg.vocab_size, (3, 7), generator=torch.Generator().manual_seed(8))
+    runs = []
+    for on in (True, False):
+        model.set_decode_tricks(norm_in_scan=on)
+        assert all(layer.mixer.defers_norm() == on for layer in model.backbone.layers)
+        cache = model.new_cache(4)
+        slots = cache.alloc(3)
+        calls[0] = 0
+        logits = model.prefill(ids, cache, slots)
+        assert calls[0] == (0 if on else model.cfg.n_layer)
+        runs.append((logits, cache.ssm[0][slots.long()].clone(), model.decode(ids[:, -1], cache, slots)))
+    model.set_decode_tricks()
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    grouped = fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cpu")
+    for layer in grouped.backbone.layers:  # two norm groups: 1 / rms differs per group, not a row scale
+        layer.mixer.norm.group_size = grouped.cfg.d_inner // 2
+    assert not any(layer.mixer.defers_norm() for layer in grouped.backbone.layers)
+    calls = _count_norm_calls(grouped, monkeypatch)
+    cache = grouped.new_cache(1)
+    grouped.prefill(ids[:1], cache, cache.alloc(1))
+    assert calls[0] == grouped.cfg.n_layer
+    mixer = grouped.backbone.layers[0].mixer
+    with pytest.raises(ValueError, match="`norm_sumsq` given but this mixer cannot defer its norm"):
+        mixer.forward_varlen(torch.zeros(2, grouped.cfg.d_model), torch.tensor([0, 2], dtype=torch.int32),
+                             cache.conv[0], cache.ssm[0], norm_sumsq=torch.zeros(2, grouped.cfg.d_inner // 16))

@@ -30,6 +30,24 @@ VARIANTS = {
                             dict(buf_idx_ptr="*i32", accepted_ptr="*i32", hist_ptr="*i32", slots_ptr="*i32",
                                  new_ptr="*i64", err_ptr="*i64"),
                             dict(HAS_SLOTS=True, BLOCK=128, REPORT=True, CHECK_NEW=True, T=1, n_slots=1)),
+    # the deferred norm's epilogue (ssd_scan_varlen's norm_weight / norm_sumsq) in both scan paths
+    "fused-scan-norm": ("fastmamba.ops.ssd_scan.fused_kernel", "_ssd_scan_fused_kernel",
+                        dict(x_ptr="*bf16", dt_ptr="*bf16", A_ptr="*fp32", B_ptr="*bf16", C_ptr="*bf16",
+                             D_ptr="*fp32", z_ptr="*bf16", dt_bias_ptr="*fp32", out_ptr="*bf16", states_ptr="*fp32",
+                             cu_ptr="*i32", idx_ptr="*i32", init_flag_ptr="*u8", nw_ptr="*bf16", sq_ptr="*fp32",
+                             dt_min="fp32", dt_max="fp32"),
+                        dict(chunk_out_ptr=None, seed_ptr=None, Q=256, BLOCK_T=32, BLOCK_P=32, BLOCK_N=128,
+                             BLOCK_SEG=16, DT_SOFTPLUS=True, HAS_DT_LIMIT=False, A_IS_LOG=True, DOT_PRECISION="tf32",
+                             FAST_MATH=True, DOT_UPCAST=False, HAS_IDX=True, HAS_INIT=True, HAS_D=True, HAS_Z=True,
+                             HAS_DT_BIAS=True, HAS_CHUNK_OUT=False, STOCHASTIC_ROUND=False, HAS_NORM=True,
+                             USE_PDL=True, PDL_TRIGGER=True)),
+    "chunk-scan-norm": ("fastmamba.ops.ssd_scan.kernel", "_chunk_scan_kernel",
+                        dict(x_ptr="*bf16", z_ptr="*bf16", out_ptr="*bf16", cb_ptr="*bf16", C_ptr="*bf16",
+                             D_ptr="*fp32", table_ptr="*i32", skip_ptr="*i8", states_ptr="*bf16", dt_ptr="*fp32",
+                             cs_ptr="*fp32", nw_ptr="*bf16", sq_ptr="*fp32"),
+                        dict(Q=256, BLOCK_M=64, BLOCK_K=64, BLOCK_P=64, BLOCK_N=128, HEADS=1, DOT_PRECISION="tf32",
+                             HEAD_MAJOR=True, FAST_MATH=True, HAS_D=True, HAS_Z=True, HAS_SKIP=True,
+                             DOT_UPCAST=False, HAS_NORM=True, USE_PDL=False, PDL_TRIGGER=True)),
 }
 
 
@@ -40,9 +58,12 @@ def compile_sm90(name: str) -> int:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
 
     module, kernel_name, ptrs, consts = VARIANTS[name]
     kernel = getattr(importlib.import_module(module), kernel_name)
+    while not isinstance(kernel, JITFunction):  # @triton.heuristics wraps the JIT function
+        kernel = kernel.fn
     names = kernel.arg_names
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
     src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()})

@@ -1,3 +1,3 @@
-from fastmamba.ops.add_rmsnorm.api import add_rmsnorm
+from fastmamba.ops.add_rmsnorm.api import PendingNorm, add_rmsnorm
 
-__all__ = ["add_rmsnorm"]
+__all__ = ["PendingNorm", "add_rmsnorm"]

@@ -12,12 +12,13 @@ from fastmamba.ops._common.checks import (
     check_indices,
     check_same_device,
     check_shape,
+    check_unit_stride,
 )
 from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops._common import slot_errors, varlen_checks
 from fastmamba.ops._common.host_values import compiling, host_list, host_reads_allowed
 from fastmamba.ops.ssd_scan.fused import choose_fused, longest_sequence_bound, ssd_scan_varlen_fused_impl
-from fastmamba.ops.ssd_scan.kernel import _segment_slots_kernel
+from fastmamba.ops.ssd_scan.kernel import NORM_SPAN, _segment_slots_kernel
 from fastmamba.ops.ssd_scan.launch import ScanSegments, ssd_scan_launch
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
 from fastmamba.ops._common.host_math import cdiv
@@ -366,6 +367,8 @@ def ssd_scan_varlen(
     fused: bool | None = None,
     max_seqlen: int | None = None,
     live_seqs: int | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_sumsq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed variable-length prefill of the SSM, reading and writing each sequence's cache slot.
 
@@ -407,6 +410,15 @@ def ssd_scan_varlen(
     live_seqs  int or None: how many of the B sequences are not padding (pad slot), when the host
                              knows (a graphed prefill's padding requests): the fused path sizes its
                              tiles for them. Tiles only: the result is the same for any value
+    norm_weight [H * P] float, and norm_sumsq [T, H * P / 16] fp32 (unit stride along its last
+                             dim; written), both or neither: the RMSNorm that follows the scan
+                             (over all H * P columns of a token, no bias), deferred. ``out`` gets
+                             y * norm_weight and norm_sumsq[t, j] the sum of y[t]^2 over the
+                             columns 16 j .. 16 j + 15 (y: the scan's output after D and z, in
+                             fp32), so that the norm's 1 / rms(y_t) = rsqrt(sum_j norm_sumsq[t, j] /
+                             (H * P) + eps) becomes a per-token scale for whoever consumes a linear
+                             map of ``out`` (``add_rmsnorm``'s ``pending_norm``). P must be a
+                             multiple of 16. Pad sequences get zero sums
     Returns out [T, H, P] (x's dtype). Chunks of ``chunk_size`` tokens never cross a sequence.
     cu_seqlens and cache_indices values: CPU tensors are checked on the host (ValueError before
     anything is written); an eager call on GPU tensors checks them on the device with no
@@ -473,6 +485,7 @@ def ssd_scan_varlen(
         if total_chunks is not None and chunk_states_out.shape[0] < total_chunks:
             raise ValueError(f"{_VARLEN}: `chunk_states_out` needs at least {total_chunks} rows (one per chunk), "
                              f"got {chunk_states_out.shape[0]}")
+    _check_norm(x, norm_weight, norm_sumsq)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if T == 0:
@@ -487,7 +500,7 @@ def ssd_scan_varlen(
             fused_op(
                 x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
                 chunk_states_out, chunk_size, dt_softplus, float(dt_limit[0]), float(dt_limit[1]), pad_slot_id,
-                bool(A_is_log), rand_seed, max_len, live_seqs or 0,
+                bool(A_is_log), rand_seed, max_len, live_seqs or 0, norm_weight, norm_sumsq,
             )
             return out
         n_chunks = total_chunks if total_chunks is not None else cdiv(T, chunk_size) + nseq
@@ -495,9 +508,27 @@ def ssd_scan_varlen(
         op(
             x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
             chunk_states_out, chunk_size, dt_softplus, float(dt_limit[0]), float(dt_limit[1]), pad_slot_id, n_chunks,
-            bool(A_is_log), rand_seed,
+            bool(A_is_log), rand_seed, norm_weight, norm_sumsq,
         )
         return out
+
+
+def _check_norm(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_sumsq: torch.Tensor | None) -> None:
+    """ssd_scan_varlen's deferred-norm arguments: both or neither, shapes, dtypes, device."""
+    if (norm_weight is None) != (norm_sumsq is None):
+        raise ValueError(f"{_VARLEN}: pass both `norm_weight` and `norm_sumsq` (the deferred norm) or neither")
+    if norm_weight is None:
+        return
+    T, H, P = x.shape
+    if P % NORM_SPAN.value:
+        raise ValueError(f"{_VARLEN}: the deferred norm needs P (the head dim) a multiple of {NORM_SPAN.value}, got P = {P}")
+    check_same_device(_VARLEN, [("x", x), ("norm_weight", norm_weight), ("norm_sumsq", norm_sumsq)])
+    check_shape(_VARLEN, "norm_weight", norm_weight, [("H * P", H * P)])
+    check_dtype(_VARLEN, "norm_weight", norm_weight, FLOAT_DTYPES)
+    check_unit_stride(_VARLEN, "norm_weight", norm_weight, 0)
+    check_shape(_VARLEN, "norm_sumsq", norm_sumsq, [("T", T), ("H * P / 16", H * P // NORM_SPAN.value)])
+    check_dtype(_VARLEN, "norm_sumsq", norm_sumsq, (torch.float32,))
+    check_unit_stride(_VARLEN, "norm_sumsq", norm_sumsq, 1)
 
 
 VARLEN_NAMES = ("cache_indices", "cu_seqlens")  # argument numbers 1, 2 of the device check's record
@@ -528,14 +559,17 @@ def _ssd_scan_varlen_impl(
     n_chunks: int,
     A_is_log: bool,
     rand_seed: Optional[torch.Tensor],
+    norm_weight: Optional[torch.Tensor],
+    norm_sumsq: Optional[torch.Tensor],
 ) -> None:
-    """In-place op on checked inputs: writes ``out``, the sequences' slots and ``chunk_states_out``."""
+    """In-place op on checked inputs: writes ``out``, the sequences' slots, ``chunk_states_out``
+    and ``norm_sumsq``."""
     if not use_triton(x):
         ssd_scan_varlen_ref(
             x, dt, A, B, C, ssm_states, cu_seqlens, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
             dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max), cache_indices=cache_indices,
             has_initial_state=has_initial_state, pad_slot_id=pad_slot_id, out=out, chunk_states_out=chunk_states_out,
-            A_is_log=A_is_log, rand_seed=rand_seed,
+            A_is_log=A_is_log, rand_seed=rand_seed, norm_weight=norm_weight, norm_sumsq=norm_sumsq,
         )
         return
     nseq = cu_seqlens.shape[0] - 1
@@ -573,18 +607,19 @@ def _ssd_scan_varlen_impl(
         # of a prompt's final state into the 16-bit cache is the stochastic one (16-bit chunk states
         # would already have rounded it to nearest)
         state_dtype=torch.float32 if rand_seed is not None else ssm_states.dtype,
-        A_is_log=A_is_log,
+        A_is_log=A_is_log, norm_weight=norm_weight, norm_sumsq=norm_sumsq,
     )
 
 
 # Registered so torch.compile and CUDA-graph capture see the in-place writes (plain eager calls on
 # plain tensors run the body directly: dispatch.call_directly).
 _ssd_scan_varlen_ = torch.library.custom_op(
-    "fastmamba::ssd_scan_varlen_", mutates_args=("ssm_states", "out", "chunk_states_out"))(_ssd_scan_varlen_impl)
+    "fastmamba::ssd_scan_varlen_", mutates_args=("ssm_states", "out", "chunk_states_out", "norm_sumsq"))(
+    _ssd_scan_varlen_impl)
 
 
 @_ssd_scan_varlen_.register_fake
 def _(x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
       chunk_states_out, chunk_size, dt_softplus, dt_min, dt_max, pad_slot_id, n_chunks, A_is_log,
-      rand_seed):
+      rand_seed, norm_weight, norm_sumsq):
     return None

@@ -61,6 +61,8 @@ def ssd_scan_varlen_fused_impl(
     rand_seed: Optional[torch.Tensor],
     max_len: int,
     live_seqs: int,
+    norm_weight: Optional[torch.Tensor],
+    norm_sumsq: Optional[torch.Tensor],
 ) -> None:
     """In-place op on checked inputs (ssd_scan_varlen's): one launch of the fused kernel."""
     if not use_triton(x):
@@ -68,7 +70,7 @@ def ssd_scan_varlen_fused_impl(
             x, dt, A, B, C, ssm_states, cu_seqlens, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
             dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max), cache_indices=cache_indices,
             has_initial_state=has_initial_state, pad_slot_id=pad_slot_id, out=out, chunk_states_out=chunk_states_out,
-            A_is_log=A_is_log, rand_seed=rand_seed,
+            A_is_log=A_is_log, rand_seed=rand_seed, norm_weight=norm_weight, norm_sumsq=norm_sumsq,
         )
         return
     ssd_scan_fused_launch(
@@ -76,7 +78,7 @@ def ssd_scan_varlen_fused_impl(
         chunk_size=chunk_size, D=D, z=z,
         dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max), cache_indices=cache_indices,
         has_initial_state=has_initial_state, pad_slot_id=pad_slot_id, chunk_states_out=chunk_states_out,
-        A_is_log=A_is_log, rand_seed=rand_seed,
+        A_is_log=A_is_log, rand_seed=rand_seed, norm_weight=norm_weight, norm_sumsq=norm_sumsq,
     )
 
 
@@ -84,12 +86,12 @@ def ssd_scan_varlen_fused_impl(
 # plain tensors run the body directly (dispatch.call_directly): the dispatcher's round trip cost
 # more host time than the whole layer's other ops.
 _ssd_scan_varlen_fused_ = torch.library.custom_op(
-    "fastmamba::ssd_scan_varlen_fused_", mutates_args=("ssm_states", "out", "chunk_states_out"))(
+    "fastmamba::ssd_scan_varlen_fused_", mutates_args=("ssm_states", "out", "chunk_states_out", "norm_sumsq"))(
     ssd_scan_varlen_fused_impl)
 
 
 @_ssd_scan_varlen_fused_.register_fake
 def _(x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
       chunk_states_out, chunk_size, dt_softplus, dt_min, dt_max, pad_slot_id, A_is_log, rand_seed, max_len,
-      live_seqs):
+      live_seqs, norm_weight, norm_sumsq):
     return None

@@ -30,7 +30,7 @@ from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
 from fastmamba.ops._common.jit_math import exp_approx, silu_approx, softplus
 from fastmamba.ops._common.pdl import pdl_active, trigger_early
 from fastmamba.ops.ssd_scan.fused_configs import pick_fused_config
-from fastmamba.ops.ssd_scan.kernel import _locate_segment, _mma, _to_state_dtype, _wait_for_kernel_before
+from fastmamba.ops.ssd_scan.kernel import _defer_norm, _locate_segment, _mma, _to_state_dtype, _wait_for_kernel_before
 from fastmamba.ops._common.launch import lean
 from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 
@@ -43,12 +43,13 @@ from fastmamba.ops._common.host_math import cdiv, next_power_of_2
     "HAS_DT_BIAS": lambda a: a["dt_bias_ptr"] is not None,
     "HAS_CHUNK_OUT": lambda a: a["chunk_out_ptr"] is not None,
     "STOCHASTIC_ROUND": lambda a: a["seed_ptr"] is not None,
+    "HAS_NORM": lambda a: a["sq_ptr"] is not None,
 })
 @triton.jit(do_not_specialize=["nseq", "S", "pad_slot_id", "dt_min", "dt_max"])
 def _ssd_scan_fused_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, out_ptr,
-    states_ptr, cu_ptr, idx_ptr, init_flag_ptr, chunk_out_ptr, seed_ptr,
-    nseq, S, H, P, N, heads_per_group, pad_slot_id, dt_min, dt_max,
+    states_ptr, cu_ptr, idx_ptr, init_flag_ptr, chunk_out_ptr, seed_ptr, nw_ptr, sq_ptr,
+    nseq, S, H, P, N, heads_per_group, pad_slot_id, dt_min, dt_max, stride_sq_t,
     stride_x_t, stride_x_h, stride_x_p,
     stride_dt_t, stride_dt_h,
     stride_B_t, stride_B_g, stride_B_n,
@@ -64,6 +65,7 @@ def _ssd_scan_fused_kernel(
     DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, DOT_UPCAST: tl.constexpr,
     HAS_IDX: tl.constexpr, HAS_INIT: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, HAS_CHUNK_OUT: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr,
+    HAS_NORM: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = True,
 ):
     # one program per (sequence, head, block of P): the sequence's tokens in order, the state in fp32 registers
@@ -109,6 +111,9 @@ def _ssd_scan_fused_kernel(
             tl.store(out_h + tok[:, None] * stride_o_t + offs_p[None, :] * stride_o_p,
                      tl.zeros((BLOCK_T, BLOCK_P), dtype=out_ptr.dtype.element_ty),
                      mask=((t0 + offs_t) < seq_len)[:, None] & mp[None, :])
+            if HAS_NORM:
+                _defer_norm(tl.zeros((BLOCK_T, BLOCK_P), dtype=tl.float32), nw_ptr, sq_ptr + tok * stride_sq_t, h,
+                            pid_p * BLOCK_P, P, (t0 + offs_t) < seq_len, BLOCK_T, BLOCK_P)
     else:
         if HAS_CHUNK_OUT:
             first_chunk, _, _ = _locate_segment(cu_ptr, nseq, b, Q, BLOCK_SEG)
@@ -161,6 +166,8 @@ def _ssd_scan_fused_kernel(
                     zv = tl.load(z_ptr + h * stride_z_h + tok[:, None] * stride_z_t + offs_p[None, :] * stride_z_p,
                                  mask=mask_tp, other=0.0).to(tl.float32)
                     y = y * silu_approx(zv, FAST_MATH)
+                if HAS_NORM:
+                    y = _defer_norm(y, nw_ptr, sq_ptr + tok * stride_sq_t, h, pid_p * BLOCK_P, P, mt, BLOCK_T, BLOCK_P)
                 tl.store(out_h + tok[:, None] * stride_o_t + offs_p[None, :] * stride_o_p,
                          y.to(out_ptr.dtype.element_ty), mask=mask_tp)
                 # the state at the block's end: decay weights on the [T, P] x tile, B as loaded
@@ -205,9 +212,12 @@ def ssd_scan_fused_launch(
     chunk_states_out: torch.Tensor | None = None,
     A_is_log: bool = False,
     rand_seed: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_sumsq: torch.Tensor | None = None,
 ) -> None:
     """Checked varlen inputs (ssd_scan_varlen's shapes: x, z, out [T, H, P], dt [T, H], B, C [T, G, N],
-    ssm_states [S, H, P, N]) -> one launch. ``max_len``: a host bound on the longest sequence (tiles
+    ssm_states [S, H, P, N], norm_weight [H * P], norm_sumsq [T, H * P / 16]) -> one launch.
+    ``max_len``: a host bound on the longest sequence (tiles
     only: any value gives the same result); ``live_seqs``: how many sequences are not padding, when
     the caller knows (tiles only: padding programs just write zeros, so the tiles are sized for the
     live ones)."""
@@ -226,8 +236,9 @@ def ssd_scan_fused_launch(
     use_pdl = pdl_active(x, nseq * H * grid[2], cfg.num_warps)
     lean(_ssd_scan_fused_kernel)[grid](
         x, dt, A, B, C, D, z, dt_bias, out,
-        ssm_states, cu_seqlens, cache_indices, has_initial_state, chunk_states_out, rand_seed,
+        ssm_states, cu_seqlens, cache_indices, has_initial_state, chunk_states_out, rand_seed, norm_weight, norm_sumsq,
         nseq, ssm_states.shape[0], H, P, N, H // G, pad_slot_id, float(lo), float(hi),
+        norm_sumsq.stride(0) if norm_sumsq is not None else 0,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *D_strides, *_strides(z, 3), *out.stride(),
         *ssm_states.stride(), *_strides(chunk_states_out, 4),
         Q=chunk_size, BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_N=max(16, next_power_of_2(N)),

@@ -84,6 +84,27 @@ def _mma(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
         return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
+NORM_SPAN = tl.constexpr(16)  # columns of y per partial sum of squares in ``norm_sumsq`` (the deferred norm)
+
+
+@triton.jit
+def _defer_norm(y, nw_ptr, sq_rows, h, p0, P, mask_rows, ROWS: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The deferred gated RMSNorm's part in the scan (ssd_scan_varlen's ``norm_weight`` /
+    ``norm_sumsq``) for the tile y [ROWS, BLOCK_P] of head h, columns p0 .. p0 + BLOCK_P - 1: stores
+    the sums of y^2 over each 16 columns (row r's sum over the columns 16 j .. 16 j + 15 of the
+    d_inner = H * P wide row goes to ``sq_rows[r] + j``) and returns y * norm_weight. The norm's
+    1 / rms is then a per-token scale that the consumer applies (``add_rmsnorm``'s ``pending_norm``).
+    BLOCK_P, p0 and P are multiples of 16."""
+    SPANS: tl.constexpr = BLOCK_P // NORM_SPAN
+    sums = tl.sum(tl.reshape(y * y, (ROWS, SPANS, NORM_SPAN)), axis=2)  # [ROWS, SPANS]
+    offs_j = tl.arange(0, SPANS)
+    tl.store(sq_rows[:, None] + (h * P + p0) // NORM_SPAN + offs_j[None, :], sums,
+             mask=mask_rows[:, None] & (p0 + offs_j[None, :] * NORM_SPAN < P))
+    offs_p = p0 + tl.arange(0, BLOCK_P)
+    w = tl.load(nw_ptr + h * P + offs_p, mask=offs_p < P, other=0.0).to(tl.float32)
+    return y * w[None, :]
+
+
 @triton.jit
 def _to_state_dtype(s, seed_ptr, elem, OUT_DTYPE: tl.constexpr, STOCHASTIC_ROUND: tl.constexpr):
     """fp32 ``s`` -> OUT_DTYPE: rounded to nearest, or stochastically with the random stream of
@@ -429,12 +450,13 @@ def _chunk_cb_kernel(
     "HAS_D": lambda a: a["D_ptr"] is not None,
     "HAS_Z": lambda a: a["z_ptr"] is not None,
     "HAS_SKIP": lambda a: a["skip_ptr"] is not None,
+    "HAS_NORM": lambda a: a["sq_ptr"] is not None,
 })
 @triton.jit(do_not_specialize=["n_seg", "row_len"])
 def _chunk_scan_kernel(
     x_ptr, z_ptr, out_ptr, cb_ptr, C_ptr, D_ptr, table_ptr, skip_ptr,
-    states_ptr, dt_ptr, cs_ptr,
-    n_seg, row_len, P, N, heads_per_group, n_chunk_slots,
+    states_ptr, dt_ptr, cs_ptr, nw_ptr, sq_ptr,
+    n_seg, row_len, P, N, heads_per_group, n_chunk_slots, stride_sq_t,
     stride_x_row, stride_x_tok, stride_x_h, stride_x_p,
     stride_z_row, stride_z_tok, stride_z_h, stride_z_p,
     stride_o_row, stride_o_tok, stride_o_h, stride_o_p,
@@ -445,7 +467,7 @@ def _chunk_scan_kernel(
     Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr, HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_MAJOR: tl.constexpr,
     FAST_MATH: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_SKIP: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, HAS_NORM: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = True,
 ):
     _wait_for_kernel_before(USE_PDL, PDL_TRIGGER)  # everything this kernel reads may come from it
@@ -488,6 +510,10 @@ def _chunk_scan_kernel(
                     + offs_m[:, None] * stride_o_tok + offs_p[None, :] * stride_o_p)
         if skip:
             tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_P), dtype=out_ptr.dtype.element_ty), mask=mask_mp)
+            if HAS_NORM:  # the deferred norm's sums of token t sit in row start + t (flat index)
+                _defer_norm(tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32), nw_ptr,
+                            sq_ptr + (start + offs_m).to(tl.int64) * stride_sq_t, h, pid_p * BLOCK_P, P, mm,
+                            BLOCK_M, BLOCK_P)
         else:
             scratch = (h * n_chunk_slots + c) * Q
             cs_m = tl.load(cs_ptr + scratch + offs_m, mask=mm, other=0.0)
@@ -554,6 +580,9 @@ def _chunk_scan_kernel(
                              + offs_m[:, None] * stride_z_tok + offs_p[None, :] * stride_z_p,
                              mask=mask_mp, other=0.0).to(tl.float32)
                 acc = acc * silu_approx(zv, FAST_MATH)
+            if HAS_NORM:
+                acc = _defer_norm(acc, nw_ptr, sq_ptr + (start + offs_m).to(tl.int64) * stride_sq_t, h,
+                                  pid_p * BLOCK_P, P, mm, BLOCK_M, BLOCK_P)
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_mp)
 
 

@@ -89,8 +89,11 @@ def ssd_scan_launch(
     dt_limit: tuple[float, float],
     state_dtype: torch.dtype,
     A_is_log: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    norm_sumsq: torch.Tensor | None = None,
 ) -> None:
-    """x, z, out [R, L, H, P]; dt [R, L, H]; B, C [R, L, G, N]; A [H] (A_log when A_is_log); D [H] or [H, P]."""
+    """x, z, out [R, L, H, P]; dt [R, L, H]; B, C [R, L, G, N]; A [H] (A_log when A_is_log); D [H] or [H, P];
+    norm_weight [H * P] and norm_sumsq [R * L, H * P / 16] or None (the deferred norm: ssd_scan_varlen)."""
     _, row_len, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
     Q = chunk_size
@@ -185,8 +188,8 @@ def ssd_scan_launch(
     grid = (tiles, n_chunks, H // heads) if cfg.head_major else (n_chunks, H // heads, tiles)
     lean(_chunk_scan_kernel)[grid](
         x, z, out, cb, C, D, table, segments.skip,
-        states_in, dt_scratch, cs_scratch,
-        n_seg, row_len, P, N, H // G, n_chunks,
+        states_in, dt_scratch, cs_scratch, norm_weight, norm_sumsq,
+        n_seg, row_len, P, N, H // G, n_chunks, norm_sumsq.stride(0) if norm_sumsq is not None else 0,
         *x.stride(), *_strides4(z), *out.stride(), *cb.stride(), *C.stride(), *D_strides, *states_in.stride(),
         Q=Q, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_P=block_p_scan, BLOCK_N=block_n, HEADS=heads,
         DOT_PRECISION=dot_precision, HEAD_MAJOR=bool(cfg.head_major), FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,

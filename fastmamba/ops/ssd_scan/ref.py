@@ -167,6 +167,8 @@ def ssd_scan_varlen_ref(
     chunk_states_out: torch.Tensor | None = None,
     A_is_log: bool = False,
     rand_seed: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_sumsq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`fastmamba.ops.ssd_scan_varlen` (see its docstring).
 
@@ -212,6 +214,10 @@ def ssd_scan_varlen_ref(
         first_chunk += n_chunks
     result = _finish(y, x, D, z)
     result[pad] = 0.0
+    if norm_sumsq is not None:  # the deferred norm: sums of y^2 over each 16 columns, y * norm_weight
+        result = result.reshape(T, H * P)
+        norm_sumsq.copy_(result.square().reshape(T, H * P // 16, 16).sum(-1))
+        result = (result * norm_weight.float()).reshape(T, H, P)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out.copy_(result.to(out.dtype))

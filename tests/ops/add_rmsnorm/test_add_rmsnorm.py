@@ -88,3 +88,45 @@ def test_compiles_to_one_graph(inference, device):
         y_e, s_e = call(x, res, w)
         assert torch.equal(y, y_e) and torch.equal(s, s_e)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_pending_norm_scales_x_first(xdt, device):
+    """pending_norm: x's rows owe a deferred norm's 1 / rms (the scan summed the squares of the
+    rows g with x = (g * w) @ W^T), applied before the add."""
+    from fastmamba.ops import PendingNorm
+
+    g = torch.Generator().manual_seed(3)
+    rows, D, J = 5, 48, 7
+    x = torch.randn(rows, D, generator=g).to(device, xdt)
+    res = torch.randn(rows, D, generator=g).to(device)
+    w = (1 + 0.3 * torch.randn(D, generator=g)).to(device, xdt)
+    sumsq = (torch.rand(rows, J, generator=g) * 30).to(device)
+    pending = PendingNorm(sumsq, 16 * J, 1e-6)
+    y, s = add_rmsnorm(x, res, w, 1e-5, pending_norm=pending)
+    scale = torch.rsqrt(sumsq.sum(-1, keepdim=True) / (16 * J) + 1e-6)
+    want_y, want_s = add_rmsnorm_ref((x.float() * scale), res, w, 1e-5)
+    torch.testing.assert_close(s, want_s, **tol(xdt, torch.float32))
+    torch.testing.assert_close(y.float(), want_y.float(), **tol(xdt))
+    ref_y, ref_s = add_rmsnorm_ref(x, res, w, 1e-5, pending_norm=pending)
+    torch.testing.assert_close(s, ref_s, **tol(xdt, torch.float32))
+    # no residual (the first block), leading dims
+    y3, s3 = add_rmsnorm(x.view(1, rows, D), None, w, 1e-5, pending_norm=PendingNorm(sumsq.view(1, rows, J), 16 * J, 1e-6))
+    torch.testing.assert_close(s3.view(rows, D), (x.float() * scale), **tol(xdt, torch.float32))
+
+
+def test_pending_norm_errors():
+    from fastmamba.ops import PendingNorm
+
+    x = torch.randn(2, 8)
+    sq = torch.rand(2, 3)
+    with pytest.raises(TypeError, match="`pending_norm` expected a PendingNorm or None, got tuple"):
+        add_rmsnorm(x, None, torch.ones(8), pending_norm=(sq, 48, 1e-5))
+    with pytest.raises(ValueError, match=r"`pending_norm.sumsq` expected shape \(2, 'J'\)"):
+        add_rmsnorm(x, None, torch.ones(8), pending_norm=PendingNorm(sq[:1], 48, 1e-5))
+    with pytest.raises(TypeError, match="`pending_norm.sumsq` expected dtype"):
+        add_rmsnorm(x, None, torch.ones(8), pending_norm=PendingNorm(sq.double(), 48, 1e-5))
+    with pytest.raises(ValueError, match="`pending_norm.width` expected a positive int, got 0"):
+        add_rmsnorm(x, None, torch.ones(8), pending_norm=PendingNorm(sq, 0, 1e-5))
+    with pytest.raises(ValueError, match="`eps` expected"):
+        add_rmsnorm(x, None, torch.ones(8), pending_norm=PendingNorm(sq, 48, -1.0))
