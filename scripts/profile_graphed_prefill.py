@@ -45,6 +45,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="1x64,1x128", type=_shapes)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--norm-pass", action="store_true", help="the mixers' norm as its own pass (norm_in_scan off)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU", file=sys.stderr)
@@ -53,6 +54,8 @@ def main() -> int:
     from fastmamba.generation.prefill_graphs import GraphedPrefill
 
     model = fastmamba.load_model(args.model, device="cuda", dtype=torch.bfloat16)
+    if args.norm_pass:
+        model.set_decode_tricks(norm_in_scan=False)
     print(f"# {torch.cuda.get_device_name()}, {args.model} bf16, torch {torch.__version__}")
     for b, length in args.shapes:
         cache = model.new_cache(b)

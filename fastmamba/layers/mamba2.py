@@ -82,6 +82,12 @@ class DecodeTricks:
 
 
 GEMV_PROJECTIONS = ("in_proj", "out_proj")  # which projections ``triton_gemv`` covers
+# ``norm_in_scan`` defers the norm of prefills of at least this many packed tokens. Measured on an
+# H200 (bench ttft, mamba2-2.7b bf16, deferred vs the norm's own pass, same job): graphed 1 x 16
+# 3.08-3.20 vs 2.53-2.63 ms, 1 x 64 3.26-3.38 vs 3.23, 1 x 128 3.74 vs 3.70, 1 x 512 7.82 vs 8.03;
+# eager 8 x 2048 189.9 vs 194.4, 32 x 512 191.3 vs 194.5. Short prompts lose (under PDL the chain
+# without the norm kernel ran slower; not understood), long ones save the norm's pass over y.
+DEFER_NORM_MIN_TOKENS = 256
 
 
 def _conv_update_torch(x, conv_state, weight, bias, slots):
@@ -143,15 +149,17 @@ class Mamba2Mixer(nn.Module):
             return out if reduce is None else reduce(out)
         return layer(u)
 
-    def defers_norm(self) -> bool:
-        """Whether a prefill may leave the norm to the next block boundary (``norm_in_scan``): the
-        norm is one group over d_inner with no bias, gated in the scan (then 1 / rms is a per-token
-        scale that commutes with out_proj), the head dim a multiple of 16, and out_proj not
-        row-parallel (tensor parallel: the rms would need every rank's sums)."""
+    def defers_norm(self, tokens: int) -> bool:
+        """Whether a prefill of ``tokens`` packed tokens may leave the norm to the next block
+        boundary (``norm_in_scan``, from DEFER_NORM_MIN_TOKENS tokens on): the norm is one group
+        over d_inner with no bias, gated in the scan (then 1 / rms is a per-token scale that
+        commutes with out_proj), the head dim a multiple of 16, and out_proj not row-parallel
+        (tensor parallel: the rms would need every rank's sums)."""
         c, n = self.cfg, self.norm
-        return (self.tricks.norm_in_scan and self._gate_in_scan() and getattr(n, "bias", None) is None
-                and n.group_size == c.d_inner and c.headdim % NORM_SPAN.value == 0
-                and getattr(self.out_proj, "reduce_output", None) is None)
+        return (self.tricks.norm_in_scan and tokens >= DEFER_NORM_MIN_TOKENS and self._gate_in_scan()
+                and getattr(self.out_proj, "reduce_output", None) is None and type(n) is RMSNormGated
+                and getattr(n, "bias", None) is None and n.group_size == c.d_inner
+                and c.headdim % NORM_SPAN.value == 0)
 
     def pending_norm(self, norm_sumsq: torch.Tensor) -> PendingNorm:
         """The deferred norm of a ``forward_varlen(..., norm_sumsq=...)`` call, for ``add_rmsnorm``."""
@@ -239,7 +247,7 @@ class Mamba2Mixer(nn.Module):
                     scan pick its short-prompt path without reading cu_seqlens (ssd_scan_varlen)
         live_seqs   int or None: how many prompts are not padding (slot -1), when the caller knows;
                     sizes the short-prompt scan's tiles for them (ssd_scan_varlen)
-        norm_sumsq  [T, d_inner / 16] fp32 or None (only where ``defers_norm()``): the norm is left
+        norm_sumsq  [T, d_inner / 16] fp32 or None (only where ``defers_norm(T)``): the norm is left
                     to the caller: the result is out_proj(y * norm.weight), its rows not yet divided
                     by rms(y), and norm_sumsq receives the sums that the caller's next
                     ``add_rmsnorm`` takes as ``pending_norm=self.pending_norm(norm_sumsq)``
@@ -249,10 +257,10 @@ class Mamba2Mixer(nn.Module):
         c = self.cfg
         T = u.shape[0]
         H, P, N, G = c.nheads, c.headdim, c.d_state, c.ngroups
-        if norm_sumsq is not None and not self.defers_norm():
+        if norm_sumsq is not None and not self.defers_norm(T):
             raise ValueError("Mamba2Mixer.forward_varlen: `norm_sumsq` given but this mixer cannot defer its norm "
-                             "(see defers_norm: the norm_in_scan switch, one norm group, no norm bias, gate in the "
-                             "scan, head dim a multiple of 16, no tensor-parallel out_proj)")
+                             "(see defers_norm: the norm_in_scan switch, enough tokens, one norm group, no norm bias, "
+                             "gate in the scan, head dim a multiple of 16, no tensor-parallel out_proj)")
         z, xbc, dt = self._split(self._project("in_proj", u))  # column views of one [T, d_in_proj] buffer
         if snapshot is not None:  # conv states at the snapshot points: the conv's inputs there
             snapshot.conv[snapshot.rows] = xbc[snapshot.conv_tokens].transpose(1, 2).to(snapshot.conv.dtype)

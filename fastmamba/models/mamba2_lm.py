@@ -91,7 +91,7 @@ class Mamba2LM(nn.Module):
         norm_sumsq)`` with ``defer_norm`` (a prefill's ``forward_varlen``).
 
         Each block boundary is one fused kernel: residual += previous output, then RMSNorm. With
-        ``defer_norm``, a mixer that ``defers_norm()`` leaves its own norm to that kernel: its
+        ``defer_norm``, a mixer that ``defers_norm(tokens)`` leaves its own norm to that kernel: its
         output rows are scaled there by the 1 / rms its scan summed (``add_rmsnorm``'s
         ``pending_norm``), which saves the norm's pass over [T, d_inner].
         """
@@ -101,7 +101,7 @@ class Mamba2LM(nn.Module):
             mixer = layer.mixer
             normed, residual = add_rmsnorm(out, residual, layer.norm.weight, layer.norm.eps, residual_dtype=rdtype,
                                            pending_norm=pending)
-            if defer_norm and mixer.defers_norm():
+            if defer_norm and mixer.defers_norm(normed.shape[0]):
                 sumsq = torch.empty(normed.shape[0], mixer.cfg.d_inner // NORM_SPAN.value, dtype=torch.float32,
                                     device=normed.device)
                 out, pending = mix(i, mixer, normed, sumsq), mixer.pending_norm(sumsq)
