@@ -68,7 +68,8 @@ class DecodeTricks:
                    at most 16 rows (tokens) run as fastmamba's ``gemv``, which can start under PDL
                    before the kernel ahead of it ends (off: ``nn.Linear``, i.e. cuBLAS, which
                    never overlaps)
-    norm_in_scan   prefill through ``Mamba2LM`` (where ``defers_norm``): the mixer's norm is
+    norm_in_scan   prefill of at least DEFER_NORM_MIN_TOKENS packed tokens through ``Mamba2LM``
+                   (where ``defers_norm``): the mixer's norm is
                    deferred, the scan writing y * norm_weight and each token's sums of y^2, and
                    the next block boundary (``add_rmsnorm``'s ``pending_norm``) scaling out_proj's
                    rows by 1 / rms (off: the norm's own pass, a read and a write of y [T, d_inner])
