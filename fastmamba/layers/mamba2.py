@@ -162,6 +162,10 @@ class Mamba2Mixer(nn.Module):
                 and getattr(n, "bias", None) is None and n.group_size == c.d_inner
                 and c.headdim % NORM_SPAN.value == 0)
 
+    def new_norm_sumsq(self, tokens: int, device: torch.device) -> torch.Tensor:
+        """An uninitialised [tokens, d_inner / 16] fp32 buffer for ``forward_varlen``'s ``norm_sumsq``."""
+        return torch.empty(tokens, self.cfg.d_inner // NORM_SPAN.value, dtype=torch.float32, device=device)
+
     def pending_norm(self, norm_sumsq: torch.Tensor) -> PendingNorm:
         """The deferred norm of a ``forward_varlen(..., norm_sumsq=...)`` call, for ``add_rmsnorm``."""
         return PendingNorm(norm_sumsq, self.cfg.d_inner, self.norm.eps)

@@ -35,7 +35,6 @@ from fastmamba.models.config import Mamba2Config
 from fastmamba.ops import add_rmsnorm
 from fastmamba.ops._common.checks import check_host_copies
 from fastmamba.ops._common.host_values import host_list, host_reads_allowed, trusted_inputs
-from fastmamba.ops.ssd_scan.kernel import NORM_SPAN
 
 
 class RMSNorm(nn.Module):
@@ -102,8 +101,7 @@ class Mamba2LM(nn.Module):
             normed, residual = add_rmsnorm(out, residual, layer.norm.weight, layer.norm.eps, residual_dtype=rdtype,
                                            pending_norm=pending)
             if defer_norm and mixer.defers_norm(normed.shape[0]):
-                sumsq = torch.empty(normed.shape[0], mixer.cfg.d_inner // NORM_SPAN.value, dtype=torch.float32,
-                                    device=normed.device)
+                sumsq = mixer.new_norm_sumsq(normed.shape[0], normed.device)
                 out, pending = mix(i, mixer, normed, sumsq), mixer.pending_norm(sumsq)
             else:
                 out, pending = mix(i, mixer, normed), None
