@@ -126,7 +126,7 @@ def run_shape(nb: int, L: int, *, shape: dict, dtype: torch.dtype, state_dtype: 
 
 def sweep_configs(L: int, P: int) -> list[dict]:
     """Fused tile configs worth timing at sequences of L tokens."""
-    block_ts = [t for t in (16, 32, 64) if t <= max(16, L)]
+    block_ts = [t for t in (16, 32, 64) if t <= max(16, L) and t <= fused_configs.MAX_BLOCK_T]
     block_ps = [p for p in (16, 32, 64) if p <= max(16, P)]
     return [dict(block_t=t, block_p=p, num_warps=w, num_stages=s)
             for t, p, w, s in itertools.product(block_ts, block_ps, (2, 4, 8), (1, 2))

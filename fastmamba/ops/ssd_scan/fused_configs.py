@@ -31,22 +31,29 @@ class FusedScanConfig(NamedTuple):
 
 
 # (longest sequence at most, programs (sequences x heads) at most) -> config; first match wins.
-# From the sweep on an H100 (2026-11-25, `python -m fastmamba.bench.ops.scan_small_l --sweep --shapes
-# 1x16,1x64,2x64,1x128,16x64`, 2.7b layer: 80 heads of P 64, N 128, bf16, fp32 state, CUDA graphs):
-# 1x64 13.5 us (was 19.0 with t32 p16 w4), 1x128 20.4 (was 32.9), 2x64 19.6 (was 28.7), 16x64 103.0
-# (was 113.2); 1x16 kept its 8.2 us. "programs" counts live sequences only (``live_seqs``): a graphed
-# prefill's padding request just writes zeros, so a prefix-cache hit's 64 new tokens take the 1x64 tiles.
+# First from a sweep on an H100 (2026-11-25, `python -m fastmamba.bench.ops.scan_small_l --sweep --shapes
+# 1x16,1x64,2x64,1x128,16x64`, 2.7b layer: 80 heads of P 64, N 128, bf16, fp32 state, CUDA graphs),
+# then re-swept on an H200 once the kernel issued each block's loads an iteration ahead (2026-11-27,
+# `--sweep --quick --shapes 2x64,1x128,1x64,16x64,1x16`, blocks of at most 32 tokens): 1x16 6.9 us,
+# 1x64 10.8, 1x128 15.8, 16x64 77.7 with the tiles below; 2x64 took 21.9 us with the old fourth row
+# (t32 p32 w2) and 16.3 with the last row's tiles, which it now shares (15.5 with t16 p32 w2, whose
+# output was not checked on the GPU in that run). "programs" counts live sequences only
+# (``live_seqs``): a graphed prefill's padding request just writes zeros, so a prefix-cache hit's 64
+# new tokens take the 1x64 tiles.
 TABLE: list[tuple[int, int, FusedScanConfig]] = [
     (16, 256, FusedScanConfig(block_t=16, block_p=16, num_warps=2)),
     (16, 1 << 30, FusedScanConfig(block_t=16, block_p=32, num_warps=2)),
     (1 << 30, 128, FusedScanConfig(block_t=32, block_p=32, num_warps=4, num_stages=2)),
-    (1 << 30, 256, FusedScanConfig(block_t=32, block_p=32, num_warps=2)),
     (1 << 30, 1 << 30, FusedScanConfig(block_t=16, block_p=64, num_warps=4, num_stages=2)),
 ]
-# Triton 3.6 on an H100: BLOCK_T = 64 with 16-bit inputs and 4 warps compiles into a kernel that
-# faults (illegal memory access; 2.7b layer shape, 1 x 40 tokens), and with 2 more rows it returned
-# garbage instead; 8 warps or BLOCK_T <= 32 run correctly. So BLOCK_T = 64 always gets 8 warps.
-MIN_WARPS_AT_BLOCK_T_64 = 8
+# Blocks of at most 32 tokens. Triton 3.6 on an H100: BLOCK_T = 64 with 16-bit inputs and 4 warps
+# compiled into a kernel that faulted (illegal memory access; 2.7b layer shape, 1 x 40 tokens), and
+# with 2 more rows returned garbage; 8 warps ran correctly then. Once the kernel issued each block's
+# loads an iteration ahead, a sweep over every tile on an H200 (2026-11-27) hit an illegal memory
+# access again in its first shape (2 x 64; the loads are masked to the sequence, so a miscompile is
+# the likely cause), and the same sweep at blocks of at most 32 tokens ran every tile without error.
+# The table never used 64.
+MAX_BLOCK_T = 32
 
 _forced: FusedScanConfig | None = None
 
@@ -75,6 +82,5 @@ def pick_fused_config(max_len: int, nseq: int, H: int, P: int, *, interpreter: b
         cfg = next(c for lmax, pmax, c in TABLE if max_len <= lmax and programs <= pmax)
     full_p = max(16, next_power_of_2(P))
     block_p = full_p if cfg.block_p == 0 else min(max(16, cfg.block_p), full_p)
-    block_t = max(16, next_power_of_2(cfg.block_t))
-    warps = max(cfg.num_warps, MIN_WARPS_AT_BLOCK_T_64) if block_t >= 64 and not interpreter else cfg.num_warps
-    return cfg._replace(block_p=block_p, block_t=block_t, num_warps=warps)
+    block_t = min(MAX_BLOCK_T, max(16, next_power_of_2(cfg.block_t)))
+    return cfg._replace(block_p=block_p, block_t=block_t)
