@@ -30,4 +30,5 @@ def test_sweep_configs_fit_the_sequence():
     short = scan_small_l.sweep_configs(16, 64)
     assert {c["block_t"] for c in short} == {16}
     assert {c["block_p"] for c in short} == {16, 32, 64}
-    assert {c["block_t"] for c in scan_small_l.sweep_configs(512, 64)} == {16, 32, 64}
+    # blocks of at most fused_configs.MAX_BLOCK_T (32) tokens: 64 faulted on an H200
+    assert {c["block_t"] for c in scan_small_l.sweep_configs(512, 64)} == {16, 32}
