@@ -36,6 +36,8 @@ ROWS = {
     "no-D-no-z": dict(D=None, z=False),
     "A_is_log-per-channel-D-dt-limit": dict(A_is_log=True, D="HP", dt_limit=(0.05, 2.0)),
     "chunk16-no-pad": dict(Q=16, slots=(1, 3, 0, 5)),
+    # a chunk of 24 tokens: blocks of 16 then 8 (the flat block loop's short last block of a chunk)
+    "chunk24-short-blocks": dict(Q=24, lens=(1, 7, 53)),
     "P12-N10": dict(P=12, N=10),
     "fp16-state-pool": dict(state_dtype=torch.float16),
     "bf16-state-pool": dict(state_dtype=torch.bfloat16),
