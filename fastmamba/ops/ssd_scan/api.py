@@ -12,6 +12,7 @@ from fastmamba.ops._common.checks import (
     check_indices,
     check_same_device,
     check_shape,
+    check_tensors,
     check_unit_stride,
 )
 from fastmamba.ops._common.dispatch import call_directly, use_triton
@@ -515,6 +516,7 @@ def ssd_scan_varlen(
 
 def _check_norm(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_sumsq: torch.Tensor | None) -> None:
     """ssd_scan_varlen's deferred-norm arguments: both or neither, shapes, dtypes, device."""
+    check_tensors(_VARLEN, [], [("norm_weight", norm_weight), ("norm_sumsq", norm_sumsq)])
     if (norm_weight is None) != (norm_sumsq is None):
         raise ValueError(f"{_VARLEN}: pass both `norm_weight` and `norm_sumsq` (the deferred norm) or neither")
     if norm_weight is None:

@@ -39,10 +39,10 @@ from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 
 
 @triton.jit
-def _block_at(i, seq_len, Q: tl.constexpr, BLOCK_T: tl.constexpr):
+def _block_at(i, seq_len, Q: tl.constexpr, BLOCK_T: tl.constexpr, BPC: tl.constexpr):
     """Block i of a sequence of seq_len tokens cut into chunks of Q and blocks of BLOCK_T that never
-    cross a chunk: (its first token t0, the tokens left in its chunk from t0)."""
-    BPC: tl.constexpr = (Q + BLOCK_T - 1) // BLOCK_T
+    cross a chunk (BPC = cdiv(Q, BLOCK_T) blocks per chunk): (its first token t0, the tokens left in
+    its chunk from t0)."""
     c0 = (i // BPC) * Q
     t0 = c0 + (i % BPC) * BLOCK_T
     return t0, tl.minimum(c0 + Q, seq_len) - t0
@@ -65,8 +65,8 @@ def _load_block(dt_ptr, x_h, B_g, C_g, z_ptr, first, n, h, offs_t, offs_p, offs_
                  other=0.0)
     z = 0.0
     if HAS_Z:
-        z = tl.load(z_ptr + h * stride_z_h + tok[:, None] * stride_z_t + offs_p[None, :] * stride_z_p, mask=mt[:, None] & mp[None, :],
-                    other=0.0)
+        z = tl.load(z_ptr + h * stride_z_h + tok[:, None] * stride_z_t + offs_p[None, :] * stride_z_p,
+                    mask=mt[:, None] & mp[None, :], other=0.0)
     return d, x, Bm, Cm, z
 
 
@@ -160,14 +160,14 @@ def _ssd_scan_fused_kernel(
         # issued an iteration ahead: they fly while the block before computes
         BPC: tl.constexpr = (Q + BLOCK_T - 1) // BLOCK_T  # blocks per chunk
         n_blocks = (seq_len // Q) * BPC + tl.cdiv(seq_len % Q, BLOCK_T)
-        t0, n = _block_at(0, seq_len, Q, BLOCK_T)
-        d_raw, x, Bm, Cm, z_raw = _load_block(dt_ptr, x_h, B_g, C_g, z_ptr, lo + t0, n, h, offs_t, offs_p, offs_n, mp, mn,
-                                              stride_dt_t, stride_dt_h, stride_x_t, stride_x_p, stride_B_t,
+        t0, n = _block_at(0, seq_len, Q, BLOCK_T, BPC)  # n: tokens left in the chunk (the block takes <= BLOCK_T)
+        d_raw, x, Bm, Cm, z_raw = _load_block(dt_ptr, x_h, B_g, C_g, z_ptr, lo + t0, n, h, offs_t, offs_p, offs_n,
+                                              mp, mn, stride_dt_t, stride_dt_h, stride_x_t, stride_x_p, stride_B_t,
                                               stride_B_n, stride_C_t, stride_C_n, stride_z_h, stride_z_t, stride_z_p,
                                               HAS_Z)
         for i in range(0, n_blocks):
-            t0, n = _block_at(i, seq_len, Q, BLOCK_T)  # n: tokens left in the chunk (the block takes <= BLOCK_T)
-            t0_next, n_next = _block_at(i + 1, seq_len, Q, BLOCK_T)
+            t0, n = _block_at(i, seq_len, Q, BLOCK_T, BPC)
+            t0_next, n_next = _block_at(i + 1, seq_len, Q, BLOCK_T, BPC)
             n_next = tl.where(i + 1 < n_blocks, n_next, 0)
             d_next, x_next, B_next, C_next, z_next = _load_block(
                 dt_ptr, x_h, B_g, C_g, z_ptr, lo + t0_next, n_next, h, offs_t, offs_p, offs_n, mp, mn, stride_dt_t,
