@@ -85,6 +85,8 @@ def test_deferred_norm_argument_errors(device):
         (dict(norm_weight=nw, norm_sumsq=sumsq.double()), TypeError, "`norm_sumsq` expected dtype"),
         (dict(norm_weight=nw, norm_sumsq=torch.empty(6, T, device=device).t()), ValueError,
          "`norm_sumsq` must be contiguous in dim 1"),
+        (dict(norm_weight=nw.tolist(), norm_sumsq=sumsq), TypeError,
+         "`norm_weight` expected a torch.Tensor or None, got list"),
     ]
     for extra, exc, match in cases:
         with pytest.raises(exc, match=match):
