@@ -15,10 +15,11 @@ walks items h-major (the 4 row blocks of one (chunk, head) side by side). Partit
   straight from registers, STORE_TMA=0, which frees a shared tile for a third program per SM).
 MODE=1 keeps the pipeline and drops the math: the stage's data path alone.
 
-Result (H200, 2026-11-27; docs/experiments.md): the data path alone moves the stage's bytes in 112-116 us
-at L=8192 (27.8 us at 2048), half of the shipped kernel's 224 us; with the math, the best config is
-213-215 us (59 us at 2048), 1.04x the shipped kernel. The consumer warpgroup is latency-bound (one or
-two per SM: 0.27 instructions issued per scheduler cycle, 7.4 cycles per instruction).
+Result (H200, 2026-11-27; docs/experiments.md): the data path alone moves the stage's bytes in 112 us at
+L=8192 (27.8 us at 2048), half of the shipped kernel's 223 us. With the math, the best configs (2 programs
+per SM, cap 128 registers, CB loaded straight into wgmma's A-operand layout, approximate exp/silu) take
+184-192 us (48-52 us at 2048): 1.16-1.27x the shipped kernel. More programs per SM did not help; z read
+from global memory by the consumer instead of through a ring was slower (213-216 us).
 """
 from __future__ import annotations
 
@@ -43,6 +44,20 @@ HALF_N = gl.constexpr(64)  # C and S go in two 64-column halves (128-byte rows: 
 
 
 @gluon.jit
+def _exp(x):
+    """exp in fp32 through the approximate PTX exp2 (2 instructions; what the shipped kernels use)."""
+    return gl.inline_asm_elementwise("{ .reg .f32 e; mul.f32 e, $1, 0f3FB8AA3B; ex2.approx.ftz.f32 $0, e; }",
+                                     "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _silu(x):
+    return gl.inline_asm_elementwise("{ .reg .f32 e, d, r; mul.f32 e, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 e, e; "
+                                     "add.f32 d, e, 0f3F800000; rcp.approx.ftz.f32 r, d; mul.f32 $0, $1, r; }",
+                                     "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _coords(item, n_chunks, M_BLOCKS: gl.constexpr):
     mb = item % M_BLOCKS
     c = (item // M_BLOCKS) % n_chunks
@@ -55,7 +70,8 @@ def _producer(c_desc, s_desc, z_desc, cb_desc, x_desc, c_smem, s_smem, z_smem, c
               csm_smem, csp_smem, csk_smem, dtk_smem,
               cs_ready, cs_empty, z_ready, z_empty, k_ready, k_empty, cs_ptr, dt_ptr,
               n_items, n_chunks, H, P, heads_per_group, G, q_pad,
-              Q: gl.constexpr, CS_STAGES: gl.constexpr, Z_STAGES: gl.constexpr, K_STAGES: gl.constexpr):
+              Q: gl.constexpr, CS_STAGES: gl.constexpr, Z_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
+              Z_DIRECT: gl.constexpr):
     # the decay vectors (cs, dt: [H, chunks, Q] fp32) go through plain loads and shared stores; the
     # ready barriers count 2 arrivals: the TMA bytes' expect, then these stores' arrive
     M_BLOCKS: gl.constexpr = Q // BM
@@ -91,7 +107,10 @@ def _producer(c_desc, s_desc, z_desc, cb_desc, x_desc, c_smem, s_smem, z_smem, c
                                             s_smem.index(2 * s + half))
         # this block's cs, and the window before it (its minimum is r = cs[m0 - 1]: cs falls along the chunk)
         csm_smem.index(s).store(gl.sum(gl.where(offs_w[:, None] == mb, cs4, 0.0), axis=0))
-        csp_smem.index(s).store(gl.sum(gl.where(offs_w[:, None] == mb - 1, cs4, 0.0), axis=0))
+        # r = cs[m0 - 1] (0 at m0 = 0) as a vector: the consumer reads it without a cross-warp reduction
+        last = (offs_w[:, None] == mb - 1) & (gl.arange(0, BM, layout=win)[None, :] == BM - 1)
+        r = gl.sum(gl.sum(gl.where(last, cs4, 0.0), axis=1), axis=0)
+        csp_smem.index(s).store(gl.zeros([BM], gl.float32, layout=win) + r)
         mbarrier.arrive(cs_ready.index(s))
         for kb in range(mb + 1):
             sk = k_i % K_STAGES
@@ -104,19 +123,20 @@ def _producer(c_desc, s_desc, z_desc, cb_desc, x_desc, c_smem, s_smem, z_smem, c
             dtk_smem.index(sk).store(gl.sum(gl.where(offs_w[:, None] == kb, dt4, 0.0), axis=0))
             mbarrier.arrive(k_ready.index(sk))
             k_i += 1
-        sz = i % Z_STAGES
-        mbarrier.wait(z_empty.index(sz), ((i // Z_STAGES) & 1) ^ 1)
-        mbarrier.expect(z_ready.index(sz), BM * BM * 2)
-        tma.async_copy_global_to_shared(z_desc, [tok, h * P], z_ready.index(sz), z_smem.index(sz))
+        if not Z_DIRECT:
+            sz = i % Z_STAGES
+            mbarrier.wait(z_empty.index(sz), ((i // Z_STAGES) & 1) ^ 1)
+            mbarrier.expect(z_ready.index(sz), BM * BM * 2)
+            tma.async_copy_global_to_shared(z_desc, [tok, h * P], z_ready.index(sz), z_smem.index(sz))
         i += 1
 
 
 @gluon.jit
 def _consumer(o_desc, c_smem, s_smem, z_smem, cb_smem, x_smem, o_smem, csm_smem, csp_smem, csk_smem, dtk_smem,
               cs_ready, cs_empty, z_ready, z_empty, k_ready, k_empty,
-              cs_ptr, dt_ptr, D_ptr, out_ptr, stride_o, n_items, n_chunks, P,
+              cs_ptr, dt_ptr, D_ptr, out_ptr, stride_o, z_ptr, n_items, n_chunks, P,
               Q: gl.constexpr, CS_STAGES: gl.constexpr, Z_STAGES: gl.constexpr, K_STAGES: gl.constexpr,
-              MODE: gl.constexpr, STORE_TMA: gl.constexpr):
+              MODE: gl.constexpr, STORE_TMA: gl.constexpr, Z_DIRECT: gl.constexpr):
     M_BLOCKS: gl.constexpr = Q // BM
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -148,10 +168,13 @@ def _consumer(o_desc, c_smem, s_smem, z_smem, cb_smem, x_smem, o_smem, csm_smem,
             tma.async_copy_shared_to_global(o_desc, [c * Q + m0, h * P], o_smem)
         else:
             d = gl.load(D_ptr + h)
+            if Z_DIRECT:  # z from global memory, issued now, used at the end (same row stride as out)
+                z_rows = (c * Q + offs_m).to(gl.int64) * stride_o
+                zv = gl.load(z_ptr + z_rows[:, None] + (h * BM + offs_kc)[None, :]).to(gl.float32)
             s = i % CS_STAGES
             mbarrier.wait(cs_ready.index(s), (i // CS_STAGES) & 1)
             cs_m = csm_smem.index(s).load(rows)
-            r = gl.min(csp_smem.index(s).load(rows), axis=0)
+            r_rows = csp_smem.index(s).load(rows)  # r = cs[m0 - 1], the same in every element
             # three independent parts, their matmuls in flight while the next is prepared:
             # acc_s = C_m S^T (the entering state; S stored [P, N], so its transposed view is wgmma's B),
             # acc_o = the token blocks before m0 with exp(r - cs_s) dt_s on CB's columns,
@@ -162,36 +185,42 @@ def _consumer(o_desc, c_smem, s_smem, z_smem, cb_smem, x_smem, o_smem, csm_smem,
             acc_s = warpgroup_mma(c_smem.index(2 * s + 1), s_smem.index(2 * s + 1).permute((1, 0)), acc_s,
                                   is_async=True)
             acc_o = gl.zeros([BM, BM], gl.float32, layout=mma)
+            # CB tiles go from shared memory straight into wgmma's A-operand layout; their weights
+            # are computed in that layout (no layout conversion through shared memory)
+            a_rows: gl.constexpr = gl.SliceLayout(1, a_op)
+            a_cols: gl.constexpr = gl.SliceLayout(0, a_op)
+            r_cols = csp_smem.index(s).load(a_cols)
             for kb in range(mb):
                 sk = k_i % K_STAGES
                 mbarrier.wait(k_ready.index(sk), (k_i // K_STAGES) & 1)
-                w = gl.exp(r - csk_smem.index(sk).load(cols)) * dtk_smem.index(sk).load(cols)
-                cb = cb_smem.index(sk).load(mma).to(gl.float32)
-                a = gl.convert_layout((cb * w[None, :]).to(gl.bfloat16), a_op)
+                w = _exp(r_cols - csk_smem.index(sk).load(a_cols)) * dtk_smem.index(sk).load(a_cols)
+                a = (cb_smem.index(sk).load(a_op).to(gl.float32) * w[None, :]).to(gl.bfloat16)
                 acc_o = warpgroup_mma(a, x_smem.index(sk), acc_o, is_async=True)
                 acc_o = warpgroup_mma_wait(0, deps=(acc_o,))  # acc_s's matmul, issued before, is done too
                 mbarrier.arrive(k_empty.index(sk))
                 k_i += 1
             sk = k_i % K_STAGES
-            offs_k = m0 + offs_kc
             mbarrier.wait(k_ready.index(sk), (k_i // K_STAGES) & 1)
-            cs_k = csk_smem.index(sk).load(cols)
-            dt_k = dtk_smem.index(sk).load(cols)
-            causal = offs_m[:, None] >= offs_k[None, :]
-            decay = gl.exp(gl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
-            cb = cb_smem.index(sk).load(mma).to(gl.float32)
-            a = gl.convert_layout(gl.where(causal, cb * decay * dt_k[None, :], 0.0).to(gl.bfloat16), a_op)
+            cs_k = csk_smem.index(sk).load(a_cols)
+            dt_k = dtk_smem.index(sk).load(a_cols)
+            cs_ma = csm_smem.index(s).load(a_rows)
+            causal = gl.arange(0, BM, layout=a_rows)[:, None] >= gl.arange(0, BM, layout=a_cols)[None, :]
+            decay = _exp(gl.where(causal, cs_ma[:, None] - cs_k[None, :], float("-inf")))
+            cb = cb_smem.index(sk).load(a_op).to(gl.float32)
+            a = gl.where(causal, cb * decay * dt_k[None, :], 0.0).to(gl.bfloat16)
             acc_s, acc_o = warpgroup_mma_wait(0, deps=(acc_s, acc_o))
             mbarrier.arrive(cs_empty.index(s))
-            acc = acc_s * gl.exp(cs_m)[:, None] + acc_o * gl.exp(cs_m - r)[:, None]
+            acc = acc_s * _exp(cs_m)[:, None] + acc_o * _exp(cs_m - r_rows)[:, None]
             acc = warpgroup_mma(a, x_smem.index(sk), acc, is_async=True)
             x_m = x_smem.index(sk).load(mma).to(gl.float32)  # the D term's x: the diagonal block's own tile
-            sz = i % Z_STAGES
-            mbarrier.wait(z_ready.index(sz), (i // Z_STAGES) & 1)
-            zv = z_smem.index(sz).load(mma).to(gl.float32)
-            mbarrier.arrive(z_empty.index(sz))
-            gate = (x_m * d, zv / (1.0 + gl.exp(-zv)))
+            if not Z_DIRECT:
+                sz = i % Z_STAGES
+                mbarrier.wait(z_ready.index(sz), (i // Z_STAGES) & 1)
+                zv = z_smem.index(sz).load(mma).to(gl.float32)
+            gate = (x_m * d, _silu(zv))
             acc = warpgroup_mma_wait(0, deps=(acc,))
+            if not Z_DIRECT:
+                mbarrier.arrive(z_empty.index(sz))  # both releases after one wait (one partition barrier)
             mbarrier.arrive(k_empty.index(sk))
             k_i += 1
             acc = (acc + gate[0]) * gate[1]
@@ -202,23 +231,25 @@ def _consumer(o_desc, c_smem, s_smem, z_smem, cb_smem, x_smem, o_smem, csm_smem,
                 tma.async_copy_shared_to_global(o_desc, [c * Q + m0, h * P], o_smem)
             else:  # straight from registers (no shared tile: one program more per SM)
                 o_rows = (c * Q + offs_m).to(gl.int64) * stride_o
-                gl.store(out_ptr + o_rows[:, None] + (h * P + offs_kc)[None, :], acc.to(gl.bfloat16))
+                gl.store(out_ptr + o_rows[:, None] + (h * BM + offs_kc)[None, :], acc.to(gl.bfloat16))
         i += 1
     tma.store_wait(0)
 
 
 @gluon.jit
 def chunk_output_kernel(c_desc, s_desc, z_desc, cb_desc, x_desc, o_desc, cs_ptr, dt_ptr, D_ptr, out_ptr, stride_o,
-                        n_items, n_chunks, H, P, heads_per_group, G, q_pad,
+                        z_ptr, n_items, n_chunks, H, P, heads_per_group, G, q_pad,
                         Q: gl.constexpr, CS_STAGES: gl.constexpr, Z_STAGES: gl.constexpr,
                         K_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, MODE: gl.constexpr = 0,
-                        STORE_TMA: gl.constexpr = True, OUT_ROWS: gl.constexpr = 64):
+                        STORE_TMA: gl.constexpr = True, Z_DIRECT: gl.constexpr = False):
     c_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * CS_STAGES, BM, HALF_N], c_desc.layout)
     s_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * CS_STAGES, BM, HALF_N], s_desc.layout)
-    z_smem = gl.allocate_shared_memory(gl.bfloat16, [Z_STAGES, BM, BM], z_desc.layout)
     cb_smem = gl.allocate_shared_memory(gl.bfloat16, [K_STAGES, BM, BM], cb_desc.layout)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [K_STAGES, BM, BM], x_desc.layout)
-    o_smem = gl.allocate_shared_memory(gl.bfloat16, [OUT_ROWS, BM], o_desc.layout)
+    if STORE_TMA:
+        o_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BM], o_desc.layout)
+    else:  # no output tile: a placeholder the consumer never touches
+        o_smem = x_smem
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     csm_smem = gl.allocate_shared_memory(gl.float32, [CS_STAGES, BM], flat)
     csp_smem = gl.allocate_shared_memory(gl.float32, [CS_STAGES, BM], flat)
@@ -226,16 +257,23 @@ def chunk_output_kernel(c_desc, s_desc, z_desc, cb_desc, x_desc, o_desc, cs_ptr,
     dtk_smem = gl.allocate_shared_memory(gl.float32, [K_STAGES, BM], flat)
     cs_ready = gl.allocate_shared_memory(gl.int64, [CS_STAGES, 1], mbarrier.MBarrierLayout())
     cs_empty = gl.allocate_shared_memory(gl.int64, [CS_STAGES, 1], mbarrier.MBarrierLayout())
-    z_ready = gl.allocate_shared_memory(gl.int64, [Z_STAGES, 1], mbarrier.MBarrierLayout())
-    z_empty = gl.allocate_shared_memory(gl.int64, [Z_STAGES, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    if Z_DIRECT:  # placeholders the partitions never touch
+        z_smem = x_smem
+        z_ready = k_ready
+        z_empty = k_empty
+    else:
+        z_smem = gl.allocate_shared_memory(gl.bfloat16, [Z_STAGES, BM, BM], z_desc.layout)
+        z_ready = gl.allocate_shared_memory(gl.int64, [Z_STAGES, 1], mbarrier.MBarrierLayout())
+        z_empty = gl.allocate_shared_memory(gl.int64, [Z_STAGES, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(CS_STAGES):
         mbarrier.init(cs_ready.index(j), count=2)
         mbarrier.init(cs_empty.index(j), count=1)
-    for j in gl.static_range(Z_STAGES):
-        mbarrier.init(z_ready.index(j), count=1)
-        mbarrier.init(z_empty.index(j), count=1)
+    if not Z_DIRECT:
+        for j in gl.static_range(Z_STAGES):
+            mbarrier.init(z_ready.index(j), count=1)
+            mbarrier.init(z_empty.index(j), count=1)
     for j in gl.static_range(K_STAGES):
         mbarrier.init(k_ready.index(j), count=2)
         mbarrier.init(k_empty.index(j), count=1)
@@ -244,11 +282,13 @@ def chunk_output_kernel(c_desc, s_desc, z_desc, cb_desc, x_desc, o_desc, cs_ptr,
         [
             (_consumer, (o_desc, c_smem, s_smem, z_smem, cb_smem, x_smem, o_smem, csm_smem, csp_smem, csk_smem,
                          dtk_smem, cs_ready, cs_empty, z_ready, z_empty, k_ready, k_empty,
-                         cs_ptr, dt_ptr, D_ptr, out_ptr, stride_o, n_items, n_chunks, P, Q, CS_STAGES, Z_STAGES,
-                         K_STAGES, MODE, STORE_TMA)),
+                         cs_ptr, dt_ptr, D_ptr, out_ptr, stride_o, z_ptr, n_items, n_chunks, P, Q, CS_STAGES,
+                         Z_STAGES, K_STAGES, MODE, STORE_TMA, Z_DIRECT)),
             (_producer, (c_desc, s_desc, z_desc, cb_desc, x_desc, c_smem, s_smem, z_smem, cb_smem, x_smem,
                          csm_smem, csp_smem, csk_smem, dtk_smem, cs_ready, cs_empty, z_ready, z_empty, k_ready,
-                         k_empty, cs_ptr, dt_ptr, n_items, n_chunks, H, P, heads_per_group, G, q_pad, Q, CS_STAGES, Z_STAGES, K_STAGES)),
+                         k_empty, cs_ptr, dt_ptr, n_items, n_chunks, H, P, heads_per_group, G, q_pad, Q, CS_STAGES,
+                         Z_STAGES, K_STAGES,
+                         Z_DIRECT)),
         ],
         [1],
         [PRODUCER_REGS],
@@ -284,10 +324,13 @@ def chunk_output(x, z, out, cb, C, D, states_in, dt_s, cs_s, *, chunk_size, stag
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = (min(n_items, sms * ctas_per_sm),)
     cs_stages, z_stages, k_stages = stages
-    return chunk_output_kernel[grid](*descs, cs_s, dt_s, D, out, out.stride(1), n_items, n_chunks, H, P, H // G, G, q_pad,
-                              Q=chunk_size, CS_STAGES=cs_stages, Z_STAGES=z_stages, K_STAGES=k_stages,
-                              PRODUCER_REGS=producer_regs, MODE=mode, STORE_TMA=store_tma,
-                                     OUT_ROWS=64 if store_tma else 8, num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
+    z_direct = z_stages == 0  # z read by the consumer from global memory, no z ring
+    assert not z_direct or z.stride() == out.stride()
+    return chunk_output_kernel[grid](*descs, cs_s, dt_s, D, out, out.stride(1), z, n_items, n_chunks, H, P, H // G, G,
+                                     q_pad,
+                              Q=chunk_size, CS_STAGES=cs_stages, Z_STAGES=max(z_stages, 1), K_STAGES=k_stages,
+                              PRODUCER_REGS=producer_regs, MODE=mode, STORE_TMA=store_tma, Z_DIRECT=z_direct,
+                                     num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
 
 
 def compile_only() -> None:
@@ -299,14 +342,16 @@ def compile_only() -> None:
     layout = gl.NVMMASharedLayout.get_default_for([b, b], gl.bfloat16)
     desc_ty = f"tensordesc<bf16[{b}, {b}],{layout}>"
     sig = {n: desc_ty for n in ("c_desc", "s_desc", "z_desc", "cb_desc", "x_desc", "o_desc")}
-    sig.update(cs_ptr="*fp32", dt_ptr="*fp32", D_ptr="*fp32", out_ptr="*bf16", stride_o="i32", n_items="i32", n_chunks="i32", H="i32", P="i32",
+    sig.update(cs_ptr="*fp32", dt_ptr="*fp32", D_ptr="*fp32", out_ptr="*bf16", stride_o="i32", z_ptr="*bf16",
+               n_items="i32", n_chunks="i32", H="i32", P="i32",
                heads_per_group="i32", G="i32", q_pad="i32")
-    for stages in ((2, 2, 4), (1, 1, 3), (2, 2, 3)):
+    for stages in ((2, 2, 4), (1, 1, 3), (1, 1, 2)):
         consts = dict(Q=256, CS_STAGES=stages[0], Z_STAGES=stages[1], K_STAGES=stages[2], PRODUCER_REGS=48,
-                      MODE=0, STORE_TMA=stages[2] == 4, OUT_ROWS=64 if stages[2] == 4 else 8)
+                      MODE=0, STORE_TMA=stages[2] == 4, Z_DIRECT=stages[2] == 2)
         src = GluonASTSource(chunk_output_kernel, {**sig, **{k: "constexpr" for k in consts}}, consts)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-        print(f"stages {stages}: shared {k.metadata.shared} B")
+        print(f"stages {stages} (store through TMA {consts['STORE_TMA']}, z direct {consts['Z_DIRECT']}): "
+              f"shared {k.metadata.shared} B")
 
 
 def _capture_chunk_scan(L: int, H=80, P=64, G=1, N=128):
@@ -375,8 +420,10 @@ def _graph_time(fn, reps=20, runs=15) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="2048,8192")
-    ap.add_argument("--configs", nargs="*", default=["1,1,3,2,128,0,56", "1,1,2,3,80,0,24,0", "1,1,2,3,88,0,24,0", "1,1,2,2,128,0,56,0"],
-                    help="CS_STAGES,Z_STAGES,K_STAGES,CTAS_PER_SM[,MAXNREG[,MODE[,PRODUCER_REGS[,STORE_TMA]]]] (MODE 1: no math)")
+    ap.add_argument("--configs", nargs="*",
+                    default=["1,1,3,2,128,0,56", "1,1,4,2,128,0,56,0", "1,1,2,3,80,0,24,0", "1,1,3,2,128,1"],
+                    help="CS_STAGES,Z_STAGES,K_STAGES,CTAS_PER_SM[,MAXNREG[,MODE[,PRODUCER_REGS[,STORE_TMA]]]] "
+                         "(MODE 1: no math; Z_STAGES 0: z from global memory)")
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args()
     if args.compile_only:
