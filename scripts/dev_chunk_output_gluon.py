@@ -487,7 +487,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="2048,8192")
     ap.add_argument("--configs", nargs="*",
                     default=["1,1,3,2,128,0,56,1,1", "1,1,3,2,128,0,56,1,0", "1,1,3,2,128,0,56,0,0"],
-                    help="CS_STAGES,Z_STAGES,K_STAGES,CTAS_PER_SM[,MAXNREG[,MODE[,PRODUCER_REGS[,STORE_TMA[,DIAG_SPLIT]]]]] "
+                    help="CS_STAGES,Z_STAGES,K_STAGES,CTAS_PER_SM"
+                         "[,MAXNREG[,MODE[,PRODUCER_REGS[,STORE_TMA[,DIAG_SPLIT]]]]] "
                          "(MODE 1: no math; 3: only the matmuls; Z_STAGES 0: z from global memory)")
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args()
