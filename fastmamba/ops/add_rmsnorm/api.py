@@ -5,7 +5,13 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from fastmamba.ops._common.checks import FLOAT_DTYPES, check_dtype, check_same_device, check_unit_stride
+from fastmamba.ops._common.checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_same_device,
+    check_tensors,
+    check_unit_stride,
+)
 from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops._common.pdl import pdl_active
 from fastmamba.ops.add_rmsnorm.kernel import launch_add_rmsnorm, num_warps_for
@@ -47,6 +53,7 @@ def add_rmsnorm(
     Returns y (..., D) in weight's dtype and the new residual s (..., D), both freshly allocated
     and contiguous. Math in fp32. Reference: fastmamba.ops.add_rmsnorm.ref.add_rmsnorm_ref
     """
+    check_tensors(_OP, [("x", x), ("weight", weight)], [("residual", residual)])
     if x.dim() < 1:
         raise ValueError(f"{_OP}: `x` expected shape (..., D), got a 0-d tensor")
     D = x.shape[-1]

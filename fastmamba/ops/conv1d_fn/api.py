@@ -13,6 +13,7 @@ from fastmamba.ops._common.checks import (
     check_same_device,
     check_same_dtype,
     check_shape,
+    check_tensors,
     parse_activation,
 )
 from fastmamba.ops._common import slot_errors, varlen_checks
@@ -294,6 +295,9 @@ def _check_weight_bias(op: str, x: torch.Tensor, weight: torch.Tensor, bias: tor
 def _check_fn_inputs(x, weight, bias, seq_idx, initial_states, final_states_out) -> None:
     """Raise ValueError / TypeError naming the argument; reads nothing but shapes and dtypes."""
     op = _OP_FN
+    check_tensors(op, [("x", x), ("weight", weight)],
+                  [("bias", bias), ("seq_idx", seq_idx), ("initial_states", initial_states),
+                   ("final_states_out", final_states_out)])
     if x.dim() != 3:
         raise ValueError(f"{op}: `x` expected shape (B, D, L), got {tuple(x.shape)}")
     B, D, L = x.shape
@@ -326,6 +330,9 @@ def _check_varlen_inputs(
     capture, torch.compile tracing or trusted_inputs()), except for GPU tensors, whose values the
     caller checks on the device (varlen_checks.sanitize): returns True for those."""
     op = _OP_VARLEN
+    check_tensors(op, [("x", x), ("weight", weight), ("conv_states", conv_states), ("cu_seqlens", cu_seqlens)],
+                  [("bias", bias), ("cache_indices", cache_indices), ("has_initial_state", has_initial_state),
+                   ("out", out)])
     if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, int):
         raise TypeError(f"{op}: `pad_slot_id` expected an int, got {type(pad_slot_id).__name__} {pad_slot_id!r}")
     if x.dim() != 2:

@@ -12,6 +12,7 @@ from fastmamba.ops._common.checks import (
     check_dtype,
     check_same_device,
     check_shape,
+    check_tensors,
     check_unit_stride,
 )
 from fastmamba.ops._common.launch import on_device
@@ -85,6 +86,7 @@ def rmsnorm_fn(
             return y
     else:
         key = None
+    check_tensors(_OP, [("x", x), ("weight", weight)], [("bias", bias), ("z", z), ("out", out)])
     if x.dim() < 1:
         raise ValueError(f"{_OP}: `x` expected shape (..., Dh), got a 0-d tensor")
     Dh = x.shape[-1]

@@ -152,6 +152,9 @@ def mamba_chunk_scan_combined(
     Chunks never cross a sequence boundary, so ``chunk_size`` is a tiling choice only.
     Reference: fastmamba.ops.ssd_scan.ref.mamba_chunk_scan_combined_ref
     """
+    check_tensors(_DENSE, [("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)],
+                  [("D", D), ("z", z), ("dt_bias", dt_bias), ("initial_states", initial_states), ("seq_idx", seq_idx),
+                   ("cu_seqlens", cu_seqlens)])
     if x.dim() != 4:
         raise ValueError(f"{_DENSE}: `x` expected shape (B, L, H, P), got {tuple(x.shape)}")
     nb, L, H, P = x.shape
@@ -430,6 +433,11 @@ def ssd_scan_varlen(
     ``trusted_inputs()``.
     Reference: fastmamba.ops.ssd_scan.ref.ssd_scan_varlen_ref
     """
+    check_tensors(_VARLEN, [("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("ssm_states", ssm_states),
+                            ("cu_seqlens", cu_seqlens)],
+                  [("D", D), ("z", z), ("dt_bias", dt_bias), ("cache_indices", cache_indices),
+                   ("has_initial_state", has_initial_state), ("out", out), ("chunk_states_out", chunk_states_out),
+                   ("rand_seed", rand_seed), ("norm_weight", norm_weight), ("norm_sumsq", norm_sumsq)])
     if x.dim() != 3:
         raise ValueError(f"{_VARLEN}: `x` expected shape (T, H, P), got {tuple(x.shape)}")
     T, H, P = x.shape
@@ -515,8 +523,8 @@ def ssd_scan_varlen(
 
 
 def _check_norm(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_sumsq: torch.Tensor | None) -> None:
-    """ssd_scan_varlen's deferred-norm arguments: both or neither, shapes, dtypes, device."""
-    check_tensors(_VARLEN, [], [("norm_weight", norm_weight), ("norm_sumsq", norm_sumsq)])
+    """ssd_scan_varlen's deferred-norm arguments (tensors or None: checked at the entry): both or
+    neither, shapes, dtypes, device."""
     if (norm_weight is None) != (norm_sumsq is None):
         raise ValueError(f"{_VARLEN}: pass both `norm_weight` and `norm_sumsq` (the deferred norm) or neither")
     if norm_weight is None:
