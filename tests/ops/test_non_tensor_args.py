@@ -60,8 +60,8 @@ def _conv_varlen():
 def _conv_update():
     states = torch.zeros(2, D, W - 1)
     args = dict(x=torch.randn(2, D), conv_state=states, weight=torch.randn(D, W))
-    return causal_conv1d_update, args, dict(bias=torch.randn(D), conv_state_indices=torch.tensor([1, 0],
-                                                                                                    dtype=torch.int32)), (states,)
+    kwargs = dict(bias=torch.randn(D), conv_state_indices=torch.tensor([1, 0], dtype=torch.int32))
+    return causal_conv1d_update, args, kwargs, (states,)
 
 
 def _state_update():
