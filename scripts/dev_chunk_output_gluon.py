@@ -485,10 +485,34 @@ def _graph_time(fn, reps=20, runs=15) -> float:
     return statistics.median(times)
 
 
+def _lengths(text: str) -> list[int]:
+    """--lengths: comma-separated sequence lengths, each a positive multiple of the 256-token chunk."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values or any(v < 256 or v % 256 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive multiples of 256 (the chunk), got {text!r}")
+    return values
+
+
+def _config(text: str) -> str:
+    """--configs entry: 4 to 9 comma-separated non-negative ints (ring stages >= 1 except Z_STAGES)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not 4 <= len(values) <= 9 or min(values) < 0 or values[0] < 1 or values[2] < 1 or values[3] < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected CS_STAGES,Z_STAGES,K_STAGES,CTAS_PER_SM[,...] with CS_STAGES, K_STAGES, CTAS_PER_SM >= 1 "
+            f"and nothing negative, got {text!r}")
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lengths", default="2048,8192")
-    ap.add_argument("--configs", nargs="*",
+    ap.add_argument("--lengths", type=_lengths, default=[2048, 8192])
+    ap.add_argument("--configs", nargs="*", type=_config,
                     default=["1,1,3,2,128,0,56,1,1", "1,1,3,2,128,0,56,1,0", "1,1,3,2,128,0,56,0,0"],
                     help="CS_STAGES,Z_STAGES,K_STAGES,CTAS_PER_SM"
                          "[,MAXNREG[,MODE[,PRODUCER_REGS[,STORE_TMA[,DIAG_SPLIT]]]]] "
@@ -498,6 +522,8 @@ def main() -> None:
     if args.compile_only:
         compile_only()
         return
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        ap.error("timing needs a Hopper GPU (sm_90: TMA and wgmma); --compile-only runs without one")
     copy_src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     copy_dst = torch.empty_like(copy_src)
     copy_us = _graph_time(lambda: copy_dst.copy_(copy_src), reps=5, runs=7)
@@ -505,7 +531,7 @@ def main() -> None:
     print(f"device copy: {copy_bw:.0f} GB/s ({torch.cuda.get_device_name()})")
     print("| L | kernel | config | µs | bytes | % of copy | max rel diff vs ours |")
     print("|---|---|---|---:|---:|---:|---:|")
-    for L in (int(v) for v in args.lengths.split(",")):
+    for L in args.lengths:
         cap, scan = _capture_chunk_scan(L)
         whole = _graph_time(scan)
         a = cap["args"]
