@@ -48,6 +48,15 @@ VARIANTS = {
                         dict(Q=256, BLOCK_M=64, BLOCK_K=64, BLOCK_P=64, BLOCK_N=128, HEADS=1, DOT_PRECISION="tf32",
                              HEAD_MAJOR=True, FAST_MATH=True, HAS_D=True, HAS_Z=True, HAS_SKIP=True,
                              DOT_UPCAST=False, HAS_NORM=True, USE_PDL=False, PDL_TRIGGER=True)),
+    # the Triton chunk-output kernel as the Hopper kernel's fallback on non-finite x (ssd_scan/hopper.py)
+    "chunk-scan-only-if-flagged": ("fastmamba.ops.ssd_scan.kernel", "_chunk_scan_kernel",
+                                   dict(x_ptr="*bf16", z_ptr="*bf16", out_ptr="*bf16", cb_ptr="*bf16", C_ptr="*bf16",
+                                        D_ptr="*fp32", table_ptr="*i32", skip_ptr="*i8", states_ptr="*bf16",
+                                        dt_ptr="*fp32", cs_ptr="*fp32"),
+                                   dict(nw_ptr=None, sq_ptr=None, Q=256, BLOCK_M=64, BLOCK_K=64, BLOCK_P=64,
+                                        BLOCK_N=128, HEADS=1, DOT_PRECISION="tf32", HEAD_MAJOR=True, FAST_MATH=True,
+                                        HAS_D=True, HAS_Z=True, HAS_SKIP=True, DOT_UPCAST=False, HAS_NORM=False,
+                                        ONLY_IF_FLAGGED=True, USE_PDL=True, PDL_TRIGGER=True)),
 }
 
 

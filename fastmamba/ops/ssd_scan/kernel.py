@@ -166,6 +166,7 @@ def _chunk_cumsum_kernel(
         tl.store(table_ptr + c * 4, start)
         tl.store(table_ptr + c * 4 + 1, length)
         tl.store(table_ptr + c * 4 + 2, seg)
+        tl.store(table_ptr + c * 4 + 3, 0)  # entry 3 of chunk 0: the non-finite-x flag of the Hopper kernel
     if seg >= n_seg:
         return
     row = start // row_len
@@ -467,10 +468,13 @@ def _chunk_scan_kernel(
     Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr, HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_MAJOR: tl.constexpr,
     FAST_MATH: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_SKIP: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, HAS_NORM: tl.constexpr = False,
+    DOT_UPCAST: tl.constexpr, HAS_NORM: tl.constexpr = False, ONLY_IF_FLAGGED: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = True,
 ):
     _wait_for_kernel_before(USE_PDL, PDL_TRIGGER)  # everything this kernel reads may come from it
+    if ONLY_IF_FLAGGED:  # after the Hopper kernel: redo its work only if it met a non-finite x (table[0, 3])
+        if tl.load(table_ptr + 3) == 0:
+            return
     # one program per (chunk, HEADS heads, block of BLOCK_M tokens x block of P): y for those tokens.
     # The heads run one after the other, so the group's C and C B^T tiles come from L1 after the first.
     # HEAD_MAJOR: grid (tiles, chunks, head blocks), so the tiles of one (chunk, head) run side by side

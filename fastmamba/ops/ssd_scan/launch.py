@@ -15,6 +15,7 @@ import math
 from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
 from fastmamba.ops._common.pdl import pdl_active, trigger_early
 from fastmamba.ops.ssd_scan.configs import block_p_of, check_config, pick_config
+from fastmamba.ops.ssd_scan.hopper import chunk_output_sm90, hopper_chunk_output_ok
 from fastmamba.ops._common.launch import lean
 from fastmamba.ops.ssd_scan.kernel import (
     _chunk_cb_kernel,
@@ -181,6 +182,10 @@ def ssd_scan_launch(
         Q=Q, BLOCK_M=cb_block, BLOCK_N=min(block_n, 128), DOT_PRECISION=dot_precision, DOT_UPCAST=dot_upcast,
         num_warps=4, **_pdl(x, grid, 4),
     )
+    hopper = q_pad == Q and hopper_chunk_output_ok(x, z, out, C, Q)
+    if hopper:  # sm_90: the warp-specialized TMA kernel; the Triton one below redoes it only on non-finite x
+        chunk_output_sm90(x, z, out, cb, C, D, table, segments.skip, states_in, dt_scratch, cs_scratch,
+                          norm_weight, norm_sumsq, n_seg=n_seg, chunk_size=Q)
     D_strides = (0, 0) if D is None else ((D.stride(0), 0) if D.dim() == 1 else tuple(D.stride()))
     m_blocks = cdiv(Q, cfg.block_m)
     tiles = m_blocks * cdiv(P, block_p_scan)
@@ -193,6 +198,6 @@ def ssd_scan_launch(
         *x.stride(), *_strides4(z), *out.stride(), *cb.stride(), *C.stride(), *D_strides, *states_in.stride(),
         Q=Q, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_P=block_p_scan, BLOCK_N=block_n, HEADS=heads,
         DOT_PRECISION=dot_precision, HEAD_MAJOR=bool(cfg.head_major), FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,
-        num_warps=cfg.warps_scan, num_stages=cfg.stages_scan, **_pdl(x, grid, cfg.warps_scan),
+        ONLY_IF_FLAGGED=hopper, num_warps=cfg.warps_scan, num_stages=cfg.stages_scan, **_pdl(x, grid, cfg.warps_scan),
         **({"maxnreg": cfg.maxnreg_scan} if cfg.maxnreg_scan and not interpreter else {}),
     )

@@ -1,0 +1,126 @@
+"""When and how the chunked scan's chunk-output stage runs as the Hopper kernel (``hopper_kernel.py``).
+
+The choice is automatic: an sm_90 GPU, 16-bit activations, head dim 64, state size 64 or 128, a chunk
+of 64, 128 or 256 tokens, token-major rows that TMA can address (inner stride 1, 16-byte aligned
+rows and bases), enough tokens that the kernel's launch cost pays (``MIN_TOKENS``). Everything else,
+the CPU interpreter included, runs the portable Triton ``_chunk_scan_kernel``, which stays the tested
+reference path. ``FASTMAMBA_HOPPER_SCAN=0`` turns the Hopper kernel off.
+
+Measured (H200, 2.7b shape, one CUDA graph, docs/experiments.md): the stage 165 vs 224 us at
+L=8192 and 43 vs 62 us at L=2048 against the Triton kernel.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from fastmamba.ops._common.dispatch import interpreter_enabled
+
+MIN_TOKENS = 1024  # below this the Triton kernel's leaner launch wins back the stage's few microseconds
+PROGRAMS_PER_SM = 2  # two persistent programs per SM (~100 KB of shared memory each)
+STAGES = (1, 1, 3)  # ring depths: (C, S) per item, z per item, (C B^T, x) per token block
+MAXNREG = 128  # register cap of the consumer warpgroup (the producer warp asks for PRODUCER_REGS)
+PRODUCER_REGS = 56
+
+
+@functools.cache
+def _gluon():
+    """The kernel module and the host TensorDescriptor class, or None where Gluon does not import."""
+    try:
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        from fastmamba.ops.ssd_scan import hopper_kernel
+    except ImportError:  # a Triton without Gluon: the portable kernel runs
+        return None
+    return hopper_kernel, TensorDescriptor, gl
+
+
+@functools.cache
+def _sm90(index: int) -> tuple[bool, int]:
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor) == (9, 0), props.multi_processor_count
+
+
+def _enabled() -> bool:
+    return os.environ.get("FASTMAMBA_HOPPER_SCAN", "1").lower() not in ("0", "false", "no", "off")
+
+
+def _tma_rows(t: torch.Tensor) -> bool:
+    """Whether a [R, L, K, M] tensor is a 2-d [R * L, K * M] TMA view: inner dims packed, rows flat,
+    16-byte aligned base and row stride."""
+    R, L, K, M = t.shape
+    sr, sl, sk, sm = t.stride()
+    return (sm == 1 and sk == M and (R == 1 or sr == L * sl) and (sl * t.element_size()) % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
+def hopper_chunk_output_ok(x: torch.Tensor, z: torch.Tensor | None, out: torch.Tensor, C: torch.Tensor,
+                           chunk_size: int) -> bool:
+    """Whether ``chunk_output_sm90`` covers this call (x, z, out [R, L, H, P]; C [R, L, G, N])."""
+    if not (x.is_cuda and _enabled()) or interpreter_enabled():
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] * x.shape[1] < MIN_TOKENS:
+        return False
+    if not _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device())[0]:
+        return False
+    if x.shape[3] != 64 or C.shape[3] not in (64, 128) or chunk_size not in (64, 128, 256):
+        return False
+    tensors = (x, out, C) if z is None else (x, out, C, z)
+    if any(t.dtype != x.dtype or not _tma_rows(t) for t in tensors):
+        return False
+    return _gluon() is not None
+
+
+def _desc(TensorDescriptor, gl, t2d: torch.Tensor, block: list[int]):
+    dtype = gl.bfloat16 if t2d.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor(t2d, list(t2d.shape), list(t2d.stride()), block, layout)
+
+
+def _rows2d(t: torch.Tensor) -> torch.Tensor:
+    """[R, L, K, M] (checked by _tma_rows) -> the [R * L, K * M] view with the same row stride."""
+    R, L, K, M = t.shape
+    return t.as_strided((R * L, K * M), (t.stride(1), 1))
+
+
+def chunk_output_sm90(x, z, out, cb, C, D, table, skip, states_in, dt_scratch, cs_scratch, norm_weight,
+                      norm_sumsq, *, n_seg: int, chunk_size: int) -> None:
+    """The chunk-output stage on the Hopper kernel; arguments as ``_chunk_scan_kernel`` gets them:
+    x, z, out [R, L, H, P]; cb [chunks, G, q_pad, q_pad]; C [R, L, G, N]; D [H] or [H, P] or None;
+    table [chunks, 4] int32; skip [n_seg] int8 or None; states_in [chunks, H, P, N] (x's dtype);
+    dt / cs scratch [H, chunks, Q] fp32; norm_weight [H * P] and norm_sumsq [R * L, H * P / 16] or None.
+    Sets table[0, 3] when a diagonal x tile holds a non-finite value: the caller then runs the Triton
+    kernel with ONLY_IF_FLAGGED (``launch.py``)."""
+    kernel_mod, TensorDescriptor, gl = _gluon()
+    R, L, H, P = x.shape
+    G, N = C.shape[2], C.shape[3]
+    n_chunks, q_pad = cb.shape[0], cb.shape[-1]
+    bm = 64
+    descs = [
+        _desc(TensorDescriptor, gl, _rows2d(C), [bm, 64]),
+        _desc(TensorDescriptor, gl, states_in.view(n_chunks * H * P, N), [bm, 64]),
+        _desc(TensorDescriptor, gl, _rows2d(z if z is not None else x), [bm, bm]),
+        _desc(TensorDescriptor, gl, cb.view(n_chunks * G * q_pad, q_pad), [bm, bm]),
+        _desc(TensorDescriptor, gl, _rows2d(x), [bm, bm]),
+        _desc(TensorDescriptor, gl, _rows2d(out), [bm, bm]),
+    ]
+    if D is None:
+        d_strides = (0, 0)
+    else:
+        d_strides = (D.stride(0), 0) if D.dim() == 1 else (D.stride(0), D.stride(1))
+    n_items = H * n_chunks * (chunk_size // bm)
+    sms = _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device())[1]
+    grid = (min(n_items, sms * PROGRAMS_PER_SM),)
+    cs_stages, z_stages, k_stages = STAGES
+    kernel_mod.chunk_output_sm90_kernel[grid](
+        *descs, table, skip, cs_scratch, dt_scratch, D, out, norm_weight, norm_sumsq,
+        n_items, n_chunks, n_seg, H, H // G, G, q_pad, out.stride(1), *d_strides,
+        norm_sumsq.stride(0) if norm_sumsq is not None else 0,
+        Q=chunk_size, N_PIECES=N // 64, CS_STAGES=cs_stages, Z_STAGES=z_stages, K_STAGES=k_stages,
+        PRODUCER_REGS=PRODUCER_REGS, HAS_Z=z is not None, HAS_D=D is not None, D_PER_P=D is not None and D.dim() == 2,
+        HAS_SKIP=skip is not None, HAS_NORM=norm_sumsq is not None, DIAG_SPLIT=x.dtype == torch.bfloat16,
+        num_warps=4, maxnreg=MAXNREG,
+    )
