@@ -17,6 +17,7 @@ import os
 import torch
 
 from fastmamba.ops._common.dispatch import interpreter_enabled
+from fastmamba.ops._common.pdl import pdl_active
 
 MIN_TOKENS = 1024  # below this the Triton kernel's leaner launch wins back the stage's few microseconds
 PROGRAMS_PER_SM = 2  # two persistent programs per SM (~100 KB of shared memory each)
@@ -115,6 +116,7 @@ def chunk_output_sm90(x, z, out, cb, C, D, table, skip, states_in, dt_scratch, c
     sms = _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device())[1]
     grid = (min(n_items, sms * PROGRAMS_PER_SM),)
     cs_stages, z_stages, k_stages = STAGES
+    use_pdl = pdl_active(x, grid[0], 8)  # one wave of persistent programs (4 + 4 warps: the producer's group)
     kernel_mod.chunk_output_sm90_kernel[grid](
         *descs, table, skip, cs_scratch, dt_scratch, D, out, norm_weight, norm_sumsq,
         n_items, n_chunks, n_seg, H, H // G, G, q_pad, out.stride(1), *d_strides,
@@ -122,5 +124,5 @@ def chunk_output_sm90(x, z, out, cb, C, D, table, skip, states_in, dt_scratch, c
         Q=chunk_size, N_PIECES=N // 64, CS_STAGES=cs_stages, Z_STAGES=z_stages, K_STAGES=k_stages,
         PRODUCER_REGS=PRODUCER_REGS, HAS_Z=z is not None, HAS_D=D is not None, D_PER_P=D is not None and D.dim() == 2,
         HAS_SKIP=skip is not None, HAS_NORM=norm_sumsq is not None, DIAG_SPLIT=x.dtype == torch.bfloat16,
-        num_warps=4, maxnreg=MAXNREG,
+        USE_PDL=use_pdl, launch_pdl=use_pdl, num_warps=4, maxnreg=MAXNREG,
     )

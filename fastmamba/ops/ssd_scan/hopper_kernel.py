@@ -65,6 +65,15 @@ def _silu(x):
 
 
 @gluon.jit
+def _wait_for_kernel_before(USE_PDL: gl.constexpr):
+    """Under programmatic dependent launch: wait until the kernel before has finished and its writes
+    are visible (``griddepcontrol.wait``, as ``kernel._wait_for_kernel_before``). Each partition calls
+    it before its first global read."""
+    if USE_PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _item(item, n_items, n_chunks, n_seg, table_ptr, skip_ptr, M_BLOCKS: gl.constexpr, HAS_SKIP: gl.constexpr):
     """Work item -> (row block, chunk, head, chunk's first flat token, rows of this block inside the
     chunk (<= 0: none), padding segment). The division by the runtime chunk count goes through an fp32
@@ -90,7 +99,7 @@ def _producer(c_desc, s_desc, z_desc, cb_desc, x_desc, c_smem, s_smem, z_smem, c
               cs_ready, cs_empty, z_ready, z_empty, k_ready, k_empty, cs_ptr, dt_ptr, table_ptr, skip_ptr,
               n_items, n_chunks, n_seg, H, heads_per_group, G, q_pad,
               Q: gl.constexpr, N_PIECES: gl.constexpr, CS_STAGES: gl.constexpr, Z_STAGES: gl.constexpr,
-              K_STAGES: gl.constexpr, HAS_Z: gl.constexpr, HAS_SKIP: gl.constexpr):
+              K_STAGES: gl.constexpr, HAS_Z: gl.constexpr, HAS_SKIP: gl.constexpr, USE_PDL: gl.constexpr):
     M_BLOCKS: gl.constexpr = Q // BM
     # a chunk's cs and dt' as [M_BLOCKS, BM] tiles, loaded one item ahead (plain loads, shared stores:
     # the ready barriers count two arrivals, the TMA bytes' expect and these stores' arrive)
@@ -98,6 +107,7 @@ def _producer(c_desc, s_desc, z_desc, cb_desc, x_desc, c_smem, s_smem, z_smem, c
     win: gl.constexpr = gl.SliceLayout(0, blk)
     offs_w = gl.arange(0, M_BLOCKS, layout=gl.SliceLayout(1, blk))
     tile = offs_w[:, None] * BM + gl.arange(0, BM, layout=win)[None, :]
+    _wait_for_kernel_before(USE_PDL)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     mb, c, h, start, rows, pad = _item(pid, n_items, n_chunks, n_seg, table_ptr, skip_ptr, M_BLOCKS, HAS_SKIP)
@@ -197,7 +207,7 @@ def _consumer(o_desc, c_smem, s_smem, z_smem, cb_smem, x_smem, o_smem, csm_smem,
               n_items, n_chunks, n_seg, stride_o, stride_D_h, stride_D_p, stride_sq,
               Q: gl.constexpr, N_PIECES: gl.constexpr, CS_STAGES: gl.constexpr, Z_STAGES: gl.constexpr,
               K_STAGES: gl.constexpr, HAS_Z: gl.constexpr, HAS_D: gl.constexpr, D_PER_P: gl.constexpr,
-              HAS_SKIP: gl.constexpr, HAS_NORM: gl.constexpr, DIAG_SPLIT: gl.constexpr):
+              HAS_SKIP: gl.constexpr, HAS_NORM: gl.constexpr, DIAG_SPLIT: gl.constexpr, USE_PDL: gl.constexpr):
     M_BLOCKS: gl.constexpr = Q // BM
     dtype: gl.constexpr = x_smem.dtype
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
@@ -208,6 +218,10 @@ def _consumer(o_desc, c_smem, s_smem, z_smem, cb_smem, x_smem, o_smem, csm_smem,
     a_cols: gl.constexpr = gl.SliceLayout(0, a_op)
     offs_m = gl.arange(0, BM, layout=rows_l)  # row within the block
     offs_p = gl.arange(0, BM, layout=cols_l)
+    _wait_for_kernel_before(USE_PDL)
+    if USE_PDL:  # the next kernel (the Triton fallback, which exits at once unless flagged) may launch
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     i = 0
@@ -325,6 +339,7 @@ def chunk_output_sm90_kernel(
     Q: gl.constexpr, N_PIECES: gl.constexpr, CS_STAGES: gl.constexpr, Z_STAGES: gl.constexpr,
     K_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, HAS_Z: gl.constexpr, HAS_D: gl.constexpr,
     D_PER_P: gl.constexpr, HAS_SKIP: gl.constexpr, HAS_NORM: gl.constexpr, DIAG_SPLIT: gl.constexpr,
+    USE_PDL: gl.constexpr = False,
 ):
     """Descriptors (2-d views, BM x 64 boxes): C [tokens, G * N], S (states_in) [chunks * H * P, N],
     z / x / out [tokens, H * P], C B^T [chunks * G * q_pad, q_pad]; tokens are flat (row * row_len + t).
@@ -372,11 +387,12 @@ def chunk_output_sm90_kernel(
                          table_ptr, skip_ptr, D_ptr, out_ptr, nw_ptr, sq_ptr,
                          n_items, n_chunks, n_seg, stride_o, stride_D_h, stride_D_p, stride_sq,
                          Q, N_PIECES, CS_STAGES, Z_STAGES, K_STAGES, HAS_Z, HAS_D, D_PER_P, HAS_SKIP, HAS_NORM,
-                         DIAG_SPLIT)),
+                         DIAG_SPLIT, USE_PDL)),
             (_producer, (c_desc, s_desc, z_desc, cb_desc, x_desc, c_smem, s_smem, z_smem, cb_smem, x_smem,
                          csm_smem, csp_smem, csk_smem, dtk_smem, cs_ready, cs_empty, z_ready, z_empty, k_ready,
                          k_empty, cs_ptr, dt_ptr, table_ptr, skip_ptr, n_items, n_chunks, n_seg, H,
-                         heads_per_group, G, q_pad, Q, N_PIECES, CS_STAGES, Z_STAGES, K_STAGES, HAS_Z, HAS_SKIP)),
+                         heads_per_group, G, q_pad, Q, N_PIECES, CS_STAGES, Z_STAGES, K_STAGES, HAS_Z, HAS_SKIP,
+                         USE_PDL)),
         ],
         [1],
         [PRODUCER_REGS],

@@ -13,7 +13,7 @@ import torch
 import math
 
 from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
-from fastmamba.ops._common.pdl import pdl_active, trigger_early
+from fastmamba.ops._common.pdl import pdl_active, pdl_requested, trigger_early
 from fastmamba.ops.ssd_scan.configs import block_p_of, check_config, pick_config
 from fastmamba.ops.ssd_scan.hopper import chunk_output_sm90, hopper_chunk_output_ok
 from fastmamba.ops._common.launch import lean
@@ -191,6 +191,9 @@ def ssd_scan_launch(
     tiles = m_blocks * cdiv(P, block_p_scan)
     heads = cfg.heads if H % cfg.heads == 0 else 1
     grid = (tiles, n_chunks, H // heads) if cfg.head_major else (n_chunks, H // heads, tiles)
+    pdl = _pdl(x, grid, cfg.warps_scan)
+    if hopper and pdl_requested(x):  # the fallback's programs exit at once unless flagged: PDL hides its launch
+        pdl = dict(USE_PDL=True, PDL_TRIGGER=trigger_early(), launch_pdl=True)
     lean(_chunk_scan_kernel)[grid](
         x, z, out, cb, C, D, table, segments.skip,
         states_in, dt_scratch, cs_scratch, norm_weight, norm_sumsq,
@@ -198,6 +201,6 @@ def ssd_scan_launch(
         *x.stride(), *_strides4(z), *out.stride(), *cb.stride(), *C.stride(), *D_strides, *states_in.stride(),
         Q=Q, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_P=block_p_scan, BLOCK_N=block_n, HEADS=heads,
         DOT_PRECISION=dot_precision, HEAD_MAJOR=bool(cfg.head_major), FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,
-        ONLY_IF_FLAGGED=hopper, num_warps=cfg.warps_scan, num_stages=cfg.stages_scan, **_pdl(x, grid, cfg.warps_scan),
+        ONLY_IF_FLAGGED=hopper, num_warps=cfg.warps_scan, num_stages=cfg.stages_scan, **pdl,
         **({"maxnreg": cfg.maxnreg_scan} if cfg.maxnreg_scan and not interpreter else {}),
     )
