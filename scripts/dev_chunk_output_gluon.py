@@ -1,4 +1,5 @@
-"""Experiment (issue 19 item 5): the SSD scan's chunk-output stage as a Hopper kernel in Gluon,
+"""Experiment (issue 19 item 5; the production kernel grown from it is ops/ssd_scan/hopper_kernel.py):
+the SSD scan's chunk-output stage as a Hopper kernel in Gluon,
 with TMA loads run ahead by a producer warp, against our Triton `_chunk_scan_kernel` on the same
 inputs (development aid; dense inputs, one group of B/C, L a multiple of the chunk).
 

@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 import torch
 
+from fastmamba.ops.ssd_scan.hopper import hopper_kernels
+
 Call = Callable[[], object]
 MakeCall = Callable[[int], Call]
 
@@ -131,26 +133,27 @@ def time_graph(make_call: MakeCall, n_sets: int, config: TimingConfig = TimingCo
     ``torch.cuda.graphs`` requires. Raises GraphCaptureError if capture fails.
     """
     seq = _sequence(make_call, n_sets, config.min_calls)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            for call in seq[:n_sets]:
-                call()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            for call in seq:
-                call()
-        graph.replay()
+    with hopper_kernels():  # the graph-only kernels (ssd_scan/hopper.py): warmed up here, then captured
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                for call in seq[:n_sets]:
+                    call()
+        torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-    except Exception as exc:
-        graph = None  # drop the failed capture (and its memory pool) before cleaning up
-        _recover()
-        raise GraphCaptureError(f"{type(exc).__name__}: {exc}") from exc
+
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                for call in seq:
+                    call()
+            graph.replay()
+            torch.cuda.synchronize()
+        except Exception as exc:
+            graph = None  # drop the failed capture (and its memory pool) before cleaning up
+            _recover()
+            raise GraphCaptureError(f"{type(exc).__name__}: {exc}") from exc
     try:
         p20, p50, p80 = _do_bench(graph.replay, config)
     finally:

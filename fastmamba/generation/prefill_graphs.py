@@ -34,6 +34,7 @@ from fastmamba.generation.staging import StagedInputs
 from fastmamba.models.mamba2_lm import Mamba2LM
 from fastmamba.ops._common.host_values import trusted_inputs
 from fastmamba.ops._common.pdl import pdl_supported, programmatic_dependent_launch
+from fastmamba.ops.ssd_scan.hopper import hopper_kernels
 
 PAD_SLOT = -1
 MIN_TOKEN_BUCKET = 16
@@ -162,7 +163,7 @@ class GraphedPrefill:
                                                  slots_host=slot_values, live_seqs=live)
 
         pdl = programmatic_dependent_launch() if self.pdl else contextlib.nullcontext()
-        with pdl:
+        with pdl, hopper_kernels():  # the graph-only scan kernel: its first launch in the warm-up
             saved = slots.clone()  # warm up on padding only: no real slot is written twice
             slots.fill_(PAD_SLOT)
             side = torch.cuda.Stream()

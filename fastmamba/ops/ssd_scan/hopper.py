@@ -2,17 +2,29 @@
 
 The choice is automatic: an sm_90 GPU, 16-bit activations, head dim 64, state size 64 or 128, a chunk
 of 64, 128 or 256 tokens, token-major rows that TMA can address (inner stride 1, 16-byte aligned
-rows and bases), enough tokens that the kernel's launch cost pays (``MIN_TOKENS``). Everything else,
-the CPU interpreter included, runs the portable Triton ``_chunk_scan_kernel``, which stays the tested
-reference path. ``FASTMAMBA_HOPPER_SCAN=0`` turns the Hopper kernel off.
+rows and bases), enough tokens that the kernel pays (``MIN_TOKENS``), and, by default, a call inside
+``hopper_kernels()``: the block in which our CUDA-graph builders warm up and capture (the runtime's
+``GraphedPrefill``, the benches' graph timing). Everything else, the CPU interpreter included, runs
+the portable Triton ``_chunk_scan_kernel``, which stays the tested reference path.
 
-Measured (H200, 2.7b shape, one CUDA graph, docs/experiments.md): the stage 165 vs 224 us at
-L=8192 and 43 vs 62 us at L=2048 against the Triton kernel.
+Why only there: the kernel goes through Triton's JIT launch path (its TMA descriptor arguments are
+not keyed by ``_common/launch.lean``), which cost 170-450 us of host time per call on an H200 host
+(``mamba_chunk_scan_combined`` eager, 2.7b shape: 280 -> 720 us at L=2048, 260-300 -> 430-650 us at
+L=8192), more than the kernel saves on the GPU (~15 / ~45 us); inside a graph that cost is paid once.
+And not "whenever a graph is being captured": its first launch loads a module, which a capture
+forbids, so the warm-up before the capture must have taken the same path. ``FASTMAMBA_HOPPER_SCAN``:
+``auto`` (default, as above), ``1`` (every call: the GPU tests), ``0`` (never).
+
+Measured (H200, 2.7b shape, one CUDA graph): the stage 179 vs 221 us at L=8192 and 47 vs 61 us at
+L=2048 against the Triton kernel; the whole scan 1.23-1.31x vLLM's at L=2048 and 8192 (bf16 states,
+two runs).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -45,8 +57,33 @@ def _sm90(index: int) -> tuple[bool, int]:
     return (props.major, props.minor) == (9, 0), props.multi_processor_count
 
 
-def _enabled() -> bool:
-    return os.environ.get("FASTMAMBA_HOPPER_SCAN", "1").lower() not in ("0", "false", "no", "off")
+_inside = 0  # depth of hopper_kernels() blocks
+
+
+@contextlib.contextmanager
+def hopper_kernels() -> Iterator[None]:
+    """Calls inside this block take the Hopper chunk-output kernel where it applies (under the default
+    ``FASTMAMBA_HOPPER_SCAN=auto``). Wrap a CUDA graph's warm-up and its capture in one such block: the
+    kernel's first launch (compile, module load) must happen in the warm-up."""
+    global _inside
+    _inside += 1
+    try:
+        yield
+    finally:
+        _inside -= 1
+
+
+def _mode() -> str:
+    """FASTMAMBA_HOPPER_SCAN: 'auto' (inside ``hopper_kernels()`` only; the default), 'on' or 'off'."""
+    value = os.environ.get("FASTMAMBA_HOPPER_SCAN", "auto").strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value in ("1", "true", "yes", "on"):
+        return "on"
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    raise ValueError(f"FASTMAMBA_HOPPER_SCAN expected auto, 1/0, true/false, yes/no or on/off, "
+                     f"got {os.environ['FASTMAMBA_HOPPER_SCAN']!r}")
 
 
 def _tma_rows(t: torch.Tensor) -> bool:
@@ -61,7 +98,10 @@ def _tma_rows(t: torch.Tensor) -> bool:
 def hopper_chunk_output_ok(x: torch.Tensor, z: torch.Tensor | None, out: torch.Tensor, C: torch.Tensor,
                            chunk_size: int) -> bool:
     """Whether ``chunk_output_sm90`` covers this call (x, z, out [R, L, H, P]; C [R, L, G, N])."""
-    if not (x.is_cuda and _enabled()) or interpreter_enabled():
+    if not x.is_cuda or interpreter_enabled():
+        return False
+    mode = _mode()
+    if mode == "off" or (mode == "auto" and not _inside):
         return False
     if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] * x.shape[1] < MIN_TOKENS:
         return False

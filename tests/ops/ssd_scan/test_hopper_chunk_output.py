@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastmamba.ops.ssd_scan import launch, mamba_chunk_scan_combined, ssd_scan_varlen
-from fastmamba.ops.ssd_scan.hopper import MIN_TOKENS
+from fastmamba.ops.ssd_scan.hopper import MIN_TOKENS, hopper_kernels
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
 from tests.helpers import nan_like, seeded
 from tests.ops.ssd_scan.test_ssd_scan import _error_baseline_check, _inputs
@@ -185,3 +185,29 @@ def test_shapes_it_does_not_cover_take_the_triton_kernel(hopper_calls, case):
                                     dt_bias=inp["dt_bias"], dt_softplus=True)
     assert torch.isfinite(out).all()
     assert len(hopper_calls) == 0
+
+
+def test_auto_mode_takes_it_inside_hopper_kernels_only(hopper_calls, monkeypatch):
+    """FASTMAMBA_HOPPER_SCAN=auto (the default): calls outside ``hopper_kernels()`` run the Triton kernel
+    (Triton's JIT launch of the Hopper kernel costs more host time than it saves); inside it, the warm-up
+    and then the capture of a CUDA graph take the Hopper kernel (its module loaded before the capture)."""
+    device = torch.device("cuda")
+    inp = _inputs((1, 2048), 4, 64, 1, 128, torch.bfloat16, device, seed=61, dt_scale=0.5)
+    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 256)
+    kw = dict(D=inp["D"], z=inp["z"], dt_bias=inp["dt_bias"], dt_softplus=True)
+    monkeypatch.setenv("FASTMAMBA_HOPPER_SCAN", "auto")
+    eager = mamba_chunk_scan_combined(*args, **kw)
+    assert len(hopper_calls) == 0
+    out = torch.empty_like(eager)
+    graph = torch.cuda.CUDAGraph()
+    with hopper_kernels():
+        out.copy_(mamba_chunk_scan_combined(*args, **kw))  # the warm-up
+        torch.cuda.synchronize()
+        assert len(hopper_calls) == 1
+        with torch.cuda.graph(graph):
+            out.copy_(mamba_chunk_scan_combined(*args, **kw))
+    assert len(hopper_calls) == 2
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert ((out.float() - eager.float()).norm() / eager.float().norm()).item() < 1e-2

@@ -14,8 +14,10 @@ from tests.ops.ssd_scan.test_ssd_scan import _inputs
 
 @pytest.mark.parametrize("flag", [0, 1])
 def test_triton_kernel_redoes_the_stage_only_when_flagged(device, monkeypatch, flag):
-    inp = _inputs((1, 40), 2, 16, 1, 16, torch.float32, device, seed=71)
-    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 16)
+    # chunks of 64: the C B^T buffer is then unpadded (q_pad == Q) under every tile config, as the Hopper
+    # path requires
+    inp = _inputs((1, 70), 2, 16, 1, 16, torch.float32, device, seed=71)
+    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 64)
     kw = dict(D=inp["D"], z=inp["z"], dt_bias=inp["dt_bias"], dt_softplus=True)
     plain = mamba_chunk_scan_combined(*args, **kw)
     calls = []
@@ -33,3 +35,30 @@ def test_triton_kernel_redoes_the_stage_only_when_flagged(device, monkeypatch, f
         assert torch.equal(got, plain)
     else:
         assert torch.isnan(got).all()
+
+
+def test_mode_switch_reads_its_variable_strictly(monkeypatch):
+    from fastmamba.ops.ssd_scan.hopper import _mode
+
+    for value, want in (("", "auto"), ("auto", "auto"), ("1", "on"), ("ON", "on"), ("0", "off"), ("no", "off")):
+        monkeypatch.setenv("FASTMAMBA_HOPPER_SCAN", value)
+        assert _mode() == want
+    monkeypatch.delenv("FASTMAMBA_HOPPER_SCAN")
+    assert _mode() == "auto"
+    monkeypatch.setenv("FASTMAMBA_HOPPER_SCAN", "maybe")
+    with pytest.raises(ValueError, match="FASTMAMBA_HOPPER_SCAN"):
+        _mode()
+
+
+def test_hopper_kernels_block_nests_and_unwinds():
+    from fastmamba.ops.ssd_scan import hopper
+
+    assert hopper._inside == 0
+    with hopper.hopper_kernels():
+        with hopper.hopper_kernels():
+            assert hopper._inside == 2
+        with pytest.raises(RuntimeError):
+            with hopper.hopper_kernels():
+                raise RuntimeError("boom")
+        assert hopper._inside == 1
+    assert hopper._inside == 0
