@@ -101,3 +101,24 @@ def runtime_reference_ops(request):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "0")
         yield
+
+
+def compile_in_subprocess(script: str, name: str, root: str):
+    """Run ``python script name`` (an sm_90 compile test's own ``__main__``) without TRITON_INTERPRET,
+    which Triton reads at import, and return the JSON value its last line prints. Skips where Triton's
+    NVIDIA backend has no ptxas or Triton has no Gluon; a failed compile is an AssertionError."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, script, name], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    if done.returncode != 0:
+        if "ptxas" in done.stderr and ("not found" in done.stderr or "No such file" in done.stderr):
+            pytest.skip("Triton's NVIDIA backend has no ptxas here")
+        if "No module named 'triton.experimental.gluon'" in done.stderr:
+            pytest.skip("this Triton has no Gluon")
+        raise AssertionError(f"sm_90 compile failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.splitlines()[-1])

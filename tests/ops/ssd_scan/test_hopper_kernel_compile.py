@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -62,17 +61,9 @@ def compile_sm90(name: str) -> int:
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_hopper_kernel_compiles_for_sm90(name):
     from fastmamba.ops.ssd_scan.hopper import PROGRAMS_PER_SM
+    from tests.helpers import compile_in_subprocess  # not at the top: __main__ runs without tests/ on the path
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, __file__, name], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
-    if done.returncode != 0:
-        if "ptxas" in done.stderr and ("not found" in done.stderr or "No such file" in done.stderr):
-            pytest.skip("Triton's NVIDIA backend has no ptxas here")
-        if "No module named 'triton.experimental.gluon'" in done.stderr:
-            pytest.skip("this Triton has no Gluon (the portable kernel runs everywhere)")
-        raise AssertionError(f"sm_90 compile failed:\n{done.stderr[-3000:]}")
-    shared = json.loads(done.stdout.splitlines()[-1])
+    shared = compile_in_subprocess(__file__, name, ROOT)
     assert 0 < shared * PROGRAMS_PER_SM <= SMEM_PER_SM, f"{shared} bytes of shared memory per program"
 
 
