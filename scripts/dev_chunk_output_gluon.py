@@ -21,27 +21,42 @@ import sys
 import torch
 
 
-def _capture_chunk_scan(L: int, H=80, P=64, G=1, N=128):
-    """Run our scan once and keep the chunk-scan kernel's launch (its intermediates included)."""
+def capture_launches(kernels: dict, run) -> tuple[dict, object]:
+    """Call ``run()`` with the scan's launcher spied on, to replay kernels on the same intermediates.
+    ``kernels``: name -> Triton kernel. Returns (name -> dict(grid, args, kwargs, launcher) of that
+    kernel's last launch, what ``run()`` returned)."""
     from fastmamba.ops.ssd_scan import launch as launch_mod
-    from fastmamba.ops.ssd_scan import mamba_chunk_scan_combined
-    from fastmamba.ops.ssd_scan.kernel import _chunk_scan_kernel
 
+    names = {kernel: name for name, kernel in kernels.items()}
     captured = {}
     real_lean = launch_mod.lean
 
     def spy(kernel):
         launcher = real_lean(kernel)
-        if kernel is not _chunk_scan_kernel:
+        name = names.get(kernel)
+        if name is None:
             return launcher
 
         class _Grid:
             def __getitem__(self, grid):
                 def call(*args, **kwargs):
-                    captured.update(grid=grid, args=args, kwargs=kwargs, launcher=launcher)
+                    captured[name] = dict(grid=grid, args=args, kwargs=kwargs, launcher=launcher)
                     return launcher[grid](*args, **kwargs)
                 return call
         return _Grid()
+
+    launch_mod.lean = spy
+    try:
+        result = run()
+    finally:
+        launch_mod.lean = real_lean
+    return captured, result
+
+
+def _capture_chunk_scan(L: int, H=80, P=64, G=1, N=128):
+    """Run our scan once and keep the chunk-scan kernel's launch (its intermediates included)."""
+    from fastmamba.ops.ssd_scan import mamba_chunk_scan_combined
+    from fastmamba.ops.ssd_scan.kernel import _chunk_scan_kernel
 
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
@@ -57,12 +72,8 @@ def _capture_chunk_scan(L: int, H=80, P=64, G=1, N=128):
     def scan():
         return mamba_chunk_scan_combined(x, dt, A, B, C, 256, D=D, z=z, dt_bias=bias, dt_softplus=True)
 
-    launch_mod.lean = spy
-    try:
-        scan()
-    finally:
-        launch_mod.lean = real_lean
-    return captured, scan
+    captured, _ = capture_launches({"scan": _chunk_scan_kernel}, scan)
+    return captured["scan"], scan
 
 
 def _reference(x, z, cb, C, D, states_in, dt_s, cs_s, Q: int) -> torch.Tensor:
@@ -85,7 +96,7 @@ def _reference(x, z, cb, C, D, states_in, dt_s, cs_s, Q: int) -> torch.Tensor:
     return y.permute(0, 2, 1, 3).reshape(T, H, P)
 
 
-def _graph_time(fn, reps=20, runs=15) -> float:
+def graph_time(fn, reps=20, runs=15) -> float:
     """Median µs per call of ``fn`` replayed in a CUDA graph of ``reps`` calls."""
     for _ in range(3):
         fn()
@@ -132,9 +143,9 @@ def main() -> None:
     for L in args.lengths:
         os.environ["FASTMAMBA_HOPPER_SCAN"] = "0"  # the Triton kernel runs, so its launch can be captured
         cap, scan = _capture_chunk_scan(L)
-        whole = {"0": _graph_time(scan)}
+        whole = {"0": graph_time(scan)}
         os.environ["FASTMAMBA_HOPPER_SCAN"] = "1"
-        whole["1"] = _graph_time(scan)
+        whole["1"] = graph_time(scan)
         a = cap["args"]
         x, z, out, cb, C, D, table, skip, states_in, dt_s, cs_s = a[:11]
         triton_stage = lambda: cap["launcher"][cap["grid"]](*a, **cap["kwargs"])
@@ -146,7 +157,7 @@ def main() -> None:
         torch.cuda.synchronize()
         exact = _reference(x, z, cb, C, D, states_in, dt_s, cs_s, 256)
         err = lambda t: ((t[0].float() - exact).abs().max() / exact.abs().max()).item()
-        print(f"| {L} | {_graph_time(triton_stage):.1f} | {_graph_time(hopper_stage):.1f} | {whole['0']:.1f} | "
+        print(f"| {L} | {graph_time(triton_stage):.1f} | {graph_time(hopper_stage):.1f} | {whole['0']:.1f} | "
               f"{whole['1']:.1f} | {err(out):.2e} / {err(got):.2e} |")
         sys.stdout.flush()
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -42,13 +41,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from dev_chunk_output_gluon import _lengths, capture_launches, graph_time  # scripts/ is sys.path[0]
+
+from fastmamba.ops.ssd_scan.hopper_kernel import _exp
+
 BM = gl.constexpr(64)  # tokens per ring slot = the head dim P
-
-
-@gluon.jit
-def _exp(x):
-    return gl.inline_asm_elementwise("{ .reg .f32 e; mul.f32 e, $1, 0f3FB8AA3B; ex2.approx.ftz.f32 $0, e; }",
-                                     "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -198,26 +195,8 @@ def _config(text: str) -> tuple[int, int, int]:
 
 def _capture(L: int, H=80, P=64, G=1, N=128):
     """Run our scan once (the Triton kernels) and keep the two state kernels' launches."""
-    from fastmamba.ops.ssd_scan import launch as launch_mod
     from fastmamba.ops.ssd_scan import mamba_chunk_scan_combined
     from fastmamba.ops.ssd_scan.kernel import _chunk_state_kernel, _state_passing_kernel
-
-    captured = {}
-    real_lean = launch_mod.lean
-
-    def spy(kernel):
-        launcher = real_lean(kernel)
-        name = {_chunk_state_kernel: "state", _state_passing_kernel: "passing"}.get(kernel)
-        if name is None:
-            return launcher
-
-        class _Grid:
-            def __getitem__(self, grid):
-                def call(*args, **kwargs):
-                    captured[name] = dict(grid=grid, args=args, kwargs=kwargs, launcher=launcher)
-                    return launcher[grid](*args, **kwargs)
-                return call
-        return _Grid()
 
     g = torch.Generator(device="cuda").manual_seed(0)
     r = lambda *s: torch.randn(*s, device="cuda", generator=g)
@@ -227,38 +206,16 @@ def _capture(L: int, H=80, P=64, G=1, N=128):
     B = (r(1, L, G, N) * 0.5).bfloat16()
     C = (r(1, L, G, N) * 0.5).bfloat16()
     os.environ["FASTMAMBA_HOPPER_SCAN"] = "0"
-    launch_mod.lean = spy
-    try:
-        _, final = mamba_chunk_scan_combined(x, dt, A, B, C, 256, dt_bias=r(H) * 0.3, dt_softplus=True,
-                                             return_final_states=True)
-    finally:
-        launch_mod.lean = real_lean
+    captured, (_, final) = capture_launches(
+        {"state": _chunk_state_kernel, "passing": _state_passing_kernel},
+        lambda: mamba_chunk_scan_combined(x, dt, A, B, C, 256, dt_bias=r(H) * 0.3, dt_softplus=True,
+                                          return_final_states=True))
     return captured, x, B, final
-
-
-def _graph_time(fn, reps=20, runs=15) -> float:
-    """Median µs per call of ``fn`` replayed in a CUDA graph of ``reps`` calls."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / reps)
-    return statistics.median(times)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lengths", default="2048,8192", help="comma-separated multiples of 256")
+    ap.add_argument("--lengths", type=_lengths, default=[2048, 8192], help="comma-separated multiples of 256")
     ap.add_argument("--configs", type=_config, nargs="*", default=[_config(c) for c in DEFAULT_CONFIGS],
                     help="K_STAGES,MAXNREG,BN")
     ap.add_argument("--compile-only", action="store_true")
@@ -270,7 +227,7 @@ def main() -> None:
         ap.error("timing needs an sm_90 GPU; --compile-only runs without one")
     print("| L | kernels | µs | S_in max rel diff | final max rel diff |")
     print("|---|---|---:|---:|---:|")
-    for L in (int(v) for v in args.lengths.split(",")):
+    for L in args.lengths:
         cap, x, B, final_ref = _capture(L)
         st, ps = cap["state"], cap["passing"]
         shipped = lambda: (st["launcher"][st["grid"]](*st["args"], **st["kwargs"]),
@@ -280,7 +237,7 @@ def main() -> None:
         shipped()
         torch.cuda.synchronize()
         ref_in, ref_final = states_in_ref.clone().float(), final_ref[0].float()
-        print(f"| {L} | shipped chunk states + state passing | {_graph_time(shipped):.1f} | - | - |")
+        print(f"| {L} | shipped chunk states + state passing | {graph_time(shipped):.1f} | - | - |")
         n_chunks = L // 256
         for stages, maxnreg, bn in args.configs:
             got_in = torch.full_like(states_in_ref[:n_chunks], float("nan"))
@@ -295,7 +252,7 @@ def main() -> None:
                 continue
             rel = lambda a, b: ((a.float() - b).abs().max() / b.abs().max()).item()
             err_in, err_final = rel(got_in, ref_in[:n_chunks]), rel(got_final, ref_final)
-            print(f"| {L} | gluon {stages},{maxnreg},{bn} | {_graph_time(fn):.1f} | {err_in:.2e} | {err_final:.2e} |")
+            print(f"| {L} | gluon {stages},{maxnreg},{bn} | {graph_time(fn):.1f} | {err_in:.2e} | {err_final:.2e} |")
         sys.stdout.flush()
 
 
