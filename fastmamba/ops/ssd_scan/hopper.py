@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import torch
 
 from fastmamba.ops._common.dispatch import interpreter_enabled
-from fastmamba.ops._common.pdl import pdl_active
+from fastmamba.ops._common.pdl import pdl_active, sm_count
 
 MIN_TOKENS = 1024  # timed from 2048 tokens up; shorter calls keep the Triton kernel (not measured there)
 PROGRAMS_PER_SM = 2  # two persistent programs per SM (~100 KB of shared memory each)
@@ -52,9 +52,8 @@ def _gluon():
 
 
 @functools.cache
-def _sm90(index: int) -> tuple[bool, int]:
-    props = torch.cuda.get_device_properties(index)
-    return (props.major, props.minor) == (9, 0), props.multi_processor_count
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 _inside = 0  # depth of hopper_kernels() blocks
@@ -105,7 +104,7 @@ def hopper_chunk_output_ok(x: torch.Tensor, z: torch.Tensor | None, out: torch.T
         return False
     if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] * x.shape[1] < MIN_TOKENS:
         return False
-    if not _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device())[0]:
+    if not _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()):
         return False
     if x.shape[3] != 64 or C.shape[3] not in (64, 128) or chunk_size not in (64, 128, 256):
         return False
@@ -153,8 +152,7 @@ def chunk_output_sm90(x, z, out, cb, C, D, table, skip, states_in, dt_scratch, c
     else:
         d_strides = (D.stride(0), 0) if D.dim() == 1 else (D.stride(0), D.stride(1))
     n_items = H * n_chunks * (chunk_size // bm)
-    sms = _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device())[1]
-    grid = (min(n_items, sms * PROGRAMS_PER_SM),)
+    grid = (min(n_items, sm_count(x) * PROGRAMS_PER_SM),)
     cs_stages, z_stages, k_stages = STAGES
     use_pdl = pdl_active(x, grid[0], 8)  # one wave of persistent programs (4 + 4 warps: the producer's group)
     kernel_mod.chunk_output_sm90_kernel[grid](
