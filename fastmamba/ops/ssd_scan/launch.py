@@ -125,6 +125,8 @@ def ssd_scan_launch(
     has_limit = lo > 0.0 or hi != float("inf")
     block_n_state = min(cfg.block_n_state, block_n)
 
+    # decided before the first launch: a bad FASTMAMBA_HOPPER_SCAN raises before any state is written
+    hopper = q_pad == Q and hopper_chunk_output_ok(x, z, out, C, Q)
     table = torch.empty(n_chunks, 4, dtype=torch.int32, device=dev)
     block_h = 4 if interpreter else 8
     grid = (n_chunks, cdiv(H, block_h))
@@ -182,7 +184,6 @@ def ssd_scan_launch(
         Q=Q, BLOCK_M=cb_block, BLOCK_N=min(block_n, 128), DOT_PRECISION=dot_precision, DOT_UPCAST=dot_upcast,
         num_warps=4, **_pdl(x, grid, 4),
     )
-    hopper = q_pad == Q and hopper_chunk_output_ok(x, z, out, C, Q)
     if hopper:  # sm_90: the warp-specialized TMA kernel; the Triton one below redoes it only on non-finite x
         chunk_output_sm90(x, z, out, cb, C, D, table, segments.skip, states_in, dt_scratch, cs_scratch,
                           norm_weight, norm_sumsq, n_seg=n_seg, chunk_size=Q)
