@@ -188,3 +188,25 @@ def test_gpu_ops_take_the_direct_path(device):
         torch.testing.assert_close(state, want_state, atol=1e-4, rtol=1e-4)
     assert len(direct_launches) == 2  # the two later calls launched from the kept entry
 
+
+
+def test_signature_keys_registered_tma_descriptors():
+    """A registered descriptor class (the Hopper scan's Gluon TensorDescriptor) is keyed by dtype, block
+    shape, layout and base alignment, not refused: its kernels launch directly after the first call."""
+    hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton.experimental.gluon import language as gl
+
+    from fastmamba.ops._common.launch import register_descriptor_type
+
+    register_descriptor_type(hopper.TensorDescriptor)
+
+    def desc(dtype, block=(64, 64)):
+        t = torch.zeros(128, 64, dtype=dtype)
+        layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+        return hopper.TensorDescriptor(t, [128, 64], [64, 1], list(block), layout)
+
+    key = signature((desc(torch.bfloat16), 3))
+    hash(key)
+    assert key == signature((desc(torch.bfloat16), 3))  # another tensor, same shape and type
+    assert key != signature((desc(torch.float16), 3))
+    assert key != signature((desc(torch.bfloat16, (32, 64)), 3))

@@ -73,6 +73,27 @@ class _Entry:
         self.scratch = bool(launcher.global_scratch_size or launcher.profile_scratch_size)
 
 
+_DESCRIPTOR_TYPES: set = set()  # host TMA descriptor classes keyed by what Triton specializes on
+
+
+def register_descriptor_type(cls) -> None:
+    """Let ``signature`` key instances of a host TMA descriptor class (Gluon's ``TensorDescriptor``:
+    base, shape, strides, block_shape, layout, padding), so that kernels taking them launch directly
+    too; the launcher then encodes each descriptor (``cuTensorMapEncodeTiled``) as on Triton's path."""
+    _DESCRIPTOR_TYPES.add(cls)
+
+
+def _other_key(a) -> tuple:
+    """The key of an argument that is neither a tensor, an int, None, a float nor a bool: a registered
+    descriptor by its type string's parts (dtype, block shape, layout, padding, rank) and its base's
+    16-byte alignment; anything else as itself (unhashable: TypeError at the lookup)."""
+    if a.__class__ in _DESCRIPTOR_TYPES:
+        base = a.base
+        return (a.__class__, base.dtype, base.data_ptr() & 15, tuple(a.block_shape), a.layout, a.padding,
+                len(a.shape))
+    return (a.__class__, a)
+
+
 def signature(args: tuple, unspecialized: tuple = ()) -> tuple:
     """The key of a launch's positional ``args`` (see the module docstring): a tensor by its dtype
     and its address modulo 16 (Triton specializes on 16-byte alignment), an int or None by value,
@@ -81,7 +102,7 @@ def signature(args: tuple, unspecialized: tuple = ()) -> tuple:
     ``unspecialized`` is keyed by whether it fits 32 bits (Triton's i32 / i64), not its value.
     Raises TypeError for an unhashable argument."""
     key = [a if a.__class__ is int else (a.dtype, a.data_ptr() & 15) if isinstance(a, _Tensor)
-           else a if a is None else _UNSPECIALIZED.get(a.__class__) or (a.__class__, a) for a in args]
+           else a if a is None else _UNSPECIALIZED.get(a.__class__) or _other_key(a) for a in args]
     for i in unspecialized:
         if i < len(key) and args[i].__class__ is int:
             key[i] = -0x80000000 <= args[i] <= 0x7FFFFFFF

@@ -2,22 +2,23 @@
 
 The choice is automatic: an sm_90 GPU, 16-bit activations, head dim 64, state size 64 or 128, a chunk
 of 64, 128 or 256 tokens, token-major rows that TMA can address (inner stride 1, 16-byte aligned
-rows and bases), enough tokens that the kernel pays (``MIN_TOKENS``), and, by default, a call inside
-``hopper_kernels()``: the block in which our CUDA-graph builders warm up and capture (the runtime's
-``GraphedPrefill``, the benches' graph timing). Everything else, the CPU interpreter included, runs
-the portable Triton ``_chunk_scan_kernel``, which stays the tested reference path.
+rows and bases), enough tokens that the kernel pays (``MIN_TOKENS``), and, by default, either a call
+inside ``hopper_kernels()`` (the block in which our CUDA-graph builders warm up and capture: the
+runtime's ``GraphedPrefill``, the benches' graph timing) or an eager call of at least
+``EAGER_MIN_TOKENS`` tokens. Everything else, the CPU interpreter included, runs the portable Triton
+``_chunk_scan_kernel``, which stays the tested reference path.
 
-Why only there: the kernel goes through Triton's JIT launch path (its TMA descriptor arguments are
-not keyed by ``_common/launch.lean``), which cost 170-450 us of host time per call on an H200 host
-(``mamba_chunk_scan_combined`` eager, 2.7b shape: 280 -> 720 us at L=2048, 260-300 -> 430-650 us at
-L=8192), more than the kernel saves on the GPU (~15 / ~45 us); inside a graph that cost is paid once.
-And not "whenever a graph is being captured": its first launch loads a module, which a capture
-forbids, so the warm-up before the capture must have taken the same path. ``FASTMAMBA_HOPPER_SCAN``:
-``auto`` (default, as above), ``1`` (every call: the GPU tests), ``0`` (never).
+Why eager calls need more tokens: the kernel's six TMA descriptors cost host time on every launch
+(built, then encoded by the launcher: ~270-370 vs ~165-225 us per ``mamba_chunk_scan_combined`` call
+on an H200 host, with ``_common/launch.lean`` keying the descriptors), which a short call does not win
+back on the GPU (~15 us at L=2048, ~45 us at L=8192); inside a graph that cost is paid once. A capture
+outside the block keeps the Triton kernel: the Hopper kernel's first launch loads a module, which a
+capture forbids, so the warm-up before a capture must have taken the same path.
+``FASTMAMBA_HOPPER_SCAN``: ``auto`` (default, as above), ``1`` (every call: the GPU tests), ``0`` (never).
 
-Measured (H200, 2.7b shape, one CUDA graph): the stage 179 vs 221 us at L=8192 and 47 vs 61 us at
-L=2048 against the Triton kernel; the whole scan 1.23-1.31x vLLM's at L=2048 and 8192 (bf16 states,
-two runs).
+Measured (H200, 2.7b shape, one CUDA graph): the stage 177-179 vs 221-223 us at L=8192 and 47-48 vs
+61-62 us at L=2048 against the Triton kernel; the whole scan 1.23-1.31x vLLM's at L=2048 and 8192
+(bf16 states, three runs).
 """
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ from collections.abc import Iterator
 import torch
 
 from fastmamba.ops._common.dispatch import interpreter_enabled
+from fastmamba.ops._common.launch import lean, register_descriptor_type
 from fastmamba.ops._common.pdl import pdl_active, sm_count
 
 MIN_TOKENS = 1024  # timed from 2048 tokens up; shorter calls keep the Triton kernel (not measured there)
+EAGER_MIN_TOKENS = 8192  # eager calls from here on (R * L tokens): the GPU time saved outweighs the launch
 PROGRAMS_PER_SM = 2  # two persistent programs per SM (~100 KB of shared memory each)
 STAGES = (1, 1, 3)  # ring depths: (C, S) per item, z per item, (C B^T, x) per token block
 MAXNREG = 128  # register cap of the consumer warpgroup (the producer warp asks for PRODUCER_REGS)
@@ -48,7 +51,8 @@ def _gluon():
         from fastmamba.ops.ssd_scan import hopper_kernel
     except ImportError:  # a Triton without Gluon: the portable kernel runs
         return None
-    return hopper_kernel, TensorDescriptor, gl
+    register_descriptor_type(TensorDescriptor)
+    return lean(hopper_kernel.chunk_output_sm90_kernel), TensorDescriptor, gl
 
 
 @functools.cache
@@ -73,7 +77,8 @@ def hopper_kernels() -> Iterator[None]:
 
 
 def _mode() -> str:
-    """FASTMAMBA_HOPPER_SCAN: 'auto' (inside ``hopper_kernels()`` only; the default), 'on' or 'off'."""
+    """FASTMAMBA_HOPPER_SCAN: 'auto' (inside ``hopper_kernels()``, or eager and long; the default), 'on' or
+    'off'."""
     value = os.environ.get("FASTMAMBA_HOPPER_SCAN", "auto").strip().lower()
     if value in ("", "auto"):
         return "auto"
@@ -100,9 +105,10 @@ def hopper_chunk_output_ok(x: torch.Tensor, z: torch.Tensor | None, out: torch.T
     if not x.is_cuda or interpreter_enabled():
         return False
     mode = _mode()
-    if mode == "off" or (mode == "auto" and not _inside):
+    tokens = x.shape[0] * x.shape[1]
+    if mode == "off" or x.dtype not in (torch.bfloat16, torch.float16) or tokens < MIN_TOKENS:
         return False
-    if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] * x.shape[1] < MIN_TOKENS:
+    if mode == "auto" and not _inside and (tokens < EAGER_MIN_TOKENS or torch.cuda.is_current_stream_capturing()):
         return False
     if not _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()):
         return False
@@ -114,10 +120,19 @@ def hopper_chunk_output_ok(x: torch.Tensor, z: torch.Tensor | None, out: torch.T
     return _gluon() is not None
 
 
-def _desc(TensorDescriptor, gl, t2d: torch.Tensor, block: list[int]):
-    dtype = gl.bfloat16 if t2d.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-    return TensorDescriptor(t2d, list(t2d.shape), list(t2d.stride()), block, layout)
+@functools.cache
+def _layout(gl, dtype: torch.dtype, block: tuple[int, int]):
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def _desc(TensorDescriptor, gl, t2d: torch.Tensor, block: tuple[int, int]):
+    """A host TMA descriptor of the 2-d view t2d. Built without the dataclass's ``__post_init__``
+    (its per-field assertions cost ~5 us a descriptor): ``hopper_chunk_output_ok`` has checked the
+    caller's tensors (``_tma_rows``) and the launcher's scratch is allocated contiguous and aligned."""
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(base=t2d, shape=list(t2d.shape), strides=list(t2d.stride()), block_shape=list(block),
+                         layout=_layout(gl, t2d.dtype, block), padding="zero")
+    return desc
 
 
 def _rows2d(t: torch.Tensor) -> torch.Tensor:
@@ -134,18 +149,18 @@ def chunk_output_sm90(x, z, out, cb, C, D, table, skip, states_in, dt_scratch, c
     dt / cs scratch [H, chunks, Q] fp32; norm_weight [H * P] and norm_sumsq [R * L, H * P / 16] or None.
     Sets table[0, 3] when a diagonal x tile holds a non-finite value: the caller then runs the Triton
     kernel with ONLY_IF_FLAGGED (``launch.py``)."""
-    kernel_mod, TensorDescriptor, gl = _gluon()
+    kernel, TensorDescriptor, gl = _gluon()
     R, L, H, P = x.shape
     G, N = C.shape[2], C.shape[3]
     n_chunks, q_pad = cb.shape[0], cb.shape[-1]
     bm = 64
     descs = [
-        _desc(TensorDescriptor, gl, _rows2d(C), [bm, 64]),
-        _desc(TensorDescriptor, gl, states_in.view(n_chunks * H * P, N), [bm, 64]),
-        _desc(TensorDescriptor, gl, _rows2d(z if z is not None else x), [bm, bm]),
-        _desc(TensorDescriptor, gl, cb.view(n_chunks * G * q_pad, q_pad), [bm, bm]),
-        _desc(TensorDescriptor, gl, _rows2d(x), [bm, bm]),
-        _desc(TensorDescriptor, gl, _rows2d(out), [bm, bm]),
+        _desc(TensorDescriptor, gl, _rows2d(C), (bm, 64)),
+        _desc(TensorDescriptor, gl, states_in.view(n_chunks * H * P, N), (bm, 64)),
+        _desc(TensorDescriptor, gl, _rows2d(z if z is not None else x), (bm, bm)),
+        _desc(TensorDescriptor, gl, cb.view(n_chunks * G * q_pad, q_pad), (bm, bm)),
+        _desc(TensorDescriptor, gl, _rows2d(x), (bm, bm)),
+        _desc(TensorDescriptor, gl, _rows2d(out), (bm, bm)),
     ]
     if D is None:
         d_strides = (0, 0)
@@ -155,7 +170,7 @@ def chunk_output_sm90(x, z, out, cb, C, D, table, skip, states_in, dt_scratch, c
     grid = (min(n_items, sm_count(x) * PROGRAMS_PER_SM),)
     cs_stages, z_stages, k_stages = STAGES
     use_pdl = pdl_active(x, grid[0], 8)  # one wave of persistent programs (4 + 4 warps: the producer's group)
-    kernel_mod.chunk_output_sm90_kernel[grid](
+    kernel[grid](
         *descs, table, skip, cs_scratch, dt_scratch, D, out, norm_weight, norm_sumsq,
         n_items, n_chunks, n_seg, H, H // G, G, q_pad, out.stride(1), *d_strides,
         norm_sumsq.stride(0) if norm_sumsq is not None else 0,

@@ -331,7 +331,7 @@ def _consumer(o_desc, c_smem, s_smem, z_smem, cb_smem, x_smem, o_smem, csm_smem,
     tma.store_wait(0)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["n_items", "n_chunks", "n_seg"])
 def chunk_output_sm90_kernel(
     c_desc, s_desc, z_desc, cb_desc, x_desc, o_desc,
     table_ptr, skip_ptr, cs_ptr, dt_ptr, D_ptr, out_ptr, nw_ptr, sq_ptr,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastmamba.ops.ssd_scan import launch, mamba_chunk_scan_combined, ssd_scan_varlen
-from fastmamba.ops.ssd_scan.hopper import MIN_TOKENS, hopper_kernels
+from fastmamba.ops.ssd_scan.hopper import EAGER_MIN_TOKENS, MIN_TOKENS, hopper_kernels
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
 from tests.helpers import nan_like, seeded
 from tests.ops.ssd_scan.test_ssd_scan import _error_baseline_check, _inputs
@@ -187,27 +187,47 @@ def test_shapes_it_does_not_cover_take_the_triton_kernel(hopper_calls, case):
     assert len(hopper_calls) == 0
 
 
-def test_auto_mode_takes_it_inside_hopper_kernels_only(hopper_calls, monkeypatch):
-    """FASTMAMBA_HOPPER_SCAN=auto (the default): calls outside ``hopper_kernels()`` run the Triton kernel
-    (Triton's JIT launch of the Hopper kernel costs more host time than it saves); inside it, the warm-up
-    and then the capture of a CUDA graph take the Hopper kernel (its module loaded before the capture)."""
+def test_auto_mode_takes_it_in_graphs_and_long_eager_calls(hopper_calls, monkeypatch):
+    """FASTMAMBA_HOPPER_SCAN=auto (the default): eager calls shorter than EAGER_MIN_TOKENS and captures
+    outside ``hopper_kernels()`` run the Triton kernel (the Hopper kernel's descriptors cost more host
+    time than a short call saves; an unwarmed first launch would load a module inside the capture);
+    long eager calls take it, and so do the warm-up and then the capture inside the block."""
     device = torch.device("cuda")
-    inp = _inputs((1, 2048), 4, 64, 1, 128, torch.bfloat16, device, seed=61, dt_scale=0.5)
-    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 256)
-    kw = dict(D=inp["D"], z=inp["z"], dt_bias=inp["dt_bias"], dt_softplus=True)
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    def call(L, seed):
+        inp = _inputs((1, L), 4, 64, 1, 128, torch.bfloat16, device, seed=seed, dt_scale=0.5)
+        args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 256)
+        return lambda: mamba_chunk_scan_combined(*args, D=inp["D"], z=inp["z"], dt_bias=inp["dt_bias"],
+                                                 dt_softplus=True)
+
+    short, long = call(2048, 61), call(EAGER_MIN_TOKENS, 62)
+    monkeypatch.setenv("FASTMAMBA_HOPPER_SCAN", "0")
+    want_short, want_long = short(), long()  # the Triton path, warm at both shapes
     monkeypatch.setenv("FASTMAMBA_HOPPER_SCAN", "auto")
-    eager = mamba_chunk_scan_combined(*args, **kw)
-    assert len(hopper_calls) == 0
-    out = torch.empty_like(eager)
+    assert rel(short(), want_short) == 0 and len(hopper_calls) == 0
+    assert rel(long(), want_long) < 1e-2 and len(hopper_calls) == 1
+    # a capture outside the block: the Triton kernel, whatever the length
+    out = torch.empty_like(want_long)
     graph = torch.cuda.CUDAGraph()
-    with hopper_kernels():
-        out.copy_(mamba_chunk_scan_combined(*args, **kw))  # the warm-up
-        torch.cuda.synchronize()
-        assert len(hopper_calls) == 1
-        with torch.cuda.graph(graph):
-            out.copy_(mamba_chunk_scan_combined(*args, **kw))
-    assert len(hopper_calls) == 2
+    with torch.cuda.graph(graph):
+        out.copy_(long())
+    assert len(hopper_calls) == 1
     out.zero_()
     graph.replay()
     torch.cuda.synchronize()
-    assert ((out.float() - eager.float()).norm() / eager.float().norm()).item() < 1e-2
+    assert rel(out, want_long) == 0
+    # inside the block: warm-up and capture take it at 2048 tokens
+    out = torch.empty_like(want_short)
+    graph = torch.cuda.CUDAGraph()
+    with hopper_kernels():
+        out.copy_(short())  # the warm-up
+        torch.cuda.synchronize()
+        assert len(hopper_calls) == 2
+        with torch.cuda.graph(graph):
+            out.copy_(short())
+    assert len(hopper_calls) == 3
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel(out, want_short) < 1e-2
