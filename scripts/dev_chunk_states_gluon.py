@@ -2,7 +2,7 @@
 kernel in Gluon, against the shipped `_chunk_state_kernel` + `_state_passing_kernel` on the same
 intermediates (development aid: dense B=1, L a multiple of the 256-token chunk, no initial state).
 
-    python scripts/dev_chunk_states_gluon.py [--lengths 2048,8192] [--configs 4,128,64 ...]
+    python scripts/dev_chunk_states_gluon.py [--lengths 2048,8192] [--configs 4,128,64,1 ...]
     python scripts/dev_chunk_states_gluon.py --compile-only     # sm_90 compile, no GPU needed
 
 Why. At L=8192 (2.7b shape, H200) the two kernels take ~65 + ~33 us of the scan's ~286 us. Between them
@@ -21,7 +21,10 @@ The final S goes out in fp32. The producer warp computes w_s from the chunk's cs
 stores it next to each ring slot. Bytes at L=8192: x 84 MB (read by both column blocks: half from L2),
 S_in 42 MB written: ~30 us at this GPU's copy rate; B tiles come from L2.
 
-Status: written and compiled for sm_90 on a CPU (2026-11-27), not yet run on a GPU.
+Status (H200, 2026-11-27): exact against the shipped kernels; 85-87 vs 99-100 us at L=8192, 24 vs 27.5 us
+at L=2048 (6 / 4 stages, 128 registers, 64 columns). Each program's walk over its 128 token blocks takes
+~660 ns a block whatever the ring depth or wgmma overlap (AHEAD): the serial walk's latency. Not landed
+(docs/experiments.md).
 """
 from __future__ import annotations
 
@@ -82,7 +85,7 @@ def _producer(x_desc, b_desc, x_smem, b_smem, w_smem, ready, empty, cs_ptr, dt_p
 
 @gluon.jit
 def _consumer(x_smem, b_smem, w_smem, ready, empty, cs_ptr, states_in_ptr, final_ptr, n_chunks, n_slots, H, h, nb,
-              Q: gl.constexpr, N: gl.constexpr, BN: gl.constexpr, K_STAGES: gl.constexpr):
+              Q: gl.constexpr, N: gl.constexpr, BN: gl.constexpr, K_STAGES: gl.constexpr, MMA_AHEAD: gl.constexpr):
     M_BLOCKS: gl.constexpr = Q // BM
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -103,9 +106,18 @@ def _consumer(x_smem, b_smem, w_smem, ready, empty, cs_ptr, states_in_ptr, final
             xt = x_smem.index(s).permute((1, 0)).load(a_op).to(gl.float32)  # [P, 64 tokens]
             a = (xt * w_smem.index(s).load(a_cols)[None, :]).to(gl.bfloat16)
             acc = warpgroup_mma(a, b_smem.index(s), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(empty.index(s))
+            if MMA_AHEAD:  # the previous block's matmul is done: its slot goes back while this one runs
+                if kb > 0:
+                    acc, a_prev = warpgroup_mma_wait(1, deps=(acc, a_prev))
+                    mbarrier.arrive(empty.index((k_i + K_STAGES - 1) % K_STAGES))
+                a_prev = a
+            else:
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(empty.index(s))
             k_i += 1
+        if MMA_AHEAD:
+            acc, a_prev = warpgroup_mma_wait(0, deps=(acc, a_prev))
+            mbarrier.arrive(empty.index((k_i + K_STAGES - 1) % K_STAGES))
         gl.store(states_in_ptr + (c * H + h).to(gl.int64) * (BM * N) + tile, S.to(gl.bfloat16))
         S = S * decay[:, None] + acc
     gl.store(final_ptr + h * (BM * N) + tile, S)
@@ -114,7 +126,7 @@ def _consumer(x_smem, b_smem, w_smem, ready, empty, cs_ptr, states_in_ptr, final
 @gluon.jit
 def chunk_states_kernel(x_desc, b_desc, cs_ptr, dt_ptr, states_in_ptr, final_ptr, n_chunks, n_slots, H, heads_per_group,
                         Q: gl.constexpr, N: gl.constexpr, BN: gl.constexpr, K_STAGES: gl.constexpr,
-                        PRODUCER_REGS: gl.constexpr):
+                        PRODUCER_REGS: gl.constexpr, MMA_AHEAD: gl.constexpr):
     """x [T, H * 64], B [T, G * N] bf16 (descriptors: 64 x 64 and 64 x BN boxes); cs / dt [H, n_slots, Q] fp32;
     states_in [chunks, H, 64, N] bf16 (S_in of every chunk); final [H, 64, N] fp32."""
     pid = gl.program_id(0)
@@ -133,7 +145,7 @@ def chunk_states_kernel(x_desc, b_desc, cs_ptr, dt_ptr, states_in_ptr, final_ptr
     gl.warp_specialize(
         [
             (_consumer, (x_smem, b_smem, w_smem, ready, empty, cs_ptr, states_in_ptr, final_ptr, n_chunks, n_slots, H,
-                         h, nb, Q, N, BN, K_STAGES)),
+                         h, nb, Q, N, BN, K_STAGES, MMA_AHEAD)),
             (_producer, (x_desc, b_desc, x_smem, b_smem, w_smem, ready, empty, cs_ptr, dt_ptr, n_chunks, n_slots, h, nb,
                          g, Q, N, BN, K_STAGES)),
         ],
@@ -150,7 +162,7 @@ def _desc(t2d: torch.Tensor, block: list[int]):
 
 
 def chunk_states(x, B, cs_s, dt_s, states_in, final, *, chunk_size: int, stages: int = 4, maxnreg: int = 128,
-                 bn: int = 64, producer_regs: int = 56):
+                 bn: int = 64, producer_regs: int = 56, ahead: bool = False):
     """x [1, T, H, 64], B [1, T, G, N] bf16; cs_s / dt_s [H, n_slots, Q] fp32 (the cumsum kernel's scratch);
     states_in [chunks, H, 64, N] bf16 and final [H, 64, N] fp32, written."""
     _, T, H, P = x.shape
@@ -159,7 +171,7 @@ def chunk_states(x, B, cs_s, dt_s, states_in, final, *, chunk_size: int, stages:
     n_chunks = T // chunk_size
     return chunk_states_kernel[(H * (N // bn),)](
         _desc(x.view(T, H * P), [64, 64]), _desc(B.view(T, G * N), [64, bn]), cs_s, dt_s, states_in, final, n_chunks,
-        cs_s.shape[1], H, H // G, Q=chunk_size, N=N, BN=bn, K_STAGES=stages, PRODUCER_REGS=producer_regs, num_warps=4,
+        cs_s.shape[1], H, H // G, Q=chunk_size, N=N, BN=bn, K_STAGES=stages, PRODUCER_REGS=producer_regs, MMA_AHEAD=ahead, num_warps=4,
         maxnreg=maxnreg)
 
 
@@ -168,29 +180,47 @@ def compile_only() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    for stages, maxnreg, bn in (_config(c) for c in DEFAULT_CONFIGS):
+    for stages, maxnreg, bn, ahead in (_config(c) for c in DEFAULT_CONFIGS):
         descs = {name: f"tensordesc<bf16[64, {w}],{gl.NVMMASharedLayout.get_default_for([64, w], gl.bfloat16)}>"
                  for name, w in (("x_desc", 64), ("b_desc", bn))}
         sig = dict(descs, cs_ptr="*fp32", dt_ptr="*fp32", states_in_ptr="*bf16", final_ptr="*fp32", n_chunks="i32",
                    n_slots="i32", H="i32", heads_per_group="i32")
-        consts = dict(Q=256, N=128, BN=bn, K_STAGES=stages, PRODUCER_REGS=56)
+        consts = dict(Q=256, N=128, BN=bn, K_STAGES=stages, PRODUCER_REGS=56, MMA_AHEAD=ahead)
         src = GluonASTSource(chunk_states_kernel, {**sig, **{k: "constexpr" for k in consts}}, consts)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
-        print(f"stages {stages}, maxnreg {maxnreg}, {bn} columns: shared {k.metadata.shared} B")
+        print(f"stages {stages}, maxnreg {maxnreg}, {bn} columns, mma ahead {ahead}: shared {k.metadata.shared} B")
+        _ptxas_warnings(k.asm["ptx"])
 
 
-DEFAULT_CONFIGS = ["4,128,64", "6,128,64", "4,96,32", "6,96,32"]
+DEFAULT_CONFIGS = ["4,128,64,0", "4,128,64,1", "6,128,64,1", "6,168,64,1"]
 
 
-def _config(text: str) -> tuple[int, int, int]:
-    """--configs entry: K_STAGES,MAXNREG,BN (BN 32 or 64 state columns per program)."""
+def _config(text: str) -> tuple[int, int, int, bool]:
+    """--configs entry: K_STAGES,MAXNREG,BN[,AHEAD] (BN 32 or 64 state columns per program; AHEAD 1 leaves
+    one wgmma in flight while the next block's operand is built)."""
     try:
-        stages, maxnreg, bn = (int(v) for v in text.split(","))
+        stages, maxnreg, bn, *ahead = (int(v) for v in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected K_STAGES,MAXNREG,BN, got {text!r}") from None
-    if stages < 2 or bn not in (32, 64) or not 24 <= maxnreg <= 256:
-        raise argparse.ArgumentTypeError(f"expected K_STAGES >= 2, MAXNREG in 24..256, BN 32 or 64, got {text!r}")
-    return stages, maxnreg, bn
+        raise argparse.ArgumentTypeError(f"expected K_STAGES,MAXNREG,BN[,AHEAD], got {text!r}") from None
+    if stages < 2 or bn not in (32, 64) or not 24 <= maxnreg <= 256 or ahead not in ([], [0], [1]):
+        raise argparse.ArgumentTypeError(
+            f"expected K_STAGES >= 2, MAXNREG in 24..256, BN 32 or 64, AHEAD 0 or 1, got {text!r}")
+    return stages, maxnreg, bn, bool(ahead and ahead[0])
+
+
+def _ptxas_warnings(ptx: str) -> None:
+    """Print ptxas's performance warnings for sm_90a (e.g. C7515: wgmma serialized)."""
+    import subprocess
+    import tempfile
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+    for line in res.stderr.splitlines():
+        if "warning" in line.lower() or "Performance" in line or "spill" in line:
+            print("   ", line.strip()[:160])
 
 
 def _capture(L: int, H=80, P=64, G=1, N=128):
@@ -239,20 +269,20 @@ def main() -> None:
         ref_in, ref_final = states_in_ref.clone().float(), final_ref[0].float()
         print(f"| {L} | shipped chunk states + state passing | {graph_time(shipped):.1f} | - | - |")
         n_chunks = L // 256
-        for stages, maxnreg, bn in args.configs:
+        for stages, maxnreg, bn, ahead in args.configs:
             got_in = torch.full_like(states_in_ref[:n_chunks], float("nan"))
             got_final = torch.full_like(ref_final, float("nan"))
             fn = lambda: chunk_states(x, B, cs_s, dt_s, got_in, got_final, chunk_size=256, stages=stages,
-                                      maxnreg=maxnreg, bn=bn)
+                                      maxnreg=maxnreg, bn=bn, ahead=ahead)
             try:
                 fn()
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001 - an experiment: report and go on
-                print(f"| {L} | gluon {stages},{maxnreg},{bn} | failed: {type(e).__name__}: {str(e)[:200]} | | |")
+                print(f"| {L} | gluon {stages},{maxnreg},{bn},{int(ahead)} | failed: {type(e).__name__}: {str(e)[:200]} | | |")
                 continue
             rel = lambda a, b: ((a.float() - b).abs().max() / b.abs().max()).item()
             err_in, err_final = rel(got_in, ref_in[:n_chunks]), rel(got_final, ref_final)
-            print(f"| {L} | gluon {stages},{maxnreg},{bn} | {graph_time(fn):.1f} | {err_in:.2e} | {err_final:.2e} |")
+            print(f"| {L} | gluon {stages},{maxnreg},{bn},{int(ahead)} | {graph_time(fn):.1f} | {err_in:.2e} | {err_final:.2e} |")
         sys.stdout.flush()
 
 
