@@ -35,6 +35,7 @@ from fastmamba.models.config import Mamba2Config
 from fastmamba.ops import add_rmsnorm
 from fastmamba.ops._common.checks import check_host_copies
 from fastmamba.ops._common.host_values import host_list, host_reads_allowed, trusted_inputs
+from fastmamba.ops.ssd_scan.hopper import long_prefill_kernels
 
 
 class RMSNorm(nn.Module):
@@ -236,7 +237,9 @@ class Mamba2LM(nn.Module):
         longest = max(b - a for a, b in zip(cu, cu[1:]))
         if live_seqs is None:  # the prompts that are not padding: the short-prompt scan's tiles are sized for them
             live_seqs = len(live)
-        with trusted_inputs():  # validated above: the layers' ops read nothing on the host
+        # validated above: the layers' ops read nothing on the host; a long prompt's scans take the
+        # Hopper kernel (ops/ssd_scan/hopper.py), whose launch cost hides behind the queued layers
+        with trusted_inputs(), long_prefill_kernels(T):
             logits = self._run(
                 input_ids,
                 lambda i, mixer, h, norm_sumsq=None: mixer.forward_varlen(

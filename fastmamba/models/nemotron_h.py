@@ -50,6 +50,7 @@ from fastmamba.models.loader import _default_device, random_init  # random_init:
 from fastmamba.ops import add_rmsnorm
 from fastmamba.ops._common.checks import check_host_copies
 from fastmamba.ops._common.host_values import host_list, trusted_inputs
+from fastmamba.ops.ssd_scan.hopper import long_prefill_kernels
 
 # pattern character -> transformers' ``layers_block_type`` name (and the legacy names it remaps)
 PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
@@ -490,7 +491,9 @@ class NemotronHLM(nn.Module):
             kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions, token_rows, cu_seqlens, ctx,
                          cu_host=cu, slots_host=sl)
         batch = Batch(slots, cu_seqlens, has_initial_state, kv, rand_seed, snapshot=snap)
-        with trusted_inputs():  # validated above, from host values: the layers' ops read nothing back
+        # validated above, from host values: the layers' ops read nothing back; a long prompt's scans
+        # take the Hopper kernel (ops/ssd_scan/hopper.py), whose launch cost hides behind the queued layers
+        with trusted_inputs(), long_prefill_kernels(T):
             logits = self._run(input_ids, lambda block, h: block.prefill(h, cache, batch),
                                rows=cu_seqlens[1:].long() - 1)
             if cache.speculate:

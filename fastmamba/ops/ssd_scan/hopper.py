@@ -2,16 +2,20 @@
 
 The choice is automatic: an sm_90 GPU, 16-bit activations, head dim 64, state size 64 or 128, a chunk
 of 64, 128 or 256 tokens, token-major rows that TMA can address (inner stride 1, 16-byte aligned
-rows and bases), enough tokens that the kernel pays (``MIN_TOKENS``), and, by default, either a call
-inside ``hopper_kernels()`` (the block in which our CUDA-graph builders warm up and capture: the
-runtime's ``GraphedPrefill``, the benches' graph timing) or an eager call of at least
-``EAGER_MIN_TOKENS`` tokens. Everything else, the CPU interpreter included, runs the portable Triton
-``_chunk_scan_kernel``, which stays the tested reference path.
+rows and bases), enough tokens that the kernel pays (``MIN_TOKENS``), and, by default, a call inside
+``hopper_kernels()``. Our callers open that block where the kernel's host cost is paid once or hides:
+the CUDA-graph builders around their warm-up and capture (the runtime's ``GraphedPrefill``, the
+benches' graph timing), and the models' eager prefill of at least ``EAGER_MIN_TOKENS`` tokens
+(``long_prefill_kernels``), whose layers queue ahead of the GPU. Everything else, direct eager calls
+and the CPU interpreter included, runs the portable Triton ``_chunk_scan_kernel``, which stays the
+tested reference path.
 
-Why eager calls need more tokens: the kernel's six TMA descriptors cost host time on every launch
-(built, then encoded by the launcher: ~270-370 vs ~165-225 us per ``mamba_chunk_scan_combined`` call
-on an H200 host, with ``_common/launch.lean`` keying the descriptors), which a short call does not win
-back on the GPU (~15 us at L=2048, ~45 us at L=8192); inside a graph that cost is paid once. A capture
+Why not every eager call: the kernel's six TMA descriptors cost host time on every launch (built,
+then encoded by the launcher: ~270-440 vs ~165-320 us per ``mamba_chunk_scan_combined`` call on H200
+hosts, with ``_common/launch.lean`` keying the descriptors), more than it saves on the GPU for one
+call (~15 us at L=2048, ~45 us at L=8192: `bench prefill --eager`, 2.7b L=8192 bf16, read 424 us
+eager with it against 334 us without). A model's prefill hides that host time behind the GPU work
+of the layers queued before it (`bench ttft`, 1 x 8192 eager: 90.4-90.7 vs 93.4-94.4 ms). A capture
 outside the block keeps the Triton kernel: the Hopper kernel's first launch loads a module, which a
 capture forbids, so the warm-up before a capture must have taken the same path.
 ``FASTMAMBA_HOPPER_SCAN``: ``auto`` (default, as above), ``1`` (every call: the GPU tests), ``0`` (never).
@@ -34,7 +38,7 @@ from fastmamba.ops._common.launch import lean, register_descriptor_type
 from fastmamba.ops._common.pdl import pdl_active, sm_count
 
 MIN_TOKENS = 1024  # timed from 2048 tokens up; shorter calls keep the Triton kernel (not measured there)
-EAGER_MIN_TOKENS = 8192  # eager calls from here on (R * L tokens): the GPU time saved outweighs the launch
+EAGER_MIN_TOKENS = 8192  # the models' eager prefills of this many tokens and more take it (long_prefill_kernels)
 PROGRAMS_PER_SM = 2  # two persistent programs per SM (~100 KB of shared memory each)
 STAGES = (1, 1, 3)  # ring depths: (C, S) per item, z per item, (C B^T, x) per token block
 MAXNREG = 128  # register cap of the consumer warpgroup (the producer warp asks for PRODUCER_REGS)
@@ -63,6 +67,13 @@ def _sm90(index: int) -> bool:
 _inside = 0  # depth of hopper_kernels() blocks
 
 
+def long_prefill_kernels(tokens: int) -> contextlib.AbstractContextManager:
+    """``hopper_kernels()`` for a model's eager prefill of ``tokens`` packed tokens when there are at
+    least ``EAGER_MIN_TOKENS`` (its layers' launches run ahead of the GPU, so the kernel's host cost
+    hides), else a block that changes nothing."""
+    return hopper_kernels() if tokens >= EAGER_MIN_TOKENS else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def hopper_kernels() -> Iterator[None]:
     """Calls inside this block take the Hopper chunk-output kernel where it applies (under the default
@@ -77,8 +88,7 @@ def hopper_kernels() -> Iterator[None]:
 
 
 def _mode() -> str:
-    """FASTMAMBA_HOPPER_SCAN: 'auto' (inside ``hopper_kernels()``, or eager and long; the default), 'on' or
-    'off'."""
+    """FASTMAMBA_HOPPER_SCAN: 'auto' (inside ``hopper_kernels()`` only; the default), 'on' or 'off'."""
     value = os.environ.get("FASTMAMBA_HOPPER_SCAN", "auto").strip().lower()
     if value in ("", "auto"):
         return "auto"
@@ -108,7 +118,7 @@ def hopper_chunk_output_ok(x: torch.Tensor, z: torch.Tensor | None, out: torch.T
     tokens = x.shape[0] * x.shape[1]
     if mode == "off" or x.dtype not in (torch.bfloat16, torch.float16) or tokens < MIN_TOKENS:
         return False
-    if mode == "auto" and not _inside and (tokens < EAGER_MIN_TOKENS or torch.cuda.is_current_stream_capturing()):
+    if mode == "auto" and not _inside:
         return False
     if not _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()):
         return False

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastmamba.ops.ssd_scan import launch, mamba_chunk_scan_combined, ssd_scan_varlen
-from fastmamba.ops.ssd_scan.hopper import EAGER_MIN_TOKENS, MIN_TOKENS, hopper_kernels
+from fastmamba.ops.ssd_scan.hopper import EAGER_MIN_TOKENS, MIN_TOKENS, hopper_kernels, long_prefill_kernels
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
 from tests.helpers import nan_like, seeded
 from tests.ops.ssd_scan.test_ssd_scan import _error_baseline_check, _inputs
@@ -187,11 +187,11 @@ def test_shapes_it_does_not_cover_take_the_triton_kernel(hopper_calls, case):
     assert len(hopper_calls) == 0
 
 
-def test_auto_mode_takes_it_in_graphs_and_long_eager_calls(hopper_calls, monkeypatch):
-    """FASTMAMBA_HOPPER_SCAN=auto (the default): eager calls shorter than EAGER_MIN_TOKENS and captures
-    outside ``hopper_kernels()`` run the Triton kernel (the Hopper kernel's descriptors cost more host
-    time than a short call saves; an unwarmed first launch would load a module inside the capture);
-    long eager calls take it, and so do the warm-up and then the capture inside the block."""
+def test_auto_mode_takes_it_inside_hopper_kernels_only(hopper_calls, monkeypatch):
+    """FASTMAMBA_HOPPER_SCAN=auto (the default): direct eager calls, however long, and captures outside
+    ``hopper_kernels()`` run the Triton kernel (the Hopper kernel's descriptors cost more host time than
+    one call saves; an unwarmed first launch would load a module inside the capture); inside the block
+    (``long_prefill_kernels`` from EAGER_MIN_TOKENS on), eager calls, a warm-up and then a capture take it."""
     device = torch.device("cuda")
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -205,9 +205,12 @@ def test_auto_mode_takes_it_in_graphs_and_long_eager_calls(hopper_calls, monkeyp
     monkeypatch.setenv("FASTMAMBA_HOPPER_SCAN", "0")
     want_short, want_long = short(), long()  # the Triton path, warm at both shapes
     monkeypatch.setenv("FASTMAMBA_HOPPER_SCAN", "auto")
-    assert rel(short(), want_short) == 0 and len(hopper_calls) == 0
-    assert rel(long(), want_long) < 1e-2 and len(hopper_calls) == 1
-    # a capture outside the block: the Triton kernel, whatever the length
+    assert rel(short(), want_short) == 0 and rel(long(), want_long) == 0 and len(hopper_calls) == 0
+    with long_prefill_kernels(EAGER_MIN_TOKENS - 1):
+        assert rel(long(), want_long) == 0 and len(hopper_calls) == 0
+    with long_prefill_kernels(EAGER_MIN_TOKENS):
+        assert rel(long(), want_long) < 1e-2 and len(hopper_calls) == 1
+    # a capture outside the block: the Triton kernel
     out = torch.empty_like(want_long)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -231,3 +234,28 @@ def test_auto_mode_takes_it_in_graphs_and_long_eager_calls(hopper_calls, monkeyp
     graph.replay()
     torch.cuda.synchronize()
     assert rel(out, want_short) < 1e-2
+
+
+def test_long_model_prefill_takes_it(hopper_calls, monkeypatch):
+    """A model's eager prefill of EAGER_MIN_TOKENS tokens takes the Hopper kernel in every layer (its
+    logits match the Triton path's); a shorter one does not."""
+    from fastmamba.models import Mamba2LM, random_init
+    from fastmamba.models.config import Mamba2Config
+
+    # 8 heads of 64: in_proj's rows (2 * 512 + 2 * 128 + 8 values) stay 16-byte aligned, as TMA needs
+    cfg = Mamba2Config(d_model=256, n_layer=2, vocab_size=256, d_state=128, headdim=64, ngroups=1, chunk_size=256)
+    model = random_init(Mamba2LM(cfg, device="cuda", dtype=torch.bfloat16), seed=3).eval()
+    ids = torch.randint(0, 256, (1, EAGER_MIN_TOKENS), generator=torch.Generator().manual_seed(4)).cuda()
+
+    def prefill(n):
+        cache = model.new_cache(1)
+        return model.prefill(ids[:, :n], cache, torch.zeros(1, dtype=torch.int32, device="cuda"))
+
+    monkeypatch.setenv("FASTMAMBA_HOPPER_SCAN", "0")
+    want = prefill(EAGER_MIN_TOKENS)
+    monkeypatch.setenv("FASTMAMBA_HOPPER_SCAN", "auto")
+    prefill(EAGER_MIN_TOKENS // 2)
+    assert len(hopper_calls) == 0
+    got = prefill(EAGER_MIN_TOKENS)
+    assert len(hopper_calls) == cfg.n_layer
+    assert ((got - want).norm() / want.norm()).item() < 2e-2

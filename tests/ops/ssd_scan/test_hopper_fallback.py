@@ -62,3 +62,15 @@ def test_hopper_kernels_block_nests_and_unwinds():
                 raise RuntimeError("boom")
         assert hopper._inside == 1
     assert hopper._inside == 0
+
+
+def test_long_prefill_kernels_opens_the_block_from_the_threshold():
+    """``long_prefill_kernels(tokens)``: the ``hopper_kernels()`` block from EAGER_MIN_TOKENS packed
+    tokens on (a model's eager prefill), no block below."""
+    from fastmamba.ops.ssd_scan import hopper
+
+    with hopper.long_prefill_kernels(hopper.EAGER_MIN_TOKENS - 1):
+        assert hopper._inside == 0
+    with hopper.long_prefill_kernels(hopper.EAGER_MIN_TOKENS):
+        assert hopper._inside == 1
+    assert hopper._inside == 0
