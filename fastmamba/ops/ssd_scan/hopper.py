@@ -13,8 +13,8 @@ tested reference path.
 Why not every eager call: the kernel's six TMA descriptors cost host time on every launch (built,
 then encoded by the launcher: ~270-440 vs ~165-320 us per ``mamba_chunk_scan_combined`` call on H200
 hosts, with ``_common/launch.lean`` keying the descriptors), more than it saves on the GPU for one
-call (~15 us at L=2048, ~45 us at L=8192: `bench prefill --eager`, 2.7b L=8192 bf16, read 424 us
-eager with it against 334 us without). A model's prefill hides that host time behind the GPU work
+call (~15 us at L=2048, ~45 us at L=8192; `bench prefill --eager`, 2.7b L=8192 bf16, read 424 us
+eager with it, 334 us without in an earlier job on another H200 host). A model's prefill hides that host time behind the GPU work
 of the layers queued before it (`bench ttft`, 1 x 8192 eager: 90.4-90.7 vs 93.4-94.4 ms). A capture
 outside the block keeps the Triton kernel: the Hopper kernel's first launch loads a module, which a
 capture forbids, so the warm-up before a capture must have taken the same path.
@@ -137,7 +137,7 @@ def _layout(gl, dtype: torch.dtype, block: tuple[int, int]):
 
 def _desc(TensorDescriptor, gl, t2d: torch.Tensor, block: tuple[int, int]):
     """A host TMA descriptor of the 2-d view t2d. Built without the dataclass's ``__post_init__``
-    (its per-field assertions cost ~5 us a descriptor): ``hopper_chunk_output_ok`` has checked the
+    (its per-field assertions cost a few us a descriptor on the GPU hosts): ``hopper_chunk_output_ok`` has checked the
     caller's tensors (``_tma_rows``) and the launcher's scratch is allocated contiguous and aligned."""
     desc = object.__new__(TensorDescriptor)
     desc.__dict__.update(base=t2d, shape=list(t2d.shape), strides=list(t2d.stride()), block_shape=list(block),
