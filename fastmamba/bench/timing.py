@@ -133,7 +133,7 @@ def time_graph(make_call: MakeCall, n_sets: int, config: TimingConfig = TimingCo
     ``torch.cuda.graphs`` requires. Raises GraphCaptureError if capture fails.
     """
     seq = _sequence(make_call, n_sets, config.min_calls)
-    with hopper_kernels():  # the graph-only kernels (ssd_scan/hopper.py): warmed up here, then captured
+    with hopper_kernels():  # the Hopper scan kernel (ssd_scan/hopper.py): warmed up here, then captured
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -163,7 +163,7 @@ class GraphedPrefill:
                                                  slots_host=slot_values, live_seqs=live)
 
         pdl = programmatic_dependent_launch() if self.pdl else contextlib.nullcontext()
-        with pdl, hopper_kernels():  # the graph-only scan kernel: its first launch in the warm-up
+        with pdl, hopper_kernels():  # the Hopper scan kernel (ops/ssd_scan/hopper.py): its first launch in the warm-up
             saved = slots.clone()  # warm up on padding only: no real slot is written twice
             slots.fill_(PAD_SLOT)
             side = torch.cuda.Stream()
