@@ -16,12 +16,15 @@ the kernel the JIT would have picked:
   None becomes a constexpr; constexpr keywords and launch options); an int parameter Triton does
   not specialize (``do_not_specialize``) by its width alone,
 - every tensor's dtype and its address modulo 16 (Triton's pointer specialization), and the
-  current CUDA device.
+  current CUDA device,
+- a host TMA descriptor of a registered class (``register_descriptor_type``: Gluon's
+  ``TensorDescriptor``) by its base's dtype and alignment, block shape, layout, padding and rank;
+  the compiled launcher encodes it on every call.
 
 Only the tensors' addresses, those ints and the grid change between calls that share a signature.
 The direct path is off (every call goes through Triton's JIT) under the interpreter, for a
 callable grid, while a launch hook is installed (profilers such as proton), for arguments it
-cannot key (TMA descriptors) and for a kernel that needs scratch memory.
+cannot key (unregistered, unhashable objects) and for a kernel that needs scratch memory.
 """
 from __future__ import annotations
 
