@@ -33,7 +33,14 @@ from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
 from fastmamba.ops._common.jit_math import exp_approx, silu_approx, softplus
 from fastmamba.ops._common.pdl import pdl_active, trigger_early
 from fastmamba.ops.ssd_scan.fused_configs import pick_fused_config
-from fastmamba.ops.ssd_scan.kernel import _defer_norm, _locate_segment, _mma, _to_state_dtype, _wait_for_kernel_before
+from fastmamba.ops.ssd_scan.kernel import (
+    _defer_norm,
+    _locate_segment,
+    _mma,
+    _to_state_dtype,
+    _wait_for_kernel_before,
+    d_strides,
+)
 from fastmamba.ops._common.launch import lean
 from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 
@@ -273,7 +280,6 @@ def ssd_scan_fused_launch(
         has_initial_state = has_initial_state.view(torch.uint8)  # a view: no kernel
     if rand_seed is not None and ssm_states.dtype == torch.float32:
         rand_seed = None
-    D_strides = (0, 0) if D is None else ((D.stride(0), 0) if D.dim() == 1 else tuple(D.stride()))
     grid = (nseq, H, cdiv(P, cfg.block_p))
     use_pdl = pdl_active(x, nseq * H * grid[2], cfg.num_warps)
     lean(_ssd_scan_fused_kernel)[grid](
@@ -281,7 +287,7 @@ def ssd_scan_fused_launch(
         ssm_states, cu_seqlens, cache_indices, has_initial_state, chunk_states_out, rand_seed, norm_weight, norm_sumsq,
         nseq, ssm_states.shape[0], H, P, N, H // G, pad_slot_id, float(lo), float(hi),
         norm_sumsq.stride(0) if norm_sumsq is not None else 0,
-        *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *D_strides, *_strides(z, 3), *out.stride(),
+        *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *d_strides(D), *_strides(z, 3), *out.stride(),
         *ssm_states.stride(), *_strides(chunk_states_out, 4),
         Q=chunk_size, BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_N=max(16, next_power_of_2(N)),
         BLOCK_SEG=max(16, next_power_of_2(nseq + 1)) if chunk_states_out is not None else 16,

@@ -36,6 +36,7 @@ import torch
 from fastmamba.ops._common.dispatch import interpreter_enabled
 from fastmamba.ops._common.launch import lean, register_descriptor_type
 from fastmamba.ops._common.pdl import pdl_active, sm_count
+from fastmamba.ops.ssd_scan.kernel import d_strides
 
 MIN_TOKENS = 1024  # timed from 2048 tokens up; shorter calls keep the Triton kernel (not measured there)
 EAGER_MIN_TOKENS = 8192  # the models' eager prefills of this many tokens and more take it (long_prefill_kernels)
@@ -172,17 +173,13 @@ def chunk_output_sm90(x, z, out, cb, C, D, table, skip, states_in, dt_scratch, c
         _desc(TensorDescriptor, gl, _rows2d(x), (bm, bm)),
         _desc(TensorDescriptor, gl, _rows2d(out), (bm, bm)),
     ]
-    if D is None:
-        d_strides = (0, 0)
-    else:
-        d_strides = (D.stride(0), 0) if D.dim() == 1 else (D.stride(0), D.stride(1))
     n_items = H * n_chunks * (chunk_size // bm)
     grid = (min(n_items, sm_count(x) * PROGRAMS_PER_SM),)
     cs_stages, z_stages, k_stages = STAGES
     use_pdl = pdl_active(x, grid[0], 8)  # one wave of persistent programs (4 + 4 warps: the producer's group)
     kernel[grid](
         *descs, table, skip, cs_scratch, dt_scratch, D, out, norm_weight, norm_sumsq,
-        n_items, n_chunks, n_seg, H, H // G, G, q_pad, out.stride(1), *d_strides,
+        n_items, n_chunks, n_seg, H, H // G, G, q_pad, out.stride(1), *d_strides(D),
         norm_sumsq.stride(0) if norm_sumsq is not None else 0,
         Q=chunk_size, N_PIECES=N // 64, CS_STAGES=cs_stages, Z_STAGES=z_stages, K_STAGES=k_stages,
         PRODUCER_REGS=PRODUCER_REGS, HAS_Z=z is not None, HAS_D=D is not None, D_PER_P=D is not None and D.dim() == 2,

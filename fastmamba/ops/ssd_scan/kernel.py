@@ -27,6 +27,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from fastmamba.ops._common.jit_math import exp_approx, silu_approx, softplus, stochastic_round
 
 
+def d_strides(D) -> tuple[int, int]:
+    """The (per-head, per-channel) strides the scan kernels read D with: D [H] or [H, P] (a tensor),
+    or None -> (0, 0)."""
+    if D is None:
+        return (0, 0)
+    return (D.stride(0), 0) if D.dim() == 1 else (D.stride(0), D.stride(1))
+
+
 @triton.jit
 def _segment_chunks(cu_ptr, n_seg, Q: tl.constexpr, BLOCK_SEG: tl.constexpr):
     """Every segment's (first token, end token, chunk count, one past its last chunk), [BLOCK_SEG]."""

@@ -24,6 +24,7 @@ from fastmamba.ops.ssd_scan.kernel import (
     _chunk_state_chain_kernel,
     _chunk_state_kernel,
     _state_passing_kernel,
+    d_strides,
 )
 from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 
@@ -187,19 +188,19 @@ def ssd_scan_launch(
     if hopper:  # sm_90: the warp-specialized TMA kernel; the Triton one below redoes it only on non-finite x
         chunk_output_sm90(x, z, out, cb, C, D, table, segments.skip, states_in, dt_scratch, cs_scratch,
                           norm_weight, norm_sumsq, n_seg=n_seg, chunk_size=Q)
-    D_strides = (0, 0) if D is None else ((D.stride(0), 0) if D.dim() == 1 else tuple(D.stride()))
     m_blocks = cdiv(Q, cfg.block_m)
     tiles = m_blocks * cdiv(P, block_p_scan)
     heads = cfg.heads if H % cfg.heads == 0 else 1
     grid = (tiles, n_chunks, H // heads) if cfg.head_major else (n_chunks, H // heads, tiles)
-    pdl = _pdl(x, grid, cfg.warps_scan)
     if hopper and pdl_requested(x):  # the fallback's programs exit at once unless flagged: PDL hides its launch
         pdl = dict(USE_PDL=True, PDL_TRIGGER=trigger_early(), launch_pdl=True)
+    else:
+        pdl = _pdl(x, grid, cfg.warps_scan)
     lean(_chunk_scan_kernel)[grid](
         x, z, out, cb, C, D, table, segments.skip,
         states_in, dt_scratch, cs_scratch, norm_weight, norm_sumsq,
         n_seg, row_len, P, N, H // G, n_chunks, norm_sumsq.stride(0) if norm_sumsq is not None else 0,
-        *x.stride(), *_strides4(z), *out.stride(), *cb.stride(), *C.stride(), *D_strides, *states_in.stride(),
+        *x.stride(), *_strides4(z), *out.stride(), *cb.stride(), *C.stride(), *d_strides(D), *states_in.stride(),
         Q=Q, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_P=block_p_scan, BLOCK_N=block_n, HEADS=heads,
         DOT_PRECISION=dot_precision, HEAD_MAJOR=bool(cfg.head_major), FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,
         ONLY_IF_FLAGGED=hopper, num_warps=cfg.warps_scan, num_stages=cfg.stages_scan, **pdl,
