@@ -44,9 +44,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from fastmamba.ops.ssd_scan import kernel
+
 BM = gl.constexpr(64)  # output rows per item = tokens per C B^T / x tile = the head dim P
 HALF_N = gl.constexpr(64)  # C and S go in 64-column pieces (128-byte rows: one TMA box, 128-byte swizzle)
-NORM_SPAN = gl.constexpr(16)  # columns per partial sum of squares of the deferred norm (kernel.NORM_SPAN)
+NORM_SPAN = gl.constexpr(kernel.NORM_SPAN.value)  # columns per partial sum of squares of the deferred norm
 
 
 @gluon.jit
