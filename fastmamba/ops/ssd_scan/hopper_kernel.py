@@ -10,15 +10,17 @@ A persistent program walks the items head-major (the row blocks of one (chunk, h
 split in two partitions:
 - producer (one warp): TMA loads into three rings, each slot guarded by a ready and an empty mbarrier:
   (C rows, entering state S) per item, z per item, one (C B^T tile, x tile) per token block k <= m0.
-  It also copies the chunk's cs / dt' windows into shared memory next to each slot (loaded one item
-  ahead), so the consumer never waits on a global load.
+  Next to each slot it puts what the consumer needs of the chunk's cs / dt' windows (loaded one item
+  ahead), so the consumer never waits on a global load: a block before m0 gets its column weights
+  exp(r - cs_s) dt'_s ready-made, the diagonal block cs and dt'.
 - consumer (one warpgroup): the matmuls on wgmma. C S^T and the blocks before m0 go first (the decay
   there is a rank-1 scaling: exp(cs_t - cs_s) = exp(cs_t - r) exp(r - cs_s), r = cs[m0 - 1], so the
   C B^T tiles carry exp(r - cs_s) dt'_s on their columns and the rows get exp(cs_t - r) after); the
   diagonal block gets its exact per-element causal decay (or, DIAG_SPLIT, the same rank-1 split about
   a = cs[m0] when cs falls less than 60 over the block, so both factors stay finite; bf16 only: e^60
-  overflows fp16). C B^T goes from
-  shared memory straight into wgmma's A-operand registers, x is the B operand in shared memory.
+  overflows fp16; with no causal mask, as C B^T's diagonal tiles are zero above the diagonal and the
+  weights zero past the chunk's end). C B^T goes from shared memory straight into wgmma's A-operand
+  registers, x is the B operand in shared memory.
   Full 64-row blocks leave through a TMA store; the last, partial block of a chunk through masked
   stores from registers.
 
@@ -101,7 +103,8 @@ def _producer(c_desc, s_desc, z_desc, cb_desc, x_desc, c_smem, s_smem, z_smem, c
               cs_ready, cs_empty, z_ready, z_empty, k_ready, k_empty, cs_ptr, dt_ptr, table_ptr, skip_ptr,
               n_items, n_chunks, n_seg, H, heads_per_group, G, q_pad,
               Q: gl.constexpr, N_PIECES: gl.constexpr, CS_STAGES: gl.constexpr, Z_STAGES: gl.constexpr,
-              K_STAGES: gl.constexpr, HAS_Z: gl.constexpr, HAS_SKIP: gl.constexpr, USE_PDL: gl.constexpr):
+              K_STAGES: gl.constexpr, HAS_Z: gl.constexpr, HAS_SKIP: gl.constexpr, DIAG_SPLIT: gl.constexpr,
+              USE_PDL: gl.constexpr):
     M_BLOCKS: gl.constexpr = Q // BM
     # a chunk's cs and dt' as [M_BLOCKS, BM] tiles, loaded one item ahead (plain loads, shared stores:
     # the ready barriers count two arrivals, the TMA bytes' expect and these stores' arrive)
@@ -152,8 +155,13 @@ def _producer(c_desc, s_desc, z_desc, cb_desc, x_desc, c_smem, s_smem, z_smem, c
                                                 k_ready.index(sk), cb_smem.index(sk))
                 tma.async_copy_global_to_shared(x_desc, [start + kb * BM, h * BM], k_ready.index(sk),
                                                 x_smem.index(sk))
-                csk_smem.index(sk).store(gl.sum(gl.where(offs_w[:, None] == kb, cs4, 0.0), axis=0))
-                dtk_smem.index(sk).store(gl.sum(gl.where(offs_w[:, None] == kb, dt4, 0.0), axis=0))
+                cs_kb = gl.sum(gl.where(offs_w[:, None] == kb, cs4, 0.0), axis=0)
+                dt_kb = gl.sum(gl.where(offs_w[:, None] == kb, dt4, 0.0), axis=0)
+                if kb < mb:  # a block before m0: its column weights exp(r - cs_s) dt'_s, ready to use
+                    csk_smem.index(sk).store(_exp(r - cs_kb) * dt_kb)
+                else:  # the diagonal block: cs, and dt' or (under the split) the column weights
+                    csk_smem.index(sk).store(cs_kb)
+                    dtk_smem.index(sk).store(_diagonal_columns(cs_kb, dt_kb, rows, DIAG_SPLIT))
                 mbarrier.arrive(k_ready.index(sk))
                 k_i += 1
             if HAS_Z:
@@ -168,6 +176,35 @@ def _producer(c_desc, s_desc, z_desc, cb_desc, x_desc, c_smem, s_smem, z_smem, c
         start = start2
         rows = rows2
         pad = pad2
+
+
+@gluon.jit
+def _diagonal_columns(cs, dt, rows, DIAG_SPLIT: gl.constexpr):
+    """What the producer leaves in a diagonal block's dt' slot, from its cs / dt' windows [BM] and the
+    block's valid columns (< rows): dt' itself, or under the rank-1 split (DIAG_SPLIT and cs falling
+    less than 60 over the valid columns, the consumer's test on the same values) the column weights
+    exp(a - cs_s) dt'_s, a = cs[m0], zero past the chunk's end (the cs / dt' scratch holds garbage there)."""
+    if DIAG_SPLIT:
+        col = gl.arange(0, BM, layout=cs.type.layout)
+        valid = col < rows
+        a = gl.sum(gl.where(col == 0, cs, 0.0), axis=0)
+        if a - gl.min(gl.where(valid, cs, a), axis=0) < 60.0:
+            dt = gl.where(valid, _exp(a - cs) * dt, 0.0)
+    return dt
+
+
+@gluon.jit
+def _next_slot(slot, phase, STAGES: gl.constexpr):
+    """The ring position after (slot, phase): a compare and a select, where slot = n % STAGES and
+    phase = (n // STAGES) & 1 from a running count n cost a division by STAGES each."""
+    wrap = slot == STAGES - 1
+    return gl.where(wrap, 0, slot + 1), gl.where(wrap, phase ^ 1, phase)
+
+
+@gluon.jit
+def _scale_columns(t, w):
+    """t [BM, BM] (16-bit) * w [BM] (fp32) on its columns, in fp32, rounded once back to t's dtype."""
+    return (t.to(gl.float32) * w[None, :]).to(t.dtype)
 
 
 @gluon.jit
@@ -227,7 +264,8 @@ def _consumer(o_desc, c_smem, s_smem, z_smem, cb_smem, x_smem, o_smem, csm_smem,
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     i = 0
-    k_i = 0
+    sk = 0  # the (C B^T, x) ring's next slot and its phase, advanced by one per token block
+    k_phase = 0
     # each item's table entry is loaded one item ahead (two dependent global loads off the critical path)
     nxt = _item(pid, n_items, n_chunks, n_seg, table_ptr, skip_ptr, M_BLOCKS, HAS_SKIP)
     for item in range(pid, n_items, nprog):
@@ -257,34 +295,32 @@ def _consumer(o_desc, c_smem, s_smem, z_smem, cb_smem, x_smem, o_smem, csm_smem,
                 acc_s = warpgroup_mma(c_smem.index(N_PIECES * s + piece),
                                       s_smem.index(N_PIECES * s + piece).permute((1, 0)), acc_s,
                                       use_acc=piece > 0, is_async=True)
-            # acc_o = the token blocks before m0, exp(r - cs_s) dt'_s on C B^T's columns, computed in
-            # the A-operand layout (no layout conversion through shared memory)
+            # acc_o = the token blocks before m0, exp(r - cs_s) dt'_s (the producer's column weights) on
+            # C B^T's columns, applied in the A-operand layout (no layout conversion through shared memory)
             acc_o = gl.zeros([BM, BM], gl.float32, layout=mma)
-            r_cols = csp_smem.index(s).load(a_cols)
             for kb in range(mb):
-                sk = k_i % K_STAGES
-                mbarrier.wait(k_ready.index(sk), (k_i // K_STAGES) & 1)
-                w = _exp(r_cols - csk_smem.index(sk).load(a_cols)) * dtk_smem.index(sk).load(a_cols)
-                a = (cb_smem.index(sk).load(a_op).to(gl.float32) * w[None, :]).to(dtype)
+                mbarrier.wait(k_ready.index(sk), k_phase)
+                a = _scale_columns(cb_smem.index(sk).load(a_op), csk_smem.index(sk).load(a_cols))
                 acc_o = warpgroup_mma(a, x_smem.index(sk), acc_o, is_async=True)
                 acc_o = warpgroup_mma_wait(0, deps=(acc_o,))  # acc_s's matmuls, issued before, are done too
                 mbarrier.arrive(k_empty.index(sk))
-                k_i += 1
+                sk, k_phase = _next_slot(sk, k_phase, K_STAGES)
             # the diagonal block: columns past the chunk's end are selected away
-            sk = k_i % K_STAGES
-            mbarrier.wait(k_ready.index(sk), (k_i // K_STAGES) & 1)
+            mbarrier.wait(k_ready.index(sk), k_phase)
             cs_k = csk_smem.index(sk).load(a_cols)
-            dt_k = dtk_smem.index(sk).load(a_cols)
+            dt_k = dtk_smem.index(sk).load(a_cols)  # under the split: the producer's column weights
             col_k = gl.arange(0, BM, layout=a_cols)
-            causal = (gl.arange(0, BM, layout=a_rows)[:, None] >= col_k[None, :]) & (col_k < rows_left)[None, :]
-            cb = cb_smem.index(sk).load(a_op).to(gl.float32)
+            cb16 = cb_smem.index(sk).load(a_op)
             a0 = gl.sum(gl.where(col_k == 0, cs_k, 0.0), axis=0)  # cs[m0]
             split = False
             if DIAG_SPLIT:  # cs falls along the chunk: its span over the block's valid columns
                 split = a0 - gl.min(gl.where(col_k < rows_left, cs_k, a0), axis=0) < 60.0
-            if split:
-                a = gl.where(causal, cb * (_exp(a0 - cs_k) * dt_k)[None, :], 0.0).to(dtype)
+            if split:  # no causal mask: C B^T is zero above its diagonal (kernel._chunk_cb_kernel) and
+                # the weights are zero past the chunk's end
+                a = _scale_columns(cb16, dt_k)
             else:
+                causal = (gl.arange(0, BM, layout=a_rows)[:, None] >= col_k[None, :]) & (col_k < rows_left)[None, :]
+                cb = cb16.to(gl.float32)
                 cs_ma = csm_smem.index(s).load(a_rows)
                 decay = _exp(gl.where(causal, cs_ma[:, None] - cs_k[None, :], float("-inf")))
                 a = gl.where(causal, cb * decay * dt_k[None, :], 0.0).to(dtype)
@@ -311,7 +347,7 @@ def _consumer(o_desc, c_smem, s_smem, z_smem, cb_smem, x_smem, o_smem, csm_smem,
             if HAS_Z:
                 mbarrier.arrive(z_empty.index(sz))
             mbarrier.arrive(k_empty.index(sk))
-            k_i += 1
+            sk, k_phase = _next_slot(sk, k_phase, K_STAGES)
             if split:
                 acc = acc * _exp(cs_m - a0)[:, None]
             if HAS_D:
@@ -394,7 +430,7 @@ def chunk_output_sm90_kernel(
                          csm_smem, csp_smem, csk_smem, dtk_smem, cs_ready, cs_empty, z_ready, z_empty, k_ready,
                          k_empty, cs_ptr, dt_ptr, table_ptr, skip_ptr, n_items, n_chunks, n_seg, H,
                          heads_per_group, G, q_pad, Q, N_PIECES, CS_STAGES, Z_STAGES, K_STAGES, HAS_Z, HAS_SKIP,
-                         USE_PDL)),
+                         DIAG_SPLIT, USE_PDL)),
         ],
         [1],
         [PRODUCER_REGS],

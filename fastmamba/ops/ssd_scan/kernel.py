@@ -11,7 +11,8 @@ a_t = dt'_t * A[h] and cs_t the cumulative sum of a over the chunk up to t (incl
    S_in(c) = state entering chunk c, S_in(c+1) = exp(cs_last(c)) S_in(c) + S_loc(c) in fp32;
    stores S_in(c) in the activation dtype (the chunk scan's matmul reads it in that dtype),
    reads the initial state and writes the final state (a cache slot).
-3. ``_chunk_cb_kernel``    (chunk, group, tile): C B^T once per group (heads of a group share it).
+3. ``_chunk_cb_kernel``    (chunk, group, tile): C B^T once per group (heads of a group share it); the
+                           tiles on the diagonal are zero above it, the tiles above it are not written.
 4. ``_chunk_scan_kernel``  (chunk, head, block of Q rows x block of P):
    y_t = exp(cs_t) C_t S_in^T + sum_{s<=t} (C_t . B_s) exp(cs_t - cs_s) dt'_s x_s, + D x, * silu(z).
 
@@ -451,6 +452,8 @@ def _chunk_cb_kernel(
         Bk = tl.load(B_ptr + row.to(tl.int64) * stride_B_row + g * stride_B_g + tok_k[None, :] * stride_B_tok
                      + (n0 + offs_n)[:, None] * stride_B_n, mask=(offs_k < length)[None, :] & mn[:, None], other=0.0)
         acc = _mma(Cm, Bk, acc, DOT_PRECISION, DOT_UPCAST)
+    if pid_k == pid_m:  # zero above the diagonal (the Hopper chunk-output kernel skips the causal mask on it)
+        acc = tl.where(offs_m[:, None] >= offs_k[None, :], acc, 0.0)
     dst = cb_ptr + c.to(tl.int64) * stride_cb_c + g * stride_cb_g
     tl.store(dst + offs_m[:, None] * stride_cb_m + offs_k[None, :] * stride_cb_k, acc.to(cb_ptr.dtype.element_ty))
 

@@ -37,6 +37,38 @@ def test_triton_kernel_redoes_the_stage_only_when_flagged(device, monkeypatch, f
         assert torch.isnan(got).all()
 
 
+def test_cb_tiles_on_the_diagonal_are_zero_above_it(device, monkeypatch):
+    """The Hopper kernel's rank-1 diagonal path multiplies C B^T's diagonal tiles without a causal mask:
+    the C B^T kernel must leave zeros above the diagonal of those tiles (exactly) and C_t . B_s on and
+    below it. Chunks of 128 (two 64-row tiles a side), the second one partial."""
+    L, G, N, Q = 200, 1, 16, 128
+    inp = _inputs((1, L), 2, 16, G, N, torch.float32, device, seed=72)
+    seen = {}
+
+    def stand_in(x, z, out, cb, C, D, table, *rest, **options):
+        seen["cb"], seen["table"] = cb.clone(), table.clone()
+        table[0, 3] = 1  # the Triton kernel writes the output
+
+    monkeypatch.setattr(launch, "hopper_chunk_output_ok", lambda *a: True)
+    monkeypatch.setattr(launch, "chunk_output_sm90", stand_in)
+    mamba_chunk_scan_combined(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], Q, D=inp["D"], z=inp["z"])
+    cb, table = seen["cb"], seen["table"]
+    tile = launch.CB_BLOCK
+    for c, (start, length) in enumerate([(0, Q), (Q, L - Q)]):
+        assert table[c, :2].tolist() == [start, length]
+        Cc = inp["C"][0, start:start + length, 0].double()
+        Bc = inp["B"][0, start:start + length, 0].double()
+        exact = Cc @ Bc.T
+        for m0 in range(0, length, tile):
+            diag = cb[c, 0, m0:m0 + tile, m0:m0 + tile].double()
+            rows = min(tile, length - m0)
+            t = torch.arange(tile, device=cb.device)
+            above = t[None, :] > t[:, None]
+            assert torch.all(diag[above] == 0), f"chunk {c}, tile at {m0}: non-zero above the diagonal"
+            want = exact[m0:m0 + rows, m0:m0 + rows].tril()
+            torch.testing.assert_close(diag[:rows, :rows].tril(), want, atol=1e-4, rtol=1e-4)
+
+
 def test_mode_switch_reads_its_variable_strictly(monkeypatch):
     from fastmamba.ops.ssd_scan.hopper import _mode
 
