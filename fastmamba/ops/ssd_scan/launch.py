@@ -28,7 +28,10 @@ from fastmamba.ops.ssd_scan.kernel import (
 )
 from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 
-CB_BLOCK = 64  # C B^T tile (rows = columns); the chunk scan reads it in its own tiles
+# C B^T tile (rows = columns); the chunk scan reads it in its own tiles. At least 64: the Hopper
+# kernel's 64 x 64 diagonal blocks rely on the zeros the diagonal tiles hold above the diagonal, and
+# a smaller tile would leave part of such a block unwritten (tiles above the diagonal are skipped).
+CB_BLOCK = 64
 
 
 @dataclass
@@ -127,7 +130,7 @@ def ssd_scan_launch(
     block_n_state = min(cfg.block_n_state, block_n)
 
     # decided before the first launch: a bad FASTMAMBA_HOPPER_SCAN raises before any state is written
-    hopper = q_pad == Q and hopper_chunk_output_ok(x, z, out, C, Q)
+    hopper = q_pad == Q and cb_block >= 64 and hopper_chunk_output_ok(x, z, out, C, Q)
     table = torch.empty(n_chunks, 4, dtype=torch.int32, device=dev)
     block_h = 4 if interpreter else 8
     grid = (n_chunks, cdiv(H, block_h))
