@@ -179,17 +179,28 @@ def _producer(c_desc, s_desc, z_desc, cb_desc, x_desc, c_smem, s_smem, z_smem, c
 
 
 @gluon.jit
-def _diagonal_columns(cs, dt, rows, DIAG_SPLIT: gl.constexpr):
-    """What the producer leaves in a diagonal block's dt' slot, from its cs / dt' windows [BM] and the
-    block's valid columns (< rows): dt' itself, or under the rank-1 split (DIAG_SPLIT and cs falling
-    less than 60 over the valid columns, the consumer's test on the same values) the column weights
-    exp(a - cs_s) dt'_s, a = cs[m0], zero past the chunk's end (the cs / dt' scratch holds garbage there)."""
+def _diagonal_split(cs, rows, DIAG_SPLIT: gl.constexpr):
+    """(a = cs[m0], whether the diagonal block takes the rank-1 split about a) from the block's cs window
+    [BM] (any layout) and its valid columns (< rows): DIAG_SPLIT and cs falling less than 60 over the
+    valid columns. The producer and the consumer both decide through this one test, on the same values.
+    Without DIAG_SPLIT: (0, False), and no reduction is traced."""
+    a = 0.0
+    split = False
     if DIAG_SPLIT:
         col = gl.arange(0, BM, layout=cs.type.layout)
-        valid = col < rows
         a = gl.sum(gl.where(col == 0, cs, 0.0), axis=0)
-        if a - gl.min(gl.where(valid, cs, a), axis=0) < 60.0:
-            dt = gl.where(valid, _exp(a - cs) * dt, 0.0)
+        split = a - gl.min(gl.where(col < rows, cs, a), axis=0) < 60.0
+    return a, split
+
+
+@gluon.jit
+def _diagonal_columns(cs, dt, rows, DIAG_SPLIT: gl.constexpr):
+    """What the producer leaves in a diagonal block's dt' slot, from its cs / dt' windows [BM] and the
+    block's valid columns (< rows): dt' itself, or under the rank-1 split (``_diagonal_split``) the column
+    weights exp(a - cs_s) dt'_s, zero past the chunk's end (the cs / dt' scratch holds garbage there)."""
+    a, split = _diagonal_split(cs, rows, DIAG_SPLIT)
+    if split:
+        dt = gl.where(gl.arange(0, BM, layout=cs.type.layout) < rows, _exp(a - cs) * dt, 0.0)
     return dt
 
 
@@ -311,10 +322,7 @@ def _consumer(o_desc, c_smem, s_smem, z_smem, cb_smem, x_smem, o_smem, csm_smem,
             dt_k = dtk_smem.index(sk).load(a_cols)  # under the split: the producer's column weights
             col_k = gl.arange(0, BM, layout=a_cols)
             cb16 = cb_smem.index(sk).load(a_op)
-            a0 = gl.sum(gl.where(col_k == 0, cs_k, 0.0), axis=0)  # cs[m0]
-            split = False
-            if DIAG_SPLIT:  # cs falls along the chunk: its span over the block's valid columns
-                split = a0 - gl.min(gl.where(col_k < rows_left, cs_k, a0), axis=0) < 60.0
+            a0, split = _diagonal_split(cs_k, rows_left, DIAG_SPLIT)  # a0 = cs[m0]
             if split:  # no causal mask: C B^T is zero above its diagonal (kernel._chunk_cb_kernel) and
                 # the weights are zero past the chunk's end
                 a = _scale_columns(cb16, dt_k)
