@@ -65,11 +65,13 @@ class ScanSegments:
         return self.cu.shape[0] - 1
 
 
-def _pdl(x: torch.Tensor, grid: tuple[int, ...], num_warps: int) -> dict:
+def _pdl(x: torch.Tensor, grid: tuple[int, ...], num_warps: int, *, exits_at_once: bool = False) -> dict:
     """Launch options of one of the scan's kernels under programmatic dependent launch (the
     runtime's prefill graphs; ``fastmamba.ops._common.pdl``): each kernel waits for the one before
-    at its start, so PDL hides the launch gap of single-wave grids (short prompts)."""
-    use = pdl_active(x, math.prod(grid), num_warps)
+    at its start, so PDL hides the launch gap of single-wave grids (short prompts). A kernel whose
+    programs exit at once (``exits_at_once``: the Triton fallback after the Hopper kernel, unless
+    flagged) takes it whenever PDL is on, whatever its grid."""
+    use = pdl_requested(x) if exits_at_once else pdl_active(x, math.prod(grid), num_warps)
     return dict(USE_PDL=use, PDL_TRIGGER=trigger_early(), launch_pdl=use)
 
 
@@ -195,10 +197,6 @@ def ssd_scan_launch(
     tiles = m_blocks * cdiv(P, block_p_scan)
     heads = cfg.heads if H % cfg.heads == 0 else 1
     grid = (tiles, n_chunks, H // heads) if cfg.head_major else (n_chunks, H // heads, tiles)
-    if hopper and pdl_requested(x):  # the fallback's programs exit at once unless flagged: PDL hides its launch
-        pdl = dict(USE_PDL=True, PDL_TRIGGER=trigger_early(), launch_pdl=True)
-    else:
-        pdl = _pdl(x, grid, cfg.warps_scan)
     lean(_chunk_scan_kernel)[grid](
         x, z, out, cb, C, D, table, segments.skip,
         states_in, dt_scratch, cs_scratch, norm_weight, norm_sumsq,
@@ -206,6 +204,7 @@ def ssd_scan_launch(
         *x.stride(), *_strides4(z), *out.stride(), *cb.stride(), *C.stride(), *d_strides(D), *states_in.stride(),
         Q=Q, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_P=block_p_scan, BLOCK_N=block_n, HEADS=heads,
         DOT_PRECISION=dot_precision, HEAD_MAJOR=bool(cfg.head_major), FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,
-        ONLY_IF_FLAGGED=hopper, num_warps=cfg.warps_scan, num_stages=cfg.stages_scan, **pdl,
+        ONLY_IF_FLAGGED=hopper, num_warps=cfg.warps_scan, num_stages=cfg.stages_scan,
+        **_pdl(x, grid, cfg.warps_scan, exits_at_once=hopper),
         **({"maxnreg": cfg.maxnreg_scan} if cfg.maxnreg_scan and not interpreter else {}),
     )
