@@ -189,7 +189,6 @@ def test_gpu_ops_take_the_direct_path(device):
     assert len(direct_launches) == 2  # the two later calls launched from the kept entry
 
 
-
 def test_signature_keys_registered_tma_descriptors():
     """A registered descriptor class (the Hopper scan's Gluon TensorDescriptor) is keyed by dtype, block
     shape, layout and base alignment, not refused: its kernels launch directly after the first call."""
