@@ -14,15 +14,16 @@ Why not every eager call: the kernel's six TMA descriptors cost host time on eve
 then encoded by the launcher: ~270-440 vs ~165-320 us per ``mamba_chunk_scan_combined`` call on H200
 hosts, with ``_common/launch.lean`` keying the descriptors), more than it saves on the GPU for one
 call (~15 us at L=2048, ~45 us at L=8192; `bench prefill --eager`, 2.7b L=8192 bf16, read 424 us
-eager with it, 334 us without in an earlier job on another H200 host). A model's prefill hides that host time behind the GPU work
-of the layers queued before it (`bench ttft`, 1 x 8192 eager: 90.4-90.7 vs 93.4-94.4 ms). A capture
+eager with it, 334 us without in an earlier job on another H200 host). A model's prefill hides that
+host time behind the GPU work of the layers queued before it (`bench ttft`, 1 x 8192 eager: 90.4-90.7
+vs 93.4-94.4 ms). A capture
 outside the block keeps the Triton kernel: the Hopper kernel's first launch loads a module, which a
 capture forbids, so the warm-up before a capture must have taken the same path.
 ``FASTMAMBA_HOPPER_SCAN``: ``auto`` (default, as above), ``1`` (every call: the GPU tests), ``0`` (never).
 
-Measured (H200, 2.7b shape, one CUDA graph): the stage 177-179 vs 221-223 us at L=8192 and 47-48 vs
-61-62 us at L=2048 against the Triton kernel; the whole scan 1.23-1.31x vLLM's at L=2048 and 8192
-(bf16 states, three runs).
+Measured (H200, 2.7b shape, one CUDA graph): the stage 163 vs 221-223 us at L=8192 and 42 vs 61-62 us
+at L=2048 against the Triton kernel (878e931; separate jobs of one day); the whole scan 1.34x / 1.28x
+vLLM's at L=2048 / 8192 (bf16 states, `bench prefill --ops ssd --quick`).
 """
 from __future__ import annotations
 
