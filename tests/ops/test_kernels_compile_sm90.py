@@ -47,6 +47,14 @@ VARIANTS = {
                         dict(Q=256, BLOCK_M=64, BLOCK_K=64, BLOCK_P=64, BLOCK_N=128, HEADS=1, DOT_PRECISION="tf32",
                              HEAD_MAJOR=True, FAST_MATH=True, HAS_D=True, HAS_Z=True, HAS_SKIP=True,
                              DOT_UPCAST=False, HAS_NORM=True, USE_PDL=False, PDL_TRIGGER=True)),
+    # the chunk table, dt' / cs and C B^T in one launch (program roles by grid row)
+    "chunk-prep": ("fastmamba.ops.ssd_scan.kernel", "_chunk_prep_kernel",
+                   dict(dt_ptr="*fp32", dt_bias_ptr="*fp32", A_ptr="*fp32", cu_ptr="*i32", table_ptr="*i32",
+                        dt_out_ptr="*fp32", cs_out_ptr="*fp32", B_ptr="*bf16", C_ptr="*bf16", cb_ptr="*bf16",
+                        dt_min="fp32", dt_max="fp32"),
+                   dict(Q=256, BLOCK_Q=256, BLOCK_H=8, BLOCK_SEG=16, HAS_DT_BIAS=True, DT_SOFTPLUS=True,
+                        HAS_DT_LIMIT=True, A_IS_LOG=False, CB_M=64, CB_N=128, DOT_PRECISION="tf32", DOT_UPCAST=False,
+                        USE_PDL=True, PDL_TRIGGER=True)),
     # the Triton chunk-output kernel as the Hopper kernel's fallback on non-finite x (ssd_scan/hopper.py)
     "chunk-scan-only-if-flagged": ("fastmamba.ops.ssd_scan.kernel", "_chunk_scan_kernel",
                                    dict(x_ptr="*bf16", z_ptr="*bf16", out_ptr="*bf16", cb_ptr="*bf16", C_ptr="*bf16",

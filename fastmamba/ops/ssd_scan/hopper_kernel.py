@@ -31,7 +31,7 @@ Non-finite x: in the diagonal tile a non-finite x_s would reach rows t < s throu
 (0 * NaN = NaN on the tensor cores). Cleaning the tile and marking the NaN columns cost this kernel 20%
 (a reduction across warps per item; H200, L=8192: 212 vs 177 us), so instead any thread that sees a
 non-finite value in its rows of a diagonal x tile sets a flag (entry 3 of the chunk table's row 0,
-zeroed by the cumsum kernel), and the Triton kernel, launched right after with ONLY_IF_FLAGGED, redoes
+zeroed by the cumsum), and the Triton kernel, launched right after with ONLY_IF_FLAGGED, redoes
 the whole stage when it is set and exits at once otherwise.
 """
 from __future__ import annotations
@@ -323,7 +323,7 @@ def _consumer(o_desc, c_smem, s_smem, z_smem, cb_smem, x_smem, o_smem, csm_smem,
             col_k = gl.arange(0, BM, layout=a_cols)
             cb16 = cb_smem.index(sk).load(a_op)
             a0, split = _diagonal_split(cs_k, rows_left, DIAG_SPLIT)  # a0 = cs[m0]
-            if split:  # no causal mask: C B^T is zero above its diagonal (kernel._chunk_cb_kernel) and
+            if split:  # no causal mask: C B^T is zero above its diagonal (kernel._chunk_cb_tile) and
                 # the weights are zero past the chunk's end
                 a = _scale_columns(cb16, dt_k)
             else:

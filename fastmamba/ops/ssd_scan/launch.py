@@ -13,13 +13,12 @@ import torch
 import math
 
 from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
-from fastmamba.ops._common.pdl import pdl_active, pdl_requested, trigger_early
+from fastmamba.ops._common.pdl import pdl_active, pdl_requested, sm_count, trigger_early
 from fastmamba.ops.ssd_scan.configs import block_p_of, check_config, pick_config
 from fastmamba.ops.ssd_scan.hopper import chunk_output_sm90, hopper_chunk_output_ok
 from fastmamba.ops._common.launch import lean
 from fastmamba.ops.ssd_scan.kernel import (
-    _chunk_cb_kernel,
-    _chunk_cumsum_kernel,
+    _chunk_prep_kernel,
     _chunk_scan_kernel,
     _chunk_state_chain_kernel,
     _chunk_state_kernel,
@@ -32,6 +31,9 @@ from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 # kernel's 64 x 64 diagonal blocks rely on the zeros the diagonal tiles hold above the diagonal, and
 # a smaller tile would leave part of such a block unwritten (tiles above the diagonal are skipped).
 CB_BLOCK = 64
+# the Triton chunk-scan programs launched after the Hopper kernel, per SM: one wave that exits at once
+# unless the Hopper kernel flagged a non-finite x
+FLAGGED_PROGRAMS_PER_SM = 4
 
 
 @dataclass
@@ -135,12 +137,17 @@ def ssd_scan_launch(
     hopper = q_pad == Q and cb_block >= 64 and hopper_chunk_output_ok(x, z, out, C, Q)
     table = torch.empty(n_chunks, 4, dtype=torch.int32, device=dev)
     block_h = 4 if interpreter else 8
-    grid = (n_chunks, cdiv(H, block_h))
-    lean(_chunk_cumsum_kernel)[grid](
-        dt, dt_bias, A, segments.cu, table, dt_scratch, cs_scratch,
-        n_seg, row_len, H, n_chunks, float(lo), float(hi), *dt.stride(),
+    n_hblocks = cdiv(H, block_h)
+    n_tiles = cdiv(Q, cb_block)
+    grid = (n_chunks, n_hblocks + G * n_tiles * n_tiles)  # cumsum blocks, then C B^T tiles
+    lean(_chunk_prep_kernel)[grid](
+        dt, dt_bias, A, segments.cu, table, dt_scratch, cs_scratch, B, C, cb,
+        n_seg, row_len, H, N, n_chunks, n_hblocks, float(lo), float(hi), *dt.stride(),
+        *B.stride(), *C.stride(), *cb.stride(),
         Q=Q, BLOCK_Q=max(16, next_power_of_2(Q)), BLOCK_H=block_h, BLOCK_SEG=block_seg,
-        DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, A_IS_LOG=bool(A_is_log), num_warps=4, **_pdl(x, grid, 4),
+        DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, A_IS_LOG=bool(A_is_log),
+        CB_M=cb_block, CB_N=min(block_n, 128), DOT_PRECISION=dot_precision, DOT_UPCAST=dot_upcast,
+        num_warps=4, **_pdl(x, grid, 4),
     )
     if cfg.chain and segments.seg_final is None:
         # one kernel: chunk states handed from chunk to chunk (no per-chunk fp32 round trip)
@@ -181,27 +188,22 @@ def ssd_scan_launch(
             Q=Q, BLOCK_PN=cfg.block_pass, BLOCK_SEG=block_seg,
             num_warps=4, **_pdl(x, grid, 4),
         )
-    n_tiles = cdiv(Q, cb_block)
-    grid = (n_chunks, G, n_tiles * n_tiles)
-    lean(_chunk_cb_kernel)[grid](
-        B, C, table, cb,
-        n_seg, row_len, N,
-        *B.stride(), *C.stride(), *cb.stride(),
-        Q=Q, BLOCK_M=cb_block, BLOCK_N=min(block_n, 128), DOT_PRECISION=dot_precision, DOT_UPCAST=dot_upcast,
-        num_warps=4, **_pdl(x, grid, 4),
-    )
     if hopper:  # sm_90: the warp-specialized TMA kernel; the Triton one below redoes it only on non-finite x
         chunk_output_sm90(x, z, out, cb, C, D, table, segments.skip, states_in, dt_scratch, cs_scratch,
                           norm_weight, norm_sumsq, n_seg=n_seg, chunk_size=Q)
     m_blocks = cdiv(Q, cfg.block_m)
     tiles = m_blocks * cdiv(P, block_p_scan)
     heads = cfg.heads if H % cfg.heads == 0 else 1
-    grid = (tiles, n_chunks, H // heads) if cfg.head_major else (n_chunks, H // heads, tiles)
+    if hopper:  # programs that exit unless flagged, then walk all the tiles (few: exiting costs too)
+        grid = (min(tiles * n_chunks * (H // heads), FLAGGED_PROGRAMS_PER_SM * (sm_count(x) if x.is_cuda else 1)),)
+    else:
+        grid = (tiles, n_chunks, H // heads) if cfg.head_major else (n_chunks, H // heads, tiles)
     lean(_chunk_scan_kernel)[grid](
         x, z, out, cb, C, D, table, segments.skip,
         states_in, dt_scratch, cs_scratch, norm_weight, norm_sumsq,
         n_seg, row_len, P, N, H // G, n_chunks, norm_sumsq.stride(0) if norm_sumsq is not None else 0,
         *x.stride(), *_strides4(z), *out.stride(), *cb.stride(), *C.stride(), *d_strides(D), *states_in.stride(),
+        H // heads,
         Q=Q, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_P=block_p_scan, BLOCK_N=block_n, HEADS=heads,
         DOT_PRECISION=dot_precision, HEAD_MAJOR=bool(cfg.head_major), FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,
         ONLY_IF_FLAGGED=hopper, num_warps=cfg.warps_scan, num_stages=cfg.stages_scan,

@@ -23,7 +23,7 @@ def test_triton_kernel_redoes_the_stage_only_when_flagged(device, monkeypatch, f
     calls = []
 
     def stand_in(x, z, out, cb, C, D, table, *rest, **options):
-        calls.append(table[0, 3].item())  # zeroed by the cumsum kernel before this launch
+        calls.append(table[0, 3].item())  # zeroed by the prep kernel's cumsum before this launch
         out.fill_(float("nan"))
         table[0, 3] = flag
 
