@@ -174,8 +174,11 @@ def chunk_output_sm90(x, z, out, cb, C, D, table, skip, states_in, dt_scratch, c
         _desc(TensorDescriptor, gl, _rows2d(x), (bm, bm)),
         _desc(TensorDescriptor, gl, _rows2d(out), (bm, bm)),
     ]
-    n_items = H * n_chunks * (chunk_size // bm)
-    grid = (min(n_items, sm_count(x) * PROGRAMS_PER_SM),)
+    m_blocks = chunk_size // bm
+    n_items = H * n_chunks * m_blocks
+    # a multiple of m_blocks: the kernel turns each program's row block with its wave (hopper_kernel._item)
+    programs = min(n_items, sm_count(x) * PROGRAMS_PER_SM)
+    grid = (max(m_blocks, programs - programs % m_blocks),)
     cs_stages, z_stages, k_stages = STAGES
     use_pdl = pdl_active(x, grid[0], 8)  # one wave of persistent programs (4 + 4 warps: the producer's group)
     kernel[grid](

@@ -78,11 +78,17 @@ def _wait_for_kernel_before(USE_PDL: gl.constexpr):
 
 
 @gluon.jit
-def _item(item, n_items, n_chunks, n_seg, table_ptr, skip_ptr, M_BLOCKS: gl.constexpr, HAS_SKIP: gl.constexpr):
+def _item(item, wave, n_items, n_chunks, n_seg, table_ptr, skip_ptr, M_BLOCKS: gl.constexpr,
+          HAS_SKIP: gl.constexpr):
     """Work item -> (row block, chunk, head, chunk's first flat token, rows of this block inside the
-    chunk (<= 0: none), padding segment). The division by the runtime chunk count goes through an fp32
-    reciprocal (exact for item < 2^22), not the ~50-instruction integer division."""
-    mb = item % M_BLOCKS
+    chunk (<= 0: none), padding segment). ``wave``: the item's turn in its program's loop (item // the
+    program count, a multiple of M_BLOCKS). The M_BLOCKS row blocks of a (chunk, head) are consecutive
+    items, run side by side by neighbouring programs, and the row block turns with the wave: without
+    it every program would get the same row block in each item (item % M_BLOCKS = its id's), so the
+    programs of the last block, which walk M_BLOCKS token blocks per item to the first block's one,
+    set the kernel's time. The division by the runtime chunk count goes through an fp32 reciprocal
+    (exact for item < 2^22), not the ~50-instruction integer division."""
+    mb = (item + wave) % M_BLOCKS
     q = item // M_BLOCKS
     h = ((q.to(gl.float32) + 0.5) * (1.0 / n_chunks.to(gl.float32))).to(gl.int32)
     c = q - h * n_chunks
@@ -115,16 +121,18 @@ def _producer(c_desc, s_desc, z_desc, cb_desc, x_desc, c_smem, s_smem, z_smem, c
     _wait_for_kernel_before(USE_PDL)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    mb, c, h, start, rows, pad = _item(pid, n_items, n_chunks, n_seg, table_ptr, skip_ptr, M_BLOCKS, HAS_SKIP)
+    mb, c, h, start, rows, pad = _item(pid, 0, n_items, n_chunks, n_seg, table_ptr, skip_ptr, M_BLOCKS, HAS_SKIP)
     work = (tile * 0 + rows > 0) & (not pad)
     nxt_cs = gl.load(cs_ptr + (h * n_chunks + c) * Q + tile, mask=work, other=0.0)
     nxt_dt = gl.load(dt_ptr + (h * n_chunks + c) * Q + tile, mask=work, other=0.0)
     i = 0
     k_i = 0
+    wave = 0
     for item in range(pid, n_items, nprog):
         cs4 = nxt_cs
         dt4 = nxt_dt
-        mb2, c2, h2, start2, rows2, pad2 = _item(item + nprog, n_items, n_chunks, n_seg, table_ptr, skip_ptr,
+        wave += 1
+        mb2, c2, h2, start2, rows2, pad2 = _item(item + nprog, wave, n_items, n_chunks, n_seg, table_ptr, skip_ptr,
                                                  M_BLOCKS, HAS_SKIP)
         work2 = (tile * 0 + rows2 > 0) & (not pad2)
         nxt_cs = gl.load(cs_ptr + (h2 * n_chunks + c2) * Q + tile, mask=work2, other=0.0)
@@ -278,10 +286,12 @@ def _consumer(o_desc, c_smem, s_smem, z_smem, cb_smem, x_smem, o_smem, csm_smem,
     sk = 0  # the (C B^T, x) ring's next slot and its phase, advanced by one per token block
     k_phase = 0
     # each item's table entry is loaded one item ahead (two dependent global loads off the critical path)
-    nxt = _item(pid, n_items, n_chunks, n_seg, table_ptr, skip_ptr, M_BLOCKS, HAS_SKIP)
+    nxt = _item(pid, 0, n_items, n_chunks, n_seg, table_ptr, skip_ptr, M_BLOCKS, HAS_SKIP)
+    wave = 0
     for item in range(pid, n_items, nprog):
         mb, c, h, start, rows_left, pad = nxt
-        nxt = _item(item + nprog, n_items, n_chunks, n_seg, table_ptr, skip_ptr, M_BLOCKS, HAS_SKIP)
+        wave += 1
+        nxt = _item(item + nprog, wave, n_items, n_chunks, n_seg, table_ptr, skip_ptr, M_BLOCKS, HAS_SKIP)
         m0 = mb * BM
         tok = start + m0
         work = rows_left > 0

@@ -565,7 +565,8 @@ def _chunk_scan_tile(
                 for k0 in range(0, m0, BLOCK_K):
                     offs_k = k0 + tl.arange(0, BLOCK_K)
                     cb = tl.load(cb_rows + offs_k[None, :] * stride_cb_k)
-                    w = exp_approx(r - tl.load(cs_ptr + scratch + offs_k), FAST_MATH) * tl.load(dt_ptr + scratch + offs_k)
+                    w = (exp_approx(r - tl.load(cs_ptr + scratch + offs_k), FAST_MATH)
+                         * tl.load(dt_ptr + scratch + offs_k))
                     x_k = tl.load(x_chunk + offs_k[:, None] * stride_x_tok + offs_p[None, :] * stride_x_p,
                                   mask=mp[None, :], other=0.0)
                     acc = _mma(cb, (x_k.to(tl.float32) * w[:, None]).to(cb.dtype), acc, DOT_PRECISION, DOT_UPCAST)
