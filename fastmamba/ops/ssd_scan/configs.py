@@ -70,12 +70,14 @@ def pick_config(H: int, P: int, N: int, dtype_bytes: int, *, interpreter: bool) 
     # chunk scan 64 rows x 64 tokens per step on 4 warps, capped at 128 registers so that four
     # programs share an SM (L=8192: 193 us; 32 tokens per step 215 us; uncapped 64 tokens 295 us,
     # capped at 168 224 us; 8 warps, 128-row tiles or pipelining (stages 2) 244-283 us); chunk states
-    # 64 tokens x all of N on 4 warps (78 us; 32 tokens 81 us, 8 warps 87-88 us; 65 us since the
-    # decay weights go on the x tile instead of the B tile); 2 or 4 heads per chunk-scan program
+    # 32 tokens x all of N on 4 warps, 3 stages (2026-11-27, .ab-style sweep, L=2048 / 8192: bf16
+    # states 15.0 / 52.7 us, 64 tokens 15.6 / 57.4; fp32 states 18.7 / 63.1 vs 17.9 / 66.7; 8 warps or
+    # 2 stages slower; 2 or 4 heads of a group stacked in one matmul, B read once: slower or out of
+    # shared memory); 2 or 4 heads per chunk-scan program
     # 2.2-2.3x slower (spills under the cap). State passing: 512 state elements per program (32.5 us
     # at L=8192 against 39.5 / 45.3 us for 1024 / 256)
     return SsdScanConfig(
-        block_k_state=64, block_n_state=128, warps_state=4, block_m=64, block_k=64, block_p=0, warps_scan=4,
+        block_k_state=32, block_n_state=128, warps_state=4, block_m=64, block_k=64, block_p=0, warps_scan=4,
         stages_scan=1, block_pass=512, head_major=1, heads=1, maxnreg_scan=128,
     )
 
