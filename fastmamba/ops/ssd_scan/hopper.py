@@ -21,9 +21,11 @@ outside the block keeps the Triton kernel: the Hopper kernel's first launch load
 capture forbids, so the warm-up before a capture must have taken the same path.
 ``FASTMAMBA_HOPPER_SCAN``: ``auto`` (default, as above), ``1`` (every call: the GPU tests), ``0`` (never).
 
-Measured (H200, 2.7b shape, one CUDA graph): the stage 163 vs 221-223 us at L=8192 and 42 vs 61-62 us
-at L=2048 against the Triton kernel (878e931; separate jobs of one day); the whole scan 1.34x / 1.28x
-vLLM's at L=2048 / 8192 (bf16 states, `bench prefill --ops ssd --quick`).
+Measured (H200, 2.7b shape, one CUDA graph): the stage 125-129 vs 221-223 us at L=8192 and 37 vs 61-62
+us at L=2048 against the Triton kernel (5ba606f; separate jobs of one day); the whole scan 1.53x /
+1.57x vLLM's at L=2048 / 8192 (bf16 states, `bench prefill --ops ssd --quick` at d8ec886). The
+per-call saving the eager policy above weighed (15 / 45 us) is now ~24 / ~95 us: the policy's host
+costs were not re-measured since.
 """
 from __future__ import annotations
 
