@@ -147,7 +147,9 @@ def ssd_scan_launch(
         Q=Q, BLOCK_Q=max(16, next_power_of_2(Q)), BLOCK_H=block_h, BLOCK_SEG=block_seg,
         DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, A_IS_LOG=bool(A_is_log),
         CB_M=cb_block, CB_N=min(block_n, 128), DOT_PRECISION=dot_precision, DOT_UPCAST=dot_upcast,
-        num_warps=4, **_pdl(x, grid, 4),
+        # one stage: the C B^T loop has one or two trips, and Triton's default 3 stages of (C, B) tiles
+        # (~100 KB of shared memory) left two programs per SM
+        num_warps=4, num_stages=1, **_pdl(x, grid, 4),
     )
     if cfg.chain and segments.seg_final is None:
         # one kernel: chunk states handed from chunk to chunk (no per-chunk fp32 round trip)
