@@ -106,3 +106,46 @@ def test_long_prefill_kernels_opens_the_block_from_the_threshold():
     with hopper.long_prefill_kernels(hopper.EAGER_MIN_TOKENS):
         assert hopper._inside == 1
     assert hopper._inside == 0
+
+
+@pytest.mark.parametrize("sms", [1, 7, 57, 114, 132])
+@pytest.mark.parametrize("chunk_size", [64, 128, 256])
+def test_hopper_grid_is_a_multiple_of_the_row_blocks(monkeypatch, sms, chunk_size):
+    """The kernel turns each program's row block with its turn in the loop ((item + wave) % M_BLOCKS,
+    hopper_kernel._item): a one-to-one map of the items only when the program count is a multiple of
+    M_BLOCKS = chunk_size / 64. The launcher rounds the grid down to one, whatever the SM count (7 SMs
+    give 14 programs, not a multiple of 4), and never launches more programs than items."""
+    from fastmamba.ops.ssd_scan import hopper
+
+    real = hopper._gluon()
+    if real is None:
+        pytest.skip("this Triton has no Gluon")
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+
+    monkeypatch.setattr(hopper, "_gluon", lambda: (Recorder(), real[1], real[2]))
+    monkeypatch.setattr(hopper, "sm_count", lambda t: sms)
+    from fastmamba.ops.ssd_scan.hopper_kernel import chunk_output_sm90_kernel
+
+    n_items_at = chunk_output_sm90_kernel.arg_names.index("n_items")
+    m_blocks = chunk_size // 64
+    for H, n_chunks in ((1, 1), (3, 2), (80, 8)):
+        L = n_chunks * chunk_size
+        x = torch.zeros(1, L, H, 64, dtype=torch.bfloat16)
+        C = torch.zeros(1, L, 1, 64, dtype=torch.bfloat16)
+        cb = torch.zeros(n_chunks, 1, chunk_size, chunk_size, dtype=torch.bfloat16)
+        states = torch.zeros(n_chunks, H, 64, 64, dtype=torch.bfloat16)
+        scratch = torch.zeros(H, n_chunks, chunk_size)
+        table = torch.zeros(n_chunks, 4, dtype=torch.int32)
+        launches.clear()
+        hopper.chunk_output_sm90(x, x, torch.empty_like(x), cb, C, None, table, None, states, scratch, scratch,
+                                 None, None, n_seg=1, chunk_size=chunk_size)
+        (grid, args, kwargs), = launches
+        n_items = H * n_chunks * m_blocks
+        assert args[n_items_at] == n_items
+        assert grid[0] % m_blocks == 0
+        assert m_blocks <= grid[0] <= max(n_items, m_blocks)
+        assert grid[0] >= min(n_items, hopper.PROGRAMS_PER_SM * sms) - (m_blocks - 1)
