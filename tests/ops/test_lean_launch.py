@@ -201,7 +201,8 @@ def test_signature_keys_registered_tma_descriptors():
 
     def desc(dtype, block=(64, 64)):
         t = torch.zeros(128, 64, dtype=dtype)
-        layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+        gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+        layout = gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
         return hopper.TensorDescriptor(t, [128, 64], [64, 1], list(block), layout)
 
     key = signature((desc(torch.bfloat16), 3))
