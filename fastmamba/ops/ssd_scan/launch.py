@@ -77,6 +77,18 @@ def _pdl(x: torch.Tensor, grid: tuple[int, ...], num_warps: int, *, exits_at_onc
     return dict(USE_PDL=use, PDL_TRIGGER=trigger_early(), launch_pdl=use)
 
 
+# The chunk-state kernel's 16-bit tiles take ~118 registers: 4 programs per SM. A grid of 4 to 5
+# programs per SM (mamba2-2.7b at L=2048: 640 programs on 132 SMs) then runs in 1.2 waves; capped at
+# STATE_REGS_CAP a fifth program fits and it runs in one (H200, .ab-style sweep of the captured
+# launch: fp32 states 18.9 -> 17.4 us, bf16 15.4 -> 15.0; at L=8192, 4.85 waves, the cap gains nothing).
+STATE_REGS_CAP = 96
+
+
+def state_regs_cap(programs: int, sms: int) -> int:
+    """The chunk-state launch's register cap for a grid of ``programs`` on ``sms`` SMs (0: none)."""
+    return STATE_REGS_CAP if 4 * sms < programs <= 5 * sms else 0
+
+
 def _strides4(t: torch.Tensor | None) -> tuple[int, int, int, int]:
     return tuple(t.stride()) if t is not None else (0, 0, 0, 0)
 
@@ -171,6 +183,9 @@ def ssd_scan_launch(
     else:
         states = torch.empty(n_chunks, H, P, N, dtype=state_dtype, device=dev)  # S_loc, recurrence precision
         grid = (n_chunks, H, cdiv(N, block_n_state))
+        # 16-bit tiles on a GPU only: the cap was measured there (fp32 tiles are smem-bound at 3 per SM)
+        on_gpu16 = x.is_cuda and x.element_size() == 2 and not interpreter
+        regs_cap = state_regs_cap(math.prod(grid), sm_count(x)) if on_gpu16 else 0
         lean(_chunk_state_kernel)[grid](
             x, B, table, segments.skip, states, dt_scratch, cs_scratch,
             n_seg, row_len, P, N, H // G, n_chunks,
@@ -178,6 +193,7 @@ def ssd_scan_launch(
             Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
             DOT_PRECISION=dot_precision, FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,
             num_warps=cfg.warps_state, **_pdl(x, grid, cfg.warps_state),
+            **({"maxnreg": regs_cap} if regs_cap else {}),
         )
         grid = (n_seg, H, cdiv(P * N, cfg.block_pass))
         lean(_state_passing_kernel)[grid](

@@ -371,6 +371,20 @@ def test_chained_state_kernel_dense_initial_and_final(device, chained):
     _close(final, ref_final, torch.float32)
 
 
+@pytest.mark.parametrize("sms", [8, 132])
+def test_chunk_state_register_cap_only_where_a_fifth_program_saves_a_wave(sms):
+    """launch.state_regs_cap: the chunk-state launch is capped for grids of more than 4 and at most 5
+    programs per SM (mamba2-2.7b at L=2048: 640 programs on 132 SMs), where a fifth program per SM
+    turns 1.2 waves into one; nowhere else (one wave already, or several waves either way)."""
+    from fastmamba.ops.ssd_scan.launch import STATE_REGS_CAP, state_regs_cap
+
+    for programs in (4 * sms + 1, 5 * sms):
+        assert state_regs_cap(programs, sms) == STATE_REGS_CAP
+    for programs in (1, 4 * sms, 5 * sms + 1, 20 * sms):
+        assert state_regs_cap(programs, sms) == 0
+    assert state_regs_cap(8 * 80, 132) == STATE_REGS_CAP
+
+
 def test_config_token_step_must_divide_row_block(device, monkeypatch):
     """A forced chunk-scan config whose token step does not divide its row block (the off-diagonal
     loop would run into the diagonal block and double-count it) is refused before any launch."""
