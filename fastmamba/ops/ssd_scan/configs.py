@@ -22,14 +22,9 @@ class SsdScanConfig(NamedTuple):
     block_p: int  # head-dim columns per chunk-scan program (0: all of P)
     warps_scan: int
     stages_scan: int
-    block_pass: int  # flattened P*N elements per state-passing program
+    block_pass: int  # flattened P*N elements per state-passing program with fp32 chunk states (16-bit: twice)
     head_major: int = 0  # chunk-scan grid (tiles, chunks, heads) instead of (chunks, heads, tiles)
     heads: int = 1  # heads per chunk-scan program (one after the other; 1 if it does not divide H)
-    # chunk states and state passing in one kernel, chunks chained through flags (no fp32 round
-    # trip of the per-chunk states). Off: on the H100 it was no faster, 136 us = 87 + 49 at L=8192
-    # and 42 vs 35 us at L=2048 (2.7b), since the 32-hop chain per head bounds it; it may pay
-    # with more, shorter chains (many sequences) — kept, tested, for that measurement
-    chain: int = 0
     maxnreg_scan: int = 0  # register cap of the chunk-scan kernel (ptxas maxnreg; 0: none)
 
 
@@ -74,8 +69,10 @@ def pick_config(H: int, P: int, N: int, dtype_bytes: int, *, interpreter: bool) 
     # states 15.0 / 52.7 us, 64 tokens 15.6 / 57.4; fp32 states 18.7 / 63.1 vs 17.9 / 66.7; 8 warps or
     # 2 stages slower; 2 or 4 heads of a group stacked in one matmul, B read once: slower or out of
     # shared memory); 2 or 4 heads per chunk-scan program
-    # 2.2-2.3x slower (spills under the cap). State passing: 512 state elements per program (32.5 us
-    # at L=8192 against 39.5 / 45.3 us for 1024 / 256)
+    # 2.2-2.3x slower (spills under the cap). State passing: 512 fp32 state elements per program (32.5
+    # us at L=8192 against 39.5 / 45.3 us for 1024 / 256), 1024 bf16 ones (2026-11-27, captured launch:
+    # 32 x 512 varlen 73.4 -> 63.7 us, 8 varlen sequences T=2048 17.0 -> 13.4, 1 x 2048 6.5 -> 5.6, 1 x
+    # 8192 29.3 -> 30.0; 2048 / 4096 / 8192 elements or 8 warps no better at either width)
     return SsdScanConfig(
         block_k_state=32, block_n_state=128, warps_state=4, block_m=64, block_k=64, block_p=0, warps_scan=4,
         stages_scan=1, block_pass=512, head_major=1, heads=1, maxnreg_scan=128,

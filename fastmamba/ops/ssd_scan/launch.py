@@ -20,7 +20,6 @@ from fastmamba.ops._common.launch import lean
 from fastmamba.ops.ssd_scan.kernel import (
     _chunk_prep_kernel,
     _chunk_scan_kernel,
-    _chunk_state_chain_kernel,
     _chunk_state_kernel,
     _state_passing_kernel,
     d_strides,
@@ -163,49 +162,32 @@ def ssd_scan_launch(
         # (~100 KB of shared memory) left two programs per SM
         num_warps=4, num_stages=1, **_pdl(x, grid, 4),
     )
-    if cfg.chain and segments.seg_final is None:
-        # one kernel: chunk states handed from chunk to chunk (no per-chunk fp32 round trip)
-        n_nblocks = cdiv(N, block_n_state)
-        send = torch.empty(n_chunks, H, P, N, dtype=torch.float32, device=dev)
-        n_flags = n_chunks * H * n_nblocks
-        counters = torch.zeros(n_flags + 1, dtype=torch.int32, device=dev)  # one fill launch for both
-        flags, ticket = counters[:n_flags], counters[n_flags:]  # flags keep the allocation's alignment
-        lean(_chunk_state_chain_kernel)[(n_chunks * H * n_nblocks,)](
-            x, B, table, segments.cu, segments.skip, states_in, send, dt_scratch, cs_scratch, ticket, flags,
-            segments.init, segments.init_idx, segments.final, segments.final_idx, None, segments.chunk_out,
-            segments.final_seed,
-            n_seg, row_len, H, P, N, H // G, n_chunks, n_nblocks,
-            *x.stride(), *B.stride(), *states_in.stride(), *send.stride(),
-            *_strides4(segments.init), *_strides4(segments.final), *_strides4(None), *_strides4(segments.chunk_out),
-            Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
-            DOT_PRECISION=dot_precision, FAST_MATH=fast_math, DOT_UPCAST=dot_upcast, num_warps=cfg.warps_state,
-        )
-    else:
-        states = torch.empty(n_chunks, H, P, N, dtype=state_dtype, device=dev)  # S_loc, recurrence precision
-        grid = (n_chunks, H, cdiv(N, block_n_state))
-        # 16-bit tiles on a GPU only: the cap was measured there (fp32 tiles are smem-bound at 3 per SM)
-        on_gpu16 = x.is_cuda and x.element_size() == 2 and not interpreter
-        regs_cap = state_regs_cap(math.prod(grid), sm_count(x)) if on_gpu16 else 0
-        lean(_chunk_state_kernel)[grid](
-            x, B, table, segments.skip, states, dt_scratch, cs_scratch,
-            n_seg, row_len, P, N, H // G, n_chunks,
-            *x.stride(), *B.stride(), *states.stride(),
-            Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
-            DOT_PRECISION=dot_precision, FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,
-            num_warps=cfg.warps_state, **_pdl(x, grid, cfg.warps_state),
-            **({"maxnreg": regs_cap} if regs_cap else {}),
-        )
-        grid = (n_seg, H, cdiv(P * N, cfg.block_pass))
-        lean(_state_passing_kernel)[grid](
-            states, states_in, cs_scratch, segments.cu, segments.skip,
-            segments.init, segments.init_idx, segments.final, segments.final_idx, segments.seg_final, segments.chunk_out,
-            segments.final_seed,
-            n_seg, P, N, n_chunks,
-            *states.stride(), *states_in.stride(), *_strides4(segments.init), *_strides4(segments.final),
-            *_strides4(segments.seg_final), *_strides4(segments.chunk_out),
-            Q=Q, BLOCK_PN=cfg.block_pass, BLOCK_SEG=block_seg,
-            num_warps=4, **_pdl(x, grid, 4),
-        )
+    states = torch.empty(n_chunks, H, P, N, dtype=state_dtype, device=dev)  # S_loc, recurrence precision
+    grid = (n_chunks, H, cdiv(N, block_n_state))
+    # 16-bit tiles on a GPU only: the cap was measured there (fp32 tiles are smem-bound at 3 per SM)
+    on_gpu16 = x.is_cuda and x.element_size() == 2 and not interpreter
+    regs_cap = state_regs_cap(math.prod(grid), sm_count(x)) if on_gpu16 else 0
+    lean(_chunk_state_kernel)[grid](
+        x, B, table, segments.skip, states, dt_scratch, cs_scratch,
+        n_seg, row_len, P, N, H // G, n_chunks,
+        *x.stride(), *B.stride(), *states.stride(),
+        Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
+        DOT_PRECISION=dot_precision, FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,
+        num_warps=cfg.warps_state, **_pdl(x, grid, cfg.warps_state),
+        **({"maxnreg": regs_cap} if regs_cap else {}),
+    )
+    block_pass = cfg.block_pass * 4 // states.element_size()  # 16-byte loads per thread at either width
+    grid = (n_seg, H, cdiv(P * N, block_pass))
+    lean(_state_passing_kernel)[grid](
+        states, states_in, cs_scratch, segments.cu, segments.skip,
+        segments.init, segments.init_idx, segments.final, segments.final_idx, segments.seg_final, segments.chunk_out,
+        segments.final_seed,
+        n_seg, P, N, n_chunks,
+        *states.stride(), *states_in.stride(), *_strides4(segments.init), *_strides4(segments.final),
+        *_strides4(segments.seg_final), *_strides4(segments.chunk_out),
+        Q=Q, BLOCK_PN=block_pass, BLOCK_SEG=block_seg,
+        num_warps=4, **_pdl(x, grid, 4),
+    )
     if hopper:  # sm_90: the warp-specialized TMA kernel; the Triton one below redoes it only on non-finite x
         chunk_output_sm90(x, z, out, cb, C, D, table, segments.skip, states_in, dt_scratch, cs_scratch,
                           norm_weight, norm_sumsq, n_seg=n_seg, chunk_size=Q)

@@ -1,7 +1,7 @@
 """Which varlen scan path the tests written for the five-kernel path exercise.
 
 ``ssd_scan_varlen`` picks the fused one-launch kernel by itself when every sequence is short, which
-is true of nearly every CPU test shape; the tests that predate it (chain and tile configs, the
+is true of nearly every CPU test shape; the tests that predate it (tile configs, the
 five-kernel launcher's corner cases) would then no longer reach the kernels they were written for.
 So outside ``test_ssd_scan_fused.py`` the automatic choice is pinned to the chunked path by default.
 ``FASTMAMBA_TEST_SCAN_PATH=fused`` runs the same tests on the fused kernel instead (every call that

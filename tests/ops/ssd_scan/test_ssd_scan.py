@@ -328,49 +328,6 @@ def test_gpu_dense_2p7b_matches_reference(device):
     assert (final - ref_final).norm() / ref_final.norm() < 5e-3
 
 
-@pytest.fixture
-def chained(monkeypatch):
-    """Run the chunk states and the state passing as one chained kernel (configs.chain=1)."""
-    from fastmamba.ops._common.dispatch import interpreter_enabled
-    from fastmamba.ops.ssd_scan import configs
-
-    base = configs.pick_config(4, 8, 8, 4, interpreter=interpreter_enabled())
-    monkeypatch.setattr(configs, "_forced", base._replace(chain=1))
-
-
-def test_chained_state_kernel_varlen(device, chained):
-    lens = [37, 1, 0, 16, 5, 20]
-    inp, cu, states = _varlen_case(device, lens, seed=71)
-    slots = torch.tensor([4, 0, 7, PAD, 2, 8], dtype=torch.int32, device=device)
-    flags = torch.tensor([1, 0, 1, 1, 1, 0], dtype=torch.bool, device=device)
-    kw = dict(chunk_size=16, D=inp["D"], z=inp["z"], dt_bias=inp["dt_bias"], cache_indices=slots,
-              has_initial_state=flags, pad_slot_id=PAD)
-    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"])
-    mine, theirs = states.clone(), states.clone()
-    n = num_chunks(cu, 16)
-    chunks = torch.full((n, *states.shape[1:]), float("nan"), device=device)
-    ref_chunks = torch.full_like(chunks, float("nan"))
-    out = ssd_scan_varlen(*args, mine, cu, out=nan_like(inp["x"]), chunk_states_out=chunks, **kw)
-    ref = ssd_scan_varlen_ref(*args, theirs, cu, chunk_states_out=ref_chunks, **kw)
-    _close(out, ref, torch.float32)
-    _close(mine, theirs, torch.float32)  # untouched slots compare equal too
-    live = ~torch.isnan(ref_chunks)
-    _close(chunks[live], ref_chunks[live], torch.float32)
-
-
-def test_chained_state_kernel_dense_initial_and_final(device, chained):
-    nb, L, H, P, G, N = 2, 37, 4, 8, 2, 8
-    inp = _inputs((nb, L), H, P, G, N, torch.float32, device, seed=72)
-    init = torch.randn(nb, H, P, N, generator=seeded(73)).to(device)
-    args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 16)
-    kw = dict(D=inp["D"], z=inp["z"], dt_bias=inp["dt_bias"], dt_softplus=True, initial_states=init,
-              return_final_states=True)
-    out, final = mamba_chunk_scan_combined(*args, **kw)
-    ref_out, ref_final = mamba_chunk_scan_combined_ref(*args, **kw)
-    _close(out, ref_out, torch.float32)
-    _close(final, ref_final, torch.float32)
-
-
 @pytest.mark.parametrize("sms", [8, 132])
 def test_chunk_state_register_cap_only_where_a_fifth_program_saves_a_wave(sms):
     """launch.state_regs_cap: the chunk-state launch is capped for grids of more than 4 and at most 5
@@ -475,15 +432,8 @@ def _neighbour(rn: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.where(rn.float() == v, rn, other)
 
 
-@pytest.mark.parametrize("state_dtype,chain", [(torch.float16, False), (torch.bfloat16, False), (torch.float16, True)],
-                         ids=["fp16", "bf16", "fp16-chain"])
-def test_varlen_rand_seed_changes_and_reproduces_the_stored_state(device, monkeypatch, state_dtype, chain):
-    if chain:
-        from fastmamba.ops._common.dispatch import interpreter_enabled
-        from fastmamba.ops.ssd_scan import configs
-
-        base = configs.pick_config(2, 16, 16, 4, interpreter=interpreter_enabled())
-        monkeypatch.setattr(configs, "_forced", base._replace(chain=1))
+@pytest.mark.parametrize("state_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_varlen_rand_seed_changes_and_reproduces_the_stored_state(device, state_dtype):
     lens = [21, 9]
     inp, cu, states = _varlen_case(device, lens, H=2, P=16, G=1, N=16, state_dtype=state_dtype, seed=91)
     slots = torch.tensor([3, 0], dtype=torch.int32, device=device)
