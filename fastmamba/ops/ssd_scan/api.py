@@ -43,6 +43,13 @@ def _count_chunks(cu: list[int], chunk_size: int) -> int:
     return sum(cdiv(int(b) - int(a), chunk_size) for a, b in zip(cu[:-1], cu[1:]))
 
 
+def chunk_count_bound(tokens: int, n_seg: int, chunk_size: int) -> int:
+    """The most chunks ``n_seg`` sequences of ``tokens`` tokens in all can be cut into, without their
+    lengths: sum ceil(l / Q) <= sum (l + Q - 1) / Q = (tokens + n_seg (Q - 1)) / Q. Exact for one
+    sequence; the scan sizes its grids with it where it may not read cu_seqlens (graph capture)."""
+    return (tokens + n_seg * (chunk_size - 1)) // chunk_size
+
+
 def chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """[B] index of each sequence's first chunk in ``chunk_states_out`` (computed on the device)."""
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
@@ -275,7 +282,7 @@ def _mamba_chunk_scan_combined_impl(
         row_of_seg = torch.zeros(n_seg, dtype=torch.int32, device=dev)
         # the exact chunk count needs a host read; where the caller may not read (decided when it
         # called, so a compiled graph keeps its answer), an upper bound
-        n_chunks = num_chunks(cu, chunk_size) if read_cu_seqlens else cdiv(L, chunk_size) + n_seg
+        n_chunks = num_chunks(cu, chunk_size) if read_cu_seqlens else chunk_count_bound(L, n_seg, chunk_size)
     elif seq_idx is not None:
         bounds, rows, firsts, lasts = [], [], [], []
         ids = seq_idx.tolist()
@@ -512,7 +519,7 @@ def ssd_scan_varlen(
                 bool(A_is_log), rand_seed, max_len, live_seqs or 0, norm_weight, norm_sumsq,
             )
             return out
-        n_chunks = total_chunks if total_chunks is not None else cdiv(T, chunk_size) + nseq
+        n_chunks = total_chunks if total_chunks is not None else chunk_count_bound(T, nseq, chunk_size)
         op = _ssd_scan_varlen_impl if call_directly(x) else _ssd_scan_varlen_
         op(
             x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,
