@@ -68,11 +68,11 @@ def pick_config(H: int, P: int, N: int, dtype_bytes: int, *, interpreter: bool) 
     # 32 tokens x all of N on 4 warps, 3 stages (2026-11-27, .ab-style sweep, L=2048 / 8192: bf16
     # states 15.0 / 52.7 us, 64 tokens 15.6 / 57.4; fp32 states 18.7 / 63.1 vs 17.9 / 66.7; 8 warps or
     # 2 stages slower; 2 or 4 heads of a group stacked in one matmul, B read once: slower or out of
-    # shared memory); 2 or 4 heads per chunk-scan program
-    # 2.2-2.3x slower (spills under the cap). State passing: 512 fp32 state elements per program (32.5
-    # us at L=8192 against 39.5 / 45.3 us for 1024 / 256), 1024 bf16 ones (2026-11-27, captured launch:
-    # 32 x 512 varlen 73.4 -> 63.7 us, 8 varlen sequences T=2048 17.0 -> 13.4, 1 x 2048 6.5 -> 5.6, 1 x
-    # 8192 29.3 -> 30.0; 2048 / 4096 / 8192 elements or 8 warps no better at either width)
+    # shared memory); 2 or 4 heads per chunk-scan program 2.2-2.3x slower (spills under the cap).
+    # State passing: 512 fp32 state elements per program (32.5 us at L=8192 against 39.5 / 45.3 us for
+    # 1024 / 256), 1024 bf16 ones (2026-11-27, captured launch: 32 x 512 varlen 73.4 -> 63.7 us, 8
+    # varlen sequences T=2048 17.0 -> 13.4, 1 x 2048 6.5 -> 5.6, 1 x 8192 29.3 -> 30.0; 2048 / 4096 /
+    # 8192 elements or 8 warps no better at either width)
     return SsdScanConfig(
         block_k_state=32, block_n_state=128, warps_state=4, block_m=64, block_k=64, block_p=0, warps_scan=4,
         stages_scan=1, block_pass=512, head_major=1, heads=1, maxnreg_scan=128,

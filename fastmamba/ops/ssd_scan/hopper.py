@@ -16,9 +16,9 @@ hosts, with ``_common/launch.lean`` keying the descriptors), more than it saves 
 call (~15 us at L=2048, ~45 us at L=8192; `bench prefill --eager`, 2.7b L=8192 bf16, read 424 us
 eager with it, 334 us without in an earlier job on another H200 host). A model's prefill hides that
 host time behind the GPU work of the layers queued before it (`bench ttft`, 1 x 8192 eager: 90.4-90.7
-vs 93.4-94.4 ms). A capture
-outside the block keeps the Triton kernel: the Hopper kernel's first launch loads a module, which a
-capture forbids, so the warm-up before a capture must have taken the same path.
+vs 93.4-94.4 ms). A capture outside the block keeps the Triton kernel: the Hopper kernel's first
+launch loads a module, which a capture forbids, so the warm-up before a capture must have taken the
+same path.
 ``FASTMAMBA_HOPPER_SCAN``: ``auto`` (default, as above), ``1`` (every call: the GPU tests), ``0`` (never).
 
 Measured (H200, 2.7b shape, one CUDA graph): the stage 125-129 vs 221-223 us at L=8192 and 37 vs 61-62
