@@ -180,3 +180,50 @@ def test_pdl_prefill_chain_matches_eager(fused):
 
     _replays_match(lambda: step(conv0.clone(), ssm0.clone()), lambda: step(conv_g, ssm_g), [want] * 3,
                    before_replay=reset)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="PDL needs a Hopper (sm_90) or newer GPU")
+@pytest.mark.parametrize("hopper_scan", ["off", "auto"])
+def test_scan_kernels_chained_with_pdl_match_plain_launches(monkeypatch, hopper_scan):
+    """With PDL switched off, the chunked scan's kernels after its first still launch with PDL (each
+    waits at its start for the one before): eager and graphed outputs, final states included, equal
+    those of plain launches (FASTMAMBA_PDL_CHAIN=off), at 4 chunks of 256 tokens with a ragged tail."""
+    from fastmamba.ops import mamba_chunk_scan_combined
+    from fastmamba.ops._common import pdl
+    from fastmamba.ops.ssd_scan import hopper
+
+    monkeypatch.setenv("FASTMAMBA_HOPPER_SCAN", hopper_scan)
+    torch.manual_seed(2)
+    dev, L, H, P, G, N = "cuda", 1000, 16, 64, 2, 128
+    x, z = (torch.randn(1, L, H, P, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    dt = torch.randn(1, L, H, device=dev)
+    A = -torch.rand(H, device=dev) - 0.5
+    B, C = (torch.randn(1, L, G, N, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    D, bias = torch.randn(H, device=dev), torch.randn(H, device=dev)
+    init = torch.randn(1, H, P, N, device=dev) * 0.1
+
+    def call():
+        with hopper.hopper_kernels():
+            y, final = mamba_chunk_scan_combined(x, dt, A, B, C, 256, D=D, z=z, dt_bias=bias, dt_softplus=True,
+                                                 initial_states=init, return_final_states=True)
+        return torch.cat([y.flatten().float(), final.flatten()])
+
+    monkeypatch.setattr(pdl, "_enabled", False)
+    monkeypatch.setattr(pdl, "_chain", "off")
+    plain = call()
+    monkeypatch.setattr(pdl, "_chain", "on")
+    assert torch.equal(call(), plain)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain)

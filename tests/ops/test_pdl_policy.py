@@ -66,6 +66,23 @@ def test_off_unless_switched_on_cuda_and_sm90(hopper, monkeypatch):
         assert not pdl.pdl_active(CUDA_TENSOR, 1, 1)
 
 
+def test_chained_kernels_take_pdl_on_one_wave_grids_even_when_switched_off(hopper, monkeypatch):
+    monkeypatch.setattr(pdl, "_chain", "on")
+    monkeypatch.setattr(pdl, "_enabled", False)
+    assert not pdl.pdl_active(CUDA_TENSOR, 100, 4)  # an op's first kernel: plain
+    assert pdl.pdl_chained(CUDA_TENSOR, 100, 4)  # the kernels after it in the same op
+    assert pdl.pdl_chained(CUDA_TENSOR, 132 * 16, 4)
+    assert not pdl.pdl_chained(CUDA_TENSOR, 132 * 16 + 1, 4)  # multi-wave grids launch plainly
+    assert not pdl.pdl_chained(CPU_TENSOR, 1, 4)
+    monkeypatch.setattr(pdl, "_device_sm_info", lambda t: (False, 108))  # an A100
+    assert not pdl.pdl_chained(CUDA_TENSOR, 1, 4)
+    monkeypatch.setattr(pdl, "_device_sm_info", lambda t: (True, 132))
+    monkeypatch.setattr(pdl, "_chain", "off")  # the A/B hook: as pdl_active
+    assert not pdl.pdl_chained(CUDA_TENSOR, 100, 4)
+    with pdl.programmatic_dependent_launch():
+        assert pdl.pdl_chained(CUDA_TENSOR, 100, 4)
+
+
 def test_experiment_hooks(hopper, monkeypatch):
     monkeypatch.setattr(pdl, "_waves", "all")
     assert pdl.pdl_active(CUDA_TENSOR, 10**6, 8)

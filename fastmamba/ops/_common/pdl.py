@@ -41,6 +41,9 @@ def _env_choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
 # ("early": right after its grid-dependency wait, the default; "exit": when it exits).
 _waves = _env_choice("FASTMAMBA_PDL_WAVES", "one", ("one", "all"))
 _trigger = _env_choice("FASTMAMBA_PDL_TRIGGER", "early", ("early", "exit"))
+# Whether the kernels that follow another kernel of the same op take PDL when it is switched off
+# ("on", the default; ``pdl_chained``); "off" for A/B runs.
+_chain = _env_choice("FASTMAMBA_PDL_CHAIN", "on", ("on", "off"))
 
 
 def trigger_early() -> bool:
@@ -100,6 +103,17 @@ def pdl_active(t: torch.Tensor, programs: int, num_warps: int) -> bool:
     if not (_enabled and t.is_cuda):
         return False
     return _device_sm_info(t)[0] and (_waves == "all" or fits_one_wave(t, programs, num_warps))
+
+
+def pdl_chained(t: torch.Tensor, programs: int, num_warps: int) -> bool:
+    """Whether a kernel that follows another kernel of the same op in the stream uses PDL: as
+    ``pdl_active`` when PDL is switched on, else on sm_90+ for grids of one wave all the same. Such a
+    kernel waits for the kernel before at its start (it reads nothing earlier), and the op's first
+    kernel launches plainly, after everything its caller queued: the contract above is the op's to
+    keep, whoever calls it (as the replay op's ``CHAIN_PDL``)."""
+    if pdl_active(t, programs, num_warps):
+        return True
+    return _chain == "on" and pdl_supported(t) and fits_one_wave(t, programs, num_warps)
 
 
 def pdl_launch(t: torch.Tensor, programs: int, num_warps: int) -> tuple[bool, bool]:

@@ -624,7 +624,7 @@ def _ssd_scan_varlen_impl(
         # of a prompt's final state into the 16-bit cache is the stochastic one (16-bit chunk states
         # would already have rounded it to nearest)
         state_dtype=torch.float32 if rand_seed is not None else ssm_states.dtype,
-        A_is_log=A_is_log, norm_weight=norm_weight, norm_sumsq=norm_sumsq,
+        A_is_log=A_is_log, norm_weight=norm_weight, norm_sumsq=norm_sumsq, after_own_kernel=True,
     )
 
 

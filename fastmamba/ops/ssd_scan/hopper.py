@@ -38,7 +38,7 @@ import torch
 
 from fastmamba.ops._common.dispatch import interpreter_enabled
 from fastmamba.ops._common.launch import lean, register_descriptor_type
-from fastmamba.ops._common.pdl import pdl_active, sm_count
+from fastmamba.ops._common.pdl import pdl_chained, sm_count
 from fastmamba.ops.ssd_scan.kernel import d_strides
 
 MIN_TOKENS = 1024  # timed from 2048 tokens up; shorter calls keep the Triton kernel (not measured there)
@@ -182,7 +182,8 @@ def chunk_output_sm90(x, z, out, cb, C, D, table, skip, states_in, dt_scratch, c
     programs = min(n_items, sm_count(x) * PROGRAMS_PER_SM)
     grid = (max(m_blocks, programs - programs % m_blocks),)
     cs_stages, z_stages, k_stages = STAGES
-    use_pdl = pdl_active(x, grid[0], 8)  # one wave of persistent programs (4 + 4 warps: the producer's group)
+    # one wave of persistent programs (4 + 4 warps: the producer's group), after the state passing
+    use_pdl = pdl_chained(x, grid[0], 8)
     kernel[grid](
         *descs, table, skip, cs_scratch, dt_scratch, D, out, norm_weight, norm_sumsq,
         n_items, n_chunks, n_seg, H, H // G, G, q_pad, out.stride(1), *d_strides(D),

@@ -13,7 +13,7 @@ import torch
 import math
 
 from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
-from fastmamba.ops._common.pdl import pdl_active, pdl_requested, sm_count, trigger_early
+from fastmamba.ops._common.pdl import pdl_active, pdl_chained, sm_count, trigger_early
 from fastmamba.ops.ssd_scan.configs import block_p_of, check_config, pick_config
 from fastmamba.ops.ssd_scan.hopper import chunk_output_sm90, hopper_chunk_output_ok
 from fastmamba.ops._common.launch import lean
@@ -66,13 +66,15 @@ class ScanSegments:
         return self.cu.shape[0] - 1
 
 
-def _pdl(x: torch.Tensor, grid: tuple[int, ...], num_warps: int, *, exits_at_once: bool = False) -> dict:
-    """Launch options of one of the scan's kernels under programmatic dependent launch (the
-    runtime's prefill graphs; ``fastmamba.ops._common.pdl``): each kernel waits for the one before
-    at its start, so PDL hides the launch gap of single-wave grids (short prompts). A kernel whose
-    programs exit at once (``exits_at_once``: the Triton fallback after the Hopper kernel, unless
-    flagged) takes it whenever PDL is on, whatever its grid."""
-    use = pdl_requested(x) if exits_at_once else pdl_active(x, math.prod(grid), num_warps)
+def _pdl(x: torch.Tensor, grid: tuple[int, ...], num_warps: int, *, chained: bool) -> dict:
+    """Launch options of one of the scan's kernels under programmatic dependent launch
+    (``fastmamba.ops._common.pdl``): each kernel waits for the one before at its start, so PDL hides
+    the launch gap of single-wave grids (all of them at L=2048, the Hopper kernel and the Triton
+    fallback after it, one wave of programs that exit at once unless flagged, at any length). The
+    op's first kernel takes it only when PDL is switched on (the runtime's prefill graphs); a kernel
+    after another of the op's own (``chained``) takes it on sm_90+ either way (``pdl_chained``)."""
+    programs = math.prod(grid)
+    use = pdl_chained(x, programs, num_warps) if chained else pdl_active(x, programs, num_warps)
     return dict(USE_PDL=use, PDL_TRIGGER=trigger_early(), launch_pdl=use)
 
 
@@ -111,9 +113,12 @@ def ssd_scan_launch(
     A_is_log: bool = False,
     norm_weight: torch.Tensor | None = None,
     norm_sumsq: torch.Tensor | None = None,
+    after_own_kernel: bool = False,
 ) -> None:
     """x, z, out [R, L, H, P]; dt [R, L, H]; B, C [R, L, G, N]; A [H] (A_log when A_is_log); D [H] or [H, P];
-    norm_weight [H * P] and norm_sumsq [R * L, H * P / 16] or None (the deferred norm: ssd_scan_varlen)."""
+    norm_weight [H * P] and norm_sumsq [R * L, H * P / 16] or None (the deferred norm: ssd_scan_varlen).
+    ``after_own_kernel``: the op launched a kernel of its own just before (the varlen slot rows), so
+    the first kernel here may take PDL too."""
     _, row_len, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
     Q = chunk_size
@@ -160,7 +165,7 @@ def ssd_scan_launch(
         CB_M=cb_block, CB_N=min(block_n, 128), DOT_PRECISION=dot_precision, DOT_UPCAST=dot_upcast,
         # one stage: the C B^T loop has one or two trips, and Triton's default 3 stages of (C, B) tiles
         # (~100 KB of shared memory) left two programs per SM
-        num_warps=4, num_stages=1, **_pdl(x, grid, 4),
+        num_warps=4, num_stages=1, **_pdl(x, grid, 4, chained=after_own_kernel),
     )
     states = torch.empty(n_chunks, H, P, N, dtype=state_dtype, device=dev)  # S_loc, recurrence precision
     grid = (n_chunks, H, cdiv(N, block_n_state))
@@ -173,7 +178,7 @@ def ssd_scan_launch(
         *x.stride(), *B.stride(), *states.stride(),
         Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
         DOT_PRECISION=dot_precision, FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,
-        num_warps=cfg.warps_state, **_pdl(x, grid, cfg.warps_state),
+        num_warps=cfg.warps_state, **_pdl(x, grid, cfg.warps_state, chained=True),
         **({"maxnreg": regs_cap} if regs_cap else {}),
     )
     block_pass = cfg.block_pass * 4 // states.element_size()  # 16-byte loads per thread at either width
@@ -186,7 +191,7 @@ def ssd_scan_launch(
         *states.stride(), *states_in.stride(), *_strides4(segments.init), *_strides4(segments.final),
         *_strides4(segments.seg_final), *_strides4(segments.chunk_out),
         Q=Q, BLOCK_PN=block_pass, BLOCK_SEG=block_seg,
-        num_warps=4, **_pdl(x, grid, 4),
+        num_warps=4, **_pdl(x, grid, 4, chained=True),
     )
     if hopper:  # sm_90: the warp-specialized TMA kernel; the Triton one below redoes it only on non-finite x
         chunk_output_sm90(x, z, out, cb, C, D, table, segments.skip, states_in, dt_scratch, cs_scratch,
@@ -207,6 +212,6 @@ def ssd_scan_launch(
         Q=Q, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_P=block_p_scan, BLOCK_N=block_n, HEADS=heads,
         DOT_PRECISION=dot_precision, HEAD_MAJOR=bool(cfg.head_major), FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,
         ONLY_IF_FLAGGED=hopper, num_warps=cfg.warps_scan, num_stages=cfg.stages_scan,
-        **_pdl(x, grid, cfg.warps_scan, exits_at_once=hopper),
+        **_pdl(x, grid, cfg.warps_scan, chained=True),
         **({"maxnreg": cfg.maxnreg_scan} if cfg.maxnreg_scan and not interpreter else {}),
     )
