@@ -161,8 +161,8 @@ def chunk_output_sm90(x, z, out, cb, C, D, table, skip, states_in, dt_scratch, c
     x, z, out [R, L, H, P]; cb [chunks, G, q_pad, q_pad]; C [R, L, G, N]; D [H] or [H, P] or None;
     table [chunks, 4] int32; skip [n_seg] int8 or None; states_in [chunks, H, P, N] (x's dtype);
     dt / cs scratch [H, chunks, Q] fp32; norm_weight [H * P] and norm_sumsq [R * L, H * P / 16] or None.
-    Sets table[0, 3] when a diagonal x tile holds a non-finite value: the caller then runs the Triton
-    kernel with ONLY_IF_FLAGGED (``launch.py``)."""
+    The chunk-state kernel sets table[0, 3] when x holds a non-finite value: the caller then runs the
+    Triton kernel with ONLY_IF_FLAGGED after this one (``launch.py``)."""
     kernel, TensorDescriptor, gl = _gluon()
     R, L, H, P = x.shape
     G, N = C.shape[2], C.shape[3]

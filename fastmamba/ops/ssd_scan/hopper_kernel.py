@@ -31,10 +31,12 @@ blocks past a chunk's end do nothing; a padding segment's rows are zeros; rows a
 chunk's end are selected away, never multiplied in (the cs / dt' scratch holds garbage there).
 Non-finite x: in the diagonal tile a non-finite x_s would reach rows t < s through a zero weight
 (0 * NaN = NaN on the tensor cores). Cleaning the tile and marking the NaN columns cost this kernel 20%
-(a reduction across warps per item; H200, L=8192: 212 vs 177 us), so instead any thread that sees a
-non-finite value in its rows of a diagonal x tile sets a flag (entry 3 of the chunk table's row 0,
-zeroed by the cumsum), and the Triton kernel, launched right after with ONLY_IF_FLAGGED, redoes
-the whole stage when it is set and exits at once otherwise.
+(a reduction across warps per item; H200, L=8192: 212 vs 177 us), so instead the chunk-state kernel
+before it flags any chunk whose state contribution is not finite (entry 3 of the chunk table's row 0,
+zeroed by the prep kernel; ``kernel._chunk_state_kernel``'s FLAG_NONFINITE), and the Triton kernel,
+launched right after this one with ONLY_IF_FLAGGED, redoes the whole stage when it is set and exits at
+once otherwise. (This kernel flagged its own diagonal x tiles before: a row sum and a predicated store
+per item.)
 """
 from __future__ import annotations
 
@@ -344,13 +346,8 @@ def _consumer(o_desc, c_smem, s_smem, z_smem, cb_smem, x_smem, o_smem, csm_smem,
                 cs_ma = csm_smem.index(s).load(a_rows)
                 decay = _exp(gl.where(causal, cs_ma[:, None] - cs_k[None, :], float("-inf")))
                 a = gl.where(causal, cb * decay * dt_k[None, :], 0.0).to(dtype)
-            # a non-finite x_s would reach rows t < s through a zero weight (0 * NaN = NaN in the
-            # matmul): a tile holding one (or finite values whose row sum overflows) sets the flag, and
-            # the Triton kernel launched next redoes the whole stage (hopper.py)
-            x_m = x_smem.index(sk).load(mma).to(gl.float32)
-            row_sum = gl.sum(x_m, axis=1)
-            gl.store(table_ptr + 3 + offs_m * 0, gl.full([BM], 1, gl.int32, layout=rows_l),
-                     mask=~(gl.abs(row_sum) < float("inf")))
+            if HAS_D:
+                x_m = x_smem.index(sk).load(mma).to(gl.float32)
             acc_s, acc_o = warpgroup_mma_wait(0, deps=(acc_s, acc_o))
             mbarrier.arrive(cs_empty.index(s))
             if split:

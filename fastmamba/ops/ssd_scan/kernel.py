@@ -210,10 +210,15 @@ def _chunk_state_kernel(
     stride_st_c, stride_st_h, stride_st_p, stride_st_n,
     Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, HAS_SKIP: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    USE_PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = True,
+    FLAG_NONFINITE: tl.constexpr = False, USE_PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = True,
 ):
+    """One program per (chunk, head, block of N): S_loc = sum_s exp(cs_last - cs_s) dt'_s x_s B_s^T [P, N].
+    FLAG_NONFINITE (the Hopper chunk-output kernel runs next): a program whose S_loc sums to a
+    non-finite value sets entry 3 of the chunk table's row 0, so that the Triton chunk-output kernel
+    redoes the stage. A non-finite x_s makes its row of S_loc NaN whatever its weight (0 * NaN = NaN
+    on the tensor cores), and every x of a live chunk passes through here; a non-finite B or an
+    overflow sets it too, which costs only the Triton kernel's time."""
     _wait_for_kernel_before(USE_PDL, PDL_TRIGGER)  # everything this kernel reads may come from it
-    # one program per (chunk, head, block of N): S_loc = sum_s exp(cs_last - cs_s) dt'_s x_s B_s^T  [P, N]
     c = tl.program_id(0)
     h = tl.program_id(1)
     pid_n = tl.program_id(2)
@@ -240,6 +245,9 @@ def _chunk_state_kernel(
     st = states_ptr + c.to(tl.int64) * stride_st_c + h * stride_st_h
     tl.store(st + offs_p[:, None] * stride_st_p + offs_n[None, :] * stride_st_n,
              acc.to(states_ptr.dtype.element_ty), mask=mp[:, None] & mn[None, :])
+    if FLAG_NONFINITE:
+        if (tl.abs(tl.sum(tl.sum(acc, 1), 0)) < float("inf")) == 0:  # NaN fails the test too
+            tl.store(table_ptr + 3, 1)
 
 
 @triton.heuristics({

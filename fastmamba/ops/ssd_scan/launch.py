@@ -31,7 +31,7 @@ from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 # a smaller tile would leave part of such a block unwritten (tiles above the diagonal are skipped).
 CB_BLOCK = 64
 # the Triton chunk-scan programs launched after the Hopper kernel, per SM: one wave that exits at once
-# unless the Hopper kernel flagged a non-finite x
+# unless the chunk-state kernel flagged a non-finite x
 FLAGGED_PROGRAMS_PER_SM = 4
 
 
@@ -177,7 +177,7 @@ def ssd_scan_launch(
         n_seg, row_len, P, N, H // G, n_chunks,
         *x.stride(), *B.stride(), *states.stride(),
         Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
-        DOT_PRECISION=dot_precision, FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,
+        DOT_PRECISION=dot_precision, FAST_MATH=fast_math, DOT_UPCAST=dot_upcast, FLAG_NONFINITE=hopper,
         num_warps=cfg.warps_state, **_pdl(x, grid, cfg.warps_state, chained=True),
         **({"maxnreg": regs_cap} if regs_cap else {}),
     )

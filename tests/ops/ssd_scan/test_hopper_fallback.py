@@ -1,8 +1,8 @@
-"""The launcher's side of the Hopper chunk-output kernel, on any device: when that kernel flags a
-non-finite x (entry 3 of the chunk table's row 0), the Triton kernel launched after it redoes the whole
-stage; otherwise it exits without writing. The interpreter cannot run Gluon, so a stand-in takes the
-Hopper kernel's place here: it poisons the output and sets the flag or not. The real kernel's flag is
-tested on the GPU (test_hopper_chunk_output.py: NaN inputs)."""
+"""The launcher's side of the Hopper chunk-output kernel, on any device: when the chunk-state kernel
+flags a non-finite x (entry 3 of the chunk table's row 0), the Triton kernel launched after the Hopper
+one redoes the whole stage; otherwise it exits without writing. The interpreter cannot run Gluon, so a stand-in takes the
+Hopper kernel's place here: it poisons the output and sets the flag or not. The whole path with NaN
+inputs is tested on the GPU (test_hopper_chunk_output.py)."""
 from __future__ import annotations
 
 import pytest
@@ -23,7 +23,7 @@ def test_triton_kernel_redoes_the_stage_only_when_flagged(device, monkeypatch, f
     calls = []
 
     def stand_in(x, z, out, cb, C, D, table, *rest, **options):
-        calls.append(table[0, 3].item())  # zeroed by the prep kernel's cumsum before this launch
+        calls.append(table[0, 3].item())  # zeroed by the prep kernel, left 0 by the chunk states (finite x)
         out.fill_(float("nan"))
         table[0, 3] = flag
 
@@ -35,6 +35,33 @@ def test_triton_kernel_redoes_the_stage_only_when_flagged(device, monkeypatch, f
         assert torch.equal(got, plain)
     else:
         assert torch.isnan(got).all()
+
+
+@pytest.mark.parametrize("bad", [None, "nan", "inf", "-inf"])
+def test_chunk_state_kernel_flags_a_non_finite_x_for_the_hopper_path(device, monkeypatch, bad):
+    """With the Hopper kernel next, the chunk-state kernel sets the flag when any x of a live chunk is
+    not finite (here one value in the second, partial chunk), and only then; the Triton kernel then
+    gives the plain path's output: nothing before the bad token is touched."""
+    inp = _inputs((1, 150), 2, 16, 1, 16, torch.float32, device, seed=73)
+    x = inp["x"].clone()
+    if bad is not None:
+        x[0, 101, 1, 3] = float(bad)
+    args = (x, inp["dt"], inp["A"], inp["B"], inp["C"], 64)
+    kw = dict(D=inp["D"], z=inp["z"], dt_bias=inp["dt_bias"], dt_softplus=True)
+    plain = mamba_chunk_scan_combined(*args, **kw)
+    seen = []
+
+    def stand_in(x, z, out, cb, C, D, table, *rest, **options):
+        seen.append(table[0, 3].item())
+        out.fill_(float("nan"))
+
+    monkeypatch.setattr(launch, "hopper_chunk_output_ok", lambda *a: True)
+    monkeypatch.setattr(launch, "chunk_output_sm90", stand_in)
+    got = mamba_chunk_scan_combined(*args, **kw)
+    assert seen == [0 if bad is None else 1]
+    if bad is not None:
+        torch.testing.assert_close(got, plain, atol=0, rtol=0, equal_nan=True)
+        assert torch.isfinite(got[0, :101]).all() and not torch.isfinite(got[0, 101, 1, 3])
 
 
 def test_cb_tiles_on_the_diagonal_are_zero_above_it(device, monkeypatch):
