@@ -109,7 +109,7 @@ def _item(item, wave, n_items, n_chunks, n_seg, table_ptr, skip_ptr, M_BLOCKS: g
 
 @gluon.jit
 def _producer(c_desc, s_desc, z_desc, cb_desc, x_desc, c_smem, s_smem, z_smem, cb_smem, x_smem,
-              csm_smem, csp_smem, csk_smem, dtk_smem,
+              csm_smem, csp_smem, csk_smem, dtk_smem, split_smem,
               cs_ready, cs_empty, z_ready, z_empty, k_ready, k_empty, cs_ptr, dt_ptr, table_ptr, skip_ptr,
               n_items, n_chunks, n_seg, H, heads_per_group, G, q_pad,
               Q: gl.constexpr, N_PIECES: gl.constexpr, CS_STAGES: gl.constexpr, Z_STAGES: gl.constexpr,
@@ -122,6 +122,7 @@ def _producer(c_desc, s_desc, z_desc, cb_desc, x_desc, c_smem, s_smem, z_smem, c
     win: gl.constexpr = gl.SliceLayout(0, blk)
     offs_w = gl.arange(0, M_BLOCKS, layout=gl.SliceLayout(1, blk))
     tile = offs_w[:, None] * BM + gl.arange(0, BM, layout=win)[None, :]
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     _wait_for_kernel_before(USE_PDL)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -171,9 +172,18 @@ def _producer(c_desc, s_desc, z_desc, cb_desc, x_desc, c_smem, s_smem, z_smem, c
                 dt_kb = gl.sum(gl.where(offs_w[:, None] == kb, dt4, 0.0), axis=0)
                 if kb < mb:  # a block before m0: its column weights exp(r - cs_s) dt'_s, ready to use
                     csk_smem.index(sk).store(_exp(r - cs_kb) * dt_kb)
-                else:  # the diagonal block: cs, and dt' or (under the split) the column weights
-                    csk_smem.index(sk).store(cs_kb)
-                    dtk_smem.index(sk).store(_diagonal_columns(cs_kb, dt_kb, rows, DIAG_SPLIT))
+                else:  # the diagonal block: cs and dt', or under the split a = cs[m0] (in every element),
+                    # the column weights, and the split's flag, so the consumer reduces nothing
+                    a, split = _diagonal_split(cs_kb, rows, DIAG_SPLIT)
+                    if split:
+                        csk_smem.index(sk).store(gl.zeros([BM], gl.float32, layout=win) + a)
+                        dtk_smem.index(sk).store(gl.where(gl.arange(0, BM, layout=win) < rows,
+                                                          _exp(a - cs_kb) * dt_kb, 0.0))
+                    else:
+                        csk_smem.index(sk).store(cs_kb)
+                        dtk_smem.index(sk).store(dt_kb)
+                    if DIAG_SPLIT:
+                        split_smem.index(sk).store(gl.full([1], 1, gl.int32, layout=one) * split.to(gl.int32))
                 mbarrier.arrive(k_ready.index(sk))
                 k_i += 1
             if HAS_Z:
@@ -194,8 +204,9 @@ def _producer(c_desc, s_desc, z_desc, cb_desc, x_desc, c_smem, s_smem, z_smem, c
 def _diagonal_split(cs, rows, DIAG_SPLIT: gl.constexpr):
     """(a = cs[m0], whether the diagonal block takes the rank-1 split about a) from the block's cs window
     [BM] (any layout) and its valid columns (< rows): DIAG_SPLIT and cs falling less than 60 over the
-    valid columns. The producer and the consumer both decide through this one test, on the same values.
-    Without DIAG_SPLIT: (0, False), and no reduction is traced."""
+    valid columns. The producer decides and hands the consumer a and the flag through shared memory
+    (two warp reductions fewer per item in the consumer). Without DIAG_SPLIT: (0, False), and no
+    reduction is traced."""
     a = 0.0
     split = False
     if DIAG_SPLIT:
@@ -203,17 +214,6 @@ def _diagonal_split(cs, rows, DIAG_SPLIT: gl.constexpr):
         a = gl.sum(gl.where(col == 0, cs, 0.0), axis=0)
         split = a - gl.min(gl.where(col < rows, cs, a), axis=0) < 60.0
     return a, split
-
-
-@gluon.jit
-def _diagonal_columns(cs, dt, rows, DIAG_SPLIT: gl.constexpr):
-    """What the producer leaves in a diagonal block's dt' slot, from its cs / dt' windows [BM] and the
-    block's valid columns (< rows): dt' itself, or under the rank-1 split (``_diagonal_split``) the column
-    weights exp(a - cs_s) dt'_s, zero past the chunk's end (the cs / dt' scratch holds garbage there)."""
-    a, split = _diagonal_split(cs, rows, DIAG_SPLIT)
-    if split:
-        dt = gl.where(gl.arange(0, BM, layout=cs.type.layout) < rows, _exp(a - cs) * dt, 0.0)
-    return dt
 
 
 @gluon.jit
@@ -264,7 +264,7 @@ def _defer_norm_sm90(y, nw_ptr, sq_rows, h, offs_p, keep):
 
 @gluon.jit
 def _consumer(o_desc, c_smem, s_smem, z_smem, cb_smem, x_smem, o_smem, csm_smem, csp_smem, csk_smem, dtk_smem,
-              cs_ready, cs_empty, z_ready, z_empty, k_ready, k_empty,
+              split_smem, cs_ready, cs_empty, z_ready, z_empty, k_ready, k_empty,
               table_ptr, skip_ptr, D_ptr, out_ptr, nw_ptr, sq_ptr,
               n_items, n_chunks, n_seg, stride_o, stride_D_h, stride_D_p, stride_sq,
               Q: gl.constexpr, N_PIECES: gl.constexpr, CS_STAGES: gl.constexpr, Z_STAGES: gl.constexpr,
@@ -278,6 +278,7 @@ def _consumer(o_desc, c_smem, s_smem, z_smem, cb_smem, x_smem, o_smem, csm_smem,
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
     a_rows: gl.constexpr = gl.SliceLayout(1, a_op)
     a_cols: gl.constexpr = gl.SliceLayout(0, a_op)
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one value, every thread
     offs_m = gl.arange(0, BM, layout=rows_l)  # row within the block
     offs_p = gl.arange(0, BM, layout=cols_l)
     _wait_for_kernel_before(USE_PDL)
@@ -332,15 +333,18 @@ def _consumer(o_desc, c_smem, s_smem, z_smem, cb_smem, x_smem, o_smem, csm_smem,
                 sk, k_phase = _next_slot(sk, k_phase, K_STAGES)
             # the diagonal block: columns past the chunk's end are selected away
             mbarrier.wait(k_ready.index(sk), k_phase)
-            cs_k = csk_smem.index(sk).load(a_cols)
             dt_k = dtk_smem.index(sk).load(a_cols)  # under the split: the producer's column weights
             col_k = gl.arange(0, BM, layout=a_cols)
             cb16 = cb_smem.index(sk).load(a_op)
-            a0, split = _diagonal_split(cs_k, rows_left, DIAG_SPLIT)  # a0 = cs[m0]
+            split = False
+            if DIAG_SPLIT:  # the producer's decision (_diagonal_split)
+                split = gl.max(split_smem.index(sk).load(one), axis=0) != 0
+            a0 = csk_smem.index(sk).load(rows_l)  # under the split: a = cs[m0] in every element
             if split:  # no causal mask: C B^T is zero above its diagonal (kernel._chunk_cb_tile) and
                 # the weights are zero past the chunk's end
                 a = _scale_columns(cb16, dt_k)
             else:
+                cs_k = csk_smem.index(sk).load(a_cols)
                 causal = (gl.arange(0, BM, layout=a_rows)[:, None] >= col_k[None, :]) & (col_k < rows_left)[None, :]
                 cb = cb16.to(gl.float32)
                 cs_ma = csm_smem.index(s).load(a_rows)
@@ -351,8 +355,7 @@ def _consumer(o_desc, c_smem, s_smem, z_smem, cb_smem, x_smem, o_smem, csm_smem,
             acc_s, acc_o = warpgroup_mma_wait(0, deps=(acc_s, acc_o))
             mbarrier.arrive(cs_empty.index(s))
             if split:
-                acc = acc_s * _exp(gl.zeros([BM], gl.float32, layout=rows_l) + a0)[:, None] \
-                    + acc_o * _exp(a0 - r_rows)[:, None]
+                acc = acc_s * _exp(a0)[:, None] + acc_o * _exp(a0 - r_rows)[:, None]
             else:
                 acc = acc_s * _exp(cs_m)[:, None] + acc_o * _exp(cs_m - r_rows)[:, None]
             acc = warpgroup_mma(a, x_smem.index(sk), acc, is_async=True)
@@ -412,6 +415,7 @@ def chunk_output_sm90_kernel(
     csp_smem = gl.allocate_shared_memory(gl.float32, [CS_STAGES, BM], flat)
     csk_smem = gl.allocate_shared_memory(gl.float32, [K_STAGES, BM], flat)
     dtk_smem = gl.allocate_shared_memory(gl.float32, [K_STAGES, BM], flat)
+    split_smem = gl.allocate_shared_memory(gl.int32, [K_STAGES, 1], flat)  # the diagonal's split flag
     cs_ready = gl.allocate_shared_memory(gl.int64, [CS_STAGES, 1], mbarrier.MBarrierLayout())
     cs_empty = gl.allocate_shared_memory(gl.int64, [CS_STAGES, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
@@ -438,13 +442,13 @@ def chunk_output_sm90_kernel(
     gl.warp_specialize(
         [
             (_consumer, (o_desc, c_smem, s_smem, z_smem, cb_smem, x_smem, o_smem, csm_smem, csp_smem, csk_smem,
-                         dtk_smem, cs_ready, cs_empty, z_ready, z_empty, k_ready, k_empty,
+                         dtk_smem, split_smem, cs_ready, cs_empty, z_ready, z_empty, k_ready, k_empty,
                          table_ptr, skip_ptr, D_ptr, out_ptr, nw_ptr, sq_ptr,
                          n_items, n_chunks, n_seg, stride_o, stride_D_h, stride_D_p, stride_sq,
                          Q, N_PIECES, CS_STAGES, Z_STAGES, K_STAGES, HAS_Z, HAS_D, D_PER_P, HAS_SKIP, HAS_NORM,
                          DIAG_SPLIT, USE_PDL)),
             (_producer, (c_desc, s_desc, z_desc, cb_desc, x_desc, c_smem, s_smem, z_smem, cb_smem, x_smem,
-                         csm_smem, csp_smem, csk_smem, dtk_smem, cs_ready, cs_empty, z_ready, z_empty, k_ready,
+                         csm_smem, csp_smem, csk_smem, dtk_smem, split_smem, cs_ready, cs_empty, z_ready, z_empty, k_ready,
                          k_empty, cs_ptr, dt_ptr, table_ptr, skip_ptr, n_items, n_chunks, n_seg, H,
                          heads_per_group, G, q_pad, Q, N_PIECES, CS_STAGES, Z_STAGES, K_STAGES, HAS_Z, HAS_SKIP,
                          DIAG_SPLIT, USE_PDL)),
