@@ -26,11 +26,11 @@ def _step(conv_state, ssm_state, xBC, z, dt, conv_w, conv_b, A, D, dt_bias, norm
     return rmsnorm_fn(y.view(nreq, H * P), norm_w, None, group_size=H * P // G)
 
 
-def _replays_match(warm_up, step, outs_eager, before_replay=None) -> None:
-    """With PDL on: run ``warm_up`` (compiles, on copies) on a side stream, capture ``step`` in a
-    CUDA graph, then replay it once per eager output (after ``before_replay()``, when given); each
-    replay's output must equal it exactly."""
-    with programmatic_dependent_launch():
+def _replays_match(warm_up, step, outs_eager, before_replay=None, pdl: bool = True) -> None:
+    """With PDL on (or switched off: ``pdl``): run ``warm_up`` (compiles, on copies) on a side stream,
+    capture ``step`` in a CUDA graph, then replay it once per eager output (after ``before_replay()``,
+    when given); each replay's output must equal it exactly."""
+    with programmatic_dependent_launch(pdl):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -215,15 +215,4 @@ def test_scan_kernels_chained_with_pdl_match_plain_launches(monkeypatch, hopper_
     plain = call()
     monkeypatch.setattr(pdl, "_chain", "on")
     assert torch.equal(call(), plain)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, plain)
+    _replays_match(call, call, [plain] * 3, pdl=False)
