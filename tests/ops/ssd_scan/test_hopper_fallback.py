@@ -1,8 +1,8 @@
-"""The launcher's side of the Hopper chunk-output kernel, on any device: when the chunk-state kernel
-flags a non-finite x (entry 3 of the chunk table's row 0), the Triton kernel launched after the Hopper
-one redoes the whole stage; otherwise it exits without writing. The interpreter cannot run Gluon, so a stand-in takes the
-Hopper kernel's place here: it poisons the output and sets the flag or not. The whole path with NaN
-inputs is tested on the GPU (test_hopper_chunk_output.py)."""
+"""The launcher's side of the Hopper chunk-output kernel, on any device: when the chunk-state
+kernel flags a non-finite x (entry 3 of the chunk table's row 0), the Triton kernel launched after
+the Hopper one redoes the whole stage; otherwise it exits without writing. The interpreter cannot
+run Gluon, so a stand-in takes the Hopper kernel's place here: it poisons the output and sets the
+flag or not. The whole path with NaN inputs is tested on the GPU (test_hopper_chunk_output.py)."""
 from __future__ import annotations
 
 import pytest
