@@ -174,7 +174,7 @@ def _chunk_cumsum_block(
         tl.store(table_ptr + c * 4, start)
         tl.store(table_ptr + c * 4 + 1, length)
         tl.store(table_ptr + c * 4 + 2, seg)
-        tl.store(table_ptr + c * 4 + 3, 0)  # entry 3 of chunk 0: the non-finite-x flag of the Hopper kernel
+        tl.store(table_ptr + c * 4 + 3, 0)  # entry 3 of chunk 0: the non-finite-x flag (_chunk_state_kernel)
     if seg < n_seg:
         row = start // row_len
         l0 = start - row * row_len
@@ -547,9 +547,9 @@ def _chunk_scan_kernel(
     """Grid (tiles, chunks, head blocks) under HEAD_MAJOR (the tiles of one (chunk, head) side by
     side), else (chunks, head blocks, tiles): one ``_chunk_scan_tile`` per program.
     ONLY_IF_FLAGGED (after the Hopper kernel): a 1-d grid of any size, whose programs exit at once
-    unless the Hopper kernel met a non-finite x (entry 3 of the chunk table's row 0); then they walk
-    all n_chunk_slots x n_head_blocks x tiles tiles and redo the stage. (A full grid of programs that
-    only exit cost 2.9 / 7.1 us at L = 2048 / 8192, 2.7b shape, H200.) The two modes call the tile
+    unless the chunk-state kernel met a non-finite x (entry 3 of the chunk table's row 0); then they
+    walk all n_chunk_slots x n_head_blocks x tiles tiles and redo the stage. (A full grid of programs
+    that only exit cost 2.9 / 7.1 us at L = 2048 / 8192, 2.7b shape, H200.) The two modes call the tile
     body from two places: one loop for both (a one-trip loop and the tile decoded from a flat index
     in the plain mode) made the plain mode 4% slower (H200, L = 8192: 319 -> 333 us, whole scan)."""
     _wait_for_kernel_before(USE_PDL, PDL_TRIGGER)  # everything this kernel reads may come from it

@@ -147,7 +147,7 @@ def test_repeated_runs_are_bit_identical(hopper_calls):
 
 def test_nan_in_x_falls_back_to_the_triton_kernel(hopper_calls):
     """A NaN x at token t (first rows of a block, mid block, last row of a chunk) in a diagonal tile
-    sets the Hopper kernel's flag and the Triton kernel redoes the stage: the output is the Triton
+    sets the chunk-state kernel's flag and the Triton kernel redoes the stage: the output is the Triton
     path's bit for bit (NaN from t on in that column, nothing before t)."""
     device = torch.device("cuda")
     nb, L, H, G, N, Q = 1, 1100, 2, 1, 128, 256
