@@ -16,6 +16,7 @@ from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
 from fastmamba.ops._common.pdl import pdl_active, pdl_chained, sm_count, trigger_early
 from fastmamba.ops.ssd_scan.configs import block_p_of, check_config, pick_config
 from fastmamba.ops.ssd_scan.hopper import chunk_output_sm90, hopper_chunk_output_ok
+from fastmamba.ops.ssd_scan.hopper_states import chunk_states_sm90, hopper_states_ok
 from fastmamba.ops._common.launch import lean
 from fastmamba.ops.ssd_scan.kernel import (
     _chunk_prep_kernel,
@@ -151,6 +152,8 @@ def ssd_scan_launch(
 
     # decided before the first launch: a bad FASTMAMBA_HOPPER_SCAN raises before any state is written
     hopper = q_pad == Q and cb_block >= 64 and hopper_chunk_output_ok(x, z, out, C, Q)
+    # and the states too (one walk per segment, head and 64 state columns), where it covers the call
+    hopper_states = hopper and hopper_states_ok(x, B, chunk_out=segments.chunk_out, final_seed=segments.final_seed)
     table = torch.empty(n_chunks, 4, dtype=torch.int32, device=dev)
     block_h = 4 if interpreter else 8
     n_hblocks = cdiv(H, block_h)
@@ -167,32 +170,37 @@ def ssd_scan_launch(
         # (~100 KB of shared memory) left two programs per SM
         num_warps=4, num_stages=1, **_pdl(x, grid, 4, chained=after_own_kernel),
     )
-    states = torch.empty(n_chunks, H, P, N, dtype=state_dtype, device=dev)  # S_loc, recurrence precision
-    grid = (n_chunks, H, cdiv(N, block_n_state))
-    # 16-bit tiles on a GPU only: the cap was measured there (fp32 tiles are smem-bound at 3 per SM)
-    on_gpu16 = x.is_cuda and x.element_size() == 2 and not interpreter
-    regs_cap = state_regs_cap(math.prod(grid), sm_count(x)) if on_gpu16 else 0
-    lean(_chunk_state_kernel)[grid](
-        x, B, table, segments.skip, states, dt_scratch, cs_scratch,
-        n_seg, row_len, P, N, H // G, n_chunks,
-        *x.stride(), *B.stride(), *states.stride(),
-        Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
-        DOT_PRECISION=dot_precision, FAST_MATH=fast_math, DOT_UPCAST=dot_upcast, FLAG_NONFINITE=hopper,
-        num_warps=cfg.warps_state, **_pdl(x, grid, cfg.warps_state, chained=True),
-        **({"maxnreg": regs_cap} if regs_cap else {}),
-    )
-    block_pass = cfg.block_pass * 4 // states.element_size()  # 16-byte loads per thread at either width
-    grid = (n_seg, H, cdiv(P * N, block_pass))
-    lean(_state_passing_kernel)[grid](
-        states, states_in, cs_scratch, segments.cu, segments.skip,
-        segments.init, segments.init_idx, segments.final, segments.final_idx, segments.seg_final, segments.chunk_out,
-        segments.final_seed,
-        n_seg, P, N, n_chunks,
-        *states.stride(), *states_in.stride(), *_strides4(segments.init), *_strides4(segments.final),
-        *_strides4(segments.seg_final), *_strides4(segments.chunk_out),
-        Q=Q, BLOCK_PN=block_pass, BLOCK_SEG=block_seg,
-        num_warps=4, **_pdl(x, grid, 4, chained=True),
-    )
+    if hopper_states:  # sm_90: chunk states and state passing in one walk, the running state in fp32
+        chunk_states_sm90(x, B, states_in, dt_scratch, cs_scratch, table, segments.cu, segments.skip, segments.init,
+                          segments.init_idx, segments.final, segments.final_idx, segments.seg_final,
+                          chunk_size=Q, block_seg=block_seg)
+    else:
+        states = torch.empty(n_chunks, H, P, N, dtype=state_dtype, device=dev)  # S_loc, recurrence precision
+        grid = (n_chunks, H, cdiv(N, block_n_state))
+        # 16-bit tiles on a GPU only: the cap was measured there (fp32 tiles are smem-bound at 3 per SM)
+        on_gpu16 = x.is_cuda and x.element_size() == 2 and not interpreter
+        regs_cap = state_regs_cap(math.prod(grid), sm_count(x)) if on_gpu16 else 0
+        lean(_chunk_state_kernel)[grid](
+            x, B, table, segments.skip, states, dt_scratch, cs_scratch,
+            n_seg, row_len, P, N, H // G, n_chunks,
+            *x.stride(), *B.stride(), *states.stride(),
+            Q=Q, BLOCK_K=cfg.block_k_state, BLOCK_P=block_p_full, BLOCK_N=block_n_state,
+            DOT_PRECISION=dot_precision, FAST_MATH=fast_math, DOT_UPCAST=dot_upcast, FLAG_NONFINITE=hopper,
+            num_warps=cfg.warps_state, **_pdl(x, grid, cfg.warps_state, chained=True),
+            **({"maxnreg": regs_cap} if regs_cap else {}),
+        )
+        block_pass = cfg.block_pass * 4 // states.element_size()  # 16-byte loads per thread at either width
+        grid = (n_seg, H, cdiv(P * N, block_pass))
+        lean(_state_passing_kernel)[grid](
+            states, states_in, cs_scratch, segments.cu, segments.skip,
+            segments.init, segments.init_idx, segments.final, segments.final_idx, segments.seg_final, segments.chunk_out,
+            segments.final_seed,
+            n_seg, P, N, n_chunks,
+            *states.stride(), *states_in.stride(), *_strides4(segments.init), *_strides4(segments.final),
+            *_strides4(segments.seg_final), *_strides4(segments.chunk_out),
+            Q=Q, BLOCK_PN=block_pass, BLOCK_SEG=block_seg,
+            num_warps=4, **_pdl(x, grid, 4, chained=True),
+        )
     if hopper:  # sm_90: the warp-specialized TMA kernel; the Triton one below redoes it only on non-finite x
         chunk_output_sm90(x, z, out, cb, C, D, table, segments.skip, states_in, dt_scratch, cs_scratch,
                           norm_weight, norm_sumsq, n_seg=n_seg, chunk_size=Q)

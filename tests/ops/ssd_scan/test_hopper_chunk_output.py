@@ -25,7 +25,10 @@ PAD = -1
 
 @pytest.fixture
 def hopper_calls(monkeypatch):
-    """Counts launches of the Hopper kernel; ``use(flag)`` turns it on or off."""
+    """Counts launches of the Hopper kernel; ``use(flag)`` turns it on or off. The Hopper states kernel
+    stays off, so that both runs take their states from the same (Triton) kernels: test_hopper_states.py
+    tests that one."""
+    monkeypatch.setenv("FASTMAMBA_HOPPER_STATES", "0")
     class Calls(list):
         pass
 

@@ -176,3 +176,14 @@ def test_hopper_grid_is_a_multiple_of_the_row_blocks(monkeypatch, sms, chunk_siz
         assert grid[0] % m_blocks == 0
         assert m_blocks <= grid[0] <= max(n_items, m_blocks)
         assert grid[0] >= min(n_items, hopper.PROGRAMS_PER_SM * sms) - (m_blocks - 1)
+
+
+def test_states_switch_reads_its_variable_strictly(monkeypatch):
+    from fastmamba.ops.ssd_scan.hopper_states import _enabled
+
+    for value, want in (("0", False), ("off", False), ("1", True), ("", True)):
+        monkeypatch.setenv("FASTMAMBA_HOPPER_STATES", value)
+        assert _enabled() is want
+    monkeypatch.setenv("FASTMAMBA_HOPPER_STATES", "maybe")
+    with pytest.raises(ValueError, match="FASTMAMBA_HOPPER_STATES"):
+        _enabled()

@@ -1,0 +1,95 @@
+"""When and how the chunked scan's chunk states and state passing run as one Hopper kernel
+(``hopper_states_kernel.py``) instead of the two Triton kernels.
+
+It runs where the Hopper chunk-output kernel runs (``hopper.hopper_chunk_output_ok``: sm_90, 16-bit
+activations, head dim 64, N 64 or 128, TMA-addressable rows, inside ``hopper_kernels()`` by default),
+when B's rows are TMA-addressable too and the call asks for nothing it does not write: no state after
+every chunk (``chunk_out``, the prefix cache's) and no stochastic rounding of the final states. The two
+Triton kernels stay the portable, interpreter-tested path and take every other call.
+``FASTMAMBA_HOPPER_STATES=0`` keeps them on the Hopper path too (A/B timing).
+
+Measured (H200, one CUDA graph of the captured launches, `.ab`-style, 2026-11-27): chunk states + state
+passing, fp32 / bf16 chunk states, against the fused kernel (its S_in in x's dtype, S in fp32 registers):
+2.7b shape L=2048 25.7 / 22.8 -> 17.6 us, L=8192 96.0 / 81.9 -> 59.9 us; Nemotron-H shape (128 heads,
+8 groups) L=2048 41.5 / 34.2 -> 20.1 us, L=8192 153.7 / 121.9 -> 66.2 us.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from fastmamba.ops._common.launch import lean, register_descriptor_type
+from fastmamba.ops._common.pdl import pdl_chained
+from fastmamba.ops.ssd_scan.hopper import _desc, _rows2d, _tma_rows
+
+STAGES = 4  # (x, B) ring slots of 64 tokens (6 and 3 measured no better)
+PRODUCER_REGS = 56
+MAXNREG = 128  # two programs per SM (8 warps each: the producer's warpgroup pads to four)
+
+
+@functools.cache
+def _gluon():
+    """The kernel's lean launcher and the host TensorDescriptor class, or None without Gluon."""
+    try:
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        from fastmamba.ops.ssd_scan import hopper_states_kernel
+    except ImportError:
+        return None
+    register_descriptor_type(TensorDescriptor)
+    return lean(hopper_states_kernel.chunk_states_sm90_kernel), TensorDescriptor, gl
+
+
+def _enabled() -> bool:
+    value = os.environ.get("FASTMAMBA_HOPPER_STATES", "1").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"FASTMAMBA_HOPPER_STATES expected 1/0, true/false, yes/no or on/off, got {value!r}")
+
+
+def hopper_states_ok(x: torch.Tensor, B: torch.Tensor, *, chunk_out: torch.Tensor | None,
+                     final_seed: torch.Tensor | None) -> bool:
+    """Whether a call whose chunk output runs on the Hopper kernel takes this one for its states too
+    (x [R, L, H, P], B [R, L, G, N]). Raises on a bad ``FASTMAMBA_HOPPER_STATES`` before anything runs."""
+    if not _enabled():
+        return False
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or x.shape[3] != 64:
+        return False
+    if chunk_out is not None or final_seed is not None:
+        return False
+    if B.dtype != x.dtype or B.shape[3] % 64 or not _tma_rows(B):
+        return False
+    return _gluon() is not None
+
+
+def chunk_states_sm90(x, B, states_in, dt_scratch, cs_scratch, table, cu, skip, init, init_idx, final, final_idx,
+                      seg_final, *, chunk_size: int, block_seg: int) -> None:
+    """S_in of every chunk (states_in [chunk slots, H, P, N], x's dtype) and the final states: x [R, L, H, P],
+    B [R, L, G, N]; dt' / cs scratch [H, chunk slots, Q] fp32 and table [chunk slots, 4] int32 (the prep
+    kernel's); cu [n_seg + 1]; skip [n_seg] int8 or None; init / final [slots, H, P, N] with init_idx /
+    final_idx [n_seg] int32, seg_final [n_seg, H, P, N], each or None."""
+    kernel, TensorDescriptor, gl = _gluon()
+    R, L, H, P = x.shape
+    G, N = B.shape[2], B.shape[3]
+    n_seg = cu.shape[0] - 1
+    n_slots = states_in.shape[0]
+    descs = [
+        _desc(TensorDescriptor, gl, _rows2d(x), (64, 64)),
+        _desc(TensorDescriptor, gl, _rows2d(B), (64, 64)),
+        _desc(TensorDescriptor, gl, states_in.view(n_slots * H * P, N), (64, 64)),
+    ]
+    programs = n_seg * H * (N // 64)
+    use_pdl = pdl_chained(x, programs, 8)
+    strides = lambda t: tuple(t.stride()) if t is not None else (0, 0, 0, 0)  # noqa: E731
+    kernel[(programs,)](
+        *descs, cu, skip, cs_scratch, dt_scratch, table, init, init_idx, final, final_idx, seg_final,
+        n_seg, H, H // G, N, dt_scratch.shape[1], *strides(init), *strides(final), *strides(seg_final),
+        Q=chunk_size, BLOCK_SEG=block_seg, K_STAGES=STAGES, PRODUCER_REGS=PRODUCER_REGS,
+        HAS_SKIP=skip is not None, HAS_INIT=init is not None, HAS_FINAL=final is not None,
+        HAS_SEG_FINAL=seg_final is not None, USE_PDL=use_pdl, launch_pdl=use_pdl, num_warps=4, maxnreg=MAXNREG,
+    )
