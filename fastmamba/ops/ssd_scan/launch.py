@@ -1,4 +1,7 @@
-"""One launcher for the three SSD-scan kernels, on inputs already checked and put in row form.
+"""One launcher for the SSD-scan kernels, on inputs already checked and put in row form: the prep kernel,
+chunk states and state passing (two Triton kernels, or on the Hopper path one Gluon walk:
+``hopper_states``), the chunk outputs (Triton, or the Hopper kernel with the Triton one behind it for
+a non-finite x).
 
 Row form: every token tensor is 4-d (rows, tokens per row, heads or groups, P or N); dense input
 is (B, L, ...) with row_len = L, packed varlen input is (1, T, ...) with row_len = T. Segments
