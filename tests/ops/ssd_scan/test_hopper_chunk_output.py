@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastmamba.ops.ssd_scan import launch, mamba_chunk_scan_combined, ssd_scan_varlen
+from fastmamba.ops.ssd_scan import mamba_chunk_scan_combined, ssd_scan_varlen
 from fastmamba.ops.ssd_scan.hopper import EAGER_MIN_TOKENS, MIN_TOKENS, hopper_kernels, long_prefill_kernels
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
 from tests.helpers import nan_like, seeded
+from tests.ops.ssd_scan.hopper_cases import LENS, PAD, SLOTS, floats, run_both, spy_launches, varlen_case
 from tests.ops.ssd_scan.test_ssd_scan import _error_baseline_check, _inputs
 
 pytestmark = [
@@ -20,7 +21,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                        reason="the Hopper kernel needs an sm_90 GPU"),
 ]
-PAD = -1
 
 
 @pytest.fixture
@@ -29,40 +29,12 @@ def hopper_calls(monkeypatch):
     stays off, so that both runs take their states from the same (Triton) kernels: test_hopper_states.py
     tests that one."""
     monkeypatch.setenv("FASTMAMBA_HOPPER_STATES", "0")
-    class Calls(list):
-        pass
-
-    calls = Calls()
-    real = launch.chunk_output_sm90
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(launch, "chunk_output_sm90", spy)
-
-    def use(flag: bool):
-        monkeypatch.setenv("FASTMAMBA_HOPPER_SCAN", "1" if flag else "0")
-
-    calls.use = use
-    return calls
+    return spy_launches(monkeypatch, "chunk_output_sm90", "FASTMAMBA_HOPPER_SCAN")
 
 
 def _both(hopper_calls, fn):
-    """fn() with the Hopper kernel, then with the Triton kernel; asserts the first used it."""
-    hopper_calls.use(True)
-    n = len(hopper_calls)
-    got = fn()
-    torch.cuda.synchronize()
-    assert len(hopper_calls) == n + 1, "the Hopper kernel did not run"
-    hopper_calls.use(False)
-    want = fn()
-    assert len(hopper_calls) == n + 1
-    return got, want
-
-
-def _floats(v):
-    return v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+    """fn() with the Hopper kernel, then with the Triton kernel."""
+    return run_both(hopper_calls, fn, "Hopper kernel")
 
 
 # dense batches: a partial last chunk, two rows, G > 1, N = 64 / 128, chunks of 64 / 128 / 256,
@@ -81,7 +53,7 @@ def test_dense_matches_reference_and_triton_path(hopper_calls, nb, L, H, G, N, Q
     kw = dict(D=D, z=inp["z"] if with_z else None, dt_bias=inp["dt_bias"], dt_softplus=True, initial_states=init,
               return_final_states=True)
     (out, final), (out_t, final_t) = _both(hopper_calls, lambda: mamba_chunk_scan_combined(*args, **kw))
-    ref, _ = mamba_chunk_scan_combined_ref(*(_floats(a) for a in args), **{k: _floats(v) for k, v in kw.items()})
+    ref, _ = mamba_chunk_scan_combined_ref(*(floats(a) for a in args), **{k: floats(v) for k, v in kw.items()})
     low, _ = mamba_chunk_scan_combined_ref(*args, **kw)
     _error_baseline_check(out, ref, low)
     _error_baseline_check(out_t, ref, low)
@@ -90,25 +62,9 @@ def test_dense_matches_reference_and_triton_path(hopper_calls, nb, L, H, G, N, Q
     assert not torch.equal(out, out_t)  # the Hopper kernel's output stands (no spurious fallback)
 
 
-def _varlen(device, lens, slots, *, H=4, G=2, N=128, dtype=torch.bfloat16, seed=0):
-    T = sum(lens)
-    inp = _inputs((T,), H, 64, G, N, dtype, device, seed, dt_scale=0.5)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    states = torch.randn(len(lens) + 2, H, 64, N, generator=seeded(seed + 1)).to(device)
-    kw = dict(chunk_size=256, D=torch.randn(H, 64, generator=seeded(seed + 2)).to(device), z=inp["z"],
-              dt_bias=inp["dt_bias"], cache_indices=torch.tensor(slots, dtype=torch.int32, device=device),
-              has_initial_state=torch.tensor([i % 2 == 0 for i in range(len(lens))], device=device))
-    return (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"]), states, cu, kw
-
-
-# odd lengths (one token, an empty sequence, a chunk and a bit, chunks ending mid row block), a pad
-# slot, some sequences from their cache slot
-LENS, SLOTS = (700, 1, 0, 256, 63, 1091, 77), (5, 0, 4, PAD, 1, 3, 6)
-
-
 def test_varlen_pads_slots_and_deferred_norm(hopper_calls):
     device = torch.device("cuda")
-    args, states, cu, kw = _varlen(device, LENS, SLOTS, seed=21)
+    args, states, cu, kw = varlen_case(device, LENS, SLOTS, seed=21)
     T, H, P = args[0].shape
     nw = (1 + 0.5 * torch.randn(H * P, generator=seeded(22))).to(device, torch.bfloat16)
 
@@ -121,7 +77,7 @@ def test_varlen_pads_slots_and_deferred_norm(hopper_calls):
 
     (out, st, _), (out_t, st_t, _) = _both(hopper_calls, lambda: run(False))
     ref_states = states.clone()
-    ref = ssd_scan_varlen_ref(*(_floats(a) for a in args), ref_states, cu, **{k: _floats(v) for k, v in kw.items()})
+    ref = ssd_scan_varlen_ref(*(floats(a) for a in args), ref_states, cu, **{k: floats(v) for k, v in kw.items()})
     low = ssd_scan_varlen_ref(*args, states.clone(), cu, **kw)
     _error_baseline_check(out, ref, low)
     assert torch.equal(st, st_t)
@@ -140,7 +96,7 @@ def test_repeated_runs_are_bit_identical(hopper_calls):
     """The partial row blocks leave through masked register stores next to the TMA stores of full
     blocks: five runs, same bits (a race between the partitions would show here)."""
     device = torch.device("cuda")
-    args, states, cu, kw = _varlen(device, LENS, SLOTS, H=8, G=1, seed=31)
+    args, states, cu, kw = varlen_case(device, LENS, SLOTS, H=8, G=1, seed=31)
     hopper_calls.use(True)
     outs = [ssd_scan_varlen(*args, states.clone(), cu, **kw) for _ in range(5)]
     assert len(hopper_calls) == 5

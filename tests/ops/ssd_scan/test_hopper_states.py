@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastmamba.ops.ssd_scan import launch, mamba_chunk_scan_combined, ssd_scan_varlen
+from fastmamba.ops.ssd_scan import mamba_chunk_scan_combined, ssd_scan_varlen
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
 from tests.helpers import seeded
+from tests.ops.ssd_scan.hopper_cases import LENS, PAD, SLOTS, floats, run_both, spy_launches, varlen_case
 from tests.ops.ssd_scan.test_ssd_scan import _error_baseline_check, _inputs
 
 pytestmark = [
@@ -23,48 +24,19 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                        reason="the Hopper kernels need an sm_90 GPU"),
 ]
-PAD = -1
 
 
 @pytest.fixture
 def states_calls(monkeypatch):
     """Counts launches of the Hopper states kernel; ``use(flag)`` turns it on or off (the Hopper
     chunk-output kernel stays on)."""
-    class Calls(list):
-        pass
-
-    calls = Calls()
-    real = launch.chunk_states_sm90
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(launch, "chunk_states_sm90", spy)
     monkeypatch.setenv("FASTMAMBA_HOPPER_SCAN", "1")
-
-    def use(flag: bool):
-        monkeypatch.setenv("FASTMAMBA_HOPPER_STATES", "1" if flag else "0")
-
-    calls.use = use
-    return calls
+    return spy_launches(monkeypatch, "chunk_states_sm90", "FASTMAMBA_HOPPER_STATES")
 
 
 def _both(calls, fn):
-    """fn() with the Hopper states kernel, then with the Triton ones; asserts the first used it."""
-    calls.use(True)
-    n = len(calls)
-    got = fn()
-    torch.cuda.synchronize()
-    assert len(calls) == n + 1, "the Hopper states kernel did not run"
-    calls.use(False)
-    want = fn()
-    assert len(calls) == n + 1
-    return got, want
-
-
-def _floats(v):
-    return v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+    """fn() with the Hopper states kernel, then with the Triton ones."""
+    return run_both(calls, fn, "Hopper states kernel")
 
 
 def _rel(a, b):
@@ -88,8 +60,8 @@ def test_dense_matches_reference_and_triton_states(states_calls, nb, L, H, G, N,
               return_final_states=True)
     (out, final), (out_t, final_t) = _both(
         states_calls, lambda: mamba_chunk_scan_combined(*args, **kw, state_dtype=state_dtype))
-    ref, ref_final = mamba_chunk_scan_combined_ref(*(_floats(a) for a in args),
-                                                   **{k: _floats(v) for k, v in kw.items()})
+    ref, ref_final = mamba_chunk_scan_combined_ref(*(floats(a) for a in args),
+                                                   **{k: floats(v) for k, v in kw.items()})
     low, _ = mamba_chunk_scan_combined_ref(*args, **kw)
     _error_baseline_check(out, ref, low)
     assert _rel(final, ref_final) <= max(2 * _rel(final_t, ref_final), 1e-3)
@@ -98,26 +70,10 @@ def test_dense_matches_reference_and_triton_states(states_calls, nb, L, H, G, N,
     assert _rel(out, out_t) < 1e-2
 
 
-def _varlen(device, lens, slots, *, H=4, G=2, N=128, dtype=torch.bfloat16, seed=0, state_dtype=torch.float32):
-    T = sum(lens)
-    inp = _inputs((T,), H, 64, G, N, dtype, device, seed, dt_scale=0.5)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    states = torch.randn(len(lens) + 2, H, 64, N, generator=seeded(seed + 1)).to(device, state_dtype)
-    kw = dict(chunk_size=256, D=torch.randn(H, 64, generator=seeded(seed + 2)).to(device), z=inp["z"],
-              dt_bias=inp["dt_bias"], cache_indices=torch.tensor(slots, dtype=torch.int32, device=device),
-              has_initial_state=torch.tensor([i % 2 == 0 for i in range(len(lens))], device=device))
-    return (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"]), states, cu, kw
-
-
-# one token, an empty sequence, exactly a chunk, a chunk and a bit, a pad slot, sequences starting from
-# their cache slot; slot 2 and the last slot are nobody's
-LENS, SLOTS = (700, 1, 0, 256, 63, 1091, 77), (5, 0, 4, PAD, 1, 3, 6)
-
-
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_varlen_slots_pads_and_empty_sequences(states_calls, state_dtype):
     device = torch.device("cuda")
-    args, states, cu, kw = _varlen(device, LENS, SLOTS, seed=21, state_dtype=state_dtype)
+    args, states, cu, kw = varlen_case(device, LENS, SLOTS, seed=21, state_dtype=state_dtype)
 
     def run():
         st = states.clone()
@@ -125,7 +81,7 @@ def test_varlen_slots_pads_and_empty_sequences(states_calls, state_dtype):
 
     (out, st), (out_t, st_t) = _both(states_calls, run)
     ref_states = states.float().clone()
-    ref = ssd_scan_varlen_ref(*(_floats(a) for a in args), ref_states, cu, **{k: _floats(v) for k, v in kw.items()})
+    ref = ssd_scan_varlen_ref(*(floats(a) for a in args), ref_states, cu, **{k: floats(v) for k, v in kw.items()})
     low = ssd_scan_varlen_ref(*args, states.clone(), cu, **kw)
     _error_baseline_check(out, ref, low)
     untouched = [s for s in range(states.shape[0]) if s not in SLOTS]
@@ -168,7 +124,7 @@ def test_non_finite_values_of_the_next_sequence_stay_there(states_calls):
     are the clean Hopper run's."""
     device = torch.device("cuda")
     lens, slots = (700, 300, 500), (0, 1, 2)
-    args, states, cu, kw = _varlen(device, lens, slots, G=1, seed=71)
+    args, states, cu, kw = varlen_case(device, lens, slots, G=1, seed=71)
     states_calls.use(True)
     clean_states = states.clone()
     clean = ssd_scan_varlen(*args, clean_states, cu, **kw)
@@ -204,7 +160,7 @@ def test_nan_in_x_sets_the_flag_and_matches_the_triton_path(states_calls):
 
 def test_repeated_runs_are_bit_identical(states_calls):
     device = torch.device("cuda")
-    args, states, cu, kw = _varlen(device, LENS, SLOTS, H=8, G=1, seed=31)
+    args, states, cu, kw = varlen_case(device, LENS, SLOTS, H=8, G=1, seed=31)
     states_calls.use(True)
     runs = []
     for _ in range(5):
@@ -219,7 +175,7 @@ def test_calls_it_does_not_cover_take_the_triton_kernels(states_calls):
     """The state after every chunk (``chunk_states_out``) and stochastic rounding of 16-bit cache
     states are the Triton kernels' only."""
     device = torch.device("cuda")
-    args, states, cu, kw = _varlen(device, (700, 500), (0, 1), seed=81)  # >= hopper.MIN_TOKENS
+    args, states, cu, kw = varlen_case(device, (700, 500), (0, 1), seed=81)  # >= hopper.MIN_TOKENS
     states_calls.use(True)
     n_chunks = 3 + 2
     chunk_out = torch.zeros(n_chunks, 4, 64, 128, device=device)
