@@ -45,16 +45,16 @@ def test_signature_refuses_unhashable_arguments():
 
 
 def test_switch_reads_its_variable_strictly(monkeypatch):
-    from fastmamba.ops._common.launch import _switch
+    from fastmamba.ops._common.launch import env_switch
 
     monkeypatch.delenv("FASTMAMBA_TEST_SWITCH", raising=False)
-    assert _switch("FASTMAMBA_TEST_SWITCH", True) is True
+    assert env_switch("FASTMAMBA_TEST_SWITCH", True) is True
     for value, want in (("0", False), ("off", False), ("YES", True), ("1", True)):
         monkeypatch.setenv("FASTMAMBA_TEST_SWITCH", value)
-        assert _switch("FASTMAMBA_TEST_SWITCH", True) is want
+        assert env_switch("FASTMAMBA_TEST_SWITCH", True) is want
     monkeypatch.setenv("FASTMAMBA_TEST_SWITCH", "maybe")
     with pytest.raises(ValueError, match="FASTMAMBA_TEST_SWITCH expected 1/0.*'maybe'"):
-        _switch("FASTMAMBA_TEST_SWITCH", True)
+        env_switch("FASTMAMBA_TEST_SWITCH", True)
 
 
 def test_trailing_params_fills_keywords_then_defaults():

@@ -38,7 +38,7 @@ from triton.runtime.autotuner import Heuristics
 from triton.runtime.jit import JITFunction
 
 
-def _switch(name: str, default: bool) -> bool:
+def env_switch(name: str, default: bool) -> bool:
     """A boolean environment variable: 1/0, true/false, yes/no, on/off; anything else is an error."""
     value = os.environ.get(name, "").strip().lower()
     if not value:
@@ -51,7 +51,7 @@ def _switch(name: str, default: bool) -> bool:
 
 
 # FASTMAMBA_LEAN_LAUNCH=0 sends every launch through Triton's JIT (for measurements and bisection).
-ENABLED = _switch("FASTMAMBA_LEAN_LAUNCH", True)
+ENABLED = env_switch("FASTMAMBA_LEAN_LAUNCH", True)
 MAX_SIGNATURES = 4096  # per kernel; a call with a new signature past this runs through the JIT
 
 _Tensor = torch.Tensor

@@ -16,13 +16,13 @@ passing, fp32 / bf16 chunk states, against the fused kernel (its S_in in x's dty
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from fastmamba.ops._common.launch import lean, register_descriptor_type
+from fastmamba.ops._common.launch import env_switch, lean, register_descriptor_type
 from fastmamba.ops._common.pdl import pdl_chained
 from fastmamba.ops.ssd_scan.hopper import _desc, _rows2d, _tma_rows
+from fastmamba.ops.ssd_scan.kernel import strides4
 
 STAGES = 4  # (x, B) ring slots of 64 tokens (6 and 3 measured no better)
 PRODUCER_REGS = 56
@@ -44,12 +44,8 @@ def _gluon():
 
 
 def _enabled() -> bool:
-    value = os.environ.get("FASTMAMBA_HOPPER_STATES", "1").strip().lower()
-    if value in ("", "1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"FASTMAMBA_HOPPER_STATES expected 1/0, true/false, yes/no or on/off, got {value!r}")
+    """FASTMAMBA_HOPPER_STATES (default on), read at every call: the tests and A/B runs flip it."""
+    return env_switch("FASTMAMBA_HOPPER_STATES", True)
 
 
 def hopper_states_ok(x: torch.Tensor, B: torch.Tensor, *, chunk_out: torch.Tensor | None,
@@ -85,10 +81,9 @@ def chunk_states_sm90(x, B, states_in, dt_scratch, cs_scratch, table, cu, skip, 
     ]
     programs = n_seg * H * (N // 64)
     use_pdl = pdl_chained(x, programs, 8)
-    strides = lambda t: tuple(t.stride()) if t is not None else (0, 0, 0, 0)  # noqa: E731
     kernel[(programs,)](
         *descs, cu, skip, cs_scratch, dt_scratch, table, init, init_idx, final, final_idx, seg_final,
-        n_seg, H, H // G, N, dt_scratch.shape[1], *strides(init), *strides(final), *strides(seg_final),
+        n_seg, H, H // G, N, dt_scratch.shape[1], *strides4(init), *strides4(final), *strides4(seg_final),
         Q=chunk_size, BLOCK_SEG=block_seg, K_STAGES=STAGES, PRODUCER_REGS=PRODUCER_REGS,
         HAS_SKIP=skip is not None, HAS_INIT=init is not None, HAS_FINAL=final is not None,
         HAS_SEG_FINAL=seg_final is not None, USE_PDL=use_pdl, launch_pdl=use_pdl, num_warps=4, maxnreg=MAXNREG,

@@ -38,6 +38,11 @@ def d_strides(D) -> tuple[int, int]:
     return (D.stride(0), 0) if D.dim() == 1 else (D.stride(0), D.stride(1))
 
 
+def strides4(t) -> tuple[int, int, int, int]:
+    """A 4-d tensor's strides, or (0, 0, 0, 0) for None (an optional state argument)."""
+    return tuple(t.stride()) if t is not None else (0, 0, 0, 0)
+
+
 @triton.jit
 def _segment_chunks(cu_ptr, n_seg, Q: tl.constexpr, BLOCK_SEG: tl.constexpr):
     """Every segment's (first token, end token, chunk count, one past its last chunk), [BLOCK_SEG]."""

@@ -27,6 +27,7 @@ from fastmamba.ops.ssd_scan.kernel import (
     _chunk_state_kernel,
     _state_passing_kernel,
     d_strides,
+    strides4,
 )
 from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 
@@ -92,10 +93,6 @@ STATE_REGS_CAP = 96
 def state_regs_cap(programs: int, sms: int) -> int:
     """The chunk-state launch's register cap for a grid of ``programs`` on ``sms`` SMs (0: none)."""
     return STATE_REGS_CAP if 4 * sms < programs <= 5 * sms else 0
-
-
-def _strides4(t: torch.Tensor | None) -> tuple[int, int, int, int]:
-    return tuple(t.stride()) if t is not None else (0, 0, 0, 0)
 
 
 def ssd_scan_launch(
@@ -199,8 +196,8 @@ def ssd_scan_launch(
             segments.init, segments.init_idx, segments.final, segments.final_idx, segments.seg_final, segments.chunk_out,
             segments.final_seed,
             n_seg, P, N, n_chunks,
-            *states.stride(), *states_in.stride(), *_strides4(segments.init), *_strides4(segments.final),
-            *_strides4(segments.seg_final), *_strides4(segments.chunk_out),
+            *states.stride(), *states_in.stride(), *strides4(segments.init), *strides4(segments.final),
+            *strides4(segments.seg_final), *strides4(segments.chunk_out),
             Q=Q, BLOCK_PN=block_pass, BLOCK_SEG=block_seg,
             num_warps=4, **_pdl(x, grid, 4, chained=True),
         )
@@ -218,7 +215,7 @@ def ssd_scan_launch(
         x, z, out, cb, C, D, table, segments.skip,
         states_in, dt_scratch, cs_scratch, norm_weight, norm_sumsq,
         n_seg, row_len, P, N, H // G, n_chunks, norm_sumsq.stride(0) if norm_sumsq is not None else 0,
-        *x.stride(), *_strides4(z), *out.stride(), *cb.stride(), *C.stride(), *d_strides(D), *states_in.stride(),
+        *x.stride(), *strides4(z), *out.stride(), *cb.stride(), *C.stride(), *d_strides(D), *states_in.stride(),
         H // heads,
         Q=Q, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_P=block_p_scan, BLOCK_N=block_n, HEADS=heads,
         DOT_PRECISION=dot_precision, HEAD_MAJOR=bool(cfg.head_major), FAST_MATH=fast_math, DOT_UPCAST=dot_upcast,
