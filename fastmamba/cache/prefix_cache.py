@@ -85,13 +85,27 @@ class LayerSnapshot:
     ssm: torch.Tensor
 
 
-def layer_snapshots(plan: SnapshotPlan, cu: list[int], state_len: int, cfg, device: torch.device,
-                    who: str) -> Callable[[int], LayerSnapshot | None]:
+@dataclasses.dataclass(frozen=True)
+class SnapshotIndices:
+    """A ``SnapshotPlan`` checked against one prefill call and turned into packed-row indices (host lists).
+
+    conv_tokens  n * state_len packed token rows: snapshot i's conv state is the conv inputs of rows
+                 conv_tokens[i * state_len : (i + 1) * state_len]
+    chunk_rows   n rows of the scan's per-chunk states (``chunk_states_out``) holding the SSM states
+    rows         n destination rows of the plan's pools
+    n_chunks     the call's chunk count (rows of the chunk-state scratch)
+    """
+
+    conv_tokens: list[int]
+    chunk_rows: list[int]
+    rows: list[int]
+    n_chunks: int
+
+
+def snapshot_indices(plan: SnapshotPlan, cu: Sequence[int], state_len: int, cfg, who: str) -> SnapshotIndices:
     """Checks ``plan`` against a prefill call (``cu``: its cu_seqlens on the host; ``state_len``: the
-    conv state's columns; ``cfg``: the Mamba layers' config, ``n_layer`` of them) and returns
-    Mamba layer i's ``LayerSnapshot`` as a function of i (None without snapshots): the index
-    tensors go to the device in one copy, one fp32 scratch for the chunk states serves every layer.
-    ValueError (starting with ``who``) before anything runs when the plan does not fit the call."""
+    conv state's columns; ``cfg``: the Mamba layers' config, ``n_layer`` of them) and returns its
+    indices. ValueError (starting with ``who``) when the plan does not fit the call."""
     chunk = cfg.chunk_size
     n, nseq = len(plan.seq), len(cu) - 1
     if not (len(plan.ends) == len(plan.rows) == n) or len(plan.conv) != cfg.n_layer or len(plan.ssm) != cfg.n_layer:
@@ -111,15 +125,52 @@ def layer_snapshots(plan: SnapshotPlan, cu: list[int], state_len: int, cfg, devi
             raise ValueError(f"{who}: a snapshot of sequence {b} after {end} tokens: the end must be a multiple "
                              f"of the chunk size {chunk}, at least the conv state's {state_len} columns and at "
                              f"most the sequence's {cu[b + 1] - cu[b]} tokens")
-    if n == 0:
-        return lambda i: None
     conv_tokens = [cu[b] + end - state_len + j for b, end in zip(plan.seq, plan.ends) for j in range(state_len)]
     chunk_rows = [offsets[b] + end // chunk - 1 for b, end in zip(plan.seq, plan.ends)]
-    idx = torch.tensor(conv_tokens + chunk_rows + list(plan.rows), dtype=torch.int64).to(device)
+    return SnapshotIndices(conv_tokens, chunk_rows, list(plan.rows), first)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSnapshots:
+    """A prefill's snapshots with their indices already on the device: what a CUDA graph captures
+    (``GraphedPrefill`` fills these buffers from ``snapshot_indices`` before each replay).
+
+    conv_tokens [n, state_len], chunk_rows [n], rows [n]: int64 device tensors (``SnapshotIndices``'s
+    lists; a graph pads them to its bucket's count by repeating an entry: the same row written twice
+    with the same values)
+    conv, ssm   the pools, one per Mamba layer (``SnapshotPlan``'s)
+    n_chunks    rows of the fp32 chunk-state scratch: at least the call's chunk count
+    """
+
+    conv_tokens: torch.Tensor
+    chunk_rows: torch.Tensor
+    rows: torch.Tensor
+    conv: Sequence[torch.Tensor]
+    ssm: Sequence[torch.Tensor]
+    n_chunks: int
+
+
+def device_layer_snapshots(snaps: DeviceSnapshots, cfg, device: torch.device) -> Callable[[int], LayerSnapshot]:
+    """Mamba layer i's ``LayerSnapshot`` as a function of i; one fp32 chunk-state scratch serves every layer."""
+    scratch = torch.empty(snaps.n_chunks, cfg.nheads, cfg.headdim, cfg.d_state, dtype=torch.float32, device=device)
+    return lambda i: LayerSnapshot(scratch, snaps.chunk_rows, snaps.conv_tokens, snaps.rows, snaps.conv[i],
+                                   snaps.ssm[i])
+
+
+def layer_snapshots(plan: SnapshotPlan, cu: list[int], state_len: int, cfg, device: torch.device,
+                    who: str) -> Callable[[int], LayerSnapshot | None]:
+    """Checks ``plan`` against a prefill call (``snapshot_indices``) and returns Mamba layer i's
+    ``LayerSnapshot`` as a function of i (None without snapshots): the index tensors go to the device
+    in one copy, one fp32 scratch for the chunk states serves every layer. ValueError (starting with
+    ``who``) before anything runs when the plan does not fit the call."""
+    ix = snapshot_indices(plan, cu, state_len, cfg, who)
+    n = len(ix.rows)
+    if n == 0:
+        return lambda i: None
+    idx = torch.tensor(ix.conv_tokens + ix.chunk_rows + ix.rows, dtype=torch.int64).to(device)
     k = n * state_len
-    scratch = torch.empty(first, cfg.nheads, cfg.headdim, cfg.d_state, dtype=torch.float32, device=device)
-    return lambda i: LayerSnapshot(scratch, idx[k:k + n], idx[:k].view(n, state_len), idx[k + n:],
-                                   plan.conv[i], plan.ssm[i])
+    snaps = DeviceSnapshots(idx[:k].view(n, state_len), idx[k:k + n], idx[k + n:], plan.conv, plan.ssm, ix.n_chunks)
+    return device_layer_snapshots(snaps, cfg, device)
 
 
 @dataclasses.dataclass

@@ -188,8 +188,9 @@ class Engine:
                   each continuing from its slot's state), so a long prompt never stalls the running
                   ones; None (default): a step admits whole prompts or decodes, never both
     graph_prefill_tokens  on a GPU with CUDA graphs, packed prefills of up to this many tokens
-                  (more when ``prefill_chunk`` needs it) replay from ``GraphedPrefill``'s graphs;
-                  None: prefill always runs eagerly (always for hybrid models)
+                  (more when ``prefill_chunk`` needs it) replay from ``GraphedPrefill``'s graphs,
+                  prefix-cache snapshots included; None: prefill always runs eagerly (always for
+                  hybrid models)
 
     Paged KV (models with attention layers, ``NemotronHLM``; a ValueError for others):
     max_seq_len   the most tokens one request holds (prompt + generated - 1); None: the model's
@@ -615,8 +616,8 @@ class Engine:
         return SnapshotPlan(tuple(seq), tuple(ends), tuple(rows), self.prefix.conv, self.prefix.ssm), entries
 
     def _run_packed(self, reqs, chunks, slots, flags, seed, lengths, plan) -> torch.Tensor:
-        if plan is None and self.prefiller is not None and self.prefiller.fits(lengths):
-            return self.prefiller.prefill(chunks, slots, flags)
+        if self.prefiller is not None and self.prefiller.fits(lengths, 0 if plan is None else len(plan.seq)):
+            return self.prefiller.prefill(chunks, slots, flags, snapshots=plan)
         cu = list(itertools.accumulate(lengths, initial=0))
         T = cu[-1]
         # one host-to-device copy: the chunks back to back, cu_seqlens, slots, flags

@@ -17,7 +17,15 @@ bucket exactly (one 64-token prompt, or a 2048-token prefill chunk) needs no pad
 bucket up (64 tokens were 96; 2048 did not fit at all and ran eagerly).
 
 The batch is validated once, on the host, from the Python lists the caller already holds (prompt
-lengths, slots); the graph then runs with no device-to-host read. A batch larger than the biggest
+lengths, slots); the graph then runs with no device-to-host read.
+
+Prefix-cache snapshots (a ``SnapshotPlan``: states after some chunks of some prompts, copied into
+the prefix cache's pools while the prefill runs) have graphs of their own, one per bucket that can
+hold a snapshot (``token bucket // chunk_size`` of them at most): the plan's indices, checked on the
+host against the padded call (``snapshot_indices``), go down with the other static inputs, padded to
+the bucket's count by repeating the first snapshot (the same row written twice with the same
+values). Without them every prompt chunk of more than one snapshot interval (the server's default:
+512 tokens) ran eagerly. A batch larger than the biggest
 bucket, or a token count above ``max_tokens``, is not graphed: ``fits`` says so and the caller runs
 the eager path.
 """
@@ -28,12 +36,14 @@ from collections.abc import Sequence
 
 import torch
 
+from fastmamba.cache.prefix_cache import DeviceSnapshots, SnapshotPlan, snapshot_indices
 from fastmamba.cache.state_cache import StateCache
 from fastmamba.generation.cuda_graphs import CaptureClock
 from fastmamba.generation.staging import StagedInputs
 from fastmamba.models.mamba2_lm import Mamba2LM
 from fastmamba.ops._common.host_values import trusted_inputs
 from fastmamba.ops._common.pdl import pdl_supported, programmatic_dependent_launch
+from fastmamba.ops.ssd_scan.api import chunk_count_bound
 from fastmamba.ops.ssd_scan.hopper import hopper_kernels
 
 PAD_SLOT = -1
@@ -109,13 +119,19 @@ class GraphedPrefill:
         self.request_buckets = powers_of_two_up_to(2, max_requests + 1)
         dev = model.lm_head.weight.device
         nb = self.request_buckets[-1]
+        self.chunk, self.conv_len = model.cfg.chunk_size, cache.conv[0].shape[-1]
+        ns = max_tokens // self.chunk  # the most snapshots a call can take (each ends a chunk of its prompt)
         # the graphs' static inputs, filled from the host lists in one asynchronous copy per call
         self.inputs = StagedInputs({"ids": (torch.int64, max_tokens), "cu_seqlens": (torch.int32, nb + 1),
-                                    "slots": (torch.int32, nb), "flags": (torch.bool, nb)}, dev)
+                                    "slots": (torch.int32, nb), "flags": (torch.bool, nb),
+                                    "snap_conv": (torch.int64, ns * self.conv_len), "snap_chunk": (torch.int64, ns),
+                                    "snap_rows": (torch.int64, ns)}, dev)
         self.inputs.set("slots", [PAD_SLOT] * nb)
         self.inputs.upload()
         self.ids, self.cu_seqlens, self.slots, self.flags = (self.inputs.dev[k] for k in ("ids", "cu_seqlens", "slots", "flags"))
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.snapshot_pools: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None  # captured by address
+        # (token bucket, request bucket, with snapshots) -> (graph, its logits)
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.captured = CaptureClock()
 
@@ -135,8 +151,10 @@ class GraphedPrefill:
                 return tb, rb
         return None
 
-    def fits(self, lengths: Sequence[int]) -> bool:
-        return self.buckets(lengths) is not None
+    def fits(self, lengths: Sequence[int], snapshots: int = 0) -> bool:
+        """Whether requests of these lengths, taking ``snapshots`` prefix-cache snapshots, have a graph."""
+        fit = self.buckets(lengths)
+        return fit is not None and snapshots <= fit[0] // self.chunk
 
     def _validate(self, prompts: Sequence[Sequence[int]], slots: Sequence[int]) -> None:
         if len(prompts) != len(slots) or not prompts:
@@ -150,17 +168,49 @@ class GraphedPrefill:
         if bad or len(set(slots)) != len(slots):
             raise ValueError(f"GraphedPrefill.prefill: slots must be distinct ints in [0, {S}), got {list(slots)[:8]}")
 
-    def _capture(self, tb: int, rb: int, cu_host: list[int], slots_host: list[int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _device_snapshots(self, tb: int, rb: int) -> DeviceSnapshots:
+        """The static snapshot buffers of bucket (tb, rb): tb // chunk_size entries."""
+        n, dev = tb // self.chunk, self.inputs.dev
+        conv, ssm = self.snapshot_pools
+        return DeviceSnapshots(dev["snap_conv"][:n * self.conv_len].view(n, self.conv_len), dev["snap_chunk"][:n],
+                               dev["snap_rows"][:n], conv, ssm, chunk_count_bound(tb, rb, self.chunk))
+
+    def _stage_snapshots(self, plan: SnapshotPlan, cu: list[int], n_real: int, tb: int) -> None:
+        """Checks ``plan`` against the padded call (``cu``) and writes its indices into the static
+        inputs, padded to the bucket's count with copies of the first snapshot."""
+        who = "GraphedPrefill.prefill"
+        if any(not 0 <= b < n_real for b in plan.seq):
+            raise ValueError(f"{who}: `snapshots` names sequences {list(plan.seq)[:8]}; the call has {n_real}")
+        ix = snapshot_indices(plan, cu, self.conv_len, self.model.cfg, who)
+        n, room = len(ix.rows), tb // self.chunk
+        if n > room:
+            raise ValueError(f"{who}: {n} snapshots do not fit the {tb}-token bucket's {room}; check fits()")
+        pools = (tuple(plan.conv), tuple(plan.ssm))
+        if self.snapshot_pools is None:
+            self.snapshot_pools = pools
+        elif any(a is not b for a, b in zip(self.snapshot_pools[0] + self.snapshot_pools[1], pools[0] + pools[1])):
+            raise ValueError(f"{who}: `snapshots` must write the same pools at every call (the graphs hold their "
+                             "addresses); got pools other than the first call's")
+        W, pad = self.conv_len, room - n
+        st = self.inputs
+        st.set("snap_conv", ix.conv_tokens + ix.conv_tokens[:W] * pad)
+        st.set("snap_chunk", ix.chunk_rows + ix.chunk_rows[:1] * pad)
+        st.set("snap_rows", ix.rows + ix.rows[:1] * pad)
+
+    def _capture(self, tb: int, rb: int, cu_host: list[int], slots_host: list[int],
+                 snapshots: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture the bucket's call. ``cu_host`` / ``slots_host``: this batch's metadata, which the
-        model validates on the host while capturing (replays run no Python)."""
+        model validates on the host while capturing (replays run no Python); ``snapshots``: the
+        call copies states into the prefix cache's pools (the staged snapshot indices)."""
         ids, cu, slots, flags = self.ids[:tb], self.cu_seqlens[:rb + 1], self.slots[:rb], self.flags[:rb]
         live = sum(s != PAD_SLOT for s in slots_host)  # the padding-only warm-up picks the same tiles
+        snaps = self._device_snapshots(tb, rb) if snapshots else None
 
         def run(slot_values: list[int]) -> torch.Tensor:
             with trusted_inputs():
                 return self.model.prefill_varlen(ids, cu, self.cache, slots, has_initial_state=flags,
                                                  rand_seed=self.rand_seed, cu_seqlens_host=cu_host,
-                                                 slots_host=slot_values, live_seqs=live)
+                                                 slots_host=slot_values, live_seqs=live, snapshots=snaps)
 
         pdl = programmatic_dependent_launch() if self.pdl else contextlib.nullcontext()
         with pdl, hopper_kernels():  # the Hopper scan kernel (ops/ssd_scan/hopper.py): its first launch in the warm-up
@@ -179,7 +229,9 @@ class GraphedPrefill:
         return graph, logits
 
     def prefill(self, prompts: Sequence[Sequence[int]], slots: Sequence[int],
-                has_initial_state: bool | Sequence[bool] = False) -> torch.Tensor:
+                has_initial_state: bool | Sequence[bool] = False, snapshots: SnapshotPlan | None = None) -> torch.Tensor:
+        """``snapshots``: a ``SnapshotPlan`` over these prompts (sequence b = prompts[b]) or None;
+        its pools must be the same at every call."""
         self._validate(prompts, slots)
         lengths = [len(p) for p in prompts]
         fit = self.buckets(lengths)
@@ -202,10 +254,14 @@ class GraphedPrefill:
         st.set("cu_seqlens", cu)
         st.set("slots", list(slots) + [PAD_SLOT] * (rb - n))
         st.set("flags", flags + [False] * (rb - n))
+        snap = snapshots is not None and len(snapshots.seq) > 0
+        if snap:
+            self._stage_snapshots(snapshots, cu, n, tb)
         st.upload()
-        if (tb, rb) not in self.graphs:
+        key = (tb, rb, snap)
+        if key not in self.graphs:
             with self.captured.timing():
-                self.graphs[(tb, rb)] = self._capture(tb, rb, cu, list(slots) + [PAD_SLOT] * (rb - n))
-        graph, logits = self.graphs[(tb, rb)]
+                self.graphs[key] = self._capture(tb, rb, cu, list(slots) + [PAD_SLOT] * (rb - n), snap)
+        graph, logits = self.graphs[key]
         graph.replay()
         return logits[:n]

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from fastmamba.cache.prefix_cache import SnapshotPlan, layer_snapshots
+from fastmamba.cache.prefix_cache import DeviceSnapshots, SnapshotPlan, device_layer_snapshots, layer_snapshots
 from fastmamba.cache.state_cache import StateCache
 from fastmamba.generation.rounding import check_rand_seed
 from fastmamba.layers.mamba2 import DecodeTricks, Mamba2Mixer
@@ -155,7 +155,7 @@ class Mamba2LM(nn.Module):
         rand_seed: torch.Tensor | None = None,
         cu_seqlens_host: Sequence[int] | None = None,
         slots_host: Sequence[int] | None = None,
-        snapshots: SnapshotPlan | None = None,
+        snapshots: SnapshotPlan | DeviceSnapshots | None = None,
         live_seqs: int | None = None,
     ) -> torch.Tensor:
         """Run B prompts of any lengths packed into one call; returns each one's last-token logits [B, V] fp32.
@@ -178,7 +178,9 @@ class Mamba2LM(nn.Module):
         ``trusted_inputs()``: no per-layer host read or synchronize.
         snapshots   a ``fastmamba.cache.prefix_cache.SnapshotPlan`` or None: also copy the states
                     of some prompts after some of their chunks (prefix caching) into its pools,
-                    taken from the chunked scan's per-chunk states as it runs
+                    taken from the chunked scan's per-chunk states as it runs; or a
+                    ``DeviceSnapshots`` whose indices the caller checked against this call
+                    (``snapshot_indices``) and holds on the device (a CUDA graph's static buffers)
         live_seqs   int or None: how many prompts are not padding, for the short-prompt scan's
                     tiles (None: counted from the slots); a graph capture passes its batch's count
                     to its all-padding warm-up too, so both run the same kernels
@@ -227,8 +229,11 @@ class Mamba2LM(nn.Module):
         else:
             flags = has_initial_state
         seed = self._seed(rand_seed, "Mamba2LM.prefill_varlen")
-        snap = (lambda i: None) if snapshots is None else layer_snapshots(
-            snapshots, cu, cache.conv[0].shape[-1], self.cfg, input_ids.device, "Mamba2LM.prefill_varlen")
+        snap = ((lambda i: None) if snapshots is None
+                else device_layer_snapshots(snapshots, self.cfg, input_ids.device)
+                if isinstance(snapshots, DeviceSnapshots)
+                else layer_snapshots(snapshots, cu, cache.conv[0].shape[-1], self.cfg, input_ids.device,
+                                     "Mamba2LM.prefill_varlen"))
         last = cu_seqlens[1:] - 1
         # the longest prompt picks the scan's path (fused when short) and its tiles. Also while a
         # CUDA graph is captured: the warm-up before capture then runs the same kernels (nothing

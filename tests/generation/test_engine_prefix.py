@@ -193,3 +193,18 @@ def test_engine_prefix_cache_on_gpu_keeps_the_output():
     want = [run(ref, [p])[0] for p in prompts]
     assert [run(eng, [p])[0] for p in prompts] == want
     assert eng.prefix_stats["hit_tokens"] == 2 * 64
+
+
+@pytest.mark.gpu
+def test_engine_snapshot_prefills_replay_graphs():
+    """Prompt chunks that take block snapshots replay CUDA graphs too (they ran eagerly before), with
+    the output of an engine without graphs and the same cache hits afterwards."""
+    m = fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cuda")
+    shared = tokens(96, 80)
+    prompts = [shared + tokens(7, 81), shared + tokens(40, 82)]
+    ref = Engine(m, max_batch=4, cuda_graphs=False, prefix_cache_entries=8, prefix_block=32)
+    eng = Engine(m, max_batch=4, prefix_cache_entries=8, prefix_block=32, prefill_chunk=64)
+    want = [run(ref, [p])[0] for p in prompts]
+    assert [run(eng, [p])[0] for p in prompts] == want
+    assert any(key[2] for key in eng.prefiller.graphs)  # a graph with snapshots ran
+    assert eng.prefix_stats["hit_tokens"] == ref.prefix_stats["hit_tokens"] > 0

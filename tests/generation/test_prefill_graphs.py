@@ -122,3 +122,58 @@ def test_graphed_prefill_equals_eager():
             assert gp.captured.count == 1 and gp.captured.seconds > 0, i  # counted once, at the first call
         for a, b in zip((*graph_cache.conv, *graph_cache.ssm), (*eager_cache.conv, *eager_cache.ssm)):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_snapshot_count_decides_the_fit():
+    gp = object.__new__(GraphedPrefill)
+    gp.token_buckets = token_buckets_up_to(16, 512)
+    gp.request_buckets = powers_of_two_up_to(2, 9)
+    gp.chunk = 64
+    assert gp.fits([256]) and gp.fits([256], 4)  # the 256-token bucket holds 4 chunk ends
+    assert not gp.fits([256], 5)
+    assert gp.fits([100], 2) and not gp.fits([100], 3)  # 101 tokens with the padding request: the 128 bucket
+    assert not gp.fits([600], 0)  # no bucket at all
+
+
+@pytest.mark.gpu
+def test_graphed_prefill_with_snapshots_equals_eager():
+    """Prefix-cache snapshots from a graph: the same pool rows, logits and slot states as the eager
+    call with the same plan; a second call in the bucket with another plan (fewer snapshots: the
+    padding repeats one) replays the same graph and writes only its own rows."""
+    from fastmamba.cache.prefix_cache import SnapshotPlan
+
+    m = fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cuda")
+    Q = m.cfg.chunk_size
+    g = seeded(3)
+    pool_e, pool_g = m.new_cache(6), m.new_cache(6)  # rows that receive the snapshots
+    eager_cache, graph_cache = m.new_cache(8), m.new_cache(8)
+    for pool in (*pool_e.conv, *pool_e.ssm, *pool_g.conv, *pool_g.ssm):
+        pool.fill_(float("nan"))
+    gp = GraphedPrefill(m, graph_cache, max_tokens=8 * Q, max_requests=3)
+    calls = [  # (lengths, snapshot (sequence, end, row) triples)
+        ([3 * Q + 5, 2 * Q], [(0, Q, 0), (0, 3 * Q, 1), (1, 2 * Q, 2)]),
+        ([2 * Q + 1, 3 * Q - 2], [(1, 2 * Q, 3)]),  # the same (8 Q, 4) bucket, one snapshot
+    ]
+    for lengths, snaps in calls:
+        prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+        slots = [5, 2]
+        seq, ends, rows = (tuple(v) for v in zip(*snaps))
+        want = m.prefill_varlen(torch.tensor([t for p in prompts for t in p], device="cuda"),
+                                torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                                             device="cuda"),
+                                eager_cache, torch.tensor(slots, dtype=torch.int32, device="cuda"), False,
+                                snapshots=SnapshotPlan(seq, ends, rows, pool_e.conv, pool_e.ssm))
+        assert gp.fits(lengths, len(snaps))
+        got = gp.prefill(prompts, slots, False, snapshots=SnapshotPlan(seq, ends, rows, pool_g.conv, pool_g.ssm))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for a, b in zip((*graph_cache.conv, *graph_cache.ssm), (*eager_cache.conv, *eager_cache.ssm)):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        for a, b in zip((*pool_g.conv, *pool_g.ssm), (*pool_e.conv, *pool_e.ssm)):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, equal_nan=True)  # rows 4, 5: never written
+    assert len(gp.graphs) == 1 and next(iter(gp.graphs))[2]  # one bucket, with snapshots
+    assert all(torch.isnan(p[4:]).all() for p in (*pool_g.conv, *pool_g.ssm))
+    other = m.new_cache(6)
+    with pytest.raises(ValueError, match="same pools"):
+        gp.prefill([[1] * Q], [0], False, snapshots=SnapshotPlan((0,), (Q,), (0,), other.conv, other.ssm))
+    with pytest.raises(ValueError, match="names sequences"):
+        gp.prefill([[1] * Q], [0], False, snapshots=SnapshotPlan((1,), (Q,), (0,), pool_g.conv, pool_g.ssm))
