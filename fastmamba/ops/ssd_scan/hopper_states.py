@@ -3,9 +3,9 @@
 
 It runs where the Hopper chunk-output kernel runs (``hopper.hopper_chunk_output_ok``: sm_90, 16-bit
 activations, head dim 64, N 64 or 128, TMA-addressable rows, inside ``hopper_kernels()`` by default),
-when B's rows are TMA-addressable too and the call asks for nothing it does not write: no state after
-every chunk (``chunk_out``, the prefix cache's) and no stochastic rounding of the final states. The two
-Triton kernels stay the portable, interpreter-tested path and take every other call.
+when B's rows are TMA-addressable too, ``chunk_out`` (the state after every chunk: the prefix cache's)
+is None or contiguous, and the final states are not rounded stochastically. The two Triton kernels stay
+the portable, interpreter-tested path and take every other call.
 ``FASTMAMBA_HOPPER_STATES=0`` keeps them on the Hopper path too (A/B timing).
 
 Measured (H200, one CUDA graph of the captured launches, `.ab`-style, 2026-11-27): chunk states + state
@@ -43,6 +43,17 @@ def _gluon():
     return lean(hopper_states_kernel.chunk_states_sm90_kernel), TensorDescriptor, gl
 
 
+def _chunk_out_desc(TensorDescriptor, gl, chunk_out: torch.Tensor):
+    """chunk_out [C, H, P, N] as [C * H * P, N] in [64, 64] boxes, unswizzled (an fp32 row of 64 is wider
+    than the 128-byte swizzle)."""
+    C, H, P, N = chunk_out.shape
+    desc = object.__new__(TensorDescriptor)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * chunk_out.element_size())
+    desc.__dict__.update(base=chunk_out.view(C * H * P, N), shape=[C * H * P, N], strides=[N, 1],
+                         block_shape=[64, 64], layout=layout, padding="zero")
+    return desc
+
+
 def _enabled() -> bool:
     """FASTMAMBA_HOPPER_STATES (default on), read at every call: the tests and A/B runs flip it."""
     return env_switch("FASTMAMBA_HOPPER_STATES", True)
@@ -56,7 +67,9 @@ def hopper_states_ok(x: torch.Tensor, B: torch.Tensor, *, chunk_out: torch.Tenso
         return False
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or x.shape[3] != 64:
         return False
-    if chunk_out is not None or final_seed is not None:
+    if final_seed is not None:
+        return False
+    if chunk_out is not None and not (chunk_out.is_contiguous() and chunk_out.data_ptr() % 16 == 0):
         return False
     if B.dtype != x.dtype or B.shape[3] % 64 or not _tma_rows(B):
         return False
@@ -64,8 +77,9 @@ def hopper_states_ok(x: torch.Tensor, B: torch.Tensor, *, chunk_out: torch.Tenso
 
 
 def chunk_states_sm90(x, B, states_in, dt_scratch, cs_scratch, table, cu, skip, init, init_idx, final, final_idx,
-                      seg_final, *, chunk_size: int, block_seg: int) -> None:
-    """S_in of every chunk (states_in [chunk slots, H, P, N], x's dtype) and the final states: x [R, L, H, P],
+                      seg_final, chunk_out, *, chunk_size: int, block_seg: int) -> None:
+    """S_in of every chunk (states_in [chunk slots, H, P, N], x's dtype), the state after every chunk
+    (chunk_out [>= chunk slots, H, P, N] contiguous, or None) and the final states: x [R, L, H, P],
     B [R, L, G, N]; dt' / cs scratch [H, chunk slots, Q] fp32 and table [chunk slots, 4] int32 (the prep
     kernel's); cu [n_seg + 1]; skip [n_seg] int8 or None; init / final [slots, H, P, N] with init_idx /
     final_idx [n_seg] int32, seg_final [n_seg, H, P, N], each or None."""
@@ -78,6 +92,7 @@ def chunk_states_sm90(x, B, states_in, dt_scratch, cs_scratch, table, cu, skip, 
         _desc(TensorDescriptor, gl, _rows2d(x), (64, 64)),
         _desc(TensorDescriptor, gl, _rows2d(B), (64, 64)),
         _desc(TensorDescriptor, gl, states_in.view(n_slots * H * P, N), (64, 64)),
+        None if chunk_out is None else _chunk_out_desc(TensorDescriptor, gl, chunk_out),
     ]
     programs = n_seg * H * (N // 64)
     use_pdl = pdl_chained(x, programs, 8)
@@ -86,5 +101,5 @@ def chunk_states_sm90(x, B, states_in, dt_scratch, cs_scratch, table, cu, skip, 
         n_seg, H, H // G, N, dt_scratch.shape[1], *strides4(init), *strides4(final), *strides4(seg_final),
         Q=chunk_size, BLOCK_SEG=block_seg, K_STAGES=STAGES, PRODUCER_REGS=PRODUCER_REGS,
         HAS_SKIP=skip is not None, HAS_INIT=init is not None, HAS_FINAL=final is not None,
-        HAS_SEG_FINAL=seg_final is not None, USE_PDL=use_pdl, launch_pdl=use_pdl, num_warps=4, maxnreg=MAXNREG,
+        HAS_SEG_FINAL=seg_final is not None, HAS_CHUNK_OUT=chunk_out is not None, USE_PDL=use_pdl, launch_pdl=use_pdl, num_warps=4, maxnreg=MAXNREG,
     )

@@ -22,6 +22,9 @@ Partitions:
   at the chunk's start, so that it leaves while the chunk's blocks run. (Stored from registers, S_in cost
   this kernel 40% of its time: 2-byte scattered stores stalled the walk; H200, 2.7b shape, L=8192: 86 vs
   60 us.)
+With ``chunk_out`` (prefix caching), S after every chunk goes out by a second TMA store (an unswizzled
+[64, 64] tile of chunk_out's dtype), issued after the chunk's fold; each store waits only for the one
+of its kind before it.
 At the end: the final state (to its pool slot) and the segment's final state, and, when S is not
 finite, the non-finite flag that the Hopper chunk-output kernel's Triton fallback reads (entry 3 of the
 chunk table's row 0, as ``kernel._chunk_state_kernel``'s FLAG_NONFINITE: a non-finite x_s of a live
@@ -94,15 +97,17 @@ def _producer(x_desc, b_desc, x_smem, b_smem, w_smem, ready, empty, cs_ptr, dt_p
 
 
 @gluon.jit
-def _consumer(si_desc, x_smem, b_smem, w_smem, si_smem, ready, empty, cs_ptr, table_ptr,
+def _consumer(si_desc, co_desc, x_smem, b_smem, w_smem, si_smem, co_smem, ready, empty, cs_ptr, table_ptr,
               init_ptr, init_idx_ptr, final_ptr, final_idx_ptr, seg_final_ptr,
               seg, first, count, seg_lo, seg_len, h, nb, H, n_chunk_slots,
               stride_init_s, stride_init_h, stride_init_p, stride_init_n,
               stride_final_s, stride_final_h, stride_final_p, stride_final_n,
               stride_sf_s, stride_sf_h, stride_sf_p, stride_sf_n,
               Q: gl.constexpr, K_STAGES: gl.constexpr, HAS_INIT: gl.constexpr, HAS_FINAL: gl.constexpr,
-              HAS_SEG_FINAL: gl.constexpr):
+              HAS_SEG_FINAL: gl.constexpr, HAS_CHUNK_OUT: gl.constexpr):
     dtype: gl.constexpr = x_smem.dtype
+    # stores in flight allowed when a tile's buffer is reused: the other kind's store may still run
+    OTHERS: gl.constexpr = 1 if HAS_CHUNK_OUT else 0
     live = seg_len >= 0  # a padding segment (seg_len -1) reads and stores no state
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -127,7 +132,7 @@ def _consumer(si_desc, x_smem, b_smem, w_smem, si_smem, ready, empty, cs_ptr, ta
         nxt_last = gl.load(cs_ptr + (h * n_chunk_slots + first + k + 1) * Q + length2 - 1, mask=k + 1 < count,
                            other=0.0)
         # S_in of this chunk leaves through a TMA store while its blocks run
-        tma.store_wait(0)
+        tma.store_wait(OTHERS)
         si_smem.store(S.to(dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(si_desc, [((first + k) * H + h) * P, nb * BN], si_smem)
@@ -151,6 +156,11 @@ def _consumer(si_desc, x_smem, b_smem, w_smem, si_smem, ready, empty, cs_ptr, ta
             mbarrier.arrive(empty.index(s))
             k_i += 1
         S = S * decay[:, None] + acc
+        if HAS_CHUNK_OUT:  # the state after the chunk
+            tma.store_wait(OTHERS)
+            co_smem.store(S.to(co_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(co_desc, [((first + k) * H + h) * P, nb * BN], co_smem)
     tile_p = offs_p[:, None]
     tile_n = offs_n[None, :]
     if HAS_FINAL:
@@ -187,7 +197,7 @@ def _segment(cu_ptr, n_seg, seg, Q: gl.constexpr, BLOCK_SEG: gl.constexpr):
 
 @gluon.jit(do_not_specialize=["n_seg"])
 def chunk_states_sm90_kernel(
-    x_desc, b_desc, si_desc,
+    x_desc, b_desc, si_desc, co_desc,
     cu_ptr, skip_ptr, cs_ptr, dt_ptr, table_ptr,
     init_ptr, init_idx_ptr, final_ptr, final_idx_ptr, seg_final_ptr,
     n_seg, H, heads_per_group, N, n_chunk_slots,
@@ -196,10 +206,10 @@ def chunk_states_sm90_kernel(
     stride_sf_s, stride_sf_h, stride_sf_p, stride_sf_n,
     Q: gl.constexpr, BLOCK_SEG: gl.constexpr, K_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     HAS_SKIP: gl.constexpr, HAS_INIT: gl.constexpr, HAS_FINAL: gl.constexpr, HAS_SEG_FINAL: gl.constexpr,
-    USE_PDL: gl.constexpr = False,
+    HAS_CHUNK_OUT: gl.constexpr = False, USE_PDL: gl.constexpr = False,
 ):
     """Descriptors (2-d views, 64 x 64 boxes): x [tokens, H * P], B [tokens, G * N], states_in
-    [chunk slots * H * P, N] (x's dtype); tokens are flat (row * row_len + t). cu [n_seg + 1] flat token
+    [chunk slots * H * P, N] (x's dtype), chunk_out [chunk slots * H * P, N] or None (unswizzled); tokens are flat (row * row_len + t). cu [n_seg + 1] flat token
     offsets; skip [n_seg] int8 or None; cs / dt' [H, chunk slots, Q] fp32 (the prep kernel's scratch);
     table [chunk slots, 4] int32 (entry 3 of row 0: the non-finite flag); init / final [slots, H, P, N]
     with init_idx / final_idx [n_seg] int32 (-1: none), seg_final [n_seg, H, P, N], each or None.
@@ -219,6 +229,10 @@ def chunk_states_sm90_kernel(
     x_smem = gl.allocate_shared_memory(dtype, [K_STAGES, BK, P], x_desc.layout)
     b_smem = gl.allocate_shared_memory(dtype, [K_STAGES, BK, BN], b_desc.layout)
     si_smem = gl.allocate_shared_memory(dtype, [P, BN], si_desc.layout)
+    if HAS_CHUNK_OUT:
+        co_smem = gl.allocate_shared_memory(co_desc.dtype, [P, BN], co_desc.layout)
+    else:
+        co_smem = si_smem  # unused
     w_smem = gl.allocate_shared_memory(gl.float32, [K_STAGES, BK], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
@@ -228,13 +242,13 @@ def chunk_states_sm90_kernel(
     fence_async_shared()
     gl.warp_specialize(
         [
-            (_consumer, (si_desc, x_smem, b_smem, w_smem, si_smem, ready, empty, cs_ptr, table_ptr,
+            (_consumer, (si_desc, co_desc, x_smem, b_smem, w_smem, si_smem, co_smem, ready, empty, cs_ptr, table_ptr,
                          init_ptr, init_idx_ptr, final_ptr, final_idx_ptr, seg_final_ptr,
                          seg, first, count, seg_lo, seg_len, h, nb, H, n_chunk_slots,
                          stride_init_s, stride_init_h, stride_init_p, stride_init_n,
                          stride_final_s, stride_final_h, stride_final_p, stride_final_n,
                          stride_sf_s, stride_sf_h, stride_sf_p, stride_sf_n,
-                         Q, K_STAGES, HAS_INIT, HAS_FINAL, HAS_SEG_FINAL)),
+                         Q, K_STAGES, HAS_INIT, HAS_FINAL, HAS_SEG_FINAL, HAS_CHUNK_OUT)),
             (_producer, (x_desc, b_desc, x_smem, b_smem, w_smem, ready, empty, cs_ptr, dt_ptr,
                          first, count, seg_lo, seg_len, h, h // heads_per_group, nb, n_chunk_slots, N,
                          Q, K_STAGES)),

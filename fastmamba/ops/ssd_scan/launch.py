@@ -173,7 +173,7 @@ def ssd_scan_launch(
     if hopper_states:  # sm_90: chunk states and state passing in one walk, the running state in fp32
         chunk_states_sm90(x, B, states_in, dt_scratch, cs_scratch, table, segments.cu, segments.skip, segments.init,
                           segments.init_idx, segments.final, segments.final_idx, segments.seg_final,
-                          chunk_size=Q, block_seg=block_seg)
+                          segments.chunk_out, chunk_size=Q, block_seg=block_seg)
     else:
         states = torch.empty(n_chunks, H, P, N, dtype=state_dtype, device=dev)  # S_loc, recurrence precision
         grid = (n_chunks, H, cdiv(N, block_n_state))

@@ -171,18 +171,51 @@ def test_repeated_runs_are_bit_identical(states_calls):
         assert torch.equal(o, runs[0][0]) and torch.equal(st, runs[0][1])
 
 
+@pytest.mark.parametrize("co_dtype", [torch.float32, torch.bfloat16])
+def test_state_after_every_chunk(states_calls, co_dtype):
+    """``chunk_states_out`` (the prefix cache's snapshots) from the walk: every live chunk's row is the
+    Triton kernels' (fp32 rows to fp32 accuracy; bf16 rows are that state rounded once), rows of the
+    padding sequence and past the last chunk stay as they were; outputs and slots as without it."""
+    device = torch.device("cuda")
+    args, states, cu, kw = varlen_case(device, LENS, SLOTS, H=4, G=1, seed=91)
+    n_chunks = sum(-(-n // 256) for n in LENS)
+    poison = torch.full((n_chunks + 2, 4, 64, 128), float("nan"), device=device, dtype=co_dtype)
+
+    def call():
+        co, st = poison.clone(), states.clone()
+        return ssd_scan_varlen(*args, st, cu, **kw, chunk_states_out=co), st, co
+
+    (out, st, co), (out_t, st_t, co_t) = _both(states_calls, call)
+    pad_rows = torch.zeros(n_chunks + 2, dtype=torch.bool)
+    first = 0
+    for n, slot in zip(LENS, SLOTS):
+        if slot == PAD:
+            pad_rows[first:first + -(-n // 256)] = True
+        first += -(-n // 256)
+    pad_rows[n_chunks:] = True
+    assert torch.isnan(co[pad_rows]).all() and torch.isnan(co_t[pad_rows]).all()
+    live = ~pad_rows
+    assert torch.isfinite(co[live]).all()
+    assert _rel(co[live], co_t[live]) < (1e-5 if co_dtype == torch.float32 else 8e-3)
+    # with the chunk states out or not, the same outputs and slots
+    states_calls.use(True)
+    plain_st = states.clone()
+    plain = ssd_scan_varlen(*args, plain_st, cu, **kw)
+    assert torch.equal(out, plain) and torch.equal(st, plain_st)
+    torch.testing.assert_close(st_t, st, atol=1e-4, rtol=1e-4)
+
+
 def test_calls_it_does_not_cover_take_the_triton_kernels(states_calls):
-    """The state after every chunk (``chunk_states_out``) and stochastic rounding of 16-bit cache
-    states are the Triton kernels' only."""
+    """Stochastic rounding of 16-bit cache states, and a ``chunk_states_out`` that is not contiguous,
+    are the Triton kernels' only."""
     device = torch.device("cuda")
     args, states, cu, kw = varlen_case(device, (700, 500), (0, 1), seed=81)  # >= hopper.MIN_TOKENS
     states_calls.use(True)
     n_chunks = 3 + 2
-    chunk_out = torch.zeros(n_chunks, 4, 64, 128, device=device)
+    chunk_out = torch.zeros(4, 64, 128, n_chunks, device=device).permute(3, 0, 1, 2)
     ssd_scan_varlen(*args, states.clone(), cu, **kw, chunk_states_out=chunk_out)
     ssd_scan_varlen(*args, states.clone().bfloat16(), cu, **kw,
                     rand_seed=torch.tensor([7], dtype=torch.int64, device=device))
     assert len(states_calls) == 0
-    ssd_scan_varlen(*args, states.clone(), cu, **kw)
+    ssd_scan_varlen(*args, states.clone(), cu, **kw, chunk_states_out=chunk_out.contiguous())
     assert len(states_calls) == 1
-

@@ -21,6 +21,8 @@ VARIANTS = {
     "bf16-Q256-none": dict(off=FLAGS),
     "fp16-Q64-final-only": dict(dtype="fp16", Q=64, off=("HAS_SKIP", "HAS_INIT", "HAS_SEG_FINAL")),
     "bf16-Q128-int64-cu": dict(Q=128, cu="*i64", off=("HAS_SEG_FINAL",)),
+    "bf16-Q256-chunk-out-fp32": dict(chunk_out="fp32"),  # the prefix cache's states after every chunk
+    "fp16-Q256-chunk-out-fp16": dict(dtype="fp16", chunk_out="fp16", off=("HAS_SEG_FINAL",)),
 }
 
 
@@ -41,6 +43,13 @@ def compile_sm90(name: str) -> dict:
     consts = dict(Q=v.get("Q", 256), BLOCK_SEG=16, K_STAGES=hopper_states.STAGES,
                   PRODUCER_REGS=hopper_states.PRODUCER_REGS, USE_PDL=True,
                   **{f: f not in v.get("off", ()) for f in FLAGS})
+    co = v.get("chunk_out")
+    consts["HAS_CHUNK_OUT"] = co is not None
+    if co is None:
+        consts["co_desc"] = None
+    else:  # as hopper_states._chunk_out_desc builds it: unswizzled
+        co_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32 if co == "fp32" else 16)
+        sig["co_desc"] = f"tensordesc<{co}[64, 64],{co_layout}>"
     ptrs = dict(cu_ptr=v.get("cu", "*i32"), skip_ptr="*i8", cs_ptr="*fp32", dt_ptr="*fp32", table_ptr="*i32",
                 init_ptr="*fp32", init_idx_ptr="*i32", final_ptr=f"*{dtype}", final_idx_ptr="*i32",
                 seg_final_ptr="*fp32")
