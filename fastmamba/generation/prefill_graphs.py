@@ -21,10 +21,10 @@ lengths, slots); the graph then runs with no device-to-host read.
 
 Prefix-cache snapshots (a ``SnapshotPlan``: states after some chunks of some prompts, copied into
 the prefix cache's pools while the prefill runs) have graphs of their own, one per bucket that can
-hold a snapshot (``token bucket // chunk_size`` of them at most): the plan's indices, checked on the
-host against the padded call (``snapshot_indices``), go down with the other static inputs, padded to
-the bucket's count by repeating the first snapshot (the same row written twice with the same
-values). Without them every prompt chunk of more than one snapshot interval (the server's default:
+hold a snapshot (``token bucket // chunk_size`` of them at most) and snapshot count (a power of two,
+at most that): the plan's indices, checked on the host against the padded call
+(``snapshot_indices``), go down with the other static inputs, padded to the graph's count by
+repeating the first snapshot (the same row written twice with the same values). Without them every prompt chunk of more than one snapshot interval (the server's default:
 512 tokens) ran eagerly. A batch larger than the biggest
 bucket, or a token count above ``max_tokens``, is not graphed: ``fits`` says so and the caller runs
 the eager path.
@@ -41,6 +41,7 @@ from fastmamba.cache.state_cache import StateCache
 from fastmamba.generation.cuda_graphs import CaptureClock
 from fastmamba.generation.staging import StagedInputs
 from fastmamba.models.mamba2_lm import Mamba2LM
+from fastmamba.ops._common.host_math import next_power_of_2
 from fastmamba.ops._common.host_values import trusted_inputs
 from fastmamba.ops._common.pdl import pdl_supported, programmatic_dependent_launch
 from fastmamba.ops.ssd_scan.api import chunk_count_bound
@@ -130,8 +131,8 @@ class GraphedPrefill:
         self.inputs.upload()
         self.ids, self.cu_seqlens, self.slots, self.flags = (self.inputs.dev[k] for k in ("ids", "cu_seqlens", "slots", "flags"))
         self.snapshot_pools: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None  # captured by address
-        # (token bucket, request bucket, with snapshots) -> (graph, its logits)
-        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (token bucket, request bucket, snapshot count) -> (graph, its logits)
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.captured = CaptureClock()
 
@@ -168,16 +169,18 @@ class GraphedPrefill:
         if bad or len(set(slots)) != len(slots):
             raise ValueError(f"GraphedPrefill.prefill: slots must be distinct ints in [0, {S}), got {list(slots)[:8]}")
 
-    def _device_snapshots(self, tb: int, rb: int) -> DeviceSnapshots:
-        """The static snapshot buffers of bucket (tb, rb): tb // chunk_size entries."""
-        n, dev = tb // self.chunk, self.inputs.dev
+    def _device_snapshots(self, tb: int, rb: int, n: int) -> DeviceSnapshots:
+        """The static snapshot buffers of bucket (tb, rb): the first n entries."""
+        dev = self.inputs.dev
         conv, ssm = self.snapshot_pools
         return DeviceSnapshots(dev["snap_conv"][:n * self.conv_len].view(n, self.conv_len), dev["snap_chunk"][:n],
                                dev["snap_rows"][:n], conv, ssm, chunk_count_bound(tb, rb, self.chunk))
 
-    def _stage_snapshots(self, plan: SnapshotPlan, cu: list[int], n_real: int, tb: int) -> None:
+    def _stage_snapshots(self, plan: SnapshotPlan, cu: list[int], n_real: int, tb: int) -> int:
         """Checks ``plan`` against the padded call (``cu``) and writes its indices into the static
-        inputs, padded to the bucket's count with copies of the first snapshot."""
+        inputs, padded with copies of the first snapshot to the graph's count, which it returns (the
+        next power of two, at most the bucket's room: fewer graphs than one per count, and no more
+        copying than twice the snapshots' bytes)."""
         who = "GraphedPrefill.prefill"
         if any(not 0 <= b < n_real for b in plan.seq):
             raise ValueError(f"{who}: `snapshots` names sequences {list(plan.seq)[:8]}; the call has {n_real}")
@@ -191,20 +194,22 @@ class GraphedPrefill:
         elif any(a is not b for a, b in zip(self.snapshot_pools[0] + self.snapshot_pools[1], pools[0] + pools[1])):
             raise ValueError(f"{who}: `snapshots` must write the same pools at every call (the graphs hold their "
                              "addresses); got pools other than the first call's")
-        W, pad = self.conv_len, room - n
+        count = min(room, next_power_of_2(n))
+        W, pad = self.conv_len, count - n
         st = self.inputs
         st.set("snap_conv", ix.conv_tokens + ix.conv_tokens[:W] * pad)
         st.set("snap_chunk", ix.chunk_rows + ix.chunk_rows[:1] * pad)
         st.set("snap_rows", ix.rows + ix.rows[:1] * pad)
+        return count
 
     def _capture(self, tb: int, rb: int, cu_host: list[int], slots_host: list[int],
-                 snapshots: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+                 snapshots: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture the bucket's call. ``cu_host`` / ``slots_host``: this batch's metadata, which the
-        model validates on the host while capturing (replays run no Python); ``snapshots``: the
-        call copies states into the prefix cache's pools (the staged snapshot indices)."""
+        model validates on the host while capturing (replays run no Python); ``snapshots``: how many
+        states the call copies into the prefix cache's pools (the staged snapshot indices), or 0."""
         ids, cu, slots, flags = self.ids[:tb], self.cu_seqlens[:rb + 1], self.slots[:rb], self.flags[:rb]
         live = sum(s != PAD_SLOT for s in slots_host)  # the padding-only warm-up picks the same tiles
-        snaps = self._device_snapshots(tb, rb) if snapshots else None
+        snaps = self._device_snapshots(tb, rb, snapshots) if snapshots else None
 
         def run(slot_values: list[int]) -> torch.Tensor:
             with trusted_inputs():
@@ -254,9 +259,7 @@ class GraphedPrefill:
         st.set("cu_seqlens", cu)
         st.set("slots", list(slots) + [PAD_SLOT] * (rb - n))
         st.set("flags", flags + [False] * (rb - n))
-        snap = snapshots is not None and len(snapshots.seq) > 0
-        if snap:
-            self._stage_snapshots(snapshots, cu, n, tb)
+        snap = 0 if snapshots is None or not snapshots.seq else self._stage_snapshots(snapshots, cu, n, tb)
         st.upload()
         key = (tb, rb, snap)
         if key not in self.graphs:

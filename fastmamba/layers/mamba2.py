@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastmamba.cache.snapshot_copy import copy_snapshots
 from fastmamba.ops import PendingNorm, RMSNormGated, causal_conv1d_update, causal_conv1d_varlen, selective_state_update
 from fastmamba.ops.gemv import gemv
 from fastmamba.ops.gemv.configs import MAX_ROWS as GEMV_MAX_ROWS
@@ -266,10 +267,8 @@ class Mamba2Mixer(nn.Module):
             raise ValueError("Mamba2Mixer.forward_varlen: `norm_sumsq` given but this mixer cannot defer its norm "
                              "(see defers_norm: the norm_in_scan switch, enough tokens, one norm group, no norm bias, "
                              "gate in the scan, head dim a multiple of 16, no tensor-parallel out_proj)")
-        z, xbc, dt = self._split(self._project("in_proj", u))  # column views of one [T, d_in_proj] buffer
-        if snapshot is not None:  # conv states at the snapshot points: the conv's inputs there
-            snapshot.conv[snapshot.rows] = xbc[snapshot.conv_tokens].transpose(1, 2).to(snapshot.conv.dtype)
-        xbc = causal_conv1d_varlen(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state, cu_seqlens,
+        z, xbc_in, dt = self._split(self._project("in_proj", u))  # column views of one [T, d_in_proj] buffer
+        xbc = causal_conv1d_varlen(xbc_in, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state, cu_seqlens,
                                    slots, has_initial_state, "silu")
         x, B, C = self._split_xbc(xbc)
         gate = z.reshape(T, H, P) if self._gate_in_scan() else None
@@ -281,8 +280,9 @@ class Mamba2Mixer(nn.Module):
             chunk_states_out=None if snapshot is None else snapshot.chunk_states, max_seqlen=max_seqlen,
             live_seqs=live_seqs, norm_weight=None if norm_sumsq is None else self.norm.weight, norm_sumsq=norm_sumsq,
         )
-        if snapshot is not None:
-            snapshot.ssm[snapshot.rows] = snapshot.chunk_states[snapshot.chunk_rows].to(snapshot.ssm.dtype)
+        if snapshot is not None:  # the states at the snapshot points: the conv's inputs there, the scan's chunk states
+            copy_snapshots(snapshot.conv, snapshot.ssm, snapshot.rows, xbc_in, snapshot.conv_tokens,
+                           snapshot.chunk_states, snapshot.chunk_rows)
         if norm_sumsq is None:
             y = self.norm(y.reshape(T, c.d_inner), None if self._gate_in_scan() else z)
         return self._project("out_proj", y.reshape(T, c.d_inner))
