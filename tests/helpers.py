@@ -122,3 +122,21 @@ def compile_in_subprocess(script: str, name: str, root: str):
             pytest.skip("this Triton has no Gluon")
         raise AssertionError(f"sm_90 compile failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def count_launches(monkeypatch, module) -> list[int]:
+    """[n]: how many kernel launches go through ``module.lean`` from now on (they still run)."""
+    count = [0]
+    real = module.lean
+
+    def counting(fn):
+        k = real(fn)
+
+        class Counted:
+            def __getitem__(self, grid):
+                count[0] += 1
+                return k[grid]
+        return Counted()
+
+    monkeypatch.setattr(module, "lean", counting)
+    return count

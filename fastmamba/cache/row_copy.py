@@ -47,12 +47,12 @@ def copy_rows_ref(dst: Sequence[torch.Tensor], dst_row: int, src: Sequence[torch
         d[:, dst_row].copy_(s[:, src_row])
 
 
-def _row_is_contiguous(t: torch.Tensor) -> bool:
-    """Whether each row ``t[l, r]`` of a stacked pool is one contiguous run of elements (the
-    layer and row strides may be anything). From the shape and stride tuples: no views (a view
-    costs microseconds, and this runs on a prefix-cache hit's path)."""
+def rows_contiguous(t: torch.Tensor, lead: int = 2) -> bool:
+    """Whether each row ``t[i_0, ..., i_{lead-1}]`` of a pool (a stacked pool's rows: ``lead`` 2) is
+    one contiguous run of elements (the leading strides may be anything). From the shape and stride
+    tuples: no views (a view costs microseconds, and this runs on a prefix-cache hit's path)."""
     expect = 1
-    for n, st in zip(reversed(t.shape[2:]), reversed(t.stride()[2:])):
+    for n, st in zip(reversed(t.shape[lead:]), reversed(t.stride()[lead:])):
         if n != 1 and st != expect:
             return False
         expect *= n
@@ -62,7 +62,7 @@ def _row_is_contiguous(t: torch.Tensor) -> bool:
 def _kernel_covers(d: torch.Tensor, s: torch.Tensor) -> bool:
     """Same dtype and device, same layer count and row shape, rows contiguous inside both pools."""
     return (d.dtype == s.dtype and d.device == s.device and d.dim() >= 2 and d.shape[0] == s.shape[0]
-            and d.shape[2:] == s.shape[2:] and _row_is_contiguous(d) and _row_is_contiguous(s))
+            and d.shape[2:] == s.shape[2:] and rows_contiguous(d) and rows_contiguous(s))
 
 
 def copy_rows(dst: Sequence[torch.Tensor], dst_row: int, src: Sequence[torch.Tensor], src_row: int) -> None:

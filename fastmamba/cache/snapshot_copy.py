@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from fastmamba.cache.row_copy import rows_contiguous
 from fastmamba.ops._common.dispatch import use_triton
 from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 from fastmamba.ops._common.launch import lean, on_device
@@ -74,16 +75,6 @@ def copy_snapshots_ref(conv: torch.Tensor, ssm: torch.Tensor, rows: torch.Tensor
     ssm[rows] = chunk_states[chunk_rows].to(ssm.dtype)
 
 
-def _flat_rows(t: torch.Tensor) -> bool:
-    """Whether each row t[r] ([R, H, P, N]) is one contiguous run of H * P * N elements."""
-    expect = 1
-    for n, st in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
-        if n != 1 and st != expect:
-            return False
-        expect *= n
-    return True
-
-
 def copy_snapshots(conv: torch.Tensor, ssm: torch.Tensor, rows: torch.Tensor, xbc: torch.Tensor,
                    conv_tokens: torch.Tensor, chunk_states: torch.Tensor, chunk_rows: torch.Tensor) -> None:
     """Copy n snapshots of one layer into its pools (indices trusted: the caller built them from a
@@ -102,7 +93,7 @@ def copy_snapshots(conv: torch.Tensor, ssm: torch.Tensor, rows: torch.Tensor, xb
         return
     R, E, W = conv.shape
     HPN = math.prod(ssm.shape[1:])
-    if not (use_triton(xbc) and _flat_rows(ssm) and _flat_rows(chunk_states)):
+    if not (use_triton(xbc) and rows_contiguous(ssm, 1) and rows_contiguous(chunk_states, 1)):
         copy_snapshots_ref(conv, ssm, rows, xbc, conv_tokens, chunk_states, chunk_rows)
         return
     n_ssm = cdiv(HPN, BLOCK)

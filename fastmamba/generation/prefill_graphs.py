@@ -24,10 +24,11 @@ the prefix cache's pools while the prefill runs) have graphs of their own, one p
 hold a snapshot (``token bucket // chunk_size`` of them at most) and snapshot count (a power of two,
 at most that): the plan's indices, checked on the host against the padded call
 (``snapshot_indices``), go down with the other static inputs, padded to the graph's count by
-repeating the first snapshot (the same row written twice with the same values). Without them every prompt chunk of more than one snapshot interval (the server's default:
-512 tokens) ran eagerly. A batch larger than the biggest
-bucket, or a token count above ``max_tokens``, is not graphed: ``fits`` says so and the caller runs
-the eager path.
+repeating the first snapshot (the same row written twice with the same values). Without them every
+prompt chunk longer than one snapshot interval (the server's default: 512 tokens) ran eagerly.
+
+A batch larger than the biggest bucket, or a token count above ``max_tokens``, is not graphed:
+``fits`` says so and the caller runs the eager path.
 """
 from __future__ import annotations
 

@@ -17,20 +17,9 @@ def _pools(device, n_layer, rows, row_shape, dtype, seed):
 @pytest.fixture
 def launches(monkeypatch):
     """Counts the kernel's launches (they still run)."""
-    count = [0]
-    real = row_copy.lean
+    from tests.helpers import count_launches
 
-    def counting(fn):
-        k = real(fn)
-
-        class Counted:
-            def __getitem__(self, grid):
-                count[0] += 1
-                return k[grid]
-        return Counted()
-
-    monkeypatch.setattr(row_copy, "lean", counting)
-    return count
+    return count_launches(monkeypatch, row_copy)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

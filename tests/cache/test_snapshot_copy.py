@@ -17,20 +17,9 @@ from fastmamba.cache.snapshot_copy import copy_snapshots, copy_snapshots_ref
 @pytest.fixture
 def launches(monkeypatch):
     """Counts the kernel's launches (they still run)."""
-    count = [0]
-    real = snapshot_copy.lean
+    from tests.helpers import count_launches
 
-    def counting(fn):
-        k = real(fn)
-
-        class Counted:
-            def __getitem__(self, grid):
-                count[0] += 1
-                return k[grid]
-        return Counted()
-
-    monkeypatch.setattr(snapshot_copy, "lean", counting)
-    return count
+    return count_launches(monkeypatch, snapshot_copy)
 
 
 def _case(device, *, R, E, W, hpn, T, C, rows, chunk_rows, pool_dtype, x_dtype, seed):
