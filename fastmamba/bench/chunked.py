@@ -1,11 +1,13 @@
 """Target ``chunked``: what a long prompt does to running requests, with and without chunked prefill.
 
     python -m fastmamba.bench chunked [--model mamba2-2.7b] [--running 8] [--prompt-len 8192]
-                                      [--budgets none,512,2048] [--json PATH]
+                                      [--budgets none,512,2048] [--prefix-cache-gb 0] [--json PATH]
 
 Per chunk budget (``none``: whole prompts, a step either prefills or decodes): an engine decodes
 ``--running`` requests (prompt 128, greedy, no end); after a warm-up (graphs captured, the long
-prompt admitted once and dropped), one request of ``--prompt-len`` tokens arrives. Every step until
+prompt's length admitted once and dropped), one request of ``--prompt-len`` fresh tokens arrives
+(with ``--prefix-cache-gb``, as the server runs by default, its chunks take the prefix cache's
+snapshots every 512 tokens; fresh tokens: no hit on the warm-up's). Every step until
 its first token and 8 steps beyond is timed (wall clock: each step ends with the host reading the
 sampled tokens). Reported: the running requests' plain step time (median of 16 steps before the
 arrival), their inter-token latency p50 / p99 over the window (a step in which they emit nothing
@@ -44,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=None, help="the long prompt (default 8192; CPU 24)")
     parser.add_argument("--budgets", type=_budgets, default=None, help="chunk budgets (default none,512,2048; "
                         "CPU none,8)")
+    parser.add_argument("--prefix-cache-gb", type=float, default=0.0,
+                        help="prefix cache of this many GiB (the server's default: 4); 0: off")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line per budget")
 
 
@@ -61,12 +65,12 @@ def _timed_step(engine) -> tuple[float, list]:
     return time.perf_counter() - t0, outs
 
 
-def measure(model, budget: int | None, running: int, prompt_len: int, vocab: int) -> dict:
+def measure(model, budget: int | None, running: int, prompt_len: int, vocab: int, prefix_bytes: int = 0) -> dict:
     from fastmamba.generation.engine import Engine
     from fastmamba.generation.sampling import SamplingParams
 
     g = torch.Generator().manual_seed(0)
-    engine = Engine(model, max_batch=running + 1, prefill_chunk=budget)
+    engine = Engine(model, max_batch=running + 1, prefill_chunk=budget, prefix_cache_bytes=prefix_bytes or None)
     params = SamplingParams(max_new_tokens=10**6, ignore_eos=True)
     run_ids = [engine.add_request(torch.randint(0, vocab, (128,), generator=g).tolist(), params)
                for _ in range(running)]
@@ -80,6 +84,7 @@ def measure(model, budget: int | None, running: int, prompt_len: int, vocab: int
         engine.step()
     engine.finished.pop(warm, None)
     plain = [_timed_step(engine)[0] for _ in range(16)]
+    long_prompt = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()  # no prefix-cache hit
     long_rid = engine.add_request(long_prompt, SamplingParams(max_new_tokens=9, ignore_eos=True))
     t_arrive = time.perf_counter()
     last = {rid: t_arrive for rid in run_ids}
@@ -116,14 +121,17 @@ def run(args: argparse.Namespace, command: str) -> int:
         print("no GPU: the tiny preset on the CPU; these timings say nothing about GPU speed", file=sys.stderr)
     model = fastmamba.load_model(name)
     dev = torch.cuda.get_device_name() if cuda else "CPU"
+    prefix = f"prefix cache {args.prefix_cache_gb:g} GiB" if args.prefix_cache_gb > 0 else "no prefix cache"
     print(f"# chunked prefill: {name}, {dev}, {args.running} running requests (prompt 128), one prompt of "
-          f"{prompt_len} tokens arrives; command: {command}")
+          f"{prompt_len} tokens arrives, {prefix}; command: {command}")
     print("| chunk budget | plain step ms | ITL p50 ms | ITL p99 ms | ITL max ms | p99 / plain step | long prompt TTFT ms |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     rows = []
     for budget in budgets:
-        r = measure(model, budget, args.running, prompt_len, model.cfg.vocab_size)
-        r.update(model=name, device=dev, running=args.running, prompt_len=prompt_len, command=command)
+        r = measure(model, budget, args.running, prompt_len, model.cfg.vocab_size,
+                    int(args.prefix_cache_gb * (1 << 30)))
+        r.update(model=name, device=dev, running=args.running, prompt_len=prompt_len, command=command,
+                 prefix_cache_gb=args.prefix_cache_gb)
         rows.append(r)
         print(f"| {budget or 'none (whole prompt)'} | {r['plain_step_ms']:.2f} | {r['itl_p50_ms']:.2f} | "
               f"{r['itl_p99_ms']:.2f} | {r['itl_max_ms']:.2f} | {r['p99_over_plain']:.1f}x | {r['long_ttft_ms']:.1f} |",

@@ -21,3 +21,14 @@ def test_cpu_run(tmp_path, capsys):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["budget"] for r in rows] == [None, 4]
     assert all(r["long_ttft_ms"] > 0 and r["itl_p99_ms"] >= r["itl_p50_ms"] > 0 for r in rows)
+
+
+def test_cpu_run_with_the_prefix_cache(tmp_path, capsys):
+    from fastmamba.bench.targets import main
+
+    out = tmp_path / "chunked.jsonl"
+    assert main(["chunked", "--model", "mamba2-tiny", "--running", "2", "--prompt-len", "40", "--budgets", "16",
+                 "--prefix-cache-gb", "0.01", "--json", str(out)]) == 0
+    assert "prefix cache 0.01 GiB" in capsys.readouterr().out
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["prefix_cache_gb"] == 0.01 and row["long_ttft_ms"] > 0
