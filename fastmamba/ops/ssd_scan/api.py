@@ -19,6 +19,7 @@ from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops._common import slot_errors, varlen_checks
 from fastmamba.ops._common.host_values import compiling, host_list, host_reads_allowed
 from fastmamba.ops.ssd_scan.fused import choose_fused, longest_sequence_bound, ssd_scan_varlen_fused_impl
+from fastmamba.ops.ssd_scan.hopper import hopper_chunk_output_ok
 from fastmamba.ops.ssd_scan.kernel import NORM_SPAN, _segment_slots_kernel
 from fastmamba.ops.ssd_scan.launch import ScanSegments, ssd_scan_launch
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
@@ -511,7 +512,11 @@ def ssd_scan_varlen(
             _VARLEN, cu_seqlens, cache_indices, T, S, pad_slot_id, cu_which=2, idx_which=1)
     with varlen_checks.launches_after(on_device, x):  # no PDL overlap with the check's writes
         max_len = longest_sequence_bound(cu_values, T, max_seqlen)
-        if choose_fused(fused, max_len):
+        def hopper_chunked() -> bool:  # whether the chunked path below would run the Hopper kernels
+            z4 = None if z is None else z.unsqueeze(0)
+            return hopper_chunk_output_ok(x.unsqueeze(0), z4, out.unsqueeze(0), C.unsqueeze(0), chunk_size)
+
+        if choose_fused(fused, max_len, hopper_chunked):
             fused_op = ssd_scan_varlen_fused_impl if call_directly(x) else torch.ops.fastmamba.ssd_scan_varlen_fused_
             fused_op(
                 x, dt, A, B, C, ssm_states, cu_seqlens, D, z, dt_bias, cache_indices, has_initial_state, out,

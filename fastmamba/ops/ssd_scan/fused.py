@@ -1,7 +1,9 @@
 """The varlen scan's one-launch path for short sequences, and the rule that picks it.
 
 ``ssd_scan_varlen`` takes this path when every sequence of the call is at most
-``fused_configs.MAX_FUSED_LEN`` tokens (or when the caller passes ``fused=True``). The longest
+``fused_configs.MAX_FUSED_LEN`` tokens (or when the caller passes ``fused=True``), except where the
+chunked path would run the Hopper kernels and some sequence is longer than
+``fused_configs.MAX_FUSED_LEN_HOPPER``: they beat the serial walk there. The longest
 sequence is known on the host without a device read: the caller's ``max_seqlen``, else the values
 of cu_seqlens that its checks read on the host anyway (CPU tensors: no extra read), else the packed
 token count T, which bounds every sequence (GPU tensors, whose values are checked on the device;
@@ -9,6 +11,7 @@ inside trusted_inputs(), CUDA-graph capture, compile).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -30,11 +33,15 @@ def longest_sequence_bound(cu_values: list[int] | None, T: int, max_seqlen: int 
     return T
 
 
-def choose_fused(fused: bool | None, max_len: int) -> bool:
-    """The path of one call: ``fused`` when the caller forces it, else short enough for the fused kernel."""
+def choose_fused(fused: bool | None, max_len: int, hopper_chunked: Callable[[], bool]) -> bool:
+    """The path of one call: ``fused`` when the caller forces it, else short enough for the fused kernel,
+    and, above ``fused_configs.MAX_FUSED_LEN_HOPPER`` tokens, only where the chunked path would not run
+    the Hopper kernels (``hopper_chunked()``, asked only then: it costs host time)."""
     if fused is not None:
         return bool(fused)
-    return max_len <= fused_configs.MAX_FUSED_LEN
+    if max_len > fused_configs.MAX_FUSED_LEN:
+        return False
+    return max_len <= fused_configs.MAX_FUSED_LEN_HOPPER or not hopper_chunked()
 
 
 def ssd_scan_varlen_fused_impl(

@@ -21,6 +21,15 @@ from fastmamba.ops._common.host_math import next_power_of_2
 # 1x16 8.2 vs 31.7 us, 1x64 19.0 vs 32.9, 1x128 32.9 vs 36.6, 4x128 61.2 vs 76.5, 16x64 112.7 vs
 # 162.8, but 1x512 113.0 vs 69.0: one program per (sequence, head) walks the tokens serially.
 MAX_FUSED_LEN = 128
+# ... but where the chunked path runs the Hopper kernels (inside hopper_kernels(): graphed prefills of
+# >= 1024 tokens, eager ones of >= 8192), only up to this many (three blocks of the walk). H200,
+# 2026-11-27, `python -m fastmamba.bench.ops.scan_small_l --quick` with FASTMAMBA_HOPPER_SCAN=1, chunked
+# (Hopper) vs fused: 8x128 61.9 vs 69.4 us, 16x128 105.7 vs 119.2, 64x128 375.3 vs 440.1; but 8x96
+# 73.7 vs 56.4, 16x96 105.8 vs 98.7, 64x96 380.6 vs 358.8, 16x80 101.1 vs 88.4, 64x64 316.4 vs 278.4
+# (below 1024 tokens the Hopper kernels do not run). Whole prefill (`bench ttft`, two rounds): graphed
+# 8 x 128 13.72 / 13.35 -> 12.82 / 12.89 ms, 16 x 128 25.03 / 25.25 -> 24.27 / 23.98; eager 64 x 128
+# 99.5 / 99.3 -> 93.2 / 95.0; 1 x 128 3.53-3.54 either way.
+MAX_FUSED_LEN_HOPPER = 96
 
 
 class FusedScanConfig(NamedTuple):

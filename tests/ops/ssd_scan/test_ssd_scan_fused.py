@@ -282,6 +282,41 @@ def test_choice_without_a_host_read(device, launches, monkeypatch):
         assert launches == {"fused": 2, "chunked": 1}
 
 
+def test_choice_where_the_chunked_path_runs_the_hopper_kernels():
+    """Above MAX_FUSED_LEN_HOPPER tokens the fused kernel yields to a chunked path that runs the Hopper
+    kernels; the predicate (host time) is asked only there."""
+    def never():
+        raise AssertionError("asked for the Hopper kernels below MAX_FUSED_LEN_HOPPER or above MAX_FUSED_LEN")
+
+    lo, hi = fused_configs.MAX_FUSED_LEN_HOPPER, fused_configs.MAX_FUSED_LEN
+    assert fused.choose_fused(None, lo, never)
+    assert not fused.choose_fused(None, hi + 1, never)
+    assert fused.choose_fused(True, hi + 1, never) and not fused.choose_fused(False, 1, never)
+    assert not fused.choose_fused(None, hi, lambda: True)
+    assert fused.choose_fused(None, hi, lambda: False)
+
+
+def test_dispatch_asks_whether_the_chunked_path_runs_the_hopper_kernels(device, launches, monkeypatch):
+    """ssd_scan_varlen passes its tensors as the chunked launch sees them ([1, T, ...]) to the Hopper
+    predicate; a yes sends a call the fused kernel would take to the chunked path."""
+    seen = []
+
+    def fake_ok(x, z, out, C, chunk_size):
+        seen.append((tuple(x.shape), None if z is None else tuple(z.shape), tuple(out.shape), tuple(C.shape),
+                     chunk_size))
+        return True
+
+    monkeypatch.setattr(scan_api, "hopper_chunk_output_ok", fake_ok)
+    monkeypatch.setattr(fused_configs, "MAX_FUSED_LEN_HOPPER", 4)
+    args, kw = _dispatch_case(device, (3, 4))  # longest 4 <= 4: fused, not asked
+    ssd_scan_varlen(*args, max_seqlen=4, **kw)
+    assert launches == {"fused": 1, "chunked": 0} and seen == []
+    args, kw = _dispatch_case(device, (3, 6))  # 4 < 6 <= 10: asked, and the chunked path runs
+    ssd_scan_varlen(*args, max_seqlen=6, **kw)
+    assert launches == {"fused": 1, "chunked": 1}
+    assert seen == [((1, 9, 2, 16), None, (1, 9, 2, 16), (1, 9, 1, 16), 16)]
+
+
 def test_bad_max_seqlen_or_fused_raises_before_writing(device):
     args, kw = _dispatch_case(device, (3, 4))
     before = args[5].clone()
