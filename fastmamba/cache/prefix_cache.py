@@ -136,8 +136,8 @@ class DeviceSnapshots:
     (``GraphedPrefill`` fills these buffers from ``snapshot_indices`` before each replay).
 
     conv_tokens [n, state_len], chunk_rows [n], rows [n]: int64 device tensors (``SnapshotIndices``'s
-    lists; a graph pads them to its bucket's count by repeating an entry: the same row written twice
-    with the same values)
+    lists; a graph pads them to its snapshot count, a power of two, by repeating an entry: the same
+    row written twice with the same values)
     conv, ssm   the pools, one per Mamba layer (``SnapshotPlan``'s)
     n_chunks    rows of the fp32 chunk-state scratch: at least the call's chunk count
     """
