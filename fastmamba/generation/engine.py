@@ -371,6 +371,29 @@ class Engine:
         owners = [o for o in (self.decoder, self.verifier, self.prefiller) if o is not None]
         return {"count": sum(o.captured.count for o in owners), "seconds": sum(o.captured.seconds for o in owners)}
 
+    def warm_up(self) -> None:
+        """Run one request now, so that the first client's does not pay the lazy work: op registration
+        and kernel compiles, and with CUDA graphs the graphs of a long prompt's prefill chunk (a whole
+        ``prefill_chunk`` and one token more, so that the chunk takes a long prompt's snapshots when
+        there is a prefix cache; else the largest graphed prefill) and of a batch-1 decode step. Nothing of it is kept: its output, the prefix cache's
+        entries and counters, the prefill token count. Without graphs one token of prompt does.
+        On an H200 (mamba2-2.7b, prefix cache, chunks of 2048, a fresh Triton cache) the first
+        3000-token request took 11.6 s after a one-token warm-up (12.0 s), 0.54 s after this one
+        (20.4 s), the next ones 36-37 ms either way."""
+        if self.has_unfinished():
+            raise RuntimeError("Engine.warm_up: requests are queued or running; warm up before adding any")
+        length = 1
+        if self.prefiller is not None:  # a whole chunk and one token more: the chunk takes every snapshot
+            length = self.prefill_chunk + 1 if self.prefill_chunk else self.prefiller.token_buckets[-1]
+        limit = self.max_request_tokens
+        if limit is not None:
+            length = max(1, min(length, limit - 1))
+        self.generate([[0] * length], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        self.pop_finished()
+        if self.prefix is not None:
+            self.prefix.clear()
+        self.stats["prefill_tokens"] = 0
+
     # ------------------------------------------------------------------ requests in and out
 
     def add_request(self, prompt: Sequence[int] | torch.Tensor, params: SamplingParams = SamplingParams()) -> int:

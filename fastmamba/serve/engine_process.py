@@ -34,13 +34,9 @@ def _child(factory: Callable, conn) -> None:
     """The child process: build the engine, then serve the pipe until told to stop."""
     try:
         engine = factory()
-        # one tiny request first: lazy initialisation (op registration, kernels, the smallest
-        # graphs) happens now, not inside the first client's request
-        engine.generate([[0]], SamplingParams(max_new_tokens=2, ignore_eos=True))
-        engine.pop_finished()
-        if engine.prefix is not None:  # nothing of the warm-up request is kept or counted
-            engine.prefix.clear()
-        engine.stats["prefill_tokens"] = 0
+        # lazy initialisation (op registration, kernel compiles, a long prompt's graphs) now, not
+        # inside the first clients' requests; nothing of it is kept or counted
+        engine.warm_up()
     except BaseException as exc:  # noqa: BLE001 - tell the server why, then exit
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return

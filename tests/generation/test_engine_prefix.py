@@ -208,3 +208,34 @@ def test_engine_snapshot_prefills_replay_graphs():
     assert [run(eng, [p])[0] for p in prompts] == want
     assert any(key[2] for key in eng.prefiller.graphs)  # a graph with snapshots ran
     assert eng.prefix_stats["hit_tokens"] == ref.prefix_stats["hit_tokens"] > 0
+
+
+def test_warm_up_leaves_nothing_behind(model):
+    """Engine.warm_up runs one request and keeps nothing of it: no request, no slot, no snapshot, no
+    counted prefill token; it refuses to run next to queued requests."""
+    eng = Engine(model, max_batch=2, cuda_graphs=False, prefix_cache_entries=4, prefix_block=16)
+    free = eng.cache.free_slots
+    eng.warm_up()
+    assert not eng.has_unfinished() and not eng.finished and eng.cache.free_slots == free
+    assert eng.stats["prefill_tokens"] == 0 and eng.prefix_stats["lookups"] == 0
+    assert eng.prefix.match([0] * 40) is None  # the warm-up prompt is zeros
+    eng.add_request(tokens(5, 91), GREEDY)
+    with pytest.raises(RuntimeError, match="warm up before adding any"):
+        eng.warm_up()
+
+
+@pytest.mark.gpu
+def test_warm_up_captures_a_long_prompts_graphs():
+    """With CUDA graphs, the warm-up prefills a whole chunk (with the prefix cache: its snapshot graph)
+    and decodes, so a client's prompt of that size meets graphs that exist; its output is unchanged."""
+    m = fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cuda")
+    eng = Engine(m, max_batch=4, prefix_cache_entries=8, prefix_block=32, prefill_chunk=64)
+    eng.warm_up()
+    warm = set(eng.prefiller.graphs)
+    assert any(k[0] == 64 and k[2] > 0 for k in warm), warm  # the 64-token chunk with its snapshot
+    assert eng.graph_captures["count"] > len(warm)  # a decode graph too
+    prompt = tokens(64 + 9, 92)
+    ref = Engine(m, max_batch=4, cuda_graphs=False, prefix_cache_entries=8, prefix_block=32, prefill_chunk=64)
+    assert run(eng, [prompt]) == run(ref, [prompt])
+    first_chunk = [k for k in eng.prefiller.graphs if k[0] == 64 and k[2] > 0]
+    assert first_chunk and set(first_chunk) <= warm  # the request's first chunk replayed the warm-up's graph
