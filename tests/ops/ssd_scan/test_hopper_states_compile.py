@@ -73,10 +73,12 @@ def compile_sm90(name: str) -> dict:
     with open(path, "w") as f:
         f.write(ptx)
     try:
-        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True,
-                                text=True, check=True).stderr
+        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True)
     finally:
         os.remove(path)
+    if done.returncode != 0:  # say why: once, inside a full GPU suite run, ptxas exited 255 for every variant
+        raise RuntimeError(f"ptxas exited {done.returncode}:\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
+    report = done.stderr
     spills = [line.strip() for line in report.splitlines() if "spill" in line]
     return dict(shared=k.metadata.shared, warps=k.metadata.num_warps, spills=spills)
 
