@@ -375,8 +375,9 @@ class Engine:
         """Run one request now, so that the first client's does not pay the lazy work: op registration
         and kernel compiles, and with CUDA graphs the graphs of a long prompt's prefill chunk (a whole
         ``prefill_chunk`` and one token more, so that the chunk takes a long prompt's snapshots when
-        there is a prefix cache; else the largest graphed prefill) and of a batch-1 decode step. Nothing of it is kept: its output, the prefix cache's
-        entries and counters, the prefill token count. Without graphs one token of prompt does.
+        there is a prefix cache; else the largest graphed prefill) and of a batch-1 decode step.
+        Nothing of it is kept: its output, the prefix cache's entries and counters, the prefill token
+        count. Without graphs one token of prompt does.
         On an H200 (mamba2-2.7b, prefix cache, chunks of 2048, a fresh Triton cache) the first
         3000-token request took 11.6 s after a one-token warm-up (12.0 s), 0.54 s after this one
         (20.4 s), the next ones 36-37 ms either way."""
