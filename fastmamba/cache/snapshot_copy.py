@@ -91,7 +91,7 @@ def copy_snapshots(conv: torch.Tensor, ssm: torch.Tensor, rows: torch.Tensor, xb
     n = rows.shape[0]
     if n == 0:
         return
-    R, E, W = conv.shape
+    E, W = conv.shape[1], conv.shape[2]
     HPN = math.prod(ssm.shape[1:])
     if not (use_triton(xbc) and rows_contiguous(ssm, 1) and rows_contiguous(chunk_states, 1)):
         copy_snapshots_ref(conv, ssm, rows, xbc, conv_tokens, chunk_states, chunk_rows)

@@ -131,7 +131,8 @@ class GraphedPrefill:
         self.inputs.set("slots", [PAD_SLOT] * nb)
         self.inputs.upload()
         self.ids, self.cu_seqlens, self.slots, self.flags = (self.inputs.dev[k] for k in ("ids", "cu_seqlens", "slots", "flags"))
-        self.snapshot_pools: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None  # captured by address
+        # the prefix cache's (conv, ssm) pools of the first snapshot call: the graphs hold their addresses
+        self.snapshot_pools: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
         # (token bucket, request bucket, snapshot count) -> (graph, its logits)
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -235,7 +236,8 @@ class GraphedPrefill:
         return graph, logits
 
     def prefill(self, prompts: Sequence[Sequence[int]], slots: Sequence[int],
-                has_initial_state: bool | Sequence[bool] = False, snapshots: SnapshotPlan | None = None) -> torch.Tensor:
+                has_initial_state: bool | Sequence[bool] = False,
+                snapshots: SnapshotPlan | None = None) -> torch.Tensor:
         """``snapshots``: a ``SnapshotPlan`` over these prompts (sequence b = prompts[b]) or None;
         its pools must be the same at every call."""
         self._validate(prompts, slots)

@@ -139,13 +139,14 @@ def _layout(gl, dtype: torch.dtype, block: tuple[int, int]):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
-def _desc(TensorDescriptor, gl, t2d: torch.Tensor, block: tuple[int, int]):
-    """A host TMA descriptor of the 2-d view t2d. Built without the dataclass's ``__post_init__``
+def _desc(TensorDescriptor, gl, t2d: torch.Tensor, block: tuple[int, int], layout=None):
+    """A host TMA descriptor of the 2-d view t2d (``layout``: its shared-memory layout, default the
+    16-bit NVMMA one of ``_layout``). Built without the dataclass's ``__post_init__``
     (its per-field assertions cost a few us a descriptor on the GPU hosts): ``hopper_chunk_output_ok`` has checked the
     caller's tensors (``_tma_rows``) and the launcher's scratch is allocated contiguous and aligned."""
     desc = object.__new__(TensorDescriptor)
     desc.__dict__.update(base=t2d, shape=list(t2d.shape), strides=list(t2d.stride()), block_shape=list(block),
-                         layout=_layout(gl, t2d.dtype, block), padding="zero")
+                         layout=_layout(gl, t2d.dtype, block) if layout is None else layout, padding="zero")
     return desc
 
 

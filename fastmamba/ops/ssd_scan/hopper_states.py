@@ -47,11 +47,8 @@ def _chunk_out_desc(TensorDescriptor, gl, chunk_out: torch.Tensor):
     """chunk_out [C, H, P, N] as [C * H * P, N] in [64, 64] boxes, unswizzled (an fp32 row of 64 is wider
     than the 128-byte swizzle)."""
     C, H, P, N = chunk_out.shape
-    desc = object.__new__(TensorDescriptor)
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * chunk_out.element_size())
-    desc.__dict__.update(base=chunk_out.view(C * H * P, N), shape=[C * H * P, N], strides=[N, 1],
-                         block_shape=[64, 64], layout=layout, padding="zero")
-    return desc
+    return _desc(TensorDescriptor, gl, chunk_out.view(C * H * P, N), (64, 64), layout)
 
 
 def _enabled() -> bool:
@@ -101,5 +98,6 @@ def chunk_states_sm90(x, B, states_in, dt_scratch, cs_scratch, table, cu, skip, 
         n_seg, H, H // G, N, dt_scratch.shape[1], *strides4(init), *strides4(final), *strides4(seg_final),
         Q=chunk_size, BLOCK_SEG=block_seg, K_STAGES=STAGES, PRODUCER_REGS=PRODUCER_REGS,
         HAS_SKIP=skip is not None, HAS_INIT=init is not None, HAS_FINAL=final is not None,
-        HAS_SEG_FINAL=seg_final is not None, HAS_CHUNK_OUT=chunk_out is not None, USE_PDL=use_pdl, launch_pdl=use_pdl, num_warps=4, maxnreg=MAXNREG,
+        HAS_SEG_FINAL=seg_final is not None, HAS_CHUNK_OUT=chunk_out is not None, USE_PDL=use_pdl,
+        launch_pdl=use_pdl, num_warps=4, maxnreg=MAXNREG,
     )

@@ -209,8 +209,9 @@ def chunk_states_sm90_kernel(
     HAS_CHUNK_OUT: gl.constexpr = False, USE_PDL: gl.constexpr = False,
 ):
     """Descriptors (2-d views, 64 x 64 boxes): x [tokens, H * P], B [tokens, G * N], states_in
-    [chunk slots * H * P, N] (x's dtype), chunk_out [chunk slots * H * P, N] or None (unswizzled); tokens are flat (row * row_len + t). cu [n_seg + 1] flat token
-    offsets; skip [n_seg] int8 or None; cs / dt' [H, chunk slots, Q] fp32 (the prep kernel's scratch);
+    [chunk slots * H * P, N] (x's dtype), chunk_out [chunk slots * H * P, N] or None (unswizzled);
+    tokens are flat (row * row_len + t). cu [n_seg + 1] flat token offsets; skip [n_seg] int8 or None;
+    cs / dt' [H, chunk slots, Q] fp32 (the prep kernel's scratch);
     table [chunk slots, 4] int32 (entry 3 of row 0: the non-finite flag); init / final [slots, H, P, N]
     with init_idx / final_idx [n_seg] int32 (-1: none), seg_final [n_seg, H, P, N], each or None.
     Grid: n_seg * H * N / 64 programs, the column block fastest."""
@@ -242,7 +243,8 @@ def chunk_states_sm90_kernel(
     fence_async_shared()
     gl.warp_specialize(
         [
-            (_consumer, (si_desc, co_desc, x_smem, b_smem, w_smem, si_smem, co_smem, ready, empty, cs_ptr, table_ptr,
+            (_consumer, (si_desc, co_desc, x_smem, b_smem, w_smem, si_smem, co_smem, ready, empty, cs_ptr,
+                         table_ptr,
                          init_ptr, init_idx_ptr, final_ptr, final_idx_ptr, seg_final_ptr,
                          seg, first, count, seg_lo, seg_len, h, nb, H, n_chunk_slots,
                          stride_init_s, stride_init_h, stride_init_p, stride_init_n,

@@ -3,10 +3,18 @@ on one of ``launch``'s Hopper entry points with the switch that turns it on or o
 a call both ways, and the varlen case with odd lengths, a pad slot and cached initial states."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.helpers import seeded
 from tests.ops.ssd_scan.test_ssd_scan import _inputs
+
+# the Hopper kernels' GPU test files: pytestmark = NEEDS_SM90
+NEEDS_SM90 = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                       reason="the Hopper kernels need an sm_90 GPU"),
+]
 
 PAD = -1
 # one token, an empty sequence, exactly a chunk, a chunk and a bit, chunks ending mid row block, a pad

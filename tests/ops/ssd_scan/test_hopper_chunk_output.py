@@ -13,14 +13,12 @@ from fastmamba.ops.ssd_scan import mamba_chunk_scan_combined, ssd_scan_varlen
 from fastmamba.ops.ssd_scan.hopper import EAGER_MIN_TOKENS, MIN_TOKENS, hopper_kernels, long_prefill_kernels
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
 from tests.helpers import nan_like, seeded
-from tests.ops.ssd_scan.hopper_cases import LENS, PAD, SLOTS, floats, run_both, spy_launches, varlen_case
+from tests.ops.ssd_scan.hopper_cases import (
+    LENS, NEEDS_SM90, PAD, SLOTS, floats, run_both, spy_launches, varlen_case,
+)
 from tests.ops.ssd_scan.test_ssd_scan import _error_baseline_check, _inputs
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                       reason="the Hopper kernel needs an sm_90 GPU"),
-]
+pytestmark = NEEDS_SM90
 
 
 @pytest.fixture
