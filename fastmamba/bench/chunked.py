@@ -39,6 +39,16 @@ def _budgets(text: str) -> list[int | None]:
     return out
 
 
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected GiB >= 0 (0: no prefix cache), got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="preset or checkpoint dir (default: mamba2-2.7b on a GPU, "
                         "mamba2-tiny on a CPU)")
@@ -46,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=None, help="the long prompt (default 8192; CPU 24)")
     parser.add_argument("--budgets", type=_budgets, default=None, help="chunk budgets (default none,512,2048; "
                         "CPU none,8)")
-    parser.add_argument("--prefix-cache-gb", type=float, default=0.0,
+    parser.add_argument("--prefix-cache-gb", type=_gib, default=0.0,
                         help="prefix cache of this many GiB (the server's default: 4); 0: off")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line per budget")
 

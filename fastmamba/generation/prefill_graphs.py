@@ -241,6 +241,9 @@ class GraphedPrefill:
         """``snapshots``: a ``SnapshotPlan`` over these prompts (sequence b = prompts[b]) or None;
         its pools must be the same at every call."""
         self._validate(prompts, slots)
+        if snapshots is not None and not isinstance(snapshots, SnapshotPlan):
+            raise TypeError(f"GraphedPrefill.prefill: `snapshots` expected a SnapshotPlan or None, got "
+                            f"{type(snapshots).__name__}")
         lengths = [len(p) for p in prompts]
         fit = self.buckets(lengths)
         if fit is None:

@@ -32,3 +32,12 @@ def test_cpu_run_with_the_prefix_cache(tmp_path, capsys):
     assert "prefix cache 0.01 GiB" in capsys.readouterr().out
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["prefix_cache_gb"] == 0.01 and row["long_ttft_ms"] > 0
+
+
+@pytest.mark.parametrize("bad", ["-1", "lots", "nan"])
+def test_bad_prefix_cache_size_is_refused(bad, capsys):
+    from fastmamba.bench.targets import main
+
+    with pytest.raises(SystemExit):
+        main(["chunked", "--prefix-cache-gb", bad])
+    assert "expected GiB >= 0" in capsys.readouterr().err

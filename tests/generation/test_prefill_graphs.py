@@ -175,5 +175,7 @@ def test_graphed_prefill_with_snapshots_equals_eager():
     other = m.new_cache(6)
     with pytest.raises(ValueError, match="same pools"):
         gp.prefill([[1] * Q], [0], False, snapshots=SnapshotPlan((0,), (Q,), (0,), other.conv, other.ssm))
+    with pytest.raises(TypeError, match="expected a SnapshotPlan"):
+        gp.prefill([[1] * Q], [0], False, snapshots=[(0, Q, 0)])
     with pytest.raises(ValueError, match="names sequences"):
         gp.prefill([[1] * Q], [0], False, snapshots=SnapshotPlan((1,), (Q,), (0,), pool_g.conv, pool_g.ssm))
