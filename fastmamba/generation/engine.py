@@ -39,7 +39,8 @@ a few ``_kv_*`` helpers (no-ops for a pure Mamba-2 model):
     holding pages is finished with finish_reason "error" (``Request.error``: a RuntimeError
     naming the exhausted pool; it gets no StepOutput, like an aborted one) and its pages freed.
 Speculative decoding: a verify step grows each request's KV by its T inputs, the commit shortens
-it to the accepted ones (``HybridCache.rollback``). Graphed prefill is Mamba-2 only for now.
+it to the accepted ones (``HybridCache.rollback``). A graphed prefill grows the pages on the host
+before its replay (``GraphedPrefill``), as the eager one does in the model.
 
 Speculative decoding (``speculate=K``): a decode step asks the drafter for K tokens per running
 request and verifies them in one call (``Mamba2LM.verify``, T = K+1 inputs per request: the last
@@ -189,8 +190,8 @@ class Engine:
                   ones; None (default): a step admits whole prompts or decodes, never both
     graph_prefill_tokens  on a GPU with CUDA graphs, packed prefills of up to this many tokens
                   (more when ``prefill_chunk`` needs it) replay from ``GraphedPrefill``'s graphs,
-                  prefix-cache snapshots included; None: prefill always runs eagerly (always for
-                  hybrid models)
+                  prefix-cache snapshots included (hybrid models too); None: prefill always
+                  runs eagerly
 
     Paged KV (models with attention layers, ``NemotronHLM``; a ValueError for others):
     max_seq_len   the most tokens one request holds (prompt + generated - 1); None: the model's
@@ -327,7 +328,7 @@ class Engine:
             else:
                 self.decoder = GraphedDecoder(model, self.cache, max_batch, pdl=pdl, rand_seed=self._rand_seed())
         self.prefiller = None
-        if cuda_graphs and graph_prefill_tokens and getattr(model, "graphed_prefill", True):
+        if cuda_graphs and graph_prefill_tokens:
             from fastmamba.generation.prefill_graphs import GraphedPrefill
 
             # room for a whole chunk of prefill_chunk tokens plus the padding requests' tokens

@@ -27,6 +27,14 @@ at most that): the plan's indices, checked on the host against the padded call
 repeating the first snapshot (the same row written twice with the same values). Without them every
 prompt chunk longer than one snapshot interval (the server's default: 512 tokens) ran eagerly.
 
+Hybrid models (``NemotronHLM`` with a ``HybridCache``) replay the same way. Their KV pages grow on
+the host before each replay (``HybridCache.grow``, which updates the device block table in place),
+and the attention layers' metadata are static inputs too: each token's position and request, each
+request's cached length, and the attention kernel's work table (``prefill_work``: blocks of query
+tokens, padded with empty items to the bucket's bound), so the captured attention kernel runs any
+batch of its bucket. Padding tokens belong to padding requests (slot -1): their K/V go to the
+scratch page and their attention output is zero.
+
 A batch larger than the biggest bucket, or a token count above ``max_tokens``, is not graphed:
 ``fits`` says so and the caller runs the eager path.
 """
@@ -37,11 +45,14 @@ from collections.abc import Sequence
 
 import torch
 
+from fastmamba.cache.hybrid_cache import HybridCache
 from fastmamba.cache.prefix_cache import DeviceSnapshots, SnapshotPlan, snapshot_indices
 from fastmamba.cache.state_cache import StateCache
 from fastmamba.generation.cuda_graphs import CaptureClock
 from fastmamba.generation.staging import StagedInputs
 from fastmamba.models.mamba2_lm import Mamba2LM
+from fastmamba.models.nemotron_h import NemotronHLM, StagedPrefill
+from fastmamba.ops.attention import PrefillWork, prefill_work, work_items_bound
 from fastmamba.ops._common.host_math import next_power_of_2
 from fastmamba.ops._common.host_values import trusted_inputs
 from fastmamba.ops._common.pdl import pdl_supported, programmatic_dependent_launch
@@ -106,8 +117,8 @@ class GraphedPrefill:
                   graphs read it at replay: advance it in place)
     """
 
-    def __init__(self, model: Mamba2LM, cache: StateCache, *, max_tokens: int = 2048, max_requests: int = 64,
-                 pdl: bool | None = None, rand_seed: torch.Tensor | None = None):
+    def __init__(self, model: Mamba2LM | NemotronHLM, cache: StateCache | HybridCache, *, max_tokens: int = 2048,
+                 max_requests: int = 64, pdl: bool | None = None, rand_seed: torch.Tensor | None = None):
         if not torch.cuda.is_available() or model.lm_head.weight.device.type != "cuda":
             raise RuntimeError("GraphedPrefill needs the model on a CUDA device")
         if max_tokens < MIN_TOKEN_BUCKET or max_requests < 1:
@@ -121,13 +132,24 @@ class GraphedPrefill:
         self.request_buckets = powers_of_two_up_to(2, max_requests + 1)
         dev = model.lm_head.weight.device
         nb = self.request_buckets[-1]
-        self.chunk, self.conv_len = model.cfg.chunk_size, cache.conv[0].shape[-1]
+        self.mamba_cfg = getattr(model.cfg, "mamba", model.cfg)  # a hybrid's Mamba layers' config
+        self.chunk = self.mamba_cfg.chunk_size
+        self.conv_len = cache.conv[0].shape[-1] if cache.conv else 0
         ns = max_tokens // self.chunk  # the most snapshots a call can take (each ends a chunk of its prompt)
+        fields = {"ids": (torch.int64, max_tokens), "cu_seqlens": (torch.int32, nb + 1),
+                  "slots": (torch.int32, nb), "flags": (torch.bool, nb),
+                  "snap_conv": (torch.int64, ns * self.conv_len), "snap_chunk": (torch.int64, ns),
+                  "snap_rows": (torch.int64, ns)}
+        # a hybrid: the cache grows on the host before each replay; with attention layers, their
+        # metadata are static inputs too
+        self.hybrid = isinstance(cache, HybridCache)
+        self.kv = cache.kv if self.hybrid else None
+        if self.kv is not None:
+            self.block_m = model.prefill_block_tokens()
+            fields.update(positions=(torch.int64, max_tokens), token_rows=(torch.int64, max_tokens),
+                          ctx=(torch.int64, nb), work=(torch.int64, 2 * work_items_bound(max_tokens, nb, self.block_m)))
         # the graphs' static inputs, filled from the host lists in one asynchronous copy per call
-        self.inputs = StagedInputs({"ids": (torch.int64, max_tokens), "cu_seqlens": (torch.int32, nb + 1),
-                                    "slots": (torch.int32, nb), "flags": (torch.bool, nb),
-                                    "snap_conv": (torch.int64, ns * self.conv_len), "snap_chunk": (torch.int64, ns),
-                                    "snap_rows": (torch.int64, ns)}, dev)
+        self.inputs = StagedInputs(fields, dev)
         self.inputs.set("slots", [PAD_SLOT] * nb)
         self.inputs.upload()
         self.ids, self.cu_seqlens, self.slots, self.flags = (self.inputs.dev[k] for k in ("ids", "cu_seqlens", "slots", "flags"))
@@ -186,7 +208,7 @@ class GraphedPrefill:
         who = "GraphedPrefill.prefill"
         if any(not 0 <= b < n_real for b in plan.seq):
             raise ValueError(f"{who}: `snapshots` names sequences {list(plan.seq)[:8]}; the call has {n_real}")
-        ix = snapshot_indices(plan, cu, self.conv_len, self.model.cfg, who)
+        ix = snapshot_indices(plan, cu, self.conv_len, self.mamba_cfg, who)
         n, room = len(ix.rows), tb // self.chunk
         if n > room:
             raise ValueError(f"{who}: {n} snapshots do not fit the {tb}-token bucket's {room}; check fits()")
@@ -204,6 +226,34 @@ class GraphedPrefill:
         st.set("snap_rows", ix.rows + ix.rows[:1] * pad)
         return count
 
+    def _staged(self, tb: int, rb: int) -> StagedPrefill:
+        """A hybrid's static metadata of bucket (tb, rb) (None fields without attention layers)."""
+        if self.kv is None:
+            return StagedPrefill(None, None, None, None)
+        dev, items = self.inputs.dev, work_items_bound(tb, rb, self.block_m)
+        return StagedPrefill(dev["positions"][:tb], dev["token_rows"][:tb], dev["ctx"][:rb],
+                             PrefillWork(dev["work"][:2 * items].view(items, 2), self.block_m))
+
+    def _stage_hybrid(self, slots: Sequence[int], lengths: list[int], layout: list[int], cu: list[int],
+                      flags: list[bool], tb: int, rb: int) -> list[bool]:
+        """Grow a hybrid's cache for this call (KV pages; raises before changing anything when
+        they run out) and stage its attention metadata; returns the flags the call runs with (a
+        slot that holds tokens continues: its K/V are cached)."""
+        ctx = [self.cache.length(s) for s in slots]
+        held = [s for s, f, c in zip(slots, flags, ctx) if c and not f]
+        if held:
+            raise ValueError(f"GraphedPrefill.prefill: has_initial_state is False for slots {held[:8]}, which hold "
+                             "tokens already (their K/V are cached): free them, or let the prompts continue")
+        ctx = self.cache.grow(list(slots), lengths)
+        if self.kv is not None:
+            pads = rb - len(slots)
+            st = self.inputs
+            st.set("positions", [c + i for c, n in zip(ctx, lengths) for i in range(n)] + [0] * (tb - sum(lengths)))
+            st.set("token_rows", [b for b, n in enumerate(layout) for _ in range(n)])
+            st.set("ctx", ctx + [0] * pads)
+            st.set("work", prefill_work(cu, self.block_m, capacity=work_items_bound(tb, rb, self.block_m)))
+        return [c > 0 for c in ctx]
+
     def _capture(self, tb: int, rb: int, cu_host: list[int], slots_host: list[int],
                  snapshots: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture the bucket's call. ``cu_host`` / ``slots_host``: this batch's metadata, which the
@@ -212,12 +262,13 @@ class GraphedPrefill:
         ids, cu, slots, flags = self.ids[:tb], self.cu_seqlens[:rb + 1], self.slots[:rb], self.flags[:rb]
         live = sum(s != PAD_SLOT for s in slots_host)  # the padding-only warm-up picks the same tiles
         snaps = self._device_snapshots(tb, rb, snapshots) if snapshots else None
+        extra = {"staged": self._staged(tb, rb)} if self.hybrid else {}
 
         def run(slot_values: list[int]) -> torch.Tensor:
             with trusted_inputs():
                 return self.model.prefill_varlen(ids, cu, self.cache, slots, has_initial_state=flags,
                                                  rand_seed=self.rand_seed, cu_seqlens_host=cu_host,
-                                                 slots_host=slot_values, live_seqs=live, snapshots=snaps)
+                                                 slots_host=slot_values, live_seqs=live, snapshots=snaps, **extra)
 
         pdl = programmatic_dependent_launch() if self.pdl else contextlib.nullcontext()
         with pdl, hopper_kernels():  # the Hopper scan kernel (ops/ssd_scan/hopper.py): its first launch in the warm-up
@@ -259,13 +310,15 @@ class GraphedPrefill:
         flags = [bool(has_initial_state)] * n if isinstance(has_initial_state, bool) else [bool(f) for f in has_initial_state]
         if len(flags) != n:
             raise ValueError(f"GraphedPrefill.prefill: has_initial_state expected {n} flags, got {len(flags)}")
+        snap = 0 if snapshots is None or not snapshots.seq else self._stage_snapshots(snapshots, cu, n, tb)
+        if self.hybrid:  # last: it grows the cache
+            flags = self._stage_hybrid(slots, lengths, layout, cu, flags, tb, rb)
         # one asynchronous host-to-device copy: ids (padding tokens 0), cu_seqlens, slots, flags
         st = self.inputs
         st.set("ids", [t for p in prompts for t in p] + [0] * (tb - sum(lengths)))
         st.set("cu_seqlens", cu)
         st.set("slots", list(slots) + [PAD_SLOT] * (rb - n))
         st.set("flags", flags + [False] * (rb - n))
-        snap = 0 if snapshots is None or not snapshots.seq else self._stage_snapshots(snapshots, cu, n, tb)
         st.upload()
         key = (tb, rb, snap)
         if key not in self.graphs:

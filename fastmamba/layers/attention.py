@@ -8,7 +8,8 @@ so the model computes it once (``KVBatch``) and hands it to each layer.
 
     forward        [B, L, M] without a cache: causal SDPA over the batch (the full-logits path)
     forward_varlen packed prompts: K/V written to their pages, then causal attention over each
-                   request's cached context plus the prompt (``varlen_prefill_attention``)
+                   request's cached context plus the prompt (``varlen_prefill_attention``: one
+                   Triton kernel for the batch on a GPU)
     step           one token per request: K/V written, then ``paged_decode_attention`` (Triton)
     verify         T tokens per request (speculative decoding): K/V of all T written, then each
                    token attends to its request's cache and the tokens before it: the same
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastmamba.ops.attention import paged_decode_attention, paged_kv_write, varlen_prefill_attention
+from fastmamba.ops.attention import PrefillWork, paged_decode_attention, paged_kv_write, varlen_prefill_attention
 
 
 class KVBatch(NamedTuple):
@@ -37,6 +38,9 @@ class KVBatch(NamedTuple):
     ctx_lens     list[int] or None prefill only: tokens each request had before this call (host)
     cu_host, slots_host  list[int] or None: prefill only, the values of cu_seqlens and slots as the
                  host holds them (then the attention prefill reads nothing back from the device)
+    ctx_dev      [B] int tensor or None: prefill only, ctx_lens on the device (the kernel's input)
+    work         ``PrefillWork`` or None: prefill only, the attention kernel's work table on the
+                 device (with ctx_dev: nothing is built or uploaded per layer; graph safe)
     """
 
     block_table: torch.Tensor
@@ -48,6 +52,8 @@ class KVBatch(NamedTuple):
     ctx_lens: list[int] | None = None
     cu_host: list[int] | None = None
     slots_host: list[int] | None = None
+    ctx_dev: torch.Tensor | None = None
+    work: PrefillWork | None = None
 
 
 class Attention(nn.Module):
@@ -83,9 +89,10 @@ class Attention(nn.Module):
         """Packed prompts u [T, M] -> [T, M]; their K/V are written into the pages first (mutated)."""
         q, k, v = self._qkv(u)
         paged_kv_write(k, v, k_pages, v_pages, kv.block_table, kv.slots, kv.positions, kv.token_rows)
-        o = varlen_prefill_attention(q, k_pages, v_pages, kv.block_table, kv.slots, kv.cu_seqlens, kv.ctx_lens,
+        ctx = kv.ctx_dev if kv.ctx_dev is not None else kv.ctx_lens
+        o = varlen_prefill_attention(q, k_pages, v_pages, kv.block_table, kv.slots, kv.cu_seqlens, ctx,
                                      k_new=k, v_new=v, scale=self.scale, cu_seqlens_host=kv.cu_host,
-                                     slots_host=kv.slots_host)
+                                     slots_host=kv.slots_host, work=kv.work)
         return self.o_proj(o.reshape(u.shape[0], -1))
 
     def step(self, u: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, kv: KVBatch) -> torch.Tensor:

@@ -51,6 +51,9 @@ class Batch(NamedTuple):
                        16-bit SSM states; the j-th Mamba layer rounds with element j
     snapshot           (prefill) None, or j -> the j-th Mamba layer's ``LayerSnapshot`` (prefix
                        caching: states copied out at chunk ends while the prompts run)
+    max_seqlen, live_seqs  (prefill) the longest prompt and the count of prompts that are not
+                       padding, from the host's values, or None: the Mamba scan's path and tiles
+                       (a graph's warm-up and capture then pick the same kernels)
     """
 
     slots: torch.Tensor
@@ -60,6 +63,8 @@ class Batch(NamedTuple):
     rand_seed: torch.Tensor | None = None
     spec: "SpecBatch | None" = None
     snapshot: "Callable[[int], object] | None" = None
+    max_seqlen: int | None = None
+    live_seqs: int | None = None
 
 
 class SpecBatch(NamedTuple):
@@ -121,7 +126,8 @@ class MambaBlock(Block):
         j = self.cache_index
         return self.mixer.forward_varlen(h, batch.cu_seqlens, cache.conv[j], cache.ssm[j], batch.slots,
                                          batch.has_initial_state, rand_seed=self._seed(batch),
-                                         snapshot=None if batch.snapshot is None else batch.snapshot(j))
+                                         snapshot=None if batch.snapshot is None else batch.snapshot(j),
+                                         max_seqlen=batch.max_seqlen, live_seqs=batch.live_seqs)
 
     def decode(self, h, cache, batch):
         j = self.cache_index

@@ -35,13 +35,13 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from fastmamba.cache.hybrid_cache import HybridCache
-from fastmamba.cache.prefix_cache import SnapshotPlan, layer_snapshots
+from fastmamba.cache.prefix_cache import DeviceSnapshots, SnapshotPlan, device_layer_snapshots, layer_snapshots
 from fastmamba.generation.rounding import check_rand_seed
 from fastmamba.layers.attention import KVBatch
 from fastmamba.models.blocks import Batch, RMSNorm, SpecBatch, build_blocks
@@ -50,6 +50,7 @@ from fastmamba.models.loader import _default_device, random_init  # random_init:
 from fastmamba.ops import add_rmsnorm
 from fastmamba.ops._common.checks import check_host_copies
 from fastmamba.ops._common.host_values import host_list, trusted_inputs
+from fastmamba.ops.attention import PrefillWork, prefill_block_tokens, prefill_work
 from fastmamba.ops.ssd_scan.hopper import long_prefill_kernels
 
 # pattern character -> transformers' ``layers_block_type`` name (and the legacy names it remaps)
@@ -315,6 +316,22 @@ PRESETS: dict[str, NemotronHConfig] = {
 # the model
 
 
+class StagedPrefill(NamedTuple):
+    """A hybrid prefill's metadata on the device, for a cache the caller has grown already (what
+    ``GraphedPrefill`` stages for a graph). Without attention layers the fields are not read (None).
+
+    positions   [T] int64: each token's position in its request
+    token_rows  [T] int64: each token's prompt (an index into slots)
+    ctx_lens    [B] int64: tokens each request held before this call
+    work        ``PrefillWork``: the attention kernel's work table (``prefill_work``)
+    """
+
+    positions: torch.Tensor | None
+    token_rows: torch.Tensor | None
+    ctx_lens: torch.Tensor | None
+    work: PrefillWork | None
+
+
 class NemotronHBackbone(nn.Module):
     def __init__(self, cfg: NemotronHConfig, device=None, dtype=None):
         super().__init__()
@@ -326,8 +343,6 @@ class NemotronHBackbone(nn.Module):
 class NemotronHLM(nn.Module):
     """``forward(input_ids [B, L]) -> logits [B, L, V]`` (fp32); ``prefill_varlen`` / ``decode`` with a
     ``HybridCache`` (``new_cache``). The same API as ``Mamba2LM``, speculative ``verify`` / ``commit`` included."""
-
-    graphed_prefill = False  # its prefill grows the KV pages on the host: the engine prefills it eagerly
 
     def __init__(self, cfg: NemotronHConfig, device=None, dtype=None):
         super().__init__()
@@ -397,6 +412,12 @@ class NemotronHLM(nn.Module):
         cu_seqlens = torch.arange(0, nreq * L + 1, L, dtype=torch.int32, device=input_ids.device)
         return self.prefill_varlen(input_ids.reshape(-1), cu_seqlens, cache, slots)
 
+    def prefill_block_tokens(self) -> int:
+        """Query tokens per work item of the attention prefill kernel (``PrefillWork.block_m``) for
+        this model's heads, dtype and device."""
+        c = self.cfg
+        return prefill_block_tokens(c.n_heads, c.n_kv_heads, c.head_dim, self.dtype, self.lm_head.weight.device)
+
     @torch.inference_mode()
     def prefill_varlen(
         self,
@@ -409,7 +430,9 @@ class NemotronHLM(nn.Module):
         rand_seed: torch.Tensor | None = None,
         cu_seqlens_host: Sequence[int] | None = None,
         slots_host: Sequence[int] | None = None,
-        snapshots: SnapshotPlan | None = None,
+        snapshots: SnapshotPlan | DeviceSnapshots | None = None,
+        live_seqs: int | None = None,
+        staged: StagedPrefill | None = None,
     ) -> torch.Tensor:
         """Run B prompts of any lengths packed into one call; returns each one's last-token logits [B, V] fp32.
 
@@ -424,7 +447,7 @@ class NemotronHLM(nn.Module):
                     a fresh one starts from zeros). Accepted for ``Mamba2LM``'s call: True, False
                     or a [B] bool tensor, checked against the cache's lengths where that costs no
                     device read (False while a slot holds tokens: ValueError); the cache's
-                    lengths are what is used
+                    lengths are what is used. With ``staged``: the [B] bool tensor that is used
         rand_seed   int64 [n_layer] device tensor or None: stochastic rounding of 16-bit SSM
                     states (the j-th Mamba layer uses element j)
         cu_seqlens_host, slots_host  the values of ``cu_seqlens`` and ``slots`` as the host holds
@@ -432,9 +455,15 @@ class NemotronHLM(nn.Module):
         snapshots   a ``fastmamba.cache.prefix_cache.SnapshotPlan`` (its pools: one per Mamba layer)
                     or None: also copy the Mamba layers' states at the chunk ends it names into its
                     pools, as ``Mamba2LM.prefill_varlen`` does (the K/V of those positions stay in
-                    the slots' pages, for the caller to copy)
-        The cache grows first (``HybridCache.grow``: KV pages for the new tokens); Mamba states are
-        mutated in place, the prompts' K/V written into their pages.
+                    the slots' pages, for the caller to copy); with ``staged``, a ``DeviceSnapshots``
+                    whose indices the caller checked against this call
+        live_seqs   prompts that are not padding (slot -1), or None: counted from the slots (a
+                    graph capture passes its batch's count to its all-padding warm-up too)
+        staged      None: the cache grows here (``HybridCache.grow``: KV pages for the new tokens)
+                    and the attention metadata go down in one copy. Or a ``StagedPrefill``: the
+                    caller has grown the cache for this call and holds the metadata on the device
+                    (``GraphedPrefill``'s static inputs); nothing is grown, uploaded or read back
+        Mamba states are mutated in place, the prompts' K/V written into their pages.
         """
         if input_ids.dim() != 1:
             raise ValueError(f"NemotronHLM.prefill_varlen: `input_ids` expected shape (T,), "
@@ -460,45 +489,95 @@ class NemotronHLM(nn.Module):
         if any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError(f"NemotronHLM.prefill_varlen: `cu_seqlens` must not decrease, got {cu[:16]}")
         sl = [int(v) for v in slots_host] if slots_host is not None else host_list(slots)
-        if -1 in sl or len(set(sl)) != len(sl):
+        live = [s for s in sl if s != -1]
+        if len(set(live)) != len(live) or (staged is None and len(live) != len(sl)):
             raise ValueError(f"NemotronHLM.prefill_varlen: `slots` must be distinct allocated slots, got {sl[:16]}")
-        if has_initial_state is False and any(cache.length(s) for s in sl):
-            held = [s for s in sl if cache.length(s)]
-            raise ValueError(f"NemotronHLM.prefill_varlen: has_initial_state=False but slots {held[:8]} hold tokens "
-                             "already (their K/V are cached): free them, or let the prompt continue")
+        if live_seqs is not None and not (isinstance(live_seqs, int) and not isinstance(live_seqs, bool)
+                                          and 0 <= live_seqs <= nseq):
+            raise ValueError(f"NemotronHLM.prefill_varlen: `live_seqs` expected an int in [0, B={nseq}] or None, "
+                             f"got {live_seqs!r}")
         lens = [cu[b + 1] - cu[b] for b in range(nseq)]
-        snap = None
-        if snapshots is not None:  # checked before the cache grows
-            if cache.state is None:
-                raise ValueError("NemotronHLM.prefill_varlen: `snapshots` needs Mamba layers; this model has none")
-            snap = layer_snapshots(snapshots, cu, cache.conv[0].shape[-1], self.cfg.mamba, input_ids.device,
-                                   "NemotronHLM.prefill_varlen")
-        ctx = cache.grow(sl, lens)  # raises before anything is touched if a slot is not allocated
         dev = input_ids.device
-        # the flags (and, with attention layers, each token's position and request) from the host's
-        # lists in one host-to-device copy, from pinned memory on a GPU: nothing waits for the device
-        T = cu[-1]
-        values = [int(c > 0) for c in ctx]
-        if cache.kv is not None:
-            values += [c + i for c, n in zip(ctx, lens) for i in range(n)]
-            values += [b for b, n in enumerate(lens) for _ in range(n)]
-        packed = torch.tensor(values, dtype=torch.int64)
-        packed = packed.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else packed.to(dev)
-        has_initial_state = packed[:nseq] != 0
-        kv = None
-        if cache.kv is not None:
-            positions, token_rows = packed[nseq:nseq + T], packed[nseq + T:]
-            kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions, token_rows, cu_seqlens, ctx,
-                         cu_host=cu, slots_host=sl)
-        batch = Batch(slots, cu_seqlens, has_initial_state, kv, rand_seed, snapshot=snap)
+        if staged is not None:
+            has_initial_state, kv, snap = self._staged_inputs(staged, has_initial_state, snapshots, cache, slots,
+                                                              cu_seqlens, cu, sl, nseq, input_ids.shape[0])
+        else:
+            if has_initial_state is False and any(cache.length(s) for s in sl):
+                held = [s for s in sl if cache.length(s)]
+                raise ValueError(f"NemotronHLM.prefill_varlen: has_initial_state=False but slots {held[:8]} hold "
+                                 "tokens already (their K/V are cached): free them, or let the prompt continue")
+            snap = None
+            if snapshots is not None:  # checked before the cache grows
+                if cache.state is None:
+                    raise ValueError("NemotronHLM.prefill_varlen: `snapshots` needs Mamba layers; this model has none")
+                if not isinstance(snapshots, SnapshotPlan):
+                    raise TypeError("NemotronHLM.prefill_varlen: `snapshots` expected a SnapshotPlan (a "
+                                    f"DeviceSnapshots goes with `staged`), got {type(snapshots).__name__}")
+                snap = layer_snapshots(snapshots, cu, cache.conv[0].shape[-1], self.cfg.mamba, dev,
+                                       "NemotronHLM.prefill_varlen")
+            ctx = cache.grow(sl, lens)  # raises before anything is touched if a slot is not allocated
+            has_initial_state, kv = self._upload_inputs(cache, slots, cu_seqlens, cu, sl, ctx, lens, dev)
+        batch = Batch(slots, cu_seqlens, has_initial_state, kv, rand_seed, snapshot=snap, max_seqlen=max(lens),
+                      live_seqs=len(live) if live_seqs is None else live_seqs)
         # validated above, from host values: the layers' ops read nothing back; a long prompt's scans
         # take the Hopper kernel (ops/ssd_scan/hopper.py), whose launch cost hides behind the queued layers
-        with trusted_inputs(), long_prefill_kernels(T):
+        with trusted_inputs(), long_prefill_kernels(input_ids.shape[0]):
             logits = self._run(input_ids, lambda block, h: block.prefill(h, cache, batch),
                                rows=cu_seqlens[1:].long() - 1)
             if cache.speculate:
                 cache.mark_prefilled(slots)
         return logits
+
+    def _upload_inputs(self, cache, slots, cu_seqlens, cu, sl, ctx, lens, dev):
+        """(has_initial_state [B] bool, KVBatch or None) of an eager call: the flags and, with
+        attention layers, each token's position and request, ctx_lens and the attention kernel's
+        work table, from the host's lists in one host-to-device copy (from pinned memory on a GPU:
+        nothing waits for the device)."""
+        nseq, T = len(sl), cu[-1]
+        values = [int(c > 0) for c in ctx]
+        block_m = self.prefill_block_tokens() if cache.kv is not None else 0
+        if cache.kv is not None:
+            values += [c + i for c, n in zip(ctx, lens) for i in range(n)]
+            values += [b for b, n in enumerate(lens) for _ in range(n)]
+            values += ctx
+            values += prefill_work(cu, block_m)
+        packed = torch.tensor(values, dtype=torch.int64)
+        packed = packed.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else packed.to(dev)
+        if cache.kv is None:
+            return packed[:nseq] != 0, None
+        o = nseq + 2 * T + nseq
+        kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, packed[nseq:nseq + T], packed[nseq + T:nseq + 2 * T],
+                     cu_seqlens, ctx, cu_host=cu, slots_host=sl, ctx_dev=packed[nseq + 2 * T:o],
+                     work=PrefillWork(packed[o:].view(-1, 2), block_m))
+        return packed[:nseq] != 0, kv
+
+    def _staged_inputs(self, staged, flags, snapshots, cache, slots, cu_seqlens, cu, sl, nseq, T):
+        """(has_initial_state, KVBatch or None, snapshot function or None) of a call whose metadata
+        the caller staged on the device (``StagedPrefill``), checked for shape and kind."""
+        who = "NemotronHLM.prefill_varlen"
+        if not isinstance(staged, StagedPrefill):
+            raise TypeError(f"{who}: `staged` expected a StagedPrefill or None, got {type(staged).__name__}")
+        if not (isinstance(flags, torch.Tensor) and flags.dtype == torch.bool and tuple(flags.shape) == (nseq,)):
+            raise ValueError(f"{who}: with `staged`, `has_initial_state` must be a [B]=[{nseq}] bool tensor")
+        snap = None
+        if snapshots is not None:
+            if not isinstance(snapshots, DeviceSnapshots) or cache.state is None:
+                raise TypeError(f"{who}: with `staged`, `snapshots` must be a DeviceSnapshots (and the model needs "
+                                f"Mamba layers), got {type(snapshots).__name__}")
+            snap = device_layer_snapshots(snapshots, self.cfg.mamba, cu_seqlens.device)
+        if cache.kv is None:
+            return flags, None, snap
+        for name, t, n in (("positions", staged.positions, T), ("token_rows", staged.token_rows, T),
+                           ("ctx_lens", staged.ctx_lens, nseq)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (n,):
+                raise ValueError(f"{who}: `staged.{name}` expected a tensor of shape ({n},), got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if not isinstance(staged.work, PrefillWork) or staged.work.block_m != self.prefill_block_tokens():
+            raise ValueError(f"{who}: `staged.work` expected a PrefillWork for blocks of {self.prefill_block_tokens()} "
+                             "query tokens (prefill_block_tokens)")
+        kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, staged.positions, staged.token_rows, cu_seqlens,
+                     None, cu_host=cu, slots_host=sl, ctx_dev=staged.ctx_lens, work=staged.work)
+        return flags, kv, snap
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, cache: HybridCache, slots: torch.Tensor, *,

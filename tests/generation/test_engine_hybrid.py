@@ -359,8 +359,9 @@ def test_graphed_decode_equals_eager_on_gpu():
     prm = SamplingParams(max_new_tokens=8, ignore_eos=True)
     eager = engine_of(m, max_batch=4, cuda_graphs=False).generate(PROMPTS, prm)
     graphs = engine_of(m, max_batch=4, cuda_graphs=True)
-    assert graphs.decoder is not None and graphs.prefiller is None
+    assert graphs.decoder is not None and graphs.prefiller is not None
     assert graphs.generate(PROMPTS, prm) == eager
+    assert graphs.prefiller.captured.count > 0  # the prompts' prefills replayed from graphs
 
 
 @pytest.mark.gpu

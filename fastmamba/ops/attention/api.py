@@ -8,14 +8,16 @@ write needs no host sync and nothing lands outside the pool.
 
 Three ops, in the order a layer calls them:
   ``paged_kv_write``            K/V of T new tokens into their pages (PyTorch index_put; no host read)
-  ``varlen_prefill_attention``  packed prompts' causal attention over their pages: PyTorch's
-                                ``scaled_dot_product_attention`` per prompt (reads cu_seqlens on the host)
+  ``varlen_prefill_attention``  packed prompts' causal attention over their pages: a Triton kernel
+                                (a work table of query blocks; graph safe when the caller stages it),
+                                PyTorch's ``scaled_dot_product_attention`` per prompt on a plain CPU
   ``paged_decode_attention``    one query per request over its pages: a Triton kernel (GQA,
                                 block table, per-request lengths; CUDA-graph safe)
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +28,12 @@ from fastmamba.ops._common.checks import (
 )
 from fastmamba.ops._common.dispatch import use_triton
 from fastmamba.ops._common import slot_errors
-from fastmamba.ops._common.host_values import host_list
-from fastmamba.ops.attention.configs import INTERPRET_CONFIG, DecodeConfig, pick_splits, pick_tile, sm_count
+from fastmamba.ops._common.host_values import host_list, host_reads_allowed
+from fastmamba.ops.attention.configs import (
+    INTERPRET_CONFIG, DecodeConfig, PrefillTile, pick_prefill_tile, pick_splits, pick_tile, sm_count,
+)
 from fastmamba.ops.attention.kernel import launch_paged_decode_attention
+from fastmamba.ops.attention.prefill_kernel import group_pad, launch_paged_prefill_attention, prefill_work
 from fastmamba.ops.attention.ref import paged_decode_attention_ref
 
 
@@ -99,6 +104,28 @@ def paged_kv_write(
     v_pages[page, row] = v.to(v_pages.dtype)
 
 
+class PrefillWork(NamedTuple):
+    """The work table of a packed prefill attention call, on the device: ``table`` [n, 2] int32/int64
+    rows (prompt b, first token of a block of ``block_m`` query tokens), unused rows (-1, 0);
+    ``prefill_work`` builds its values on the host and ``prefill_block_tokens`` gives ``block_m``."""
+
+    table: torch.Tensor
+    block_m: int
+
+
+def _prefill_tile(n_heads: int, n_kv_heads: int, head_dim: int, itemsize: int, on_gpu: bool) -> PrefillTile:
+    return pick_prefill_tile(head_dim, itemsize, group_pad(n_heads, n_kv_heads), on_gpu)
+
+
+def prefill_block_tokens(n_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                         device: torch.device | str) -> int:
+    """Query tokens per work item of ``varlen_prefill_attention``'s kernel for this head layout,
+    dtype and device: what a caller building its own ``PrefillWork`` passes to ``prefill_work``."""
+    on_gpu = torch.device(device).type == "cuda"
+    tile = _prefill_tile(n_heads, n_kv_heads, head_dim, dtype.itemsize, on_gpu)
+    return tile.rows // group_pad(n_heads, n_kv_heads)
+
+
 def varlen_prefill_attention(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -114,6 +141,7 @@ def varlen_prefill_attention(
     out: torch.Tensor | None = None,
     cu_seqlens_host: list[int] | None = None,
     slots_host: list[int] | None = None,
+    work: PrefillWork | None = None,
 ) -> torch.Tensor:
     """Causal attention of B packed prompts over their requests' pages (GQA).
 
@@ -121,19 +149,22 @@ def varlen_prefill_attention(
     k_pages, v_pages [Np, PAGE, Hkv, Dh]   read: must already hold every prompt's K/V (``paged_kv_write``)
     block_table  [S, Pmax] int32/int64; slots [B] int32/int64 (-1: pad prompt, zero output)
     cu_seqlens   [B+1]: prompt b is q[cu_seqlens[b]:cu_seqlens[b+1]]
-    ctx_lens     [B] (tensor or list): tokens request b had cached before this prompt; prompt b's
-                 tokens sit at positions ctx_lens[b] .. ctx_lens[b] + L_b - 1 and attend to
-                 every earlier position of their request
-    k_new, v_new [T, Hkv, Dh] or None: the prompts' own K/V; a prompt with ctx_lens 0 then
-                 attends over them directly instead of gathering its pages (same values)
+    ctx_lens     [B] (int tensor on q's device, or a list): tokens request b had cached before this
+                 prompt; prompt b's tokens sit at positions ctx_lens[b] .. ctx_lens[b] + L_b - 1 and
+                 attend to every earlier position of their request
+    k_new, v_new [T, Hkv, Dh] or None: the prompts' own K/V; on the CPU path a prompt with
+                 ctx_lens 0 then attends over them directly instead of gathering its pages (same values)
     cu_seqlens_host, slots_host  the values of ``cu_seqlens`` and ``slots`` as the host holds them
                  (the model does), or None: read from the tensors (a device-to-host read each)
-    Returns [T, Hq, Dh] in q's dtype (``out`` when given); softmax in fp32 inside SDPA for fp32
-    inputs, SDPA's own precision otherwise.
-    Runs ``torch.nn.functional.scaled_dot_product_attention`` once per prompt (causal; with an
-    explicit mask when the prompt continues a cached context): on a GPU that is the flash /
-    memory-efficient kernel, and it keeps each prompt's result independent of the batch. Reads
-    cu_seqlens, ctx_lens and slots on the host where their host values are not given.
+    work         a ``PrefillWork`` (the work table on the device) or None: built here from the
+                 host's cu_seqlens. With it and a ctx_lens tensor, the call reads nothing on the
+                 host (CUDA-graph safe: the runtime's graphed prefill stages both)
+    Returns [T, Hq, Dh] in q's dtype (``out`` when given).
+
+    On a GPU (and under the Triton interpreter): one Triton kernel for every prompt
+    (``prefill_kernel.py``: fp32 online softmax; GQA rows share their KV head's loads). A slot
+    outside [0, S) is a pad prompt there (zero output); no page outside the pool is read. Plain
+    CPU: ``torch.nn.functional.scaled_dot_product_attention`` once per prompt.
     Reference: fastmamba.ops.attention.ref.varlen_prefill_attention_ref
     """
     op = "varlen_prefill_attention"
@@ -142,15 +173,24 @@ def varlen_prefill_attention(
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"{op}: `cu_seqlens` expected shape (B+1,) with B >= 1, got {tuple(cu_seqlens.shape)}")
     B = cu_seqlens.shape[0] - 1
+    check_dtype(op, "cu_seqlens", cu_seqlens, INDEX_DTYPES)
     check_indices(op, "slots", slots, B, block_table.shape[0], -1)
     check_host_copies(op, (("cu_seqlens_host", cu_seqlens_host, cu_seqlens), ("slots_host", slots_host, slots)))
     if slots_host is not None:  # the host copy indexes the block table below: its values too
         check_index_values(op, "slots_host", slots_host, block_table.shape[0], -1)
-    cu = list(cu_seqlens_host) if cu_seqlens_host is not None else host_list(cu_seqlens)
-    ctx = host_list(ctx_lens) if isinstance(ctx_lens, torch.Tensor) else list(ctx_lens)
-    if len(ctx) != B:
-        raise ValueError(f"{op}: `ctx_lens` expected {B} values (one per prompt), got {len(ctx)}")
-    if cu[0] != 0 or cu[-1] != T or any(cu[b + 1] < cu[b] for b in range(B)):
+    triton_path = use_triton(q)
+    if isinstance(ctx_lens, torch.Tensor):
+        check_dtype(op, "ctx_lens", ctx_lens, INDEX_DTYPES)
+        check_shape(op, "ctx_lens", ctx_lens, [("B", B)])
+        check_same_device(op, [("q", q), ("ctx_lens", ctx_lens)])
+    elif len(ctx_lens) != B:
+        raise ValueError(f"{op}: `ctx_lens` expected {B} values (one per prompt), got {len(ctx_lens)}")
+    cu = None
+    if cu_seqlens_host is not None:
+        cu = list(cu_seqlens_host)
+    elif not (triton_path and work is not None) or host_reads_allowed(cu_seqlens):
+        cu = host_list(cu_seqlens)
+    if cu is not None and (cu[0] != 0 or cu[-1] != T or any(cu[b + 1] < cu[b] for b in range(B))):
         raise ValueError(f"{op}: `cu_seqlens` must start at 0, end at T={T} and not decrease; got {cu[:8]}...")
     if (k_new is None) != (v_new is None):
         raise ValueError(f"{op}: pass both `k_new` and `v_new` or neither")
@@ -161,12 +201,39 @@ def varlen_prefill_attention(
     if out is None:
         out = torch.empty_like(q)
     check_shape(op, "out", out, [("T", T), ("Hq", Hq), ("Dh", Dh)])
+    if triton_path:
+        tile = _prefill_tile(Hq, Hkv, Dh, q.element_size(), q.is_cuda)
+        block_m = tile.rows // group_pad(Hq, Hkv)
+        if work is not None:
+            if not isinstance(work, PrefillWork):
+                raise TypeError(f"{op}: `work` expected a PrefillWork or None, got {type(work).__name__}")
+            if work.block_m != block_m:
+                raise ValueError(f"{op}: `work` was built for blocks of {work.block_m} query tokens; this call's "
+                                 f"kernel takes {block_m} (prefill_block_tokens)")
+            table = work.table
+            if table.dim() != 2 or table.shape[1] != 2:
+                raise ValueError(f"{op}: `work.table` expected shape (n, 2), got {tuple(table.shape)}")
+            check_dtype(op, "work.table", table, INDEX_DTYPES)
+            check_same_device(op, [("q", q), ("work.table", table)])
+        if work is None or not isinstance(ctx_lens, torch.Tensor):
+            # one host-to-device copy: the work table (from the host's cu_seqlens) and ctx_lens
+            ctx_vals = [] if isinstance(ctx_lens, torch.Tensor) else [int(c) for c in ctx_lens]
+            table_vals = [] if work is not None else prefill_work(cu, block_m)
+            packed = torch.tensor(ctx_vals + table_vals, dtype=torch.int64).to(q.device)
+            if ctx_vals:
+                ctx_lens = packed[:B]
+            table = work.table if work is not None else packed[len(ctx_vals):].view(-1, 2)
+        if T and table.shape[0]:
+            launch_paged_prefill_attention(q, k_pages, v_pages, block_table, slots, cu_seqlens, ctx_lens, table,
+                                           out, scale, block_m, tile)
+        return out
+    ctx = host_list(ctx_lens) if isinstance(ctx_lens, torch.Tensor) else list(ctx_lens)
     sl = list(slots_host) if slots_host is not None else host_list(slots)
     for b in range(B):
         lo, hi = cu[b], cu[b + 1]
         if hi == lo:
             continue
-        if sl[b] == -1:
+        if not 0 <= sl[b] < block_table.shape[0]:  # a pad prompt (-1), or a slot no check read
             out[lo:hi] = 0
             continue
         qb = q[lo:hi].transpose(0, 1)[None]  # [1, Hq, L, Dh]

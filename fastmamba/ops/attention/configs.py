@@ -99,6 +99,36 @@ def pick_config(programs: int, max_tokens: int, head_dim: int, itemsize: int, sm
     return DecodeConfig(*pick_tile(head_dim, itemsize), pick_splits(programs, max_tokens, sms))
 
 
+class PrefillTile(NamedTuple):
+    rows: int  # query rows per program: tokens x the KV head's query heads (G padded), a power of two
+    block_n: int  # keys per loop trip (a power of two >= 16)
+    num_warps: int
+    num_stages: int
+
+
+# prefill attention (``prefill_kernel.py``): (head dim, itemsize) -> tile. A first-principles choice
+# (FlashAttention-2's shape on Hopper: 128 query rows, 64 keys a trip, 8 warps), not tuned yet.
+PREFILL_TILES: dict[tuple[int, int], PrefillTile] = {
+    (128, 2): PrefillTile(128, 64, 8, 3),
+    (64, 2): PrefillTile(128, 64, 4, 3),
+}
+PREFILL_INTERPRET_TILE = PrefillTile(16, 16, 1, 1)
+
+
+def pick_prefill_tile(head_dim: int, itemsize: int, g_pad: int, on_gpu: bool) -> PrefillTile:
+    """The prefill attention tile for a head dim, dtype size and padded group (``group_pad``): the
+    table's row, else 64 rows with about 16 KiB of K a trip; the smallest tile in the interpreter.
+    Rows are at least ``g_pad`` (one token's query heads)."""
+    if not on_gpu:
+        tile = PREFILL_INTERPRET_TILE
+    else:
+        tile = PREFILL_TILES.get((head_dim, itemsize))
+        if tile is None:
+            block_n, warps, stages = fallback_tile(head_dim, itemsize)
+            tile = PrefillTile(64, block_n, warps, stages)
+    return tile._replace(rows=max(tile.rows, g_pad))
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count

@@ -103,10 +103,11 @@ def test_varlen_prefill_attention_matches_ref(Hq, Hkv, device):
     Dh, PAGE = 16, 4
     ctx = [0, 5, 0]        # prompt 1 continues 5 cached tokens
     lens = [7, 3, 1]
-    k_pool, v_pool, bt, _ = paged_pool(S=4, Np=12, PAGE=PAGE, Hkv=Hkv, Dh=Dh,
-                                       lens=[c + n for c, n in zip(ctx, lens)] + [0])
-    slots = torch.tensor([2, 0, 1], dtype=torch.int32)
-    bt = bt[[2, 0, 1, 3]]  # prompt b uses block-table row slots[b]
+    slots = torch.tensor([2, 0, 1], dtype=torch.int32)  # prompt b uses block-table row slots[b]
+    held = [0] * 4  # each row's length: its prompt's context and tokens
+    for b, s in enumerate(slots.tolist()):
+        held[s] = ctx[b] + lens[b]
+    k_pool, v_pool, bt, _ = paged_pool(S=4, Np=12, PAGE=PAGE, Hkv=Hkv, Dh=Dh, lens=held)
     cu = torch.tensor([0, 7, 10, 11], dtype=torch.int32)
     T = 11
     g = seeded(4)

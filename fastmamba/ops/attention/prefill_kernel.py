@@ -1,0 +1,162 @@
+"""Triton kernel: causal prefill attention of packed prompts over a paged KV cache (GQA).
+
+One program per (work item, KV head). A work item is a block of ``BLOCK_M`` consecutive query
+tokens of one prompt: ``work[i] = (prompt b, first token of the block within the prompt)``, built
+on the host from the prompts' lengths (``prefill_work``), where the caller holds them already;
+unused items hold prompt -1 and exit at once. So the grid depends only on a bound of the packed
+length and the prompt count, never on device values, and a CUDA graph captured for a bucket of
+(tokens, prompts) replays for any batch of that bucket with the work table as a static input.
+
+A program's rows are its BLOCK_M tokens times the G query heads of its KV head (padded to G_PAD,
+a power of two), so K and V are read once per KV head, not once per query head. Its keys are the
+request's first ``ctx + last query token + 1`` positions, which the pages hold already (the
+prompt's own K/V are written before the attention runs): each loop trip takes BLOCK_N of them,
+page ids gathered per tile as in the decode kernel, computes q K^T with the causal mask (key
+position <= ctx + query token), an online softmax in fp32 (base 2), and p V.
+
+Robust to any metadata: a prompt index outside [0, n_seqs) ends the program, a slot outside [0, S)
+gives zero output and reads nothing, a page id outside [0, num_pages) is read as masked, and no
+key past the block table's row is read.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import triton
+import triton.language as tl
+
+from fastmamba.ops._common.host_math import cdiv, next_power_of_2
+from fastmamba.ops._common.launch import lean
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit(do_not_specialize=["S", "num_pages", "max_pages", "n_seqs", "qk_scale"])
+def _paged_prefill_attention_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, slots_ptr, cu_ptr, ctx_ptr, work_ptr, out_ptr,
+    S, num_pages, max_pages, n_seqs, qk_scale,
+    stride_q_t, stride_q_h, stride_q_d,
+    stride_k_p, stride_k_t, stride_k_h, stride_k_d,
+    stride_v_p, stride_v_t, stride_v_h, stride_v_d,
+    stride_bt_s, stride_bt_p,
+    stride_o_t, stride_o_h, stride_o_d,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGES_PER_TILE: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    item = tl.program_id(0)
+    kh = tl.program_id(1).to(tl.int64)
+    b = tl.load(work_ptr + 2 * item).to(tl.int64)
+    if (b < 0) | (b >= n_seqs):
+        return
+    q0 = tl.load(work_ptr + 2 * item + 1).to(tl.int64)  # the block's first token within its prompt
+    t0 = tl.load(cu_ptr + b).to(tl.int64)
+    L = tl.load(cu_ptr + b + 1).to(tl.int64) - t0
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    valid = (slot >= 0) & (slot < S)  # outside the pool = a pad prompt: zero output, nothing read
+    slot = tl.where(valid, slot, 0)
+    ctx = tl.maximum(tl.load(ctx_ptr + b).to(tl.int64), 0)
+
+    R: tl.constexpr = BLOCK_M * G_PAD
+    offs_r = tl.arange(0, R)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    tok = q0 + offs_r // G_PAD  # each row's token within the prompt ...
+    gi = offs_r % G_PAD  # ... and query head within the KV head's group
+    qh = kh * G + gi
+    dmask = offs_d < D
+    row_ok = (tok < L) & (tok >= 0) & (gi < G)
+    q_rows = q_ptr + (t0 + tok) * stride_q_t + qh * stride_q_h
+    q = tl.load(q_rows[:, None] + offs_d[None, :] * stride_q_d, mask=row_ok[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    qpos = ctx + tok  # each row's position in its request
+    # keys: every position up to the block's last query token, never past the table's row
+    hi = ctx + tl.minimum(q0 + BLOCK_M, L)
+    hi = tl.where(valid, tl.minimum(hi, max_pages * PAGE), 0)
+    bt_row = bt_ptr + slot * stride_bt_s
+    k_head = k_ptr + kh * stride_k_h + offs_d[None, :] * stride_k_d
+    v_head = v_ptr + kh * stride_v_h + offs_d[None, :] * stride_v_d
+
+    m = tl.full([R], -1e30, tl.float32)  # finite: a fully masked tile leaves alpha = 1, p = 0
+    l = tl.zeros([R], tl.float32)
+    acc = tl.zeros([R, BLOCK_D], tl.float32)
+    for start in range(0, hi, BLOCK_N):
+        pos = start + offs_n
+        first = start // PAGE
+        page = tl.full([BLOCK_N], -1, tl.int64)
+        for j in tl.static_range(PAGES_PER_TILE):
+            pid = tl.load(bt_row + (first + j) * stride_bt_p, mask=start + j * PAGE < hi, other=-1).to(tl.int64)
+            page = tl.where(offs_n // PAGE == j, pid, page)
+        tok_ok = (pos < hi) & (page >= 0) & (page < num_pages)
+        page = tl.where(tok_ok, page, 0)
+        row = pos % PAGE
+        if D == BLOCK_D:
+            kv_mask = tok_ok[:, None]
+        else:
+            kv_mask = tok_ok[:, None] & dmask[None, :]
+        k = tl.load(k_head + page[:, None] * stride_k_p + row[:, None] * stride_k_t, mask=kv_mask, other=0.0)
+        v = tl.load(v_head + page[:, None] * stride_v_p + row[:, None] * stride_v_t, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [R, BLOCK_N], log2 units
+        s = tl.where(tok_ok[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    o_rows = out_ptr + (t0 + tok) * stride_o_t + qh * stride_o_h
+    tl.store(o_rows[:, None] + offs_d[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & dmask[None, :])
+
+
+def group_pad(n_heads: int, n_kv_heads: int) -> int:
+    """G_PAD: the query heads of one KV head, padded to a power of two."""
+    return next_power_of_2(n_heads // n_kv_heads)
+
+
+def work_items_bound(tokens: int, prompts: int, block_m: int) -> int:
+    """The most work items ``prefill_work`` makes for ``prompts`` prompts of ``tokens`` in all: each
+    prompt of L tokens takes ceil(L / block_m) <= L / block_m + 1 of them."""
+    return cdiv(tokens, block_m) + prompts
+
+
+def prefill_work(cu_seqlens: Sequence[int], block_m: int, capacity: int | None = None) -> list[int]:
+    """The work table of a packed call, flattened: (prompt b, first token of a block of ``block_m``)
+    for every block of every prompt, then (-1, 0) up to ``capacity`` items (None: no padding)."""
+    out: list[int] = []
+    for b in range(len(cu_seqlens) - 1):
+        for q0 in range(0, cu_seqlens[b + 1] - cu_seqlens[b], block_m):
+            out += (b, q0)
+    if capacity is not None:
+        if len(out) > 2 * capacity:
+            raise ValueError(f"prefill_work: {len(out) // 2} work items exceed the capacity {capacity}")
+        out += (-1, 0) * (capacity - len(out) // 2)
+    return out
+
+
+def launch_paged_prefill_attention(q, k_pages, v_pages, block_table, slots, cu_seqlens, ctx_lens, work, out,
+                                   scale: float, block_m: int, config) -> None:
+    """q, out [T, Hq, Dh]; k_pages, v_pages [Np, PAGE, Hkv, Dh]; block_table [S, Pmax]; slots [B];
+    cu_seqlens [B+1]; ctx_lens [B]; work [n, 2] (``prefill_work`` for ``block_m``); ``config`` the
+    tile (rows, block_n, warps, stages) of ``configs.pick_prefill_tile``."""
+    import torch
+
+    T, Hq, D = q.shape
+    Np, PAGE, Hkv, _ = k_pages.shape
+    G = Hq // Hkv
+    block_n = min(config.block_n, max(16, 8 * PAGE))  # at most 8 page-id loads per trip
+    upcast = not q.dtype == k_pages.dtype == v_pages.dtype or (q.dtype == torch.bfloat16 and not q.is_cuda)
+    precision = "ieee" if (upcast or q.dtype == torch.float32) else "tf32"
+    lean(_paged_prefill_attention_kernel)[(work.shape[0], Hkv)](
+        q, k_pages, v_pages, block_table, slots, cu_seqlens, ctx_lens, work, out,
+        block_table.shape[0], Np, block_table.shape[1], slots.shape[0], scale * LOG2E,
+        *q.stride(), *k_pages.stride(), *v_pages.stride(), *block_table.stride(), *out.stride(),
+        G=G, G_PAD=next_power_of_2(G), D=D, BLOCK_D=max(16, next_power_of_2(D)), PAGE=PAGE,
+        BLOCK_M=block_m, BLOCK_N=block_n, PAGES_PER_TILE=max(1, block_n // PAGE), UPCAST=upcast,
+        DOT_PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
