@@ -4,8 +4,9 @@
                                    [--reps 7] [--graph-max-tokens 2048] [--json PATH]
 
 Per shape B x L: B random prompts of L tokens are prefilled into fresh cache slots
-(``Mamba2LM.prefill``, ids [B, L]; the first token's logits come out of it) three times to warm
-up, then ``--reps`` times timed (wall clock around the call, synchronised): the median is the
+(``model.prefill``, ids [B, L]; the first token's logits come out of it; a hybrid's slots are
+given back and taken again, untimed, before every prefill, since its K/V pages would grow) three
+times to warm up, then ``--reps`` times timed (wall clock around the call, synchronised): the median is the
 eager time. Where the packed batch fits the graph buckets (``GraphedPrefill.fits``: B*L tokens plus
 a padding request within ``--graph-max-tokens``, or B*L exactly a token bucket),
 ``GraphedPrefill`` (fastmamba/generation/prefill_graphs.py) runs the same prompts from a CUDA graph
@@ -73,11 +74,16 @@ def floor_ms(weight_bytes: int, params: int, tokens: int, copy_gbs: float, matmu
     return 1e3 * max(weight_bytes / (copy_gbs * 1e9), 2 * params * tokens / (matmul_tflops * 1e12))
 
 
-def _median_ms(fn, reps: int, cuda: bool, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
+def _median_ms(fn, reps: int, cuda: bool, warmup: int = 3, setup=None) -> float:
+    """Median wall ms of ``fn()`` over ``reps`` calls after ``warmup``; ``setup()`` (untimed) runs
+    before every call when given."""
     times = []
-    for _ in range(reps):
+    for i in range(warmup + reps):
+        if setup is not None:
+            setup()
+        if i < warmup:
+            fn()
+            continue
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -165,18 +171,31 @@ def run(args: argparse.Namespace, command: str) -> int:
     rows = []
     for b, length in shapes:
         ids = torch.randint(0, model.cfg.vocab_size, (b, length), generator=g)
-        cache = model.new_cache(b)
-        slots = cache.alloc(b)
+        # a hybrid's cache holds K/V pages that every prefill appends to: each timed prefill gets
+        # fresh slots (taken and given back outside the timing); a Mamba-2 cache is overwritten
+        paged = hasattr(model.cfg, "pattern")
+        cache = model.new_cache(b, max_seq_len=max(4096, length)) if paged else model.new_cache(b)
+        held = {"slots": cache.take(b)}
+        slots = torch.tensor(held["slots"], dtype=torch.int32, device=device)
+
+        def fresh_slots() -> None:
+            cache.free(held["slots"])
+            held["slots"] = cache.take(b)
+            slots.copy_(torch.tensor(held["slots"], dtype=torch.int32))
+
+        setup = fresh_slots if paged else None
         ids_dev = ids.to(device)
-        eager = _median_ms(lambda: model.prefill(ids_dev, cache, slots), reps, cuda, warmup=3 if cuda else 0)
+        eager = _median_ms(lambda: model.prefill(ids_dev, cache, slots), reps, cuda, warmup=3 if cuda else 0,
+                           setup=setup)
         graphed = None
         if cuda and args.graph_max_tokens:
             from fastmamba.generation.prefill_graphs import GraphedPrefill
 
             gp = GraphedPrefill(model, cache, max_tokens=args.graph_max_tokens, max_requests=b)
             if gp.fits([length] * b):
-                prompts, slot_list = ids.tolist(), slots.tolist()
-                graphed = _median_ms(lambda: gp.prefill(prompts, slot_list, False), reps, cuda, warmup=3)
+                prompts = ids.tolist()
+                graphed = _median_ms(lambda: gp.prefill(prompts, held["slots"], False), reps, cuda, warmup=3,
+                                     setup=setup)
             del gp
         floor = floor_ms(wbytes, params, b * length, copy_gbs, mm_tflops)
         row = {"model": name, "batch": b, "length": length, "eager_ms": eager, "graphed_ms": graphed,
@@ -193,7 +212,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         gtxt = f"{graphed:10.2f}" if graphed is not None else f"{'—':>10}"
         grat = f"{graphed / floor:12.1f}x" if graphed is not None else f"{'—':>13}"
         print(f"{b:>4} x {length:<4}  {eager:9.2f}  {gtxt}  {floor:8.2f}  {eager / floor:10.1f}x  {grat}{ptxt}", flush=True)
-        del cache
+        cache = slots = None  # (the closures above are done with them)
         if cuda:
             torch.cuda.empty_cache()
     if args.json:

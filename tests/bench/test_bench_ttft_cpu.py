@@ -90,3 +90,21 @@ def test_peer_model_takes_our_weights():
     missing, unexpected = lm.load_state_dict(state, strict=False)
     assert missing == [] and unexpected == []
     assert torch.equal(lm.lm_head.weight, ours.lm_head.weight)
+
+
+def test_cpu_run_of_a_hybrid(tmp_path, capsys):
+    """A hybrid runs through bench ttft (each prefill on fresh slots, given back and taken again
+    outside the timing: its K/V pages would otherwise grow with every prefill)."""
+    from fastmamba.bench.targets import main
+
+    out = tmp_path / "ttft.jsonl"
+    assert main(["ttft", "--model", "nemotron-h-tiny", "--shapes", "2x5", "--reps", "3", "--json", str(out)]) == 0
+    assert "# ttft: nemotron-h-tiny" in capsys.readouterr().out
+    row = json.loads(out.read_text().splitlines()[0])
+    assert row["batch"] == 2 and row["length"] == 5 and row["eager_ms"] > 0
+
+
+def test_median_runs_setup_before_every_call_untimed():
+    calls = []
+    ms = ttft._median_ms(lambda: calls.append("fn"), 3, False, warmup=2, setup=lambda: calls.append("setup"))
+    assert calls == ["setup", "fn"] * 5 and ms >= 0

@@ -88,9 +88,9 @@ def test_speculation_needs_room_for_the_drafts(model):  # noqa: F811
 @pytest.mark.gpu
 @pytest.mark.parametrize("verify_path", ["replay", "legacy"])
 def test_graphed_speculative_equals_plain_on_gpu(verify_path):
-    """On a GPU: the verify and commit steps replay from GraphedVerifier's graphs (the KV grown
-    before and shrunk after, outside them); the tokens equal plain eager greedy decoding, with all
-    drafts accepted or some rejected."""
+    """On a GPU: the prompts' prefills replay from GraphedPrefill's graphs, the verify and commit
+    steps from GraphedVerifier's (the KV grown before and shrunk after, outside them); the tokens
+    equal plain eager greedy decoding, with all drafts accepted or some rejected."""
     from fastmamba.models.nemotron_h import NemotronHLM, random_init
 
     m = random_init(NemotronHLM(CFG, device="cuda", dtype=torch.float32)).eval()
@@ -103,7 +103,7 @@ def test_graphed_speculative_equals_plain_on_gpu(verify_path):
         if wrong_at is not None:
             drafter = CorruptedOracle(drafter, wrong_at, CFG.vocab_size)
         engine = Engine(m, max_batch=2, speculate=3, drafter=drafter, verify_path=verify_path, cuda_graphs=True, **kv)
-        assert engine.verifier is not None and engine.prefiller is None
+        assert engine.verifier is not None and engine.prefiller is not None
         assert engine.generate(prompts, params) == plain
-        assert engine.stats["steps"][verify_path] > 0
+        assert engine.stats["steps"][verify_path] > 0 and engine.prefiller.captured.count > 0
         assert_all_free(engine)

@@ -170,8 +170,9 @@ def test_engine_hybrid_graphed_prefill_keeps_the_tokens_on_gpu():
     m = build_model().cuda()
     prm = SamplingParams(max_new_tokens=6, ignore_eos=True)
     prompts = PROMPTS + [PROMPTS[3] * 3 + PROMPTS[2]]
-    eager = engine_of(m, max_batch=4, cuda_graphs=False, prefill_chunk=16).generate(prompts, prm)
-    eng = engine_of(m, max_batch=4, cuda_graphs=True, prefill_chunk=16, prefix_cache_entries=8, prefix_block=8)
+    eager = engine_of(m, max_batch=4, cuda_graphs=False, prefill_chunk=16, max_seq_len=128).generate(prompts, prm)
+    eng = engine_of(m, max_batch=4, cuda_graphs=True, prefill_chunk=16, max_seq_len=128, prefix_cache_entries=8,
+                    prefix_block=8)
     assert eng.prefiller is not None
     assert eng.generate(prompts, prm) == eager
     assert eng.prefiller.captured.count > 0
