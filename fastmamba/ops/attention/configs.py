@@ -106,13 +106,13 @@ class PrefillTile(NamedTuple):
     num_stages: int
 
 
-# prefill attention (``prefill_kernel.py``): (head dim, itemsize) -> tile. (128, 2) measured on an
-# H200 (Nemotron-H's shape, 2026-11-28, .ab-style sweep of 7 tiles at 1 x 16 ... 1 x 8192, 8 x 1024
-# and 4 x 512 after 1536 cached tokens): 64 rows / 64 keys / 4 warps / 3 stages was the fastest or
-# within 2% at every shape (128 rows with 8 warps 1-3% behind, 128 rows with 4 warps 2.7x slower).
-# (64, 2) is a first-principles guess.
+# prefill attention (``prefill_kernel.py``): (head dim, itemsize) -> tile. (128, 2) from two sweeps at
+# Nemotron-H's shape (1 x 16 ... 1 x 8192, 8 x 1024, 4 x 512 after 1536 cached tokens; .ab-style,
+# CUDA graphs): on an H200 with one masked loop, 64 rows / 4 warps and 128 rows / 8 warps within 2%
+# of each other (128 rows with 4 warps 2.7x slower); on an H100 with the unmasked trips split off,
+# 128 rows / 8 warps 4-9% ahead from 2048 tokens on, equal below. (64, 2) is a first-principles guess.
 PREFILL_TILES: dict[tuple[int, int], PrefillTile] = {
-    (128, 2): PrefillTile(64, 64, 4, 3),
+    (128, 2): PrefillTile(128, 64, 8, 3),
     (64, 2): PrefillTile(64, 64, 4, 3),
 }
 PREFILL_INTERPRET_TILE = PrefillTile(16, 16, 1, 1)
