@@ -23,6 +23,53 @@ from fastmamba.ops._common.host_math import next_power_of_2
 LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def load_kv_tile(start, offs_n, hi, bt_row, k_head, v_head, num_pages, stride_bt_p, stride_k_p, stride_k_t, stride_v_p,
+                 stride_v_t, dmask, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PAGES_PER_TILE: tl.constexpr, UPCAST: tl.constexpr):
+    """The K and V tiles [BLOCK_N, BLOCK_D] of a request's positions start + offs_n (offs_n =
+    tl.arange(0, BLOCK_N), made once outside the caller's loop; ``bt_row``: its block-table row; ``k_head`` / ``v_head``: the KV head's base pointers with the
+    head-dim offsets); returns (k, v, positions, valid), a position valid below ``hi`` on a page of
+    the pool (the others read as zeros, never dereferenced). The page ids are BLOCK_N / PAGE scalar
+    loads (start is a multiple of the page or of the tile, whichever is smaller), spread over the
+    tile's rows."""
+    pos = start + offs_n
+    first = start // PAGE
+    page = tl.full([BLOCK_N], -1, tl.int64)
+    for j in tl.static_range(PAGES_PER_TILE):
+        pid = tl.load(bt_row + (first + j) * stride_bt_p, mask=start + j * PAGE < hi, other=-1).to(tl.int64)
+        page = tl.where(offs_n // PAGE == j, pid, page)
+    tok_ok = (pos < hi) & (page >= 0) & (page < num_pages)  # a page outside the pool is never read
+    page = tl.where(tok_ok, page, 0)
+    row = pos % PAGE
+    if D == BLOCK_D:
+        kv_mask = tok_ok[:, None]  # constant along the head dim: 16-byte vector loads
+    else:
+        kv_mask = tok_ok[:, None] & dmask[None, :]
+    k = tl.load(k_head + page[:, None] * stride_k_p + row[:, None] * stride_k_t, mask=kv_mask, other=0.0)
+    v = tl.load(v_head + page[:, None] * stride_v_p + row[:, None] * stride_v_t, mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v, pos, tok_ok
+
+
+@triton.jit
+def online_softmax_step(q, k, v, keep, m, l, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One tile into the online softmax (fp32, base 2) of queries q [R, BLOCK_D]: scores q k^T
+    scaled by ``qk_scale`` (log2 units), keys where ``keep`` ([R or 1, BLOCK_N]) is False masked;
+    returns the new (max, sum, unnormalised output). m starts finite (-1e30), so a fully masked
+    tile leaves alpha = 1 and p = 0."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l, acc
+
+
 @triton.jit(do_not_specialize=["S", "num_pages", "max_pages", "qk_scale"])
 def _paged_decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, slots_ptr, out_ptr, part_ml_ptr, part_o_ptr,
@@ -76,35 +123,10 @@ def _paged_decode_attention_kernel(
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        pos = start + offs_n
-        in_run = pos < hi
-        # the tile's page ids: BLOCK_N / PAGE scalar loads (start is a multiple of the page or of
-        # the tile, whichever is smaller), spread over the tile's rows
-        first = start // PAGE
-        page = tl.full([BLOCK_N], -1, tl.int64)
-        for j in tl.static_range(PAGES_PER_TILE):
-            pid = tl.load(bt_row + (first + j) * stride_bt_p, mask=start + j * PAGE < hi, other=-1).to(tl.int64)
-            page = tl.where(offs_n // PAGE == j, pid, page)
-        tok_ok = in_run & (page >= 0) & (page < num_pages)  # a page outside the pool is never read
-        page = tl.where(tok_ok, page, 0)
-        row = pos % PAGE
-        if D == BLOCK_D:
-            kv_mask = tok_ok[:, None]  # constant along the head dim: 16-byte vector loads
-        else:
-            kv_mask = tok_ok[:, None] & dmask[None, :]
-        k = tl.load(k_head + page[:, None] * stride_k_p + row[:, None] * stride_k_t, mask=kv_mask, other=0.0)
-        v = tl.load(v_head + page[:, None] * stride_v_p + row[:, None] * stride_v_t, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
-        s = tl.where(tok_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m = m_new
+        k, v, pos, tok_ok = load_kv_tile(start, offs_n, hi, bt_row, k_head, v_head, num_pages, stride_bt_p, stride_k_p,
+                                         stride_k_t, stride_v_p, stride_v_t, dmask, D, BLOCK_D, PAGE, BLOCK_N,
+                                         PAGES_PER_TILE, UPCAST)
+        m, l, acc = online_softmax_step(q, k, v, tok_ok[None, :], m, l, acc, qk_scale, DOT_PRECISION)
     if SPLIT:
         # partials: (m, l) [B, Hq, splits, 2] and acc [B, Hq, splits, BLOCK_D], contiguous fp32
         prow = (b * (G * tl.num_programs(0)) + qh) * nsplit + split

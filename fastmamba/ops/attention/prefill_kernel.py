@@ -11,7 +11,7 @@ A program's rows are its BLOCK_M tokens times the G query heads of its KV head (
 a power of two), so K and V are read once per KV head, not once per query head. Its keys are the
 request's first ``ctx + last query token + 1`` positions, which the pages hold already (the
 prompt's own K/V are written before the attention runs): each loop trip takes BLOCK_N of them,
-page ids gathered per tile as in the decode kernel, computes q K^T with the causal mask (key
+page ids gathered per tile as in the decode kernel (``kernel.load_kv_tile``), computes q K^T with the causal mask (key
 position <= ctx + query token; the trips wholly before the block's first query position skip
 it), an online softmax in fp32 (base 2), and p V.
 
@@ -28,49 +28,9 @@ import triton.language as tl
 
 from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 from fastmamba.ops._common.launch import lean
+from fastmamba.ops.attention.kernel import load_kv_tile, online_softmax_step
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _attend_tile(q, m, l, acc, start, hi, qpos, bt_row, k_head, v_head, num_pages, stride_bt_p,
-                 stride_k_p, stride_k_t, stride_v_p, stride_v_t, dmask, qk_scale,
-                 D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PAGES_PER_TILE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 CAUSAL: tl.constexpr):
-    """One trip: keys start .. start + BLOCK_N - 1 (those below ``hi`` on valid pages) into the
-    online softmax (m, l, acc) of the rows' queries q [R, BLOCK_D]; CAUSAL masks keys past each
-    row's position ``qpos``."""
-    offs_n = tl.arange(0, BLOCK_N)
-    pos = start + offs_n
-    first = start // PAGE  # the tile's page ids: BLOCK_N / PAGE scalar loads spread over its rows
-    page = tl.full([BLOCK_N], -1, tl.int64)
-    for j in tl.static_range(PAGES_PER_TILE):
-        pid = tl.load(bt_row + (first + j) * stride_bt_p, mask=start + j * PAGE < hi, other=-1).to(tl.int64)
-        page = tl.where(offs_n // PAGE == j, pid, page)
-    tok_ok = (pos < hi) & (page >= 0) & (page < num_pages)
-    page = tl.where(tok_ok, page, 0)
-    row = pos % PAGE
-    if D == BLOCK_D:
-        kv_mask = tok_ok[:, None]
-    else:
-        kv_mask = tok_ok[:, None] & dmask[None, :]
-    k = tl.load(k_head + page[:, None] * stride_k_p + row[:, None] * stride_k_t, mask=kv_mask, other=0.0)
-    v = tl.load(v_head + page[:, None] * stride_v_p + row[:, None] * stride_v_t, mask=kv_mask, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [R, BLOCK_N], log2 units
-    if CAUSAL:
-        s = tl.where(tok_ok[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
-    else:
-        s = tl.where(tok_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-    return m_new, l, acc
 
 
 @triton.jit(do_not_specialize=["S", "num_pages", "max_pages", "n_seqs", "qk_scale"])
@@ -102,6 +62,7 @@ def _paged_prefill_attention_kernel(
     R: tl.constexpr = BLOCK_M * G_PAD
     offs_r = tl.arange(0, R)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
     tok = q0 + offs_r // G_PAD  # each row's token within the prompt ...
     gi = offs_r % G_PAD  # ... and query head within the KV head's group
     qh = kh * G + gi
@@ -125,13 +86,16 @@ def _paged_prefill_attention_kernel(
     # keys before the block's first query position are visible to every row: no causal mask there
     full = tl.minimum((ctx + q0) // BLOCK_N * BLOCK_N, hi)
     for start in range(0, full, BLOCK_N):
-        m, l, acc = _attend_tile(q, m, l, acc, start, hi, qpos, bt_row, k_head, v_head, num_pages, stride_bt_p,
-                                 stride_k_p, stride_k_t, stride_v_p, stride_v_t, dmask, qk_scale, D, BLOCK_D, PAGE,
-                                 BLOCK_N, PAGES_PER_TILE, UPCAST, DOT_PRECISION, False)
-    for start in range(full, hi, BLOCK_N):
-        m, l, acc = _attend_tile(q, m, l, acc, start, hi, qpos, bt_row, k_head, v_head, num_pages, stride_bt_p,
-                                 stride_k_p, stride_k_t, stride_v_p, stride_v_t, dmask, qk_scale, D, BLOCK_D, PAGE,
-                                 BLOCK_N, PAGES_PER_TILE, UPCAST, DOT_PRECISION, True)
+        k, v, pos, tok_ok = load_kv_tile(start, offs_n, hi, bt_row, k_head, v_head, num_pages, stride_bt_p, stride_k_p,
+                                         stride_k_t, stride_v_p, stride_v_t, dmask, D, BLOCK_D, PAGE, BLOCK_N,
+                                         PAGES_PER_TILE, UPCAST)
+        m, l, acc = online_softmax_step(q, k, v, tok_ok[None, :], m, l, acc, qk_scale, DOT_PRECISION)
+    for start in range(full, hi, BLOCK_N):  # the causal mask: a key at most the row's own position
+        k, v, pos, tok_ok = load_kv_tile(start, offs_n, hi, bt_row, k_head, v_head, num_pages, stride_bt_p, stride_k_p,
+                                         stride_k_t, stride_v_p, stride_v_t, dmask, D, BLOCK_D, PAGE, BLOCK_N,
+                                         PAGES_PER_TILE, UPCAST)
+        keep = tok_ok[None, :] & (pos[None, :] <= qpos[:, None])
+        m, l, acc = online_softmax_step(q, k, v, keep, m, l, acc, qk_scale, DOT_PRECISION)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     o_rows = out_ptr + (t0 + tok) * stride_o_t + qh * stride_o_h
     tl.store(o_rows[:, None] + offs_d[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty),
