@@ -546,8 +546,9 @@ class NemotronHLM(nn.Module):
         if cache.kv is None:
             return packed[:nseq] != 0, None
         o = nseq + 2 * T + nseq
-        kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, packed[nseq:nseq + T], packed[nseq + T:nseq + 2 * T],
-                     cu_seqlens, ctx, cu_host=cu, slots_host=sl, ctx_dev=packed[nseq + 2 * T:o],
+        positions, token_rows = packed[nseq:nseq + T], packed[nseq + T:nseq + 2 * T]
+        kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions, token_rows, cu_seqlens, ctx,
+                     cu_host=cu, slots_host=sl, ctx_dev=packed[nseq + 2 * T:o],
                      work=PrefillWork(packed[o:].view(-1, 2), block_m))
         return packed[:nseq] != 0, kv
 

@@ -96,7 +96,8 @@ def test_staged_call_rejects_bad_metadata():
         m.prefill_varlen(ids, cu, cache, slots, flags, staged=good._replace(positions=torch.arange(2)))
     with pytest.raises(ValueError, match=f"`staged.work` expected a PrefillWork for blocks of {bm} query tokens"):
         m.prefill_varlen(ids, cu, cache, slots, flags, staged=good._replace(work=PrefillWork(work.table, bm + 1)))
-    with pytest.raises(ValueError, match="`slots` must be distinct allocated slots, got \\[-1\\]"):  # eager: no pad slots
+    # the eager call takes no pad slots
+    with pytest.raises(ValueError, match="`slots` must be distinct allocated slots, got \\[-1\\]"):
         m.prefill_varlen(ids, cu, cache, torch.tensor([-1], dtype=torch.int32))
     assert cache.length(s[0]) == 0  # nothing grew
 

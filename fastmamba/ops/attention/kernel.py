@@ -28,11 +28,11 @@ def load_kv_tile(start, offs_n, hi, bt_row, k_head, v_head, num_pages, stride_bt
                  stride_v_t, dmask, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                  BLOCK_N: tl.constexpr, PAGES_PER_TILE: tl.constexpr, UPCAST: tl.constexpr):
     """The K and V tiles [BLOCK_N, BLOCK_D] of a request's positions start + offs_n (offs_n =
-    tl.arange(0, BLOCK_N), made once outside the caller's loop; ``bt_row``: its block-table row; ``k_head`` / ``v_head``: the KV head's base pointers with the
-    head-dim offsets); returns (k, v, positions, valid), a position valid below ``hi`` on a page of
-    the pool (the others read as zeros, never dereferenced). The page ids are BLOCK_N / PAGE scalar
-    loads (start is a multiple of the page or of the tile, whichever is smaller), spread over the
-    tile's rows."""
+    tl.arange(0, BLOCK_N), made once outside the caller's loop). bt_row: its block-table row;
+    k_head / v_head: the KV head's base pointers with the head-dim offsets. Returns (k, v,
+    positions, valid): a position is valid below ``hi`` on a page of the pool (the others read as
+    zeros, never dereferenced). The page ids are BLOCK_N / PAGE scalar loads (start is a multiple
+    of the page or of the tile, whichever is smaller), spread over the tile's rows."""
     pos = start + offs_n
     first = start // PAGE
     page = tl.full([BLOCK_N], -1, tl.int64)
