@@ -291,8 +291,10 @@ def test_rounding_seeds_reach_the_mamba_layers(monkeypatch):
 @pytest.mark.skipif(not INTERPRETER_AT_START, reason="the decode kernels on a CPU need TRITON_INTERPRET=1 at import")
 def test_graph_steps_read_nothing_on_the_host(monkeypatch):
     """What the CUDA graphs capture (decode and verify with grow=False, commit with rollback=False,
-    a pad row in the batch) reads no tensor value on the host: the CPU stand-in for capture, with
-    the ops' own checks off as they are while capturing (trusted_inputs) and every host read raising."""
+    a pad row in the batch; the staged prefill with a pad request, a continued prompt among them)
+    reads no tensor value on the host: the CPU stand-in for capture, with the ops' own checks off as
+    they are while capturing (trusted_inputs) and every host read raising. The eager prefill, given
+    the host's copies of cu_seqlens and slots, reads nothing either."""
     import contextlib
 
     from fastmamba.ops._common.host_values import trusted_inputs
@@ -328,6 +330,27 @@ def test_graph_steps_read_nothing_on_the_host(monkeypatch):
                 out = m.decode(torch.ones(3, dtype=torch.long), cache, slots, grow=False)
         assert out.shape[0] == 3 and bool(torch.isfinite(out).all())
         cache.kv.check()
+
+    from fastmamba.models.nemotron_h import StagedPrefill
+    from fastmamba.ops.attention import PrefillWork, prefill_work
+
+    cache = m.new_cache(4, max_seq_len=64, page_size=PAGE)
+    a, b = cache.take(2)
+    with no_host_reads():  # eager, first chunks: the host's lists, one upload
+        m.prefill_varlen(torch.tensor(PROMPTS[3]), torch.tensor([0, 9, 22]), cache, torch.tensor([a, b]),
+                         cu_seqlens_host=[0, 9, 22], slots_host=[a, b])
+    ctx = cache.grow([b, a], [4, 2])  # the staged call: the caller grew the cache (b continues, then a)
+    bm = m.prefill_block_tokens()
+    cu = [0, 4, 6, 8]  # b: 4 tokens, a: 2, a pad request of 2
+    work = PrefillWork(torch.tensor(prefill_work(cu, bm, capacity=4)).view(-1, 2), bm)
+    staged = StagedPrefill(torch.tensor([ctx[0] + i for i in range(4)] + [ctx[1], ctx[1] + 1, 0, 0]),
+                           torch.tensor([0, 0, 0, 0, 1, 1, 2, 2]), torch.tensor(ctx + [0]), work)
+    with no_host_reads():
+        out = m.prefill_varlen(torch.ones(8, dtype=torch.long), torch.tensor(cu), cache,
+                               torch.tensor([b, a, -1], dtype=torch.int32), torch.tensor([True, True, False]),
+                               cu_seqlens_host=cu, slots_host=[b, a, -1], staged=staged)
+    assert out.shape[0] == 3 and bool(torch.isfinite(out).all())
+    cache.kv.check()
 
 
 @pytest.mark.gpu
