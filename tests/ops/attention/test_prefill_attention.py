@@ -115,6 +115,14 @@ def test_prefill_attention_rejects_bad_work(device):
         varlen_prefill_attention(*args, work=(table, bm))
     with pytest.raises(ValueError, match=r"`work.table` expected shape \(n, 2\), got \(2,\)"):
         varlen_prefill_attention(*args, work=PrefillWork(table.view(-1)[:2], bm))
+    with pytest.raises(TypeError, match=r"`work.table` expected dtype in \(int32, int64\), got float32"):
+        varlen_prefill_attention(*args, work=PrefillWork(table.float(), bm))
+    with pytest.raises(TypeError, match=r"`ctx_lens` expected dtype in \(int32, int64\), got float32"):
+        varlen_prefill_attention(*args[:6], d(torch.tensor([0.0])))
+    with pytest.raises(ValueError, match=r"`ctx_lens` expected shape \(B=1\), got \(2\)"):
+        varlen_prefill_attention(*args[:6], d(torch.tensor([0, 0])))
+    with pytest.raises(TypeError, match=r"`cu_seqlens` expected dtype in \(int32, int64\), got float32"):
+        varlen_prefill_attention(*args[:5], args[5].float(), [0])
 
 
 @pytest.mark.gpu
