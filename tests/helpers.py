@@ -124,6 +124,51 @@ def compile_in_subprocess(script: str, name: str, root: str):
     return json.loads(done.stdout.splitlines()[-1])
 
 
+def compile_triton_sm90(kernel, consts: dict, types: dict, **options):
+    """Compile a ``triton.jit`` kernel for sm_90 without a GPU (Triton's compiler and ptxas):
+    ``consts`` are its constexpr (or constant) arguments by name, ``types`` the Triton types of
+    the others by name (default i32); pointers and ``stride*`` arguments are marked 16-divisible,
+    as a launch specialises them. Returns the CompiledKernel (``.asm``, ``.metadata``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if sig[n].startswith("*") or n.startswith("stride")}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()},
+                    attrs=aligned)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def ptxas_report(ptx: str, name: str) -> str:
+    """``ptxas -arch=sm_90a -v`` (Triton's own) on ``ptx``: its report (registers, spills, ...).
+    RuntimeError with ptxas's output when it fails (once, inside a full GPU suite run, it exited
+    255 for every variant of a compile test with nothing captured)."""
+    import os
+    import subprocess
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"fastmamba_{name}_{os.getpid()}.ptx")
+    with open(path, "w") as f:
+        f.write(ptx)
+    try:
+        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True)
+    finally:
+        os.remove(path)
+    if done.returncode != 0:
+        raise RuntimeError(f"ptxas exited {done.returncode}:\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
+    return done.stderr
+
+
+def spill_lines(report: str) -> list[str]:
+    """ptxas's spill lines of a ``ptxas_report`` (one per function)."""
+    return [line.strip() for line in report.splitlines() if "spill" in line]
+
+
 def count_launches(monkeypatch, module) -> list[int]:
     """[n]: how many kernel launches go through ``module.lean`` from now on (they still run)."""
     count = [0]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -20,36 +19,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 def compile_sm90(block_n: int, num_warps: int, num_stages: int, split: bool) -> dict:
     """Compile the kernel at the Nemotron-H shape (G 4, Dh 128, 16-token pages, bf16) for sm_90;
     returns its TTGIR and PTX. Runs in the interpreter-free subprocess."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from fastmamba.ops.attention.kernel import _paged_decode_attention_kernel as kernel
+    from tests.helpers import compile_triton_sm90
 
     consts = dict(G=4, D=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=block_n, PAGES_PER_TILE=block_n // 16,
                   SPLIT=split, UPCAST=False, DOT_PRECISION="tf32",
                   stride_q_d=1, stride_k_d=1, stride_v_d=1, stride_bt_p=1, stride_o_d=1)
-    ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", lens_ptr="*i32", slots_ptr="*i32",
-                out_ptr="*bf16", part_ml_ptr="*fp32", part_o_ptr="*fp32", qk_scale="fp32")
-    names = kernel.arg_names
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if sig[n].startswith("*") or n.startswith("stride")}  # what a launch specialises
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()},
-                    attrs=aligned)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    types = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", lens_ptr="*i32", slots_ptr="*i32",
+                 out_ptr="*bf16", part_ml_ptr="*fp32", part_o_ptr="*fp32", qk_scale="fp32")
+    k = compile_triton_sm90(kernel, consts, types, num_warps=num_warps, num_stages=num_stages)
     return {"ttgir": k.asm["ttgir"], "ptx": k.asm["ptx"]}
 
 
 def _run(block_n: int, num_warps: int, num_stages: int, split: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, __file__, json.dumps([block_n, num_warps, num_stages, split])],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
-    if done.returncode != 0:
-        if "ptxas" in done.stderr and ("not found" in done.stderr or "No such file" in done.stderr):
-            pytest.skip("Triton's NVIDIA backend has no ptxas here")
-        raise AssertionError(f"sm_90 compile failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.splitlines()[-1])
+    from tests.helpers import compile_in_subprocess  # not at the top: __main__ runs without tests/ on the path
+
+    return compile_in_subprocess(__file__, json.dumps([block_n, num_warps, num_stages, split]), ROOT)
 
 
 @pytest.mark.parametrize("num_stages,split", [(3, False), (4, True)], ids=["st3", "st4-split"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -16,41 +15,21 @@ SMEM_PER_SM = 227 * 1024
 def compile_sm90(dtype: str) -> dict:
     """Compile at Nemotron-H's shape (G 4, Dh 128, pages of 16) with the (128, itemsize) tile;
     returns the PTX's markers, shared memory, warps and ptxas's spill lines."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from fastmamba.ops.attention.configs import PREFILL_TILES
     from fastmamba.ops.attention.prefill_kernel import _paged_prefill_attention_kernel as kernel
+    from tests.helpers import compile_triton_sm90, ptxas_report, spill_lines
 
     tile = PREFILL_TILES[(128, 2)]
     consts = dict(G=4, G_PAD=4, D=128, BLOCK_D=128, PAGE=16, BLOCK_M=tile.rows // 4, BLOCK_N=tile.block_n,
                   PAGES_PER_TILE=tile.block_n // 16, UPCAST=False, DOT_PRECISION="tf32",
                   stride_q_d=1, stride_k_d=1, stride_v_d=1, stride_bt_p=1, stride_o_d=1)
-    ptrs = dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}", out_ptr=f"*{dtype}", bt_ptr="*i32",
-                slots_ptr="*i32", cu_ptr="*i32", ctx_ptr="*i64", work_ptr="*i64", qk_scale="fp32")
-    names = kernel.arg_names
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if sig[n].startswith("*") or n.startswith("stride")}  # what a launch specialises
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()},
-                    attrs=aligned)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=tile.num_warps, num_stages=tile.num_stages))
+    types = dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}", out_ptr=f"*{dtype}", bt_ptr="*i32",
+                 slots_ptr="*i32", cu_ptr="*i32", ctx_ptr="*i64", work_ptr="*i64", qk_scale="fp32")
+    k = compile_triton_sm90(kernel, consts, types, num_warps=tile.num_warps, num_stages=tile.num_stages)
     ptx = k.asm["ptx"]
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"fastmamba_prefill_attn_{os.getpid()}.ptx")
-    with open(path, "w") as f:
-        f.write(ptx)
-    try:
-        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True)
-    finally:
-        os.remove(path)
-    if done.returncode != 0:
-        raise RuntimeError(f"ptxas exited {done.returncode}:\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
     return dict(mma="mma.sync.aligned" in ptx or "wgmma.mma_async" in ptx, cp_async=ptx.count("cp.async.wait_group"),
                 shared=k.metadata.shared, warps=k.metadata.num_warps,
-                spills=[line.strip() for line in done.stderr.splitlines() if "spill" in line])
+                spills=spill_lines(ptxas_report(ptx, "prefill_attention")))
 
 
 def test_prefill_attention_kernel_compiles_for_sm90():

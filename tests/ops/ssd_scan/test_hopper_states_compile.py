@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -34,6 +33,7 @@ def compile_sm90(name: str) -> dict:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from fastmamba.ops.ssd_scan import hopper_states
+    from tests.helpers import ptxas_report, spill_lines
     from fastmamba.ops.ssd_scan.hopper_states_kernel import chunk_states_sm90_kernel
 
     v = VARIANTS[name]
@@ -68,18 +68,7 @@ def compile_sm90(name: str) -> dict:
                        options=dict(num_warps=4, maxnreg=hopper_states.MAXNREG))
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"fastmamba_hopper_states_{os.getpid()}.ptx")
-    with open(path, "w") as f:
-        f.write(ptx)
-    try:
-        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True)
-    finally:
-        os.remove(path)
-    if done.returncode != 0:  # say why: once, inside a full GPU suite run, ptxas exited 255 for every variant
-        raise RuntimeError(f"ptxas exited {done.returncode}:\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
-    report = done.stderr
-    spills = [line.strip() for line in report.splitlines() if "spill" in line]
+    spills = spill_lines(ptxas_report(ptx, "hopper_states"))
     return dict(shared=k.metadata.shared, warps=k.metadata.num_warps, spills=spills)
 
 
