@@ -51,8 +51,8 @@ from fastmamba.cache.state_cache import StateCache
 from fastmamba.generation.cuda_graphs import CaptureClock
 from fastmamba.generation.staging import StagedInputs
 from fastmamba.models.mamba2_lm import Mamba2LM
-from fastmamba.models.nemotron_h import NemotronHLM, StagedPrefill
-from fastmamba.ops.attention import PrefillWork, prefill_work, work_items_bound
+from fastmamba.models.nemotron_h import NemotronHLM, StagedPrefill, prefill_kv_values
+from fastmamba.ops.attention import PrefillWork, work_items_bound
 from fastmamba.ops._common.host_math import next_power_of_2
 from fastmamba.ops._common.host_values import trusted_inputs
 from fastmamba.ops._common.pdl import pdl_supported, programmatic_dependent_launch
@@ -246,12 +246,9 @@ class GraphedPrefill:
                              "tokens already (their K/V are cached): free them, or let the prompts continue")
         ctx = self.cache.grow(list(slots), lengths)
         if self.kv is not None:
-            pads = rb - len(slots)
-            st = self.inputs
-            st.set("positions", [c + i for c, n in zip(ctx, lengths) for i in range(n)] + [0] * (tb - sum(lengths)))
-            st.set("token_rows", [b for b, n in enumerate(layout) for _ in range(n)])
-            st.set("ctx", ctx + [0] * pads)
-            st.set("work", prefill_work(cu, self.block_m, capacity=work_items_bound(tb, rb, self.block_m)))
+            values = prefill_kv_values(ctx, layout, cu, self.block_m, work_items_bound(tb, rb, self.block_m))
+            for name, v in values.items():
+                self.inputs.set(name, v)
         return [c > 0 for c in ctx]
 
     def _capture(self, tb: int, rb: int, cu_host: list[int], slots_host: list[int],

@@ -332,6 +332,22 @@ class StagedPrefill(NamedTuple):
     work: PrefillWork | None
 
 
+def prefill_kv_values(ctx: Sequence[int], layout: Sequence[int], cu: Sequence[int], block_m: int,
+                      capacity: int | None = None) -> dict[str, list[int]]:
+    """A packed prefill's attention metadata as host lists, what ``StagedPrefill`` holds.
+
+    ctx       tokens each real request held before the call (the first len(ctx) requests)
+    layout    every request's token count, real then padding requests (slot -1, if any)
+    cu        layout's cumulative sums from 0 (the call's cu_seqlens)
+    Returns positions (each real token's position, 0 for padding tokens), token_rows (each token's
+    request), ctx (0 for padding requests) and work (``prefill_work(cu, block_m, capacity)``)."""
+    real = sum(layout[:len(ctx)])
+    return {"positions": [c + i for c, n in zip(ctx, layout) for i in range(n)] + [0] * (cu[-1] - real),
+            "token_rows": [b for b, n in enumerate(layout) for _ in range(n)],
+            "ctx": list(ctx) + [0] * (len(layout) - len(ctx)),
+            "work": prefill_work(cu, block_m, capacity)}
+
+
 class NemotronHBackbone(nn.Module):
     def __init__(self, cfg: NemotronHConfig, device=None, dtype=None):
         super().__init__()
@@ -535,12 +551,10 @@ class NemotronHLM(nn.Module):
         nothing waits for the device)."""
         nseq, T = len(sl), cu[-1]
         values = [int(c > 0) for c in ctx]
-        block_m = self.prefill_block_tokens() if cache.kv is not None else 0
         if cache.kv is not None:
-            values += [c + i for c, n in zip(ctx, lens) for i in range(n)]
-            values += [b for b, n in enumerate(lens) for _ in range(n)]
-            values += ctx
-            values += prefill_work(cu, block_m)
+            block_m = self.prefill_block_tokens()
+            kv_values = prefill_kv_values(ctx, lens, cu, block_m)
+            values += kv_values["positions"] + kv_values["token_rows"] + kv_values["ctx"] + kv_values["work"]
         packed = torch.tensor(values, dtype=torch.int64)
         packed = packed.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else packed.to(dev)
         if cache.kv is None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastmamba.generation.prefill_graphs import padded_layout
-from fastmamba.models.nemotron_h import StagedPrefill
+from fastmamba.models.nemotron_h import StagedPrefill, prefill_kv_values
 from fastmamba.ops.attention import PrefillWork, prefill_work, work_items_bound
 from tests.generation.test_engine_hybrid import CFG, PAGE, build_model, engine_of
 from tests.helpers import seeded, tol
@@ -39,22 +39,30 @@ def assert_same_caches(got, want, slots, **kw):
 
 def staged_call(model, cache, prompts, slots, tb, rb):
     """What ``GraphedPrefill`` replays, run eagerly: grow the cache, pad the batch to (tb, rb)
-    with requests on slot -1, stage the metadata as device tensors."""
+    with requests on slot -1, stage the metadata (``prefill_kv_values``, as it does) as tensors."""
     lengths = [len(p) for p in prompts]
     layout = padded_layout(lengths, tb, rb)
     cu = cu_of(layout)
     ctx = cache.grow(slots, lengths)
     bm = model.prefill_block_tokens()
     items = work_items_bound(tb, rb, bm)
-    positions = [c + i for c, n in zip(ctx, lengths) for i in range(n)] + [0] * (tb - sum(lengths))
-    rows = [b for b, n in enumerate(layout) for _ in range(n)]
-    staged = StagedPrefill(torch.tensor(positions), torch.tensor(rows), torch.tensor(ctx + [0] * (rb - len(slots))),
-                           PrefillWork(torch.tensor(prefill_work(cu, bm, capacity=items)).view(items, 2), bm))
+    v = prefill_kv_values(ctx, layout, cu, bm, items)
+    staged = StagedPrefill(torch.tensor(v["positions"]), torch.tensor(v["token_rows"]), torch.tensor(v["ctx"]),
+                           PrefillWork(torch.tensor(v["work"]).view(items, 2), bm))
     ids = torch.tensor([t for p in prompts for t in p] + [0] * (tb - sum(lengths)))
     flags = torch.tensor([c > 0 for c in ctx] + [False] * (rb - len(slots)))
     sl = slots + [-1] * (rb - len(slots))
     return model.prefill_varlen(ids, torch.tensor(cu, dtype=torch.int32), cache, torch.tensor(sl, dtype=torch.int32),
                                 flags, cu_seqlens_host=cu, slots_host=sl, staged=staged)
+
+
+def test_prefill_kv_values_layout():
+    """Two real requests (3 tokens after 5 cached, 2 fresh) and a padding request of 3 tokens."""
+    v = prefill_kv_values([5, 0], [3, 2, 3], [0, 3, 5, 8], 2, capacity=7)
+    assert v["positions"] == [5, 6, 7, 0, 1, 0, 0, 0]
+    assert v["token_rows"] == [0, 0, 0, 1, 1, 2, 2, 2]
+    assert v["ctx"] == [5, 0, 0]
+    assert v["work"] == [0, 0, 0, 2, 1, 0, 2, 0, 2, 2, -1, 0, -1, 0]
 
 
 def test_staged_padded_call_equals_eager():
