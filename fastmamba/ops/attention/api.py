@@ -113,17 +113,18 @@ class PrefillWork(NamedTuple):
     block_m: int
 
 
-def _prefill_tile(n_heads: int, n_kv_heads: int, head_dim: int, itemsize: int, on_gpu: bool) -> PrefillTile:
-    return pick_prefill_tile(head_dim, itemsize, group_pad(n_heads, n_kv_heads), on_gpu)
+def _prefill_tile(n_heads: int, n_kv_heads: int, head_dim: int, itemsize: int, on_gpu: bool) -> tuple[PrefillTile, int]:
+    """The prefill kernel's tile and its query tokens per work item (rows / the padded group)."""
+    g_pad = group_pad(n_heads, n_kv_heads)
+    tile = pick_prefill_tile(head_dim, itemsize, g_pad, on_gpu)
+    return tile, tile.rows // g_pad
 
 
 def prefill_block_tokens(n_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
                          device: torch.device | str) -> int:
     """Query tokens per work item of ``varlen_prefill_attention``'s kernel for this head layout,
     dtype and device: what a caller building its own ``PrefillWork`` passes to ``prefill_work``."""
-    on_gpu = torch.device(device).type == "cuda"
-    tile = _prefill_tile(n_heads, n_kv_heads, head_dim, dtype.itemsize, on_gpu)
-    return tile.rows // group_pad(n_heads, n_kv_heads)
+    return _prefill_tile(n_heads, n_kv_heads, head_dim, dtype.itemsize, torch.device(device).type == "cuda")[1]
 
 
 def varlen_prefill_attention(
@@ -202,8 +203,7 @@ def varlen_prefill_attention(
         out = torch.empty_like(q)
     check_shape(op, "out", out, [("T", T), ("Hq", Hq), ("Dh", Dh)])
     if triton_path:
-        tile = _prefill_tile(Hq, Hkv, Dh, q.element_size(), q.is_cuda)
-        block_m = tile.rows // group_pad(Hq, Hkv)
+        tile, block_m = _prefill_tile(Hq, Hkv, Dh, q.element_size(), q.is_cuda)
         if work is not None:
             if not isinstance(work, PrefillWork):
                 raise TypeError(f"{op}: `work` expected a PrefillWork or None, got {type(work).__name__}")
