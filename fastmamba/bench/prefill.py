@@ -12,6 +12,10 @@ ssd: ``mamba_chunk_scan_combined`` (B=1) and ``ssd_scan_varlen`` (8 sequences) o
 state; µs, TFLOP/s and % of the bf16 matmul rate measured in the same run, and GB/s. Peer:
 mamba_ssm's Triton ``mamba_chunk_scan_combined``.
 
+attn: ``varlen_prefill_attention`` (paged, GQA, Nemotron-H's 32 / 8 heads of 128): prompts 1 x 128,
+1 x 2048, 1 x 8192, 8 x 1024, and 4 x 512 after 1536 cached tokens each; µs, TFLOP/s, GB/s. Peer:
+PyTorch's SDPA on contiguous K/V gathered beforehand.
+
 The runner is the ``kernels`` target's (``fastmamba.bench.kernels.run_suite``): rotating input
 sets, CUDA-graph replays (eager, with a note, for a provider that cannot be captured), one check
 per provider against the oracle each op module names. Without a GPU: tiny shapes through the
@@ -26,6 +30,7 @@ from fastmamba.bench.kernels import Suite, add_device_arguments, ops_list, run_s
 OPS = {
     "conv_fn": "fastmamba.bench.ops.conv1d_fn",
     "ssd": "fastmamba.bench.ops.ssd_scan",
+    "attn": "fastmamba.bench.ops.prefill_attention",  # hybrid models' packed prefill attention
 }
 PREFILL = Suite("prefill", "fastmamba prefill benchmark", OPS, matmul=True, size_copy=True)
 
