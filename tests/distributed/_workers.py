@@ -104,3 +104,29 @@ def tp_nemotron_h(tp, cases, prompts, steps) -> list[list[torch.Tensor]]:
         shard_state_dict_into(model, state_dict)
         out.append(run_nemotron_h(model.eval(), prompts, steps))
     return out
+
+
+def run_nemotron_h_graphed(model, prompt_lists: list[list[int]], max_new_tokens: int) -> dict:
+    """A hybrid on a GPU through the runtime's graphs: the logits of ``GraphedPrefill`` over the
+    packed prompts (fresh slots), and the engine's greedy outputs with CUDA graphs (graphed prefill
+    and decode)."""
+    from fastmamba.generation.prefill_graphs import GraphedPrefill
+
+    cache = model.new_cache(len(prompt_lists), max_seq_len=64, page_size=4)
+    slots = cache.take(len(prompt_lists))
+    prefiller = GraphedPrefill(model, cache, max_tokens=64, max_requests=len(prompt_lists))
+    assert prefiller.fits([len(p) for p in prompt_lists])
+    logits = prefiller.prefill(prompt_lists, slots, False).float().cpu()
+    return {"graphed_logits": logits, "greedy": greedy(model, prompt_lists, max_new_tokens, cuda_graphs=True)}
+
+
+def tp_nemotron_h_graphed(tp, cases, prompt_lists, max_new_tokens) -> list[dict]:
+    """For each (config, whole state dict) of ``cases``: the sharded hybrid's ``run_nemotron_h_graphed``."""
+    from fastmamba.distributed.nemotron_h import build_tp_nemotron_h
+
+    out = []
+    for cfg, state_dict in cases:
+        model = build_tp_nemotron_h(cfg, tp, dtype=torch.float32)
+        shard_state_dict_into(model, state_dict)
+        out.append(dict(run_nemotron_h_graphed(model.eval(), prompt_lists, max_new_tokens), rank=tp.rank))
+    return out

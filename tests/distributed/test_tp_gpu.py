@@ -1,6 +1,8 @@
 """Tensor parallelism on 2 GPUs (NCCL): the CPU checks again with CUDA graphs capturing the
-collectives, fastmamba's gemv path (bf16, <= 16 rows) calling the row-parallel all-reduce, and the
-TP benchmark's fp32 equality on a real-size preset. Needs 2 CUDA GPUs; skips with the reason otherwise."""
+collectives, fastmamba's gemv path (bf16, <= 16 rows) calling the row-parallel all-reduce, the
+Nemotron-H hybrid through its graphed prefill and the engine's graphs (the paged prefill attention
+kernel on each rank's KV heads), and the TP benchmark's fp32 equality on a real-size preset. Needs 2
+CUDA GPUs; skips with the reason otherwise."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +12,7 @@ import fastmamba
 from fastmamba.distributed import spawn_tp
 from fastmamba.generation.engine import Engine
 from fastmamba.generation.sampling import SamplingParams
-from tests.distributed._workers import run_model, tp_check
+from tests.distributed._workers import run_model, run_nemotron_h_graphed, tp_check, tp_nemotron_h_graphed
 from tests.helpers import tol
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -61,3 +63,27 @@ def test_tp_bench_fp32_outputs_equal():
 
     assert main(["--model", "mamba2-130m", "--tp", "1,2", "--batch", "1,4", "--dtype", "fp32", "--prompt-len", "64",
                  "--gen-len", "32", "--device", "cuda", "--require-equal"]) == 0
+
+
+def test_tp2_gpu_nemotron_h_graphs_equal_tp1():
+    """The hybrid (nemotron-h-tiny: KV heads and Mamba groups split; and 1 KV head / 1 group:
+    replicated, the gated norm's sums all-reduced) on 2 GPUs, fp32: the graphed packed prefill's
+    logits and the engine's greedy tokens (graphed prefill and decode) equal one GPU's."""
+    import dataclasses
+
+    from fastmamba.models.nemotron_h import PRESETS
+    from tests.distributed._cases import hybrid_model
+
+    tiny = PRESETS["nemotron-h-tiny"]
+    models = [hybrid_model(tiny, 1), hybrid_model(dataclasses.replace(tiny, n_kv_heads=1, n_groups=1), 2)]
+    g = torch.Generator().manual_seed(5)
+    prompt_lists = [torch.randint(0, tiny.vocab_size, (n,), generator=g).tolist() for n in (9, 2, 21)]
+    refs = [run_nemotron_h_graphed(m.to("cuda:0"), prompt_lists, 8) for m in models]
+    cases = [(m.cfg, {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}) for m in models]
+    results = spawn_tp(tp_nemotron_h_graphed, 2, cases, prompt_lists, 8, device="cuda", timeout_s=600)
+    for per_rank in results:
+        for c, (ref, got) in enumerate(zip(refs, per_rank)):
+            err = ((got["graphed_logits"] - ref["graphed_logits"]).abs().max()
+                   / ref["graphed_logits"].abs().max()).item()
+            assert err <= 1e-5, f"rank {got['rank']}, case {c}: graphed prefill logits, relative error {err:.2e}"
+            assert got["greedy"] == ref["greedy"], f"rank {got['rank']}, case {c}: greedy tokens differ"
