@@ -18,7 +18,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from fastmamba.bench.ops._base import DTYPE_NAMES, Case, OpBench, Provider, _fastmamba_version, describe
+from fastmamba.bench.ops._attention import AttentionBench, paged_pool
+from fastmamba.bench.ops._base import DTYPE_NAMES, Case, Provider
 
 # name -> (Hq, Hkv, Dh, PAGE)
 GPU_SHAPES = {"nemotron-h": (32, 8, 128, 16)}
@@ -52,9 +53,12 @@ def _ref(q, k_pages, v_pages, block_table, seq_lens, slots, k_dense, v_dense):
     return paged_decode_attention_ref(q, k_pages, v_pages, block_table, seq_lens, slots)
 
 
-class PagedAttentionBench(OpBench):
+class PagedAttentionBench(AttentionBench):
     key = "attn"
     title = "paged_decode_attention"
+    op_name = "paged_decode_attention"
+    sdpa_note = "torch scaled_dot_product_attention on a contiguous [B, Hkv, L, Dh] cache"
+    ours, sdpa, ref = staticmethod(_ours), staticmethod(_sdpa), staticmethod(_ref)
 
     def cases(self, device: torch.device, batches: Sequence[int]) -> list[Case]:
         cuda = device.type == "cuda"
@@ -75,50 +79,21 @@ class PagedAttentionBench(OpBench):
                     ))
         return out
 
-    def providers(self, device: torch.device) -> list[Provider]:
-        version = f"torch {torch.__version__}"
-        try:
-            from fastmamba.ops.attention import paged_decode_attention  # noqa: F401
-
-            ours = Provider("fastmamba", "ours", _fastmamba_version(), _ours)
-        except Exception as exc:  # noqa: BLE001
-            ours = Provider("fastmamba", "ours", _fastmamba_version(), None, reason=describe(exc))
-        return [
-            ours,
-            Provider("sdpa (gathered)", "peer", version, _sdpa,
-                     note="torch scaled_dot_product_attention on a contiguous [B, Hkv, L, Dh] cache"),
-            Provider("torch-ref", "ref", version, _ref, preflight_sync=True),
-        ]
-
     def skip_reason(self, prov: Provider, case: Case) -> str:
         if prov.kind == "ref" and case.batch * case.params["L"] > (1 << 16):
             return "reference: one Python-level SDPA per request, too slow at this size (the check uses it below)"
         return ""
 
-    def oracle(self, device, providers, mode="auto"):
-        # the gathered SDPA: fp32 softmax on a GPU too, and it runs at every size
-        sdpa = next((p for p in providers if p.kind == "peer" and p.available), None)
-        return sdpa or super().oracle(device, providers, mode)
-
     def make_set(self, case: Case, device: torch.device, seed: int) -> dict:
         p = case.params
         B, L, Hq, Hkv, Dh, page, dtype = case.batch, p["L"], p["Hq"], p["Hkv"], p["Dh"], p["page"], p["dtype"]
         g = torch.Generator(device=device).manual_seed(seed)
-        per = -(-L // page)
-        Np = B * per + 1  # + the scratch page
-        k_pages = torch.randn(Np, page, Hkv, Dh, generator=g, device=device).to(dtype)
-        v_pages = torch.randn(Np, page, Hkv, Dh, generator=g, device=device).to(dtype)
-        order = torch.randperm(B * per, generator=g, device=device)  # a fragmented pool
-        block_table = order.view(B, per).to(torch.int32)
-        rows = block_table.long()
-        k_dense = k_pages[rows].reshape(B, per * page, Hkv, Dh)[:, :L].transpose(1, 2).contiguous()
-        v_dense = v_pages[rows].reshape(B, per * page, Hkv, Dh)[:, :L].transpose(1, 2).contiguous()
+        pool = paged_pool(B, L, Hkv, Dh, page, dtype, g, device)
         return {
             "q": torch.randn(B, Hq, Dh, generator=g, device=device).to(dtype),
-            "k_pages": k_pages, "v_pages": v_pages, "block_table": block_table,
             "seq_lens": torch.full((B,), L, dtype=torch.int32, device=device),
             "slots": torch.arange(B, dtype=torch.int32, device=device),
-            "k_dense": k_dense, "v_dense": v_dense,
+            **pool,
         }
 
     def args(self, case: Case, inp: dict) -> tuple:

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from fastmamba.bench.ops._base import DTYPE_NAMES, Case, OpBench, Provider, _fastmamba_version, describe
+from fastmamba.bench.ops._attention import AttentionBench, paged_pool
+from fastmamba.bench.ops._base import DTYPE_NAMES, Case, Provider
 from fastmamba.bench.timing import TimingConfig
 
 # name -> (Hq, Hkv, Dh, PAGE)
@@ -71,9 +72,12 @@ def _ref(q, k_pages, v_pages, block_table, slots, cu, ctx, k_dense, v_dense, hos
     return varlen_prefill_attention_ref(q, k_pages, v_pages, block_table, slots, cu, ctx)
 
 
-class PrefillAttentionBench(OpBench):
+class PrefillAttentionBench(AttentionBench):
     key = "attn"
     title = "varlen_prefill_attention"
+    op_name = "varlen_prefill_attention"
+    sdpa_note = "torch scaled_dot_product_attention on contiguous K/V, prompts batched"
+    ours, sdpa, ref = staticmethod(_ours), staticmethod(_sdpa), staticmethod(_ref)
     timing = TimingConfig.prefill()
     quick_timing = TimingConfig.prefill_quick()
 
@@ -93,31 +97,11 @@ class PrefillAttentionBench(OpBench):
                 ))
         return out
 
-    def providers(self, device: torch.device) -> list[Provider]:
-        version = f"torch {torch.__version__}"
-        try:
-            from fastmamba.ops.attention import varlen_prefill_attention  # noqa: F401
-
-            ours = Provider("fastmamba", "ours", _fastmamba_version(), _ours)
-        except Exception as exc:  # noqa: BLE001
-            ours = Provider("fastmamba", "ours", _fastmamba_version(), None, reason=describe(exc))
-        return [
-            ours,
-            Provider("sdpa (gathered)", "peer", version, _sdpa,
-                     note="torch scaled_dot_product_attention on contiguous K/V, prompts batched"),
-            Provider("torch-ref", "ref", version, _ref, preflight_sync=True),
-        ]
-
     def skip_reason(self, prov: Provider, case: Case) -> str:
         p = case.params
         if prov.kind == "ref" and case.batch * p["Hq"] * p["n"] * (p["n"] + p["ctx"]) > (1 << 28):
             return "reference: full fp32 score matrices, too large at this size (the check uses the peer)"
         return ""
-
-    def oracle(self, device, providers, mode="auto"):
-        # the gathered SDPA: fp32 softmax on a GPU too, and it runs at every size
-        sdpa = next((p for p in providers if p.kind == "peer" and p.available), None)
-        return sdpa or super().oracle(device, providers, mode)
 
     def make_set(self, case: Case, device: torch.device, seed: int) -> dict:
         from fastmamba.ops.attention import PrefillWork, prefill_block_tokens, prefill_work
@@ -125,15 +109,8 @@ class PrefillAttentionBench(OpBench):
         p = case.params
         B, n, ctx, Hq, Hkv, Dh, page, dtype = case.batch, p["n"], p["ctx"], p["Hq"], p["Hkv"], p["Dh"], p["page"], p["dtype"]
         g = torch.Generator(device=device).manual_seed(seed)
-        L = ctx + n
-        per = -(-L // page)
-        Np = B * per + 1  # + the scratch page
-        k_pages = torch.randn(Np, page, Hkv, Dh, generator=g, device=device).to(dtype)
-        v_pages = torch.randn(Np, page, Hkv, Dh, generator=g, device=device).to(dtype)
-        block_table = torch.randperm(B * per, generator=g, device=device).view(B, per).to(torch.int32)
-        rows = block_table.long()
-        k_dense = k_pages[rows].reshape(B, per * page, Hkv, Dh)[:, :L].transpose(1, 2)
-        v_dense = v_pages[rows].reshape(B, per * page, Hkv, Dh)[:, :L].transpose(1, 2)
+        pool = paged_pool(B, ctx + n, Hkv, Dh, page, dtype, g, device)
+        k_dense, v_dense = pool.pop("k_dense"), pool.pop("v_dense")
         if ctx:  # the peer's masked path takes no GQA: K/V repeated to the query heads
             k_dense, v_dense = (t.repeat_interleave(Hq // Hkv, dim=1) for t in (k_dense, v_dense))
         cu = list(range(0, B * n + 1, n))
@@ -142,7 +119,7 @@ class PrefillAttentionBench(OpBench):
                            block_m)
         return {
             "q": torch.randn(B * n, Hq, Dh, generator=g, device=device).to(dtype),
-            "k_pages": k_pages, "v_pages": v_pages, "block_table": block_table,
+            **pool,
             "slots": torch.arange(B, dtype=torch.int32, device=device),
             "cu": torch.tensor(cu, dtype=torch.int32, device=device),
             "ctx": torch.full((B,), ctx, dtype=torch.int32, device=device),
