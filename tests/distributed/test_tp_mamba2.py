@@ -19,8 +19,6 @@ from safetensors.torch import save_file
 
 import fastmamba
 from fastmamba.distributed import TPGroup, check_tp, load_tp_model, spawn_tp
-from fastmamba.generation.engine import Engine
-from fastmamba.generation.sampling import SamplingParams
 from fastmamba.models.config import Mamba2Config
 from fastmamba.models.loader import random_init
 from fastmamba.models.mamba2_lm import Mamba2LM

@@ -10,7 +10,6 @@ no extra coverage of our code (the ops are opaque to inductor).
 """
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
