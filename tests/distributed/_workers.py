@@ -94,16 +94,19 @@ def run_nemotron_h(model, prompts: torch.Tensor, steps: torch.Tensor) -> list[to
     return out
 
 
-def tp_nemotron_h(tp, cases, prompts, steps) -> list[list[torch.Tensor]]:
-    """For each (config, whole state dict) of ``cases``: the sharded hybrid's ``run_nemotron_h`` logits."""
+def _tp_hybrids(tp, cases):
+    """Each (config, whole state dict) of ``cases`` as this rank's sharded ``NemotronHLM`` (fp32, eval)."""
     from fastmamba.distributed.nemotron_h import build_tp_nemotron_h
 
-    out = []
     for cfg, state_dict in cases:
         model = build_tp_nemotron_h(cfg, tp, dtype=torch.float32)
         shard_state_dict_into(model, state_dict)
-        out.append(run_nemotron_h(model.eval(), prompts, steps))
-    return out
+        yield model.eval()
+
+
+def tp_nemotron_h(tp, cases, prompts, steps) -> list[list[torch.Tensor]]:
+    """For each (config, whole state dict) of ``cases``: the sharded hybrid's ``run_nemotron_h`` logits."""
+    return [run_nemotron_h(model, prompts, steps) for model in _tp_hybrids(tp, cases)]
 
 
 def run_nemotron_h_graphed(model, prompt_lists: list[list[int]], max_new_tokens: int) -> dict:
@@ -122,11 +125,5 @@ def run_nemotron_h_graphed(model, prompt_lists: list[list[int]], max_new_tokens:
 
 def tp_nemotron_h_graphed(tp, cases, prompt_lists, max_new_tokens) -> list[dict]:
     """For each (config, whole state dict) of ``cases``: the sharded hybrid's ``run_nemotron_h_graphed``."""
-    from fastmamba.distributed.nemotron_h import build_tp_nemotron_h
-
-    out = []
-    for cfg, state_dict in cases:
-        model = build_tp_nemotron_h(cfg, tp, dtype=torch.float32)
-        shard_state_dict_into(model, state_dict)
-        out.append(dict(run_nemotron_h_graphed(model.eval(), prompt_lists, max_new_tokens), rank=tp.rank))
-    return out
+    return [dict(run_nemotron_h_graphed(model, prompt_lists, max_new_tokens), rank=tp.rank)
+            for model in _tp_hybrids(tp, cases)]

@@ -123,7 +123,7 @@ class PrefillAttentionBench(AttentionBench):
             "slots": torch.arange(B, dtype=torch.int32, device=device),
             "cu": torch.tensor(cu, dtype=torch.int32, device=device),
             "ctx": torch.full((B,), ctx, dtype=torch.int32, device=device),
-            "k_dense": k_dense.contiguous(), "v_dense": v_dense.contiguous(),
+            "k_dense": k_dense, "v_dense": v_dense,  # contiguous: paged_pool's, or repeat_interleave's copies
             "host": {"cu": cu, "slots": list(range(B)), "work": work, "B": B, "n": n, "ctx": ctx},
         }
 
