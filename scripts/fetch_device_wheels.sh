@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The wheels the lent GPU machine lacks (no internet there), into .whl/ (git-ignored):
+# the `serve` and `test` extras' HTTP stack with every dependency, resolved for its Python 3.12 on
+# x86-64 Linux, and mamba_ssm's pure-Python wheel (a benchmark peer: its Triton ops, no CUDA build).
+# The device already has torch, triton, transformers, numpy and pytest. scripts/gpu_session.sh
+# installs .whl/*.whl into /tmp/site there.
+#   bash scripts/fetch_device_wheels.sh [python]      (python: the one that builds mamba_ssm's wheel)
+set -euo pipefail
+py=${1:-python3}
+mkdir -p .whl
+"$py" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
+    fastapi uvicorn prometheus-client uvloop httptools openai httpx aiohttp
+MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE "$py" -m pip wheel -q --no-deps --no-build-isolation \
+    mamba-ssm==2.3.2.post1 -w .whl
+ls .whl
