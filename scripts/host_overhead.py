@@ -1,6 +1,6 @@
 """Host time per call of every public op (issue 19 item 0): the Python work around the kernels.
 
-    python scripts/host_overhead.py [--device cpu|cuda] [--calls N] [--ops ssu,conv,...] [--shape 2.7b|tiny]
+    python scripts/host_overhead.py [--device cpu|cuda] [--calls N] [--ops ssu,conv,...] [--shape 2.7b|tiny] [--peers]
 
 CPU (no GPU needed): the ops take their Triton path on CPU tensors (TRITON_INTERPRET=1, set here
 before Triton is imported) and every kernel launch is stubbed out (the interpreter's
@@ -14,7 +14,8 @@ CUDA: nothing stubbed; N calls are timed with ``time.perf_counter_ns`` without s
 (the queue holds them: a call's kernel is shorter than its host time at these batch-1 shapes),
 and the synchronize after them is not counted. Each figure is the median over ``--repeats`` runs
 of N calls, in µs per call. GPU runs end with the host limit measured the same way: one
-``torch.empty``, one ``torch.add`` and one lean launch of a small Triton kernel.
+``torch.empty``, one ``torch.add`` and one lean launch of a small Triton kernel. ``--peers`` (GPU):
+the peers' calls on the same inputs too, each through its own API as its users call it.
 
 Shapes: mamba2-2.7b (H80 P64 N128 G1, conv dim 5376, W4) at batch 1, L=16 for the prefill ops,
 T=4 for the speculative ops. ``--shape tiny`` (H2 P16 N16) for a quick CPU check.
@@ -54,8 +55,9 @@ def stub_launches() -> None:
     autotuner.Heuristics.run = lambda self, *a, **k: None
 
 
-def build_calls(device: torch.device, shape: str) -> dict:
-    """op name -> a zero-argument callable making one public call at batch 1."""
+def build_calls(device: torch.device, shape: str, peers: bool = False) -> dict:
+    """op name -> a zero-argument callable making one public call at batch 1; with ``peers``, also
+    "op [peer]" -> the same call to each peer that loads (mamba_ssm's and vLLM's Triton ops, GPU only)."""
     from fastmamba import ops
     from fastmamba.ops.replay import allocate_replay_cache
 
@@ -95,7 +97,7 @@ def build_calls(device: torch.device, shape: str) -> dict:
     accepted = torch.tensor([2], dtype=torch.int32, device=device)
     gated = ops.RMSNormGated(Dm, eps=1e-5, group_size=Dm // G, norm_before_gate=False, device=device, dtype=bf16)
 
-    return {
+    calls = {
         "selective_state_update": lambda: ops.selective_state_update(
             state, x1, dt1, A3, B1, C1, D2, z1, bias2, True, idx),
         "causal_conv1d_update": lambda: ops.causal_conv1d_update(
@@ -117,6 +119,33 @@ def build_calls(device: torch.device, shape: str) -> dict:
             cache.buf_idx, cache.prev_accepted, cache.hist_len, idx, accepted, tokens=T, history=cache.history),
         "flush_replay_cache": lambda: ops.flush_replay_cache(cache, idx),
     }
+    if not peers:
+        return calls
+    # the peers' eager calls on the same inputs, as a user of theirs makes them (Triton's JIT launch)
+    from fastmamba.bench import peers as bench_peers
+    from fastmamba.bench.ops import conv1d as conv_bench
+    from fastmamba.bench.ops import state_update as ssu_bench
+
+    wanted = {
+        "selective_state_update [mamba_ssm]": (bench_peers.mamba_ssm_selective_state_update(), None,
+                                               (state, x1, dt1, A3, B1, C1, D2, z1, bias2, True, idx), {}),
+        "selective_state_update [vLLM]": (bench_peers.vllm_selective_state_update(), ssu_bench.vllm_adapter,
+                                          (state, x1, dt1, A3, B1, C1, D2, z1, bias2, True, idx), {}),
+        "causal_conv1d_update [vLLM]": (bench_peers.vllm_causal_conv1d_update(), conv_bench.vllm_adapter,
+                                        (xc, conv_state, conv_w, conv_b, "silu", None, idx), {}),
+        "mamba_chunk_scan_combined [mamba_ssm]": (bench_peers.mamba_ssm_chunk_scan_combined(), None,
+                                                  (xs, dts, A_h, Bs, Cs, 256),
+                                                  dict(D=D_h, z=zs, dt_bias=dt_bias, dt_softplus=True)),
+        "rmsnorm_fn [mamba_ssm]": (bench_peers.mamba_ssm_rmsnorm_fn(), None,
+                                   (norm_x, norm_w, None, norm_z, 1e-5, Dm // G, False), {}),
+    }
+    for name, (peer, adapt, args, kwargs) in wanted.items():
+        if not peer.available:
+            print(f"# {name}: unavailable: {peer.reason}")
+            continue
+        fn = adapt(peer.fn) if adapt is not None else peer.fn
+        calls[name] = (lambda fn=fn, args=args, kwargs=kwargs: fn(*args, **kwargs))
+    return calls
 
 
 def floor_calls(device: torch.device) -> dict:
@@ -163,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--ops", default="", help="comma-separated subset (default: all)")
     parser.add_argument("--shape", choices=tuple(SHAPES), default="2.7b")
+    parser.add_argument("--peers", action="store_true", help="also time the peers' calls (GPU runs)")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -176,22 +206,26 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         stub_launches()
     device = torch.device(args.device)
-    calls = build_calls(device, args.shape)
-    wanted = [o.strip() for o in args.ops.split(",") if o.strip()] or list(calls)
-    unknown = [o for o in wanted if o not in calls]
+    if args.peers and not cuda:
+        print("error: --peers times the peers' real launches: it needs --device cuda", file=sys.stderr)
+        return 2
+    calls = build_calls(device, args.shape, peers=args.peers)
+    asked = [o.strip() for o in args.ops.split(",") if o.strip()]
+    unknown = [o for o in asked if o not in calls]
+    wanted = [name for name in calls if not asked or name.split(" [")[0] in asked]  # with the op's peers
     if unknown:
         print(f"error: unknown op(s) {unknown}; choose from {','.join(calls)}", file=sys.stderr)
         return 2
     what = "real launches, no sync counted" if cuda else "kernel launches stubbed (TRITON_INTERPRET=1)"
     name = torch.cuda.get_device_name(device) if cuda else "CPU"
     print(f"host µs per call, {name}, shape {args.shape} batch 1, {what}; median of {args.repeats} x {args.calls} calls")
-    print(f"{'op':32s} {'host µs':>9s}")
+    print(f"{'op':40s} {'host µs':>9s}")
     for op in wanted:
         us = time_host(calls[op], args.calls, args.repeats, cuda)
-        print(f"{op:32s} {us:9.1f}", flush=True)
+        print(f"{op:40s} {us:9.1f}", flush=True)
     if cuda:
         for name, fn in floor_calls(device).items():
-            print(f"{name:32s} {time_host(fn, args.calls, args.repeats, cuda):9.1f}", flush=True)
+            print(f"{name:40s} {time_host(fn, args.calls, args.repeats, cuda):9.1f}", flush=True)
     return 0
 
 
