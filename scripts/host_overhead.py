@@ -97,20 +97,22 @@ def build_calls(device: torch.device, shape: str, peers: bool = False) -> dict:
     accepted = torch.tensor([2], dtype=torch.int32, device=device)
     gated = ops.RMSNormGated(Dm, eps=1e-5, group_size=Dm // G, norm_before_gate=False, device=device, dtype=bf16)
 
+    # the calls a peer makes too, on these same arguments
+    ssu_args = (state, x1, dt1, A3, B1, C1, D2, z1, bias2, True, idx)
+    conv_args = (xc, conv_state, conv_w, conv_b, "silu", None, idx)
+    scan_args, scan_kw = (xs, dts, A_h, Bs, Cs, 256), dict(D=D_h, z=zs, dt_bias=dt_bias, dt_softplus=True)
+    norm_args = (norm_x, norm_w, None, norm_z, 1e-5, Dm // G, False)
     calls = {
-        "selective_state_update": lambda: ops.selective_state_update(
-            state, x1, dt1, A3, B1, C1, D2, z1, bias2, True, idx),
-        "causal_conv1d_update": lambda: ops.causal_conv1d_update(
-            xc, conv_state, conv_w, conv_b, "silu", None, idx),
+        "selective_state_update": lambda: ops.selective_state_update(*ssu_args),
+        "causal_conv1d_update": lambda: ops.causal_conv1d_update(*conv_args),
         "causal_conv1d_fn": lambda: ops.causal_conv1d_fn(xl, conv_w, conv_b, activation="silu"),
         "causal_conv1d_varlen": lambda: ops.causal_conv1d_varlen(
             xv, conv_w, conv_b, conv_state, cu, idx, has_init, "silu"),
-        "mamba_chunk_scan_combined": lambda: ops.mamba_chunk_scan_combined(
-            xs, dts, A_h, Bs, Cs, 256, D=D_h, z=zs, dt_bias=dt_bias, dt_softplus=True),
+        "mamba_chunk_scan_combined": lambda: ops.mamba_chunk_scan_combined(*scan_args, **scan_kw),
         "ssd_scan_varlen": lambda: ops.ssd_scan_varlen(
             xs[0], dts[0], A_h, Bs[0], Cs[0], state, cu, D=D_h, z=zs[0], dt_bias=dt_bias,
             cache_indices=idx, has_initial_state=has_init),
-        "rmsnorm_fn": lambda: ops.rmsnorm_fn(norm_x, norm_w, None, norm_z, 1e-5, Dm // G, False),
+        "rmsnorm_fn": lambda: ops.rmsnorm_fn(*norm_args),
         "RMSNormGated": lambda: gated(norm_x, norm_z),
         "add_rmsnorm": lambda: ops.add_rmsnorm(norm_x, res, norm_w, 1e-5),
         "replay_selective_state_update": lambda: ops.replay_selective_state_update(
@@ -127,17 +129,14 @@ def build_calls(device: torch.device, shape: str, peers: bool = False) -> dict:
     from fastmamba.bench.ops import state_update as ssu_bench
 
     wanted = {
-        "selective_state_update [mamba_ssm]": (bench_peers.mamba_ssm_selective_state_update(), None,
-                                               (state, x1, dt1, A3, B1, C1, D2, z1, bias2, True, idx), {}),
+        "selective_state_update [mamba_ssm]": (bench_peers.mamba_ssm_selective_state_update(), None, ssu_args, {}),
         "selective_state_update [vLLM]": (bench_peers.vllm_selective_state_update(), ssu_bench.vllm_adapter,
-                                          (state, x1, dt1, A3, B1, C1, D2, z1, bias2, True, idx), {}),
+                                          ssu_args, {}),
         "causal_conv1d_update [vLLM]": (bench_peers.vllm_causal_conv1d_update(), conv_bench.vllm_adapter,
-                                        (xc, conv_state, conv_w, conv_b, "silu", None, idx), {}),
-        "mamba_chunk_scan_combined [mamba_ssm]": (bench_peers.mamba_ssm_chunk_scan_combined(), None,
-                                                  (xs, dts, A_h, Bs, Cs, 256),
-                                                  dict(D=D_h, z=zs, dt_bias=dt_bias, dt_softplus=True)),
-        "rmsnorm_fn [mamba_ssm]": (bench_peers.mamba_ssm_rmsnorm_fn(), None,
-                                   (norm_x, norm_w, None, norm_z, 1e-5, Dm // G, False), {}),
+                                        conv_args, {}),
+        "mamba_chunk_scan_combined [mamba_ssm]": (bench_peers.mamba_ssm_chunk_scan_combined(), None, scan_args,
+                                                  scan_kw),
+        "rmsnorm_fn [mamba_ssm]": (bench_peers.mamba_ssm_rmsnorm_fn(), None, norm_args, {}),
     }
     for name, (peer, adapt, args, kwargs) in wanted.items():
         if not peer.available:
@@ -185,11 +184,21 @@ def time_host(fn, calls: int, repeats: int, cuda: bool) -> float:
     return statistics.median(per_call)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--calls", type=int, default=200, help="calls per timed run")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--calls", type=_positive_int, default=200, help="calls per timed run")
+    parser.add_argument("--repeats", type=_positive_int, default=7)
     parser.add_argument("--ops", default="", help="comma-separated subset (default: all)")
     parser.add_argument("--shape", choices=tuple(SHAPES), default="2.7b")
     parser.add_argument("--peers", action="store_true", help="also time the peers' calls (GPU runs)")
@@ -210,11 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --peers times the peers' real launches: it needs --device cuda", file=sys.stderr)
         return 2
     calls = build_calls(device, args.shape, peers=args.peers)
+    ops_named = [name for name in calls if " [" not in name]  # "op [peer]": a peer's call of op
     asked = [o.strip() for o in args.ops.split(",") if o.strip()]
-    unknown = [o for o in asked if o not in calls]
+    unknown = [o for o in asked if o not in ops_named]
     wanted = [name for name in calls if not asked or name.split(" [")[0] in asked]  # with the op's peers
     if unknown:
-        print(f"error: unknown op(s) {unknown}; choose from {','.join(calls)}", file=sys.stderr)
+        print(f"error: unknown op(s) {unknown}; choose from {','.join(ops_named)}", file=sys.stderr)
         return 2
     what = "real launches, no sync counted" if cuda else "kernel launches stubbed (TRITON_INTERPRET=1)"
     name = torch.cuda.get_device_name(device) if cuda else "CPU"
