@@ -185,3 +185,21 @@ def count_launches(monkeypatch, module) -> list[int]:
 
     monkeypatch.setattr(module, "lean", counting)
     return count
+
+
+def hf_gated_norm_is_grouped(mixer: torch.nn.Module, d_inner: int, groups: int) -> bool:
+    """Whether a transformers Mamba-2 mixer's gated RMSNorm (``mixer.norm``) normalises each of its
+    ``groups`` groups of ``d_inner`` channels on its own, as mamba_ssm and fastmamba do. transformers
+    up to 5.17 normalised over all of d_inner; the class has been renamed between releases
+    (``MambaRMSNormGated`` -> ``Mamba2RMSNormGated``), so it is found by its role and checked by its
+    output rather than by a name: group 0 is scaled by 1 and group 1 by 100, with unit weights a
+    grouped norm gives both groups a root mean square of 1."""
+    norm = mixer.norm
+    x = torch.ones(1, 1, d_inner)
+    x[..., d_inner // groups:] = 100.0
+    with torch.no_grad():
+        if getattr(norm, "weight", None) is not None:
+            norm.weight.fill_(1.0)
+        y = norm(x, torch.full_like(x, 30.0)).float()  # the gate multiplies before the norm: it cancels
+    rms = y.reshape(groups, -1).pow(2).mean(-1).sqrt()
+    return bool(torch.allclose(rms, torch.ones_like(rms), rtol=1e-3))

@@ -9,18 +9,20 @@ import torch
 
 import fastmamba
 from fastmamba.models import Mamba2Config
+from tests.helpers import hf_gated_norm_is_grouped
 
 transformers = pytest.importorskip("transformers")  # in the test extra; the parity tests need it
 
 
 def hf_norm_is_grouped() -> bool:
     """transformers up to 5.17 normalise the gated RMSNorm over all of d_inner, ignoring n_groups
-    (mamba_ssm and later transformers normalise each group): parity with G > 1 needs the latter."""
-    import inspect
-
+    (mamba_ssm and later transformers normalise each group): parity with G > 1 needs the latter.
+    Checked on a mixer's own norm by what it computes (tests.helpers.hf_gated_norm_is_grouped)."""
     from transformers.models.mamba2 import modeling_mamba2
 
-    return "group_size" in inspect.signature(modeling_mamba2.MambaRMSNormGated.__init__).parameters
+    cfg = transformers.Mamba2Config(hidden_size=32, num_heads=4, head_dim=16, expand=2, state_size=8,
+                                    n_groups=2, num_hidden_layers=1, vocab_size=16)
+    return hf_gated_norm_is_grouped(modeling_mamba2.Mamba2Mixer(cfg, 0), 64, 2)
 
 
 # transformers routes its Mamba-2 ops to mamba_ssm (or causal_conv1d) whenever that imports, for CPU

@@ -4,7 +4,6 @@ decode equals one full forward; a request's results do not depend on its batch, 
 bad configs and checkpoints raise errors naming the field or tensor."""
 from __future__ import annotations
 
-import inspect
 import json
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 
 from fastmamba.models.nemotron_h import PRESETS, NemotronHConfig, NemotronHLM, load_nemotron_h
 from fastmamba.ops._common.dispatch import interpreter_enabled
-from tests.helpers import seeded, tol
+from tests.helpers import hf_gated_norm_is_grouped, seeded, tol
 
 transformers = pytest.importorskip("transformers")
 FP32 = tol(torch.float32)
@@ -23,11 +22,13 @@ PATTERN = "*M-M*-M"  # attention first and in the middle, two MLPs, three Mamba 
 
 def hf_norm_is_grouped() -> bool:
     """transformers up to 5.17 normalise the gated RMSNorm over all of d_inner, ignoring n_groups
-    (later releases normalise each group, as mamba_ssm and we do): parity with G > 1 needs the latter."""
+    (later releases normalise each group, as mamba_ssm and we do): parity with G > 1 needs the latter.
+    Checked on a mixer's own norm by what it computes (tests.helpers.hf_gated_norm_is_grouped)."""
     from transformers.models.nemotron_h import modeling_nemotron_h
 
-    norm = getattr(modeling_nemotron_h, "NemotronHRMSNormGated", None)  # absent in transformers 5.17
-    return norm is not None and "group_size" in inspect.signature(norm.__init__).parameters
+    cfg = transformers.NemotronHConfig(vocab_size=16, hidden_size=32, hybrid_override_pattern="M",
+                                       mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=8)
+    return hf_gated_norm_is_grouped(modeling_nemotron_h.NemotronHMamba2Mixer(cfg, 0), 64, 2)
 
 
 # transformers routes its Mamba ops to mamba_ssm / causal_conv1d whenever they import (for CPU
