@@ -1,0 +1,4 @@
+from fastmamba.ops.moe.api import fused_moe, moe_route
+from fastmamba.ops.moe.ref import Routing
+
+__all__ = ["Routing", "fused_moe", "moe_route"]
