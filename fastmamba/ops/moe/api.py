@@ -1,13 +1,37 @@
 """Public MoE ops: ``moe_route`` (the router's selection) and ``fused_moe`` (routed relu² experts).
 
 The signatures are the contract the layer (``fastmamba.layers.moe``) and the transformers provider
-call; the Triton kernels live in ``kernel.py`` (until then both run the references).
+call. CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernels of
+``kernel.py``; other CPU tensors run the references of ``ref.py``. Neither op reads a device value
+on the host: buffers are sized from the shapes alone, so both can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
 import torch
 
+from fastmamba.ops._common.checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_dtype,
+    check_int,
+    check_flag,
+    check_same_device,
+    check_same_dtype,
+    check_tensors,
+)
+from fastmamba.ops._common.dispatch import interpreter_enabled, use_triton
+from fastmamba.ops._common.host_values import host_reads_allowed
+from fastmamba.ops._common.launch import on_device
+from fastmamba.ops.moe import configs
+from fastmamba.ops.moe.kernel import grouped_rows, launch_align, launch_gemv, launch_grouped, launch_route
 from fastmamba.ops.moe.ref import Routing, fused_moe_ref, moe_route_ref
+
+_ROUTE = "moe_route"
+_MOE = "fused_moe"
+
+
+def _shape(t: torch.Tensor) -> tuple:
+    return tuple(t.shape)
 
 
 def moe_route(router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None, *, top_k: int,
@@ -15,27 +39,159 @@ def moe_route(router_logits: torch.Tensor, correction_bias: torch.Tensor | None 
               routed_scaling_factor: float = 1.0) -> Routing:
     """Pick each token's ``top_k`` experts from its router logits (Nemotron-3's sigmoid router).
 
-    router_logits    [T, E] fp32 (the router's fp32 linear)
-    correction_bias  [E] fp32 or None: added to the scores for selection only
-    Returns Routing(weights [T, k] fp32, ids [T, k] int32). Reference: ``ref.moe_route_ref``.
+    router_logits    [T, E] fp32 (the router's fp32 linear; fp16 / bf16 are read as fp32); read
+    correction_bias  [E] float or None: added to the scores for selection only; read
+    top_k            experts per token, 1 <= top_k <= topk_group * E / n_group
+    n_group, topk_group  grouped selection: keep the topk_group best of n_group groups (E % n_group == 0;
+                     a group's score is the sum of its two best biased scores)
+    norm_topk_prob   divide the chosen scores by their sum (+1e-20); routed_scaling_factor then scales them
+    Returns Routing(weights [T, k] fp32, ids [T, k] int32), new tensors. Ties pick the lower expert id.
+    One Triton program per token, no host read. Reference: ``ref.moe_route_ref``.
     """
-    return moe_route_ref(router_logits, correction_bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
-                         norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor)
+    check_tensors(_ROUTE, [("router_logits", router_logits)], [("correction_bias", correction_bias)])
+    check_dtype(_ROUTE, "router_logits", router_logits, FLOAT_DTYPES)
+    if router_logits.dim() != 2:
+        raise ValueError(f"{_ROUTE}: `router_logits` expected shape (T, E), got {_shape(router_logits)}")
+    T, E = router_logits.shape
+    if E < 1:
+        raise ValueError(f"{_ROUTE}: `router_logits` has E=0 experts")
+    top_k = check_int(_ROUTE, "top_k", top_k)
+    n_group = check_int(_ROUTE, "n_group", n_group)
+    topk_group = check_int(_ROUTE, "topk_group", topk_group)
+    norm_topk_prob = check_flag(_ROUTE, "norm_topk_prob", norm_topk_prob)
+    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
+        raise TypeError(f"{_ROUTE}: `routed_scaling_factor` expected a float, got "
+                        f"{type(routed_scaling_factor).__name__}")
+    if n_group < 1 or E % n_group:
+        raise ValueError(f"{_ROUTE}: `n_group`={n_group} must be >= 1 and divide E={E}")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"{_ROUTE}: `topk_group`={topk_group} must lie in [1, n_group={n_group}]")
+    kept = topk_group * (E // n_group)
+    if not 1 <= top_k <= kept:
+        raise ValueError(f"{_ROUTE}: `top_k`={top_k} must lie in [1, {kept}] (E={E} experts"
+                         + (f", {topk_group} of {n_group} groups kept" if n_group > 1 else "") + ")")
+    if correction_bias is not None:
+        check_dtype(_ROUTE, "correction_bias", correction_bias, FLOAT_DTYPES)
+        if _shape(correction_bias) != (E,):
+            raise ValueError(f"{_ROUTE}: `correction_bias` expected shape (E={E},), got {_shape(correction_bias)}")
+    check_same_device(_ROUTE, [("router_logits", router_logits), ("correction_bias", correction_bias)])
+    if not use_triton(router_logits):
+        return moe_route_ref(router_logits, correction_bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                             norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=router_logits.device)
+    if T:
+        bias = correction_bias.contiguous() if correction_bias is not None else None  # [E]: a no-op as loaded
+        with on_device(router_logits):
+            launch_route(router_logits, bias, weights, ids, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                         renorm=norm_topk_prob, scale=float(routed_scaling_factor))
+    return Routing(weights, ids)
+
+
+def _check_moe(x, w_up, w_down, topk_weights, topk_ids, out) -> tuple[int, int, int, int, int]:
+    """Every check of ``fused_moe``'s arguments; returns (T, M, F, E, k)."""
+    check_tensors(_MOE, [("x", x), ("w_up", w_up), ("w_down", w_down), ("topk_weights", topk_weights),
+                         ("topk_ids", topk_ids)], [("out", out)])
+    check_dtype(_MOE, "x", x, FLOAT_DTYPES)
+    check_same_dtype(_MOE, [("x", x), ("w_up", w_up), ("w_down", w_down)])
+    if x.dim() != 2:
+        raise ValueError(f"{_MOE}: `x` expected shape (T, M), got {_shape(x)}")
+    T, M = x.shape
+    if w_up.dim() != 3 or w_up.shape[2] != M or w_up.shape[0] < 1:
+        raise ValueError(f"{_MOE}: `w_up` expected shape (E, F, M={M}) with E >= 1, got {_shape(w_up)}")
+    E, F, _ = w_up.shape
+    if _shape(w_down) != (E, M, F):
+        raise ValueError(f"{_MOE}: `w_down` expected shape (E={E}, M={M}, F={F}), got {_shape(w_down)}")
+    check_dtype(_MOE, "topk_ids", topk_ids, INDEX_DTYPES)
+    check_dtype(_MOE, "topk_weights", topk_weights, FLOAT_DTYPES)
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_ids.shape[1] < 1:
+        raise ValueError(f"{_MOE}: `topk_ids` expected shape (T={T}, k) with k >= 1, got {_shape(topk_ids)}")
+    k = topk_ids.shape[1]
+    if _shape(topk_weights) != (T, k):
+        raise ValueError(f"{_MOE}: `topk_weights` expected shape (T={T}, k={k}), got {_shape(topk_weights)}")
+    if out is not None:
+        check_dtype(_MOE, "out", out, (x.dtype,))
+        if _shape(out) != (T, M):
+            raise ValueError(f"{_MOE}: `out` expected shape (T={T}, M={M}), got {_shape(out)}")
+    check_same_device(_MOE, [("x", x), ("w_up", w_up), ("w_down", w_down), ("topk_weights", topk_weights),
+                             ("topk_ids", topk_ids), ("out", out)])
+    # ids in [0, E): read only where that costs no device sync (CPU tensors, outside capture /
+    # tracing / trusted_inputs). On a GPU an id outside the range is not read: its pair adds nothing.
+    if not topk_ids.is_cuda and host_reads_allowed(topk_ids) and topk_ids.numel():
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= E:
+            raise ValueError(f"{_MOE}: `topk_ids` values must lie in [0, E={E}); got {lo if lo < 0 else hi}")
+    return T, M, F, E, k
 
 
 def fused_moe(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Routed non-gated relu² experts: out[t] = sum_j w[t,j] * w_down[e] @ relu(w_up[e] @ x[t])², e = ids[t,j].
 
-    x             [T, M] bf16 / fp16 / fp32 (M: model or latent width)
-    w_up          [E, F, M] same dtype as x (transformers' fused ``experts.up_proj``)
-    w_down        [E, M, F] same dtype as x (``experts.down_proj``)
-    topk_weights  [T, k] fp32;  topk_ids [T, k] int32/int64 in [0, E)
-    out           [T, M] x's dtype, optional (written)
-    Returns [T, M] in x's dtype. Reference: ``ref.fused_moe_ref``.
+    x             [T, M] bf16 / fp16 / fp32 (M: model or latent width); any strides; read
+    w_up          [E, F, M] same dtype as x (transformers' fused ``experts.up_proj``); read
+    w_down        [E, M, F] same dtype as x (``experts.down_proj``); read
+    topk_weights  [T, k] fp32 (fp16 / bf16 read as fp32); read
+    topk_ids      [T, k] int32/int64 in [0, E) (checked on CPU tensors; on a GPU an id outside it adds nothing)
+    out           [T, M] x's dtype, optional, any strides (written)
+    Returns [T, M] in x's dtype (``out`` when given). fp32 accumulation; the relu² activations and the
+    k weighted contributions are rounded to x's dtype before the fp32 k-sum (as vLLM's fused_moe).
+    A few tokens (``configs.GEMV_MAX_TOKENS``) take the GEMV path, which reads only the chosen experts;
+    more take the grouped GEMM path. No host read of device values (CUDA-graph safe); deterministic.
+    Reference: ``ref.fused_moe_ref``.
     """
-    y = fused_moe_ref(x, w_up, w_down, topk_weights, topk_ids)
-    if out is None:
+    T, M, F, E, k = _check_moe(x, w_up, w_down, topk_weights, topk_ids, out)
+    if not use_triton(x):
+        y = fused_moe_ref(x, w_up, w_down, topk_weights, topk_ids)
+        return y if out is None else out.copy_(y)
+    interp = interpreter_enabled()
+    cfg = configs.pick_config(x.device, x.dtype, T, M, F, E, k, interpreter=interp)
+    return _launch(x, w_up, w_down, topk_weights, topk_ids, out, cfg, T, M, F, E, k, interp)
+
+
+def fused_moe_gemv(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``fused_moe`` on its GEMV path whatever T is (the decode path: each program streams one chosen
+    expert's rows, so a step reads only the selected experts' weights). Same arguments and result;
+    for a caller that wants one numerical path for every batch size of a decode step.
+    Reference: ``ref.fused_moe_ref``."""
+    T, M, F, E, k = _check_moe(x, w_up, w_down, topk_weights, topk_ids, out)
+    if not use_triton(x):
+        y = fused_moe_ref(x, w_up, w_down, topk_weights, topk_ids)
+        return y if out is None else out.copy_(y)
+    interp = interpreter_enabled()
+    cfg = configs.pick_config(x.device, x.dtype, T, M, F, E, k, interpreter=interp)
+    cfg = configs.gemv_config(cfg, T, M, F, interpreter=interp)
+    return _launch(x, w_up, w_down, topk_weights, topk_ids, out, cfg, T, M, F, E, k, interp)
+
+
+def _launch(x, w_up, w_down, tw, ids, out, cfg: configs.MoeConfig, T: int, M: int, F: int, E: int, k: int,
+            interp: bool) -> torch.Tensor:
+    y = out if out is not None else torch.empty(T, M, dtype=x.dtype, device=x.device)
+    if T == 0:
         return y
-    out.copy_(y)
-    return out
+    if F == 0:  # an empty expert width: every contribution is an empty sum
+        return y.zero_()
+    dev = x.device
+    with on_device(x):
+        if cfg.path == "gemv":
+            h = torch.empty(T * k, F, dtype=x.dtype, device=dev)
+            launch_gemv(x, w_up, w_down, tw, ids, h, y, block_n_up=cfg.block_n_up, block_k_up=cfg.block_k_up,
+                        block_n_down=cfg.block_n_down, block_k_down=cfg.block_k_down, num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages)
+            return y
+        if cfg.path != "grouped":
+            raise ValueError(f"{_MOE}: config path {cfg.path!r}: expected 'gemv' or 'grouped'")
+        P = T * k
+        rows = grouped_rows(P, E, cfg.block_m)
+        ws = torch.zeros(2 * E, dtype=torch.int32, device=dev)  # counts, cursors
+        counts, cursor = ws[:E], ws[E:]
+        sorted_pairs = torch.empty(rows, dtype=torch.int32, device=dev)
+        h = torch.empty(rows, F, dtype=x.dtype, device=dev)
+        yp = torch.empty(P, M, dtype=x.dtype, device=dev)  # each pair's weighted contribution
+        launch_align(ids, counts, cursor, sorted_pairs, E=E, block_m=cfg.block_m)
+        launch_grouped(x, w_up, w_down, tw, ids, counts, sorted_pairs, h, yp, y, block_m=cfg.block_m,
+                       block_n_up=cfg.block_n_up, block_k_up=cfg.block_k_up, block_n_down=cfg.block_n_down,
+                       block_k_down=cfg.block_k_down, group_m=cfg.group_m, num_warps=cfg.num_warps,
+                       num_stages=cfg.num_stages, dot_fp32=interp)
+    return y

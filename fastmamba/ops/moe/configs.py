@@ -1,0 +1,145 @@
+"""Launch configs of ``fused_moe``: a tuning table keyed by (GPU family, dtype, M, F, E, k, token
+bucket) and a fallback heuristic for every other key.
+
+TABLE is empty until it is measured: the lead fills the Nano (M=2688, F=1856, E=128, k=6) and
+Super-latent (M=1024, F=2688, E=512, k=22) rows on an H100 / H200 with
+``python -m fastmamba.bench tune --ops moe`` (Triton 3.6.0); each row's comment then names the GPU,
+the date and the bench row that justified it. Under the CPU interpreter ``INTERPRETER`` runs
+(its cost grows with the number of programs, not the tile width).
+
+Two paths (``MoeConfig.path``):
+- "gemv": few tokens. No alignment; one program per (pair, block of F) for up_proj + relu², one per
+  (token, block of M) for down_proj over its k experts. Reads only the chosen experts' weights.
+- "grouped": token-expert pairs sorted by expert into blocks of ``block_m`` rows; tensor-core
+  GEMMs per (row block, column block); the k contributions summed in a last kernel.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+
+
+class MoeConfig(NamedTuple):
+    path: str  # "gemv" or "grouped"
+    block_m: int  # grouped: rows per block (a multiple of 16; the pairs of one expert)
+    block_n_up: int  # columns of F per program (up_proj)
+    block_k_up: int  # steps along M (up_proj's reduction)
+    block_n_down: int  # columns of M per program (down_proj)
+    block_k_down: int  # steps along F (down_proj's reduction)
+    group_m: int  # grouped: row blocks per L2 group
+    num_warps: int
+    num_stages: int
+
+
+# the largest token count that takes the GEMV path (a bucket boundary: tokens 1, 2, 4)
+GEMV_MAX_TOKENS = 4
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+# (family, dtype, M, F, E, k, token bucket) -> MoeConfig; family: "h100", "h200", ... (gpu_family)
+TABLE: dict[tuple[str, str, int, int, int, int, int], MoeConfig] = {}
+
+INTERPRETER = MoeConfig("grouped", 16, 32, 32, 32, 32, 1, 4, 1)
+INTERPRETER_GEMV = MoeConfig("gemv", 16, 16, 32, 16, 32, 1, 4, 1)
+
+# the configs ``tune`` tries (per case the path is the heuristic's for that token count; both
+# paths are swept for T <= GEMV_MAX_TOKENS * 2)
+CANDIDATES: list[dict] = (
+    [dict(path="gemv", block_m=16, block_n_up=bn, block_k_up=bk, block_n_down=bnd, block_k_down=bk,
+          group_m=1, num_warps=w, num_stages=s)
+     for bn in (8, 16, 32) for bnd in (4, 8, 16) for bk in (128, 256) for w in (4, 8) for s in (2, 4)]
+    + [dict(path="grouped", block_m=bm, block_n_up=bn, block_k_up=bk, block_n_down=bn, block_k_down=bk,
+            group_m=g, num_warps=w, num_stages=s)
+       for bm in (16, 32, 64, 128) for bn in (64, 128) for bk in (64, 128) for g in (1, 8)
+       for w in (4, 8) for s in (3, 4)
+       if not (bm == 128 and bn == 128 and bk == 128)]  # over the shared memory of an H100 at 3+ stages
+)
+
+_forced: MoeConfig | None = None
+
+
+@contextlib.contextmanager
+def forced_config(**fields) -> Iterator[None]:
+    """Within the block every ``fused_moe`` call launches this config (``tune``'s hook)."""
+    global _forced
+    previous, _forced = _forced, MoeConfig(**fields)
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def gpu_family(device: torch.device) -> str:
+    """"h100", "h200", "a100", ... from the device name; "cpu" for a CPU tensor."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    for fam in ("h200", "h100", "h20", "gh200", "b200", "a100", "l40", "a10"):
+        if fam in name:
+            return fam
+    return name.replace(" ", "_")
+
+
+def token_bucket(T: int) -> int:
+    """The smallest bucket >= T (the largest bucket for more tokens)."""
+    for b in TOKEN_BUCKETS:
+        if T <= b:
+            return b
+    return TOKEN_BUCKETS[-1]
+
+
+def _even_block(K: int, wanted: int) -> int:
+    """``wanted`` if it divides K, else the largest of 128 / 64 / 32 that does (unmasked loads),
+    else ``wanted`` (masked)."""
+    if K % wanted == 0:
+        return wanted
+    for b in (128, 64, 32):
+        if b <= wanted and K % b == 0:
+            return b
+    return wanted
+
+
+def gemv_heuristic(T: int, M: int, F: int) -> MoeConfig:
+    """The GEMV path's fallback: down_proj has only T * M / block_n_down programs, so its blocks
+    shrink until there are enough to fill an H100's 132 SMs a few times over."""
+    bn_down = 16
+    while bn_down > 4 and T * M // bn_down < 512:
+        bn_down //= 2
+    return MoeConfig("gemv", 16, 16, _even_block(M, 128), bn_down, _even_block(F, 128), 1, 4, 4)
+
+
+def heuristic(T: int, M: int, F: int, E: int, k: int) -> MoeConfig:
+    """The fallback for keys not in TABLE (aimed at an H100, bf16 weights)."""
+    if T <= GEMV_MAX_TOKENS:
+        return gemv_heuristic(T, M, F)
+    per_expert = T * k / E  # mean rows per expert
+    if per_expert <= 16:
+        bm, bn, bk, g, w, s = 16, 64, 128, 1, 4, 4
+    elif per_expert <= 48:
+        bm, bn, bk, g, w, s = 32, 64, 128, 4, 4, 4
+    elif per_expert <= 192:
+        bm, bn, bk, g, w, s = 64, 128, 64, 8, 4, 4
+    else:
+        bm, bn, bk, g, w, s = 128, 128, 64, 8, 8, 3
+    return MoeConfig("grouped", bm, bn, _even_block(M, bk), bn, _even_block(F, bk), g, w, s)
+
+
+def pick_config(device: torch.device, dtype: torch.dtype, T: int, M: int, F: int, E: int, k: int, *,
+                interpreter: bool = False) -> MoeConfig:
+    """The config of one call: forced (tune), the interpreter's, the table's, or the heuristic's."""
+    if _forced is not None:
+        return _forced
+    if interpreter:
+        return INTERPRETER_GEMV if T <= GEMV_MAX_TOKENS else INTERPRETER
+    key = (gpu_family(device), str(dtype).replace("torch.", ""), M, F, E, k, token_bucket(T))
+    cfg = TABLE.get(key)
+    return cfg if cfg is not None else heuristic(T, M, F, E, k)
+
+
+def gemv_config(cfg: MoeConfig, T: int, M: int, F: int, *, interpreter: bool = False) -> MoeConfig:
+    """``cfg`` if it is a GEMV config, else the GEMV heuristic's (``fused_moe_gemv`` forced on more tokens)."""
+    if cfg.path == "gemv":
+        return cfg
+    return INTERPRETER_GEMV if interpreter else gemv_heuristic(T, M, F)

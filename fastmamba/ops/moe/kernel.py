@@ -1,0 +1,419 @@
+"""Triton kernels of the MoE ops: the router's selection, the token-expert alignment, the grouped
+GEMMs (up_proj + relu², down_proj + routing weight), the k-sum, and the few-token GEMV path.
+
+Letters as in ``ref.py``: T tokens, M model (or latent) width, F expert width, E experts, k experts
+per token, P = T*k token-expert pairs, BM rows of a GEMM block.
+
+Grouped path (any T), every buffer sized from (T, k, E, BM) alone, no host read (CUDA-graph safe):
+    counts[E]   <- _count_kernel      histogram of the ids (one atomic add per expert per program)
+    sorted[..]  <- _scatter_kernel    pair p goes to start[e] + (atomic cursor of e); start[e] is
+                                      the exclusive cumsum of the counts, each padded to BM
+    h[pos, F]   <- _up_kernel         relu(x[t] @ w_up[e]^T)² for the BM rows of a block, one expert
+                                      per block (found by searching the padded cumsum)
+    y[p, M]     <- _down_kernel       weight[p] * h[pos] @ w_down[e]^T, written at the pair's row
+    out[t, M]   <- _sum_kernel        sum over the k pairs of token t, fp32, fixed order
+A row's result never depends on which rows share its block (each row of a tile is its own dot),
+so the nondeterministic order the atomics give inside an expert does not change ``out``: the op
+is deterministic run to run.
+
+GEMV path (few pairs): no alignment at all; each program streams one chosen expert's rows, so a
+step reads only the selected experts' weights:
+    h[p, F]     <- _up_gemv_kernel    one program per (pair, block of F)
+    out[t, M]   <- _down_gemv_kernel  one program per (token, block of M), looping over its k experts
+
+Under the CPU interpreter 16-bit ``tl.dot`` is wrong in Triton 3.6: ``DOT_FP32`` upcasts the tiles.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fastmamba.ops._common.launch import lean
+
+
+# --- router -------------------------------------------------------------------------------------
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr,
+    E, EG, scale,
+    stride_lt, stride_le, stride_wt, stride_it,
+    HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    TOP2: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # one program per token: sigmoid, bias, grouped selection, top-k by repeated argmax, renorm, scale
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)
+    me = offs_e < E
+    logit = tl.load(logits_ptr + t * stride_lt + offs_e * stride_le, mask=me, other=0.0).to(tl.float32)
+    score = 1.0 / (1.0 + tl.exp(-logit))
+    choice = score
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + offs_e, mask=me, other=0.0).to(tl.float32)
+    neg_inf = float("-inf")
+    choice = tl.where(me, choice, neg_inf)
+    if N_GROUP > 1:
+        # in_g[g, e]: expert e belongs to group g (E // N_GROUP experts per group)
+        offs_g = tl.arange(0, BLOCK_G)
+        in_g = ((offs_e[None, :] // EG) == offs_g[:, None]) & me[None, :]
+        cg = tl.where(in_g, choice[None, :], neg_inf)  # [BLOCK_G, BLOCK_E]
+        best1 = tl.max(cg, axis=1)
+        group_score = best1
+        if TOP2:  # a group's score: the sum of its two best choices
+            first = tl.min(tl.where(in_g & (cg == best1[:, None]), offs_e[None, :], BLOCK_E), axis=1)
+            best2 = tl.max(tl.where(offs_e[None, :] == first[:, None], neg_inf, cg), axis=1)
+            group_score = best1 + best2
+        group_score = tl.where(offs_g < N_GROUP, group_score, neg_inf)
+        keep_g = offs_g < 0  # all False
+        for _ in tl.static_range(TOPK_GROUP):
+            gm = tl.max(group_score, axis=0)
+            gi = tl.min(tl.where(group_score == gm, offs_g, BLOCK_G), axis=0)
+            keep_g = keep_g | (offs_g == gi)
+            group_score = tl.where(offs_g == gi, neg_inf, group_score)
+        keep_e = tl.max((in_g & keep_g[:, None]).to(tl.int32), axis=0) > 0
+        choice = tl.where(keep_e, choice, neg_inf)
+    offs_k = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    top_i = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        m = tl.max(choice, axis=0)
+        i = tl.min(tl.where(choice == m, offs_e, BLOCK_E), axis=0)
+        w = tl.sum(tl.where(offs_e == i, score, 0.0), axis=0)
+        top_w = tl.where(offs_k == j, w, top_w)
+        top_i = tl.where(offs_k == j, i, top_i)
+        choice = tl.where(offs_e == i, neg_inf, choice)
+    if RENORM:
+        top_w = top_w / (tl.sum(top_w, axis=0) + 1e-20)
+    mk = offs_k < TOP_K
+    tl.store(weights_ptr + t * stride_wt + offs_k, top_w * scale, mask=mk)
+    tl.store(ids_ptr + t * stride_it + offs_k, top_i, mask=mk)
+
+
+def launch_route(logits, bias, weights, ids, *, top_k: int, n_group: int, topk_group: int, renorm: bool,
+                 scale: float) -> None:
+    """logits [T, E]; bias [E] contiguous or None; weights [T, k] fp32 and ids [T, k] int32, unit stride along k."""
+    T, E = logits.shape
+    EG = E // n_group
+    lean(_route_kernel)[(T,)](
+        logits, bias, weights, ids, E, EG, float(scale),
+        logits.stride(0), logits.stride(1), weights.stride(0), ids.stride(0),
+        HAS_BIAS=bias is not None, TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, TOP2=EG >= 2,
+        RENORM=renorm, BLOCK_E=triton.next_power_of_2(E), BLOCK_G=triton.next_power_of_2(n_group),
+        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4 if E >= 256 else 1,
+    )
+
+
+# --- alignment ----------------------------------------------------------------------------------
+@triton.jit
+def _pair_ids(ids_ptr, offs_p, P, E, K, stride_it, stride_ik):
+    """The expert of each pair p = t*K + j in ``offs_p`` and whether it is a real pair with an id in [0, E)."""
+    mp = offs_p < P
+    e = tl.load(ids_ptr + (offs_p // K) * stride_it + (offs_p % K) * stride_ik, mask=mp, other=0).to(tl.int32)
+    ok = mp & (e >= 0) & (e < E)
+    return e, ok
+
+
+@triton.jit
+def _padded_starts(counts_ptr, E, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Per expert (a [BLOCK_E] vector): its token count, and the start and end of its rows in the
+    sorted order, each expert's rows padded to a multiple of BM."""
+    offs_e = tl.arange(0, BLOCK_E)
+    c = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
+    padded = (c + BM - 1) // BM * BM
+    end = tl.cumsum(padded, axis=0)
+    return offs_e, c, end - padded, end
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, P, E, K, stride_it, stride_ik,
+                  BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    # one program per BLOCK_P pairs: a histogram of their experts, added to counts[E]
+    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    e, ok = _pair_ids(ids_ptr, offs_p, P, E, K, stride_it, stride_ik)
+    hist = tl.histogram(e, BLOCK_E, mask=ok)
+    offs_e = tl.arange(0, BLOCK_E)
+    tl.atomic_add(counts_ptr + offs_e, hist, mask=(offs_e < E) & (hist > 0))
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, counts_ptr, cursor_ptr, sorted_ptr, P, E, K, stride_it, stride_ik,
+                    BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    # one program per BLOCK_P pairs: each pair's row in the expert-sorted, BM-padded order
+    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    e, ok = _pair_ids(ids_ptr, offs_p, P, E, K, stride_it, stride_ik)
+    offs_e, _, start, _ = _padded_starts(counts_ptr, E, BM, BLOCK_E)
+    # start[e] of each pair: a one-hot reduction over the experts (a register gather)
+    pair_start = tl.sum(tl.where(e[:, None] == offs_e[None, :], start[None, :], 0), axis=1)
+    rank = tl.atomic_add(cursor_ptr + e, 1, mask=ok)
+    tl.store(sorted_ptr + pair_start + rank, offs_p, mask=ok)
+
+
+def launch_align(ids, counts, cursor, sorted_pairs, *, E: int, block_m: int) -> None:
+    """ids [T, k]; counts, cursor [E] int32 zeros (written); sorted_pairs [rows] int32 (written at the
+    real pairs' rows; pad rows keep what they held)."""
+    T, K = ids.shape
+    P = T * K
+    block_p = 256 if P > 4096 else 64
+    block_e = max(16, triton.next_power_of_2(E))
+    grid = (triton.cdiv(P, block_p),)
+    lean(_count_kernel)[grid](ids, counts, P, E, K, ids.stride(0), ids.stride(1),
+                              BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
+    lean(_scatter_kernel)[grid](ids, counts, cursor, sorted_pairs, P, E, K, ids.stride(0), ids.stride(1),
+                                BM=block_m, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
+
+
+# --- grouped GEMMs ------------------------------------------------------------------------------
+@triton.jit
+def _block_of_program(counts_ptr, E, n_cols, BM: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                      BLOCK_E: tl.constexpr):
+    """The (row block, column block) this program owns, in groups of GROUP_M row blocks (weight
+    tiles reused from L2 by the blocks of one expert), its expert, the first row of that expert,
+    its count of real rows, and whether the row block holds any row at all."""
+    pid = tl.program_id(0)
+    n_blocks_n = tl.cdiv(n_cols, BLOCK_N)
+    n_blocks_m = tl.num_programs(0) // n_blocks_n
+    in_group = GROUP_M * n_blocks_n
+    first_m = (pid // in_group) * GROUP_M
+    group_size = tl.minimum(n_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_size
+    pid_n = (pid % in_group) // group_size
+    offs_e, c, start, end = _padded_starts(counts_ptr, E, BM, BLOCK_E)
+    row0 = pid_m * BM
+    # expert of this block: the number of experts whose padded rows end at or before row0
+    e = tl.sum(((end <= row0) & (offs_e < E)).to(tl.int32), axis=0)
+    used = row0 < tl.max(end, axis=0)
+    e_start = tl.sum(tl.where(offs_e == e, start, 0), axis=0)
+    e_count = tl.sum(tl.where(offs_e == e, c, 0), axis=0)
+    return pid_m, pid_n, e, e_start, e_count, used
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    if IEEE:  # fp32 inputs: full-precision products, not tf32
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _up_kernel(
+    x_ptr, w_ptr, h_ptr, sorted_ptr, counts_ptr,
+    E, Fdim, Mdim, K,
+    stride_xt, stride_xm, stride_we, stride_wf, stride_wm, stride_hr,
+    BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+):
+    # one program per (block of BM sorted rows = one expert's pairs, block of BLOCK_N of F):
+    # h[rows, n] = relu(x[tokens] @ w_up[e, n, :]^T)²
+    pid_m, pid_n, e, e_start, e_count, used = _block_of_program(counts_ptr, E, Fdim, BM, BLOCK_N, GROUP_M, BLOCK_E)
+    if used:
+        offs_r = pid_m * BM + tl.arange(0, BM)
+        real = (offs_r - e_start) < e_count
+        pair = tl.load(sorted_ptr + offs_r, mask=real, other=0)
+        tok = (pair // K).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mn = offs_n < Fdim
+        a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xm
+        b_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wf + offs_k[:, None] * stride_wm
+        acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, Mdim, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=real[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=mn[None, :], other=0.0)
+            else:
+                mk = (k0 + offs_k) < Mdim
+                a = tl.load(a_ptrs, mask=real[:, None] & mk[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=mn[None, :] & mk[:, None], other=0.0)
+            acc = _dot(a, b, acc, DOT_FP32, IEEE)
+            a_ptrs += BLOCK_K * stride_xm
+            b_ptrs += BLOCK_K * stride_wm
+        acc = tl.maximum(acc, 0.0)
+        h = acc * acc
+        tl.store(h_ptr + offs_r.to(tl.int64)[:, None] * stride_hr + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=real[:, None] & mn[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, y_ptr, sorted_ptr, counts_ptr, tw_ptr,
+    E, Mdim, Fdim, K,
+    stride_hr, stride_we, stride_wm, stride_wf, stride_yp, stride_twt, stride_twk,
+    BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+):
+    # one program per (block of BM sorted rows, block of BLOCK_N of M):
+    # y[pair, n] = weight[pair] * h[rows] @ w_down[e, n, :]^T, written at the pair's row
+    pid_m, pid_n, e, e_start, e_count, used = _block_of_program(counts_ptr, E, Mdim, BM, BLOCK_N, GROUP_M, BLOCK_E)
+    if used:
+        offs_r = pid_m * BM + tl.arange(0, BM)
+        real = (offs_r - e_start) < e_count
+        pair = tl.load(sorted_ptr + offs_r, mask=real, other=0)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mn = offs_n < Mdim
+        a_ptrs = h_ptr + offs_r.to(tl.int64)[:, None] * stride_hr + offs_k[None, :]
+        b_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wm + offs_k[:, None] * stride_wf
+        acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, Fdim, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=real[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=mn[None, :], other=0.0)
+            else:
+                mk = (k0 + offs_k) < Fdim
+                a = tl.load(a_ptrs, mask=real[:, None] & mk[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=mn[None, :] & mk[:, None], other=0.0)
+            acc = _dot(a, b, acc, DOT_FP32, IEEE)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_wf
+        tw = tl.load(tw_ptr + (pair // K) * stride_twt + (pair % K) * stride_twk, mask=real, other=0.0)
+        y = acc * tw.to(tl.float32)[:, None]
+        tl.store(y_ptr + pair.to(tl.int64)[:, None] * stride_yp + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=real[:, None] & mn[None, :])
+
+
+@triton.jit
+def _sum_kernel(y_ptr, out_ptr, ids_ptr, E, Mdim, stride_yp, stride_ot, stride_om, stride_it, stride_ik,
+                K: tl.constexpr, BLOCK_N: tl.constexpr):
+    # one program per (token, block of BLOCK_N of M): out[t] = sum_j y[t*K + j], fp32, j in order;
+    # a pair whose id lies outside [0, E) was never sorted (its y row is unwritten) and adds nothing
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn = offs_n < Mdim
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(K):
+        e = tl.load(ids_ptr + t * stride_it + j * stride_ik)
+        ok = (e >= 0) & (e < E)
+        acc += tl.load(y_ptr + (t * K + j) * stride_yp + offs_n, mask=mn & ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs_n * stride_om, acc.to(out_ptr.dtype.element_ty), mask=mn)
+
+
+def grouped_rows(P: int, E: int, block_m: int) -> int:
+    """Rows of the sorted, BM-padded order in the worst case: every expert that gets a pair pads
+    its rows up to a multiple of BM (at most min(E, P) experts pad, each by at most BM - 1)."""
+    rows = P + min(E, P) * (block_m - 1)
+    return triton.cdiv(rows, block_m) * block_m
+
+
+def launch_grouped(x, w_up, w_down, tw, ids, counts, sorted_pairs, h, y, out, *, block_m: int, block_n_up: int,
+                   block_k_up: int, block_n_down: int, block_k_down: int, group_m: int, num_warps: int,
+                   num_stages: int, dot_fp32: bool) -> None:
+    """The up / down GEMMs and the k-sum after ``launch_align``. h [rows, F] and y [P, M] have unit
+    stride along their last dim."""
+    T, M = x.shape
+    E, F, _ = w_up.shape
+    K = ids.shape[1]
+    rows = sorted_pairs.shape[0]
+    n_blocks_m = rows // block_m
+    block_e = max(16, triton.next_power_of_2(E))
+    ieee = x.dtype.itemsize == 4
+    lean(_up_kernel)[(n_blocks_m * triton.cdiv(F, block_n_up),)](
+        x, w_up, h, sorted_pairs, counts, E, F, M, K,
+        x.stride(0), x.stride(1), w_up.stride(0), w_up.stride(1), w_up.stride(2), h.stride(0),
+        BM=block_m, BLOCK_N=block_n_up, BLOCK_K=block_k_up, GROUP_M=group_m, BLOCK_E=block_e,
+        EVEN_K=M % block_k_up == 0, DOT_FP32=dot_fp32, IEEE=ieee, num_warps=num_warps, num_stages=num_stages,
+    )
+    lean(_down_kernel)[(n_blocks_m * triton.cdiv(M, block_n_down),)](
+        h, w_down, y, sorted_pairs, counts, tw, E, M, F, K,
+        h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), y.stride(0), tw.stride(0), tw.stride(1),
+        BM=block_m, BLOCK_N=block_n_down, BLOCK_K=block_k_down, GROUP_M=group_m, BLOCK_E=block_e,
+        EVEN_K=F % block_k_down == 0, DOT_FP32=dot_fp32, IEEE=ieee, num_warps=num_warps, num_stages=num_stages,
+    )
+    block_sum = min(1024, triton.next_power_of_2(M))
+    lean(_sum_kernel)[(T, triton.cdiv(M, block_sum))](
+        y, out, ids, E, M, y.stride(0), out.stride(0), out.stride(1), ids.stride(0), ids.stride(1),
+        K=K, BLOCK_N=block_sum, num_warps=4,
+    )
+
+
+# --- GEMV path (few tokens) ---------------------------------------------------------------------
+@triton.jit
+def _up_gemv_kernel(
+    x_ptr, w_ptr, h_ptr, ids_ptr,
+    E, Fdim, Mdim, K,
+    stride_xt, stride_xm, stride_we, stride_wf, stride_wm, stride_hp, stride_it, stride_ik,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    # one program per (pair p = t*K + j, block of BLOCK_N of F): h[p, n] = relu(w_up[e, n, :] @ x[t])²
+    p = tl.program_id(0)
+    t = p // K
+    e = tl.load(ids_ptr + t * stride_it + (p % K) * stride_ik).to(tl.int64)
+    ok = (e >= 0) & (e < E)
+    e = tl.where(ok, e, 0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mn = (offs_n < Fdim) & ok
+    x_ptrs = x_ptr + t.to(tl.int64) * stride_xt + offs_k * stride_xm
+    w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wf + offs_k[None, :] * stride_wm
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, Mdim, BLOCK_K):
+        if EVEN_K:
+            xv = tl.load(x_ptrs)
+            w = tl.load(w_ptrs, mask=mn[:, None], other=0.0)
+        else:
+            mk = (k0 + offs_k) < Mdim
+            xv = tl.load(x_ptrs, mask=mk, other=0.0)
+            w = tl.load(w_ptrs, mask=mn[:, None] & mk[None, :], other=0.0)
+        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        x_ptrs += BLOCK_K * stride_xm
+        w_ptrs += BLOCK_K * stride_wm
+    hv = tl.maximum(tl.sum(acc, axis=1), 0.0)
+    tl.store(h_ptr + p.to(tl.int64) * stride_hp + offs_n, (hv * hv).to(h_ptr.dtype.element_ty), mask=offs_n < Fdim)
+
+
+@triton.jit
+def _down_gemv_kernel(
+    h_ptr, w_ptr, out_ptr, ids_ptr, tw_ptr,
+    E, Mdim, Fdim,
+    stride_hp, stride_we, stride_wm, stride_wf, stride_ot, stride_om, stride_it, stride_ik, stride_twt, stride_twk,
+    K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    # one program per (token t, block of BLOCK_N of M): out[t, n] = sum_j tw[t, j] * w_down[e_j, n, :] @ h[t*K + j]
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(0, K):
+        e = tl.load(ids_ptr + t * stride_it + j * stride_ik).to(tl.int64)
+        ok = (e >= 0) & (e < E)
+        e = tl.where(ok, e, 0)
+        mn = (offs_n < Mdim) & ok
+        h_ptrs = h_ptr + (t * K + j) * stride_hp + offs_k
+        w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wm + offs_k[None, :] * stride_wf
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, Fdim, BLOCK_K):
+            if EVEN_K:
+                hv = tl.load(h_ptrs)
+                w = tl.load(w_ptrs, mask=mn[:, None], other=0.0)
+            else:
+                mk = (k0 + offs_k) < Fdim
+                hv = tl.load(h_ptrs, mask=mk, other=0.0)
+                w = tl.load(w_ptrs, mask=mn[:, None] & mk[None, :], other=0.0)
+            acc += w.to(tl.float32) * hv.to(tl.float32)[None, :]
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wf
+        tw = tl.load(tw_ptr + t * stride_twt + j * stride_twk).to(tl.float32)
+        out += tl.sum(acc, axis=1) * tw
+    tl.store(out_ptr + t * stride_ot + offs_n * stride_om, out.to(out_ptr.dtype.element_ty), mask=offs_n < Mdim)
+
+
+def launch_gemv(x, w_up, w_down, tw, ids, h, out, *, block_n_up: int, block_k_up: int, block_n_down: int,
+                block_k_down: int, num_warps: int, num_stages: int) -> None:
+    """h [P, F] (unit stride along F): the pairs' relu² activations, written then read."""
+    T, M = x.shape
+    E, F, _ = w_up.shape
+    K = ids.shape[1]
+    lean(_up_gemv_kernel)[(T * K, triton.cdiv(F, block_n_up))](
+        x, w_up, h, ids, E, F, M, K,
+        x.stride(0), x.stride(1), w_up.stride(0), w_up.stride(1), w_up.stride(2), h.stride(0),
+        ids.stride(0), ids.stride(1),
+        BLOCK_N=block_n_up, BLOCK_K=block_k_up, EVEN_K=M % block_k_up == 0,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    lean(_down_gemv_kernel)[(T, triton.cdiv(M, block_n_down))](
+        h, w_down, out, ids, tw, E, M, F,
+        h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), out.stride(0), out.stride(1),
+        ids.stride(0), ids.stride(1), tw.stride(0), tw.stride(1),
+        K, BLOCK_N=block_n_down, BLOCK_K=block_k_down, EVEN_K=F % block_k_down == 0,
+        num_warps=num_warps, num_stages=num_stages,
+    )
