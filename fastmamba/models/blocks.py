@@ -5,6 +5,7 @@ A pattern string picks the kinds, one character per layer (Nemotron-H's ``hybrid
     M  Mamba-2 mixer     fastmamba.layers.mamba2.Mamba2Mixer   its conv / SSM rows in HybridCache.conv / .ssm
     *  attention (GQA)   fastmamba.layers.attention.Attention  its K / V pages in HybridCache.kv.k / .v
     -  MLP (relu2)       fastmamba.layers.mlp.MLP              no per-request state
+    E  MoE (relu2)       fastmamba.layers.moe.MoE              no per-request state
 
 Every block has the same three entries, so the model's loop never asks a block its kind:
 
@@ -15,8 +16,8 @@ Every block has the same three entries, so the model's loop never asks a block i
 
 ``h`` is the block's normed input; the residual add and the next norm are one fused
 ``add_rmsnorm`` in the model. A block finds its slice of the cache by ``cache_index``, its ordinal
-among the blocks of its kind. A new kind (MoE ``E``) is a layer file, a Block subclass here and
-one entry in ``BLOCK_KINDS``.
+among the blocks of its kind. A new kind is a layer file, a Block subclass here and one entry in
+``BLOCK_KINDS``.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from torch import nn
 from fastmamba.layers.attention import Attention, KVBatch
 from fastmamba.layers.mamba2 import Mamba2Mixer
 from fastmamba.layers.mlp import MLP
+from fastmamba.layers.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -168,7 +170,17 @@ class MLPBlock(Block):
         return MLP(cfg.d_model, cfg.intermediate_size, bias=cfg.mlp_bias, device=device, dtype=dtype)
 
 
-BLOCK_KINDS: dict[str, type[Block]] = {"M": MambaBlock, "*": AttentionBlock, "-": MLPBlock}
+class MoEBlock(Block):
+    """Routed experts + shared expert; like the MLP a per-token map (prefill, decode and verify
+    are ``forward`` on their rows)."""
+
+    kind = "E"
+
+    def make_mixer(self, cfg, *, device, dtype) -> nn.Module:
+        return MoE(cfg.moe, device=device, dtype=dtype)
+
+
+BLOCK_KINDS: dict[str, type[Block]] = {"M": MambaBlock, "*": AttentionBlock, "-": MLPBlock, "E": MoEBlock}
 
 
 def build_blocks(cfg, device=None, dtype=None) -> nn.ModuleList:

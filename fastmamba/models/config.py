@@ -18,6 +18,8 @@ naming the file and the field, e.g.
 End of sequence: ``eos_token_ids`` holds the checkpoint's ``eos_token_id`` (an int or a list of
 ints in config.json, overridden by generation_config.json's when that file sets it; ``from_dir``
 reads both, and falls back to the tokenizer files' ``eos_token``); empty when the checkpoint names none.
+``checkpoint_eos_token_ids`` is that rule, shared with ``NemotronHConfig.from_dir``.
+``max_position_embeddings``: config.json's, or None when absent (the server sizes its K/V from it).
 """
 from __future__ import annotations
 
@@ -37,16 +39,16 @@ def _describe(v: Any) -> str:
 class _Fields:
     """Typed reads of one JSON object; each error names the file (``source``) and the field."""
 
-    def __init__(self, data: Any, source: str, prefix: str = ""):
-        self.source, self.prefix = source, prefix
+    def __init__(self, data: Any, source: str, prefix: str = "", *, who: str = "Mamba2Config"):
+        self.source, self.prefix, self.who = source, prefix, who
         if not isinstance(data, dict):
             where = f"'{prefix[:-1]}'" if prefix else "the file"
-            raise ValueError(f"Mamba2Config: {source}: {where} should be a JSON object, got {_describe(data)}")
+            raise ValueError(f"{who}: {source}: {where} should be a JSON object, got {_describe(data)}")
         self.data = data
 
     def error(self, key: str, expected: str, got: Any) -> ValueError:
         field = f"'{self.prefix}{key}'"
-        return ValueError(f"Mamba2Config: {self.source}: {field} expected {expected}, got {_describe(got)}")
+        return ValueError(f"{self.who}: {self.source}: {field} expected {expected}, got {_describe(got)}")
 
     def has(self, key: str) -> bool:
         return key in self.data
@@ -54,9 +56,14 @@ class _Fields:
     def raw(self, key: str, default: Any = _REQUIRED) -> Any:
         if key not in self.data:
             if default is _REQUIRED:
-                raise ValueError(f"Mamba2Config: {self.source}: required field '{self.prefix}{key}' is missing")
+                raise ValueError(f"{self.who}: {self.source}: required field '{self.prefix}{key}' is missing")
             return default
         return self.data[key]
+
+    def opt_int(self, key: str, *, minimum: int = 1) -> int | None:
+        """An integer >= minimum, or None when the field is absent or null."""
+        v = self.data.get(key)
+        return None if v is None else self.int(key, minimum=minimum)
 
     def int(self, key: str, default: Any = _REQUIRED, *, minimum: int = 1) -> int:
         v = self.raw(key, default)
@@ -136,6 +143,7 @@ class Mamba2Config:
     norm_before_gate: bool = False  # Mamba-2's gated norm gates first: norm(y * silu(z))
     dt_limit: tuple[float, float] = (0.0, math.inf)
     eos_token_ids: tuple[int, ...] = ()  # end-of-sequence token ids; () when the checkpoint names none
+    max_position_embeddings: int | None = None  # the checkpoint's context length, if it names one
 
     def __post_init__(self) -> None:
         sizes = ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "headdim", "ngroups", "chunk_size")
@@ -155,6 +163,10 @@ class Mamba2Config:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             raise ValueError(f"Mamba2Config: eos_token_ids {bad} are outside the vocabulary [0, {self.vocab_size})")
+        mpe = self.max_position_embeddings
+        if mpe is not None and (isinstance(mpe, bool) or not isinstance(mpe, int) or mpe < 1):
+            raise ValueError(f"Mamba2Config: max_position_embeddings expected an integer >= 1 or None, "
+                             f"got {_describe(mpe)}")
         if self.d_inner % self.headdim:
             raise ValueError(f"Mamba2Config: d_inner={self.d_inner} (expand * d_model) is not a multiple of headdim={self.headdim}")
         if self.nheads % self.ngroups:
@@ -275,7 +287,7 @@ class Mamba2Config:
     def _build(cls, c: _Fields, vocab_name: str, **fields: Any) -> "Mamba2Config":
         eos = c.eos("eos_token_id") or ()
         _check_eos(c.source, "eos_token_id", eos, fields["vocab_size"], vocab_name)
-        return cls(eos_token_ids=eos, **fields)
+        return cls(eos_token_ids=eos, max_position_embeddings=c.opt_int("max_position_embeddings"), **fields)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "Mamba2Config":
@@ -301,24 +313,40 @@ class Mamba2Config:
         if not os.path.isfile(config_path):
             raise FileNotFoundError(f"Mamba2Config: no config.json in {root!r}")
         cfg = cls.from_file(config_path)
-        named = bool(cfg.eos_token_ids)
-        gen_path = os.path.join(root, "generation_config.json")
-        if os.path.isfile(gen_path):
-            gen = _Fields(_read_json(gen_path), gen_path)
-            if gen.has("eos_token_id"):
-                eos = gen.eos("eos_token_id") or ()
-                _check_eos(gen_path, "eos_token_id", eos, cfg.vocab_size, "vocab_size of config.json")
-                cfg, named = dataclasses.replace(cfg, eos_token_ids=eos), True
-        if not named:
-            found = _tokenizer_eos(root)
-            if found is not None:
-                source, eos = found
-                _check_eos(source, "eos_token", eos, cfg.vocab_size, "vocab_size of config.json")
-                cfg = dataclasses.replace(cfg, eos_token_ids=eos)
-        return cfg
+        eos = checkpoint_eos_token_ids(root, cfg.eos_token_ids, cfg.vocab_size)
+        return cfg if eos == cfg.eos_token_ids else dataclasses.replace(cfg, eos_token_ids=eos)
 
 
-def _tokenizer_eos(root: str) -> tuple[str, tuple[int, ...]] | None:
+def checkpoint_eos_token_ids(root: str | os.PathLike, config_eos: tuple[int, ...], vocab_size: int, *,
+                             who: str = "Mamba2Config") -> tuple[int, ...]:
+    """A checkpoint directory's end-of-sequence ids, the one rule for every model family.
+
+    config_eos  what config.json's ``eos_token_id`` said (() when absent or null)
+    First found wins: generation_config.json's ``eos_token_id`` (an int, a list, or null for none:
+    it overrides config.json's), config.json's, else the ``eos_token`` that tokenizer_config.json or
+    special_tokens_map.json name, looked up in tokenizer.json. Every id is checked against
+    ``vocab_size``; errors name ``who``, the file and the field.
+    """
+    root = os.fspath(root)
+    eos = tuple(config_eos)
+    gen_path = os.path.join(root, "generation_config.json")
+    if os.path.isfile(gen_path):
+        gen = _Fields(_read_json(gen_path), gen_path, who=who)
+        if gen.has("eos_token_id"):
+            eos = gen.eos("eos_token_id") or ()
+            _check_eos(gen_path, "eos_token_id", eos, vocab_size, "vocab_size of config.json", who=who)
+            return eos
+    if eos:
+        return eos
+    found = _tokenizer_eos(root, who=who)
+    if found is None:
+        return ()
+    source, eos = found
+    _check_eos(source, "eos_token", eos, vocab_size, "vocab_size of config.json", who=who)
+    return eos
+
+
+def _tokenizer_eos(root: str, *, who: str = "Mamba2Config") -> tuple[str, tuple[int, ...]] | None:
     """(file, (id,)) for the ``eos_token`` that tokenizer_config.json / special_tokens_map.json name,
     its id read from tokenizer.json (added tokens, then the model's vocab); None when no file names one
     or there is no tokenizer.json to map it."""
@@ -327,7 +355,7 @@ def _tokenizer_eos(root: str) -> tuple[str, tuple[int, ...]] | None:
         path = os.path.join(root, name)
         if not os.path.isfile(path):
             continue
-        f = _Fields(_read_json(path), path)
+        f = _Fields(_read_json(path), path, who=who)
         token = f.raw("eos_token", None)
         if isinstance(token, dict):  # a serialised AddedToken
             token = token.get("content")
@@ -339,14 +367,14 @@ def _tokenizer_eos(root: str) -> tuple[str, tuple[int, ...]] | None:
             return None
         tj = _read_json(vocab_path)
         if not isinstance(tj, dict):
-            raise ValueError(f"Mamba2Config: {vocab_path}: the file should be a JSON object, got {_describe(tj)}")
+            raise ValueError(f"{who}: {vocab_path}: the file should be a JSON object, got {_describe(tj)}")
         for added in tj.get("added_tokens") or ():
             if isinstance(added, dict) and added.get("content") == token and isinstance(added.get("id"), int):
                 return path, (added["id"],)
         vocab = (tj.get("model") or {}).get("vocab") if isinstance(tj.get("model"), dict) else None
         if isinstance(vocab, dict) and isinstance(vocab.get(token), int):
             return path, (vocab[token],)
-        raise ValueError(f"Mamba2Config: {path}: 'eos_token' {token!r} is not a token of {vocab_path}")
+        raise ValueError(f"{who}: {path}: 'eos_token' {token!r} is not a token of {vocab_path}")
     return None
 
 
@@ -363,10 +391,11 @@ def _check_heads(src: str, d_inner: int, inner_name: str, headdim: int, headdim_
     return nheads
 
 
-def _check_eos(src: str, field: str, ids: tuple[int, ...], vocab: int, vocab_name: str) -> None:
+def _check_eos(src: str, field: str, ids: tuple[int, ...], vocab: int, vocab_name: str, *,
+               who: str = "Mamba2Config") -> None:
     bad = [i for i in ids if i >= vocab]
     if bad:
-        raise ValueError(f"Mamba2Config: {src}: '{field}' {bad} outside the vocabulary ({vocab_name} = {vocab})")
+        raise ValueError(f"{who}: {src}: '{field}' {bad} outside the vocabulary ({vocab_name} = {vocab})")
 
 
 # Public mamba2-* shapes (state-spaces configs); vocab 50277 padded to a multiple of 16.

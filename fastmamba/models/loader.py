@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from fastmamba.layers.mamba2 import Mamba2Mixer
+from fastmamba.layers.moe import MoE
 from fastmamba.models.config import PRESETS, Mamba2Config
 from fastmamba.models.mamba2_lm import Mamba2LM
 
@@ -62,7 +63,8 @@ def _default_device(device, *, where: str = "load_model") -> torch.device:
 @torch.no_grad()
 def random_init(model: nn.Module, seed: int = 0) -> nn.Module:
     """Deterministic random weights of any of our LMs (presets, demos, benchmarks): N(0, 0.02)
-    matrices, Mamba-2's A_log / dt_bias / D initialisation in every ``Mamba2Mixer``, unit norms.
+    matrices (MoE routers and experts too, zero selection bias), Mamba-2's A_log / dt_bias / D
+    initialisation in every ``Mamba2Mixer``, unit norms.
     Same seed, same weights (the matrices and the SSM parameters draw from separate generators)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     dev_gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
@@ -73,6 +75,8 @@ def random_init(model: nn.Module, seed: int = 0) -> nn.Module:
                 module.bias.zero_()
         if isinstance(module, Mamba2Mixer):
             module.reset_ssm_parameters(gen)
+        if isinstance(module, MoE):  # router and the 3-D expert weights (its Linears are done above)
+            module.reset_parameters(dev_gen)
     return model
 
 
@@ -138,10 +142,11 @@ def load_model(path_or_preset: str | os.PathLike, dtype: torch.dtype | str | Non
             model_type = None
         if model_type == "nemotron_h":
             return load_nemotron_h(key, dtype=dtype, device=device)
-    from fastmamba.models.weights import load_into, normalize_names, read_checkpoint
+    from fastmamba.models.weights import check_finite, load_into, normalize_names, read_checkpoint
 
     cfg = Mamba2Config.from_dir(key)  # config.json (+ generation_config.json's eos_token_id)
     state_dict = normalize_names(read_checkpoint(key))
+    check_finite(state_dict)
     model = Mamba2LM(cfg, device=device, dtype=dtype or _checkpoint_dtype(state_dict))
     load_into(model, state_dict)
     return model.eval()

@@ -45,8 +45,9 @@ from fastmamba.cache.prefix_cache import DeviceSnapshots, SnapshotPlan, device_l
 from fastmamba.generation.rounding import check_rand_seed
 from fastmamba.layers.attention import KVBatch
 from fastmamba.models.blocks import Batch, RMSNorm, SpecBatch, build_blocks
-from fastmamba.models.config import Mamba2Config, _as_float
-from fastmamba.models.loader import _default_device, random_init  # random_init: re-exported for the presets
+from fastmamba.layers.moe import MoEConfig
+from fastmamba.models.config import Mamba2Config, _as_float, _Fields, checkpoint_eos_token_ids
+from fastmamba.models.loader import _checkpoint_dtype, _default_device, random_init  # random_init: re-exported for the presets
 from fastmamba.ops import add_rmsnorm
 from fastmamba.ops._common.checks import check_host_copies
 from fastmamba.ops._common.host_values import host_list, trusted_inputs
@@ -61,7 +62,7 @@ _BLOCK_TYPE_TO_CHAR = {
     "mlp": "-",
     "moe": "E",
 }
-SUPPORTED_KINDS = "M*-"  # MoE ("E") follows in its own issue: a new file in layers/ and one line in blocks.py
+SUPPORTED_KINDS = "M*-E"
 
 
 def _float(v: Any, field: str) -> float:
@@ -117,6 +118,19 @@ class NemotronHConfig:
     residual_in_fp32: bool = False    # residual_in_fp32
     tie_embeddings: bool = False      # tie_word_embeddings
     dt_limit: tuple[float, float] = (0.0, math.inf)  # time_step_limit / mamba_dt_limit
+    # MoE layers ("E"; transformers' NemotronHMoE), fields named as config.json names them
+    n_routed_experts: int = 8                        # n_routed_experts / num_local_experts (E)
+    num_experts_per_tok: int = 2                     # top-k
+    moe_intermediate_size: int = 7688                # routed expert width (F)
+    moe_shared_expert_intermediate_size: int = 7688  # the shared expert's width
+    n_shared_experts: int = 1                        # (one shared MLP of the width above, as transformers builds it)
+    moe_latent_size: int | None = None               # LatentMoE: routed experts run in this width
+    n_group: int = 1                                 # grouped selection: E experts in n_group groups,
+    topk_group: int = 1                              # the topk_group best groups kept
+    norm_topk_prob: bool = True                      # renormalise the k weights to sum to 1
+    routed_scaling_factor: float = 1.0               # then scale them
+    eos_token_ids: tuple[int, ...] = ()              # eos_token_id (generation_config.json's wins: from_dir)
+    max_position_embeddings: int | None = None       # max_position_embeddings (None when absent)
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> ValueError:
@@ -131,10 +145,7 @@ class NemotronHConfig:
         unknown = sorted({c for c in self.pattern if c not in PATTERN_CHARS})
         if unknown:
             raise bad("hybrid_override_pattern", f"expected characters from 'M' (Mamba-2), '*' (attention), "
-                      f"'-' (MLP), got {unknown} in {self.pattern!r}")
-        if "E" in self.pattern:
-            raise bad("hybrid_override_pattern", f"has MoE layers ('E') in {self.pattern!r}; only the dense "
-                      f"kinds {SUPPORTED_KINDS!r} are supported")
+                      f"'-' (MLP), 'E' (MoE), got {unknown} in {self.pattern!r}")
         ints: list[tuple[str, str]] = []
         if "*" in self.pattern:
             ints += [("n_heads", "num_attention_heads"), ("n_kv_heads", "num_key_value_heads"),
@@ -145,10 +156,18 @@ class NemotronHConfig:
             ints += [("mamba_nheads", "mamba_num_heads"), ("mamba_headdim", "mamba_head_dim"),
                      ("n_groups", "n_groups"), ("d_state", "ssm_state_size"), ("d_conv", "conv_kernel"),
                      ("chunk_size", "chunk_size")]
+        if "E" in self.pattern:
+            ints += [(k, k) for k in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                      "moe_shared_expert_intermediate_size", "n_shared_experts", "n_group",
+                                      "topk_group")]
+            if self.moe_latent_size is not None:
+                ints += [("moe_latent_size", "moe_latent_size")]
         for field, key in ints:
             v = getattr(self, field)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
                 raise bad(key, f"expected a positive integer, got {v!r}")
+        if "E" in self.pattern:
+            self._check_moe(bad)
         if "*" in self.pattern and self.n_heads % self.n_kv_heads:
             raise bad("num_key_value_heads", f"={self.n_kv_heads} must divide num_attention_heads={self.n_heads}")
         if "M" in self.pattern:
@@ -158,10 +177,36 @@ class NemotronHConfig:
                 raise bad("conv_kernel", f"expected at least 2, got {self.d_conv}")
             if tuple(self.dt_limit) != (0.0, math.inf):
                 raise bad("time_step_limit", f"only (0.0, inf) is supported, got {tuple(self.dt_limit)}")
-        if "-" in self.pattern and self.mlp_act != "relu2":
+        if ("-" in self.pattern or "E" in self.pattern) and self.mlp_act != "relu2":
             raise bad("mlp_hidden_act", f"only 'relu2' (Nemotron-H's squared ReLU) is supported, got {self.mlp_act!r}")
         if not (self.norm_eps > 0):
             raise bad("layer_norm_epsilon", f"expected > 0, got {self.norm_eps!r}")
+        ids = self.eos_token_ids
+        if not (isinstance(ids, tuple) and all(isinstance(i, int) and not isinstance(i, bool) and
+                                               0 <= i < self.vocab_size for i in ids)):
+            raise bad("eos_token_id", f"expected token ids in [0, vocab_size={self.vocab_size}), got {ids!r}")
+        mpe = self.max_position_embeddings
+        if mpe is not None and (isinstance(mpe, bool) or not isinstance(mpe, int) or mpe < 1):
+            raise bad("max_position_embeddings", f"expected a positive integer or null, got {mpe!r}")
+
+    def _check_moe(self, bad) -> None:
+        """The MoE fields' relations (each already a positive integer)."""
+        E, k = self.n_routed_experts, self.num_experts_per_tok
+        if k > E:
+            raise bad("num_experts_per_tok", f"={k} exceeds n_routed_experts={E}")
+        if E % self.n_group:
+            raise bad("n_group", f"={self.n_group} must divide n_routed_experts={E}")
+        if self.topk_group > self.n_group:
+            raise bad("topk_group", f"={self.topk_group} exceeds n_group={self.n_group}")
+        kept = self.topk_group * (E // self.n_group)
+        if k > kept:
+            raise bad("num_experts_per_tok", f"={k} exceeds the {kept} experts that topk_group={self.topk_group} "
+                      f"of n_group={self.n_group} groups keep")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise bad("norm_topk_prob", f"expected true or false, got {self.norm_topk_prob!r}")
+        r = self.routed_scaling_factor
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < math.inf:
+            raise bad("routed_scaling_factor", f"expected a finite number > 0, got {r!r}")
 
     # -- derived ---------------------------------------------------------------------------------
 
@@ -170,8 +215,19 @@ class NemotronHConfig:
         return len(self.pattern)
 
     def layers_of(self, kind: str) -> list[int]:
-        """Indices of the layers of one kind ("M", "*" or "-")."""
+        """Indices of the layers of one kind ("M", "*", "-" or "E")."""
         return [i for i, c in enumerate(self.pattern) if c == kind]
+
+    @property
+    def moe(self) -> MoEConfig:
+        """What each MoE layer (``fastmamba.layers.moe.MoE``) reads."""
+        return MoEConfig(
+            d_model=self.d_model, n_experts=self.n_routed_experts, top_k=self.num_experts_per_tok,
+            expert_width=self.moe_intermediate_size, shared_width=self.moe_shared_expert_intermediate_size,
+            latent=self.moe_latent_size, n_group=self.n_group, topk_group=self.topk_group,
+            norm_topk_prob=self.norm_topk_prob, routed_scaling_factor=float(self.routed_scaling_factor),
+            bias=self.mlp_bias,
+        )
 
     @property
     def mamba(self) -> MambaLayerConfig:
@@ -219,6 +275,13 @@ class NemotronHConfig:
                     return cfg[k]
             return default
 
+        experts = {k: cfg[k] for k in ("n_routed_experts", "num_local_experts") if cfg.get(k) is not None}
+        if len(set(map(repr, experts.values()))) > 1:
+            raise ValueError(f"NemotronHConfig: `num_local_experts`={experts['num_local_experts']!r} disagrees with "
+                             f"`n_routed_experts`={experts['n_routed_experts']!r} (the same field)")
+        latent = cfg.get("moe_latent_size")
+        mpe = cfg.get("max_position_embeddings")
+        eos = _Fields(cfg, "config.json", who="NemotronHConfig").eos("eos_token_id") or ()
         hidden = first("hidden_size")
         n_heads = first("num_attention_heads", default=32)
         ints = isinstance(hidden, int) and isinstance(n_heads, int) and n_heads > 0
@@ -242,12 +305,38 @@ class NemotronHConfig:
             residual_in_fp32=_bool(first("residual_in_fp32", default=False), "residual_in_fp32"),
             tie_embeddings=_bool(first("tie_word_embeddings", default=False), "tie_word_embeddings"),
             dt_limit=tuple(_float(v, "time_step_limit") for v in first("time_step_limit", "mamba_dt_limit", default=(0.0, math.inf))),
+            n_routed_experts=_int(first("n_routed_experts", "num_local_experts", default=8), "n_routed_experts"),
+            num_experts_per_tok=_int(first("num_experts_per_tok", default=2), "num_experts_per_tok"),
+            moe_intermediate_size=_int(first("moe_intermediate_size", default=7688), "moe_intermediate_size"),
+            moe_shared_expert_intermediate_size=_int(first("moe_shared_expert_intermediate_size", default=7688),
+                                                     "moe_shared_expert_intermediate_size"),
+            n_shared_experts=_int(first("n_shared_experts", default=1), "n_shared_experts"),
+            moe_latent_size=None if latent is None else _int(latent, "moe_latent_size"),
+            n_group=_int(first("n_group", default=1), "n_group"),
+            topk_group=_int(first("topk_group", default=1), "topk_group"),
+            norm_topk_prob=_bool(first("norm_topk_prob", default=True), "norm_topk_prob"),
+            routed_scaling_factor=_float(first("routed_scaling_factor", default=1.0), "routed_scaling_factor"),
+            eos_token_ids=eos,
+            max_position_embeddings=None if mpe is None else _int(mpe, "max_position_embeddings"),
         )
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "NemotronHConfig":
         with open(path) as f:
             return cls.from_dict(json.load(f))
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "NemotronHConfig":
+        """A checkpoint directory's config.json, with ``eos_token_ids`` read by the rule every model
+        family shares (``fastmamba.models.config.checkpoint_eos_token_ids``: generation_config.json's
+        ``eos_token_id`` overrides config.json's; the tokenizer files' ``eos_token`` when neither names one)."""
+        root = os.fspath(path)
+        config_path = os.path.join(root, "config.json")
+        if not os.path.isfile(config_path):
+            raise FileNotFoundError(f"NemotronHConfig: no config.json in {root!r}")
+        cfg = cls.from_file(config_path)
+        eos = checkpoint_eos_token_ids(root, cfg.eos_token_ids, cfg.vocab_size, who="NemotronHConfig")
+        return cfg if eos == cfg.eos_token_ids else dataclasses.replace(cfg, eos_token_ids=eos)
 
 
 def _int(v: Any, key: str) -> int:
@@ -295,11 +384,42 @@ def _pattern_of(cfg: dict[str, Any]) -> str:
 # config.json. Random weights with a fixed seed (``load_nemotron_h(name)``), for benchmarks.
 _NEMOTRON_H_PATTERN_52 = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 
+# Nemotron-3 (MoE hybrids). Nano 30B-A3B: nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16's config.json and
+# Megatron-Bridge's Nemotron3NanoProvider agree on 52 layers (23 Mamba, 23 MoE, 6 attention), hidden
+# 2688, 64 Mamba heads of 64 (state 128, 8 groups), 32 query / 2 KV heads of 128, 128 routed experts,
+# top-6, expert width 1856, one shared expert of 3712, sigmoid router with n_group 1 / topk_group 1,
+# routed scaling 2.5. Super 120B-A12B's layers (issue 50's table; 88 layers in the whole model): hidden
+# 4096, 128 Mamba heads, 512 experts top-22 of width 2688 in a 1024-wide latent (LatentMoE), shared 5376,
+# scaling 5.0; the slice keeps a few layers of each kind for per-layer speed (the whole model needs FP8
+# or several GPUs).
+_NEMOTRON_3_NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+
 PRESETS: dict[str, NemotronHConfig] = {
     # tiny: every kind, GQA, G > 1, tests and demos
     "nemotron-h-tiny": NemotronHConfig(
         d_model=64, vocab_size=256, pattern="M*-M-*M", n_heads=4, n_kv_heads=2, head_dim=16,
         intermediate_size=96, mamba_nheads=8, mamba_headdim=16, n_groups=2, d_state=16, chunk_size=16,
+    ),
+    # tiny MoE hybrid: every kind incl. MoE (8 experts, top-2, shared expert), for tests and demos
+    "nemotron-3-tiny": NemotronHConfig(
+        d_model=64, vocab_size=256, pattern="M*EM-E", n_heads=4, n_kv_heads=2, head_dim=16,
+        intermediate_size=96, mamba_nheads=8, mamba_headdim=16, n_groups=2, d_state=16, chunk_size=16,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=64,
+        routed_scaling_factor=2.5,
+    ),
+    "nemotron-3-nano": NemotronHConfig(
+        d_model=2688, vocab_size=131072, pattern=_NEMOTRON_3_NANO_PATTERN, n_heads=32, n_kv_heads=2, head_dim=128,
+        intermediate_size=1856, mamba_nheads=64, mamba_headdim=64, n_groups=8, d_state=128, d_conv=4,
+        chunk_size=128, n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
+        moe_shared_expert_intermediate_size=3712, n_group=1, topk_group=1, norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    ),
+    "nemotron-3-super-slice": NemotronHConfig(
+        d_model=4096, vocab_size=131072, pattern="MEMEM*E", n_heads=32, n_kv_heads=2, head_dim=128,
+        intermediate_size=2688, mamba_nheads=128, mamba_headdim=64, n_groups=8, d_state=128, d_conv=4,
+        chunk_size=128, n_routed_experts=512, num_experts_per_tok=22, moe_intermediate_size=2688,
+        moe_shared_expert_intermediate_size=5376, moe_latent_size=1024, n_group=1, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=5.0,
     ),
     "nemotron-h-4b": NemotronHConfig(
         d_model=3072, vocab_size=131072, pattern=_NEMOTRON_H_PATTERN_52, n_heads=32, n_kv_heads=8, head_dim=128,
@@ -697,15 +817,17 @@ def load_nemotron_h(path_or_preset: str | os.PathLike, dtype: torch.dtype | None
     if not os.path.isdir(key):
         raise FileNotFoundError(f"load_nemotron_h: {key!r} is neither a directory nor a preset; presets: "
                                 f"{', '.join(PRESETS)}")
-    from fastmamba.models.weights import load_into, read_checkpoint
+    from fastmamba.models.weights import check_finite, load_into, read_checkpoint, stack_experts
 
     config_path = os.path.join(key, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"load_nemotron_h: no config.json in {key!r}")
-    cfg = NemotronHConfig.from_file(config_path)
+    cfg = NemotronHConfig.from_dir(key)
     state_dict = read_checkpoint(key)
+    check_finite(state_dict, where="load_nemotron_h")
+    stack_experts(state_dict, cfg.layers_of("E"), cfg.n_routed_experts)
     if dtype is None:
-        dtype = next((t.dtype for t in state_dict.values() if t.is_floating_point()), torch.float32)
+        dtype = _checkpoint_dtype(state_dict)  # the embeddings' (the router is fp32 in every checkpoint)
     model = NemotronHLM(cfg, device=device, dtype=dtype)
     load_into(model, state_dict)
     return model.eval()

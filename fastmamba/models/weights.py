@@ -34,7 +34,7 @@ from torch import nn
 
 from fastmamba.utils.progress import Progress
 
-__all__ = ["read_checkpoint", "normalize_names", "load_into", "WEIGHT_FILES"]
+__all__ = ["read_checkpoint", "normalize_names", "load_into", "check_finite", "stack_experts", "WEIGHT_FILES"]
 
 # Looked for in this order: safetensors wins when a directory holds both formats.
 SAFETENSORS_FILE = "model.safetensors"
@@ -245,6 +245,81 @@ def normalize_names(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.T
                 "(Hugging Face); expected one naming scheme"
             )
         out[new] = t
+    return out
+
+
+def check_finite(state_dict: Mapping[str, torch.Tensor], *, where: str = "load_model") -> None:
+    """ValueError naming every floating tensor that holds NaN or +-inf (at most 20, plus a count), with
+    how many of its values are bad; a model built from it would put out NaN logits. One pass over
+    the weights (they are in host memory here, read once more)."""
+    bad = []
+    for name, t in state_dict.items():
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            n = int((~torch.isfinite(t)).sum())
+            kinds = [k for k, f in (("NaN", torch.isnan), ("inf", torch.isinf)) if bool(f(t).any())]
+            bad.append(f"{name}: {n} of {t.numel()} values are {' or '.join(kinds)}")
+    if bad:
+        raise ValueError(f"{where}: the checkpoint's weights are not all finite ({len(bad)} tensor(s); nothing "
+                         f"was loaded):\n" + _clip(bad, "\n", indent="    "))
+
+
+def stack_experts(state_dict: dict[str, torch.Tensor], layers: Iterable[int], n_experts: int, *,
+                  prefix: str = "backbone.layers.{i}.mixer.experts.") -> dict[str, torch.Tensor]:
+    """Per-expert MoE tensors stacked into the fused 3-D form the model holds.
+
+    NVIDIA's released Nemotron-3 checkpoints store each routed expert on its own
+    (``{prefix}{e}.up_proj.weight`` [F, M'], ``{prefix}{e}.down_proj.weight`` [M', F]); transformers'
+    ``save_pretrained`` writes ``{prefix}up_proj`` [E, F, M'] and ``{prefix}down_proj`` [E, M', F].
+    For each MoE layer i in ``layers`` whose experts come one by one, they are stacked under the
+    fused names **in ``state_dict`` itself** (each layer's per-expert tensors removed as it is stacked,
+    so the host holds one extra layer, not a second copy of every expert); returns ``state_dict``.
+    A layer in the fused form passes through (``load_into`` checks its shape).
+
+    Raises ValueError listing every problem before anything is stacked: a layer holding both forms,
+    an expert missing (e not present for some e < n_experts), an expert id >= n_experts, and a
+    per-expert tensor whose shape differs from expert 0's (naming the tensor and both shapes).
+    """
+    out = state_dict
+    problems: list[str] = []
+    per_expert = re.compile(r"(\d+)\.(up_proj|down_proj)\.weight$")
+    for i in layers:
+        base = prefix.format(i=i)
+        found: dict[str, dict[int, str]] = {"up_proj": {}, "down_proj": {}}
+        for name in list(state_dict):
+            if name.startswith(base):
+                m = per_expert.fullmatch(name[len(base):])
+                if m:
+                    found[m.group(2)][int(m.group(1))] = name
+        if not any(found.values()):
+            continue
+        for proj, by_id in found.items():
+            fused = base + proj
+            if fused in state_dict:
+                problems.append(f"{fused}: the checkpoint holds it both fused and per expert "
+                                f"({by_id[min(by_id)]!r} ...)" if by_id else f"{fused}: fused, but the other "
+                                "projection comes per expert")
+                continue
+            missing = [base + f"{e}.{proj}.weight" for e in range(n_experts) if e not in by_id]
+            extra = [by_id[e] for e in sorted(by_id) if e >= n_experts]
+            problems += [f"{n}: missing (n_routed_experts={n_experts})" for n in missing]
+            problems += [f"{n}: unexpected, expert id >= n_routed_experts={n_experts}" for n in extra]
+            if missing or extra:
+                continue
+            first = state_dict[by_id[0]]
+            shapes = [f"{by_id[e]}: expected {_shape(first.shape)} (as expert 0), got "
+                      f"{_shape(state_dict[by_id[e]].shape)}" for e in range(n_experts)
+                      if tuple(state_dict[by_id[e]].shape) != tuple(first.shape)]
+            if first.dim() != 2:
+                shapes.insert(0, f"{by_id[0]}: expected a 2-D matrix, got {_shape(first.shape)}")
+            if shapes:
+                problems += shapes
+                continue
+            out[fused] = torch.stack([state_dict[by_id[e]] for e in range(n_experts)])
+            for e in range(n_experts):
+                del out[by_id[e]]
+    if problems:
+        raise ValueError(f"load_into: the checkpoint's per-expert MoE tensors do not fit ({len(problems)} "
+                         "problem(s); nothing was copied)\n" + _clip(problems, "\n", indent="    "))
     return out
 
 

@@ -1,0 +1,110 @@
+"""Nemotron-3's mixture-of-experts layer (transformers' ``NemotronHMoE``): a sigmoid router picks
+``top_k`` of E routed relu² experts per token; a shared relu² expert sees every token.
+
+Letters: T tokens, M model width, M' the routed experts' width (M, or ``latent`` for a LatentMoE),
+E routed experts, k experts per token, F expert width, Fs the shared expert's width.
+
+    gate.weight                    [E, M]   fp32 (the router runs in fp32 whatever the model dtype)
+    gate.e_score_correction_bias   [E]      fp32 buffer: added to the scores for selection only
+    experts.up_proj                [E, F, M']   transformers' fused 3-D form (the loader stacks the
+    experts.down_proj              [E, M', F]   per-expert ``experts.{e}.up_proj.weight`` into it)
+    fc1_latent_proj                [latent, M]  (+ bias when mlp_bias)  only with ``latent``
+    fc2_latent_proj                [M, latent]  (+ bias when mlp_bias)  only with ``latent``
+    shared_experts.up_proj         [Fs, M],  shared_experts.down_proj [M, Fs]  (fastmamba.layers.mlp.MLP)
+
+    forward(u [..., M]) = fc2(fused_moe(fc1(u), up, down, route(gate(u)))) + shared(u)
+
+``route`` is ``fastmamba.ops.moe.moe_route`` (scores = sigmoid(logits), the bias selects, grouped
+top-k over ``n_group`` groups keeping ``topk_group``, renormalised when ``norm_topk_prob``, times
+``routed_scaling_factor``); the experts are ``fastmamba.ops.moe.fused_moe``. The layer keeps no
+per-request state: prefill, decode and verify are the same per-token map.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastmamba.layers.mlp import MLP
+from fastmamba.ops.moe import fused_moe, moe_route
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """One MoE layer's sizes (``NemotronHConfig.moe`` builds it; the config checks the values)."""
+
+    d_model: int                   # M
+    n_experts: int                 # E
+    top_k: int                     # k
+    expert_width: int              # F
+    shared_width: int              # Fs
+    latent: int | None = None      # M' when not None (LatentMoE)
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    bias: bool = False             # mlp_bias: the shared expert's and latent projections' biases
+
+    @property
+    def expert_in(self) -> int:    # M'
+        return self.latent if self.latent is not None else self.d_model
+
+
+class Router(nn.Module):
+    """``weight`` [E, M] and ``e_score_correction_bias`` [E], both fp32 (transformers keeps them in
+    fp32 in every model dtype); ``forward(u [T, M]) -> logits [T, E]`` fp32."""
+
+    def __init__(self, d_model: int, n_experts: int, *, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n_experts, d_model, device=device, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(n_experts, device=device, dtype=torch.float32))
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return F.linear(u.float(), self.weight.float())
+
+
+class Experts(nn.Module):
+    """The routed experts' weights in the fused 3-D form: ``up_proj`` [E, F, M'], ``down_proj`` [E, M', F]."""
+
+    def __init__(self, n_experts: int, width: int, d_in: int, *, device=None, dtype=None):
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.zeros(n_experts, width, d_in, device=device, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.zeros(n_experts, d_in, width, device=device, dtype=dtype))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: MoEConfig, *, device=None, dtype=None):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Router(cfg.d_model, cfg.n_experts, device=device)
+        self.experts = Experts(cfg.n_experts, cfg.expert_width, cfg.expert_in, device=device, dtype=dtype)
+        self.shared_experts = MLP(cfg.d_model, cfg.shared_width, bias=cfg.bias, device=device, dtype=dtype)
+        if cfg.latent is not None:
+            self.fc1_latent_proj = nn.Linear(cfg.d_model, cfg.latent, bias=cfg.bias, device=device, dtype=dtype)
+            self.fc2_latent_proj = nn.Linear(cfg.latent, cfg.d_model, bias=cfg.bias, device=device, dtype=dtype)
+        else:
+            self.fc1_latent_proj = self.fc2_latent_proj = None
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
+        """Random weights for presets and demos: N(0, std) router and experts, zero selection bias
+        (the Linear layers are initialised with the model's other matrices)."""
+        self.gate.weight.normal_(0.0, std, generator=generator)
+        self.gate.e_score_correction_bias.zero_()
+        self.experts.up_proj.normal_(0.0, std, generator=generator)
+        self.experts.down_proj.normal_(0.0, std, generator=generator)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        """u [..., M] in the model dtype -> [..., M] in the same dtype."""
+        c = self.cfg
+        x = u.reshape(-1, u.shape[-1])                                                 # [T, M]
+        routing = moe_route(self.gate(x), self.gate.e_score_correction_bias, top_k=c.top_k, n_group=c.n_group,
+                            topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
+                            routed_scaling_factor=c.routed_scaling_factor)
+        h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)             # [T, M']
+        y = fused_moe(h, self.experts.up_proj, self.experts.down_proj, routing.weights, routing.ids)
+        if self.fc2_latent_proj is not None:
+            y = self.fc2_latent_proj(y)
+        return (y + self.shared_experts(x)).view(u.shape)
