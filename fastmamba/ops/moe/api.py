@@ -176,7 +176,8 @@ def _launch(x, w_up, w_down, tw, ids, out, cfg: configs.MoeConfig, T: int, M: in
     with on_device(x):
         if cfg.path == "gemv":
             h = torch.empty(T * k, F, dtype=x.dtype, device=dev)
-            launch_gemv(x, w_up, w_down, tw, ids, h, y, block_n_up=cfg.block_n_up, block_k_up=cfg.block_k_up,
+            yp = torch.empty(T * k, M, dtype=x.dtype, device=dev)  # each pair's weighted contribution
+            launch_gemv(x, w_up, w_down, tw, ids, h, yp, y, block_n_up=cfg.block_n_up, block_k_up=cfg.block_k_up,
                         block_n_down=cfg.block_n_down, block_k_down=cfg.block_k_down, num_warps=cfg.num_warps,
                         num_stages=cfg.num_stages)
             return y

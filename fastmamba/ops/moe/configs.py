@@ -102,12 +102,9 @@ def _even_block(K: int, wanted: int) -> int:
 
 
 def gemv_heuristic(T: int, M: int, F: int) -> MoeConfig:
-    """The GEMV path's fallback: down_proj has only T * M / block_n_down programs, so its blocks
-    shrink until there are enough to fill an H100's 132 SMs a few times over."""
-    bn_down = 16
-    while bn_down > 4 and T * M // bn_down < 512:
-        bn_down //= 2
-    return MoeConfig("gemv", 16, 16, _even_block(M, 128), bn_down, _even_block(F, 128), 1, 4, 4)
+    """The GEMV path's fallback: [16, 256] weight tiles (16-byte loads, masked where 256 does not
+    divide the width: still vectorised, as widths are multiples of 16), one pair per program."""
+    return MoeConfig("gemv", 16, 16, 256, 16, 256, 1, 4, 2)
 
 
 def heuristic(T: int, M: int, F: int, E: int, k: int) -> MoeConfig:

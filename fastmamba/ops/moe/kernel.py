@@ -17,9 +17,11 @@ so the nondeterministic order the atomics give inside an expert does not change 
 is deterministic run to run.
 
 GEMV path (few pairs): no alignment at all; each program streams one chosen expert's rows, so a
-step reads only the selected experts' weights:
+step reads only the selected experts' weights (a pair per program keeps thousands of programs, so
+enough bytes are in flight at batch 1):
     h[p, F]     <- _up_gemv_kernel    one program per (pair, block of F)
-    out[t, M]   <- _down_gemv_kernel  one program per (token, block of M), looping over its k experts
+    y[p, M]     <- _down_gemv_kernel  one program per (pair, block of M), times the routing weight
+    out[t, M]   <- _sum_kernel        as above
 
 Under the CPU interpreter 16-bit ``tl.dot`` is wrong in Triton 3.6: ``DOT_FP32`` upcasts the tiles.
 """
@@ -319,10 +321,16 @@ def launch_grouped(x, w_up, w_down, tw, ids, counts, sorted_pairs, h, y, out, *,
         BM=block_m, BLOCK_N=block_n_down, BLOCK_K=block_k_down, GROUP_M=group_m, BLOCK_E=block_e,
         EVEN_K=F % block_k_down == 0, DOT_FP32=dot_fp32, IEEE=ieee, num_warps=num_warps, num_stages=num_stages,
     )
-    block_sum = min(1024, triton.next_power_of_2(M))
-    lean(_sum_kernel)[(T, triton.cdiv(M, block_sum))](
+    launch_sum(y, out, ids, E)
+
+
+def launch_sum(y, out, ids, E: int) -> None:
+    """out [T, M] = the sum over j of y [T*k, M] (rows of pairs whose id lies in [0, E))."""
+    T, M = out.shape
+    block_n = min(1024, triton.next_power_of_2(M))
+    lean(_sum_kernel)[(T, triton.cdiv(M, block_n))](
         y, out, ids, E, M, y.stride(0), out.stride(0), out.stride(1), ids.stride(0), ids.stride(1),
-        K=K, BLOCK_N=block_sum, num_warps=4,
+        K=ids.shape[1], BLOCK_N=block_n, num_warps=4,
     )
 
 
@@ -363,43 +371,44 @@ def _up_gemv_kernel(
 
 @triton.jit
 def _down_gemv_kernel(
-    h_ptr, w_ptr, out_ptr, ids_ptr, tw_ptr,
-    E, Mdim, Fdim,
-    stride_hp, stride_we, stride_wm, stride_wf, stride_ot, stride_om, stride_it, stride_ik, stride_twt, stride_twk,
-    K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    h_ptr, w_ptr, y_ptr, ids_ptr, tw_ptr,
+    E, Mdim, Fdim, K,
+    stride_hp, stride_we, stride_wm, stride_wf, stride_yp, stride_it, stride_ik, stride_twt, stride_twk,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    # one program per (token t, block of BLOCK_N of M): out[t, n] = sum_j tw[t, j] * w_down[e_j, n, :] @ h[t*K + j]
-    t = tl.program_id(0).to(tl.int64)
+    # one program per (pair p = t*K + j, block of BLOCK_N of M): y[p, n] = tw[t, j] * w_down[e, n, :] @ h[p]
+    p = tl.program_id(0)
+    t = p // K
+    j = p % K
+    e = tl.load(ids_ptr + t * stride_it + j * stride_ik).to(tl.int64)
+    ok = (e >= 0) & (e < E)
+    e = tl.where(ok, e, 0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    out = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(0, K):
-        e = tl.load(ids_ptr + t * stride_it + j * stride_ik).to(tl.int64)
-        ok = (e >= 0) & (e < E)
-        e = tl.where(ok, e, 0)
-        mn = (offs_n < Mdim) & ok
-        h_ptrs = h_ptr + (t * K + j) * stride_hp + offs_k
-        w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wm + offs_k[None, :] * stride_wf
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, Fdim, BLOCK_K):
-            if EVEN_K:
-                hv = tl.load(h_ptrs)
-                w = tl.load(w_ptrs, mask=mn[:, None], other=0.0)
-            else:
-                mk = (k0 + offs_k) < Fdim
-                hv = tl.load(h_ptrs, mask=mk, other=0.0)
-                w = tl.load(w_ptrs, mask=mn[:, None] & mk[None, :], other=0.0)
-            acc += w.to(tl.float32) * hv.to(tl.float32)[None, :]
-            h_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K * stride_wf
-        tw = tl.load(tw_ptr + t * stride_twt + j * stride_twk).to(tl.float32)
-        out += tl.sum(acc, axis=1) * tw
-    tl.store(out_ptr + t * stride_ot + offs_n * stride_om, out.to(out_ptr.dtype.element_ty), mask=offs_n < Mdim)
+    mn = (offs_n < Mdim) & ok
+    h_ptrs = h_ptr + p.to(tl.int64) * stride_hp + offs_k
+    w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wm + offs_k[None, :] * stride_wf
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, Fdim, BLOCK_K):
+        if EVEN_K:
+            hv = tl.load(h_ptrs)
+            w = tl.load(w_ptrs, mask=mn[:, None], other=0.0)
+        else:
+            mk = (k0 + offs_k) < Fdim
+            hv = tl.load(h_ptrs, mask=mk, other=0.0)
+            w = tl.load(w_ptrs, mask=mn[:, None] & mk[None, :], other=0.0)
+        acc += w.to(tl.float32) * hv.to(tl.float32)[None, :]
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wf
+    tw = tl.load(tw_ptr + t * stride_twt + j * stride_twk).to(tl.float32)
+    y = tl.sum(acc, axis=1) * tw
+    tl.store(y_ptr + p.to(tl.int64) * stride_yp + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < Mdim)
 
 
-def launch_gemv(x, w_up, w_down, tw, ids, h, out, *, block_n_up: int, block_k_up: int, block_n_down: int,
+def launch_gemv(x, w_up, w_down, tw, ids, h, y, out, *, block_n_up: int, block_k_up: int, block_n_down: int,
                 block_k_down: int, num_warps: int, num_stages: int) -> None:
-    """h [P, F] (unit stride along F): the pairs' relu² activations, written then read."""
+    """h [P, F], y [P, M] (unit stride along the last dim): each pair's relu² activations and its
+    weighted contribution, written then read; then the fixed-order k-sum into out [T, M]."""
     T, M = x.shape
     E, F, _ = w_up.shape
     K = ids.shape[1]
@@ -410,10 +419,11 @@ def launch_gemv(x, w_up, w_down, tw, ids, h, out, *, block_n_up: int, block_k_up
         BLOCK_N=block_n_up, BLOCK_K=block_k_up, EVEN_K=M % block_k_up == 0,
         num_warps=num_warps, num_stages=num_stages,
     )
-    lean(_down_gemv_kernel)[(T, triton.cdiv(M, block_n_down))](
-        h, w_down, out, ids, tw, E, M, F,
-        h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), out.stride(0), out.stride(1),
+    lean(_down_gemv_kernel)[(T * K, triton.cdiv(M, block_n_down))](
+        h, w_down, y, ids, tw, E, M, F, K,
+        h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), y.stride(0),
         ids.stride(0), ids.stride(1), tw.stride(0), tw.stride(1),
-        K, BLOCK_N=block_n_down, BLOCK_K=block_k_down, EVEN_K=F % block_k_down == 0,
+        BLOCK_N=block_n_down, BLOCK_K=block_k_down, EVEN_K=F % block_k_down == 0,
         num_warps=num_warps, num_stages=num_stages,
     )
+    launch_sum(y, out, ids, E)
