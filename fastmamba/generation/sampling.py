@@ -56,6 +56,7 @@ def _is_real(v: object) -> bool:
 
 
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token
+DEFAULT_MAX_NEW_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,13 @@ class SamplingParams:
                     its log-probability and the k most likely tokens' (``StepOutput.logprob``,
                     ``top_logprobs``), under the model's distribution (the logits' log-softmax, before
                     temperature, top-k and top-p)
+    min_tokens      int in [0, max_new_tokens]: no stop condition but "length" applies before this
+                    many tokens are out (the end-of-sequence and ``stop_token_ids`` tokens get
+                    probability 0 until then; stop strings are not looked for), as in vLLM
+    repetition_penalty  finite > 0, 1 = off: the logit of every token already in the prompt or the
+                    output is divided by it when positive, multiplied by it when not (CTRL's rule,
+                    as transformers and vLLM apply it), before temperature, top-k and top-p
+    max_tokens      vLLM's name of ``max_new_tokens`` (either may be given; both only if equal)
 
     Raises ValueError naming the field and the value when a field has the wrong type or is out of range.
     """
@@ -91,13 +99,22 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = None  # None: max_tokens, else DEFAULT_MAX_NEW_TOKENS
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = None  # after __post_init__: equal to max_new_tokens
 
     def __post_init__(self) -> None:
+        n, alias = self.max_new_tokens, self.max_tokens
+        if n is not None and alias is not None and n != alias:
+            raise ValueError(f"SamplingParams: max_tokens is another name of max_new_tokens; got both, and they "
+                             f"differ ({alias!r} and {n!r})")
+        n = DEFAULT_MAX_NEW_TOKENS if n is None and alias is None else alias if n is None else n
+        object.__setattr__(self, "max_new_tokens", n)
         t = self.temperature
         if not (_is_real(t) and math.isfinite(t) and t >= 0):
             raise ValueError(f"SamplingParams: temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
@@ -110,6 +127,12 @@ class SamplingParams:
             raise ValueError(f"SamplingParams: seed must be None or an int, got {self.seed!r}")
         if not (_is_int(self.max_new_tokens) and self.max_new_tokens >= 1):
             raise ValueError(f"SamplingParams: max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not (_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_new_tokens):
+            raise ValueError(f"SamplingParams: min_tokens must be an int in [0, max_new_tokens={self.max_new_tokens}], "
+                             f"got {self.min_tokens!r}")
+        rp = self.repetition_penalty
+        if not (_is_real(rp) and math.isfinite(rp) and rp > 0):
+            raise ValueError(f"SamplingParams: repetition_penalty must be a finite number > 0 (1 = off), got {rp!r}")
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"SamplingParams: logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
                              f"got {self.logprobs!r}")
@@ -136,6 +159,9 @@ class SamplingParams:
         object.__setattr__(self, "top_p", float(p))
         object.__setattr__(self, "seed", None if self.seed is None else int(self.seed))
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
+        object.__setattr__(self, "max_tokens", self.max_new_tokens)
+        object.__setattr__(self, "min_tokens", int(self.min_tokens))
+        object.__setattr__(self, "repetition_penalty", float(rp))
         object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in stops))
         object.__setattr__(self, "stop", strings)
 
@@ -143,6 +169,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when tokens are picked by argmax (temperature below ``GREEDY_BELOW``)."""
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalised(self) -> bool:
+        """True when the logits are changed before sampling: a repetition penalty or a ``min_tokens``."""
+        return self.repetition_penalty != 1.0 or self.min_tokens > 0
 
 
 def finish_reason(token: int, produced: int, params: SamplingParams,
@@ -154,9 +185,11 @@ def finish_reason(token: int, produced: int, params: SamplingParams,
     eos_token_ids  the model's end-of-sequence tokens (ignored when ``params.ignore_eos``)
     Returns "eos" when ``token`` is an end-of-sequence token, "stop" when it is one of
     ``params.stop_token_ids``, "length" when ``produced >= params.max_new_tokens``, else None
-    (the first that applies, in that order). Stop strings need the decoded text: the engine
-    checks them (``Engine``).
+    (the first that applies, in that order); before ``params.min_tokens`` tokens only "length".
+    Stop strings need the decoded text: the engine checks them (``Engine``).
     """
+    if produced < params.min_tokens:
+        return "length" if produced >= params.max_new_tokens else None
     if not params.ignore_eos and token in eos_token_ids:
         return "eos"
     if token in params.stop_token_ids:
@@ -308,6 +341,52 @@ class Sampler:
         if plan.any_greedy:
             tokens = torch.where(plan.greedy, x.argmax(dim=-1), tokens)
         return tokens
+
+    def penalise(self, logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int], *,
+                 seen: torch.Tensor | None = None, eos_token_ids: Sequence[int] = ()) -> torch.Tensor:
+        """The logits each row samples from after its repetition penalty and ``min_tokens`` ban.
+
+        logits  [B, V]  any float dtype, V >= vocab_size; read only
+        params  B SamplingParams; steps  B ints (each row's token index: 0 for its first token)
+        seen    [B, >= vocab_size] bool: the tokens of each row's prompt and output so far (needed
+                when a row has ``repetition_penalty != 1``; other rows' are not read)
+        eos_token_ids  banned with the row's ``stop_token_ids`` while ``steps[b] < min_tokens``
+                (unless ``ignore_eos``)
+        Returns [B, vocab_size] fp32, a new tensor: a penalised row's seen logits divided by the
+        penalty where > 0, multiplied where <= 0; a banned token's logit -inf. Rows without either
+        are copied unchanged. Nothing waits for the device (the per-row values go down in one
+        pinned, non-blocking copy).
+        """
+        B = self._check_logits(logits, "penalise")
+        if len(params) != B or len(steps) != B:
+            raise ValueError(f"Sampler.penalise: logits has B={B} rows but got {len(params)} params and "
+                             f"{len(steps)} steps")
+        V = self.vocab_size
+        x = logits[:, :V].float().clone()
+        penalty = [p.repetition_penalty for p in params]
+        banned: list[tuple[int, int]] = []
+        for b, (p, t) in enumerate(zip(params, steps)):
+            if t < p.min_tokens:
+                ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+                banned += [(b, i) for i in sorted(ids) if 0 <= i < V]
+        any_penalty = any(v != 1.0 for v in penalty)
+        if not any_penalty and not banned:
+            return x
+        if any_penalty and (seen is None or seen.shape[0] != B or seen.shape[-1] < V):
+            raise ValueError("Sampler.penalise: a repetition penalty needs `seen` [B, >= vocab_size] bool")
+        pin = self.device.type == "cuda"
+        host = torch.tensor(penalty + [float(i) for pair in zip(*banned) for i in pair] if banned else penalty,
+                            dtype=torch.float32, pin_memory=pin)
+        dev = host.to(self.device, non_blocking=pin)
+        if any_penalty:
+            pen = dev[:B, None]
+            hit = seen[:, :V]
+            x = torch.where(hit, torch.where(x > 0, x / pen, x * pen), x)
+        if banned:
+            n = len(banned)
+            rows, cols = dev[B:B + n].long(), dev[B + n:].long()
+            x.index_put_((rows, cols), torch.tensor(-math.inf, device=self.device))
+        return x
 
     def probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """The distribution each row's token is drawn from, after temperature / top-k / top-p.

@@ -1,35 +1,58 @@
 """``fastmamba serve`` / ``python -m fastmamba.serve``: load a model, start the OpenAI-compatible server.
 
-    fastmamba serve --model DIR|PRESET [--tokenizer DIR] [--host 127.0.0.1] [--port 8000]
-                    [--max-batch 64] [--max-waiting 256] [--api-key KEY] [--served-model-name NAME]
-                    [--max-model-len N] [--prefill-chunk 2048] [--device cuda|cpu] [--dtype bf16|fp16|fp32]
-                    [--prefix-cache-gb 4] [--prefix-block N]
+    fastmamba serve --model DIR|PRESET [--tokenizer DIR] [--chat-template FILE] [--host 127.0.0.1]
+                    [--port 8000] [--max-batch 64] [--max-waiting 256] [--api-key KEY]
+                    [--served-model-name NAME [NAME ...]] [--max-model-len N] [--prefill-chunk 2048]
+                    [--device cuda|cpu] [--dtype auto|bfloat16|bf16|float16|fp16|float32|fp32]
+                    [--prefix-cache-gb 4] [--prefix-block N] [--num-kv-pages N] [--shutdown-timeout 30]
 
 Presets have random weights and no tokenizer: they serve token-id prompts (``"prompt": [1, 2, 3]``)
-unless ``--tokenizer DIR`` names a directory with a tokenizer.json (and, for chat, a
-tokenizer_config.json with a ``chat_template``).
+unless ``--tokenizer DIR`` names a directory with a tokenizer.json. Chat needs a template: the
+tokenizer directory's ``chat_template.jinja`` / ``chat_template.json`` / ``tokenizer_config.json``,
+or ``--chat-template FILE``.
+
+``--max-model-len`` bounds prompt + max_tokens of every request and, for a model with attention
+layers, sizes its K/V cache (default: the checkpoint's ``max_position_embeddings``, else 4096),
+clamped to what fits in memory. Every flag is checked before the port is bound and the model
+loads; a bad one ends the command with one line, ``fastmamba serve: error: ...``, and status 2.
+SIGTERM drains: the requests already admitted get ``--shutdown-timeout`` seconds to finish, the
+rest are aborted (503), and the process exits 0.
 """
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import logging
+import math
 import os
+import re
+import socket
 import sys
 from collections.abc import Sequence
 
-DTYPES = ("bf16", "fp16", "fp32")
+DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
+DEFAULT_KV_LEN = 4096  # a hybrid's K/V per request when neither --max-model-len nor the checkpoint says
+KV_MEMORY_FRACTION = 0.8  # of the memory free after the weights, for the K/V pool (less the prefix cache)
+PREFIX = "fastmamba serve"
+log = logging.getLogger("fastmamba.serve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="checkpoint directory or preset (e.g. mamba2-2.7b)")
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
-                        help="directory with tokenizer.json / tokenizer_config.json (default: the model directory)")
+                        help="directory with tokenizer.json (default: the model directory, when it has one)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="chat template (.jinja, or .json with a chat_template field) instead of the tokenizer's")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-batch", type=int, default=64, help="requests decoded together (state-cache slots)")
     parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before 503 + Retry-After")
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
-    parser.add_argument("--served-model-name", default=None, help="the model id in /v1/models (default: --model)")
-    parser.add_argument("--max-model-len", type=int, default=None, help="refuse prompt + max_tokens above this")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the model's name(s) in /v1/models and the `model` field (default: --model)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="the most prompt + max_tokens of one request; sizes a hybrid model's K/V cache "
+                             "(default: the checkpoint's max_position_embeddings)")
     parser.add_argument("--prefill-chunk", type=int, default=2048,
                         help="prompt tokens fed per engine step (chunked prefill: running streams keep going while a "
                              "long prompt is admitted); 0 = whole prompts, one step each")
@@ -40,25 +63,157 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prefilled again); 0 = off")
     parser.add_argument("--prefix-block", type=int, default=None,
                         help="snapshot interval in tokens, a multiple of the model's chunk size (default: ~512)")
+    parser.add_argument("--num-kv-pages", type=int, default=None,
+                        help="K/V pages (16 tokens each) of a hybrid model's pool (default: every slot at "
+                             "--max-model-len, as memory allows); fewer make requests wait for pages")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds that admitted requests may run on after SIGTERM before they are aborted")
     parser.add_argument("--device", default=None, help="default: cuda when present")
-    parser.add_argument("--dtype", choices=DTYPES, default=None, help="weights and activations (default: the loader's)")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--dtype", default=None, metavar="|".join(DTYPES[:3]) + "|...",
+                        help="weights and activations, as load_model names them (default auto: the checkpoint's)")
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"))
 
 
-def build_engine(model: str, dtype: str | None, device: str | None, engine_kwargs: dict):
-    """Load ``model`` and build its ``Engine`` (runs in the engine process)."""
+# ------------------------------------------------------------------------------------------ checks
+
+
+def _int_at_least(args, name: str, low: int, *, optional: bool = False) -> None:
+    v = getattr(args, name.lstrip("-").replace("-", "_"))
+    if v is None and optional:
+        return
+    if v is None or v < low:
+        raise ValueError(f"{name}: expected an integer >= {low}, got {v}")
+
+
+def check_host(host: str) -> None:
+    """ValueError unless ``host`` is an IPv4 / IPv6 address or a host name this machine resolves."""
+    if not host or not isinstance(host, str):
+        raise ValueError(f"--host: expected an IP address or a host name, got {host!r}")
+    if re.fullmatch(r"[0-9.]+", host) or ":" in host:
+        try:
+            ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            raise ValueError(f"--host: {host!r} is not a valid IP address") from None
+        return
+    if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?", host):
+        raise ValueError(f"--host: {host!r} is not a valid host name or IP address")
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ValueError(f"--host: cannot resolve {host!r} ({exc.strerror or exc})") from None
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag checked before anything is bound, spawned or loaded: ValueError / FileNotFoundError
+    naming the flag, what was expected and what came."""
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"--port: expected a port number in 1..65535, got {args.port}")
+    check_host(args.host)
+    _int_at_least(args, "--max-batch", 1)
+    _int_at_least(args, "--max-waiting", 1)
+    _int_at_least(args, "--max-model-len", 1, optional=True)
+    _int_at_least(args, "--prefill-chunk", 0)
+    _int_at_least(args, "--prefix-block", 1, optional=True)
+    _int_at_least(args, "--num-kv-pages", 1, optional=True)
+    gb = args.prefix_cache_gb
+    if not (math.isfinite(gb) and gb >= 0):
+        raise ValueError(f"--prefix-cache-gb: expected a finite number of GiB >= 0 (0 = off), got {gb}")
+    t = args.shutdown_timeout
+    if not (math.isfinite(t) and t >= 0):
+        raise ValueError(f"--shutdown-timeout: expected a finite number of seconds >= 0, got {t}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key: expected a non-empty key (omit the flag to serve without authentication)")
+    if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
+        raise ValueError(f"--served-model-name: expected non-empty names, got {args.served_model_name}")
+    if args.dtype is not None and args.dtype.strip().lower().removeprefix("torch.") not in DTYPES:
+        raise ValueError(f"--dtype: expected one of {', '.join(DTYPES)}, got {args.dtype!r}")
+    if args.tokenizer is not None:
+        if os.path.isfile(args.tokenizer):
+            raise ValueError(f"--tokenizer: {args.tokenizer!r} is a file; pass the directory that holds tokenizer.json")
+        if not os.path.isdir(args.tokenizer):
+            raise ValueError(f"--tokenizer: {args.tokenizer!r} is not a directory")
+        if not os.path.isfile(os.path.join(args.tokenizer, "tokenizer.json")):
+            raise ValueError(f"--tokenizer: {args.tokenizer!r} has no tokenizer.json")
+    if args.chat_template is not None and not os.path.isfile(args.chat_template):
+        raise ValueError(f"--chat-template: {args.chat_template!r} is not a file")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), not yet listening (uvicorn listens once the app is up)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        info = socket.getaddrinfo(host.strip("[]"), port, family=family, type=socket.SOCK_STREAM)
+        sock = socket.socket(info[0][0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[0][4])
+    except OSError as exc:
+        raise ValueError(f"--host/--port: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+# ------------------------------------------------------------------------------------------ the engine
+
+
+def _free_bytes(device) -> int:
     import torch
 
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
+def kv_options(lm, max_batch: int, max_model_len: int | None, num_kv_pages: int | None,
+               prefix_cache_bytes: int) -> dict:
+    """The Engine's K/V options for a model with attention layers ({} for others): max_seq_len from
+    ``max_model_len``, else the checkpoint's ``max_position_embeddings``, else ``DEFAULT_KV_LEN``;
+    a pool of every slot at that length while it fits in ``KV_MEMORY_FRACTION`` of the free memory
+    (less the prefix cache), else as many pages as fit (requests then wait for pages); a default
+    length is clamped to the pool, an explicit one that not even one request fits is an error."""
+    import inspect
+
+    from fastmamba.cache.kv_pages import KVPages
+
+    cfg = lm.cfg
+    if "max_seq_len" not in inspect.signature(lm.new_cache).parameters or "*" not in getattr(cfg, "pattern", ""):
+        return {}
+    page = 16
+    length = max_model_len or getattr(cfg, "max_position_embeddings", None) or DEFAULT_KV_LEN
+    weight = lm.lm_head.weight
+    page_bytes = KVPages.page_bytes(cfg.pattern.count("*"), page, cfg.n_kv_heads, cfg.head_dim, weight.dtype)
+    per_request = -(-length // page)
+    if num_kv_pages is not None:
+        pages = num_kv_pages
+    else:
+        room = int(KV_MEMORY_FRACTION * _free_bytes(weight.device)) - prefix_cache_bytes
+        pages = min(max_batch * per_request, max(room // page_bytes, 0))
+    if pages < per_request:
+        if max_model_len is not None and num_kv_pages is None:
+            raise ValueError(f"--max-model-len {max_model_len}: one request's K/V needs {per_request * page_bytes / 2**30:.2f}"
+                             f" GiB, and only {pages * page_bytes / 2**30:.2f} GiB of memory are free for it")
+        if pages < 1:
+            raise ValueError("the K/V cache does not fit in memory: not even one page is free")
+        length = min(length, pages * page)
+    return {"max_seq_len": length, "kv_page_size": page, "kv_num_pages": pages}
+
+
+def build_engine(model: str, dtype: str | None, device: str | None, engine_kwargs: dict,
+                 max_model_len: int | None = None, num_kv_pages: int | None = None):
+    """Load ``model`` and build its ``Engine`` (runs in the engine process)."""
     import fastmamba
     from fastmamba.generation.engine import Engine
 
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype)
-    lm = fastmamba.load_model(model, dtype=torch_dtype, device=device)
-    return Engine(lm, **engine_kwargs)
+    lm = fastmamba.load_model(model, dtype=dtype, device=device)
+    kwargs = dict(engine_kwargs)
+    kwargs.update(kv_options(lm, kwargs["max_batch"], max_model_len, num_kv_pages,
+                             kwargs.get("prefix_cache_bytes") or 0))
+    return Engine(lm, **kwargs)
 
 
 def build_app(args: argparse.Namespace):
-    """The app with its engine process started (the model loaded): load errors surface here."""
+    """The app with its engine process started (the model loaded and warm): load errors surface here."""
     import functools
 
     from fastmamba.serve import require_serve_deps
@@ -67,29 +222,65 @@ def build_app(args: argparse.Namespace):
     from fastmamba.serve.app import create_app
     from fastmamba.serve.engine_process import EngineProcess
     from fastmamba.serve.tokenization import Codec
+    from fastmamba.serve.worker import log_lines
 
-    tok_dir = args.tokenizer or (args.model if os.path.isdir(args.model) else None)
-    codec = Codec(tok_dir)
-    if args.prefix_cache_gb < 0:
-        raise ValueError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
+    if args.tokenizer is not None:
+        codec = Codec(args.tokenizer, chat_template=args.chat_template, required=True)
+    else:
+        codec = Codec(args.model if os.path.isdir(args.model) else None, chat_template=args.chat_template)
     budget = int(args.prefix_cache_gb * 2**30)
     kwargs = dict(max_batch=args.max_batch, prefill_chunk=args.prefill_chunk or None,
                   prefix_cache_bytes=budget or None, prefix_block=args.prefix_block)
-    worker = EngineProcess(functools.partial(build_engine, args.model, args.dtype, args.device, kwargs),
-                           max_waiting=args.max_waiting)
+    dtype = None if args.dtype in (None, "auto") else args.dtype
+    names = args.served_model_name or [args.model]
+    log.info(f"{PREFIX}: starting the engine process for {args.model} (dtype {args.dtype or 'auto'}, device "
+             f"{args.device or 'auto'})")
+    worker = EngineProcess(functools.partial(build_engine, args.model, dtype, args.device, kwargs,
+                                             args.max_model_len, args.num_kv_pages),
+                           max_waiting=args.max_waiting, on_log=lambda line: log.info(f"{PREFIX}: {line}"))
     try:
         worker.start()
     except RuntimeError as exc:
         raise ValueError(str(exc)) from None
-    return create_app(worker, model_name=args.served_model_name or args.model, codec=codec,
-                      api_key=args.api_key, max_waiting=args.max_waiting, max_model_len=args.max_model_len)
+    info = worker.info
+    log.info(f"{PREFIX}: {log_lines(info, args.model)}; warm-up took {info.get('warm_up_s', 0):.1f} s; "
+             f"serving as {', '.join(names)}; tokenizer {'yes' if codec.has_text else 'none (token ids only)'}, "
+             f"chat template {'yes' if codec.chat_template else 'none'}")
+    max_model_len = args.max_model_len or info.get("max_position_embeddings")
+    return create_app(worker, model_name=names, codec=codec, api_key=args.api_key, max_waiting=args.max_waiting,
+                      max_model_len=max_model_len, shutdown_timeout=args.shutdown_timeout)
+
+
+def _setup_logging(level: str) -> None:
+    numeric = logging.DEBUG if level == "trace" else getattr(logging, level.upper())
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(numeric)
+    log.propagate = False
 
 
 def run(args: argparse.Namespace) -> int:
+    """Check the flags, bind the port, start the engine, serve; user errors: one line and status 2."""
+    debug = os.environ.get("FASTMAMBA_DEBUG", "0") not in ("", "0")
+    try:
+        check_args(args)
+        _setup_logging(args.log_level)
+        sock = bind(args.host, args.port)
+        try:
+            app = build_app(args)
+        except BaseException:
+            sock.close()
+            raise
+    except (ImportError, ValueError, TypeError, OSError) as exc:
+        if debug:
+            raise
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"{PREFIX}: error: {message}", file=sys.stderr)
+        return 2
     from fastmamba.serve.app import serve
 
-    app = build_app(args)
-    serve(app, host=args.host, port=args.port, log_level=args.log_level)
+    serve(app, host=args.host, port=args.port, log_level=args.log_level, sock=sock)
     return 0
 
 
@@ -97,8 +288,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fastmamba.serve", description="OpenAI-compatible server")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except (ImportError, ValueError, FileNotFoundError) as exc:
-        print(f"fastmamba serve: error: {exc}", file=sys.stderr)
-        return 2
+    return run(args)

@@ -1,9 +1,10 @@
 """The OpenAI request schema the server accepts, validated before anything reaches the engine.
 
 Known fields are typed and range-checked (a wrong type or an out-of-range value is a 400 naming
-the field); unknown fields are ignored, as OpenAI clients send extras (``user``, ``stream_options``).
-Fields the engine cannot honour (``echo``, ``best_of`` > ``n``, ``logit_bias``...) are refused by name
-rather than silently dropped.
+the field); other fields are let through (OpenAI clients send extras such as ``user``), except the
+OpenAI and vLLM fields that fastmamba does not implement (``UNSUPPORTED``: tools, structured output,
+beam search ...), and ``echo``, ``best_of`` > ``n``, ``logit_bias``, non-zero presence / frequency
+penalties: those are refused by name rather than silently dropped.
 """
 from __future__ import annotations
 
@@ -16,10 +17,36 @@ from fastmamba.generation.sampling import MAX_LOGPROBS
 MAX_N = 16  # choices per request
 
 
+# Fields of OpenAI's or vLLM's requests that fastmamba does not implement: a request that sets one to
+# anything but its value here (the "off" value; absent or null always passes) is refused with a 400
+# naming it, rather than served as if it were not there.
+UNSUPPORTED: dict[str, tuple] = {
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "parallel_tool_calls": (True, False), "audio": (), "prediction": (), "reasoning_effort": (),
+    "web_search_options": (), "modalities": (["text"],), "suffix": ("",),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "min_p": (0, 0.0), "prompt_logprobs": (),
+    "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "add_special_tokens": (),
+    "continue_final_message": (False,), "chat_template": (), "chat_template_kwargs": ({},), "documents": (),
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool = False
+    continuous_usage_stats: Literal[False] = False
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # extras pass, then ``_unsupported`` refuses the ones we lack
 
     model: str | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 1.0
+    stream_options: StreamOptions | None = None
+    response_format: dict | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[StrictInt, Field(ge=-1)] = -1  # -1 or 0: off (vLLM's convention)
@@ -51,7 +78,20 @@ class _Request(BaseModel):
                 raise ValueError(f"{name}: not supported by fastmamba (only 0)")
         if self.logit_bias:
             raise ValueError("logit_bias: not supported by fastmamba")
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            kind = self.response_format.get("type")
+            raise ValueError(f"response_format: only {{\"type\": \"text\"}} is supported by fastmamba, got type "
+                             f"{kind!r} (no structured output yet)")
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and value is not None and value not in UNSUPPORTED[name]:
+                raise ValueError(f"{name}: not supported by fastmamba")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream: true")
         return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class CompletionRequest(_Request):
@@ -98,7 +138,13 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[dict]
+
+    def text(self) -> str:
+        """The content as one string: text parts joined by newlines (as vLLM renders them)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p["text"] for p in self.content)
 
 
 class ChatCompletionRequest(_Request):
@@ -110,8 +156,50 @@ class ChatCompletionRequest(_Request):
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
+    @model_validator(mode="after")
+    def _text_parts_only(self):
+        for i, m in enumerate(self.messages):
+            for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+                kind = part.get("type")
+                if kind != "text":
+                    raise ValueError(f"messages[{i}].content[{j}]: content parts of type {kind!r} are not supported "
+                                     "by fastmamba (only 'text')")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages[{i}].content[{j}]: a 'text' part needs a 'text' string")
+        return self
+
     def output_limit(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a completion ``prompt`` or chat ``messages``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give either `prompt` (a text) or `messages` (a chat)")
+        if self.messages is not None:
+            ChatCompletionRequest._text_parts_only(self)
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids to text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[StrictInt]
 
 
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
