@@ -39,7 +39,7 @@ GEMV_MAX_TOKENS = 4
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 # (family, dtype, M, F, E, k, token bucket) -> MoeConfig; family: "h100", "h200", ... (gpu_family)
-TABLE: dict[tuple[str, str, int, int, int, int, int], MoeConfig] = {}
+TABLE: dict[tuple[str, str, int, int, int, int, int], MoeConfig | dict] = {}
 
 INTERPRETER = MoeConfig("grouped", 16, 32, 32, 32, 32, 1, 4, 1)
 INTERPRETER_GEMV = MoeConfig("gemv", 16, 16, 32, 16, 32, 1, 4, 1)
@@ -132,7 +132,9 @@ def pick_config(device: torch.device, dtype: torch.dtype, T: int, M: int, F: int
         return INTERPRETER_GEMV if T <= GEMV_MAX_TOKENS else INTERPRETER
     key = (gpu_family(device), str(dtype).replace("torch.", ""), M, F, E, k, token_bucket(T))
     cfg = TABLE.get(key)
-    return cfg if cfg is not None else heuristic(T, M, F, E, k)
+    if cfg is None:
+        return heuristic(T, M, F, E, k)
+    return cfg if isinstance(cfg, MoeConfig) else MoeConfig(**cfg)  # tune prints dicts while TABLE is empty
 
 
 def gemv_config(cfg: MoeConfig, T: int, M: int, F: int, *, interpreter: bool = False) -> MoeConfig:

@@ -1,0 +1,127 @@
+"""``bench kernels --ops moe`` on the CPU: byte / FLOP models by hand, the vLLM layout of the
+alignment, the vLLM and grouped_mm peers against the reference, a wrong kernel caught by the check,
+the tune hooks, and one end-to-end run through the command line (Triton interpreter, tiny shape).
+
+Run: ``TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/bench/test_bench_moe_cpu.py``.
+Timings here mean nothing; what is checked is that every path runs and a wrong result is caught.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fastmamba import cli
+from fastmamba.bench import bytes as byte_models
+from fastmamba.bench.ops import moe as moe_bench
+from fastmamba.bench.ops._base import Provider
+from fastmamba.ops.moe import configs
+from fastmamba.ops.moe.ref import fused_moe_ref
+
+CPU = torch.device("cpu")
+
+
+def test_byte_and_flop_models_by_hand():
+    # T=2, M=4, F=3, k=2, 3 experts touched, bf16: weights 2*3*4*3*2, x and out 2*2*4*2, routing 2*2*8
+    assert byte_models.moe_bytes(2, 4, 3, 2, 3, act_dtype=torch.bfloat16) == 144 + 32 + 32 == 208
+    assert byte_models.moe_flops(2, 4, 3, 2) == 4 * 2 * 2 * 4 * 3 == 192
+    assert byte_models.moe_route_bytes(2, 8, 2) == 2 * 8 * 4 + 8 * 4 + 2 * 2 * 8 == 128
+
+
+def test_cases_count_the_experts_touched():
+    bench = moe_bench.MoeBench((3,))
+    cases = bench.cases(CPU, [])
+    experts = [c for c in cases if c.op == moe_bench.EXPERTS]
+    assert [c.op for c in cases] == [moe_bench.ROUTE, moe_bench.EXPERTS] and len(experts) == 1
+    case = experts[0]
+    ids = bench._routing[(case.shape, 3)][3]
+    M, F, E, k = moe_bench.CPU_SHAPES["tiny"]
+    touched = int(ids.unique().numel())
+    assert case.nbytes == byte_models.moe_bytes(3, M, F, k, touched, act_dtype=torch.float32)
+    assert f"({touched} experts touched)" in case.dims and case.flops == 4 * 3 * k * M * F
+
+
+def _experts_case_and_set(T=5):
+    bench = moe_bench.MoeBench((T,))
+    case = next(c for c in bench.cases(CPU, []) if c.op == moe_bench.EXPERTS)
+    return bench, case, bench.make_set(case, CPU, seed=0)
+
+
+def test_wrong_kernel_is_caught():
+    bench, case, inp = _experts_case_and_set()
+    bench.providers(CPU)
+    ref = Provider("torch-ref", "ref", "t", fused_moe_ref)
+    wrong = Provider("fastmamba", "ours", "t", lambda x, *a: torch.zeros_like(x))
+    assert bench.check(wrong, ref, case, inp).startswith("FAIL")
+    assert bench.check(ref, ref, case, inp) == "ok"
+
+
+def test_grouped_mm_peer_matches_reference():
+    bench, case, inp = _experts_case_and_set()
+    prov = moe_bench.grouped_mm_provider(CPU)
+    if not prov.available:
+        pytest.skip(prov.reason)
+    got = prov.fn(*bench.args(case, inp))
+    torch.testing.assert_close(got, fused_moe_ref(*bench.args(case, inp)), atol=1e-4, rtol=1e-4)
+
+
+def test_vllm_layout_of_the_alignment():
+    """sorted ids with the sentinel P in pad rows, an expert id per block, the padded row count."""
+    ids = torch.tensor([[0, 2], [2, 3], [0, 2]], dtype=torch.int32)  # expert 1 gets nothing
+    bm = 16
+    sorted_ids, expert_ids, padded = moe_bench.vllm_align(ids, 4, bm)
+    counts = [2, 0, 3, 1]
+    assert int(padded) == 3 * bm  # three experts with pairs, one block each
+    assert expert_ids[:3].tolist() == [0, 2, 3]
+    flat = ids.flatten()
+    for b, e in enumerate([0, 2, 3]):
+        block = sorted_ids[b * bm:(b + 1) * bm]
+        real = block[:counts[e]]
+        assert sorted(real.tolist()) == torch.nonzero(flat == e).flatten().tolist()
+        assert (block[counts[e]:] == 6).all()  # the sentinel: T*k
+
+
+def test_vllm_default_config_rules():
+    small, big = moe_bench.vllm_default_config(1, 128), moe_bench.vllm_default_config(4096, 128)
+    assert (small["BLOCK_SIZE_M"], small["BLOCK_SIZE_N"], small["BLOCK_SIZE_K"], small["num_stages"]) == (16, 64, 128, 4)
+    assert (big["BLOCK_SIZE_M"], big["BLOCK_SIZE_N"], big["GROUP_SIZE_M"], big["num_warps"]) == (128, 128, 1, 8)
+    assert moe_bench.vllm_default_config(100000, 128)["GROUP_SIZE_M"] == 16
+
+
+def test_vllm_peer_matches_reference():
+    """vLLM's fused_moe_kernel (staged in peers/vllm_fused_moe) through the interpreter."""
+    if moe_bench.vllm_moe_dir() is None:
+        pytest.skip("peers/vllm_fused_moe/ not staged (see fastmamba/bench/ops/moe.py)")
+    bench, case, inp = _experts_case_and_set()
+    prov = moe_bench.vllm_provider(CPU)
+    assert prov.available, prov.reason
+    got = prov.fn(*bench.args(case, inp))
+    torch.testing.assert_close(got, fused_moe_ref(*bench.args(case, inp)), atol=1e-4, rtol=1e-4)
+
+
+def test_tune_hooks():
+    bench = moe_bench.MoeBench((1, 64))
+    cases = bench.tune_cases(CPU, [])
+    assert [c.batch for c in cases] == [1, 64] and all(c.op == moe_bench.EXPERTS for c in cases)
+    one, many = (bench.tune_candidates(configs, c) for c in cases)
+    assert one and all(c["path"] == "gemv" for c in one)
+    assert many and all(c["path"] == "grouped" for c in many)
+    with configs.forced_config(**many[0]):
+        assert configs.pick_config(CPU, torch.float32, 64, 48, 40, 8, 2, interpreter=True) == configs.MoeConfig(**many[0])
+    assert bench.tune_table_key(configs, cases[0]) == ("cpu", "float32", 48, 40, 8, 2, 1)
+
+
+def test_end_to_end_through_the_command_line(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    rc = cli.main(["bench", "kernels", "--ops", "moe", "--batch", "5", "--quick", "--device", "cpu",
+                   "--json", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    by = {(r["op"], r["provider"]): r for r in rows}
+    for op, prov in [("moe_route", "fastmamba"), ("fused_moe", "fastmamba"), ("fused_moe", "fastmamba-gemv"),
+                     ("fused_moe", "torch-grouped_mm")]:
+        r = by[(op, prov)]
+        assert r["status"] == "ok" and r["check"] == "ok", (op, prov, r["note"], r["check"])
+    assert by[("fused_moe", "fastmamba")]["bytes"] > 0 and by[("fused_moe", "fastmamba")]["flops"] > 0
+    assert by[("moe_route", "torch-grouped_mm")]["status"] == "skipped"
+    assert rc == 0
