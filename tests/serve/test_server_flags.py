@@ -1,0 +1,108 @@
+"""``fastmamba serve`` flags: every bad value ends the command with one line,
+``fastmamba serve: error: ...`` naming the flag, and status 2, before a port is bound or the model
+loads; the dtype names ``load_model`` takes are accepted."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from fastmamba.serve import cli as serve_cli
+
+BAD = [
+    (["--port", "70000"], "--port"), (["--port", "-1"], "--port"), (["--port", "0"], "--port"),
+    (["--host", "256.0.0.1"], "--host"), (["--host", "bad host!"], "--host"), (["--host", "::zz"], "--host"),
+    (["--max-waiting", "0"], "--max-waiting"), (["--max-waiting", "-1"], "--max-waiting"),
+    (["--max-model-len", "0"], "--max-model-len"), (["--max-model-len", "-5"], "--max-model-len"),
+    (["--max-batch", "0"], "--max-batch"), (["--prefill-chunk", "-1"], "--prefill-chunk"),
+    (["--tokenizer", "/nonexistent"], "--tokenizer"), (["--api-key", ""], "--api-key"),
+    (["--api-key", "  "], "--api-key"),
+    (["--prefix-cache-gb", "nan"], "--prefix-cache-gb"), (["--prefix-cache-gb", "inf"], "--prefix-cache-gb"),
+    (["--prefix-cache-gb", "-1"], "--prefix-cache-gb"), (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+    (["--shutdown-timeout", "nan"], "--shutdown-timeout"), (["--dtype", "float64"], "--dtype"),
+    (["--chat-template", "/nonexistent.jinja"], "--chat-template"), (["--num-kv-pages", "0"], "--num-kv-pages"),
+    (["--served-model-name", ""], "--served-model-name"),
+]
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """A bad flag must be reported before a port is bound or the engine process starts."""
+    def refuse(*a, **k):
+        raise AssertionError("a port was bound or the engine started before the flags were checked")
+
+    monkeypatch.setattr(serve_cli, "bind", refuse)
+    monkeypatch.setattr(serve_cli, "build_app", refuse)
+
+
+def assert_one_line(rc: int, err: str, flag: str) -> None:
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fastmamba serve: error: "), err
+    assert flag in lines[0] and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, flag", BAD, ids=[" ".join(a) or "empty" for a, _ in BAD])
+def test_bad_flag_is_one_line(argv, flag, capsys, nothing_starts):
+    rc = serve_cli.main(["--model", "mamba2-tiny", *argv])
+    assert_one_line(rc, capsys.readouterr().err, flag)
+
+
+def test_tokenizer_dir_without_tokenizer_json(tmp_path, capsys, nothing_starts):
+    rc = serve_cli.main(["--model", "mamba2-tiny", "--tokenizer", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert_one_line(rc, err, "--tokenizer")
+    assert "tokenizer.json" in err
+    (tmp_path / "f").write_text("x")
+    rc = serve_cli.main(["--model", "mamba2-tiny", "--tokenizer", str(tmp_path / "f")])
+    assert_one_line(rc, capsys.readouterr().err, "--tokenizer")
+
+
+def test_through_the_fastmamba_command(capsys, nothing_starts):
+    from fastmamba import cli
+
+    rc = cli.main(["serve", "--model", "mamba2-tiny", "--port", "70000"])
+    assert_one_line(rc, capsys.readouterr().err, "--port")
+
+
+def test_taken_port_is_one_line_before_the_model_loads(capsys, monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("the engine started although the port is taken")
+
+    monkeypatch.setattr(serve_cli, "build_app", refuse)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        rc = serve_cli.main(["--model", "mamba2-tiny", "--port", str(s.getsockname()[1])])
+    err = capsys.readouterr().err
+    assert_one_line(rc, err, "--host/--port")
+    assert "in use" in err
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "bf16", "auto", "float32", "torch.float16"])
+def test_load_model_dtype_names_are_accepted(dtype, monkeypatch):
+    args = serve_cli.argparse.ArgumentParser()
+    serve_cli.add_arguments(args)
+    serve_cli.check_args(args.parse_args(["--model", "mamba2-tiny", "--dtype", dtype]))
+
+
+def test_bfloat16_engine(monkeypatch):
+    """--dtype bfloat16 reaches load_model as it is named (the engine process's build)."""
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    engine = serve_cli.build_engine("mamba2-tiny", "bfloat16", "cpu", {"max_batch": 1, "cuda_graphs": False})
+    assert engine.model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_real_entry_point_exits_2_before_loading():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "fastmamba.serve", "--model", "mamba2-2.7b", "--port", "70000"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert_one_line(r.returncode, r.stderr, "--port")
+    assert "70000" in r.stderr
