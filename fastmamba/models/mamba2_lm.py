@@ -32,9 +32,10 @@ from fastmamba.cache.state_cache import StateCache
 from fastmamba.generation.rounding import check_rand_seed
 from fastmamba.layers.mamba2 import DecodeTricks, Mamba2Mixer
 from fastmamba.models.config import Mamba2Config
+from fastmamba.models.inputs import check_index_tensor, embed, host_metadata
 from fastmamba.ops import add_rmsnorm
 from fastmamba.ops._common.checks import check_host_copies
-from fastmamba.ops._common.host_values import host_list, host_reads_allowed, trusted_inputs
+from fastmamba.ops._common.host_values import host_reads_allowed, trusted_inputs
 from fastmamba.ops.ssd_scan.hopper import long_prefill_kernels
 
 
@@ -85,7 +86,7 @@ class Mamba2LM(nn.Module):
         return (lambda i: None) if rand_seed is None else (lambda i: rand_seed[i:i + 1])
 
     def _run(self, input_ids: torch.Tensor, mix, *, rows: torch.Tensor | None = None,
-             defer_norm: bool = False) -> torch.Tensor:
+             defer_norm: bool = False, who: tuple[str, str] = ("Mamba2LM.forward", "input_ids")) -> torch.Tensor:
         """Embeddings -> blocks -> final norm -> fp32 logits (of the leading-dim ``rows`` only, if
         given); ``mix(i, mixer, normed)`` runs layer i's mixer, or ``mix(i, mixer, normed,
         norm_sumsq)`` with ``defer_norm`` (a prefill's ``forward_varlen``).
@@ -96,7 +97,8 @@ class Mamba2LM(nn.Module):
         ``pending_norm``), which saves the norm's pass over [T, d_inner].
         """
         rdtype = torch.float32 if self.cfg.residual_in_fp32 else self.dtype
-        out, residual, pending = self.backbone.embeddings(input_ids), None, None
+        # the embedding runs first: an id outside the vocabulary fails before any state moves
+        out, residual, pending = embed(self.backbone.embeddings, input_ids, *who), None, None
         for i, layer in enumerate(self.backbone.layers):
             mixer = layer.mixer
             normed, residual = add_rmsnorm(out, residual, layer.norm.weight, layer.norm.eps, residual_dtype=rdtype,
@@ -134,6 +136,7 @@ class Mamba2LM(nn.Module):
 
         The packed call of ``prefill_varlen`` with ``cu_seqlens = [0, L, 2L, ...]``.
         """
+        check_index_tensor("Mamba2LM.prefill", "input_ids", input_ids, "token ids")
         if input_ids.dim() != 2 or input_ids.shape[1] < 1:
             raise ValueError(f"Mamba2LM.prefill: `input_ids` expected shape (B, L) with L >= 1, "
                              f"got {tuple(input_ids.shape)}")
@@ -189,6 +192,7 @@ class Mamba2LM(nn.Module):
         its last prefill (after one, the conv history is not right-aligned and the SSM state
         lags by the uncommitted replay).
         """
+        check_index_tensor("Mamba2LM.prefill_varlen", "input_ids", input_ids, "token ids")
         if input_ids.dim() != 1:
             raise ValueError(f"Mamba2LM.prefill_varlen: `input_ids` expected shape (T,), got {tuple(input_ids.shape)}")
         if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
@@ -198,7 +202,7 @@ class Mamba2LM(nn.Module):
         if tuple(slots.shape) != (nseq,):
             raise ValueError(f"Mamba2LM.prefill_varlen: `slots` expected shape (B,)=({nseq},), "
                              f"got {tuple(slots.shape)}")
-        cu, slot_values = self._host_metadata(cu_seqlens, slots, cu_seqlens_host, slots_host)
+        cu, slot_values = self._host_metadata(cu_seqlens, slots, cu_seqlens_host, slots_host, input_ids)
         empty = [b for b in range(nseq) if cu[b + 1] <= cu[b]]
         T = input_ids.shape[0]
         if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
@@ -250,16 +254,16 @@ class Mamba2LM(nn.Module):
                 lambda i, mixer, h, norm_sumsq=None: mixer.forward_varlen(
                     h, cu_seqlens, cache.conv[i], cache.ssm[i], slots, flags, rand_seed=seed(i), snapshot=snap(i),
                     max_seqlen=longest, live_seqs=live_seqs, norm_sumsq=norm_sumsq),
-                rows=last, defer_norm=True,
+                rows=last, defer_norm=True, who=("Mamba2LM.prefill_varlen", "input_ids"),
             )
             if cache.speculate:
                 cache.mark_prefilled(slots)
         return logits
 
-    @staticmethod
-    def _host_metadata(cu_seqlens: torch.Tensor, slots: torch.Tensor, cu_host: Sequence[int] | None,
-                       slots_host: Sequence[int] | None) -> tuple[list[int], list[int]]:
-        """(cu_seqlens, slots) as host int lists: the given host copies, else one read of both tensors."""
+    def _host_metadata(self, cu_seqlens: torch.Tensor, slots: torch.Tensor, cu_host: Sequence[int] | None,
+                       slots_host: Sequence[int] | None, input_ids: torch.Tensor) -> tuple[list[int], list[int]]:
+        """(cu_seqlens, slots) as host int lists: the given host copies, else one read of both tensors
+        (which checks the token ids' range too: ``fastmamba.models.inputs.host_metadata``)."""
         who = "Mamba2LM.prefill_varlen"
         for name, t in (("cu_seqlens", cu_seqlens), ("slots", slots)):
             if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
@@ -271,19 +275,21 @@ class Mamba2LM(nn.Module):
         if not host_reads_allowed(cu_seqlens):
             raise ValueError(f"{who}: cu_seqlens and slots cannot be read on the host here (CUDA-graph capture, "
                              "torch.compile tracing or trusted_inputs()); pass `cu_seqlens_host` and `slots_host`")
-        both = host_list(torch.cat([cu_seqlens.long(), slots.to(cu_seqlens.device).long()]))  # one read
-        n = cu_seqlens.shape[0]
-        cu = [int(v) for v in cu_host] if cu_host is not None else both[:n]
-        return cu, [int(v) for v in slots_host] if slots_host is not None else both[n:]
+        cu, sl = host_metadata(who, "input_ids", input_ids, self.cfg.vocab_size, [cu_seqlens, slots])  # one read
+        cu = [int(v) for v in cu_host] if cu_host is not None else cu
+        return cu, [int(v) for v in slots_host] if slots_host is not None else sl
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor, *,
                rand_seed: torch.Tensor | None = None) -> torch.Tensor:
         """One token per request [B] -> next-token logits [B, V]; the slots' states advance in place.
         rand_seed: int64 [n_layer] device tensor or None (stochastic rounding of 16-bit states)."""
+        check_index_tensor("Mamba2LM.decode", "token_ids", token_ids, "token ids")
+        check_index_tensor("Mamba2LM.decode", "slots", slots, "cache slots")
         seed = self._seed(rand_seed, "Mamba2LM.decode")
         return self._run(token_ids,
-                         lambda i, mixer, h: mixer.step(h, cache.conv[i], cache.ssm[i], slots, rand_seed=seed(i)))
+                         lambda i, mixer, h: mixer.step(h, cache.conv[i], cache.ssm[i], slots, rand_seed=seed(i)),
+                         who=("Mamba2LM.decode", "token_ids"))
 
     @torch.inference_mode()
     def verify(self, token_ids: torch.Tensor, cache: StateCache, slots: torch.Tensor, *,
@@ -307,6 +313,8 @@ class Mamba2LM(nn.Module):
         slots. No host sync of its own (the ops' index checks read the slots once, except while
         a CUDA graph is being captured).
         """
+        check_index_tensor("Mamba2LM.verify", "token_ids", token_ids, "token ids")
+        check_index_tensor("Mamba2LM.verify", "slots", slots, "cache slots")
         if not cache.speculate:
             raise ValueError("Mamba2LM.verify: the cache was built without speculation; use new_cache(..., speculate=K)")
         if path not in ("replay", "legacy", "plain"):
@@ -329,7 +337,7 @@ class Mamba2LM(nn.Module):
                                path=path, intermediate_states=inter[i], no_dst=no_dst, rand_seed=seed(i))
             return out.view(nreq * ntok, -1)
 
-        return self._run(token_ids.reshape(-1), mix).view(nreq, ntok, -1)
+        return self._run(token_ids.reshape(-1), mix, who=("Mamba2LM.verify", "token_ids")).view(nreq, ntok, -1)
 
     def commit(self, cache: StateCache, slots: torch.Tensor, accepted: torch.Tensor, *, path: str = "replay") -> None:
         """After ``verify`` on ``path``: request b keeps its first ``accepted[b]`` inputs (1..T: the

@@ -46,6 +46,7 @@ from fastmamba.generation.rounding import check_rand_seed
 from fastmamba.layers.attention import KVBatch
 from fastmamba.models.blocks import Batch, RMSNorm, SpecBatch, build_blocks
 from fastmamba.layers.moe import MoEConfig
+from fastmamba.models.inputs import check_index_tensor, embed, host_metadata
 from fastmamba.models.config import Mamba2Config, _as_float, _Fields, checkpoint_eos_token_ids
 from fastmamba.models.loader import _checkpoint_dtype, _default_device, random_init  # random_init: re-exported for the presets
 from fastmamba.ops import add_rmsnorm
@@ -492,12 +493,14 @@ class NemotronHLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def _run(self, input_ids: torch.Tensor, mix, *, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def _run(self, input_ids: torch.Tensor, mix, *, rows: torch.Tensor | None = None,
+             hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Embeddings -> blocks -> final norm -> fp32 logits (of the leading-dim ``rows`` only, if
         given); ``mix(block, normed)`` runs one block's mixer. Each block boundary is one fused
         kernel: residual += previous output, then the next block's RMSNorm."""
         rdtype = torch.float32 if self.cfg.residual_in_fp32 else self.dtype
-        out, residual = self.backbone.embeddings(input_ids), None
+        out = self.backbone.embeddings(input_ids) if hidden is None else hidden  # hidden: embedded already
+        residual = None
         for block in self.backbone.layers:
             normed, residual = add_rmsnorm(out, residual, block.norm.weight, block.norm.eps, residual_dtype=rdtype)
             out = mix(block, normed)
@@ -541,6 +544,7 @@ class NemotronHLM(nn.Module):
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, cache: HybridCache, slots: torch.Tensor) -> torch.Tensor:
         """B prompts of equal length [B, L]; returns the last logits [B, V] (``prefill_varlen``)."""
+        check_index_tensor("NemotronHLM.prefill", "input_ids", input_ids, "token ids")
         if input_ids.dim() != 2 or input_ids.shape[1] < 1:
             raise ValueError(f"NemotronHLM.prefill: `input_ids` expected shape (B, L) with L >= 1, "
                              f"got {tuple(input_ids.shape)}")
@@ -601,6 +605,10 @@ class NemotronHLM(nn.Module):
                     (``GraphedPrefill``'s static inputs); nothing is grown, uploaded or read back
         Mamba states are mutated in place, the prompts' K/V written into their pages.
         """
+        who = "NemotronHLM.prefill_varlen"
+        check_index_tensor(who, "input_ids", input_ids, "token ids")
+        check_index_tensor(who, "cu_seqlens", cu_seqlens, "prompt offsets")
+        check_index_tensor(who, "slots", slots, "cache slots")
         if input_ids.dim() != 1:
             raise ValueError(f"NemotronHLM.prefill_varlen: `input_ids` expected shape (T,), "
                              f"got {tuple(input_ids.shape)}")
@@ -614,17 +622,20 @@ class NemotronHLM(nn.Module):
         check_host_copies("NemotronHLM.prefill_varlen", (("cu_seqlens_host", cu_seqlens_host, cu_seqlens),
                                                          ("slots_host", slots_host, slots)))
         check_rand_seed(rand_seed, self.cfg.n_layer, self.lm_head.weight.device, "NemotronHLM.prefill_varlen")
-        cu = [int(v) for v in cu_seqlens_host] if cu_seqlens_host is not None else host_list(cu_seqlens)
+        reads = [t for t, host in ((cu_seqlens, cu_seqlens_host), (slots, slots_host)) if host is None]
+        read = host_metadata(who, "input_ids", input_ids, self.cfg.vocab_size, reads) if reads else []
+        # (the token ids' range rides in that one read; without one, they meet the embedding below first)
+        cu = [int(v) for v in cu_seqlens_host] if cu_seqlens_host is not None else read.pop(0)
         if cu[0] != 0 or cu[-1] != input_ids.shape[0]:
             raise ValueError(f"NemotronHLM.prefill_varlen: `cu_seqlens` must start at 0 and end at T="
                              f"{input_ids.shape[0]}, got {cu[0]} .. {cu[-1]}")
+        if any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"NemotronHLM.prefill_varlen: `cu_seqlens` must not decrease, got {cu[:16]}")
         empty = [b for b in range(nseq) if cu[b + 1] <= cu[b]]
         if empty:
             raise ValueError(f"NemotronHLM.prefill_varlen: every prompt needs at least one token; prompts "
                              f"{empty[:8]} have none")
-        if any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"NemotronHLM.prefill_varlen: `cu_seqlens` must not decrease, got {cu[:16]}")
-        sl = [int(v) for v in slots_host] if slots_host is not None else host_list(slots)
+        sl = [int(v) for v in slots_host] if slots_host is not None else read.pop(0)
         live = [s for s in sl if s != -1]
         if len(set(live)) != len(live) or (staged is None and len(live) != len(sl)):
             raise ValueError(f"NemotronHLM.prefill_varlen: `slots` must be distinct allocated slots, got {sl[:16]}")
@@ -634,6 +645,7 @@ class NemotronHLM(nn.Module):
                              f"got {live_seqs!r}")
         lens = [cu[b + 1] - cu[b] for b in range(nseq)]
         dev = input_ids.device
+        hidden = None
         if staged is not None:
             has_initial_state, kv, snap = self._staged_inputs(staged, has_initial_state, snapshots, cache, slots,
                                                               cu_seqlens, cu, sl, nseq, input_ids.shape[0])
@@ -651,6 +663,7 @@ class NemotronHLM(nn.Module):
                                     f"DeviceSnapshots goes with `staged`), got {type(snapshots).__name__}")
                 snap = layer_snapshots(snapshots, cu, cache.conv[0].shape[-1], self.cfg.mamba, dev,
                                        "NemotronHLM.prefill_varlen")
+            hidden = embed(self.backbone.embeddings, input_ids, who, "input_ids")  # before the cache moves
             ctx = cache.grow(sl, lens)  # raises before anything is touched if a slot is not allocated
             has_initial_state, kv = self._upload_inputs(cache, slots, cu_seqlens, cu, sl, ctx, lens, dev)
         batch = Batch(slots, cu_seqlens, has_initial_state, kv, rand_seed, snapshot=snap, max_seqlen=max(lens),
@@ -659,7 +672,7 @@ class NemotronHLM(nn.Module):
         # take the Hopper kernel (ops/ssd_scan/hopper.py), whose launch cost hides behind the queued layers
         with trusted_inputs(), long_prefill_kernels(input_ids.shape[0]):
             logits = self._run(input_ids, lambda block, h: block.prefill(h, cache, batch),
-                               rows=cu_seqlens[1:].long() - 1)
+                               rows=cu_seqlens[1:].long() - 1, hidden=hidden)
             if cache.speculate:
                 cache.mark_prefilled(slots)
         return logits
@@ -725,18 +738,24 @@ class NemotronHLM(nn.Module):
                 static device buffers only; the positions come from ``cache.kv.seq_lens``).
         rand_seed  int64 [n_layer] device tensor or None: stochastic rounding of 16-bit SSM states
         """
+        who = "NemotronHLM.decode"
+        check_index_tensor(who, "token_ids", token_ids, "token ids")
+        check_index_tensor(who, "slots", slots, "cache slots")
         if token_ids.dim() != 1 or tuple(slots.shape) != tuple(token_ids.shape):
             raise ValueError(f"NemotronHLM.decode: `token_ids` and `slots` expected shape (B,), got "
                              f"{tuple(token_ids.shape)} and {tuple(slots.shape)}")
         check_rand_seed(rand_seed, self.cfg.n_layer, self.lm_head.weight.device, "NemotronHLM.decode")
-        if grow:
-            cache.grow(host_list(slots), [1] * token_ids.shape[0])
+        hidden = None
+        if grow:  # the slots' read (the cache grows on the host) checks the token ids too
+            (sl,) = host_metadata(who, "token_ids", token_ids, self.cfg.vocab_size, [slots])
+            hidden = embed(self.backbone.embeddings, token_ids, who, "token_ids")
+            cache.grow(sl, [1] * token_ids.shape[0])
         kv = None
         if cache.kv is not None:
             positions = cache.kv.seq_lens[slots.long().clamp(min=0)].long() - 1
             kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions)
         batch = Batch(slots, kv=kv, rand_seed=rand_seed)
-        return self._run(token_ids, lambda block, h: block.decode(h, cache, batch))
+        return self._run(token_ids, lambda block, h: block.decode(h, cache, batch), hidden=hidden)
 
     step = decode
 
@@ -753,6 +772,9 @@ class NemotronHLM(nn.Module):
         False: the caller grew it (a CUDA-graph replay: no host read below). ``commit`` then keeps
         the accepted tokens and drops the rest of the K/V (``rollback``).
         """
+        who = "NemotronHLM.verify"
+        check_index_tensor(who, "token_ids", token_ids, "token ids")
+        check_index_tensor(who, "slots", slots, "cache slots")
         if not cache.speculate:
             raise ValueError("NemotronHLM.verify: the cache was built without speculation; use new_cache(..., speculate=K)")
         if path not in ("replay", "legacy", "plain"):
@@ -765,8 +787,11 @@ class NemotronHLM(nn.Module):
         if tuple(slots.shape) != (nreq,):
             raise ValueError(f"NemotronHLM.verify: `slots` expected shape (B,)=({nreq},), got {tuple(slots.shape)}")
         check_rand_seed(rand_seed, self.cfg.n_layer, self.lm_head.weight.device, "NemotronHLM.verify")
-        if grow:
-            cache.grow(host_list(slots), [ntok] * nreq)
+        hidden = None
+        if grow:  # the slots' read (the cache grows on the host) checks the token ids too
+            (sl_host,) = host_metadata(who, "token_ids", token_ids, self.cfg.vocab_size, [slots])
+            hidden = embed(self.backbone.embeddings, token_ids.reshape(-1), who, "token_ids")
+            cache.grow(sl_host, [ntok] * nreq)
         sl = slots.long()
         n_mamba = len(self.cfg.layers_of("M"))
         inter = cache.legacy_intermediate(nreq) if path == "legacy" else [None] * n_mamba
@@ -784,7 +809,8 @@ class NemotronHLM(nn.Module):
             kv_read = KVBatch(table, (positions + 1).to(torch.int32), rows, positions)
         spec = SpecBatch(ntok, path, cache.conv_accepted[sl], inter, no_dst, kv_read)
         batch = Batch(slots, kv=kv, rand_seed=rand_seed, spec=spec)
-        return self._run(token_ids.reshape(-1), lambda block, h: block.verify(h, cache, batch)).view(nreq, ntok, -1)
+        return self._run(token_ids.reshape(-1), lambda block, h: block.verify(h, cache, batch),
+                         hidden=hidden).view(nreq, ntok, -1)
 
     def commit(self, cache: HybridCache, slots: torch.Tensor, accepted: torch.Tensor, *, path: str = "replay",
                rollback: bool = True) -> None:
