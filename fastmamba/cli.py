@@ -34,14 +34,19 @@ import os
 import sys
 from collections.abc import Sequence
 
-from fastmamba.bench import targets as bench_targets
-from fastmamba.models.config import PRESETS
+# the parser is built from plain data: `fastmamba --help` must not import torch (seconds); the
+# commands import torch, the models and the benchmarks when they run
+from fastmamba import __version__
+from fastmamba.presets import PRESET_NAMES, hub_id_hint, preset_lines
 
 EXIT_USAGE = 2  # argparse's status for a bad command line; ours for every user error
 
 # what the CLI reports as ``fastmamba: error: <message>`` (exit 2) instead of a traceback: a missing
 # or unreadable path, a bad config / weight / tokenizer file, a bad option value, a missing package
 USER_ERRORS = (OSError, ValueError, TypeError, ImportError, NotImplementedError)
+
+# --dtype values, as load_model reads them (fastmamba.models.loader.parse_dtype checks them)
+DTYPE_HELP = "auto (default: the checkpoint's), bfloat16 / bf16, float16 / fp16 / half, float32 / fp32"
 
 
 class UsageError(Exception):
@@ -68,38 +73,41 @@ def _non_negative_int(text: str) -> int:
     return v
 
 
-def _preset_lines() -> str:
-    rows = []
-    for name, c in PRESETS.items():
-        params = c.vocab_size * c.d_model * (1 if c.tie_embeddings else 2) + c.n_layer * (
-            c.d_model * c.d_in_proj + c.conv_dim * c.d_conv + c.d_inner * c.d_model)
-        rows.append(f"  {name:13} {c.n_layer:3d} layers, d_model {c.d_model:4d}, {c.nheads:3d} heads, "
-                    f"vocab {c.vocab_size:5d}  ~{params / 1e6:,.{1 if params < 1e7 else 0}f}M parameters")
-    return "\n".join(rows)
-
-
 GENERATE_EPILOG = f"""\
-presets (--model NAME): the shapes of the public Mamba-2 models with RANDOM weights (fixed seed),
-for speed measurements. They have no tokenizer: give the prompt as token ids (--prompt-ids 1,2,3);
-the tokens they print are ids and mean nothing.
-{_preset_lines()}
+presets (--model NAME): the shapes of public models with RANDOM weights (fixed seed), for speed
+measurements. They have no tokenizer: give the prompt as token ids (--prompt-ids 1,2,3); the tokens
+they print are ids and mean nothing.
+{preset_lines()}
 
 text: --model DIR of a real checkpoint (config.json, model.safetensors or pytorch_model.bin, and
 tokenizer.json; state-spaces or Hugging Face format), e.g.
   fastmamba generate --model ./mamba2-130m --prompt "The capital of France is"
+a model on the Hugging Face Hub: download it first, then pass the directory:
+  huggingface-cli download state-spaces/mamba2-130m --local-dir ./mamba2-130m
 """
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    """The top-level parser and its sub-command parsers by name."""
+def build_parser(command: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser and its sub-command parsers by name.
+
+    ``command``: the sub-command about to run. The benchmark targets' options are added only for
+    ``bench`` (building them imports torch and every benchmark); for anything else ``bench`` is
+    listed with its help line and nothing heavier is imported.
+    """
     parser = argparse.ArgumentParser(prog="fastmamba", description="fastmamba: Mamba-2 inference kernels and runtime")
+    parser.add_argument("--version", action="version", version=f"fastmamba {__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback on errors (also accepted after the sub-command)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    bench = sub.add_parser(
-        "bench", help="run a benchmark (same as python -m fastmamba.bench)", description="fastmamba benchmarks"
-    )
-    bench_targets.configure(bench)
+    bench_help = "run a benchmark (same as python -m fastmamba.bench)"
+    if command == "bench":
+        from fastmamba.bench import targets as bench_targets
+
+        bench = sub.add_parser("bench", help=bench_help, description="fastmamba benchmarks")
+        bench_targets.configure(bench)
+    else:
+        bench = sub.add_parser("bench", help=bench_help, add_help=False)
+        bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(_handler=_bench)
     gen = sub.add_parser(
         "generate", help="generate text (real checkpoint) or token ids (random-weight preset), streaming",
@@ -107,10 +115,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         epilog=GENERATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     gen.add_argument("--model", required=True, metavar="DIR|PRESET",
-                     help=f"checkpoint directory, or a preset with random weights: {', '.join(PRESETS)}")
+                     help=f"checkpoint directory, or a preset with random weights: {', '.join(PRESET_NAMES)}")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT",
-                     help="prompt text; needs a checkpoint directory with tokenizer.json (not a preset)")
+                     help="prompt text, encoded with the tokenizer's special tokens (its BOS) as transformers and "
+                          "vLLM do; needs a checkpoint directory with tokenizer.json (not a preset)")
     src.add_argument("--prompt-ids", metavar="IDS", help="prompt as comma-separated token ids, e.g. 1,2,3")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -126,8 +135,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     gen.add_argument("--batch", type=_positive_int, default=1, metavar="B",
                      help="run the prompt as B parallel requests; streams the first")
     gen.add_argument("--device", default=None, help="default: cuda when present")
-    gen.add_argument("--dtype", default=None, metavar="DTYPE",
-                     help="weights' dtype: fp32, fp16, bf16 (default: the checkpoint's; presets bf16 on a GPU)")
+    gen.add_argument("--dtype", default=None, metavar="DTYPE", help=f"weights' dtype: {DTYPE_HELP}; presets: bf16 on "
+                                                                     "a GPU, fp32 on a CPU")
     gen.add_argument("--tp", type=_positive_int, default=1, metavar="N",
                      help="tensor parallelism over N GPUs (N processes: spawned here, or joined under torchrun "
                           "--nproc-per-node N); the heads of every layer are split across them")
@@ -144,7 +153,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     gen.add_argument("--stochastic-rounding", action="store_true",
                      help="with --ssm-dtype fp16|bf16: store the states with stochastic rounding (unbiased)")
     gen.set_defaults(_handler=_generate)
-    from fastmamba.serve import cli as serve_cli
+    from fastmamba.serve import cli as serve_cli  # plain argparse: no torch, no fastapi
 
     srv = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server (needs the serve extra: pip install 'fastmamba[serve]')",
@@ -199,21 +208,32 @@ def _generate_on_rank(tp, args: argparse.Namespace, argv: Sequence[str]) -> int:
 def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import time
 
-    if getattr(args, "tp", 1) > 1 and _TP_GROUP is None:
-        from fastmamba.distributed import check_tp_source
-        from fastmamba.distributed.launch import run_tp
+    hint = hub_id_hint(args.model, then="--model DIR") if args.model not in PRESET_NAMES else None
+    if hint:
+        raise UsageError(hint)
+    if _TP_GROUP is None and (getattr(args, "tp", 1) > 1 or "WORLD_SIZE" in os.environ):
+        from fastmamba.distributed.launch import launch_rank, torchrun_world_size
 
-        check_tp_source(args.model, args.tp, who="fastmamba generate --tp")  # before any process starts
-        on_cpu = args.device is not None and str(args.device).startswith("cpu")
-        return run_tp(_generate_on_rank, args.tp, args, list(argv), device="cpu" if on_cpu else "auto")
+        if args.tp > 1 or torchrun_world_size() > 1:
+            from fastmamba.distributed import check_tp_source
+            from fastmamba.distributed.launch import check_launch, run_tp
+
+            try:  # before any process starts or joins: torchrun's world size, --device, the shapes
+                device = check_launch(args.tp, args.device, who="fastmamba generate")
+                check_tp_source(args.model, args.tp, who="fastmamba generate --tp")
+            except (ValueError, OSError):
+                if launch_rank() != 0:  # under torchrun every rank fails alike: rank 0 alone says why
+                    return EXIT_USAGE
+                raise
+            return run_tp(_generate_on_rank, args.tp, args, list(argv), device=device)
 
     import fastmamba
     from fastmamba.generation.engine import Engine
     from fastmamba.generation.sampling import SamplingParams
-    from fastmamba.generation.tokenizer import load_tokenizer
+    from fastmamba.generation import tokenizer as tokenizer_module
 
     # everything the command line alone decides is checked before the (possibly long) model load
-    is_preset = args.model in PRESETS
+    is_preset = args.model in PRESET_NAMES
     if args.prompt is not None and is_preset:
         raise UsageError(f"--prompt needs a checkpoint with a tokenizer.json, but {args.model} is a preset "
                          "(random weights, no tokenizer): pass token ids (--prompt-ids 1,2,3), or --model DIR "
@@ -240,7 +260,9 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
                             ignore_eos=args.ignore_eos)
 
     # the tokenizer before the model: a bad tokenizer.json fails fast
-    tok = load_tokenizer(args.model)  # None for a preset or a directory without tokenizer.json
+    tok = tokenizer_module.load_tokenizer(args.model)  # None for a preset or a directory without tokenizer.json
+    codec = tokenizer_module.Codec(args.model if os.path.isdir(args.model) else None, tokenizer=tok)
+    text_tok = codec if tok is not None else None  # the engine decodes for stop strings
     if _TP_GROUP is not None:
         from fastmamba.distributed import load_tp_model
 
@@ -248,7 +270,7 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     else:
         model = fastmamba.load_model(args.model, dtype=getattr(args, "dtype", None), device=args.device)
     if args.prompt is not None:
-        ids = tok.encode(args.prompt).ids
+        ids = codec.encode_prompt(args.prompt)  # the one rule of the CLI, LLM and the server
         if not ids:
             raise UsageError(f"--prompt {args.prompt!r} encodes to no tokens")
     if args.stop and tok is None:
@@ -260,7 +282,7 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         batch = args.batch
         if args.drafter == "oracle":
-            reference = Engine(model, max_batch=1, tokenizer=tok).generate([ids], params)[0]
+            reference = Engine(model, max_batch=1, tokenizer=text_tok).generate([ids], params)[0]
             drafter = OracleDrafter.from_runs([ids], [reference])
         elif args.drafter == "model":
             draft = fastmamba.load_model(args.draft_model, dtype=model.dtype, device=model.lm_head.weight.device)
@@ -270,25 +292,22 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 raise UsageError(f"--draft-model {args.draft_model}: {exc}") from exc
         else:
             drafter = NgramDrafter()
-        engine = Engine(model, max_batch=batch, speculate=args.speculate, drafter=drafter, tokenizer=tok, **state_kw)
+        engine = Engine(model, max_batch=batch, speculate=args.speculate, drafter=drafter, tokenizer=text_tok,
+                        **state_kw)
     else:
-        engine = Engine(model, max_batch=args.batch, tokenizer=tok, **state_kw)
+        engine = Engine(model, max_batch=args.batch, tokenizer=text_tok, **state_kw)
     rids = [engine.add_request(ids, params) for _ in range(args.batch)]
     shown: list[int] = []
+    text = codec.stream() if tok is not None else None  # prints a character once all its tokens came
     t0 = time.perf_counter()
     while engine.has_unfinished():
         for out in engine.step():
             if out.rid != rids[0]:
                 continue
             shown.append(out.token)
-            piece = tok.decode(shown) if tok is not None else None
-            if tok is not None:  # print only the new text
-                prev = tok.decode(shown[:-1])
-                sys.stdout.write(piece[len(prev):])
-            else:
-                sys.stdout.write(f"{out.token} ")
+            sys.stdout.write(text.push(out.token) if text is not None else f"{out.token} ")
             sys.stdout.flush()
-    sys.stdout.write("\n")
+    sys.stdout.write((text.flush() if text is not None else "") + "\n")
     sys.stdout.flush()
     dt = time.perf_counter() - t0
     if _TP_GROUP is not None:
@@ -297,7 +316,8 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         check_ranks_agree(_TP_GROUP, [shown], who="fastmamba generate --tp")
     n = len(shown) * len(rids)
     where = f"{model.lm_head.weight.device}" + (f", tp {_TP_GROUP.world_size}" if _TP_GROUP is not None else "")
-    print(f"[{n} tokens in {dt:.2f} s: {n / dt:.1f} tok/s, batch {len(rids)}, {where}]", file=sys.stderr)
+    print(f"[{n} tokens in {dt:.2f} s: {n / dt:.1f} tok/s, batch {len(rids)}, prompt {len(ids)} tokens, {where}]",
+          file=sys.stderr)
     if args.speculate:
         req = engine.finished[rids[0]]
         steps, acc = len(req.accepted), req.accepted_drafts
@@ -309,6 +329,8 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from fastmamba.bench import targets as bench_targets
+
     return bench_targets.dispatch(args, bench_targets.command_line("fastmamba", argv))
 
 
@@ -322,9 +344,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("FASTMAMBA_DEBUG", "0") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
-    parser, commands = build_parser()
-    if argv[:1] == ["bench"]:
-        bench_targets.check_planned(commands["bench"], argv[1:])
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser, commands = build_parser(command)
+    if command == "bench":
+        from fastmamba.bench import targets as bench_targets
+
+        bench_targets.check_planned(commands["bench"], argv[argv.index("bench") + 1:])
     args = parser.parse_args(argv)
     try:
         return args._handler(args, argv)
@@ -345,9 +370,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _report(exc: BaseException) -> int:
     """``fastmamba: error: <message>`` on stderr (the message as raised: it names the file or option)."""
+    from fastmamba.extras import install_hint
+
     msg = str(exc) if str(exc) else type(exc).__name__
     if isinstance(exc, OSError) and exc.filename and exc.strerror and str(exc.filename) not in msg:
         msg = f"{exc.strerror}: {exc.filename}"
+    hint = install_hint(exc) if isinstance(exc, ImportError) else None
+    if hint and hint not in msg:
+        msg = f"{msg}; install the extra: {hint}"
+    msg = " ".join(msg.split())  # one line
     print(f"fastmamba: error: {msg}", file=sys.stderr)
     return EXIT_USAGE
 

@@ -174,14 +174,19 @@ def test_generate_help_lists_presets(capsys):
         cli.main(["generate", "--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0
-    for name in PRESETS:
-        assert re.search(rf"^  {re.escape(name)} +\d+ layers", out, re.M), name
+    for name in [*PRESETS, *NEMOTRON_H_PRESETS]:  # every family's presets, one line each
+        assert re.search(rf"^  {re.escape(name)} +(Mamba-2|Nemotron-H hybrid|Nemotron-3 MoE hybrid) +\d+ layers, d_model +\d+", out, re.M), name
+        assert name in flat_usage(out)  # and in --model's help
     flat = " ".join(out.split())
     assert "RANDOM weights" in flat and "give the prompt as token ids (--prompt-ids 1,2,3)" in flat
     assert 'fastmamba generate --model ./mamba2-130m --prompt "The capital of France is"' in flat
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     assert "--debug" in capsys.readouterr().out  # a top-level option (accepted after the sub-command too)
+
+
+def flat_usage(text: str) -> str:
+    return " ".join(text.split())
 
 
 class _ScriptedEngine:
@@ -238,3 +243,70 @@ def test_entry_point_prints_one_line(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         f"fastmamba: error: load_model: '{tmp_path / 'x'}' is neither a directory nor a preset; presets "
         f"(random weights): {', '.join([*PRESETS, *NEMOTRON_H_PRESETS])}"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the parser: light, versioned, every preset, dtype names, Hub ids
+
+
+def cli_process(*argv: str, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([sys.executable, *extra, "-m", "fastmamba.cli", *argv], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+
+
+def test_version():
+    proc = cli_process("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"fastmamba {fastmamba.__version__}", proc
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["serve", "--help"], ["--version"]],
+                         ids=["help", "generate-help", "serve-help", "version"])
+def test_help_imports_no_torch_and_answers_in_well_under_a_second(argv):
+    import time
+
+    proc = cli_process(*argv, extra=("-X", "importtime"))
+    assert proc.returncode == 0, proc.stderr
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert not {"torch", "triton", "numpy", "fastapi"} & imported
+    best = float("inf")
+    for _ in range(3):  # the best of three: a loaded CI machine may stall one start
+        t0 = time.perf_counter()
+        assert cli_process(*argv).returncode == 0
+        best = min(best, time.perf_counter() - t0)
+    assert best < 1.0, f"fastmamba {' '.join(argv)} took {best:.2f} s"
+
+
+def test_bench_still_parses_its_targets(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--help"])
+    assert e.value.code == 0 and "kernels" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:  # a target's own options
+        cli.main(["--debug", "bench", "e2e", "--help"])
+    assert e.value.code == 0 and "--gen-len" in capsys.readouterr().out
+
+
+def test_generate_help_names_the_dtypes(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    flat = flat_usage(capsys.readouterr().out)
+    for name in ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"):
+        assert re.search(rf"\b{name}\b", flat), name
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "auto", "float32"])
+def test_generate_takes_load_models_dtype_names(capsys, dtype):
+    rc, out, err = run(["generate", "--model", "mamba2-tiny", "--prompt-ids", "1,2", "--max-new-tokens", "1",
+                        "--device", "cpu", "--dtype", dtype], capsys)
+    assert rc == 0 and len(out.split()) == 1, err
+    rc, _, err = run(["generate", "--model", "mamba2-tiny", "--prompt-ids", "1", "--dtype", "float64"], capsys)
+    assert_one_line_error(rc, err, "'float64' is not a supported dtype", "bfloat16 (bf16)", "'auto'")
+
+
+def test_hub_id_is_answered_with_how_to_download_it(capsys, no_model_load):
+    rc, _, err = run(["generate", "--model", "state-spaces/mamba2-130m", "--prompt", "hi"], capsys)
+    assert_one_line_error(rc, err, "'state-spaces/mamba2-130m' looks like a Hugging Face Hub id",
+                          "huggingface-cli download state-spaces/mamba2-130m --local-dir ./mamba2-130m",
+                          "--model ./mamba2-130m")
+    assert "did you mean" not in err
