@@ -385,7 +385,7 @@ def vllm_align(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, t
     T, k = ids.shape
     P = T * k
     rows = grouped_rows(P, E, block_m)
-    ws = torch.zeros(2 * E, dtype=torch.int32, device=ids.device)
+    ws = torch.empty(2 * E, dtype=torch.int32, device=ids.device)
     sorted_ids = torch.empty(rows, dtype=torch.int32, device=ids.device)
     expert_ids = torch.empty(rows // block_m, dtype=torch.int32, device=ids.device)
     padded = torch.empty(1, dtype=torch.int32, device=ids.device)

@@ -185,7 +185,7 @@ def _launch(x, w_up, w_down, tw, ids, out, cfg: configs.MoeConfig, T: int, M: in
             raise ValueError(f"{_MOE}: config path {cfg.path!r}: expected 'gemv' or 'grouped'")
         P = T * k
         rows = grouped_rows(P, E, cfg.block_m)
-        ws = torch.zeros(2 * E, dtype=torch.int32, device=dev)  # counts, cursors
+        ws = torch.empty(2 * E, dtype=torch.int32, device=dev)  # counts, cursors (launch_align writes them)
         counts, cursor = ws[:E], ws[E:]
         sorted_pairs = torch.empty(rows, dtype=torch.int32, device=dev)
         h = torch.empty(rows, F, dtype=x.dtype, device=dev)

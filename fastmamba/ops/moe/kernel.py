@@ -5,9 +5,12 @@ Letters as in ``ref.py``: T tokens, M model (or latent) width, F expert width, E
 per token, P = T*k token-expert pairs, BM rows of a GEMM block.
 
 Grouped path (any T), every buffer sized from (T, k, E, BM) alone, no host read (CUDA-graph safe):
-    counts[E]   <- _count_kernel      histogram of the ids (one atomic add per expert per program)
-    sorted[..]  <- _scatter_kernel    pair p goes to start[e] + (atomic cursor of e); start[e] is
-                                      the exclusive cumsum of the counts, each padded to BM
+    counts[E], sorted[..]             the alignment: pair p goes to row start[e] + its rank among
+                                      expert e's pairs; start[e] is the exclusive cumsum of the
+                                      counts, each padded to BM. Up to 4096 pairs in one launch
+                                      (_align_expert_kernel, one program per expert); above in
+                                      three (a memset, _count_kernel's histogram with one atomic add
+                                      per expert per program, _scatter_kernel's atomic cursors)
     h[pos, F]   <- _up_kernel         relu(x[t] @ w_up[e]^T)² for the BM rows of a block, one expert
                                       per block (found by searching the padded cumsum)
     y[p, M]     <- _down_kernel       weight[p] * h[pos] @ w_down[e]^T, written at the pair's row
@@ -149,13 +152,51 @@ def _scatter_kernel(ids_ptr, counts_ptr, cursor_ptr, sorted_ptr, P, E, K, stride
     tl.store(sorted_ptr + pair_start + rank, offs_p, mask=ok)
 
 
-def launch_align(ids, counts, cursor, sorted_pairs, *, E: int, block_m: int) -> None:
-    """ids [T, k]; counts, cursor [E] int32 zeros (written); sorted_pairs [rows] int32 (written at the
-    real pairs' rows; pad rows keep what they held)."""
+@triton.jit
+def _align_expert_kernel(ids_ptr, counts_ptr, sorted_ptr, P, E, K, stride_it, stride_ik,
+                         BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+    # one program per expert, one launch, no atomics: every program takes the histogram of all P
+    # ids (for its padded start), then writes its own pairs in pair order at start + rank
+    me = tl.program_id(0)
+    offs_j = tl.arange(0, BLOCK_P)
+    hist = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        e, ok = _pair_ids(ids_ptr, p0 + offs_j, P, E, K, stride_it, stride_ik)
+        hist += tl.histogram(e, BLOCK_E, mask=ok)
+    offs_e = tl.arange(0, BLOCK_E)
+    padded = (hist + BM - 1) // BM * BM
+    start = tl.sum(tl.where(offs_e < me, padded, 0), axis=0)
+    tl.store(counts_ptr + me, tl.sum(tl.where(offs_e == me, hist, 0), axis=0))
+    seen = start
+    for p0 in range(0, P, BLOCK_P):
+        offs_p = p0 + offs_j
+        e, ok = _pair_ids(ids_ptr, offs_p, P, E, K, stride_it, stride_ik)
+        mine = (ok & (e == me)).to(tl.int32)
+        rank = tl.cumsum(mine, axis=0) - 1
+        tl.store(sorted_ptr + seen + rank, offs_p, mask=mine > 0)
+        seen += tl.sum(mine, axis=0)
+
+
+ALIGN_ONE_PASS_MAX = 4096  # pairs: up to here one launch of one program per expert, above it three
+
+
+def launch_align(ids, counts, cursor, sorted_pairs, *, E: int, block_m: int, one_pass_max: int | None = None) -> None:
+    """ids [T, k]; counts, cursor [E] int32, any contents (written: counts per expert; cursor is
+    scratch); sorted_pairs [rows] int32 (written at the real pairs' rows; pad rows keep what they held).
+
+    Up to ``one_pass_max`` pairs: ``_align_expert_kernel`` (pairs of an expert in pair order).
+    Above: zero, ``_count_kernel``, ``_scatter_kernel`` (atomics: the order inside an expert varies
+    from run to run, which no output depends on)."""
     T, K = ids.shape
     P = T * K
-    block_p = 256 if P > 4096 else 64
     block_e = max(16, triton.next_power_of_2(E))
+    if P <= (ALIGN_ONE_PASS_MAX if one_pass_max is None else one_pass_max):
+        lean(_align_expert_kernel)[(E,)](ids, counts, sorted_pairs, P, E, K, ids.stride(0), ids.stride(1),
+                                          BM=block_m, BLOCK_P=1024, BLOCK_E=block_e, num_warps=8)
+        return
+    counts.zero_()
+    cursor.zero_()
+    block_p = 256
     grid = (triton.cdiv(P, block_p),)
     lean(_count_kernel)[grid](ids, counts, P, E, K, ids.stride(0), ids.stride(1),
                               BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
@@ -169,7 +210,7 @@ def _block_of_program(counts_ptr, E, n_cols, BM: tl.constexpr, BLOCK_N: tl.const
                       BLOCK_E: tl.constexpr):
     """The (row block, column block) this program owns, in groups of GROUP_M row blocks (weight
     tiles reused from L2 by the blocks of one expert), its expert, the first row of that expert,
-    its count of real rows, and whether the row block holds any row at all."""
+    its count of real rows, and the number of rows in use (a block at or past it has nothing to do)."""
     pid = tl.program_id(0)
     n_blocks_n = tl.cdiv(n_cols, BLOCK_N)
     n_blocks_m = tl.num_programs(0) // n_blocks_n
@@ -182,10 +223,9 @@ def _block_of_program(counts_ptr, E, n_cols, BM: tl.constexpr, BLOCK_N: tl.const
     row0 = pid_m * BM
     # expert of this block: the number of experts whose padded rows end at or before row0
     e = tl.sum(((end <= row0) & (offs_e < E)).to(tl.int32), axis=0)
-    used = row0 < tl.max(end, axis=0)
     e_start = tl.sum(tl.where(offs_e == e, start, 0), axis=0)
     e_count = tl.sum(tl.where(offs_e == e, c, 0), axis=0)
-    return pid_m, pid_n, e, e_start, e_count, used
+    return pid_m, pid_n, e, e_start, e_count, tl.max(end, axis=0)
 
 
 @triton.jit
@@ -207,33 +247,35 @@ def _up_kernel(
 ):
     # one program per (block of BM sorted rows = one expert's pairs, block of BLOCK_N of F):
     # h[rows, n] = relu(x[tokens] @ w_up[e, n, :]^T)²
-    pid_m, pid_n, e, e_start, e_count, used = _block_of_program(counts_ptr, E, Fdim, BM, BLOCK_N, GROUP_M, BLOCK_E)
-    if used:
-        offs_r = pid_m * BM + tl.arange(0, BM)
-        real = (offs_r - e_start) < e_count
-        pair = tl.load(sorted_ptr + offs_r, mask=real, other=0)
-        tok = (pair // K).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        mn = offs_n < Fdim
-        a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xm
-        b_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wf + offs_k[:, None] * stride_wm
-        acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, Mdim, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=real[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=mn[None, :], other=0.0)
-            else:
-                mk = (k0 + offs_k) < Mdim
-                a = tl.load(a_ptrs, mask=real[:, None] & mk[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=mn[None, :] & mk[:, None], other=0.0)
-            acc = _dot(a, b, acc, DOT_FP32, IEEE)
-            a_ptrs += BLOCK_K * stride_xm
-            b_ptrs += BLOCK_K * stride_wm
-        acc = tl.maximum(acc, 0.0)
-        h = acc * acc
-        tl.store(h_ptr + offs_r.to(tl.int64)[:, None] * stride_hr + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
-                 mask=real[:, None] & mn[None, :])
+    pid_m, pid_n, e, e_start, e_count, rows_used = _block_of_program(counts_ptr, E, Fdim, BM, BLOCK_N, GROUP_M,
+                                                                     BLOCK_E)
+    if pid_m * BM >= rows_used:
+        return
+    offs_r = pid_m * BM + tl.arange(0, BM)
+    real = (offs_r - e_start) < e_count
+    pair = tl.load(sorted_ptr + offs_r, mask=real, other=0)
+    tok = (pair // K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # weight rows past F wrap around (read, never stored): the weight loads need no mask along N
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xm
+    b_ptrs = w_ptr + e.to(tl.int64) * stride_we + (offs_n % Fdim)[None, :] * stride_wf + offs_k[:, None] * stride_wm
+    acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, Mdim, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=real[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            mk = (k0 + offs_k) < Mdim
+            a = tl.load(a_ptrs, mask=real[:, None] & mk[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mk[:, None], other=0.0)
+        acc = _dot(a, b, acc, DOT_FP32, IEEE)
+        a_ptrs += BLOCK_K * stride_xm
+        b_ptrs += BLOCK_K * stride_wm
+    acc = tl.maximum(acc, 0.0)
+    h = acc * acc
+    tl.store(h_ptr + offs_r.to(tl.int64)[:, None] * stride_hr + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=real[:, None] & (offs_n < Fdim)[None, :])
 
 
 @triton.jit
@@ -246,32 +288,34 @@ def _down_kernel(
 ):
     # one program per (block of BM sorted rows, block of BLOCK_N of M):
     # y[pair, n] = weight[pair] * h[rows] @ w_down[e, n, :]^T, written at the pair's row
-    pid_m, pid_n, e, e_start, e_count, used = _block_of_program(counts_ptr, E, Mdim, BM, BLOCK_N, GROUP_M, BLOCK_E)
-    if used:
-        offs_r = pid_m * BM + tl.arange(0, BM)
-        real = (offs_r - e_start) < e_count
-        pair = tl.load(sorted_ptr + offs_r, mask=real, other=0)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        mn = offs_n < Mdim
-        a_ptrs = h_ptr + offs_r.to(tl.int64)[:, None] * stride_hr + offs_k[None, :]
-        b_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wm + offs_k[:, None] * stride_wf
-        acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, Fdim, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=real[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=mn[None, :], other=0.0)
-            else:
-                mk = (k0 + offs_k) < Fdim
-                a = tl.load(a_ptrs, mask=real[:, None] & mk[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=mn[None, :] & mk[:, None], other=0.0)
-            acc = _dot(a, b, acc, DOT_FP32, IEEE)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K * stride_wf
-        tw = tl.load(tw_ptr + (pair // K) * stride_twt + (pair % K) * stride_twk, mask=real, other=0.0)
-        y = acc * tw.to(tl.float32)[:, None]
-        tl.store(y_ptr + pair.to(tl.int64)[:, None] * stride_yp + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
-                 mask=real[:, None] & mn[None, :])
+    pid_m, pid_n, e, e_start, e_count, rows_used = _block_of_program(counts_ptr, E, Mdim, BM, BLOCK_N, GROUP_M,
+                                                                     BLOCK_E)
+    if pid_m * BM >= rows_used:
+        return
+    offs_r = pid_m * BM + tl.arange(0, BM)
+    real = (offs_r - e_start) < e_count
+    pair = tl.load(sorted_ptr + offs_r, mask=real, other=0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # h's pad rows were never written: masked (real) like x's in the up kernel
+    a_ptrs = h_ptr + offs_r.to(tl.int64)[:, None] * stride_hr + offs_k[None, :]
+    b_ptrs = w_ptr + e.to(tl.int64) * stride_we + (offs_n % Mdim)[None, :] * stride_wm + offs_k[:, None] * stride_wf
+    acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, Fdim, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=real[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            mk = (k0 + offs_k) < Fdim
+            a = tl.load(a_ptrs, mask=real[:, None] & mk[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mk[:, None], other=0.0)
+        acc = _dot(a, b, acc, DOT_FP32, IEEE)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wf
+    tw = tl.load(tw_ptr + (pair // K) * stride_twt + (pair % K) * stride_twk, mask=real, other=0.0)
+    y = acc * tw.to(tl.float32)[:, None]
+    tl.store(y_ptr + pair.to(tl.int64)[:, None] * stride_yp + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=real[:, None] & (offs_n < Mdim)[None, :])
 
 
 @triton.jit

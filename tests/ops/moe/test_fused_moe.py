@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fastmamba.ops.moe import configs, fused_moe
+from fastmamba.ops.moe import kernel as moe_kernel
 from fastmamba.ops.moe.api import fused_moe_gemv
 from fastmamba.ops.moe.kernel import grouped_rows, launch_align
 from fastmamba.ops.moe.ref import fused_moe_ref
@@ -80,10 +81,13 @@ def skewed_routing(T, E, device):
     return ids.to(device)
 
 
-@pytest.mark.parametrize("op", [fused_moe, fused_moe_gemv], ids=["grouped", "gemv"])
-def test_experts_with_no_one_and_all_tokens(op, device):
+@pytest.mark.parametrize("op,one_pass_max", [(fused_moe, None), (fused_moe, 0), (fused_moe_gemv, None)],
+                         ids=["grouped", "grouped-atomic-align", "gemv"])
+def test_experts_with_no_one_and_all_tokens(op, one_pass_max, device, monkeypatch):
     """T=18 > BM=16: expert 0's pairs span two row blocks; experts 3-5 get no token, and their
-    weights are NaN: nothing of them may reach the output."""
+    weights are NaN: nothing of them may reach the output. The grouped path with either alignment."""
+    if one_pass_max is not None:
+        monkeypatch.setattr(moe_kernel, "ALIGN_ONE_PASS_MAX", one_pass_max)
     x, w_up, w_down, tw, _ = make_inputs(18, 32, 24, 6, 2, torch.float32, device, seed=7)
     ids = skewed_routing(18, 6, device)
     want = fused_moe_ref(x, w_up, w_down, tw, ids)
@@ -100,22 +104,26 @@ def test_forced_config_with_l2_groups(device):
         check(x, w_up, w_down, tw, ids.long())
 
 
-def test_alignment_is_exact(device):
-    """Each expert's rows of the sorted order hold exactly its pairs; counts equal a bincount."""
+@pytest.mark.parametrize("one_pass_max", [1 << 20, 0], ids=["one-launch", "atomics"])
+def test_alignment_is_exact(one_pass_max, device):
+    """Each expert's rows of the sorted order hold exactly its pairs (in pair order for the one-launch
+    kernel); counts equal a bincount; pad rows are not written. Expert 2 gets no pair."""
     T, k, E, bm = 11, 3, 5, 16
-    ids = torch.stack([torch.randperm(E, generator=seeded(i))[:k] for i in range(T)]).to(device, torch.int32)
-    ws = torch.zeros(2 * E, dtype=torch.int32, device=device)
+    ids = torch.stack([torch.tensor([0, 1, 3, 4])[torch.randperm(4, generator=seeded(i))[:k]] for i in range(T)])
+    ids = ids.to(device, torch.int32)
+    ws = torch.full((2 * E,), 7, dtype=torch.int32, device=device)  # garbage: launch_align writes what it uses
     rows = grouped_rows(T * k, E, bm)
     sorted_pairs = torch.full((rows,), -1, dtype=torch.int32, device=device)
-    launch_align(ids, ws[:E], ws[E:], sorted_pairs, E=E, block_m=bm)
+    launch_align(ids, ws[:E], ws[E:], sorted_pairs, E=E, block_m=bm, one_pass_max=one_pass_max)
     counts = torch.bincount(ids.flatten().long().cpu(), minlength=E)
-    assert torch.equal(ws[:E].cpu().long(), counts) and torch.equal(ws[E:].cpu().long(), counts)
+    assert counts[2] == 0 and torch.equal(ws[:E].cpu().long(), counts)
     flat = ids.flatten().cpu()
     start = 0
     for e in range(E):
         c = int(counts[e])
         seg = sorted_pairs[start:start + c].cpu().long()
-        assert torch.equal(seg.sort().values, torch.nonzero(flat == e).flatten())
+        want = torch.nonzero(flat == e).flatten()
+        assert torch.equal(seg if one_pass_max else seg.sort().values, want)
         assert (sorted_pairs[start + c:start + -(-c // bm) * bm].cpu() == -1).all()  # pad rows untouched
         start += -(-c // bm) * bm
     assert start <= rows
