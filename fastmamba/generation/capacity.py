@@ -1,0 +1,232 @@
+"""Capacity planning: how many requests (Mamba slots) and K/V pages fit beside the weights.
+
+A hybrid model holds per request one Mamba slot (every Mamba layer's conv and SSM state, plus the
+speculative buffers when ``speculate=K``: one slot per request whatever K is) and, for its
+attention layers, pages of K/V that grow with its length. The planner sizes both from the memory
+left after the weights, before any weight reaches the GPU:
+
+    budget      = gpu_memory_utilization * device memory - weights - reserve
+    max_batch   = the user's, or the most requests that fit at ``max_seq_len`` each (at most 256)
+    kv pages    = what is left after ``max_batch`` slots, up to every request at ``max_seq_len``
+
+and refuses a ``max_batch`` whose slots alone (plus one request's pages at ``max_seq_len``) do not
+fit, naming the numbers. Pages are shared, so a pool smaller than ``max_batch`` full-length requests
+makes requests wait for pages (the engine's admission), never run out of memory mid-run.
+
+Bytes are counted, not modelled: the model is built on the ``meta`` device (no memory) and its
+``new_cache`` allocates on ``meta`` too, so the plan follows whatever the caches really hold.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+GiB = 1 << 30
+MiB = 1 << 20
+DEFAULT_MAX_BATCH = 256
+
+
+class CapacityError(ValueError):
+    """The requested configuration cannot fit; the message names the numbers."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityPlan:
+    """What fits on the device.
+
+    device_bytes   the device's memory;  utilization  the fraction the engine may use
+    weight_bytes   parameters and buffers of the model (each shared tensor once)
+    reserve_bytes  activations, logits, CUDA graphs (an estimate, see ``reserve_estimate``)
+    slot_bytes     one request's Mamba states (and speculative buffers)
+    page_bytes     one K/V page across all attention layers (0 without attention)
+    max_batch      requests held at once;  kv_pages  pages in the pool (0 without attention)
+    max_seq_len    tokens one request may reach;  page_size  tokens per page
+    """
+
+    device_bytes: int
+    utilization: float
+    weight_bytes: int
+    reserve_bytes: int
+    slot_bytes: int
+    page_bytes: int
+    max_batch: int
+    kv_pages: int
+    max_seq_len: int
+    page_size: int
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.utilization * self.device_bytes) - self.weight_bytes - self.reserve_bytes
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.max_batch * self.slot_bytes + self.kv_pages * self.page_bytes
+
+    @property
+    def full_length_requests(self) -> int:
+        """Requests the K/V pool holds at ``max_seq_len`` each (max_batch without attention)."""
+        if not self.page_bytes:
+            return self.max_batch
+        return min(self.max_batch, self.kv_pages // pages_for(self.max_seq_len, self.page_size))
+
+    def summary(self) -> str:
+        kv = (f", {self.kv_pages} K/V pages of {self.page_size} tokens ({self.kv_pages * self.page_bytes / GiB:.2f} GiB; "
+              f"{self.full_length_requests} requests at {self.max_seq_len} tokens)" if self.page_bytes else "")
+        return (f"capacity: {self.max_batch} slots x {self.slot_bytes / MiB:.1f} MiB "
+                f"({self.max_batch * self.slot_bytes / GiB:.2f} GiB){kv}; weights {self.weight_bytes / GiB:.2f} GiB, "
+                f"reserve {self.reserve_bytes / GiB:.2f} GiB, device {self.device_bytes / GiB:.1f} GiB x {self.utilization:g}")
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def tensor_bytes(obj, *, _seen: set[int] | None = None) -> int:
+    """Bytes of every base tensor reachable from ``obj`` (attributes, lists, tuples, dicts); a view
+    counts through its base, so ``cache.conv[j]`` over ``conv_stack`` is counted once."""
+    seen = set() if _seen is None else _seen
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        base = obj if obj._base is None else obj._base
+        if base is not obj:
+            return tensor_bytes(base, _seen=seen)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return sum(tensor_bytes(v, _seen=seen) for v in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v, _seen=seen) for v in obj.values())
+    if isinstance(obj, (str, bytes, int, float, bool, type(None), torch.device, torch.dtype)):
+        return 0
+    attrs = getattr(obj, "__dict__", None)
+    return sum(tensor_bytes(v, _seen=seen) for v in attrs.values()) if attrs else 0
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Parameters and buffers of ``model``, each shared tensor (tied embeddings) once."""
+    seen: set[tuple] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        key = (id(t),) if t.device.type == "meta" else (t.untyped_storage().data_ptr(),)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _cache_builder(model: nn.Module, *, ssm_dtype: torch.dtype, speculate: int, page_size: int,
+                   max_seq_len: int) -> tuple[Callable[[int, int], object], bool]:
+    """new_cache(slots, pages) for either cache form, and whether the model has attention pages."""
+    params = inspect.signature(model.new_cache).parameters
+    if "num_pages" not in params:  # a Mamba-only cache: slots only
+        return (lambda b, p: model.new_cache(b, ssm_dtype=ssm_dtype, speculate=speculate)), False
+    has_kv = "*" in getattr(model.cfg, "pattern", "")
+    return (lambda b, p: model.new_cache(b, max_seq_len=max_seq_len, page_size=page_size, num_pages=p,
+                                         ssm_dtype=ssm_dtype, speculate=speculate)), has_kv
+
+
+def per_request_bytes(model: nn.Module, *, ssm_dtype: torch.dtype = torch.float32, speculate: int = 0,
+                      page_size: int = 16, max_seq_len: int = 4096) -> tuple[int, int]:
+    """(slot_bytes, page_bytes) of ``model``'s cache, counted on a meta-device model's caches.
+
+    ``model`` must live on the meta device (``build_on_meta``): nothing is allocated."""
+    build, has_kv = _cache_builder(model, ssm_dtype=ssm_dtype, speculate=speculate, page_size=page_size,
+                                   max_seq_len=max_seq_len)
+    one = tensor_bytes(build(1, 1))
+    slot = tensor_bytes(build(2, 1)) - one
+    page = tensor_bytes(build(1, 2)) - one if has_kv else 0
+    return slot, page
+
+
+def reserve_estimate(model: nn.Module, *, max_batch: int, prefill_tokens: int = 2048, speculate: int = 0) -> int:
+    """Memory kept free for what is not weights or caches: the widest layer's activations for a
+    prefill chunk (x8 for the in/out projections' and the scan's intermediates), the logits and
+    sampling buffers of a decode / verify step, and 1 GiB for CUDA graphs, the allocator and the
+    CUDA context's growth. An estimate that errs on the safe side."""
+    widest = max((m.weight.shape[0] for m in model.modules() if isinstance(m, nn.Linear)), default=0)
+    vocab = getattr(model.cfg, "vocab_size", 0)
+    elt = next(model.parameters()).element_size()
+    activations = 8 * prefill_tokens * widest * elt
+    logits = 4 * max_batch * (speculate + 1) * vocab * 4
+    return GiB + activations + logits
+
+
+def plan_capacity(model: nn.Module, *, device_bytes: int, gpu_memory_utilization: float = 0.9,
+                  max_batch: int | None = None, max_seq_len: int = 4096, page_size: int = 16,
+                  ssm_dtype: torch.dtype = torch.float32, speculate: int = 0, prefill_tokens: int = 2048,
+                  reserve_bytes: int | None = None) -> CapacityPlan:
+    """Size the slots and K/V pages of ``model`` (built on the meta device) for a device of
+    ``device_bytes``; raises CapacityError naming the numbers when ``max_batch`` cannot fit."""
+    if not (isinstance(gpu_memory_utilization, float | int) and 0 < gpu_memory_utilization <= 1):
+        raise CapacityError(f"gpu_memory_utilization: expected a number in (0, 1], got {gpu_memory_utilization!r}")
+    if max_batch is not None and not (isinstance(max_batch, int) and not isinstance(max_batch, bool) and max_batch >= 1):
+        raise CapacityError(f"max_batch: expected a positive integer, got {max_batch!r}")
+    if not (isinstance(max_seq_len, int) and max_seq_len >= 1):
+        raise CapacityError(f"max_seq_len: expected a positive integer, got {max_seq_len!r}")
+    weights = weight_bytes(model)
+    slot, page = per_request_bytes(model, ssm_dtype=ssm_dtype, speculate=speculate, page_size=page_size,
+                                   max_seq_len=max_seq_len)
+    reserve = reserve_bytes if reserve_bytes is not None else reserve_estimate(
+        model, max_batch=max_batch or DEFAULT_MAX_BATCH, prefill_tokens=prefill_tokens, speculate=speculate)
+    budget = int(gpu_memory_utilization * device_bytes) - weights - reserve
+    full = pages_for(max_seq_len, page_size) * page  # one request's K/V at max_seq_len
+    where = (f"{device_bytes / GiB:.1f} GiB x {gpu_memory_utilization:g} - {weights / GiB:.2f} GiB of weights "
+             f"- {reserve / GiB:.2f} GiB reserve")
+    if budget < slot + full:
+        raise CapacityError(f"the model does not fit: {budget / GiB:.2f} GiB are left for caches ({where}), one "
+                            f"request needs {(slot + full) / GiB:.3f} GiB at max_seq_len {max_seq_len}; "
+                            f"raise gpu_memory_utilization, lower max_seq_len, or use a GPU with more memory")
+    most = (budget - full) // slot  # slots alone, with one full-length request's pages
+    if max_batch is None:
+        max_batch = int(min(DEFAULT_MAX_BATCH, budget // (slot + full)))
+    elif max_batch > most:
+        raise CapacityError(
+            f"max_batch={max_batch} does not fit: {max_batch} slots x {slot / MiB:.1f} MiB of Mamba state "
+            f"= {max_batch * slot / GiB:.2f} GiB plus {full / GiB:.3f} GiB of K/V for one request at "
+            f"{max_seq_len} tokens, but {budget / GiB:.2f} GiB are left ({where}); the most that fits is {most}")
+    pages = 0
+    if page:
+        pages = int(min((budget - max_batch * slot) // page, max_batch * pages_for(max_seq_len, page_size)))
+    return CapacityPlan(device_bytes=device_bytes, utilization=float(gpu_memory_utilization), weight_bytes=weights,
+                        reserve_bytes=reserve, slot_bytes=slot, page_bytes=page, max_batch=max_batch, kv_pages=pages,
+                        max_seq_len=max_seq_len, page_size=page_size)
+
+
+def meta_twin(model: nn.Module) -> nn.Module:
+    """A copy of a loaded model's structure on the meta device (no memory, no weights)."""
+    return type(model)(model.cfg, device="meta", dtype=model.dtype)
+
+
+def meta_model(path_or_preset: str, dtype: torch.dtype | str | None = None) -> nn.Module:
+    """The model a checkpoint directory or preset describes, built on the meta device from its
+    ``config.json`` alone (no weight is read): what ``plan_capacity`` needs before loading.
+    dtype: default the config's ``torch_dtype`` / ``dtype``, else bfloat16."""
+    import json
+    import os
+
+    from fastmamba.models import NEMOTRON_H_PRESETS, PRESETS, Mamba2Config, Mamba2LM, NemotronHConfig, NemotronHLM
+    from fastmamba.models.loader import parse_dtype
+
+    dtype = parse_dtype(dtype, where="meta_model")
+    key = os.fspath(path_or_preset)
+    if key in PRESETS:
+        return Mamba2LM(PRESETS[key], device="meta", dtype=dtype or torch.bfloat16)
+    if key in NEMOTRON_H_PRESETS:
+        return NemotronHLM(NEMOTRON_H_PRESETS[key], device="meta", dtype=dtype or torch.bfloat16)
+    config_path = os.path.join(key, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"meta_model: {key!r} is neither a preset nor a directory with config.json")
+    with open(config_path, encoding="utf-8") as f:
+        raw = json.load(f)
+    if dtype is None:
+        named = raw.get("torch_dtype") or raw.get("dtype")
+        dtype = (parse_dtype(named, where=f"{config_path}: torch_dtype") if isinstance(named, str) else None) \
+            or torch.bfloat16
+    if raw.get("model_type") == "nemotron_h":
+        return NemotronHLM(NemotronHConfig.from_dir(key), device="meta", dtype=dtype)
+    return Mamba2LM(Mamba2Config.from_dir(key), device="meta", dtype=dtype)
