@@ -208,9 +208,10 @@ def _generate_on_rank(tp, args: argparse.Namespace, argv: Sequence[str]) -> int:
 def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import time
 
-    hint = hub_id_hint(args.model, then="--model DIR") if args.model not in PRESET_NAMES else None
-    if hint:
-        raise UsageError(hint)
+    for flag, name in (("--model", args.model), ("--draft-model", args.draft_model)):
+        hint = hub_id_hint(name, then=f"{flag} DIR") if name not in PRESET_NAMES else None
+        if hint:
+            raise UsageError(hint)
     if _TP_GROUP is None and (getattr(args, "tp", 1) > 1 or "WORLD_SIZE" in os.environ):
         from fastmamba.distributed.launch import launch_rank, torchrun_world_size
 

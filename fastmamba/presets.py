@@ -65,6 +65,6 @@ def hub_id_hint(name: object, *, then: str = "--model DIR") -> str | None:
     if not isinstance(name, str) or not _HUB_ID.fullmatch(name) or os.path.exists(name):
         return None
     local = "./" + name.split("/")[1]  # "./": a bare name may be a preset's (random weights)
-    return (f"{name!r} looks like a Hugging Face Hub id, but fastmamba loads local checkpoint directories only: "
-            f"download it first (huggingface-cli download {name} --local-dir {local}), then pass "
-            f"{then.replace('DIR', local)}")
+    return (f"{name!r} is not a local directory; it looks like a Hugging Face Hub id, and fastmamba loads local "
+            f"checkpoint directories only: download it first (huggingface-cli download {name} --local-dir {local}), "
+            f"then pass {then.replace('DIR', local)}")

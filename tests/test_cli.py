@@ -175,7 +175,8 @@ def test_generate_help_lists_presets(capsys):
     out = capsys.readouterr().out
     assert e.value.code == 0
     for name in [*PRESETS, *NEMOTRON_H_PRESETS]:  # every family's presets, one line each
-        assert re.search(rf"^  {re.escape(name)} +(Mamba-2|Nemotron-H hybrid|Nemotron-3 MoE hybrid) +\d+ layers, d_model +\d+", out, re.M), name
+        family = "(Mamba-2|Nemotron-H hybrid|Nemotron-3 MoE hybrid)"
+        assert re.search(rf"^  {re.escape(name)} +{family} +\d+ layers, d_model +\d+", out, re.M), name
         assert name in flat_usage(out)  # and in --model's help
     flat = " ".join(out.split())
     assert "RANDOM weights" in flat and "give the prompt as token ids (--prompt-ids 1,2,3)" in flat
@@ -306,7 +307,11 @@ def test_generate_takes_load_models_dtype_names(capsys, dtype):
 
 def test_hub_id_is_answered_with_how_to_download_it(capsys, no_model_load):
     rc, _, err = run(["generate", "--model", "state-spaces/mamba2-130m", "--prompt", "hi"], capsys)
-    assert_one_line_error(rc, err, "'state-spaces/mamba2-130m' looks like a Hugging Face Hub id",
+    assert_one_line_error(rc, err, "'state-spaces/mamba2-130m' is not a local directory",
+                          "it looks like a Hugging Face Hub id",
                           "huggingface-cli download state-spaces/mamba2-130m --local-dir ./mamba2-130m",
                           "--model ./mamba2-130m")
     assert "did you mean" not in err
+    rc, _, err = run(["generate", "--model", "mamba2-tiny", "--prompt-ids", "1", "--speculate", "2", "--drafter",
+                      "model", "--draft-model", "state-spaces/mamba2-130m"], capsys)
+    assert_one_line_error(rc, err, "--local-dir ./mamba2-130m), then pass --draft-model ./mamba2-130m")

@@ -72,7 +72,8 @@ def test_license_file_is_the_declared_apache_2():
     assert PYPROJECT["project"]["license-files"] == ["LICENSE"]
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
-    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text and "END OF TERMS AND CONDITIONS" in text
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+    assert "END OF TERMS AND CONDITIONS" in text
 
 
 def test_version_matches_pyproject():

@@ -150,7 +150,8 @@ def test_template_from_json_files(tmp_path, where):
 
 
 def test_explicit_template_file_or_text_wins(checkpoint, tmp_path):
-    other = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    other = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+             "{% if add_generation_prompt %}[assistant]{% endif %}")
     file = tmp_path / "t.jinja"
     file.write_text(other)
     for source in (file, str(file), other):
