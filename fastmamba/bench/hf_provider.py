@@ -1,0 +1,294 @@
+"""``python -m fastmamba.bench hf``: transformers' ``generate`` with and without fastmamba as its
+kernel provider (fastmamba.integrations.transformers), on one checkpoint.
+
+A random-weight checkpoint of a preset's shape (``mamba2-2.7b``, ``nemotron-h-8b``, any fastmamba
+preset) is written with ``save_pretrained`` into a temporary directory and loaded back with
+``from_pretrained``, as a user's model would be. Then greedy ``generate`` (``--new-tokens`` exactly,
+prompt of ``--prompt-len`` random ids) is timed per batch size and provider:
+
+  torch      transformers' PyTorch path (its function hooks forced to their torch code)
+  default    transformers as loaded: mamba_ssm's / causal_conv1d's ops where they import (a row
+             only when one of them does; otherwise it is the torch path)
+  fastmamba  ``fastmamba.integrations.transformers.use(model)``
+
+Each timing is the median of ``--repeats`` runs after a short warm-up; the table gives seconds,
+generated tokens/s (batch x new tokens / time), ms per generated step, the speedup over the torch
+path and over the default path, and how many greedy tokens match the torch path's.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from types import MethodType
+
+import torch
+
+_FUNCTION_HOOKS = ("causal_conv1d_fn", "causal_conv1d_update", "selective_state_update",
+                   "mamba_chunk_scan_combined")
+PROVIDERS = ("torch", "default", "fastmamba")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return vals
+
+
+def _providers(text: str) -> list[str]:
+    vals = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in vals if v not in PROVIDERS]
+    if not vals or bad:
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(PROVIDERS)}, got {text!r}")
+    return vals
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="a fastmamba preset (mamba2-2.7b, nemotron-h-8b, ...; default mamba2-2.7b on a GPU, "
+                             "mamba2-tiny on a CPU) or a transformers checkpoint directory")
+    parser.add_argument("--batch", type=_int_list, default=None, help="comma-separated (default 1,16; 1 on a CPU)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated (default 256; 8 on a CPU)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128; 8 on a CPU)")
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                        help="weights and activations (default bf16 on a GPU, fp32 on a CPU)")
+    parser.add_argument("--providers", type=_providers, default=list(PROVIDERS),
+                        help=f"comma-separated from {','.join(PROVIDERS)} (default: all)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per row, median (default 3; 1 on a CPU)")
+    parser.add_argument("--json", metavar="PATH", help="append one JSON line per row")
+
+
+def hf_config(name: str, dtype: torch.dtype):
+    """transformers' config for a fastmamba preset's shape."""
+    import transformers
+
+    from fastmamba.models.config import PRESETS as MAMBA2
+    from fastmamba.models.nemotron_h import PRESETS as HYBRID
+
+    if name in MAMBA2:
+        c = MAMBA2[name]
+        return transformers.Mamba2Config(
+            hidden_size=c.d_model, num_hidden_layers=c.n_layer, vocab_size=c.vocab_size, state_size=c.d_state,
+            conv_kernel=c.d_conv, expand=c.expand, head_dim=c.headdim, num_heads=c.expand * c.d_model // c.headdim,
+            n_groups=c.ngroups, chunk_size=c.chunk_size, use_conv_bias=c.conv_bias, use_bias=c.proj_bias,
+            layer_norm_epsilon=c.norm_eps, tie_word_embeddings=c.tie_embeddings, dtype=dtype,
+            pad_token_id=0, eos_token_id=None, bos_token_id=None)
+    if name in HYBRID:
+        c = HYBRID[name]
+        kw = dict(vocab_size=c.vocab_size, hidden_size=c.d_model, hybrid_override_pattern=c.pattern,
+                  num_hidden_layers=len(c.pattern), num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+                  head_dim=c.head_dim, intermediate_size=c.intermediate_size, mlp_hidden_act=c.mlp_act,
+                  mlp_bias=c.mlp_bias, mamba_num_heads=c.mamba_nheads, mamba_head_dim=c.mamba_headdim,
+                  n_groups=c.n_groups, ssm_state_size=c.d_state, conv_kernel=c.d_conv, chunk_size=c.chunk_size,
+                  use_conv_bias=c.conv_bias, use_bias=c.mamba_proj_bias, layer_norm_epsilon=c.norm_eps,
+                  tie_word_embeddings=c.tie_embeddings, dtype=dtype, pad_token_id=0, eos_token_id=None,
+                  bos_token_id=None)
+        if "E" in c.pattern:
+            kw.update(n_routed_experts=c.n_routed_experts, num_experts_per_tok=c.num_experts_per_tok,
+                      moe_intermediate_size=c.moe_intermediate_size,
+                      moe_shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size,
+                      moe_latent_size=c.moe_latent_size, n_group=c.n_group, topk_group=c.topk_group,
+                      norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor)
+        return transformers.NemotronHConfig(**kw)
+    raise ValueError(f"--model: {name!r} is neither a directory nor a preset ({', '.join([*MAMBA2, *HYBRID])})")
+
+
+def write_checkpoint(name: str, path: str, dtype: torch.dtype, device: torch.device) -> None:
+    """A random-weight checkpoint of preset ``name`` at ``path`` (save_pretrained, ``dtype``)."""
+    import transformers
+
+    cfg = hf_config(name, dtype)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.save_pretrained(path)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _torch_function(wrapper) -> object | None:
+    """transformers' PyTorch code behind a function hook's wrapper (kernels' Func module): the
+    function it was built from, unwrapped past transformers' mamba_ssm / causal_conv1d dispatch."""
+    code, cells = type(wrapper).forward.__code__, type(wrapper).forward.__closure__ or ()
+    for var, cell in zip(code.co_freevars, cells):
+        if var == "func":
+            return inspect.unwrap(cell.cell_contents)
+    return None
+
+
+def force_torch_path(model) -> list:
+    """Make every mixer's function hooks run transformers' PyTorch code (not mamba_ssm's); returns
+    the wrappers changed (``release_torch_path`` undoes it). Needs the per-mixer wrappers (kernels
+    installed); raises RuntimeError otherwise."""
+    changed = []
+    for m in model.modules():
+        funcs = getattr(m, "_kernel_funcs", None)
+        if not isinstance(funcs, dict) or not all(n in funcs for n in _FUNCTION_HOOKS):
+            continue
+        for name in _FUNCTION_HOOKS:
+            w = funcs[name]
+            fn = _torch_function(w)
+            if fn is None:
+                raise RuntimeError(f"cannot find transformers' torch code behind hook {name}")
+            w.__dict__["forward"] = MethodType(lambda self, *a, _fn=fn, **k: _fn(*a, **k), w)
+            changed.append(w)
+    if not changed:
+        raise RuntimeError("the model's mixers have no per-mixer hook wrappers (the `kernels` package is not "
+                           "installed): transformers' path is fixed at import")
+    return changed
+
+
+def release_torch_path(changed: list) -> None:
+    for w in changed:
+        w.__dict__.pop("forward", None)
+
+
+def default_ops() -> str:
+    """What transformers' Mamba function hooks resolved to at import ('torch' when neither mamba_ssm
+    nor causal_conv1d imports: the default path is then the torch path)."""
+    found = [p for p in ("mamba_ssm", "causal_conv1d") if importlib.util.find_spec(p) is not None]
+    return "+".join(found) if found else "torch"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_generate(model, ids: torch.Tensor, new_tokens: int, repeats: int, device: torch.device):
+    """Median seconds of greedy generate of exactly ``new_tokens`` tokens, and the tokens."""
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True,
+              attention_mask=torch.ones_like(ids))
+    times, out = [], None
+    with torch.no_grad():
+        model.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up: compiles, allocates
+        for _ in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            out = model.generate(ids, **kw)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times), out[:, ids.shape[1]:]
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    import transformers
+
+    from fastmamba.integrations import transformers as provider
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    name = args.model or ("mamba2-2.7b" if cuda else "mamba2-tiny")
+    batches = args.batch or ([1, 16] if cuda else [1])
+    new_tokens = args.new_tokens if args.new_tokens is not None else (256 if cuda else 8)
+    prompt_len = args.prompt_len if args.prompt_len is not None else (128 if cuda else 8)
+    repeats = args.repeats if args.repeats is not None else (3 if cuda else 1)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        args.dtype or ("bf16" if cuda else "fp32")]
+    for flag, v in (("--new-tokens", new_tokens), ("--prompt-len", prompt_len), ("--repeats", repeats)):
+        if v < 1:
+            print(f"error: {flag} must be >= 1, got {v}", file=sys.stderr)
+            return 2
+    try:
+        provider.check_transformers_version()
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    with tempfile.TemporaryDirectory(prefix="fastmamba_hf_") as tmp:
+        import os
+
+        path = name if os.path.isdir(name) else tmp
+        if path == tmp:
+            t0 = time.perf_counter()
+            write_checkpoint(name, tmp, dtype, device)
+            print(f"# {name}: random weights, save_pretrained in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        # no device_map (it needs accelerate): load, then move
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_kernels=False)
+        model = model.to(device).eval()
+        rows = _measure(model, name, batches, new_tokens, prompt_len, repeats, device, dtype, args.providers)
+        del model
+
+    header = {"command": command, "transformers": transformers.__version__, "torch": torch.__version__,
+              "device": torch.cuda.get_device_name(device) if cuda else "cpu (ops: PyTorch references or the "
+              "Triton interpreter)", "default_ops": default_ops()}
+    print(format_table(rows, header))
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps({**header, **r}) + "\n")
+    return 0
+
+
+def _measure(model, name, batches, new_tokens, prompt_len, repeats, device, dtype, providers) -> list[dict]:
+    from fastmamba.integrations import transformers as provider
+
+    vocab = model.config.vocab_size
+    rows = []
+    default = default_ops()
+    for b in batches:
+        g = torch.Generator().manual_seed(b)
+        ids = torch.randint(1, vocab, (b, prompt_len), generator=g).to(device)
+        results: dict[str, tuple[float, torch.Tensor]] = {}
+        for p in providers:
+            if p == "default" and default == "torch":
+                continue  # the same path as "torch"
+            if p == "torch":
+                try:
+                    changed = force_torch_path(model)
+                except RuntimeError as exc:
+                    if default != "torch":  # cannot separate the torch path from mamba_ssm's: say so
+                        print(f"torch row skipped: {exc}", file=sys.stderr)
+                        continue
+                    changed = []
+                try:
+                    results[p] = time_generate(model, ids, new_tokens, repeats, device)
+                finally:
+                    release_torch_path(changed)
+            elif p == "default":
+                results[p] = time_generate(model, ids, new_tokens, repeats, device)
+            else:
+                with provider.use(model):
+                    results[p] = time_generate(model, ids, new_tokens, repeats, device)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        base_torch = results.get("torch")
+        base_default = results.get("default")
+        for p, (sec, tokens) in results.items():
+            rows.append({
+                "model": name, "dtype": str(dtype).replace("torch.", ""), "batch": b, "prompt_len": prompt_len,
+                "new_tokens": new_tokens, "provider": p if p != "default" else f"default ({default})",
+                "seconds": sec, "tok_s": b * new_tokens / sec, "ms_per_step": 1e3 * sec / new_tokens,
+                "vs_torch": base_torch[0] / sec if base_torch else None,
+                "vs_default": base_default[0] / sec if base_default else None,
+                "same_tokens_as_torch": (float((tokens == base_torch[1]).float().mean()) if base_torch else None),
+            })
+    return rows
+
+
+def format_table(rows: list[dict], header: dict) -> str:
+    def x(v: float | None) -> str:
+        return "-" if v is None or not math.isfinite(v) else f"{v:.2f}x"
+
+    lines = [f"# transformers {header['transformers']} generate, {header['device']}; default path ops: "
+             f"{header['default_ops']}",
+             f"# {header['command']}",
+             "| model | dtype | batch | provider | s | tok/s | ms/step | vs torch | vs default | same tokens as torch |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        same = "-" if r["same_tokens_as_torch"] is None else f"{100 * r['same_tokens_as_torch']:.0f}%"
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['batch']} | {r['provider']} | {r['seconds']:.3f} | "
+                     f"{r['tok_s']:.1f} | {r['ms_per_step']:.2f} | {x(r['vs_torch'])} | {x(r['vs_default'])} | "
+                     f"{same} |")
+    return "\n".join(lines)

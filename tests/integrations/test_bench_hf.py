@@ -1,0 +1,58 @@
+"""``python -m fastmamba.bench hf`` at a tiny shape on the CPU: the table and JSON rows for every
+batch and provider, fastmamba's greedy tokens equal to the torch path's (fp32), and the torch-path
+switch that the GPU run needs to separate transformers' torch code from mamba_ssm's."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fastmamba.bench.targets import main
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def references(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a generate loop: the ops' PyTorch references
+
+
+@pytest.mark.parametrize("preset", ["mamba2-tiny", "nemotron-3-tiny"])
+def test_bench_hf_table_and_rows(preset, tmp_path, capsys):
+    out = tmp_path / "rows.jsonl"
+    rc = main(["hf", "--model", preset, "--batch", "1,2", "--new-tokens", "3", "--prompt-len", "5", "--dtype", "fp32",
+               "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["batch"], r["provider"]) for r in rows] == [(1, "torch"), (1, "fastmamba"), (2, "torch"),
+                                                           (2, "fastmamba")]
+    for r in rows:
+        assert r["model"] == preset and r["new_tokens"] == 3 and r["dtype"] == "float32"
+        assert r["seconds"] > 0 and r["tok_s"] == pytest.approx(r["batch"] * 3 / r["seconds"])
+        assert r["same_tokens_as_torch"] == 1.0  # fp32: the provider's greedy tokens are transformers'
+        assert f"| {preset} | float32 | {r['batch']} | {r['provider']} |" in text
+    assert rows[0]["default_ops"] == "torch" and rows[0]["transformers"] == transformers.__version__
+
+
+def test_bench_hf_refuses_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        main(["hf", "--providers", "cuda"])
+    assert main(["hf", "--model", "mamba2-tiny", "--new-tokens", "0"]) == 2
+    assert "--new-tokens must be >= 1" in capsys.readouterr().err
+
+
+def test_force_torch_path_switches_and_restores(tmp_path):
+    from fastmamba.bench.hf_provider import force_torch_path, release_torch_path, write_checkpoint
+
+    write_checkpoint("mamba2-tiny", str(tmp_path), torch.float32, torch.device("cpu"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, use_kernels=False).eval()
+    ids = torch.randint(1, 200, (2, 5))
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=3, do_sample=False)
+        changed = force_torch_path(model)
+        assert len(changed) == 4 * model.config.num_hidden_layers and all("forward" in w.__dict__ for w in changed)
+        assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False), ref)
+        release_torch_path(changed)
+    assert not any("forward" in w.__dict__ for w in changed)
