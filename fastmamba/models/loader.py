@@ -108,7 +108,8 @@ def load_model(path_or_preset: str | os.PathLike, dtype: torch.dtype | str | Non
     Raises FileNotFoundError naming the path when it is neither a directory nor a preset, or lacks
     config.json or weights; NotADirectoryError for a file; ValueError naming the file and field for
     a bad config.json or a corrupt weight file (see ``Mamba2Config.from_dir``, ``read_checkpoint``,
-    ``load_into``), or for an unsupported ``dtype`` / ``device``.
+    ``load_into``), for weights holding NaN or inf (naming each such tensor: ``check_finite``), or for
+    an unsupported ``dtype`` / ``device``.
     """
     dtype = parse_dtype(dtype)
     device = _default_device(device)

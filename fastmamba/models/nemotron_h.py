@@ -1,4 +1,5 @@
-"""NVIDIA Nemotron-H (dense hybrid: Mamba-2 ``M``, attention ``*``, MLP ``-``): config, model, presets.
+"""NVIDIA Nemotron-H and Nemotron-3 (hybrids of Mamba-2 ``M``, attention ``*``, MLP ``-`` and MoE ``E``
+layers): config, model, presets.
 
 Module and tensor names follow transformers' ``NemotronHForCausalLM`` as ``save_pretrained``
 writes them (letters as in STYLE.md; M = d_model, V vocab, Hq / Hkv attention heads, Dh head dim,
@@ -12,6 +13,12 @@ F MLP width, D = H*P the Mamba width, E = D + 2 G N conv channels):
       *:  backbone.layers.{i}.mixer.q_proj [Hq*Dh, M], k_proj / v_proj [Hkv*Dh, M], o_proj [M, Hq*Dh]
           (no bias, no rotary or other position embedding: transformers' NemotronHAttention)
       -:  backbone.layers.{i}.mixer.up_proj [F, M], down_proj [M, F]   relu(x)^2, not gated
+      E:  backbone.layers.{i}.mixer.gate.weight [E, M] fp32, gate.e_score_correction_bias [E] fp32,
+          experts.up_proj [E, F, M'] / experts.down_proj [E, M', F] (transformers' fused form; NVIDIA's
+          per-expert experts.{e}.up_proj.weight [F, M'] / down_proj.weight [M', F] are stacked into it
+          on load: ``fastmamba.models.weights.stack_experts``), shared_experts.up_proj / down_proj,
+          and with ``moe_latent_size`` fc1_latent_proj [M', M] / fc2_latent_proj [M, M']
+          (fastmamba.layers.moe.MoE; M' = moe_latent_size or M, F = moe_intermediate_size)
     backbone.norm_f.weight                      [M]
     lm_head.weight                              [V, M]       the embeddings themselves when tied
 
@@ -50,10 +57,8 @@ from fastmamba.models.inputs import check_index_tensor, embed, host_metadata
 from fastmamba.models.config import Mamba2Config, _as_float, _Fields, checkpoint_eos_token_ids
 from fastmamba.models.loader import _checkpoint_dtype, _default_device, random_init  # random_init: re-exported for the presets
 from fastmamba.ops import add_rmsnorm
-from fastmamba.ops._common.checks import check_host_copies
-from fastmamba.ops._common.host_values import host_list, trusted_inputs
 from fastmamba.ops.attention import PrefillWork, prefill_block_tokens, prefill_work
-from fastmamba.ops.ssd_scan.hopper import long_prefill_kernels
+from fastmamba.ops.runtime import check_host_copies, host_list, long_prefill_kernels, trusted_inputs
 
 # pattern character -> transformers' ``layers_block_type`` name (and the legacy names it remaps)
 PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
@@ -96,7 +101,7 @@ class MambaLayerConfig(Mamba2Config):
 
 @dataclasses.dataclass(frozen=True)
 class NemotronHConfig:
-    """Sizes of a dense Nemotron-H LM; each field says which config.json key it comes from."""
+    """Sizes of a Nemotron-H / Nemotron-3 LM; each field says which config.json key it comes from."""
 
     d_model: int                      # hidden_size
     vocab_size: int                   # vocab_size
@@ -732,6 +737,10 @@ class NemotronHLM(nn.Module):
                rand_seed: torch.Tensor | None = None, grow: bool = True) -> torch.Tensor:
         """One token per request [B] -> next-token logits [B, V] fp32; states and KV advance in place.
 
+        token_ids  [B] int32/int64 in [0, V); with ``grow`` checked in the slots' one host read, and
+                always met by the embedding before the cache grows (fastmamba.models.inputs): a
+                bad call raises before any length, page or state moves
+
         slots   [B] int32/int64; -1 marks a pad row (no state touched, its K/V go to the scratch page)
         grow    True: ``cache.grow(slots, [1] * B)`` first (reads slots on the host). False: the
                 caller has grown the cache already (a CUDA-graph replay: everything below reads
@@ -833,8 +842,10 @@ def load_nemotron_h(path_or_preset: str | os.PathLike, dtype: torch.dtype | None
     """A ready-to-run ``NemotronHLM`` from a checkpoint directory (``config.json`` with
     ``model_type: nemotron_h`` and safetensors, sharded or not, in transformers' names) or a preset
     name (random weights, seed 0). dtype: default the checkpoint's (bf16 on a GPU / fp32 on a CPU
-    for presets). Checkpoint problems (missing, unexpected, misshaped tensors) raise one
-    ValueError listing them all, before anything is copied (``fastmamba.models.weights.load_into``)."""
+    for presets). MoE experts load from NVIDIA's per-expert tensors or transformers' fused form;
+    ``cfg.eos_token_ids`` as ``NemotronHConfig.from_dir`` reads them. Checkpoint problems (missing,
+    unexpected, misshaped tensors; NaN or inf weights) raise one ValueError listing them all, before
+    anything is copied (``fastmamba.models.weights``: check_finite, stack_experts, load_into)."""
     device = _default_device(device)
     key = str(path_or_preset)
     if key in PRESETS:

@@ -20,9 +20,19 @@ def reference_ops(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
-@pytest.fixture(scope="module", params=["nemotron-3-tiny", "mamba2-tiny"])
+PRESETS = ("nemotron-3-tiny", "mamba2-tiny")
+_MODELS: dict = {}
+
+
+def model_of(preset: str):
+    if preset not in _MODELS:
+        _MODELS[preset] = load_model(preset, device="cpu")
+    return _MODELS[preset]
+
+
+@pytest.fixture(scope="module", params=PRESETS)
 def model(request):
-    return load_model(request.param, device="cpu")
+    return model_of(request.param)
 
 
 def is_hybrid(model) -> bool:
@@ -57,7 +67,7 @@ def assert_unchanged(cache, before):
 
 
 def calls(model, cache, slots):
-    """(label, call, exception type, message) for each probe; ``V`` the vocabulary."""
+    """{label: (call, exception type, message)} for each probe of ``model``; ``V`` the vocabulary."""
     V = model.cfg.vocab_size
     name = type(model).__name__
     cu = torch.tensor([0, 2, 5], dtype=torch.int32)
@@ -107,16 +117,17 @@ def calls(model, cache, slots):
             ("prefill_varlen-slot-out-of-range",
              lambda: model.prefill_varlen(ids5, cu, cache, torch.tensor([7, 0])), ValueError, r"`slots` values must lie"),
         ]
-    return probes
+    return {label: rest for label, *rest in probes}
 
 
-@pytest.mark.parametrize("probe", range(16))
-def test_rejected_call_leaves_the_cache_as_it_was(model, probe):
+PROBES = [(preset, label) for preset in PRESETS for label in calls(model_of(preset), None, None)]
+
+
+@pytest.mark.parametrize("preset,label", PROBES, ids=[f"{p}-{lb}" for p, lb in PROBES])
+def test_rejected_call_leaves_the_cache_as_it_was(preset, label):
+    model = model_of(preset)
     cache, slots = fresh_cache(model)
-    probes = calls(model, cache, slots)
-    if probe >= len(probes):
-        pytest.skip(f"{len(probes)} probes for {type(model).__name__}")
-    label, call, exc, message = probes[probe]
+    call, exc, message = calls(model, cache, slots)[label]
     before = snapshot(cache)
     with pytest.raises(exc, match=message):
         call()
