@@ -122,6 +122,7 @@ def init_tp(rank: int | None = None, world_size: int | None = None, *, device: t
     if world_size == 1 and not dist.is_initialized():
         return TPGroup(0, 1, device, None, None)
     if not dist.is_initialized():
+        _import_dynamo_first()
         kw = dict(init_method=init_method or "env://", rank=rank, world_size=world_size,
                   timeout=datetime.timedelta(seconds=timeout_s))
         try:  # device_id (torch >= 2.3) binds the NCCL communicator to this GPU at once
@@ -136,7 +137,46 @@ def init_tp(rank: int | None = None, world_size: int | None = None, *, device: t
     return tp
 
 
-def destroy_tp() -> None:
-    """Leave the default process group (no-op when none)."""
+def _import_dynamo_first() -> None:
+    """Import ``torch._dynamo`` before the process group exists.
+
+    Importing it while a group is initialised leaves a C++ reference to the group behind (torch
+    2.13; it happens behind our back: ``nn.Embedding(..., device="meta")``, which the sharded models
+    are built from, runs ``normal_`` on the meta device, whose decomposition imports dynamo). The
+    group then outlives ``destroy_process_group``, and so do its gloo threads: at interpreter exit
+    one of them dropping the last all-gather's tensors takes the GIL during finalisation, the thread
+    is unwound through a noexcept destructor and the process aborts ("terminate called without an
+    active exception", SIGABRT) after printing the right tokens. Imported first, nothing pins the
+    group and ``destroy_tp`` joins its threads."""
+    import torch._dynamo  # noqa: F401
+
+
+def live_gloo_threads() -> list[str]:
+    """Names of this process's threads that belong to gloo (Linux; [] elsewhere): none after a
+    clean ``destroy_tp``."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    names = []
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        if "gloo" in name:
+            names.append(name)
+    return names
+
+
+def destroy_tp(*, wait: bool = True) -> None:
+    """Leave the default process group (no-op when none). ``wait``: first a barrier, so no rank
+    tears its sockets down while another still talks to it (pass False after a failure: the other
+    ranks may be inside another collective). Destroying the group joins its threads."""
     if dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            if wait:
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()

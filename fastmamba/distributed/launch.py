@@ -6,6 +6,8 @@
                                  else spawns ``tp_size`` processes (torch.multiprocessing, "spawn")
                                  and returns rank 0's result
     spawn_tp(fn, world, *args)   the spawning part: every rank's result, in rank order
+    check_launch(tp, device)     what a launcher checks before any rank starts: torchrun's world
+                                 size against --tp, the device against the GPUs torch sees
 
 ``fn`` must be importable (a module-level function) and its arguments and result picklable; a
 rank that raises sends its exception back and the parent re-raises rank 0's (or the first
@@ -26,6 +28,54 @@ import torch.multiprocessing as mp
 from fastmamba.distributed.group import TPGroup, destroy_tp, init_tp, under_torchrun
 
 
+def launch_rank() -> int:
+    """This process's rank under torchrun (RANK), else 0: the process that reports a launch error."""
+    return int(os.environ.get("RANK", "0")) if under_torchrun() else 0
+
+
+def torchrun_world_size() -> int:
+    """WORLD_SIZE under torchrun, else 1."""
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1
+
+
+def check_launch(tp_size: int, device: str | None, *, who: str = "fastmamba", tp_flag: str = "--tp",
+                 device_flag: str = "--device") -> str:
+    """What a launcher checks before it starts (or joins) any rank; returns the device kind for
+    ``run_tp`` / ``spawn_tp``: "auto" (``device`` None: a GPU per rank when CUDA is present, else
+    the CPU), "cpu" or "cuda".
+
+    Raises ValueError, naming the flag, the expected and the given value, when: torchrun started a
+    number of processes other than ``tp_size`` (WORLD_SIZE; every process would otherwise run its
+    own copy of the model and print); ``device`` asks for CUDA and torch sees no GPU, or fewer GPUs
+    than ranks on this host; ``device`` names one GPU (each rank takes its own) or is neither cpu
+    nor cuda."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"{who}: {tp_flag} expected an int >= 1, got {tp_size!r}")
+    world = torchrun_world_size()
+    if under_torchrun() and world != tp_size:
+        raise ValueError(f"{who}: torchrun started {world} processes (WORLD_SIZE={world}) but {tp_flag} is "
+                         f"{tp_size}: pass {tp_flag} {world} to split the model over them, or start "
+                         f"torchrun with --nproc-per-node {tp_size}")
+    if device is None or str(device) == "auto":
+        return "auto"
+    text = str(device).strip()
+    kind = text.split(":", 1)[0]
+    if kind == "cpu":
+        return "cpu"
+    if kind != "cuda":
+        raise ValueError(f"{who}: {device_flag} {text!r} is not a device tensor parallelism runs on; expected "
+                         "'cuda' (one GPU per rank) or 'cpu' (gloo ranks on CPUs)")
+    if text != "cuda" and tp_size > 1:
+        raise ValueError(f"{who}: {device_flag} {text!r} names one GPU, but with {tp_flag} {tp_size} each rank "
+                         f"takes its own (rank r: cuda:r, or LOCAL_RANK under torchrun); pass {device_flag} cuda")
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_torchrun() else tp_size
+    if have < local:
+        raise ValueError(f"{who}: {device_flag} {text} with {tp_flag} {tp_size} needs {local} CUDA GPUs on this "
+                         f"host, torch sees {have}; pass {device_flag} cpu to run the ranks on CPUs (gloo)")
+    return "cuda"
+
+
 class RankFailed(RuntimeError):
     """A spawned rank raised something that could not be sent back as itself."""
 
@@ -42,12 +92,15 @@ def _worker(rank: int, world_size: int, port: int, device_kind: str, fn, args, k
         if device == "cuda":
             device = torch.device("cuda", rank % torch.cuda.device_count())
         tp = init_tp(rank, world_size, init_method=f"tcp://127.0.0.1:{port}", device=device)
+        ok = False
         try:
-            # plain pickle (tensors by value): torch's queue would share storages by file
-            # descriptor, which dies with this process
-            results.put(pickle.dumps((rank, True, fn(tp, *args, **kwargs), None)))
+            value = fn(tp, *args, **kwargs)
+            ok = True
         finally:
-            destroy_tp()
+            destroy_tp(wait=ok)
+        # plain pickle (tensors by value): torch's queue would share storages by file descriptor,
+        # which dies with this process
+        results.put(pickle.dumps((rank, True, value, None)))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         tb = traceback.format_exc()
         try:
@@ -129,11 +182,16 @@ def run_tp(fn, tp_size: int, *args, device: str = "auto", **kwargs):
         if world != tp_size:
             raise ValueError(f"run_tp: --tp {tp_size} but torchrun started {world} processes (WORLD_SIZE={world}); "
                              "pass --nproc-per-node equal to --tp")
-        tp = init_tp(device=None if device == "auto" else device)
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("run_tp: device 'cuda' asked for, but torch sees no CUDA GPU")
+        tp = init_tp(device="cpu" if device == "cpu" else None)  # None: GPU LOCAL_RANK when CUDA is present
+        ok = False
         try:
-            return fn(tp, *args, **kwargs)
+            value = fn(tp, *args, **kwargs)
+            ok = True
+            return value
         finally:
-            destroy_tp()
+            destroy_tp(wait=ok)
     if tp_size == 1:
         dev = "cuda" if (device == "cuda" or (device == "auto" and torch.cuda.is_available())) else "cpu"
         return fn(TPGroup.single(dev), *args, **kwargs)

@@ -13,9 +13,10 @@ Rank r of w holds (Hq query heads, Hkv KV heads of Dh channels, F MLP channels):
     embeddings, lm_head  vocab-parallel; norms replicated
 ``check_tp_nemotron_h`` refuses, before anything is read: Hq, F or the Mamba heads not divisible by
 w; Hkv neither a multiple nor a divisor of w; Mamba n_groups > 1 not divisible by w.
-Loading: from the whole model's state dict (``shard_state_dict_into``; presets: built whole on the
-rank's device with the same seed and sliced). Reading slices from a checkpoint directory is the
-Mamba2LM path only (``load_tp_model``), not yet this one.
+MoE layers ('E') are refused too: their experts are not sharded yet.
+Loading (``shard.load_tp_model``): from a checkpoint directory each rank reads its own slices of
+the safetensors files, as for Mamba2LM; presets are built whole on the rank's device with the same
+seed and sliced (``shard_state_dict_into``).
 """
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def check_tp_nemotron_h(cfg, world_size: int, *, who: str = "check_tp_nemotron_h
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"{who}: world size expected an int >= 1, got {world_size!r}")
     w = world_size
+    if "E" in cfg.pattern and w > 1:
+        raise ValueError(f"{who}: cannot shard the MoE layers ('E' in the pattern {cfg.pattern!r}) over world size "
+                         f"{w}: tensor parallelism of experts is not built yet; run with --tp 1")
     if "*" in cfg.pattern:
         if cfg.n_heads % w:
             raise ValueError(f"{who}: cannot shard n_heads={cfg.n_heads} attention heads over world size {w}: "

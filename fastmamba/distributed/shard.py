@@ -304,8 +304,8 @@ def _safetensors_files(root: Path) -> list[Path]:
                             "to safetensors first)")
 
 
-def load_safetensors_slices(model: Mamba2LM, root: str | os.PathLike) -> LoadStats:
-    """Fill a ``build_tp_mamba2`` model from the safetensors checkpoint in ``root``, reading only this
+def load_safetensors_slices(model: nn.Module, root: str | os.PathLike) -> LoadStats:
+    """Fill a ``build_tp_mamba2`` (or ``build_tp_nemotron_h``) model from the safetensors checkpoint in ``root``, reading only this
     rank's slices (``get_slice``); the headers are read first and checked (names, shapes, ties)."""
     from safetensors import safe_open
 
@@ -353,87 +353,88 @@ def load_safetensors_slices(model: Mamba2LM, root: str | os.PathLike) -> LoadSta
     return stats
 
 
-def check_tp_source(path_or_preset: str | os.PathLike, world_size: int, *, who: str = "check_tp_source") -> Mamba2Config:
-    """The config of a preset or checkpoint directory (config.json only, no weight read), checked
-    for ``world_size`` ranks (``check_tp``): what a launcher calls before it starts any process."""
-    from fastmamba.models.config import PRESETS
+def _family_of_dir(root: Path) -> str:
+    """"nemotron_h" when ``root``'s config.json says ``model_type: nemotron_h``, else "mamba2" (a bad or
+    missing config.json is reported by the config reader that comes next)."""
+    try:
+        model_type = json.loads((root / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = None
+    return "nemotron_h" if model_type == "nemotron_h" else "mamba2"
 
-    key = os.fspath(path_or_preset)
+
+def _nemotron_h_config(root: Path):
+    """A Nemotron-H directory's config, read the way ``load_nemotron_h`` reads it (``from_dir`` where
+    the config class has one, e.g. to take generation_config.json's EOS ids; else config.json)."""
+    from fastmamba.models.nemotron_h import NemotronHConfig
+
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"load_tp_model: no config.json in {str(root)!r}")
+    from_dir = getattr(NemotronHConfig, "from_dir", None)
+    return from_dir(root) if from_dir is not None else NemotronHConfig.from_file(root / "config.json")
+
+
+def _source(key: str, world_size: int, who: str):
+    """(family, whole config, checkpoint directory or None for a preset) of ``key``, checked for
+    ``world_size`` ranks (``check_tp`` / ``check_tp_nemotron_h``); reads config.json only."""
+    from fastmamba.distributed.nemotron_h import check_tp_nemotron_h
+    from fastmamba.models.config import PRESETS
     from fastmamba.models.nemotron_h import PRESETS as NEMOTRON_H_PRESETS
 
     if key in NEMOTRON_H_PRESETS:
-        from fastmamba.distributed.nemotron_h import check_tp_nemotron_h
-
-        cfg = NEMOTRON_H_PRESETS[key]
-        check_tp_nemotron_h(cfg, world_size, who=who)
-        return cfg
-    if key in PRESETS:
-        cfg = PRESETS[key]
+        family, cfg, root = "nemotron_h", NEMOTRON_H_PRESETS[key], None
+    elif key in PRESETS:
+        family, cfg, root = "mamba2", PRESETS[key], None
     elif os.path.isdir(key):
-        cfg = Mamba2Config.from_dir(key)
+        root = Path(key)
+        family = _family_of_dir(root)
+        cfg = _nemotron_h_config(root) if family == "nemotron_h" else Mamba2Config.from_dir(root)
     else:
-        raise FileNotFoundError(f"{who}: {key!r} is neither a checkpoint directory nor a Mamba-2 preset "
-                                f"({', '.join(PRESETS)}); tensor parallelism covers Mamba-2 models only")
-    check_tp(cfg, world_size, who=who)
-    return cfg
+        raise FileNotFoundError(f"{who}: {key!r} is neither a checkpoint directory nor a preset "
+                                f"({', '.join([*PRESETS, *NEMOTRON_H_PRESETS])})")
+    if family == "nemotron_h":
+        check_tp_nemotron_h(cfg, world_size, who=who)
+    else:
+        check_tp(cfg, world_size, who=who)
+    return family, cfg, root
+
+
+def check_tp_source(path_or_preset: str | os.PathLike, world_size: int, *, who: str = "check_tp_source"):
+    """The config of a preset or checkpoint directory, Mamba-2 or Nemotron-H (config.json only, no
+    weight read), checked for ``world_size`` ranks: what a launcher calls before it starts any
+    process. Returns the ``Mamba2Config`` or ``NemotronHConfig``."""
+    return _source(os.fspath(path_or_preset), world_size, who)[1]
 
 
 def load_tp_model(path_or_preset: str | os.PathLike, tp: TPGroup, *, dtype: torch.dtype | str | None = None,
-                  fuse_norm_reduce: bool = True) -> Mamba2LM:
-    """Rank ``tp.rank``'s share of a Mamba-2 LM, on ``tp.device``, ready to run.
+                  fuse_norm_reduce: bool = True):
+    """Rank ``tp.rank``'s share of a Mamba-2 LM or a Nemotron-H hybrid, on ``tp.device``, ready to run.
 
     path_or_preset  a safetensors checkpoint directory (config.json + model.safetensors or a sharded
-                    index) of a Mamba-2 LM: each rank reads its own slices only; or a Mamba-2 or
-                    Nemotron-H preset name: the whole random model is built on this rank's device
-                    (same seed on every rank, so the weights equal TP=1's) and sliced
+                    index; Mamba-2 in state-spaces or Hugging Face names, or ``model_type:
+                    nemotron_h``): each rank reads its own slices only; or a Mamba-2 or Nemotron-H
+                    preset name: the whole random model is built on this rank's device (same seed
+                    on every rank, so the weights equal TP=1's) and sliced
     dtype           as ``load_model``'s (default: the checkpoint's; presets: bf16 on a GPU, fp32 on a CPU)
     fuse_norm_reduce  see ``build_tp_mamba2``
-    The sizes are checked (``check_tp``) before any weight is read. ``model.load_stats`` holds the
-    bytes this rank read.
+    The sizes are checked (``check_tp`` / ``check_tp_nemotron_h``) before any weight is read.
+    ``model.load_stats`` holds the bytes this rank read.
     """
-    from fastmamba.models.config import PRESETS
-    from fastmamba.models.loader import load_model, parse_dtype
+    from fastmamba.distributed.nemotron_h import build_tp_nemotron_h
+    from fastmamba.models.loader import parse_dtype
 
     dtype = parse_dtype(dtype, where="load_tp_model")
-    key = os.fspath(path_or_preset)
-    from fastmamba.models.nemotron_h import PRESETS as NEMOTRON_H_PRESETS
+    family, cfg, root = _source(os.fspath(path_or_preset), tp.world_size, "load_tp_model")
+    build = build_tp_nemotron_h if family == "nemotron_h" else build_tp_mamba2
+    if root is None:  # a preset: built whole (same seed on every rank) and sliced
+        from fastmamba.models.loader import load_model
 
-    if key in NEMOTRON_H_PRESETS:  # the hybrid: built whole (same seed on every rank) and sliced
-        from fastmamba.distributed.nemotron_h import build_tp_nemotron_h, check_tp_nemotron_h
-        from fastmamba.models.nemotron_h import load_nemotron_h
-
-        cfg = NEMOTRON_H_PRESETS[key]
-        check_tp_nemotron_h(cfg, tp.world_size, who="load_tp_model")
         dtype = dtype or (torch.bfloat16 if tp.device.type == "cuda" else torch.float32)
-        whole = load_nemotron_h(key, dtype=dtype, device=tp.device)
-        model = build_tp_nemotron_h(cfg, tp, dtype=dtype, fuse_norm_reduce=fuse_norm_reduce)
+        whole = load_model(os.fspath(path_or_preset), dtype=dtype, device=tp.device)
+        model = build(cfg, tp, dtype=dtype, fuse_norm_reduce=fuse_norm_reduce)
         shard_state_dict_into(model, whole.state_dict())
         del whole
         return model.eval()
-    if key in PRESETS:
-        cfg = PRESETS[key]
-        check_tp(cfg, tp.world_size, who="load_tp_model")
-        dtype = dtype or (torch.bfloat16 if tp.device.type == "cuda" else torch.float32)
-        whole = load_model(key, dtype=dtype, device=tp.device)
-        model = build_tp_mamba2(cfg, tp, dtype=dtype, fuse_norm_reduce=fuse_norm_reduce)
-        shard_state_dict_into(model, whole.state_dict())
-        del whole
-        return model.eval()
-    root = Path(key)
-    if not root.is_dir():
-        raise FileNotFoundError(f"load_tp_model: {key!r} is neither a checkpoint directory nor a Mamba-2 preset "
-                                f"({', '.join(PRESETS)})")
-    config_path = root / "config.json"
-    if config_path.is_file():
-        try:
-            model_type = json.loads(config_path.read_text(encoding="utf-8")).get("model_type")
-        except (OSError, ValueError, AttributeError):
-            model_type = None
-        if model_type == "nemotron_h":
-            raise NotImplementedError("load_tp_model: tensor parallelism of Nemotron-H checkpoints is not built yet "
-                                      "(Mamba-2 checkpoints only)")
-    cfg = Mamba2Config.from_dir(root)
-    check_tp(cfg, tp.world_size, who="load_tp_model")
     files = _safetensors_files(root)
     if dtype is None:
         from safetensors import safe_open
@@ -443,6 +444,6 @@ def load_tp_model(path_or_preset: str | os.PathLike, tp: TPGroup, *, dtype: torc
             key0 = next((k for k in ("backbone.embeddings.weight", "backbone.embedding.weight") if k in keys), keys[0])
             dtype = _SAFETENSORS_DTYPES.get(f.get_slice(key0).get_dtype(), torch.float32)
         dtype = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
-    model = build_tp_mamba2(cfg, tp, dtype=dtype, fuse_norm_reduce=fuse_norm_reduce)
+    model = build(cfg, tp, dtype=dtype, fuse_norm_reduce=fuse_norm_reduce)
     load_safetensors_slices(model, root)
     return model.eval()

@@ -127,3 +127,22 @@ def tp_nemotron_h_graphed(tp, cases, prompt_lists, max_new_tokens) -> list[dict]
     """For each (config, whole state dict) of ``cases``: the sharded hybrid's ``run_nemotron_h_graphed``."""
     return [dict(run_nemotron_h_graphed(model, prompt_lists, max_new_tokens), rank=tp.rank)
             for model in _tp_hybrids(tp, cases)]
+
+
+def tp_dirs_greedy(tp, dirs: list[str], prompt_lists: list[list[int]], max_new_tokens: int) -> dict:
+    """For each checkpoint directory of ``dirs`` (Mamba-2 or Nemotron-H): this rank's model read by
+    ``load_tp_model`` (its own slices), the engine's greedy outputs and the bytes the load read.
+    Then the group is destroyed here and the gloo threads still alive are returned (none when
+    ``destroy_tp`` frees the group: a group left alive aborts torchrun ranks at exit)."""
+    from fastmamba.distributed.group import destroy_tp, live_gloo_threads
+
+    out = {"greedy": [], "bytes_read": [], "checkpoint_bytes": [], "rank": tp.rank}
+    for d in dirs:
+        model = load_tp_model(d, tp)
+        out["greedy"].append(greedy(model, prompt_lists, max_new_tokens))
+        out["bytes_read"].append(model.load_stats.bytes_read)
+        out["checkpoint_bytes"].append(model.load_stats.checkpoint_bytes)
+        del model
+    destroy_tp()
+    out["gloo_threads_after_destroy"] = live_gloo_threads()
+    return out
