@@ -209,6 +209,24 @@ def test_prompts_use_the_tokenizers_special_tokens_and_chats_do_not_add_them_aga
     assert chat[0] == bos and chat[1] != bos  # the template's BOS, once
 
 
+@pytest.mark.parametrize("flags", [{"add_bos_token": False}, {"add_bos_token": True, "add_eos_token": True},
+                                   {"add_eos_token": True}], ids=["no-bos", "bos-eos", "eos"])
+def test_same_ids_as_transformers_whatever_the_config_flags(tmp_path, flags):
+    """tokenizer_config.json's add_bos_token / add_eos_token beside a tokenizer.json that has its
+    post-processor: transformers (5.x, the generic tokenizer class) encodes by the post-processor, so do we."""
+    from transformers import AutoTokenizer
+
+    build_tokenizer_dir(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, **flags}))
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    codec = Codec(tmp_path)
+    for text in (PROMPT, "a cafe"):
+        assert codec.encode_prompt(text) == hf(text).input_ids, (text, flags)
+    assert codec.encode_chat(CHAT) == hf.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True,
+                                                             return_dict=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # streamed text
 
@@ -221,6 +239,21 @@ def test_incremental_decoding_never_breaks_a_character(checkpoint):
     pieces = [stream.push(t) for t in ids]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) + stream.flush() == codec.decode(ids) == "a café, the café"
+
+
+def test_incremental_decoding_with_a_sentencepiece_style_decoder():
+    """Metaspace (Llama / SentencePiece): a decode that starts at a word drops its leading space;
+    the window keeps the spaces between the pieces."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(CORPUS + ["café au lait"], trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>"]))
+    ids = tok.encode("the café sat on a mat").ids
+    stream = IncrementalDecoder(tok.decode)
+    text = "".join(stream.push(t) for t in ids) + stream.flush()
+    assert text == tok.decode(ids) == "the café sat on a mat"
 
 
 def test_incremental_decoding_flushes_a_cut_character(checkpoint):
