@@ -1,12 +1,13 @@
-"""copy_rows (fastmamba/cache/row_copy.py): one row of every layer of stacked state pools, by the
+"""copy_rows (fastmamba/ops/row_copy): one row of every layer of stacked state pools, by the
 Triton kernel (CPU: the interpreter) against torch's copy (copy_rows_ref)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fastmamba.cache import row_copy
-from fastmamba.cache.row_copy import copy_rows, copy_rows_ref
+from fastmamba.ops.row_copy import copy_rows
+from fastmamba.ops.row_copy import kernel as row_copy_kernel
+from fastmamba.ops.row_copy.ref import copy_rows_ref
 from tests.helpers import seeded
 
 
@@ -19,7 +20,7 @@ def launches(monkeypatch):
     """Counts the kernel's launches (they still run)."""
     from tests.helpers import count_launches
 
-    return count_launches(monkeypatch, row_copy)
+    return count_launches(monkeypatch, row_copy_kernel)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

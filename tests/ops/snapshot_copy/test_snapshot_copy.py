@@ -1,4 +1,4 @@
-"""copy_snapshots (fastmamba/cache/snapshot_copy.py): a layer's prefix-cache snapshots into its pools,
+"""copy_snapshots (fastmamba/ops/snapshot_copy): a layer's prefix-cache snapshots into its pools,
 by the Triton kernel (CPU: the interpreter) against the torch indexing it replaces (copy_snapshots_ref),
 and the kernel's sm_90 compile (the interpreter does not type-check both branches of an ``if``)."""
 from __future__ import annotations
@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
-from fastmamba.cache import snapshot_copy
-from fastmamba.cache.snapshot_copy import copy_snapshots, copy_snapshots_ref
+from fastmamba.ops.snapshot_copy import copy_snapshots
+from fastmamba.ops.snapshot_copy import kernel as snapshot_copy_kernel
+from fastmamba.ops.snapshot_copy.ref import copy_snapshots_ref
 
 
 @pytest.fixture
@@ -19,7 +20,7 @@ def launches(monkeypatch):
     """Counts the kernel's launches (they still run)."""
     from tests.helpers import count_launches
 
-    return count_launches(monkeypatch, snapshot_copy)
+    return count_launches(monkeypatch, snapshot_copy_kernel)
 
 
 def _case(device, *, R, E, W, hpn, T, C, rows, chunk_rows, pool_dtype, x_dtype, seed):
@@ -88,7 +89,7 @@ def compile_sm90(name: str) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from fastmamba.cache.snapshot_copy import BLOCK, BLOCK_E, _snapshot_copy_kernel
+    from fastmamba.ops.snapshot_copy.kernel import BLOCK, BLOCK_E, _snapshot_copy_kernel
 
     pool, x = name.split("-")
     sig = dict(conv_ptr=f"*{pool}", ssm_ptr=f"*{pool}", rows_ptr="*i64", xbc_ptr=f"*{x}", tok_ptr="*i64",
@@ -106,10 +107,10 @@ def compile_sm90(name: str) -> dict:
 def test_kernel_compiles_for_sm90(name):
     from tests.helpers import compile_in_subprocess  # not at the top: as above
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert compile_in_subprocess(__file__, name, root)["ptx_lines"] > 0
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
     print(json.dumps(compile_sm90(sys.argv[1])))
