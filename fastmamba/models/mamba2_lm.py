@@ -34,9 +34,7 @@ from fastmamba.layers.mamba2 import DecodeTricks, Mamba2Mixer
 from fastmamba.models.config import Mamba2Config
 from fastmamba.models.inputs import check_index_tensor, embed, host_metadata
 from fastmamba.ops import add_rmsnorm
-from fastmamba.ops._common.checks import check_host_copies
-from fastmamba.ops._common.host_values import host_reads_allowed, trusted_inputs
-from fastmamba.ops.ssd_scan.hopper import long_prefill_kernels
+from fastmamba.ops.runtime import check_host_copies, host_reads_allowed, long_prefill_kernels, trusted_inputs
 
 
 class RMSNorm(nn.Module):
@@ -117,6 +115,7 @@ class Mamba2LM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        check_index_tensor("Mamba2LM.forward", "input_ids", input_ids, "token ids")
         return self._run(input_ids, lambda i, mixer, h: mixer(h))
 
     def set_decode_tricks(self, **switches: bool) -> None:

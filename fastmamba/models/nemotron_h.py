@@ -501,10 +501,11 @@ class NemotronHLM(nn.Module):
     def _run(self, input_ids: torch.Tensor, mix, *, rows: torch.Tensor | None = None,
              hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Embeddings -> blocks -> final norm -> fp32 logits (of the leading-dim ``rows`` only, if
-        given); ``mix(block, normed)`` runs one block's mixer. Each block boundary is one fused
+        given); ``mix(block, normed)`` runs one block's mixer; ``hidden``: the embeddings when the
+        caller looked them up already (before the cache grew). Each block boundary is one fused
         kernel: residual += previous output, then the next block's RMSNorm."""
         rdtype = torch.float32 if self.cfg.residual_in_fp32 else self.dtype
-        out = self.backbone.embeddings(input_ids) if hidden is None else hidden  # hidden: embedded already
+        out = embed(self.backbone.embeddings, input_ids, "NemotronHLM", "input_ids") if hidden is None else hidden
         residual = None
         for block in self.backbone.layers:
             normed, residual = add_rmsnorm(out, residual, block.norm.weight, block.norm.eps, residual_dtype=rdtype)
@@ -518,6 +519,7 @@ class NemotronHLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, L] int64 -> logits [B, L, V] fp32; every row starts fresh, nothing is cached."""
+        check_index_tensor("NemotronHLM.forward", "input_ids", input_ids, "token ids")
         if input_ids.dim() != 2:
             raise ValueError(f"NemotronHLM.forward: `input_ids` expected shape (B, L), got {tuple(input_ids.shape)}")
         return self._run(input_ids, lambda block, h: block(h))
