@@ -67,6 +67,13 @@ def test_bad_prompts_are_named(llm, prompts, error, match):
     assert not llm.engine.has_unfinished()
 
 
+def test_a_bad_prompt_leaves_the_engine_clean(llm):
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 256\)"):
+        llm.generate([[1, 2], [999]])  # the first was queued when the second was refused
+    assert not llm.engine.has_unfinished() and not llm.engine.finished
+    assert len(llm.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].token_ids) == 2  # and still serves
+
+
 def test_bad_params(llm):
     with pytest.raises(TypeError, match="params must be a SamplingParams or a list of them, got dict"):
         llm.generate([1, 2], {"max_tokens": 3})
