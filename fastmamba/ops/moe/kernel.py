@@ -9,8 +9,9 @@ Grouped path (any T), every buffer sized from (T, k, E, BM) alone, no host read 
                                       expert e's pairs; start[e] is the exclusive cumsum of the
                                       counts, each padded to BM. Up to 4096 pairs in one launch
                                       (_align_expert_kernel, one program per expert); above in
-                                      three (a memset, _count_kernel's histogram with one atomic add
-                                      per expert per program, _scatter_kernel's atomic cursors)
+                                      four (a memset, _count_kernel's histogram with one atomic add
+                                      per expert per program, _starts_kernel, _scatter_kernel's
+                                      atomic cursors)
     h[pos, F]   <- _up_kernel         relu(x[t] @ w_up[e]^T)² for the BM rows of a block, one expert
                                       per block (found by searching the padded cumsum)
     y[p, M]     <- _down_kernel       weight[p] * h[pos] @ w_down[e]^T, written at the pair's row
@@ -140,16 +141,19 @@ def _count_kernel(ids_ptr, counts_ptr, P, E, K, stride_it, stride_ik,
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, counts_ptr, cursor_ptr, sorted_ptr, P, E, K, stride_it, stride_ik,
-                    BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
-    # one program per BLOCK_P pairs: each pair's row in the expert-sorted, BM-padded order
+def _starts_kernel(counts_ptr, cursor_ptr, E, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+    # one program: cursor[e] = the first row of expert e (exclusive cumsum of the BM-padded counts)
+    offs_e, _, start, _ = _padded_starts(counts_ptr, E, BM, BLOCK_E)
+    tl.store(cursor_ptr + offs_e, start, mask=offs_e < E)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, P, E, K, stride_it, stride_ik, BLOCK_P: tl.constexpr):
+    # one program per BLOCK_P pairs: each pair takes the next row of its expert (an atomic cursor)
     offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     e, ok = _pair_ids(ids_ptr, offs_p, P, E, K, stride_it, stride_ik)
-    offs_e, _, start, _ = _padded_starts(counts_ptr, E, BM, BLOCK_E)
-    # start[e] of each pair: a one-hot reduction over the experts (a register gather)
-    pair_start = tl.sum(tl.where(e[:, None] == offs_e[None, :], start[None, :], 0), axis=1)
-    rank = tl.atomic_add(cursor_ptr + e, 1, mask=ok)
-    tl.store(sorted_ptr + pair_start + rank, offs_p, mask=ok)
+    row = tl.atomic_add(cursor_ptr + e, 1, mask=ok)
+    tl.store(sorted_ptr + row, offs_p, mask=ok)
 
 
 @triton.jit
@@ -185,8 +189,8 @@ def launch_align(ids, counts, cursor, sorted_pairs, *, E: int, block_m: int, one
     scratch); sorted_pairs [rows] int32 (written at the real pairs' rows; pad rows keep what they held).
 
     Up to ``one_pass_max`` pairs: ``_align_expert_kernel`` (pairs of an expert in pair order).
-    Above: zero, ``_count_kernel``, ``_scatter_kernel`` (atomics: the order inside an expert varies
-    from run to run, which no output depends on)."""
+    Above: zero the counts, ``_count_kernel``, ``_starts_kernel``, ``_scatter_kernel`` (atomics: the
+    order inside an expert varies from run to run, which no output depends on)."""
     T, K = ids.shape
     P = T * K
     block_e = max(16, triton.next_power_of_2(E))
@@ -195,13 +199,13 @@ def launch_align(ids, counts, cursor, sorted_pairs, *, E: int, block_m: int, one
                                           BM=block_m, BLOCK_P=1024, BLOCK_E=block_e, num_warps=8)
         return
     counts.zero_()
-    cursor.zero_()
     block_p = 256
     grid = (triton.cdiv(P, block_p),)
     lean(_count_kernel)[grid](ids, counts, P, E, K, ids.stride(0), ids.stride(1),
                               BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
-    lean(_scatter_kernel)[grid](ids, counts, cursor, sorted_pairs, P, E, K, ids.stride(0), ids.stride(1),
-                                BM=block_m, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
+    lean(_starts_kernel)[(1,)](counts, cursor, E, BM=block_m, BLOCK_E=block_e, num_warps=4)
+    lean(_scatter_kernel)[grid](ids, cursor, sorted_pairs, P, E, K, ids.stride(0), ids.stride(1),
+                                BLOCK_P=block_p, num_warps=4)
 
 
 # --- grouped GEMMs ------------------------------------------------------------------------------
