@@ -227,7 +227,7 @@ class Codec:
                 raise FileNotFoundError(f"tokenizer: {self.directory!r} has no tokenizer.json")
         self.tokenizer = tokenizer
         self.config: dict = {}
-        if self.directory is not None and os.path.isdir(self.directory):
+        if tokenizer is not None and self.directory is not None and os.path.isdir(self.directory):
             cfg_file = os.path.join(self.directory, "tokenizer_config.json")
             if os.path.isfile(cfg_file):
                 self.config = _read_json(cfg_file)
