@@ -7,10 +7,13 @@ across the ranks of a host.
                    the distributed gated RMSNorm)
     group.py       the process group and its collectives; launch.py: torchrun or spawned ranks
     runtime.py     how the engine runs on every rank (SPMD) and why
+    serve_workers.py  ``fastmamba serve --tensor-parallel-size N``: the engine process as rank 0,
+                   ranks 1..N-1 fed each step's requests and aborts
     bench.py       ``fastmamba bench tp`` / ``python -m fastmamba.distributed.bench``
 
     fastmamba generate --model mamba2-2.7b --prompt-ids 1,2,3 --tp 2          (spawns 2 ranks)
     torchrun --nproc-per-node 2 -m fastmamba.cli generate ... --tp 2          (joins torchrun's)
+    fastmamba serve --model DIR --tensor-parallel-size 2                      (rank 0 starts rank 1)
 """
 from fastmamba.distributed.group import TPGroup, destroy_tp, init_tp, under_torchrun
 from fastmamba.distributed.launch import run_tp, spawn_tp

@@ -16,8 +16,10 @@ decode step is ~1-3 ms of which tensor parallelism exists to save a part; SPMD c
 step. Its risk is divergence (a rank taking a decision from something local, e.g. a clock): the
 engine decides nothing from time or memory, and ``check_ranks_agree`` compares the generated ids
 of every rank at the end of a run (one small all-gather) so a divergence cannot pass silently.
-The HTTP server (``fastmamba serve``) would need the broadcast form (requests arrive on one rank
-only); it is not wired here.
+The HTTP server (``fastmamba serve --tensor-parallel-size N``) keeps SPMD: requests arrive on rank 0
+only, so rank 0 sends the other ranks each step's added and aborted requests before the step, over
+a plain local connection, not a collective (``serve_workers.py``). Unseeded sampling draws from a
+generator that every rank seeds alike (``serve_workers._share_sampler``).
 """
 from __future__ import annotations
 
