@@ -27,9 +27,9 @@ vLLM: its kernel file is staged from the wheel (the kernels only; nothing else o
 (``$FASTMAMBA_VLLM_FUSED_MOE`` names another folder). The ``@triton.jit`` functions of fused_moe.py
 are extracted into a module of their own (its other imports need vLLM's compiled extension) and
 ``fused_moe_kernel`` is called by parameter name. vLLM's alignment (``moe_align_block_size``) is a
-compiled CUDA op: it is replaced by fastmamba's alignment kernels (count, scatter) plus one kernel
-that writes vLLM's layout (an expert id per block, the pad rows set to the sentinel T*k, the padded
-row count); relu² between the GEMMs is two in-place torch ops, the k-sum ``torch.sum`` (as vLLM's
+compiled CUDA op: it is replaced by fastmamba's one-launch alignment plus one kernel that writes
+vLLM's layout (the pairs at their rows, the sentinel T*k in pad rows, an expert id per block, the
+padded row count); relu² between the GEMMs is two in-place torch ops, the k-sum ``torch.sum`` (as vLLM's
 ``moe_sum``). The rows' note says which vLLM config ran.
 
 Bytes: ``bytes.moe_bytes`` (the distinct experts the routing touched, x, out, routing) and
@@ -67,7 +67,7 @@ from fastmamba.bench.ops._base import (
     describe,
 )
 from fastmamba.bench.timing import TimingConfig
-from fastmamba.ops.moe.kernel import _padded_starts, grouped_rows, launch_align
+from fastmamba.ops.moe.kernel import _padded_starts, align_layout, grouped_rows, launch_align
 
 # name -> (M, F, E, k)
 GPU_SHAPES = {
@@ -362,10 +362,10 @@ def vllm_config_note(case: Case) -> str:
 
 
 @triton.jit
-def _vllm_layout_kernel(counts_ptr, sorted_ptr, expert_ids_ptr, padded_ptr, E, P,
+def _vllm_layout_kernel(counts_ptr, lists_ptr, sorted_ptr, expert_ids_ptr, padded_ptr, E, P,
                         BM: tl.constexpr, BLOCK_E: tl.constexpr):
-    # one program per row block: its expert id, its pad rows set to the sentinel P, and (program 0)
-    # the padded row count: vLLM's moe_align_block_size layout over fastmamba's sorted rows
+    # one program per row block: its expert id, its rows' pairs from that expert's list (the sentinel
+    # P in pad rows), and (program 0) the padded row count: vLLM's moe_align_block_size layout
     b = tl.program_id(0)
     offs_e, c, start, end = _padded_starts(counts_ptr, E, BM, BLOCK_E)
     row0 = b * BM
@@ -374,23 +374,28 @@ def _vllm_layout_kernel(counts_ptr, sorted_ptr, expert_ids_ptr, padded_ptr, E, P
     e_start = tl.sum(tl.where(offs_e == e, start, 0), axis=0)
     e_count = tl.sum(tl.where(offs_e == e, c, 0), axis=0)
     offs_r = row0 + tl.arange(0, BM)
-    tl.store(sorted_ptr + offs_r, P, mask=(offs_r - e_start) >= e_count)
+    real = (offs_r - e_start) < e_count
+    pair = tl.load(lists_ptr + e.to(tl.int64) * P + (offs_r - e_start), mask=real, other=0)
+    tl.store(sorted_ptr + offs_r, tl.where(real, pair, P))
     if b == 0:
         tl.store(padded_ptr, tl.max(end, axis=0))
 
 
 def vllm_align(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_token_ids, expert_ids, num_tokens_post_padded) as vLLM's moe_align_block_size returns
-    them, from fastmamba's alignment kernels plus ``_vllm_layout_kernel`` (no host read)."""
+    them, from fastmamba's one-launch alignment (per-expert lists) plus ``_vllm_layout_kernel``: two
+    launches, no host read."""
     T, k = ids.shape
     P = T * k
     rows = grouped_rows(P, E, block_m)
-    ws = torch.empty(2 * E, dtype=torch.int32, device=ids.device)
+    layout = align_layout(P, E, block_m, lists_max=E * P)  # per-expert lists whatever the size
+    counts = torch.empty(2 * E, dtype=torch.int32, device=ids.device)
+    lists = torch.empty(layout.entries, dtype=torch.int32, device=ids.device)
     sorted_ids = torch.empty(rows, dtype=torch.int32, device=ids.device)
     expert_ids = torch.empty(rows // block_m, dtype=torch.int32, device=ids.device)
     padded = torch.empty(1, dtype=torch.int32, device=ids.device)
-    launch_align(ids, ws[:E], ws[E:], sorted_ids, E=E, block_m=block_m)
-    _vllm_layout_kernel[(rows // block_m,)](ws[:E], sorted_ids, expert_ids, padded, E, P, BM=block_m,
+    launch_align(ids, counts[:E], counts[E:], lists, E=E, block_m=block_m, layout=layout)
+    _vllm_layout_kernel[(rows // block_m,)](counts, lists, sorted_ids, expert_ids, padded, E, P, BM=block_m,
                                             BLOCK_E=max(16, triton.next_power_of_2(E)))
     return sorted_ids, expert_ids, padded
 

@@ -23,7 +23,14 @@ from fastmamba.ops._common.dispatch import interpreter_enabled, use_triton
 from fastmamba.ops._common.host_values import host_reads_allowed
 from fastmamba.ops._common.launch import on_device
 from fastmamba.ops.moe import configs
-from fastmamba.ops.moe.kernel import grouped_rows, launch_align, launch_gemv, launch_grouped, launch_route
+from fastmamba.ops.moe.kernel import (
+    align_layout,
+    grouped_rows,
+    launch_align,
+    launch_gemv,
+    launch_grouped,
+    launch_route,
+)
 from fastmamba.ops.moe.ref import Routing, fused_moe_ref, moe_route_ref
 
 _ROUTE = "moe_route"
@@ -184,14 +191,14 @@ def _launch(x, w_up, w_down, tw, ids, out, cfg: configs.MoeConfig, T: int, M: in
         if cfg.path != "grouped":
             raise ValueError(f"{_MOE}: config path {cfg.path!r}: expected 'gemv' or 'grouped'")
         P = T * k
-        rows = grouped_rows(P, E, cfg.block_m)
+        layout = align_layout(P, E, cfg.block_m)
         ws = torch.empty(2 * E, dtype=torch.int32, device=dev)  # counts, cursors (launch_align writes them)
         counts, cursor = ws[:E], ws[E:]
-        sorted_pairs = torch.empty(rows, dtype=torch.int32, device=dev)
-        h = torch.empty(rows, F, dtype=x.dtype, device=dev)
+        pairs = torch.empty(layout.entries, dtype=torch.int32, device=dev)
+        h = torch.empty(grouped_rows(P, E, cfg.block_m), F, dtype=x.dtype, device=dev)  # relu² rows, expert-sorted
         yp = torch.empty(P, M, dtype=x.dtype, device=dev)  # each pair's weighted contribution
-        launch_align(ids, counts, cursor, sorted_pairs, E=E, block_m=cfg.block_m)
-        launch_grouped(x, w_up, w_down, tw, ids, counts, sorted_pairs, h, yp, y, block_m=cfg.block_m,
+        launch_align(ids, counts, cursor, pairs, E=E, block_m=cfg.block_m, layout=layout)
+        launch_grouped(x, w_up, w_down, tw, ids, counts, pairs, layout, h, yp, y, block_m=cfg.block_m,
                        block_n_up=cfg.block_n_up, block_k_up=cfg.block_k_up, block_n_down=cfg.block_n_down,
                        block_k_down=cfg.block_k_down, group_m=cfg.group_m, num_warps=cfg.num_warps,
                        num_stages=cfg.num_stages, dot_fp32=interp)

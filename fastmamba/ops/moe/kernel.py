@@ -5,13 +5,14 @@ Letters as in ``ref.py``: T tokens, M model (or latent) width, F expert width, E
 per token, P = T*k token-expert pairs, BM rows of a GEMM block.
 
 Grouped path (any T), every buffer sized from (T, k, E, BM) alone, no host read (CUDA-graph safe):
-    counts[E], sorted[..]             the alignment: pair p goes to row start[e] + its rank among
-                                      expert e's pairs; start[e] is the exclusive cumsum of the
-                                      counts, each padded to BM. Up to 4096 pairs in one launch
-                                      (_align_expert_kernel, one program per expert); above in
-                                      four (a memset, _count_kernel's histogram with one atomic add
-                                      per expert per program, _starts_kernel, _scatter_kernel's
-                                      atomic cursors)
+    counts[E], pairs                  the alignment. Expert e's pairs take the rows start[e] ..
+                                      start[e] + count[e] of a virtual order, start[e] the exclusive
+                                      cumsum of the counts each padded to BM, so a block of BM rows
+                                      holds one expert. Where E * P is small (Nano: any T to 5461)
+                                      one launch writes per-expert lists (_align_expert_kernel, one
+                                      program per expert, pair order, no atomics); else four launches
+                                      write the pairs at their rows (a memset, _count_kernel's
+                                      histogram, _starts_kernel, _scatter_kernel's atomic cursors)
     h[pos, F]   <- _up_kernel         relu(x[t] @ w_up[e]^T)² for the BM rows of a block, one expert
                                       per block (found by searching the padded cumsum)
     y[p, M]     <- _down_kernel       weight[p] * h[pos] @ w_down[e]^T, written at the pair's row
@@ -30,6 +31,8 @@ enough bytes are in flight at batch 1):
 Under the CPU interpreter 16-bit ``tl.dot`` is wrong in Triton 3.6: ``DOT_FP32`` upcasts the tiles.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
@@ -129,7 +132,7 @@ def _padded_starts(counts_ptr, E, BM: tl.constexpr, BLOCK_E: tl.constexpr):
     return offs_e, c, end - padded, end
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _count_kernel(ids_ptr, counts_ptr, P, E, K, stride_it, stride_ik,
                   BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
     # one program per BLOCK_P pairs: a histogram of their experts, added to counts[E]
@@ -147,7 +150,7 @@ def _starts_kernel(counts_ptr, cursor_ptr, E, BM: tl.constexpr, BLOCK_E: tl.cons
     tl.store(cursor_ptr + offs_e, start, mask=offs_e < E)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, P, E, K, stride_it, stride_ik, BLOCK_P: tl.constexpr):
     # one program per BLOCK_P pairs: each pair takes the next row of its expert (an atomic cursor)
     offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -156,55 +159,65 @@ def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, P, E, K, stride_it, stride_
     tl.store(sorted_ptr + row, offs_p, mask=ok)
 
 
-@triton.jit
-def _align_expert_kernel(ids_ptr, counts_ptr, sorted_ptr, P, E, K, stride_it, stride_ik,
-                         BM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
-    # one program per expert, one launch, no atomics: every program takes the histogram of all P
-    # ids (for its padded start), then writes its own pairs in pair order at start + rank
+@triton.jit(do_not_specialize=["P", "stride_le"])
+def _align_expert_kernel(ids_ptr, counts_ptr, lists_ptr, P, E, K, stride_it, stride_ik, stride_le,
+                         BLOCK_P: tl.constexpr):
+    # one program per expert, one launch, no atomics: the expert's pairs in pair order into its
+    # list (lists[e, :count]) and its count; the GEMMs find each expert's padded rows from the counts
     me = tl.program_id(0)
     offs_j = tl.arange(0, BLOCK_P)
-    hist = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for p0 in range(0, P, BLOCK_P):
-        e, ok = _pair_ids(ids_ptr, p0 + offs_j, P, E, K, stride_it, stride_ik)
-        hist += tl.histogram(e, BLOCK_E, mask=ok)
-    offs_e = tl.arange(0, BLOCK_E)
-    padded = (hist + BM - 1) // BM * BM
-    start = tl.sum(tl.where(offs_e < me, padded, 0), axis=0)
-    tl.store(counts_ptr + me, tl.sum(tl.where(offs_e == me, hist, 0), axis=0))
-    seen = start
+    base = lists_ptr + me.to(tl.int64) * stride_le
+    seen = me * 0
     for p0 in range(0, P, BLOCK_P):
         offs_p = p0 + offs_j
         e, ok = _pair_ids(ids_ptr, offs_p, P, E, K, stride_it, stride_ik)
         mine = (ok & (e == me)).to(tl.int32)
         rank = tl.cumsum(mine, axis=0) - 1
-        tl.store(sorted_ptr + seen + rank, offs_p, mask=mine > 0)
+        tl.store(base + seen + rank, offs_p, mask=mine > 0)
         seen += tl.sum(mine, axis=0)
+    tl.store(counts_ptr + me, seen)
 
 
-ALIGN_ONE_PASS_MAX = 4096  # pairs: up to here one launch of one program per expert, above it three
+ALIGN_LISTS_MAX = 1 << 22  # E * P int32 entries (16 MiB): up to here per-expert lists in one launch
 
 
-def launch_align(ids, counts, cursor, sorted_pairs, *, E: int, block_m: int, one_pass_max: int | None = None) -> None:
+class AlignLayout(NamedTuple):
+    """Where the alignment puts each expert's pairs: per-expert lists [E, P] (``stride`` = P; one
+    launch) or rows of the BM-padded expert-sorted order (``stride`` = 0; four launches)."""
+
+    per_expert: bool
+    entries: int  # int32 entries of the pair buffer
+    stride: int
+
+
+def align_layout(P: int, E: int, block_m: int, lists_max: int | None = None) -> AlignLayout:
+    """Per-expert lists while E * P <= ``ALIGN_LISTS_MAX`` (Nano: every T up to 5461; Super: T <= 372)."""
+    if E * P <= (ALIGN_LISTS_MAX if lists_max is None else lists_max):
+        return AlignLayout(True, E * P, P)
+    return AlignLayout(False, grouped_rows(P, E, block_m), 0)
+
+
+def launch_align(ids, counts, cursor, pairs, *, E: int, block_m: int, layout: AlignLayout) -> None:
     """ids [T, k]; counts, cursor [E] int32, any contents (written: counts per expert; cursor is
-    scratch); sorted_pairs [rows] int32 (written at the real pairs' rows; pad rows keep what they held).
+    scratch); pairs [layout.entries] int32 (written at the real pairs' entries only).
 
-    Up to ``one_pass_max`` pairs: ``_align_expert_kernel`` (pairs of an expert in pair order).
-    Above: zero the counts, ``_count_kernel``, ``_starts_kernel``, ``_scatter_kernel`` (atomics: the
-    order inside an expert varies from run to run, which no output depends on)."""
+    Per-expert lists: ``_align_expert_kernel`` (an expert's pairs in pair order). Padded rows: zero
+    the counts, ``_count_kernel``, ``_starts_kernel``, ``_scatter_kernel`` (atomics: the order inside
+    an expert varies from run to run, which no output depends on)."""
     T, K = ids.shape
     P = T * K
-    block_e = max(16, triton.next_power_of_2(E))
-    if P <= (ALIGN_ONE_PASS_MAX if one_pass_max is None else one_pass_max):
-        lean(_align_expert_kernel)[(E,)](ids, counts, sorted_pairs, P, E, K, ids.stride(0), ids.stride(1),
-                                          BM=block_m, BLOCK_P=1024, BLOCK_E=block_e, num_warps=8)
+    if layout.per_expert:
+        lean(_align_expert_kernel)[(E,)](ids, counts, pairs, P, E, K, ids.stride(0), ids.stride(1), layout.stride,
+                                          BLOCK_P=1024, num_warps=4)
         return
+    block_e = max(16, triton.next_power_of_2(E))
     counts.zero_()
     block_p = 256
     grid = (triton.cdiv(P, block_p),)
     lean(_count_kernel)[grid](ids, counts, P, E, K, ids.stride(0), ids.stride(1),
                               BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
     lean(_starts_kernel)[(1,)](counts, cursor, E, BM=block_m, BLOCK_E=block_e, num_warps=4)
-    lean(_scatter_kernel)[grid](ids, cursor, sorted_pairs, P, E, K, ids.stride(0), ids.stride(1),
+    lean(_scatter_kernel)[grid](ids, cursor, pairs, P, E, K, ids.stride(0), ids.stride(1),
                                 BLOCK_P=block_p, num_warps=4)
 
 
@@ -233,6 +246,14 @@ def _block_of_program(counts_ptr, E, n_cols, BM: tl.constexpr, BLOCK_N: tl.const
 
 
 @triton.jit
+def _load_pairs(pairs_ptr, e, e_start, offs_r, real, stride_se, PER_EXPERT: tl.constexpr):
+    """The pair of each row (0 where not real): from expert e's list, or from the padded rows."""
+    if PER_EXPERT:
+        return tl.load(pairs_ptr + e.to(tl.int64) * stride_se + (offs_r - e_start), mask=real, other=0)
+    return tl.load(pairs_ptr + offs_r, mask=real, other=0)
+
+
+@triton.jit
 def _dot(a, b, acc, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     if DOT_FP32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
@@ -241,13 +262,13 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_se"])
 def _up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ptr, counts_ptr,
     E, Fdim, Mdim, K,
-    stride_xt, stride_xm, stride_we, stride_wf, stride_wm, stride_hr,
+    stride_xt, stride_xm, stride_we, stride_wf, stride_wm, stride_hr, stride_se,
     BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, PER_EXPERT: tl.constexpr,
 ):
     # one program per (block of BM sorted rows = one expert's pairs, block of BLOCK_N of F):
     # h[rows, n] = relu(x[tokens] @ w_up[e, n, :]^T)²
@@ -257,7 +278,7 @@ def _up_kernel(
         return
     offs_r = pid_m * BM + tl.arange(0, BM)
     real = (offs_r - e_start) < e_count
-    pair = tl.load(sorted_ptr + offs_r, mask=real, other=0)
+    pair = _load_pairs(sorted_ptr, e, e_start, offs_r, real, stride_se, PER_EXPERT)
     tok = (pair // K).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -282,13 +303,13 @@ def _up_kernel(
              mask=real[:, None] & (offs_n < Fdim)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_se"])
 def _down_kernel(
     h_ptr, w_ptr, y_ptr, sorted_ptr, counts_ptr, tw_ptr,
     E, Mdim, Fdim, K,
-    stride_hr, stride_we, stride_wm, stride_wf, stride_yp, stride_twt, stride_twk,
+    stride_hr, stride_we, stride_wm, stride_wf, stride_yp, stride_twt, stride_twk, stride_se,
     BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, PER_EXPERT: tl.constexpr,
 ):
     # one program per (block of BM sorted rows, block of BLOCK_N of M):
     # y[pair, n] = weight[pair] * h[rows] @ w_down[e, n, :]^T, written at the pair's row
@@ -298,7 +319,7 @@ def _down_kernel(
         return
     offs_r = pid_m * BM + tl.arange(0, BM)
     real = (offs_r - e_start) < e_count
-    pair = tl.load(sorted_ptr + offs_r, mask=real, other=0)
+    pair = _load_pairs(sorted_ptr, e, e_start, offs_r, real, stride_se, PER_EXPERT)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     # h's pad rows were never written: masked (real) like x's in the up kernel
@@ -345,29 +366,32 @@ def grouped_rows(P: int, E: int, block_m: int) -> int:
     return triton.cdiv(rows, block_m) * block_m
 
 
-def launch_grouped(x, w_up, w_down, tw, ids, counts, sorted_pairs, h, y, out, *, block_m: int, block_n_up: int,
-                   block_k_up: int, block_n_down: int, block_k_down: int, group_m: int, num_warps: int,
-                   num_stages: int, dot_fp32: bool) -> None:
-    """The up / down GEMMs and the k-sum after ``launch_align``. h [rows, F] and y [P, M] have unit
-    stride along their last dim."""
+def launch_grouped(x, w_up, w_down, tw, ids, counts, pairs, layout: AlignLayout, h, y, out, *, block_m: int,
+                   block_n_up: int, block_k_up: int, block_n_down: int, block_k_down: int, group_m: int,
+                   num_warps: int, num_stages: int, dot_fp32: bool) -> None:
+    """The up / down GEMMs and the k-sum after ``launch_align``. h [grouped_rows(P, E, block_m), F]
+    and y [P, M] have unit stride along their last dim."""
     T, M = x.shape
     E, F, _ = w_up.shape
     K = ids.shape[1]
-    rows = sorted_pairs.shape[0]
+    rows = h.shape[0]
     n_blocks_m = rows // block_m
     block_e = max(16, triton.next_power_of_2(E))
     ieee = x.dtype.itemsize == 4
     lean(_up_kernel)[(n_blocks_m * triton.cdiv(F, block_n_up),)](
-        x, w_up, h, sorted_pairs, counts, E, F, M, K,
-        x.stride(0), x.stride(1), w_up.stride(0), w_up.stride(1), w_up.stride(2), h.stride(0),
+        x, w_up, h, pairs, counts, E, F, M, K,
+        x.stride(0), x.stride(1), w_up.stride(0), w_up.stride(1), w_up.stride(2), h.stride(0), layout.stride,
         BM=block_m, BLOCK_N=block_n_up, BLOCK_K=block_k_up, GROUP_M=group_m, BLOCK_E=block_e,
-        EVEN_K=M % block_k_up == 0, DOT_FP32=dot_fp32, IEEE=ieee, num_warps=num_warps, num_stages=num_stages,
+        EVEN_K=M % block_k_up == 0, DOT_FP32=dot_fp32, IEEE=ieee, PER_EXPERT=layout.per_expert,
+        num_warps=num_warps, num_stages=num_stages,
     )
     lean(_down_kernel)[(n_blocks_m * triton.cdiv(M, block_n_down),)](
-        h, w_down, y, sorted_pairs, counts, tw, E, M, F, K,
+        h, w_down, y, pairs, counts, tw, E, M, F, K,
         h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), y.stride(0), tw.stride(0), tw.stride(1),
+        layout.stride,
         BM=block_m, BLOCK_N=block_n_down, BLOCK_K=block_k_down, GROUP_M=group_m, BLOCK_E=block_e,
-        EVEN_K=F % block_k_down == 0, DOT_FP32=dot_fp32, IEEE=ieee, num_warps=num_warps, num_stages=num_stages,
+        EVEN_K=F % block_k_down == 0, DOT_FP32=dot_fp32, IEEE=ieee, PER_EXPERT=layout.per_expert,
+        num_warps=num_warps, num_stages=num_stages,
     )
     launch_sum(y, out, ids, E)
 

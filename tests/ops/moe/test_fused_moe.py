@@ -11,7 +11,7 @@ import torch
 from fastmamba.ops.moe import configs, fused_moe
 from fastmamba.ops.moe import kernel as moe_kernel
 from fastmamba.ops.moe.api import fused_moe_gemv
-from fastmamba.ops.moe.kernel import grouped_rows, launch_align
+from fastmamba.ops.moe.kernel import align_layout, grouped_rows, launch_align
 from fastmamba.ops.moe.ref import fused_moe_ref
 from tests.helpers import nan_like, seeded, tol
 
@@ -81,13 +81,13 @@ def skewed_routing(T, E, device):
     return ids.to(device)
 
 
-@pytest.mark.parametrize("op,one_pass_max", [(fused_moe, None), (fused_moe, 0), (fused_moe_gemv, None)],
-                         ids=["grouped", "grouped-atomic-align", "gemv"])
-def test_experts_with_no_one_and_all_tokens(op, one_pass_max, device, monkeypatch):
+@pytest.mark.parametrize("op,lists_max", [(fused_moe, None), (fused_moe, 0), (fused_moe_gemv, None)],
+                         ids=["grouped", "grouped-padded-rows", "gemv"])
+def test_experts_with_no_one_and_all_tokens(op, lists_max, device, monkeypatch):
     """T=18 > BM=16: expert 0's pairs span two row blocks; experts 3-5 get no token, and their
-    weights are NaN: nothing of them may reach the output. The grouped path with either alignment."""
-    if one_pass_max is not None:
-        monkeypatch.setattr(moe_kernel, "ALIGN_ONE_PASS_MAX", one_pass_max)
+    weights are NaN: nothing of them may reach the output. The grouped path with either layout."""
+    if lists_max is not None:
+        monkeypatch.setattr(moe_kernel, "ALIGN_LISTS_MAX", lists_max)
     x, w_up, w_down, tw, _ = make_inputs(18, 32, 24, 6, 2, torch.float32, device, seed=7)
     ids = skewed_routing(18, 6, device)
     want = fused_moe_ref(x, w_up, w_down, tw, ids)
@@ -104,29 +104,33 @@ def test_forced_config_with_l2_groups(device):
         check(x, w_up, w_down, tw, ids.long())
 
 
-@pytest.mark.parametrize("one_pass_max", [1 << 20, 0], ids=["one-launch", "atomics"])
-def test_alignment_is_exact(one_pass_max, device):
-    """Each expert's rows of the sorted order hold exactly its pairs (in pair order for the one-launch
-    kernel); counts equal a bincount; pad rows are not written. Expert 2 gets no pair."""
+@pytest.mark.parametrize("lists_max", [None, 0], ids=["per-expert-lists", "padded-rows"])
+def test_alignment_is_exact(lists_max, device):
+    """Counts equal a bincount; per-expert lists hold each expert's pairs in pair order; padded rows
+    hold them (in any order) at the expert's rows, pad rows untouched. Expert 2 gets no pair."""
     T, k, E, bm = 11, 3, 5, 16
     ids = torch.stack([torch.tensor([0, 1, 3, 4])[torch.randperm(4, generator=seeded(i))[:k]] for i in range(T)])
     ids = ids.to(device, torch.int32)
     ws = torch.full((2 * E,), 7, dtype=torch.int32, device=device)  # garbage: launch_align writes what it uses
-    rows = grouped_rows(T * k, E, bm)
-    sorted_pairs = torch.full((rows,), -1, dtype=torch.int32, device=device)
-    launch_align(ids, ws[:E], ws[E:], sorted_pairs, E=E, block_m=bm, one_pass_max=one_pass_max)
+    layout = align_layout(T * k, E, bm, lists_max)
+    assert layout.per_expert == (lists_max is None)
+    pairs = torch.full((layout.entries,), -1, dtype=torch.int32, device=device)
+    launch_align(ids, ws[:E], ws[E:], pairs, E=E, block_m=bm, layout=layout)
     counts = torch.bincount(ids.flatten().long().cpu(), minlength=E)
     assert counts[2] == 0 and torch.equal(ws[:E].cpu().long(), counts)
-    flat = ids.flatten().cpu()
+    flat, pairs = ids.flatten().cpu(), pairs.cpu().long()
     start = 0
     for e in range(E):
         c = int(counts[e])
-        seg = sorted_pairs[start:start + c].cpu().long()
         want = torch.nonzero(flat == e).flatten()
-        assert torch.equal(seg if one_pass_max else seg.sort().values, want)
-        assert (sorted_pairs[start + c:start + -(-c // bm) * bm].cpu() == -1).all()  # pad rows untouched
+        if layout.per_expert:
+            assert torch.equal(pairs[e * T * k:e * T * k + c], want)
+            assert (pairs[e * T * k + c:(e + 1) * T * k] == -1).all()
+        else:
+            assert torch.equal(pairs[start:start + c].sort().values, want)
+            assert (pairs[start + c:start + -(-c // bm) * bm] == -1).all()  # pad rows untouched
         start += -(-c // bm) * bm
-    assert start <= rows
+    assert start <= grouped_rows(T * k, E, bm)
 
 
 def test_gemv_path_equals_reference_on_many_tokens(device):
