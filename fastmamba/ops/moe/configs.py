@@ -44,17 +44,18 @@ TABLE: dict[tuple[str, str, int, int, int, int, int], MoeConfig | dict] = {}
 INTERPRETER = MoeConfig("grouped", 16, 32, 32, 32, 32, 1, 4, 1)
 INTERPRETER_GEMV = MoeConfig("gemv", 16, 16, 32, 16, 32, 1, 4, 1)
 
-# the configs ``tune`` tries (per case the path is the heuristic's for that token count; both
-# paths are swept for T <= GEMV_MAX_TOKENS * 2)
+# the configs ``tune`` tries (its bench keeps, per case, the GEMV ones for T <= 2 * GEMV_MAX_TOKENS and
+# the grouped ones whose block_m fits the mean rows per expert): 36 GEMV, 58 grouped
 CANDIDATES: list[dict] = (
     [dict(path="gemv", block_m=16, block_n_up=bn, block_k_up=bk, block_n_down=bnd, block_k_down=bk,
-          group_m=1, num_warps=w, num_stages=s)
-     for bn in (8, 16, 32) for bnd in (4, 8, 16) for bk in (128, 256) for w in (4, 8) for s in (2, 4)]
+          group_m=1, num_warps=w, num_stages=2)
+     for bn in (8, 16, 32) for bnd in (8, 16, 32) for bk in (128, 256) for w in (4, 8)]
     + [dict(path="grouped", block_m=bm, block_n_up=bn, block_k_up=bk, block_n_down=bn, block_k_down=bk,
-            group_m=g, num_warps=w, num_stages=s)
-       for bm in (16, 32, 64, 128) for bn in (64, 128) for bk in (64, 128) for g in (1, 8)
-       for w in (4, 8) for s in (3, 4)
-       if not (bm == 128 and bn == 128 and bk == 128)]  # over the shared memory of an H100 at 3+ stages
+            group_m=1 if bm <= 32 else 8, num_warps=w, num_stages=st)
+       for bm in (16, 32, 64, 128) for bn in (64, 128) for bk in (64, 128) for w in (4, 8) for st in (3, 4)
+       if (bm * bk + bk * bn) * 2 * st <= 160 * 1024]  # shared memory of the pipelined tiles (H100: 227 KiB)
+    + [dict(path="grouped", block_m=bm, block_n_up=256, block_k_up=64, block_n_down=256, block_k_down=64,
+            group_m=8, num_warps=8, num_stages=3) for bm in (64, 128)]
 )
 
 _forced: MoeConfig | None = None
