@@ -19,11 +19,12 @@ of every rank at the end of a run (one small all-gather) so a divergence cannot 
 The HTTP server (``fastmamba serve --tensor-parallel-size N``) keeps SPMD: requests arrive on rank 0
 only, so rank 0 sends the other ranks each step's added and aborted requests before the step, over
 a plain local connection, not a collective (``serve_workers.py``). Unseeded sampling draws from a
-generator that every rank seeds alike (``serve_workers._share_sampler``).
+generator that every rank seeds alike (``seed_sampler``; each Engine seeds its own from the OS).
 """
 from __future__ import annotations
 
 import hashlib
+import secrets
 
 import torch
 
@@ -40,3 +41,20 @@ def check_ranks_agree(tp: TPGroup, outputs: list[list[int]], *, who: str = "tens
     differ = [r for r in range(tp.world_size) if not torch.equal(every[r], every[0])]
     if differ:
         raise RuntimeError(f"{who}: ranks {differ} generated other tokens than rank 0 (SPMD ranks diverged)")
+
+
+def seed_sampler(engine, seed: int) -> None:
+    """Re-seed ``engine``'s shared sampling generator (the one rows without their own ``seed``
+    draw from) with ``seed``. Each Engine seeds it from the OS, so without this the ranks draw
+    different tokens from the same logits at temperature > 0 and diverge."""
+    from fastmamba.generation.sampling import Sampler
+
+    s = engine.sampler
+    engine.sampler = Sampler(s.vocab_size, s.device, s.max_batch, seed=seed)
+
+
+def share_sampling_seed(tp: TPGroup, engine) -> int:
+    """``seed_sampler`` with rank 0's random seed on every rank (one broadcast); returns the seed."""
+    seed = tp.broadcast_object(secrets.randbits(63) if tp.is_first else None)
+    seed_sampler(engine, seed)
+    return seed

@@ -42,22 +42,14 @@ import threading
 import time
 from collections.abc import Callable
 
+from fastmamba.distributed.runtime import seed_sampler
+
 AUTHKEY_ENV = "FASTMAMBA_TP_AUTHKEY"
 CONNECT_TIMEOUT_S = 300.0  # ranks 1..N-1 import torch and connect back within this
 
 
 def _sampling_seed() -> int:
     return secrets.randbits(63)
-
-
-def _share_sampler(engine, seed: int) -> None:
-    """Re-seed the engine's shared sampling generator (rows without their own ``seed``) with the
-    seed every rank got: each Engine seeds it from the OS otherwise, and the ranks would then draw
-    different tokens from the same logits."""
-    from fastmamba.generation.sampling import Sampler
-
-    s = engine.sampler
-    engine.sampler = Sampler(s.vocab_size, s.device, s.max_batch, seed=seed)
 
 
 class LockstepEngine:
@@ -244,7 +236,7 @@ def build_tp_engine(tp_size: int, model: str, dtype: str | None, device: str | N
         for c in conns:
             c.send(("engine", kwargs, seed))
         engine = Engine(lm, **kwargs)
-        _share_sampler(engine, seed)
+        seed_sampler(engine, seed)
     except BaseException:
         for c in conns:
             c.close()
@@ -327,7 +319,7 @@ def worker_main(argv: list[str] | None = None) -> int:
             lm = _load(tp, setup)
             kind, kwargs, seed = conn.recv()
             engine = Engine(lm, **kwargs)
-            _share_sampler(engine, seed)
+            seed_sampler(engine, seed)
             _serve_rank(conn, engine)
             ok = True
         finally:
