@@ -191,3 +191,35 @@ def test_load_model_refuses_non_finite_weights(tmp_path, family, tensor, value):
         load_model(d, device="cpu")
     kind = "NaN" if value != value else "inf"
     assert f"{tensor}: 1 of {sd[tensor].numel()} values are {kind}" in str(e.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", PRESETS)
+def test_checks_add_no_synchronize_on_gpu(preset, monkeypatch):
+    """On a GPU the checks cost no device-to-host sync where the call read nothing before: a prefill
+    with the host's lists and a decode whose cache the caller grew (the engine's and the CUDA
+    graphs' calls) run under torch.cuda.set_sync_debug_mode("error"); the MoE layers included."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = load_model(preset, device="cuda", dtype=torch.float32)
+    hybrid = is_hybrid(model)
+    cache = model.new_cache(3, max_seq_len=32, page_size=4) if hybrid else model.new_cache(3)
+    slots = cache.alloc(2)
+    sl = slots.tolist()
+    ids = torch.arange(3, 10, device="cuda")
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32, device="cuda")
+    tok = torch.tensor([4, 5], device="cuda")
+    grow = {"grow": False} if hybrid else {}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model.prefill_varlen(ids, cu, cache, slots, cu_seqlens_host=[0, 3, 7], slots_host=sl)
+        if hybrid:  # the engine grows the cache on the host (a K/V page may go down), then decodes
+            torch.cuda.set_sync_debug_mode(0)
+            cache.grow(sl, [1, 1])
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        out = model.decode(tok, cache, slots, **grow)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert out.shape == (2, model.cfg.vocab_size) and bool(torch.isfinite(out).all())
