@@ -67,7 +67,7 @@ from fastmamba.bench.ops._base import (
     describe,
 )
 from fastmamba.bench.timing import TimingConfig
-from fastmamba.ops.moe.kernel import _padded_starts, align_layout, grouped_rows, launch_align
+from fastmamba.ops.moe.kernel import AlignLayout, _padded_starts, grouped_rows, launch_align
 
 # name -> (M, F, E, k)
 GPU_SHAPES = {
@@ -388,7 +388,7 @@ def vllm_align(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, t
     T, k = ids.shape
     P = T * k
     rows = grouped_rows(P, E, block_m)
-    layout = align_layout(P, E, block_m, lists_max=E * P)  # per-expert lists whatever the size
+    layout = AlignLayout(True, E * P, P)  # per-expert lists whatever the size
     counts = torch.empty(2 * E, dtype=torch.int32, device=ids.device)
     lists = torch.empty(layout.entries, dtype=torch.int32, device=ids.device)
     sorted_ids = torch.empty(rows, dtype=torch.int32, device=ids.device)

@@ -8,7 +8,7 @@ Grouped path (any T), every buffer sized from (T, k, E, BM) alone, no host read 
     counts[E], pairs                  the alignment. Expert e's pairs take the rows start[e] ..
                                       start[e] + count[e] of a virtual order, start[e] the exclusive
                                       cumsum of the counts each padded to BM, so a block of BM rows
-                                      holds one expert. Where E * P is small (Nano: any T to 5461)
+                                      holds one expert. Where E * P is small (Nano: T <= 1365)
                                       one launch writes per-expert lists (_align_expert_kernel, one
                                       program per expert, pair order, no atomics); else four launches
                                       write the pairs at their rows (a memset, _count_kernel's
@@ -178,7 +178,8 @@ def _align_expert_kernel(ids_ptr, counts_ptr, lists_ptr, P, E, K, stride_it, str
     tl.store(counts_ptr + me, seen)
 
 
-ALIGN_LISTS_MAX = 1 << 22  # E * P int32 entries (16 MiB): up to here per-expert lists in one launch
+ALIGN_LISTS_MAX = 1 << 22  # E * P int32 entries (16 MiB): up to here per-expert lists in one launch ...
+ALIGN_LISTS_MAX_PAIRS = 8192  # ... and up to 8 sequential chunks of 1024 pairs per program
 
 
 class AlignLayout(NamedTuple):
@@ -191,8 +192,9 @@ class AlignLayout(NamedTuple):
 
 
 def align_layout(P: int, E: int, block_m: int, lists_max: int | None = None) -> AlignLayout:
-    """Per-expert lists while E * P <= ``ALIGN_LISTS_MAX`` (Nano: every T up to 5461; Super: T <= 372)."""
-    if E * P <= (ALIGN_LISTS_MAX if lists_max is None else lists_max):
+    """Per-expert lists while E * P <= ``ALIGN_LISTS_MAX`` and P <= ``ALIGN_LISTS_MAX_PAIRS`` (Nano:
+    T <= 1365; Super: T <= 186), else padded rows. ``lists_max`` replaces the first bound alone."""
+    if P <= ALIGN_LISTS_MAX_PAIRS and E * P <= (ALIGN_LISTS_MAX if lists_max is None else lists_max):
         return AlignLayout(True, E * P, P)
     return AlignLayout(False, grouped_rows(P, E, block_m), 0)
 

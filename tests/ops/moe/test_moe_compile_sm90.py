@@ -9,8 +9,6 @@ import json
 import os
 import sys
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 K = "fastmamba.ops.moe.kernel"
 _GEMM_PTRS = dict(x_ptr="*bf16", w_ptr="*bf16", h_ptr="*bf16", y_ptr="*bf16", sorted_ptr="*i32", counts_ptr="*i32",
