@@ -25,8 +25,8 @@ rank's own sizes (``d_inner``, ``nheads``, ``ngroups``, ``conv_dim``, ``d_in_pro
 the mixer, the state cache (conv [S, E_local, W], SSM [S, H/w, P, N]) and the engine's per-shape
 tables run unchanged on the local shape; ``cfg.full`` is the whole model's config.
 
-Loading (``load_tp_model``): from a safetensors checkpoint every rank opens the files and reads its
-slices only (``safe_open(...).get_slice``); ``model.load_stats.bytes_read`` counts the bytes of the
+Loading (``load_tp_model``, for Mamba-2 and Nemotron-H alike: config.json's ``model_type`` picks
+the family): from a safetensors checkpoint every rank opens the files and reads its slices only (``safe_open(...).get_slice``); ``model.load_stats.bytes_read`` counts the bytes of the
 slices it read, about 1/w of the sharded tensors plus the replicated ones. A preset (random weights)
 is built whole on the rank's device with the same seed everywhere and sliced in memory.
 """
@@ -364,14 +364,12 @@ def _family_of_dir(root: Path) -> str:
 
 
 def _nemotron_h_config(root: Path):
-    """A Nemotron-H directory's config, read the way ``load_nemotron_h`` reads it (``from_dir`` where
-    the config class has one, e.g. to take generation_config.json's EOS ids; else config.json)."""
+    """A Nemotron-H directory's config as ``load_nemotron_h`` reads it (EOS ids included)."""
     from fastmamba.models.nemotron_h import NemotronHConfig
 
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"load_tp_model: no config.json in {str(root)!r}")
-    from_dir = getattr(NemotronHConfig, "from_dir", None)
-    return from_dir(root) if from_dir is not None else NemotronHConfig.from_file(root / "config.json")
+    return NemotronHConfig.from_dir(root)
 
 
 def _source(key: str, world_size: int, who: str):
