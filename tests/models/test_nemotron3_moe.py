@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from fastmamba.models.nemotron_h import PRESETS, NemotronHConfig, NemotronHLM, load_nemotron_h
+from fastmamba.ops._common.dispatch import interpreter_enabled
 from tests.helpers import seeded, tol
 from tests.models.test_nemotron_h import HF_ROUTED, hf_norm_is_grouped
 
 transformers = pytest.importorskip("transformers")
 FP32 = tol(torch.float32)
+INTERPRETER_AT_START = interpreter_enabled()  # Triton reads TRITON_INTERPRET once, at import
 VOCAB = 96
 PATTERN = "M*E-ME"  # every kind; two MoE layers
 
@@ -368,3 +370,32 @@ def test_config_json_of_a_released_checkpoint_reads(tmp_path):
 
     assert dataclasses.replace(got, eos_token_ids=(), max_position_embeddings=None) == want
     assert got.eos_token_ids == (2,) and got.max_position_embeddings == 262144
+
+
+@pytest.mark.parametrize("latent", [None, 24], ids=["moe", "latent-moe"])
+def test_moe_layer_runs_the_triton_kernels(monkeypatch, latent):
+    """The MoE layer with the ops' Triton kernels (the interpreter on a CPU) equals it with their
+    references, for one token (a decode step) and for a few (a prefill chunk): the model tests
+    above run the references; the kernels have their own tests (tests/ops/moe/)."""
+    from fastmamba.layers.moe import MoE, MoEConfig
+
+    if not INTERPRETER_AT_START:
+        pytest.skip("needs TRITON_INTERPRET=1 before Python starts (Triton reads it at import); the GPU tests "
+                    "run the kernels on CUDA tensors")
+    cfg = MoEConfig(d_model=48, n_experts=8, top_k=2, expert_width=20, shared_width=28, latent=latent, n_group=2,
+                    topk_group=1, routed_scaling_factor=2.5)
+    layer = MoE(cfg, dtype=torch.float32)
+    g = seeded(6)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        layer.gate.e_score_correction_bias.copy_(torch.randn(8, generator=g) * 0.1)
+    for T in (1, 7):
+        u = torch.randn(T, 48, generator=g)
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        want = layer(u)
+        with monkeypatch.context() as mp:  # the references must not run now
+            mp.setenv("TRITON_INTERPRET", "1")
+            for name in ("fused_moe_ref", "moe_route_ref"):
+                mp.setattr(f"fastmamba.ops.moe.api.{name}", lambda *a, **k: pytest.fail("a reference ran"))
+            torch.testing.assert_close(layer(u), want, **FP32)
