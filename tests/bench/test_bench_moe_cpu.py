@@ -101,8 +101,8 @@ def test_vllm_peer_matches_reference():
 
 
 def test_tune_hooks():
-    bench = moe_bench.MoeBench((1, 64))
-    cases = bench.tune_cases(CPU, [])
+    bench = moe_bench.MoeBench()
+    cases = bench.tune_cases(CPU, [1, 64])
     assert [c.batch for c in cases] == [1, 64] and all(c.op == moe_bench.EXPERTS for c in cases)
     one, many = (bench.tune_candidates(configs, c) for c in cases)
     assert one and all(c["path"] == "gemv" for c in one)
@@ -125,3 +125,21 @@ def test_end_to_end_through_the_command_line(tmp_path):
     assert by[("fused_moe", "fastmamba")]["bytes"] > 0 and by[("fused_moe", "fastmamba")]["flops"] > 0
     assert by[("moe_route", "torch-grouped_mm")]["status"] == "skipped"
     assert rc == 0
+
+
+def test_tune_sweep_runs_every_candidate(monkeypatch):
+    """``tune --ops moe``'s sweep of one case (interpreter, two candidates: one per path) and the
+    paste-ready table keyed as configs.TABLE is."""
+    from fastmamba.bench import tune
+
+    gemv = dict(path="gemv", block_m=16, block_n_up=16, block_k_up=32, block_n_down=16, block_k_down=32,
+                group_m=1, num_warps=4, num_stages=1)
+    grouped = dict(gemv, path="grouped", block_n_up=32, block_n_down=32)
+    monkeypatch.setattr(configs, "CANDIDATES", [gemv, grouped])
+    sweep = tune.plan_sweeps(["moe"], CPU)[0]
+    assert not sweep.reason, sweep.reason
+    case = sweep.bench.tune_cases(CPU, [4])[0]
+    result = tune._sweep_case(sweep, case, CPU, 0, 1.0, False, None)
+    assert [cfg["path"] for _, cfg in result.results] == ["gemv", "grouped"]
+    table = "\n".join(tune.paste_ready_table(sweep, [result], "test"))
+    assert "('cpu', 'float32', 48, 40, 8, 2, 4): {" in table

@@ -111,9 +111,13 @@ class MoeBench(OpBench):
         return MoeBench(getattr(args, "batch", None))
 
     def cases(self, device: torch.device, batches: Sequence[int]) -> list[Case]:
+        """Token counts: --batch when given (``configure``), else GPU_TOKENS / CPU_TOKENS (the
+        target's default batches are the decode ops')."""
+        return self._cases(device, self.tokens or (GPU_TOKENS if device.type == "cuda" else CPU_TOKENS))
+
+    def _cases(self, device: torch.device, tokens: Sequence[int]) -> list[Case]:
         cuda = device.type == "cuda"
         shapes = GPU_SHAPES if cuda else CPU_SHAPES
-        tokens = self.tokens or (GPU_TOKENS if cuda else CPU_TOKENS)
         act = torch.bfloat16 if cuda else torch.float32
         out = []
         for shape, (M, F, E, k) in shapes.items():
@@ -130,7 +134,8 @@ class MoeBench(OpBench):
         return out
 
     def tune_cases(self, device: torch.device, batches: Sequence[int]) -> list[Case]:
-        return [c for c in self.cases(device, batches) if c.op == EXPERTS]
+        """The fused_moe cases at tune's token counts (its --batch; default 1, 8, 64, 256)."""
+        return [c for c in self._cases(device, batches) if c.op == EXPERTS]
 
     def tune_candidates(self, configs: object, case: Case) -> list[dict]:
         """The GEMV configs for T <= 2 * GEMV_MAX_TOKENS, the grouped ones whose rows per block
