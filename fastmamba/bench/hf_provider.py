@@ -18,7 +18,6 @@ path and over the default path, and how many greedy tokens match the torch path'
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
 import json
 import math
@@ -117,20 +116,40 @@ def write_checkpoint(name: str, path: str, dtype: torch.dtype, device: torch.dev
         torch.cuda.empty_cache()
 
 
-def _torch_function(wrapper) -> object | None:
-    """transformers' PyTorch code behind a function hook's wrapper (kernels' Func module): the
-    function it was built from, unwrapped past transformers' mamba_ssm / causal_conv1d dispatch."""
-    code, cells = type(wrapper).forward.__code__, type(wrapper).forward.__closure__ or ()
+_MODULE_FUNCTIONS = ("causal_conv1d_fn", "causal_conv1d_update", "mamba2_selective_state_update", "mamba2_chunk_scan")
+
+
+def _closure(fn, name: str):
+    """The value of free variable ``name`` in ``fn``'s closure (None if absent)."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    if code is None:
+        return None
     for var, cell in zip(code.co_freevars, cells):
-        if var == "func":
-            return inspect.unwrap(cell.cell_contents)
+        if var == name:
+            return cell.cell_contents
     return None
 
 
+def _hook_function(obj):
+    """transformers' function behind a modeling-module hook: the function itself, or the one a
+    kernels ``Func`` module (kernels installed) was built from."""
+    if isinstance(obj, torch.nn.Module):
+        return _closure(type(obj).forward, "func")
+    return obj
+
+
+def _mixer_modules(model) -> list:
+    import importlib
+
+    return sorted({importlib.import_module(type(m).__module__) for m in model.modules()
+                   if type(m).__name__ in ("Mamba2Mixer", "NemotronHMamba2Mixer")}, key=lambda m: m.__name__)
+
+
 def force_torch_path(model) -> list:
-    """Make every mixer's function hooks run transformers' PyTorch code (not mamba_ssm's); returns
-    the wrappers changed (``release_torch_path`` undoes it). Needs the per-mixer wrappers (kernels
-    installed); raises RuntimeError otherwise."""
+    """Make the model's Mamba function hooks run transformers' PyTorch code (not mamba_ssm's /
+    causal_conv1d's); returns what changed, for ``release_torch_path``. With per-mixer wrappers
+    (kernels installed) each wrapper's instance ``forward``; without, the modeling module's
+    functions themselves (for the duration of the row)."""
     changed = []
     for m in model.modules():
         funcs = getattr(m, "_kernel_funcs", None)
@@ -138,27 +157,46 @@ def force_torch_path(model) -> list:
             continue
         for name in _FUNCTION_HOOKS:
             w = funcs[name]
-            fn = _torch_function(w)
+            fn = _hook_function(w)
             if fn is None:
                 raise RuntimeError(f"cannot find transformers' torch code behind hook {name}")
+            fn = inspect.unwrap(fn)
             w.__dict__["forward"] = MethodType(lambda self, *a, _fn=fn, **k: _fn(*a, **k), w)
-            changed.append(w)
+            changed.append(("instance", w, None))
+    if changed:
+        return changed
+    for mod in _mixer_modules(model):
+        for attr in _MODULE_FUNCTIONS:
+            original = getattr(mod, attr, None)
+            fn = _hook_function(original)
+            if fn is None:
+                continue
+            setattr(mod, attr, inspect.unwrap(fn))
+            changed.append(("module", mod, (attr, original)))
     if not changed:
-        raise RuntimeError("the model's mixers have no per-mixer hook wrappers (the `kernels` package is not "
-                           "installed): transformers' path is fixed at import")
+        raise RuntimeError("found no Mamba function hooks to switch to transformers' torch code")
     return changed
 
 
 def release_torch_path(changed: list) -> None:
-    for w in changed:
-        w.__dict__.pop("forward", None)
+    for kind, obj, extra in reversed(changed):
+        if kind == "instance":
+            obj.__dict__.pop("forward", None)
+        else:
+            setattr(obj, *extra)
 
 
-def default_ops() -> str:
-    """What transformers' Mamba function hooks resolved to at import ('torch' when neither mamba_ssm
-    nor causal_conv1d imports: the default path is then the torch path)."""
-    found = [p for p in ("mamba_ssm", "causal_conv1d") if importlib.util.find_spec(p) is not None]
-    return "+".join(found) if found else "torch"
+def default_ops(model) -> str:
+    """What transformers' Mamba function hooks run on a GPU by default: the packages its hooks
+    resolved to at import ('torch' when none did: the default path is then the torch path)."""
+    found = set()
+    for mod in _mixer_modules(model):
+        for attr in _MODULE_FUNCTIONS:
+            fn = _hook_function(getattr(mod, attr, None))
+            impl, torch_fn = _closure(fn, "implementation"), _closure(fn, "torch_function")
+            if impl is not None and torch_fn is not None and impl is not torch_fn:
+                found.add(impl.__module__.split(".")[0])
+    return "+".join(sorted(found)) if found else "torch"
 
 
 def _sync(device: torch.device) -> None:
@@ -218,11 +256,12 @@ def run(args: argparse.Namespace, command: str) -> int:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_kernels=False)
         model = model.to(device).eval()
         rows = _measure(model, name, batches, new_tokens, prompt_len, repeats, device, dtype, args.providers)
+        default = default_ops(model) if device.type == "cuda" else "torch"
         del model
 
     header = {"command": command, "transformers": transformers.__version__, "torch": torch.__version__,
               "device": torch.cuda.get_device_name(device) if cuda else "cpu (ops: PyTorch references or the "
-              "Triton interpreter)", "default_ops": default_ops()}
+              "Triton interpreter)", "default_ops": default}
     print(format_table(rows, header))
     if args.json:
         with open(args.json, "a") as f:
@@ -236,7 +275,8 @@ def _measure(model, name, batches, new_tokens, prompt_len, repeats, device, dtyp
 
     vocab = model.config.vocab_size
     rows = []
-    default = default_ops()
+    # transformers sends CPU tensors to its torch code whatever imported
+    default = default_ops(model) if device.type == "cuda" else "torch"
     for b in batches:
         g = torch.Generator().manual_seed(b)
         ids = torch.randint(1, vocab, (b, prompt_len), generator=g).to(device)
@@ -245,13 +285,7 @@ def _measure(model, name, batches, new_tokens, prompt_len, repeats, device, dtyp
             if p == "default" and default == "torch":
                 continue  # the same path as "torch"
             if p == "torch":
-                try:
-                    changed = force_torch_path(model)
-                except RuntimeError as exc:
-                    if default != "torch":  # cannot separate the torch path from mamba_ssm's: say so
-                        print(f"torch row skipped: {exc}", file=sys.stderr)
-                        continue
-                    changed = []
+                changed = force_torch_path(model)
                 try:
                     results[p] = time_generate(model, ids, new_tokens, repeats, device)
                 finally:

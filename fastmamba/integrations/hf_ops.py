@@ -1,7 +1,8 @@
 """fastmamba's ops behind transformers' Mamba-2 hooks: one adapter per hook, with the hook's signature.
 
-transformers (5.25+) runs the Mamba-2 mixer of ``Mamba2ForCausalLM`` and ``NemotronHForCausalLM``
-through named hooks (``models/{mamba2,nemotron_h}/modeling_*.py``):
+transformers runs the Mamba-2 mixer of ``Mamba2ForCausalLM`` and ``NemotronHForCausalLM`` through
+named hooks (``models/{mamba2,nemotron_h}/modeling_*.py``; the whole ops from 5.25, the functions
+from 5.17):
 
   whole ops    ``causal_conv1d_forward(conv1d, hidden_states, cache, layer_idx, ...)``: the conv
                and its cache bookkeeping; ``mamba2_scan_forward(module, hidden_states, B, C, dt,
@@ -200,10 +201,12 @@ HOOKS: dict[str, Callable] = {
 # --- modules: gated norm, router, experts ---
 
 def gated_rmsnorm_forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """``Mamba2RMSNormGated`` / ``NemotronHRMSNormGated.forward``: weight * rmsnorm_per_group(x * silu(gate)),
-    hidden_states and gate [..., H*P]; on fastmamba.ops.rmsnorm_fn (gate first, then the norm)."""
+    """The gated RMSNorm's forward (``Mamba2RMSNormGated``, ``NemotronHRMSNormGated``; 5.17's
+    ``Zamba2RMSNormGated`` and ``MambaRMSNormGated``): weight * rmsnorm(x * silu(gate)), hidden_states
+    and gate [..., H*P]; per group of ``group_size`` columns where the module has one, else over all
+    columns (5.17's Mamba-2 norm ignores n_groups). On fastmamba.ops.rmsnorm_fn."""
     return _ops.rmsnorm_fn(hidden_states, self.weight, None, z=gate, eps=float(self.variance_epsilon),
-                           group_size=self.group_size, norm_before_gate=False)
+                           group_size=getattr(self, "group_size", None), norm_before_gate=False)
 
 
 def router_forward(self, hidden_states: torch.Tensor):

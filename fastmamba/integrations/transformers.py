@@ -1,24 +1,28 @@
 """fastmamba as a kernel provider for transformers' Mamba-2 and Nemotron-H models.
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
     fastmamba.integrations.transformers.use(model)      # or: with use(model): ...
     model.generate(...)                                 # conv, scan, state update, gated norm, MoE on fastmamba
     fastmamba.integrations.transformers.unuse(model)    # transformers' own path again
 
 What ``use`` replaces, per model (other models in the process are untouched):
   * each Mamba-2 mixer's private hook wrappers (transformers' ``use_kernelized_func`` gives every
-    mixer its own copy of ``causal_conv1d_forward``, ``mamba2_scan_forward``, ``causal_conv1d_fn``,
+    mixer its own copy of ``causal_conv1d_forward``, ``mamba2_scan_forward`` (5.25+), ``causal_conv1d_fn``,
     ``causal_conv1d_update``, ``selective_state_update``, ``mamba_chunk_scan_combined``): their
     ``forward`` becomes fastmamba's (fastmamba.integrations.hf_ops);
   * each mixer's gated RMSNorm and each MoE router: their instance ``forward``;
   * the experts: ``ExpertsInterface.register("fastmamba", ...)`` and the model's
     ``set_experts_implementation("fastmamba")`` (restored on ``unuse``).
-Without the ``kernels`` package transformers gives mixers no private wrappers; then the two whole-op
-hooks are replaced in the modeling module by a dispatcher that sends only this model's mixers to
-fastmamba (installed on the first ``use``, removed with the last ``unuse``). See README.md here.
+Without per-mixer wrappers (no ``kernels`` package, or one outside the range the transformers
+release accepts, as 0.19 for 5.17) the hooks are replaced in the modeling module by dispatchers
+(installed on the first ``use``, removed with the last ``unuse``) that run fastmamba only inside the
+forward of a used model's mixer (its instance ``forward`` marks the call), transformers' code
+everywhere else. transformers 5.17 has only the function hooks (its mixers keep the cache logic and
+already update the states in place). See README.md here.
 """
 from __future__ import annotations
 
+import contextvars
 import importlib
 from dataclasses import dataclass, field
 from types import MethodType
@@ -27,12 +31,22 @@ import torch
 
 from fastmamba.integrations import hf_ops
 
-SUPPORTED_TRANSFORMERS = ">=5.25,<6"
+SUPPORTED_TRANSFORMERS = ">=5.17,<6"
 EXPERTS_NAME = "fastmamba"
 _MODELING = ("transformers.models.mamba2.modeling_mamba2", "transformers.models.nemotron_h.modeling_nemotron_h")
 _MIXERS = ("Mamba2Mixer", "NemotronHMamba2Mixer")
-_NORMS = ("Mamba2RMSNormGated", "NemotronHRMSNormGated")
-_WHOLE_OPS = ("causal_conv1d_forward", "mamba2_scan_forward")
+_NORMS = ("Mamba2RMSNormGated", "NemotronHRMSNormGated", "MambaRMSNormGated", "Zamba2RMSNormGated")
+# the four function hooks every supported release has (5.25 adds the whole ops, hf_ops.HOOKS)
+_FUNCTION_HOOKS = ("causal_conv1d_fn", "causal_conv1d_update", "selective_state_update", "mamba_chunk_scan_combined")
+# modeling-module attribute -> (its hook name, fastmamba's implementation, takes transformers' code first)
+_MODULE_HOOKS = {
+    "causal_conv1d_forward": ("causal_conv1d_forward", hf_ops.conv_forward, True),
+    "mamba2_scan_forward": ("mamba2_scan_forward", hf_ops.scan_forward, True),
+    "causal_conv1d_fn": ("causal_conv1d_fn", hf_ops.causal_conv1d_fn, False),
+    "causal_conv1d_update": ("causal_conv1d_update", hf_ops.causal_conv1d_update, False),
+    "mamba2_selective_state_update": ("selective_state_update", hf_ops.selective_state_update, False),
+    "mamba2_chunk_scan": ("mamba_chunk_scan_combined", hf_ops.chunk_scan, False),
+}
 _ATTR = "_fastmamba_provider"
 
 
@@ -48,9 +62,9 @@ def check_transformers_version(version: str | None = None) -> str:
         version = transformers.__version__
     if Version(version) not in SpecifierSet(SUPPORTED_TRANSFORMERS):
         raise RuntimeError(
-            f"fastmamba.integrations.transformers supports transformers {SUPPORTED_TRANSFORMERS} (5.25 or newer, "
-            f"before 6.0); found {version}. Older releases lack the per-op hooks it replaces "
-            "(mamba2_scan_forward, causal_conv1d_forward); install e.g. `pip install 'transformers>=5.25,<6'`.")
+            f"fastmamba.integrations.transformers supports transformers {SUPPORTED_TRANSFORMERS} (5.17 or newer, "
+            f"before 6.0); found {version}. Other releases lack or change the Mamba-2 hooks it replaces; install "
+            f"e.g. `pip install 'transformers{SUPPORTED_TRANSFORMERS}'`.")
     return version
 
 
@@ -59,11 +73,10 @@ class Provider:
     """What ``use`` changed on one model, so ``unuse`` can put it back. A context manager."""
 
     model: torch.nn.Module
-    mode: str  # "instance" (per-mixer hook wrappers) or "global" (the whole-op dispatcher)
+    mode: str  # "instance" (per-mixer hook wrappers) or "dispatch" (modeling-module dispatchers)
     forwards: list[tuple[torch.nn.Module, object]] = field(default_factory=list)  # (module, its previous own forward)
-    flagged: list[torch.nn.Module] = field(default_factory=list)  # modules the global dispatcher serves
     experts_before: dict | None = None  # the model's experts implementation before ``use``
-    modeling: list[str] = field(default_factory=list)  # modeling modules of the global dispatcher
+    modeling: list[str] = field(default_factory=list)  # modeling modules whose dispatchers this model holds
 
     def __enter__(self) -> "Provider":
         return self
@@ -95,25 +108,24 @@ def use(model: torch.nn.Module) -> Provider:
                          "(expected transformers' Mamba2ForCausalLM or NemotronHForCausalLM)")
     instance = all(isinstance(getattr(m, "_kernel_funcs", None), dict) for m in mixers)
     if instance:
-        missing = sorted({n for m in mixers for n in hf_ops.HOOKS if n not in m._kernel_funcs})
-        if missing:
-            raise RuntimeError(f"fastmamba.integrations.transformers.use: the mixers of this transformers release "
-                               f"have no hooks named {missing}; supported: transformers {SUPPORTED_TRANSFORMERS}")
+        missing = sorted({n for m in mixers for n in _FUNCTION_HOOKS if n not in m._kernel_funcs})
     else:
-        for name in _MODELING:
-            mod = importlib.import_module(name)
-            missing = [n for n in _WHOLE_OPS if not callable(getattr(mod, n, None))]
-            if missing:
-                raise RuntimeError(f"fastmamba.integrations.transformers.use: {name} has no {missing}; supported: "
-                                   f"transformers {SUPPORTED_TRANSFORMERS}")
+        modules = {importlib.import_module(type(m).__module__) for m in mixers}
+        missing = sorted({f"{mod.__name__}.{n}" for mod in modules for n in _MODULE_HOOKS
+                          if n in ("causal_conv1d_fn", "causal_conv1d_update", "mamba2_selective_state_update",
+                                   "mamba2_chunk_scan") and not callable(getattr(mod, n, None))})
+    if missing:
+        raise RuntimeError(f"fastmamba.integrations.transformers.use: this transformers release has no Mamba-2 "
+                           f"hooks named {missing}; supported: transformers {SUPPORTED_TRANSFORMERS}")
 
-    p = Provider(model=model, mode="instance" if instance else "global")
+    p = Provider(model=model, mode="instance" if instance else "dispatch")
     for mixer in mixers:
         if instance:
             for name, hook in hf_ops.HOOKS.items():
-                _set_forward(p, mixer._kernel_funcs[name], hook)
+                if name in mixer._kernel_funcs:  # 5.17 has no whole-op hooks
+                    _set_forward(p, mixer._kernel_funcs[name], hook)
         else:
-            p.flagged += [mixer, mixer.conv1d]
+            _set_forward(p, mixer, _marked_forward)
         if type(mixer.norm).__name__ in _NORMS:
             _set_forward(p, mixer.norm, hf_ops.gated_rmsnorm_forward)
     for m in model.modules():
@@ -123,8 +135,6 @@ def use(model: torch.nn.Module) -> Provider:
         p.modeling = sorted({type(m).__module__ for m in mixers})
         for name in p.modeling:
             _dispatcher_acquire(name)
-        for m in p.flagged:
-            m.__dict__["_fastmamba_on"] = True
     _use_experts(p)
     model.__dict__[_ATTR] = p
     return p
@@ -141,8 +151,6 @@ def unuse(model: torch.nn.Module) -> bool:
             module.__dict__.pop("forward", None)
         else:
             module.__dict__["forward"] = previous
-    for m in p.flagged:
-        m.__dict__.pop("_fastmamba_on", None)
     for name in p.modeling:
         _dispatcher_release(name)
     if p.experts_before is not None:
@@ -170,32 +178,46 @@ def _use_experts(p: Provider) -> None:
     p.model.set_experts_implementation(EXPERTS_NAME)
 
 
-# --- the global dispatcher (transformers without the `kernels` package: no per-mixer wrappers) ---
+# --- dispatchers (no per-mixer wrappers: transformers without a `kernels` package it accepts) ---
+
+_IN_USED_MIXER = contextvars.ContextVar("fastmamba_in_used_mixer", default=False)
+
+
+def _marked_forward(self, *args, **kwargs):
+    """A used mixer's instance ``forward``: its class's, with the dispatchers switched to fastmamba."""
+    token = _IN_USED_MIXER.set(True)
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        _IN_USED_MIXER.reset(token)
+
 
 class _Dispatch:
-    """Stands in for a modeling module's whole-op hook: a call whose first argument (the mixer for
-    the scan, its conv1d for the conv) is flagged by ``use`` runs fastmamba's, any other
-    transformers' original."""
+    """Stands in for one hook in a modeling module: fastmamba's implementation inside a used mixer's
+    forward, transformers' original everywhere else."""
 
-    def __init__(self, original, impl):
-        self.original, self.impl = original, impl
+    def __init__(self, original, impl, takes_original: bool):
+        self.original, self.impl, self.takes_original = original, impl, takes_original
         self.__wrapped__ = original
 
-    def __call__(self, first, *args, **kwargs):
-        if first.__dict__.get("_fastmamba_on", False):
-            return self.impl(self.original, first, *args, **kwargs)
-        return self.original(first, *args, **kwargs)
+    def __call__(self, *args, **kwargs):
+        if not _IN_USED_MIXER.get():
+            return self.original(*args, **kwargs)
+        if self.takes_original:
+            return self.impl(self.original, *args, **kwargs)
+        return self.impl(*args, **kwargs)
 
 
 _DISPATCH_USERS: dict[str, int] = {}
-_IMPLS = {"causal_conv1d_forward": hf_ops.conv_forward, "mamba2_scan_forward": hf_ops.scan_forward}
 
 
 def _dispatcher_acquire(name: str) -> None:
     mod = importlib.import_module(name)
     if _DISPATCH_USERS.get(name, 0) == 0:
-        for hook in _WHOLE_OPS:
-            setattr(mod, hook, _Dispatch(getattr(mod, hook), _IMPLS[hook]))
+        for attr, (_, impl, takes_original) in _MODULE_HOOKS.items():
+            original = getattr(mod, attr, None)
+            if callable(original) and not isinstance(original, _Dispatch):
+                setattr(mod, attr, _Dispatch(original, impl, takes_original))
     _DISPATCH_USERS[name] = _DISPATCH_USERS.get(name, 0) + 1
 
 
@@ -203,7 +225,7 @@ def _dispatcher_release(name: str) -> None:
     _DISPATCH_USERS[name] -= 1
     if _DISPATCH_USERS[name] == 0:
         mod = importlib.import_module(name)
-        for hook in _WHOLE_OPS:
-            d = getattr(mod, hook)
+        for attr in _MODULE_HOOKS:
+            d = getattr(mod, attr, None)
             if isinstance(d, _Dispatch):
-                setattr(mod, hook, d.original)
+                setattr(mod, attr, d.original)

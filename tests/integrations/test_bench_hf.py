@@ -44,15 +44,28 @@ def test_bench_hf_refuses_bad_arguments(capsys):
 
 
 def test_force_torch_path_switches_and_restores(tmp_path):
+    """The torch row forces transformers' PyTorch code behind the four function hooks (per mixer
+    where kernels gives mixers their wrappers, else in the modeling module) and puts it back."""
+    import inspect
+
     from fastmamba.bench.hf_provider import force_torch_path, release_torch_path, write_checkpoint
+    from transformers.models.mamba2 import modeling_mamba2 as mm
 
     write_checkpoint("mamba2-tiny", str(tmp_path), torch.float32, torch.device("cpu"))
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, use_kernels=False).eval()
+    module_before = {n: getattr(mm, n) for n in ("causal_conv1d_fn", "mamba2_chunk_scan")}
     ids = torch.randint(1, 200, (2, 5))
     with torch.no_grad():
         ref = model.generate(ids, max_new_tokens=3, do_sample=False)
         changed = force_torch_path(model)
-        assert len(changed) == 4 * model.config.num_hidden_layers and all("forward" in w.__dict__ for w in changed)
+        kinds = {kind for kind, _, _ in changed}
+        if kinds == {"instance"}:
+            assert len(changed) == 4 * model.config.num_hidden_layers
+            assert all("forward" in w.__dict__ for _, w, _ in changed)
+        else:
+            assert kinds == {"module"} and len(changed) == 4
+            assert mm.mamba2_chunk_scan is inspect.unwrap(mm.mamba2_chunk_scan)  # the plain torch function
         assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False), ref)
         release_torch_path(changed)
-    assert not any("forward" in w.__dict__ for w in changed)
+    assert not any("forward" in w.__dict__ for kind, w, _ in changed if kind == "instance")
+    assert {n: getattr(mm, n) for n in module_before} == module_before

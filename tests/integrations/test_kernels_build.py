@@ -20,6 +20,12 @@ from tests.integrations import tiny_hf
 
 transformers = pytest.importorskip("transformers")
 kernels = pytest.importorskip("kernels")
+from transformers.utils import import_utils  # noqa: E402
+
+if not import_utils.is_kernels_available():
+    pytest.skip(f"transformers {transformers.__version__} does not accept kernels {kernels.__version__} (it needs "
+                f"{import_utils.KERNELS_MIN_VERSION} <= version < {import_utils.KERNELS_MAX_VERSION}): no kernel "
+                "hooks to load the build into", allow_module_level=True)
 
 REPO = Path(__file__).resolve().parents[2]
 HOOKED = ("causal_conv1d_fn", "causal_conv1d_update", "mamba_chunk_scan_combined", "selective_state_update")

@@ -65,6 +65,17 @@ def references(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the ops' PyTorch references on CPU tensors
 
 
+def cache_names(model) -> tuple[str, str]:
+    """The cache's keyword in forward and attribute in its output: ``cache`` from transformers 5.25,
+    ``cache_params`` (Mamba-2) / ``past_key_values`` (Nemotron-H) before."""
+    import inspect
+
+    for name in ("cache", "cache_params", "past_key_values"):
+        if name in inspect.signature(model.forward).parameters:
+            return name, name
+    raise AssertionError(f"{type(model).__name__}.forward takes no cache argument")
+
+
 def run(model, ids, mask, use_cache: bool):
     with torch.no_grad():
         logits = model(ids, attention_mask=mask, use_cache=use_cache).logits
@@ -124,16 +135,19 @@ def test_decode_steps_write_the_cache_in_place(checkpoints, calls, references):
     ids, mask = tiny_hf.prompts(3)
     steps = torch.randint(1, tiny_hf.VOCAB, (3, 4), generator=torch.Generator().manual_seed(5))
 
+    kw, attr = cache_names(model)
+
     def decode():
         with torch.no_grad():
             out = model(ids, attention_mask=mask, use_cache=True)
-            cache, logits, m = out.cache, [], mask
+            cache, logits, m = getattr(out, attr), [], mask
             for t in range(steps.shape[1]):
                 m = torch.cat([m, torch.ones_like(m[:, :1])], 1)
-                out = model(steps[:, t:t + 1], attention_mask=m, cache=cache, use_cache=True)
+                out = model(steps[:, t:t + 1], attention_mask=m, use_cache=True, **{kw: cache})
                 logits.append(out.logits[:, -1])
-        mixers = [i for i, t in enumerate(model.config.layer_types) if t == "linear_attention"]
-        states = [(cache.get_conv_state(i).clone(), cache.get_recurrent_state(i).clone()) for i in mixers]
+        mixers = [i for i, t in enumerate(model.config.layer_types) if t in ("linear_attention", "mamba")]
+        states = [(cache.layers[i].conv_states[0].clone(), cache.layers[i].recurrent_states[0].clone())
+                  for i in mixers]
         return torch.stack(logits, 1), states
 
     ref_logits, ref_states = decode()
@@ -156,9 +170,16 @@ def _hook_state(model) -> list:
     for m in model.modules():
         for w in getattr(m, "_kernel_funcs", {}).values():
             out.append(("hook", w.__dict__.get("forward")))
-        if type(m).__name__ in ("Mamba2RMSNormGated", "NemotronHRMSNormGated", "NemotronHTopkRouter"):
+        if type(m).__name__ in ("Mamba2Mixer", "NemotronHMamba2Mixer", "Mamba2RMSNormGated", "NemotronHRMSNormGated",
+                                "MambaRMSNormGated", "Zamba2RMSNormGated", "NemotronHTopkRouter"):
             out.append((type(m).__name__, m.__dict__.get("forward")))
     return out
+
+
+def expected_mode(model) -> str:
+    """Per-mixer hook wrappers exist where transformers accepts the installed `kernels` package."""
+    mixers = [m for m in model.modules() if type(m).__name__ in ("Mamba2Mixer", "NemotronHMamba2Mixer")]
+    return "instance" if all(hasattr(m, "_kernel_funcs") for m in mixers) else "dispatch"
 
 
 @pytest.mark.parametrize("kind", ["mamba2", "nemotron-3-moe"])
@@ -171,7 +192,7 @@ def test_unuse_restores_transformers(kind, checkpoints, calls, references):
 
     p = provider.use(model)
     assert provider.is_used(model) and provider.use(model) is p  # a second use is the same provider
-    assert p.mode == "instance"
+    assert p.mode == expected_mode(model)
     assert any(f is not None for _, f in _hook_state(model))
     if kind == "nemotron-3-moe":
         assert model.config._experts_implementation == provider.EXPERTS_NAME
@@ -192,14 +213,15 @@ def test_unsupported_transformers_is_refused(checkpoints, monkeypatch):
     model = tiny_hf.load(checkpoints["mamba2"])
     before = _hook_state(model)
     # the module object in sys.modules now (transformers may swap its lazy module after a load)
-    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.17.0")
-    with pytest.raises(RuntimeError, match=r"supports transformers >=5\.25,<6 .*found 5\.17\.0"):
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.16.0")
+    with pytest.raises(RuntimeError, match=r"supports transformers >=5\.17,<6 .*found 5\.16\.0"):
         provider.use(model)
     assert not provider.is_used(model) and all(a[1] is b[1] for a, b in zip(_hook_state(model), before))
-    for bad in ("5.24.1", "6.0.0", "4.57.0"):
-        with pytest.raises(RuntimeError, match="5.25"):
+    for bad in ("5.16.2", "6.0.0", "4.57.0"):
+        with pytest.raises(RuntimeError, match="5.17"):
             provider.check_transformers_version(bad)
-    assert provider.check_transformers_version("5.25.0") == "5.25.0"
+    for good in ("5.17.0", "5.25.0", "5.99.1"):
+        assert provider.check_transformers_version(good) == good
 
 
 def test_not_a_mamba_model_is_refused():
@@ -207,10 +229,10 @@ def test_not_a_mamba_model_is_refused():
         provider.use(torch.nn.Linear(2, 2))
 
 
-def test_without_kernels_package_the_global_dispatcher_serves_used_models_only(checkpoints):
+def test_without_kernels_package_the_dispatchers_serve_used_models_only(checkpoints):
     """transformers without the `kernels` package gives mixers no private hook wrappers: the provider
-    then replaces the two whole-op hooks in the modeling module by a dispatcher that sends only used
-    models to fastmamba, and removes it with the last unuse. A fresh process with kernels hidden."""
+    then replaces the hooks in the modeling module by dispatchers that run fastmamba only inside a
+    used model's mixers, and removes them with the last unuse. A fresh process with kernels hidden."""
     code = textwrap.dedent(f"""
         import os, sys, collections, torch
         os.environ["TRITON_INTERPRET"] = "0"
@@ -227,12 +249,14 @@ def test_without_kernels_package_the_global_dispatcher_serves_used_models_only(c
         path = {str(checkpoints['mamba2'])!r}
         a, b = tiny_hf.load(path, use_kernels=False), tiny_hf.load(path, use_kernels=False)
         assert not hasattr(a.backbone.layers[0].mixer, "_kernel_funcs")
-        originals = (mm.causal_conv1d_forward, mm.mamba2_scan_forward)
+        names = [n for n in ("causal_conv1d_forward", "mamba2_scan_forward", "causal_conv1d_fn", "causal_conv1d_update",
+                             "mamba2_selective_state_update", "mamba2_chunk_scan") if hasattr(mm, n)]
+        originals = [getattr(mm, n) for n in names]
         ids, mask = tiny_hf.prompts(3)
         with torch.no_grad():
             ref = a.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
             p = provider.use(a)
-            assert p.mode == "global", p.mode
+            assert p.mode == "dispatch", p.mode
             out = a.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
             n = sum(counts.values())
             other = b.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
@@ -240,7 +264,7 @@ def test_without_kernels_package_the_global_dispatcher_serves_used_models_only(c
             provider.unuse(a)
         assert torch.equal(out, ref) and torch.equal(other, ref)
         assert counts["selective_state_update"] > 0 and counts["mamba_chunk_scan_combined"] > 0, counts
-        assert (mm.causal_conv1d_forward, mm.mamba2_scan_forward) == originals
+        assert [getattr(mm, n) for n in names] == originals
         print("OK")
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
@@ -265,12 +289,14 @@ def test_interpreter_runs_the_triton_kernels(tmp_path, calls):
     ids = torch.randint(0, 32, (1, 5))
     nxt = torch.randint(0, 32, (1, 2))
 
+    kw, attr = cache_names(model)
+
     def steps():
         with torch.no_grad():
             out = model(ids, use_cache=True)
-            cache, logits = out.cache, [out.logits[:, -1]]
+            cache, logits = getattr(out, attr), [out.logits[:, -1]]
             for t in range(nxt.shape[1]):
-                out = model(nxt[:, t:t + 1], cache=cache, use_cache=True)
+                out = model(nxt[:, t:t + 1], use_cache=True, **{kw: cache})
                 logits.append(out.logits[:, -1])
         return torch.stack(logits, 1)
 
