@@ -18,6 +18,13 @@ E routed experts, k experts per token, F expert width, Fs the shared expert's wi
 top-k over ``n_group`` groups keeping ``topk_group``, renormalised when ``norm_topk_prob``, times
 ``routed_scaling_factor``); the experts are ``fastmamba.ops.moe.fused_moe``. The layer keeps no
 per-request state: prefill, decode and verify are the same per-token map.
+
+Tensor parallelism (for ``fastmamba.distributed``): every term after the router is linear in the
+expert and shared widths, so rank r of w can hold columns [r*F/w, (r+1)*F/w) of every routed
+expert (``up_proj`` rows, ``down_proj`` columns) and of the shared expert, the router and latent
+projections whole, the output biases on rank 0 only; each rank's output is then a partial sum
+(``fc2`` is linear, so it applies to each rank's partial latent sum) and ``reduce`` (an
+all-reduce) adds them once per layer. ``reduce`` is None (identity) on one device.
 """
 from __future__ import annotations
 
@@ -86,6 +93,7 @@ class MoE(nn.Module):
             self.fc2_latent_proj = nn.Linear(cfg.latent, cfg.d_model, bias=cfg.bias, device=device, dtype=dtype)
         else:
             self.fc1_latent_proj = self.fc2_latent_proj = None
+        self.reduce = None  # tensor parallelism: the sum of the ranks' partial outputs (see the module doc)
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
@@ -107,4 +115,5 @@ class MoE(nn.Module):
         y = fused_moe(h, self.experts.up_proj, self.experts.down_proj, routing.weights, routing.ids)
         if self.fc2_latent_proj is not None:
             y = self.fc2_latent_proj(y)
-        return (y + self.shared_experts(x)).view(u.shape)
+        y = y + self.shared_experts(x)
+        return (y if self.reduce is None else self.reduce(y)).view(u.shape)

@@ -399,3 +399,46 @@ def test_moe_layer_runs_the_triton_kernels(monkeypatch, latent):
             for name in ("fused_moe_ref", "moe_route_ref"):
                 mp.setattr(f"fastmamba.ops.moe.api.{name}", lambda *a, **k: pytest.fail("a reference ran"))
             torch.testing.assert_close(layer(u), want, **FP32)
+
+
+@pytest.mark.parametrize("latent,bias", [(None, False), (24, True)], ids=["moe", "latent-moe-bias"])
+def test_moe_layer_splits_over_ranks_by_width(latent, bias):
+    """The tensor-parallel split the layer documents: w = 2 ranks each holding half the columns of
+    every routed expert and of the shared expert (router and latent projections whole, output
+    biases on rank 0) give partial outputs whose sum (``reduce``) is the whole layer's output."""
+    from fastmamba.layers.moe import MoE, MoEConfig
+
+    cfg = MoEConfig(d_model=48, n_experts=8, top_k=3, expert_width=20, shared_width=28, latent=latent, n_group=2,
+                    topk_group=1, routed_scaling_factor=2.5, bias=bias)
+    whole = MoE(cfg, dtype=torch.float32)
+    g = seeded(8)
+    with torch.no_grad():
+        for p in whole.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    u = torch.randn(5, 48, generator=g)
+    w = 2
+    local = MoEConfig(**{**cfg.__dict__, "expert_width": 10, "shared_width": 14})
+    partials = []
+    for r in range(w):
+        part = MoE(local, dtype=torch.float32)
+        sd = {}
+        for name, t in whole.state_dict().items():
+            f = t.shape[1] // w if name == "experts.up_proj" else t.shape[-1] // w
+            if name == "experts.up_proj":
+                t = t[:, r * f:(r + 1) * f]
+            elif name == "experts.down_proj":
+                t = t[:, :, r * f:(r + 1) * f]
+            elif name in ("shared_experts.up_proj.weight", "shared_experts.up_proj.bias"):
+                t = t[r * (t.shape[0] // w):(r + 1) * (t.shape[0] // w)]
+            elif name == "shared_experts.down_proj.weight":
+                t = t[:, r * f:(r + 1) * f]
+            elif name in ("shared_experts.down_proj.bias", "fc2_latent_proj.bias") and r > 0:
+                t = torch.zeros_like(t)
+            sd[name] = t
+        part.load_state_dict(sd)
+        partials.append(part(u))
+    summed = MoE(local, dtype=torch.float32)
+    summed.load_state_dict(dict(part.state_dict()))
+    summed.reduce = lambda y: y + sum(partials[:-1])  # what an all-reduce over the ranks gives rank w-1
+    torch.testing.assert_close(sum(partials), whole(u), **FP32)
+    torch.testing.assert_close(summed(u), whole(u), **FP32)
