@@ -1,8 +1,9 @@
 """``fastmamba serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the engine.
 
-A request's path: HTTP handler (``app.py``) -> validated request (``protocol.py``) -> the engine
-thread's inbox (``engine_thread.py``) -> ``Engine.step`` -> tokens back to the handler's queue ->
-server-sent events or one JSON body. The engine thread is the only one that touches the model.
+A request's path: HTTP handler (``app.py``) -> validated request (``protocol.py``) -> the serving
+loop's commands (``worker.py``: one loop, run in a process of its own by ``engine_process.py`` or in
+a thread by ``engine_thread.py``) -> ``Engine.step`` -> tokens back to the handler's queue ->
+server-sent events or one JSON body. The serving loop is the only one that touches the model.
 
 Needs the optional extra: ``pip install 'fastmamba[serve]'``.
 """
