@@ -62,5 +62,5 @@ def embed(embeddings: nn.Embedding, ids: torch.Tensor, who: str, name: str) -> t
     try:
         return embeddings(ids)
     except IndexError as e:
-        raise ValueError(f"{who}: `{name}` values must lie in [0, vocab_size={embeddings.num_embeddings}) "
-                         "(token ids)") from e
+        vocab = getattr(embeddings, "num_embeddings", None)  # (a tensor-parallel table may not say)
+        raise ValueError(f"{who}: `{name}` values must lie in [0, vocab_size={vocab}) (token ids)") from e
