@@ -189,10 +189,11 @@ def test_pdl_prefill_chain_matches_eager(fused):
 def test_scan_kernels_chained_with_pdl_match_plain_launches(monkeypatch, hopper_scan):
     """With PDL switched off, the chunked scan's kernels after its first still launch with PDL (each
     waits at its start for the one before): eager and graphed outputs, final states included, equal
-    those of plain launches (FASTMAMBA_PDL_CHAIN=off), at 4 chunks of 256 tokens with a ragged tail."""
+    those of plain launches (``pdl_chained`` replaced by ``pdl_active``), at 4 chunks of 256 tokens with a
+    ragged tail."""
     from fastmamba.ops import mamba_chunk_scan_combined
     from fastmamba.ops._common import pdl
-    from fastmamba.ops.ssd_scan import hopper
+    from fastmamba.ops.ssd_scan import hopper, hopper_states, launch
 
     monkeypatch.setenv("FASTMAMBA_HOPPER_SCAN", hopper_scan)
     torch.manual_seed(2)
@@ -211,8 +212,9 @@ def test_scan_kernels_chained_with_pdl_match_plain_launches(monkeypatch, hopper_
         return torch.cat([y.flatten().float(), final.flatten()])
 
     monkeypatch.setattr(pdl, "_enabled", False)
-    monkeypatch.setattr(pdl, "_chain", "off")
-    plain = call()
-    monkeypatch.setattr(pdl, "_chain", "on")
+    with monkeypatch.context() as plain_launches:
+        for module in (launch, hopper, hopper_states):
+            plain_launches.setattr(module, "pdl_chained", pdl.pdl_active)
+        plain = call()
     assert torch.equal(call(), plain)
     _replays_match(call, call, [plain] * 3, pdl=False)

@@ -16,11 +16,9 @@ CPU_TENSOR = SimpleNamespace(is_cuda=False, device=SimpleNamespace(index=None))
 
 @pytest.fixture
 def hopper(monkeypatch):
-    """PDL switched on, a 132-SM sm_90 device, the library's default wave rule and trigger."""
+    """PDL switched on, a 132-SM sm_90 device."""
     monkeypatch.setattr(pdl, "_device_sm_info", lambda t: (True, 132))
     monkeypatch.setattr(pdl, "_enabled", True)
-    monkeypatch.setattr(pdl, "_waves", "one")
-    monkeypatch.setattr(pdl, "_trigger", "early")
 
 
 def test_one_wave_rule(hopper):
@@ -45,8 +43,6 @@ def test_pdl_launch_multi_wave_triggers_at_exit(hopper):
 def test_pdl_launch_early_triggers_early_on_any_grid(hopper, monkeypatch):
     assert pdl.pdl_launch_early(CUDA_TENSOR) == (True, True)  # the grid's size does not enter
     assert pdl.pdl_launch_early(CPU_TENSOR) == (False, True)
-    monkeypatch.setattr(pdl, "_trigger", "exit")  # the experiment hook applies here too
-    assert pdl.pdl_launch_early(CUDA_TENSOR) == (True, False)
     monkeypatch.setattr(pdl, "_device_sm_info", lambda t: (False, 108))  # an A100
     assert pdl.pdl_launch_early(CUDA_TENSOR)[0] is False
     monkeypatch.setattr(pdl, "_device_sm_info", lambda t: (True, 132))
@@ -67,7 +63,6 @@ def test_off_unless_switched_on_cuda_and_sm90(hopper, monkeypatch):
 
 
 def test_chained_kernels_take_pdl_on_one_wave_grids_even_when_switched_off(hopper, monkeypatch):
-    monkeypatch.setattr(pdl, "_chain", "on")
     monkeypatch.setattr(pdl, "_enabled", False)
     assert not pdl.pdl_active(CUDA_TENSOR, 100, 4)  # an op's first kernel: plain
     assert pdl.pdl_chained(CUDA_TENSOR, 100, 4)  # the kernels after it in the same op
@@ -77,25 +72,26 @@ def test_chained_kernels_take_pdl_on_one_wave_grids_even_when_switched_off(hoppe
     monkeypatch.setattr(pdl, "_device_sm_info", lambda t: (False, 108))  # an A100
     assert not pdl.pdl_chained(CUDA_TENSOR, 1, 4)
     monkeypatch.setattr(pdl, "_device_sm_info", lambda t: (True, 132))
-    monkeypatch.setattr(pdl, "_chain", "off")  # the A/B hook: as pdl_active
-    assert not pdl.pdl_chained(CUDA_TENSOR, 100, 4)
     with pdl.programmatic_dependent_launch():
         assert pdl.pdl_chained(CUDA_TENSOR, 100, 4)
+        assert not pdl.pdl_chained(CUDA_TENSOR, 132 * 16 + 1, 4)
 
 
-def test_experiment_hooks(hopper, monkeypatch):
-    monkeypatch.setattr(pdl, "_waves", "all")
-    assert pdl.pdl_active(CUDA_TENSOR, 10**6, 8)
-    monkeypatch.setattr(pdl, "_trigger", "exit")
-    assert pdl.pdl_launch(CUDA_TENSOR, 10**6, 8) == (True, False)
-    assert not pdl.trigger_early()
+def test_the_retired_experiment_switches_change_nothing(hopper, monkeypatch):
+    """FASTMAMBA_PDL_WAVES / _TRIGGER / _CHAIN (issue 49) no longer exist: the policy is the one they
+    defaulted to, whatever the environment holds when the module loads."""
+    import importlib
 
-
-def test_experiment_env_values_are_checked(monkeypatch):
-    monkeypatch.setenv("FASTMAMBA_PDL_TRIGGER", "Exit")
-    assert pdl._env_choice("FASTMAMBA_PDL_TRIGGER", "early", ("early", "exit")) == "exit"
-    monkeypatch.delenv("FASTMAMBA_PDL_TRIGGER")
-    assert pdl._env_choice("FASTMAMBA_PDL_TRIGGER", "early", ("early", "exit")) == "early"
-    monkeypatch.setenv("FASTMAMBA_PDL_WAVES", "every")
-    with pytest.raises(ValueError, match="FASTMAMBA_PDL_WAVES='every': expected one of one, all"):
-        pdl._env_choice("FASTMAMBA_PDL_WAVES", "one", ("one", "all"))
+    for name, value in (("FASTMAMBA_PDL_WAVES", "all"), ("FASTMAMBA_PDL_TRIGGER", "exit"), ("FASTMAMBA_PDL_CHAIN", "off")):
+        monkeypatch.setenv(name, value)
+    fresh = importlib.reload(pdl)
+    try:
+        monkeypatch.setattr(fresh, "_device_sm_info", lambda t: (True, 132))
+        monkeypatch.setattr(fresh, "_enabled", True)
+        assert not fresh.pdl_active(CUDA_TENSOR, 10**6, 8)  # multi-wave grids launch plainly
+        assert fresh.TRIGGER_EARLY and fresh.pdl_launch_early(CUDA_TENSOR) == (True, True)
+        monkeypatch.setattr(fresh, "_enabled", False)
+        assert fresh.pdl_chained(CUDA_TENSOR, 100, 4)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(pdl)

@@ -26,30 +26,10 @@ import torch
 
 _enabled = os.environ.get("FASTMAMBA_PDL", "0").lower() in ("1", "true", "yes", "on")
 
-
-def _env_choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
-    """The environment variable ``name`` (``default`` when unset); anything outside ``allowed``
-    is an error, not a silent fallback."""
-    value = os.environ.get(name, default).strip().lower()
-    if value not in allowed:
-        raise ValueError(f"{name}={os.environ.get(name)!r}: expected one of {', '.join(allowed)}")
-    return value
-
-
-# Experiment hooks (scripts/dev_pdl_waves.py): which grids launch with PDL ("one": those that fit
-# in one wave, the default; "all": every grid), and where a program lets its dependents launch
-# ("early": right after its grid-dependency wait, the default; "exit": when it exits).
-_waves = _env_choice("FASTMAMBA_PDL_WAVES", "one", ("one", "all"))
-_trigger = _env_choice("FASTMAMBA_PDL_TRIGGER", "early", ("early", "exit"))
-# Whether the kernels that follow another kernel of the same op take PDL when it is switched off
-# ("on", the default; ``pdl_chained``); "off" for A/B runs.
-_chain = _env_choice("FASTMAMBA_PDL_CHAIN", "on", ("on", "off"))
-
-
-def trigger_early() -> bool:
-    """Whether PDL programs call ``griddepcontrol.launch_dependents`` right after their wait
-    (else the dependents launch as the programs exit)."""
-    return _trigger == "early"
+# Where a PDL program lets its dependents launch: right after its grid-dependency wait (kernels take
+# it as their PDL_TRIGGER constexpr; the conv update's multi-wave grids trigger at exit instead,
+# ``pdl_launch``). Measured against a trigger at exit for every kernel: docs/experiments.md (dev_pdl_waves).
+TRIGGER_EARLY = True
 
 
 @contextlib.contextmanager
@@ -94,15 +74,15 @@ def pdl_active(t: torch.Tensor, programs: int, num_warps: int) -> bool:
     Only grids that fit on the GPU in one wave (at most 32 programs and 64 warps per SM) use it:
     there the launch gap and load latency are most of the time, and PDL hides them. Multi-wave,
     bandwidth-bound grids ran slower with it on an H200 (the next kernel's early programs hold
-    SM slots while they wait), so they launch plainly. Re-measured 2026-11-22 (H200,
-    `scripts/dev_pdl_waves.py`, per call in graphs of back-to-back calls): every grid under PDL,
+    SM slots while they wait), so they launch plainly. Re-measured 2026-11-22 (H200, the retired
+    dev_pdl_waves script, per call in graphs of back-to-back calls): every grid under PDL,
     state update fp32 batch 256 347 -> 356 us (2.7b), 555 -> 570 us (Nemotron-H); conv update
     batch 256 10.4 -> 15.1 us (D=5376, state_len 4); with the dependents launched only as programs
-    exit (``FASTMAMBA_PDL_TRIGGER=exit``) the state update is as slow and the conv 1-3% faster.
+    exit the state update is as slow and the conv 1-3% faster.
     """
     if not (_enabled and t.is_cuda):
         return False
-    return _device_sm_info(t)[0] and (_waves == "all" or fits_one_wave(t, programs, num_warps))
+    return _device_sm_info(t)[0] and fits_one_wave(t, programs, num_warps)
 
 
 def pdl_chained(t: torch.Tensor, programs: int, num_warps: int) -> bool:
@@ -113,7 +93,7 @@ def pdl_chained(t: torch.Tensor, programs: int, num_warps: int) -> bool:
     keep, whoever calls it (as the replay op's ``CHAIN_PDL``)."""
     if pdl_active(t, programs, num_warps):
         return True
-    return _chain == "on" and pdl_supported(t) and fits_one_wave(t, programs, num_warps)
+    return pdl_supported(t) and fits_one_wave(t, programs, num_warps)
 
 
 def pdl_launch(t: torch.Tensor, programs: int, num_warps: int) -> tuple[bool, bool]:
@@ -124,19 +104,19 @@ def pdl_launch(t: torch.Tensor, programs: int, num_warps: int) -> tuple[bool, bo
     if not (_enabled and t.is_cuda):
         return False, True
     if pdl_active(t, programs, num_warps):
-        return True, trigger_early()
+        return True, TRIGGER_EARLY
     return _device_sm_info(t)[0], False
 
 
 def pdl_launch_early(t: torch.Tensor) -> tuple[bool, bool]:
     """(use PDL, trigger early) for a streaming kernel that gains from PDL with the early trigger
     on grids of any size: the prefill conv's channel-last rows kernel (H200, graphs of back-to-back
-    calls, ``bench prefill --ops conv_fn`` with FASTMAMBA_PDL_WAVES=all: 1 x 2048 D=5376 13.9 ->
+    calls, ``bench prefill --ops conv_fn`` with PDL on every grid: 1 x 2048 D=5376 13.9 ->
     13.3 us, D=10240 24.3 -> 23.8 us, 8 x 8192 within 1%; the channel-first kernel, by contrast,
     ran 8-23% slower with it and keeps ``pdl_launch``)."""
     if not (_enabled and t.is_cuda):
         return False, True
-    return _device_sm_info(t)[0], trigger_early()
+    return _device_sm_info(t)[0], TRIGGER_EARLY
 
 
 def fits_one_wave(t: torch.Tensor, programs: int, num_warps: int) -> bool:

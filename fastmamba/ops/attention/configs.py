@@ -5,7 +5,7 @@ smallest tile runs, unpipelined, with one split unless the caller asks for more.
 
 The kernel is a stream over K and V: batch 32 at an 8k context reads 1 GiB for 32 x 8 (request,
 KV head) programs, so what matters is bytes in flight, not arithmetic. The defaults below are a
-first-principles guess, to be replaced by measured rows (``python scripts/tune_paged_attention.py``
+first-principles guess, to be replaced by measured rows (``python -m fastmamba.bench tune-attention``
 prints the table and the best config per shape):
 - a tile of 64 tokens (4 pages of 16): a 16 KiB K tile and a 16 KiB V tile at head dim 128 in
   bf16, each token's row 256 contiguous bytes; 3 stages: two K and two V buffers, so the next
@@ -40,7 +40,7 @@ class DecodeConfig(NamedTuple):
 
 
 # (head dim, itemsize) -> (block_n, num_warps, num_stages): the tile for dims not listed is the
-# fallback's. (128, 2) is checked on an H100 (`python scripts/tune_paged_attention.py --budget-s 100`,
+# fallback's. (128, 2) is checked on an H100 (`python -m fastmamba.bench tune-attention --budget-s 100`,
 # 2026-11-25, Nemotron-H shape): 0.99 of the best tile's speed on average over 14 (batch, context)
 # shapes, 98-102% of a same-size copy at batch >= 32 x 8k. The other rows are first-principles
 # defaults (see the module docstring); replace them with measured rows.
@@ -54,7 +54,7 @@ MIN_SPLIT_TOKENS = 256  # ... with runs of at least this many tokens of the tabl
 INTERPRET_CONFIG = DecodeConfig(block_n=16, num_warps=1, num_stages=1, num_splits=1)
 SMEM_BYTES = 227 * 1024  # shared memory one program may use on an H100 / H200
 
-# what scripts/tune_paged_attention.py sweeps: (block_n, num_warps, num_stages) ... num_stages - 1
+# what `bench tune-attention` sweeps: (block_n, num_warps, num_stages) ... num_stages - 1
 # tiles are loaded ahead of the one computed (2 stages: none overlaps the compute, the program
 # waits for each tile; other programs on the SM hide it or not).
 CANDIDATE_TILES = ([(64, w, st) for w in (2, 4, 8) for st in (3, 4, 5)] + [(64, 4, 2)]

@@ -79,25 +79,14 @@ _forced_flat: Conv1dUpdateConfig | None = None
 
 _forced_rows: Conv1dUpdateConfig | None = None
 
-# Which kernel a 16-bit state of state_len != 4 with contiguous channel rows takes: "auto" (the
-# rule below), "rows" or "columns"; "rows" also sends state_len 4 to the row kernel (experiments:
-# scripts/dev_pdl_waves.py; on the H200 it is slower than the state_len-4 kernel there: batch
-# 256, D=5376 11.7 vs 10.4 us, D=10240 18.1 vs 17.1 us at its best tile).
-ROWS_KERNEL = "auto"
-
-
-def force_rows_kernel() -> bool:
-    """Experiments: ROWS_KERNEL == "rows" sends state_len 4 to the row kernel too."""
-    return ROWS_KERNEL == "rows"
-
 
 def use_rows_kernel(D: int, B: int) -> bool:
     """The 16-byte row kernel (rows_kernel.py) for bandwidth-bound sizes, the column kernel for
-    latency-bound ones. H200, W=4, state_len 3, bf16 (`scripts/dev_pdl_waves.py`, 2026-11-22):
+    latency-bound ones. H200, W=4, state_len 3, bf16 (dev_pdl_waves (retired, docs/experiments.md), 2026-11-22):
     batch 256 8.55 vs 10.28 us (D=5376), 13.37 vs 17.26 us (D=10240); batch 64 3.88 vs 4.38 us and
-    5.19 vs 6.28 us; batch 8 2.67 vs 2.56 us and 2.82 vs 2.70 us; batch 1 2.42 vs 2.26 us (D=5376)."""
-    if ROWS_KERNEL != "auto":
-        return ROWS_KERNEL == "rows"
+    5.19 vs 6.28 us; batch 8 2.67 vs 2.56 us and 2.82 vs 2.70 us; batch 1 2.42 vs 2.26 us (D=5376).
+    State_len 4 keeps its own kernel: the row kernel was slower there (H200, batch 256, D=5376 11.7
+    vs 10.4 us, D=10240 18.1 vs 17.1 us at its best tile)."""
     return B * cdiv(D, 128) >= 1024
 
 

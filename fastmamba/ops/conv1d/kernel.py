@@ -44,7 +44,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from fastmamba.ops._common.jit_math import silu
 from fastmamba.ops._common.pdl import fits_one_wave, pdl_launch, pdl_requested
 from fastmamba.ops.conv1d.configs import (
-    force_rows_kernel, pick_config, pick_rows_config, pick_vec4_config, use_rows_kernel, use_vec4_kernel,
+    pick_config, pick_rows_config, pick_vec4_config, use_rows_kernel, use_vec4_kernel,
 )
 from fastmamba.ops._common.slot_errors import report_bad_slot, slot_record
 from fastmamba.ops.conv1d.rows_kernel import rows_update_plan
@@ -392,7 +392,7 @@ def causal_conv1d_update_plan(x, conv_state, weight, bias, cache_seqlens, conv_s
         return _conv1d_update_vec4_kernel, (cdiv(D, cfg.block_d), B), False, scalars, consts
 
     rows = (
-        L == 1 and cache_seqlens is None and num_accepted_tokens is None and (state_len != 4 or force_rows_kernel())
+        L == 1 and cache_seqlens is None and num_accepted_tokens is None and state_len != 4
         and conv_state.element_size() == 2 and conv_state.stride(2) == 1 and conv_state.stride(1) == state_len
         and tuple(weight.stride()) == (W, 1) and D % 8 == 0
         and (not x.is_cuda or use_rows_kernel(D, B))  # the interpreter tests this path where it applies

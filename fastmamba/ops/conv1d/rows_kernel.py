@@ -134,9 +134,3 @@ def rows_update_plan(x, conv_state, weight, bias, conv_state_indices, out, *, si
         num_warps=num_warps, launch_pdl=use_pdl, **report,
     )
     return _conv1d_update_rows_kernel, (cdiv(D, block_d), B), False, scalars, consts
-
-
-def launch_conv1d_update_rows(x, conv_state, weight, bias, conv_state_indices, out, **kw) -> None:
-    """Launch the rows kernel (arguments as ``rows_update_plan``)."""
-    kernel, grid, _, scalars, consts = rows_update_plan(x, conv_state, weight, bias, conv_state_indices, out, **kw)
-    kernel[grid](x, conv_state, weight, bias, conv_state_indices, out, *scalars, **consts)

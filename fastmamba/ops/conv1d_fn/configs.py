@@ -1,7 +1,7 @@
 """Launch configs for the prefill conv kernels: (BLOCK_L, BLOCK_D, num_warps).
 
 Measured on one NVIDIA H200 (Triton 3.6.0, torch 2.11, 2026-11-22; earlier on an H100) with
-`python -m fastmamba.bench tune --ops conv_fn` and `scripts/dev_conv_fn_configs.py` (W=4, silu,
+`python -m fastmamba.bench tune --ops conv_fn` and dev_conv_fn_configs (retired, docs/experiments.md) (W=4, silu,
 bf16, cold L2, D 5376 and 10240, B x L = 1 x 2048 and 8 x 8192, both layouts); the numbers are
 quoted where each choice is made.
 
@@ -83,7 +83,7 @@ def pick_rows_config(D: int, rows: int, element_size: int, *, interpreter: bool,
     (B * L, or T for varlen).
 
     16 rows x 128 channels on one warp (4 channels per thread). H200 with the approximate-PTX silu
-    (`scripts/dev_conv_fn_configs.py`, 2026-11-22, copy 4268 GB/s): 8 x 8192 354 us at D=5376 and
+    (dev_conv_fn_configs (retired, docs/experiments.md), 2026-11-22, copy 4268 GB/s): 8 x 8192 354 us at D=5376 and
     689 us at D=10240 (93% / 91% of copy), 1 x 2048 14.8 / 25.1 us (70% / 78%), against 380 / 819 us
     and 15.8 / 26.8 us for 8 rows (the H100 tune's choice: 100% of its copy at 8 x 8192); 8 channels
     per thread (one 16-byte vector, 256 channels per warp) 18-33% slower at every size.
@@ -109,7 +109,7 @@ def pick_cols_config(D: int, L: int, B: int, V: int, *, interpreter: bool) -> Co
     """(BLOCK_L, BLOCK_D, num_warps) for the column kernel (channel-first x), V tokens per chunk.
 
     512 tokens x 2 channels on one warp. H200 with the approximate-PTX silu
-    (`scripts/dev_conv_fn_configs.py`, 2026-11-22, copy 4268 GB/s): 8 x 8192 341 us at D=5376 and
+    (dev_conv_fn_configs (retired, docs/experiments.md), 2026-11-22, copy 4268 GB/s): 8 x 8192 341 us at D=5376 and
     652 us at D=10240 (97% / 96% of copy) against 356 / 681 us for 512 x 4 on 4 warps, the H100
     tune's choice for large inputs; 1 x 2048 13.6 / 23.7 us (76% / 83%). Under the interpreter: two
     chunks by 64 channels.

@@ -13,7 +13,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.dispatch import inline_asm_ok
 from fastmamba.ops._common.jit_math import silu_approx
-from fastmamba.ops._common.pdl import pdl_active, trigger_early
+from fastmamba.ops._common.pdl import TRIGGER_EARLY, pdl_active
 from fastmamba.ops.gated_rmsnorm.configs import GatedRMSNormConfig
 from fastmamba.ops._common.launch import lean
 from fastmamba.ops._common.host_math import cdiv
@@ -137,7 +137,7 @@ def gated_rmsnorm_fwd(
         SINGLE_TILE=cfg.single_tile,
         NORM_BEFORE_GATE=bool(norm_before_gate),
         USE_PDL=use_pdl,
-        PDL_TRIGGER=trigger_early(),
+        PDL_TRIGGER=TRIGGER_EARLY,
         FAST_MATH=inline_asm_ok(x),
         num_warps=cfg.num_warps,
         launch_pdl=use_pdl,

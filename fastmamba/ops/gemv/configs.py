@@ -1,6 +1,6 @@
 """Launch configs of ``gemv`` (the decode-time projections).
 
-Measured on an H200 (Triton 3.6.0, 2026-11-22, ``python scripts/dev_gemv_sweep.py``: 64 products
+Measured on an H200 (Triton 3.6.0, 2026-11-22, dev_gemv_sweep (retired, docs/experiments.md): 64 products
 on distinct weights in one CUDA graph, so every weight comes from HBM), mamba2-2.7b bf16:
 - tensor-core tiles of 32 features, 4 warps, 4 stages (out_proj: BLOCK_K 256, 11.5 µs at 1 and 4
   rows, cuBLAS 11.8 / 11.6; in_proj: BLOCK_K 128, 16.4 / 16.5 µs, cuBLAS 15.3 / 15.7);

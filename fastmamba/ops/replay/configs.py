@@ -37,7 +37,7 @@ class ReplayConfig(NamedTuple):
 # stored state, without replaying it (the history enters through C.B products per group from the
 # precompute kernel), and a persistent checkpoint kernel replays and stores the state of only the
 # requests that store it this step (about one step in eight at the default history). Its output
-# tile is not in the table (H100, Nemotron-H batch 128, scripts/dev_replay_variants.py: fp32 state,
+# tile is not in the table (H100, Nemotron-H batch 128, dev_replay_variants (retired, docs/experiments.md): fp32 state,
 # T=6: 64x4 343 us vs 32x2 404; fp16 state with C.S on 16-bit tensor cores, T=2 / 6 / 16: 64x4
 # 185 / 211 / 308 us vs 32x2 194 / 226 / 336, and vs TF32 at 32x2, the best TF32 tile, 210 / 233 / 313).
 OUT_TILES = {4: (64, 4), 2: (64, 4)}  # state bytes -> (out_block_p, out_warps)
@@ -49,7 +49,7 @@ OUT_MAXNREG = {4: 128, 2: None}
 # (programs per SM, pipeline stages, register cap; "pdl_in": launch it as a programmatic dependent
 # of the precompute kernel -- off: its waiting programs hold every SM's registers and keep the
 # precompute kernel's later programs out). H200, Nemotron-H, step from a CUDA graph with the chain
-# (`scripts/dev_replay_persist.py`, 2026-11-22; outputs bit-identical to the one-tile kernel's):
+# (dev_replay_persist (retired, docs/experiments.md), 2026-11-22; outputs bit-identical to the one-tile kernel's):
 # batch 128 T=2 / 6 / 16: 232.8 / 262.5 / 325.2 -> 224.0 / 246.3 / 308.2 us; batch 256: 447.3 /
 # 512.3 / 625.4 -> 435.6 / 475.0 / 610.0 us. With pdl_in 225.5 / 249.2 / 310.8; 3 stages 225.6 /
 # 246.3 / 319.3; 4 programs per SM at 128 registers spill (356-362 us at T=6); 2 per SM uncapped
@@ -62,7 +62,7 @@ OUT_TMA: dict[str, int] | None = {"programs_per_sm": 3, "stages": 2, "maxnreg": 
 # tile's state and whole history while this one replays it in one tl.dot (P rows per tile, warps,
 # pipeline stages, register cap; None: the pointer-load kernel, whose chunk loop runs at 240
 # registers, two programs per SM). Programs per SM by history capacity (CKPT_TMA_PROGRAMS).
-# H200, Nemotron-H batch 128, step from a CUDA graph (`scripts/dev_replay_ckpt_tma.py`,
+# H200, Nemotron-H batch 128, step from a CUDA graph (dev_replay_ckpt_tma (retired, docs/experiments.md),
 # 2026-11-23), pointer kernel -> 32 x 4 at 128 registers with 2 stages, 4 programs per SM
 # (history 16 / 32, T=2 / 6) or 3 (history 64, T=16): fp16 state 138.4 / 161.5 / 228.5 ->
 # 130.7 / 154.8 / 228.1 us (checkpoint kernel 26.3 / 31.8 / 49.4 -> 20.2 / 25.9 / 50.1);
@@ -148,8 +148,8 @@ TABLE: dict[tuple[int, int], ReplayConfig] = {
     (32768, 16): ReplayConfig(block_p=64, num_warps=4, heads=16, warps_pre=4, split=True),  # H200, see below
 }
 # The two largest keys' precompute went from 16 heads x 2 warps to 16 x 4 when its two small dots
-# became 16-bit dots on 16-bit operands (kernel.NATIVE16_PRECOMPUTE: 244 -> 112 registers at 16 x 4):
-# H200, 2026-11-22, `scripts/dev_replay_variants.py pre-native`, Nemotron-H batch 128, step us
+# became 16-bit dots on 16-bit operands (the precompute kernel's NATIVE16: 244 -> 112 registers at 16 x 4):
+# H200, 2026-11-22, dev_replay_variants (retired, docs/experiments.md) pre-native, Nemotron-H batch 128, step us
 # (TF32 16x2 -> 16-bit 16x4): fp16 state T=2 140.7 -> 137.7, T=6 167.6 -> 163.9, T=16 232.4 -> 229.3;
 # fp32 state T=2 234.9 -> 232.6, T=6 263.6 -> 260.3, T=16 318.4 -> 317.5 (16-bit 16x2: within 1 us
 # of TF32 16x2; 8x2 and 8x4 in between). Batch 256 (key 32768) follows batch 128 unmeasured.

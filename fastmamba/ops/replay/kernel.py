@@ -782,12 +782,9 @@ def _replay_checkpoint_tma_kernel(
 
 
 HISTORY_CHUNK = 16  # history tokens per replay tl.dot (its K dimension)
-NATIVE_16BIT_OUT = True  # output kernel: a 16-bit state's C.S on 16-bit tensor cores (else TF32)
-
-
-# The precompute kernel's C B^T and C B_hist^T as 16-bit dots on the GPU (see NATIVE16 there);
-# False: fp32 operands in TF32 everywhere (A/B experiments).
-NATIVE16_PRECOMPUTE = True
+# On the GPU the output kernel takes a 16-bit state's C.S on 16-bit tensor cores, and the precompute
+# kernel's C B^T and C B_hist^T are 16-bit dots on 16-bit operands (NATIVE16 there); the interpreter
+# runs them as TF32 / fp32 dots. Measured against TF32 everywhere: docs/experiments.md (dev_replay_variants).
 
 
 def dot_dim(n: int) -> int:
@@ -839,7 +836,7 @@ def launch_replay_precompute(
         HEADS=heads, HIST=Q is not None, BLOCK_C=dot_dim(capacity),
         DOT_PRECISION=_dot_precision(B.dtype, "ieee"), USE_PDL=use_pdl, LAUNCH_DEPENDENTS=launch_dependents,
         HAS_KINFO=kinfo is not None, HAS_C16=C16 is not None, GROUP_CB=group_cb, A_IS_LOG=A_is_log,
-        NATIVE16=NATIVE16_PRECOMPUTE and not _interpreting() and B.dtype in (torch.bfloat16, torch.float16)
+        NATIVE16=not _interpreting() and B.dtype in (torch.bfloat16, torch.float16)
         and C.dtype == B.dtype and old_B.dtype == B.dtype,
         num_warps=num_warps, launch_pdl=use_pdl,
     )
@@ -895,7 +892,7 @@ def launch_replay_out(
         P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=dot_dim(dstate),
         BLOCK_T=dot_dim(ntok), BLOCK_C=dot_dim(old_x.shape[1]),
         DOT_PRECISION=_dot_precision(x.dtype, "tf32x3"), SPLIT=split, STATE_SPLIT=split and state.dtype == torch.float32,
-        STATE_PRECISION=(("tf32" if _interpreting() or not NATIVE_16BIT_OUT else "native") if sixteen_bit
+        STATE_PRECISION=(("tf32" if _interpreting() else "native") if sixteen_bit
                          else _dot_precision(x.dtype, "tf32x3")),
         USE_PDL=use_pdl, LAUNCH_DEPENDENTS=launch_dependents, FAST_MATH=inline_asm_ok(x),
         num_warps=num_warps, launch_pdl=use_pdl, **extra,

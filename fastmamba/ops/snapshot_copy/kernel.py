@@ -11,7 +11,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 from fastmamba.ops._common.launch import lean, on_device
-from fastmamba.ops._common.pdl import pdl_active, trigger_early
+from fastmamba.ops._common.pdl import TRIGGER_EARLY, pdl_active
 
 BLOCK = 4096  # SSM elements per program: 16 KB of fp32
 BLOCK_E = 256  # conv channels per program
@@ -66,5 +66,5 @@ def launch_copy_snapshots(conv: torch.Tensor, ssm: torch.Tensor, rows: torch.Ten
             conv, ssm, rows, xbc, conv_tokens, chunk_states, chunk_rows, E, W, HPN, n_ssm,
             *conv.stride(), ssm.stride(0), *xbc.stride(), *conv_tokens.stride(), chunk_states.stride(0),
             BLOCK=BLOCK, BLOCK_E=BLOCK_E, BLOCK_W=max(2, next_power_of_2(W)),
-            USE_PDL=use_pdl, PDL_TRIGGER=trigger_early(), num_warps=NUM_WARPS, launch_pdl=use_pdl,
+            USE_PDL=use_pdl, PDL_TRIGGER=TRIGGER_EARLY, num_warps=NUM_WARPS, launch_pdl=use_pdl,
         )

@@ -61,7 +61,7 @@ def pick_config(H: int, P: int, N: int, dtype_bytes: int, *, interpreter: bool) 
     if interpreter:
         # state passing is elementwise: the interpreter's cost is per program, not per element
         return SsdScanConfig(16, 16, 1, 16, 16, 16, 1, 1, 256, 0)
-    # H200, mamba2-2.7b shape, bf16, B=1, L=2048 and 8192 (scripts/dev_ssd_profile.py, 2026-11-22):
+    # H200, mamba2-2.7b shape, bf16, B=1, L=2048 and 8192 (dev_ssd_profile (retired, docs/experiments.md), 2026-11-22):
     # chunk scan 64 rows x 64 tokens per step on 4 warps, capped at 128 registers so that four
     # programs share an SM (L=8192: 193 us; 32 tokens per step 215 us; uncapped 64 tokens 295 us,
     # capped at 168 224 us; 8 warps, 128-row tiles or pipelining (stages 2) 244-283 us); chunk states

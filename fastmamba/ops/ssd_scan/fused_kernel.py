@@ -31,7 +31,7 @@ import triton.language as tl
 
 from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
 from fastmamba.ops._common.jit_math import exp_approx, silu_approx, softplus
-from fastmamba.ops._common.pdl import pdl_active, trigger_early
+from fastmamba.ops._common.pdl import TRIGGER_EARLY, pdl_active
 from fastmamba.ops.ssd_scan.fused_configs import pick_fused_config
 from fastmamba.ops.ssd_scan.kernel import (
     _defer_norm,
@@ -295,6 +295,6 @@ def ssd_scan_fused_launch(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", FAST_MATH=inline_asm_ok(x),
         # Triton 3.6's interpreter multiplies bf16 tl.dot operands as raw bits (docs/interpreter_bf16.md)
         DOT_UPCAST=interpreter and x.dtype == torch.bfloat16,
-        USE_PDL=use_pdl, PDL_TRIGGER=trigger_early(),
+        USE_PDL=use_pdl, PDL_TRIGGER=TRIGGER_EARLY,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
     )

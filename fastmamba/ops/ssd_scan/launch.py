@@ -16,7 +16,7 @@ import torch
 import math
 
 from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
-from fastmamba.ops._common.pdl import pdl_active, pdl_chained, sm_count, trigger_early
+from fastmamba.ops._common.pdl import TRIGGER_EARLY, pdl_active, pdl_chained, sm_count
 from fastmamba.ops.ssd_scan.configs import block_p_of, check_config, pick_config
 from fastmamba.ops.ssd_scan.hopper import chunk_output_sm90, hopper_chunk_output_ok
 from fastmamba.ops.ssd_scan.hopper_states import chunk_states_sm90, hopper_states_ok
@@ -80,7 +80,7 @@ def _pdl(x: torch.Tensor, grid: tuple[int, ...], num_warps: int, *, chained: boo
     after another of the op's own (``chained``) takes it on sm_90+ either way (``pdl_chained``)."""
     programs = math.prod(grid)
     use = pdl_chained(x, programs, num_warps) if chained else pdl_active(x, programs, num_warps)
-    return dict(USE_PDL=use, PDL_TRIGGER=trigger_early(), launch_pdl=use)
+    return dict(USE_PDL=use, PDL_TRIGGER=TRIGGER_EARLY, launch_pdl=use)
 
 
 # The chunk-state kernel's 16-bit tiles take ~118 registers: 4 programs per SM. A grid of 4 to 5

@@ -32,8 +32,8 @@ _forced: tuple[int, int] | None = None
 # Where the kernel stores the final state: before the last token's output reduction ("early":
 # its fp32 tile dies sooner; sm_90 compile, P=64, N=128, (16, 1) tile: bf16 state 127 -> 111
 # registers, fp32 state 128 -> 96) or after it. "auto" = early for requests x heads <= 2048
-# (batch 1-8), after for more. H200, 2026-11-22, `scripts/dev_pdl_waves.py --ops ssu --store-early
-# 0,1`: early is 1-4% faster at batch 1 and 8 (Nemotron-H fp32 batch 1 with PDL 4.01 -> 3.84 us,
+# (batch 1-8), after for more. H200, 2026-11-22, dev_pdl_waves (retired, docs/experiments.md) --ops ssu --store-early
+# 0,1: early is 1-4% faster at batch 1 and 8 (Nemotron-H fp32 batch 1 with PDL 4.01 -> 3.84 us,
 # bf16 batch 8 12.22 -> 11.69 us) and 1-3% slower at batch 64 and 256 (2.7b fp32 batch 64
 # 88.6 -> 91.3 us). True / False force one placement (experiments).
 STORE_EARLY: bool | str = "auto"
@@ -93,8 +93,8 @@ def _pick_config(programs_per_block: int, headdim: int, dstate: int, state_bytes
     if pdl and bucket == 0:  # fewer, larger programs leave SM room for the next kernel's early ones
         block_p, num_warps = 32, 8
     elif pdl and bucket == 1 and state_bytes >= 4:
-        # H200, 2026-11-22, `scripts/dev_pdl_waves.py --ops ssu --batch 8 --variants pdl-1wave
-        # --configs ...`: fp32 state under PDL, (16, 1) 13.09 / 19.22 us (2.7b / Nemotron-H) vs
+        # H200, 2026-11-22, dev_pdl_waves (retired, docs/experiments.md) --ops ssu --batch 8 --variants pdl-1wave
+        # --configs ...: fp32 state under PDL, (16, 1) 13.09 / 19.22 us (2.7b / Nemotron-H) vs
         # (8, 2) 13.4 / 19.9 us; without PDL (8, 2) stays ahead (13.6 vs 14.7, 20.1 vs 22.3 us)
         block_p, num_warps = 16, 1
     else:

@@ -12,7 +12,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.jit_math import silu, softplus, stochastic_round
-from fastmamba.ops._common.pdl import trigger_early
+from fastmamba.ops._common.pdl import TRIGGER_EARLY
 from fastmamba.ops.state_update.configs import store_state_early
 from fastmamba.ops._common.launch import lean
 from fastmamba.ops._common.host_math import cdiv, next_power_of_2
@@ -206,7 +206,7 @@ def plan_selective_state_update(
         HAS_DT_BIAS=dt_bias is not None, HAS_D=D is not None, HAS_Z=z is not None,
         HAS_SRC_IDX=src_idx is not None, HAS_DST_IDX=dst_idx is not None, HAS_INTER=inter is not None,
         DT_SOFTPLUS=dt_softplus, TIE_HDIM=tie_hdim, STOCHASTIC_ROUND=seed is not None, USE_PDL=use_pdl,
-        PDL_TRIGGER=trigger_early(), STORE_EARLY=ntok > 0 and store_state_early(nreq * nheads), A_IS_LOG=A_is_log,
+        PDL_TRIGGER=TRIGGER_EARLY, STORE_EARLY=ntok > 0 and store_state_early(nreq * nheads), A_IS_LOG=A_is_log,
         P=headdim, N=dstate, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=num_warps, launch_pdl=use_pdl,
         REPORT_SLOTS=report_slots,
     )

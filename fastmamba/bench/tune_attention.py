@@ -1,7 +1,7 @@
 """Tune and validate ``paged_decode_attention``'s launch configs on one GPU (a few minutes).
 
-    python scripts/tune_paged_attention.py [--quick] [--batches 1,8,32,64,256] [--contexts 1024,8192,32768]
-                                           [--budget-s 150]
+    python -m fastmamba.bench tune-attention [--quick] [--batches 1,8,32,64,256] [--contexts 1024,8192,32768]
+                                             [--budget-s 150]
 
 Nemotron-H's attention shape (32 query / 8 KV heads of 128), bf16, pages of 16 tokens handed out
 in a shuffled order, every request at the same context L; B x L <= 2^21. Per shape:
@@ -20,6 +20,8 @@ ranking of the tiles, and the verdict on issue 21's bar (>= 80% of copy at batch
 context). With $OUT set, writes paged_attention_tune.md and paged_attention_tune.json (every
 timed row and the best config per shape) there. ``--budget-s`` bounds the sweeps: once spent,
 the remaining shapes get the auto config and the copy only.
+
+(Folded in from scripts/tune_paged_attention.py, issue 49.)
 """
 from __future__ import annotations
 
@@ -32,16 +34,14 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from fastmamba.bench.ops.paged_attention import attention_bytes  # noqa: E402
-from fastmamba.bench.peak import device_name, l2_cache_bytes, measure_copy_bandwidth  # noqa: E402
-from fastmamba.bench.size_copy import copy_calls  # noqa: E402
-from fastmamba.bench.timing import TimingConfig, choose_n_sets, time_graph  # noqa: E402
-from fastmamba.ops.attention import configs, paged_decode_attention  # noqa: E402
-from fastmamba.ops.attention.api import _launch_config  # noqa: E402
-from fastmamba.ops.attention.kernel import launch_paged_decode_attention  # noqa: E402
-from fastmamba.ops.attention.ref import paged_decode_attention_ref  # noqa: E402
+from fastmamba.bench.ops.paged_attention import attention_bytes
+from fastmamba.bench.peak import device_name, l2_cache_bytes, measure_copy_bandwidth
+from fastmamba.bench.size_copy import copy_calls
+from fastmamba.bench.timing import TimingConfig, choose_n_sets, time_graph
+from fastmamba.ops.attention import configs, paged_decode_attention
+from fastmamba.ops.attention.api import _launch_config
+from fastmamba.ops.attention.kernel import launch_paged_decode_attention
+from fastmamba.ops.attention.ref import paged_decode_attention_ref
 
 HQ, HKV, DH, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -167,17 +167,20 @@ def splits_for(shape: Shape, block_n: int, sms: int) -> list[int]:
             if s == 1 or (shape.L // s >= 2 * block_n and shape.B * HKV * s <= 32 * sms)]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batches", default="1,8,32,64,256")
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop sweeping (auto + copy only) after this")
     ap.add_argument("--quick", action="store_true", help="batch 32 and 64 at 8k only")
     ap.add_argument("--compile-workers", type=int, default=min(8, max(1, (os.cpu_count() or 2) - 2)),
                     help="processes compiling the candidate tiles up front (0: compile as the sweep goes)")
-    args = ap.parse_args()
+
+
+def run(args: argparse.Namespace, command: str) -> int:
     if not torch.cuda.is_available():
-        sys.exit("tune_paged_attention: needs a CUDA GPU")
+        print("error: bench tune-attention needs a CUDA GPU (torch sees none)", file=sys.stderr)
+        return 2
+    print(f"# {command}")
     t0 = time.time()
     dev = torch.device(DEVICE)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -301,7 +304,4 @@ def main() -> None:
         with open(os.path.join(out_dir, "paged_attention_tune.json"), "w") as f:
             json.dump(dict(header=head, best=summary, rows=rows), f, indent=1, default=str)
         print(f"wrote {out_dir}/paged_attention_tune.md and .json")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,9 +1,9 @@
 """Host time per call of every public op (issue 19 item 0): the Python work around the kernels.
 
-    python scripts/host_overhead.py [--device cpu|cuda] [--calls N] [--ops ssu,conv,...] [--shape 2.7b|tiny] [--peers]
+    python -m fastmamba.bench host [--device cpu|cuda] [--calls N] [--ops ssu,conv,...] [--shape 2.7b|tiny] [--peers]
 
-CPU (no GPU needed): the ops take their Triton path on CPU tensors (TRITON_INTERPRET=1, set here
-before Triton is imported) and every kernel launch is stubbed out (the interpreter's
+CPU (no GPU needed; run it with TRITON_INTERPRET=1 in the environment): the ops take their Triton
+path on CPU tensors and every kernel launch is stubbed out (the interpreter's
 ``InterpretedFunction.run`` returns at once), so what is timed is what a call does besides the
 kernel: argument checks, index / cu_seqlens host reads, config lookup, allocations, small torch
 ops, the launcher's own Python. Triton's real launcher (argument binding, the compiled-kernel
@@ -19,21 +19,17 @@ the peers' calls on the same inputs too, each through its own API as its users c
 
 Shapes: mamba2-2.7b (H80 P64 N128 G1, conv dim 5376, W4) at batch 1, L=16 for the prefill ops,
 T=4 for the speculative ops. ``--shape tiny`` (H2 P16 N16) for a quick CPU check.
+
+(Folded in from scripts/host_overhead.py, issue 49.)
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
-if "cuda" not in sys.argv[1:]:  # CPU run: the interpreter must be on before triton.jit decorates
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
+import torch
 
 SHAPES = {
     # H, P, N, G, conv width
@@ -194,21 +190,22 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--calls", type=_positive_int, default=200, help="calls per timed run")
     parser.add_argument("--repeats", type=_positive_int, default=7)
     parser.add_argument("--ops", default="", help="comma-separated subset (default: all)")
     parser.add_argument("--shape", choices=tuple(SHAPES), default="2.7b")
     parser.add_argument("--peers", action="store_true", help="also time the peers' calls (GPU runs)")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace, command: str) -> int:
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         print("error: --device cuda but torch sees no CUDA device", file=sys.stderr)
         return 2
     if not cuda:
-        from fastmamba.ops._common.dispatch import interpreter_enabled
+        from fastmamba.ops.runtime import interpreter_enabled
 
         if not interpreter_enabled():
             print("error: the CPU run needs TRITON_INTERPRET=1 (set it before Python starts)", file=sys.stderr)
@@ -228,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     what = "real launches, no sync counted" if cuda else "kernel launches stubbed (TRITON_INTERPRET=1)"
     name = torch.cuda.get_device_name(device) if cuda else "CPU"
+    print(f"# {command}")
     print(f"host µs per call, {name}, shape {args.shape} batch 1, {what}; median of {args.repeats} x {args.calls} calls")
     print(f"{'op':40s} {'host µs':>9s}")
     for op in wanted:
@@ -237,7 +235,3 @@ def main(argv: list[str] | None = None) -> int:
         for name, fn in floor_calls(device).items():
             print(f"{name:40s} {time_host(fn, args.calls, args.repeats, cuda):9.1f}", flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
