@@ -37,6 +37,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 from fastmamba.ops._common.launch import lean
 
 
@@ -106,8 +107,8 @@ def launch_route(logits, bias, weights, ids, *, top_k: int, n_group: int, topk_g
         logits, bias, weights, ids, E, EG, float(scale),
         logits.stride(0), logits.stride(1), weights.stride(0), ids.stride(0),
         HAS_BIAS=bias is not None, TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, TOP2=EG >= 2,
-        RENORM=renorm, BLOCK_E=triton.next_power_of_2(E), BLOCK_G=triton.next_power_of_2(n_group),
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4 if E >= 256 else 1,
+        RENORM=renorm, BLOCK_E=next_power_of_2(E), BLOCK_G=next_power_of_2(n_group),
+        BLOCK_K=next_power_of_2(top_k), num_warps=4 if E >= 256 else 1,
     )
 
 
@@ -212,10 +213,10 @@ def launch_align(ids, counts, cursor, pairs, *, E: int, block_m: int, layout: Al
         lean(_align_expert_kernel)[(E,)](ids, counts, pairs, P, E, K, ids.stride(0), ids.stride(1), layout.stride,
                                           BLOCK_P=1024, num_warps=4)
         return
-    block_e = max(16, triton.next_power_of_2(E))
+    block_e = max(16, next_power_of_2(E))
     counts.zero_()
     block_p = 256
-    grid = (triton.cdiv(P, block_p),)
+    grid = (cdiv(P, block_p),)
     lean(_count_kernel)[grid](ids, counts, P, E, K, ids.stride(0), ids.stride(1),
                               BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4)
     lean(_starts_kernel)[(1,)](counts, cursor, E, BM=block_m, BLOCK_E=block_e, num_warps=4)
@@ -365,7 +366,7 @@ def grouped_rows(P: int, E: int, block_m: int) -> int:
     """Rows of the sorted, BM-padded order in the worst case: every expert that gets a pair pads
     its rows up to a multiple of BM (at most min(E, P) experts pad, each by at most BM - 1)."""
     rows = P + min(E, P) * (block_m - 1)
-    return triton.cdiv(rows, block_m) * block_m
+    return cdiv(rows, block_m) * block_m
 
 
 def launch_grouped(x, w_up, w_down, tw, ids, counts, pairs, layout: AlignLayout, h, y, out, *, block_m: int,
@@ -378,16 +379,16 @@ def launch_grouped(x, w_up, w_down, tw, ids, counts, pairs, layout: AlignLayout,
     K = ids.shape[1]
     rows = h.shape[0]
     n_blocks_m = rows // block_m
-    block_e = max(16, triton.next_power_of_2(E))
+    block_e = max(16, next_power_of_2(E))
     ieee = x.dtype.itemsize == 4
-    lean(_up_kernel)[(n_blocks_m * triton.cdiv(F, block_n_up),)](
+    lean(_up_kernel)[(n_blocks_m * cdiv(F, block_n_up),)](
         x, w_up, h, pairs, counts, E, F, M, K,
         x.stride(0), x.stride(1), w_up.stride(0), w_up.stride(1), w_up.stride(2), h.stride(0), layout.stride,
         BM=block_m, BLOCK_N=block_n_up, BLOCK_K=block_k_up, GROUP_M=group_m, BLOCK_E=block_e,
         EVEN_K=M % block_k_up == 0, DOT_FP32=dot_fp32, IEEE=ieee, PER_EXPERT=layout.per_expert,
         num_warps=num_warps, num_stages=num_stages,
     )
-    lean(_down_kernel)[(n_blocks_m * triton.cdiv(M, block_n_down),)](
+    lean(_down_kernel)[(n_blocks_m * cdiv(M, block_n_down),)](
         h, w_down, y, pairs, counts, tw, E, M, F, K,
         h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), y.stride(0), tw.stride(0), tw.stride(1),
         layout.stride,
@@ -401,8 +402,8 @@ def launch_grouped(x, w_up, w_down, tw, ids, counts, pairs, layout: AlignLayout,
 def launch_sum(y, out, ids, E: int) -> None:
     """out [T, M] = the sum over j of y [T*k, M] (rows of pairs whose id lies in [0, E))."""
     T, M = out.shape
-    block_n = min(1024, triton.next_power_of_2(M))
-    lean(_sum_kernel)[(T, triton.cdiv(M, block_n))](
+    block_n = min(1024, next_power_of_2(M))
+    lean(_sum_kernel)[(T, cdiv(M, block_n))](
         y, out, ids, E, M, y.stride(0), out.stride(0), out.stride(1), ids.stride(0), ids.stride(1),
         K=ids.shape[1], BLOCK_N=block_n, num_warps=4,
     )
@@ -486,14 +487,14 @@ def launch_gemv(x, w_up, w_down, tw, ids, h, y, out, *, block_n_up: int, block_k
     T, M = x.shape
     E, F, _ = w_up.shape
     K = ids.shape[1]
-    lean(_up_gemv_kernel)[(T * K, triton.cdiv(F, block_n_up))](
+    lean(_up_gemv_kernel)[(T * K, cdiv(F, block_n_up))](
         x, w_up, h, ids, E, F, M, K,
         x.stride(0), x.stride(1), w_up.stride(0), w_up.stride(1), w_up.stride(2), h.stride(0),
         ids.stride(0), ids.stride(1),
         BLOCK_N=block_n_up, BLOCK_K=block_k_up, EVEN_K=M % block_k_up == 0,
         num_warps=num_warps, num_stages=num_stages,
     )
-    lean(_down_gemv_kernel)[(T * K, triton.cdiv(M, block_n_down))](
+    lean(_down_gemv_kernel)[(T * K, cdiv(M, block_n_down))](
         h, w_down, y, ids, tw, E, M, F, K,
         h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), y.stride(0),
         ids.stride(0), ids.stride(1), tw.stride(0), tw.stride(1),
