@@ -259,9 +259,11 @@ def run(args: argparse.Namespace, command: str) -> int:
         default = default_ops(model) if device.type == "cuda" else "torch"
         del model
 
-    header = {"command": command, "transformers": transformers.__version__, "torch": torch.__version__,
-              "device": torch.cuda.get_device_name(device) if cuda else "cpu (ops: PyTorch references or the "
-              "Triton interpreter)", "default_ops": default}
+    from fastmamba.bench.env import collect
+
+    header = {**collect(device, command), "transformers": transformers.__version__, "default_ops": default}
+    if not cuda:
+        header["device"] += " (ops: PyTorch references, or Triton's interpreter with TRITON_INTERPRET=1)"
     print(format_table(rows, header))
     if args.json:
         with open(args.json, "a") as f:

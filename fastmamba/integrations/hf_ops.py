@@ -214,7 +214,7 @@ def router_forward(self, hidden_states: torch.Tensor):
     fp32, topk_weights [T, k] fp32, topk_indices [T, k] int64)."""
     hidden_states = hidden_states.view(-1, self.hidden_dim)
     logits = F.linear(hidden_states.float(), self.weight.float())
-    r = _moe.moe_route(logits, self.e_score_correction_bias, top_k=self.top_k, n_group=self.num_group,
+    r = _moe.moe_route(logits, self.e_score_correction_bias.float(), top_k=self.top_k, n_group=self.num_group,
                        topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
                        routed_scaling_factor=self.routed_scaling_factor)
     return logits, r.weights, r.ids.long()

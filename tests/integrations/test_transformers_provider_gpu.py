@@ -17,7 +17,8 @@ from fastmamba.integrations import transformers as provider  # noqa: E402
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    return {k: tiny_hf.build(k, tmp_path_factory.mktemp(k.replace("-", "_")) / "ckpt")
+    # MoE: a fixed expert selection (tiny_hf.build), so a near-tie cannot flip an expert between runs
+    return {k: tiny_hf.build(k, tmp_path_factory.mktemp(k.replace("-", "_")) / "ckpt", fixed_routing=True)
             for k in ("mamba2", "nemotron-h", "nemotron-3-moe")}
 
 

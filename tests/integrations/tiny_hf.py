@@ -30,8 +30,12 @@ def configs() -> dict:
     }
 
 
-def build(kind: str, path: Path, seed: int = 0) -> Path:
-    """Write a random ``kind`` checkpoint to ``path`` with save_pretrained; returns path."""
+def build(kind: str, path: Path, seed: int = 0, fixed_routing: bool = False) -> Path:
+    """Write a random ``kind`` checkpoint to ``path`` with save_pretrained; returns path.
+
+    fixed_routing: the MoE router's selection bias makes every token pick experts 0 and 1 (their
+    weights still vary per token), for bf16 comparisons: a near-tie in the scores otherwise flips an
+    expert under any rounding change and moves that token's logits far more than bf16 noise."""
     import transformers
 
     cfg = configs()[kind]
@@ -49,6 +53,9 @@ def build(kind: str, path: Path, seed: int = 0) -> Path:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn_like(b))
+                if fixed_routing:  # sigmoid scores lie in (0, 1): a bias gap of 2 decides the selection
+                    b.zero_()
+                    b[:2] = torch.tensor([3.0, 2.5])
     model.save_pretrained(path)
     return path
 
