@@ -36,9 +36,11 @@ from typing import NamedTuple
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 from fastmamba.ops._common.launch import lean
+from fastmamba.ops._common.pdl import pdl_active
 
 
 # --- router -------------------------------------------------------------------------------------
@@ -348,9 +350,12 @@ def _down_kernel(
 
 @triton.jit
 def _sum_kernel(y_ptr, out_ptr, ids_ptr, E, Mdim, stride_yp, stride_ot, stride_om, stride_it, stride_ik,
-                K: tl.constexpr, BLOCK_N: tl.constexpr):
+                K: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
     # one program per (token, block of BLOCK_N of M): out[t] = sum_j y[t*K + j], fp32, j in order;
     # a pair whose id lies outside [0, E) was never sorted (its y row is unwritten) and adds nothing
+    if USE_PDL:  # y comes from the kernel just before
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = offs_n < Mdim
@@ -399,13 +404,13 @@ def launch_grouped(x, w_up, w_down, tw, ids, counts, pairs, layout: AlignLayout,
     launch_sum(y, out, ids, E)
 
 
-def launch_sum(y, out, ids, E: int) -> None:
+def launch_sum(y, out, ids, E: int, *, use_pdl: bool = False) -> None:
     """out [T, M] = the sum over j of y [T*k, M] (rows of pairs whose id lies in [0, E))."""
     T, M = out.shape
     block_n = min(1024, next_power_of_2(M))
     lean(_sum_kernel)[(T, cdiv(M, block_n))](
         y, out, ids, E, M, y.stride(0), out.stride(0), out.stride(1), ids.stride(0), ids.stride(1),
-        K=ids.shape[1], BLOCK_N=block_n, num_warps=4,
+        K=ids.shape[1], BLOCK_N=block_n, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
     )
 
 
@@ -415,9 +420,12 @@ def _up_gemv_kernel(
     x_ptr, w_ptr, h_ptr, ids_ptr,
     E, Fdim, Mdim, K,
     stride_xt, stride_xm, stride_we, stride_wf, stride_wm, stride_hp, stride_it, stride_ik,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # one program per (pair p = t*K + j, block of BLOCK_N of F): h[p, n] = relu(w_up[e, n, :] @ x[t])²
+    if USE_PDL:  # ids and x come from the kernels just before: nothing to read earlier
+        gdc_wait()
+        gdc_launch_dependents()
     p = tl.program_id(0)
     t = p // K
     e = tl.load(ids_ptr + t * stride_it + (p % K) * stride_ik).to(tl.int64)
@@ -449,12 +457,14 @@ def _down_gemv_kernel(
     h_ptr, w_ptr, y_ptr, ids_ptr, tw_ptr,
     E, Mdim, Fdim, K,
     stride_hp, stride_we, stride_wm, stride_wf, stride_yp, stride_it, stride_ik, stride_twt, stride_twk,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # one program per (pair p = t*K + j, block of BLOCK_N of M): y[p, n] = tw[t, j] * w_down[e, n, :] @ h[p]
     p = tl.program_id(0)
     t = p // K
     j = p % K
+    # ids and the routing weights come from the router, two kernels back (the up kernel is between):
+    # under PDL they and the first weight tile are read before the grid-dependency wait
     e = tl.load(ids_ptr + t * stride_it + j * stride_ik).to(tl.int64)
     ok = (e >= 0) & (e < E)
     e = tl.where(ok, e, 0)
@@ -463,8 +473,15 @@ def _down_gemv_kernel(
     mn = (offs_n < Mdim) & ok
     h_ptrs = h_ptr + p.to(tl.int64) * stride_hp + offs_k
     w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wm + offs_k[None, :] * stride_wf
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, Fdim, BLOCK_K):
+    w = tl.load(w_ptrs, mask=mn[:, None] & (offs_k < Fdim)[None, :], other=0.0)
+    if USE_PDL:
+        gdc_wait()  # h comes from the up kernel
+        gdc_launch_dependents()
+    hv = tl.load(h_ptrs, mask=offs_k < Fdim, other=0.0)
+    acc = w.to(tl.float32) * hv.to(tl.float32)[None, :]
+    h_ptrs += BLOCK_K
+    w_ptrs += BLOCK_K * stride_wf
+    for k0 in range(BLOCK_K, Fdim, BLOCK_K):
         if EVEN_K:
             hv = tl.load(h_ptrs)
             w = tl.load(w_ptrs, mask=mn[:, None], other=0.0)
@@ -483,22 +500,29 @@ def _down_gemv_kernel(
 def launch_gemv(x, w_up, w_down, tw, ids, h, y, out, *, block_n_up: int, block_k_up: int, block_n_down: int,
                 block_k_down: int, num_warps: int, num_stages: int) -> None:
     """h [P, F], y [P, M] (unit stride along the last dim): each pair's relu² activations and its
-    weighted contribution, written then read; then the fixed-order k-sum into out [T, M]."""
+    weighted contribution, written then read; then the fixed-order k-sum into out [T, M]. Under
+    programmatic dependent launch (``fastmamba.ops._common.pdl``, grids of one wave) the down
+    kernel reads the ids, the routing weights and its first weight tile before its wait: the kernel
+    launched just before ``fused_moe`` must not write the weights (ids and routing weights are
+    read by the up kernel first, after its wait)."""
     T, M = x.shape
     E, F, _ = w_up.shape
     K = ids.shape[1]
-    lean(_up_gemv_kernel)[(T * K, cdiv(F, block_n_up))](
+    grid_up, grid_down = (T * K, cdiv(F, block_n_up)), (T * K, cdiv(M, block_n_down))
+    pdl_up = pdl_active(x, grid_up[0] * grid_up[1], num_warps)
+    pdl_down = pdl_active(x, grid_down[0] * grid_down[1], num_warps)
+    lean(_up_gemv_kernel)[grid_up](
         x, w_up, h, ids, E, F, M, K,
         x.stride(0), x.stride(1), w_up.stride(0), w_up.stride(1), w_up.stride(2), h.stride(0),
         ids.stride(0), ids.stride(1),
-        BLOCK_N=block_n_up, BLOCK_K=block_k_up, EVEN_K=M % block_k_up == 0,
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n_up, BLOCK_K=block_k_up, EVEN_K=M % block_k_up == 0, USE_PDL=pdl_up,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_up,
     )
-    lean(_down_gemv_kernel)[(T * K, cdiv(M, block_n_down))](
+    lean(_down_gemv_kernel)[grid_down](
         h, w_down, y, ids, tw, E, M, F, K,
         h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), y.stride(0),
         ids.stride(0), ids.stride(1), tw.stride(0), tw.stride(1),
-        BLOCK_N=block_n_down, BLOCK_K=block_k_down, EVEN_K=F % block_k_down == 0,
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n_down, BLOCK_K=block_k_down, EVEN_K=F % block_k_down == 0, USE_PDL=pdl_down,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_down,
     )
-    launch_sum(y, out, ids, E)
+    launch_sum(y, out, ids, E, use_pdl=pdl_active(x, T * cdiv(M, min(1024, next_power_of_2(M))), 4))

@@ -201,9 +201,12 @@ def test_gpu_shapes_bf16(shape, T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("T", [1, 64])
-def test_gpu_cuda_graph_and_determinism(T):
-    """Captured in a CUDA graph (no host read), replayed on new inputs; two runs equal bit for bit."""
+def test_gpu_cuda_graph_and_determinism(T, pdl):
+    """Captured in a CUDA graph (no host read), replayed on new inputs; two runs equal bit for bit;
+    with programmatic dependent launch on (the GEMV path's kernels read ids and weights early)."""
+    from fastmamba.ops._common.pdl import programmatic_dependent_launch
     from fastmamba.ops.moe import moe_route
 
     M, F, E, k = SHAPES["nano"]
@@ -224,7 +227,7 @@ def test_gpu_cuda_graph_and_determinism(T):
         step()
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with programmatic_dependent_launch(pdl), torch.cuda.graph(graph):
         captured = step()
     x.copy_(torch.randn_like(x))
     logits.copy_(torch.randn_like(logits))
