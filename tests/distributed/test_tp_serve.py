@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -28,7 +29,7 @@ def nemotron_dir(tmp_path_factory):
     return save_nemotron_h(tmp_path_factory.mktemp("tp_serve") / "nemotron_h")
 
 
-def test_serve_tp2_equals_tp1_and_exits_0(nemotron_dir, tmp_path):
+def _serve_tp2_equals_tp1(nemotron_dir: str, tmp_path, device: str) -> None:
     import httpx
     import openai
 
@@ -36,9 +37,11 @@ def test_serve_tp2_equals_tp1_and_exits_0(nemotron_dir, tmp_path):
     from tests.distributed._workers import greedy
     from tests.serve.conftest import Server
 
-    want = greedy(fastmamba.load_model(nemotron_dir, device="cpu"), PROMPTS, MAX_NEW)
-    server = Server(["--tensor-parallel-size", "2", "--max-batch", "4", "--prefix-cache-gb", "0.02"], tmp_path,
-                    model=nemotron_dir)
+    lm = fastmamba.load_model(nemotron_dir, device="cuda:0" if device == "cuda" else device)
+    want = greedy(lm, PROMPTS, MAX_NEW, cuda_graphs=device == "cuda")
+    del lm
+    server = Server(["--tensor-parallel-size", "2", "--max-batch", "4", "--prefix-cache-gb", "0.02",
+                     "--device", device], tmp_path, model=nemotron_dir)
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
@@ -74,14 +77,27 @@ def test_serve_tp2_equals_tp1_and_exits_0(nemotron_dir, tmp_path):
     assert "diverged" not in log and "Traceback" not in log, log[-3000:]
 
 
+def test_serve_tp2_equals_tp1_and_exits_0(nemotron_dir, tmp_path):
+    _serve_tp2_equals_tp1(nemotron_dir, tmp_path, "cpu")
+
+
+NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.kernels
+@pytest.mark.skipif(NGPU < 2, reason=f"serving over NCCL needs 2 CUDA GPUs; this machine has {NGPU}")
+def test_serve_tp2_gpu_nccl_equals_tp1(nemotron_dir, tmp_path):
+    """The same on 2 GPUs: NCCL, the Triton kernels and the engine's CUDA graphs on every rank."""
+    _serve_tp2_equals_tp1(nemotron_dir, tmp_path, "cuda")
+
+
 @pytest.mark.parametrize("flags, match", [
     (["--tensor-parallel-size", "3"], "cannot shard 8 heads (nheads=8) over world size 3"),
     (["--tensor-parallel-size", "0"], "--tensor-parallel-size: expected an integer >= 1, got 0"),
     (["--tp", "2", "--device", "cuda"], "--device cuda with --tensor-parallel-size 2 needs 2 CUDA GPUs"),
 ])
 def test_serve_tp_flag_checked_before_start(capfd, flags, match):
-    import torch
-
     from fastmamba.serve.cli import main
 
     if "cuda" in flags and torch.cuda.is_available():
