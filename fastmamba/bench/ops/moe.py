@@ -13,7 +13,8 @@ tensors (cold L2); each set holds every expert.
 Rows per case:
 - ``moe_route``: fastmamba (one Triton program per token) vs the reference (torch ops: sigmoid,
   topk, gather; what transformers' router runs).
-- ``fused_moe``: fastmamba (its config's path), fastmamba-gemv (the GEMV path forced, T <= 64),
+- ``fused_moe``: fastmamba (its config's path), fastmamba+pdl (with programmatic dependent launch, as
+  in the runtime's decode graphs; GEMV-path T only), fastmamba-gemv (the GEMV path forced, T <= 64),
   torch-grouped_mm (transformers' ``grouped_mm`` experts path: sort by expert, gather, histc
   offsets, two grouped GEMMs, weights, index_add), vLLM (its Triton ``fused_moe_kernel`` for both
   GEMMs with its own tuned table when one exists for (E, N=F, GPU), else its default-config rules;
@@ -65,6 +66,7 @@ from fastmamba.bench.ops._base import (
     _compare,
     _fastmamba_version,
     describe,
+    fastmamba_pdl_provider,
 )
 from fastmamba.bench.timing import TimingConfig
 from fastmamba.ops.moe.kernel import AlignLayout, _padded_starts, grouped_rows, launch_align
@@ -174,13 +176,22 @@ class MoeBench(OpBench):
 
         self._route["torch-ref"] = moe_route_ref
         ref = Provider("torch-ref", "ref", f"torch {torch.__version__}", fused_moe_ref, preflight_sync=True)
-        return [ours, gemv, grouped_mm_provider(device), vllm_provider(device), ref]
+        pdl = fastmamba_pdl_provider("moe", "fused_moe", device)
+        pdl.note = "programmatic dependent launch on, as in the runtime's decode graphs (the GEMV path's kernels)"
+        return [ours, pdl, gemv, grouped_mm_provider(device), vllm_provider(device), ref]
 
     def skip_reason(self, prov: Provider, case: Case) -> str:
         if case.op == ROUTE:
             return "" if prov.name in self._route else "runs the experts only"
         if prov.name == "fastmamba-gemv" and case.batch > GEMV_ROWS_MAX_T:
             return f"the GEMV path is for few tokens (rows up to T={GEMV_ROWS_MAX_T})"
+        if prov.name == "fastmamba+pdl":
+            from fastmamba.ops.moe import configs
+
+            p = case.params
+            cfg = configs.pick_config(torch.device("cuda"), p["act"], case.batch, p["M"], p["F"], p["E"], p["k"])
+            if cfg.path != "gemv":
+                return "PDL changes only the GEMV path (this T takes the grouped one)"
         if prov.kind == "ref" and case.params["act"] != torch.float32 and torch.cuda.is_available():
             return REF_SKIP_GPU
         return ""
