@@ -266,7 +266,8 @@ def _serve_rank(conn, engine) -> None:
                 _, ids, params, want = cmd
                 rid = engine.add_validated_request(ids, params)
                 if rid != want:
-                    raise RuntimeError(f"tensor-parallel rank: request id {rid} where rank 0 has {want} (ranks diverged)")
+                    raise RuntimeError(f"tensor-parallel rank: request id {rid} where rank 0 has {want} "
+                                       "(ranks diverged)")
             elif op == "abort":
                 engine.abort(cmd[1])
             elif op == "step":

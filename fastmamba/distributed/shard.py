@@ -26,9 +26,10 @@ the mixer, the state cache (conv [S, E_local, W], SSM [S, H/w, P, N]) and the en
 tables run unchanged on the local shape; ``cfg.full`` is the whole model's config.
 
 Loading (``load_tp_model``, for Mamba-2 and Nemotron-H alike: config.json's ``model_type`` picks
-the family): from a safetensors checkpoint every rank opens the files and reads its slices only (``safe_open(...).get_slice``); ``model.load_stats.bytes_read`` counts the bytes of the
-slices it read, about 1/w of the sharded tensors plus the replicated ones. A preset (random weights)
-is built whole on the rank's device with the same seed everywhere and sliced in memory.
+the family): from a safetensors checkpoint every rank opens the files and reads its slices only
+(``safe_open(...).get_slice``); ``model.load_stats.bytes_read`` counts the bytes of the slices it
+read, about 1/w of the sharded tensors plus the replicated ones. A preset (random weights) is built
+whole on the rank's device with the same seed everywhere and sliced in memory.
 """
 from __future__ import annotations
 
