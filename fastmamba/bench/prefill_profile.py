@@ -132,8 +132,6 @@ def profile_eager(model, name: str, shapes, reps: int, top: int) -> None:
         torch.cuda.synchronize()
         pr.disable()
         pstats.Stats(pr).sort_stats("tottime").print_stats(top)
-        del cache
-        torch.cuda.empty_cache()
 
 
 def run(args: argparse.Namespace, command: str) -> int:

@@ -21,6 +21,7 @@ from fastmamba.ops._common.checks import (
 )
 from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops._common import pdl as _pdl
+from fastmamba.ops._common.plans import PlanCache, sig
 from fastmamba.ops._common import slot_errors
 from fastmamba.ops.conv1d import configs as conv_configs
 from fastmamba.ops.conv1d.kernel import causal_conv1d_update_launch, causal_conv1d_update_plan, launch_update_plan
@@ -92,8 +93,8 @@ def causal_conv1d_update(
     # the signature alone): check the slot values, allocate, launch (issue 19: eager host time).
     if num_accepted_tokens is None and pad_slot_id.__class__ is int and type(x) is torch.Tensor:
         try:
-            key = (x.shape, x.stride(), x.dtype, x.device, _sig(conv_state), _sig(weight), _sig(bias),
-                   _sig(cache_seqlens), _sig(conv_state_indices), _sig(out), activation, pad_slot_id, _pdl._enabled,
+            key = (x.shape, x.stride(), x.dtype, x.device, sig(conv_state), sig(weight), sig(bias),
+                   sig(cache_seqlens), sig(conv_state_indices), sig(out), activation, pad_slot_id, _pdl._enabled,
                    conv_configs._forced, _device_check(conv_state_indices))
         except (AttributeError, TypeError):  # a non-tensor or an unhashable activation: the checks say which
             key = None
@@ -121,7 +122,7 @@ def causal_conv1d_update(
     slot_errors.raise_pending(_OP, x.device, SLOT_NAMES)  # an earlier lean call's bad index: report it at this call
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if key is not None and use_triton(x) and call_directly(x) and len(_PLANS) < _MAX_PLANS:
+    if key is not None and use_triton(x) and call_directly(x) and _PLANS.has_room():
         x3 = x.unsqueeze(-1) if x.dim() == 2 else x
         out3 = out.unsqueeze(-1) if out.dim() == 2 else out
         plan = _PLANS[key] = causal_conv1d_update_plan(
@@ -138,9 +139,9 @@ def causal_conv1d_update(
 
 # Launch plans of plain eager calls whose signature passed every check (see the fast path above),
 # keyed by each tensor's shape, strides, dtype and device, the activation and the pad id (and the
-# PDL switch, which the plan depends on). Tests that swap a kernel-choice hook clear it.
-_PLANS: dict = {}
-_MAX_PLANS = 1024
+# PDL switch, which the plan depends on). Tests that swap a kernel-choice hook clear it
+# (``plans.clear_plans``).
+_PLANS = PlanCache("causal_conv1d_update", 1024)
 
 
 # Whether the lean path checks CPU indices in the kernel too (tests of the device check without a
@@ -155,14 +156,6 @@ def _device_check(idx: torch.Tensor | None) -> bool:
     slot_errors.py) instead of reading it on the host: GPU indices the caller has not vouched for."""
     return slot_errors.checked_on_device(idx, DEVICE_CHECK_CPU)
 
-
-def clear_plans() -> None:
-    """Forget every cached launch plan (after changing a kernel-choice or config hook)."""
-    _PLANS.clear()
-
-
-def _sig(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
 # Registered so torch.compile and CUDA-graph capture see the in-place writes. The schema is

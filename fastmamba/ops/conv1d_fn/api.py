@@ -19,6 +19,7 @@ from fastmamba.ops._common.checks import (
 from fastmamba.ops._common import slot_errors, varlen_checks
 from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops._common.host_values import host_list, host_reads_allowed
+from fastmamba.ops._common.plans import PlanCache, sig
 from fastmamba.ops.conv1d_fn.kernel import causal_conv1d_fn_launch, causal_conv1d_varlen_launch, is_channel_last
 from fastmamba.ops.conv1d_fn.ref import causal_conv1d_fn_ref, causal_conv1d_varlen_ref
 
@@ -80,16 +81,16 @@ def causal_conv1d_fn(
     """
     # a signature an earlier call validated skips the checks (they read nothing but it)
     try:
-        key = (x.shape, x.stride(), x.dtype, x.device, _sig(weight), _sig(bias), _sig(seq_idx), _sig(initial_states),
-               _sig(final_states_out), return_final_states, activation)
+        key = (x.shape, x.stride(), x.dtype, x.device, sig(weight), sig(bias), sig(seq_idx), sig(initial_states),
+               sig(final_states_out), return_final_states, activation)
         silu = _VALID_FN.get(key)
     except (AttributeError, TypeError):  # a non-tensor or an unhashable argument: the checks say which
         key, silu = None, None
     if silu is None or type(x) is not torch.Tensor:
         silu = parse_activation(_OP_FN, activation)
         _check_fn_inputs(x, weight, bias, seq_idx, initial_states, final_states_out)
-        if key is not None and len(_VALID_FN) < 1024:
-            _VALID_FN[key] = silu
+        if key is not None:
+            _VALID_FN.remember(key, silu)
     B, D, L = x.shape
     W = weight.shape[1]
     channel_last = is_channel_last(x)
@@ -112,11 +113,8 @@ def causal_conv1d_fn(
 
 # Signatures of causal_conv1d_fn calls that passed every check -> the parsed activation: each tensor's
 # shape, strides, dtype and device, return_final_states and the activation (issue 19: host time).
-_VALID_FN: dict = {}
+_VALID_FN = PlanCache("causal_conv1d_fn", 1024)
 
-
-def _sig(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
 def causal_conv1d_varlen(

@@ -50,6 +50,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from fastmamba.ops._common.dispatch import inline_asm_ok
 from fastmamba.ops._common.jit_math import SILU_PTX, split8
 from fastmamba.ops._common.pdl import pdl_launch, pdl_launch_early
+from fastmamba.ops._common.plans import PlanCache
 from fastmamba.ops.conv1d_fn import configs
 from fastmamba.ops.conv1d_fn.configs import pick_cols_config, pick_rows_config, vector_width
 from fastmamba.ops._common.launch import lean, on_device
@@ -550,16 +551,8 @@ def _silu_mode(silu: bool, x: torch.Tensor) -> int:
 # Launch plans: the config pick, ALIGN and the grid depend only on sizes, strides, dtype and flags,
 # so they are computed once per such key and reused (host time per call; see issue 19 item 0). The
 # tuning hook (configs.forced_config) is part of the key; PDL is decided per call (a flag read).
-_PLAN_CACHE_SIZE = 4096
-_fn_plans: dict[tuple, tuple] = {}
-_varlen_plans: dict[tuple, tuple] = {}
-
-
-def _remember(plans: dict, key: tuple, plan: tuple) -> tuple:
-    if len(plans) >= _PLAN_CACHE_SIZE:
-        plans.clear()
-    plans[key] = plan
-    return plan
+_fn_plans = PlanCache("causal_conv1d_fn launch", 4096, when_full="clear")
+_varlen_plans = PlanCache("causal_conv1d_varlen launch", 4096, when_full="clear")
 
 
 def _fn_plan(x: torch.Tensor, W: int, xs: tuple, os_: tuple, silu: bool) -> tuple:
@@ -602,7 +595,7 @@ def causal_conv1d_fn_launch(
     key = (B, D, L, xs, os_, x.dtype, W, silu, x.is_cuda, configs._forced)
     plan = _fn_plans.get(key)
     if plan is None:
-        plan = _remember(_fn_plans, key, _fn_plan(x, W, xs, os_, silu))
+        plan = _fn_plans.remember(key, _fn_plan(x, W, xs, os_, silu))
     channel_last, cfg, V, align, grid, silu_mode = plan
 
     def strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
@@ -664,7 +657,7 @@ def causal_conv1d_varlen_launch(
     key = (T, D, B, xs, os_, x.dtype, W, silu, x.is_cuda, configs._forced)
     plan = _varlen_plans.get(key)
     if plan is None:
-        plan = _remember(_varlen_plans, key, _varlen_plan(x, B, W, xs, os_, silu))
+        plan = _varlen_plans.remember(key, _varlen_plan(x, B, W, xs, os_, silu))
     cfg, align, grid, silu_mode = plan
     use_pdl, early = pdl_launch(x, grid[0], cfg.num_warps)
 

@@ -16,6 +16,7 @@ from fastmamba.ops._common.checks import (
     check_unit_stride,
 )
 from fastmamba.ops._common.launch import on_device
+from fastmamba.ops._common.plans import PlanCache, sig
 from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops.gated_rmsnorm.configs import pick_config
 from fastmamba.ops.gated_rmsnorm.kernel import gated_rmsnorm_fwd
@@ -75,7 +76,7 @@ def rmsnorm_fn(
     # Fast path: a signature an earlier call validated (the checks depend on it alone: no values)
     if out is None and type(x) is torch.Tensor and eps.__class__ is float:
         try:
-            key = (x.shape, x.stride(), x.dtype, x.device, _sig(weight), _sig(bias), _sig(z), eps, group_size,
+            key = (x.shape, x.stride(), x.dtype, x.device, sig(weight), sig(bias), sig(z), eps, group_size,
                    norm_before_gate)
         except (AttributeError, TypeError):  # a non-tensor or an unhashable argument: the checks say which
             key = None
@@ -115,8 +116,8 @@ def rmsnorm_fn(
         if t is not None:
             check_unit_stride(_OP, name, t, -1)
 
-    if key is not None and len(_VALID) < 1024:
-        _VALID[key] = group_size
+    if key is not None:
+        _VALID.remember(key, group_size)
     if out is None:
         y = torch.empty(x.shape, dtype=x.dtype, device=device)  # contiguous: viewable as rows
     else:
@@ -134,11 +135,8 @@ def rmsnorm_fn(
 
 # Signatures of calls without ``out`` that passed every check -> their group size (issue 19: the
 # eager host path): every tensor's shape, strides, dtype and device, eps, group_size and the flag.
-_VALID: dict = {}
+_VALID = PlanCache("rmsnorm_fn", 1024)
 
-
-def _sig(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
 # Registered so that torch.compile (fullgraph) treats the launch as one opaque op that writes

@@ -17,6 +17,7 @@ from fastmamba.ops._common.checks import (
 from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops._common.pdl import pdl_active, pdl_requested
 from fastmamba.ops._common import pdl as _pdl
+from fastmamba.ops._common.plans import PlanCache, sig
 from fastmamba.ops._common import slot_errors
 from fastmamba.ops._common.checks import check_index_values
 from fastmamba.ops._common.host_values import host_reads_allowed
@@ -115,22 +116,13 @@ def _device_check(idx: torch.Tensor | None) -> bool:
 # depends on (PDL, the tuning hooks). A signature gets a plan only after a call with it passed
 # every check, and every check but the slot-index values depends on the signature alone; the
 # index values are checked on every call (where host reads are allowed).
-_PLANS: dict = {}
-_MAX_PLANS = 1024
+_PLANS = PlanCache("selective_state_update", 1024)
 
-
-def clear_plans() -> None:
-    """Forget every cached launch plan (after changing a config hook)."""
-    _PLANS.clear()
-
-
-def _sig(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
 def _plan_key(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx, pad_slot_id, A_is_log) -> tuple:
-    return (x.shape, x.stride(), x.dtype, x.device, _sig(state), _sig(dt), _sig(A), _sig(B), _sig(C),
-            _sig(D), _sig(z), _sig(dt_bias), _sig(idx), dt_softplus, pad_slot_id, A_is_log,
+    return (x.shape, x.stride(), x.dtype, x.device, sig(state), sig(dt), sig(A), sig(B), sig(C),
+            sig(D), sig(z), sig(dt_bias), sig(idx), dt_softplus, pad_slot_id, A_is_log,
             _pdl._enabled, ssu_configs._forced, ssu_configs.STORE_EARLY, _device_check(idx))
 
 
@@ -326,7 +318,7 @@ def selective_state_update(
     args = (state, x4, tokens(dt), A, tokens(B), tokens(C), D, tokens(z), dt_bias, bool(dt_softplus),
             state_batch_indices, int(pad_slot_id), out4, dst_state_batch_indices, intermediate_states, rand_seed,
             bool(A_is_log))
-    if key is not None and use_triton(x4) and call_directly(x4) and len(_PLANS) < _MAX_PLANS:
+    if key is not None and use_triton(x4) and call_directly(x4) and _PLANS.has_room():
         # checked: plan this signature (out4 is the contiguous buffer the fast path allocates too)
         report = key[-1]
         err = slot_errors.slot_record(OP, x4.device)[0] if report else None

@@ -23,7 +23,6 @@ def counting(monkeypatch, name: str) -> list:
 
 
 def test_fn_plan_is_cached_per_shape(monkeypatch, device):
-    monkeypatch.setattr(conv_kernel, "_fn_plans", {})
     calls = counting(monkeypatch, "pick_rows_config")
     w = torch.randn(40, 4, device=device)
     for L in (9, 9, 5, 9):
@@ -38,7 +37,6 @@ def test_fn_plan_is_cached_per_shape(monkeypatch, device):
 
 
 def test_varlen_plan_is_cached_per_shape(monkeypatch, device):
-    monkeypatch.setattr(conv_kernel, "_varlen_plans", {})
     calls = counting(monkeypatch, "pick_rows_config")
     w = torch.randn(40, 4, device=device)
     x = torch.randn(10, 40, device=device)
