@@ -175,7 +175,7 @@ def fused_moe_gemv(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, to
 def _launch(x, w_up, w_down, tw, ids, out, cfg: configs.MoeConfig, T: int, M: int, F: int, E: int, k: int,
             interp: bool) -> torch.Tensor:
     y = out if out is not None else torch.empty(T, M, dtype=x.dtype, device=x.device)
-    if T == 0:
+    if T == 0 or M == 0:
         return y
     if F == 0:  # an empty expert width: every contribution is an empty sum
         return y.zero_()

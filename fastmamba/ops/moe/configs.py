@@ -16,6 +16,7 @@ Two paths (``MoeConfig.path``):
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -76,7 +77,12 @@ def gpu_family(device: torch.device) -> str:
     """"h100", "h200", "a100", ... from the device name; "cpu" for a CPU tensor."""
     if device.type != "cuda":
         return "cpu"
-    name = torch.cuda.get_device_name(device).lower()
+    return _cuda_family(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_family(index: int) -> str:
+    name = torch.cuda.get_device_name(index).lower()
     for fam in ("h200", "h100", "h20", "gh200", "b200", "a100", "l40", "a10"):
         if fam in name:
             return fam
@@ -131,6 +137,8 @@ def pick_config(device: torch.device, dtype: torch.dtype, T: int, M: int, F: int
         return _forced
     if interpreter:
         return INTERPRETER_GEMV if T <= GEMV_MAX_TOKENS else INTERPRETER
+    if not TABLE:
+        return heuristic(T, M, F, E, k)
     key = (gpu_family(device), str(dtype).replace("torch.", ""), M, F, E, k, token_bucket(T))
     cfg = TABLE.get(key)
     if cfg is None:

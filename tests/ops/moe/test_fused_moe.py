@@ -142,6 +142,7 @@ def test_no_tokens(device):
     x, w_up, w_down, tw, ids = make_inputs(1, 16, 16, 4, 2, torch.float32, device)
     y = fused_moe(x[:0], w_up, w_down, tw[:0], ids[:0])
     assert y.shape == (0, 16)
+    assert fused_moe(x[:, :0], w_up[:, :, :0], w_down[:, :0], tw, ids).shape == (1, 0)  # M = 0: nothing to launch
 
 
 def test_path_choice(monkeypatch):
