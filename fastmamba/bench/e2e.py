@@ -116,10 +116,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: on with --drafter ngram, off otherwise)")
 
 
-def decode_weight_bytes(model, batch: int) -> int:
+def decode_weight_bytes(model, batch: int, experts_touched: list[float] | None = None) -> int:
     """Weight bytes one decode step of ``batch`` requests must read: every parameter once (shared ones
     once), except an untied input embedding table, of which the step reads only the rows of its
-    ``batch`` tokens (at most ``vocab`` distinct rows); a tied table is read whole by the LM head."""
+    ``batch`` tokens (at most ``vocab`` distinct rows); a tied table is read whole by the LM head.
+
+    MoE layers: only the routed experts the step's tokens chose are read. ``experts_touched`` gives,
+    per MoE layer in order, the mean count of distinct experts a step's routing touched
+    (``count_touched_experts``); None counts top_k x batch (at most E) per layer, exact at batch 1.
+    """
     seen, weights = set(), 0
     for p in model.parameters():
         if p.data_ptr() not in seen:
@@ -128,7 +133,51 @@ def decode_weight_bytes(model, batch: int) -> int:
     emb = model.backbone.embeddings.weight
     if emb.data_ptr() != model.lm_head.weight.data_ptr():  # untied: a gather of B rows, not the table
         weights -= (emb.shape[0] - min(batch, emb.shape[0])) * emb.shape[1] * emb.element_size()
+    for j, moe in enumerate(moe_layers(model)):
+        n_experts = moe.cfg.n_experts
+        touched = experts_touched[j] if experts_touched is not None else min(n_experts, moe.cfg.top_k * batch)
+        weights -= int((n_experts - touched) * expert_bytes(moe))
     return weights
+
+
+def moe_layers(model) -> list:
+    """The model's MoE layers (``fastmamba.layers.moe.MoE``), in layer order."""
+    from fastmamba.layers.moe import MoE
+
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def expert_bytes(moe) -> int:
+    """Bytes of one routed expert of a MoE layer (its up_proj and down_proj slices)."""
+    up, down = moe.experts.up_proj, moe.experts.down_proj
+    return (up[0].numel() + down[0].numel()) * up.element_size()
+
+
+def count_touched_experts(model, step, tokens: torch.Tensor, steps: int = 4) -> list[float]:
+    """Mean distinct routed experts per MoE layer over ``steps`` eager decode steps from ``tokens``
+    (``step(tokens) -> tokens``): what the byte model of a MoE decode step counts. The timed steps run
+    from CUDA graphs, which cannot report their routing; these steps follow them on the same requests."""
+    import fastmamba.layers.moe as moe_module
+
+    layers = moe_layers(model)
+    if not layers:
+        return []
+    seen: list[int] = []
+    route = moe_module.moe_route
+
+    def counting(*args, **kwargs):
+        routing = route(*args, **kwargs)
+        seen.append(int(routing.ids.unique().numel()))
+        return routing
+
+    moe_module.moe_route = counting
+    try:
+        for _ in range(steps):
+            tokens = step(tokens)
+    finally:
+        moe_module.moe_route = route
+    n = len(layers)
+    return [statistics.fmean(seen[j::n]) for j in range(n)]
 
 
 def step_bytes(model, batch: int, ssm_dtype: torch.dtype = torch.float32) -> int:
@@ -146,14 +195,16 @@ def is_hybrid(model) -> bool:
     return hasattr(model.cfg, "pattern")
 
 
-def hybrid_step_bytes(model, batch: int, context: float, ssm_dtype: torch.dtype = torch.float32) -> int:
+def hybrid_step_bytes(model, batch: int, context: float, ssm_dtype: torch.dtype = torch.float32,
+                      experts_touched: list[float] | None = None) -> int:
     """Minimum bytes of one decode step of a hybrid model: the weights it reads once
     (``decode_weight_bytes``: an untied embedding table only in its B rows); per request, every Mamba
     layer's conv state (model dtype) and SSM state (``ssm_dtype``) read and written, and every
     attention layer's K and V (model dtype) read over ``context`` tokens plus the new token's K and V
-    written. The dtypes are the model's: a preset loads in bf16 on a GPU and fp32 on the CPU."""
+    written. The dtypes are the model's: a preset loads in bf16 on a GPU and fp32 on the CPU. MoE
+    layers count the routed experts the step touched (``decode_weight_bytes``)."""
     c = model.cfg
-    total = decode_weight_bytes(model, batch)
+    total = decode_weight_bytes(model, batch, experts_touched)
     if "M" in c.pattern:
         m = c.mamba
         conv = m.conv_dim * m.d_conv * model.dtype.itemsize
@@ -177,7 +228,7 @@ def run_batch_hybrid(model, batch: int, prompt_len: int, gen_len: int, *, pdl: b
     if prompts is None:
         prompts = make_prompts(model.cfg.vocab_size, batch, prompt_len)
     prompts = prompts.to(device)
-    cache = model.new_cache(batch, max_seq_len=prompt_len + gen_len + 8, page_size=page_size, ssm_dtype=ssm_dtype)
+    cache = model.new_cache(batch, max_seq_len=prompt_len + gen_len + 16, page_size=page_size, ssm_dtype=ssm_dtype)
     warm = cache.alloc(batch)
     model.prefill(prompts[:, :8], cache, warm)  # compile and warm up, then fresh slots (zero states, no pages)
     cache.free(warm)
@@ -211,6 +262,14 @@ def run_batch_hybrid(model, batch: int, prompt_len: int, gen_len: int, *, pdl: b
     t_decode = _time_decode(step, tokens, gen_len, device, emitted if record else None)
     context = context0 + (gen_len - 1) / 2  # mean KV length read over the timed steps
     extra = {"tokens": torch.stack(emitted, dim=1).tolist()} if record else {}
+    touched = None
+    if moe_layers(model):  # after the timed steps (eager: the graphs cannot report their routing)
+        def eager_step(t):
+            cache.grow(slots_host, ones)
+            return model.decode(t, cache, slots).argmax(-1)
+
+        touched = count_touched_experts(model, eager_step, emitted[-1])
+        extra["experts_touched"] = round(statistics.fmean(touched), 2)
     return extra | {
         "batch": batch,
         "prefill_s": t_prefill,
@@ -219,7 +278,7 @@ def run_batch_hybrid(model, batch: int, prompt_len: int, gen_len: int, *, pdl: b
         "ms_per_step": 1e3 * t_decode / gen_len,
         "decode_tok_s": batch * gen_len / t_decode,
         "context": prompt_len,
-        "step_bytes": hybrid_step_bytes(model, batch, context, ssm_dtype),
+        "step_bytes": hybrid_step_bytes(model, batch, context, ssm_dtype, touched),
         "ssm_dtype": _state_label(ssm_dtype, False),
         "stochastic_rounding": False,
     }
@@ -237,6 +296,11 @@ def run_peer_hybrid(model, prompt_len: int, gen_len: int, device) -> dict | None
                   ssm_state_size=c.d_state, conv_kernel=c.d_conv, chunk_size=c.chunk_size,
                   tie_word_embeddings=c.tie_embeddings, layer_norm_epsilon=c.norm_eps, use_conv_bias=c.conv_bias,
                   use_bias=c.mamba_proj_bias, mlp_bias=c.mlp_bias, residual_in_fp32=c.residual_in_fp32)
+        if "E" in c.pattern:  # MoE layers: the same field names in both configs
+            kw.update({k: getattr(c, k) for k in (
+                "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "moe_shared_expert_intermediate_size", "moe_latent_size", "n_group", "topk_group",
+                "norm_topk_prob", "routed_scaling_factor")})
         # the pattern string: what 5.17 reads, and what later releases turn into ``layers_block_type``
         hf_cfg = transformers.NemotronHConfig(hybrid_override_pattern=c.pattern, num_hidden_layers=c.n_layer, **kw)
         from fastmamba.models.nemotron_h import _pattern_of
@@ -618,7 +682,9 @@ def _run_hybrid(args, model, name, batches, prompt_len, gen_len, variants, copy_
     cuda = device.type == "cuda"
     c = model.cfg
     print(f"# hybrid: {c.pattern.count('M')} Mamba / {c.pattern.count('*')} attention / "
-          f"{c.pattern.count('-')} MLP layers, context {prompt_len}")
+          f"{c.pattern.count('-')} MLP / {c.pattern.count('E')} MoE layers, context {prompt_len}"
+          + ("; roofline bytes count the routed experts each step touched (experts/layer: distinct, "
+             "mean over MoE layers)" if "E" in c.pattern else ""))
     rows, spec_rows = [], []
     K = args.speculate
     for b in batches:
@@ -665,11 +731,13 @@ def _run_hybrid(args, model, name, batches, prompt_len, gen_len, variants, copy_
             if ours:
                 peer["fastmamba_speedup"] = ours["decode_tok_s"] / peer["decode_tok_s"]
     print(f"{'provider':34} {'batch':>5} {'context':>7} {'TTFT ms':>9} {'prefill tok/s':>14} {'ms/step':>9} "
-          f"{'decode tok/s':>13} {'roofline ms':>12} {'% roofline':>10}")
+          f"{'decode tok/s':>13} {'roofline ms':>12} {'% roofline':>10}" + (" experts/layer" if moe_layers(model) else ""))
     for r in rows:
         pre = f"{r['prefill_tok_s']:14.0f}" if "prefill_tok_s" in r else f"{'—':>14}"
+        experts = f" {r['experts_touched']:13.1f}" if "experts_touched" in r else ""
         print(f"{r['provider']:34} {r['batch']:5d} {r['context']:7d} {r['ttft_ms']:9.2f} {pre} "
-              f"{r['ms_per_step']:9.3f} {r['decode_tok_s']:13.1f} {r['roofline_ms']:12.3f} {r['pct_roofline']:9.0f}%")
+              f"{r['ms_per_step']:9.3f} {r['decode_tok_s']:13.1f} {r['roofline_ms']:12.3f} {r['pct_roofline']:9.0f}%"
+              + experts)
     peer = next((r for r in rows if "fastmamba_speedup" in r), None)
     if peer:
         print(f"fastmamba / transformers decode tok/s at batch 1: {peer['fastmamba_speedup']:.1f}x")
@@ -733,7 +801,7 @@ def run(args: argparse.Namespace, command: str) -> int:
             print(f"error: --draft-model {draft_name}: {exc}", file=sys.stderr)
             return 2
     if args.pdl is None:
-        from fastmamba.ops._common.pdl import pdl_supported
+        from fastmamba.ops.runtime import pdl_supported
 
         args.pdl = cuda and pdl_supported(torch.empty(0, device=device))
     header = (f"# e2e decode: {name} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params, "
