@@ -138,6 +138,15 @@ def test_gemv_path_equals_reference_on_many_tokens(device):
     check(*make_inputs(9, 48, 40, 6, 2, torch.float16, device, seed=9), op=fused_moe_gemv)
 
 
+def test_gemv_row_does_not_depend_on_the_others(device):
+    """On the GEMV path a token's output is the same, bit for bit, alone or in a batch (each pair is
+    its own program): a decode step and a verify step of more tokens agree (fused_moe_gemv)."""
+    x, w_up, w_down, tw, ids = make_inputs(3, 48, 40, 6, 2, torch.bfloat16, device, seed=12)
+    batch = fused_moe_gemv(x, w_up, w_down, tw, ids)
+    alone = fused_moe_gemv(x[1:2], w_up, w_down, tw[1:2], ids[1:2])
+    assert torch.equal(batch[1:2], alone)
+
+
 def test_no_tokens(device):
     x, w_up, w_down, tw, ids = make_inputs(1, 16, 16, 4, 2, torch.float32, device)
     y = fused_moe(x[:0], w_up, w_down, tw[:0], ids[:0])
