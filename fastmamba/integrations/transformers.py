@@ -38,15 +38,17 @@ _MIXERS = ("Mamba2Mixer", "NemotronHMamba2Mixer")
 _NORMS = ("Mamba2RMSNormGated", "NemotronHRMSNormGated", "MambaRMSNormGated", "Zamba2RMSNormGated")
 # the four function hooks every supported release has (5.25 adds the whole ops, hf_ops.HOOKS)
 _FUNCTION_HOOKS = ("causal_conv1d_fn", "causal_conv1d_update", "selective_state_update", "mamba_chunk_scan_combined")
-# modeling-module attribute -> (its hook name, fastmamba's implementation, takes transformers' code first)
+# modeling-module attribute -> (fastmamba's implementation, whether it takes transformers' code first);
+# the last four are in every supported release, the whole ops from 5.25
 _MODULE_HOOKS = {
-    "causal_conv1d_forward": ("causal_conv1d_forward", hf_ops.conv_forward, True),
-    "mamba2_scan_forward": ("mamba2_scan_forward", hf_ops.scan_forward, True),
-    "causal_conv1d_fn": ("causal_conv1d_fn", hf_ops.causal_conv1d_fn, False),
-    "causal_conv1d_update": ("causal_conv1d_update", hf_ops.causal_conv1d_update, False),
-    "mamba2_selective_state_update": ("selective_state_update", hf_ops.selective_state_update, False),
-    "mamba2_chunk_scan": ("mamba_chunk_scan_combined", hf_ops.chunk_scan, False),
+    "causal_conv1d_forward": (hf_ops.conv_forward, True),
+    "mamba2_scan_forward": (hf_ops.scan_forward, True),
+    "causal_conv1d_fn": (hf_ops.causal_conv1d_fn, False),
+    "causal_conv1d_update": (hf_ops.causal_conv1d_update, False),
+    "mamba2_selective_state_update": (hf_ops.selective_state_update, False),
+    "mamba2_chunk_scan": (hf_ops.chunk_scan, False),
 }
+_MODULE_FUNCTIONS = ("causal_conv1d_fn", "causal_conv1d_update", "mamba2_selective_state_update", "mamba2_chunk_scan")
 _ATTR = "_fastmamba_provider"
 
 
@@ -111,9 +113,8 @@ def use(model: torch.nn.Module) -> Provider:
         missing = sorted({n for m in mixers for n in _FUNCTION_HOOKS if n not in m._kernel_funcs})
     else:
         modules = {importlib.import_module(type(m).__module__) for m in mixers}
-        missing = sorted({f"{mod.__name__}.{n}" for mod in modules for n in _MODULE_HOOKS
-                          if n in ("causal_conv1d_fn", "causal_conv1d_update", "mamba2_selective_state_update",
-                                   "mamba2_chunk_scan") and not callable(getattr(mod, n, None))})
+        missing = sorted({f"{mod.__name__}.{n}" for mod in modules for n in _MODULE_FUNCTIONS
+                          if not callable(getattr(mod, n, None))})
     if missing:
         raise RuntimeError(f"fastmamba.integrations.transformers.use: this transformers release has no Mamba-2 "
                            f"hooks named {missing}; supported: transformers {SUPPORTED_TRANSFORMERS}")
@@ -214,7 +215,7 @@ _DISPATCH_USERS: dict[str, int] = {}
 def _dispatcher_acquire(name: str) -> None:
     mod = importlib.import_module(name)
     if _DISPATCH_USERS.get(name, 0) == 0:
-        for attr, (_, impl, takes_original) in _MODULE_HOOKS.items():
+        for attr, (impl, takes_original) in _MODULE_HOOKS.items():
             original = getattr(mod, attr, None)
             if callable(original) and not isinstance(original, _Dispatch):
                 setattr(mod, attr, _Dispatch(original, impl, takes_original))
