@@ -87,7 +87,8 @@ def _torchrun(args: list[str], timeout: float = 120) -> subprocess.CompletedProc
     if torchrun is None:
         pytest.skip("torchrun is not installed next to this Python")
     env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([torchrun, "--nproc-per-node", "2", "-m", "fastmamba.cli", *args], env=env,
+    # --standalone: a free rendezvous port (not 29500, which another job on the machine may hold)
+    return subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "fastmamba.cli", *args], env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
