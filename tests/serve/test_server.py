@@ -204,9 +204,9 @@ def test_full_queue_503_then_graceful_sigterm(tmp_path):
         async def main():
             async with httpx.AsyncClient(base_url=s.url, timeout=300) as cl:
                 # the first runs and the second waits (seen through /metrics) when the third comes
-                first = asyncio.create_task(post(cl, 1000))
+                first = asyncio.create_task(post(cl, 300))
                 await until("fastmamba_running_requests", 1)
-                second = asyncio.create_task(post(cl, 1000))
+                second = asyncio.create_task(post(cl, 300))
                 await until("fastmamba_waiting_requests", 1)
                 third = await post(cl, 2)
                 return await first, await second, third

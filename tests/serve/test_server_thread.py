@@ -48,5 +48,8 @@ def test_thread_form_serves_aborts_and_drains(engine, reference_ops):
             time.sleep(0.01)
         assert not engine.has_unfinished() and engine.cache.free_slots == 2
         assert client.get("/v1/completions").status_code == 405
+        for absurd in (10**30, 2**63):  # no --max-model-len and no K/V: still refused, by name
+            r = client.post("/v1/completions", json={"prompt": [5], "max_tokens": absurd})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
     worker = app.state.engine_thread
     assert not worker.alive()  # the lifespan's exit stopped the loop
