@@ -41,8 +41,8 @@ from fastmamba.ops._common.slot_errors import raise_pending_slot_errors
 from fastmamba.ops._common.slot_rows import scatter_rows
 from fastmamba.ops.gemv.configs import MAX_ROWS as GEMV_MAX_ROWS
 from fastmamba.ops.ssd_scan.api import chunk_count_bound
+from fastmamba.ops.ssd_scan.chunked.kernel import NORM_SPAN
 from fastmamba.ops.ssd_scan.hopper import hopper_kernels, long_prefill_kernels
-from fastmamba.ops.ssd_scan.kernel import NORM_SPAN
 
 __all__ = [
     "GEMV_MAX_ROWS", "NORM_SPAN", "cdiv", "check_host_copies", "chunk_count_bound", "host_list",

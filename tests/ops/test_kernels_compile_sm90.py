@@ -30,7 +30,7 @@ VARIANTS = {
                                  new_ptr="*i64", err_ptr="*i64"),
                             dict(HAS_SLOTS=True, BLOCK=128, REPORT=True, CHECK_NEW=True, T=1, n_slots=1)),
     # the deferred norm's epilogue (ssd_scan_varlen's norm_weight / norm_sumsq) in both scan paths
-    "fused-scan-norm": ("fastmamba.ops.ssd_scan.fused_kernel", "_ssd_scan_fused_kernel",
+    "fused-scan-norm": ("fastmamba.ops.ssd_scan.fused.kernel", "_ssd_scan_fused_kernel",
                         dict(x_ptr="*bf16", dt_ptr="*bf16", A_ptr="*fp32", B_ptr="*bf16", C_ptr="*bf16",
                              D_ptr="*fp32", z_ptr="*bf16", dt_bias_ptr="*fp32", out_ptr="*bf16", states_ptr="*fp32",
                              cu_ptr="*i32", idx_ptr="*i32", init_flag_ptr="*u8", nw_ptr="*bf16", sq_ptr="*fp32",
@@ -40,7 +40,7 @@ VARIANTS = {
                              FAST_MATH=True, DOT_UPCAST=False, HAS_IDX=True, HAS_INIT=True, HAS_D=True, HAS_Z=True,
                              HAS_DT_BIAS=True, HAS_CHUNK_OUT=False, STOCHASTIC_ROUND=False, HAS_NORM=True,
                              USE_PDL=True, PDL_TRIGGER=True)),
-    "chunk-scan-norm": ("fastmamba.ops.ssd_scan.kernel", "_chunk_scan_kernel",
+    "chunk-scan-norm": ("fastmamba.ops.ssd_scan.chunked.kernel", "_chunk_scan_kernel",
                         dict(x_ptr="*bf16", z_ptr="*bf16", out_ptr="*bf16", cb_ptr="*bf16", C_ptr="*bf16",
                              D_ptr="*fp32", table_ptr="*i32", skip_ptr="*i8", states_ptr="*bf16", dt_ptr="*fp32",
                              cs_ptr="*fp32", nw_ptr="*bf16", sq_ptr="*fp32"),
@@ -48,15 +48,15 @@ VARIANTS = {
                              HEAD_MAJOR=True, FAST_MATH=True, HAS_D=True, HAS_Z=True, HAS_SKIP=True,
                              DOT_UPCAST=False, HAS_NORM=True, USE_PDL=False, PDL_TRIGGER=True)),
     # the chunk table, dt' / cs and C B^T in one launch (program roles by grid row)
-    "chunk-prep": ("fastmamba.ops.ssd_scan.kernel", "_chunk_prep_kernel",
+    "chunk-prep": ("fastmamba.ops.ssd_scan.chunked.kernel", "_chunk_prep_kernel",
                    dict(dt_ptr="*fp32", dt_bias_ptr="*fp32", A_ptr="*fp32", cu_ptr="*i32", table_ptr="*i32",
                         dt_out_ptr="*fp32", cs_out_ptr="*fp32", B_ptr="*bf16", C_ptr="*bf16", cb_ptr="*bf16",
                         dt_min="fp32", dt_max="fp32"),
                    dict(Q=256, BLOCK_Q=256, BLOCK_H=8, BLOCK_SEG=16, HAS_DT_BIAS=True, DT_SOFTPLUS=True,
                         HAS_DT_LIMIT=True, A_IS_LOG=False, CB_M=64, CB_N=128, DOT_PRECISION="tf32", DOT_UPCAST=False,
                         USE_PDL=True, PDL_TRIGGER=True)),
-    # the Triton chunk-output kernel as the Hopper kernel's fallback on non-finite x (ssd_scan/hopper.py)
-    "chunk-scan-only-if-flagged": ("fastmamba.ops.ssd_scan.kernel", "_chunk_scan_kernel",
+    # the Triton chunk-output kernel as the Hopper kernel's fallback on non-finite x (ssd_scan/hopper/chunk_output.py)
+    "chunk-scan-only-if-flagged": ("fastmamba.ops.ssd_scan.chunked.kernel", "_chunk_scan_kernel",
                                    dict(x_ptr="*bf16", z_ptr="*bf16", out_ptr="*bf16", cb_ptr="*bf16", C_ptr="*bf16",
                                         D_ptr="*fp32", table_ptr="*i32", skip_ptr="*i8", states_ptr="*bf16",
                                         dt_ptr="*fp32", cs_ptr="*fp32"),

@@ -193,7 +193,9 @@ def test_scan_kernels_chained_with_pdl_match_plain_launches(monkeypatch, hopper_
     ragged tail."""
     from fastmamba.ops import mamba_chunk_scan_combined
     from fastmamba.ops._common import pdl
-    from fastmamba.ops.ssd_scan import hopper, hopper_states, launch
+    from fastmamba.ops.ssd_scan.chunked import launch
+    from fastmamba.ops.ssd_scan.hopper import chunk_output as hopper
+    from fastmamba.ops.ssd_scan.hopper import states as hopper_states
 
     monkeypatch.setenv("FASTMAMBA_HOPPER_SCAN", hopper_scan)
     torch.manual_seed(2)

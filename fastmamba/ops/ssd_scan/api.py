@@ -18,10 +18,10 @@ from fastmamba.ops._common.checks import (
 from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops._common import slot_errors, varlen_checks
 from fastmamba.ops._common.host_values import compiling, host_list, host_reads_allowed
-from fastmamba.ops.ssd_scan.fused import choose_fused, longest_sequence_bound, ssd_scan_varlen_fused_impl
-from fastmamba.ops.ssd_scan.hopper import hopper_chunk_output_ok
-from fastmamba.ops.ssd_scan.kernel import NORM_SPAN, _segment_slots_kernel
-from fastmamba.ops.ssd_scan.launch import ScanSegments, ssd_scan_launch
+from fastmamba.ops.ssd_scan.fused.api import choose_fused, longest_sequence_bound, ssd_scan_varlen_fused_impl
+from fastmamba.ops.ssd_scan.hopper.chunk_output import hopper_chunk_output_ok
+from fastmamba.ops.ssd_scan.chunked.kernel import NORM_SPAN, _segment_slots_kernel
+from fastmamba.ops.ssd_scan.chunked.launch import ScanSegments, ssd_scan_launch
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
 from fastmamba.ops._common.host_math import cdiv
 from fastmamba.ops._common.launch import lean
@@ -411,7 +411,7 @@ def ssd_scan_varlen(
                              random, from the fp32 value). Ignored for an fp32 cache (and by the
                              reference, which rounds to nearest).
     fused      None (automatic), True or False: the one-launch kernel for short sequences
-                             (ops/ssd_scan/fused_kernel.py) instead of the five-kernel chunked path;
+                             (ops/ssd_scan/fused/kernel.py) instead of the five-kernel chunked path;
                              automatic: fused when every sequence is at most fused_configs.MAX_FUSED_LEN
                              tokens. Same results up to rounding.
     max_seqlen int or None: a host bound on the longest sequence (the runtime knows it), which

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from fastmamba.ops.ssd_scan import fused_configs
+from fastmamba.ops.ssd_scan.fused import configs as fused_configs
 
 _LIMITS = {"chunked": -1, "fused": 1 << 62}
 

@@ -25,7 +25,7 @@ LENS, SLOTS = (700, 1, 0, 256, 63, 1091, 77), (5, 0, 4, PAD, 1, 3, 6)
 def spy_launches(monkeypatch, attr: str, switch: str) -> list:
     """A list that records each call of ``launch.<attr>`` (its first argument's shape); its ``use(flag)``
     sets the environment variable ``switch`` to 1 or 0."""
-    from fastmamba.ops.ssd_scan import launch
+    from fastmamba.ops.ssd_scan.chunked import launch
 
     class Calls(list):
         def use(self, flag: bool) -> None:

@@ -1,4 +1,4 @@
-"""The Hopper chunk-output kernel (ops/ssd_scan/hopper_kernel.py) against the reference and the portable
+"""The Hopper chunk-output kernel (ops/ssd_scan/hopper/chunk_output_kernel.py) against the reference and the portable
 Triton kernel, through the public scans. GPU-only: it needs sm_90 (TMA, wgmma, warp specialization);
 its sm_90 compile is tested on the CPU in test_hopper_kernel_compile.py.
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastmamba.ops.ssd_scan import mamba_chunk_scan_combined, ssd_scan_varlen
-from fastmamba.ops.ssd_scan.hopper import EAGER_MIN_TOKENS, MIN_TOKENS, hopper_kernels, long_prefill_kernels
+from fastmamba.ops.ssd_scan.hopper.chunk_output import EAGER_MIN_TOKENS, MIN_TOKENS, hopper_kernels, long_prefill_kernels
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
 from tests.helpers import nan_like, seeded
 from tests.ops.ssd_scan.hopper_cases import (

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastmamba.ops.ssd_scan import launch, mamba_chunk_scan_combined
+from fastmamba.ops.ssd_scan import mamba_chunk_scan_combined
+from fastmamba.ops.ssd_scan.chunked import launch
 from tests.ops.ssd_scan.test_ssd_scan import _inputs
 
 
@@ -97,7 +98,7 @@ def test_cb_tiles_on_the_diagonal_are_zero_above_it(device, monkeypatch):
 
 
 def test_mode_switch_reads_its_variable_strictly(monkeypatch):
-    from fastmamba.ops.ssd_scan.hopper import _mode
+    from fastmamba.ops.ssd_scan.hopper.chunk_output import _mode
 
     for value, want in (("", "auto"), ("auto", "auto"), ("1", "on"), ("ON", "on"), ("0", "off"), ("no", "off")):
         monkeypatch.setenv("FASTMAMBA_HOPPER_SCAN", value)
@@ -110,7 +111,7 @@ def test_mode_switch_reads_its_variable_strictly(monkeypatch):
 
 
 def test_hopper_kernels_block_nests_and_unwinds():
-    from fastmamba.ops.ssd_scan import hopper
+    from fastmamba.ops.ssd_scan.hopper import chunk_output as hopper
 
     assert hopper._inside == 0
     with hopper.hopper_kernels():
@@ -126,7 +127,7 @@ def test_hopper_kernels_block_nests_and_unwinds():
 def test_long_prefill_kernels_opens_the_block_from_the_threshold():
     """``long_prefill_kernels(tokens)``: the ``hopper_kernels()`` block from EAGER_MIN_TOKENS packed
     tokens on (a model's eager prefill), no block below."""
-    from fastmamba.ops.ssd_scan import hopper
+    from fastmamba.ops.ssd_scan.hopper import chunk_output as hopper
 
     with hopper.long_prefill_kernels(hopper.EAGER_MIN_TOKENS - 1):
         assert hopper._inside == 0
@@ -142,7 +143,7 @@ def test_hopper_grid_is_a_multiple_of_the_row_blocks(monkeypatch, sms, chunk_siz
     hopper_kernel._item): a one-to-one map of the items only when the program count is a multiple of
     M_BLOCKS = chunk_size / 64. The launcher rounds the grid down to one, whatever the SM count (7 SMs
     give 14 programs, not a multiple of 4), and never launches more programs than items."""
-    from fastmamba.ops.ssd_scan import hopper
+    from fastmamba.ops.ssd_scan.hopper import chunk_output as hopper
 
     real = hopper._gluon()
     if real is None:
@@ -155,7 +156,7 @@ def test_hopper_grid_is_a_multiple_of_the_row_blocks(monkeypatch, sms, chunk_siz
 
     monkeypatch.setattr(hopper, "_gluon", lambda: (Recorder(), real[1], real[2]))
     monkeypatch.setattr(hopper, "sm_count", lambda t: sms)
-    from fastmamba.ops.ssd_scan.hopper_kernel import chunk_output_sm90_kernel
+    from fastmamba.ops.ssd_scan.hopper.chunk_output_kernel import chunk_output_sm90_kernel
 
     n_items_at = chunk_output_sm90_kernel.arg_names.index("n_items")
     m_blocks = chunk_size // 64
@@ -179,7 +180,7 @@ def test_hopper_grid_is_a_multiple_of_the_row_blocks(monkeypatch, sms, chunk_siz
 
 
 def test_states_switch_reads_its_variable_strictly(monkeypatch):
-    from fastmamba.ops.ssd_scan.hopper_states import _enabled
+    from fastmamba.ops.ssd_scan.hopper.states import _enabled
 
     for value, want in (("0", False), ("off", False), ("1", True), ("", True)):
         monkeypatch.setenv("FASTMAMBA_HOPPER_STATES", value)

@@ -1,4 +1,4 @@
-"""The Hopper chunk-output kernel (ops/ssd_scan/hopper_kernel.py, Gluon) compiles for sm_90 in each of
+"""The Hopper chunk-output kernel (ops/ssd_scan/hopper/chunk_output_kernel.py, Gluon) compiles for sm_90 in each of
 its variants, and two programs fit one SM's shared memory (no GPU needed: Triton's compiler and ptxas).
 The interpreter cannot run Gluon, so on a CPU this is all there is; the GPU tests in
 test_hopper_chunk_output.py run it. The compile runs in a subprocess without ``TRITON_INTERPRET``."""
@@ -13,7 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SMEM_PER_SM = 227 * 1024  # the most shared memory an sm_90 SM gives its programs
 
-# the launcher's choices (hopper.py) and the flags its inputs can set
+# the launcher's choices (hopper/chunk_output.py) and the flags its inputs can set
 BASE = dict(Q=256, N_PIECES=2, CS_STAGES=1, Z_STAGES=1, K_STAGES=3, PRODUCER_REGS=56, HAS_Z=True, HAS_D=True,
             D_PER_P=False, HAS_SKIP=True, HAS_NORM=False, DIAG_SPLIT=True)
 VARIANTS = {
@@ -33,8 +33,8 @@ def compile_sm90(name: str) -> int:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from fastmamba.ops.ssd_scan import hopper
-    from fastmamba.ops.ssd_scan.hopper_kernel import chunk_output_sm90_kernel
+    from fastmamba.ops.ssd_scan.hopper import chunk_output as hopper
+    from fastmamba.ops.ssd_scan.hopper.chunk_output_kernel import chunk_output_sm90_kernel
 
     consts = {**BASE, **VARIANTS[name]}
     dtype = consts.pop("dtype", "bf16")
@@ -60,7 +60,7 @@ def compile_sm90(name: str) -> int:
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_hopper_kernel_compiles_for_sm90(name):
-    from fastmamba.ops.ssd_scan.hopper import PROGRAMS_PER_SM
+    from fastmamba.ops.ssd_scan.hopper.chunk_output import PROGRAMS_PER_SM
     from tests.helpers import compile_in_subprocess  # not at the top: __main__ runs without tests/ on the path
 
     shared = compile_in_subprocess(__file__, name, ROOT)

@@ -1,4 +1,4 @@
-"""The Hopper chunk-states kernel (ops/ssd_scan/hopper_states_kernel.py: chunk states and state passing
+"""The Hopper chunk-states kernel (ops/ssd_scan/hopper/states_kernel.py: chunk states and state passing
 in one walk) against the two Triton kernels and the fp32 reference, through the public scans, with the
 Hopper chunk-output kernel on in both runs (``FASTMAMBA_HOPPER_SCAN=1``) and the states kernel on or off
 (``FASTMAMBA_HOPPER_STATES``). GPU-only (sm_90); its sm_90 compile is tested on the CPU in

@@ -1,4 +1,4 @@
-"""The Hopper chunk-states kernel (ops/ssd_scan/hopper_states_kernel.py, Gluon) compiles for sm_90 in each
+"""The Hopper chunk-states kernel (ops/ssd_scan/hopper/states_kernel.py, Gluon) compiles for sm_90 in each
 of its variants without spilling, and two programs fit one SM's shared memory (no GPU needed: Triton's
 compiler and ptxas, in a subprocess without ``TRITON_INTERPRET``). The GPU tests in
 test_hopper_states.py run it."""
@@ -32,9 +32,9 @@ def compile_sm90(name: str) -> dict:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from fastmamba.ops.ssd_scan import hopper_states
+    from fastmamba.ops.ssd_scan.hopper import states as hopper_states
     from tests.helpers import ptxas_report, spill_lines
-    from fastmamba.ops.ssd_scan.hopper_states_kernel import chunk_states_sm90_kernel
+    from fastmamba.ops.ssd_scan.hopper.states_kernel import chunk_states_sm90_kernel
 
     v = VARIANTS[name]
     dtype = v.get("dtype", "bf16")

@@ -352,7 +352,7 @@ def test_chunk_state_register_cap_only_where_a_fifth_program_saves_a_wave(sms):
     """launch.state_regs_cap: the chunk-state launch is capped for grids of more than 4 and at most 5
     programs per SM (mamba2-2.7b at L=2048: 640 programs on 132 SMs), where a fifth program per SM
     turns 1.2 waves into one; nowhere else (one wave already, or several waves either way)."""
-    from fastmamba.ops.ssd_scan.launch import STATE_REGS_CAP, state_regs_cap
+    from fastmamba.ops.ssd_scan.chunked.launch import STATE_REGS_CAP, state_regs_cap
 
     for programs in (4 * sms + 1, 5 * sms):
         assert state_regs_cap(programs, sms) == STATE_REGS_CAP
@@ -365,7 +365,7 @@ def test_config_token_step_must_divide_row_block(device, monkeypatch):
     """A forced chunk-scan config whose token step does not divide its row block (the off-diagonal
     loop would run into the diagonal block and double-count it) is refused before any launch."""
     from fastmamba.ops._common.dispatch import interpreter_enabled
-    from fastmamba.ops.ssd_scan import configs
+    from fastmamba.ops.ssd_scan.chunked import configs
 
     base = configs.pick_config(4, 8, 8, 4, interpreter=interpreter_enabled())
     monkeypatch.setattr(configs, "_forced", base._replace(block_k=2 * base.block_m))
@@ -379,7 +379,7 @@ def test_chunk_scan_token_step_smaller_than_row_block(device, monkeypatch):
     own rows take several diagonal steps (the default config takes one). Chunks of 64 with 32-row
     blocks in 16-token steps, a length that ends inside a block, D per (head, p), z."""
     from fastmamba.ops._common.dispatch import interpreter_enabled
-    from fastmamba.ops.ssd_scan import configs
+    from fastmamba.ops.ssd_scan.chunked import configs
 
     base = configs.pick_config(4, 8, 8, 4, interpreter=interpreter_enabled())
     monkeypatch.setattr(configs, "_forced", base._replace(block_m=32, block_k=16))

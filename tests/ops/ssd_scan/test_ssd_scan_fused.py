@@ -1,11 +1,13 @@
-"""The fused one-launch varlen scan (fused_kernel.py) against the reference and the five-kernel path,
+"""The fused one-launch varlen scan (ssd_scan/fused/kernel.py) against the reference and the five-kernel path,
 and the rule that picks it (issue 19 item 4)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fastmamba.ops.ssd_scan import fused, fused_configs, num_chunks, ssd_scan_varlen
+from fastmamba.ops.ssd_scan import num_chunks, ssd_scan_varlen
+from fastmamba.ops.ssd_scan.fused import api as fused
+from fastmamba.ops.ssd_scan.fused import configs as fused_configs
 from fastmamba.ops.ssd_scan import api as scan_api
 from fastmamba.ops.ssd_scan.ref import ssd_scan_varlen_ref
 from tests.helpers import nan_like, seeded, tol

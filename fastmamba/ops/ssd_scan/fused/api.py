@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 
 from fastmamba.ops._common.dispatch import use_triton
-from fastmamba.ops.ssd_scan import fused_configs
-from fastmamba.ops.ssd_scan.fused_kernel import ssd_scan_fused_launch
+from fastmamba.ops.ssd_scan.fused import configs as fused_configs
+from fastmamba.ops.ssd_scan.fused.kernel import ssd_scan_fused_launch
 from fastmamba.ops.ssd_scan.ref import ssd_scan_varlen_ref
 
 

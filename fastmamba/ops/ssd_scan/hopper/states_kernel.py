@@ -1,5 +1,5 @@
 """The chunked scan's chunk states and state passing as ONE Hopper kernel in Gluon (the job of
-``kernel._chunk_state_kernel`` + ``kernel._state_passing_kernel``); ``hopper_states.py`` launches it.
+``kernel._chunk_state_kernel`` + ``kernel._state_passing_kernel``); ``states.py`` launches it.
 
 One program per (segment, head h, block of 64 state columns): it walks its segment's chunks in order
 with the running state S [P = 64, 64 columns] fp32 in the consumer warpgroup's registers (the wgmma
@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from fastmamba.ops.ssd_scan.hopper_kernel import _exp, _wait_for_kernel_before
+from fastmamba.ops.ssd_scan.hopper.chunk_output_kernel import _exp, _wait_for_kernel_before
 
 BK = gl.constexpr(64)  # tokens per ring slot
 P = gl.constexpr(64)  # the head dim

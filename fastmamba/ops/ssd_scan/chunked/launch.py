@@ -17,11 +17,11 @@ import math
 
 from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
 from fastmamba.ops._common.pdl import TRIGGER_EARLY, pdl_active, pdl_chained, sm_count
-from fastmamba.ops.ssd_scan.configs import block_p_of, check_config, pick_config
-from fastmamba.ops.ssd_scan.hopper import chunk_output_sm90, hopper_chunk_output_ok
-from fastmamba.ops.ssd_scan.hopper_states import chunk_states_sm90, hopper_states_ok
+from fastmamba.ops.ssd_scan.chunked.configs import block_p_of, check_config, pick_config
+from fastmamba.ops.ssd_scan.hopper.chunk_output import chunk_output_sm90, hopper_chunk_output_ok
+from fastmamba.ops.ssd_scan.hopper.states import chunk_states_sm90, hopper_states_ok
 from fastmamba.ops._common.launch import lean
-from fastmamba.ops.ssd_scan.kernel import (
+from fastmamba.ops.ssd_scan.chunked.kernel import (
     _chunk_prep_kernel,
     _chunk_scan_kernel,
     _chunk_state_kernel,

@@ -1,5 +1,5 @@
 """When and how the chunked scan's chunk states and state passing run as one Hopper kernel
-(``hopper_states_kernel.py``) instead of the two Triton kernels.
+(``states_kernel.py``) instead of the two Triton kernels.
 
 It runs where the Hopper chunk-output kernel runs (``hopper.hopper_chunk_output_ok``: sm_90, 16-bit
 activations, head dim 64, N 64 or 128, TMA-addressable rows, inside ``hopper_kernels()`` by default),
@@ -21,8 +21,8 @@ import torch
 
 from fastmamba.ops._common.launch import env_switch, lean, register_descriptor_type
 from fastmamba.ops._common.pdl import pdl_chained
-from fastmamba.ops.ssd_scan.hopper import _desc, _rows2d, _tma_rows
-from fastmamba.ops.ssd_scan.kernel import strides4
+from fastmamba.ops.ssd_scan.hopper.chunk_output import _desc, _rows2d, _tma_rows
+from fastmamba.ops.ssd_scan.chunked.kernel import strides4
 
 STAGES = 4  # (x, B) ring slots of 64 tokens (6 and 3 measured no better)
 PRODUCER_REGS = 56
@@ -36,7 +36,7 @@ def _gluon():
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-        from fastmamba.ops.ssd_scan import hopper_states_kernel
+        from fastmamba.ops.ssd_scan.hopper import states_kernel as hopper_states_kernel
     except ImportError:
         return None
     register_descriptor_type(TensorDescriptor)

@@ -1,4 +1,4 @@
-"""Tiles of the fused small-L scan (``fused_kernel.py``) and when the varlen op takes it.
+"""Tiles of the fused small-L scan (``fused/kernel.py``) and when the varlen op takes it.
 
 The fused kernel runs one program per (sequence, head, block of P) and walks the sequence's tokens
 in blocks of BLOCK_T with the state in registers, so its cost grows with the longest sequence while

@@ -1,7 +1,7 @@
 """The chunk-output stage of the SSD scan (``_chunk_scan_kernel``'s job) as a Hopper kernel in Gluon.
 
 Same inputs, same output as the portable Triton kernel in ``kernel.py`` (its docstring has the math);
-``hopper.py`` picks it on sm_90 for the shapes it covers. One work item = (head h, chunk c, block of
+``chunk_output.py`` picks it on sm_90 for the shapes it covers. One work item = (head h, chunk c, block of
 BM = 64 output rows starting at m0):
 
     y_t = exp(cs_t) C_t S_in^T + sum_{s <= t} (C_t . B_s) exp(cs_t - cs_s) dt'_s x_s  (+ D x_t) (* silu(z_t))
@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from fastmamba.ops.ssd_scan import kernel
+from fastmamba.ops.ssd_scan.chunked import kernel
 
 BM = gl.constexpr(64)  # output rows per item = tokens per C B^T / x tile = the head dim P
 HALF_N = gl.constexpr(64)  # C and S go in 64-column pieces (128-byte rows: one TMA box, 128-byte swizzle)

@@ -1,4 +1,4 @@
-"""When and how the chunked scan's chunk-output stage runs as the Hopper kernel (``hopper_kernel.py``).
+"""When and how the chunked scan's chunk-output stage runs as the Hopper kernel (``chunk_output_kernel.py``).
 
 The choice is automatic: an sm_90 GPU, 16-bit activations, head dim 64, state size 64 or 128, a chunk
 of 64, 128 or 256 tokens, token-major rows that TMA can address (inner stride 1, 16-byte aligned
@@ -39,7 +39,7 @@ import torch
 from fastmamba.ops._common.dispatch import interpreter_enabled
 from fastmamba.ops._common.launch import lean, register_descriptor_type
 from fastmamba.ops._common.pdl import pdl_chained, sm_count
-from fastmamba.ops.ssd_scan.kernel import d_strides
+from fastmamba.ops.ssd_scan.chunked.kernel import d_strides
 
 MIN_TOKENS = 1024  # timed from 2048 tokens up; shorter calls keep the Triton kernel (not measured there)
 EAGER_MIN_TOKENS = 8192  # the models' eager prefills of this many tokens and more take it (long_prefill_kernels)
@@ -56,7 +56,7 @@ def _gluon():
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-        from fastmamba.ops.ssd_scan import hopper_kernel
+        from fastmamba.ops.ssd_scan.hopper import chunk_output_kernel as hopper_kernel
     except ImportError:  # a Triton without Gluon: the portable kernel runs
         return None
     register_descriptor_type(TensorDescriptor)
