@@ -17,7 +17,7 @@ class ServerMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("fastmamba_inter_token_latency_seconds", "time between a request's tokens",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.running = Gauge("fastmamba_running_requests", "requests decoding", registry=r)
+        self.running = Gauge("fastmamba_running_requests", "requests holding a slot (prefilling or decoding)", registry=r)
         self.waiting = Gauge("fastmamba_waiting_requests", "requests waiting for a slot", registry=r)
         self.slots_used = Gauge("fastmamba_slots_in_use", "state-cache slots held by requests", registry=r)
         self.slots_total = Gauge("fastmamba_slots_total", "state-cache slots", registry=r)

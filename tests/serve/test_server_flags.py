@@ -106,3 +106,27 @@ def test_real_entry_point_exits_2_before_loading():
                        capture_output=True, text=True, timeout=120, env=env)
     assert_one_line(r.returncode, r.stderr, "--port")
     assert "70000" in r.stderr
+
+
+def test_kv_sizing_clamps_to_memory(monkeypatch):
+    """A hybrid's K/V: every slot at the length while memory allows; else the pages that fit (a
+    default length shrinks to them, an explicit --max-model-len that one request cannot fit is an
+    error naming it); a pure Mamba-2 model has no K/V options."""
+    import fastmamba
+    from fastmamba.cache.kv_pages import KVPages
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    lm = fastmamba.load_model("nemotron-h-tiny", device="cpu", dtype="fp32")
+    c = lm.cfg
+    page = KVPages.page_bytes(c.pattern.count("*"), 16, c.n_kv_heads, c.head_dim, lm.lm_head.weight.dtype)
+    monkeypatch.setattr(serve_cli, "_free_bytes", lambda device: 10**12)
+    assert serve_cli.kv_options(lm, 4, 8192, None, 0) == {"max_seq_len": 8192, "kv_page_size": 16, "kv_num_pages": 2048}
+    # --num-kv-pages 10: a tight pool; the default length shrinks to what 10 pages hold
+    assert serve_cli.kv_options(lm, 4, None, 10, 0) == {"max_seq_len": 160, "kv_page_size": 16, "kv_num_pages": 10}
+    fits = 40  # pages
+    monkeypatch.setattr(serve_cli, "_free_bytes", lambda device: int(fits * page / serve_cli.KV_MEMORY_FRACTION) + 1)
+    got = serve_cli.kv_options(lm, 4, None, None, 0)
+    assert got["kv_num_pages"] == fits and got["max_seq_len"] == min(fits * 16, serve_cli.DEFAULT_KV_LEN)
+    with pytest.raises(ValueError, match="--max-model-len 8192"):
+        serve_cli.kv_options(lm, 4, 8192, None, 0)
+    assert serve_cli.kv_options(fastmamba.load_model("mamba2-tiny", device="cpu"), 4, 8192, None, 0) == {}
