@@ -59,6 +59,17 @@ MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
+class _DefaultMax(int):
+    """The default of ``max_new_tokens``: 128, marked so that ``__post_init__`` knows it was not given
+    (then ``max_tokens``, vLLM's name, may set it)."""
+
+    def __repr__(self) -> str:
+        return f"{int(self)}"
+
+
+_DEFAULT_MAX = _DefaultMax(DEFAULT_MAX_NEW_TOKENS)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens and when it stops (immutable and hashable).
@@ -99,7 +110,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    max_new_tokens: int | None = None  # None: max_tokens, else DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int = _DEFAULT_MAX  # not given: max_tokens, else DEFAULT_MAX_NEW_TOKENS
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -110,11 +121,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         n, alias = self.max_new_tokens, self.max_tokens
-        if n is not None and alias is not None and n != alias:
+        given = n is not _DEFAULT_MAX
+        if given and alias is not None and n != alias:
             raise ValueError(f"SamplingParams: max_tokens is another name of max_new_tokens; got both, and they "
                              f"differ ({alias!r} and {n!r})")
-        n = DEFAULT_MAX_NEW_TOKENS if n is None and alias is None else alias if n is None else n
-        object.__setattr__(self, "max_new_tokens", n)
+        object.__setattr__(self, "max_new_tokens", n if given or alias is None else alias)
         t = self.temperature
         if not (_is_real(t) and math.isfinite(t) and t >= 0):
             raise ValueError(f"SamplingParams: temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
