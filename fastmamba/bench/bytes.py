@@ -287,3 +287,27 @@ def spec_legacy_bytes(
     if copy:
         per_req += 2 * state + 2 * 8
     return B * per_req + 3 * H * FP32
+
+
+def moe_bytes(T: int, M: int, F: int, k: int, experts_touched: int, *, act_dtype: torch.dtype) -> int:
+    """Routed MoE experts (``fused_moe``): the weights of the distinct experts the routing touched
+    (up_proj [F, M] and down_proj [M, F] each), read once; x read and out written once; the
+    routing (fp32 weights, int32 ids) read once. Intermediates (relu² activations, per-pair
+    contributions) are not counted: a fused kernel need not move them.
+
+    weights  2*experts_touched*M*F*a     x, out  2*T*M*a     routing  T*k*(4 + 4)
+    """
+    a = _size(act_dtype)
+    return 2 * experts_touched * M * F * a + 2 * T * M * a + T * k * (FP32 + INDEX)
+
+
+def moe_flops(T: int, M: int, F: int, k: int) -> int:
+    """Routed MoE experts: two GEMMs of 2*M*F FLOPs per token-expert pair (relu², the routing
+    weight and the k-sum are not counted)."""
+    return 4 * T * k * M * F
+
+
+def moe_route_bytes(T: int, E: int, k: int) -> int:
+    """The router's selection (``moe_route``): fp32 logits [T, E] and bias [E] read; fp32 weights
+    and int32 ids [T, k] written."""
+    return T * E * FP32 + E * FP32 + T * k * (FP32 + INDEX)

@@ -682,7 +682,8 @@ def _run_hybrid(args, model, name, batches, prompt_len, gen_len, variants, copy_
     cuda = device.type == "cuda"
     c = model.cfg
     print(f"# hybrid: {c.pattern.count('M')} Mamba / {c.pattern.count('*')} attention / "
-          f"{c.pattern.count('-')} MLP / {c.pattern.count('E')} MoE layers, context {prompt_len}"
+          f"{c.pattern.count('-')} MLP" + (f" / {c.pattern.count('E')} MoE" if "E" in c.pattern else "")
+          + f" layers, context {prompt_len}"
           + ("; roofline bytes count the routed experts each step touched (experts/layer: distinct, "
              "mean over MoE layers)" if "E" in c.pattern else ""))
     rows, spec_rows = [], []

@@ -9,7 +9,7 @@ import subprocess
 
 import torch
 
-from fastmamba.ops._common.dispatch import interpreter_enabled
+from fastmamba.ops.runtime import interpreter_enabled
 from fastmamba.bench.peak import device_name
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

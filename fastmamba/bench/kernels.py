@@ -28,7 +28,7 @@ import torch
 
 from fastmamba.bench import env, report, size_copy
 from fastmamba.bench.ops._base import Case, OpBench, Provider, describe
-from fastmamba.ops._common.dispatch import interpreter_enabled
+from fastmamba.ops.runtime import interpreter_enabled
 from fastmamba.bench.peak import (
     device_name,
     l2_cache_bytes,
@@ -43,6 +43,7 @@ OPS = {
     "conv": "fastmamba.bench.ops.conv1d",
     "norm": "fastmamba.bench.ops.gated_rmsnorm",
     "attn": "fastmamba.bench.ops.paged_attention",  # hybrid models' paged decode attention
+    "moe": "fastmamba.bench.ops.moe",  # Nemotron-3's router and routed experts (tokens 1-4096 by default)
 }
 GPU_BATCHES = (1, 8, 64, 256)
 CPU_BATCHES = (1, 2)
@@ -103,7 +104,8 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ops", type=_ops_list, default=list(OPS), help=f"comma-separated subset of {','.join(OPS)}")
+    parser.add_argument("--ops", type=_ops_list, default=[k for k in OPS if k != "moe"],  # moe: when named
+                        help=f"comma-separated subset of {','.join(OPS)} (default: all but moe)")
     parser.add_argument(
         "--batch",
         type=_int_list,

@@ -330,7 +330,7 @@ def _vllm_module(submodule: str) -> types.ModuleType:
         raise ImportError("a real vllm package is already imported; its mamba ops are not loaded from peers/")
     if VLLM_OPS_PACKAGE not in sys.modules:
         _register_vllm_stand_ins(ops_dir)
-        from fastmamba.ops._common.dispatch import interpreter_enabled
+        from fastmamba.ops.runtime import interpreter_enabled
 
         if interpreter_enabled():  # autotuning times kernels on a GPU: take each kernel's first config
             helpers = importlib.import_module(f"{VLLM_OPS_PACKAGE}.triton_helpers")

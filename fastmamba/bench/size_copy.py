@@ -21,7 +21,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from fastmamba.bench import report
 from fastmamba.bench.ops._base import Provider
 from fastmamba.bench.timing import MakeCall
-from fastmamba.ops._common.host_math import cdiv
+from fastmamba.ops.runtime import cdiv
 
 NAME = "copy"
 PDL = "+pdl"  # the suffix of the PDL rows (ours: fastmamba+pdl)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from fastmamba.ops.ssd_scan.hopper import hopper_kernels
+from fastmamba.ops.runtime import hopper_kernels
 
 Call = Callable[[], object]
 MakeCall = Callable[[int], Call]

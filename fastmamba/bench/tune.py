@@ -52,7 +52,7 @@ from fastmamba.bench.ops import spec_verify
 from fastmamba.bench.ops._base import Case, OpBench, Provider, describe
 from fastmamba.bench.peak import device_name, l2_cache_bytes, measure_copy_bandwidth
 from fastmamba.bench.timing import choose_n_sets, time_cpu, time_graph
-from fastmamba.ops._common.dispatch import interpreter_enabled
+from fastmamba.ops.runtime import interpreter_enabled
 
 TUNE_OPS = {**OPS, **prefill.OPS, "replay": "fastmamba.bench.ops.spec_verify"}
 CONFIG_MODULES = {
@@ -60,8 +60,9 @@ CONFIG_MODULES = {
     "conv": "fastmamba.ops.conv1d.configs",
     "norm": "fastmamba.ops.gated_rmsnorm.configs",
     "conv_fn": "fastmamba.ops.conv1d_fn.configs",
-    "ssd": "fastmamba.ops.ssd_scan.configs",
+    "ssd": "fastmamba.ops.ssd_scan.chunked.configs",
     "replay": "fastmamba.ops.replay.configs",
+    "moe": "fastmamba.ops.moe.configs",  # swept when named: --ops moe
 }
 DEFAULT_BATCHES = {"replay": spec_verify.GPU_BATCHES}  # others: kernels.GPU_BATCHES
 CPU_SMOKE_OPS = ("replay",)  # ops with a sweep small enough for the interpreter
@@ -69,7 +70,7 @@ CPU_BATCHES = (1,)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    decode_ops = [k for k in OPS if k in CONFIG_MODULES]  # the decode ops with launch configs (not attn)
+    decode_ops = [k for k in OPS if k in CONFIG_MODULES and k != "moe"]  # the decode ops with launch configs (not attn)
     parser.add_argument("--ops", type=ops_list(TUNE_OPS), default=decode_ops,
                         help=f"comma-separated subset of {','.join(TUNE_OPS)} (default: the decode ops "
                              f"{','.join(decode_ops)})")
@@ -147,7 +148,7 @@ def _time(bench, prov, case, sets, n_sets, pdl: bool, device: torch.device | Non
     make_call = lambda i: bench.bind(prov, case, sets[i])  # noqa: E731
     if device is not None and device.type != "cuda":
         return time_cpu(make_call, n_sets, bench.quick_timing).median_us
-    from fastmamba.ops._common.pdl import programmatic_dependent_launch
+    from fastmamba.ops.runtime import programmatic_dependent_launch
 
     with programmatic_dependent_launch(pdl):  # in force while the graph is captured
         return time_graph(make_call, n_sets, bench.quick_timing).median_us

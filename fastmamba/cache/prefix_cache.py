@@ -36,8 +36,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from fastmamba.cache.row_copy import copy_rows
 from fastmamba.cache.state_cache import StateCache
+from fastmamba.ops.row_copy import copy_rows
 
 MAX_ENTRIES_FROM_BUDGET = 4096
 

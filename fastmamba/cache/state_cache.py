@@ -34,9 +34,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fastmamba.ops._common.host_values import host_reads_allowed, trusted_inputs
-from fastmamba.ops._common.slot_rows import scatter_rows
 from fastmamba.ops.replay import ReplayCache, commit_accepted, default_history, flush_replay_cache, reset_history
+from fastmamba.ops.runtime import host_reads_allowed, scatter_rows, trusted_inputs
 
 if TYPE_CHECKING:  # (a runtime import would be circular: fastmamba.models imports this module)
     from fastmamba.models.config import Mamba2Config

@@ -24,7 +24,7 @@ import torch
 
 from fastmamba.cache.state_cache import StateCache
 from fastmamba.models.mamba2_lm import Mamba2LM
-from fastmamba.ops._common.pdl import pdl_supported, programmatic_dependent_launch
+from fastmamba.ops.runtime import pdl_supported, programmatic_dependent_launch
 
 if TYPE_CHECKING:
     from fastmamba.cache.hybrid_cache import HybridCache

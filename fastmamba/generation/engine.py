@@ -238,6 +238,12 @@ class Engine:
                  max_seq_len: int | None = None, kv_page_size: int | None = None, kv_num_pages: int | None = None,
                  kv_budget_bytes: int | None = None, prefix_cache_bytes: int | None = None,
                  prefix_cache_entries: int | None = None, prefix_block: int | None = None):
+        if not isinstance(max_batch, numbers.Integral) or isinstance(max_batch, bool):
+            raise TypeError(f"Engine: max_batch must be an int >= 1 (requests decoded together), got "
+                            f"{type(max_batch).__name__} {max_batch!r}")
+        if max_batch < 1:
+            raise ValueError(f"Engine: max_batch must be an int >= 1 (requests decoded together), got {max_batch}")
+        max_batch = int(max_batch)
         if prefill_chunk is not None and not (isinstance(prefill_chunk, int) and not isinstance(prefill_chunk, bool)
                                               and prefill_chunk >= 1):
             raise ValueError(f"Engine: prefill_chunk must be None or an int >= 1 (tokens per step), got {prefill_chunk!r}")
@@ -310,6 +316,8 @@ class Engine:
         self.prefix, self.prefix_block = self._make_prefix_cache(prefix_cache_bytes, prefix_cache_entries,
                                                                  prefix_block)
         self._replay_slots: set[int] = set()  # slots whose SSM state lags their replay history
+        self._seen: torch.Tensor | None = None  # [max_batch, V] bool: tokens of a slot's prompt + output, made
+        # at the first request with a repetition penalty or min_tokens (``_mark_seen``)
         self.legacy_max_batch = 0
         if self.speculate:
             if legacy_max_batch is None:
@@ -430,6 +438,9 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"Engine.add_validated_request: params must be a SamplingParams, got {type(params).__name__}")
         self._check_stop_strings(params)
+        if params.penalised and self.speculate:
+            raise ValueError("Engine.add_request: min_tokens and repetition_penalty are not supported with "
+                             f"speculative decoding (this engine has speculate={self.speculate})")
         self._kv_check_fits(ids, params, "Engine.add_request: ")
         req = Request(next(self._ids), ids, params)
         self.waiting.append(req)
@@ -524,7 +535,7 @@ class Engine:
         reason = finish_reason(token, len(r.output), r.params, self.eos_token_ids)
         if reason in ("eos", "stop"):
             return reason, token
-        if r.params.stop:  # the whole output: a stop string may span tokens (cost O(len(output)) per token)
+        if r.params.stop and len(r.output) >= r.params.min_tokens:  # the whole output: a stop string may span tokens
             text = self.tokenizer.decode(r.output)
             for s in r.params.stop:
                 if s in text:
@@ -532,8 +543,23 @@ class Engine:
         return reason, None
 
     def _emit(self, reqs: list[Request], logits: torch.Tensor) -> list[StepOutput]:
-        tokens = self.sampler.sample(logits, [r.params for r in reqs], [len(r.output) for r in reqs]).tolist()
-        return self._emit_runs(reqs, [[t] for t in tokens], logits[:, None])
+        params, steps = [r.params for r in reqs], [len(r.output) for r in reqs]
+        if not any(p.penalised for p in params):
+            tokens = self.sampler.sample(logits, params, steps).tolist()
+            return self._emit_runs(reqs, [[t] for t in tokens], logits[:, None])
+        # repetition penalty / min_tokens: the sampled logits change, the logprobs keep the model's
+        slots = torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=self.device)
+        penalised = self.sampler.penalise(logits, params, steps, seen=self._seen[slots], eos_token_ids=self.eos_token_ids)
+        tokens = self.sampler.sample(penalised, params, steps)
+        self._seen[slots, tokens] = True  # the emitted tokens count as seen from the next step on
+        return self._emit_runs(reqs, [[t] for t in tokens.tolist()], logits[:, None])
+
+    def _mark_seen(self, r: Request) -> None:
+        """Start ``r``'s row of the seen-token table (repetition penalty) from its prompt."""
+        if self._seen is None:
+            self._seen = torch.zeros(self.max_batch, self.model.cfg.vocab_size, dtype=torch.bool, device=self.device)
+        self._seen[r.slot] = False
+        self._seen[r.slot, torch.tensor(r.prompt, dtype=torch.int64, device=self.device)] = True
 
     @staticmethod
     def _logprobs(reqs: list[Request], runs: list[list[int]], logits: torch.Tensor | None):
@@ -670,6 +696,8 @@ class Engine:
         for req, slot in zip(admitted, slots):
             req.slot = slot
             self._replay_slots.discard(slot)  # prefill leaves nothing to replay
+            if req.params.penalised:
+                self._mark_seen(req)
         return admitted
 
     def _prefill(self, admitted: list[Request]) -> list[StepOutput]:

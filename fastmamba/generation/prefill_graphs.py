@@ -53,11 +53,9 @@ from fastmamba.generation.staging import StagedInputs
 from fastmamba.models.mamba2_lm import Mamba2LM
 from fastmamba.models.nemotron_h import NemotronHLM, StagedPrefill, prefill_kv_values
 from fastmamba.ops.attention import PrefillWork, work_items_bound
-from fastmamba.ops._common.host_math import next_power_of_2
-from fastmamba.ops._common.host_values import trusted_inputs
-from fastmamba.ops._common.pdl import pdl_supported, programmatic_dependent_launch
-from fastmamba.ops.ssd_scan.api import chunk_count_bound
-from fastmamba.ops.ssd_scan.hopper import hopper_kernels
+from fastmamba.ops.runtime import (
+    chunk_count_bound, hopper_kernels, next_power_of_2, pdl_supported, programmatic_dependent_launch, trusted_inputs,
+)
 
 PAD_SLOT = -1
 MIN_TOKEN_BUCKET = 16

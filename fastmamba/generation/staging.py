@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fastmamba.ops._common.host_math import cdiv
+from fastmamba.ops.runtime import cdiv
 
 ALIGN = 16  # bytes: every field starts on a 16-byte boundary
 

@@ -42,13 +42,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastmamba.cache.snapshot_copy import copy_snapshots
 from fastmamba.ops import PendingNorm, RMSNormGated, causal_conv1d_update, causal_conv1d_varlen, selective_state_update
 from fastmamba.ops.gemv import gemv
-from fastmamba.ops.gemv.configs import MAX_ROWS as GEMV_MAX_ROWS
 from fastmamba.ops.replay import ReplayCache, replay_selective_state_update
+from fastmamba.ops.snapshot_copy import copy_snapshots
 from fastmamba.ops.ssd_scan import ssd_scan_varlen
-from fastmamba.ops.ssd_scan.kernel import NORM_SPAN
+from fastmamba.ops.runtime import GEMV_MAX_ROWS, NORM_SPAN
 
 if TYPE_CHECKING:  # (a runtime import would be circular: fastmamba.models imports this module)
     from fastmamba.cache.prefix_cache import LayerSnapshot

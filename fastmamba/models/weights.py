@@ -130,7 +130,7 @@ def _read_safetensors(root: Path, shards: list[Path], weight_map: dict[str, str]
     except ImportError as e:  # a test dependency, not a core one
         raise ImportError(
             f"read_checkpoint: {str(root)!r} holds safetensors weights; reading them needs the "
-            "`safetensors` package (pip install safetensors)"
+            "`safetensors` package (the hf extra: pip install 'fastmamba[hf]')"
         ) from e
     keys_per_shard = []
     for shard in shards:  # headers only: learn the total for the progress bar

@@ -7,7 +7,8 @@ import torch
 
 import fastmamba
 from fastmamba.ops.ssd_scan import api as scan_api
-from fastmamba.ops.ssd_scan import fused, fused_configs
+from fastmamba.ops.ssd_scan.fused import api as fused
+from fastmamba.ops.ssd_scan.fused import configs as fused_configs
 from tests.helpers import seeded, tol
 
 

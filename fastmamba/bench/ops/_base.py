@@ -199,7 +199,7 @@ def fastmamba_pdl_provider(subpackage: str, attr: str, device: torch.device) -> 
         return Provider(name, "ours", base.version, None, reason="PDL needs a Hopper (sm_90) or newer GPU")
     if base.fn is None:
         return Provider(name, "ours", base.version, None, reason=base.reason)
-    from fastmamba.ops._common.pdl import programmatic_dependent_launch
+    from fastmamba.ops.runtime import programmatic_dependent_launch
 
     def call(*args):
         with programmatic_dependent_launch():
@@ -232,7 +232,7 @@ def adapted_peer_provider(peer: peers.Peer, device: torch.device, adapt: Callabl
     if not peer.available:
         return Provider(peer.name, "peer", peer.version, None, reason=peer.reason, source=peer.source)
     if device.type != "cuda":
-        from fastmamba.ops._common.dispatch import interpreter_enabled
+        from fastmamba.ops.runtime import interpreter_enabled
 
         why = cpu_reason or ("" if interpreter_enabled() else "its Triton kernels need TRITON_INTERPRET=1 on the CPU")
         if why:

@@ -488,7 +488,7 @@ def vllm_provider(device: torch.device) -> Provider:
     except Exception as exc:  # noqa: BLE001
         return Provider("vLLM", "peer", version, None, reason=describe(exc), source=folder)
     if device.type != "cuda":
-        from fastmamba.ops._common.dispatch import interpreter_enabled
+        from fastmamba.ops.runtime import interpreter_enabled
 
         if not interpreter_enabled():
             return Provider("vLLM", "peer", version, None, source=folder,

@@ -27,9 +27,10 @@ import torch
 
 from fastmamba.bench.peak import device_name, l2_cache_bytes
 from fastmamba.bench.timing import TimingConfig, choose_n_sets, time_calls
-from fastmamba.ops._common.host_values import trusted_inputs
-from fastmamba.ops.ssd_scan import fused_configs, ssd_scan_varlen
-from fastmamba.ops.ssd_scan.fused_configs import forced_fused_config, pick_fused_config
+from fastmamba.ops.runtime import trusted_inputs
+from fastmamba.ops.ssd_scan import ssd_scan_varlen
+from fastmamba.ops.ssd_scan.fused import configs as fused_configs
+from fastmamba.ops.ssd_scan.fused.configs import forced_fused_config, pick_fused_config
 
 SHAPES = ((1, 16), (1, 64), (1, 128), (1, 512), (4, 128), (16, 64))
 LAYER = dict(H=80, P=64, N=128, G=1, chunk=256)  # mamba2-2.7b

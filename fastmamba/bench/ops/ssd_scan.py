@@ -222,7 +222,7 @@ def _vllm(device: torch.device) -> Provider:
     if not peer.available:
         return Provider(peer.name, "peer", peer.version, None, reason=peer.reason, source=peer.source)
     if device.type != "cuda":
-        from fastmamba.ops._common.dispatch import interpreter_enabled
+        from fastmamba.ops.runtime import interpreter_enabled
 
         if not interpreter_enabled():
             return Provider(peer.name, "peer", peer.version, None, source=peer.source,
