@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import logging
 import re
 import sys
 import time
@@ -698,4 +699,7 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: st
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=int(state.shutdown_timeout) + 5)
     server = _Server(config)
+    where = f"[{host}]" if ":" in host else host
+    logging.getLogger("fastmamba.serve").info(f"fastmamba serve: listening on http://{where}:{port} (SIGTERM drains "
+                                              f"for up to {state.shutdown_timeout:g} s)")
     server.run(sockets=None if sock is None else [sock])

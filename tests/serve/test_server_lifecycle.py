@@ -54,7 +54,7 @@ def test_start_up_log_names_what_runs(srv, ckpt):
     log = srv.output()
     for fragment in (f"model {ckpt}", "NemotronHLM", "dtype float32", "device cpu", "2 slots",
                      f"K/V pages of 16 tokens (at most {MAX_POS} tokens per request)", "prefix cache",
-                     "warming up", "warm-up took", "chat template yes"):
+                     "warming up", "warm-up took", "chat template yes", f"listening on http://127.0.0.1:{srv.port}"):
         assert fragment in log, (fragment, log)
     assert log.index("warming up") < log.index("warm-up took")
 
@@ -104,42 +104,55 @@ def test_hung_up_client_gives_slot_and_pages_back(srv):
     _wait(srv, "fastmamba_kv_pages_in_use", 0, 10)
 
 
-def test_sigterm_drains_then_aborts_and_exits_0(srv):
-    """Last in this module: SIGTERM with a short request in flight (it finishes: 200) and a long one
-    whose client stopped reading (aborted after the drain: the server does not wait for it)."""
-    stuck = _hold(srv, {"prompt": [3] * 20, "max_tokens": 230, "ignore_eos": True})
-    _wait(srv, "fastmamba_slots_in_use", 1, 30)
-    result = {}
+@pytest.fixture(scope="module")
+def long_srv(ckpt, tmp_path_factory):
+    s = Server(["--max-model-len", "8192", "--max-batch", "2", "--prefix-cache-gb", "0",
+                "--shutdown-timeout", str(DRAIN_S)], tmp_path_factory.mktemp("log"), model=ckpt)
+    yield s
+    s.terminate()
+
+
+def test_max_model_len_8192_admits_a_6000_token_prompt(long_srv):
+    """--max-model-len sizes the hybrid's K/V (it was fixed at 4096 tokens whatever the flag said)."""
+    s = long_srv
+    assert httpx.get(s.url + "/v1/models").json()["data"][0]["max_model_len"] == 8192
+    r = post(s, "/v1/completions", {"prompt": [11] * 6000, "max_tokens": 2, "ignore_eos": True}, timeout=600)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"] == {"prompt_tokens": 6000, "completion_tokens": 2, "total_tokens": 6002}
+    r = post(s, "/v1/completions", {"prompt": [11] * 8190, "max_tokens": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_sigterm_drains_then_aborts_and_exits_0(long_srv):
+    """Last in this module: SIGTERM while a short streamed request runs (it finishes) and a long one
+    whose client stopped reading runs too (aborted when the drain ends: the server does not wait
+    for it); the process exits 0 with no traceback."""
+    s = long_srv
+    stuck = _hold(s, {"prompt": [3] * 20, "max_tokens": 8000, "ignore_eos": True})
+    _wait(s, "fastmamba_slots_in_use", 1, 30)
+    started, result = threading.Event(), {"tokens": [], "finish": None}
 
     def short():
-        result["r"] = post(srv, "/v1/completions", {"prompt": [4] * 5, "max_tokens": 8, "ignore_eos": True})
+        body = {"prompt": [4] * 5, "max_tokens": 8, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    result["tokens"] += choice["token_ids"]
+                    result["finish"] = choice["finish_reason"] or result["finish"]
+                    started.set()
 
     t = threading.Thread(target=short)
     t.start()
-    _wait(srv, "fastmamba_slots_in_use", 2, 30)
+    assert started.wait(60)  # the short request is running (it has a token)
     t0 = time.time()
-    srv.proc.send_signal(signal.SIGTERM)
-    rc = srv.proc.wait(DRAIN_S + 30)
+    s.proc.send_signal(signal.SIGTERM)
+    rc = s.proc.wait(DRAIN_S + 30)
     took = time.time() - t0
     t.join(10)
     stuck.close()
-    log = srv.output()
+    log = s.output()
     assert rc == 0, log
-    assert result["r"].status_code == 200 and len(result["r"].json()["choices"][0]["token_ids"]) == 8
+    assert len(result["tokens"]) == 8 and result["finish"] == "length"
     assert "Traceback" not in log and "graceful shutdown exceeded" not in log.lower()
     assert took < DRAIN_S + 20, took
-
-
-def test_max_model_len_8192_admits_a_6000_token_prompt(ckpt, tmp_path):
-    """--max-model-len sizes the hybrid's K/V (it was fixed at 4096 tokens whatever the flag said)."""
-    s = Server(["--max-model-len", "8192", "--max-batch", "1", "--prefix-cache-gb", "0"], tmp_path, model=ckpt)
-    try:
-        models = httpx.get(s.url + "/v1/models").json()
-        assert models["data"][0]["max_model_len"] == 8192
-        r = post(s, "/v1/completions", {"prompt": [11] * 6000, "max_tokens": 2, "ignore_eos": True}, timeout=600)
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"] == {"prompt_tokens": 6000, "completion_tokens": 2, "total_tokens": 6002}
-        r = post(s, "/v1/completions", {"prompt": [11] * 8190, "max_tokens": 3})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-    finally:
-        assert s.terminate() == 0, s.output()
