@@ -1,0 +1,176 @@
+"""Drafting with the checkpoint's own multi-token-prediction layer (``fastmamba.models.mtp``).
+
+``MTPDrafter(model, max_batch)`` drafts k tokens per request per step from the target's hidden
+states, batched over the requests. The engine (``Engine(model, speculate=K, drafter="mtp")``) hands
+it, after every step that emits tokens, the target's final-normed hidden state at each position
+the step consumed (``observe``): after a prefill the last prompt token's, after a verify step the
+accepted inputs' (row b: the last emitted token and the n accepted drafts), each paired with the
+token that followed it (the first sampled token; the accepted drafts and the bonus token).
+
+``propose(requests, k)`` then, for all requests in one batch:
+
+1. catch-up: runs the MTP over every observed (token, hidden) pair not yet consumed, one packed
+   call of R = sum of the pairs rows; its K/V land at the request's next positions of the MTP's
+   own page pool (row = the request's engine slot), which keeps them: that is the MTP's context;
+   each request's last row gives draft 1 (argmax of the shared ``lm_head``);
+2. drafts 2..k: k-1 single-row steps, each feeding the MTP's own output hidden state and draft
+   forward; their K/V are written past the committed context and dropped afterwards (the pool
+   row shrinks back), so a rejected draft costs nothing to undo.
+
+One host read per call (the drafts). The MTP's context starts at the request's last prompt token:
+the prompt's other positions are not run through the MTP (prefill keeps only its last hidden
+state), which a trained checkpoint's acceptance may feel on long prompts (a follow-up:
+prefill's hidden states of every position). The engine runs eagerly with this drafter (no CUDA
+graphs yet: the verify graphs do not expose their hidden states).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from fastmamba.cache.kv_pages import KVPages
+
+
+def require_mtp(model) -> None:
+    """ValueError unless ``model`` carries an MTP layer (``model.mtp``)."""
+    if getattr(model, "mtp", None) is None:
+        raise ValueError(f"drafter='mtp': {type(model).__name__} has no multi-token-prediction layer (its "
+                         "config.json has no `num_nextn_predict_layers: 1` with `mtp_hybrid_override_pattern`, "
+                         "and the checkpoint no mtp.* tensors); use a checkpoint that ships one (Nemotron-3 Super, "
+                         "Ultra, Nano 3.5 Lightning) or another drafter (ngram, model)")
+
+
+@dataclasses.dataclass
+class _Track:
+    request: object  # held, so that id(request) cannot be reused while tracked
+    row: int
+    hidden: list = dataclasses.field(default_factory=list)  # [n, M] tensors not yet run through the MTP
+    tokens: list = dataclasses.field(default_factory=list)  # the token after each of those positions
+
+
+class MTPDrafter:
+    """Greedy drafts from ``model.mtp`` (see the module docstring).
+
+    model        a ``NemotronHLM`` with an MTP layer (else ValueError); its ``keep_hidden`` is set
+    max_batch    the engine's slots: requests' ``slot`` values lie in [0, max_batch)
+    max_seq_len  the most positions one request's MTP context holds (its output length plus K)
+    page_size / num_pages  the MTP's K/V pool (one layer per attention block of the MTP pattern);
+                 num_pages None: enough for every row at max_seq_len (never runs out)
+    """
+
+    needs_hidden = True
+
+    def __init__(self, model, max_batch: int, *, max_seq_len: int = 4096, page_size: int = 16,
+                 num_pages: int | None = None):
+        require_mtp(model)
+        for name, v in (("max_batch", max_batch), ("max_seq_len", max_seq_len)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"MTPDrafter: {name} must be an int >= 1, got {v!r}")
+        self.model = model
+        self.mtp = model.mtp
+        model.keep_hidden = True
+        cfg = model.cfg
+        w = model.lm_head.weight
+        self.device = w.device
+        per_row = -(-max_seq_len // page_size)
+        self.pages = KVPages(max(1, self.mtp.n_attn_layers), num_pages or max_batch * per_row, max_batch, per_row,
+                             page_size=page_size, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                             device=self.device, dtype=w.dtype)
+        self.max_batch = max_batch
+        self._tracks: dict[int, _Track] = {}
+        self.stats = {"calls": 0, "rows": 0}
+
+    @property
+    def tracked(self) -> int:
+        return len(self._tracks)
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.pages.num_pages - self.pages.free_pages
+
+    # -- what the engine tells it ------------------------------------------------------------------
+
+    def observe(self, requests: Sequence, hidden: torch.Tensor, counts: Sequence[int]) -> None:
+        """After a step: request i consumed ``counts[i]`` positions whose target hidden states are
+        ``hidden[i, :counts[i]]`` (hidden [B, T, M], or [B, M] for one each) and whose following
+        tokens are the last ``counts[i]`` of its output. Finished requests are skipped (forgotten)."""
+        if hidden.dim() == 2:
+            hidden = hidden[:, None]
+        if hidden.shape[0] != len(requests) or len(counts) != len(requests):
+            raise ValueError(f"MTPDrafter.observe: {len(requests)} requests, {hidden.shape[0]} hidden rows and "
+                             f"{len(counts)} counts")
+        for i, (r, c) in enumerate(zip(requests, counts)):
+            if r.finished:
+                self.forget(r)
+                continue
+            if not 1 <= c <= hidden.shape[1] or len(r.output) < c:
+                raise ValueError(f"MTPDrafter.observe: request {getattr(r, 'rid', '?')}: count {c} outside "
+                                 f"[1, {hidden.shape[1]}] or longer than its output ({len(r.output)})")
+            t = self._tracks.get(id(r))
+            if t is None:
+                if not 0 <= r.slot < self.max_batch:
+                    raise ValueError(f"MTPDrafter.observe: request slot {r.slot} outside [0, {self.max_batch})")
+                self.pages.release([r.slot])  # a fresh request in a reused slot: empty context
+                t = self._tracks[id(r)] = _Track(r, r.slot)
+            t.hidden.append(hidden[i, :c].detach().clone())
+            t.tokens += list(r.output[-c:])
+
+    def forget(self, request) -> None:
+        """Drop a finished or aborted request: its MTP pages go back to the pool."""
+        t = self._tracks.pop(id(request), None)
+        if t is not None:
+            self.pages.release([t.row])
+
+    # -- drafting ------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def propose(self, requests: Sequence, k: int) -> list[list[int]]:
+        if not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
+            raise ValueError(f"MTPDrafter.propose: k must be an int >= 1, got {k!r}")
+        tracks = [self._tracks.get(id(r)) for r in requests]
+        live = [i for i, t in enumerate(tracks) if t is not None and t.tokens]
+        out: list[list[int]] = [[] for _ in requests]  # a request with nothing observed gets no draft
+        if not live:
+            return out
+        ts = [tracks[i] for i in live]
+        rows = [t.row for t in ts]
+        counts = [len(t.tokens) for t in ts]
+        base = self.pages.grow(rows, [c + k - 1 for c in counts])  # committed context lengths
+        try:
+            drafts = self._draft(ts, rows, counts, base, k)
+        finally:  # the speculative drafts' K/V go; the catch-up's stay (the MTP's context)
+            self.pages.shrink(rows, [b + c for b, c in zip(base, counts)])
+        for t in ts:
+            t.hidden.clear()
+            t.tokens.clear()
+        for i, d in zip(live, drafts):
+            out[i] = d
+        self.stats["calls"] += 1
+        self.stats["rows"] += sum(counts) + (k - 1) * len(ts)
+        return out
+
+    def _draft(self, ts: list[_Track], rows: list[int], counts: list[int], base: list[int], k: int) -> list[list[int]]:
+        dev, B = self.device, len(ts)
+        emb = self.model.backbone.embeddings
+        # one host-to-device copy: catch-up tokens, their rows and positions, each request's last row
+        toks = [tok for t in ts for tok in t.tokens]
+        row_of = [r for r, c in zip(rows, counts) for _ in range(c)]
+        pos = [b + j for b, c in zip(base, counts) for j in range(c)]
+        last = list(torch.tensor(counts).cumsum(0).sub(1).tolist())
+        R = len(toks)
+        meta = torch.tensor(toks + row_of + pos + last + rows + base, dtype=torch.int64).to(dev)
+        tok_d, row_d, pos_d = meta[:R], meta[R:2 * R].to(torch.int32), meta[2 * R:3 * R]
+        last_d = meta[3 * R:3 * R + B]
+        req_rows = meta[3 * R + B:3 * R + 2 * B].to(torch.int32)
+        next_pos = meta[3 * R + 2 * B:] + torch.tensor(counts, device=dev)
+        hidden = torch.cat([h for t in ts for h in t.hidden], dim=0)  # [R, M]
+        h = self.mtp.forward_rows(emb(tok_d), hidden, self.pages, row_d, pos_d)[last_d]  # [B, M]
+        draft = self.model.lm_head(h).argmax(-1)
+        drafts = [draft]
+        for j in range(1, k):
+            h = self.mtp.forward_rows(emb(draft), h, self.pages, req_rows, next_pos + (j - 1))
+            draft = self.model.lm_head(h).argmax(-1)
+            drafts.append(draft)
+        return torch.stack(drafts, dim=1).tolist()

@@ -1,0 +1,298 @@
+"""MTP speculative decoding (fastmamba.generation.mtp_drafter, fastmamba.models.mtp): the MTP
+block equals a plain-PyTorch reference written here (rows of several requests, K/V context of its
+own); the drafter's drafts of a request's first step equal the reference chained from the target's
+hidden state; greedy speculative decoding with drafter="mtp" emits plain greedy's tokens (fp32)
+with requests of different lengths in one batch, chunked prefill and prefix-cache hits; aborting a
+request mid-speculation frees its slot, its K/V pages and the MTP's pages; the speculation
+policy's decisions on synthetic costs.
+
+The ops run their PyTorch references (TRITON_INTERPRET=0 for these tests), as the other engine
+tests over MoE hybrids do; the kernels have their own tests."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastmamba.cache.kv_pages import KVPages
+from fastmamba.generation.engine import Engine
+from fastmamba.generation.mtp_drafter import MTPDrafter
+from fastmamba.generation.sampling import SamplingParams
+from fastmamba.generation.spec_policy import SpeculationPolicy, expected_tokens_per_step
+from fastmamba.models.nemotron_h import PRESETS, NemotronHLM, random_init
+from tests.helpers import tol
+
+FP32 = tol(torch.float32)
+CFG = PRESETS["nemotron-3-tiny-mtp"]
+PAGE = 4
+BOOST = 5  # a token the target and the MTP both favour now and then: drafts get accepted (see build_model)
+
+
+@pytest.fixture(autouse=True)
+def reference_ops(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def build_model() -> NemotronHLM:
+    """The tiny MoE hybrid with an MTP layer (fp32, CPU): larger mixer weights and routers than the
+    preset's (every layer and each token's choice of experts moves the logits, the MTP's too), and
+    an lm_head row that follows the hidden state's mean, so that target and MTP agree on token
+    BOOST often enough for drafts to be accepted (else every run would test rejection only)."""
+    m = random_init(NemotronHLM(CFG, device="cpu", dtype=torch.float32), seed=3).eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for blocks in (m.backbone.layers, m.mtp.layers):
+            for block in blocks:
+                for name, p in block.mixer.named_parameters():
+                    if name == "gate.weight":
+                        p.normal_(0.0, 0.5, generator=g)
+                    elif p.dim() >= 2:
+                        p.mul_(3)
+        m.mtp.layers[0].eh_proj.weight.mul_(3)
+        m.lm_head.weight[BOOST] = 0.6
+    return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model()
+
+
+# -- the reference ----------------------------------------------------------------------------------
+
+def rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def relu2(x):
+    return torch.relu(x).square()
+
+
+def moe_ref(moe, x):
+    """One token x [M] through a MoE layer: sigmoid router, top-k by score + bias (one group),
+    renormalised weights times the scaling factor, relu² experts, plus the shared expert."""
+    c = moe.cfg
+    scores = torch.sigmoid(moe.gate.weight @ x)
+    ids = torch.topk(scores + moe.gate.e_score_correction_bias, c.top_k).indices
+    w = scores[ids]
+    if c.norm_topk_prob:
+        w = w / w.sum()
+    w = w * c.routed_scaling_factor
+    y = sum(w[j] * (moe.experts.down_proj[e] @ relu2(moe.experts.up_proj[e] @ x)) for j, e in enumerate(ids.tolist()))
+    sh = moe.shared_experts
+    return y + sh.down_proj.weight @ relu2(sh.up_proj.weight @ x)
+
+
+def mtp_ref(model, token: int, h: torch.Tensor, ctx: list) -> torch.Tensor:
+    """One MTP step of one request: token and the hidden h [M] before it -> the MTP's hidden [M];
+    ``ctx`` (the request's earlier (k, v) [Hkv, Dh], in position order) gains this token's."""
+    mtp, eps = model.mtp, model.cfg.norm_eps
+    L0, L1 = mtp.layers
+    att = L0.mixer
+    e = model.backbone.embeddings.weight[token]
+    x = L0.eh_proj.weight @ torch.cat([rms(e, L0.enorm.weight, eps), rms(h, L0.hnorm.weight, eps)])
+    n = rms(x, L0.norm.weight, eps)
+    Hq, Hkv, Dh = att.n_heads, att.n_kv_heads, att.head_dim
+    q = (att.q_proj.weight @ n).view(Hq, Dh)
+    ctx.append(((att.k_proj.weight @ n).view(Hkv, Dh), (att.v_proj.weight @ n).view(Hkv, Dh)))
+    K = torch.stack([k for k, _ in ctx])  # [S, Hkv, Dh]
+    V = torch.stack([v for _, v in ctx])
+    heads = []
+    for hq in range(Hq):
+        g = hq // (Hq // Hkv)
+        p = torch.softmax(K[:, g] @ q[hq] / Dh ** 0.5, dim=0)
+        heads.append(p @ V[:, g])
+    res = x + att.o_proj.weight @ torch.cat(heads)
+    res = res + moe_ref(L1.mixer, rms(res, L1.norm.weight, eps))
+    return rms(res, L1.final_layernorm.weight, eps)
+
+
+def target_hidden(model, ids: list[int]) -> torch.Tensor:
+    """The target's final-normed hidden state after ``ids`` (a full forward, no cache) [M]."""
+    model.keep_hidden = True
+    model(torch.tensor([ids]))
+    return model.last_hidden[0, -1].clone()
+
+
+def test_block_equals_reference(model):
+    """Rows of three requests in one call (two with two catch-up tokens each, positions after a
+    context already in the pool), then a second call: hidden states equal the reference's."""
+    pages = KVPages(1, 16, 4, 4, page_size=PAGE, n_kv_heads=CFG.n_kv_heads, head_dim=CFG.head_dim, device="cpu",
+                    dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    rows, lens = [2, 0, 3], [2, 1, 2]
+    ctx = {r: [] for r in rows}
+    base = pages.grow(rows, lens)
+    for step in range(2):
+        toks = torch.randint(0, CFG.vocab_size, (sum(lens),), generator=g)
+        hid = torch.randn(sum(lens), CFG.d_model, generator=g)
+        row_of = torch.tensor([r for r, n in zip(rows, lens) for _ in range(n)], dtype=torch.int32)
+        pos = torch.tensor([b + j for b, n in zip(base, lens) for j in range(n)])
+        out = torch.full_like(hid, float("nan"))
+        with torch.no_grad():
+            out[:] = model.mtp.forward_rows(model.backbone.embeddings(toks), hid, pages, row_of, pos)
+        want = torch.stack([mtp_ref(model, int(t), hh, ctx[int(r)]) for t, hh, r in zip(toks, hid, row_of)])
+        torch.testing.assert_close(out, want, **FP32)
+        base = pages.grow(rows, [1, 1, 1])
+        lens = [1, 1, 1]
+
+
+def test_first_drafts_equal_reference(model):
+    """After a prompt's prefill, the drafter's k=3 drafts: draft 1 from the target's hidden state
+    at the last prompt token and the first emitted token, drafts 2-3 chained on the MTP's own
+    hidden state and context; two requests of different lengths in the batch."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8]]
+    engine = Engine(model, max_batch=2, speculate=3, drafter="mtp", cuda_graphs=False, kv_page_size=PAGE,
+                    max_seq_len=64, spec_policy=None)
+    seen = []
+    propose = engine.drafter.propose
+    engine.drafter.propose = lambda reqs, k: seen.append(propose(reqs, k)) or seen[-1]
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    engine.step()  # prefill: first tokens
+    first = [list(r.output) for r in engine.running]
+    engine.step()  # the first verify step drafts
+    for p, out, drafts in zip(prompts, first, seen[0]):
+        h, ctx, tok, want = target_hidden(model, p), [], out[0], []
+        for _ in range(3):
+            h = mtp_ref(model, tok, h, ctx)
+            tok = int((model.lm_head.weight @ h).argmax())
+            want.append(tok)
+        assert drafts == want
+
+
+def greedy(model, prompts, n, **kw):
+    engine = Engine(model, cuda_graphs=False, kv_page_size=PAGE, max_seq_len=64, **kw)
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in n]
+    return engine.generate(prompts, params), engine
+
+
+G = torch.Generator().manual_seed(7)
+PROMPTS = [torch.randint(0, 256, (n,), generator=G).tolist() for n in (1, 5, 13, 22, 3, 9)]
+N_NEW = [9, 4, 12, 7, 10, 5]
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    return greedy(model, PROMPTS, N_NEW, max_batch=4)[0]
+
+
+@pytest.mark.parametrize("kw", [
+    dict(speculate=3),
+    dict(speculate=1),
+    dict(speculate=4, prefill_chunk=6),
+    dict(speculate=3, verify_path="legacy"),
+    dict(speculate=3, spec_policy="adaptive"),
+], ids=["K3", "K1", "K4-chunked-prefill", "K3-legacy", "K3-adaptive-policy"])
+def test_greedy_equals_plain(model, plain, kw):
+    """Six requests of 1..22 tokens, four slots (requests join as others leave), pages of 4."""
+    kw.setdefault("spec_policy", None)
+    out, engine = greedy(model, PROMPTS, N_NEW, max_batch=4, drafter="mtp", **kw)
+    assert out == plain
+    assert engine.stats["drafts_proposed"] > 0
+    assert engine.stats["drafts_accepted"] > 0  # accepted runs, not only rejections
+    assert engine.drafter.tracked == 0 and engine.drafter.pages_in_use == 0
+    assert engine.cache.kv.free_pages == engine.cache.kv.num_pages
+    if kw["spec_policy"] == "adaptive":
+        assert set(engine.stats["policy"]["chosen"]) == {0, 1, 2, 3}
+
+
+def test_prefix_cache_hits_keep_tokens(model, plain):
+    """A second round of the same prompts hits the prefix cache (their first 16 tokens): same tokens."""
+    engine = Engine(model, cuda_graphs=False, kv_page_size=PAGE, max_seq_len=64, max_batch=4, speculate=3,
+                    drafter="mtp", spec_policy=None, prefix_cache_entries=16, prefix_block=16)
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in N_NEW]
+    assert engine.generate(PROMPTS, params) == plain
+    assert engine.generate(PROMPTS, params) == plain
+    assert engine.prefix_stats["hits"] >= 1
+    assert engine.drafter.pages_in_use == 0
+
+
+def test_abort_mid_speculation_frees_everything(model):
+    engine = Engine(model, cuda_graphs=False, kv_page_size=PAGE, max_seq_len=64, max_batch=3, speculate=3,
+                    drafter="mtp", spec_policy=None)
+    rids = [engine.add_request(p, SamplingParams(max_new_tokens=30, ignore_eos=True)) for p in PROMPTS[:3]]
+    for _ in range(3):  # prefill, then two verify steps: the MTP holds context for every request
+        engine.step()
+    assert engine.drafter.tracked == 3 and engine.drafter.pages_in_use > 0
+    assert engine.abort(rids[1])
+    assert engine.drafter.tracked == 2
+    engine.step()
+    for rid in (rids[0], rids[2]):
+        engine.abort(rid)
+    assert not engine.has_unfinished()
+    assert engine.cache.free_slots == engine.max_batch
+    assert engine.cache.kv.free_pages == engine.cache.kv.num_pages
+    engine.cache.kv.check()
+    assert engine.drafter.tracked == 0 and engine.drafter.pages_in_use == 0
+    engine.drafter.pages.check()
+
+
+def test_drafter_errors(model):
+    with pytest.raises(ValueError, match="max_batch must be an int >= 1"):
+        MTPDrafter(model, 0)
+    d = MTPDrafter(model, 2)
+    with pytest.raises(ValueError, match="k must be an int >= 1"):
+        d.propose([], 0)
+    with pytest.raises(ValueError, match="drafter expected a Drafter object or 'mtp'"):
+        Engine(model, max_batch=2, speculate=2, drafter="ngram", cuda_graphs=False)
+    with pytest.raises(ValueError, match="runs eagerly"):
+        Engine(model, max_batch=2, speculate=2, drafter="mtp", cuda_graphs=True)
+
+
+# -- the speculation policy -------------------------------------------------------------------------
+
+def linear_costs(plain: float, draft: float, verify_token: float):
+    """Synthetic step seconds: a plain step, k drafts at ``draft`` each, a verify of K+1 tokens at
+    ``verify_token`` per token and request above the plain step (T = K+1 = 8 verified always)."""
+    def cost(batch, k):
+        return plain * (1 + batch / 64) if k == 0 else plain * (1 + batch / 64) + k * draft + 7 * verify_token * batch
+    return cost
+
+
+def test_policy_speculates_where_it_pays():
+    """Batch 1, high acceptance, cheap drafts: k = K; the choice is the argmax of tokens per second."""
+    cost = linear_costs(plain=1.0, draft=0.05, verify_token=0.02)
+    pol = SpeculationPolicy(7, cost=cost, prior_accept=0.8)
+    assert pol.choose(1) == 7
+    rate = {k: expected_tokens_per_step(k + 1, 0.8) / cost(1, k) for k in range(8)}
+    assert max(rate, key=rate.get) == 7
+    assert pol.report()["last"] == {"batch": 1, "k": 7, "why": "best", "accept_rate": 0.8}
+
+
+def test_policy_switches_off_at_high_concurrency_and_low_acceptance():
+    cost = linear_costs(plain=1.0, draft=0.05, verify_token=0.02)
+    pol = SpeculationPolicy(7, cost=cost, prior_accept=0.8, probe_every=1000)
+    assert pol.choose(256) == 0  # the verify's per-request cost dominates at batch 256
+    pol = SpeculationPolicy(7, cost=cost, prior_accept=0.8, probe_every=1000)
+    for _ in range(30):  # acceptance seen falls to ~0.1: off at batch 8 too
+        pol.record(8, 7, 1.0, proposed=56, accepted=6)
+    assert pol.accept_rate < 0.15
+    assert pol.choose(8) == 0
+    assert pol.choose(1) in (0, 1)  # at most a short draft where acceptance is this low
+
+
+def test_policy_probes_and_switches_back_on():
+    cost = linear_costs(plain=1.0, draft=0.05, verify_token=0.02)
+    pol = SpeculationPolicy(7, cost=cost, prior_accept=0.05, probe_every=4)
+    picks = [pol.choose(4) for _ in range(4)]
+    assert picks == [0, 0, 0, 7]  # the 4th plain step in a row probes with K drafts
+    assert pol.report()["last"]["why"] == "probe"
+    for _ in range(20):  # the probes find high acceptance: on again
+        pol.record(4, 7, 1.0, proposed=28, accepted=26)
+    assert pol.choose(4) > 0
+
+
+def test_policy_measures_when_given_no_costs():
+    pol = SpeculationPolicy(2)
+    picks = []
+    for secs in (3.0, 2.0, 1.0):  # every k is timed once at the bucket (batch 3 -> 4) before weighing
+        picks.append(pol.choose(3))
+        pol.record(3, picks[-1], secs, proposed=3 * picks[-1], accepted=0)
+    assert picks == [2, 1, 0]
+    assert pol.report()["chosen"] == {0: 1, 1: 1, 2: 1}
+    assert pol.step_cost(4, 0) == 1.0 and pol.step_cost(3, 2) == 3.0
+    assert pol.choose(3) == 0  # nothing accepted: drafting only costs
+    with pytest.raises(ValueError, match="batch must be an int >= 1"):
+        pol.choose(0)
+    with pytest.raises(ValueError, match="max_k must be an int >= 1"):
+        SpeculationPolicy(0)
