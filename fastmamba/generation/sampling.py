@@ -396,7 +396,7 @@ class Sampler:
         if banned:
             n = len(banned)
             rows, cols = dev[B:B + n].long(), dev[B + n:].long()
-            x.index_put_((rows, cols), torch.tensor(-math.inf, device=self.device))
+            x.index_put_((rows, cols), torch.full((), -math.inf, device=self.device))  # a fill: no copy
         return x
 
     def probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -99,3 +99,23 @@ def reference_model(monkeypatch):
     import fastmamba
 
     return fastmamba.load_model("mamba2-tiny", dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.gpu
+def test_penalise_does_not_wait_for_the_device():
+    """penalise then sample on CUDA under sync debug mode "error": no host synchronisation."""
+    B, V = 4, 1000
+    sampler = Sampler(V, "cuda", B)
+    logits = torch.randn(B, V, device="cuda")
+    seen = torch.rand(B, V, device="cuda") < 0.1
+    params = [SamplingParams(repetition_penalty=1.3, min_tokens=2, stop_token_ids=(3,)),
+              SamplingParams(temperature=0.7, seed=1, repetition_penalty=0.8), SamplingParams(), SamplingParams()]
+    sampler.penalise(logits, params, [0, 1, 2, 3], seen=seen, eos_token_ids=(0,))  # warm (pinned pool)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        x = sampler.penalise(logits, params, [0, 1, 2, 3], seen=seen, eos_token_ids=(0,))
+        sampler.sample(x, params, [0, 1, 2, 3])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isinf(x[0, [0, 3]]).all()
