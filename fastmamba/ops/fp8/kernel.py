@@ -1,0 +1,128 @@
+"""Triton kernels of the FP8 ops (e4m3 = ``tl.float8e4nv`` = ``torch.float8_e4m3fn``), one
+launcher per kernel. The math each implements is in ``ref.py``; the checks are in ``api.py``.
+
+Quantisation divides with ``div_rn`` (IEEE round-to-nearest, like torch's ``/``), clamps to
++-448 and rounds to the e4m3 grid in fp32 (``_round_e4m3``) before the cast, so the bytes it
+writes equal the reference's. The explicit rounding is there for the CPU interpreter, whose
+fp32 -> fp8e4nv cast does not round to nearest even (124.3 became 64, 100 became 104, subnormals
+flushed: Triton 3.6); on a GPU the cast of an already representable value is exact, so it costs
+a few ALU ops in a bandwidth-bound kernel.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastmamba.ops.fp8.ref import AMAX_FLOOR, FP8_MAX
+
+
+@triton.jit
+def _round_e4m3(x):
+    """fp32 x with |x| <= 448 -> the nearest e4m3 value (ties to even) as fp32: the grid step is
+    2^(e - 3) for exponent e >= -6 and 2^-9 below (subnormals); x * (1 / step) is exact (powers of two),
+    and adding then subtracting 1.5 * 2^23 rounds it to an integer, ties to even."""
+    bits = x.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    g = tl.maximum(e, -6) - 3
+    step = ((g + 127) << 23).to(tl.float32, bitcast=True)
+    y = x * ((127 - g) << 23).to(tl.float32, bitcast=True)   # x / step, exact
+    r = (y + 12582912.0) - 12582912.0
+    return tl.where(r == 0.0, x * 0.0, r * step)  # a zero keeps x's sign (-0.0 as torch's cast)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _quantize_per_token_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_x_t, stride_q_t,
+                               AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, BLOCK_K: tl.constexpr):
+    # one program per row t: amax over K (first pass), then scale and cast (second pass)
+    t = tl.program_id(0)
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + t * stride_x_t + k, mask=k < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), AMAX_MIN), QMAX)
+    tl.store(s_ptr + t, scale)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + t * stride_x_t + k, mask=k < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.div_rn(x, scale + tl.zeros_like(x)), -QMAX), QMAX)
+        tl.store(q_ptr + t * stride_q_t + k, _round_e4m3(q.to(tl.float32)).to(tl.float8e4nv), mask=k < K)
+
+
+def launch_quantize_per_token(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
+    """x [T, K] (unit stride along K) -> q [T, K] e4m3, s [T] fp32 (written)."""
+    T, K = x.shape
+    block = min(1024, triton.next_power_of_2(max(K, 16)))
+    _quantize_per_token_kernel[(T,)](x, q, s, T, K, x.stride(0), q.stride(0),
+                                     AMAX_MIN=AMAX_FLOOR, QMAX=FP8_MAX, BLOCK_K=block, num_warps=4)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _quantize_static_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_x_t, stride_q_t,
+                            QMAX: tl.constexpr, BLOCK_K: tl.constexpr):
+    # one program per (row t, block of K): one scale for the whole tensor
+    t = tl.program_id(0)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + t * stride_x_t + k, mask=k < K, other=0.0).to(tl.float32)
+    scale = tl.load(s_ptr) + tl.zeros_like(x)
+    q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -QMAX), QMAX)
+    tl.store(q_ptr + t * stride_q_t + k, _round_e4m3(q.to(tl.float32)).to(tl.float8e4nv), mask=k < K)
+
+
+def launch_quantize_static(x: torch.Tensor, scale: torch.Tensor, q: torch.Tensor) -> None:
+    """x [T, K] (unit stride along K), scale one fp32 value -> q [T, K] e4m3 (written)."""
+    T, K = x.shape
+    block = min(1024, triton.next_power_of_2(max(K, 16)))
+    _quantize_static_kernel[(T, triton.cdiv(K, block))](x, q, scale, T, K, x.stride(0), q.stride(0),
+                                                       QMAX=FP8_MAX, BLOCK_K=block, num_warps=4)
+
+
+@triton.heuristics({"HAS_BIAS": lambda a: a["b_ptr"] is not None})
+@triton.jit(do_not_specialize=["T"])
+def _fp8_gemv_kernel(q_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, T, N, K,
+                     stride_q_t, stride_w_n, stride_sw_n, stride_y_t,
+                     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # one program per block of N output features, all T (<= BLOCK_T) rows: each weight tile is read
+    # once. USE_DOT: an e4m3 x e4m3 tensor-core dot over rows padded to 16; else FMA (1-2 rows).
+    # Products of two e4m3 values are exact in fp32; sums in fp32.
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = tl.arange(0, BLOCK_T)
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + n[:, None] * stride_w_n + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
+                    other=0.0)                                                   # [BLOCK_N, BLOCK_K] e4m3
+        x = tl.load(q_ptr + t[:, None] * stride_q_t + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K),
+                    other=0.0)                                                   # [BLOCK_T, BLOCK_K] e4m3
+        if USE_DOT:
+            acc = tl.dot(x, tl.trans(w), acc)
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    sx = tl.load(sx_ptr + t, mask=t < T, other=0.0)
+    sw = tl.load(sw_ptr + n * stride_sw_n, mask=n < N, other=0.0)
+    y = acc * sx[:, None] * sw[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + t[:, None] * stride_y_t + n[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=(t[:, None] < T) & (n[None, :] < N))
+
+
+FMA_MAX_ROWS = 2  # more rows take the tensor-core dot (rows padded to 16)
+
+
+def launch_fp8_gemv(q: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
+                    bias: torch.Tensor | None, y: torch.Tensor) -> None:
+    """q [T, K] e4m3, sx [T] fp32, w [N, K] e4m3, sw [N] fp32 (stride 0 for one scale), bias [N]
+    or None -> y [T, N] (written). T <= 16. Untuned first cut (a configs.py table comes with the
+    GPU benchmark: python -m fastmamba.bench.ops.fp8)."""
+    T, K = q.shape
+    N = w.shape[0]
+    use_dot = T > FMA_MAX_ROWS
+    block_t = 16 if use_dot else T
+    block_n = 64 if use_dot else 32
+    block_k = min(128, max(32, triton.next_power_of_2(K)))
+    _fp8_gemv_kernel[(triton.cdiv(N, block_n),)](q, sx, w, sw, bias, y, T, N, K, q.stride(0), w.stride(0),
+                                                 sw.stride(0), y.stride(0), USE_DOT=use_dot, BLOCK_T=block_t,
+                                                 BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)

@@ -1,0 +1,151 @@
+"""FP8 (e4m3) ops vs their references (CPU: the Triton interpreter): activation quantisation is
+bit-equal to ``ref.py`` (rounding to nearest even, saturation, subnormals, zero rows, strided
+rows, every input dtype); the W8A8 GEMV equals the dequantise-and-matmul reference within fp32
+summation-order error (e4m3 x e4m3 products are exact in fp32); the MoE path on the GPU equals its
+reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastmamba.ops.fp8 import FP8_DTYPE, fp8_gemv, fp8_linear, fp8_moe, quantize_per_token, quantize_static
+from fastmamba.ops.fp8.ref import (
+    fp8_linear_ref,
+    fp8_moe_ref,
+    quantize_per_token_ref,
+    quantize_static_ref,
+    quantize_weight_ref,
+)
+from tests.helpers import nan_like
+
+FP32_SUM = dict(atol=1e-4, rtol=1e-5)  # fp32 sums of exact products in another order
+
+
+def bits(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+def test_rounding_edges_are_exact(device):
+    """Values on and between e4m3 grid points: ties go to even (100 -> 96, 124 -> 128 carries into
+    the next binade), the top saturates at 448 (no NaN from overflow), subnormals are kept."""
+    vals = torch.tensor([124.3, -31.4, 100.0, 104.0, 108.0, 447.0, 460.0, 1e4, -1e4, 1.0, 0.0, -0.0,
+                         2 ** -7, 3 * 2 ** -10, 2 ** -10, 2 ** -11, 2 ** -12, 37.6, 223.0, 0.01])
+    x = vals[None, :].to(device)
+    q = quantize_static(x, torch.ones((), device=device))
+    want = quantize_static_ref(x, torch.ones(()))
+    assert torch.equal(bits(q).cpu(), bits(want))
+    assert q.float().abs().max() == 448.0 and not q.float().isnan().any()
+    assert q.float()[0, 2] == 96.0 and q.float()[0, 0] == 128.0
+
+
+@pytest.mark.parametrize("T,K,dtype,strided", [
+    (3, 64, torch.bfloat16, False),   # base
+    (1, 64, torch.bfloat16, False),   # one token
+    (5, 70, torch.bfloat16, False),   # K not a power of two
+    (4, 48, torch.float16, False),
+    (4, 48, torch.float32, False),
+    (3, 1300, torch.bfloat16, False), # K over one block (two passes of the loop)
+    (4, 64, torch.bfloat16, True),    # rows strided by 2K
+], ids=["T3-K64-bf16", "T1", "K70", "fp16", "fp32", "K1300", "strided"])
+def test_quantize_per_token_is_bit_equal(T, K, dtype, strided, device):
+    g = torch.Generator().manual_seed(T * K)
+    x = (torch.randn(T, 2 * K if strided else K, generator=g) * 3).to(device, dtype)
+    x = x[:, K:] if strided else x
+    x[T // 2] = 0  # an all-zero token: tiny scale, zeros out
+    q, s = quantize_per_token(x)
+    q_ref, s_ref = quantize_per_token_ref(x.cpu())
+    assert q.dtype == FP8_DTYPE and s.dtype == torch.float32 and q.shape == (T, K) and s.shape == (T,)
+    assert torch.equal(s.cpu(), s_ref)
+    assert torch.equal(bits(q).cpu(), bits(q_ref))
+    # the per-element bound the model tests argue from: |x - q * s| <= 2^-4 |x| (+ subnormal step)
+    err = (q.float().cpu() * s_ref[:, None] - x.float().cpu()).abs()
+    assert bool((err <= 2 ** -4 * x.float().cpu().abs() + 2 ** -10 * s_ref[:, None]).all())
+
+
+@pytest.mark.parametrize("scale", [0.01, 0.5], ids=["clipping", "in-range"])
+def test_quantize_static_is_bit_equal(scale, device):
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(3, 2, 40, generator=g) * 4).to(device, torch.bfloat16)
+    s = torch.tensor(scale, device=device)
+    q = quantize_static(x, s)
+    assert q.shape == (6, 40)
+    assert torch.equal(bits(q).cpu(), bits(quantize_static_ref(x.cpu().reshape(6, 40), s.cpu())))
+
+
+@pytest.mark.parametrize("lead,N,K,per_channel,static,bias,dtype", [
+    ((1,), 40, 96, True, False, False, torch.bfloat16),    # base: one decode row, per channel, dynamic
+    ((2,), 40, 96, True, False, False, torch.bfloat16),    # two rows (FMA path)
+    ((5,), 40, 96, True, False, False, torch.bfloat16),    # dot path (rows padded to 16)
+    ((2, 8), 33, 70, True, False, True, torch.bfloat16),   # 16 rows, odd N and K, bias
+    ((3,), 40, 96, False, True, False, torch.bfloat16),    # ModelOpt FP8: per tensor, static input
+    ((1,), 40, 300, False, False, True, torch.float16),    # fp16, K over two blocks
+    ((4,), 24, 64, True, False, False, torch.float32),     # fp32 activations
+], ids=["T1-channel-dynamic", "T2", "T5-dot", "T16-odd-bias", "tensor-static", "fp16-K300", "fp32"])
+def test_gemv_matches_reference(lead, N, K, per_channel, static, bias, dtype, device):
+    g = torch.Generator().manual_seed(N * K)
+    x_wide = torch.randn(*lead, 2 * K, generator=g).to(device, dtype)
+    x = x_wide[..., :K]  # rows strided by 2K
+    w, sw = quantize_weight_ref(torch.randn(N, K, generator=g) * 0.1, per_channel=per_channel)
+    w, sw = w.to(device), sw.to(device)
+    sx = torch.tensor(0.02, device=device) if static else None
+    b = torch.randn(N, generator=g).to(device, dtype) if bias else None
+    want = fp8_linear_ref(x.cpu(), w.cpu(), sw.cpu(), None if sx is None else sx.cpu(), None if b is None else b.cpu())
+    out = nan_like(torch.empty(*lead, N, dtype=dtype, device=device))
+    got = fp8_gemv(x, w, sw, sx, b, out=out)
+    assert got.data_ptr() == out.data_ptr() and got.shape == lead + (N,) and got.dtype == dtype
+    tol = FP32_SUM if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)  # one 16-bit rounding of y
+    torch.testing.assert_close(got.float().cpu(), want.float(), **tol)
+    torch.testing.assert_close(fp8_linear(x, w, sw, sx, b).float().cpu(), want.float(), **tol)
+
+
+def test_gemv_rejects_bad_inputs(device):
+    x = torch.randn(2, 32, device=device, dtype=torch.bfloat16)
+    w = torch.zeros(8, 32, dtype=FP8_DTYPE, device=device)
+    with pytest.raises(TypeError, match="`weight` expected dtype"):
+        fp8_gemv(x, w.float(), torch.ones(8, device=device))
+    with pytest.raises(ValueError, match=r"`weight_scale` expected shape"):
+        fp8_gemv(x, w, torch.ones(3, device=device))
+    with pytest.raises(ValueError, match="at most 16"):
+        fp8_gemv(torch.randn(17, 32, device=device, dtype=torch.bfloat16), w, torch.ones(8, device=device))
+    with pytest.raises(ValueError, match=r"`weight` expected shape \(N, K=32\)"):
+        fp8_gemv(x, torch.zeros(8, 16, dtype=FP8_DTYPE, device=device), torch.ones(8, device=device))
+
+
+def test_moe_matches_reference(device):
+    """fp8_moe (the reference on a CPU; on a GPU the dense per-expert path) vs fp8_moe_ref, and
+    fp8_moe_ref vs its own definition: each routed token's expert outputs summed with its weights."""
+    g = torch.Generator().manual_seed(0)
+    T, M, E, F_, k = 5, 32, 4, 48, 2
+    x = torch.randn(T, M, generator=g).to(device, torch.bfloat16)
+    up, su = quantize_weight_ref(torch.randn(E * F_, M, generator=g) * 0.2)
+    down, sd = quantize_weight_ref(torch.randn(E * M, F_, generator=g) * 0.2)
+    up, su, down, sd = up.view(E, F_, M), su.view(E, F_), down.view(E, M, F_), sd.view(E, M)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    wts = torch.rand(T, k, generator=g)
+    want = fp8_moe_ref(x.cpu(), up, su, down, sd, wts, ids)
+    by_hand = torch.zeros(T, M)
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j])
+            h = torch.relu(fp8_linear_ref(x[t:t + 1].cpu().float(), up[e], su[e])).square()
+            by_hand[t] += wts[t, j] * fp8_linear_ref(h, down[e], sd[e])[0]
+    torch.testing.assert_close(want.float(), by_hand, atol=5e-2, rtol=1e-2)  # want is bf16
+    dev = [a.to(device) for a in (up, su, down, sd, wts, ids)]
+    got = fp8_moe(x, *dev[:4], dev[4], dev[5])
+    torch.testing.assert_close(got.float().cpu(), want.float(), atol=5e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16, 17, 256], ids=["gemv-1", "gemv-16", "scaled_mm-17", "scaled_mm-256"])
+@pytest.mark.parametrize("per_channel,static", [(True, False), (False, True)], ids=["channel-dynamic", "tensor-static"])
+def test_fp8_linear_on_gpu(T, per_channel, static):
+    """Every path of fp8_linear on an FP8 GPU (GEMV up to 16 rows, torch._scaled_mm above) vs the
+    reference at decode and prefill sizes; bf16 output tolerance."""
+    g = torch.Generator().manual_seed(T)
+    N, K = 2688 + 16, 4096
+    x = torch.randn(T, K, generator=g).to("cuda", torch.bfloat16)
+    w, sw = quantize_weight_ref(torch.randn(N, K, generator=g) * 0.02, per_channel=per_channel)
+    sx = torch.tensor(0.01) if static else None
+    want = fp8_linear_ref(x.cpu(), w, sw, sx)
+    got = fp8_linear(x, w.cuda(), sw.cuda(), None if sx is None else sx.cuda())
+    torch.testing.assert_close(got.float().cpu(), want.float(), atol=5e-2, rtol=2e-2)
