@@ -1,0 +1,462 @@
+"""FP8 checkpoints: read their quantisation config, check their scales, and swap the model's
+16-bit linears (and MoE experts) for ``fastmamba.layers.fp8_linear``'s FP8 modules before the
+weights are copied.
+
+Formats read (facts from NVIDIA ModelOpt's and llm-compressor's public docs):
+
+  ModelOpt   ``hf_quant_config.json`` {"quantization": {"quant_algo", "kv_cache_quant_algo",
+             "exclude_modules"}} or config.json's ``quantization_config`` with
+             ``quant_method: modelopt`` (same fields; ``ignore`` accepted for ``exclude_modules``).
+             quant_algo "FP8": per-tensor ``weight_scale`` [] and static ``input_scale`` [];
+             "FP8_PER_CHANNEL_PER_TOKEN": per-channel ``weight_scale`` [N] / [N, 1], dynamic
+             per-token activations. ``k_proj.k_scale`` / ``v_proj.v_scale`` (or ``mixer.k_scale`` /
+             ``v_scale``) with kv_cache_quant_algo "FP8". Exclusions are fnmatch patterns.
+  compressed-tensors (llm-compressor)  config.json ``quantization_config`` {"quant_method":
+             "compressed-tensors", "format": "float-quantized" | "naive-quantized", "config_groups":
+             {name: {"targets": ["Linear"], "weights": {num_bits 8, type float, symmetric,
+             strategy channel | tensor, dynamic false}, "input_activations": {num_bits 8, type float,
+             dynamic true, strategy token} (or static strategy tensor)}}, "ignore": [names or
+             "re:<regex>"], "kv_cache_scheme": null or 8-bit float per tensor}; tensors ``weight``
+             (e4m3) and ``weight_scale`` ([N, 1] per channel, [1] per tensor), ``input_scale`` when static.
+
+Anything else (NVFP4, block or group scales, int8, weight-only FP8, e5m2, asymmetric ...) raises a
+ValueError naming the field and value, before a tensor is read.
+
+The K/V cache stays in the model dtype: FP8 K/V pages are not implemented yet, so ``k_scale`` /
+``v_scale`` are checked and kept on the attention modules (``k_scale`` / ``v_scale`` buffers) for
+the day they are; 16-bit K/V are at least as accurate as the FP8 pages the checkpoint was
+calibrated for.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import os
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastmamba.layers.fp8_linear import FP8Experts, FP8Linear
+from fastmamba.ops.fp8 import FP8_DTYPE
+
+HF_QUANT_CONFIG = "hf_quant_config.json"
+MODELOPT_ALGOS = {"FP8": (False, True), "FP8_PER_CHANNEL_PER_TOKEN": (True, False)}  # (per_channel, static_input)
+QUANTIZATION_CHOICES = ("fp8",)  # load_model(..., quantization=) / --quantization
+# --quantization fp8 keeps these in 16 bits (NVIDIA's FP8 Nemotron recipe: attention Q/K/V/O and lm_head)
+ON_LOAD_EXCLUDE = ("lm_head", "*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """What a checkpoint's quantisation config promises."""
+
+    method: str                 # "modelopt", "compressed-tensors" or "fp8" (quantised on load)
+    per_channel: bool           # weight scales per output channel (else one per tensor)
+    static_input: bool          # activation scales from the checkpoint (``input_scale``), else per token
+    kv_cache_fp8: bool          # the checkpoint ships k_scale / v_scale
+    exclude: tuple[str, ...]    # module-name patterns kept in 16 bits
+    source: str                 # the file and field it came from (for error messages)
+
+    def excluded(self, name: str) -> bool:
+        """Whether module ``name`` (e.g. ``backbone.layers.3.mixer.in_proj``) is kept in 16 bits."""
+        for pat in self.exclude:
+            if pat.startswith("re:"):
+                if re.match(pat[3:], name):
+                    return True
+            elif fnmatch.fnmatchcase(name, pat) or name == pat:
+                return True
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# configs
+
+
+def _bad(source: str, field: str, msg: str) -> ValueError:
+    return ValueError(f"FP8 checkpoint: {source}: `{field}` {msg}")
+
+
+def _names(source: str, field: str, v: Any) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if not (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+        raise _bad(source, field, f"expected a list of module names or patterns, got {v!r}")
+    return tuple(v)
+
+
+def parse_modelopt(q: dict, source: str) -> QuantConfig:
+    """ModelOpt's fields (``hf_quant_config.json``'s "quantization" or a modelopt quantization_config)."""
+    algo = q.get("quant_algo")
+    if algo not in MODELOPT_ALGOS:
+        raise _bad(source, "quant_algo", f"{algo!r} is not supported; fastmamba reads "
+                   f"{', '.join(MODELOPT_ALGOS)} (NVFP4, FP8_PB_WO, INT8, W4A16 ... are not)")
+    kv = q.get("kv_cache_quant_algo")
+    if isinstance(q.get("kv_cache_scheme"), dict) and kv is None:
+        kv = _kv_scheme(q["kv_cache_scheme"], source)
+    if kv not in (None, "FP8"):
+        raise _bad(source, "kv_cache_quant_algo", f"{kv!r} is not supported; expected null or 'FP8'")
+    excl = q.get("exclude_modules", q.get("ignore"))
+    per_channel, static = MODELOPT_ALGOS[algo]
+    return QuantConfig("modelopt", per_channel, static, kv == "FP8",
+                       _names(source, "exclude_modules", excl), source)
+
+
+def _kv_scheme(kv: Any, source: str) -> str | None:
+    if kv is None:
+        return None
+    if not isinstance(kv, dict) or kv.get("num_bits") != 8 or kv.get("type") != "float" \
+            or kv.get("strategy", "tensor") != "tensor":
+        raise _bad(source, "kv_cache_scheme", f"{kv!r} is not supported; expected 8-bit float per tensor or null")
+    return "FP8"
+
+
+def _args(source: str, field: str, a: Any, *, strategies: tuple[str, ...], dynamic: bool | None) -> dict:
+    if not isinstance(a, dict):
+        raise _bad(source, field, f"expected an object, got {a!r}")
+    if a.get("num_bits") != 8 or a.get("type") != "float":
+        raise _bad(source, field, f"num_bits={a.get('num_bits')!r} type={a.get('type')!r} is not supported; "
+                   "expected num_bits 8 type 'float' (FP8 e4m3)")
+    if a.get("symmetric", True) is not True:
+        raise _bad(source, f"{field}.symmetric", f"{a.get('symmetric')!r}: only symmetric FP8 is supported")
+    if a.get("strategy") not in strategies:
+        raise _bad(source, f"{field}.strategy", f"{a.get('strategy')!r} is not supported; expected one of {strategies}")
+    for key in ("group_size", "block_structure"):
+        if a.get(key) is not None:
+            raise _bad(source, f"{field}.{key}", f"{a.get(key)!r}: group / block scales are not supported")
+    if dynamic is not None and bool(a.get("dynamic", False)) != dynamic:
+        raise _bad(source, f"{field}.dynamic", f"{a.get('dynamic')!r} does not fit strategy {a.get('strategy')!r}")
+    return a
+
+
+def parse_compressed_tensors(q: dict, source: str) -> QuantConfig:
+    """llm-compressor's ``quantization_config`` (quant_method compressed-tensors), FP8 W8A8 only."""
+    fmt = q.get("format")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise _bad(source, "format", f"{fmt!r} is not supported; expected 'float-quantized' (FP8 weights stored "
+                   "as e4m3)")
+    status = q.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise _bad(source, "quantization_status", f"{status!r}: expected 'compressed' (weights stored in FP8)")
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise _bad(source, "config_groups", f"expected at least one group, got {groups!r}")
+    schemes = set()
+    for name, g in groups.items():
+        where = f"config_groups.{name}"
+        if not isinstance(g, dict):
+            raise _bad(source, where, f"expected an object, got {g!r}")
+        if g.get("targets") != ["Linear"]:
+            raise _bad(source, f"{where}.targets", f"{g.get('targets')!r} is not supported; expected ['Linear']")
+        w = _args(source, f"{where}.weights", g.get("weights"), strategies=("channel", "tensor"), dynamic=False)
+        a = g.get("input_activations")
+        if a is None:
+            raise _bad(source, f"{where}.input_activations", "is null (weight-only FP8, W8A16) is not supported; "
+                       "expected FP8 activations (dynamic per token or static per tensor)")
+        a = _args(source, f"{where}.input_activations", a, strategies=("token", "tensor"), dynamic=None)
+        if (a["strategy"] == "token") != bool(a.get("dynamic", False)):
+            raise _bad(source, f"{where}.input_activations", f"strategy {a['strategy']!r} with dynamic="
+                       f"{a.get('dynamic')!r} is not supported; expected dynamic token or static tensor")
+        if g.get("output_activations") is not None:
+            raise _bad(source, f"{where}.output_activations", "is not supported (expected null)")
+        schemes.add((w["strategy"] == "channel", a["strategy"] == "tensor"))
+    if len(schemes) > 1:
+        raise _bad(source, "config_groups", "mixes FP8 schemes across groups; fastmamba reads one scheme per model")
+    per_channel, static = schemes.pop()
+    kv = _kv_scheme(q.get("kv_cache_scheme"), source)
+    return QuantConfig("compressed-tensors", per_channel, static, kv == "FP8",
+                       _names(source, "ignore", q.get("ignore")), source)
+
+
+def read_quant_config(path: str | os.PathLike, config: dict | None = None) -> QuantConfig | None:
+    """The FP8 scheme of checkpoint directory ``path`` (config.json's ``quantization_config``, else
+    ``hf_quant_config.json``), or None for a 16-bit checkpoint. Raises ValueError naming the file and
+    field for an unknown or unsupported scheme."""
+    root = os.fspath(path)
+    if config is None:
+        with open(os.path.join(root, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    q = config.get("quantization_config") if isinstance(config, dict) else None
+    if q is not None:
+        source = f"{os.path.join(root, 'config.json')} quantization_config"
+        if not isinstance(q, dict):
+            raise _bad(source, "quantization_config", f"expected an object, got {q!r}")
+        method = q.get("quant_method")
+        if method == "modelopt":
+            return parse_modelopt(q, source)
+        if method == "compressed-tensors":
+            return parse_compressed_tensors(q, source)
+        raise _bad(source, "quant_method", f"{method!r} is not supported; fastmamba reads FP8 from 'modelopt' and "
+                   "'compressed-tensors' (fp8 / gptq / awq / bitsandbytes ... are not)")
+    hf = os.path.join(root, HF_QUANT_CONFIG)
+    if os.path.isfile(hf):
+        try:
+            with open(hf, encoding="utf-8") as f:
+                data = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"FP8 checkpoint: {hf} is not valid JSON: {e}") from e
+        if not isinstance(data, dict) or not isinstance(data.get("quantization"), dict):
+            raise _bad(hf, "quantization", "expected an object holding quant_algo")
+        return parse_modelopt(data["quantization"], hf)
+    return None
+
+
+def on_load_config() -> QuantConfig:
+    """``--quantization fp8``: per-channel weights, dynamic per-token activations, attention and
+    lm_head kept in 16 bits."""
+    return QuantConfig("fp8", True, False, False, ON_LOAD_EXCLUDE, "--quantization fp8")
+
+
+def check_quantization_arg(quantization: Any, where: str = "load_model") -> str | None:
+    if quantization is None:
+        return None
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"{where}: `quantization` expected None or one of {QUANTIZATION_CHOICES}, got {quantization!r}")
+    return quantization
+
+
+# ---------------------------------------------------------------------------------------------
+# tensors
+
+
+@dataclasses.dataclass
+class QuantPlan:
+    """What ``prepare_state_dict`` found: the FP8 linears and expert layers, and the K/V scales."""
+
+    cfg: QuantConfig
+    linears: dict[str, int]                      # module name -> out_features N
+    experts: list[str]                           # MoE ``...mixer.experts`` module names with FP8 weights
+    kv_scales: dict[str, tuple[torch.Tensor, torch.Tensor]]  # attention module name -> (k_scale, v_scale)
+
+
+def _fp8_nan(t: torch.Tensor) -> bool:
+    return bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())  # e4m3fn's NaN encodings
+
+
+def _scale(sd: dict, name: str, *, n: int | None, problems: list[str], what: str) -> torch.Tensor | None:
+    """Checked fp32 scale: one value ([] / [1]) or, with n, n values ([n] / [n, 1]); None on a problem."""
+    t = sd.get(name)
+    if t is None:
+        problems.append(f"{name}: missing ({what})")
+        return None
+    if not t.is_floating_point() or t.element_size() < 2:
+        problems.append(f"{name}: expected a 16- or 32-bit float scale, got {t.dtype}")
+        return None
+    want = [(), (1,)] if n is None else [(n,), (n, 1)]
+    if tuple(t.shape) not in want:
+        problems.append(f"{name}: expected shape {' or '.join(map(str, want))} ({what}), got {tuple(t.shape)}")
+        return None
+    t = t.float()
+    if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+        bad = int((~torch.isfinite(t) | (t <= 0)).sum())
+        problems.append(f"{name}: {bad} of {t.numel()} values are not finite and > 0 ({what})")
+        return None
+    return t.reshape(()) if n is None else t.reshape(n)
+
+
+def _stack_expert_scales(sd: dict, layers: Iterable[int], n_experts: int, cfg: QuantConfig,
+                         problems: list[str]) -> list[str]:
+    """Per-expert FP8 tensors of NVIDIA's layout (``experts.{e}.up_proj.weight`` e4m3 with its
+    ``weight_scale`` / ``input_scale``) -> the stacked scales FP8Experts holds; the weights
+    themselves are stacked by ``weights.stack_experts``. Returns the expert modules found FP8."""
+    found = []
+    for i in layers:
+        base = f"backbone.layers.{i}.mixer.experts"
+        w0 = sd.get(f"{base}.0.up_proj.weight")
+        fused = sd.get(f"{base}.up_proj")
+        if fused is not None and fused.dtype == FP8_DTYPE:
+            problems.append(f"{base}.up_proj: FP8 experts are read in NVIDIA's per-expert layout "
+                            f"({base}.{{e}}.up_proj.weight + weight_scale), not the fused 3-D form")
+            continue
+        if w0 is None or w0.dtype != FP8_DTYPE:
+            continue
+        if cfg.excluded(base) or cfg.excluded(f"{base}.0.up_proj"):
+            problems.append(f"{base}: excluded from quantisation by {cfg.source}, but its weights are FP8")
+            continue
+        for proj in ("up_proj", "down_proj"):
+            ws, xs = [], []
+            for e in range(n_experts):
+                name = f"{base}.{e}.{proj}"
+                w = sd.get(f"{name}.weight")
+                if w is None:
+                    continue  # stack_experts names the missing expert
+                if w.dtype != FP8_DTYPE:
+                    problems.append(f"{name}.weight: expected float8_e4m3fn like expert 0, got {w.dtype}")
+                    continue
+                if _fp8_nan(w):
+                    problems.append(f"{name}.weight: holds FP8 NaN bytes")
+                ws.append(_scale(sd, f"{name}.weight_scale", n=w.shape[0] if cfg.per_channel else None,
+                                 problems=problems, what="weight scale"))
+                sd.pop(f"{name}.weight_scale", None)
+                if cfg.static_input:
+                    xs.append(_scale(sd, f"{name}.input_scale", n=None, problems=problems, what="input scale"))
+                sd.pop(f"{name}.input_scale", None)
+            if ws and all(s is not None for s in ws):
+                sd[f"{base}.{proj}_weight_scale"] = torch.stack(ws)
+            if xs and all(s is not None for s in xs):
+                # one activation scale for all experts (their maximum: no expert's inputs clip)
+                sd[f"{base}.{proj}_input_scale"] = torch.stack(xs).max()
+        found.append(base)
+    return found
+
+
+def prepare_state_dict(state_dict: dict[str, torch.Tensor], cfg: QuantConfig, *, moe_layers: Iterable[int] = (),
+                       n_experts: int = 0) -> QuantPlan:
+    """Check an FP8 checkpoint's tensors against its config and bring the scales to the shapes the
+    FP8 modules hold ([] per tensor, [N] per channel; per-expert scales stacked), **in place**,
+    before any model exists. Raises one ValueError listing every problem: a missing, misshaped,
+    non-finite or non-positive scale (named), FP8 NaN bytes, an FP8 weight of an excluded module,
+    an FP8 tensor that no FP8 module takes."""
+    problems: list[str] = []
+    experts = _stack_expert_scales(state_dict, moe_layers, n_experts, cfg, problems)
+    linears: dict[str, int] = {}
+    for name in [n for n in state_dict if n.endswith(".weight")]:
+        w = state_dict[name]
+        if w.dtype != FP8_DTYPE or re.search(r"\.experts\.\d+\.(up|down)_proj\.weight$", name):
+            continue
+        mod = name[: -len(".weight")]
+        if cfg.excluded(mod):
+            problems.append(f"{name}: {mod!r} is excluded from quantisation by {cfg.source}, but its weight is FP8")
+            continue
+        if w.dim() != 2:
+            problems.append(f"{name}: expected a 2-D FP8 matrix, got shape {tuple(w.shape)}")
+            continue
+        if _fp8_nan(w):
+            problems.append(f"{name}: holds FP8 NaN bytes")
+        s = _scale(state_dict, f"{mod}.weight_scale", n=w.shape[0] if cfg.per_channel else None, problems=problems,
+                   what=f"{'per-channel' if cfg.per_channel else 'per-tensor'} weight scale")
+        if s is not None:
+            state_dict[f"{mod}.weight_scale"] = s
+        if cfg.static_input:
+            s = _scale(state_dict, f"{mod}.input_scale", n=None, problems=problems, what="static input scale")
+            if s is not None:
+                state_dict[f"{mod}.input_scale"] = s
+        elif f"{mod}.input_scale" in state_dict:
+            problems.append(f"{mod}.input_scale: unexpected, {cfg.source} asks for dynamic per-token activations")
+        linears[mod] = w.shape[0]
+    kv_scales: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    kv_names = [n for n in state_dict if re.search(r"\.(k_scale|v_scale)$", n)]
+    for n in kv_names:
+        t = state_dict.pop(n)
+        attn = re.sub(r"(\.[kv]_proj)?\.[kv]_scale$", "", n)
+        if not cfg.kv_cache_fp8:
+            problems.append(f"{n}: unexpected, {cfg.source} has no FP8 K/V cache")
+            continue
+        tmp = {n: t}
+        s = _scale(tmp, n, n=None, problems=problems, what="K/V cache scale")
+        if s is not None:
+            k, v = kv_scales.get(attn, (None, None))
+            kv_scales[attn] = (s, v) if n.endswith("k_scale") else (k, s)
+    for attn, (k, v) in kv_scales.items():
+        if k is None or v is None:
+            problems.append(f"{attn}: {'k_scale' if k is None else 'v_scale'} missing (the other is present)")
+    # anything else stored in FP8 would be cast to 16 bits silently by load_into
+    taken = set(linears) | set(experts)
+    for n, t in state_dict.items():
+        if t.dtype == FP8_DTYPE and not any(n.startswith(m + ".") for m in taken):
+            problems.append(f"{n}: stored in FP8 but fastmamba keeps this tensor in 16/32 bits")
+        if n.endswith((".weight_scale", ".input_scale")) and not any(n.startswith(m) for m in taken):
+            problems.append(f"{n}: a scale without an FP8 weight")
+    if problems:
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise ValueError(f"FP8 checkpoint ({cfg.source}): the tensors do not fit ({len(problems)} problem(s); "
+                         "nothing was loaded)\n" + "\n".join("    " + p for p in shown))
+    return QuantPlan(cfg, linears, experts, kv_scales)
+
+
+# ---------------------------------------------------------------------------------------------
+# modules
+
+
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, new)
+
+
+def apply_plan(model: nn.Module, plan: QuantPlan) -> nn.Module:
+    """Replace the model's modules named by ``plan`` with empty FP8 modules (``load_into`` then
+    copies the checkpoint's bytes). Raises ValueError naming every ``nn.Linear`` that the config
+    neither excludes nor stores in FP8, every planned name that is not a Linear of that shape,
+    before anything is swapped."""
+    cfg = plan.cfg
+    problems = []
+    modules = dict(model.named_modules())
+    for name, n_out in plan.linears.items():
+        m = modules.get(name)
+        if not isinstance(m, nn.Linear) or m.out_features != n_out:
+            problems.append(f"{name}: FP8 in the checkpoint, but the model has "
+                            f"{type(m).__name__ if m is not None else 'no such module'} there")
+    for name, m in modules.items():
+        if isinstance(m, nn.Linear) and name not in plan.linears and not cfg.excluded(name):
+            problems.append(f"{name}: in 16 bits in the checkpoint but not excluded by {cfg.source}")
+    for name in plan.experts:
+        if not hasattr(modules.get(name), "up_proj"):
+            problems.append(f"{name}: FP8 experts in the checkpoint, but the model has no MoE experts there")
+    if problems:
+        raise ValueError(f"FP8 checkpoint ({cfg.source}): the model and the checkpoint's FP8 modules disagree "
+                         f"({len(problems)} problem(s))\n" + "\n".join("    " + p for p in problems[:20]))
+    for name in plan.linears:
+        m = modules[name]
+        _swap(model, name, FP8Linear(m.in_features, m.out_features, bias=m.bias is not None,
+                                     per_channel=cfg.per_channel, static_input=cfg.static_input,
+                                     device=m.weight.device, dtype=m.weight.dtype))
+    for name in plan.experts:
+        m = modules[name]
+        E, F_, M = m.up_proj.shape
+        _swap(model, name, FP8Experts(E, F_, M, per_channel=cfg.per_channel, static_input=cfg.static_input,
+                                      device=m.up_proj.device))
+    for attn, (k, v) in plan.kv_scales.items():
+        m = model.get_submodule(attn)
+        m.register_buffer("k_scale", k.to(m.q_proj.weight.device), persistent=False)
+        m.register_buffer("v_scale", v.to(m.q_proj.weight.device), persistent=False)
+    model.quantization = cfg
+    return model
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module) -> nn.Module:
+    """``--quantization fp8``: a loaded 16-bit model's linears (Mamba in/out projections, MLPs,
+    shared experts, latent projections) and routed experts quantised in place to e4m3 with
+    per-channel weight scales and dynamic per-token activations; attention Q/K/V/O, lm_head, the
+    router (fp32) and conv1d stay as they are."""
+    cfg = on_load_config()
+    for name, m in list(model.named_modules()):
+        if isinstance(m, nn.Linear) and not cfg.excluded(name):
+            if m.weight is getattr(getattr(model, "backbone", None), "embeddings", nn.Embedding(1, 1)).weight:
+                continue  # tied to the embeddings
+            _swap(model, name, FP8Linear.from_linear(m))
+        elif name.endswith("experts") and type(m).__name__ == "Experts":
+            _swap(model, name, FP8Experts.from_experts(m))
+    model.quantization = cfg
+    return model
+
+
+def ssm_cache_dtype(config: dict) -> torch.dtype | None:
+    """The SSM state dtype a checkpoint asks for (config.json ``mamba_ssm_cache_dtype``: "float32",
+    "bfloat16", "float16"), or None when absent / "auto"."""
+    v = config.get("mamba_ssm_cache_dtype") if isinstance(config, dict) else None
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if v in (None, "auto"):
+        return None
+    if v not in names:
+        raise ValueError(f"config.json: `mamba_ssm_cache_dtype` expected one of {tuple(names)} or 'auto', got {v!r}")
+    return names[v]
+
+
+def prepare_fp8_checkpoint(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], model_cfg) -> QuantPlan | None:
+    """The loader's hook, called right after the checkpoint is read (before ``check_finite`` and
+    ``stack_experts``): None for a 16-bit checkpoint; otherwise the config parsed and refused if
+    unsupported, the tensors checked and their scales reshaped in place (``prepare_state_dict``).
+    ``model_cfg``: the model's config (``layers_of("E")`` and ``n_routed_experts`` for MoE models)."""
+    qcfg = read_quant_config(path)
+    if qcfg is None:
+        fp8 = [n for n, t in state_dict.items() if t.dtype == FP8_DTYPE]
+        if fp8:
+            raise ValueError(f"FP8 checkpoint: {os.fspath(path)!r} stores {len(fp8)} tensor(s) in FP8 (e.g. {fp8[0]!r}) "
+                             f"but neither config.json's quantization_config nor {HF_QUANT_CONFIG} says how to read them")
+        return None
+    layers = model_cfg.layers_of("E") if hasattr(model_cfg, "layers_of") else ()
+    return prepare_state_dict(state_dict, qcfg, moe_layers=layers, n_experts=getattr(model_cfg, "n_routed_experts", 0))

@@ -1,0 +1,495 @@
+"""FP8 Nemotron-3 checkpoints (issue 52): a tiny MoE hybrid quantised by the test into each
+supported format loads with FP8 modules where the checkpoint stores FP8 and 16/32-bit ones where its
+config excludes them; its logits equal a plain-PyTorch W8A8 reference built from the same weights;
+greedy tokens are the same through the engine's chunked / unchunked prefill and prefix-cache hit /
+miss; a corrupt or missing scale and an unsupported scheme are named in the error;
+``quantization="fp8"`` quantises a 32-bit model on load.
+
+Formats written here from public descriptions (ModelOpt's unified HF export, llm-compressor's
+compressed-tensors), tensors made with torch.float8_e4m3fn and safetensors:
+
+    modelopt-fp8        hf_quant_config.json quant_algo FP8: per-tensor weight_scale [], static
+                        input_scale [] (max calibration), kv FP8 with k_proj.k_scale / v_proj.v_scale
+    modelopt-channel    config.json quantization_config quant_method modelopt, FP8_PER_CHANNEL_PER_TOKEN
+    ct-channel-token    compressed-tensors: weights strategy channel (weight_scale [N, 1]), dynamic
+                        per-token activations, ``ignore`` with a "re:" pattern
+    ct-tensor-static    compressed-tensors: weights strategy tensor ([1]), static tensor activations
+
+Tolerances. (1) Against the W8A8 reference (dequantised weights, activations quantised by the
+test's own fake-quantiser at the same points): the same arithmetic in fp32 in another order, so
+fp32 tolerances hold unless an fp32 rounding difference moves an activation across an e4m3
+rounding boundary (probability ~1e-6 per element at these sizes). (2) Against the same weights
+with 32-bit activations: e4m3 keeps 3 mantissa bits, so round-to-nearest puts each quantised
+activation within 2^-4 of its value, relatively (a value below the row's 2^-6 * amax lands in the
+subnormal range, within 2^-10 * scale absolutely, smaller still); static scales calibrated on other
+tokens may also clip a larger value. A linear layer's output error is then a sum of K such errors
+with independent signs: at most 2^-4 and typically 2^-4 / sqrt(3) (uniform rounding error) of the
+output's size in relative norm. A token's logits pass through about 9 quantised matmuls in
+sequence here (per Mamba layer in_proj and out_proj; per MoE layer up, down and the shared
+expert's two, in parallel), whose independent errors add in quadrature: sqrt(9) * 2^-4 / sqrt(3)
+~ 0.11 typically, 9 * 2^-4 / sqrt(3) ~ 0.32 if they all lined up. We assert the logits' relative
+error in norm <= 2^-2 (between the two), and > 2^-12 (the activations were quantised at all).
+Measured when written: 0.089 (dynamic per token), 0.10-0.14 (static).
+
+The ops run their PyTorch references (TRITON_INTERPRET=0 here, as the other model tests do); the
+FP8 kernels have their own tests (tests/ops/fp8/).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from fastmamba.generation.sampling import SamplingParams
+from fastmamba.layers.fp8_linear import FP8Experts, FP8Linear
+from fastmamba.models.loader import load_model
+from fastmamba.models.nemotron_h import NemotronHConfig, NemotronHLM, load_nemotron_h, random_init
+from fastmamba.models.quantization import read_quant_config
+from tests.generation.test_engine_hybrid import PAGE, assert_all_free, engine_of
+from tests.generation.test_engine_hybrid_prefix import run, same_run, scrub, tokens
+from tests.helpers import tol
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+FP32 = tol(torch.float32)
+E4M3 = torch.float8_e4m3fn
+VOCAB = 256
+CONFIG_JSON = dict(model_type="nemotron_h", vocab_size=VOCAB, hidden_size=64, hybrid_override_pattern="*ME-M*E",
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                   mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4,
+                   chunk_size=8, layer_norm_epsilon=1e-5, n_routed_experts=8, num_experts_per_tok=2,
+                   moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1,
+                   norm_topk_prob=True, routed_scaling_factor=2.5, eos_token_id=3, tie_word_embeddings=False)
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_LAYER = 3  # the "-" of the pattern: excluded as a whole in every format (modules kept in 16 bits)
+FORMATS = ["modelopt-fp8", "modelopt-channel", "ct-channel-token", "ct-tensor-static"]
+SPEC = {  # format -> (per_channel weight scales, static input scales)
+    "modelopt-fp8": (False, True), "modelopt-channel": (True, False),
+    "ct-channel-token": (True, False), "ct-tensor-static": (False, True),
+}
+CALIBRATION = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(autouse=True)
+def reference_ops(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def base_model() -> NemotronHLM:
+    """The tiny MoE hybrid (fp32) with mixer weights large enough that every layer and each
+    token's choice of experts moves the logits (as tests/generation/test_engine_moe.py)."""
+    cfg = NemotronHConfig.from_dict(CONFIG_JSON)
+    m = random_init(NemotronHLM(cfg, device="cpu", dtype=torch.float32), seed=3).eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for block in m.backbone.layers:
+            for name, p in block.mixer.named_parameters():
+                if name == "gate.weight":
+                    p.normal_(0.0, 0.5, generator=g)
+                elif p.dim() >= 2:
+                    p.mul_(3)
+            for name, b in block.mixer.named_buffers():
+                if name == "gate.e_score_correction_bias":
+                    b.normal_(0.0, 0.1, generator=g)
+    return m
+
+
+def fp8_targets(model: nn.Module) -> list[str]:
+    """Module names the checkpoints store in FP8: every Linear but attention, lm_head and the MLP
+    layer; plus each MoE layer's experts (``...mixer.experts``)."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and name != "lm_head" and not name.endswith(ATTN) \
+                and not name.startswith(f"backbone.layers.{MLP_LAYER}."):
+            out.append(name)
+        elif name.endswith("mixer.experts"):
+            out.append(name)
+    return out
+
+
+def input_amax(model: nn.Module, names: list[str]) -> dict[str, float]:
+    """Max-calibration of the static activation scales: the largest |input| each module sees on
+    CALIBRATION (for experts: the largest routed-expert input, the MoE layer's input or latent)."""
+    amax: dict[str, float] = {}
+    hooks = []
+    for name in names:
+        mod = model.get_submodule(name)
+        target = mod if isinstance(mod, nn.Linear) else model.get_submodule(name.rsplit(".", 1)[0])
+
+        def hook(m, args, name=name):
+            amax[name] = max(amax.get(name, 0.0), float(args[0].abs().max()))
+            m._fp8_test_input = args[0].detach().reshape(-1, args[0].shape[-1])
+        hooks.append(target.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        model(CALIBRATION)
+    for h in hooks:
+        h.remove()
+    for name in names:  # the experts' hidden relu(up x)^2, over every expert (a bound on the routed ones)
+        if name.endswith("experts"):
+            x = model.get_submodule(name.rsplit(".", 1)[0])._fp8_test_input
+            up = model.get_submodule(name).up_proj
+            with torch.no_grad():
+                amax[name + ".hidden"] = float(torch.relu(torch.einsum("tm,efm->etf", x, up)).square().max())
+    return amax
+
+
+def q_weight(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = w.abs().amax(dim=-1, keepdim=True) if per_channel else w.abs().amax()
+    s = amax.clamp(min=1e-12) / 448.0
+    return (w / s).clamp(-448, 448).to(E4M3), s
+
+
+def write_checkpoint(root, fmt: str, *, edit=None) -> dict[str, torch.Tensor]:
+    """The base model quantised into ``fmt`` under ``root`` (config.json, model.safetensors,
+    hf_quant_config.json for ModelOpt's file form); ``edit(state_dict, config)`` changes it before
+    writing. Experts in NVIDIA's per-expert layout. Returns the state dict written."""
+    per_channel, static = SPEC[fmt]
+    model = base_model()
+    names = fp8_targets(model)
+    amax = input_amax(model, names) if static else {}
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    for name in names:
+        if name.endswith("experts"):
+            for proj in ("up_proj", "down_proj"):
+                w3 = sd.pop(f"{name}.{proj}")
+                for e in range(w3.shape[0]):
+                    q, s = q_weight(w3[e], per_channel)
+                    sd[f"{name}.{e}.{proj}.weight"] = q
+                    sd[f"{name}.{e}.{proj}.weight_scale"] = _scale_shape(s, fmt, per_channel)
+                    if static:  # per-expert input scales that differ (the loader folds them to their max)
+                        a = amax[name] if proj == "up_proj" else amax[name + ".hidden"]
+                        sd[f"{name}.{e}.{proj}.input_scale"] = torch.tensor(a / 448.0 * (1 + 0.05 * e))
+            continue
+        q, s = q_weight(sd[f"{name}.weight"], per_channel)
+        sd[f"{name}.weight"] = q
+        sd[f"{name}.weight_scale"] = _scale_shape(s, fmt, per_channel)
+        if static:
+            sd[f"{name}.input_scale"] = torch.tensor(amax[name] / 448.0).reshape(
+                () if fmt.startswith("modelopt") else (1,))
+    config = dict(CONFIG_JSON)
+    hf_quant = None
+    if fmt == "modelopt-fp8":
+        hf_quant = {"producer": {"name": "modelopt"}, "quantization": {
+            "quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
+            "exclude_modules": ["lm_head", "*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj",
+                                f"backbone.layers.{MLP_LAYER}.mixer*"]}}
+        for i in NemotronHConfig.from_dict(CONFIG_JSON).layers_of("*"):
+            sd[f"backbone.layers.{i}.mixer.k_proj.k_scale"] = torch.tensor(0.02)
+            sd[f"backbone.layers.{i}.mixer.v_proj.v_scale"] = torch.tensor(0.03)
+    elif fmt == "modelopt-channel":
+        config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN",
+                                         "exclude_modules": ["lm_head", "*.[qkvo]_proj",
+                                                             f"backbone.layers.{MLP_LAYER}.*"]}
+    else:
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                            "strategy": "channel" if per_channel else "tensor"},
+                "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static,
+                                      "strategy": "tensor" if static else "token"}}},
+            "ignore": ["lm_head", r"re:.*mixer\.[qkvo]_proj$", f"backbone.layers.{MLP_LAYER}.mixer.up_proj",
+                       f"backbone.layers.{MLP_LAYER}.mixer.down_proj"],
+            "kv_cache_scheme": None}
+    if edit is not None:
+        edit(sd, config, hf_quant)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config))
+    if hf_quant is not None:
+        (root / "hf_quant_config.json").write_text(json.dumps(hf_quant))
+    safetensors_torch.save_file({k: v.contiguous() for k, v in sd.items()}, str(root / "model.safetensors"))
+    return sd
+
+
+def _scale_shape(s: torch.Tensor, fmt: str, per_channel: bool) -> torch.Tensor:
+    if per_channel:
+        return s.reshape(-1, 1).float()                       # [N, 1] (both formats write it so)
+    return s.reshape(() if fmt.startswith("modelopt") else (1,)).float()
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def fp8_dir(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    write_checkpoint(root, request.param)
+    return request.param, root
+
+
+# ---------------------------------------------------------------------------------------------
+# the W8A8 reference: dequantised weights in a plain fp32 model, activations fake-quantised
+
+
+def fake_quant(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x quantised to e4m3 and back: per token (scale None) or with one static scale."""
+    s = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0 if scale is None else scale
+    return (x / s).clamp(-448, 448).to(E4M3).float() * s
+
+
+class SimExperts(nn.Module):
+    """Dequantised experts with fake-quantised inputs (what FP8Experts must compute)."""
+
+    def __init__(self, up, down, up_in, down_in):
+        super().__init__()
+        self.up, self.down, self.up_in, self.down_in = up, down, up_in, down_in
+
+    def run(self, h, routing):
+        out = torch.zeros_like(h, dtype=torch.float32)
+        for t in range(h.shape[0]):
+            for j in range(routing.ids.shape[1]):
+                e = int(routing.ids[t, j])
+                a = torch.relu(fake_quant(h[t:t + 1].float(), self.up_in) @ self.up[e].t()).square()
+                out[t] += routing.weights[t, j] * (fake_quant(a, self.down_in) @ self.down[e].t())[0]
+        return out.to(h.dtype)
+
+
+def dequantised(fp8: NemotronHLM, *, quantise_activations: bool) -> NemotronHLM:
+    """A plain fp32 NemotronHLM holding the FP8 model's weights dequantised (w * scale), with the
+    activations fake-quantised at the FP8 modules' inputs when ``quantise_activations``."""
+    ref = NemotronHLM(fp8.cfg, device="cpu", dtype=torch.float32).eval()
+    sd = {}
+    for name, t in fp8.state_dict().items():
+        sd[name] = t
+    with torch.no_grad():
+        for name, m in fp8.named_modules():
+            if isinstance(m, FP8Linear):
+                s = m.weight_scale.reshape(-1, 1) if m.weight_scale.dim() else m.weight_scale
+                sd[f"{name}.weight"] = m.weight.float() * s
+                for k in ("weight_scale", "input_scale"):
+                    sd.pop(f"{name}.{k}", None)
+        ref.load_state_dict({k: v for k, v in sd.items() if not k.endswith(("_weight_scale", "_input_scale"))
+                             and not (".experts." in k and "_proj" in k)}, strict=False)
+        for name, m in fp8.named_modules():
+            if isinstance(m, FP8Linear) and quantise_activations:
+                scale = m.input_scale
+                ref.get_submodule(name).register_forward_pre_hook(
+                    lambda mod, args, scale=scale: (fake_quant(args[0], scale),))
+            if isinstance(m, FP8Experts):
+                def deq(w, s):
+                    return w.float() * (s[:, :, None] if s.dim() == 2 else s[:, None, None])
+                up = deq(m.up_proj, m.up_proj_weight_scale)
+                down = deq(m.down_proj, m.down_proj_weight_scale)
+                if quantise_activations:
+                    sim = SimExperts(up, down, m.up_proj_input_scale, m.down_proj_input_scale)
+                else:
+                    sim = ref.get_submodule(name)
+                    sim.up_proj.copy_(up)
+                    sim.down_proj.copy_(down)
+                    continue
+                parent, _, attr = name.rpartition(".")
+                setattr(ref.get_submodule(parent), attr, sim)
+    return ref
+
+
+# ---------------------------------------------------------------------------------------------
+# tests
+
+
+def test_formats_load_with_fp8_modules_and_excluded_ones_in_16_bits(fp8_dir):
+    fmt, root = fp8_dir
+    per_channel, static = SPEC[fmt]
+    model = load_nemotron_h(root, device="cpu")
+    want = set(fp8_targets(base_model()))
+    fp8 = {n for n, m in model.named_modules() if isinstance(m, (FP8Linear, FP8Experts))}
+    assert fp8 == want
+    for name in want:
+        m = model.get_submodule(name)
+        w = m.weight if isinstance(m, FP8Linear) else m.up_proj
+        assert w.dtype == E4M3
+        if isinstance(m, FP8Linear):
+            assert m.per_channel == per_channel and (m.input_scale is not None) == static
+    kept = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert "lm_head" in kept and any(n.endswith("q_proj") for n in kept)
+    assert f"backbone.layers.{MLP_LAYER}.mixer.up_proj" in kept
+    for n in kept:
+        assert model.get_submodule(n).weight.dtype == torch.float32, n
+    for i in model.cfg.layers_of("E"):
+        assert model.backbone.layers[i].mixer.gate.weight.dtype == torch.float32
+    if fmt == "modelopt-fp8":
+        attn = model.backbone.layers[model.cfg.layers_of("*")[0]].mixer
+        assert float(attn.k_scale) == pytest.approx(0.02) and float(attn.v_scale) == pytest.approx(0.03)
+        experts = model.backbone.layers[model.cfg.layers_of("E")[0]].mixer.experts
+        sd = safetensors_torch.load_file(str(root / "model.safetensors"))
+        base = f"backbone.layers.{model.cfg.layers_of('E')[0]}.mixer.experts"
+        want_in = max(float(sd[f"{base}.{e}.up_proj.input_scale"]) for e in range(8))
+        assert float(experts.up_proj_input_scale) == want_in  # per-expert scales folded to their max
+
+
+def test_logits_equal_the_w8a8_reference(fp8_dir):
+    fmt, root = fp8_dir
+    model = load_nemotron_h(root, device="cpu")
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got = model(ids)
+        sim = dequantised(model, quantise_activations=True)(ids)
+        plain = dequantised(model, quantise_activations=False)(ids)
+    torch.testing.assert_close(got, sim, atol=2e-4, rtol=2e-4)  # fp32 reorderings (module doc, (1))
+    rel = float((got - plain).norm() / plain.norm())
+    print(f"{fmt}: relative error vs 32-bit activations {rel:.3e}")
+    assert 2 ** -12 < rel <= 2 ** -2, f"relative error {rel:.3e} vs 32-bit activations (module doc, (2))"
+
+
+@pytest.fixture(scope="module")
+def engine_model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    write_checkpoint(root, "modelopt-fp8")
+    return load_nemotron_h(root, device="cpu")
+
+
+PROMPTS = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(11)).tolist() for n in (5, 13, 22)]
+
+
+def test_chunked_prefill_equals_unchunked(engine_model):
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    want = engine_of(engine_model, max_batch=3).generate(PROMPTS, params)
+    full = []
+    for p in PROMPTS:  # greedy by full forwards: the definition
+        ids = list(p)
+        for _ in range(5):
+            ids.append(int(engine_model(torch.tensor([ids]))[0, -1].argmax()))
+        full.append(ids[len(p):])
+    assert want == full
+    for chunk in (3, 8):
+        engine = engine_of(engine_model, max_batch=3, prefill_chunk=chunk)
+        assert engine.generate(PROMPTS, params) == want, f"prefill_chunk={chunk}"
+        assert_all_free(engine)
+
+
+def test_prefix_cache_hit_keeps_the_output(engine_model):
+    shared = tokens(24, 7)
+    first, second = shared + tokens(5, 8), shared + tokens(7, 9)
+    plain = engine_of(engine_model, max_batch=2)
+    want = [run(plain, first), run(plain, second)]
+    eng = engine_of(engine_model, max_batch=2, prefix_cache_entries=8, prefix_block=8)
+    same_run(run(eng, first), want[0])
+    scrub(eng)
+    same_run(run(eng, second), want[1])
+    assert eng.prefix_stats["hits"] == 1
+    assert_all_free(eng)
+
+
+def _drop(name):
+    def edit(sd, config, hf):
+        del sd[name]
+    return edit
+
+
+def _set(name, value):
+    def edit(sd, config, hf):
+        sd[name] = value
+    return edit
+
+
+def _fp8_router(sd, config, hf):
+    sd["backbone.layers.2.mixer.gate.weight"] = torch.zeros(8, 64).to(E4M3)
+    sd["backbone.layers.2.mixer.gate.weight_scale"] = torch.ones(8, 1)
+
+
+IN = "backbone.layers.1.mixer.in_proj"          # a Mamba layer of "*ME-M*E"
+EXP = "backbone.layers.2.mixer.experts"
+
+
+@pytest.mark.parametrize("fmt, edit, message", [
+    ("modelopt-fp8", _drop(f"{IN}.weight_scale"), f"{IN}.weight_scale: missing"),
+    ("modelopt-fp8", _drop(f"{IN}.input_scale"), f"{IN}.input_scale: missing"),
+    ("modelopt-fp8", _set(f"{IN}.weight_scale", torch.tensor(float("nan"))), f"{IN}.weight_scale: 1 of 1 values"),
+    ("modelopt-fp8", _set(f"{IN}.input_scale", torch.tensor(0.0)), f"{IN}.input_scale: 1 of 1 values"),
+    ("modelopt-fp8", _set(f"{IN}.weight_scale", torch.ones(3)), f"{IN}.weight_scale: expected shape"),
+    ("modelopt-fp8", _drop(f"{EXP}.5.down_proj.weight_scale"), f"{EXP}.5.down_proj.weight_scale: missing"),
+    ("modelopt-fp8", _drop("backbone.layers.0.mixer.v_proj.v_scale"), "v_scale missing"),
+    ("ct-channel-token", _set(f"{IN}.weight_scale", -torch.ones(16 * 8 + 2 * 2 * 16 + 8 + 16 * 8, 1)),
+     f"{IN}.weight_scale: "),
+    ("ct-channel-token", _set(f"{IN}.weight", torch.full((2, 2), float("nan")).to(E4M3)), f"{IN}.weight"),
+    ("ct-channel-token", _set("backbone.layers.0.mixer.q_proj.weight", torch.zeros(64, 64).to(E4M3)),
+     "backbone.layers.0.mixer.q_proj.weight: 'backbone.layers.0.mixer.q_proj' is excluded"),
+    ("ct-channel-token", _set("backbone.layers.2.mixer.gate.weight", torch.zeros(8, 64).to(E4M3)),
+     "backbone.layers.2.mixer.gate.weight_scale: missing"),
+    ("ct-channel-token", _fp8_router, "backbone.layers.2.mixer.gate: FP8 in the checkpoint, but the model has Router"),
+    ("ct-channel-token", _set("backbone.layers.0.mixer.q_proj.weight_scale", torch.ones(64, 1)),
+     "backbone.layers.0.mixer.q_proj.weight_scale: a scale without an FP8 weight"),
+    ("ct-channel-token", _set(f"{IN}.input_scale", torch.ones(1)), f"{IN}.input_scale: unexpected"),
+], ids=["missing-weight-scale", "missing-input-scale", "nan-scale", "zero-input-scale", "misshaped-scale",
+        "missing-expert-scale", "missing-v-scale", "negative-channel-scales", "nan-fp8-bytes",
+        "fp8-in-excluded-module", "fp8-router-no-scale", "fp8-router", "stray-scale",
+        "input-scale-with-dynamic"])
+def test_bad_tensors_are_named(tmp_path, fmt, edit, message):
+    root = tmp_path / "ckpt"
+    write_checkpoint(root, fmt, edit=edit)
+    with pytest.raises(ValueError) as e:
+        load_nemotron_h(root, device="cpu")
+    assert message in str(e.value)
+
+
+def _quant(**change):
+    def edit(sd, config, hf):
+        (hf["quantization"] if hf is not None else config["quantization_config"]).update(change)
+    return edit
+
+
+def _ct_group(key, **change):
+    def edit(sd, config, hf):
+        g = config["quantization_config"]["config_groups"]["group_0"]
+        if change:
+            g[key].update(change)
+        else:
+            g[key] = None
+    return edit
+
+
+@pytest.mark.parametrize("fmt, edit, message", [
+    ("modelopt-fp8", _quant(quant_algo="NVFP4"), "`quant_algo` 'NVFP4' is not supported"),
+    ("modelopt-fp8", _quant(kv_cache_quant_algo="INT8"), "`kv_cache_quant_algo` 'INT8'"),
+    ("modelopt-channel", _quant(quant_method="gptq"), "`quant_method` 'gptq' is not supported"),
+    ("ct-channel-token", _ct_group("weights", strategy="group", group_size=128), "weights.strategy` 'group'"),
+    ("ct-channel-token", _ct_group("weights", num_bits=4, type="int"), "num_bits=4 type='int'"),
+    ("ct-channel-token", _ct_group("input_activations"), "input_activations` is null (weight-only FP8"),
+    ("ct-channel-token", _quant(format="pack-quantized"), "`format` 'pack-quantized'"),
+], ids=["nvfp4", "kv-int8", "gptq", "group-scales", "int4", "weight-only", "packed"])
+def test_unsupported_schemes_are_named_before_loading(tmp_path, fmt, edit, message):
+    root = tmp_path / "ckpt"
+    write_checkpoint(root, fmt, edit=edit)
+    with pytest.raises(ValueError) as e:
+        read_quant_config(root)
+    assert message in str(e.value)
+    with pytest.raises(ValueError, match="FP8 checkpoint"):
+        load_nemotron_h(root, device="cpu")
+
+
+def test_fp8_tensors_without_a_config_are_refused(tmp_path):
+    root = tmp_path / "ckpt"
+
+    def edit(sd, config, hf):
+        config.pop("quantization_config")
+    write_checkpoint(root, "ct-channel-token", edit=edit)
+    with pytest.raises(ValueError, match="stores .* tensor\\(s\\) in FP8"):
+        load_nemotron_h(root, device="cpu")
+
+
+def test_quantization_fp8_on_load(tmp_path):
+    """``load_model(..., quantization="fp8")`` on a 32-bit checkpoint: every Linear but attention
+    and lm_head, and the routed experts, become FP8 (per channel, dynamic per token); the logits
+    are within the bound of the module doc's (2) doubled, for the weights' own e4m3 rounding
+    (2^-4 per element, like the activations'): <= 2^-1; and greedy decoding runs."""
+    root = tmp_path / "bf"
+    root.mkdir()
+    model = base_model()
+    (root / "config.json").write_text(json.dumps(CONFIG_JSON))
+    safetensors_torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                                str(root / "model.safetensors"))
+    q = load_model(root, device="cpu", quantization="fp8")
+    fp8 = {n for n, m in q.named_modules() if isinstance(m, (FP8Linear, FP8Experts))}
+    assert any(n.endswith("mixer.in_proj") for n in fp8) and any(n.endswith("experts") for n in fp8)
+    assert f"backbone.layers.{MLP_LAYER}.mixer.up_proj" in fp8
+    assert all(isinstance(q.get_submodule(n), FP8Linear) for n in fp8 if not n.endswith("experts"))
+    assert isinstance(q.lm_head, nn.Linear) and isinstance(q.backbone.layers[0].mixer.q_proj, nn.Linear)
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want, got = model(ids), q(ids)
+    rel = float((got - want).norm() / want.norm())
+    print(f"quantised on load: relative error vs 32 bits {rel:.3e}")
+    assert 2 ** -12 < rel <= 2 ** -1, rel
+    out = engine_of(q, max_batch=2).generate([ids[0].tolist()], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert len(out[0]) == 4
+    with pytest.raises(ValueError, match="`quantization` expected None or one of"):
+        load_model(root, device="cpu", quantization="int8")
