@@ -22,6 +22,11 @@ the prompt's other positions are not run through the MTP (prefill keeps only its
 state), which a trained checkpoint's acceptance may feel on long prompts (a follow-up:
 prefill's hidden states of every position). The engine runs eagerly with this drafter (no CUDA
 graphs yet: the verify graphs do not expose their hidden states).
+
+``cuda_graphs=True`` (GPU; the MTP benchmark uses it): each MTP step (a batch of rows padded to a
+power of two, pad rows with pool row -1 write the scratch page and read nothing) replays from a
+CUDA graph per row bucket; the lm_head then scores every row of the bucket (the eager path scores
+only each request's last catch-up row).
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from fastmamba.cache.kv_pages import KVPages
+from fastmamba.ops.runtime import trusted_inputs
 
 
 def require_mtp(model) -> None:
@@ -63,7 +69,7 @@ class MTPDrafter:
     needs_hidden = True
 
     def __init__(self, model, max_batch: int, *, max_seq_len: int = 4096, page_size: int = 16,
-                 num_pages: int | None = None):
+                 num_pages: int | None = None, cuda_graphs: bool = False):
         require_mtp(model)
         for name, v in (("max_batch", max_batch), ("max_seq_len", max_seq_len)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -81,6 +87,10 @@ class MTPDrafter:
         self.max_batch = max_batch
         self._tracks: dict[int, _Track] = {}
         self.stats = {"calls": 0, "rows": 0}
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError("MTPDrafter: cuda_graphs=True needs the model on a CUDA device")
+        self.graphs: dict[int, tuple] | None = {} if cuda_graphs else None
+        self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
 
     @property
     def tracked(self) -> int:
@@ -166,11 +176,63 @@ class MTPDrafter:
         req_rows = meta[3 * R + B:3 * R + 2 * B].to(torch.int32)
         next_pos = meta[3 * R + 2 * B:] + torch.tensor(counts, device=dev)
         hidden = torch.cat([h for t in ts for h in t.hidden], dim=0)  # [R, M]
-        h = self.mtp.forward_rows(emb(tok_d), hidden, self.pages, row_d, pos_d)[last_d]  # [B, M]
-        draft = self.model.lm_head(h).argmax(-1)
+        h, draft = self._step(tok_d, hidden, row_d, pos_d, select=last_d)  # [B, M], [B]
         drafts = [draft]
         for j in range(1, k):
-            h = self.mtp.forward_rows(emb(draft), h, self.pages, req_rows, next_pos + (j - 1))
-            draft = self.model.lm_head(h).argmax(-1)
+            h, draft = self._step(draft, h, req_rows, next_pos + (j - 1))
             drafts.append(draft)
         return torch.stack(drafts, dim=1).tolist()
+
+    def _step(self, tok, hidden, rows, pos, select=None):
+        """One MTP step over R rows -> (hidden [R'], greedy draft [R']) of the rows ``select`` (all: None)."""
+        if self.graphs is None:
+            with trusted_inputs():  # the host built rows and positions: no per-op read back
+                h = self.mtp.forward_rows(self.model.backbone.embeddings(tok), hidden, self.pages, rows, pos)
+                h = h if select is None else h[select]
+                return h, self.model.lm_head(h).argmax(-1)
+        R = tok.shape[0]
+        b = 1 << max(0, (R - 1).bit_length())
+        entry = self.graphs.get(b)
+        if entry is None:
+            entry = self.graphs[b] = self._static(b)
+        st = entry
+        st["tok"][:R].copy_(tok)
+        st["tok"][R:].zero_()
+        st["hid"][:R].copy_(hidden)
+        st["hid"][R:].zero_()
+        st["rows"][:R].copy_(rows)
+        st["rows"][R:].fill_(-1)  # pad rows: K/V to the scratch page, nothing read
+        st["pos"][:R].copy_(pos)
+        st["pos"][R:].zero_()
+        if "graph" not in st:
+            self._capture(st)
+        st["graph"].replay()
+        h, d = st["h"][:R], st["draft"][:R]
+        return (h, d) if select is None else (h[select], d[select])
+
+    def _static(self, b: int) -> dict:
+        M, dev, dt = self.model.cfg.d_model, self.device, self.model.lm_head.weight.dtype
+        return {"tok": torch.zeros(b, dtype=torch.int64, device=dev), "hid": torch.zeros(b, M, dtype=dt, device=dev),
+                "rows": torch.full((b,), -1, dtype=torch.int32, device=dev),
+                "pos": torch.zeros(b, dtype=torch.int64, device=dev)}
+
+    def _capture(self, st: dict) -> None:
+        def run():
+            with trusted_inputs():
+                h = self.mtp.forward_rows(self.model.backbone.embeddings(st["tok"]), st["hid"], self.pages,
+                                          st["rows"], st["pos"])
+                return h, self.model.lm_head(h).argmax(-1)
+
+        saved = st["rows"].clone()
+        st["rows"].fill_(-1)  # warm-up (compiles, lazy allocations) writes only the scratch page
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        st["rows"].copy_(saved)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            st["h"], st["draft"] = run()
+        st["graph"] = graph

@@ -145,7 +145,9 @@ class MTP(nn.Module):
 
         pages      the MTP's ``KVPages`` (one layer per '*' of the pattern); mutated: row r's K/V
                    are written at position ``positions[r]`` of pool row ``rows[r]``
-        rows       [R] int32: each token's pool row (rows may repeat: a request's several tokens)
+        rows       [R] int32: each token's pool row (rows may repeat: a request's several tokens);
+                   -1 marks a pad row (its K/V go to the scratch page, it reads nothing, its output
+                   is meaningless)
         positions  [R] int64: each token's position in its pool row; token r attends to that
                    row's first positions[r] + 1 entries (its own included). The caller grew the
                    rows' pages to cover them, and writes a row's positions in increasing order
@@ -162,8 +164,9 @@ class MTP(nn.Module):
             R = rows.shape[0]
             dev = rows.device
             kv = KVBatch(pages.block_table, pages.seq_lens, rows, positions)
-            kv_read = KVBatch(pages.block_table[rows.long()], (positions + 1).to(torch.int32),
-                              torch.arange(R, dtype=torch.int32, device=dev), positions)
+            live = torch.where(rows >= 0, torch.arange(R, dtype=torch.int32, device=dev), -1).to(torch.int32)
+            kv_read = KVBatch(pages.block_table[rows.long().clamp(min=0)], (positions + 1).to(torch.int32), live,
+                              positions)
             batch = Batch(rows, kv=kv, spec=SpecBatch(1, "plain", None, [], None, kv_read))
         holder = SimpleNamespace(kv=pages)
         residual = None

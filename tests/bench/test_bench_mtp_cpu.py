@@ -60,3 +60,13 @@ def test_run_prints_and_writes_rows(tmp_path, capsys):
         assert 1 <= r["tokens_per_step"] <= r["k"] + 1
         assert 1 <= r["verify_experts_per_layer"] <= 8 and r["byte_bound_speedup"] > 0
         assert "python -m fastmamba.bench mtp --k 1,2" in r["command"]
+
+
+@pytest.mark.gpu
+def test_run_gpu_graphs(tmp_path, capsys):
+    """On a GPU: the tiny preset with CUDA graphs (MTP steps, verify, commit, plain), batch 1 and 3."""
+    out = tmp_path / "mtp.jsonl"
+    assert targets.main(["mtp", "--model", "nemotron-3-tiny-mtp", "--k", "1,3", "--batch", "1,3", "--steps", "4",
+                         "--prompt-len", "16", "--json", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4 and all(r["graphs"] and r["verify_pct_peak"] > 0 for r in rows)
