@@ -3,12 +3,14 @@ block equals a plain-PyTorch reference written here (rows of several requests, K
 own); the drafter's drafts of a request's first step equal the reference chained from the target's
 hidden state; greedy speculative decoding with drafter="mtp" emits plain greedy's tokens (fp32)
 with requests of different lengths in one batch, chunked prefill and prefix-cache hits; aborting a
-request mid-speculation frees its slot, its K/V pages and the MTP's pages; the speculation
-policy's decisions on synthetic costs.
+request mid-speculation frees its slot, its K/V pages and the MTP's pages; the same
+through the serving loop (in-process app); the speculation policy's decisions on synthetic costs.
 
 The ops run their PyTorch references (TRITON_INTERPRET=0 for these tests), as the other engine
 tests over MoE hybrids do; the kernels have their own tests."""
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -249,6 +251,45 @@ def test_abort_mid_speculation_frees_everything(model):
     engine.cache.kv.check()
     assert engine.drafter.tracked == 0 and engine.drafter.pages_in_use == 0
     engine.drafter.pages.check()
+
+
+def test_through_the_server(model, plain):
+    """The serving loop (``create_app`` around an engine with drafter="mtp", in-process): concurrent
+    greedy completions of different lengths equal plain greedy's tokens; an aborted stream frees its
+    slot and every page, the MTP's included."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from fastmamba.serve.app import create_app
+
+    engine = Engine(model, cuda_graphs=False, kv_page_size=PAGE, max_seq_len=64, max_batch=4, speculate=3,
+                    drafter="mtp", spec_policy=None)
+    app = create_app(engine, model_name="tiny", shutdown_timeout=0.5)
+    with TestClient(app) as client:
+        def complete(i):
+            r = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPTS[i], "max_tokens": N_NEW[i],
+                                                     "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(complete, range(len(PROMPTS))))
+        assert got == plain
+        with client.stream("POST", "/v1/completions", json={"prompt": PROMPTS[3], "max_tokens": 30, "stream": True,
+                                                            "ignore_eos": True}) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: "):
+                    break  # hang up mid-generation
+        deadline = time.time() + 20
+        while engine.has_unfinished() and time.time() < deadline:
+            time.sleep(0.01)
+        assert not engine.has_unfinished() and engine.cache.free_slots == engine.max_batch
+        assert engine.cache.kv.free_pages == engine.cache.kv.num_pages
+        assert engine.drafter.tracked == 0 and engine.drafter.pages_in_use == 0
+    assert engine.stats["drafts_proposed"] > 0
 
 
 def test_drafter_errors(model):
