@@ -434,18 +434,6 @@ def quantize_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def ssm_cache_dtype(config: dict) -> torch.dtype | None:
-    """The SSM state dtype a checkpoint asks for (config.json ``mamba_ssm_cache_dtype``: "float32",
-    "bfloat16", "float16"), or None when absent / "auto"."""
-    v = config.get("mamba_ssm_cache_dtype") if isinstance(config, dict) else None
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if v in (None, "auto"):
-        return None
-    if v not in names:
-        raise ValueError(f"config.json: `mamba_ssm_cache_dtype` expected one of {tuple(names)} or 'auto', got {v!r}")
-    return names[v]
-
-
 def prepare_fp8_checkpoint(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], model_cfg) -> QuantPlan | None:
     """The loader's hook, called right after the checkpoint is read (before ``check_finite`` and
     ``stack_experts``): None for a 16-bit checkpoint; otherwise the config parsed and refused if

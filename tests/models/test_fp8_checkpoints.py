@@ -493,3 +493,47 @@ def test_quantization_fp8_on_load(tmp_path):
     assert len(out[0]) == 4
     with pytest.raises(ValueError, match="`quantization` expected None or one of"):
         load_model(root, device="cpu", quantization="int8")
+
+
+def test_quantization_fp8_on_a_preset_and_from_the_cli(monkeypatch, capsys):
+    """The preset path quantises too, and ``fastmamba generate --quantization fp8`` reaches
+    load_model (the generated ids equal those of the model it loads)."""
+    from fastmamba import cli
+
+    q = load_model("nemotron-3-tiny", device="cpu", quantization="fp8")
+    assert any(isinstance(m, FP8Experts) for m in q.modules()) and any(isinstance(m, FP8Linear) for m in q.modules())
+    seen = {}
+    real = load_model
+
+    def spy(*a, **kw):
+        seen.update(kw)
+        return real(*a, **kw)
+    monkeypatch.setattr("fastmamba.models.load_model", spy)
+    rc = cli.main(["generate", "--model", "nemotron-3-tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "2",
+                   "--device", "cpu", "--quantization", "fp8"])
+    assert rc == 0 and seen.get("quantization") == "fp8"
+    want = engine_of(q, max_batch=1).generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, ignore_eos=True))[0]
+    assert " ".join(map(str, want)) in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["modelopt-fp8", "ct-channel-token"])
+def test_fp8_checkpoint_on_gpu_matches_cpu_and_graphs_match_eager(tmp_path, fmt, monkeypatch):
+    """On an FP8 GPU: the checkpoint in bf16 runs the Triton GEMV / torch._scaled_mm / dense FP8 MoE
+    paths; its logits are within the bound of the module doc's (2) of the CPU fp32 model's (bf16
+    activations add 2^-8 per element, far below); greedy tokens with CUDA graphs equal eager."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    root = tmp_path / fmt
+    write_checkpoint(root, fmt)
+    cpu = load_nemotron_h(root, device="cpu")
+    gpu = load_nemotron_h(root, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want, got = cpu(ids), gpu(ids.cuda()).float().cpu()
+    rel = float((got - want).norm() / want.norm())
+    assert rel <= 2 ** -2, rel
+    prm = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 9, 5)]
+    eager = engine_of(gpu, max_batch=4, cuda_graphs=False).generate(PROMPTS, prm)
+    graphs = engine_of(gpu, max_batch=4, cuda_graphs=True)
+    assert graphs.decoder is not None
+    assert graphs.generate(PROMPTS, prm) == eager
