@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import re
+import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -69,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds that admitted requests may run on after SIGTERM before they are aborted")
     parser.add_argument("--device", default=None, help="default: cuda when present")
+    parser.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
+                        help="split the model over N ranks (N GPUs, or N CPU processes with --device cpu); the "
+                             "engine process is rank 0 and starts the others (fastmamba/distributed/serve_workers.py)")
     parser.add_argument("--dtype", default=None, metavar="|".join(DTYPES[:3]) + "|...",
                         help="weights and activations, as load_model names them (default auto: the checkpoint's)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"))
@@ -115,6 +119,10 @@ def check_args(args: argparse.Namespace) -> None:
     _int_at_least(args, "--prefill-chunk", 0)
     _int_at_least(args, "--prefix-block", 1, optional=True)
     _int_at_least(args, "--num-kv-pages", 1, optional=True)
+    if args.tensor_parallel_size != 1:  # the device and the model's shapes, before anything starts
+        from fastmamba.distributed.serve_workers import check_serve_tp
+
+        check_serve_tp(args.model, args.tensor_parallel_size, args.device)
     gb = args.prefix_cache_gb
     if not (math.isfinite(gb) and gb >= 0):
         raise ValueError(f"--prefix-cache-gb: expected a finite number of GiB >= 0 (0 = off), got {gb}")
@@ -212,6 +220,12 @@ def build_engine(model: str, dtype: str | None, device: str | None, engine_kwarg
     return Engine(lm, **kwargs)
 
 
+def _kv_options_of(engine_kwargs: dict, max_model_len: int | None, num_kv_pages: int | None, lm) -> dict:
+    """``kv_options`` of a loaded model with the engine's options (a tensor-parallel rank 0's shard)."""
+    return kv_options(lm, engine_kwargs["max_batch"], max_model_len, num_kv_pages,
+                      engine_kwargs.get("prefix_cache_bytes") or 0)
+
+
 def build_app(args: argparse.Namespace):
     """The app with its engine process started (the model loaded and warm): load errors surface here."""
     import functools
@@ -235,8 +249,15 @@ def build_app(args: argparse.Namespace):
     names = args.served_model_name or [args.model]
     log.info(f"{PREFIX}: starting the engine process for {args.model} (dtype {args.dtype or 'auto'}, device "
              f"{args.device or 'auto'})")
-    worker = EngineProcess(functools.partial(build_engine, args.model, dtype, args.device, kwargs,
-                                             args.max_model_len, args.num_kv_pages),
+    factory = functools.partial(build_engine, args.model, dtype, args.device, kwargs, args.max_model_len,
+                                args.num_kv_pages)
+    if args.tensor_parallel_size > 1:  # the engine process becomes rank 0 of N (the same engine, SPMD)
+        from fastmamba.distributed.serve_workers import build_tp_engine
+
+        factory = functools.partial(build_tp_engine, args.tensor_parallel_size, args.model, dtype, args.device,
+                                    kwargs, functools.partial(_kv_options_of, kwargs, args.max_model_len,
+                                                              args.num_kv_pages))
+    worker = EngineProcess(factory,
                            max_waiting=args.max_waiting, on_log=lambda line: log.info(f"{PREFIX}: {line}"))
     try:
         worker.start()
@@ -260,6 +281,11 @@ def _setup_logging(level: str) -> None:
     log.propagate = False
 
 
+def _exit_quietly(signum, frame) -> None:
+    print(f"{PREFIX}: stopped while starting (signal {signum})", file=sys.stderr)
+    raise SystemExit(0)
+
+
 def run(args: argparse.Namespace) -> int:
     """Check the flags, bind the port, start the engine, serve; user errors: one line and status 2."""
     debug = os.environ.get("FASTMAMBA_DEBUG", "0") not in ("", "0")
@@ -267,6 +293,8 @@ def run(args: argparse.Namespace) -> int:
         check_args(args)
         _setup_logging(args.log_level)
         sock = bind(args.host, args.port)
+        # SIGTERM while the model loads: nothing to drain, leave quietly (uvicorn handles it from then on)
+        signal.signal(signal.SIGTERM, _exit_quietly)
         try:
             app = build_app(args)
         except BaseException:

@@ -13,6 +13,7 @@ server process reads the pipe (blocking, without the GIL) and dispatches each re
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import signal
@@ -60,6 +61,8 @@ def _child(factory: Callable, conn) -> None:
     try:
         conn.send(("ready", info))
         serve_engine(engine, poll, lambda events, stats, timing: conn.send(("events", events, stats, timing)))
+        if hasattr(engine, "close"):  # a tensor-parallel engine ends its other ranks (distributed/serve_workers.py)
+            engine.close()
         conn.send(("bye", None))
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the server is gone: so is its engine
         pass
@@ -91,6 +94,9 @@ class EngineProcess(EngineClient):
         """Start the child and wait until its engine is built and warm (RuntimeError if that fails)."""
         self._proc.start()
         self._child_conn.close()
+        # the child ignores SIGTERM (see _child), so multiprocessing's own exit hook (terminate, then
+        # join) would wait for it forever when this process exits without stop(): kill it first
+        atexit.register(self._kill_if_alive)
         deadline = time.monotonic() + self.start_timeout
         while True:
             if not self._conn.poll(max(deadline - time.monotonic(), 0)):
@@ -116,6 +122,11 @@ class EngineProcess(EngineClient):
 
     def alive(self) -> bool:
         return self._proc.is_alive() and self._reader.is_alive()
+
+    def _kill_if_alive(self) -> None:
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
 
     def _send(self, msg) -> None:
         with self._send_lock:
