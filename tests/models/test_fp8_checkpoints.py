@@ -47,6 +47,7 @@ from fastmamba.layers.fp8_linear import FP8Experts, FP8Linear
 from fastmamba.models.loader import load_model
 from fastmamba.models.nemotron_h import NemotronHConfig, NemotronHLM, load_nemotron_h, random_init
 from fastmamba.models.quantization import read_quant_config
+from fastmamba.ops._common.dispatch import interpreter_enabled
 from tests.generation.test_engine_hybrid import PAGE, assert_all_free, engine_of
 from tests.generation.test_engine_hybrid_prefix import run, same_run, scrub, tokens
 from tests.helpers import tol
@@ -54,6 +55,7 @@ from tests.helpers import tol
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 FP32 = tol(torch.float32)
+INTERPRETER_AT_START = interpreter_enabled()  # Triton reads TRITON_INTERPRET once, at import
 E4M3 = torch.float8_e4m3fn
 VOCAB = 256
 CONFIG_JSON = dict(model_type="nemotron_h", vocab_size=VOCAB, hidden_size=64, hybrid_override_pattern="*ME-M*E",
@@ -537,3 +539,21 @@ def test_fp8_checkpoint_on_gpu_matches_cpu_and_graphs_match_eager(tmp_path, fmt,
     graphs = engine_of(gpu, max_batch=4, cuda_graphs=True)
     assert graphs.decoder is not None
     assert graphs.generate(PROMPTS, prm) == eager
+
+
+@pytest.mark.skipif(not INTERPRETER_AT_START, reason="the Triton kernels run on the CPU only with TRITON_INTERPRET=1 set before Python starts")
+def test_fp8_layers_run_the_triton_kernels(engine_model, monkeypatch):
+    """The loaded FP8 modules on the Triton path (interpreter): a Mamba in_proj (GEMV), a MoE
+    layer (quantisation, pair GEMV up and down) for 1 and 3 tokens equal their reference path."""
+    g = torch.Generator().manual_seed(9)
+    moe = engine_model.backbone.layers[engine_model.cfg.layers_of("E")[0]].mixer
+    lin = engine_model.backbone.layers[engine_model.cfg.layers_of("M")[0]].mixer.in_proj
+    for T in (1, 3):
+        x = torch.randn(T, 64, generator=g)
+        with torch.no_grad():
+            monkeypatch.setenv("TRITON_INTERPRET", "0")
+            want = moe(x), lin(x)
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+            got = moe(x), lin(x)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, **FP32)

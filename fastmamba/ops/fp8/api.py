@@ -11,7 +11,12 @@ import torch
 
 from fastmamba.ops._common.checks import FLOAT_DTYPES, check_dtype, check_same_device, check_tensors, check_unit_stride
 from fastmamba.ops._common.dispatch import use_triton
-from fastmamba.ops.fp8.kernel import launch_fp8_gemv, launch_quantize_per_token, launch_quantize_static
+from fastmamba.ops.fp8.kernel import (
+    launch_fp8_gemv,
+    launch_moe_pair_gemv,
+    launch_quantize_per_token,
+    launch_quantize_static,
+)
 from fastmamba.ops.fp8.ref import FP8_DTYPE, fp8_linear_ref, fp8_moe_ref, quantize_per_token_ref, quantize_static_ref
 
 GEMV_MAX_ROWS = 16      # rows up to which fp8_linear takes the Triton GEMV (decode and verify steps)
@@ -174,11 +179,14 @@ def fp8_moe(x: torch.Tensor, w_up: torch.Tensor, up_scale: torch.Tensor, w_down:
     e4m3, down_scale [E] or [E, M] fp32; topk_weights [T, k] fp32; topk_ids [T, k] int32/int64;
     up_input_scale / down_input_scale None (dynamic per token) or one fp32 value -> [T, M] x's dtype.
 
-    Paths: CPU: the reference (a loop over the chosen experts). CUDA: every expert runs
-    ``fp8_linear`` on all T rows and the rows that did not choose it get weight 0 -- no host read
-    (CUDA-graph safe) and only FP8 bytes read, but E/k times the FLOPs of a grouped kernel; the
-    Triton grouped FP8 MoE GEMM (ops/moe's grouped kernel with e4m3 tiles and per-expert scales)
-    is the planned replacement.
+    Paths: at most 16 tokens (decode, verify), CUDA or the CPU interpreter: the pair GEMV
+    (``kernel._moe_pair_gemv_kernel``: one program per (token, chosen expert, block of outputs),
+    only the chosen experts read; the relu² rows quantised per row between up and down; the k
+    contributions summed in fp32 in order). More tokens on CUDA: every expert runs ``fp8_linear``
+    on all T rows and the rows that did not choose it get weight 0 -- no host read (CUDA-graph
+    safe), FP8 bytes, but E/k times the FLOPs of a grouped kernel; the Triton grouped FP8 MoE GEMM
+    (ops/moe's grouped kernel with e4m3 tiles and per-expert scales) is the planned replacement.
+    CPU without the interpreter: the reference (a loop over the chosen experts).
     """
     op = "fp8_moe"
     check_tensors(op, [("x", x), ("w_up", w_up), ("up_scale", up_scale), ("w_down", w_down),
@@ -200,12 +208,44 @@ def fp8_moe(x: torch.Tensor, w_up: torch.Tensor, up_scale: torch.Tensor, w_down:
     if tuple(topk_ids.shape) != tuple(topk_weights.shape) or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
         raise ValueError(f"{op}: `topk_ids` and `topk_weights` expected shape (T={T}, k), got "
                          f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
-    if not x.is_cuda:
+    if not use_triton(x):
         return fp8_moe_ref(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
                            up_input_scale=up_input_scale, down_input_scale=down_input_scale)
+    if T <= GEMV_MAX_ROWS or not x.is_cuda:
+        return _fp8_moe_gemv(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
+                             up_input_scale, down_input_scale)
     out = torch.zeros(T, M, dtype=torch.float32, device=x.device)
     for e in range(E):
         gate = (topk_weights * (topk_ids == e)).sum(-1, keepdim=True)                 # [T, 1] fp32, 0 if not chosen
         h = torch.relu(fp8_linear(x, w_up[e], up_scale[e], up_input_scale)).square()
         out += fp8_linear(h, w_down[e], down_scale[e], down_input_scale).float() * gate
     return out.to(x.dtype)
+
+
+def _fp8_moe_gemv(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids, up_input_scale, down_input_scale):
+    """The pair-GEMV path of ``fp8_moe`` (checked arguments; T <= 16 on a GPU)."""
+    T, M = x.shape
+    E, F_, _ = w_up.shape
+    k = topk_ids.shape[1]
+    P = T * k
+    dev = x.device
+    ids = topk_ids.reshape(P).to(torch.int32)
+    ids = torch.where((ids >= 0) & (ids < E), ids, -1)   # an id outside [0, E) reads nothing, adds nothing
+    tw = topk_weights.reshape(P).float().contiguous()
+    su = up_scale.reshape(E, 1).expand(E, F_) if up_scale.dim() == 1 else up_scale
+    sd = down_scale.reshape(E, 1).expand(E, M) if down_scale.dim() == 1 else down_scale
+    if up_input_scale is None:
+        xq, sx = quantize_per_token(x)
+    else:
+        xq, sx = quantize_static(x, up_input_scale), up_input_scale.reshape(1).expand(T).contiguous()
+    h = torch.empty(P, F_, dtype=torch.float32, device=dev)
+    yp = torch.empty(P, M, dtype=torch.float32, device=dev)
+    if P == 0 or M == 0:
+        return torch.zeros(T, M, dtype=x.dtype, device=dev)
+    launch_moe_pair_gemv(xq, sx, w_up, su, ids, tw, h, top_k=k, per_pair=False, relu2=True)
+    if down_input_scale is None:
+        hq, sh = quantize_per_token(h)
+    else:
+        hq, sh = quantize_static(h, down_input_scale), down_input_scale.reshape(1).expand(P).contiguous()
+    launch_moe_pair_gemv(hq, sh, w_down, sd, ids, tw, yp, top_k=k, per_pair=True, relu2=False)
+    return yp.view(T, k, M).sum(1).to(x.dtype)

@@ -126,3 +126,51 @@ def launch_fp8_gemv(q: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torc
     _fp8_gemv_kernel[(triton.cdiv(N, block_n),)](q, sx, w, sw, bias, y, T, N, K, q.stride(0), w.stride(0),
                                                  sw.stride(0), y.stride(0), USE_DOT=use_dot, BLOCK_T=block_t,
                                                  BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+
+
+@triton.jit(do_not_specialize=["P"])
+def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr, P, N, K, TOP_K,
+                          stride_q_r, stride_w_e, stride_w_n, stride_s_e, stride_se_n, stride_o_p,
+                          Q_PER_PAIR: tl.constexpr, RELU2: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # one program per (token-expert pair p = t * TOP_K + j, block of BLOCK_N outputs): the pair's
+    # expert rows are streamed once (only the chosen experts are read), e4m3 x e4m3 products summed
+    # in fp32. The input row is q[t] (up: Q_PER_PAIR False) or q[p] (down: Q_PER_PAIR True).
+    # RELU2 (up): out = relu(acc * sq * s)^2; else (down): out = acc * sq * s * topk_weight[p].
+    # An expert id outside [0, E) is not read and writes zeros.
+    p = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = p // TOP_K
+    row = p if Q_PER_PAIR else t
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(q_ptr + row * stride_q_r + k, mask=k < K, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + e * stride_w_e + n[:, None] * stride_w_n + k[None, :],
+                    mask=(n[:, None] < N) & (k[None, :] < K) & (e >= 0), other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+    sw = tl.load(s_ptr + e * stride_s_e + n * stride_se_n, mask=(n < N) & (e >= 0), other=0.0)
+    y = acc * tl.load(sq_ptr + row) * sw
+    if RELU2:
+        y = tl.maximum(y, 0.0)
+        y = y * y
+    else:
+        y = y * tl.load(tw_ptr + p)
+    tl.store(out_ptr + p * stride_o_p + n, y, mask=n < N)
+
+
+def launch_moe_pair_gemv(q: torch.Tensor, sq: torch.Tensor, w: torch.Tensor, s: torch.Tensor, ids: torch.Tensor,
+                         tw: torch.Tensor, out: torch.Tensor, *, top_k: int, per_pair: bool, relu2: bool) -> None:
+    """q [T or P, K] e4m3 (unit stride along K), sq [T or P] fp32; w [E, N, K] e4m3 (unit stride
+    along K); s [E, N] fp32 (stride 0 along N for per-tensor scales); ids [P] int32, the flattened
+    [T, top_k] (an id outside [0, E) must come as -1: see fp8_moe); tw [P] fp32; out [P, N] fp32
+    (written)."""
+    P = ids.shape[0]
+    E, N, K = w.shape
+    block_n = 32
+    block_k = min(128, max(32, triton.next_power_of_2(K)))
+    _moe_pair_gemv_kernel[(P, triton.cdiv(N, block_n))](
+        q, sq, w, s, ids, tw, out, P, N, K, top_k, q.stride(0), w.stride(0), w.stride(1), s.stride(0),
+        s.stride(1), out.stride(0), Q_PER_PAIR=per_pair, RELU2=relu2, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=4)

@@ -2,7 +2,7 @@
 bit-equal to ``ref.py`` (rounding to nearest even, saturation, subnormals, zero rows, strided
 rows, every input dtype); the W8A8 GEMV equals the dequantise-and-matmul reference within fp32
 summation-order error (e4m3 x e4m3 products are exact in fp32); the MoE path on the GPU equals its
-reference."""
+reference (pair GEMV on the interpreter, the dense path on a GPU for more tokens)."""
 from __future__ import annotations
 
 import pytest
@@ -111,28 +111,42 @@ def test_gemv_rejects_bad_inputs(device):
         fp8_gemv(x, torch.zeros(8, 16, dtype=FP8_DTYPE, device=device), torch.ones(8, device=device))
 
 
-def test_moe_matches_reference(device):
-    """fp8_moe (the reference on a CPU; on a GPU the dense per-expert path) vs fp8_moe_ref, and
-    fp8_moe_ref vs its own definition: each routed token's expert outputs summed with its weights."""
-    g = torch.Generator().manual_seed(0)
-    T, M, E, F_, k = 5, 32, 4, 48, 2
-    x = torch.randn(T, M, generator=g).to(device, torch.bfloat16)
-    up, su = quantize_weight_ref(torch.randn(E * F_, M, generator=g) * 0.2)
-    down, sd = quantize_weight_ref(torch.randn(E * M, F_, generator=g) * 0.2)
-    up, su, down, sd = up.view(E, F_, M), su.view(E, F_), down.view(E, M, F_), sd.view(E, M)
+@pytest.mark.parametrize("T,dtype,per_channel,static", [
+    (5, torch.bfloat16, True, False),    # base: a few decode tokens, per channel, dynamic
+    (1, torch.float32, True, False),     # one token, fp32 activations (tight tolerance)
+    (3, torch.float32, False, True),     # ModelOpt FP8: per-tensor weights, static input scales
+    (16, torch.bfloat16, True, False),   # the most tokens of the pair-GEMV path
+], ids=["T5-bf16-channel", "T1-fp32", "T3-fp32-tensor-static", "T16"])
+def test_moe_matches_reference(T, dtype, per_channel, static, device):
+    """fp8_moe (the pair GEMV up to 16 tokens) vs fp8_moe_ref, and fp8_moe_ref vs its own
+    definition: each routed token's expert outputs summed with its weights. Odd widths (F 48, M 40)."""
+    g = torch.Generator().manual_seed(T)
+    M, E, F_, k = 40, 4, 48, 2
+    x = torch.randn(T, M, generator=g).to(device, dtype)
+    up, su = quantize_weight_ref(torch.randn(E * F_, M, generator=g) * 0.2, per_channel=per_channel)
+    down, sd = quantize_weight_ref(torch.randn(E * M, F_, generator=g) * 0.2, per_channel=per_channel)
+    if per_channel:
+        su, sd = su.view(E, F_), sd.view(E, M)
+    else:  # one scale per expert
+        su, sd = su.expand(E).clone(), (sd * torch.arange(1, E + 1)).float()
+    up, down = up.view(E, F_, M), down.view(E, M, F_)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
     wts = torch.rand(T, k, generator=g)
-    want = fp8_moe_ref(x.cpu(), up, su, down, sd, wts, ids)
+    xs = (torch.tensor(0.01), torch.tensor(0.02)) if static else (None, None)
+    want = fp8_moe_ref(x.cpu(), up, su, down, sd, wts, ids, up_input_scale=xs[0], down_input_scale=xs[1])
     by_hand = torch.zeros(T, M)
     for t in range(T):
         for j in range(k):
             e = int(ids[t, j])
-            h = torch.relu(fp8_linear_ref(x[t:t + 1].cpu().float(), up[e], su[e])).square()
-            by_hand[t] += wts[t, j] * fp8_linear_ref(h, down[e], sd[e])[0]
-    torch.testing.assert_close(want.float(), by_hand, atol=5e-2, rtol=1e-2)  # want is bf16
+            h = torch.relu(fp8_linear_ref(x[t:t + 1].cpu().float(), up[e], su[e], xs[0])).square()
+            by_hand[t] += wts[t, j] * fp8_linear_ref(h, down[e], sd[e], xs[1])[0]
+    tol = FP32_SUM if dtype == torch.float32 else dict(atol=5e-2, rtol=1e-2)  # bf16: one rounding of out
+    torch.testing.assert_close(want.float(), by_hand, **tol)
     dev = [a.to(device) for a in (up, su, down, sd, wts, ids)]
-    got = fp8_moe(x, *dev[:4], dev[4], dev[5])
-    torch.testing.assert_close(got.float().cpu(), want.float(), atol=5e-2, rtol=1e-2)
+    dxs = [None if s is None else s.to(device) for s in xs]
+    got = fp8_moe(x, *dev[:4], dev[4], dev[5], up_input_scale=dxs[0], down_input_scale=dxs[1])
+    assert got.dtype == dtype and got.shape == (T, M)
+    torch.testing.assert_close(got.float().cpu(), want.float(), **tol)
 
 
 @pytest.mark.gpu
@@ -148,4 +162,22 @@ def test_fp8_linear_on_gpu(T, per_channel, static):
     sx = torch.tensor(0.01) if static else None
     want = fp8_linear_ref(x.cpu(), w, sw, sx)
     got = fp8_linear(x, w.cuda(), sw.cuda(), None if sx is None else sx.cuda())
+    torch.testing.assert_close(got.float().cpu(), want.float(), atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16, 64])
+def test_moe_on_gpu_at_nano_width(T):
+    """fp8_moe at nemotron-3-nano's expert sizes (E 128, k 6, F 1856, M 2688): pair GEMV up to 16
+    tokens, the dense path above, both vs the reference; bf16 tolerance."""
+    g = torch.Generator().manual_seed(T)
+    E, k, F_, M = 128, 6, 1856, 2688
+    x = torch.randn(T, M, generator=g).to(torch.bfloat16)
+    up, su = quantize_weight_ref(torch.randn(E * F_, M, generator=g) * 0.02)
+    down, sd = quantize_weight_ref(torch.randn(E * M, F_, generator=g) * 0.02)
+    up, su, down, sd = up.view(E, F_, M), su.view(E, F_), down.view(E, M, F_), sd.view(E, M)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    wts = torch.rand(T, k, generator=g)
+    want = fp8_moe_ref(x, up, su, down, sd, wts, ids)
+    got = fp8_moe(*(a.cuda() for a in (x, up, su, down, sd, wts, ids)))
     torch.testing.assert_close(got.float().cpu(), want.float(), atol=5e-2, rtol=2e-2)
