@@ -31,6 +31,14 @@ achieved bandwidth as a % of the measured copy peak. On a GPU the verify and com
 plain step replay from CUDA graphs (``GraphedVerifier`` / ``GraphedDecoder``, as the engine runs
 them), and so does each MTP step of the drafter (``MTPDrafter(cuda_graphs=True)``; its time includes
 building the catch-up's inputs on the host and one host read of the drafts).
+``--engine-batches 8,64,256`` (``--engine-k``, ``--engine-gen-len``) adds the engine-level check of
+the speculation policy: per batch B, ``Engine(model, max_batch=B)`` (plain decoding) and
+``Engine(model, max_batch=B, speculate=K, drafter="mtp")`` (its adaptive policy: it weighs the
+measured step costs and the acceptance of these weights, which is ~0 for random weights) generate
+the same greedy tokens from the same prompts; after an untimed run of each (graph captures, and the
+policy's exploration), a second run's decode tok/s are compared (target: the MTP engine never more
+than 3% slower), with the policy's choices (how often each k) and the acceptance it saw.
+
 Without a GPU: the tiny preset through the interpreter / references (plumbing, not speed).
 """
 from __future__ import annotations
@@ -59,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--path", default="replay", choices=("replay", "legacy"), help="verify path")
     parser.add_argument("--ssm-dtype", default="fp32", choices=("fp32", "fp16", "bf16"))
     parser.add_argument("--no-graphs", action="store_true", help="run verify / commit / plain eagerly on a GPU")
+    parser.add_argument("--engine-batches", default="", help="also compare Engine(drafter='mtp') with plain "
+                        "decoding at these batches, comma-separated (e.g. 8,64,256)")
+    parser.add_argument("--engine-k", type=int, default=3, help="speculate K of the engine comparison (default 3)")
+    parser.add_argument("--engine-gen-len", type=int, default=None, help="tokens per request there (default 64; CPU 6)")
     parser.add_argument("--json", default=None, help="append the rows as JSON lines to PATH")
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
 
@@ -396,6 +408,19 @@ def run(args: argparse.Namespace, command: str) -> int:
             best = max((x for x in rows if x["batch"] == B), key=lambda x: x["byte_bound_speedup"])
             print(f"  best k by the byte bound: k={best['k']} bound {best['byte_bound_speedup']:.2f}x, measured "
                   f"{best['measured_speedup']:.2f}x ({best['measured_over_bound'] * 100:.0f}% of the bound)")
+        if args.engine_batches:
+            gen_len = args.engine_gen_len or (64 if gpu else 6)
+            print(f"engine: plain vs drafter='mtp' (K={args.engine_k}, adaptive policy), prompt {prompt_len}, "
+                  f"{gen_len} tokens per request, the second of two runs timed")
+            print(f"{'batch':>5} {'plain tok/s':>11} {'mtp tok/s':>10} {'ratio':>6} {'<=3% slower':>11} "
+                  f"{'accept':>6} {'match':>5}  k chosen (count)")
+            for B in _ints(args.engine_batches, "engine-batches"):
+                row = run_engine(model, B, prompt_len, gen_len, args.engine_k, device, name)
+                rows.append(row)
+                print(f"{B:>5} {row['plain_tok_s']:>11.1f} {row['mtp_tok_s']:>10.1f} {row['ratio']:>6.3f} "
+                      f"{'yes' if row['ratio'] >= 0.97 else 'NO':>11} {row['policy']['accept_rate']:>6.3f} "
+                      f"{'yes' if row['tokens_match'] else 'NO':>5}  "
+                      f"{row['policy']['chosen']}")
     finally:
         experts.close()
     if args.json:
@@ -403,3 +428,32 @@ def run(args: argparse.Namespace, command: str) -> int:
 
         write_records(args.json, rows, header)
     return 0
+
+
+def run_engine(model, B: int, prompt_len: int, gen_len: int, K: int, device, name: str) -> dict:
+    """Decode tok/s of plain and MTP engines at batch ``B`` (the second of two runs) and the policy's report."""
+    from fastmamba.generation.engine import Engine
+    from fastmamba.generation.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(1000 + B)
+    prompts = torch.randint(0, model.cfg.vocab_size, (B, prompt_len), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=gen_len, ignore_eos=True)
+    out, tok_s = {}, {}
+    engine = None
+    for label, kw in (("plain", {}), ("mtp", {"speculate": K, "drafter": "mtp"})):
+        engine = Engine(model, max_batch=B, max_seq_len=prompt_len + gen_len + K + 8, **kw)
+        engine.generate(prompts, params)  # graphs, compiles, the policy's exploration: untimed
+        rids = [engine.add_request(p, params) for p in prompts]
+        engine.step()  # every prompt's prefill: untimed
+
+        def loop():
+            while engine.has_unfinished():
+                engine.step()
+
+        _, secs = _timed(loop, device)
+        out[label] = [engine.finished.pop(rid).output for rid in rids]
+        tok_s[label] = B * (gen_len - 1) / secs
+    return {"record": "mtp_engine", "model": name, "batch": B, "speculate": K, "plain_tok_s": tok_s["plain"],
+            "mtp_tok_s": tok_s["mtp"], "ratio": tok_s["mtp"] / tok_s["plain"], "tokens_match": out["plain"] == out["mtp"],
+            "policy": engine.stats.get("policy") or {"accept_rate": float("nan"), "chosen": {}},
+            "prompt_len": prompt_len, "gen_len": gen_len}

@@ -64,14 +64,18 @@ class MTPDrafter:
     max_seq_len  the most positions one request's MTP context holds (its output length plus K)
     page_size / num_pages  the MTP's K/V pool (one layer per attention block of the MTP pattern);
                  num_pages None: enough for every row at max_seq_len (never runs out)
+    max_catch_up the most observed positions a request keeps for its next catch-up: while the
+                 engine's policy has speculation off, only the newest ones are run through the MTP
+                 (its context then skips the older ones)
+    cuda_graphs  MTP steps from CUDA graphs (see the module docstring)
     """
 
     needs_hidden = True
 
     def __init__(self, model, max_batch: int, *, max_seq_len: int = 4096, page_size: int = 16,
-                 num_pages: int | None = None, cuda_graphs: bool = False):
+                 num_pages: int | None = None, max_catch_up: int = 16, cuda_graphs: bool = False):
         require_mtp(model)
-        for name, v in (("max_batch", max_batch), ("max_seq_len", max_seq_len)):
+        for name, v in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("max_catch_up", max_catch_up)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"MTPDrafter: {name} must be an int >= 1, got {v!r}")
         self.model = model
@@ -85,6 +89,7 @@ class MTPDrafter:
                              page_size=page_size, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                              device=self.device, dtype=w.dtype)
         self.max_batch = max_batch
+        self.max_catch_up = max_catch_up
         self._tracks: dict[int, _Track] = {}
         self.stats = {"calls": 0, "rows": 0}
         if cuda_graphs and self.device.type != "cuda":
@@ -108,6 +113,7 @@ class MTPDrafter:
         tokens are the last ``counts[i]`` of its output. Finished requests are skipped (forgotten)."""
         if hidden.dim() == 2:
             hidden = hidden[:, None]
+        hidden = hidden.detach().clone()  # one copy for the batch (the caller's buffer is reused); rows are views
         if hidden.shape[0] != len(requests) or len(counts) != len(requests):
             raise ValueError(f"MTPDrafter.observe: {len(requests)} requests, {hidden.shape[0]} hidden rows and "
                              f"{len(counts)} counts")
@@ -124,8 +130,11 @@ class MTPDrafter:
                     raise ValueError(f"MTPDrafter.observe: request slot {r.slot} outside [0, {self.max_batch})")
                 self.pages.release([r.slot])  # a fresh request in a reused slot: empty context
                 t = self._tracks[id(r)] = _Track(r, r.slot)
-            t.hidden.append(hidden[i, :c].detach().clone())
+            t.hidden.append(hidden[i, :c])
             t.tokens += list(r.output[-c:])
+            if len(t.tokens) > self.max_catch_up:
+                t.hidden = [torch.cat(t.hidden)[-self.max_catch_up:]]
+                t.tokens = t.tokens[-self.max_catch_up:]
 
     def forget(self, request) -> None:
         """Drop a finished or aborted request: its MTP pages go back to the pool."""

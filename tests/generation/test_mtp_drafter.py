@@ -292,16 +292,40 @@ def test_through_the_server(model, plain):
     assert engine.stats["drafts_proposed"] > 0
 
 
+def test_catch_up_keeps_the_newest_positions(model):
+    """While speculation is off (plain steps, one position each) a request's pending positions stop
+    at max_catch_up: the next catch-up runs the newest ones only (positions after the MTP's context)."""
+    d = MTPDrafter(model, 1, max_seq_len=64, max_catch_up=4)
+    r = _Req([1, 2], [3], 0)
+    g = torch.Generator().manual_seed(4)
+    hs = [torch.randn(1, 1, CFG.d_model, generator=g) for _ in range(6)]
+    d.observe([r], hs[0], [1])
+    for h in hs[1:]:
+        r.output.append(int(h[0, 0, 0] > 0))
+        d.observe([r], h, [1])
+    assert d.propose([r], 2) and d.stats["rows"] == 4 + 1
+    assert d.pages.length(0) == 4  # the catch-up's positions stay, the second draft's went
+    ctx, h, want = [], None, None
+    for tok, hid in zip(r.output[-4:], hs[-4:]):
+        h = mtp_ref(model, tok, hid[0, 0], ctx)
+        want = int((model.lm_head.weight @ h).argmax())
+    d2 = MTPDrafter(model, 1, max_seq_len=64, max_catch_up=4)
+    d2.observe([r], torch.cat(hs[-4:], dim=1), [4])
+    assert d2.propose([r], 1) == [[want]]
+
+
 def test_drafter_errors(model):
     with pytest.raises(ValueError, match="max_batch must be an int >= 1"):
         MTPDrafter(model, 0)
+    with pytest.raises(ValueError, match="max_catch_up must be an int >= 1"):
+        MTPDrafter(model, 2, max_catch_up=0)
     d = MTPDrafter(model, 2)
     with pytest.raises(ValueError, match="k must be an int >= 1"):
         d.propose([], 0)
     with pytest.raises(ValueError, match="drafter expected a Drafter object or 'mtp'"):
         Engine(model, max_batch=2, speculate=2, drafter="ngram", cuda_graphs=False)
-    with pytest.raises(ValueError, match="runs eagerly"):
-        Engine(model, max_batch=2, speculate=2, drafter="mtp", cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device"):
+        MTPDrafter(model, 2, cuda_graphs=True)
 
 
 # -- the speculation policy -------------------------------------------------------------------------
@@ -365,13 +389,21 @@ def test_policy_measures_when_given_no_costs():
 
 @pytest.mark.gpu
 def test_gpu_greedy_equals_plain_and_graphed_drafts():
-    """On a GPU (fp32): the engine with drafter="mtp" emits plain greedy's tokens (the plain engine
-    replays CUDA graphs), and the drafter's graphed MTP steps give the eager drafter's drafts."""
+    """On a GPU (fp32): the engine with drafter="mtp" emits plain greedy's tokens, with CUDA graphs
+    (verify steps and the MTP's steps; requests join and leave, so several buckets) and without, and
+    the drafts equal the eager engine's (the graphs' hidden states are the ones the drafts came from);
+    the drafter's graphed MTP steps give the eager drafter's drafts."""
     m = build_model().to("cuda")
-    prompts, n_new = PROMPTS[:4], N_NEW[:4]
+    prompts, n_new = PROMPTS, N_NEW
     want, _ = greedy_on(m, prompts, n_new, max_batch=4)
-    got, engine = greedy_on(m, prompts, n_new, max_batch=4, speculate=3, drafter="mtp", spec_policy=None)
-    assert got == want and engine.stats["drafts_accepted"] > 0
+    runs = {}
+    for graphs in (False, True):
+        got, engine = greedy_on(m, prompts, n_new, max_batch=4, speculate=3, drafter="mtp", spec_policy=None,
+                                cuda_graphs=graphs)
+        assert got == want and engine.stats["drafts_accepted"] > 0
+        assert (engine.verifier is not None) == graphs and engine.graph_captures["count"] >= (2 if graphs else 0)
+        runs[graphs] = (engine.stats["drafts_proposed"], engine.stats["drafts_accepted"])
+    assert runs[True] == runs[False]
     drafts = {}
     for graphs in (False, True):
         d = MTPDrafter(m, 2, max_seq_len=64, cuda_graphs=graphs)
