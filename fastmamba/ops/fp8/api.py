@@ -11,6 +11,7 @@ import torch
 
 from fastmamba.ops._common.checks import FLOAT_DTYPES, check_dtype, check_same_device, check_tensors, check_unit_stride
 from fastmamba.ops._common.dispatch import use_triton
+from fastmamba.ops.fp8 import kernel
 from fastmamba.ops.fp8.kernel import (
     launch_fp8_gemv,
     launch_moe_pair_gemv,
@@ -123,13 +124,17 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     if not use_triton(x2):
         y = fp8_linear_ref(x, weight, weight_scale, input_scale, bias)
         return y if out is None else out.copy_(y)
-    if input_scale is None:
-        q, sx = quantize_per_token(x2)
-    else:
-        q, sx = quantize_static(x2, input_scale), input_scale.reshape(1).expand(T)
     y = out if out is not None else torch.empty(lead + (N,), dtype=x.dtype, device=x.device)
     if T and N:
-        launch_fp8_gemv(q, sx.contiguous(), weight, sw, bias, y.view(T, N))
+        if kernel.FUSE_QUANT:  # x quantised inside the GEMV: one launch
+            scale = None if input_scale is None else input_scale.reshape(1).float()
+            launch_fp8_gemv(x2, scale, weight, sw, bias, y.view(T, N), quant=1 if input_scale is None else 2)
+        else:
+            if input_scale is None:
+                q, sx = quantize_per_token(x2)
+            else:
+                q, sx = quantize_static(x2, input_scale), input_scale.reshape(1).expand(T)
+            launch_fp8_gemv(q, sx.contiguous(), weight, sw, bias, y.view(T, N), quant=0)
     return y
 
 

@@ -80,27 +80,47 @@ def launch_quantize_static(x: torch.Tensor, scale: torch.Tensor, q: torch.Tensor
 
 @triton.heuristics({"HAS_BIAS": lambda a: a["b_ptr"] is not None})
 @triton.jit(do_not_specialize=["T"])
-def _fp8_gemv_kernel(q_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, T, N, K,
-                     stride_q_t, stride_w_n, stride_sw_n, stride_y_t,
-                     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_T: tl.constexpr,
+def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, T, N, K,
+                     stride_x_t, stride_w_n, stride_sw_n, stride_y_t,
+                     HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, USE_DOT: tl.constexpr,
+                     AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # one program per block of N output features, all T (<= BLOCK_T) rows: each weight tile is read
     # once. USE_DOT: an e4m3 x e4m3 tensor-core dot over rows padded to 16; else FMA (1-2 rows).
-    # Products of two e4m3 values are exact in fp32; sums in fp32.
+    # QUANT 0: x is e4m3 with row scales sx; 1: x in 16/32 bits, quantised here per token (a first
+    # pass over x for the row maxima; x is small and L2-resident); 2: x quantised here with the
+    # static scale sx[0]. Products of two e4m3 values are exact in fp32; sums in fp32.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     t = tl.arange(0, BLOCK_T)
+    if QUANT == 0:
+        sx = tl.load(sx_ptr + t, mask=t < T, other=0.0)
+    elif QUANT == 1:
+        amax = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xa = tl.load(x_ptr + t[:, None] * stride_x_t + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K),
+                         other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(xa), axis=1))
+        sx = tl.div_rn(tl.maximum(amax, AMAX_MIN), QMAX + tl.zeros_like(amax))
+    else:
+        sx = tl.load(sx_ptr) + tl.zeros([BLOCK_T], dtype=tl.float32)
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + n[:, None] * stride_w_n + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
                     other=0.0)                                                   # [BLOCK_N, BLOCK_K] e4m3
-        x = tl.load(q_ptr + t[:, None] * stride_q_t + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K),
-                    other=0.0)                                                   # [BLOCK_T, BLOCK_K] e4m3
+        x = tl.load(x_ptr + t[:, None] * stride_x_t + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K),
+                    other=0.0)                                                   # [BLOCK_T, BLOCK_K]
+        if QUANT != 0:  # the e4m3 value as fp32 (exact), as quantize_per_token / quantize_static write it
+            xf = x.to(tl.float32)
+            xq = tl.minimum(tl.maximum(tl.div_rn(xf, sx[:, None] + tl.zeros_like(xf)), -QMAX), QMAX)
+            x = _round_e4m3(xq)
+            if USE_DOT:
+                x = x.to(tl.float8e4nv)
         if USE_DOT:
             acc = tl.dot(x, tl.trans(w), acc)
         else:
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    sx = tl.load(sx_ptr + t, mask=t < T, other=0.0)
     sw = tl.load(sw_ptr + n * stride_sw_n, mask=n < N, other=0.0)
     y = acc * sx[:, None] * sw[None, :]
     if HAS_BIAS:
@@ -110,22 +130,25 @@ def _fp8_gemv_kernel(q_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, T, N, K,
 
 
 FMA_MAX_ROWS = 2  # more rows take the tensor-core dot (rows padded to 16)
+FUSE_QUANT = True  # fp8_gemv quantises x inside the GEMV (False: a quantisation kernel first; for the bench)
 
 
-def launch_fp8_gemv(q: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
-                    bias: torch.Tensor | None, y: torch.Tensor) -> None:
-    """q [T, K] e4m3, sx [T] fp32, w [N, K] e4m3, sw [N] fp32 (stride 0 for one scale), bias [N]
-    or None -> y [T, N] (written). T <= 16. Untuned first cut (a configs.py table comes with the
-    GPU benchmark: python -m fastmamba.bench.ops.fp8)."""
-    T, K = q.shape
+def launch_fp8_gemv(x: torch.Tensor, sx: torch.Tensor | None, w: torch.Tensor, sw: torch.Tensor,
+                    bias: torch.Tensor | None, y: torch.Tensor, *, quant: int) -> None:
+    """x [T, K] (unit stride along K): e4m3 with sx [T] fp32 (quant 0), or 16/32-bit quantised in
+    the kernel per token (quant 1, sx None) or with the one static scale sx (quant 2); w [N, K] e4m3,
+    sw [N] fp32 (stride 0 for one scale), bias [N] or None -> y [T, N] (written). T <= 16.
+    Untuned first cut (a configs.py table comes with the GPU benchmark: python -m fastmamba.bench fp8)."""
+    T, K = x.shape
     N = w.shape[0]
     use_dot = T > FMA_MAX_ROWS
     block_t = 16 if use_dot else T
     block_n = 64 if use_dot else 32
     block_k = min(128, max(32, triton.next_power_of_2(K)))
-    _fp8_gemv_kernel[(triton.cdiv(N, block_n),)](q, sx, w, sw, bias, y, T, N, K, q.stride(0), w.stride(0),
-                                                 sw.stride(0), y.stride(0), USE_DOT=use_dot, BLOCK_T=block_t,
-                                                 BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    _fp8_gemv_kernel[(triton.cdiv(N, block_n),)](x, sx if sx is not None else sw, w, sw, bias, y, T, N, K,
+                                                 x.stride(0), w.stride(0), sw.stride(0), y.stride(0), QUANT=quant,
+                                                 USE_DOT=use_dot, AMAX_MIN=AMAX_FLOOR, QMAX=FP8_MAX,
+                                                 BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
 
 
 @triton.jit(do_not_specialize=["P"])

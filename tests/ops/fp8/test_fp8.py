@@ -98,6 +98,22 @@ def test_gemv_matches_reference(lead, N, K, per_channel, static, bias, dtype, de
     torch.testing.assert_close(fp8_linear(x, w, sw, sx, b).float().cpu(), want.float(), **tol)
 
 
+@pytest.mark.parametrize("T,static", [(1, False), (2, True), (7, False), (16, True)], ids=["T1", "T2-static", "T7", "T16-static"])
+def test_fused_quantisation_equals_the_separate_kernel(T, static, device, monkeypatch):
+    """The GEMV quantising x itself (one launch) gives the bytes-for-bytes result of quantising
+    first (quantize_per_token / quantize_static, then the GEMV on e4m3 rows)."""
+    from fastmamba.ops.fp8 import kernel
+
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, 200, generator=g).to(device, torch.bfloat16)
+    w, sw = quantize_weight_ref(torch.randn(72, 200, generator=g) * 0.1)
+    w, sw = w.to(device), sw.to(device)
+    sx = torch.tensor(0.01, device=device) if static else None
+    fused = fp8_gemv(x, w, sw, sx)
+    monkeypatch.setattr(kernel, "FUSE_QUANT", False)
+    assert torch.equal(fp8_gemv(x, w, sw, sx), fused)
+
+
 def test_gemv_rejects_bad_inputs(device):
     x = torch.randn(2, 32, device=device, dtype=torch.bfloat16)
     w = torch.zeros(8, 32, dtype=FP8_DTYPE, device=device)
