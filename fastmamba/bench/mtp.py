@@ -163,8 +163,8 @@ def _timed(fn, device):
 def _params(model, mtp: bool) -> list[torch.Tensor]:
     seen, out = set(), []
     for name, p in model.named_parameters():
-        if name.startswith("mtp.") == mtp and p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
+        if name.startswith("mtp.") == mtp and id(p) not in seen:  # tied weights: one Parameter
+            seen.add(id(p))
             out.append(p)
     return out
 
@@ -185,8 +185,7 @@ def target_bytes(model, tokens: int, batch: int, context: float, touched: list[f
     from fastmamba.bench.e2e import moe_layers
 
     c = model.cfg
-    layers = [m for m in moe_layers(model) if m not in set(moe_layers(model.mtp))] if model.mtp else moe_layers(model)
-    total = _weights(_params(model, mtp=False), layers, touched)
+    total = _weights(_params(model, mtp=False), moe_layers(model), touched)  # the backbone's MoE layers
     emb = model.backbone.embeddings.weight
     if emb.data_ptr() != model.lm_head.weight.data_ptr():
         total -= (emb.shape[0] - min(tokens, emb.shape[0])) * emb.shape[1] * emb.element_size()
@@ -360,7 +359,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     header = collect(device, command)
     peak = measure_copy_bandwidth(device) if gpu else None
     n_mtp_moe = len(moe_layers(model.mtp))
-    n_moe = len(moe_layers(model)) - n_mtp_moe
+    n_moe = len(moe_layers(model))  # the backbone's
     print(f"# {header['device']}: {name} ({model.dtype}), prompt {prompt_len}, {steps} timed steps, verify path "
           f"{args.path}, {args.ssm_dtype} state, {'CUDA graphs (MTP steps, verify, commit, plain)' if graphs else 'eager'}; "
           f"schedule p={p:.4f} per draft ({args.accept_length} tokens/step at k={args.accept_at})"
