@@ -47,16 +47,21 @@ def test_sigterm_while_loading_exits_0_and_leaves_no_engine():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.Popen([sys.executable, "-m", "fastmamba.serve", "--model", "nemotron-h-tiny", "--device", "cpu",
                              "--port", str(port)], stderr=subprocess.PIPE, text=True, env=env)
-    line = proc.stderr.readline()  # the first start-up line: the engine process is being started
-    assert "starting the engine process" in line, line
-    time.sleep(1.0)
-    children = _children(proc.pid)
-    assert children, "the engine process did not start"
-    proc.send_signal(signal.SIGTERM)
-    rc = proc.wait(60)
-    err = proc.stderr.read()
-    assert rc == 0 and "Traceback" not in err, err
-    deadline = time.time() + 15
-    while time.time() < deadline and any(map(_running, children)):
-        time.sleep(0.1)
-    assert not [pid for pid in children if _running(pid)]
+    try:
+        line = proc.stderr.readline()  # the first start-up line: the engine process is being started
+        assert "starting the engine process" in line, line
+        time.sleep(1.0)
+        children = _children(proc.pid)
+        assert children, "the engine process did not start"
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+        err = proc.stderr.read()
+        assert rc == 0 and "Traceback" not in err, err
+        deadline = time.time() + 15
+        while time.time() < deadline and any(map(_running, children)):
+            time.sleep(0.1)
+        assert not [pid for pid in children if _running(pid)]
+    finally:
+        if proc.poll() is None:  # a failed check must not leave the server running
+            proc.kill()
+            proc.wait()
