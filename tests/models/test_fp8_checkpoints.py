@@ -332,10 +332,11 @@ def test_logits_equal_the_w8a8_reference(fp8_dir):
     assert 2 ** -12 < rel <= 2 ** -2, f"relative error {rel:.3e} vs 32-bit activations (module doc, (2))"
 
 
-@pytest.fixture(scope="module")
-def engine_model(tmp_path_factory):
+@pytest.fixture(scope="module", params=["modelopt-fp8", "ct-channel-token"])
+def engine_model(request, tmp_path_factory):
+    """A static-scale and a dynamic per-token checkpoint, loaded."""
     root = tmp_path_factory.mktemp("engine")
-    write_checkpoint(root, "modelopt-fp8")
+    write_checkpoint(root, request.param)
     return load_nemotron_h(root, device="cpu")
 
 
