@@ -52,6 +52,9 @@ for step in "${steps[@]}"; do
         tests-*)   timeout 400 python3 -m pytest -q -n 8 ${step#tests-} > "$OUT/tests.log" 2>&1; echo "rc=$?"; tail -n 15 "$OUT/tests.log" ;;
         crossover) FASTMAMBA_GIT_COMMIT=${FASTMAMBA_GIT_COMMIT:-unknown} timeout 400 python3 -m fastmamba.bench spec --shapes mamba2-2.7b,nemotron-h --tokens 2,4,6,8,16 --state fp32,fp16 --write-table > "$OUT/crossover.txt" 2> "$OUT/crossover.err"; echo "rc=$?"; tail -n 30 "$OUT/crossover.txt"; tail -3 "$OUT/crossover.err"; cp fastmamba/generation/verify_crossover.json "$OUT/" ;;
         eager-*)   timeout 540 python3 -m fastmamba.bench kernels --eager --quick --ops "${step#eager-}" --json "$OUT/eager.jsonl" > "$OUT/eager.txt" 2> "$OUT/eager.err"; echo "rc=$?"; cat "$OUT/eager.txt"; tail -3 "$OUT/eager.err" ;;
+        moe)       timeout 300 python3 -m fastmamba.bench kernels --ops moe --json "$OUT/moe.jsonl" --markdown "$OUT/moe.md" > "$OUT/moe.txt" 2> "$OUT/moe.err"; echo "rc=$?"; cat "$OUT/moe.txt"; tail -3 "$OUT/moe.err" ;;
+        e2em-*)    timeout 400 python3 -m fastmamba.bench e2e --model "${step#e2em-}" --json "$OUT/e2e.jsonl" >> "$OUT/e2e.txt" 2>> "$OUT/e2e.err"; echo "rc=$?"; tail -n 12 "$OUT/e2e.txt"; tail -3 "$OUT/e2e.err" ;;
+        hf-*)      timeout 400 python3 -m fastmamba.bench hf --model "${step#hf-}" --batch 1,16 --new-tokens 256 --repeats 1 --json "$OUT/hf.jsonl" >> "$OUT/hf.txt" 2>> "$OUT/hf.err"; echo "rc=$?"; tail -n 12 "$OUT/hf.txt"; tail -3 "$OUT/hf.err" ;;
         *)         echo "unknown step $step" ;;
     esac
 done

@@ -55,7 +55,12 @@ class Server:
             [sys.executable, "-m", "fastmamba.serve", "--model", model, "--dtype", "fp32", "--device", "cpu",
              "--port", str(self.port), "--log-level", "warning", *args],
             env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except BaseException:  # never leave a server behind that did not come up
+            self.proc.kill()
+            self.proc.wait()
+            raise
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         import httpx
