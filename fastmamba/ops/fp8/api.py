@@ -21,6 +21,7 @@ from fastmamba.ops.fp8.kernel import (
 from fastmamba.ops.fp8.ref import FP8_DTYPE, fp8_linear_ref, fp8_moe_ref, quantize_per_token_ref, quantize_static_ref
 
 GEMV_MAX_ROWS = 16      # rows up to which fp8_linear takes the Triton GEMV (decode and verify steps)
+DEQUANT_MIN_TOKENS = 1024  # fp8_moe: from here the experts are dequantised for the grouped 16-bit kernel
 _FP8 = (FP8_DTYPE,)
 
 
@@ -191,7 +192,11 @@ def fp8_moe(x: torch.Tensor, w_up: torch.Tensor, up_scale: torch.Tensor, w_down:
     on all T rows and the rows that did not choose it get weight 0 -- no host read (CUDA-graph
     safe), FP8 bytes, but E/k times the FLOPs of a grouped kernel; the Triton grouped FP8 MoE GEMM
     (ops/moe's grouped kernel with e4m3 tiles and per-expert scales) is the planned replacement.
-    CPU without the interpreter: the reference (a loop over the chosen experts).
+    From ``DEQUANT_MIN_TOKENS`` tokens (long prefills), where the dense loop's E/k FLOPs dominate:
+    the experts dequantised to x's dtype for the call (a transient 2 bytes a weight) and the
+    activations quantised and dequantised, then the 16-bit grouped ``fused_moe``: W8A8 up to one
+    16-bit rounding of weights and activations, except that down's input (the relu² rows) keeps
+    16 bits instead of e4m3. CPU without the interpreter: the reference (a loop over the chosen experts).
     """
     op = "fp8_moe"
     check_tensors(op, [("x", x), ("w_up", w_up), ("up_scale", up_scale), ("w_down", w_down),
@@ -216,7 +221,12 @@ def fp8_moe(x: torch.Tensor, w_up: torch.Tensor, up_scale: torch.Tensor, w_down:
     if not use_triton(x):
         return fp8_moe_ref(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
                            up_input_scale=up_input_scale, down_input_scale=down_input_scale)
-    if T <= GEMV_MAX_ROWS or not x.is_cuda:
+    if T <= GEMV_MAX_ROWS:
+        return _fp8_moe_gemv(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
+                             up_input_scale, down_input_scale)
+    if T >= DEQUANT_MIN_TOKENS:
+        return _fp8_moe_dequantised(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids, up_input_scale)
+    if not x.is_cuda:
         return _fp8_moe_gemv(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
                              up_input_scale, down_input_scale)
     out = torch.zeros(T, M, dtype=torch.float32, device=x.device)
@@ -254,3 +264,21 @@ def _fp8_moe_gemv(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
         hq, sh = quantize_static(h, down_input_scale), down_input_scale.reshape(1).expand(P).contiguous()
     launch_moe_pair_gemv(hq, sh, w_down, sd, ids, tw, yp, top_k=k, per_pair=True, relu2=False)
     return yp.view(T, k, M).sum(1).to(x.dtype)
+
+
+def _fp8_moe_dequantised(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids, up_input_scale):
+    """The long-prefill path of ``fp8_moe``: dequantised experts through the grouped ``fused_moe``."""
+    from fastmamba.ops.moe import fused_moe  # a sibling op, imported at first use
+
+    dt = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
+    E, F_, M = w_up.shape
+    su = up_scale.reshape(E, -1, 1).to(dt)       # [E, 1 or F, 1]
+    sd = down_scale.reshape(E, -1, 1).to(dt)     # [E, 1 or M, 1]
+    up = w_up.to(dt) * su
+    down = w_down.to(dt) * sd
+    if up_input_scale is None:
+        q, s = quantize_per_token(x)
+        xd = (q.to(dt) * s[:, None].to(dt))
+    else:
+        xd = quantize_static(x, up_input_scale).to(dt) * up_input_scale.to(dt)
+    return fused_moe(xd, up, down, topk_weights, topk_ids).to(x.dtype)
