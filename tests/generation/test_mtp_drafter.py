@@ -314,6 +314,25 @@ def test_catch_up_keeps_the_newest_positions(model):
     assert d2.propose([r], 1) == [[want]]
 
 
+def test_cli_generate_drafter_mtp(capsys):
+    """``fastmamba generate --speculate 3 --drafter mtp`` prints plain generation's tokens and the
+    speculation summary; a preset without an MTP layer is a one-line error."""
+    from fastmamba import cli
+
+    argv = ["generate", "--model", "nemotron-3-tiny-mtp", "--prompt-ids", "1,2,3,4", "--max-new-tokens", "10",
+            "--ignore-eos"]
+    assert cli.main(argv) == 0
+    plain = capsys.readouterr().out.splitlines()[0]
+    assert cli.main(argv + ["--speculate", "3", "--drafter", "mtp"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == plain and "speculate K=3 (mtp)" in out + err
+    assert cli.main(["generate", "--model", "nemotron-3-tiny", "--prompt-ids", "1,2", "--speculate", "2",
+                     "--drafter", "mtp"]) == 2
+    err = capsys.readouterr().err
+    assert "fastmamba: error: drafter='mtp': NemotronHLM has no multi-token-prediction layer" in err
+    assert "Traceback" not in err
+
+
 def test_drafter_errors(model):
     with pytest.raises(ValueError, match="max_batch must be an int >= 1"):
         MTPDrafter(model, 0)
