@@ -361,7 +361,8 @@ def run(args: argparse.Namespace, command: str) -> int:
     n_mtp_moe = len(moe_layers(model.mtp))
     n_moe = len(moe_layers(model))  # the backbone's
     print(f"# {header['device']}: {name} ({model.dtype}), prompt {prompt_len}, {steps} timed steps, verify path "
-          f"{args.path}, {args.ssm_dtype} state, {'CUDA graphs (MTP steps, verify, commit, plain)' if graphs else 'eager'}; "
+          f"{args.path}, {args.ssm_dtype} state, "
+          f"{'CUDA graphs (MTP steps, verify, commit, plain)' if graphs else 'eager'}; "
           f"schedule p={p:.4f} per draft ({args.accept_length} tokens/step at k={args.accept_at})"
           + (f"; copy peak {peak / 1e9:.0f} GB/s" if peak else "; CPU: plumbing, not speed"))
     experts = _Experts()
@@ -453,6 +454,7 @@ def run_engine(model, B: int, prompt_len: int, gen_len: int, K: int, device, nam
         out[label] = [engine.finished.pop(rid).output for rid in rids]
         tok_s[label] = B * (gen_len - 1) / secs
     return {"record": "mtp_engine", "model": name, "batch": B, "speculate": K, "plain_tok_s": tok_s["plain"],
-            "mtp_tok_s": tok_s["mtp"], "ratio": tok_s["mtp"] / tok_s["plain"], "tokens_match": out["plain"] == out["mtp"],
+            "mtp_tok_s": tok_s["mtp"], "ratio": tok_s["mtp"] / tok_s["plain"],
+            "tokens_match": out["plain"] == out["mtp"],
             "policy": engine.stats.get("policy") or {"accept_rate": float("nan"), "chosen": {}},
             "prompt_len": prompt_len, "gen_len": gen_len}

@@ -41,9 +41,13 @@ def test_byte_model_parts():
     assert one == mtp_weights + lm + kv
     # two routed experts fewer touched: two experts' bytes fewer
     e = model.mtp.layers[1].mixer.experts
-    assert one - mtp.draft_bytes(model, 1, 1, 0, [c.n_routed_experts - 2]) == 2 * (e.up_proj[0].numel() + e.down_proj[0].numel()) * 4
+    expert = (e.up_proj[0].numel() + e.down_proj[0].numel()) * 4
+    assert one - mtp.draft_bytes(model, 1, 1, 0, [c.n_routed_experts - 2]) == 2 * expert
     # the target's bytes leave the MTP's weights out and grow with the verified tokens' K/V
-    assert mtp.target_bytes(model, 4, 1, 10, [2, 2], torch.float32) > mtp.target_bytes(model, 1, 1, 10, [2, 2], torch.float32)
+    verify, plain = (mtp.target_bytes(model, t, 1, 10, [2, 2], torch.float32) for t in (4, 1))
+    assert verify > plain
+    without = load_nemotron_h("nemotron-3-tiny", device="cpu")  # the same layers, no MTP layer
+    assert plain == mtp.target_bytes(without, 1, 1, 10, [2, 2], torch.float32)
 
 
 def test_run_prints_and_writes_rows(tmp_path, capsys):
