@@ -1,4 +1,4 @@
-"""One owner of a hybrid model's per-request caches: Mamba-2 slots and paged attention KV.
+"""One owner of a model's per-request caches: Mamba-2 slots and paged attention KV.
 
 A request takes one slot (``alloc``) for its whole life and gives it back once (``free``). The
 slot is its row in every Mamba layer's conv / SSM pool (a ``StateCache``) and its row of the
@@ -7,19 +7,21 @@ decode step writes tokens) and all go back with the slot. Layers find their slic
 ordinal among the layers of their kind: ``conv[j]`` / ``ssm[j]`` for the j-th Mamba layer,
 ``kv.k[j]`` / ``kv.v[j]`` for the j-th attention layer. A fourth layer kind with its own per-request
 state adds its pool here and keeps the same alloc / free.
+
+A pure Mamba-2 LM's cache is this class with an empty attention part and ``paged=False``: no
+per-slot lengths and no ``grow`` (its slots' rows are all there is; the model reads nothing on the
+host per step), slot bookkeeping and speculative state as its ``StateCache`` (``state``) keeps them.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from fastmamba.cache.kv_pages import KVPages
 from fastmamba.cache.state_cache import StateCache
+from fastmamba.layers.mamba2 import MambaLayerConfig
 
-if TYPE_CHECKING:  # (a runtime import would be circular: fastmamba.models imports this module)
-    from fastmamba.models.config import Mamba2Config
 
 
 class HybridCache:
@@ -27,7 +29,7 @@ class HybridCache:
         self,
         max_batch: int,
         *,
-        mamba_cfg: Mamba2Config | None,
+        mamba_cfg: MambaLayerConfig | None,
         n_attn_layers: int,
         n_kv_heads: int = 1,
         head_dim: int = 1,
@@ -39,6 +41,7 @@ class HybridCache:
         dtype: torch.dtype = torch.bfloat16,
         ssm_dtype: torch.dtype = torch.float32,
         speculate: int = 0,
+        paged: bool = True,
     ):
         """max_batch    requests held at once (slots)
         mamba_cfg      the Mamba layers' config (``n_layer`` = their count) or None without any
@@ -51,6 +54,9 @@ class HybridCache:
                        (``StateCache(speculate=K)``: replay histories, legacy buffers); the KV
                        needs nothing more (a verify step grows it by T tokens, the commit
                        shortens it to the accepted ones: ``rollback``)
+        paged          True: each slot's length is tracked (``grow`` before a step writes tokens,
+                       ``rollback``; K/V pages with attention layers). False (a pure Mamba-2 LM):
+                       no lengths, no attention layers, slots as the ``StateCache`` hands them out
         """
         if not (isinstance(max_batch, int) and max_batch >= 1):
             raise ValueError(f"HybridCache: `max_batch` expected a positive integer, got {max_batch!r}")
@@ -59,6 +65,10 @@ class HybridCache:
         if num_pages is not None and kv_budget_bytes is not None:
             raise ValueError("HybridCache: pass `num_pages` or `kv_budget_bytes`, not both")
         self.max_batch = max_batch
+        self.paged = paged
+        if not paged and (mamba_cfg is None or n_attn_layers):
+            raise ValueError("HybridCache: paged=False is the cache of a pure Mamba-2 model (Mamba layers, no "
+                             f"attention layers), got mamba_cfg={mamba_cfg!r}, n_attn_layers={n_attn_layers}")
         if speculate and mamba_cfg is None:
             raise ValueError("HybridCache: speculate needs Mamba layers (an attention-only model has no verify path)")
         self.speculate = speculate
@@ -79,37 +89,31 @@ class HybridCache:
         self.device = torch.device(device)
         self._free = list(range(max_batch - 1, -1, -1))
         self._len = [0] * max_batch  # tokens each slot has consumed (its KV length too)
-
-    # -- the per-layer slices ------------------------------------------------------------------------
-
-    @property
-    def conv(self) -> list[torch.Tensor]:
-        return self.state.conv if self.state is not None else []
-
-    @property
-    def ssm(self) -> list[torch.Tensor]:
-        return self.state.ssm if self.state is not None else []
+        # the per-layer slices (plain attributes: the layers read them every step), the Mamba part
+        # of speculative decoding, as the StateCache holds them
+        state = self.state
+        self.conv: list[torch.Tensor] = state.conv if state is not None else []
+        self.ssm: list[torch.Tensor] = state.ssm if state is not None else []
+        self.replay = state.replay if state is not None else []
+        self.conv_accepted: torch.Tensor | None = state.conv_accepted if state is not None else None
+        self.conv_stack = state.conv_stack if state is not None else None
+        self.ssm_stack = state.ssm_stack if state is not None else None
+        self.cfg = mamba_cfg
+        for name in ("buf_idx", "prev_accepted", "hist_len"):  # the replay counters shared by every layer
+            setattr(self, name, getattr(state, name, None))
 
     # -- speculative decoding: the Mamba pools' part (``StateCache``'s) -------------------------------
 
     @property
     def tokens_per_step(self) -> int:
-        return self.state.tokens_per_step
-
-    @property
-    def replay(self):
-        return self.state.replay
-
-    @property
-    def conv_accepted(self) -> torch.Tensor | None:
-        return self.state.conv_accepted
+        return self.state.tokens_per_step if self.state is not None else 1
 
     @property
     def legacy_max_batch(self) -> int:
         return self.state.legacy_max_batch
 
-    def mark_prefilled(self, slots: torch.Tensor) -> None:
-        self.state.mark_prefilled(slots)
+    def mark_prefilled(self, slots: torch.Tensor, *, pad_slot_id: int = -1) -> None:
+        self.state.mark_prefilled(slots, pad_slot_id=pad_slot_id)
 
     def reserve_legacy(self, max_batch: int) -> None:
         self.state.reserve_legacy(max_batch)
@@ -120,17 +124,17 @@ class HybridCache:
     def legacy_no_dst(self, nreq: int) -> torch.Tensor:
         return self.state.legacy_no_dst(nreq)
 
-    def flush(self, slots: torch.Tensor) -> None:
-        self.state.flush(slots)
+    def flush(self, slots: torch.Tensor, *, pad_slot_id: int = -1) -> None:
+        self.state.flush(slots, pad_slot_id=pad_slot_id)
 
-    def commit(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
-        self.state.commit(slots, accepted)
+    def commit(self, slots: torch.Tensor, accepted: torch.Tensor, *, pad_slot_id: int = -1) -> None:
+        self.state.commit(slots, accepted, pad_slot_id=pad_slot_id)
 
-    def commit_legacy(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
-        self.state.commit_legacy(slots, accepted)
+    def commit_legacy(self, slots: torch.Tensor, accepted: torch.Tensor, *, pad_slot_id: int = -1) -> None:
+        self.state.commit_legacy(slots, accepted, pad_slot_id=pad_slot_id)
 
-    def commit_plain(self, slots: torch.Tensor) -> None:
-        self.state.commit_plain(slots)
+    def commit_plain(self, slots: torch.Tensor, *, pad_slot_id: int = -1) -> None:
+        self.state.commit_plain(slots, pad_slot_id=pad_slot_id)
 
     def commit_path(self, slots: torch.Tensor, accepted: torch.Tensor, path: str, who: str) -> None:
         self.state.commit_path(slots, accepted, path, who)
@@ -157,7 +161,7 @@ class HybridCache:
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        return len(self._free) if self.paged else self.state.free_slots
 
     @property
     def kv_pages_in_use(self) -> int:
@@ -170,6 +174,8 @@ class HybridCache:
 
     def alloc(self, n: int = 1) -> torch.Tensor:
         """Take ``n`` slots (zeroed Mamba states, no KV pages yet); int32 tensor on the cache's device."""
+        if not self.paged:
+            return self.state.alloc(n)
         if n > len(self._free):
             raise RuntimeError(f"HybridCache: {n} slots requested, {len(self._free)} of {self.max_batch} free")
         if self.state is not None:
@@ -183,6 +189,8 @@ class HybridCache:
     def take(self, n: int = 1, *, zero: Sequence[bool] | None = None) -> list[int]:
         """``alloc`` as host ints, without a device-to-host read (``StateCache.take``; ``zero``: n
         bools, False leaves that slot's Mamba rows as they are, for a prefix-cache restore)."""
+        if not self.paged:
+            return self.state.take(n, zero=zero)
         if n > len(self._free):
             raise RuntimeError(f"HybridCache: {n} slots requested, {len(self._free)} of {self.max_batch} free")
         if self.state is not None:
@@ -193,6 +201,8 @@ class HybridCache:
 
     def free(self, slots: torch.Tensor | list[int]) -> None:
         """Give slots back: their Mamba rows and every KV page they hold. Checks all first."""
+        if not self.paged:
+            return self.state.free(slots)
         values = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
         for s in values:
             if not 0 <= s < self.max_batch or s in self._free or values.count(s) > 1:
@@ -248,6 +258,9 @@ class HybridCache:
         need; returns each slot's length before (its first new token's position). Pad slots (-1)
         are skipped (length 0). Raises before changing anything when a slot is not allocated or
         pages run out."""
+        if not self.paged:
+            raise RuntimeError("HybridCache.grow: this cache keeps no per-slot lengths (paged=False: a pure "
+                               "Mamba-2 model's); nothing to grow")
         live = [(s, n) for s, n in zip(slots, new_tokens) if s != -1]
         for s, _ in live:
             if not 0 <= s < self.max_batch or s in self._free:

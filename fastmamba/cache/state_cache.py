@@ -30,21 +30,23 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
+
+from fastmamba.layers.mamba2 import MambaLayerConfig
 
 from fastmamba.ops.replay import ReplayCache, commit_accepted, default_history, flush_replay_cache, reset_history
 from fastmamba.ops.runtime import host_reads_allowed, scatter_rows, trusted_inputs
 
-if TYPE_CHECKING:  # (a runtime import would be circular: fastmamba.models imports this module)
-    from fastmamba.models.config import Mamba2Config
 
 
 class StateCache:
+    paged = False  # no per-slot lengths, no ``grow``: the slots' rows are all there is
+    kv = None  # no attention part
+
     def __init__(
         self,
-        cfg: Mamba2Config,
+        cfg: MambaLayerConfig,
         num_slots: int,
         *,
         device: torch.device | str,

@@ -19,7 +19,6 @@ Bytes are counted, not modelled: the model is built on the ``meta`` device (no m
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -122,8 +121,7 @@ def weight_bytes(model: nn.Module) -> int:
 def _cache_builder(model: nn.Module, *, ssm_dtype: torch.dtype, speculate: int, page_size: int,
                    max_seq_len: int) -> tuple[Callable[[int, int], object], bool]:
     """new_cache(slots, pages) for either cache form, and whether the model has attention pages."""
-    params = inspect.signature(model.new_cache).parameters
-    if "num_pages" not in params:  # a Mamba-only cache: slots only
+    if not model.cfg.paged_cache:  # a Mamba-only cache: slots only
         return (lambda b, p: model.new_cache(b, ssm_dtype=ssm_dtype, speculate=speculate)), False
     has_kv = "*" in getattr(model.cfg, "pattern", "")
     return (lambda b, p: model.new_cache(b, max_seq_len=max_seq_len, page_size=page_size, num_pages=p,

@@ -106,7 +106,7 @@ class GraphedDecoder:
             pdl = pdl_supported(model.lm_head.weight)
         self.model, self.cache, self.max_batch, self.pdl = model, cache, max_batch, pdl
         self.rand_seed = rand_seed
-        self.paged = callable(getattr(cache, "grow", None))
+        self.paged = cache.paged  # per-slot lengths (grow before each step), K/V pages with attention layers
         dev = model.lm_head.weight.device
         self.buckets = buckets_up_to(max_batch)
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=dev)
@@ -191,7 +191,7 @@ class GraphedVerifier:
         self.rand_seed = rand_seed
         # a paged KV cache (hybrid models): the caller grows it by T before verify and shrinks it to
         # the accepted tokens after commit (``HybridCache.grow`` / ``rollback``), outside the graphs
-        self.paged = callable(getattr(cache, "grow", None))
+        self.paged = cache.paged
         dev = model.lm_head.weight.device
         self.tokens = {"replay": torch.zeros(max_batch, cache.tokens_per_step, dtype=torch.int64, device=dev),
                        "plain": torch.zeros(max_batch, 1, dtype=torch.int64, device=dev)}

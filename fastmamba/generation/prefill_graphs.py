@@ -50,8 +50,9 @@ from fastmamba.cache.prefix_cache import DeviceSnapshots, SnapshotPlan, snapshot
 from fastmamba.cache.state_cache import StateCache
 from fastmamba.generation.cuda_graphs import CaptureClock
 from fastmamba.generation.staging import StagedInputs
+from fastmamba.layers.attention import StagedPrefill, prefill_kv_values
 from fastmamba.models.mamba2_lm import Mamba2LM
-from fastmamba.models.nemotron_h import NemotronHLM, StagedPrefill, prefill_kv_values
+from fastmamba.models.nemotron_h import NemotronHLM
 from fastmamba.ops.attention import PrefillWork, work_items_bound
 from fastmamba.ops.runtime import (
     chunk_count_bound, hopper_kernels, next_power_of_2, pdl_supported, programmatic_dependent_launch, trusted_inputs,
@@ -140,7 +141,7 @@ class GraphedPrefill:
                   "snap_rows": (torch.int64, ns)}
         # a hybrid: the cache grows on the host before each replay; with attention layers, their
         # metadata are static inputs too
-        self.hybrid = isinstance(cache, HybridCache)
+        self.hybrid = cache.paged
         self.kv = cache.kv if self.hybrid else None
         if self.kv is not None:
             self.block_m = model.prefill_block_tokens()

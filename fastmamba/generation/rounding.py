@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from fastmamba.models.inputs import check_rand_seed  # (re-exported: it lives with the models' other input checks)
+
+__all__ = ["StochasticRounding", "check_rand_seed"]
+
 
 class StochasticRounding:
     """Per-layer device seeds for the 16-bit state stores of one model (see the module docstring)."""
@@ -39,17 +43,3 @@ class StochasticRounding:
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
             raise ValueError(f"StochasticRounding.reset: seed must be an int in [0, 2**31), got {seed!r}")
         self.seeds.copy_(torch.arange(self.n_layer, dtype=torch.int64) + (seed << 32))
-
-
-def check_rand_seed(rand_seed: torch.Tensor | None, n_layer: int, device: torch.device, who: str) -> None:
-    """ValueError / TypeError unless ``rand_seed`` is None or an int64 tensor of n_layer elements on ``device``."""
-    if rand_seed is None:
-        return
-    if not isinstance(rand_seed, torch.Tensor):
-        raise TypeError(f"{who}: `rand_seed` expected an int64 tensor of shape ({n_layer},) (one seed per layer, "
-                        f"fastmamba.generation.rounding.StochasticRounding.seeds) or None, got {type(rand_seed).__name__}")
-    if rand_seed.dtype != torch.int64 or tuple(rand_seed.shape) != (n_layer,):
-        raise ValueError(f"{who}: `rand_seed` expected an int64 tensor of shape ({n_layer},) (one seed per layer), "
-                         f"got {rand_seed.dtype} of shape {tuple(rand_seed.shape)}")
-    if rand_seed.device != device:
-        raise ValueError(f"{who}: `rand_seed` is on {rand_seed.device}, the model on {device}")

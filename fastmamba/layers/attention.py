@@ -17,13 +17,15 @@ so the model computes it once (``KVBatch``) and hands it to each layer.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastmamba.ops.attention import PrefillWork, paged_decode_attention, paged_kv_write, varlen_prefill_attention
+from fastmamba.ops.attention import (PrefillWork, paged_decode_attention, paged_kv_write, prefill_work,
+                                     varlen_prefill_attention)
 
 
 class KVBatch(NamedTuple):
@@ -54,6 +56,38 @@ class KVBatch(NamedTuple):
     slots_host: list[int] | None = None
     ctx_dev: torch.Tensor | None = None
     work: PrefillWork | None = None
+
+
+class StagedPrefill(NamedTuple):
+    """A hybrid prefill's metadata on the device, for a cache the caller has grown already (what
+    ``GraphedPrefill`` stages for a graph). Without attention layers the fields are not read (None).
+
+    positions   [T] int64: each token's position in its request
+    token_rows  [T] int64: each token's prompt (an index into slots)
+    ctx_lens    [B] int64: tokens each request held before this call
+    work        ``PrefillWork``: the attention kernel's work table (``prefill_work``)
+    """
+
+    positions: torch.Tensor | None
+    token_rows: torch.Tensor | None
+    ctx_lens: torch.Tensor | None
+    work: PrefillWork | None
+
+
+def prefill_kv_values(ctx: Sequence[int], layout: Sequence[int], cu: Sequence[int], block_m: int,
+                      capacity: int | None = None) -> dict[str, list[int]]:
+    """A packed prefill's attention metadata as host lists, what ``StagedPrefill`` holds.
+
+    ctx       tokens each real request held before the call (the first len(ctx) requests)
+    layout    every request's token count, real then padding requests (slot -1, if any)
+    cu        layout's cumulative sums from 0 (the call's cu_seqlens)
+    Returns positions (each real token's position, 0 for padding tokens), token_rows (each token's
+    request), ctx (0 for padding requests) and work (``prefill_work(cu, block_m, capacity)``)."""
+    real = sum(layout[:len(ctx)])
+    return {"positions": [c + i for c, n in zip(ctx, layout) for i in range(n)] + [0] * (cu[-1] - real),
+            "token_rows": [b for b, n in enumerate(layout) for _ in range(n)],
+            "ctx": list(ctx) + [0] * (len(layout) - len(ctx)),
+            "work": prefill_work(cu, block_m, capacity)}
 
 
 class Attention(nn.Module):

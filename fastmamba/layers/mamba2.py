@@ -49,9 +49,44 @@ from fastmamba.ops.snapshot_copy import copy_snapshots
 from fastmamba.ops.ssd_scan import ssd_scan_varlen
 from fastmamba.ops.runtime import GEMV_MAX_ROWS, NORM_SPAN
 
-if TYPE_CHECKING:  # (a runtime import would be circular: fastmamba.models imports this module)
-    from fastmamba.cache.prefix_cache import LayerSnapshot
-    from fastmamba.models.config import Mamba2Config
+if TYPE_CHECKING:  # (``snapshot``: a fastmamba.cache.prefix_cache.LayerSnapshot; the cache room sits above this one)
+    LayerSnapshot = object
+
+
+@dataclasses.dataclass(frozen=True)
+class MambaLayerConfig:
+    """What one ``Mamba2Mixer`` and the Mamba slot pools (``fastmamba.cache.StateCache``) read.
+
+    The model configs build it (``Mamba2Config.mamba``, ``NemotronHConfig.mamba``); letters as in
+    STYLE.md: D = d_inner = H*P, G groups, N state, W conv width, E = D + 2 G N conv channels.
+    ``n_layer`` counts the model's Mamba layers (the cache's pools), not all of its layers.
+    """
+
+    d_model: int
+    d_inner: int                      # D (Mamba-2: expand * d_model; Nemotron-H: heads * head dim)
+    n_layer: int = 1                  # Mamba layers in the model
+    d_state: int = 128                # N
+    d_conv: int = 4                   # W
+    headdim: int = 64                 # P
+    ngroups: int = 1                  # G
+    chunk_size: int = 256
+    norm_eps: float = 1e-5
+    conv_bias: bool = True
+    proj_bias: bool = False           # in_proj / out_proj bias
+    norm_before_gate: bool = False    # Mamba-2's gated norm gates first: norm(y * silu(z))
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+
+    @property
+    def nheads(self) -> int:  # H
+        return self.d_inner // self.headdim
+
+    @property
+    def conv_dim(self) -> int:  # E = d_inner + 2 G N: the channels the conv sees (x, B, C)
+        return self.d_inner + 2 * self.ngroups * self.d_state
+
+    @property
+    def d_in_proj(self) -> int:  # z, xBC, dt
+        return self.d_inner + self.conv_dim + self.nheads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +135,7 @@ def _conv_update_torch(x, conv_state, weight, bias, slots):
 
 
 class Mamba2Mixer(nn.Module):
-    def __init__(self, cfg: Mamba2Config, device=None, dtype=None):
+    def __init__(self, cfg: MambaLayerConfig, device=None, dtype=None):
         super().__init__()
         self.tricks = DecodeTricks()
         if tuple(cfg.dt_limit) != (0.0, math.inf):

@@ -10,12 +10,13 @@ A pattern string picks the kinds, one character per layer (Nemotron-H's ``hybrid
 Every block has the same three entries, so the model's loop never asks a block its kind:
 
     forward(h)                  [B, L, M] -> [B, L, M]   no cache (full logits)
-    prefill(h, cache, batch)    [T, M] -> [T, M]         packed prompts (``Batch.cu_seqlens``)
+    prefill(h, cache, batch, norm_sumsq=None)  [T, M] -> [T, M]   packed prompts (``Batch.cu_seqlens``)
     decode(h, cache, batch)     [B, M] -> [B, M]         one token per request
     verify(h, cache, batch)     [B*T, M] -> [B*T, M]     T tokens per request (speculative decoding)
 
 ``h`` is the block's normed input; the residual add and the next norm are one fused
-``add_rmsnorm`` in the model. A block finds its slice of the cache by ``cache_index``, its ordinal
+``add_rmsnorm`` in the model. A block that ``defers_norm(tokens)`` in a prefill gets ``norm_sumsq``
+and leaves its output's last norm to that kernel (the Mamba mixer's gated norm). A block finds its slice of the cache by ``cache_index``, its ordinal
 among the blocks of its kind. A new kind is a layer file, a Block subclass here and one entry in
 ``BLOCK_KINDS``.
 """
@@ -104,7 +105,10 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.mixer(h)
 
-    def prefill(self, h: torch.Tensor, cache, batch: Batch) -> torch.Tensor:
+    def defers_norm(self, tokens: int) -> bool:
+        return False
+
+    def prefill(self, h: torch.Tensor, cache, batch: Batch, norm_sumsq: torch.Tensor | None = None) -> torch.Tensor:
         return self.mixer(h)
 
     def decode(self, h: torch.Tensor, cache, batch: Batch) -> torch.Tensor:
@@ -124,12 +128,16 @@ class MambaBlock(Block):
         j = self.cache_index
         return None if batch.rand_seed is None else batch.rand_seed[j:j + 1]
 
-    def prefill(self, h, cache, batch):
+    def defers_norm(self, tokens: int) -> bool:
+        return self.mixer.defers_norm(tokens)
+
+    def prefill(self, h, cache, batch, norm_sumsq=None):
         j = self.cache_index
         return self.mixer.forward_varlen(h, batch.cu_seqlens, cache.conv[j], cache.ssm[j], batch.slots,
                                          batch.has_initial_state, rand_seed=self._seed(batch),
                                          snapshot=None if batch.snapshot is None else batch.snapshot(j),
-                                         max_seqlen=batch.max_seqlen, live_seqs=batch.live_seqs)
+                                         max_seqlen=batch.max_seqlen, live_seqs=batch.live_seqs,
+                                         norm_sumsq=norm_sumsq)
 
     def decode(self, h, cache, batch):
         j = self.cache_index
@@ -150,7 +158,7 @@ class AttentionBlock(Block):
     def make_mixer(self, cfg, *, device, dtype) -> nn.Module:
         return Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, device=device, dtype=dtype)
 
-    def prefill(self, h, cache, batch):
+    def prefill(self, h, cache, batch, norm_sumsq=None):
         j = self.cache_index
         return self.mixer.forward_varlen(h, cache.kv.k[j], cache.kv.v[j], batch.kv)
 

@@ -29,6 +29,8 @@ import math
 import os
 from typing import Any
 
+from fastmamba.layers.mamba2 import MambaLayerConfig
+
 _REQUIRED = object()
 
 
@@ -126,6 +128,8 @@ def _read_json(path: str | os.PathLike) -> Any:
 class Mamba2Config:
     """Sizes of a Mamba-2 LM. Letters as in STYLE.md: H heads, P head dim, N state, G groups, W conv width."""
 
+    paged_cache = False  # (not a field) its LM's cache: Mamba slot pools only, no per-slot lengths
+
     d_model: int
     n_layer: int
     vocab_size: int  # embedding rows, already padded
@@ -187,6 +191,26 @@ class Mamba2Config:
     @property
     def d_in_proj(self) -> int:  # z, xBC, dt
         return self.d_inner + self.conv_dim + self.nheads
+
+    @property
+    def pattern(self) -> str:
+        """The layer pattern of ``fastmamba.models.lm.HybridLM``: a Mamba-2 LM is n_layer x 'M'."""
+        return "M" * self.n_layer
+
+    def layers_of(self, kind: str) -> list[int]:
+        """Indices of the layers of one kind ("M": every layer)."""
+        return [i for i, c in enumerate(self.pattern) if c == kind]
+
+    @property
+    def mamba(self) -> MambaLayerConfig:
+        """What each ``Mamba2Mixer`` and the cache's pools read (sizes as this config gives them:
+        a tensor-parallel rank's config gives its own ``d_inner`` and ``ngroups``)."""
+        return MambaLayerConfig(
+            d_model=self.d_model, d_inner=self.d_inner, n_layer=self.n_layer, d_state=self.d_state,
+            d_conv=self.d_conv, headdim=self.headdim, ngroups=self.ngroups, chunk_size=self.chunk_size,
+            norm_eps=self.norm_eps, conv_bias=self.conv_bias, proj_bias=self.proj_bias,
+            norm_before_gate=self.norm_before_gate, dt_limit=tuple(self.dt_limit),
+        )
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], *, source: str = "config.json") -> "Mamba2Config":

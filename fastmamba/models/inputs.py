@@ -64,3 +64,17 @@ def embed(embeddings: nn.Embedding, ids: torch.Tensor, who: str, name: str) -> t
     except IndexError as e:
         vocab = getattr(embeddings, "num_embeddings", None)  # (a tensor-parallel table may not say)
         raise ValueError(f"{who}: `{name}` values must lie in [0, vocab_size={vocab}) (token ids)") from e
+
+
+def check_rand_seed(rand_seed: torch.Tensor | None, n_layer: int, device: torch.device, who: str) -> None:
+    """ValueError / TypeError unless ``rand_seed`` is None or an int64 tensor of n_layer elements on ``device``."""
+    if rand_seed is None:
+        return
+    if not isinstance(rand_seed, torch.Tensor):
+        raise TypeError(f"{who}: `rand_seed` expected an int64 tensor of shape ({n_layer},) (one seed per layer, "
+                        f"fastmamba.generation.rounding.StochasticRounding.seeds) or None, got {type(rand_seed).__name__}")
+    if rand_seed.dtype != torch.int64 or tuple(rand_seed.shape) != (n_layer,):
+        raise ValueError(f"{who}: `rand_seed` expected an int64 tensor of shape ({n_layer},) (one seed per layer), "
+                         f"got {rand_seed.dtype} of shape {tuple(rand_seed.shape)}")
+    if rand_seed.device != device:
+        raise ValueError(f"{who}: `rand_seed` is on {rand_seed.device}, the model on {device}")

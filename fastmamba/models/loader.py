@@ -6,93 +6,19 @@ import json
 import os
 
 import torch
-from torch import nn
 
-from fastmamba.layers.mamba2 import Mamba2Mixer
-from fastmamba.layers.moe import MoE
 from fastmamba.models.config import PRESETS, Mamba2Config
+from fastmamba.models.defaults import SUPPORTED_DTYPES, checkpoint_dtype, default_device, parse_dtype, random_init
 from fastmamba.models.mamba2_lm import Mamba2LM
+from fastmamba.models.nemotron_h import PRESETS as NEMOTRON_H_PRESETS, load_nemotron_h
 
-# the weight dtypes the kernels run; strings accepted for each (case-insensitive, "torch." prefix allowed)
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_DTYPE_NAMES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}
+# the old private names, for code that imported them from here
+_default_device, _checkpoint_dtype = default_device, checkpoint_dtype
+__all__ = ["SUPPORTED_DTYPES", "load_model", "parse_dtype", "random_init"]
 
 
-def parse_dtype(dtype: torch.dtype | str | None, *, where: str = "load_model") -> torch.dtype | None:
-    """``dtype`` as a torch dtype the model can run in, or None for "auto" / None (the default).
-
-    Accepts torch.float32 / float16 / bfloat16 or their names ("float32", "fp32", "float16", "fp16",
-    "half", "bfloat16", "bf16", "torch.bfloat16", any case). Raises ValueError for another dtype or
-    name, TypeError for another type.
-    """
-    if dtype is None:
-        return None
-    names = "float32 (fp32), float16 (fp16), bfloat16 (bf16)"
-    if isinstance(dtype, str):
-        key = dtype.strip().lower()
-        key = key[len("torch."):] if key.startswith("torch.") else key
-        if key == "auto":
-            return None
-        if key not in _DTYPE_NAMES:
-            raise ValueError(f"{where}: `dtype` {dtype!r} is not a supported dtype; expected one of {names} or 'auto'")
-        return _DTYPE_NAMES[key]
-    if isinstance(dtype, torch.dtype):
-        if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{where}: `dtype` {dtype} is not supported by the kernels; expected one of {names}")
-        return dtype
-    raise TypeError(f"{where}: `dtype` expected a torch.dtype or a name such as 'bf16', got {type(dtype).__name__}")
-
-
-def _default_device(device, *, where: str = "load_model") -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"{where}: `device` {device!r} is not a device (e.g. 'cuda', 'cuda:1', 'cpu'): {e}") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"{where}: `device` {device!r} asks for CUDA but torch sees no CUDA GPU; "
-                         "use device='cpu' (the kernels then need TRITON_INTERPRET=1)")
-    return dev
-
-
-@torch.no_grad()
-def random_init(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Deterministic random weights of any of our LMs (presets, demos, benchmarks): N(0, 0.02)
-    matrices (MoE routers and experts too, zero selection bias), Mamba-2's A_log / dt_bias / D
-    initialisation in every ``Mamba2Mixer``, unit norms.
-    Same seed, same weights (the matrices and the SSM parameters draw from separate generators)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    dev_gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
-            module.weight.normal_(0.0, 0.02, generator=dev_gen)
-            if getattr(module, "bias", None) is not None:
-                module.bias.zero_()
-        if isinstance(module, Mamba2Mixer):
-            module.reset_ssm_parameters(gen)
-        if isinstance(module, MoE):  # router and the 3-D expert weights (its Linears are done above)
-            module.reset_parameters(dev_gen)
-    return model
-
-
-def _checkpoint_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype:
-    """The dtype the checkpoint stores its matrices in (the embeddings', else the first floating
-    tensor's); fp32 when that is one the kernels do not run (fp64, fp8 ...)."""
-    for name in ("backbone.embeddings.weight", "lm_head.weight"):
-        if name in state_dict and state_dict[name].is_floating_point():
-            dtype = state_dict[name].dtype
-            break
-    else:
-        dtype = next((t.dtype for t in state_dict.values() if t.is_floating_point()), torch.float32)
-    return dtype if dtype in SUPPORTED_DTYPES else torch.float32
-
-
-def load_model(path_or_preset: str | os.PathLike, dtype: torch.dtype | str | None = None, device=None) -> Mamba2LM:
+def load_model(path_or_preset: str | os.PathLike, dtype: torch.dtype | str | None = None, device=None, *,
+               quantization: str | None = None) -> Mamba2LM:
     """A ready-to-run ``Mamba2LM``.
 
     path_or_preset  a local directory with ``config.json`` (state-spaces or Hugging Face format;
@@ -104,6 +30,9 @@ def load_model(path_or_preset: str | os.PathLike, dtype: torch.dtype | str | Non
                     "bfloat16", "float32" ...); default (None or "auto"): the checkpoint's, or bf16
                     on a GPU / fp32 on a CPU for presets
     device          default: CUDA when present
+    quantization    None, or "fp8": quantise a 16-bit model on load (per-channel e4m3 weights, dynamic
+                    per-token activations: ``fastmamba.models.quantization.quantize_model``). FP8
+                    checkpoints (ModelOpt, compressed-tensors) load as FP8 without it.
 
     Raises FileNotFoundError naming the path when it is neither a directory nor a preset, or lacks
     config.json or weights; NotADirectoryError for a file; ValueError naming the file and field for
@@ -111,18 +40,20 @@ def load_model(path_or_preset: str | os.PathLike, dtype: torch.dtype | str | Non
     ``load_into``), for weights holding NaN or inf (naming each such tensor: ``check_finite``), or for
     an unsupported ``dtype`` / ``device``.
     """
+    from fastmamba.models.quantization import apply_plan, check_quantization_arg, prepare_fp8_checkpoint, quantize_model
+
     dtype = parse_dtype(dtype)
-    device = _default_device(device)
+    device = default_device(device)
+    check_quantization_arg(quantization)
     key = os.fspath(path_or_preset) if isinstance(path_or_preset, os.PathLike) else path_or_preset
     if not isinstance(key, str):
         raise TypeError(f"load_model: expected a checkpoint directory or a preset name, got {type(key).__name__}")
-    from fastmamba.models.nemotron_h import PRESETS as NEMOTRON_H_PRESETS, load_nemotron_h
-
     if key in PRESETS:
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        return random_init(Mamba2LM(PRESETS[key], device=device, dtype=dtype)).eval()
+        model = random_init(Mamba2LM(PRESETS[key], device=device, dtype=dtype))
+        return (quantize_model(model) if quantization else model).eval()
     if key in NEMOTRON_H_PRESETS:
-        return load_nemotron_h(key, dtype=dtype, device=device)
+        return load_nemotron_h(key, dtype=dtype, device=device, quantization=quantization)
     if os.path.isfile(key):
         raise NotADirectoryError(f"load_model: {key!r} is a file; pass the checkpoint directory that holds "
                                  f"config.json and the weights ({os.path.dirname(os.path.abspath(key))!r}?)")
@@ -142,12 +73,15 @@ def load_model(path_or_preset: str | os.PathLike, dtype: torch.dtype | str | Non
         except (OSError, ValueError, AttributeError):
             model_type = None
         if model_type == "nemotron_h":
-            return load_nemotron_h(key, dtype=dtype, device=device)
+            return load_nemotron_h(key, dtype=dtype, device=device, quantization=quantization)
     from fastmamba.models.weights import check_finite, load_into, normalize_names, read_checkpoint
 
     cfg = Mamba2Config.from_dir(key)  # config.json (+ generation_config.json's eos_token_id)
     state_dict = normalize_names(read_checkpoint(key))
+    fp8_plan = prepare_fp8_checkpoint(key, state_dict, cfg)  # None unless the checkpoint is FP8 (models.quantization)
     check_finite(state_dict)
-    model = Mamba2LM(cfg, device=device, dtype=dtype or _checkpoint_dtype(state_dict))
+    model = Mamba2LM(cfg, device=device, dtype=dtype or checkpoint_dtype(state_dict))
+    if fp8_plan is not None:
+        apply_plan(model, fp8_plan)
     load_into(model, state_dict)
-    return model.eval()
+    return (quantize_model(model) if quantization and fp8_plan is None else model).eval()

@@ -22,10 +22,11 @@ F MLP width, D = H*P the Mamba width, E = D + 2 G N conv channels):
     backbone.norm_f.weight                      [M]
     lm_head.weight                              [V, M]       the embeddings themselves when tied
 
-The model (``NemotronHLM``) mirrors ``Mamba2LM``: ``forward(ids [B, L])`` full logits,
-``prefill_varlen(ids, cu_seqlens, cache, slots)`` last-token logits, ``decode`` / ``step`` one
-token per request, ``new_cache(max_batch, ...)`` a ``HybridCache`` (Mamba slots + paged KV). It
-loops over ``fastmamba.models.blocks`` without knowing their kinds.
+The model is ``fastmamba.models.lm.HybridLM`` over the config's pattern (``NemotronHLM`` by its
+old name): ``forward(ids [B, L])`` full logits, ``prefill_varlen(ids, cu_seqlens, cache, slots)``
+last-token logits, ``decode`` / ``step`` one token per request, ``new_cache(max_batch, ...)`` a
+``HybridCache`` (Mamba slots + paged KV). This file holds the config, its reading, the presets and
+the loading of a checkpoint.
 
 transformers differences worth knowing:
   * its chunked (prefill) Mamba path clamps dt at ``time_step_min`` (1e-3) whatever
@@ -41,24 +42,17 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-from torch import nn
 
-from fastmamba.cache.hybrid_cache import HybridCache
-from fastmamba.cache.prefix_cache import DeviceSnapshots, SnapshotPlan, device_layer_snapshots, layer_snapshots
-from fastmamba.generation.rounding import check_rand_seed
-from fastmamba.layers.attention import KVBatch
-from fastmamba.models.blocks import Batch, RMSNorm, SpecBatch, build_blocks
+from fastmamba.layers.attention import StagedPrefill, prefill_kv_values  # re-exported: their old home
+from fastmamba.layers.mamba2 import MambaLayerConfig
 from fastmamba.layers.moe import MoEConfig
-from fastmamba.models.inputs import check_index_tensor, embed, host_metadata
-from fastmamba.models.config import Mamba2Config, _as_float, _Fields, checkpoint_eos_token_ids
-from fastmamba.models.loader import _checkpoint_dtype, _default_device, random_init  # random_init: re-exported for the presets
-from fastmamba.ops import add_rmsnorm
-from fastmamba.ops.attention import PrefillWork, prefill_block_tokens, prefill_work
-from fastmamba.ops.runtime import check_host_copies, host_list, long_prefill_kernels, trusted_inputs
+from fastmamba.models.config import _as_float, _Fields, checkpoint_eos_token_ids
+from fastmamba.models.defaults import checkpoint_dtype, default_device, random_init  # random_init: re-exported for the presets
+from fastmamba.models.lm import HybridLM
+from fastmamba.models.mtp import build_mtp, mtp_pattern_of, prepare_mtp_state_dict
 
 # pattern character -> transformers' ``layers_block_type`` name (and the legacy names it remaps)
 PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
@@ -87,21 +81,10 @@ def _bool(v: Any, field: str) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class MambaLayerConfig(Mamba2Config):
-    """``Mamba2Config`` for a Nemotron-H Mamba layer: the mixer's width is ``mamba_num_heads *
-    mamba_head_dim`` (Nemotron-H-4B: 112 x 64 = 7168, not 2 x 3072). ``n_layer`` counts the Mamba
-    layers only (the ``StateCache`` pools)."""
-
-    mamba_d_inner: int = 0
-
-    @property
-    def d_inner(self) -> int:
-        return self.mamba_d_inner
-
-
-@dataclasses.dataclass(frozen=True)
 class NemotronHConfig:
     """Sizes of a Nemotron-H / Nemotron-3 LM; each field says which config.json key it comes from."""
+
+    paged_cache = True  # (not a field) its LM's cache: per-slot lengths and the attention layers' K/V pages
 
     d_model: int                      # hidden_size
     vocab_size: int                   # vocab_size
@@ -137,6 +120,8 @@ class NemotronHConfig:
     routed_scaling_factor: float = 1.0               # then scale them
     eos_token_ids: tuple[int, ...] = ()              # eos_token_id (generation_config.json's wins: from_dir)
     max_position_embeddings: int | None = None       # max_position_embeddings (None when absent)
+    mtp_pattern: str = ""                            # the MTP layer's kinds (num_nextn_predict_layers: 1 and
+                                                     # mtp_hybrid_override_pattern): fastmamba.models.mtp; "": none
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> ValueError:
@@ -239,12 +224,11 @@ class NemotronHConfig:
     def mamba(self) -> MambaLayerConfig:
         """What ``Mamba2Mixer`` and ``StateCache`` read; ``n_layer`` = the number of Mamba layers."""
         return MambaLayerConfig(
-            d_model=self.d_model, n_layer=max(1, len(self.layers_of("M"))), vocab_size=self.vocab_size,
-            d_state=self.d_state, d_conv=self.d_conv, expand=1, headdim=self.mamba_headdim,
-            ngroups=self.n_groups, chunk_size=self.chunk_size, norm_eps=self.norm_eps,
-            residual_in_fp32=self.residual_in_fp32, tie_embeddings=self.tie_embeddings,
+            d_model=self.d_model, d_inner=self.mamba_nheads * self.mamba_headdim,
+            n_layer=max(1, len(self.layers_of("M"))), d_state=self.d_state, d_conv=self.d_conv,
+            headdim=self.mamba_headdim, ngroups=self.n_groups, chunk_size=self.chunk_size, norm_eps=self.norm_eps,
             conv_bias=self.conv_bias, proj_bias=self.mamba_proj_bias, norm_before_gate=False,
-            dt_limit=tuple(self.dt_limit), mamba_d_inner=self.mamba_nheads * self.mamba_headdim,
+            dt_limit=tuple(self.dt_limit),
         )
 
     # -- reading config.json -----------------------------------------------------------------------
@@ -263,9 +247,6 @@ class NemotronHConfig:
                 and int(cfg["num_hidden_layers"]) != len(pattern):
             raise ValueError(f"NemotronHConfig: `num_hidden_layers`={cfg['num_hidden_layers']} but the layer "
                              f"pattern has {len(pattern)} layers ({pattern!r})")
-        if int(cfg.get("num_nextn_predict_layers") or 0) > 0:
-            raise ValueError(f"NemotronHConfig: `num_nextn_predict_layers`={cfg['num_nextn_predict_layers']}: "
-                             "multi-token-prediction heads are not supported")
         if cfg.get("attention_bias"):
             raise ValueError("NemotronHConfig: `attention_bias`=True is not supported (transformers' "
                              "NemotronHAttention has no biases)")
@@ -324,6 +305,7 @@ class NemotronHConfig:
             routed_scaling_factor=_float(first("routed_scaling_factor", default=1.0), "routed_scaling_factor"),
             eos_token_ids=eos,
             max_position_embeddings=None if mpe is None else _int(mpe, "max_position_embeddings"),
+            mtp_pattern=mtp_pattern_of(cfg),
         )
 
     @classmethod
@@ -427,6 +409,22 @@ PRESETS: dict[str, NemotronHConfig] = {
         moe_shared_expert_intermediate_size=5376, moe_latent_size=1024, n_group=1, topk_group=1,
         norm_topk_prob=True, routed_scaling_factor=5.0,
     ),
+    # MTP: the tiny MoE hybrid plus one MTP layer ("*E"), for tests; Nano's layers plus one MTP layer of
+    # attention + MoE (the Nano 3.5 Lightning shape: num_nextn_predict_layers 1, mtp_hybrid_override_pattern
+    # "*E"), random weights, for the MTP benchmark (fastmamba.bench.mtp)
+    "nemotron-3-tiny-mtp": NemotronHConfig(
+        d_model=64, vocab_size=256, pattern="M*EM-E", n_heads=4, n_kv_heads=2, head_dim=16,
+        intermediate_size=96, mamba_nheads=8, mamba_headdim=16, n_groups=2, d_state=16, chunk_size=16,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=64,
+        routed_scaling_factor=2.5, mtp_pattern="*E",
+    ),
+    "nemotron-3-nano-mtp": NemotronHConfig(
+        d_model=2688, vocab_size=131072, pattern=_NEMOTRON_3_NANO_PATTERN, n_heads=32, n_kv_heads=2, head_dim=128,
+        intermediate_size=1856, mamba_nheads=64, mamba_headdim=64, n_groups=8, d_state=128, d_conv=4,
+        chunk_size=128, n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
+        moe_shared_expert_intermediate_size=3712, n_group=1, topk_group=1, norm_topk_prob=True,
+        routed_scaling_factor=2.5, mtp_pattern="*E",
+    ),
     "nemotron-h-4b": NemotronHConfig(
         d_model=3072, vocab_size=131072, pattern=_NEMOTRON_H_PATTERN_52, n_heads=32, n_kv_heads=8, head_dim=128,
         intermediate_size=12288, mamba_nheads=112, mamba_headdim=64, n_groups=8, d_state=128,
@@ -439,408 +437,24 @@ PRESETS: dict[str, NemotronHConfig] = {
 
 
 # ---------------------------------------------------------------------------------------------
-# the model
+# the model: ``fastmamba.models.lm.HybridLM`` over this config's pattern
 
 
-class StagedPrefill(NamedTuple):
-    """A hybrid prefill's metadata on the device, for a cache the caller has grown already (what
-    ``GraphedPrefill`` stages for a graph). Without attention layers the fields are not read (None).
-
-    positions   [T] int64: each token's position in its request
-    token_rows  [T] int64: each token's prompt (an index into slots)
-    ctx_lens    [B] int64: tokens each request held before this call
-    work        ``PrefillWork``: the attention kernel's work table (``prefill_work``)
-    """
-
-    positions: torch.Tensor | None
-    token_rows: torch.Tensor | None
-    ctx_lens: torch.Tensor | None
-    work: PrefillWork | None
-
-
-def prefill_kv_values(ctx: Sequence[int], layout: Sequence[int], cu: Sequence[int], block_m: int,
-                      capacity: int | None = None) -> dict[str, list[int]]:
-    """A packed prefill's attention metadata as host lists, what ``StagedPrefill`` holds.
-
-    ctx       tokens each real request held before the call (the first len(ctx) requests)
-    layout    every request's token count, real then padding requests (slot -1, if any)
-    cu        layout's cumulative sums from 0 (the call's cu_seqlens)
-    Returns positions (each real token's position, 0 for padding tokens), token_rows (each token's
-    request), ctx (0 for padding requests) and work (``prefill_work(cu, block_m, capacity)``)."""
-    real = sum(layout[:len(ctx)])
-    return {"positions": [c + i for c, n in zip(ctx, layout) for i in range(n)] + [0] * (cu[-1] - real),
-            "token_rows": [b for b, n in enumerate(layout) for _ in range(n)],
-            "ctx": list(ctx) + [0] * (len(layout) - len(ctx)),
-            "work": prefill_work(cu, block_m, capacity)}
-
-
-class NemotronHBackbone(nn.Module):
-    def __init__(self, cfg: NemotronHConfig, device=None, dtype=None):
-        super().__init__()
-        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model, device=device, dtype=dtype)
-        self.layers = build_blocks(cfg, device=device, dtype=dtype)
-        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps, device=device, dtype=dtype)
-
-
-class NemotronHLM(nn.Module):
-    """``forward(input_ids [B, L]) -> logits [B, L, V]`` (fp32); ``prefill_varlen`` / ``decode`` with a
-    ``HybridCache`` (``new_cache``). The same API as ``Mamba2LM``, speculative ``verify`` / ``commit`` included."""
+class NemotronHLM(HybridLM):
+    """``HybridLM`` of a ``NemotronHConfig`` (the name this model had before the one LM; see
+    ``fastmamba.models.lm``), with its MTP layer when the config names one (``self.mtp``)."""
 
     def __init__(self, cfg: NemotronHConfig, device=None, dtype=None):
-        super().__init__()
-        self.cfg = cfg
-        self.backbone = NemotronHBackbone(cfg, device=device, dtype=dtype)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device=device, dtype=dtype)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.backbone.embeddings.weight
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
-
-    def _run(self, input_ids: torch.Tensor, mix, *, rows: torch.Tensor | None = None,
-             hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Embeddings -> blocks -> final norm -> fp32 logits (of the leading-dim ``rows`` only, if
-        given); ``mix(block, normed)`` runs one block's mixer; ``hidden``: the embeddings when the
-        caller looked them up already (before the cache grew). Each block boundary is one fused
-        kernel: residual += previous output, then the next block's RMSNorm."""
-        rdtype = torch.float32 if self.cfg.residual_in_fp32 else self.dtype
-        out = embed(self.backbone.embeddings, input_ids, "NemotronHLM", "input_ids") if hidden is None else hidden
-        residual = None
-        for block in self.backbone.layers:
-            normed, residual = add_rmsnorm(out, residual, block.norm.weight, block.norm.eps, residual_dtype=rdtype)
-            out = mix(block, normed)
-        if rows is not None:
-            out, residual = out[rows], residual[rows]
-        norm_f = self.backbone.norm_f
-        normed, _ = add_rmsnorm(out, residual, norm_f.weight, norm_f.eps, residual_dtype=rdtype)
-        return self.lm_head(normed).float()
-
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, L] int64 -> logits [B, L, V] fp32; every row starts fresh, nothing is cached."""
-        check_index_tensor("NemotronHLM.forward", "input_ids", input_ids, "token ids")
-        if input_ids.dim() != 2:
-            raise ValueError(f"NemotronHLM.forward: `input_ids` expected shape (B, L), got {tuple(input_ids.shape)}")
-        return self._run(input_ids, lambda block, h: block(h))
-
-    def new_cache(
-        self,
-        max_batch: int,
-        *,
-        max_seq_len: int = 4096,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        kv_budget_bytes: int | None = None,
-        ssm_dtype: torch.dtype = torch.float32,
-        speculate: int = 0,
-    ) -> HybridCache:
-        """Mamba slot pools for ``max_batch`` requests and the attention layers' paged KV (pages of
-        ``page_size`` tokens: ``num_pages`` of them, or as many as ``kv_budget_bytes`` holds, or by
-        default enough for every request at ``max_seq_len``). ``speculate``: 0 only (speculative
-        ``speculate=K``: what ``verify`` with T = K+1 needs (the Mamba pools' replay and legacy
-        buffers; needs Mamba layers)."""
-        c = self.cfg
-        return HybridCache(
-            max_batch, mamba_cfg=c.mamba if "M" in c.pattern else None, n_attn_layers=c.pattern.count("*"),
-            n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, max_seq_len=max_seq_len, page_size=page_size,
-            num_pages=num_pages, kv_budget_bytes=kv_budget_bytes, device=self.lm_head.weight.device,
-            dtype=self.dtype, ssm_dtype=ssm_dtype, speculate=speculate,
-        )
-
-    @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, cache: HybridCache, slots: torch.Tensor) -> torch.Tensor:
-        """B prompts of equal length [B, L]; returns the last logits [B, V] (``prefill_varlen``)."""
-        check_index_tensor("NemotronHLM.prefill", "input_ids", input_ids, "token ids")
-        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
-            raise ValueError(f"NemotronHLM.prefill: `input_ids` expected shape (B, L) with L >= 1, "
-                             f"got {tuple(input_ids.shape)}")
-        nreq, L = input_ids.shape
-        cu_seqlens = torch.arange(0, nreq * L + 1, L, dtype=torch.int32, device=input_ids.device)
-        return self.prefill_varlen(input_ids.reshape(-1), cu_seqlens, cache, slots)
-
-    def prefill_block_tokens(self) -> int:
-        """Query tokens per work item of the attention prefill kernel (``PrefillWork.block_m``) for
-        this model's heads, dtype and device."""
-        c = self.cfg
-        return prefill_block_tokens(c.n_heads, c.n_kv_heads, c.head_dim, self.dtype, self.lm_head.weight.device)
-
-    @torch.inference_mode()
-    def prefill_varlen(
-        self,
-        input_ids: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        cache: HybridCache,
-        slots: torch.Tensor,
-        has_initial_state: torch.Tensor | bool | None = None,
-        *,
-        rand_seed: torch.Tensor | None = None,
-        cu_seqlens_host: Sequence[int] | None = None,
-        slots_host: Sequence[int] | None = None,
-        snapshots: SnapshotPlan | DeviceSnapshots | None = None,
-        live_seqs: int | None = None,
-        staged: StagedPrefill | None = None,
-    ) -> torch.Tensor:
-        """Run B prompts of any lengths packed into one call; returns each one's last-token logits [B, V] fp32.
-
-        input_ids   [T] int64: the prompts back to back
-        cu_seqlens  [B+1] int32/int64: prompt b is input_ids[cu_seqlens[b]:cu_seqlens[b+1]]; starts
-                    at 0, ends at T, every prompt at least one token
-        slots       [B] int32/int64: allocated slots (``cache.alloc``), distinct. Each prompt
-                    continues its slot's request: a fresh slot starts from nothing; one that has
-                    consumed tokens (an earlier prefill chunk or decode steps) continues from its
-                    Mamba states and attends to its cached K/V (chunked prefill)
-        has_initial_state  None (default): the cache decides (a slot that holds tokens continues,
-                    a fresh one starts from zeros). Accepted for ``Mamba2LM``'s call: True, False
-                    or a [B] bool tensor, checked against the cache's lengths where that costs no
-                    device read (False while a slot holds tokens: ValueError); the cache's
-                    lengths are what is used. With ``staged``: the [B] bool tensor that is used
-        rand_seed   int64 [n_layer] device tensor or None: stochastic rounding of 16-bit SSM
-                    states (the j-th Mamba layer uses element j)
-        cu_seqlens_host, slots_host  the values of ``cu_seqlens`` and ``slots`` as the host holds
-                    them (the engine does), or None: read from the tensors (one device read each)
-        snapshots   a ``fastmamba.cache.prefix_cache.SnapshotPlan`` (its pools: one per Mamba layer)
-                    or None: also copy the Mamba layers' states at the chunk ends it names into its
-                    pools, as ``Mamba2LM.prefill_varlen`` does (the K/V of those positions stay in
-                    the slots' pages, for the caller to copy); with ``staged``, a ``DeviceSnapshots``
-                    whose indices the caller checked against this call
-        live_seqs   prompts that are not padding (slot -1), or None: counted from the slots (a
-                    graph capture passes its batch's count to its all-padding warm-up too)
-        staged      None: the cache grows here (``HybridCache.grow``: KV pages for the new tokens)
-                    and the attention metadata go down in one copy. Or a ``StagedPrefill``: the
-                    caller has grown the cache for this call and holds the metadata on the device
-                    (``GraphedPrefill``'s static inputs); nothing is grown, uploaded or read back
-        Mamba states are mutated in place, the prompts' K/V written into their pages.
-        """
-        who = "NemotronHLM.prefill_varlen"
-        check_index_tensor(who, "input_ids", input_ids, "token ids")
-        check_index_tensor(who, "cu_seqlens", cu_seqlens, "prompt offsets")
-        check_index_tensor(who, "slots", slots, "cache slots")
-        if input_ids.dim() != 1:
-            raise ValueError(f"NemotronHLM.prefill_varlen: `input_ids` expected shape (T,), "
-                             f"got {tuple(input_ids.shape)}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-            raise ValueError(f"NemotronHLM.prefill_varlen: `cu_seqlens` expected shape (B+1,) with B >= 1, "
-                             f"got {tuple(cu_seqlens.shape)}")
-        nseq = cu_seqlens.shape[0] - 1
-        if tuple(slots.shape) != (nseq,):
-            raise ValueError(f"NemotronHLM.prefill_varlen: `slots` expected shape (B,)=({nseq},), "
-                             f"got {tuple(slots.shape)}")
-        check_host_copies("NemotronHLM.prefill_varlen", (("cu_seqlens_host", cu_seqlens_host, cu_seqlens),
-                                                         ("slots_host", slots_host, slots)))
-        check_rand_seed(rand_seed, self.cfg.n_layer, self.lm_head.weight.device, "NemotronHLM.prefill_varlen")
-        reads = [t for t, host in ((cu_seqlens, cu_seqlens_host), (slots, slots_host)) if host is None]
-        read = host_metadata(who, "input_ids", input_ids, self.cfg.vocab_size, reads) if reads else []
-        # (the token ids' range rides in that one read; without one, they meet the embedding below first)
-        cu = [int(v) for v in cu_seqlens_host] if cu_seqlens_host is not None else read.pop(0)
-        if cu[0] != 0 or cu[-1] != input_ids.shape[0]:
-            raise ValueError(f"NemotronHLM.prefill_varlen: `cu_seqlens` must start at 0 and end at T="
-                             f"{input_ids.shape[0]}, got {cu[0]} .. {cu[-1]}")
-        if any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"NemotronHLM.prefill_varlen: `cu_seqlens` must not decrease, got {cu[:16]}")
-        empty = [b for b in range(nseq) if cu[b + 1] <= cu[b]]
-        if empty:
-            raise ValueError(f"NemotronHLM.prefill_varlen: every prompt needs at least one token; prompts "
-                             f"{empty[:8]} have none")
-        sl = [int(v) for v in slots_host] if slots_host is not None else read.pop(0)
-        live = [s for s in sl if s != -1]
-        if len(set(live)) != len(live) or (staged is None and len(live) != len(sl)):
-            raise ValueError(f"NemotronHLM.prefill_varlen: `slots` must be distinct allocated slots, got {sl[:16]}")
-        if live_seqs is not None and not (isinstance(live_seqs, int) and not isinstance(live_seqs, bool)
-                                          and 0 <= live_seqs <= nseq):
-            raise ValueError(f"NemotronHLM.prefill_varlen: `live_seqs` expected an int in [0, B={nseq}] or None, "
-                             f"got {live_seqs!r}")
-        lens = [cu[b + 1] - cu[b] for b in range(nseq)]
-        dev = input_ids.device
-        hidden = None
-        if staged is not None:
-            has_initial_state, kv, snap = self._staged_inputs(staged, has_initial_state, snapshots, cache, slots,
-                                                              cu_seqlens, cu, sl, nseq, input_ids.shape[0])
-        else:
-            if has_initial_state is False and any(cache.length(s) for s in sl):
-                held = [s for s in sl if cache.length(s)]
-                raise ValueError(f"NemotronHLM.prefill_varlen: has_initial_state=False but slots {held[:8]} hold "
-                                 "tokens already (their K/V are cached): free them, or let the prompt continue")
-            snap = None
-            if snapshots is not None:  # checked before the cache grows
-                if cache.state is None:
-                    raise ValueError("NemotronHLM.prefill_varlen: `snapshots` needs Mamba layers; this model has none")
-                if not isinstance(snapshots, SnapshotPlan):
-                    raise TypeError("NemotronHLM.prefill_varlen: `snapshots` expected a SnapshotPlan (a "
-                                    f"DeviceSnapshots goes with `staged`), got {type(snapshots).__name__}")
-                snap = layer_snapshots(snapshots, cu, cache.conv[0].shape[-1], self.cfg.mamba, dev,
-                                       "NemotronHLM.prefill_varlen")
-            hidden = embed(self.backbone.embeddings, input_ids, who, "input_ids")  # before the cache moves
-            ctx = cache.grow(sl, lens)  # raises before anything is touched if a slot is not allocated
-            has_initial_state, kv = self._upload_inputs(cache, slots, cu_seqlens, cu, sl, ctx, lens, dev)
-        batch = Batch(slots, cu_seqlens, has_initial_state, kv, rand_seed, snapshot=snap, max_seqlen=max(lens),
-                      live_seqs=len(live) if live_seqs is None else live_seqs)
-        # validated above, from host values: the layers' ops read nothing back; a long prompt's scans
-        # take the Hopper kernel (ops/ssd_scan/hopper.py), whose launch cost hides behind the queued layers
-        with trusted_inputs(), long_prefill_kernels(input_ids.shape[0]):
-            logits = self._run(input_ids, lambda block, h: block.prefill(h, cache, batch),
-                               rows=cu_seqlens[1:].long() - 1, hidden=hidden)
-            if cache.speculate:
-                cache.mark_prefilled(slots)
-        return logits
-
-    def _upload_inputs(self, cache, slots, cu_seqlens, cu, sl, ctx, lens, dev):
-        """(has_initial_state [B] bool, KVBatch or None) of an eager call: the flags and, with
-        attention layers, each token's position and request, ctx_lens and the attention kernel's
-        work table, from the host's lists in one host-to-device copy (from pinned memory on a GPU:
-        nothing waits for the device)."""
-        nseq, T = len(sl), cu[-1]
-        values = [int(c > 0) for c in ctx]
-        if cache.kv is not None:
-            block_m = self.prefill_block_tokens()
-            kv_values = prefill_kv_values(ctx, lens, cu, block_m)
-            values += kv_values["positions"] + kv_values["token_rows"] + kv_values["ctx"] + kv_values["work"]
-        packed = torch.tensor(values, dtype=torch.int64)
-        packed = packed.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else packed.to(dev)
-        if cache.kv is None:
-            return packed[:nseq] != 0, None
-        o = nseq + 2 * T + nseq
-        positions, token_rows = packed[nseq:nseq + T], packed[nseq + T:nseq + 2 * T]
-        kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions, token_rows, cu_seqlens, ctx,
-                     cu_host=cu, slots_host=sl, ctx_dev=packed[nseq + 2 * T:o],
-                     work=PrefillWork(packed[o:].view(-1, 2), block_m))
-        return packed[:nseq] != 0, kv
-
-    def _staged_inputs(self, staged, flags, snapshots, cache, slots, cu_seqlens, cu, sl, nseq, T):
-        """(has_initial_state, KVBatch or None, snapshot function or None) of a call whose metadata
-        the caller staged on the device (``StagedPrefill``), checked for shape and kind."""
-        who = "NemotronHLM.prefill_varlen"
-        if not isinstance(staged, StagedPrefill):
-            raise TypeError(f"{who}: `staged` expected a StagedPrefill or None, got {type(staged).__name__}")
-        if not (isinstance(flags, torch.Tensor) and flags.dtype == torch.bool and tuple(flags.shape) == (nseq,)):
-            raise ValueError(f"{who}: with `staged`, `has_initial_state` must be a [B]=[{nseq}] bool tensor")
-        snap = None
-        if snapshots is not None:
-            if not isinstance(snapshots, DeviceSnapshots) or cache.state is None:
-                raise TypeError(f"{who}: with `staged`, `snapshots` must be a DeviceSnapshots (and the model needs "
-                                f"Mamba layers), got {type(snapshots).__name__}")
-            snap = device_layer_snapshots(snapshots, self.cfg.mamba, cu_seqlens.device)
-        if cache.kv is None:
-            return flags, None, snap
-        for name, t, n in (("positions", staged.positions, T), ("token_rows", staged.token_rows, T),
-                           ("ctx_lens", staged.ctx_lens, nseq)):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (n,):
-                raise ValueError(f"{who}: `staged.{name}` expected a tensor of shape ({n},), got "
-                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-        if not isinstance(staged.work, PrefillWork) or staged.work.block_m != self.prefill_block_tokens():
-            raise ValueError(f"{who}: `staged.work` expected a PrefillWork for blocks of {self.prefill_block_tokens()} "
-                             "query tokens (prefill_block_tokens)")
-        kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, staged.positions, staged.token_rows, cu_seqlens,
-                     None, cu_host=cu, slots_host=sl, ctx_dev=staged.ctx_lens, work=staged.work)
-        return flags, kv, snap
-
-    @torch.inference_mode()
-    def decode(self, token_ids: torch.Tensor, cache: HybridCache, slots: torch.Tensor, *,
-               rand_seed: torch.Tensor | None = None, grow: bool = True) -> torch.Tensor:
-        """One token per request [B] -> next-token logits [B, V] fp32; states and KV advance in place.
-
-        token_ids  [B] int32/int64 in [0, V); with ``grow`` checked in the slots' one host read, and
-                always met by the embedding before the cache grows (fastmamba.models.inputs): a
-                bad call raises before any length, page or state moves
-
-        slots   [B] int32/int64; -1 marks a pad row (no state touched, its K/V go to the scratch page)
-        grow    True: ``cache.grow(slots, [1] * B)`` first (reads slots on the host). False: the
-                caller has grown the cache already (a CUDA-graph replay: everything below reads
-                static device buffers only; the positions come from ``cache.kv.seq_lens``).
-        rand_seed  int64 [n_layer] device tensor or None: stochastic rounding of 16-bit SSM states
-        """
-        who = "NemotronHLM.decode"
-        check_index_tensor(who, "token_ids", token_ids, "token ids")
-        check_index_tensor(who, "slots", slots, "cache slots")
-        if token_ids.dim() != 1 or tuple(slots.shape) != tuple(token_ids.shape):
-            raise ValueError(f"NemotronHLM.decode: `token_ids` and `slots` expected shape (B,), got "
-                             f"{tuple(token_ids.shape)} and {tuple(slots.shape)}")
-        check_rand_seed(rand_seed, self.cfg.n_layer, self.lm_head.weight.device, "NemotronHLM.decode")
-        hidden = None
-        if grow:  # the slots' read (the cache grows on the host) checks the token ids too
-            (sl,) = host_metadata(who, "token_ids", token_ids, self.cfg.vocab_size, [slots])
-            hidden = embed(self.backbone.embeddings, token_ids, who, "token_ids")
-            cache.grow(sl, [1] * token_ids.shape[0])
-        kv = None
-        if cache.kv is not None:
-            positions = cache.kv.seq_lens[slots.long().clamp(min=0)].long() - 1
-            kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions)
-        batch = Batch(slots, kv=kv, rand_seed=rand_seed)
-        return self._run(token_ids, lambda block, h: block.decode(h, cache, batch), hidden=hidden)
-
-    step = decode
-
-    @torch.inference_mode()
-    def verify(self, token_ids: torch.Tensor, cache: HybridCache, slots: torch.Tensor, *, path: str = "replay",
-               rand_seed: torch.Tensor | None = None, grow: bool = True) -> torch.Tensor:
-        """Score T tokens per request (speculative decoding): token_ids [B, T] -> logits [B, T, V] fp32.
-
-        As ``Mamba2LM.verify`` (row b: the last emitted token, then K drafts; T = K+1, or 1 on the
-        "plain" path; ``path`` picks the Mamba layers' rollback scheme; slot -1 a pad row), plus
-        the attention layers: the T tokens' K/V are written at positions ctx .. ctx+T-1 of the
-        request and token t attends to its first ctx + t + 1 tokens (its cache and the tokens
-        before it). grow: True: ``cache.grow(slots, [T] * B)`` first (reads slots on the host);
-        False: the caller grew it (a CUDA-graph replay: no host read below). ``commit`` then keeps
-        the accepted tokens and drops the rest of the K/V (``rollback``).
-        """
-        who = "NemotronHLM.verify"
-        check_index_tensor(who, "token_ids", token_ids, "token ids")
-        check_index_tensor(who, "slots", slots, "cache slots")
-        if not cache.speculate:
-            raise ValueError("NemotronHLM.verify: the cache was built without speculation; use new_cache(..., speculate=K)")
-        if path not in ("replay", "legacy", "plain"):
-            raise ValueError(f'NemotronHLM.verify: `path` expected "replay", "legacy" or "plain", got {path!r}')
-        ntok_expected = 1 if path == "plain" else cache.tokens_per_step
-        if token_ids.dim() != 2 or token_ids.shape[1] != ntok_expected:
-            raise ValueError(f"NemotronHLM.verify: `token_ids` expected shape (B, {ntok_expected}) on the {path} path, "
-                             f"got {tuple(token_ids.shape)}")
-        nreq, ntok = token_ids.shape
-        if tuple(slots.shape) != (nreq,):
-            raise ValueError(f"NemotronHLM.verify: `slots` expected shape (B,)=({nreq},), got {tuple(slots.shape)}")
-        check_rand_seed(rand_seed, self.cfg.n_layer, self.lm_head.weight.device, "NemotronHLM.verify")
-        hidden = None
-        if grow:  # the slots' read (the cache grows on the host) checks the token ids too
-            (sl_host,) = host_metadata(who, "token_ids", token_ids, self.cfg.vocab_size, [slots])
-            hidden = embed(self.backbone.embeddings, token_ids.reshape(-1), who, "token_ids")
-            cache.grow(sl_host, [ntok] * nreq)
-        sl = slots.long()
-        n_mamba = len(self.cfg.layers_of("M"))
-        inter = cache.legacy_intermediate(nreq) if path == "legacy" else [None] * n_mamba
-        no_dst = cache.legacy_no_dst(nreq) if path == "legacy" else None
-        kv = kv_read = None
-        if cache.kv is not None:
-            dev = token_ids.device
-            base = cache.kv.seq_lens[sl.clamp(min=0)].long() - ntok  # each request's length before this step
-            positions = (base[:, None] + torch.arange(ntok, device=dev)).reshape(-1)
-            token_rows = torch.arange(nreq, device=dev).repeat_interleave(ntok)
-            kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions, token_rows)
-            live = (sl >= 0).repeat_interleave(ntok)
-            rows = torch.where(live, torch.arange(nreq * ntok, device=dev), -1).to(torch.int32)
-            table = cache.kv.block_table[sl.clamp(min=0)].repeat_interleave(ntok, dim=0)
-            kv_read = KVBatch(table, (positions + 1).to(torch.int32), rows, positions)
-        spec = SpecBatch(ntok, path, cache.conv_accepted[sl], inter, no_dst, kv_read)
-        batch = Batch(slots, kv=kv, rand_seed=rand_seed, spec=spec)
-        return self._run(token_ids.reshape(-1), lambda block, h: block.verify(h, cache, batch),
-                         hidden=hidden).view(nreq, ntok, -1)
-
-    def commit(self, cache: HybridCache, slots: torch.Tensor, accepted: torch.Tensor, *, path: str = "replay",
-               rollback: bool = True) -> None:
-        """After ``verify`` on ``path``: request b keeps its first ``accepted[b]`` inputs (1..T).
-        The Mamba layers as ``Mamba2LM.commit``; rollback: True: the rejected tokens' K/V are
-        dropped (``cache.rollback``; reads slots and accepted on the host); False: the caller
-        does it (after a CUDA-graph replay of the rest)."""
-        cache.commit_path(slots, accepted, path, "NemotronHLM.commit")
-        if rollback:
-            ntok = 1 if path == "plain" else cache.tokens_per_step
-            live = [(s, ntok - a) for s, a in zip(host_list(slots), host_list(accepted)) if s != -1]
-            cache.rollback([s for s, _ in live], [d for _, d in live])
+        super().__init__(cfg, device=device, dtype=dtype)
+        self.mtp = build_mtp(cfg, device=device, dtype=dtype)  # None without an MTP layer
 
 
 # ---------------------------------------------------------------------------------------------
 # loading
 
 
-def load_nemotron_h(path_or_preset: str | os.PathLike, dtype: torch.dtype | None = None, device=None) -> NemotronHLM:
+def load_nemotron_h(path_or_preset: str | os.PathLike, dtype: torch.dtype | None = None, device=None, *,
+                    quantization: str | None = None) -> NemotronHLM:
     """A ready-to-run ``NemotronHLM`` from a checkpoint directory (``config.json`` with
     ``model_type: nemotron_h`` and safetensors, sharded or not, in transformers' names) or a preset
     name (random weights, seed 0). dtype: default the checkpoint's (bf16 on a GPU / fp32 on a CPU
@@ -848,11 +462,14 @@ def load_nemotron_h(path_or_preset: str | os.PathLike, dtype: torch.dtype | None
     ``cfg.eos_token_ids`` as ``NemotronHConfig.from_dir`` reads them. Checkpoint problems (missing,
     unexpected, misshaped tensors; NaN or inf weights) raise one ValueError listing them all, before
     anything is copied (``fastmamba.models.weights``: check_finite, stack_experts, load_into)."""
-    device = _default_device(device)
+    from fastmamba.models.quantization import apply_plan, check_quantization_arg, prepare_fp8_checkpoint, quantize_model
+
+    device = default_device(device)
     key = str(path_or_preset)
     if key in PRESETS:
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        return random_init(NemotronHLM(PRESETS[key], device=device, dtype=dtype)).eval()
+        model = random_init(NemotronHLM(PRESETS[key], device=device, dtype=dtype))
+        return (quantize_model(model) if check_quantization_arg(quantization) else model).eval()
     if not os.path.isdir(key):
         raise FileNotFoundError(f"load_nemotron_h: {key!r} is neither a directory nor a preset; presets: "
                                 f"{', '.join(PRESETS)}")
@@ -862,11 +479,16 @@ def load_nemotron_h(path_or_preset: str | os.PathLike, dtype: torch.dtype | None
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"load_nemotron_h: no config.json in {key!r}")
     cfg = NemotronHConfig.from_dir(key)
+    check_quantization_arg(quantization, "load_nemotron_h")
     state_dict = read_checkpoint(key)
+    fp8_plan = prepare_fp8_checkpoint(key, state_dict, cfg)  # None unless the checkpoint is FP8 (models.quantization)
     check_finite(state_dict, where="load_nemotron_h")
     stack_experts(state_dict, cfg.layers_of("E"), cfg.n_routed_experts)
+    prepare_mtp_state_dict(state_dict, cfg)  # mtp.* tensors (fastmamba.models.mtp)
     if dtype is None:
-        dtype = _checkpoint_dtype(state_dict)  # the embeddings' (the router is fp32 in every checkpoint)
+        dtype = checkpoint_dtype(state_dict)  # the embeddings' (the router is fp32 in every checkpoint)
     model = NemotronHLM(cfg, device=device, dtype=dtype)
+    if fp8_plan is not None:
+        apply_plan(model, fp8_plan)  # FP8 modules where the checkpoint stores FP8
     load_into(model, state_dict)
-    return model.eval()
+    return (quantize_model(model) if quantization and fp8_plan is None else model).eval()

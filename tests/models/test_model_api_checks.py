@@ -36,7 +36,8 @@ def model(request):
 
 
 def is_hybrid(model) -> bool:
-    return hasattr(model.cfg, "pattern")
+    """A model whose cache tracks each slot's length (and pages its K/V): Nemotron-H."""
+    return model.cfg.paged_cache
 
 
 def fresh_cache(model, *, speculate: int = 0):
@@ -52,7 +53,7 @@ def fresh_cache(model, *, speculate: int = 0):
 
 def snapshot(cache):
     """Everything a rejected call must leave alone: lengths, free pages and every tensor."""
-    if hasattr(cache, "kv"):  # HybridCache
+    if cache.kv is not None:  # attention layers: lengths and K/V pages too
         lengths = [cache.length(s) for s in range(cache.max_batch)]
         tensors = [*cache.conv, *cache.ssm, *cache.kv.k, *cache.kv.v, cache.kv.block_table, cache.kv.seq_lens]
         return lengths, cache.free_pages, [t.clone() for t in tensors]

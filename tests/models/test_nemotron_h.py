@@ -397,7 +397,7 @@ def test_prefill_and_decode_reject_bad_input_before_touching_the_cache():
         m.prefill_varlen(ids, torch.tensor([0, 2, 5], dtype=torch.int32), cache, torch.tensor([0, 2]))
     with pytest.raises(ValueError, match="would hold 9 tokens, more than max_len=8"):
         m.prefill_varlen(torch.arange(9), torch.tensor([0, 9], dtype=torch.int32), cache, slots[:1])
-    with pytest.raises(ValueError, match="`cu_seqlens` must start at 0 and end at T=5"):
+    with pytest.raises(ValueError, match="`cu_seqlens` must start at 0, never decrease and end at T=5"):
         m.prefill_varlen(ids, torch.tensor([0, 2, 4], dtype=torch.int32), cache, slots)
     with pytest.raises(ValueError, match="NemotronHLM.decode: `token_ids` and `slots` expected shape"):
         m.decode(ids[:3], cache, slots)

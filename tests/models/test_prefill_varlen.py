@@ -170,7 +170,7 @@ def test_prefill_metadata_errors_touch_nothing(model):
     for cu_t, slots, extra, match in cases:
         with pytest.raises(ValueError, match=match):
             model.prefill_varlen(ids, cu_t, cache, slots, **extra)
-    with pytest.raises(TypeError, match="`slots` expected an int32 or int64 tensor, got torch.float32"):
+    with pytest.raises(TypeError, match="`slots` expected an int32 or int64 tensor of cache slots, got dtype float32"):
         model.prefill_varlen(ids, cu, cache, torch.tensor([0.0, 1.0]))
     for old, new in zip(before, (*cache.conv, *cache.ssm)):
         assert torch.equal(old, new)
