@@ -355,10 +355,14 @@ def prepare_state_dict(state_dict: dict[str, torch.Tensor], cfg: QuantConfig, *,
             problems.append(f"{attn}: {'k_scale' if k is None else 'v_scale'} missing (the other is present)")
     # anything else stored in FP8 would be cast to 16 bits silently by load_into
     taken = set(linears) | set(experts)
+
+    def owner(n: str) -> str:  # the module a tensor belongs to (an expert's tensors: the experts module)
+        m = re.match(r"(.*\.experts)\.\d+\.(up|down)_proj\.", n) or re.match(r"(.*\.experts)\.(up|down)_proj_", n)
+        return m.group(1) if m else n.rsplit(".", 1)[0]
     for n, t in state_dict.items():
-        if t.dtype == FP8_DTYPE and not any(n.startswith(m + ".") for m in taken):
+        if t.dtype == FP8_DTYPE and owner(n) not in taken:
             problems.append(f"{n}: stored in FP8 but fastmamba keeps this tensor in 16/32 bits")
-        if n.endswith((".weight_scale", ".input_scale")) and not any(n.startswith(m) for m in taken):
+        if n.endswith((".weight_scale", ".input_scale")) and owner(n) not in taken:
             problems.append(f"{n}: a scale without an FP8 weight")
     if problems:
         shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
