@@ -93,9 +93,10 @@ class FP8Experts(nn.Module):
         out = cls(E, F_, M, per_channel=True, device=experts.up_proj.device)
         for name in ("up_proj", "down_proj"):
             w = getattr(experts, name)
-            q, s = quantize_weight_ref(w.reshape(-1, w.shape[-1]), per_channel=True)
-            getattr(out, name).copy_(q.view(w.shape))
-            getattr(out, name + "_weight_scale").copy_(s.view(w.shape[:2]))
+            for e in range(E):  # one expert at a time: the fp32 temporaries stay one expert's size
+                q, s = quantize_weight_ref(w[e], per_channel=True)
+                getattr(out, name)[e].copy_(q)
+                getattr(out, name + "_weight_scale")[e].copy_(s)
         return out
 
     def run(self, h: torch.Tensor, routing) -> torch.Tensor:
