@@ -71,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "decoding at these batches, comma-separated (e.g. 8,64,256)")
     parser.add_argument("--engine-k", type=int, default=3, help="speculate K of the engine comparison (default 3)")
     parser.add_argument("--engine-gen-len", type=int, default=None, help="tokens per request there (default 64; CPU 6)")
+    parser.add_argument("--engine-prompt-len", type=int, default=None,
+                        help="prompt tokens there (default 128: B prompts are prefilled in one eager call)")
     parser.add_argument("--json", default=None, help="append the rows as JSON lines to PATH")
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
 
@@ -410,12 +412,13 @@ def run(args: argparse.Namespace, command: str) -> int:
                   f"{best['measured_speedup']:.2f}x ({best['measured_over_bound'] * 100:.0f}% of the bound)")
         if args.engine_batches:
             gen_len = args.engine_gen_len or (64 if gpu else 6)
-            print(f"engine: plain vs drafter='mtp' (K={args.engine_k}, adaptive policy), prompt {prompt_len}, "
+            e_prompt = args.engine_prompt_len or (128 if gpu else prompt_len)
+            print(f"engine: plain vs drafter='mtp' (K={args.engine_k}, adaptive policy), prompt {e_prompt}, "
                   f"{gen_len} tokens per request, the second of two runs timed")
             print(f"{'batch':>5} {'plain tok/s':>11} {'mtp tok/s':>10} {'ratio':>6} {'<=3% slower':>11} "
                   f"{'accept':>6} {'match':>5}  k chosen (count)")
             for B in _ints(args.engine_batches, "engine-batches"):
-                row = run_engine(model, B, prompt_len, gen_len, args.engine_k, device, name)
+                row = run_engine(model, B, e_prompt, gen_len, args.engine_k, device, name)
                 rows.append(row)
                 print(f"{B:>5} {row['plain_tok_s']:>11.1f} {row['mtp_tok_s']:>10.1f} {row['ratio']:>6.3f} "
                       f"{'yes' if row['ratio'] >= 0.97 else 'NO':>11} {row['policy']['accept_rate']:>6.3f} "
@@ -453,6 +456,10 @@ def run_engine(model, B: int, prompt_len: int, gen_len: int, K: int, device, nam
         _, secs = _timed(loop, device)
         out[label] = [engine.finished.pop(rid).output for rid in rids]
         tok_s[label] = B * (gen_len - 1) / secs
+        if label == "plain":
+            del engine
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return {"record": "mtp_engine", "model": name, "batch": B, "speculate": K, "plain_tok_s": tok_s["plain"],
             "mtp_tok_s": tok_s["mtp"], "ratio": tok_s["mtp"] / tok_s["plain"],
             "tokens_match": out["plain"] == out["mtp"],
