@@ -94,6 +94,12 @@ def parse_modelopt(q: dict, source: str) -> QuantConfig:
     if algo not in MODELOPT_ALGOS:
         raise _bad(source, "quant_algo", f"{algo!r} is not supported; fastmamba reads "
                    f"{', '.join(MODELOPT_ALGOS)} (NVFP4, FP8_PB_WO, INT8, W4A16 ... are not)")
+    for key in ("has_zero_point", "pre_quant_scale"):  # asymmetric / AWQ-style smoothing: not plain FP8
+        if q.get(key) not in (None, False):
+            raise _bad(source, key, f"{q.get(key)!r} is not supported; expected false or absent for FP8")
+    gs = q.get("group_size")
+    if gs not in (None, 0, -1):
+        raise _bad(source, "group_size", f"{gs!r}: group / block scales are not supported")
     kv = q.get("kv_cache_quant_algo")
     if isinstance(q.get("kv_cache_scheme"), dict) and kv is None:
         kv = _kv_scheme(q["kv_cache_scheme"], source)

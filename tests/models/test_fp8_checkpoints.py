@@ -444,11 +444,13 @@ def _ct_group(key, **change):
     ("modelopt-fp8", _quant(quant_algo="NVFP4"), "`quant_algo` 'NVFP4' is not supported"),
     ("modelopt-fp8", _quant(kv_cache_quant_algo="INT8"), "`kv_cache_quant_algo` 'INT8'"),
     ("modelopt-channel", _quant(quant_method="gptq"), "`quant_method` 'gptq' is not supported"),
+    ("modelopt-fp8", _quant(pre_quant_scale=True), "`pre_quant_scale` True is not supported"),
+    ("modelopt-fp8", _quant(group_size=128), "`group_size` 128"),
     ("ct-channel-token", _ct_group("weights", strategy="group", group_size=128), "weights.strategy` 'group'"),
     ("ct-channel-token", _ct_group("weights", num_bits=4, type="int"), "num_bits=4 type='int'"),
     ("ct-channel-token", _ct_group("input_activations"), "input_activations` is null (weight-only FP8"),
     ("ct-channel-token", _quant(format="pack-quantized"), "`format` 'pack-quantized'"),
-], ids=["nvfp4", "kv-int8", "gptq", "group-scales", "int4", "weight-only", "packed"])
+], ids=["nvfp4", "kv-int8", "gptq", "awq-smoothing", "modelopt-groups", "group-scales", "int4", "weight-only", "packed"])
 def test_unsupported_schemes_are_named_before_loading(tmp_path, fmt, edit, message):
     root = tmp_path / "ckpt"
     write_checkpoint(root, fmt, edit=edit)
