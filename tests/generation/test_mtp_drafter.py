@@ -393,12 +393,16 @@ def test_policy_probes_and_switches_back_on():
 def test_policy_measures_when_given_no_costs():
     pol = SpeculationPolicy(2)
     picks = []
-    for secs in (3.0, 2.0, 1.0):  # every k is timed once at the bucket (batch 3 -> 4) before weighing
+    # every k is timed twice at the bucket (batch 3 -> 4) before weighing; the first time (a warm-up,
+    # graph captures) is dropped
+    for secs in (30.0, 3.0, 20.0, 2.0, 10.0, 1.0):
         picks.append(pol.choose(3))
         pol.record(3, picks[-1], secs, proposed=3 * picks[-1], accepted=0)
-    assert picks == [2, 1, 0]
-    assert pol.report()["chosen"] == {0: 1, 1: 1, 2: 1}
+    assert picks == [2, 2, 1, 1, 0, 0]
+    assert pol.report()["chosen"] == {0: 2, 1: 2, 2: 2}
     assert pol.step_cost(4, 0) == 1.0 and pol.step_cost(3, 2) == 3.0
+    pol.record(3, 0, 2.0, proposed=0, accepted=0)  # then a moving average
+    assert pol.step_cost(3, 0) == pytest.approx(1.0 + pol.ema * (2.0 - 1.0))
     assert pol.choose(3) == 0  # nothing accepted: drafting only costs
     with pytest.raises(ValueError, match="batch must be an int >= 1"):
         pol.choose(0)
