@@ -41,6 +41,10 @@ from fastmamba.ops.runtime import trusted_inputs
 
 def require_mtp(model) -> None:
     """ValueError unless ``model`` carries an MTP layer (``model.mtp``)."""
+    if getattr(model, "mtp", None) is None and getattr(model.cfg, "mtp_absent", False):
+        raise ValueError("drafter='mtp': the checkpoint's config.json names an MTP layer (num_nextn_predict_layers: 1) "
+                         "but the checkpoint holds no mtp.* tensors (transformers' save_pretrained drops them), so "
+                         "the model was loaded without it; use the original checkpoint, or another drafter (ngram, model)")
     if getattr(model, "mtp", None) is None:
         raise ValueError(f"drafter='mtp': {type(model).__name__} has no multi-token-prediction layer (its "
                          "config.json has no `num_nextn_predict_layers: 1` with `mtp_hybrid_override_pattern`, "

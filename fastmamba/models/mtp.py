@@ -89,20 +89,27 @@ def check_mtp_pattern(pattern: str) -> None:
                          f"'-' (MLP), 'E' (MoE), got {bad} in {pattern!r}")
 
 
-def prepare_mtp_state_dict(state_dict: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
-    """In place: ``language_model.mtp.*`` renamed ``mtp.*`` and the MTP MoE layers' per-expert
-    tensors stacked into the fused form (``fastmamba.models.weights.stack_experts``). A checkpoint
-    whose config has no MTP layer keeps its ``mtp.*`` tensors, which ``load_into`` then names as
-    unexpected."""
+def prepare_mtp_state_dict(state_dict: dict[str, torch.Tensor], cfg):
+    """Returns the config to build the model from, after, in ``state_dict``: ``language_model.mtp.*``
+    renamed ``mtp.*`` and the MTP MoE layers' per-expert tensors stacked into the fused form
+    (``fastmamba.models.weights.stack_experts``).
+
+    A config that names an MTP layer for a checkpoint without any ``mtp.*`` tensor (transformers'
+    ``save_pretrained`` drops them) gives a model without one: the config comes back with
+    ``mtp_pattern=""`` and ``mtp_absent=True``, and ``drafter="mtp"`` says so. Some but not all
+    of them: ``load_into`` names the missing ones. A config without an MTP layer keeps the
+    checkpoint's ``mtp.*`` tensors, which ``load_into`` then names as unexpected."""
     for name in [n for n in state_dict if n.startswith("language_model.mtp.")]:
         state_dict[name.removeprefix("language_model.")] = state_dict.pop(name)
     pattern = getattr(cfg, "mtp_pattern", "")
+    if pattern and not any(n.startswith("mtp.") for n in state_dict):
+        return dataclasses.replace(cfg, mtp_pattern="", mtp_absent=True)
     if pattern:
         from fastmamba.models.weights import stack_experts
 
         stack_experts(state_dict, [i for i, c in enumerate(pattern) if c == "E"], cfg.n_routed_experts,
                       prefix="mtp.layers.{i}.mixer.experts.")
-    return state_dict
+    return cfg
 
 
 def build_mtp(cfg, device=None, dtype=None) -> "MTP | None":
@@ -122,7 +129,7 @@ class MTP(nn.Module):
     def __init__(self, cfg, device=None, dtype=None):
         super().__init__()
         check_mtp_pattern(cfg.mtp_pattern)
-        inner = dataclasses.replace(cfg, pattern=cfg.mtp_pattern, mtp_pattern="")
+        inner = dataclasses.replace(cfg, pattern=cfg.mtp_pattern, mtp_pattern="", mtp_absent=False)
         self.pattern = cfg.mtp_pattern
         self.eps = cfg.norm_eps
         self.residual_in_fp32 = cfg.residual_in_fp32

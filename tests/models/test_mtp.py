@@ -65,7 +65,7 @@ def tiny_model(mtp: bool = True) -> NemotronHLM:
     return m
 
 
-def write(tmp_path, model, fields, *, per_expert=True, prefix="", drop=(), reshape=()):
+def write(tmp_path, model, fields, *, per_expert=True, prefix="", drop=(), reshape=(), no_mtp=False):
     sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     if per_expert:  # NVIDIA's released layout for every MoE layer, the MTP's included
         for name in [n for n in sd if n.endswith("experts.up_proj") or n.endswith("experts.down_proj")]:
@@ -76,6 +76,8 @@ def write(tmp_path, model, fields, *, per_expert=True, prefix="", drop=(), resha
     sd = {(prefix + k if k.startswith("mtp.") else k): v for k, v in sd.items()}
     for n in drop:
         del sd[n]
+    if no_mtp:
+        sd = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
     for n in reshape:
         sd[n] = sd[n][:-1].clone()
     safetensors.save_file(sd, str(tmp_path / "model.safetensors"))
@@ -107,6 +109,18 @@ def test_checkpoint_round_trip(tmp_path, per_expert, prefix):
 def test_checkpoint_problems_named(tmp_path, drop, reshape, match):
     with pytest.raises(ValueError, match=match):
         load_nemotron_h(write(tmp_path, tiny_model(), MTP, drop=drop, reshape=reshape), device="cpu")
+
+
+def test_config_with_mtp_checkpoint_without(tmp_path):
+    """config.json names an MTP layer, the checkpoint has no mtp.* tensor (as transformers' save_pretrained
+    writes it): the model loads without the layer, and drafter="mtp" says why."""
+    from fastmamba.generation.engine import Engine
+
+    base = tiny_model()
+    model = load_nemotron_h(write(tmp_path, base, MTP, no_mtp=True), device="cpu")
+    assert model.mtp is None and model.cfg.mtp_absent and model.cfg.mtp_pattern == ""
+    with pytest.raises(ValueError, match="holds no mtp.* tensors"):
+        Engine(model, max_batch=2, speculate=2, drafter="mtp", cuda_graphs=False)
 
 
 def test_mtp_tensors_without_config_fields_are_unexpected(tmp_path):
