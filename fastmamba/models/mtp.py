@@ -129,7 +129,7 @@ class MTP(nn.Module):
     def __init__(self, cfg, device=None, dtype=None):
         super().__init__()
         check_mtp_pattern(cfg.mtp_pattern)
-        inner = dataclasses.replace(cfg, pattern=cfg.mtp_pattern, mtp_pattern="", mtp_absent=False)
+        inner = dataclasses.replace(cfg, pattern=cfg.mtp_pattern, mtp_pattern="")
         self.pattern = cfg.mtp_pattern
         self.eps = cfg.norm_eps
         self.residual_in_fp32 = cfg.residual_in_fp32
