@@ -1,4 +1,4 @@
-"""``load_model``: a Mamba-2 LM from a local checkpoint directory or a named random preset."""
+"""``load_model``: a Mamba-2 or Nemotron-H LM from a local checkpoint directory or a named random preset."""
 from __future__ import annotations
 
 import difflib
@@ -7,8 +7,8 @@ import os
 
 import torch
 
-from fastmamba.models.config import PRESETS, Mamba2Config
 from fastmamba.models.defaults import SUPPORTED_DTYPES, checkpoint_dtype, default_device, parse_dtype, random_init
+from fastmamba.models.mamba2 import PRESETS, Mamba2Config
 from fastmamba.models.mamba2_lm import Mamba2LM
 from fastmamba.models.nemotron_h import PRESETS as NEMOTRON_H_PRESETS, load_nemotron_h
 

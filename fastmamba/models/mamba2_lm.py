@@ -2,7 +2,7 @@
 
 Module names follow Hugging Face's ``Mamba2ForCausalLM`` (``backbone.embeddings``,
 ``backbone.layers.{i}.norm|mixer``, ``backbone.norm_f``, ``lm_head``); the config and its two
-config.json formats are ``fastmamba.models.config.Mamba2Config``. Its cache (``new_cache``) is the
+config.json formats are ``fastmamba.models.mamba2.Mamba2Config``. Its cache (``new_cache``) is the
 Mamba slot pools alone (``StateCache``: no per-slot lengths, no attention part).
 
 ``Mamba2LM`` is the name this model had before the one LM: a ``HybridLM`` built from a
@@ -12,7 +12,7 @@ Mamba slot pools alone (``StateCache``: no per-slot lengths, no attention part).
 from __future__ import annotations
 
 from fastmamba.models.blocks import RMSNorm
-from fastmamba.models.config import Mamba2Config
+from fastmamba.models.mamba2 import Mamba2Config
 from fastmamba.models.lm import HybridLM
 
 __all__ = ["Mamba2LM", "RMSNorm"]

@@ -49,7 +49,7 @@ import torch
 from fastmamba.layers.attention import StagedPrefill, prefill_kv_values  # re-exported: their old home
 from fastmamba.layers.mamba2 import MambaLayerConfig
 from fastmamba.layers.moe import MoEConfig
-from fastmamba.models.config import _as_float, _Fields, checkpoint_eos_token_ids
+from fastmamba.models.checkpoint_config import _as_float, _Fields, checkpoint_eos_token_ids
 from fastmamba.models.defaults import checkpoint_dtype, default_device, random_init  # random_init: re-exported for the presets
 from fastmamba.models.lm import HybridLM
 from fastmamba.models.mtp import build_mtp, mtp_pattern_of, prepare_mtp_state_dict
@@ -122,6 +122,7 @@ class NemotronHConfig:
     max_position_embeddings: int | None = None       # max_position_embeddings (None when absent)
     mtp_pattern: str = ""                            # the MTP layer's kinds (num_nextn_predict_layers: 1 and
                                                      # mtp_hybrid_override_pattern): fastmamba.models.mtp; "": none
+    mtp_absent: bool = False                         # config.json names an MTP layer, the checkpoint has no mtp.*
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> ValueError:
@@ -316,7 +317,7 @@ class NemotronHConfig:
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> "NemotronHConfig":
         """A checkpoint directory's config.json, with ``eos_token_ids`` read by the rule every model
-        family shares (``fastmamba.models.config.checkpoint_eos_token_ids``: generation_config.json's
+        family shares (``fastmamba.models.checkpoint_config.checkpoint_eos_token_ids``: generation_config.json's
         ``eos_token_id`` overrides config.json's; the tokenizer files' ``eos_token`` when neither names one)."""
         root = os.fspath(path)
         config_path = os.path.join(root, "config.json")
@@ -484,7 +485,7 @@ def load_nemotron_h(path_or_preset: str | os.PathLike, dtype: torch.dtype | None
     fp8_plan = prepare_fp8_checkpoint(key, state_dict, cfg)  # None unless the checkpoint is FP8 (models.quantization)
     check_finite(state_dict, where="load_nemotron_h")
     stack_experts(state_dict, cfg.layers_of("E"), cfg.n_routed_experts)
-    prepare_mtp_state_dict(state_dict, cfg)  # mtp.* tensors (fastmamba.models.mtp)
+    cfg = prepare_mtp_state_dict(state_dict, cfg)  # mtp.* tensors (fastmamba.models.mtp); none: no MTP layer
     if dtype is None:
         dtype = checkpoint_dtype(state_dict)  # the embeddings' (the router is fp32 in every checkpoint)
     model = NemotronHLM(cfg, device=device, dtype=dtype)
