@@ -24,11 +24,11 @@ _LAZY = {
 __all__ = ["LLM", "Completion", "SamplingParams", "Engine", "load_model", "__version__"]
 
 
-def load_model(path_or_preset, dtype=None, device=None):
+def load_model(path_or_preset, dtype=None, device=None, *, quantization=None):
     """See :func:`fastmamba.models.load_model` (imported lazily: ``import fastmamba`` stays light)."""
     from fastmamba.models import load_model as _load
 
-    return _load(path_or_preset, dtype=dtype, device=device)
+    return _load(path_or_preset, dtype=dtype, device=device, quantization=quantization)
 
 
 def __getattr__(name: str):

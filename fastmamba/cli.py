@@ -142,12 +142,16 @@ def build_parser(command: str | None = None) -> tuple[argparse.ArgumentParser, d
                           "--nproc-per-node N); the heads of every layer are split across them")
     gen.add_argument("--speculate", type=_non_negative_int, default=0, metavar="K",
                      help="speculative decoding with K drafts per step (0 = off)")
-    gen.add_argument("--drafter", choices=("ngram", "oracle", "model"), default="ngram",
+    gen.add_argument("--drafter", choices=("ngram", "oracle", "model", "mtp"), default="ngram",
                      help="draft source with --speculate: ngram = prompt lookup (default); oracle = replay "
                           "a plain greedy run made first, untimed (every draft accepted: for benchmarks); "
-                          "model = greedy drafts of --draft-model")
+                          "model = greedy drafts of --draft-model; mtp = the checkpoint's own MTP layer "
+                          "(Nemotron-3 checkpoints with num_nextn_predict_layers: 1)")
     gen.add_argument("--draft-model", metavar="DIR|PRESET", default=None,
                      help="with --drafter model: the draft model (same vocabulary as --model), e.g. mamba2-130m")
+    gen.add_argument("--quantization", choices=("fp8",), default=None,
+                     help="fp8: quantise a 16-bit checkpoint on load (e4m3 weights per channel, activations per "
+                          "token; attention and lm_head stay 16-bit). FP8 checkpoints load as FP8 without it")
     gen.add_argument("--ssm-dtype", choices=("fp32", "fp16", "bf16"), default="fp32",
                      help="SSM state dtype (default fp32; fp16/bf16 halve the state traffic)")
     gen.add_argument("--stochastic-rounding", action="store_true",
@@ -269,7 +273,8 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         model = load_tp_model(args.model, _TP_GROUP, dtype=getattr(args, "dtype", None))
     else:
-        model = fastmamba.load_model(args.model, dtype=getattr(args, "dtype", None), device=args.device)
+        model = fastmamba.load_model(args.model, dtype=getattr(args, "dtype", None), device=args.device,
+                                     quantization=getattr(args, "quantization", None))
     if args.prompt is not None:
         ids = codec.encode_prompt(args.prompt)  # the one rule of the CLI, LLM and the server
         if not ids:
@@ -291,12 +296,18 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 drafter = ModelDrafter(draft, batch, target_vocab_size=model.cfg.vocab_size)
             except ValueError as exc:
                 raise UsageError(f"--draft-model {args.draft_model}: {exc}") from exc
+        elif args.drafter == "mtp":
+            drafter = "mtp"  # the engine builds the MTPDrafter over the model's MTP layer
         else:
             drafter = NgramDrafter()
         engine = Engine(model, max_batch=batch, speculate=args.speculate, drafter=drafter, tokenizer=text_tok,
                         **state_kw)
     else:
         engine = Engine(model, max_batch=args.batch, tokenizer=text_tok, **state_kw)
+    if _TP_GROUP is not None:  # every rank draws unseeded samples from one seed (or the ranks diverge)
+        from fastmamba.distributed.runtime import share_sampling_seed
+
+        share_sampling_seed(_TP_GROUP, engine)
     rids = [engine.add_request(ids, params) for _ in range(args.batch)]
     shown: list[int] = []
     text = codec.stream() if tok is not None else None  # prints a character once all its tokens came

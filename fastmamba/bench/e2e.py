@@ -61,7 +61,7 @@ import torch
 
 from fastmamba.bench.kernels import _int_list
 
-DRAFTERS = ("oracle", "ngram", "model")
+DRAFTERS = ("oracle", "ngram", "model", "mtp")
 REPEAT_BLOCK = 16  # repetitive prompts: a random block of this many tokens, repeated
 
 
@@ -100,7 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run speculative decoding with K drafts per step against the plain run (0 = off)")
     parser.add_argument("--drafter", choices=DRAFTERS, default="oracle",
                         help="with --speculate: oracle = replay the plain run (default; every draft accepted), "
-                             "ngram = prompt lookup, model = greedy drafts of --draft-model")
+                             "ngram = prompt lookup, model = greedy drafts of --draft-model, "
+                             "mtp = the checkpoint's MTP layer (hybrids with one: nemotron-3-nano-mtp)")
     parser.add_argument("--draft-model", metavar="DIR|PRESET", default=None,
                         help="with --drafter model (default: mamba2-130m on a GPU, the target on a CPU)")
     parser.add_argument("--ssm-dtype", type=_dtype_list, default=["fp32"], metavar="LIST",
@@ -126,7 +127,9 @@ def decode_weight_bytes(model, batch: int, experts_touched: list[float] | None =
     (``count_touched_experts``); None counts top_k x batch (at most E) per layer, exact at batch 1.
     """
     seen, weights = set(), 0
-    for p in model.parameters():
+    for name, p in model.named_parameters():
+        if name.startswith("mtp."):  # an MTP layer (a drafter) is not read by decode
+            continue
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             weights += p.numel() * p.element_size()
@@ -141,10 +144,11 @@ def decode_weight_bytes(model, batch: int, experts_touched: list[float] | None =
 
 
 def moe_layers(model) -> list:
-    """The model's MoE layers (``fastmamba.layers.moe.MoE``), in layer order."""
+    """The model's MoE layers (``fastmamba.layers.moe.MoE``), in layer order (those of its backbone:
+    an MTP layer's are the drafter's)."""
     from fastmamba.layers.moe import MoE
 
-    return [m for m in model.modules() if isinstance(m, MoE)]
+    return [m for m in getattr(model, "backbone", model).modules() if isinstance(m, MoE)]
 
 
 def expert_bytes(moe) -> int:
@@ -191,8 +195,8 @@ def step_bytes(model, batch: int, ssm_dtype: torch.dtype = torch.float32) -> int
 
 
 def is_hybrid(model) -> bool:
-    """A model with a layer pattern (Nemotron-H: Mamba-2, attention and MLP layers)."""
-    return hasattr(model.cfg, "pattern")
+    """A model whose cache pages K/V (Nemotron-H: Mamba-2, attention and MLP layers)."""
+    return model.cfg.paged_cache
 
 
 def hybrid_step_bytes(model, batch: int, context: float, ssm_dtype: torch.dtype = torch.float32,
@@ -562,9 +566,12 @@ class CountingDrafter:
         self.proposed += sum(len(d) for d in drafts)
         return drafts
 
+    def __getattr__(self, name):  # the rest of the drafter's interface (MTP: needs_hidden, observe, forget)
+        return getattr(self.inner, name)
+
 
 def make_bench_drafter(name: str, *, prompts: list[list[int]], plain_tokens: list[list[int]], draft_model,
-                       batch: int, vocab_size: int):
+                       batch: int, vocab_size: int, max_seq_len: int = 4096):
     """The drafter for one speculative run (``oracle`` replays ``plain_tokens``)."""
     from fastmamba.generation.drafters import ModelDrafter, NgramDrafter, OracleDrafter
 
@@ -574,6 +581,13 @@ def make_bench_drafter(name: str, *, prompts: list[list[int]], plain_tokens: lis
         return NgramDrafter()
     if name == "model":
         return ModelDrafter(draft_model, batch, target_vocab_size=vocab_size)
+    if name == "mtp":  # draft_model: the target itself, which carries the MTP layer
+        from fastmamba.generation.mtp_drafter import MTPDrafter
+
+        if draft_model is None:
+            raise ValueError("e2e: --drafter mtp needs a hybrid model with an MTP layer (e.g. nemotron-3-nano-mtp)")
+
+        return MTPDrafter(draft_model, batch, max_seq_len=max_seq_len)
     raise ValueError(f"e2e: unknown drafter {name!r}; expected one of {DRAFTERS}")
 
 
@@ -705,7 +719,8 @@ def _run_hybrid(args, model, name, batches, prompt_len, gen_len, variants, copy_
                 print("error: --drafter model is not wired for hybrid models; use oracle or ngram", file=sys.stderr)
                 return 2
             drafter = make_bench_drafter(args.drafter, prompts=prompts.tolist(), plain_tokens=plain_tokens,
-                                         draft_model=None, batch=b, vocab_size=c.vocab_size)
+                                         draft_model=model if args.drafter == "mtp" else None, batch=b,
+                                         vocab_size=c.vocab_size, max_seq_len=prompt_len + gen_len + 2 * K + 8)
             sr = run_speculative(model, prompts, plain_tokens, gen_len, K, drafter, device=device, pdl=args.pdl,
                                  verify_path=args.verify_path,
                                  engine_kw={"max_seq_len": prompt_len + gen_len + K + 8})

@@ -32,6 +32,7 @@ TARGETS = {
         Target("tune-attention", "fastmamba.bench.tune_attention", "sweep paged decode attention's launch configs (GPU only)"),
         Target("host", "fastmamba.bench.host", "host µs per call of every public op (CPU under TRITON_INTERPRET=1, or GPU)"),
         Target("profile", "fastmamba.bench.prefill_profile", "where a prefill's time goes: graphed kernels or eager host time (GPU)"),
+        Target("mtp", "fastmamba.bench.mtp", "MTP speculative decoding, cost-faithful oracle: draft / verify / commit vs plain, byte bound"),
         Target("spec", "fastmamba.bench.spec", "speculative verification: replay vs per-position states vs plain decode"),
         Target("e2e", "fastmamba.bench.e2e", "end-to-end prefill and decode tok/s vs the bandwidth roofline"),
         Target("chunked", "fastmamba.bench.chunked", "inter-token latency of running requests while a long prompt arrives, chunked or not"),
@@ -39,6 +40,7 @@ TARGETS = {
         Target("ttft", "fastmamba.bench.ttft", "time to first token: warm whole-model prefill (eager and graphed) vs its floor"),
         Target("tp", "fastmamba.distributed.bench", "tensor-parallel decode at several TP sizes: speedup, collectives, equal outputs"),
         Target("hf", "fastmamba.bench.hf_provider", "transformers' generate with and without fastmamba as its kernel provider"),
+        Target("fp8", "fastmamba.bench.ops.fp8", "FP8 W8A8 projections and MoE vs bf16 and torch._scaled_mm"),
     )
 }
 PLANNED: tuple[str, ...] = ()

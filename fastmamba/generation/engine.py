@@ -70,10 +70,10 @@ verify steps replay from graphs per (path, batch bucket) (``GraphedVerifier``).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import itertools
 import numbers
 import os
+import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Protocol
@@ -84,7 +84,7 @@ from fastmamba.cache.prefix_cache import PrefixCache, SnapshotPlan
 from fastmamba.generation.drafters import Drafter, NgramDrafter
 from fastmamba.generation.rounding import StochasticRounding
 from fastmamba.generation.sampling import Sampler, SamplingParams, finish_reason
-from fastmamba.generation.spec_policy import TableEntry, choose_verify_path, lookup_table
+from fastmamba.generation.spec_policy import SpeculationPolicy, TableEntry, choose_verify_path, lookup_table
 from fastmamba.models.mamba2_lm import Mamba2LM
 
 VERIFY_PATHS = ("auto", "replay", "legacy")
@@ -166,7 +166,15 @@ class Engine:
                   where the GPU has it
     speculate     K >= 1: speculative decoding, verifying K drafts per request per step (greedy
                   acceptance at temperature 0, rejection sampling above); None or 0: plain decoding
-    drafter       proposes the drafts (``fastmamba.generation.drafters``); default NgramDrafter()
+    drafter       proposes the drafts (``fastmamba.generation.drafters``); default NgramDrafter();
+                  "mtp": the model's own multi-token-prediction layer (``fastmamba.generation.mtp_drafter``;
+                  a Nemotron-3 checkpoint with ``num_nextn_predict_layers: 1``), handed the target's
+                  hidden states after every step; prefill then runs eagerly (its graphs do not keep
+                  them), verify steps and the MTP's own steps from CUDA graphs where the engine has them
+    spec_policy   None: K drafts every step; "adaptive" (the default with drafter "mtp") or a
+                  ``spec_policy.SpeculationPolicy``: per step k in 0..K drafts (0: a plain step) as
+                  the policy weighs the measured step cost against the acceptance seen so far;
+                  ``stats["policy"]`` reports its last choice and the count of each k
     verify_path   "auto" (default): replay or legacy per step from ``verify_table``; "replay" or
                   "legacy": always that path (steps with no drafts at all are plain steps either way)
     verify_table  T -> crossover batch (replay from that batch up), as ``fastmamba bench spec``
@@ -237,7 +245,8 @@ class Engine:
                  prefill_chunk: int | None = None, graph_prefill_tokens: int | None = 2048,
                  max_seq_len: int | None = None, kv_page_size: int | None = None, kv_num_pages: int | None = None,
                  kv_budget_bytes: int | None = None, prefix_cache_bytes: int | None = None,
-                 prefix_cache_entries: int | None = None, prefix_block: int | None = None):
+                 prefix_cache_entries: int | None = None, prefix_block: int | None = None,
+                 spec_policy: SpeculationPolicy | str | None = None):
         if not isinstance(max_batch, numbers.Integral) or isinstance(max_batch, bool):
             raise TypeError(f"Engine: max_batch must be an int >= 1 (requests decoded together), got "
                             f"{type(max_batch).__name__} {max_batch!r}")
@@ -288,7 +297,29 @@ class Engine:
                              f"{type(model).__name__} has none yet (use speculate=None)")
         kv_options = self._kv_options(model, max_seq_len=max_seq_len, page_size=kv_page_size,
                                       num_pages=kv_num_pages, kv_budget_bytes=kv_budget_bytes)
+        if isinstance(drafter, str):  # drafter="mtp": the checkpoint's MTP layer (fastmamba.generation.mtp_drafter)
+            if drafter != "mtp":
+                raise ValueError(f"Engine: drafter expected a Drafter object or 'mtp', got {drafter!r}")
+            from fastmamba.generation.mtp_drafter import MTPDrafter
+
+            on_gpu = model.lm_head.weight.device.type == "cuda"
+            drafter = MTPDrafter(model, max_batch, max_seq_len=(max_seq_len or 4096) + self.speculate,
+                                 cuda_graphs=on_gpu and cuda_graphs is not False)
+        # a drafter that drafts from the target's hidden states (MTP): prefill runs eagerly (its graphs
+        # do not keep them); each verify graph's hidden buffer is remembered (``_verify``)
+        self._hidden_of: dict | None = None
+        if getattr(drafter, "needs_hidden", False):
+            graph_prefill_tokens = None
+            self._hidden_of = {}
+            spec_policy = "adaptive" if spec_policy is None else spec_policy
         self.drafter = (drafter or NgramDrafter()) if self.speculate else None
+        # speculation per step: K drafts always (None), or as the policy weighs cost and acceptance
+        if spec_policy == "adaptive":
+            spec_policy = SpeculationPolicy(self.speculate)
+        if spec_policy is not None and not (isinstance(spec_policy, SpeculationPolicy) and self.speculate):
+            raise ValueError(f"Engine: spec_policy expected None, 'adaptive' or a SpeculationPolicy (with "
+                             f"speculate=K), got {spec_policy!r}")
+        self.policy = spec_policy
         self.verify_table_entry: TableEntry | None = None
         if isinstance(verify_table, (str, os.PathLike)) or (verify_table is None and self.speculate):
             # the measured entry for the model's shape and state dtype (or the nearest), this GPU's first
@@ -306,7 +337,7 @@ class Engine:
         self.cache = model.new_cache(max_batch, ssm_dtype=ssm_dtype, speculate=self.speculate, **kv_options)
         # a paged KV cache (hybrid models): the engine grows it on the host before each decode or
         # verify step and shrinks it after a commit, so the model (or its graph) must do neither
-        self._paged = callable(getattr(self.cache, "grow", None))
+        self._paged = self.cache.paged
         self._no_grow = {"grow": False} if self._paged else {}
         self._no_rollback = {"rollback": False} if self._paged else {}
         self.rounding = StochasticRounding(model.cfg.n_layer, self.device, rounding_seed) if stochastic_rounding else None
@@ -518,6 +549,8 @@ class Engine:
                 error: BaseException | None = None) -> None:
         """Mark ``r`` finished, free its slot, keep it in ``finished`` (the oldest beyond max_finished go)."""
         r.finished, r.finish_reason, r.stop_reason, r.error = True, reason, stop_reason, error
+        if callable(getattr(self.drafter, "forget", None)):  # a drafter holding per-request state (MTP pages)
+            self.drafter.forget(r)
         if (self.prefix is not None and r.slot >= 0 and reason in ("eos", "stop", "length") and not self.speculate
                 and r.prefilled == len(r.prompt) and r.output):
             # the slot holds the state after the prompt and every output token but the last (not yet fed)
@@ -706,7 +739,9 @@ class Engine:
         for r in admitted:
             r.prefilled = len(r.prompt)
         self.running.extend(admitted)
-        return self._emit(admitted, logits)
+        out = self._emit(admitted, logits)
+        self._observe(admitted, [1] * len(admitted))
+        return out
 
     def _plan_chunk(self) -> tuple[list[Request], list[list[int]]]:
         """This step's prefill chunk: the partly fed prompts first, then new requests (each admitted
@@ -763,7 +798,10 @@ class Engine:
         self.prefilling = [r for r in self.prefilling if r.prefilled < len(r.prompt)]
         self.running.extend(complete)
         rows = logits if len(done) == len(reqs) else logits[torch.tensor(done, device=logits.device)]
-        return self._emit(complete, rows)
+        out = self._emit(complete, rows)
+        if self._hidden_of is not None:
+            self.drafter.observe(complete, self.model.last_hidden[done], [1] * len(complete))
+        return out
 
     def step(self) -> list[StepOutput]:
         """One engine step; returns one ``StepOutput`` per emitted token (finished requests' last
@@ -832,9 +870,18 @@ class Engine:
         path = self._table_path(batch)
         return "replay" if path == "legacy" and batch > self.legacy_max_batch else path
 
-    def _drafts(self, reqs: list[Request]) -> list[list[int]]:
-        """The drafter's proposals, checked: 0..K token ids in [0, V) per request."""
-        K, V = self.speculate, self.model.cfg.vocab_size
+    def _observe(self, reqs: list[Request], counts: list[int], ntok: int = 1) -> None:
+        """Hand a drafter that drafts from the target's hidden states (MTP) those of the positions
+        each request consumed in the call just run (``model.last_hidden``: its first B*ntok rows, [B*T, M]
+        after a verify of T tokens per request, [B, M] after a prefill or plain step; a graph's bucket
+        may hold pad rows after them)."""
+        if self._hidden_of is not None and reqs:
+            hidden = self.model.last_hidden[:len(reqs) * ntok].view(len(reqs), ntok, self.model.cfg.d_model)
+            self.drafter.observe(reqs, hidden, counts)
+
+    def _drafts(self, reqs: list[Request], k: int | None = None) -> list[list[int]]:
+        """The drafter's proposals, checked: 0..k token ids in [0, V) per request (k: default K)."""
+        K, V = self.speculate if k is None else k, self.model.cfg.vocab_size
         drafts = self.drafter.propose(reqs, K)
         if len(drafts) != len(reqs):
             raise ValueError(f"Engine: the drafter returned {len(drafts)} proposals for {len(reqs)} requests")
@@ -850,7 +897,17 @@ class Engine:
     def _verify(self, tokens: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:
         seed = self._rand_seed(advance=True)
         if self.verifier is not None:
-            return self.verifier.verify(tokens, slots, path)
+            if self._hidden_of is None:
+                return self.verifier.verify(tokens, slots, path)
+            captures = self.verifier.captured.count
+            logits = self.verifier.verify(tokens, slots, path)
+            # the hidden states a graph writes live in its own buffer, the one ``model.last_hidden``
+            # pointed to when it was captured: remember it per (path, bucket), point to it after a replay
+            key = (path, next(b for b in self.verifier.buckets(path) if b >= tokens.shape[0]))
+            if self.verifier.captured.count != captures:
+                self._hidden_of[key] = self.model.last_hidden
+            self.model.last_hidden = self._hidden_of[key]
+            return logits
         return self.model.verify(tokens, self.cache, slots, path=path, rand_seed=seed, **self._no_grow)
 
     def _commit(self, reqs: list[Request], slots: torch.Tensor, consumed: list[int], path: str) -> None:
@@ -869,11 +926,24 @@ class Engine:
             self._replay_slots.difference_update(ids)
 
     def _verify_step(self) -> list[StepOutput]:
-        """One speculative step for every running request: draft, verify, accept, commit, emit."""
-        reqs, K = self._kv_decode_ready(self.speculate + 1, grow=False), self.speculate
+        """One speculative step for every running request: draft, verify, accept, commit, emit;
+        with a policy, k drafts (0: a plain step) as it chooses for the batch, and the step timed for it."""
+        reqs = self._kv_decode_ready(self.speculate + 1, grow=False)
         if not reqs:
             return []
-        drafts = self._drafts(reqs)
+        if self.policy is None:
+            return self._verify_reqs(reqs, self.speculate)
+        k = self.policy.choose(len(reqs))
+        t0, before = time.perf_counter(), (self.stats["drafts_proposed"], self.stats["drafts_accepted"])
+        out = self._verify_reqs(reqs, k)
+        self.policy.record(len(reqs), k, time.perf_counter() - t0, self.stats["drafts_proposed"] - before[0],
+                           self.stats["drafts_accepted"] - before[1])
+        self.stats["policy"] = self.policy.report()
+        return out
+
+    def _verify_reqs(self, reqs: list[Request], k: int) -> list[StepOutput]:
+        K = self.speculate
+        drafts = self._drafts(reqs, k) if k else [[] for _ in reqs]
         real = [len(d) for d in drafts]
         path = self._choose_path(len(reqs)) if any(real) else "plain"
         if self._paged:  # room for this step's tokens: 1 (plain) or K+1 (verify), shortened at the commit
@@ -888,7 +958,9 @@ class Engine:
             tokens = torch.tensor([[r.output[-1]] for r in reqs], dtype=torch.int64, device=self.device)
             logits = self._verify(tokens, slots, path)[:, 0]
             self._commit(reqs, slots, [1] * len(reqs), path)
-            return self._emit(reqs, logits)
+            out = self._emit(reqs, logits)
+            self._observe(reqs, [1] * len(reqs))
+            return out
 
         inputs = [[r.output[-1]] + d + [(d or [r.output[-1]])[-1]] * (K - len(d)) for r, d in zip(reqs, drafts)]
         tokens = torch.tensor(inputs, dtype=torch.int64, device=self.device)
@@ -925,7 +997,9 @@ class Engine:
         # commit before emitting: a request finishing in this step frees its slot, which a new
         # request may then take (its prefill resets the slot's speculation counters anyway)
         self._commit(reqs, slots, consumed, path)
-        return self._emit_runs(reqs, runs, logits)
+        out = self._emit_runs(reqs, runs, logits)
+        self._observe(reqs, consumed, K + 1)
+        return out
 
     # ------------------------------------------------------------------ paged KV (hybrid models)
     # A model with attention layers keeps its K/V in pages (``HybridCache``); these helpers are all
@@ -941,8 +1015,7 @@ class Engine:
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
                 raise ValueError(f"Engine: {names[k]} must be None or an int >= 1, got {v!r}")
         if given:
-            accepted = inspect.signature(model.new_cache).parameters
-            missing = [names[k] for k in given if k not in accepted]
+            missing = [] if model.cfg.paged_cache else [names[k] for k in given]
             if missing:
                 raise ValueError(f"Engine: {', '.join(missing)} configure a paged KV cache (models with attention "
                                  f"layers); {type(model).__name__} has none")
@@ -953,12 +1026,12 @@ class Engine:
         """The most KV positions one request may use (a model with attention layers): its prompt
         plus max_new_tokens - 1 must not exceed it (verify steps hold the drafts too). None: no
         limit (a pure Mamba-2 model keeps a fixed-size state per request)."""
-        limit = getattr(self.cache, "max_len", None) if self._paged else None
+        limit = self.cache.max_len if self._paged else None
         return None if limit is None else limit - self.speculate
 
     def _kv_check_fits(self, ids: list[int], params: SamplingParams, who: str) -> None:
         """ValueError when the request can never fit one request's KV (its last token is never fed)."""
-        limit = getattr(self.cache, "max_len", None) if self._paged else None
+        limit = self.cache.max_len if self._paged else None
         need = len(ids) + params.max_new_tokens - 1 + self.speculate  # a verify step holds K drafts more
         if limit is not None and need > limit:
             kv = self.cache.kv

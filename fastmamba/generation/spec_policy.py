@@ -323,3 +323,97 @@ def expected_tokens_per_step(tokens: int, accept_rate: float) -> float:
     if not 0.0 <= accept_rate <= 1.0:
         raise ValueError(f"expected_tokens_per_step: accept_rate must lie in [0, 1], got {accept_rate}")
     return sum(accept_rate**i for i in range(tokens))
+
+
+# --- how many drafts per step -----------------------------------------------------------------
+class SpeculationPolicy:
+    """Speculate with k drafts per request (1..K) or not at all (k = 0: a plain step), per batch,
+    where it pays: the k of the highest expected tokens per second,
+
+        expected_tokens_per_step(k + 1, a) / cost(batch, k)
+
+    a    the per-draft acceptance seen so far: accepted / proposed drafts, an exponential moving
+         average over the speculative steps (``ema`` weight of each step), ``prior_accept`` before any;
+    cost seconds of one engine step of ``batch`` requests with k drafts (drafting, verifying,
+         committing; k = 0 a plain step). ``cost=None``: measured, the moving average of the
+         engine's step times per (batch bucket: the power of two at or above the batch, k); a k not
+         yet timed twice at a bucket is tried (explore) before choosing, and its first time is
+         dropped (it pays CUDA-graph captures and compiles). A function ``cost(batch, k)``:
+         a model or synthetic costs (tests, benchmarks); nothing is measured then.
+
+    Speculation switched off (k = 0) stops refreshing the acceptance, so every ``probe_every``-th
+    plain step of a bucket runs K drafts once more (``probe``): where acceptance has risen, the
+    policy switches back on. ``candidates``: the k values weighed (default 0..K).
+    ``report()`` says the last choice and how often each k was chosen (the engine puts it in
+    ``stats["policy"]``).
+    """
+
+    def __init__(self, max_k: int, *, cost=None, prior_accept: float = 0.7, ema: float = 0.2,
+                 probe_every: int = 32, candidates: Sequence[int] | None = None):
+        if isinstance(max_k, bool) or not isinstance(max_k, int) or max_k < 1:
+            raise ValueError(f"SpeculationPolicy: max_k must be an int >= 1, got {max_k!r}")
+        if not 0.0 <= prior_accept <= 1.0 or not 0.0 < ema <= 1.0:
+            raise ValueError(f"SpeculationPolicy: prior_accept must lie in [0, 1] and ema in (0, 1], got "
+                             f"{prior_accept!r}, {ema!r}")
+        if not (isinstance(probe_every, int) and probe_every >= 1):
+            raise ValueError(f"SpeculationPolicy: probe_every must be an int >= 1, got {probe_every!r}")
+        cands = sorted(set(range(max_k + 1) if candidates is None else candidates))
+        if not cands or any(not isinstance(k, int) or not 0 <= k <= max_k for k in cands):
+            raise ValueError(f"SpeculationPolicy: candidates must be ints in [0, max_k={max_k}], got {candidates!r}")
+        if cost is not None and not callable(cost):
+            raise ValueError(f"SpeculationPolicy: cost must be None or a function cost(batch, k), got {cost!r}")
+        self.max_k, self.cost, self.ema, self.probe_every = max_k, cost, ema, probe_every
+        self.candidates = cands
+        self.accept_rate = prior_accept
+        self._times: dict[tuple[int, int], float] = {}  # (bucket, k) -> seconds per step (EMA)
+        self._samples: dict[tuple[int, int], int] = {}  # (bucket, k) -> steps timed
+        self._off_steps: dict[int, int] = {}  # bucket -> plain steps chosen since the last speculative one
+        self.chosen: dict[int, int] = {k: 0 for k in cands}
+        self.last: dict | None = None
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return 1 << max(0, (batch - 1).bit_length())
+
+    def step_cost(self, batch: int, k: int) -> float | None:
+        if self.cost is not None:
+            return float(self.cost(batch, k))
+        key = (self.bucket(batch), k)
+        return self._times.get(key) if self._samples.get(key, 0) >= 2 else None
+
+    def choose(self, batch: int) -> int:
+        """The number of drafts for a step of ``batch`` requests."""
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"SpeculationPolicy.choose: batch must be an int >= 1, got {batch!r}")
+        b = self.bucket(batch)
+        costs = {k: self.step_cost(batch, k) for k in self.candidates}
+        untimed = [k for k, c in costs.items() if c is None]
+        if untimed:  # measure before weighing: the largest k first
+            k, why = max(untimed), "explore"
+        else:
+            rate = {k: expected_tokens_per_step(k + 1, self.accept_rate) / max(c, 1e-12) for k, c in costs.items()}
+            k = max(rate, key=lambda j: (rate[j], -j))  # the fewer drafts on a tie
+            why = "best"
+            if k == 0 and self.max_k in self.candidates:
+                self._off_steps[b] = self._off_steps.get(b, 0) + 1
+                if self._off_steps[b] >= self.probe_every:
+                    k, why = self.max_k, "probe"
+        if k:
+            self._off_steps[b] = 0
+        self.chosen[k] = self.chosen.get(k, 0) + 1
+        self.last = {"batch": batch, "k": k, "why": why, "accept_rate": round(self.accept_rate, 4)}
+        return k
+
+    def record(self, batch: int, k: int, seconds: float, proposed: int, accepted: int) -> None:
+        """What a step of ``batch`` requests with ``k`` drafts cost and how many drafts it accepted."""
+        if proposed > 0:
+            self.accept_rate += self.ema * (accepted / proposed - self.accept_rate)
+        if self.cost is None and seconds > 0:
+            key = (self.bucket(batch), k)
+            n = self._samples[key] = self._samples.get(key, 0) + 1
+            old = self._times.get(key)
+            # the first step of a (bucket, k) is a warm-up: the second one replaces it
+            self._times[key] = seconds if n <= 2 else old + self.ema * (seconds - old)
+
+    def report(self) -> dict:
+        return {"last": self.last, "chosen": dict(self.chosen), "accept_rate": round(self.accept_rate, 4)}

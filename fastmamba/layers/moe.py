@@ -112,7 +112,9 @@ class MoE(nn.Module):
                             topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
                             routed_scaling_factor=c.routed_scaling_factor)
         h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)             # [T, M']
-        y = fused_moe(h, self.experts.up_proj, self.experts.down_proj, routing.weights, routing.ids)
+        run = getattr(self.experts, "run", None)  # FP8 experts (fastmamba.layers.fp8_linear.FP8Experts)
+        y = run(h, routing) if run is not None else fused_moe(h, self.experts.up_proj, self.experts.down_proj,
+                                                               routing.weights, routing.ids)
         if self.fc2_latent_proj is not None:
             y = self.fc2_latent_proj(y)
         y = y + self.shared_experts(x)
