@@ -18,17 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
+from fastmamba.cache.hybrid_cache import HybridCache
 from fastmamba.cache.state_cache import StateCache
-from fastmamba.models.mamba2_lm import Mamba2LM
+from fastmamba.models.lm import HybridLM
 from fastmamba.ops.runtime import pdl_supported, programmatic_dependent_launch
-
-if TYPE_CHECKING:
-    from fastmamba.cache.hybrid_cache import HybridCache
-    from fastmamba.models.nemotron_h import NemotronHLM
 
 PAD_SLOT = -1
 
@@ -98,7 +94,7 @@ class GraphedDecoder:
     (``StochasticRounding.seeds``), read at every replay; the caller advances them.
     """
 
-    def __init__(self, model: Mamba2LM | NemotronHLM, cache: StateCache | HybridCache, max_batch: int, *,
+    def __init__(self, model: HybridLM, cache: HybridCache | StateCache, max_batch: int, *,
                  pdl: bool | None = None, rand_seed: torch.Tensor | None = None):
         if not torch.cuda.is_available() or model.lm_head.weight.device.type != "cuda":
             raise RuntimeError("GraphedDecoder needs the model on a CUDA device")
@@ -179,7 +175,7 @@ class GraphedVerifier:
 
     PATHS = ("replay", "legacy", "plain")
 
-    def __init__(self, model: Mamba2LM, cache: StateCache, max_batch: int, *, pdl: bool | None = None,
+    def __init__(self, model: HybridLM, cache: HybridCache | StateCache, max_batch: int, *, pdl: bool | None = None,
                  rand_seed: torch.Tensor | None = None):
         if not torch.cuda.is_available() or model.lm_head.weight.device.type != "cuda":
             raise RuntimeError("GraphedVerifier needs the model on a CUDA device")

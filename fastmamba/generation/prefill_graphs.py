@@ -51,8 +51,7 @@ from fastmamba.cache.state_cache import StateCache
 from fastmamba.generation.cuda_graphs import CaptureClock
 from fastmamba.generation.staging import StagedInputs
 from fastmamba.layers.attention import StagedPrefill, prefill_kv_values
-from fastmamba.models.mamba2_lm import Mamba2LM
-from fastmamba.models.nemotron_h import NemotronHLM
+from fastmamba.models.lm import HybridLM
 from fastmamba.ops.attention import PrefillWork, work_items_bound
 from fastmamba.ops.runtime import (
     chunk_count_bound, hopper_kernels, next_power_of_2, pdl_supported, programmatic_dependent_launch, trusted_inputs,
@@ -116,7 +115,7 @@ class GraphedPrefill:
                   graphs read it at replay: advance it in place)
     """
 
-    def __init__(self, model: Mamba2LM | NemotronHLM, cache: StateCache | HybridCache, *, max_tokens: int = 2048,
+    def __init__(self, model: HybridLM, cache: HybridCache | StateCache, *, max_tokens: int = 2048,
                  max_requests: int = 64, pdl: bool | None = None, rand_seed: torch.Tensor | None = None):
         if not torch.cuda.is_available() or model.lm_head.weight.device.type != "cuda":
             raise RuntimeError("GraphedPrefill needs the model on a CUDA device")
