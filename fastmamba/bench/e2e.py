@@ -60,6 +60,7 @@ import time
 import torch
 
 from fastmamba.bench.kernels import _int_list
+from fastmamba.models.quantization import QUANTIZATION_CHOICES
 
 DRAFTERS = ("oracle", "ngram", "model", "mtp")
 REPEAT_BLOCK = 16  # repetitive prompts: a random block of this many tokens, repeated
@@ -93,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PATH", help="PNG of decode tok/s vs batch (needs matplotlib)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="model weights and activations (default: the loader's, bf16 on a GPU)")
+    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None,
+                        help="fp8: quantise the 16-bit model on load (load_model(..., quantization='fp8'): per-channel "
+                             "e4m3 weights, dynamic per-token activations), to set FP8 decode beside bf16")
     parser.add_argument("--verify-path", choices=("auto", "replay", "legacy"), default="auto",
                         help="with --speculate: the engine's verify path (auto: per step from the measured "
                         "crossover table, fastmamba.generation.spec_policy)")
@@ -768,7 +772,7 @@ def _run_hybrid(args, model, name, batches, prompt_len, gen_len, variants, copy_
         with open(args.json, "a") as f:
             for r in rows + spec_rows:
                 f.write(json.dumps(dict(r, model=name, device=device_name(device), copy_gbs=copy_gbs,
-                                        command=command)) + "\n")
+                                        quantization=args.quantization, command=command)) + "\n")
     if args.plot:
         print("--plot: not drawn for hybrid models", file=sys.stderr)
     return 0
@@ -804,7 +808,8 @@ def run(args: argparse.Namespace, command: str) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     copy_gbs = measure_copy_bandwidth(device)
-    model = fastmamba.load_model(name, device=device, dtype=DTYPES[args.dtype] if args.dtype else None)
+    model = fastmamba.load_model(name, device=device, dtype=DTYPES[args.dtype] if args.dtype else None,
+                                 quantization=args.quantization)
     draft_model, draft_name = None, None
     if K and args.drafter == "model":
         from fastmamba.generation.drafters import check_draft_vocab
@@ -821,7 +826,7 @@ def run(args: argparse.Namespace, command: str) -> int:
 
         args.pdl = cuda and pdl_supported(torch.empty(0, device=device))
     header = (f"# e2e decode: {name} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params, "
-              f"{model.dtype}), {device_name(device)}, copy {copy_gbs:.0f} GB/s, prompt {prompt_len}, "
+              f"{model.dtype}{', FP8 weights' if args.quantization else ''}), {device_name(device)}, copy {copy_gbs:.0f} GB/s, prompt {prompt_len}, "
               f"gen {gen_len}, CUDA graphs {'on' if cuda else 'off'}, PDL {'on' if args.pdl else 'off'}; "
               f"command: {command}")
     if K:
@@ -915,7 +920,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         with open(args.json, "a") as f:
             for r in rows + spec_rows + drift_rows:
                 f.write(json.dumps(dict(r, model=name, device=device_name(device), copy_gbs=copy_gbs,
-                                        command=command)) + "\n")
+                                        quantization=args.quantization, command=command)) + "\n")
     if args.plot:
         try:
             import matplotlib
