@@ -388,6 +388,13 @@ def _source(key: str, world_size: int, who: str):
         root = Path(key)
         family = _family_of_dir(root)
         cfg = _nemotron_h_config(root) if family == "nemotron_h" else Mamba2Config.from_dir(root)
+        from fastmamba.models.quantization import read_quant_config
+
+        quant = read_quant_config(root)  # FP8 weights and their scales are not sliced: refuse, never cast
+        if quant is not None and world_size > 1:
+            raise ValueError(f"{who}: {str(root)!r} is an FP8 checkpoint ({quant.source}); tensor parallelism "
+                             f"(tp={world_size}) does not shard FP8 weights and their scales yet: serve it with "
+                             "tp=1, or use the 16-bit checkpoint")
     else:
         raise FileNotFoundError(f"{who}: {key!r} is neither a checkpoint directory nor a preset "
                                 f"({', '.join([*PRESETS, *NEMOTRON_H_PRESETS])})")
