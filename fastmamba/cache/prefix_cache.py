@@ -204,7 +204,7 @@ class PrefixCache:
 
     def __init__(self, cache, *, max_entries: int | None = None, budget_bytes: int | None = None,
                  min_length: int = 1, kv_pages: int | None = None):
-        kv = getattr(cache, "kv", None)
+        kv = cache.kv
         state = _mamba_part(cache)
         if state is None:
             raise ValueError("PrefixCache: the cache has no Mamba slots (an attention-only model keeps no states)")

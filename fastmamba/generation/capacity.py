@@ -123,7 +123,7 @@ def _cache_builder(model: nn.Module, *, ssm_dtype: torch.dtype, speculate: int, 
     """new_cache(slots, pages) for either cache form, and whether the model has attention pages."""
     if not model.cfg.paged_cache:  # a Mamba-only cache: slots only
         return (lambda b, p: model.new_cache(b, ssm_dtype=ssm_dtype, speculate=speculate)), False
-    has_kv = "*" in getattr(model.cfg, "pattern", "")
+    has_kv = "*" in model.cfg.pattern
     return (lambda b, p: model.new_cache(b, max_seq_len=max_seq_len, page_size=page_size, num_pages=p,
                                          ssm_dtype=ssm_dtype, speculate=speculate)), has_kv
 
