@@ -38,7 +38,8 @@ def call_directly(x: torch.Tensor | None = None) -> bool:
     its fake impl), not under a Python dispatch mode (FakeTensorMode, functionalization, a user's
     TorchDispatchMode) nor a torch-function mode. CUDA-graph capture records the same kernels
     either way. With ``x`` (the op's main operand), also not for a tensor subclass (FakeTensor,
-    functional tensors...), which must reach the registered op.
+    functional tensors...), which must reach the registered op, nor for a tensor on the meta device
+    (shape inference: the dispatcher runs the op's fake implementation, which reads no values).
     """
-    return ((x is None or type(x) is torch.Tensor) and not torch.compiler.is_compiling()
+    return ((x is None or (type(x) is torch.Tensor and x.device.type != "meta")) and not torch.compiler.is_compiling()
             and _get_current_dispatch_mode() is None and not torch._C._is_torch_function_mode_enabled())
