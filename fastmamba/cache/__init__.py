@@ -1,3 +1,4 @@
+from fastmamba.cache.hybrid_cache import HybridCache
 from fastmamba.cache.state_cache import StateCache
 
-__all__ = ["StateCache"]
+__all__ = ["HybridCache", "StateCache"]
