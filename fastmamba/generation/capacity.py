@@ -5,7 +5,7 @@ speculative buffers when ``speculate=K``: one slot per request whatever K is) an
 attention layers, pages of K/V that grow with its length. The planner sizes both from the memory
 left after the weights, before any weight reaches the GPU:
 
-    budget      = gpu_memory_utilization * device memory - weights - reserve
+    budget      = gpu_memory_utilization * device memory - weights - reserve - other
     max_batch   = the user's, or the most requests that fit at ``max_seq_len`` each (at most 256)
     kv pages    = what is left after ``max_batch`` slots, up to every request at ``max_seq_len``
 
@@ -19,6 +19,8 @@ Bytes are counted, not modelled: the model is built on the ``meta`` device (no m
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -27,6 +29,7 @@ from torch import nn
 GiB = 1 << 30
 MiB = 1 << 20
 DEFAULT_MAX_BATCH = 256
+DEVICE_MEMORY_ENV = "FASTMAMBA_DEVICE_MEMORY_GIB"  # plan against this many GiB instead of the device's
 
 
 class CapacityError(ValueError):
@@ -40,6 +43,7 @@ class CapacityPlan:
     device_bytes   the device's memory;  utilization  the fraction the engine may use
     weight_bytes   parameters and buffers of the model (each shared tensor once)
     reserve_bytes  activations, logits, CUDA graphs (an estimate, see ``reserve_estimate``)
+    other_bytes    what the caller holds beside the caches (a prefix cache's budget)
     slot_bytes     one request's Mamba states (and speculative buffers)
     page_bytes     one K/V page across all attention layers (0 without attention)
     max_batch      requests held at once;  kv_pages  pages in the pool (0 without attention)
@@ -56,10 +60,11 @@ class CapacityPlan:
     kv_pages: int
     max_seq_len: int
     page_size: int
+    other_bytes: int = 0
 
     @property
     def budget_bytes(self) -> int:
-        return int(self.utilization * self.device_bytes) - self.weight_bytes - self.reserve_bytes
+        return int(self.utilization * self.device_bytes) - self.weight_bytes - self.reserve_bytes - self.other_bytes
 
     @property
     def cache_bytes(self) -> int:
@@ -75,9 +80,10 @@ class CapacityPlan:
     def summary(self) -> str:
         kv = (f", {self.kv_pages} K/V pages of {self.page_size} tokens ({self.kv_pages * self.page_bytes / GiB:.2f} GiB; "
               f"{self.full_length_requests} requests at {self.max_seq_len} tokens)" if self.page_bytes else "")
+        other = f", prefix cache {self.other_bytes / GiB:.2f} GiB" if self.other_bytes else ""
         return (f"capacity: {self.max_batch} slots x {self.slot_bytes / MiB:.1f} MiB "
                 f"({self.max_batch * self.slot_bytes / GiB:.2f} GiB){kv}; weights {self.weight_bytes / GiB:.2f} GiB, "
-                f"reserve {self.reserve_bytes / GiB:.2f} GiB, device {self.device_bytes / GiB:.1f} GiB x {self.utilization:g}")
+                f"reserve {self.reserve_bytes / GiB:.2f} GiB{other}, device {self.device_bytes / GiB:.1f} GiB x {self.utilization:g}")
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -157,9 +163,10 @@ def reserve_estimate(model: nn.Module, *, max_batch: int, prefill_tokens: int = 
 def plan_capacity(model: nn.Module, *, device_bytes: int, gpu_memory_utilization: float = 0.9,
                   max_batch: int | None = None, max_seq_len: int = 4096, page_size: int = 16,
                   ssm_dtype: torch.dtype = torch.float32, speculate: int = 0, prefill_tokens: int = 2048,
-                  reserve_bytes: int | None = None) -> CapacityPlan:
+                  reserve_bytes: int | None = None, other_bytes: int = 0) -> CapacityPlan:
     """Size the slots and K/V pages of ``model`` (built on the meta device) for a device of
-    ``device_bytes``; raises CapacityError naming the numbers when ``max_batch`` cannot fit."""
+    ``device_bytes``; raises CapacityError naming the numbers when ``max_batch`` cannot fit.
+    ``other_bytes``: memory the caller holds beside weights and caches (a prefix cache's budget)."""
     if not (isinstance(gpu_memory_utilization, float | int) and 0 < gpu_memory_utilization <= 1):
         raise CapacityError(f"gpu_memory_utilization: expected a number in (0, 1], got {gpu_memory_utilization!r}")
     if max_batch is not None and not (isinstance(max_batch, int) and not isinstance(max_batch, bool) and max_batch >= 1):
@@ -171,10 +178,12 @@ def plan_capacity(model: nn.Module, *, device_bytes: int, gpu_memory_utilization
                                    max_seq_len=max_seq_len)
     reserve = reserve_bytes if reserve_bytes is not None else reserve_estimate(
         model, max_batch=max_batch or DEFAULT_MAX_BATCH, prefill_tokens=prefill_tokens, speculate=speculate)
-    budget = int(gpu_memory_utilization * device_bytes) - weights - reserve
+    if not (isinstance(other_bytes, int) and other_bytes >= 0):
+        raise CapacityError(f"other_bytes: expected an int >= 0, got {other_bytes!r}")
+    budget = int(gpu_memory_utilization * device_bytes) - weights - reserve - other_bytes
     full = pages_for(max_seq_len, page_size) * page  # one request's K/V at max_seq_len
     where = (f"{device_bytes / GiB:.1f} GiB x {gpu_memory_utilization:g} - {weights / GiB:.2f} GiB of weights "
-             f"- {reserve / GiB:.2f} GiB reserve")
+             f"- {reserve / GiB:.2f} GiB reserve" + (f" - {other_bytes / GiB:.2f} GiB prefix cache" if other_bytes else ""))
     if budget < slot + full:
         raise CapacityError(f"the model does not fit: {budget / GiB:.2f} GiB are left for caches ({where}), one "
                             f"request needs {(slot + full) / GiB:.3f} GiB at max_seq_len {max_seq_len}; "
@@ -192,7 +201,7 @@ def plan_capacity(model: nn.Module, *, device_bytes: int, gpu_memory_utilization
         pages = int(min((budget - max_batch * slot) // page, max_batch * pages_for(max_seq_len, page_size)))
     return CapacityPlan(device_bytes=device_bytes, utilization=float(gpu_memory_utilization), weight_bytes=weights,
                         reserve_bytes=reserve, slot_bytes=slot, page_bytes=page, max_batch=max_batch, kv_pages=pages,
-                        max_seq_len=max_seq_len, page_size=page_size)
+                        max_seq_len=max_seq_len, page_size=page_size, other_bytes=other_bytes)
 
 
 def meta_twin(model: nn.Module) -> nn.Module:
@@ -228,3 +237,39 @@ def meta_model(path_or_preset: str, dtype: torch.dtype | str | None = None) -> n
     if raw.get("model_type") == "nemotron_h":
         return NemotronHLM(NemotronHConfig.from_dir(key), device="meta", dtype=dtype)
     return Mamba2LM(Mamba2Config.from_dir(key), device="meta", dtype=dtype)
+
+
+def device_memory_bytes(device: torch.device | str | None = None) -> int | None:
+    """The memory a plan is made against: ``FASTMAMBA_DEVICE_MEMORY_GIB`` when set (tests, and
+    planning for a card other than this one), else a CUDA device's total memory, else None (a CPU:
+    nothing to plan). ValueError for an override that is not a positive number of GiB."""
+    override = os.environ.get(DEVICE_MEMORY_ENV)
+    if override not in (None, ""):
+        try:
+            gib = float(override)
+        except ValueError:
+            gib = math.nan
+        if not (math.isfinite(gib) and gib > 0):
+            raise ValueError(f"{DEVICE_MEMORY_ENV}: expected a positive number of GiB, got {override!r}")
+        return int(gib * GiB)
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return None
+
+
+def engine_plan(model: nn.Module, *, gpu_memory_utilization: float, max_batch: int, max_seq_len: int | None,
+                page_size: int | None, ssm_dtype: torch.dtype, speculate: int, prefill_tokens: int | None,
+                other_bytes: int = 0) -> CapacityPlan:
+    """``Engine(gpu_memory_utilization=F)``'s plan for a loaded ``model`` (its meta twin is planned):
+    against its CUDA device's total memory, or ``FASTMAMBA_DEVICE_MEMORY_GIB``; a CPU model without
+    the override is a ValueError (there is no device memory to divide)."""
+    device = next(model.parameters()).device
+    total = device_memory_bytes(device)
+    if total is None:
+        raise ValueError(f"Engine: gpu_memory_utilization plans against a CUDA device's memory; the model is on "
+                         f"{device} (set {DEVICE_MEMORY_ENV} to plan for a given size, or pass None)")
+    return plan_capacity(meta_twin(model), device_bytes=total, gpu_memory_utilization=gpu_memory_utilization,
+                         max_batch=max_batch, max_seq_len=max_seq_len or 4096, page_size=page_size or 16,
+                         ssm_dtype=ssm_dtype, speculate=speculate, prefill_tokens=prefill_tokens or 2048,
+                         other_bytes=other_bytes)

@@ -222,6 +222,12 @@ class Engine:
                   pages of the prefix cache's own (half of ``prefix_cache_bytes``), copied out of the
                   request's pages after the prefill that took it, and back into fresh pages of a
                   request that hits it.
+    gpu_memory_utilization  None (default): the caches are sized as above. F in (0, 1]: plan them
+                  (``fastmamba.generation.capacity.plan_capacity``) against F x the CUDA device's memory
+                  (or ``FASTMAMBA_DEVICE_MEMORY_GIB``) less the weights, a reserve and the prefix cache:
+                  a ``max_batch`` whose slots do not fit is a CapacityError (a ValueError naming the
+                  numbers), and the K/V pool, unless ``kv_num_pages`` / ``kv_budget_bytes`` say, gets
+                  the plan's pages (requests wait for pages rather than run out); ``capacity`` holds it
     prefix_block  the snapshot interval (tokens); a multiple of the model's ``chunk_size``; None:
                   the multiple of it nearest 512. A prompt whose prefill resumes off that grid (after
                   a hit on a finished request's snapshot) gets no block snapshots in that call.
@@ -246,7 +252,7 @@ class Engine:
                  max_seq_len: int | None = None, kv_page_size: int | None = None, kv_num_pages: int | None = None,
                  kv_budget_bytes: int | None = None, prefix_cache_bytes: int | None = None,
                  prefix_cache_entries: int | None = None, prefix_block: int | None = None,
-                 spec_policy: SpeculationPolicy | str | None = None):
+                 spec_policy: SpeculationPolicy | str | None = None, gpu_memory_utilization: float | None = None):
         if not isinstance(max_batch, numbers.Integral) or isinstance(max_batch, bool):
             raise TypeError(f"Engine: max_batch must be an int >= 1 (requests decoded together), got "
                             f"{type(max_batch).__name__} {max_batch!r}")
@@ -295,6 +301,16 @@ class Engine:
         if self.speculate and not callable(getattr(model, "verify", None)):
             raise ValueError(f"Engine: speculate={self.speculate} needs a model with speculative verify / commit; "
                              f"{type(model).__name__} has none yet (use speculate=None)")
+        self.capacity = None  # gpu_memory_utilization's plan (fastmamba.generation.capacity.CapacityPlan)
+        if gpu_memory_utilization is not None:
+            from fastmamba.generation.capacity import engine_plan
+
+            self.capacity = engine_plan(model, gpu_memory_utilization=gpu_memory_utilization, max_batch=max_batch,
+                                        max_seq_len=max_seq_len, page_size=kv_page_size, ssm_dtype=ssm_dtype,
+                                        speculate=self.speculate, prefill_tokens=prefill_chunk,
+                                        other_bytes=prefix_cache_bytes or 0)
+            if self.capacity.page_bytes and kv_num_pages is None and kv_budget_bytes is None:
+                kv_num_pages = self.capacity.kv_pages
         kv_options = self._kv_options(model, max_seq_len=max_seq_len, page_size=kv_page_size,
                                       num_pages=kv_num_pages, kv_budget_bytes=kv_budget_bytes)
         if isinstance(drafter, str):  # drafter="mtp": the checkpoint's MTP layer (fastmamba.generation.mtp_drafter)

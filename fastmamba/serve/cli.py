@@ -5,6 +5,7 @@
                     [--served-model-name NAME [NAME ...]] [--max-model-len N] [--prefill-chunk 2048]
                     [--device cuda|cpu] [--dtype auto|bfloat16|bf16|float16|fp16|float32|fp32]
                     [--prefix-cache-gb 4] [--prefix-block N] [--num-kv-pages N] [--shutdown-timeout 30]
+                    [--gpu-memory-utilization 0.9] [--speculate K [--drafter ngram|mtp]]
 
 Presets have random weights and no tokenizer: they serve token-id prompts (``"prompt": [1, 2, 3]``)
 unless ``--tokenizer DIR`` names a directory with a tokenizer.json. Chat needs a template: the
@@ -13,7 +14,22 @@ or ``--chat-template FILE``.
 
 ``--max-model-len`` bounds prompt + max_tokens of every request and, for a model with attention
 layers, sizes its K/V cache (default: the checkpoint's ``max_position_embeddings``, else 4096),
-clamped to what fits in memory. Every flag is checked before the port is bound and the model
+clamped to what fits in memory.
+
+Capacity (``fastmamba.generation.capacity``): on a CUDA device the server plans before any weight
+is read, from the checkpoint's config.json alone: ``--gpu-memory-utilization`` x the card's memory,
+less the weights, a reserve for activations and graphs, and the prefix cache, holds ``--max-batch``
+Mamba slots (one per request, speculative buffers included) and the K/V pages. An ``--max-batch``
+that does not fit is refused with the numbers; without one the plan's (every request at
+``--max-model-len``, at most 256) is taken; the K/V pool gets the plan's pages (requests then wait
+for pages, never run out mid-run). ``FASTMAMBA_DEVICE_MEMORY_GIB`` (or the hidden
+``--device-memory-gib``) plans against a given size, on any device (tests plan on the CPU so). The
+start-up log prints the plan and the time to load and warm up (graph capture included).
+
+``--speculate K`` verifies K drafts per request per step; ``--drafter mtp`` drafts with the
+checkpoint's multi-token-prediction layer (refused for a model without one), ``ngram`` (default)
+by prompt lookup; ``/metrics`` then counts drafted and accepted tokens, verify steps, tokens per
+step and the policy's current k. Every flag is checked before the port is bound and the model
 loads; a bad one ends the command with one line, ``fastmamba serve: error: ...``, and status 2.
 SIGTERM drains: the requests already admitted get ``--shutdown-timeout`` seconds to finish, the
 rest are aborted (503), and the process exits 0.
@@ -33,7 +49,9 @@ from collections.abc import Sequence
 
 DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
 DEFAULT_KV_LEN = 4096  # a hybrid's K/V per request when neither --max-model-len nor the checkpoint says
-KV_MEMORY_FRACTION = 0.8  # of the memory free after the weights, for the K/V pool (less the prefix cache)
+KV_MEMORY_FRACTION = 0.8  # without a capacity plan (a CPU): of the memory free after the weights, for the K/V pool
+DEFAULT_MAX_BATCH = 64  # without a capacity plan
+DRAFTERS = ("ngram", "mtp")
 PREFIX = "fastmamba serve"
 log = logging.getLogger("fastmamba.serve")
 
@@ -46,7 +64,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="chat template (.jinja, or .json with a chat_template field) instead of the tokenizer's")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-batch", type=int, default=64, help="requests decoded together (state-cache slots)")
+    parser.add_argument("--max-batch", type=int, default=None,
+                        help="requests decoded together (state-cache slots; default: on a GPU the capacity plan's, "
+                             f"at most 256, else {DEFAULT_MAX_BATCH}); one that does not fit is refused")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                        help="the fraction of the GPU's memory for weights, caches and activations, in (0, 1] "
+                             "(default 0.9); the Mamba slots and K/V pages are planned from what is left")
+    parser.add_argument("--device-memory-gib", type=float, default=None, help=argparse.SUPPRESS)  # tests: plan
+    # against this many GiB on any device (as FASTMAMBA_DEVICE_MEMORY_GIB)
+    parser.add_argument("--speculate", type=int, default=0, metavar="K",
+                        help="speculative decoding: verify K drafts per request per step (0 = off)")
+    parser.add_argument("--drafter", choices=DRAFTERS, default=None,
+                        help="with --speculate: ngram = prompt lookup (default), mtp = the checkpoint's "
+                             "multi-token-prediction layer (Nemotron-3 with num_nextn_predict_layers: 1)")
     parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before 503 + Retry-After")
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -113,7 +143,16 @@ def check_args(args: argparse.Namespace) -> None:
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port: expected a port number in 1..65535, got {args.port}")
     check_host(args.host)
-    _int_at_least(args, "--max-batch", 1)
+    _int_at_least(args, "--max-batch", 1, optional=True)
+    u = args.gpu_memory_utilization
+    if not (math.isfinite(u) and 0 < u <= 1):
+        raise ValueError(f"--gpu-memory-utilization: expected a fraction in (0, 1], got {u}")
+    if args.device_memory_gib is not None and not (math.isfinite(args.device_memory_gib)
+                                                   and args.device_memory_gib > 0):
+        raise ValueError(f"--device-memory-gib: expected a positive number of GiB, got {args.device_memory_gib}")
+    _int_at_least(args, "--speculate", 0)
+    if args.drafter is not None and not args.speculate:
+        raise ValueError(f"--drafter {args.drafter}: needs --speculate K with K >= 1")
     _int_at_least(args, "--max-waiting", 1)
     _int_at_least(args, "--max-model-len", 1, optional=True)
     _int_at_least(args, "--prefill-chunk", 0)
@@ -144,6 +183,50 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--tokenizer: {args.tokenizer!r} has no tokenizer.json")
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
         raise ValueError(f"--chat-template: {args.chat_template!r} is not a file")
+
+
+def _load_dtype(args: argparse.Namespace, device):
+    """The dtype ``load_model`` will give the weights: --dtype, else a directory's own (None here:
+    ``meta_model`` reads it), else a preset's default (bf16 on a GPU, fp32 on a CPU)."""
+    import torch
+
+    if args.dtype not in (None, "auto"):
+        return args.dtype
+    if os.path.isdir(args.model):
+        return None
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def plan_serving(args: argparse.Namespace):
+    """Before the port is bound and any weight is read: ``--drafter mtp`` needs an MTP layer, and on
+    a CUDA device (or with a device-memory override) the capacity plan from the checkpoint's config
+    alone. Sets ``args.max_batch`` (the plan's when not given, else DEFAULT_MAX_BATCH without a
+    plan) and returns the ``CapacityPlan`` or None; CapacityError (a ValueError) names the numbers."""
+    import torch
+
+    from fastmamba.generation.capacity import GiB, device_memory_bytes, meta_model, plan_capacity
+
+    device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    total = int(args.device_memory_gib * GiB) if args.device_memory_gib is not None else device_memory_bytes(device)
+    if args.tensor_parallel_size > 1:  # each rank holds a share: not planned yet (ranks size their own pools)
+        total = None
+    meta = meta_model(args.model, _load_dtype(args, device)) if total is not None or args.drafter == "mtp" else None
+    if args.drafter == "mtp" and getattr(meta, "mtp", None) is None:
+        raise ValueError(f"--drafter mtp: {args.model} has no MTP layer (its config names none: "
+                         "num_nextn_predict_layers); use --drafter ngram")
+    if total is None:
+        args.max_batch = args.max_batch or DEFAULT_MAX_BATCH
+        return None
+    length = args.max_model_len or getattr(meta.cfg, "max_position_embeddings", None) or DEFAULT_KV_LEN
+    plan = plan_capacity(meta, device_bytes=total, gpu_memory_utilization=args.gpu_memory_utilization,
+                         max_batch=args.max_batch, max_seq_len=length, ssm_dtype=torch.float32,
+                         speculate=args.speculate, prefill_tokens=args.prefill_chunk or 2048,
+                         other_bytes=int(args.prefix_cache_gb * GiB))
+    if args.max_batch is None:
+        log.info(f"{PREFIX}: --max-batch not given: {plan.max_batch}, what the capacity plan holds"
+                 f"{' (at most 256)' if plan.max_batch == 256 else ''}")
+    args.max_batch = plan.max_batch
+    return plan
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -209,7 +292,8 @@ def kv_options(lm, max_batch: int, max_model_len: int | None, num_kv_pages: int 
 
 def build_engine(model: str, dtype: str | None, device: str | None, engine_kwargs: dict,
                  max_model_len: int | None = None, num_kv_pages: int | None = None):
-    """Load ``model`` and build its ``Engine`` (runs in the engine process)."""
+    """Load ``model`` and build its ``Engine`` (runs in the engine process). With a capacity plan
+    the caller passes its length and pages (``max_model_len``, ``num_kv_pages``)."""
     import fastmamba
     from fastmamba.generation.engine import Engine
 
@@ -226,9 +310,11 @@ def _kv_options_of(engine_kwargs: dict, max_model_len: int | None, num_kv_pages:
                       engine_kwargs.get("prefix_cache_bytes") or 0)
 
 
-def build_app(args: argparse.Namespace):
-    """The app with its engine process started (the model loaded and warm): load errors surface here."""
+def build_app(args: argparse.Namespace, plan=None):
+    """The app with its engine process started (the model loaded and warm): load errors surface here.
+    ``plan``: ``plan_serving``'s CapacityPlan (its K/V pages and length size the pool), or None."""
     import functools
+    import time
 
     from fastmamba.serve import require_serve_deps
 
@@ -245,26 +331,35 @@ def build_app(args: argparse.Namespace):
     budget = int(args.prefix_cache_gb * 2**30)
     kwargs = dict(max_batch=args.max_batch, prefill_chunk=args.prefill_chunk or None,
                   prefix_cache_bytes=budget or None, prefix_block=args.prefix_block)
+    if args.speculate:  # a string crosses the process boundary; the engine builds the drafter
+        kwargs.update(speculate=args.speculate, drafter="mtp" if args.drafter == "mtp" else None)
+    max_model_len, num_kv_pages = args.max_model_len, args.num_kv_pages
+    if plan is not None:
+        log.info(f"{PREFIX}: {plan.summary()}")
+        if plan.page_bytes:  # the plan's pages (unless --num-kv-pages says) at the length it planned
+            max_model_len = plan.max_seq_len if max_model_len is None else max_model_len
+            num_kv_pages = plan.kv_pages if num_kv_pages is None else num_kv_pages
     dtype = None if args.dtype in (None, "auto") else args.dtype
     names = args.served_model_name or [args.model]
     log.info(f"{PREFIX}: starting the engine process for {args.model} (dtype {args.dtype or 'auto'}, device "
              f"{args.device or 'auto'})")
-    factory = functools.partial(build_engine, args.model, dtype, args.device, kwargs, args.max_model_len,
-                                args.num_kv_pages)
+    factory = functools.partial(build_engine, args.model, dtype, args.device, kwargs, max_model_len, num_kv_pages)
     if args.tensor_parallel_size > 1:  # the engine process becomes rank 0 of N (the same engine, SPMD)
         from fastmamba.distributed.serve_workers import build_tp_engine
 
         factory = functools.partial(build_tp_engine, args.tensor_parallel_size, args.model, dtype, args.device,
-                                    kwargs, functools.partial(_kv_options_of, kwargs, args.max_model_len,
-                                                              args.num_kv_pages))
+                                    kwargs, functools.partial(_kv_options_of, kwargs, max_model_len, num_kv_pages))
     worker = EngineProcess(factory,
                            max_waiting=args.max_waiting, on_log=lambda line: log.info(f"{PREFIX}: {line}"))
+    t0 = time.perf_counter()
     try:
         worker.start()
     except RuntimeError as exc:
         raise ValueError(str(exc)) from None
     info = worker.info
-    log.info(f"{PREFIX}: {log_lines(info, args.model)}; warm-up took {info.get('warm_up_s', 0):.1f} s; "
+    started, warm = time.perf_counter() - t0, info.get("warm_up_s", 0)
+    log.info(f"{PREFIX}: {log_lines(info, args.model)}; start-up took {started:.1f} s: load + build "
+             f"{max(started - warm, 0):.1f} s, warm-up took {warm:.1f} s (graph capture included); "
              f"serving as {', '.join(names)}; tokenizer {'yes' if codec.has_text else 'none (token ids only)'}, "
              f"chat template {'yes' if codec.chat_template else 'none'}")
     max_model_len = args.max_model_len or info.get("max_position_embeddings")
@@ -292,11 +387,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_args(args)
         _setup_logging(args.log_level)
+        plan = plan_serving(args)  # before the port is bound and any weight is read
         sock = bind(args.host, args.port)
         # SIGTERM while the model loads: nothing to drain, leave quietly (uvicorn handles it from then on)
         signal.signal(signal.SIGTERM, _exit_quietly)
         try:
-            app = build_app(args)
+            app = build_app(args, plan)
         except BaseException:
             sock.close()
             raise

@@ -44,6 +44,28 @@ class ServerMetrics:
                                            "host time spent capturing CUDA graphs since start", registry=r)
         self.prefix_hit_rate = Gauge("fastmamba_prefix_cache_hit_rate",
                                      "prompt tokens served from the prefix cache / prompt tokens", registry=r)
+        # speculative decoding (--speculate K): registered only for a speculative engine
+        self._r, self.spec = r, None
+
+    def _spec_gauges(self) -> dict:
+        r = self._r
+        return {
+            "max_k": Gauge("fastmamba_spec_max_draft_tokens", "drafts per request per step the engine may verify "
+                           "(--speculate K)", registry=r),
+            "drafted": Gauge("fastmamba_spec_draft_tokens", "draft tokens proposed since start", registry=r),
+            "accepted": Gauge("fastmamba_spec_accepted_tokens", "draft tokens accepted (emitted) since start",
+                              registry=r),
+            "verify_steps": Gauge("fastmamba_spec_verify_steps", "engine steps that verified drafts since start",
+                                  registry=r),
+            "plain_steps": Gauge("fastmamba_spec_plain_steps", "decode steps run without drafts since start "
+                                 "(the policy's k = 0, or no request had a draft)", registry=r),
+            "acceptance": Gauge("fastmamba_spec_acceptance_rate", "accepted / drafted tokens since start", registry=r),
+            "tokens_per_step": Gauge("fastmamba_spec_tokens_per_step", "tokens emitted per request per decode step "
+                                     "of the speculative engine since start (1 + accepted / request steps)",
+                                     registry=r),
+            "policy_k": Gauge("fastmamba_spec_policy_k", "drafts per request the speculation policy chose for the "
+                              "last step (-1: no policy, K every step)", registry=r),
+        }
 
     def observe_engine(self, stats: dict) -> None:
         """Gauges from an engine's bookkeeping (``engine_thread.engine_stats``), after each step."""
@@ -57,12 +79,31 @@ class ServerMetrics:
         if captures:
             self.graph_captures.set(captures["count"])
             self.graph_capture_seconds.set(captures["seconds"])
+        spec = stats.get("spec")
+        if spec:
+            self.observe_spec(spec)
         prefix = stats.get("prefix")
         if prefix:
             self.prefix_hits.set(prefix["hits"])
             self.prefix_hit_tokens.set(prefix["hit_tokens"])
             if prefix.get("prompt_tokens"):
                 self.prefix_hit_rate.set(prefix["hit_tokens"] / prefix["prompt_tokens"])
+
+    def observe_spec(self, spec: dict) -> None:
+        """The speculative counters of ``worker.spec_stats``."""
+        if self.spec is None:
+            self.spec = self._spec_gauges()
+        g = self.spec
+        for key in ("max_k", "drafted", "accepted", "verify_steps", "plain_steps"):
+            g[key].set(spec[key])
+        if spec["drafted"]:
+            g["acceptance"].set(spec["accepted"] / spec["drafted"])
+        if spec["request_steps"]:
+            g["tokens_per_step"].set(1 + spec["accepted"] / spec["request_steps"])
+        if not spec.get("policy"):
+            g["policy_k"].set(-1)
+        elif spec["policy_k"] is not None:  # after the policy's first choice
+            g["policy_k"].set(spec["policy_k"])
 
     def observe_thread(self, timing: dict) -> None:
         self.engine_steps.set(timing["steps"])

@@ -35,10 +35,32 @@ from fastmamba.generation.sampling import SamplingParams
 SHUTDOWN = "the server is shutting down"
 
 
-def engine_stats(engine) -> dict:
-    """What the metrics show of an engine: request counts, slots, KV pages, prefill and prefix-cache counters."""
+SPEC_COUNTS = ("drafted", "accepted", "verify_steps", "plain_steps")
+
+
+def spec_stats(engine, timing: dict | None = None) -> dict | None:
+    """A speculative engine's counters (None without speculation): drafted and accepted tokens,
+    verify steps (replay + legacy; steps the policy ran plain are apart), ``request_steps``
+    (requests decoded by those steps) and the policy's last k. With the serving loop's ``timing``:
+    since the loop started (``timing["spec_base"]``: the warm-up's counts are left out) and its
+    request steps."""
+    if not getattr(engine, "speculate", 0):
+        return None
+    st = engine.stats
+    policy = (st.get("policy") or {}).get("last") or {}
+    counts = dict(zip(SPEC_COUNTS, (st["drafts_proposed"], st["drafts_accepted"],
+                                    st["steps"]["replay"] + st["steps"]["legacy"], st["steps"]["plain"])))
+    base = (timing or {}).get("spec_base") or {}
+    return {"max_k": engine.speculate, **{k: v - base.get(k, 0) for k, v in counts.items()},
+            "request_steps": (timing or {}).get("spec_request_steps", 0), "policy": getattr(engine, "policy", None) is not None,
+            "policy_k": policy.get("k")}
+
+
+def engine_stats(engine, timing: dict | None = None) -> dict:
+    """What the metrics show of an engine: request counts, slots, KV pages, prefill and prefix-cache
+    counters, and with speculation ``spec_stats`` (``timing``: the serving loop's, for its request steps)."""
     pages = getattr(engine.cache, "kv_pages_in_use", 0)
-    return {"running": len(engine.running) + len(engine.prefilling), "waiting": len(engine.waiting),
+    return {"spec": spec_stats(engine, timing), "running": len(engine.running) + len(engine.prefilling), "waiting": len(engine.waiting),
             "slots_total": engine.cache.num_slots, "slots_used": engine.cache.num_slots - engine.cache.free_slots,
             "kv_pages": pages() if callable(pages) else pages,
             "prefill_tokens": engine.stats.get("prefill_tokens", 0), "prefix": engine.prefix_stats,
@@ -47,7 +69,8 @@ def engine_stats(engine) -> dict:
 
 def new_timing() -> dict:
     """Where the loop's time goes while it has work: inside ``engine.step()`` or around it."""
-    return {"steps": 0, "step_s": 0.0, "around_s": 0.0, "tokens": 0, "prefill_steps": 0, "prefill_step_s": 0.0}
+    return {"steps": 0, "step_s": 0.0, "around_s": 0.0, "tokens": 0, "prefill_steps": 0, "prefill_step_s": 0.0,
+            "spec_request_steps": 0}
 
 
 def serve_engine(engine, poll: Callable[[float], Iterable[tuple]], report: Callable[[list, dict, dict], None]) -> None:
@@ -61,6 +84,8 @@ def serve_engine(engine, poll: Callable[[float], Iterable[tuple]], report: Calla
     rid_of: dict[int, int] = {}  # server cid -> engine rid
     deadline: float | None = None  # once stopping: when the drain ends
     timing = new_timing()
+    spec = spec_stats(engine)  # the counters so far (a warm-up's) are not the server's
+    timing["spec_base"] = {k: spec[k] for k in SPEC_COUNTS} if spec else {}
     last_end = None
 
     def drop(cid: int, events: list, kind: str, value: str) -> None:
@@ -100,13 +125,14 @@ def serve_engine(engine, poll: Callable[[float], Iterable[tuple]], report: Calla
             if not engine.has_unfinished() or time.perf_counter() >= deadline:
                 for cid in list(rid_of):
                     drop(cid, events, "error", SHUTDOWN)
-                report(events, engine_stats(engine), timing)
+                report(events, engine_stats(engine, timing), timing)
                 return
         if engine.has_unfinished():
             t0 = time.perf_counter()
             if last_end is not None:
                 timing["around_s"] += t0 - last_end
             fed = engine.stats["prefill_tokens"]
+            decoding, steps_before = len(engine.running), sum(engine.stats["steps"].values())
             try:
                 outputs = engine.step()
             except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the others
@@ -124,6 +150,8 @@ def serve_engine(engine, poll: Callable[[float], Iterable[tuple]], report: Calla
                 timing["prefill_steps"] += 1
                 timing["prefill_step_s"] += now - t0
             timing["tokens"] += len(outputs)
+            if sum(engine.stats["steps"].values()) != steps_before:  # a speculative (or plain) step ran
+                timing["spec_request_steps"] += decoding
             for out in outputs:
                 cid = by_rid.get(out.rid)
                 if cid is None:
@@ -141,7 +169,7 @@ def serve_engine(engine, poll: Callable[[float], Iterable[tuple]], report: Calla
                 events.append((cid, "error", str(req.error or f"finished: {req.finish_reason}")))
             changed = True
         if changed:
-            report(events, engine_stats(engine), timing)
+            report(events, engine_stats(engine, timing), timing)
             last_end = time.perf_counter()
 
 

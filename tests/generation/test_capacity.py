@@ -147,3 +147,52 @@ def test_the_nano_shape_at_8k_on_an_80_gib_card():
     assert plan.cache_bytes <= plan.budget_bytes
     with pytest.raises(CapacityError, match="the most that fits is"):
         plan_capacity(model, device_bytes=80 * GiB, max_seq_len=8192, max_batch=4096)
+
+
+# ------------------------------------------------------------------ Engine(gpu_memory_utilization=)
+
+
+def _real_hybrid():
+    torch.manual_seed(0)
+    return NemotronHLM(HYBRID, device="cpu", dtype=torch.float32)
+
+
+def _device_gib(model, requests: float, max_seq_len: int) -> float:
+    """A device size (GiB) whose plan for ``model`` holds ``requests`` full-length requests."""
+    from fastmamba.generation.capacity import meta_twin, reserve_estimate
+
+    meta = meta_twin(model)
+    slot, page = per_request_bytes(meta, max_seq_len=max_seq_len)
+    reserve = reserve_estimate(meta, max_batch=2, prefill_tokens=2048)
+    return (weight_bytes(meta) + reserve + requests * (slot + pages_for(max_seq_len, 16) * page)) / 0.9 / GiB
+
+
+def test_engine_gpu_memory_utilization_plans_the_pool_and_refuses_what_does_not_fit(monkeypatch):
+    from fastmamba.generation.engine import Engine
+
+    model = _real_hybrid()
+    LONG = 1024  # one request's K/V (512 KiB) well above the reserve's share of a larger max_batch
+    # None keeps today's pool: every slot at max_seq_len
+    plain = Engine(model, max_batch=2, max_seq_len=LONG, graph_prefill_tokens=None)
+    assert plain.capacity is None and plain.cache.kv.num_pages == 2 * pages_for(LONG, 16)
+    # on a CPU there is no device memory to divide, unless a size is given
+    monkeypatch.delenv("FASTMAMBA_DEVICE_MEMORY_GIB", raising=False)
+    with pytest.raises(ValueError, match="gpu_memory_utilization plans against a CUDA device's memory"):
+        Engine(model, max_batch=2, max_seq_len=LONG, gpu_memory_utilization=0.9)
+    # room for 1.5 full-length requests: max_batch=2 slots fit beside one request's pages, and the pool
+    # holds what is left (fewer pages than 2 full-length requests: a request may wait for pages)
+    monkeypatch.setenv("FASTMAMBA_DEVICE_MEMORY_GIB", repr(_device_gib(model, 1.5, LONG)))
+    engine = Engine(model, max_batch=2, max_seq_len=LONG, gpu_memory_utilization=0.9, graph_prefill_tokens=None)
+    plan = engine.capacity
+    assert plan is not None and plan.max_batch == 2 and plan.max_seq_len == LONG
+    assert pages_for(LONG, 16) <= plan.kv_pages < 2 * pages_for(LONG, 16)
+    assert engine.cache.kv.num_pages == plan.kv_pages
+    with pytest.raises(CapacityError, match=r"max_batch=40 does not fit: .* the most that fits is \d+"):
+        Engine(model, max_batch=40, max_seq_len=LONG, gpu_memory_utilization=0.9)
+    with pytest.raises(CapacityError, match=r"gpu_memory_utilization: expected a number in \(0, 1\], got 1.5"):
+        Engine(model, max_batch=2, max_seq_len=LONG, gpu_memory_utilization=1.5)
+    # the planned engine runs: greedy tokens equal the plain engine's
+    from fastmamba.generation.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    assert engine.generate([[3, 1, 4, 1, 5]], params) == plain.generate([[3, 1, 4, 1, 5]], params)
