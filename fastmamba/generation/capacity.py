@@ -147,6 +147,21 @@ def per_request_bytes(model: nn.Module, *, ssm_dtype: torch.dtype = torch.float3
     return slot, page
 
 
+def mtp_drafter_bytes(model: nn.Module, *, max_seq_len: int, speculate: int, page_size: int = 16) -> int:
+    """One request's share of an MTP drafter's own K/V (``MTPDrafter`` holds every request's pages at
+    ``max_seq_len + K`` tokens for its attention layer); 0 for a model without an MTP layer."""
+    mtp = getattr(model, "mtp", None)
+    if mtp is None:
+        return 0
+    from fastmamba.cache.kv_pages import KVPages
+
+    cfg = model.cfg
+    page = KVPages.page_bytes(max(1, mtp.n_attn_layers), page_size, cfg.n_kv_heads, cfg.head_dim,
+                              model.lm_head.weight.dtype)
+    per_row = pages_for(max_seq_len + speculate, page_size)
+    return per_row * page + 4 * (per_row + 1)  # its pages, its int32 block-table row and length
+
+
 def reserve_estimate(model: nn.Module, *, max_batch: int, prefill_tokens: int = 2048, speculate: int = 0) -> int:
     """Memory kept free for what is not weights or caches: the widest layer's activations for a
     prefill chunk (x8 for the in/out projections' and the scan's intermediates), the logits and
@@ -163,10 +178,11 @@ def reserve_estimate(model: nn.Module, *, max_batch: int, prefill_tokens: int = 
 def plan_capacity(model: nn.Module, *, device_bytes: int, gpu_memory_utilization: float = 0.9,
                   max_batch: int | None = None, max_seq_len: int = 4096, page_size: int = 16,
                   ssm_dtype: torch.dtype = torch.float32, speculate: int = 0, prefill_tokens: int = 2048,
-                  reserve_bytes: int | None = None, other_bytes: int = 0) -> CapacityPlan:
+                  reserve_bytes: int | None = None, other_bytes: int = 0, drafter: str | None = None) -> CapacityPlan:
     """Size the slots and K/V pages of ``model`` (built on the meta device) for a device of
     ``device_bytes``; raises CapacityError naming the numbers when ``max_batch`` cannot fit.
-    ``other_bytes``: memory the caller holds beside weights and caches (a prefix cache's budget)."""
+    ``other_bytes``: memory the caller holds beside weights and caches (a prefix cache's budget).
+    ``drafter="mtp"``: each slot also holds its share of the MTP drafter's K/V (``mtp_drafter_bytes``)."""
     if not (isinstance(gpu_memory_utilization, float | int) and 0 < gpu_memory_utilization <= 1):
         raise CapacityError(f"gpu_memory_utilization: expected a number in (0, 1], got {gpu_memory_utilization!r}")
     if max_batch is not None and not (isinstance(max_batch, int) and not isinstance(max_batch, bool) and max_batch >= 1):
@@ -176,6 +192,8 @@ def plan_capacity(model: nn.Module, *, device_bytes: int, gpu_memory_utilization
     weights = weight_bytes(model)
     slot, page = per_request_bytes(model, ssm_dtype=ssm_dtype, speculate=speculate, page_size=page_size,
                                    max_seq_len=max_seq_len)
+    if drafter == "mtp":
+        slot += mtp_drafter_bytes(model, max_seq_len=max_seq_len, speculate=speculate, page_size=page_size)
     reserve = reserve_bytes if reserve_bytes is not None else reserve_estimate(
         model, max_batch=max_batch or DEFAULT_MAX_BATCH, prefill_tokens=prefill_tokens, speculate=speculate)
     if not (isinstance(other_bytes, int) and other_bytes >= 0):
@@ -260,7 +278,7 @@ def device_memory_bytes(device: torch.device | str | None = None) -> int | None:
 
 def engine_plan(model: nn.Module, *, gpu_memory_utilization: float, max_batch: int, max_seq_len: int | None,
                 page_size: int | None, ssm_dtype: torch.dtype, speculate: int, prefill_tokens: int | None,
-                other_bytes: int = 0) -> CapacityPlan:
+                other_bytes: int = 0, drafter: str | None = None) -> CapacityPlan:
     """``Engine(gpu_memory_utilization=F)``'s plan for a loaded ``model`` (its meta twin is planned):
     against its CUDA device's total memory, or ``FASTMAMBA_DEVICE_MEMORY_GIB``; a CPU model without
     the override is a ValueError (there is no device memory to divide)."""
@@ -272,4 +290,4 @@ def engine_plan(model: nn.Module, *, gpu_memory_utilization: float, max_batch: i
     return plan_capacity(meta_twin(model), device_bytes=total, gpu_memory_utilization=gpu_memory_utilization,
                          max_batch=max_batch, max_seq_len=max_seq_len or 4096, page_size=page_size or 16,
                          ssm_dtype=ssm_dtype, speculate=speculate, prefill_tokens=prefill_tokens or 2048,
-                         other_bytes=other_bytes)
+                         other_bytes=other_bytes, drafter=drafter)

@@ -308,7 +308,8 @@ class Engine:
             self.capacity = engine_plan(model, gpu_memory_utilization=gpu_memory_utilization, max_batch=max_batch,
                                         max_seq_len=max_seq_len, page_size=kv_page_size, ssm_dtype=ssm_dtype,
                                         speculate=self.speculate, prefill_tokens=prefill_chunk,
-                                        other_bytes=prefix_cache_bytes or 0)
+                                        other_bytes=prefix_cache_bytes or 0,
+                                        drafter=drafter if isinstance(drafter, str) else None)
             if self.capacity.page_bytes and kv_num_pages is None and kv_budget_bytes is None:
                 kv_num_pages = self.capacity.kv_pages
         kv_options = self._kv_options(model, max_seq_len=max_seq_len, page_size=kv_page_size,

@@ -197,6 +197,23 @@ def _load_dtype(args: argparse.Namespace, device):
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def _cuda_total_bytes(device) -> int:
+    """The CUDA device's total memory, asked in a short-lived child process: a CUDA context in this
+    (the HTTP) process would hold GPU memory for its whole life, beside the engine process's."""
+    import subprocess
+
+    import torch
+
+    index = device.index if device.index is not None else 0
+    code = "import sys, torch; print(torch.cuda.mem_get_info(int(sys.argv[1]))[1])"
+    try:
+        out = subprocess.run([sys.executable, "-c", code, str(index)], capture_output=True, text=True, timeout=120,
+                             check=True).stdout
+        return int(out.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError):
+        return torch.cuda.mem_get_info(device)[1]  # in this process after all
+
+
 def plan_serving(args: argparse.Namespace):
     """Before the port is bound and any weight is read: ``--drafter mtp`` needs an MTP layer, and on
     a CUDA device (or with a device-memory override) the capacity plan from the checkpoint's config
@@ -206,8 +223,16 @@ def plan_serving(args: argparse.Namespace):
 
     from fastmamba.generation.capacity import GiB, device_memory_bytes, meta_model, plan_capacity
 
-    device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    total = int(args.device_memory_gib * GiB) if args.device_memory_gib is not None else device_memory_bytes(device)
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as exc:
+        raise ValueError(f"--device: {exc}") from None
+    if args.device_memory_gib is not None:
+        total = int(args.device_memory_gib * GiB)
+    else:  # FASTMAMBA_DEVICE_MEMORY_GIB, else a CUDA device's total, else (a CPU) no plan
+        total = device_memory_bytes("cpu")
+        if total is None and device.type == "cuda":
+            total = _cuda_total_bytes(device)
     if args.tensor_parallel_size > 1:  # each rank holds a share: not planned yet (ranks size their own pools)
         total = None
     meta = meta_model(args.model, _load_dtype(args, device)) if total is not None or args.drafter == "mtp" else None
@@ -221,7 +246,7 @@ def plan_serving(args: argparse.Namespace):
     plan = plan_capacity(meta, device_bytes=total, gpu_memory_utilization=args.gpu_memory_utilization,
                          max_batch=args.max_batch, max_seq_len=length, ssm_dtype=torch.float32,
                          speculate=args.speculate, prefill_tokens=args.prefill_chunk or 2048,
-                         other_bytes=int(args.prefix_cache_gb * GiB))
+                         other_bytes=int(args.prefix_cache_gb * GiB), drafter=args.drafter if args.speculate else None)
     if args.max_batch is None:
         log.info(f"{PREFIX}: --max-batch not given: {plan.max_batch}, what the capacity plan holds"
                  f"{' (at most 256)' if plan.max_batch == 256 else ''}")

@@ -196,3 +196,22 @@ def test_engine_gpu_memory_utilization_plans_the_pool_and_refuses_what_does_not_
 
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     assert engine.generate([[3, 1, 4, 1, 5]], params) == plain.generate([[3, 1, 4, 1, 5]], params)
+
+
+def test_an_mtp_drafters_kv_is_counted_in_each_slot():
+    """``drafter="mtp"``: a slot also carries its share of the drafter's own K/V, which MTPDrafter
+    allocates for every request at max_seq_len + K."""
+    from fastmamba.generation.capacity import mtp_drafter_bytes
+    from fastmamba.generation.mtp_drafter import MTPDrafter
+    from fastmamba.models import NEMOTRON_H_PRESETS
+
+    cfg = NEMOTRON_H_PRESETS["nemotron-3-tiny-mtp"]
+    model = NemotronHLM(cfg, device="cpu", dtype=torch.float32)
+    share = mtp_drafter_bytes(model, max_seq_len=100, speculate=2)
+    one, three = (tensor_bytes(MTPDrafter(model, b, max_seq_len=100 + 2).pages) for b in (1, 3))
+    assert share > 0 and three - one == 2 * share  # per request (plus a pad page and tables, once)
+    meta = NemotronHLM(cfg, device="meta", dtype=torch.float32)
+    plain = plan_capacity(meta, device_bytes=GiB, max_seq_len=100, speculate=2, reserve_bytes=0)
+    mtp = plan_capacity(meta, device_bytes=GiB, max_seq_len=100, speculate=2, reserve_bytes=0, drafter="mtp")
+    assert mtp.slot_bytes == plain.slot_bytes + share
+    assert mtp_drafter_bytes(hybrid(), max_seq_len=100, speculate=2) == 0  # no MTP layer

@@ -118,3 +118,41 @@ def test_default_max_batch_and_kv_pages_are_the_plans(tmp_path):
         assert re.search(r"start-up took [0-9.]+ s: load \+ build [0-9.]+ s, warm-up took [0-9.]+ s", log), log
     finally:
         assert s.terminate() == 0, s.output()
+
+
+@pytest.mark.gpu
+def test_gpu_server_plans_from_the_cards_memory(tmp_path):
+    """On a GPU: the plan is made against the card's total memory (asked in a child process, so the
+    HTTP process holds no CUDA context), logged, and its max_batch taken."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    total = torch.cuda.mem_get_info()[1]
+    plan = _plan("nemotron-h-tiny", torch.float32, total, None)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTMAMBA_DEVICE_MEMORY_GIB")}
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "fastmamba.serve", "--model", "nemotron-h-tiny", "--dtype",
+                                 "fp32", "--device", "cuda", "--port", str(port), "--max-model-len", str(LEN),
+                                 "--prefix-cache-gb", "0", "--log-level", "info"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+        try:
+            import time
+
+            url = f"http://127.0.0.1:{port}"
+            for _ in range(600):
+                if proc.poll() is not None:
+                    break
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.5)
+            text = log_path.read_text()
+            assert plan.summary() in text, text
+            assert f"{plan.max_batch} slots" in text
+        finally:
+            proc.terminate()
+            proc.wait(60)
