@@ -173,7 +173,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         ids = torch.randint(0, model.cfg.vocab_size, (b, length), generator=g)
         # a hybrid's cache holds K/V pages that every prefill appends to: each timed prefill gets
         # fresh slots (taken and given back outside the timing); a Mamba-2 cache is overwritten
-        paged = hasattr(model.cfg, "pattern")
+        paged = model.cfg.paged_cache
         cache = model.new_cache(b, max_seq_len=max(4096, length)) if paged else model.new_cache(b)
         held = {"slots": cache.take(b)}
         slots = torch.tensor(held["slots"], dtype=torch.int32, device=device)
