@@ -15,23 +15,30 @@ httpx = pytest.importorskip("httpx")
 from tests.serve.conftest import Server, free_port  # noqa: E402
 
 MODEL = "nemotron-3-tiny-mtp"
-PROMPTS = [[5, 17, 60, 3, 44, 9, 2], [9, 2], [70, 71, 72, 10, 11, 12, 1, 70, 71, 72, 10, 11, 12]]
+FLAGS = ["--prefill-chunk", "16", "--prefix-block", "16", "--prefix-cache-gb", "0.01"]  # chunks, snapshots
+PROMPTS = [[5, 17, 60, 3, 44, 9, 2] * 6, [9, 2], [70, 71, 72, 10, 11, 12, 1, 70, 71, 72, 10, 11, 12]]
 
 
-def _greedy(server: Server) -> list[list[int]]:
-    out = []
-    for prompt in PROMPTS:
-        r = httpx.post(server.url + "/v1/completions", timeout=120, json={
-            "prompt": prompt, "max_tokens": 9, "temperature": 0, "ignore_eos": True, "logprobs": 0})
-        assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-        out.append(choice["logprobs"]["tokens"] if choice.get("logprobs") else choice["text"])
-    return out
+def _one(server: Server, prompt: list[int]) -> list[str]:
+    r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": 9, "temperature": 0, "ignore_eos": True, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["logprobs"]["tokens"]
+
+
+def _greedy(server: Server) -> list[list[str]]:
+    """The prompts of different lengths at once (one batch, chunked prefill), then the first again
+    (a prefix-cache hit on its snapshot)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        out = list(pool.map(lambda p: _one(server, p), PROMPTS))
+    return out + [_one(server, PROMPTS[0])]
 
 
 @pytest.fixture(scope="module")
 def plain_tokens(tmp_path_factory):
-    s = Server(["--max-batch", "4", "--prefill-chunk", "0"], tmp_path_factory.mktemp("plain"), model=MODEL)
+    s = Server(["--max-batch", "4", *FLAGS], tmp_path_factory.mktemp("plain"), model=MODEL)
     try:
         return _greedy(s)
     finally:
@@ -39,7 +46,7 @@ def plain_tokens(tmp_path_factory):
 
 
 def test_mtp_speculation_through_the_server_equals_plain_greedy(plain_tokens, tmp_path):
-    s = Server(["--max-batch", "4", "--prefill-chunk", "0", "--speculate", "3", "--drafter", "mtp"], tmp_path,
+    s = Server(["--max-batch", "4", *FLAGS, "--speculate", "3", "--drafter", "mtp"], tmp_path,
                model=MODEL)
     try:
         assert _greedy(s) == plain_tokens
@@ -47,9 +54,10 @@ def test_mtp_speculation_through_the_server_equals_plain_greedy(plain_tokens, tm
         drafted, accepted = s.metric("fastmamba_spec_draft_tokens"), s.metric("fastmamba_spec_accepted_tokens")
         steps = s.metric("fastmamba_spec_verify_steps") + s.metric("fastmamba_spec_plain_steps")
         assert drafted > 0 and 0 <= accepted <= drafted and s.metric("fastmamba_spec_verify_steps") > 0
-        # 3 requests x 9 tokens: the first of each comes from prefill, the other 8 from decode steps
-        assert steps <= 3 * 8
-        assert s.metric("fastmamba_spec_tokens_per_step") == pytest.approx(1 + accepted / (3 * 8 - accepted))
+        # 4 requests x 9 tokens: the first of each comes from prefill, the other 8 from decode steps
+        assert steps <= 4 * 8
+        assert s.metric("fastmamba_spec_tokens_per_step") == pytest.approx(1 + accepted / (4 * 8 - accepted))
+        assert s.metric("fastmamba_prefix_cache_hits") >= 1
         assert 0 <= s.metric("fastmamba_spec_policy_k") <= 3  # the adaptive policy's last choice
         if drafted:
             assert s.metric("fastmamba_spec_acceptance_rate") == pytest.approx(accepted / drafted)
