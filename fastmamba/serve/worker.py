@@ -52,15 +52,16 @@ def spec_stats(engine, timing: dict | None = None) -> dict | None:
                                     st["steps"]["replay"] + st["steps"]["legacy"], st["steps"]["plain"])))
     base = (timing or {}).get("spec_base") or {}
     return {"max_k": engine.speculate, **{k: v - base.get(k, 0) for k, v in counts.items()},
-            "request_steps": (timing or {}).get("spec_request_steps", 0), "policy": getattr(engine, "policy", None) is not None,
-            "policy_k": policy.get("k")}
+            "request_steps": (timing or {}).get("spec_request_steps", 0),
+            "policy": getattr(engine, "policy", None) is not None, "policy_k": policy.get("k")}
 
 
 def engine_stats(engine, timing: dict | None = None) -> dict:
     """What the metrics show of an engine: request counts, slots, KV pages, prefill and prefix-cache
     counters, and with speculation ``spec_stats`` (``timing``: the serving loop's, for its request steps)."""
     pages = getattr(engine.cache, "kv_pages_in_use", 0)
-    return {"spec": spec_stats(engine, timing), "running": len(engine.running) + len(engine.prefilling), "waiting": len(engine.waiting),
+    return {"spec": spec_stats(engine, timing), "running": len(engine.running) + len(engine.prefilling),
+            "waiting": len(engine.waiting),
             "slots_total": engine.cache.num_slots, "slots_used": engine.cache.num_slots - engine.cache.free_slots,
             "kv_pages": pages() if callable(pages) else pages,
             "prefill_tokens": engine.stats.get("prefill_tokens", 0), "prefix": engine.prefix_stats,
