@@ -167,8 +167,10 @@ def reserve_estimate(model: nn.Module, *, max_batch: int, prefill_tokens: int = 
     prefill chunk (x8 for the in/out projections' and the scan's intermediates), the logits and
     sampling buffers of a decode / verify step, and 1 GiB for CUDA graphs, the allocator and the
     CUDA context's growth. An estimate that errs on the safe side."""
-    widest = max((m.weight.shape[0] for m in model.modules() if isinstance(m, nn.Linear)), default=0)
     vocab = getattr(model.cfg, "vocab_size", 0)
+    # the LM head's [tokens, vocab] output exists only for the last token of each request: the logits term
+    widest = max((m.weight.shape[0] for m in model.modules()
+                  if isinstance(m, nn.Linear) and m.weight.shape[0] != vocab), default=0)
     elt = next(model.parameters()).element_size()
     activations = 8 * prefill_tokens * widest * elt
     logits = 4 * max_batch * (speculate + 1) * vocab * 4
