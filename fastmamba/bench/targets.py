@@ -38,7 +38,7 @@ TARGETS = {
         Target("chunked", "fastmamba.bench.chunked", "inter-token latency of running requests while a long prompt arrives, chunked or not"),
         Target("serve", "fastmamba.bench.serve", "load test of fastmamba serve on loopback vs the offline engine"),
         Target("ttft", "fastmamba.bench.ttft", "time to first token: warm whole-model prefill (eager and graphed) vs its floor"),
-        Target("tp", "fastmamba.distributed.bench", "tensor-parallel decode at several TP sizes: speedup, collectives, equal outputs"),
+        Target("tp", "fastmamba.bench.tp", "tensor-parallel decode at several TP sizes: speedup, collectives, equal outputs"),
         Target("hf", "fastmamba.bench.hf_provider", "transformers' generate with and without fastmamba as its kernel provider"),
         Target("fp8", "fastmamba.bench.ops.fp8", "FP8 W8A8 projections and MoE vs bf16 and torch._scaled_mm"),
     )

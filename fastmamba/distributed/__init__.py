@@ -9,7 +9,8 @@ across the ranks of a host.
     runtime.py     how the engine runs on every rank (SPMD) and why
     serve_workers.py  ``fastmamba serve --tensor-parallel-size N``: the engine process as rank 0,
                    ranks 1..N-1 fed each step's requests and aborts
-    bench.py       ``fastmamba bench tp`` / ``python -m fastmamba.distributed.bench``
+    loading.py     ``load_tp_model`` / ``check_tp_source``: a preset or checkpoint directory of either family
+    (the benchmark: ``fastmamba bench tp``, in fastmamba/bench/tp.py)
 
     fastmamba generate --model mamba2-2.7b --prompt-ids 1,2,3 --tp 2          (spawns 2 ranks)
     torchrun --nproc-per-node 2 -m fastmamba.cli generate ... --tp 2          (joins torchrun's)
@@ -17,9 +18,9 @@ across the ranks of a host.
 """
 from fastmamba.distributed.group import TPGroup, destroy_tp, init_tp, under_torchrun
 from fastmamba.distributed.launch import run_tp, spawn_tp
-from fastmamba.distributed.shard import (LoadStats, ShardedMamba2Config, build_tp_mamba2, check_tp, check_tp_source,
-                                         load_tp_model,
-                                         local_config, shard_plan, shard_state_dict_into)
+from fastmamba.distributed.loading import check_tp_source, load_tp_model
+from fastmamba.distributed.shard import (LoadStats, ShardedMamba2Config, build_tp_mamba2, check_tp, local_config,
+                                         shard_plan, shard_state_dict_into)
 
 __all__ = ["TPGroup", "init_tp", "destroy_tp", "under_torchrun", "run_tp", "spawn_tp", "LoadStats",
            "ShardedMamba2Config", "build_tp_mamba2", "check_tp", "check_tp_source", "load_tp_model", "local_config", "shard_plan",

@@ -14,7 +14,7 @@ Rank r of w holds (Hq query heads, Hkv KV heads of Dh channels, F MLP channels):
 ``check_tp_nemotron_h`` refuses, before anything is read: Hq, F or the Mamba heads not divisible by
 w; Hkv neither a multiple nor a divisor of w; Mamba n_groups > 1 not divisible by w.
 MoE layers ('E') are refused too: their experts are not sharded yet.
-Loading (``shard.load_tp_model``): from a checkpoint directory each rank reads its own slices of
+Loading (``loading.load_tp_model``): from a checkpoint directory each rank reads its own slices of
 the safetensors files, as for Mamba2LM; presets are built whole on the rank's device with the same
 seed and sliced (``shard_state_dict_into``).
 """

@@ -172,7 +172,7 @@ def _accept(listener: mpc.Listener, procs: list[subprocess.Popen], n: int) -> li
 
 
 def _load(tp, setup: dict):
-    from fastmamba.distributed.shard import load_tp_model
+    from fastmamba.distributed.loading import load_tp_model
 
     return load_tp_model(setup["model"], tp, dtype=setup["dtype"])
 
@@ -187,7 +187,7 @@ def check_serve_tp(model: str, tp_size: int, device: str | None) -> None:
     if tp_size == 1:
         return
     from fastmamba.distributed.launch import check_launch
-    from fastmamba.distributed.shard import check_tp_source
+    from fastmamba.distributed.loading import check_tp_source
 
     check_launch(tp_size, device, who="--tensor-parallel-size", tp_flag="--tensor-parallel-size")
     check_tp_source(model, tp_size, who=f"--tensor-parallel-size {tp_size}")

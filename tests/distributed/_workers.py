@@ -73,7 +73,7 @@ def tp_check(tp, cfg, state_dict, ckpt_dir, prompts, steps, prompt_lists, max_ne
         result["divergence_caught"] = False
     except RuntimeError as exc:
         result["divergence_caught"] = str(exc)
-    from fastmamba.distributed.bench import collective_ms
+    from fastmamba.bench.tp import collective_ms
 
     result["coll_ms"] = collective_ms(model, tp, 2, reps=3)  # the benchmark's collectives-only step runs
     if hybrid is not None:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-import fastmamba.distributed.bench as tp_bench
+import fastmamba.bench.tp as tp_bench
 from fastmamba.bench import targets
 from fastmamba.distributed import TPGroup
 
@@ -35,5 +35,5 @@ def test_bench_tp_table_and_json(tmp_path, monkeypatch, capsys):
 
 def test_bench_tp_refuses_before_spawning(monkeypatch, capsys):
     monkeypatch.setattr(tp_bench, "spawn_tp", lambda *a, **k: (_ for _ in ()).throw(AssertionError("spawned")))
-    with pytest.raises(ValueError, match=r"fastmamba.distributed.bench: cannot shard 8 heads \(nheads=8\) over world size 3"):
+    with pytest.raises(ValueError, match=r"fastmamba.bench.tp: cannot shard 8 heads \(nheads=8\) over world size 3"):
         targets.main(["tp", "--model", "mamba2-tiny", "--tp", "1,3", "--device", "cpu"])

@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 
 def test_fp8_checkpoint_with_tp2_is_refused_before_any_weight_is_read(tmp_path):
-    from fastmamba.distributed.shard import check_tp_source
+    from fastmamba.distributed.loading import check_tp_source
     from tests.distributed._checkpoints import save_nemotron_h
 
     root = tmp_path / "fp8"

@@ -59,7 +59,7 @@ def test_tp2_gpu_graphs_equal_tp1(dtype):
 
 
 def test_tp_bench_fp32_outputs_equal():
-    from fastmamba.distributed.bench import main
+    from fastmamba.bench.tp import main
 
     assert main(["--model", "mamba2-130m", "--tp", "1,2", "--batch", "1,4", "--dtype", "fp32", "--prompt-len", "64",
                  "--gen-len", "32", "--device", "cuda", "--require-equal"]) == 0

@@ -1,6 +1,6 @@
 """Tensor-parallel decode benchmark: the same preset at several TP sizes, outputs compared.
 
-    python -m fastmamba.distributed.bench --model mamba2-2.7b --tp 1,2 --batch 1 --dtype fp32
+    python -m fastmamba.bench.tp --model mamba2-2.7b --tp 1,2 --batch 1 --dtype fp32
     fastmamba bench tp --model mamba2-2.7b --tp 1,2,8 --batch 1,8,64,256      (the same, bf16)
 
 For every TP size N a fresh group of N processes (spawned; one GPU each, NCCL) loads the model
@@ -93,7 +93,7 @@ def collective_ms(model, tp: TPGroup, batch: int, reps: int = 50) -> float:
 def _rank_bench(tp: TPGroup, opts: dict) -> dict:
     from fastmamba.bench.e2e import make_prompts, run_batch
     from fastmamba.distributed.runtime import check_ranks_agree
-    from fastmamba.distributed.shard import load_tp_model
+    from fastmamba.distributed.loading import load_tp_model
 
     model = load_tp_model(opts["model"], tp, dtype=opts["dtype"], fuse_norm_reduce=opts["fuse_norm_reduce"])
     copy_gbs = None
@@ -109,7 +109,7 @@ def _rank_bench(tp: TPGroup, opts: dict) -> dict:
         del cache
         row = run_batch(model, batch, opts["prompt_len"], opts["gen_len"], pdl=opts["pdl"], device=tp.device,
                         prompts=prompts, record=True)
-        check_ranks_agree(tp, row["tokens"], who="fastmamba.distributed.bench")
+        check_ranks_agree(tp, row["tokens"], who="fastmamba.bench.tp")
         row["coll_ms"] = collective_ms(model, tp, batch)
         row["roofline_ms"] = 1e3 * row["step_bytes"] / (copy_gbs * 1e9) if copy_gbs else None
         row["logits"] = logits
@@ -138,11 +138,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fastmamba.distributed.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fastmamba.bench.tp", description=__doc__.split("\n")[0])
     add_arguments(p)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
-    return run(args, " ".join(["python -m fastmamba.distributed.bench", *argv]))
+    return run(args, " ".join(["python -m fastmamba.bench.tp", *argv]))
 
 
 def run(args: argparse.Namespace, command: str) -> int:
@@ -151,10 +151,10 @@ def run(args: argparse.Namespace, command: str) -> int:
         have = torch.cuda.device_count()
         if max(args.tp) > have:
             raise ValueError(f"--tp {max(args.tp)} needs {max(args.tp)} GPUs, torch sees {have}")
-    from fastmamba.distributed.shard import check_tp_source
+    from fastmamba.distributed.loading import check_tp_source
 
     for n in args.tp:
-        check_tp_source(args.model, n, who="fastmamba.distributed.bench")
+        check_tp_source(args.model, n, who="fastmamba.bench.tp")
     opts = {"model": args.model, "batch": args.batch, "dtype": args.dtype, "prompt_len": args.prompt_len,
             "gen_len": args.gen_len, "pdl": args.pdl, "fuse_norm_reduce": args.fuse_norm_reduce}
     results = {}
