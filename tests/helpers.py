@@ -203,3 +203,21 @@ def hf_gated_norm_is_grouped(mixer: torch.nn.Module, d_inner: int, groups: int) 
         y = norm(x, torch.full_like(x, 30.0)).float()  # the gate multiplies before the norm: it cancels
     rms = y.reshape(groups, -1).pow(2).mean(-1).sqrt()
     return bool(torch.allclose(rms, torch.ones_like(rms), rtol=1e-3))
+
+
+def spread_moe_weights(model: torch.nn.Module, seed: int = 3) -> torch.nn.Module:
+    """A random hybrid's mixer weights made large enough that every layer, and each token's choice
+    of experts, moves the logits: mixer matrices x3, MoE routers N(0, 0.5), selection biases
+    N(0, 0.1) (a generator seeded with ``seed``). In place; returns the model."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for block in model.backbone.layers:
+            for name, p in block.mixer.named_parameters():
+                if name == "gate.weight":
+                    p.normal_(0.0, 0.5, generator=g)
+                elif p.dim() >= 2:
+                    p.mul_(3)
+            for name, b in block.mixer.named_buffers():
+                if name == "gate.e_score_correction_bias":
+                    b.normal_(0.0, 0.1, generator=g)
+    return model

@@ -393,16 +393,21 @@ def test_8b_preset_through_the_engine_on_gpu():
     first tokens' logits (bf16 tolerance), generates with continuous batching, frees every page."""
     from fastmamba.models.nemotron_h import load_nemotron_h
 
-    m = load_nemotron_h("nemotron-h-8b", device="cuda")
+    check_preset_engine_on_gpu(load_nemotron_h("nemotron-h-8b", device="cuda"))
+
+
+def check_preset_engine_on_gpu(m) -> None:
+    """A full-size bf16 hybrid on a GPU: the engine generates with continuous batching and CUDA
+    graphs over three prompts (two slots) and frees every page; one decode step replayed from a
+    graph gives the eager step's logits from identical caches (bf16 tolerance)."""
+    from fastmamba.generation.cuda_graphs import GraphedDecoder
+
     prompts = [list(range(100, 100 + n)) for n in (17, 130, 64)]
     engine = Engine(m, max_batch=2, max_seq_len=256)
     assert engine.decoder is not None
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert [len(o) for o in outs] == [8, 8, 8]
     assert_all_free(engine)
-    # one step, graphed vs eager, from identical caches
-    from fastmamba.generation.cuda_graphs import GraphedDecoder
-
     caches = [m.new_cache(4, max_seq_len=256) for _ in range(2)]
     ids = torch.tensor(prompts[1], device="cuda")
     slots = [c.alloc(1) for c in caches]
@@ -412,4 +417,4 @@ def test_8b_preset_through_the_engine_on_gpu():
     want = m.decode(tok, caches[0], slots[0])
     caches[1].grow(slots[1].tolist(), [1])
     got = GraphedDecoder(m, caches[1], 4).decode(tok, slots[1])
-    torch.testing.assert_close(got, want, atol=5e-2, rtol=1e-2)
+    torch.testing.assert_close(got, want, atol=5e-2, rtol=1e-2)  # bf16 through every layer

@@ -23,10 +23,18 @@ def test_verify_equals_full_forward_across_commits(model, path):  # noqa: F811
     """Two requests (slots 3 and 1, pages of 4): each verify's logits equal a full forward over the
     accepted history plus the step's inputs, after commits that kept 1..T of them; the KV
     lengths follow the accepted history."""
+    check_verify_across_commits(model, path, PROMPTS)
+
+
+def check_verify_across_commits(model, path: str, prompts: list[list[int]]) -> None:
+    """Speculative verify with K = 2 (T = 3) for two requests in slots 3 and 1 (pages of 4), their
+    histories prompts[1][:4] and prompts[3][:7]: every verify's logits equal a full forward over the
+    accepted history plus the step's inputs, through commits that keep 1..T of them; the KV lengths
+    follow the accepted history (fp32)."""
     K = 2
     T = K + 1
     g = torch.Generator().manual_seed(5)
-    hist = [PROMPTS[1][:4], PROMPTS[3][:7]]
+    hist = [prompts[1][:4], prompts[3][:7]]
     cache = model.new_cache(4, max_seq_len=64, page_size=PAGE, speculate=K)
     if path == "legacy":
         cache.reserve_legacy(2)
@@ -34,7 +42,7 @@ def test_verify_equals_full_forward_across_commits(model, path):  # noqa: F811
     slots = torch.tensor([3, 1], dtype=torch.int32)
     model.prefill_varlen(torch.tensor(hist[0] + hist[1]), torch.tensor([0, 4, 11], dtype=torch.int32), cache, slots)
     for acc in ([T, 1], [2, T], [1, 2]):
-        toks = torch.randint(0, CFG.vocab_size, (2, T), generator=g)
+        toks = torch.randint(0, model.cfg.vocab_size, (2, T), generator=g)
         logits = model.verify(toks, cache, slots, path=path)
         for b in range(2):
             full = model(torch.tensor([hist[b] + toks[b].tolist()]))[0, -T:]

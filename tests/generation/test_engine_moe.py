@@ -21,9 +21,10 @@ from fastmamba.generation.engine import Engine
 from fastmamba.generation.sampling import SamplingParams
 from fastmamba.models.nemotron_h import NemotronHConfig, NemotronHLM, random_init
 from fastmamba.ops.moe import moe_route
-from tests.generation.test_engine_hybrid import PAGE, assert_all_free, engine_of
+from tests.generation.test_engine_hybrid import PAGE, assert_all_free, check_preset_engine_on_gpu, engine_of
 from tests.generation.test_engine_hybrid_prefix import run, same_run, scrub, tokens
-from tests.helpers import CorruptedOracle, run_to_completion, tol
+from tests.generation.test_engine_hybrid_spec import check_verify_across_commits
+from tests.helpers import CorruptedOracle, run_to_completion, spread_moe_weights, tol
 
 FP32 = tol(torch.float32)
 CFG = NemotronHConfig(d_model=64, vocab_size=256, pattern="*ME-M*E", n_heads=4, n_kv_heads=2, head_dim=16,
@@ -42,19 +43,7 @@ def reference_ops(monkeypatch):
 def build_model(cfg: NemotronHConfig = CFG) -> NemotronHLM:
     """The tiny MoE hybrid (fp32, CPU) with larger mixer weights than the preset's, so every layer
     (and each token's choice of experts) moves the logits; a random selection bias."""
-    m = random_init(NemotronHLM(cfg, device="cpu", dtype=torch.float32), seed=3).eval()
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for block in m.backbone.layers:
-            for name, p in block.mixer.named_parameters():
-                if name == "gate.weight":
-                    p.normal_(0.0, 0.5, generator=g)
-                elif p.dim() >= 2:
-                    p.mul_(3)
-            for name, b in block.mixer.named_buffers():
-                if name == "gate.e_score_correction_bias":
-                    b.normal_(0.0, 0.1, generator=g)
-    return m
+    return spread_moe_weights(random_init(NemotronHLM(cfg, device="cpu", dtype=torch.float32), seed=3).eval())
 
 
 @pytest.fixture(scope="module")
@@ -147,26 +136,8 @@ def test_prefix_cache_hit_keeps_the_output(model, prefill_chunk):
 @pytest.mark.parametrize("path", ["replay", "legacy"])
 def test_verify_equals_full_forward_across_commits(model, path):
     """Two requests: each verify's logits equal a full forward over the accepted history plus the
-    step's inputs, after commits that kept 1..T of them."""
-    K, T = 2, 3
-    g = torch.Generator().manual_seed(5)
-    hist = [PROMPTS[1][:4], PROMPTS[3][:7]]
-    cache = model.new_cache(4, max_seq_len=64, page_size=PAGE, speculate=K)
-    if path == "legacy":
-        cache.reserve_legacy(2)
-    cache.alloc(4)
-    slots = torch.tensor([3, 1], dtype=torch.int32)
-    model.prefill_varlen(torch.tensor(hist[0] + hist[1]), torch.tensor([0, 4, 11], dtype=torch.int32), cache, slots)
-    for acc in ([T, 1], [2, T], [1, 2]):
-        toks = torch.randint(0, CFG.vocab_size, (2, T), generator=g)
-        logits = model.verify(toks, cache, slots, path=path)
-        for b in range(2):
-            full = model(torch.tensor([hist[b] + toks[b].tolist()]))[0, -T:]
-            torch.testing.assert_close(logits[b], full, **FP32)
-        model.commit(cache, slots, torch.tensor(acc, dtype=torch.int32), path=path)
-        for b in range(2):
-            hist[b] += toks[b, :acc[b]].tolist()
-        cache.kv.check()
+    step's inputs, after commits that kept 1..T of them (the dense hybrid's check, on MoE layers)."""
+    check_verify_across_commits(model, path, PROMPTS)
 
 
 @pytest.mark.parametrize("verify_path", ["replay", "legacy"])
@@ -213,23 +184,6 @@ def test_graphed_engine_equals_eager_on_gpu():
 def test_nano_preset_through_the_engine_on_gpu():
     """nemotron-3-nano (bf16, random weights, 30B parameters): the engine decodes with CUDA graphs,
     continuous batching over three prompts; the graphed step's logits equal the eager step's."""
-    from fastmamba.generation.cuda_graphs import GraphedDecoder
     from fastmamba.models import load_model
 
-    m = load_model("nemotron-3-nano", device="cuda")
-    prompts = [list(range(100, 100 + n)) for n in (17, 130, 64)]
-    engine = Engine(m, max_batch=2, max_seq_len=256)
-    assert engine.decoder is not None
-    outs = engine.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
-    assert [len(o) for o in outs] == [8, 8, 8]
-    assert_all_free(engine)
-    caches = [m.new_cache(4, max_seq_len=256) for _ in range(2)]
-    ids = torch.tensor(prompts[1], device="cuda")
-    slots = [c.alloc(1) for c in caches]
-    for c, s in zip(caches, slots):
-        m.prefill(ids[None], c, s)
-    tok = torch.tensor([7], device="cuda")
-    want = m.decode(tok, caches[0], slots[0])
-    caches[1].grow(slots[1].tolist(), [1])
-    got = GraphedDecoder(m, caches[1], 4).decode(tok, slots[1])
-    torch.testing.assert_close(got, want, atol=5e-2, rtol=1e-2)  # bf16 through 52 layers
+    check_preset_engine_on_gpu(load_model("nemotron-3-nano", device="cuda"))

@@ -48,9 +48,9 @@ from fastmamba.models.loader import load_model
 from fastmamba.models.nemotron_h import NemotronHConfig, NemotronHLM, load_nemotron_h, random_init
 from fastmamba.models.quantization import read_quant_config
 from fastmamba.ops._common.dispatch import interpreter_enabled
-from tests.generation.test_engine_hybrid import PAGE, assert_all_free, engine_of
+from tests.generation.test_engine_hybrid import assert_all_free, engine_of
 from tests.generation.test_engine_hybrid_prefix import run, same_run, scrub, tokens
-from tests.helpers import tol
+from tests.helpers import spread_moe_weights, tol
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -83,19 +83,7 @@ def base_model() -> NemotronHLM:
     """The tiny MoE hybrid (fp32) with mixer weights large enough that every layer and each
     token's choice of experts moves the logits (as tests/generation/test_engine_moe.py)."""
     cfg = NemotronHConfig.from_dict(CONFIG_JSON)
-    m = random_init(NemotronHLM(cfg, device="cpu", dtype=torch.float32), seed=3).eval()
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for block in m.backbone.layers:
-            for name, p in block.mixer.named_parameters():
-                if name == "gate.weight":
-                    p.normal_(0.0, 0.5, generator=g)
-                elif p.dim() >= 2:
-                    p.mul_(3)
-            for name, b in block.mixer.named_buffers():
-                if name == "gate.e_score_correction_bias":
-                    b.normal_(0.0, 0.1, generator=g)
-    return m
+    return spread_moe_weights(random_init(NemotronHLM(cfg, device="cpu", dtype=torch.float32), seed=3).eval())
 
 
 def fp8_targets(model: nn.Module) -> list[str]:
