@@ -62,7 +62,7 @@ def _bucket_for(buckets: list[int], n: int, who: str) -> int:
     raise ValueError(f"{who}: batch {n} exceeds the largest bucket {buckets[-1]}")
 
 
-def _warm_up(run, slots: torch.Tensor) -> None:
+def warm_up_padded(run, slots: torch.Tensor) -> None:
     """Run ``run()`` twice on a side stream with ``slots`` set to padding (no state read or
     written), as capture requires (Triton compiles, lazy allocations); ``slots`` is restored."""
     saved = slots.clone()
@@ -125,7 +125,7 @@ class GraphedDecoder:
             return self.model.decode(tokens, self.cache, slots, rand_seed=self.rand_seed, **grow)
 
         with pdl:
-            _warm_up(run, slots)
+            warm_up_padded(run, slots)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 logits = run()
@@ -234,7 +234,7 @@ class GraphedVerifier:
             return self.model.verify(tokens, self.cache, slots, path=path, rand_seed=self.rand_seed, **grow)
 
         with pdl:
-            _warm_up(run, slots)
+            warm_up_padded(run, slots)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 logits = run()

@@ -31,11 +31,13 @@ only each request's last catch-up row).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import torch
 
 from fastmamba.cache.kv_pages import KVPages
+from fastmamba.generation.cuda_graphs import warm_up_padded
 from fastmamba.ops.runtime import trusted_inputs
 
 
@@ -176,18 +178,19 @@ class MTPDrafter:
 
     def _draft(self, ts: list[_Track], rows: list[int], counts: list[int], base: list[int], k: int) -> list[list[int]]:
         dev, B = self.device, len(ts)
-        emb = self.model.backbone.embeddings
-        # one host-to-device copy: catch-up tokens, their rows and positions, each request's last row
+        # one host-to-device copy: catch-up tokens, their rows and positions, each request's last
+        # row, the requests' rows and the position their next draft token takes
         toks = [tok for t in ts for tok in t.tokens]
         row_of = [r for r, c in zip(rows, counts) for _ in range(c)]
         pos = [b + j for b, c in zip(base, counts) for j in range(c)]
-        last = list(torch.tensor(counts).cumsum(0).sub(1).tolist())
+        last = [end - 1 for end in itertools.accumulate(counts)]
         R = len(toks)
-        meta = torch.tensor(toks + row_of + pos + last + rows + base, dtype=torch.int64).to(dev)
+        meta = torch.tensor(toks + row_of + pos + last + rows + [b + c for b, c in zip(base, counts)],
+                            dtype=torch.int64).to(dev)
         tok_d, row_d, pos_d = meta[:R], meta[R:2 * R].to(torch.int32), meta[2 * R:3 * R]
         last_d = meta[3 * R:3 * R + B]
         req_rows = meta[3 * R + B:3 * R + 2 * B].to(torch.int32)
-        next_pos = meta[3 * R + 2 * B:] + torch.tensor(counts, device=dev)
+        next_pos = meta[3 * R + 2 * B:]
         hidden = torch.cat([h for t in ts for h in t.hidden], dim=0)  # [R, M]
         h, draft = self._step(tok_d, hidden, row_d, pos_d, select=last_d)  # [B, M], [B]
         drafts = [draft]
@@ -236,15 +239,7 @@ class MTPDrafter:
                                           st["rows"], st["pos"])
                 return h, self.model.lm_head(h).argmax(-1)
 
-        saved = st["rows"].clone()
-        st["rows"].fill_(-1)  # warm-up (compiles, lazy allocations) writes only the scratch page
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
-        st["rows"].copy_(saved)
+        warm_up_padded(run, st["rows"])  # pad rows (-1): the warm-up writes only the scratch page
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             st["h"], st["draft"] = run()
