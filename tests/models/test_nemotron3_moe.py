@@ -14,7 +14,10 @@ import torch
 from fastmamba.models.nemotron_h import PRESETS, NemotronHConfig, NemotronHLM, load_nemotron_h
 from fastmamba.ops._common.dispatch import interpreter_enabled
 from tests.helpers import seeded, tol
-from tests.models.test_nemotron_h import HF_ROUTED, hf_norm_is_grouped
+from tests.models.test_nemotron_h import hf_norm_is_grouped
+# autouse fixtures shared with the dense model's tests: the ops run their PyTorch references (the
+# kernels have their own tests) and transformers runs its plain PyTorch path
+from tests.models.test_nemotron_h import hf_plain_torch_path, reference_ops  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
 FP32 = tol(torch.float32)
@@ -30,23 +33,6 @@ CASES = {
     "E6-top3-latent24-groups3of2-bias": dict(n_routed_experts=6, num_experts_per_tok=3, n_group=3, topk_group=2,
                                              moe_latent_size=24, mlp_bias=True, norm_topk_prob=False),
 }
-
-
-@pytest.fixture(autouse=True)
-def reference_ops(monkeypatch):
-    """The model tests run the ops' PyTorch references (as tests/models/test_nemotron_h.py does);
-    the kernels have their own tests."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-
-
-@pytest.fixture(autouse=True)
-def hf_plain_torch_path(monkeypatch):
-    from transformers.models.nemotron_h import modeling_nemotron_h
-
-    for name in HF_ROUTED:
-        fn = getattr(modeling_nemotron_h, name, None)
-        if fn is not None and getattr(fn, "__wrapped__", None) is not None:
-            monkeypatch.setattr(modeling_nemotron_h, name, fn.__wrapped__)
 
 
 def hf_config(**change):
