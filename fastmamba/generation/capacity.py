@@ -185,8 +185,7 @@ def plan_capacity(model: nn.Module, *, device_bytes: int, gpu_memory_utilization
     ``device_bytes``; raises CapacityError naming the numbers when ``max_batch`` cannot fit.
     ``other_bytes``: memory the caller holds beside weights and caches (a prefix cache's budget).
     ``drafter="mtp"``: each slot also holds its share of the MTP drafter's K/V (``mtp_drafter_bytes``)."""
-    if not (isinstance(gpu_memory_utilization, float | int) and 0 < gpu_memory_utilization <= 1):
-        raise CapacityError(f"gpu_memory_utilization: expected a number in (0, 1], got {gpu_memory_utilization!r}")
+    check_utilization(gpu_memory_utilization)
     if max_batch is not None and not (isinstance(max_batch, int) and not isinstance(max_batch, bool) and max_batch >= 1):
         raise CapacityError(f"max_batch: expected a positive integer, got {max_batch!r}")
     if not (isinstance(max_seq_len, int) and max_seq_len >= 1):
@@ -278,12 +277,19 @@ def device_memory_bytes(device: torch.device | str | None = None) -> int | None:
     return None
 
 
+def check_utilization(gpu_memory_utilization) -> None:
+    """A fraction of the device's memory in (0, 1]; anything else is a CapacityError naming it."""
+    if not (isinstance(gpu_memory_utilization, float | int) and 0 < gpu_memory_utilization <= 1):
+        raise CapacityError(f"gpu_memory_utilization: expected a number in (0, 1], got {gpu_memory_utilization!r}")
+
+
 def engine_plan(model: nn.Module, *, gpu_memory_utilization: float, max_batch: int, max_seq_len: int | None,
                 page_size: int | None, ssm_dtype: torch.dtype, speculate: int, prefill_tokens: int | None,
                 other_bytes: int = 0, drafter: str | None = None) -> CapacityPlan:
     """``Engine(gpu_memory_utilization=F)``'s plan for a loaded ``model`` (its meta twin is planned):
     against its CUDA device's total memory, or ``FASTMAMBA_DEVICE_MEMORY_GIB``; a CPU model without
     the override is a ValueError (there is no device memory to divide)."""
+    check_utilization(gpu_memory_utilization)  # a bad value is named first, whatever the device
     device = next(model.parameters()).device
     total = device_memory_bytes(device)
     if total is None:

@@ -215,3 +215,14 @@ def test_an_mtp_drafters_kv_is_counted_in_each_slot():
     mtp = plan_capacity(meta, device_bytes=GiB, max_seq_len=100, speculate=2, reserve_bytes=0, drafter="mtp")
     assert mtp.slot_bytes == plain.slot_bytes + share
     assert mtp_drafter_bytes(hybrid(), max_seq_len=100, speculate=2) == 0  # no MTP layer
+
+
+@pytest.mark.parametrize("bad", [1.5, 0, "0.9"])
+def test_engine_names_a_bad_utilization_before_the_device(bad):
+    """Engine(gpu_memory_utilization=...) with a bad value names it, on any device (a CPU model's
+    "no device memory to divide" came first before)."""
+    from fastmamba.generation.engine import Engine
+
+    model = NemotronHLM(HYBRID, device="cpu", dtype=torch.float32)
+    with pytest.raises(CapacityError, match="gpu_memory_utilization: expected a number in"):
+        Engine(model, max_batch=2, gpu_memory_utilization=bad)
