@@ -23,6 +23,8 @@ mkdir -p "$TRITON_CACHE_DIR"
 # (e.g. prefixm-nemotron-h-4b: a hybrid, whose snapshots keep K/V too)
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+# the tests that load a full-size preset run one at a time after the parallel suite
+BIG="test_nano_preset_through_the_engine_on_gpu or test_8b_preset_through_the_engine_on_gpu or test_8b_preset_decodes_on_gpu or test_start_up_time or test_gpu_server_plans_from_the_cards_memory"
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests tune kernels)
 for step in "${steps[@]}"; do
     echo "=== $step $(date +%T)"
@@ -49,6 +51,8 @@ for step in "${steps[@]}"; do
         prefixm-*) timeout 500 python3 -m fastmamba.bench serve --model "${step#prefixm-}" --shared-prefix 2048 --requests 16 --prompt-len 64 --output-len 16 --json "$OUT/prefix.jsonl" >> "$OUT/prefix.txt" 2>> "$OUT/prefix.err"; echo "rc=$?"; tail -n 9 "$OUT/prefix.txt"; tail -3 "$OUT/prefix.err" ;;
         prefix-*)  timeout 400 python3 -m fastmamba.bench serve --shared-prefix 2048 --requests 16 --prompt-len 64 --output-len 16 --client "${step#prefix-}" --json "$OUT/prefix.jsonl" >> "$OUT/prefix.txt" 2>> "$OUT/prefix.err"; echo "rc=$?"; tail -n 9 "$OUT/prefix.txt"; tail -3 "$OUT/prefix.err" ;;
         chunked)   timeout 300 python3 -m fastmamba.bench chunked --json "$OUT/chunked.jsonl" > "$OUT/chunked.txt" 2> "$OUT/chunked.err"; echo "rc=$?"; cat "$OUT/chunked.txt" ;;
+        suite)     timeout 420 python3 -m pytest -q -n 8 --timeout 240 -p no:cacheprovider --durations=20 tests -k "not ($BIG)" > "$OUT/tests.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -n 40 ;;
+        suite-big) timeout 300 python3 -m pytest -q -s --timeout 280 -p no:cacheprovider tests -k "$BIG" > "$OUT/tests-big.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed|start-up|load" "$OUT/tests-big.log" | tail -n 40 ;;
         tests-*)   timeout 400 python3 -m pytest -q -n 8 ${step#tests-} > "$OUT/tests.log" 2>&1; echo "rc=$?"; tail -n 15 "$OUT/tests.log" ;;
         crossover) FASTMAMBA_GIT_COMMIT=${FASTMAMBA_GIT_COMMIT:-unknown} timeout 400 python3 -m fastmamba.bench spec --shapes mamba2-2.7b,nemotron-h --tokens 2,4,6,8,16 --state fp32,fp16 --write-table > "$OUT/crossover.txt" 2> "$OUT/crossover.err"; echo "rc=$?"; tail -n 30 "$OUT/crossover.txt"; tail -3 "$OUT/crossover.err"; cp fastmamba/generation/verify_crossover.json "$OUT/" ;;
         eager-*)   timeout 540 python3 -m fastmamba.bench kernels --eager --quick --ops "${step#eager-}" --json "$OUT/eager.jsonl" > "$OUT/eager.txt" 2> "$OUT/eager.err"; echo "rc=$?"; cat "$OUT/eager.txt"; tail -3 "$OUT/eager.err" ;;
