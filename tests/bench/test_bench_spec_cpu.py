@@ -43,7 +43,7 @@ def _new_replay_api() -> str:
     """'' when the history-based replay op has landed (ops/replay exports default_history and the
     reference commit), else why not: the real replay provider cannot run before it has."""
     try:
-        importlib.import_module("fastmamba.ops.replay.api").default_history  # noqa: B018
+        importlib.import_module("fastmamba.ops.replay").default_history  # noqa: B018
         importlib.import_module("fastmamba.ops.replay.ref").commit_accepted_ref  # noqa: B018
     except (ImportError, AttributeError) as exc:
         return f"the history-based replay API has not landed yet ({exc})"

@@ -221,7 +221,7 @@ def test_tune_refuses_what_the_cpu_cannot_do(argv, interpreter, message, monkeyp
 
 def _new_replay_api() -> str:
     try:
-        importlib.import_module("fastmamba.ops.replay.api").default_history  # noqa: B018
+        importlib.import_module("fastmamba.ops.replay").default_history  # noqa: B018
     except (ImportError, AttributeError) as exc:
         return f"the history-based replay API has not landed yet ({exc})"
     return ""

@@ -25,7 +25,7 @@ VARIANTS = {
                           dict(HAS_IDX=False, CU_WHICH=2, IDX_WHICH=1, BLOCK=256, idx_ptr=None, stride_idx=0)),
     "check-slots": ("fastmamba.ops._common.slot_errors", "_check_slots_kernel",
                     dict(idx_ptr="*i32", err_ptr="*i64"), dict(WHICH=1, BLOCK=256)),
-    "commit-report-T1-S1": ("fastmamba.ops.replay.kernel", "_commit_kernel",
+    "commit-report-T1-S1": ("fastmamba.ops.replay.commit_kernel", "_commit_kernel",
                             dict(buf_idx_ptr="*i32", accepted_ptr="*i32", hist_ptr="*i32", slots_ptr="*i32",
                                  new_ptr="*i64", err_ptr="*i64"),
                             dict(HAS_SLOTS=True, BLOCK=128, REPORT=True, CHECK_NEW=True, T=1, n_slots=1)),

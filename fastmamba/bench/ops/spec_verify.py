@@ -105,10 +105,10 @@ class ReplayFns(NamedTuple):
 
 def history_for(T: int) -> int:
     """The replay cache's history capacity C for T tokens per step: the op's ``default_history``
-    (fastmamba.ops.replay.api); where that cannot be imported, the same rule (the smallest multiple
+    (fastmamba.ops.replay); where that cannot be imported, the same rule (the smallest multiple
     of 16 that is >= 4T), so the cases and byte models exist even when the op does not load."""
     try:
-        return int(importlib.import_module("fastmamba.ops.replay.api").default_history(T))
+        return int(importlib.import_module("fastmamba.ops.replay").default_history(T))
     except (ImportError, AttributeError):
         return max(16, -(-4 * T // 16) * 16)
 
@@ -235,7 +235,7 @@ class SpecVerifyBench(OpBench):
         version = _fastmamba_version()
         try:
             replay = ReplayFns(load_fastmamba("replay", "replay_selective_state_update"),
-                               load_fastmamba("replay", "commit_accepted", module="api"))
+                               load_fastmamba("replay", "commit_accepted"))
         except Exception as exc:  # noqa: BLE001
             replay_prov = Provider(REPLAY, "ours", version, None, reason=describe(exc))
         else:

@@ -44,7 +44,7 @@ OUT_TILES = {4: (64, 4), 2: (64, 4)}  # state bytes -> (out_block_p, out_warps)
 # ... and its register cap (ptxas maxnreg; None: none): at 128 an fp32-state program fits four to
 # an SM instead of three, without spills (H200, Nemotron-H batch 128 T=6: output kernel 225 -> 194 us)
 OUT_MAXNREG = {4: 128, 2: None}
-# fp32 state with bf16 activations, where TMA works (kernel.out_tma_usable): the output kernel as a
+# fp32 state with bf16 activations, where TMA works (out_kernel.out_tma_usable): the output kernel as a
 # persistent loop fed by TMA, so the pipeliner prefetches the next tile's state into shared memory
 # (programs per SM, pipeline stages, register cap; "pdl_in": launch it as a programmatic dependent
 # of the precompute kernel -- off: its waiting programs hold every SM's registers and keep the
@@ -57,7 +57,7 @@ OUT_MAXNREG = {4: 128, 2: None}
 # tile live in registers: 255 per thread, spills at any cap).
 OUT_TMA: dict[str, int] | None = {"programs_per_sm": 3, "stages": 2, "maxnreg": 168, "pdl_in": 0}
 
-# bf16 activations where TMA works (kernel.checkpoint_tma_usable: a history of up to 64 positions):
+# bf16 activations where TMA works (checkpoint_kernel.checkpoint_tma_usable: a history of up to 64 positions):
 # the checkpoint kernel as a persistent loop fed by TMA, so the pipeliner prefetches the next
 # tile's state and whole history while this one replays it in one tl.dot (P rows per tile, warps,
 # pipeline stages, register cap; None: the pointer-load kernel, whose chunk loop runs at 240

@@ -20,7 +20,7 @@ from fastmamba.ops import (
     replay_selective_state_update,
     selective_state_update,
 )
-from fastmamba.ops.replay import api as replay_api
+from fastmamba.ops.replay import cache as replay_cache
 from fastmamba.ops.replay import configs as replay_configs
 from fastmamba.ops.replay import default_history
 from fastmamba.ops.replay.ref import commit_accepted_ref, flush_ref, replay_selective_state_update_ref
@@ -463,7 +463,7 @@ def test_commit_and_flush_bad_input():
 
 
 def test_docstring_examples():
-    assert doctest.testmod(replay_api, raise_on_error=False).failed == 0
+    assert doctest.testmod(replay_cache, raise_on_error=False).failed == 0
 
 
 def test_registered_as_mutating_op():
@@ -593,7 +593,7 @@ def test_gpu_fp32_state_takes_the_tma_output_kernel():
     """The split-path tests above run the TMA output kernel for their fp32-state cases (and
     'split-notma' the other): it applies to contiguous tensors with P a multiple of the tile and a
     power-of-two N, and not to a strided x."""
-    from fastmamba.ops.replay.kernel import out_tma_usable
+    from fastmamba.ops.replay.out_kernel import out_tma_usable
 
     S, B, T, H, P, G, N, Ch = 17, 8, 6, 80, 64, 1, 128, 32
     state = torch.zeros(S, H, P, N, device="cuda")
@@ -612,7 +612,7 @@ def test_gpu_bf16_activations_take_the_tma_checkpoint_kernel():
     """The split-path tests above run the TMA checkpoint kernel for their bf16-activation cases
     ('split-notma' the pointer one): it applies to contiguous tensors with P a multiple of its
     tile, a power-of-two N and a history of up to 64 positions, for every state dtype."""
-    from fastmamba.ops.replay.kernel import checkpoint_tma_usable
+    from fastmamba.ops.replay.checkpoint_kernel import checkpoint_tma_usable
 
     S, B, T, H, P, G, N, Ch = 17, 8, 6, 80, 64, 1, 128, 32
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
@@ -656,7 +656,7 @@ def test_reset_history_zeroes_listed_slots_only(slot_dtype, device):
     cache.prev_accepted.copy_(torch.randint(1, 4, (S,), generator=g, dtype=torch.int32))
     hist0, prev0 = cache.hist_len.clone(), cache.prev_accepted.clone()
     listed = [5, -1, 0, 36, 40, 17]  # a pad row and a slot past the end
-    replay_api.reset_history(cache, torch.tensor(listed, dtype=slot_dtype, device=device))
+    replay_cache.reset_history(cache, torch.tensor(listed, dtype=slot_dtype, device=device))
     live = [5, 0, 36, 17]
     others = [s for s in range(S) if s not in live]
     assert cache.hist_len[live].tolist() == [0] * 4 and cache.prev_accepted[live].tolist() == [0] * 4

@@ -15,6 +15,7 @@ import torch
 
 import fastmamba.ops._common.checks as checks
 import fastmamba.ops.replay.api as replay_api
+import fastmamba.ops.replay.cache as replay_cache
 from fastmamba.ops import ReplayCache, replay_selective_state_update
 from fastmamba.ops._common.host_values import trusted_inputs
 from fastmamba.ops.replay.ref import commit_accepted_ref, flush_ref, replay_selective_state_update_ref
@@ -154,7 +155,7 @@ def test_device_checked_slots_skip_the_row_and_the_next_call_raises(monkeypatch,
                                                                        else v for k, v in inp.items()})
     out = nan_like(inp["x"])
     reads = []
-    for module in (checks, replay_api):
+    for module in (checks, replay_cache):
         monkeypatch.setattr(module, "host_list", lambda t, real=module.host_list: reads.append(t) or real(t))
     replay_selective_state_update(*pooled, **dict(inp, state_batch_indices=idx), out=out)
     assert reads == []  # checked on the device
