@@ -172,7 +172,7 @@ def _params(model, mtp: bool) -> list[torch.Tensor]:
 
 
 def _weights(params, moe_layers, touched: list[float]) -> int:
-    from fastmamba.bench.e2e import expert_bytes
+    from fastmamba.bench.e2e_bytes import expert_bytes
 
     total = sum(p.numel() * p.element_size() for p in params)
     for moe, t in zip(moe_layers, touched):
@@ -184,7 +184,7 @@ def target_bytes(model, tokens: int, batch: int, context: float, touched: list[f
     """One target step over ``tokens`` tokens in all (``batch`` requests): weights (routed experts as
     touched, the untied embedding table in its rows), Mamba states read + written, K/V read over the
     context plus the new tokens' written."""
-    from fastmamba.bench.e2e import moe_layers
+    from fastmamba.bench.e2e_bytes import moe_layers
 
     c = model.cfg
     total = _weights(_params(model, mtp=False), moe_layers(model), touched)  # the backbone's MoE layers
@@ -204,7 +204,7 @@ def target_bytes(model, tokens: int, batch: int, context: float, touched: list[f
 def draft_bytes(model, k: int, batch: int, context: float, touched: list[float]) -> int:
     """k MTP steps: the MTP layer's weights (its routed experts as touched) and the lm_head each,
     its K/V over its context."""
-    from fastmamba.bench.e2e import moe_layers
+    from fastmamba.bench.e2e_bytes import moe_layers
 
     per_step = _weights(_params(model, mtp=True), moe_layers(model.mtp), touched)
     per_step += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
@@ -338,7 +338,7 @@ def run_k(model, prompts, k: int, runs: list[list[int]], steps: int, *, path: st
 
 
 def run(args: argparse.Namespace, command: str) -> int:
-    from fastmamba.bench.e2e import moe_layers
+    from fastmamba.bench.e2e_bytes import moe_layers
     from fastmamba.bench.env import collect
     from fastmamba.bench.peak import measure_copy_bandwidth
     from fastmamba.models.nemotron_h import load_nemotron_h

@@ -91,7 +91,7 @@ def collective_ms(model, tp: TPGroup, batch: int, reps: int = 50) -> float:
 
 
 def _rank_bench(tp: TPGroup, opts: dict) -> dict:
-    from fastmamba.bench.e2e import make_prompts, run_batch
+    from fastmamba.bench.e2e_runs import make_prompts, run_batch
     from fastmamba.distributed.runtime import check_ranks_agree
     from fastmamba.distributed.loading import load_tp_model
 

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from fastmamba.bench import e2e, targets
+from fastmamba.bench import e2e, e2e_spec, targets
 
 SPEC_FIELDS = {"batch", "speculate", "decode_tok_s", "plain_decode_tok_s", "speedup", "verify_steps", "ms_per_step",
                "drafts_proposed", "drafts_accepted", "acceptance", "tokens_per_step", "tokens_match",
@@ -61,7 +61,7 @@ def test_counting_drafter_and_make_bench_drafter():
     class R:
         prompt, output = [1, 2], [5]
 
-    counter = e2e.CountingDrafter(oracle)
+    counter = e2e_spec.CountingDrafter(oracle)
     assert counter.propose([R()], 3) == [[6, 7, 7]] and counter.propose([R(), R()], 2) == [[6, 7], [6, 7]]
     assert counter.calls == 2 and counter.proposed == 7
     assert e2e.make_bench_drafter("ngram", prompts=[], plain_tokens=[], draft_model=None, batch=1,

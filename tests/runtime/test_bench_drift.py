@@ -64,11 +64,11 @@ def test_bench_e2e_drift_command(tmp_path, capsys, monkeypatch):
         timed.append((batch, ssm_dtype, stochastic_rounding))
         return {"batch": batch, "prefill_s": 1.0, "prefill_tok_s": 1.0, "ms_per_step": 2.0, "decode_tok_s": 5.0,
                 "step_bytes": e2e.step_bytes(model, batch, ssm_dtype),
-                "ssm_dtype": e2e._state_label(ssm_dtype, False), "stochastic_rounding": stochastic_rounding}
+                "ssm_dtype": e2e.state_label(ssm_dtype, False), "stochastic_rounding": stochastic_rounding}
 
     def fake_drift(model, prompts, n_tokens, variants, *, device, pdl=None):
         drifted.append((prompts.shape[0], n_tokens, list(variants)))
-        return [{"ssm_dtype": e2e._state_label(d, False), "stochastic_rounding": sr, "batch": prompts.shape[0],
+        return [{"ssm_dtype": e2e.state_label(d, False), "stochastic_rounding": sr, "batch": prompts.shape[0],
                  "tokens": n_tokens, "max_rel_err": 0.0 if d == torch.float32 else 0.01, "mean_rel_err": 0.0,
                  "first_argmax_diff": None, "argmax_diffs": 0} for d, sr in variants]
 
