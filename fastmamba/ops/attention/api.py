@@ -13,6 +13,13 @@ Three ops, in the order a layer calls them:
                                 PyTorch's ``scaled_dot_product_attention`` per prompt on a plain CPU
   ``paged_decode_attention``    one query per request over its pages: a Triton kernel (GQA,
                                 block table, per-request lengths; CUDA-graph safe)
+
+float8 K/V pages (``torch.float8_e4m3fn`` pools, half the bytes of bf16): each op then takes the
+per-tensor ``k_scale`` and ``v_scale`` of the layer (a checkpoint's, or 1.0). The write stores
+K / k_scale and V / v_scale saturated to e4m3's +-448 (round to nearest even); the attention
+kernels convert each tile to the queries' dtype (exact) and apply the scales outside the
+products: k_scale to the scores, v_scale to the output. Both scales are required with float8
+pools and refused with others. float8 tiles need an sm_89+ GPU (Ada, Hopper) or the interpreter.
 """
 from __future__ import annotations
 
@@ -34,7 +41,43 @@ from fastmamba.ops.attention.configs import (
 )
 from fastmamba.ops.attention.kernel import launch_paged_decode_attention
 from fastmamba.ops.attention.prefill_kernel import group_pad, launch_paged_prefill_attention, prefill_work
-from fastmamba.ops.attention.ref import paged_decode_attention_ref
+from fastmamba.ops.attention.ref import paged_decode_attention_ref, quantize_kv_ref
+from fastmamba.ops.fp8.ref import FP8_DTYPE
+
+KV_DTYPES = FLOAT_DTYPES + (FP8_DTYPE,)
+
+
+def _kv_scales(op: str, k_pages: torch.Tensor, v_pages: torch.Tensor, k_scale, v_scale):
+    """(k_scale, v_scale) as one-element device tensors for float8 pools, None for others; raises
+    ValueError when float8 pools lack a scale, other pools get one, or K and V pools disagree on
+    float8. Tensor values are not read (no host sync): the loader checks a checkpoint's scales."""
+    fp8 = k_pages.dtype == FP8_DTYPE
+    if fp8 != (v_pages.dtype == FP8_DTYPE):
+        raise ValueError(f"{op}: `k_pages` and `v_pages` must both be float8_e4m3fn or neither, got "
+                         f"{k_pages.dtype} and {v_pages.dtype}")
+    if not fp8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"{op}: `k_scale` / `v_scale` go with float8_e4m3fn pools; the pools are {k_pages.dtype} "
+                             "(pass None)")
+        return None
+    out = []
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None:
+            raise ValueError(f"{op}: float8_e4m3fn pools need `k_scale` and `v_scale` (the pages hold K / k_scale "
+                             f"and V / v_scale); `{name}` is None")
+        if isinstance(s, (int, float)) and not isinstance(s, bool):
+            if not 0 < float(s) < math.inf:
+                raise ValueError(f"{op}: `{name}` expected a finite number > 0, got {s!r}")
+            s = torch.full((), float(s), dtype=torch.float32, device=k_pages.device)
+        elif not isinstance(s, torch.Tensor):
+            raise TypeError(f"{op}: `{name}` expected a float or a one-element float tensor, got {type(s).__name__}")
+        elif s.numel() != 1 or not s.is_floating_point():
+            raise ValueError(f"{op}: `{name}` expected one float value (shape () or (1,)), got {s.dtype} of shape "
+                             f"{tuple(s.shape)}")
+        elif s.device != k_pages.device:
+            raise ValueError(f"{op}: `{name}` is on {s.device}, the pools on {k_pages.device}")
+        out.append(s)
+    return out[0], out[1]
 
 
 def _check_pool(op: str, q_or_k: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
@@ -43,8 +86,8 @@ def _check_pool(op: str, q_or_k: torch.Tensor, k_pages: torch.Tensor, v_pages: t
         raise ValueError(f"{op}: `k_pages` expected shape (Np, PAGE, Hkv, Dh), got {tuple(k_pages.shape)}")
     Np, PAGE, Hkv, Dh = k_pages.shape
     check_shape(op, "v_pages", v_pages, [("Np", Np), ("PAGE", PAGE), ("Hkv", Hkv), ("Dh", Dh)])
-    check_dtype(op, "k_pages", k_pages, FLOAT_DTYPES)
-    check_dtype(op, "v_pages", v_pages, FLOAT_DTYPES)
+    check_dtype(op, "k_pages", k_pages, KV_DTYPES)
+    check_dtype(op, "v_pages", v_pages, KV_DTYPES)
     H = q_or_k.shape[1]
     if q_or_k.dim() != 3 or q_or_k.shape[2] != Dh or (H % Hkv if q_heads else H != Hkv):
         want = "(*, Hq, Dh) with Hq a multiple of Hkv" if q_heads else "(T, Hkv, Dh)"
@@ -65,20 +108,27 @@ def paged_kv_write(
     slots: torch.Tensor,
     positions: torch.Tensor,
     token_rows: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
 ) -> None:
     """Write T tokens' K/V into their requests' pages.
 
-    k, v         [T, Hkv, Dh]   read; cast to the pools' dtype
+    k, v         [T, Hkv, Dh]   read; cast to the pools' dtype (float8 pools: k / k_scale and
+                 v / v_scale saturated to +-448, ``ref.quantize_kv_ref``)
     k_pages, v_pages [Np, PAGE, Hkv, Dh]   mutated in place at the tokens' (page, row)
     block_table  [S, Pmax] int32/int64   read
     slots        [B] int32/int64: request rows of block_table; -1 (or any value outside [0, S))
                  marks a pad request whose tokens go to the scratch page Np - 1
     positions    [T] int32/int64: each token's position in its request
     token_rows   [T] int32/int64 or None (T == B, token t is request t): token t's request
+    k_scale, v_scale  float8_e4m3fn pools only (required there): one-element float tensors on the
+                 pools' device (or floats > 0), the per-tensor scales of the layer
     No host read (graph safe). Reference: fastmamba.ops.attention.ref.paged_kv_write_ref
     """
     op = "paged_kv_write"
     Np, PAGE, Hkv, Dh = _check_pool(op, k, k_pages, v_pages, block_table, q_heads=False)
+    scales = _kv_scales(op, k_pages, v_pages, k_scale, v_scale)
     T = k.shape[0]
     check_shape(op, "v", v, [("T", T), ("Hkv", Hkv), ("Dh", Dh)])
     check_dtype(op, "slots", slots, INDEX_DTYPES)
@@ -100,6 +150,10 @@ def paged_kv_write(
     page = block_table[s.clamp(0, S - 1), col.clamp(0, Pmax - 1)].long()
     page = torch.where(ok & (page >= 0) & (page < Np - 1), page, Np - 1)
     row = pos.clamp(min=0) % PAGE
+    if scales is not None:  # float8: quantised here, written as bytes (index_put has no float8 kernel everywhere)
+        k_pages.view(torch.uint8)[page, row] = quantize_kv_ref(k, scales[0]).view(torch.uint8)
+        v_pages.view(torch.uint8)[page, row] = quantize_kv_ref(v, scales[1]).view(torch.uint8)
+        return
     k_pages[page, row] = k.to(k_pages.dtype)
     v_pages[page, row] = v.to(v_pages.dtype)
 
@@ -143,6 +197,8 @@ def varlen_prefill_attention(
     cu_seqlens_host: list[int] | None = None,
     slots_host: list[int] | None = None,
     work: PrefillWork | None = None,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """Causal attention of B packed prompts over their requests' pages (GQA).
 
@@ -154,7 +210,10 @@ def varlen_prefill_attention(
                  prompt; prompt b's tokens sit at positions ctx_lens[b] .. ctx_lens[b] + L_b - 1 and
                  attend to every earlier position of their request
     k_new, v_new [T, Hkv, Dh] or None: the prompts' own K/V; on the CPU path a prompt with
-                 ctx_lens 0 then attends over them directly instead of gathering its pages (same values)
+                 ctx_lens 0 then attends over them directly instead of gathering its pages (same values;
+                 not with float8 pools, whose values are the pages' rounded ones: the pages are read)
+    k_scale, v_scale  float8_e4m3fn pools only (required there): the scales the pages were written
+                 with (``paged_kv_write``); one-element float tensors on the pools' device or floats
     cu_seqlens_host, slots_host  the values of ``cu_seqlens`` and ``slots`` as the host holds them
                  (the model does), or None: read from the tensors (a device-to-host read each)
     work         a ``PrefillWork`` (the work table on the device) or None: built here from the
@@ -170,6 +229,7 @@ def varlen_prefill_attention(
     """
     op = "varlen_prefill_attention"
     Np, PAGE, Hkv, Dh = _check_pool(op, q, k_pages, v_pages, block_table, q_heads=True)
+    scales = _kv_scales(op, k_pages, v_pages, k_scale, v_scale)
     T, Hq, _ = q.shape
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"{op}: `cu_seqlens` expected shape (B+1,) with B >= 1, got {tuple(cu_seqlens.shape)}")
@@ -225,7 +285,7 @@ def varlen_prefill_attention(
             table = work.table if work is not None else packed[len(ctx_vals):].view(-1, 2)
         if T and table.shape[0]:
             launch_paged_prefill_attention(q, k_pages, v_pages, block_table, slots, cu_seqlens, ctx_lens, table,
-                                           out, scale, block_m, tile)
+                                           out, scale, block_m, tile, *(scales or (None, None)))
         return out
     ctx = host_list(ctx_lens) if isinstance(ctx_lens, torch.Tensor) else list(ctx_lens)
     sl = list(slots_host) if slots_host is not None else host_list(slots)
@@ -237,7 +297,7 @@ def varlen_prefill_attention(
             out[lo:hi] = 0
             continue
         qb = q[lo:hi].transpose(0, 1)[None]  # [1, Hq, L, Dh]
-        if ctx[b] == 0 and k_new is not None:
+        if ctx[b] == 0 and k_new is not None and scales is None:
             kb, vb, mask, causal = k_new[lo:hi], v_new[lo:hi], None, True
         else:
             n = ctx[b] + hi - lo
@@ -246,6 +306,8 @@ def varlen_prefill_attention(
             vb = v_pages[ids].reshape(-1, Hkv, Dh)[:n]
             qpos = torch.arange(hi - lo, device=q.device)[:, None] + ctx[b]
             mask, causal = torch.arange(n, device=q.device)[None, :] <= qpos, False
+            if scales is not None:  # float8 pages: stored value x scale
+                kb, vb = kb.float() * scales[0].float().reshape(()), vb.float() * scales[1].float().reshape(())
         kb = kb.to(q.dtype).transpose(0, 1)[None]
         vb = vb.to(q.dtype).transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale,
@@ -271,12 +333,15 @@ def paged_decode_attention(
     scale: float | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | float | None = None,
+    v_scale: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """One query token per request attending over its cached tokens (GQA, paged, no mask needed).
 
     q            [B, Hq, Dh]   fp32, bf16 or fp16; read (query head h uses KV head h // (Hq/Hkv))
     k_pages, v_pages [Np, PAGE, Hkv, Dh]   read; PAGE a power of two; q and the pools may differ
-                 in dtype (then every product runs in fp32)
+                 in dtype (then every product runs in fp32); float8_e4m3fn pools are read as their
+                 values times k_scale / v_scale (the products then run in q's dtype)
     block_table  [S, Pmax] int32/int64: request s's pages; only the first ceil(seq_lens[s]/PAGE)
                  entries are read (a page id outside [0, Np) is read as masked, never dereferenced)
     seq_lens     [S] int32/int64: tokens cached for request s, the current one included
@@ -287,6 +352,8 @@ def paged_decode_attention(
                  by a second kernel (a power of two, 1 to 64). None: the launch config's choice
                  (``fastmamba.ops.attention.configs.pick_config``): enough runs for a few programs
                  per SM when B x Hkv is small, 1 under the interpreter
+    k_scale, v_scale  float8_e4m3fn pools only (required there): one-element float tensors on the
+                 pools' device (graph safe) or floats
     Returns [B, Hq, Dh] in q's dtype (``out`` when given). fp32 softmax and accumulation.
     Reads nothing on the host (graph safe: block_table, seq_lens and slots can be static buffers).
     The slots' range is checked on the host for CPU tensors; an eager call on GPU tensors checks
@@ -296,6 +363,7 @@ def paged_decode_attention(
     """
     op = "paged_decode_attention"
     Np, PAGE, Hkv, Dh = _check_pool(op, q, k_pages, v_pages, block_table, q_heads=True)
+    scales = _kv_scales(op, k_pages, v_pages, k_scale, v_scale)
     B, Hq, _ = q.shape
     check_dtype(op, "q", q, FLOAT_DTYPES)
     S = block_table.shape[0]
@@ -316,7 +384,9 @@ def paged_decode_attention(
                                        and num_splits & (num_splits - 1) == 0):
         raise ValueError(f"{op}: `num_splits` expected a power of two in [1, 64], got {num_splits!r}")
     if not use_triton(q):
-        out.copy_(paged_decode_attention_ref(q, k_pages, v_pages, block_table, seq_lens, slots, scale=scale))
+        ks, vs = scales or (None, None)
+        out.copy_(paged_decode_attention_ref(q, k_pages, v_pages, block_table, seq_lens, slots, scale=scale,
+                                             k_scale=ks, v_scale=vs))
         return out
     if B:
         if on_device:  # the kernel treats a slot outside [0, S) as a pad row; this records it
@@ -324,7 +394,8 @@ def paged_decode_attention(
         config = _launch_config(q, B * Hkv, block_table.shape[1] * PAGE, Dh, k_pages.element_size())
         if num_splits is not None:
             config = config._replace(num_splits=num_splits)
-        launch_paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, slots, out, scale, config)
+        launch_paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, slots, out, scale, config,
+                                      *(scales or (None, None)))
     return out
 
 

@@ -26,13 +26,14 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def load_kv_tile(start, offs_n, hi, bt_row, k_head, v_head, num_pages, stride_bt_p, stride_k_p, stride_k_t, stride_v_p,
                  stride_v_t, dmask, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PAGES_PER_TILE: tl.constexpr, UPCAST: tl.constexpr):
+                 BLOCK_N: tl.constexpr, PAGES_PER_TILE: tl.constexpr):
     """The K and V tiles [BLOCK_N, BLOCK_D] of a request's positions start + offs_n (offs_n =
     tl.arange(0, BLOCK_N), made once outside the caller's loop). bt_row: its block-table row;
     k_head / v_head: the KV head's base pointers with the head-dim offsets. Returns (k, v,
     positions, valid): a position is valid below ``hi`` on a page of the pool (the others read as
     zeros, never dereferenced). The page ids are BLOCK_N / PAGE scalar loads (start is a multiple
-    of the page or of the tile, whichever is smaller), spread over the tile's rows."""
+    of the page or of the tile, whichever is smaller), spread over the tile's rows. The tiles come
+    in the pools' dtype (the caller converts them: ``kv_in``)."""
     pos = start + offs_n
     first = start // PAGE
     page = tl.full([BLOCK_N], -1, tl.int64)
@@ -48,10 +49,27 @@ def load_kv_tile(start, offs_n, hi, bt_row, k_head, v_head, num_pages, stride_bt
         kv_mask = tok_ok[:, None] & dmask[None, :]
     k = tl.load(k_head + page[:, None] * stride_k_p + row[:, None] * stride_k_t, mask=kv_mask, other=0.0)
     v = tl.load(v_head + page[:, None] * stride_v_p + row[:, None] * stride_v_t, mask=kv_mask, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
     return k, v, pos, tok_ok
+
+
+@triton.jit
+def kv_in(k, v, q):
+    """The K and V tiles in the queries' dtype for the two products: fp32 when the caller upcast q,
+    q's 16-bit dtype for float8_e4m3fn pages (exact: every e4m3 value is a bf16 / fp16 value; the
+    scales are applied outside the products), unchanged when the dtypes already agree."""
+    return k.to(q.dtype), v.to(q.dtype)
+
+
+@triton.jit
+def kv_scales(qk_scale, ks_ptr, vs_ptr, KV_FP8: tl.constexpr):
+    """(the score multiplier, the output multiplier): with float8 pages the stored values are K /
+    k_scale and V / v_scale, so the scores take k_scale and the output (linear in V) v_scale."""
+    s_mul = qk_scale
+    o_mul = 1.0
+    if KV_FP8:
+        s_mul = qk_scale * tl.load(ks_ptr).to(tl.float32)
+        o_mul = tl.load(vs_ptr).to(tl.float32)
+    return s_mul, o_mul
 
 
 @triton.jit
@@ -72,7 +90,7 @@ def online_softmax_step(q, k, v, keep, m, l, acc, qk_scale, DOT_PRECISION: tl.co
 
 @triton.jit(do_not_specialize=["S", "num_pages", "max_pages", "qk_scale"])
 def _paged_decode_attention_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, slots_ptr, out_ptr, part_ml_ptr, part_o_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, slots_ptr, out_ptr, part_ml_ptr, part_o_ptr, ks_ptr, vs_ptr,
     S, num_pages, max_pages, qk_scale,
     stride_q_b, stride_q_h, stride_q_d,
     stride_k_p, stride_k_t, stride_k_h, stride_k_d,
@@ -81,7 +99,7 @@ def _paged_decode_attention_kernel(
     stride_o_b, stride_o_h, stride_o_d,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGES_PER_TILE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # one program per (KV head, request, split of the request's context); the KV head varies
     # fastest in launch order, so the Hkv programs reading the same pages (a page holds every
@@ -90,7 +108,8 @@ def _paged_decode_attention_kernel(
     # runs are as even as the tiles allow whatever the block table's width). Its G query heads
     # attend over the run with an online softmax (fp32, base 2): without SPLIT it writes the
     # output; with SPLIT its (max, sum) and unnormalised output, merged by
-    # _paged_decode_combine_kernel.
+    # _paged_decode_combine_kernel. float8 pages (KV_FP8): each tile is converted to q's dtype,
+    # k_scale folds into the score scale and v_scale into the output.
     kh = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -119,14 +138,19 @@ def _paged_decode_attention_kernel(
     k_head = k_ptr + kh * stride_k_h + offs_d[None, :] * stride_k_d
     v_head = v_ptr + kh * stride_v_h + offs_d[None, :] * stride_v_d
 
+    s_scale, o_scale = kv_scales(qk_scale, ks_ptr, vs_ptr, KV_FP8)
+
     m = tl.full([BLOCK_G], -1e30, tl.float32)  # finite: a fully masked tile leaves alpha = 1, p = 0
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         k, v, pos, tok_ok = load_kv_tile(start, offs_n, hi, bt_row, k_head, v_head, num_pages, stride_bt_p, stride_k_p,
                                          stride_k_t, stride_v_p, stride_v_t, dmask, D, BLOCK_D, PAGE, BLOCK_N,
-                                         PAGES_PER_TILE, UPCAST)
-        m, l, acc = online_softmax_step(q, k, v, tok_ok[None, :], m, l, acc, qk_scale, DOT_PRECISION)
+                                         PAGES_PER_TILE)
+        k, v = kv_in(k, v, q)
+        m, l, acc = online_softmax_step(q, k, v, tok_ok[None, :], m, l, acc, s_scale, DOT_PRECISION)
+    if KV_FP8:
+        acc = acc * o_scale  # linear in V: the split partials merge the same
     if SPLIT:
         # partials: (m, l) [B, Hq, splits, 2] and acc [B, Hq, splits, BLOCK_D], contiguous fp32
         prow = (b * (G * tl.num_programs(0)) + qh) * nsplit + split
@@ -163,10 +187,24 @@ def _paged_decode_combine_kernel(
              out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
+def upcast_and_precision(q, k_pages, v_pages) -> tuple[bool, str]:
+    """(UPCAST, DOT_PRECISION) of both attention kernels. Mixed dtypes: every operand in fp32; so
+    for bf16 in the interpreter, whose bf16 tl.dot returns garbage (Triton 3.6: a 16x16 product off
+    by 1e10). float8 pages count as q's dtype (their tiles are converted to it, exactly)."""
+    import torch
+
+    fp8 = torch.float8_e4m3fn
+    kd = q.dtype if k_pages.dtype == fp8 else k_pages.dtype
+    vd = q.dtype if v_pages.dtype == fp8 else v_pages.dtype
+    upcast = not q.dtype == kd == vd or (q.dtype == torch.bfloat16 and not q.is_cuda)
+    return upcast, "ieee" if (upcast or q.dtype == torch.float32) else "tf32"  # tf32: unused by 16-bit dots
+
+
 def launch_paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, slots, out, scale: float,
-                                  config: DecodeConfig) -> None:
+                                  config: DecodeConfig, k_scale=None, v_scale=None) -> None:
     """q, out [B, Hq, Dh]; k_pages, v_pages [Np, PAGE, Hkv, Dh]; block_table [S, Pmax]; seq_lens [S];
-    slots [B]; ``config`` the tile (block_n tokens per loop trip), num_warps, num_stages and
+    slots [B]; k_scale, v_scale: one-element device tensors with float8 pages (else None);
+    ``config`` the tile (block_n tokens per loop trip), num_warps, num_stages and
     num_splits: each request's context is cut into that many runs (split-K), merged by a second
     kernel. Allocates the splits' fp32 partials (no host read: graph safe)."""
     import torch
@@ -182,17 +220,16 @@ def launch_paged_decode_attention(q, k_pages, v_pages, block_table, seq_lens, sl
         part_o = torch.empty(B, Hq, splits, block_d, device=q.device, dtype=torch.float32)
     else:
         part_ml = part_o = out  # not touched
-    # mixed dtypes: every operand in fp32; so for bf16 in the interpreter, whose bf16 tl.dot
-    # returns garbage (Triton 3.6: a 16x16 product off by 1e10)
-    upcast = not q.dtype == k_pages.dtype == v_pages.dtype or (q.dtype == torch.bfloat16 and not q.is_cuda)
-    precision = "ieee" if (upcast or q.dtype == torch.float32) else "tf32"  # tf32: unused by 16-bit dots
+    upcast, precision = upcast_and_precision(q, k_pages, v_pages)
+    fp8 = k_scale is not None
     lean(_paged_decode_attention_kernel)[(Hkv, B, splits)](
         q, k_pages, v_pages, block_table, seq_lens, slots, out, part_ml, part_o,
+        k_scale if fp8 else out, v_scale if fp8 else out,
         block_table.shape[0], Np, block_table.shape[1], scale * LOG2E,
         *q.stride(), *k_pages.stride(), *v_pages.stride(), *block_table.stride(), *out.stride(),
         G=G, D=D, PAGE=PAGE, BLOCK_G=max(16, next_power_of_2(G)), BLOCK_D=block_d,
         BLOCK_N=block_n, PAGES_PER_TILE=max(1, block_n // PAGE), SPLIT=splits > 1, UPCAST=upcast,
-        DOT_PRECISION=precision,
+        KV_FP8=fp8, DOT_PRECISION=precision,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:

@@ -28,14 +28,14 @@ import triton.language as tl
 
 from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 from fastmamba.ops._common.launch import lean
-from fastmamba.ops.attention.kernel import load_kv_tile, online_softmax_step
+from fastmamba.ops.attention.kernel import kv_in, kv_scales, load_kv_tile, online_softmax_step, upcast_and_precision
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit(do_not_specialize=["S", "num_pages", "max_pages", "n_seqs", "qk_scale"])
 def _paged_prefill_attention_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, slots_ptr, cu_ptr, ctx_ptr, work_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, slots_ptr, cu_ptr, ctx_ptr, work_ptr, out_ptr, ks_ptr, vs_ptr,
     S, num_pages, max_pages, n_seqs, qk_scale,
     stride_q_t, stride_q_h, stride_q_d,
     stride_k_p, stride_k_t, stride_k_h, stride_k_d,
@@ -44,7 +44,7 @@ def _paged_prefill_attention_kernel(
     stride_o_t, stride_o_h, stride_o_d,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGES_PER_TILE: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     item = tl.program_id(0)
     kh = tl.program_id(1).to(tl.int64)
@@ -79,6 +79,7 @@ def _paged_prefill_attention_kernel(
     bt_row = bt_ptr + slot * stride_bt_s
     k_head = k_ptr + kh * stride_k_h + offs_d[None, :] * stride_k_d
     v_head = v_ptr + kh * stride_v_h + offs_d[None, :] * stride_v_d
+    s_scale, o_scale = kv_scales(qk_scale, ks_ptr, vs_ptr, KV_FP8)
 
     m = tl.full([R], -1e30, tl.float32)  # finite: a fully masked tile leaves alpha = 1, p = 0
     l = tl.zeros([R], tl.float32)
@@ -88,14 +89,18 @@ def _paged_prefill_attention_kernel(
     for start in range(0, full, BLOCK_N):
         k, v, pos, tok_ok = load_kv_tile(start, offs_n, hi, bt_row, k_head, v_head, num_pages, stride_bt_p, stride_k_p,
                                          stride_k_t, stride_v_p, stride_v_t, dmask, D, BLOCK_D, PAGE, BLOCK_N,
-                                         PAGES_PER_TILE, UPCAST)
-        m, l, acc = online_softmax_step(q, k, v, tok_ok[None, :], m, l, acc, qk_scale, DOT_PRECISION)
+                                         PAGES_PER_TILE)
+        k, v = kv_in(k, v, q)
+        m, l, acc = online_softmax_step(q, k, v, tok_ok[None, :], m, l, acc, s_scale, DOT_PRECISION)
     for start in range(full, hi, BLOCK_N):  # the causal mask: a key at most the row's own position
         k, v, pos, tok_ok = load_kv_tile(start, offs_n, hi, bt_row, k_head, v_head, num_pages, stride_bt_p, stride_k_p,
                                          stride_k_t, stride_v_p, stride_v_t, dmask, D, BLOCK_D, PAGE, BLOCK_N,
-                                         PAGES_PER_TILE, UPCAST)
+                                         PAGES_PER_TILE)
+        k, v = kv_in(k, v, q)
         keep = tok_ok[None, :] & (pos[None, :] <= qpos[:, None])
-        m, l, acc = online_softmax_step(q, k, v, keep, m, l, acc, qk_scale, DOT_PRECISION)
+        m, l, acc = online_softmax_step(q, k, v, keep, m, l, acc, s_scale, DOT_PRECISION)
+    if KV_FP8:
+        acc = acc * o_scale
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     o_rows = out_ptr + (t0 + tok) * stride_o_t + qh * stride_o_h
     tl.store(o_rows[:, None] + offs_d[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty),
@@ -128,23 +133,23 @@ def prefill_work(cu_seqlens: Sequence[int], block_m: int, capacity: int | None =
 
 
 def launch_paged_prefill_attention(q, k_pages, v_pages, block_table, slots, cu_seqlens, ctx_lens, work, out,
-                                   scale: float, block_m: int, config) -> None:
+                                   scale: float, block_m: int, config, k_scale=None, v_scale=None) -> None:
     """q, out [T, Hq, Dh]; k_pages, v_pages [Np, PAGE, Hkv, Dh]; block_table [S, Pmax]; slots [B];
     cu_seqlens [B+1]; ctx_lens [B]; work [n, 2] (``prefill_work`` for ``block_m``); ``config`` the
-    tile (rows, block_n, warps, stages) of ``configs.pick_prefill_tile``."""
-    import torch
-
+    tile (rows, block_n, warps, stages) of ``configs.pick_prefill_tile``; k_scale, v_scale:
+    one-element device tensors with float8 pages (else None)."""
     T, Hq, D = q.shape
     Np, PAGE, Hkv, _ = k_pages.shape
     G = Hq // Hkv
     block_n = min(config.block_n, max(16, 8 * PAGE))  # at most 8 page-id loads per trip
-    upcast = not q.dtype == k_pages.dtype == v_pages.dtype or (q.dtype == torch.bfloat16 and not q.is_cuda)
-    precision = "ieee" if (upcast or q.dtype == torch.float32) else "tf32"
+    upcast, precision = upcast_and_precision(q, k_pages, v_pages)
+    fp8 = k_scale is not None
     lean(_paged_prefill_attention_kernel)[(work.shape[0], Hkv)](
         q, k_pages, v_pages, block_table, slots, cu_seqlens, ctx_lens, work, out,
+        k_scale if fp8 else out, v_scale if fp8 else out,
         block_table.shape[0], Np, block_table.shape[1], slots.shape[0], scale * LOG2E,
         *q.stride(), *k_pages.stride(), *v_pages.stride(), *block_table.stride(), *out.stride(),
         G=G, G_PAD=next_power_of_2(G), D=D, BLOCK_D=max(16, next_power_of_2(D)), PAGE=PAGE,
         BLOCK_M=block_m, BLOCK_N=block_n, PAGES_PER_TILE=max(1, block_n // PAGE), UPCAST=upcast,
-        DOT_PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
+        KV_FP8=fp8, DOT_PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
     )

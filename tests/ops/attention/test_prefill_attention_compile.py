@@ -8,23 +8,28 @@ import json
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SMEM_PER_SM = 227 * 1024
 
 
-def compile_sm90(dtype: str) -> dict:
+def compile_sm90(dtype: str, kv: str | None = None) -> dict:
     """Compile at Nemotron-H's shape (G 4, Dh 128, pages of 16) with the (128, itemsize) tile;
-    returns the PTX's markers, shared memory, warps and ptxas's spill lines."""
+    returns the PTX's markers, shared memory, warps and ptxas's spill lines. ``kv``: the pages'
+    dtype when not q's (``fp8e4nv``: float8 pages)."""
     from fastmamba.ops.attention.configs import PREFILL_TILES
     from fastmamba.ops.attention.prefill_kernel import _paged_prefill_attention_kernel as kernel
     from tests.helpers import compile_triton_sm90, ptxas_report, spill_lines
 
     tile = PREFILL_TILES[(128, 2)]
     consts = dict(G=4, G_PAD=4, D=128, BLOCK_D=128, PAGE=16, BLOCK_M=tile.rows // 4, BLOCK_N=tile.block_n,
-                  PAGES_PER_TILE=tile.block_n // 16, UPCAST=False, DOT_PRECISION="tf32",
+                  PAGES_PER_TILE=tile.block_n // 16, UPCAST=False, KV_FP8=kv == "fp8e4nv", DOT_PRECISION="tf32",
                   stride_q_d=1, stride_k_d=1, stride_v_d=1, stride_bt_p=1, stride_o_d=1)
-    types = dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}", out_ptr=f"*{dtype}", bt_ptr="*i32",
-                 slots_ptr="*i32", cu_ptr="*i32", ctx_ptr="*i64", work_ptr="*i64", qk_scale="fp32")
+    kv = kv or dtype
+    types = dict(q_ptr=f"*{dtype}", k_ptr=f"*{kv}", v_ptr=f"*{kv}", out_ptr=f"*{dtype}", bt_ptr="*i32",
+                 slots_ptr="*i32", cu_ptr="*i32", ctx_ptr="*i64", work_ptr="*i64", ks_ptr="*fp32", vs_ptr="*fp32",
+                 qk_scale="fp32")
     k = compile_triton_sm90(kernel, consts, types, num_warps=tile.num_warps, num_stages=tile.num_stages)
     ptx = k.asm["ptx"]
     return dict(mma="mma.sync.aligned" in ptx or "wgmma.mma_async" in ptx, cp_async=ptx.count("cp.async.wait_group"),
@@ -32,10 +37,11 @@ def compile_sm90(dtype: str) -> dict:
                 spills=spill_lines(ptxas_report(ptx, "prefill_attention")))
 
 
-def test_prefill_attention_kernel_compiles_for_sm90():
+@pytest.mark.parametrize("kv", ["bf16", "fp8e4nv"], ids=["bf16-pages", "fp8-pages"])
+def test_prefill_attention_kernel_compiles_for_sm90(kv):
     from tests.helpers import compile_in_subprocess  # not at the top: __main__ runs without tests/ on the path
 
-    got = compile_in_subprocess(__file__, "bf16", ROOT)
+    got = compile_in_subprocess(__file__, json.dumps(["bf16", kv]), ROOT)
     assert got["mma"], "q K^T and p V on tensor cores"
     assert got["cp_async"] >= 2, "K / V loads pipelined (cp.async) in both key loops"
     assert 0 < got["shared"] <= SMEM_PER_SM, f"{got['shared']} bytes of shared memory per program"
@@ -44,4 +50,4 @@ def test_prefill_attention_kernel_compiles_for_sm90():
 
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
-    print(json.dumps(compile_sm90(sys.argv[1])))
+    print(json.dumps(compile_sm90(*json.loads(sys.argv[1]))))
