@@ -30,12 +30,13 @@ def test_clear_plans_forgets_every_ops_plans():
     from fastmamba.ops.conv1d import api as conv1d_api
     from fastmamba.ops.conv1d_fn import api as fn_api
     from fastmamba.ops.conv1d_fn import kernel as fn_kernel
+    from fastmamba.ops.conv1d_fn import varlen_kernel as fn_varlen_kernel
     from fastmamba.ops.gated_rmsnorm import api as norm_api
     from fastmamba.ops.state_update import api as ssu_api
 
     ours = PlanCache("test-registry", 4)
     caches = [conv1d_api._PLANS, ssu_api._PLANS, fn_api._VALID_FN, norm_api._VALID, fn_kernel._fn_plans,
-              fn_kernel._varlen_plans, ours]
+              fn_varlen_kernel._varlen_plans, ours]
     for i, cache in enumerate(caches):
         assert isinstance(cache, PlanCache)
         cache[("test", i)] = i

@@ -20,7 +20,8 @@ from fastmamba.ops._common import slot_errors, varlen_checks
 from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops._common.host_values import host_list, host_reads_allowed
 from fastmamba.ops._common.plans import PlanCache, sig
-from fastmamba.ops.conv1d_fn.kernel import causal_conv1d_fn_launch, causal_conv1d_varlen_launch, is_channel_last
+from fastmamba.ops.conv1d_fn.kernel import causal_conv1d_fn_launch, is_channel_last
+from fastmamba.ops.conv1d_fn.varlen_kernel import causal_conv1d_varlen_launch
 from fastmamba.ops.conv1d_fn.ref import causal_conv1d_fn_ref, causal_conv1d_varlen_ref
 
 _OP_FN = "causal_conv1d_fn"

@@ -5,7 +5,7 @@ Measured on one NVIDIA H200 (Triton 3.6.0, torch 2.11, 2026-11-22; earlier on an
 bf16, cold L2, D 5376 and 10240, B x L = 1 x 2048 and 8 x 8192, both layouts); the numbers are
 quoted where each choice is made.
 
-Two tile shapes, one per kernel (see kernel.py):
+Two tile shapes, one per kernel (see kernel.py and varlen_kernel.py):
 * rows (channel-last x, packed varlen x): a program owns BLOCK_L tokens x BLOCK_D channels and
   walks the tokens; each thread holds BLOCK_D / (32 * num_warps) channels of every row, loaded
   as 16-byte vectors when that count is a multiple of V = 16 / sizeof(x).

@@ -6,19 +6,20 @@ import torch
 
 from fastmamba.ops.conv1d_fn import causal_conv1d_fn, causal_conv1d_varlen, configs
 from fastmamba.ops.conv1d_fn import kernel as conv_kernel
+from fastmamba.ops.conv1d_fn import varlen_kernel
 from fastmamba.ops.conv1d_fn.ref import causal_conv1d_fn_ref, causal_conv1d_varlen_ref
 from tests.helpers import tol
 
 
-def counting(monkeypatch, name: str) -> list:
+def counting(monkeypatch, name: str, module=conv_kernel) -> list:
     calls = []
-    real = getattr(conv_kernel, name)
+    real = getattr(module, name)
 
     def wrapped(*args, **kwargs):
         calls.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(conv_kernel, name, wrapped)
+    monkeypatch.setattr(module, name, wrapped)
     return calls
 
 
@@ -37,7 +38,7 @@ def test_fn_plan_is_cached_per_shape(monkeypatch, device):
 
 
 def test_varlen_plan_is_cached_per_shape(monkeypatch, device):
-    calls = counting(monkeypatch, "pick_rows_config")
+    calls = counting(monkeypatch, "pick_rows_config", varlen_kernel)
     w = torch.randn(40, 4, device=device)
     x = torch.randn(10, 40, device=device)
     for cu in ([0, 4, 10], [0, 7, 10], [0, 10, 10]):  # same shapes, other values: one plan
