@@ -223,7 +223,7 @@ def test_engine_picks_the_entry_for_its_shape(tiny, tmp_path):
     assert engine.verify_table == {K + 1: 3} and entry.exact and entry.commit == "7777777"
     assert (entry.heads, entry.head_dim, entry.state_size, entry.state_dtype) == (8, 16, 16, "fp32")
     assert engine.legacy_max_batch == 2  # legacy below the crossover batch 3
-    assert [engine._table_path(b) for b in (1, 2, 3, 4)] == ["legacy", "legacy", "replay", "replay"]
+    assert [engine.spec.table_path(b) for b in (1, 2, 3, 4)] == ["legacy", "legacy", "replay", "replay"]
     engine = Engine(tiny, max_batch=4, speculate=K, verify_table=path, ssm_dtype=torch.float16, cuda_graphs=False)
     assert engine.verify_table == {K + 1: None} and engine.verify_table_entry.state_dtype == "fp16"
     assert engine.legacy_max_batch == 4  # replay never won

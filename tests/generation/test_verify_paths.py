@@ -138,7 +138,7 @@ def test_engine_legacy_bound_from_table(model):
     assert Engine(model, verify_path="legacy", **kw).legacy_max_batch == 4
     engine = Engine(model, verify_table={K + 1: None}, legacy_max_batch=2, **kw)
     assert engine.cache.legacy_max_batch == 2
-    assert [engine._choose_path(b) for b in (1, 2, 3)] == ["legacy", "legacy", "replay"]  # replay above the bound
+    assert [engine.spec.choose_path(b) for b in (1, 2, 3)] == ["legacy", "legacy", "replay"]  # replay above the bound
 
 
 def test_verify_path_errors(model):
