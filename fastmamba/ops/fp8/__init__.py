@@ -1,14 +1,14 @@
 from fastmamba.ops.fp8.api import (
-    DEQUANT_MIN_TOKENS,
     GEMV_MAX_ROWS,
     fp8_gemv,
     fp8_linear,
     fp8_moe,
+    fp8_moe_grouped,
     quantize_per_token,
     quantize_static,
     scaled_mm_supported,
 )
 from fastmamba.ops.fp8.ref import FP8_DTYPE, FP8_MAX, quantize_weight_ref
 
-__all__ = ["DEQUANT_MIN_TOKENS", "GEMV_MAX_ROWS", "FP8_DTYPE", "FP8_MAX", "fp8_gemv", "fp8_linear", "fp8_moe", "quantize_per_token",
+__all__ = ["GEMV_MAX_ROWS", "FP8_DTYPE", "FP8_MAX", "fp8_gemv", "fp8_linear", "fp8_moe", "fp8_moe_grouped", "quantize_per_token",
            "quantize_static", "quantize_weight_ref", "scaled_mm_supported"]

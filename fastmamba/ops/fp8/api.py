@@ -9,19 +9,29 @@ import math
 
 import torch
 
-from fastmamba.ops._common.checks import FLOAT_DTYPES, check_dtype, check_same_device, check_tensors, check_unit_stride
-from fastmamba.ops._common.dispatch import use_triton
+from fastmamba.ops._common.checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_dtype,
+    check_same_device,
+    check_tensors,
+    check_unit_stride,
+)
+from fastmamba.ops._common.dispatch import interpreter_enabled, use_triton
+from fastmamba.ops._common.host_values import host_reads_allowed
+from fastmamba.ops._common.launch import on_device
 from fastmamba.ops.fp8 import kernel
+from fastmamba.ops.fp8.configs import moe_grouped_config
 from fastmamba.ops.fp8.kernel import (
     launch_fp8_gemv,
+    launch_moe_grouped,
     launch_moe_pair_gemv,
     launch_quantize_per_token,
     launch_quantize_static,
 )
 from fastmamba.ops.fp8.ref import FP8_DTYPE, fp8_linear_ref, fp8_moe_ref, quantize_per_token_ref, quantize_static_ref
 
-GEMV_MAX_ROWS = 16      # rows up to which fp8_linear takes the Triton GEMV (decode and verify steps)
-DEQUANT_MIN_TOKENS = 1024  # fp8_moe: from here the experts are dequantised for the grouped 16-bit kernel
+GEMV_MAX_ROWS = 16      # rows up to which fp8_linear / fp8_moe take the Triton GEMV (decode and verify steps)
 _FP8 = (FP8_DTYPE,)
 
 
@@ -175,33 +185,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return fp8_linear_ref(x, weight, weight_scale, input_scale, bias)
 
 
-def fp8_moe(x: torch.Tensor, w_up: torch.Tensor, up_scale: torch.Tensor, w_down: torch.Tensor,
-            down_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
-            up_input_scale: torch.Tensor | None = None,
-            down_input_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Routed relu² experts with e4m3 weights (W8A8): ``fp8_moe_ref``'s arguments and result.
-
-    x [T, M] 16-bit or fp32; w_up [E, F, M] e4m3, up_scale [E] or [E, F] fp32; w_down [E, M, F]
-    e4m3, down_scale [E] or [E, M] fp32; topk_weights [T, k] fp32; topk_ids [T, k] int32/int64;
-    up_input_scale / down_input_scale None (dynamic per token) or one fp32 value -> [T, M] x's dtype.
-
-    Paths: at most 16 tokens (decode, verify), CUDA or the CPU interpreter: the pair GEMV
-    (``kernel._moe_pair_gemv_kernel``: one program per (token, chosen expert, block of outputs),
-    only the chosen experts read; the relu² rows quantised per row between up and down; the k
-    contributions summed in fp32 in order). More tokens on CUDA: every expert runs ``fp8_linear``
-    on all T rows and the rows that did not choose it get weight 0 -- no host read (CUDA-graph
-    safe), FP8 bytes, but E/k times the FLOPs of a grouped kernel; the Triton grouped FP8 MoE GEMM
-    (ops/moe's grouped kernel with e4m3 tiles and per-expert scales) is the planned replacement.
-    From ``DEQUANT_MIN_TOKENS`` tokens (long prefills), where the dense loop's E/k FLOPs dominate:
-    the experts dequantised to x's dtype for the call (a transient 2 bytes a weight) and the
-    activations quantised and dequantised, then the 16-bit grouped ``fused_moe``: W8A8 up to one
-    16-bit rounding of weights and activations, except that down's input (the relu² rows) keeps
-    16 bits instead of e4m3. CPU without the interpreter: the reference (a loop over the chosen experts).
-    """
-    op = "fp8_moe"
+def _check_moe(op, x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids, up_input_scale,
+               down_input_scale, out) -> tuple[int, int, int, int, int]:
+    """Every check of ``fp8_moe``'s arguments; returns (T, M, F, E, k)."""
     check_tensors(op, [("x", x), ("w_up", w_up), ("up_scale", up_scale), ("w_down", w_down),
                        ("down_scale", down_scale), ("topk_weights", topk_weights), ("topk_ids", topk_ids)],
-                  [("up_input_scale", up_input_scale), ("down_input_scale", down_input_scale)])
+                  [("up_input_scale", up_input_scale), ("down_input_scale", down_input_scale), ("out", out)])
+    check_dtype(op, "x", x, FLOAT_DTYPES)
     check_dtype(op, "w_up", w_up, _FP8)
     check_dtype(op, "w_down", w_down, _FP8)
     if x.dim() != 2 or w_up.dim() != 3 or w_down.dim() != 3:
@@ -212,33 +202,133 @@ def fp8_moe(x: torch.Tensor, w_up: torch.Tensor, up_scale: torch.Tensor, w_down:
     if M2 != M or tuple(w_down.shape) != (E, M, F_):
         raise ValueError(f"{op}: expected w_up (E, F, M={M}) and w_down (E, M, F), got {tuple(w_up.shape)} and "
                          f"{tuple(w_down.shape)}")
-    for name, s, n in (("up_scale", up_scale, F_), ("down_scale", down_scale, M)):
-        if s.dtype != torch.float32 or tuple(s.shape) not in ((E,), (E, n)):
-            raise ValueError(f"{op}: `{name}` expected fp32 of shape ({E},) or ({E}, {n}), got {s.dtype} {tuple(s.shape)}")
-    if tuple(topk_ids.shape) != tuple(topk_weights.shape) or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
-        raise ValueError(f"{op}: `topk_ids` and `topk_weights` expected shape (T={T}, k), got "
+    check_unit_stride(op, "w_up", w_up, -1)
+    check_unit_stride(op, "w_down", w_down, -1)
+    for name, sc, n in (("up_scale", up_scale, F_), ("down_scale", down_scale, M)):
+        if sc.dtype != torch.float32 or tuple(sc.shape) not in ((E,), (E, n)):
+            raise ValueError(f"{op}: `{name}` expected fp32 of shape ({E},) or ({E}, {n}), got {sc.dtype} "
+                             f"{tuple(sc.shape)}")
+    for name, sc in (("up_input_scale", up_input_scale), ("down_input_scale", down_input_scale)):
+        if sc is not None and (sc.numel() != 1 or sc.dtype != torch.float32):
+            raise ValueError(f"{op}: `{name}` expected None or one fp32 value, got {sc.dtype} {tuple(sc.shape)}")
+    check_dtype(op, "topk_ids", topk_ids, INDEX_DTYPES)
+    check_dtype(op, "topk_weights", topk_weights, FLOAT_DTYPES)
+    if tuple(topk_ids.shape) != tuple(topk_weights.shape) or topk_ids.dim() != 2 or topk_ids.shape[0] != T \
+            or topk_ids.shape[1] < 1:
+        raise ValueError(f"{op}: `topk_ids` and `topk_weights` expected shape (T={T}, k) with k >= 1, got "
                          f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    if out is not None and (out.dtype != x.dtype or tuple(out.shape) != (T, M)):
+        raise ValueError(f"{op}: `out` expected a {x.dtype} tensor of shape ({T}, {M}), got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    check_same_device(op, [("x", x), ("w_up", w_up), ("up_scale", up_scale), ("w_down", w_down),
+                           ("down_scale", down_scale), ("topk_weights", topk_weights), ("topk_ids", topk_ids),
+                           ("up_input_scale", up_input_scale), ("down_input_scale", down_input_scale), ("out", out)])
+    # ids in [0, E): read only where that costs no device sync (CPU tensors, outside capture / tracing /
+    # trusted inputs), as fused_moe does. On a GPU an id outside the range is not read: its pair adds nothing.
+    if not topk_ids.is_cuda and host_reads_allowed(topk_ids) and topk_ids.numel():
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= E:
+            raise ValueError(f"{op}: `topk_ids` values must lie in [0, E={E}); got {lo if lo < 0 else hi}")
+    return T, M, F_, E, topk_ids.shape[1]
+
+
+def fp8_moe(x: torch.Tensor, w_up: torch.Tensor, up_scale: torch.Tensor, w_down: torch.Tensor,
+            down_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+            up_input_scale: torch.Tensor | None = None, down_input_scale: torch.Tensor | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed relu² experts with e4m3 weights (W8A8): ``fp8_moe_ref``'s arguments and result.
+
+    x                 [T, M] fp16 / bf16 / fp32, any strides; read
+    w_up              [E, F, M] e4m3, unit stride along M; up_scale [E] (per tensor) or [E, F] (per channel) fp32
+    w_down            [E, M, F] e4m3, unit stride along F; down_scale [E] or [E, M] fp32
+    topk_weights      [T, k] float (read as fp32); topk_ids [T, k] int32/int64 in [0, E) (checked on CPU
+                      tensors; on a GPU an id outside it adds nothing); any strides
+    up_input_scale, down_input_scale   None (dynamic per-token activations) or one fp32 value (static)
+    out               [T, M] x's dtype, any strides; written when given
+    Returns [T, M] in x's dtype (``out`` when given). No host read of device values (CUDA-graph safe).
+
+    Paths: CPU without ``TRITON_INTERPRET=1``: the reference. At most 16 tokens (decode, verify): the
+    pair GEMV (``kernel._moe_pair_gemv_kernel``: one program per (token, chosen expert, block of
+    outputs), only the chosen experts read). More tokens, on a GPU with FP8 tensor cores (sm89+) or
+    the interpreter: ``fp8_moe_grouped``. More tokens on an older GPU (no e4m3 in Triton there): the
+    experts dequantised for the call (a transient 2 bytes a weight) through the 16-bit grouped
+    ``fused_moe`` (W8A8 up to a 16-bit rounding, except that down's input keeps 16 bits).
+    """
+    T, M, F_, E, k = _check_moe("fp8_moe", x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
+                                up_input_scale, down_input_scale, out)
     if not use_triton(x):
-        return fp8_moe_ref(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
-                           up_input_scale=up_input_scale, down_input_scale=down_input_scale)
+        y = fp8_moe_ref(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
+                        up_input_scale=up_input_scale, down_input_scale=down_input_scale)
+        return y if out is None else out.copy_(y)
     if T <= GEMV_MAX_ROWS:
-        return _fp8_moe_gemv(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
-                             up_input_scale, down_input_scale)
-    if T >= DEQUANT_MIN_TOKENS:
-        return _fp8_moe_dequantised(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids, up_input_scale)
-    if not x.is_cuda:
-        return _fp8_moe_gemv(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
-                             up_input_scale, down_input_scale)
-    out = torch.zeros(T, M, dtype=torch.float32, device=x.device)
-    for e in range(E):
-        gate = (topk_weights * (topk_ids == e)).sum(-1, keepdim=True)                 # [T, 1] fp32, 0 if not chosen
-        h = torch.relu(fp8_linear(x, w_up[e], up_scale[e], up_input_scale)).square()
-        out += fp8_linear(h, w_down[e], down_scale[e], down_input_scale).float() * gate
-    return out.to(x.dtype)
+        y = _fp8_moe_gemv(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
+                          up_input_scale, down_input_scale)
+        return y if out is None else out.copy_(y)
+    if x.is_cuda and not scaled_mm_supported(x.device):
+        y = _fp8_moe_dequantised(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids, up_input_scale)
+        return y if out is None else out.copy_(y)
+    return _fp8_moe_grouped(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids, up_input_scale,
+                            down_input_scale, out, T, M, F_, E, k)
+
+
+def fp8_moe_grouped(x: torch.Tensor, w_up: torch.Tensor, up_scale: torch.Tensor, w_down: torch.Tensor,
+                    down_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                    up_input_scale: torch.Tensor | None = None, down_input_scale: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """``fp8_moe`` on its grouped W8A8 path whatever T is (the path it takes above 16 tokens): same
+    arguments and result. Needs a GPU with FP8 tensor cores (sm89+) or the CPU interpreter; other
+    CPU tensors run the reference.
+
+    Steps (kernel.launch_moe_grouped): x quantised to e4m3 (per token, or with ``up_input_scale``);
+    ops/moe's alignment sorts the (token, expert) pairs by expert into blocks of BM rows (no host
+    read: buffers sized from (T, k, E, BM)); up GEMM, e4m3 x e4m3 ``tl.dot`` with fp32 accumulation,
+    scales and relu² in the epilogue, one row per pair; those rows quantised per row (or with
+    ``down_input_scale``, inside the up kernel); down GEMM likewise, times the routing weight; the k
+    contributions of each token summed in fp32 in a fixed order. Deterministic; reads only the
+    experts some token chose. Reference: ``ref.fp8_moe_ref``.
+    """
+    op = "fp8_moe_grouped"
+    T, M, F_, E, k = _check_moe(op, x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
+                                up_input_scale, down_input_scale, out)
+    if not use_triton(x):
+        y = fp8_moe_ref(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
+                        up_input_scale=up_input_scale, down_input_scale=down_input_scale)
+        return y if out is None else out.copy_(y)
+    if x.is_cuda and not scaled_mm_supported(x.device):
+        raise ValueError(f"{op}: needs a GPU with FP8 tensor cores (compute capability >= 8.9), got "
+                         f"{torch.cuda.get_device_name(x.device)}; fp8_moe picks a path that runs there")
+    return _fp8_moe_grouped(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids, up_input_scale,
+                            down_input_scale, out, T, M, F_, E, k)
+
+
+def _fp8_moe_grouped(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids, up_input_scale,
+                     down_input_scale, out, T, M, F_, E, k):
+    """The grouped path (checked arguments)."""
+    dev = x.device
+    y = out if out is not None else torch.empty(T, M, dtype=x.dtype, device=dev)
+    if T == 0 or M == 0:
+        return y
+    if F_ == 0:  # an empty expert width: every contribution is an empty sum
+        return y.zero_()
+    su = up_scale.reshape(E, 1).expand(E, F_) if up_scale.dim() == 1 else up_scale      # [E, F], stride 0: per tensor
+    sd = down_scale.reshape(E, 1).expand(E, M) if down_scale.dim() == 1 else down_scale  # [E, M]
+    cfg = moe_grouped_config(T, k, E, M, F_, interpreter=interpreter_enabled())
+    with on_device(x):
+        xq = torch.empty(T, M, dtype=FP8_DTYPE, device=dev)
+        if up_input_scale is None:
+            sx = torch.empty(T, dtype=torch.float32, device=dev)
+            launch_quantize_per_token(x, xq, sx)
+        else:
+            s = up_input_scale.reshape(1)
+            launch_quantize_static(x, s, xq)
+            sx = s.expand(T)
+        hs = None if down_input_scale is None else down_input_scale.reshape(1)
+        launch_moe_grouped(xq, sx, w_up, su, w_down, sd, topk_weights, topk_ids, hs, y, cfg)
+    return y
 
 
 def _fp8_moe_gemv(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids, up_input_scale, down_input_scale):
-    """The pair-GEMV path of ``fp8_moe`` (checked arguments; T <= 16 on a GPU)."""
+    """The pair-GEMV path of ``fp8_moe`` (checked arguments; T <= 16)."""
     T, M = x.shape
     E, F_, _ = w_up.shape
     k = topk_ids.shape[1]
@@ -249,14 +339,16 @@ def _fp8_moe_gemv(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
     tw = topk_weights.reshape(P).float().contiguous()
     su = up_scale.reshape(E, 1).expand(E, F_) if up_scale.dim() == 1 else up_scale
     sd = down_scale.reshape(E, 1).expand(E, M) if down_scale.dim() == 1 else down_scale
+    if P == 0 or M == 0:
+        return torch.zeros(T, M, dtype=x.dtype, device=dev)
+    if x.stride(-1) != 1:  # T <= 16 rows: a copy of a few KB for the unit-stride quantisation entries
+        x = x.contiguous()
     if up_input_scale is None:
         xq, sx = quantize_per_token(x)
     else:
         xq, sx = quantize_static(x, up_input_scale), up_input_scale.reshape(1).expand(T).contiguous()
     h = torch.empty(P, F_, dtype=torch.float32, device=dev)
     yp = torch.empty(P, M, dtype=torch.float32, device=dev)
-    if P == 0 or M == 0:
-        return torch.zeros(T, M, dtype=x.dtype, device=dev)
     launch_moe_pair_gemv(xq, sx, w_up, su, ids, tw, h, top_k=k, per_pair=False, relu2=True)
     if down_input_scale is None:
         hq, sh = quantize_per_token(h)
@@ -267,7 +359,8 @@ def _fp8_moe_gemv(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
 
 
 def _fp8_moe_dequantised(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids, up_input_scale):
-    """The long-prefill path of ``fp8_moe``: dequantised experts through the grouped ``fused_moe``."""
+    """``fp8_moe`` above 16 tokens on a GPU without FP8 tensor cores: dequantised experts through the
+    grouped 16-bit ``fused_moe``."""
     from fastmamba.ops.moe import fused_moe  # a sibling op, imported at first use
 
     dt = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
@@ -277,8 +370,8 @@ def _fp8_moe_dequantised(x, w_up, up_scale, w_down, down_scale, topk_weights, to
     up = w_up.to(dt) * su
     down = w_down.to(dt) * sd
     if up_input_scale is None:
-        q, s = quantize_per_token(x)
+        q, s = quantize_per_token(x if x.stride(-1) == 1 else x.contiguous())
         xd = (q.to(dt) * s[:, None].to(dt))
     else:
-        xd = quantize_static(x, up_input_scale).to(dt) * up_input_scale.to(dt)
+        xd = quantize_static(x if x.stride(-1) == 1 else x.contiguous(), up_input_scale).to(dt) * up_input_scale.to(dt)
     return fused_moe(xd, up, down, topk_weights, topk_ids).to(x.dtype)
