@@ -146,6 +146,28 @@ def pick_config(device: torch.device, dtype: torch.dtype, T: int, M: int, F: int
     return cfg if isinstance(cfg, MoeConfig) else MoeConfig(**cfg)  # tune prints dicts while TABLE is empty
 
 
+# moe_gate: the router's GEMV and the routing in one launch, for up to this many tokens (one program
+# routes them all, one after another)
+GATE_MAX_TOKENS = 16
+
+
+class GateConfig(NamedTuple):
+    rows: int  # router rows (experts) per program
+    block_m: int  # columns of M per step
+
+
+def gate_config(E: int, M: int, *, interpreter: bool = False) -> GateConfig:
+    """``moe_gate``'s launch: about 128 programs of [rows, block_m] fp32 tiles of at most 4096 values
+    (Nano: 128 programs of one row, M=2688 in one masked step; Super: 128 programs of 4 rows).
+    Not measured yet: the lead's ``bench e2e`` / ``bench profile decode`` runs judge it."""
+    if interpreter:
+        return GateConfig(4, 32)
+    rows = min(16, max(1, (E + 127) // 128))
+    rows = 1 << (rows - 1).bit_length()  # a power of two
+    block_m = min(4096 // rows, 1 << max(0, M - 1).bit_length())
+    return GateConfig(rows, max(16, block_m))
+
+
 def gemv_config(cfg: MoeConfig, T: int, M: int, F: int, *, interpreter: bool = False) -> MoeConfig:
     """``cfg`` if it is a GEMV config, else the GEMV heuristic's (``fused_moe_gemv`` forced on more tokens)."""
     if cfg.path == "gemv":

@@ -45,18 +45,13 @@ from fastmamba.ops._common.pdl import pdl_active
 
 # --- router -------------------------------------------------------------------------------------
 @triton.jit
-def _route_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr,
-    E, EG, scale,
-    stride_lt, stride_le, stride_wt, stride_it,
-    HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    TOP2: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    # one program per token: sigmoid, bias, grouped selection, top-k by repeated argmax, renorm, scale
-    t = tl.program_id(0).to(tl.int64)
-    offs_e = tl.arange(0, BLOCK_E)
-    me = offs_e < E
-    logit = tl.load(logits_ptr + t * stride_lt + offs_e * stride_le, mask=me, other=0.0).to(tl.float32)
+def _select_experts(logit, offs_e, me, bias_ptr, EG,
+                    HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                    TOP2: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """One token's selection from its fp32 logits [BLOCK_E] (``me``: the real experts): sigmoid, bias
+    for selection, grouped top-k (group score = sum of its best two), top-k by repeated argmax (ties:
+    the lower id), renorm. Returns (weights [BLOCK_K] fp32 before the scaling, ids [BLOCK_K] int32)."""
     score = 1.0 / (1.0 + tl.exp(-logit))
     choice = score
     if HAS_BIAS:
@@ -95,6 +90,25 @@ def _route_kernel(
         choice = tl.where(offs_e == i, neg_inf, choice)
     if RENORM:
         top_w = top_w / (tl.sum(top_w, axis=0) + 1e-20)
+    return top_w, top_i
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr,
+    E, EG, scale,
+    stride_lt, stride_le, stride_wt, stride_it,
+    HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    TOP2: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # one program per token: sigmoid, bias, grouped selection, top-k by repeated argmax, renorm, scale
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)
+    me = offs_e < E
+    logit = tl.load(logits_ptr + t * stride_lt + offs_e * stride_le, mask=me, other=0.0).to(tl.float32)
+    top_w, top_i = _select_experts(logit, offs_e, me, bias_ptr, EG, HAS_BIAS, TOP_K, N_GROUP, TOPK_GROUP, TOP2,
+                                   RENORM, BLOCK_E, BLOCK_G, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)
     mk = offs_k < TOP_K
     tl.store(weights_ptr + t * stride_wt + offs_k, top_w * scale, mask=mk)
     tl.store(ids_ptr + t * stride_it + offs_k, top_i, mask=mk)
@@ -111,6 +125,76 @@ def launch_route(logits, bias, weights, ids, *, top_k: int, n_group: int, topk_g
         HAS_BIAS=bias is not None, TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, TOP2=EG >= 2,
         RENORM=renorm, BLOCK_E=next_power_of_2(E), BLOCK_G=next_power_of_2(n_group),
         BLOCK_K=next_power_of_2(top_k), num_warps=4 if E >= 256 else 1,
+    )
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gate_kernel(
+    x_ptr, w_ptr, bias_ptr, logits_ptr, weights_ptr, ids_ptr, arrivals_ptr,
+    T, E, Mdim, EG, scale,
+    stride_xt, stride_xm, stride_we, stride_wm, stride_wt, stride_it,
+    HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    TOP2: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # one program per ROWS experts: their logits for the T tokens (the fp32 router weights times x
+    # read in its own dtype, fp32 accumulation) into logits [T, E]; the last program to finish (an
+    # arrival counter, reset by it) then routes every token as _route_kernel does
+    g = tl.program_id(0)
+    offs_r = g * ROWS + tl.arange(0, ROWS)
+    mr = offs_r < E
+    offs_m = tl.arange(0, BLOCK_M)
+    w_ptrs = w_ptr + offs_r.to(tl.int64)[:, None] * stride_we + offs_m[None, :] * stride_wm
+    if USE_PDL:  # x comes from the kernel just before (the router weights do not)
+        gdc_wait()
+        gdc_launch_dependents()
+    for t in range(T):
+        x_ptrs = x_ptr + t * stride_xt + offs_m * stride_xm
+        acc = tl.zeros([ROWS, BLOCK_M], dtype=tl.float32)
+        for m0 in range(0, Mdim, BLOCK_M):
+            if EVEN_M:
+                xv = tl.load(x_ptrs + m0 * stride_xm)
+                w = tl.load(w_ptrs + m0 * stride_wm, mask=mr[:, None], other=0.0)
+            else:
+                mm = (m0 + offs_m) < Mdim
+                xv = tl.load(x_ptrs + m0 * stride_xm, mask=mm, other=0.0)
+                w = tl.load(w_ptrs + m0 * stride_wm, mask=mr[:, None] & mm[None, :], other=0.0)
+            acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        tl.store(logits_ptr + t * E + offs_r, tl.sum(acc, axis=1), mask=mr)
+    # every thread's logits are stored before the arrival is counted (release), and the last program
+    # reads the others' through L2 (.cg) after its acquire
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        offs_e = tl.arange(0, BLOCK_E)
+        me = offs_e < E
+        offs_k = tl.arange(0, BLOCK_K)
+        mk = offs_k < TOP_K
+        for t in range(T):
+            logit = tl.load(logits_ptr + t * E + offs_e, mask=me, other=0.0, cache_modifier=".cg")
+            top_w, top_i = _select_experts(logit, offs_e, me, bias_ptr, EG, HAS_BIAS, TOP_K, N_GROUP, TOPK_GROUP,
+                                           TOP2, RENORM, BLOCK_E, BLOCK_G, BLOCK_K)
+            tl.store(weights_ptr + t * stride_wt + offs_k, top_w * scale, mask=mk)
+            tl.store(ids_ptr + t * stride_it + offs_k, top_i, mask=mk)
+        tl.store(arrivals_ptr, 0)  # ready for the next call (the kernel boundary publishes it)
+
+
+def launch_gate(x, w, bias, logits, weights, ids, arrivals, *, top_k: int, n_group: int, topk_group: int,
+                renorm: bool, scale: float, rows: int, block_m: int, use_pdl: bool = False) -> None:
+    """x [T, M] any float dtype and strides; w [E, M] fp32 (rows of ``rows`` experts per program);
+    bias [E] contiguous or None; logits [T, E] fp32 contiguous (scratch, written); weights [T, k]
+    fp32 and ids [T, k] int32 with unit stride along k (written); arrivals: an int32 counter that is 0
+    (left 0)."""
+    T, M = x.shape
+    E = w.shape[0]
+    EG = E // n_group
+    lean(_gate_kernel)[(cdiv(E, rows),)](
+        x, w, bias, logits, weights, ids, arrivals, T, E, M, EG, float(scale),
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), weights.stride(0), ids.stride(0),
+        HAS_BIAS=bias is not None, TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, TOP2=EG >= 2,
+        RENORM=renorm, BLOCK_E=next_power_of_2(E), BLOCK_G=next_power_of_2(n_group),
+        BLOCK_K=next_power_of_2(top_k), ROWS=rows, BLOCK_M=block_m, EVEN_M=M % block_m == 0, USE_PDL=use_pdl,
+        num_warps=4, launch_pdl=use_pdl,
     )
 
 
@@ -349,21 +433,37 @@ def _down_kernel(
 
 
 @triton.jit
+def _sum_pairs(y_ptr, ids_ptr, t, offs_n, mn, E, stride_yp, stride_it, stride_ik,
+               K: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, CG: tl.constexpr):
+    """sum_j y[t*(K+N_SHARED) + j, offs_n] in fp32, j in order: the K routed pairs whose id lies in
+    [0, E) (another pair's row adds nothing), then the N_SHARED shared slices. CG: read through L2
+    (rows other programs of the running kernel wrote)."""
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(K + N_SHARED):
+        row = y_ptr + (t * (K + N_SHARED) + j) * stride_yp + offs_n
+        m = mn
+        if j < K:
+            e = tl.load(ids_ptr + t * stride_it + j * stride_ik)
+            m = mn & (e >= 0) & (e < E)
+        if CG:
+            acc += tl.load(row, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            acc += tl.load(row, mask=m, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _sum_kernel(y_ptr, out_ptr, ids_ptr, E, Mdim, stride_yp, stride_ot, stride_om, stride_it, stride_ik,
-                K: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
-    # one program per (token, block of BLOCK_N of M): out[t] = sum_j y[t*K + j], fp32, j in order;
-    # a pair whose id lies outside [0, E) was never sorted (its y row is unwritten) and adds nothing
+                K: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr, N_SHARED: tl.constexpr = 0):
+    # one program per (token, block of BLOCK_N of M): out[t] = sum_j y[t*(K+N_SHARED) + j], fp32, j in
+    # order; a pair whose id lies outside [0, E) was never sorted (its y row is unwritten) and adds nothing
     if USE_PDL:  # y comes from the kernel just before
         gdc_wait()
         gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = offs_n < Mdim
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(K):
-        e = tl.load(ids_ptr + t * stride_it + j * stride_ik)
-        ok = (e >= 0) & (e < E)
-        acc += tl.load(y_ptr + (t * K + j) * stride_yp + offs_n, mask=mn & ok, other=0.0).to(tl.float32)
+    acc = _sum_pairs(y_ptr, ids_ptr, t, offs_n, mn, E, stride_yp, stride_it, stride_ik, K, N_SHARED, BLOCK_N, False)
     tl.store(out_ptr + t * stride_ot + offs_n * stride_om, acc.to(out_ptr.dtype.element_ty), mask=mn)
 
 
@@ -404,38 +504,68 @@ def launch_grouped(x, w_up, w_down, tw, ids, counts, pairs, layout: AlignLayout,
     launch_sum(y, out, ids, E)
 
 
-def launch_sum(y, out, ids, E: int, *, use_pdl: bool = False) -> None:
-    """out [T, M] = the sum over j of y [T*k, M] (rows of pairs whose id lies in [0, E))."""
+def launch_sum(y, out, ids, E: int, *, n_shared: int = 0, use_pdl: bool = False) -> None:
+    """out [T, M] = the sum over j of y [T*(k+n_shared), M] (routed rows of pairs whose id lies in
+    [0, E), then the shared slices' rows)."""
     T, M = out.shape
     block_n = min(1024, next_power_of_2(M))
     lean(_sum_kernel)[(T, cdiv(M, block_n))](
         y, out, ids, E, M, y.stride(0), out.stride(0), out.stride(1), ids.stride(0), ids.stride(1),
-        K=ids.shape[1], BLOCK_N=block_n, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
+        K=ids.shape[1], BLOCK_N=block_n, USE_PDL=use_pdl, N_SHARED=n_shared, num_warps=4, launch_pdl=use_pdl,
     )
 
 
 # --- GEMV path (few tokens) ---------------------------------------------------------------------
 @triton.jit
+def _gemv_pair(ids_ptr, w_ptr, sw_ptr, p, E, Fdim, stride_it, stride_ik, stride_we, stride_wr, stride_sr, stride_sc,
+               K: tl.constexpr, N_SHARED: tl.constexpr, SHARED_ALONG_ROWS: tl.constexpr):
+    """Pair p = t*(K+N_SHARED) + j: its token t, the routed column jr = min(j, K-1), whether it is
+    routed (j < K), whether its expert is real (a routed id in [0, E), or a shared slice), the base
+    of its weight matrix and that matrix's row stride. Routed: w + e*stride_we, rows stride_wr apart. Shared slice
+    s = j - K: F rows of the shared up_proj [Fs, M] (SHARED_ALONG_ROWS: base s*F*stride_sr) or F
+    columns of the shared down_proj [M, Fs] (base s*F*stride_sc), rows stride_sr apart."""
+    t = p // (K + N_SHARED)
+    j = p % (K + N_SHARED)
+    routed = j < K
+    jr = tl.minimum(j, K - 1)
+    e = tl.load(ids_ptr + t * stride_it + jr * stride_ik).to(tl.int64)
+    ok = (e >= 0) & (e < E)
+    base = w_ptr + tl.where(ok, e, 0) * stride_we
+    row_stride = stride_wr
+    if N_SHARED > 0:
+        s = (j - K).to(tl.int64)
+        if SHARED_ALONG_ROWS:
+            sbase = sw_ptr + s * Fdim * stride_sr
+        else:
+            sbase = sw_ptr + s * Fdim * stride_sc
+        base = tl.where(routed, base, sbase)
+        row_stride = tl.where(routed, stride_wr, stride_sr)
+        ok = ok | (j >= K)
+    return t, jr, routed, ok, base, row_stride
+
+
+@triton.jit
 def _up_gemv_kernel(
-    x_ptr, w_ptr, h_ptr, ids_ptr,
-    E, Fdim, Mdim, K,
-    stride_xt, stride_xm, stride_we, stride_wf, stride_wm, stride_hp, stride_it, stride_ik,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, w_ptr, sw_ptr, h_ptr, ids_ptr,
+    E, Fdim, Mdim,
+    stride_xt, stride_xm, stride_we, stride_wf, stride_wm, stride_sf, stride_hp, stride_it, stride_ik,
+    K: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    # one program per (pair p = t*K + j, block of BLOCK_N of F): h[p, n] = relu(w_up[e, n, :] @ x[t])²
+    # one program per (pair p = t*(K+N_SHARED) + j, block of BLOCK_N of F):
+    # h[p, n] = relu(w[n, :] @ x[t])², w = w_up[ids[t, j]] or slice j-K of the shared up_proj
+    # (both have stride_wm along M)
     if USE_PDL:  # ids and x come from the kernels just before: nothing to read earlier
         gdc_wait()
         gdc_launch_dependents()
     p = tl.program_id(0)
-    t = p // K
-    e = tl.load(ids_ptr + t * stride_it + (p % K) * stride_ik).to(tl.int64)
-    ok = (e >= 0) & (e < E)
-    e = tl.where(ok, e, 0)
+    t, _, _, ok, base, row_stride = _gemv_pair(ids_ptr, w_ptr, sw_ptr, p, E, Fdim, stride_it, stride_ik, stride_we,
+                                               stride_wf, stride_sf, stride_wm, K, N_SHARED, True)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mn = (offs_n < Fdim) & ok
     x_ptrs = x_ptr + t.to(tl.int64) * stride_xt + offs_k * stride_xm
-    w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wf + offs_k[None, :] * stride_wm
+    w_ptrs = base + offs_n[:, None] * row_stride + offs_k[None, :] * stride_wm
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, Mdim, BLOCK_K):
         if EVEN_K:
@@ -454,25 +584,31 @@ def _up_gemv_kernel(
 
 @triton.jit
 def _down_gemv_kernel(
-    h_ptr, w_ptr, y_ptr, ids_ptr, tw_ptr,
-    E, Mdim, Fdim, K,
-    stride_hp, stride_we, stride_wm, stride_wf, stride_yp, stride_it, stride_ik, stride_twt, stride_twk,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+    h_ptr, w_ptr, sw_ptr, y_ptr, ids_ptr, tw_ptr, out_ptr, arrivals_ptr,
+    E, Mdim, Fdim,
+    stride_hp, stride_we, stride_wm, stride_wf, stride_sm, stride_yp, stride_it, stride_ik, stride_twt, stride_twk,
+    stride_ot, stride_om,
+    K: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr, FUSED_SUM: tl.constexpr,
 ):
-    # one program per (pair p = t*K + j, block of BLOCK_N of M): y[p, n] = tw[t, j] * w_down[e, n, :] @ h[p]
+    # one program per (pair p = t*(K+N_SHARED) + j, block of BLOCK_N of M):
+    # y[p, n] = tw[t, j] * w[n, :] @ h[p], w = w_down[ids[t, j]] or slice j-K of the shared down_proj
+    # (weight 1.0). FUSED_SUM: the last of token t's pairs to finish this block of M (an arrival
+    # counter per (t, block), reset by it) writes out[t, block] = sum_j y[...] as _sum_kernel does
     p = tl.program_id(0)
-    t = p // K
-    j = p % K
+    pid_n = tl.program_id(1)
     # ids and the routing weights come from the router, two kernels back (the up kernel is between):
     # under PDL they and the first weight tile are read before the grid-dependency wait
-    e = tl.load(ids_ptr + t * stride_it + j * stride_ik).to(tl.int64)
-    ok = (e >= 0) & (e < E)
-    e = tl.where(ok, e, 0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t, jr, routed, ok, base, row_stride = _gemv_pair(ids_ptr, w_ptr, sw_ptr, p, E, Fdim, stride_it, stride_ik,
+                                                     stride_we, stride_wm, stride_sm, stride_wf, K, N_SHARED, False)
+    tw = tl.load(tw_ptr + t * stride_twt + jr * stride_twk).to(tl.float32)
+    if N_SHARED > 0:
+        tw = tl.where(routed, tw, 1.0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mn = (offs_n < Mdim) & ok
     h_ptrs = h_ptr + p.to(tl.int64) * stride_hp + offs_k
-    w_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wm + offs_k[None, :] * stride_wf
+    w_ptrs = base + offs_n[:, None] * row_stride + offs_k[None, :] * stride_wf
     w = tl.load(w_ptrs, mask=mn[:, None] & (offs_k < Fdim)[None, :], other=0.0)
     if USE_PDL:
         gdc_wait()  # h comes from the up kernel
@@ -492,37 +628,62 @@ def _down_gemv_kernel(
         acc += w.to(tl.float32) * hv.to(tl.float32)[None, :]
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wf
-    tw = tl.load(tw_ptr + t * stride_twt + j * stride_twk).to(tl.float32)
     y = tl.sum(acc, axis=1) * tw
-    tl.store(y_ptr + p.to(tl.int64) * stride_yp + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < Mdim)
+    mo = offs_n < Mdim
+    tl.store(y_ptr + p.to(tl.int64) * stride_yp + offs_n, y.to(y_ptr.dtype.element_ty), mask=mo)
+    if FUSED_SUM:
+        # every thread's row is stored before the arrival is counted (release); the last arrival reads
+        # the other pairs' rows through L2 (.cg) after its acquire, in pair order (as _sum_kernel)
+        tl.debug_barrier()
+        counter = arrivals_ptr + t * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == K + N_SHARED - 1:
+            total = _sum_pairs(y_ptr, ids_ptr, t, offs_n, mo, E, stride_yp, stride_it, stride_ik, K, N_SHARED,
+                               BLOCK_N, True)
+            tl.store(out_ptr + t * stride_ot + offs_n * stride_om, total.to(out_ptr.dtype.element_ty), mask=mo)
+            tl.store(counter, 0)  # ready for the next call (the kernel boundary publishes it)
 
 
 def launch_gemv(x, w_up, w_down, tw, ids, h, y, out, *, block_n_up: int, block_k_up: int, block_n_down: int,
-                block_k_down: int, num_warps: int, num_stages: int) -> None:
-    """h [P, F], y [P, M] (unit stride along the last dim): each pair's relu² activations and its
-    weighted contribution, written then read; then the fixed-order k-sum into out [T, M]. Under
-    programmatic dependent launch (``fastmamba.ops._common.pdl``, grids of one wave) the down
+                block_k_down: int, num_warps: int, num_stages: int, shared_up=None, shared_down=None,
+                arrivals=None) -> None:
+    """h [P, F], y [P, M] (unit stride along the last dim; P = T*(k+S)): each pair's relu²
+    activations and its weighted contribution, written then read; then the fixed-order sum into
+    out [T, M]: by the down kernel's last arrivals when ``arrivals`` (int32, at least
+    T * cdiv(M, block_n_down) zeros, left zero) is given, else by ``_sum_kernel``.
+
+    shared_up [S*F, M], shared_down [M, S*F] (or None): a relu² shared expert run as S more pairs of
+    weight 1.0 per token (its strides along M and F equal w_up's and w_down's).
+
+    Under programmatic dependent launch (``fastmamba.ops._common.pdl``, grids of one wave) the down
     kernel reads the ids, the routing weights and its first weight tile before its wait: the kernel
     launched just before ``fused_moe`` must not write the weights (ids and routing weights are
     read by the up kernel first, after its wait)."""
     T, M = x.shape
     E, F, _ = w_up.shape
     K = ids.shape[1]
-    grid_up, grid_down = (T * K, cdiv(F, block_n_up)), (T * K, cdiv(M, block_n_down))
+    S = 0 if shared_up is None else shared_up.shape[0] // F
+    P = T * (K + S)
+    grid_up, grid_down = (P, cdiv(F, block_n_up)), (P, cdiv(M, block_n_down))
     pdl_up = pdl_active(x, grid_up[0] * grid_up[1], num_warps)
     pdl_down = pdl_active(x, grid_down[0] * grid_down[1], num_warps)
+    sf = shared_up.stride(0) if S else 0
+    sm = shared_down.stride(0) if S else 0
     lean(_up_gemv_kernel)[grid_up](
-        x, w_up, h, ids, E, F, M, K,
-        x.stride(0), x.stride(1), w_up.stride(0), w_up.stride(1), w_up.stride(2), h.stride(0),
+        x, w_up, shared_up, h, ids, E, F, M,
+        x.stride(0), x.stride(1), w_up.stride(0), w_up.stride(1), w_up.stride(2), sf, h.stride(0),
         ids.stride(0), ids.stride(1),
-        BLOCK_N=block_n_up, BLOCK_K=block_k_up, EVEN_K=M % block_k_up == 0, USE_PDL=pdl_up,
+        K=K, N_SHARED=S, BLOCK_N=block_n_up, BLOCK_K=block_k_up, EVEN_K=M % block_k_up == 0, USE_PDL=pdl_up,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_up,
     )
+    fused_sum = arrivals is not None
     lean(_down_gemv_kernel)[grid_down](
-        h, w_down, y, ids, tw, E, M, F, K,
-        h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), y.stride(0),
-        ids.stride(0), ids.stride(1), tw.stride(0), tw.stride(1),
-        BLOCK_N=block_n_down, BLOCK_K=block_k_down, EVEN_K=F % block_k_down == 0, USE_PDL=pdl_down,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_down,
+        h, w_down, shared_down, y, ids, tw, out, arrivals, E, M, F,
+        h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), sm, y.stride(0),
+        ids.stride(0), ids.stride(1), tw.stride(0), tw.stride(1), out.stride(0), out.stride(1),
+        K=K, N_SHARED=S, BLOCK_N=block_n_down, BLOCK_K=block_k_down, EVEN_K=F % block_k_down == 0,
+        USE_PDL=pdl_down, FUSED_SUM=fused_sum, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_down,
     )
-    launch_sum(y, out, ids, E, use_pdl=pdl_active(x, T * cdiv(M, min(1024, next_power_of_2(M))), 4))
+    if not fused_sum:
+        launch_sum(y, out, ids, E, n_shared=S,
+                   use_pdl=pdl_active(x, T * cdiv(M, min(1024, next_power_of_2(M))), 4))

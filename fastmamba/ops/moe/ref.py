@@ -8,6 +8,8 @@ per token (top-k), F expert width, G expert groups for grouped selection.
                     choices; weights = scores at those experts (the bias selects only), divided by
                     their sum (+1e-20) when ``norm_topk_prob``, times ``routed_scaling_factor``.
     fused_moe_ref:  out[t] = sum_j weights[t, j] * down[e] @ relu(up[e] @ x[t])**2,  e = ids[t, j]
+                    (+ down_s @ relu(up_s @ x[t])**2 with a shared expert: shared_expert_ref)
+    moe_gate_ref:   moe_route_ref of the router's fp32 logits x @ weight^T
 
 transformers' ``NemotronHTopkRouter`` / ``NemotronHExperts`` compute the same.
 """
@@ -49,11 +51,24 @@ def moe_route_ref(router_logits: torch.Tensor, correction_bias: torch.Tensor | N
     return Routing(weights * routed_scaling_factor, ids.to(torch.int32))
 
 
+def moe_gate_ref(x: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor | None, **selection) -> Routing:
+    """x [T, M]; weight [E, M] -> ``moe_route_ref`` of the fp32 logits x @ weight^T (the router's
+    ``F.linear(x.float(), weight.float())``); ``selection``: moe_route_ref's keywords."""
+    return moe_route_ref(torch.nn.functional.linear(x.float(), weight.float()), correction_bias, **selection)
+
+
+def shared_expert_ref(x: torch.Tensor, shared_up: torch.Tensor, shared_down: torch.Tensor) -> torch.Tensor:
+    """x [T, M]; shared_up [Fs, M]; shared_down [M, Fs] -> down @ relu(up @ x)² [T, M] in fp32."""
+    return torch.relu(x.float() @ shared_up.float().t()).square() @ shared_down.float().t()
+
+
 def fused_moe_ref(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, *, shared_up: torch.Tensor | None = None,
+                  shared_down: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, M]; w_up [E, F, M]; w_down [E, M, F]; topk_weights [T, k]; topk_ids [T, k] -> [T, M] in x's dtype.
 
-    A loop over the experts that some token chose; each token's k contributions summed in fp32.
+    A loop over the experts that some token chose; each token's k contributions summed in fp32,
+    plus ``shared_expert_ref`` when a shared expert is given (``fused_moe_gemv``'s shared_up / _down).
     """
     T, M = x.shape
     out = torch.zeros(T, M, dtype=torch.float32, device=x.device)
@@ -62,4 +77,6 @@ def fused_moe_ref(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, top
         tok, j = torch.where(topk_ids == e)
         h = torch.relu(xf[tok] @ w_up[e].float().t()).square()
         out.index_add_(0, tok, (h @ w_down[e].float().t()) * topk_weights[tok, j].float()[:, None])
+    if shared_up is not None:
+        out += shared_expert_ref(x, shared_up, shared_down)
     return out.to(x.dtype)

@@ -11,11 +11,13 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 K = "fastmamba.ops.moe.kernel"
+_GATE_PTRS = dict(x_ptr="*bf16", w_ptr="*fp32", bias_ptr="*fp32", logits_ptr="*fp32", weights_ptr="*fp32",
+                  ids_ptr="*i32", arrivals_ptr="*i32", scale="fp32")
 _GEMM_PTRS = dict(x_ptr="*bf16", w_ptr="*bf16", h_ptr="*bf16", y_ptr="*bf16", sorted_ptr="*i32", counts_ptr="*i32",
                   tw_ptr="*fp32")
 
 # the strides that are 1 for contiguous x, weights, ids, routing weights and out (the others: 16-divisible)
-UNIT_STRIDES = ("stride_le", "stride_ik", "stride_xm", "stride_twk", "stride_om")
+UNIT_STRIDES = ("stride_le", "stride_ik", "stride_xm", "stride_twk", "stride_om")  # (+ the gate's stride_wm)
 _UP_UNIT = dict(stride_wm=1)  # up_proj weights [E, F, M]: contiguous along M
 _DOWN_UNIT = dict(stride_wf=1)  # down_proj weights [E, M, F]: contiguous along F
 
@@ -43,18 +45,37 @@ VARIANTS = {
                                                    EVEN_K=True, DOT_FP32=False, IEEE=False, PER_EXPERT=True, **_DOWN_UNIT),
                   dict(num_warps=4, num_stages=4)),
     "sum-k22-pdl": ("_sum_kernel", dict(y_ptr="*bf16", out_ptr="*bf16", ids_ptr="*i32"),
-                    dict(K=22, BLOCK_N=1024, USE_PDL=True), dict(num_warps=4)),
+                    dict(K=22, BLOCK_N=1024, USE_PDL=True, N_SHARED=0), dict(num_warps=4)),
+    "sum-k6-shared2": ("_sum_kernel", dict(y_ptr="*bf16", out_ptr="*bf16", ids_ptr="*i32"),
+                       dict(K=6, BLOCK_N=1024, USE_PDL=False, N_SHARED=2), dict(num_warps=4)),
     "up-gemv-pdl": ("_up_gemv_kernel", dict(x_ptr="*bf16", w_ptr="*bf16", h_ptr="*bf16", ids_ptr="*i32"),
-                    dict(BLOCK_N=16, BLOCK_K=256, EVEN_K=False, USE_PDL=True, **_UP_UNIT),
-                    dict(num_warps=4, num_stages=2)),
+                    dict(sw_ptr=None, K=22, N_SHARED=0, BLOCK_N=16, BLOCK_K=256, EVEN_K=False, USE_PDL=True,
+                         **_UP_UNIT), dict(num_warps=4, num_stages=2)),
+    "up-gemv-shared-pdl": ("_up_gemv_kernel", dict(x_ptr="*bf16", w_ptr="*bf16", sw_ptr="*bf16", h_ptr="*bf16",
+                                                   ids_ptr="*i32"),
+                           dict(K=6, N_SHARED=2, BLOCK_N=16, BLOCK_K=256, EVEN_K=False, USE_PDL=True, **_UP_UNIT),
+                           dict(num_warps=4, num_stages=2)),
     "down-gemv": ("_down_gemv_kernel", dict(h_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", ids_ptr="*i32",
-                                            tw_ptr="*fp32"),
-                  dict(BLOCK_N=16, BLOCK_K=256, EVEN_K=False, USE_PDL=False, **_DOWN_UNIT),
-                  dict(num_warps=4, num_stages=2)),
+                                            tw_ptr="*fp32", out_ptr="*bf16"),
+                  dict(sw_ptr=None, arrivals_ptr=None, K=22, N_SHARED=0, BLOCK_N=16, BLOCK_K=256, EVEN_K=False,
+                       USE_PDL=False, FUSED_SUM=False, **_DOWN_UNIT), dict(num_warps=4, num_stages=2)),
     "down-gemv-pdl": ("_down_gemv_kernel", dict(h_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", ids_ptr="*i32",
-                                                tw_ptr="*fp32"),
-                      dict(BLOCK_N=8, BLOCK_K=128, EVEN_K=True, USE_PDL=True, **_DOWN_UNIT),
-                      dict(num_warps=4, num_stages=2)),
+                                                tw_ptr="*fp32", out_ptr="*bf16"),
+                      dict(sw_ptr=None, arrivals_ptr=None, K=6, N_SHARED=0, BLOCK_N=8, BLOCK_K=128, EVEN_K=True,
+                           USE_PDL=True, FUSED_SUM=False, **_DOWN_UNIT), dict(num_warps=4, num_stages=2)),
+    "down-gemv-shared-sum-pdl": ("_down_gemv_kernel", dict(h_ptr="*bf16", w_ptr="*bf16", sw_ptr="*bf16",
+                                                           y_ptr="*bf16", ids_ptr="*i32", tw_ptr="*fp32",
+                                                           out_ptr="*bf16", arrivals_ptr="*i32"),
+                                 dict(K=6, N_SHARED=2, BLOCK_N=16, BLOCK_K=256, EVEN_K=False, USE_PDL=True,
+                                      FUSED_SUM=True, **_DOWN_UNIT), dict(num_warps=4, num_stages=2)),
+    "gate-nano-pdl": ("_gate_kernel", _GATE_PTRS, dict(HAS_BIAS=True, TOP_K=6, N_GROUP=1, TOPK_GROUP=1, TOP2=True,
+                                                       RENORM=True, BLOCK_E=128, BLOCK_G=1, BLOCK_K=8, ROWS=1,
+                                                       BLOCK_M=4096, EVEN_M=False, USE_PDL=True, stride_wm=1),
+                      dict(num_warps=4)),
+    "gate-super-grouped": ("_gate_kernel", _GATE_PTRS, dict(HAS_BIAS=True, TOP_K=22, N_GROUP=8, TOPK_GROUP=4,
+                                                            TOP2=True, RENORM=True, BLOCK_E=512, BLOCK_G=8,
+                                                            BLOCK_K=32, ROWS=4, BLOCK_M=1024, EVEN_M=True,
+                                                            USE_PDL=False, stride_wm=1), dict(num_warps=4)),
 }
 
 
@@ -72,12 +93,15 @@ def compile_sm90(name: str) -> dict:
     names = kernel.arg_names
     consts = {**{n: 1 for n in UNIT_STRIDES if n in names}, **consts}  # a launch specialises ints equal to 1
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    # pointers, strides and the widths (Nano's and Super's are multiples of 16: a launch specialises them)
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if sig[n].startswith("*") or n.startswith("stride")}
+               if sig[n].startswith("*") or n.startswith("stride") or n in ("Mdim", "Fdim")}
     src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()},
                     attrs=aligned)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    return {"ptx": len(k.asm["ptx"]), "spills": spill_lines(ptxas_report(k.asm["ptx"], name))}
+    ptx = k.asm["ptx"]
+    return {"ptx": len(ptx), "spills": spill_lines(ptxas_report(ptx, name)), "v4_loads": ptx.count("ld.global.v4"),
+            "acq_rel_atomics": ptx.count("atom.global.gpu.acq_rel"), "cg_loads": ptx.count("ld.global.cg")}
 
 
 def test_moe_kernels_compile_for_sm90_without_spills():
@@ -89,6 +113,13 @@ def test_moe_kernels_compile_for_sm90_without_spills():
     for name, result in results.items():
         assert result["ptx"] > 0, name
         assert all("0 bytes spill stores, 0 bytes spill loads" in s for s in result["spills"]), (name, result["spills"])
+    # the shared expert's weights are picked per program (a select of base and row stride): the weight
+    # tiles stay 16-byte loads, as many as without it
+    assert results["up-gemv-shared-pdl"]["v4_loads"] == results["up-gemv-pdl"]["v4_loads"] > 0
+    assert results["down-gemv-shared-sum-pdl"]["v4_loads"] == results["down-gemv"]["v4_loads"] > 0
+    # the arrival counters: an acquire-release atomic, and the other programs' rows read through L2
+    for name in ("down-gemv-shared-sum-pdl", "gate-nano-pdl", "gate-super-grouped"):
+        assert results[name]["acq_rel_atomics"] == 1 and results[name]["cg_loads"] > 0, (name, results[name])
 
 
 if __name__ == "__main__":
