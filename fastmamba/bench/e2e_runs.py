@@ -16,8 +16,6 @@ from fastmamba.bench.e2e_bytes import count_touched_experts, hybrid_step_bytes, 
 
 REPEAT_BLOCK = 16  # repetitive prompts: a random block of this many tokens, repeated
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
 HYBRID_PREFILL_TOKENS = 16384  # tokens per prefill call of the hybrid benchmark (activations' memory)
 
 
@@ -131,6 +129,7 @@ def make_prompts(vocab_size: int, batch: int, prompt_len: int, *, repetitive: bo
 
 
 def state_label(ssm_dtype: torch.dtype, stochastic_rounding: bool) -> str:
+    """A state variant's name in rows and tables: ``fp32``, ``fp16``, ``bf16 SR`` (stochastic rounding)."""
     name = {v: k for k, v in DTYPES.items()}[ssm_dtype]
     return name + (" SR" if stochastic_rounding else "")
 
