@@ -61,8 +61,12 @@ run_side() {
         echo "error: $side imports fastmamba from '$got', expected $src" | tee -a "$OUT/speed.log"
         return 1
     fi
+    local left=""
+    command -v nvidia-smi >/dev/null && left=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>/dev/null)
+    [ -n "$left" ] && echo "warning: processes still on the GPU before this run: $left" | tee -a "$OUT/speed.log"
     echo "--- $side ($src): $PY -m fastmamba.bench $* --json speed-$side.jsonl" | tee -a "$OUT/speed.log"
-    (set -o pipefail; cd "$CWD" && PYTHONPATH="$pp" timeout "$SPEED_TIMEOUT" \
+    # timeout signals its whole process group (the serve bench's server too), then kills what is left
+    (set -o pipefail; cd "$CWD" && PYTHONPATH="$pp" timeout -k 30 "$SPEED_TIMEOUT" \
         "$PY" -m fastmamba.bench "$@" --json "$OUT/speed-$side.jsonl" 2>> "$OUT/speed.log" | tee -a "$OUT/speed.log")
     rc=$?
     echo "rc=$rc" | tee -a "$OUT/speed.log"
