@@ -2,8 +2,10 @@
 
 Every attention layer keeps two pools of fixed-size pages,
 
-    k[l], v[l]   [Np + 1, PAGE, Hkv, Dh]   model dtype; page Np (the last) is a scratch page
-                                         that is never handed out: pad tokens write there
+    k[l], v[l]   [Np + 1, PAGE, Hkv, Dh]   model dtype, or float8_e4m3fn (half the bytes: the
+                                         attention layers write K / k_scale, V / v_scale and their
+                                         kernels read value x scale); page Np (the last) is a
+                                         scratch page that is never handed out: pad tokens write there
 
 and all layers share one page table: request row r holds its token at position pos in page
 ``block_table[r, pos // PAGE]`` (row ``pos % PAGE``) of every layer's pool, and ``seq_lens[r]``
@@ -20,6 +22,8 @@ read only static device buffers, and the host never waits for the device.
 from __future__ import annotations
 
 import torch
+
+PAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 
 
 class KVPages:
@@ -43,6 +47,9 @@ class KVPages:
                 raise ValueError(f"KVPages: `{name}` expected a positive integer, got {v!r}")
         if not (isinstance(page_size, int) and page_size >= 1 and page_size & (page_size - 1) == 0):
             raise ValueError(f"KVPages: `page_size` expected a power of two, got {page_size!r}")
+        if dtype not in PAGE_DTYPES:
+            raise ValueError(f"KVPages: `dtype` expected one of {', '.join(str(d) for d in PAGE_DTYPES)}, got {dtype}")
+        self.dtype = dtype
         self.num_pages = num_pages
         self.num_rows = num_rows
         self.page_size = page_size

@@ -14,6 +14,13 @@ so the model computes it once (``KVBatch``) and hands it to each layer.
     verify         T tokens per request (speculative decoding): K/V of all T written, then each
                    token attends to its request's cache and the tokens before it: the same
                    ``paged_decode_attention`` over B*T query rows, each with its own length
+
+float8 K/V pages: the layer holds per-tensor ``k_scale`` / ``v_scale`` (fp32 buffers, 1.0 unless
+a checkpoint's are copied in: ``fastmamba.models.quantization``) and ``kv_dtype``, the page dtype
+the model asks its caches for (None: the activations' dtype; ``kv_cache_dtype_of``). The cached
+paths pass the scales to the ops whenever the pools they are handed are float8; ``forward``
+(nothing cached) rounds K and V through e4m3 with the same scales when ``kv_dtype`` is float8, so
+it stays the definition of what the cached paths compute.
 """
 from __future__ import annotations
 
@@ -26,6 +33,9 @@ from torch import nn
 
 from fastmamba.ops.attention import (PrefillWork, paged_decode_attention, paged_kv_write, prefill_work,
                                      varlen_prefill_attention)
+from fastmamba.ops.attention.ref import quantize_kv_ref
+
+FP8_KV = torch.float8_e4m3fn
 
 
 class KVBatch(NamedTuple):
@@ -90,6 +100,15 @@ def prefill_kv_values(ctx: Sequence[int], layout: Sequence[int], cu: Sequence[in
             "work": prefill_work(cu, block_m, capacity)}
 
 
+def kv_cache_dtype_of(model: nn.Module) -> torch.dtype | None:
+    """The K/V page dtype ``model``'s attention layers ask for (their ``kv_dtype``; the first one
+    that sets one), or None: the caller's default (the model's dtype)."""
+    for m in model.modules():
+        if isinstance(m, Attention) and m.kv_dtype is not None:
+            return m.kv_dtype
+    return None
+
+
 class Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, device=None, dtype=None):
         super().__init__()
@@ -102,6 +121,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, **kw)
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, **kw)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, **kw)
+        # float8 K/V pages: the per-tensor scales (stored value = K / k_scale), not in state_dict
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
+        self.kv_dtype: torch.dtype | None = None  # the page dtype caches should use (None: the activations')
+
+    def _scales(self, k_pages: torch.Tensor) -> dict:
+        """The ops' scale arguments for these pools: the layer's scales for float8 pools, none else."""
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale} if k_pages.dtype == FP8_KV else {}
 
     def _qkv(self, u: torch.Tensor):
         lead = u.shape[:-1]
@@ -113,7 +140,11 @@ class Attention(nn.Module):
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         """u [B, L, M] -> [B, L, M]: causal attention within each row, nothing cached."""
         nreq, L, _ = u.shape
-        q, k, v = (t.transpose(1, 2) for t in self._qkv(u))  # [B, H, L, Dh]
+        q, k, v = self._qkv(u)
+        if self.kv_dtype == FP8_KV:  # what the cached paths read back from float8 pages
+            k = (quantize_kv_ref(k, self.k_scale).float() * self.k_scale.float()).to(q.dtype)
+            v = (quantize_kv_ref(v, self.v_scale).float() * self.v_scale.float()).to(q.dtype)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, L, Dh]
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                            enable_gqa=self.n_heads != self.n_kv_heads)
         return self.o_proj(o.transpose(1, 2).reshape(nreq, L, -1))
@@ -122,18 +153,21 @@ class Attention(nn.Module):
                        kv: KVBatch) -> torch.Tensor:
         """Packed prompts u [T, M] -> [T, M]; their K/V are written into the pages first (mutated)."""
         q, k, v = self._qkv(u)
-        paged_kv_write(k, v, k_pages, v_pages, kv.block_table, kv.slots, kv.positions, kv.token_rows)
+        scales = self._scales(k_pages)
+        paged_kv_write(k, v, k_pages, v_pages, kv.block_table, kv.slots, kv.positions, kv.token_rows, **scales)
         ctx = kv.ctx_dev if kv.ctx_dev is not None else kv.ctx_lens
         o = varlen_prefill_attention(q, k_pages, v_pages, kv.block_table, kv.slots, kv.cu_seqlens, ctx,
                                      k_new=k, v_new=v, scale=self.scale, cu_seqlens_host=kv.cu_host,
-                                     slots_host=kv.slots_host, work=kv.work)
+                                     slots_host=kv.slots_host, work=kv.work, **scales)
         return self.o_proj(o.reshape(u.shape[0], -1))
 
     def step(self, u: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, kv: KVBatch) -> torch.Tensor:
         """One token per request u [B, M] -> [B, M]; its K/V land at ``kv.positions`` (mutated)."""
         q, k, v = self._qkv(u)
-        paged_kv_write(k, v, k_pages, v_pages, kv.block_table, kv.slots, kv.positions)
-        o = paged_decode_attention(q, k_pages, v_pages, kv.block_table, kv.seq_lens, kv.slots, scale=self.scale)
+        scales = self._scales(k_pages)
+        paged_kv_write(k, v, k_pages, v_pages, kv.block_table, kv.slots, kv.positions, **scales)
+        o = paged_decode_attention(q, k_pages, v_pages, kv.block_table, kv.seq_lens, kv.slots, scale=self.scale,
+                                   **scales)
         return self.o_proj(o.reshape(u.shape[0], -1))
 
     def verify(self, u: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, kv: KVBatch,
@@ -142,7 +176,8 @@ class Attention(nn.Module):
         ``kv.token_rows``, mutated), then query row i attends over ``kv_read``'s row i (its
         request's pages, ``kv_read.seq_lens[i]`` tokens: causal within the T). No host read."""
         q, k, v = self._qkv(u)
-        paged_kv_write(k, v, k_pages, v_pages, kv.block_table, kv.slots, kv.positions, kv.token_rows)
+        scales = self._scales(k_pages)
+        paged_kv_write(k, v, k_pages, v_pages, kv.block_table, kv.slots, kv.positions, kv.token_rows, **scales)
         o = paged_decode_attention(q, k_pages, v_pages, kv_read.block_table, kv_read.seq_lens, kv_read.slots,
-                                   scale=self.scale)
+                                   scale=self.scale, **scales)
         return self.o_proj(o.reshape(u.shape[0], -1))

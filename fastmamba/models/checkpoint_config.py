@@ -7,6 +7,10 @@ End of sequence: ``checkpoint_eos_token_ids`` reads a checkpoint's ``eos_token_i
 of ints in config.json, overridden by generation_config.json's when that file sets it, else the
 tokenizer files' ``eos_token``); empty when the checkpoint names none. ``Mamba2Config.from_dir`` and
 ``NemotronHConfig.from_dir`` both use it.
+
+SSM state dtype: ``ssm_cache_dtype_of`` reads config.json's ``mamba_ssm_cache_dtype`` (transformers'
+and NVIDIA's Nemotron-H configs: "float32", "bfloat16", "float16"); ``ssm_state_dtype`` picks the
+dtype a cache's SSM states get: the user's explicit choice, else the checkpoint's, else fp32.
 """
 from __future__ import annotations
 
@@ -177,3 +181,45 @@ def _check_eos(src: str, field: str, ids: tuple[int, ...], vocab: int, vocab_nam
 
 
 # Public mamba2-* shapes (state-spaces configs); vocab 50277 padded to a multiple of 16.
+
+
+# config.json's mamba_ssm_cache_dtype (and the short names the CLI uses) -> fastmamba's short name
+SSM_CACHE_DTYPES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16",
+                    "fp16": "fp16", "half": "fp16"}
+
+
+def ssm_cache_dtype_of(cfg: dict, source: str = "config.json", *, who: str = "NemotronHConfig") -> str | None:
+    """config.json's ``mamba_ssm_cache_dtype`` as "fp32" / "bf16" / "fp16", or None when absent or
+    null; ValueError naming the file and field for another value."""
+    v = cfg.get("mamba_ssm_cache_dtype")
+    if v is None:
+        return None
+    name = SSM_CACHE_DTYPES.get(v.removeprefix("torch.") if isinstance(v, str) else None)
+    if name is None:
+        raise ValueError(f"{who}: {source}: 'mamba_ssm_cache_dtype' expected one of 'float32', 'bfloat16', "
+                         f"'float16', got {_describe(v)}")
+    return name
+
+
+def ssm_state_dtype(model_cfg: Any, user: Any = None) -> tuple[Any, str]:
+    """(the SSM state dtype, where it came from) for a model config and the user's choice.
+
+    user   None: not chosen, so the checkpoint's ``mamba_ssm_cache_dtype`` (``model_cfg.ssm_cache_dtype``),
+           else fp32; or a torch dtype (float32 / bfloat16 / float16) or a name ("fp32", "bf16",
+           "bfloat16", ...), which wins over the checkpoint's
+    Returns e.g. (torch.bfloat16, "bf16 (config.json mamba_ssm_cache_dtype)"); ValueError for a bad choice."""
+    import torch
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    names = {d: n for n, d in dtypes.items()}
+    if user is not None:
+        name = names.get(user) if isinstance(user, torch.dtype) else SSM_CACHE_DTYPES.get(user) \
+            if isinstance(user, str) else None
+        if name is None:
+            raise ValueError(f"ssm_dtype: expected torch.float32, torch.bfloat16 or torch.float16 (or 'fp32', 'bf16', "
+                             f"'fp16'), got {user!r}")
+        return dtypes[name], f"{name} (chosen)"
+    ckpt = getattr(model_cfg, "ssm_cache_dtype", None)
+    if ckpt is not None:
+        return dtypes[ckpt], f"{ckpt} (config.json mamba_ssm_cache_dtype)"
+    return torch.float32, "fp32 (default)"

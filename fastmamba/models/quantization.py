@@ -22,10 +22,17 @@ Formats read (facts from NVIDIA ModelOpt's and llm-compressor's public docs):
 Anything else (NVFP4, block or group scales, int8, weight-only FP8, e5m2, asymmetric ...) raises a
 ValueError naming the field and value, before a tensor is read.
 
-The K/V cache stays in the model dtype: FP8 K/V pages are not implemented yet, so ``k_scale`` /
-``v_scale`` are checked and kept on the attention modules (``k_scale`` / ``v_scale`` buffers) for
-the day they are; 16-bit K/V are at least as accurate as the FP8 pages the checkpoint was
-calibrated for.
+K/V cache: a checkpoint with FP8 K/V (ModelOpt ``kv_cache_quant_algo: FP8``, compressed-tensors'
+8-bit float ``kv_cache_scheme``) must ship ``k_scale`` and ``v_scale`` for every attention layer
+(a missing, misshaped, non-finite or non-positive one is named); they are copied into the attention
+modules' ``k_scale`` / ``v_scale`` buffers, and those layers ask for float8_e4m3fn K/V pages
+(``Attention.kv_dtype``): the caches ``new_cache`` builds then store K / k_scale and V / v_scale
+in e4m3, half the bytes of bf16. ``set_kv_cache_dtype(model, choice)`` (``Engine(kv_cache_dtype=)``,
+``--kv-cache-dtype``) changes that: "fp8" for float8 pages on any model (the checkpoint's scales,
+else 1.0 as vLLM does for a checkpoint without any: K and V then only need to fit e4m3's +-448,
+which activations of these models do; calibrated scales are more accurate), "bf16" / "fp16" /
+"fp32" for pages in the model's own dtype even when the checkpoint ships scales, "auto" for the
+checkpoint's choice.
 """
 from __future__ import annotations
 
@@ -310,12 +317,13 @@ def _stack_expert_scales(sd: dict, layers: Iterable[int], n_experts: int, cfg: Q
 
 
 def prepare_state_dict(state_dict: dict[str, torch.Tensor], cfg: QuantConfig, *, moe_layers: Iterable[int] = (),
-                       n_experts: int = 0) -> QuantPlan:
+                       n_experts: int = 0, attn_layers: Iterable[int] = ()) -> QuantPlan:
     """Check an FP8 checkpoint's tensors against its config and bring the scales to the shapes the
     FP8 modules hold ([] per tensor, [N] per channel; per-expert scales stacked), **in place**,
     before any model exists. Raises one ValueError listing every problem: a missing, misshaped,
     non-finite or non-positive scale (named), FP8 NaN bytes, an FP8 weight of an excluded module,
-    an FP8 tensor that no FP8 module takes."""
+    an FP8 tensor that no FP8 module takes; with an FP8 K/V cache, a ``k_scale`` / ``v_scale`` missing
+    for one of ``attn_layers`` (the backbone's attention layer indices)."""
     problems: list[str] = []
     experts = _stack_expert_scales(state_dict, moe_layers, n_experts, cfg, problems)
     linears: dict[str, int] = {}
@@ -359,6 +367,13 @@ def prepare_state_dict(state_dict: dict[str, torch.Tensor], cfg: QuantConfig, *,
     for attn, (k, v) in kv_scales.items():
         if k is None or v is None:
             problems.append(f"{attn}: {'k_scale' if k is None else 'v_scale'} missing (the other is present)")
+    if cfg.kv_cache_fp8:
+        bad_names = {re.sub(r"(\.[kv]_proj)?\.[kv]_scale$", "", n) for n in kv_names}  # named above if corrupt
+        for i in attn_layers:
+            attn = f"backbone.layers.{i}.mixer"
+            if attn not in kv_scales and attn not in bad_names:
+                problems.append(f"{attn}.k_proj.k_scale, {attn}.v_proj.v_scale: missing ({cfg.source} asks for an "
+                                "FP8 K/V cache: every attention layer needs both)")
     # anything else stored in FP8 would be cast to 16 bits silently by load_into
     taken = set(linears) | set(experts)
 
@@ -420,10 +435,64 @@ def apply_plan(model: nn.Module, plan: QuantPlan) -> nn.Module:
                                       device=m.up_proj.device))
     for attn, (k, v) in plan.kv_scales.items():
         m = model.get_submodule(attn)
-        m.register_buffer("k_scale", k.to(m.q_proj.weight.device), persistent=False)
-        m.register_buffer("v_scale", v.to(m.q_proj.weight.device), persistent=False)
+        m.k_scale.copy_(k)
+        m.v_scale.copy_(v)
+        m.kv_dtype = FP8_DTYPE  # the checkpoint's choice: float8 pages (set_kv_cache_dtype changes it)
     model.quantization = cfg
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# the K/V cache dtype
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "bf16", "fp16", "fp32")  # Engine(kv_cache_dtype=) / --kv-cache-dtype
+_16_BIT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _attention_layers(model: nn.Module) -> list[nn.Module]:
+    """The backbone's attention mixers (an MTP drafter keeps its own 16-bit pages)."""
+    from fastmamba.layers.attention import Attention
+
+    layers = getattr(getattr(model, "backbone", None), "layers", ())
+    return [b.mixer for b in layers if isinstance(getattr(b, "mixer", None), Attention)]
+
+
+def set_kv_cache_dtype(model: nn.Module, choice: str) -> str:
+    """Set the K/V page dtype ``model``'s caches get (``new_cache``; each attention layer's
+    ``kv_dtype``) and say which, for the start-up log.
+
+    choice  "auto": the checkpoint's (float8 when it ships k_scale / v_scale, else the model's dtype);
+            "fp8" / "fp8_e4m3": float8_e4m3fn with the checkpoint's scales, else 1.0;
+            "bf16" / "fp16" / "fp32": the model's own dtype (named, so a typo is not silently
+            another dtype), float8 scales left unused
+    Raises ValueError for another value, or a 16/32-bit name that is not the model's dtype."""
+    if choice not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {choice!r}")
+    layers = _attention_layers(model)
+    dtype = model.lm_head.weight.dtype
+    if choice in _16_BIT and _16_BIT[choice] != dtype:
+        raise ValueError(f"kv_cache_dtype: {choice!r} is not the model's dtype ({dtype}); K/V pages are kept in the "
+                         "model's dtype or in fp8 ('auto', 'fp8')")
+    from_ckpt = bool(getattr(getattr(model, "quantization", None), "kv_cache_fp8", False))
+    fp8 = choice in ("fp8", "fp8_e4m3") or (choice == "auto" and from_ckpt)
+    for m in layers:
+        m.kv_dtype = FP8_DTYPE if fp8 else None
+        if fp8 and not from_ckpt:  # no checkpoint scales: 1.0
+            m.k_scale.fill_(1.0)
+            m.v_scale.fill_(1.0)
+    return kv_cache_note(model)
+
+
+def kv_cache_note(model: nn.Module) -> str:
+    """What ``set_kv_cache_dtype`` would say of the model's current setting (the loader's choice)."""
+    layers = _attention_layers(model)
+    if not layers:
+        return "no K/V pages (no attention layers)"
+    if layers[0].kv_dtype != FP8_DTYPE:
+        return f"{str(model.lm_head.weight.dtype).replace('torch.', '')} (the model's dtype)"
+    from_ckpt = bool(getattr(getattr(model, "quantization", None), "kv_cache_fp8", False))
+    return ("float8_e4m3fn (k_scale / v_scale from the checkpoint)" if from_ckpt
+            else "float8_e4m3fn (k_scale = v_scale = 1.0: the checkpoint ships no K/V scales)")
 
 
 @torch.no_grad()
@@ -457,4 +526,6 @@ def prepare_fp8_checkpoint(path: str | os.PathLike, state_dict: dict[str, torch.
                              f"but neither config.json's quantization_config nor {HF_QUANT_CONFIG} says how to read them")
         return None
     layers = model_cfg.layers_of("E") if hasattr(model_cfg, "layers_of") else ()
-    return prepare_state_dict(state_dict, qcfg, moe_layers=layers, n_experts=getattr(model_cfg, "n_routed_experts", 0))
+    attn = model_cfg.layers_of("*") if hasattr(model_cfg, "layers_of") else ()
+    return prepare_state_dict(state_dict, qcfg, moe_layers=layers, n_experts=getattr(model_cfg, "n_routed_experts", 0),
+                              attn_layers=attn)

@@ -136,3 +136,40 @@ def test_hybrid_cache_one_alloc_one_free_for_both_kinds():
                          kv_budget_bytes=10 * KVPages.page_bytes(2, 4, 2, 4, torch.float32) + 5,
                          device="cpu", dtype=torch.float32)
     assert budget.kv.num_pages == 10
+
+
+def test_fp8_pages_half_the_bytes_and_prefix_snapshots_copy_their_bytes():
+    """float8_e4m3fn K/V pools (``HybridCache(kv_dtype=)``): half the bytes of bf16 per page (a
+    budget holds twice the pages); a prefix-cache snapshot's pages go out and come back bit for bit
+    (copied as bytes: index_copy_ has no float8 kernel on the CPU). Other dtypes are refused."""
+    from fastmamba.cache.prefix_cache import PrefixCache
+
+    fp8 = torch.float8_e4m3fn
+    assert KVPages.page_bytes(2, 16, 8, 128, fp8) * 2 == KVPages.page_bytes(2, 16, 8, 128, torch.bfloat16)
+    cfg = PRESETS["nemotron-h-tiny"]
+    n_attn = len(cfg.layers_of("*"))
+    kw = dict(mamba_cfg=cfg.mamba, n_attn_layers=n_attn, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+              page_size=4, device="cpu", dtype=torch.float32)
+    budget = 12 * KVPages.page_bytes(n_attn, 4, cfg.n_kv_heads, cfg.head_dim, torch.bfloat16)
+    cache = HybridCache(2, kv_budget_bytes=budget, kv_dtype=fp8, **kw)
+    assert cache.kv.num_pages == 24 and all(t.dtype == fp8 for t in cache.kv.k + cache.kv.v)
+    assert cache.conv[0].dtype == torch.float32  # the Mamba states keep theirs
+    slot = cache.take(1)[0]
+    cache.grow([slot], [10])
+    g = torch.Generator().manual_seed(0)
+    for t in cache.kv.k + cache.kv.v:  # random bytes on every page (NaN codes too: copies are bytes)
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
+    pages = cache.kv.pages_of(slot)
+    held = [t[pages].view(torch.uint8).clone() for t in cache.kv.k + cache.kv.v]
+    prefix = PrefixCache(cache, max_entries=2)
+    assert all(t.dtype == fp8 for t in prefix.kv_k + prefix.kv_v)
+    entry = prefix.save(list(range(10)), cache, slot)
+    other = cache.take(1)[0]
+    prefix.restore(prefix.match(list(range(12))), cache, other)
+    back = cache.kv.pages_of(other)
+    assert entry is not None and back != pages[:len(back)]
+    assert len(back) == len(pages) == 3
+    for want, t in zip(held, cache.kv.k + cache.kv.v):  # whole pages copied out and back
+        assert torch.equal(t[back].view(torch.uint8), want)
+    with pytest.raises(ValueError, match="`dtype` expected one of"):
+        KVPages(1, 2, 1, 1, n_kv_heads=1, head_dim=4, device="cpu", dtype=torch.float8_e5m2)

@@ -5,6 +5,13 @@ greedy tokens are the same through the engine's chunked / unchunked prefill and 
 miss; a corrupt or missing scale and an unsupported scheme are named in the error;
 ``quantization="fp8"`` quantises a 32-bit model on load.
 
+FP8 K/V pages: the ModelOpt checkpoint ships ``k_scale`` / ``v_scale`` (kv_cache_quant_algo FP8),
+so its caches hold float8_e4m3fn K/V; ``set_kv_cache_dtype(model, "fp8")`` gives a checkpoint
+without scales float8 pages with scale 1.0, "fp32" keeps the model's dtype. The engine tests run
+both fp8 forms (greedy tokens through chunked / unchunked prefill and prefix-cache hit / miss equal
+full forwards, which round K and V through e4m3 the same way); the W8A8 reference rounds K and V
+itself (a hook on k_proj / v_proj), independent of the layer's code.
+
 Formats written here from public descriptions (ModelOpt's unified HF export, llm-compressor's
 compressed-tensors), tensors made with torch.float8_e4m3fn and safetensors:
 
@@ -27,9 +34,11 @@ with independent signs: at most 2^-4 and typically 2^-4 / sqrt(3) (uniform round
 output's size in relative norm. A token's logits pass through about 9 quantised matmuls in
 sequence here (per Mamba layer in_proj and out_proj; per MoE layer up, down and the shared
 expert's two, in parallel), whose independent errors add in quadrature: sqrt(9) * 2^-4 / sqrt(3)
-~ 0.11 typically, 9 * 2^-4 / sqrt(3) ~ 0.32 if they all lined up. We assert the logits' relative
-error in norm <= 2^-2 (between the two), and > 2^-12 (the activations were quantised at all).
-Measured when written: 0.089 (dynamic per token), 0.10-0.14 (static).
+~ 0.11 typically, 9 * 2^-4 / sqrt(3) ~ 0.32 if they all lined up. FP8 K/V (ModelOpt) add two
+rounding points per attention layer (K and V, each element within 2^-4 relative), 13 in all:
+sqrt(13) * 2^-4 / sqrt(3) ~ 0.13 typically. We assert the logits' relative error in norm <= 2^-2
+(between the two), and > 2^-12 (the activations were quantised at all). Measured when written:
+0.089 (dynamic per token), 0.14 (static), 0.16 (static with FP8 K/V).
 
 The ops run their PyTorch references (TRITON_INTERPRET=0 here, as the other model tests do); the
 FP8 kernels have their own tests (tests/ops/fp8/).
@@ -46,7 +55,7 @@ from fastmamba.generation.sampling import SamplingParams
 from fastmamba.layers.fp8_linear import FP8Experts, FP8Linear
 from fastmamba.models.loader import load_model
 from fastmamba.models.nemotron_h import NemotronHConfig, NemotronHLM, load_nemotron_h, random_init
-from fastmamba.models.quantization import read_quant_config
+from fastmamba.models.quantization import kv_cache_note, read_quant_config, set_kv_cache_dtype
 from fastmamba.ops._common.dispatch import interpreter_enabled
 from tests.generation.test_engine_hybrid import assert_all_free, engine_of
 from tests.generation.test_engine_hybrid_prefix import run, same_run, scrub, tokens
@@ -223,6 +232,7 @@ class SimExperts(nn.Module):
     def __init__(self, up, down, up_in, down_in):
         super().__init__()
         self.up, self.down, self.up_in, self.down_in = up, down, up_in, down_in
+        self.up_proj, self.down_proj = up, down  # the experts' weights, where the MoE layer looks for them
 
     def run(self, h, routing):
         out = torch.zeros_like(h, dtype=torch.float32)
@@ -251,6 +261,10 @@ def dequantised(fp8: NemotronHLM, *, quantise_activations: bool) -> NemotronHLM:
         ref.load_state_dict({k: v for k, v in sd.items() if not k.endswith(("_weight_scale", "_input_scale"))
                              and not (".experts." in k and "_proj" in k)}, strict=False)
         for name, m in fp8.named_modules():
+            if getattr(m, "kv_dtype", None) == E4M3 and quantise_activations:  # K and V as the pages hold them
+                for proj, scale in (("k_proj", m.k_scale), ("v_proj", m.v_scale)):
+                    ref.get_submodule(f"{name}.{proj}").register_forward_hook(
+                        lambda mod, args, out, scale=scale: fake_quant(out, scale))
             if isinstance(m, FP8Linear) and quantise_activations:
                 scale = m.input_scale
                 ref.get_submodule(name).register_forward_pre_hook(
@@ -296,9 +310,15 @@ def test_formats_load_with_fp8_modules_and_excluded_ones_in_16_bits(fp8_dir):
         assert model.get_submodule(n).weight.dtype == torch.float32, n
     for i in model.cfg.layers_of("E"):
         assert model.backbone.layers[i].mixer.gate.weight.dtype == torch.float32
+    kv = model.new_cache(1, max_seq_len=16, page_size=4).kv
+    assert {t.dtype for t in kv.k + kv.v} == {E4M3 if fmt == "modelopt-fp8" else torch.float32}
+    assert kv_cache_note(model).startswith("float8_e4m3fn (k_scale / v_scale from the checkpoint)"
+                                           if fmt == "modelopt-fp8" else "float32 (the model's dtype)")
     if fmt == "modelopt-fp8":
-        attn = model.backbone.layers[model.cfg.layers_of("*")[0]].mixer
-        assert float(attn.k_scale) == pytest.approx(0.02) and float(attn.v_scale) == pytest.approx(0.03)
+        for i in model.cfg.layers_of("*"):
+            attn = model.backbone.layers[i].mixer
+            assert float(attn.k_scale) == pytest.approx(0.02) and float(attn.v_scale) == pytest.approx(0.03)
+            assert attn.kv_dtype == E4M3
         experts = model.backbone.layers[model.cfg.layers_of("E")[0]].mixer.experts
         sd = safetensors_torch.load_file(str(root / "model.safetensors"))
         base = f"backbone.layers.{model.cfg.layers_of('E')[0]}.mixer.experts"
@@ -320,12 +340,28 @@ def test_logits_equal_the_w8a8_reference(fp8_dir):
     assert 2 ** -12 < rel <= 2 ** -2, f"relative error {rel:.3e} vs 32-bit activations (module doc, (2))"
 
 
-@pytest.fixture(scope="module", params=["modelopt-fp8", "ct-channel-token"])
+ENGINE_MODELS = {"modelopt-fp8": ("modelopt-fp8", None), "ct-channel-token": ("ct-channel-token", None),
+                 "ct-channel-token-kv-fp8": ("ct-channel-token", "fp8")}
+
+
+@pytest.fixture(scope="module", params=list(ENGINE_MODELS))
 def engine_model(request, tmp_path_factory):
-    """A static-scale and a dynamic per-token checkpoint, loaded."""
+    """A static-scale checkpoint (FP8 K/V with its scales), a dynamic per-token one (16-bit K/V),
+    and the latter with FP8 K/V pages at scale 1.0 (``set_kv_cache_dtype``), loaded."""
+    fmt, kv = ENGINE_MODELS[request.param]
     root = tmp_path_factory.mktemp("engine")
-    write_checkpoint(root, request.param)
-    return load_nemotron_h(root, device="cpu")
+    write_checkpoint(root, fmt)
+    model = load_nemotron_h(root, device="cpu")
+    if kv is not None:
+        assert set_kv_cache_dtype(model, kv) == "float8_e4m3fn (k_scale = v_scale = 1.0: the checkpoint ships no K/V scales)"
+    model.fp8_kv = request.param != "ct-channel-token"  # what the tests expect of its pages
+    return model
+
+
+def check_pages(engine, model) -> None:
+    """The engine's K/V pools are float8 exactly for the FP8 K/V models."""
+    dtypes = {t.dtype for t in engine.cache.kv.k + engine.cache.kv.v}
+    assert dtypes == {E4M3 if model.fp8_kv else torch.float32}
 
 
 PROMPTS = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(11)).tolist() for n in (5, 13, 22)]
@@ -343,6 +379,7 @@ def test_chunked_prefill_equals_unchunked(engine_model):
     assert want == full
     for chunk in (3, 8):
         engine = engine_of(engine_model, max_batch=3, prefill_chunk=chunk)
+        check_pages(engine, engine_model)
         assert engine.generate(PROMPTS, params) == want, f"prefill_chunk={chunk}"
         assert_all_free(engine)
 
@@ -353,6 +390,8 @@ def test_prefix_cache_hit_keeps_the_output(engine_model):
     plain = engine_of(engine_model, max_batch=2)
     want = [run(plain, first), run(plain, second)]
     eng = engine_of(engine_model, max_batch=2, prefix_cache_entries=8, prefix_block=8)
+    check_pages(eng, engine_model)
+    assert {t.dtype for t in eng.prefix.kv_k} == {E4M3 if engine_model.fp8_kv else torch.float32}
     same_run(run(eng, first), want[0])
     scrub(eng)
     same_run(run(eng, second), want[1])
@@ -360,9 +399,41 @@ def test_prefix_cache_hit_keeps_the_output(engine_model):
     assert_all_free(eng)
 
 
+def test_kv_cache_dtype_choices(tmp_path):
+    """``set_kv_cache_dtype``: "fp32" (the model's dtype) keeps 16/32-bit pages on a checkpoint that
+    ships K/V scales and matches the plain forward; "auto" goes back to the checkpoint's float8 with
+    its scales; a dtype other than the model's, or an unknown name, is refused."""
+    root = tmp_path / "ckpt"
+    write_checkpoint(root, "modelopt-fp8")
+    model = load_nemotron_h(root, device="cpu")
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        fp8_logits = model(ids)
+        assert set_kv_cache_dtype(model, "fp32") == "float32 (the model's dtype)"
+        plain = model(ids)
+        assert model.new_cache(1, max_seq_len=16, page_size=4).kv.k[0].dtype == torch.float32
+        assert not torch.equal(plain, fp8_logits)  # the forward rounded K and V through e4m3 before
+        assert set_kv_cache_dtype(model, "auto") == "float8_e4m3fn (k_scale / v_scale from the checkpoint)"
+        torch.testing.assert_close(model(ids), fp8_logits, atol=0, rtol=0)
+    attn = model.backbone.layers[0].mixer
+    assert float(attn.k_scale) == pytest.approx(0.02)  # the checkpoint's scales survive the round trip
+    with pytest.raises(ValueError, match="'bf16' is not the model's dtype"):
+        set_kv_cache_dtype(model, "bf16")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype: expected one of .* got 'int8'"):
+        set_kv_cache_dtype(model, "int8")
+    assert attn.kv_dtype == E4M3  # a refused choice changes nothing
+
+
 def _drop(name):
     def edit(sd, config, hf):
         del sd[name]
+    return edit
+
+
+def _drop_all(*names):
+    def edit(sd, config, hf):
+        for name in names:
+            del sd[name]
     return edit
 
 
@@ -389,6 +460,18 @@ EXP = "backbone.layers.2.mixer.experts"
     ("modelopt-fp8", _set(f"{IN}.weight_scale", torch.ones(3)), f"{IN}.weight_scale: expected shape"),
     ("modelopt-fp8", _drop(f"{EXP}.5.down_proj.weight_scale"), f"{EXP}.5.down_proj.weight_scale: missing"),
     ("modelopt-fp8", _drop("backbone.layers.0.mixer.v_proj.v_scale"), "v_scale missing"),
+    ("modelopt-fp8", _drop("backbone.layers.5.mixer.k_proj.k_scale"),
+     "backbone.layers.5.mixer: k_scale missing (the other is present)"),
+    ("modelopt-fp8", _drop_all("backbone.layers.5.mixer.k_proj.k_scale", "backbone.layers.5.mixer.v_proj.v_scale"),
+     "backbone.layers.5.mixer.k_proj.k_scale, backbone.layers.5.mixer.v_proj.v_scale: missing"),
+    ("modelopt-fp8", _set("backbone.layers.0.mixer.k_proj.k_scale", torch.tensor(float("nan"))),
+     "backbone.layers.0.mixer.k_proj.k_scale: 1 of 1 values are not finite and > 0 (K/V cache scale)"),
+    ("modelopt-fp8", _set("backbone.layers.5.mixer.k_proj.k_scale", torch.tensor(0.0)),
+     "backbone.layers.5.mixer.k_proj.k_scale: 1 of 1 values are not finite and > 0"),
+    ("modelopt-fp8", _set("backbone.layers.0.mixer.k_proj.k_scale", torch.ones(4)),
+     "backbone.layers.0.mixer.k_proj.k_scale: expected shape () or (1,) (K/V cache scale), got (4,)"),
+    ("ct-channel-token", _set("backbone.layers.0.mixer.k_proj.k_scale", torch.tensor(0.1)),
+     "backbone.layers.0.mixer.k_proj.k_scale: unexpected"),
     ("ct-channel-token", _set(f"{IN}.weight_scale", -torch.ones(16 * 8 + 2 * 2 * 16 + 8 + 16 * 8, 1)),
      f"{IN}.weight_scale: "),
     ("ct-channel-token", _set(f"{IN}.weight", torch.full((2, 2), float("nan")).to(E4M3)), f"{IN}.weight"),
@@ -401,7 +484,8 @@ EXP = "backbone.layers.2.mixer.experts"
      "backbone.layers.0.mixer.q_proj.weight_scale: a scale without an FP8 weight"),
     ("ct-channel-token", _set(f"{IN}.input_scale", torch.ones(1)), f"{IN}.input_scale: unexpected"),
 ], ids=["missing-weight-scale", "missing-input-scale", "nan-scale", "zero-input-scale", "misshaped-scale",
-        "missing-expert-scale", "missing-v-scale", "negative-channel-scales", "nan-fp8-bytes",
+        "missing-expert-scale", "missing-v-scale", "missing-k-scale", "missing-kv-scales", "nan-k-scale",
+        "zero-k-scale", "misshaped-k-scale", "k-scale-without-fp8-kv", "negative-channel-scales", "nan-fp8-bytes",
         "fp8-in-excluded-module", "fp8-router-no-scale", "fp8-router", "stray-scale",
         "input-scale-with-dynamic"])
 def test_bad_tensors_are_named(tmp_path, fmt, edit, message):
@@ -548,3 +632,32 @@ def test_fp8_layers_run_the_triton_kernels(engine_model, monkeypatch):
             got = moe(x), lin(x)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, **FP32)
+
+
+@pytest.mark.gpu
+def test_fp8_kv_pages_graphed_decode_gpu(tmp_path, monkeypatch):
+    """The ModelOpt checkpoint in bf16 on the GPU: float8 K/V pages (its scales) through the
+    graphed decode and prefill give the eager engine's greedy tokens; speculative verify (the same
+    decode kernel over B*T rows) too; and the same run with 16-bit pages stays close (the logits
+    of one forward within the FP8 bound of the module doc's (2))."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    root = tmp_path / "modelopt-fp8"
+    write_checkpoint(root, "modelopt-fp8")
+    gpu = load_nemotron_h(root, device="cuda", dtype=torch.bfloat16)
+    prm = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 9, 16)]
+    eager = engine_of(gpu, max_batch=4, cuda_graphs=False)
+    assert {t.dtype for t in eager.cache.kv.k + eager.cache.kv.v} == {E4M3}
+    want = eager.generate(PROMPTS, prm)
+    graphs = engine_of(gpu, max_batch=4, cuda_graphs=True)
+    assert graphs.decoder is not None and graphs.cache.kv.k[0].dtype == E4M3
+    assert graphs.generate(PROMPTS, prm) == want
+    assert graphs.generate(PROMPTS, prm) == want  # replays of captured graphs, pages reused
+    spec = engine_of(gpu, max_batch=4, cuda_graphs=True, speculate=2)
+    assert spec.cache.kv.k[0].dtype == E4M3 and spec.generate(PROMPTS, prm) == want
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4)).cuda()
+    with torch.no_grad():
+        fp8_kv = gpu(ids).float()
+        set_kv_cache_dtype(gpu, "bf16")
+        bf16_kv = gpu(ids).float()
+    rel = float((fp8_kv - bf16_kv).norm() / bf16_kv.norm())
+    assert 0 < rel <= 2 ** -2, rel
