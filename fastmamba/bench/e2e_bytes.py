@@ -8,6 +8,7 @@ new token's written. The decode time's floor is these bytes over the measured co
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 
 import torch
@@ -57,27 +58,51 @@ def count_touched_experts(model, step, tokens: torch.Tensor, steps: int = 4) -> 
     """Mean distinct routed experts per MoE layer over ``steps`` eager decode steps from ``tokens``
     (``step(tokens) -> tokens``): what the byte model of a MoE decode step counts. The timed steps run
     from CUDA graphs, which cannot report their routing; these steps follow them on the same requests."""
-    import fastmamba.layers.moe as moe_module
-
     layers = moe_layers(model)
     if not layers:
         return []
-    seen: list[int] = []
-    route = moe_module.moe_route
-
-    def counting(*args, **kwargs):
-        routing = route(*args, **kwargs)
-        seen.append(int(routing.ids.unique().numel()))
-        return routing
-
-    moe_module.moe_route = counting
-    try:
+    seen: list[list[int]] = [[] for _ in layers]  # per layer: distinct experts of each routing
+    with _routings_recorded(layers, seen):
         for _ in range(steps):
             tokens = step(tokens)
+    if not all(seen):
+        raise RuntimeError(f"e2e: {sum(not s for s in seen)} of {len(layers)} MoE layers routed no token in "
+                           f"{steps} decode steps: the expert count of the roofline has nothing to count")
+    return [statistics.fmean(s) for s in seen]
+
+
+@contextlib.contextmanager
+def _routings_recorded(layers: list, seen: list[list[int]]):
+    """While open, every routing of ``layers[j]`` appends its count of distinct expert ids to ``seen[j]``.
+    A layer with a ``route`` method (its one door to the router) is wrapped per instance; older layers
+    call the module's ``moe_route`` in layer order, so its calls are dealt out to the layers in turn."""
+    import fastmamba.layers.moe as moe_module
+
+    def recording(route, out: list[int]):
+        def wrapped(*args, **kwargs):
+            routing = route(*args, **kwargs)
+            out.append(int(routing.ids.unique().numel()))
+            return routing
+        return wrapped
+
+    if all(callable(getattr(type(m), "route", None)) for m in layers):
+        for m, out in zip(layers, seen):
+            m.route = recording(m.route, out)  # an instance attribute: shadows the method
+        try:
+            yield
+        finally:
+            for m in layers:
+                del m.route
+        return
+    calls: list[int] = []
+    route = moe_module.moe_route
+    moe_module.moe_route = recording(route, calls)
+    try:
+        yield
     finally:
         moe_module.moe_route = route
-    n = len(layers)
-    return [statistics.fmean(seen[j::n]) for j in range(n)]
+        for j, out in enumerate(seen):
+            out.extend(calls[j::len(layers)])
 
 
 def step_bytes(model, batch: int, ssm_dtype: torch.dtype = torch.float32) -> int:
