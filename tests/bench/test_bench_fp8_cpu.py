@@ -1,0 +1,54 @@
+"""``bench fp8 --kinds moe`` on the CPU: the byte model by hand and counted from the routing, the
+torch._scaled_mm-per-expert baseline (torch runs e4m3 ``_scaled_mm`` on the CPU) and the grouped
+kernel against the reference through the bench's own check, a wrong kernel caught.
+
+Run: ``TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/bench/test_bench_fp8_cpu.py``.
+"""
+from __future__ import annotations
+
+import torch
+
+from fastmamba.bench.ops import fp8 as fp8_bench
+from fastmamba.bench.ops._base import Provider
+
+CPU = torch.device("cpu")
+
+
+def test_moe_byte_model_by_hand():
+    # T=2, M=4, F=3, k=2, 3 experts touched: e4m3 weights 2*3*4*3, scales 4*3*(3+4), x and out 2*2*4*2, routing 2*2*8
+    assert fp8_bench.moe_fp8_bytes(2, 4, 3, 2, 3) == 72 + 84 + 32 + 32 == 220
+    assert fp8_bench.moe_fp8_bytes(2, 4, 3, 2, 3, weight_bytes=2) == 144 + 32 + 32 == 208
+
+
+def _moe_case_and_set(T: int):
+    bench = fp8_bench.FP8Bench(("moe",))
+    (case,) = bench.cases(CPU, [T])
+    return bench, case, bench.make_set(case, CPU, seed=0)
+
+
+def test_cases_count_the_experts_the_routing_touches():
+    bench, case, inp = _moe_case_and_set(3)
+    touched = int(inp["ids"].unique().numel())
+    E, k, F, M = fp8_bench.CPU_MOE["tiny"]
+    assert case.params["touched"] == touched == len(inp["groups"]) and f"({touched} experts touched)" in case.dims
+    assert case.nbytes == fp8_bench.moe_fp8_bytes(3, M, F, k, touched)
+    assert sum(int(tok.numel()) for _, tok, _ in inp["groups"]) == 3 * k  # every (token, expert) pair once
+
+
+def test_moe_providers_match_the_reference_and_a_wrong_kernel_fails():
+    """The grouped kernel (20 tokens: above the pair GEMV) and the per-expert _scaled_mm baseline pass
+    the bench's check against the W8A8 reference; a kernel that forgets the routing weights fails it."""
+    from fastmamba.ops.fp8 import fp8_moe_grouped
+    from fastmamba.ops.fp8.ref import fp8_moe_ref
+
+    bench, case, inp = _moe_case_and_set(20)
+    ref = Provider("torch-ref", "ref", "t", lambda c, i: fp8_moe_ref(i["x"], i["up8"], i["su"], i["down8"], i["sd"],
+                                                                      i["wts"], i["ids"]))
+    grouped = Provider("fastmamba-fp8-grouped", "ours", "t",
+                       lambda c, i: fp8_moe_grouped(i["x"], i["up8"], i["su"], i["down8"], i["sd"], i["wts"], i["ids"]))
+    per_expert = Provider("torch._scaled_mm-experts", "peer", "t", lambda c, i: fp8_bench._scaled_mm_experts(i))
+    unweighted = Provider("wrong", "ours", "t", lambda c, i: fp8_moe_grouped(
+        i["x"], i["up8"], i["su"], i["down8"], i["sd"], torch.ones_like(i["wts"]), i["ids"]))
+    assert bench.check(grouped, ref, case, inp) == "ok"
+    assert bench.check(per_expert, ref, case, inp) == "ok"
+    assert bench.check(unweighted, ref, case, inp).startswith("FAIL")
