@@ -1,10 +1,26 @@
 """What goes into the engine and what comes out: ``Request``, ``StepOutput``, and the checks on each.
 
-  * ``prompt_ids``: a prompt (ints, numpy ints, a 1-D integer tensor) as a list of Python ints in
-    [0, V), or a TypeError / ValueError naming the position at fault.
-  * ``stop_reason``: after a token is appended to a request's output, why it stops there (the
-    first of FINISH_REASONS it meets), or None.
-  * ``run_logprobs``: the log-probabilities of the tokens a step emitted, for requests that asked.
+A request's life in the engine:
+  * ``Engine.add_request`` checks the prompt (``prompt_ids``: Python ints or an integer tensor, ids
+    in [0, V)) and the ``SamplingParams`` before anything is queued; a refused request leaves no trace.
+  * A request stops after the token that meets its first stop condition (``stop_reason``, giving
+    ``Request.finish_reason``): "eos" (one of the model's end-of-sequence ids,
+    ``model.cfg.eos_token_ids``, unless ``params.ignore_eos``), "stop" (one of
+    ``params.stop_token_ids``, or the decoded output now contains one of ``params.stop`` strings:
+    needs the engine's ``tokenizer``), "length" (``max_new_tokens``). The token that stopped it is
+    kept in the output. Its slot is freed at once.
+  * Each finished request is handed out once: the ``StepOutput`` that carries its last token has
+    ``finished=True``, its ``finish_reason`` and the ``Request`` itself. The engine also keeps it in
+    ``finished`` (by id) until collected (``pop_finished``, or ``finished.pop(rid)``), but only the
+    newest ``max_finished`` uncollected ones: a caller that reads the step outputs and never
+    collects does not make the engine grow.
+  * An exception inside a step (the model, the sampler, the drafter) fails the requests of that
+    step: each is finished with finish_reason "error" (``Request.error`` holds the exception; it
+    is kept in ``finished`` like any finished request) and its slot freed; then the exception
+    propagates unchanged (on Python >= 3.11 with a note naming the failed requests). Other
+    requests stay queued and later steps run as usual. "abort": ``Engine.abort``.
+  * With ``SamplingParams.logprobs``, each emitted token's log-probability and the top ones
+    (``run_logprobs``) ride on its ``StepOutput``.
 
 No queue, slot or device state lives here (``scheduler`` queues requests, ``engine`` runs them).
 """

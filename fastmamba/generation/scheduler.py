@@ -23,7 +23,7 @@ A verify step grows each request's KV by its T inputs, the commit shortens it to
 its replay (``GraphedPrefill``), as the eager one does in the model.
 
 The engine runs what the scheduler planned and tells it what came of it (``start_running``,
-``drop_finished``, ``remove``); it never edits the queues itself.
+``release`` a finished request's slot, ``drop_finished``, ``remove``); it never edits the queues itself.
 """
 from __future__ import annotations
 
@@ -86,6 +86,24 @@ class Scheduler:
         if prefilling:
             self.prefilling = [r for r in self.prefilling if not r.finished]
 
+    def find(self, rid: int) -> Request | None:
+        """The unfinished request with id ``rid`` (waiting, prefilling or running), or None."""
+        return next((r for r in itertools.chain(self.waiting, self.prefilling, self.running) if r.rid == rid), None)
+
+    def release(self, r: Request) -> None:
+        """``r`` just finished: free its slot (``r.slot`` becomes -1). One that ended by itself
+        (eos / stop / length) with its whole prompt in first leaves its state in the prefix cache,
+        under its prompt and output but the last token (not yet fed), so that the next turn of a
+        conversation continues from it (not with speculation: a verified slot's conv history is
+        not in prefill's layout)."""
+        if r.slot < 0:
+            return
+        if (self.prefix is not None and r.finish_reason in ("eos", "stop", "length") and not self.speculate
+                and r.prefilled == len(r.prompt) and r.output):
+            self.prefix.save(r.prompt + r.output[:-1], self.cache, r.slot)
+        slot, r.slot = r.slot, -1
+        self.cache.free([slot])
+
     def remove(self, r: Request) -> None:
         """Take ``r`` out of whichever queue holds it."""
         self.waiting = deque(w for w in self.waiting if w is not r)
@@ -98,8 +116,10 @@ class Scheduler:
         """How many waiting requests a step without ``prefill_chunk`` admits (whole prompts): as
         many as the batch, the free slots and the free pages hold, a page per running request
         kept in reserve."""
+        if not self.waiting:  # a decode step: nothing more to count
+            return 0
         room = min(self.max_batch - len(self.running), self.cache.free_slots)
-        if not self.waiting or room <= 0:
+        if room <= 0:
             return 0
         n = min(len(self.waiting), room)
         pages = self._reserve(self._free_pages())
