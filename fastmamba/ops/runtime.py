@@ -40,8 +40,8 @@ from fastmamba.ops._common.pdl import pdl_supported, programmatic_dependent_laun
 from fastmamba.ops._common.slot_errors import raise_pending_slot_errors
 from fastmamba.ops._common.slot_rows import scatter_rows
 from fastmamba.ops.gemv.configs import MAX_ROWS as GEMV_MAX_ROWS
-from fastmamba.ops.ssd_scan.api import chunk_count_bound
-from fastmamba.ops.ssd_scan.chunked.kernel import NORM_SPAN
+from fastmamba.ops.ssd_scan.chunked.kernel_common import NORM_SPAN
+from fastmamba.ops.ssd_scan.plan import chunk_count_bound
 from fastmamba.ops.ssd_scan.hopper import hopper_kernels, long_prefill_kernels
 
 __all__ = [

@@ -17,7 +17,7 @@ from fastmamba.ops._common import varlen_checks
 from fastmamba.ops._common.dispatch import interpreter_enabled
 from fastmamba.ops.conv1d_fn import api as conv_api
 from fastmamba.ops.conv1d_fn.ref import causal_conv1d_varlen_ref
-from fastmamba.ops.ssd_scan import api as ssd_api
+from fastmamba.ops.ssd_scan import plan as ssd_plan
 from fastmamba.ops.ssd_scan.ref import ssd_scan_varlen_ref
 
 LENS = (5, 0, 9, 3)  # T = 17, an empty sequence
@@ -86,7 +86,7 @@ def _sync(device: torch.device) -> None:
 
 def _count_host_reads(monkeypatch) -> list:
     reads = []
-    for module in (checks, conv_api, ssd_api):
+    for module in (checks, conv_api, ssd_plan):
         real = module.host_list
         monkeypatch.setattr(module, "host_list", lambda t, real=real: reads.append(t) or real(t))
     return reads

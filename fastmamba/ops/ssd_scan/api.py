@@ -1,4 +1,5 @@
-"""Public entries of the chunked SSD scan: mamba_ssm's dense call and the packed varlen serving call."""
+"""Public entries of the chunked SSD scan: mamba_ssm's dense call and the packed varlen serving call.
+Their shared argument checks: ``inputs.py``; chunk counts and segment tables: ``plan.py``."""
 from __future__ import annotations
 
 from typing import Optional
@@ -13,103 +14,21 @@ from fastmamba.ops._common.checks import (
     check_same_device,
     check_shape,
     check_tensors,
-    check_unit_stride,
 )
 from fastmamba.ops._common.dispatch import call_directly, use_triton
 from fastmamba.ops._common import slot_errors, varlen_checks
-from fastmamba.ops._common.host_values import compiling, host_list, host_reads_allowed
+from fastmamba.ops._common.host_values import compiling, host_reads_allowed
 from fastmamba.ops.ssd_scan.fused.api import choose_fused, longest_sequence_bound, ssd_scan_varlen_fused_impl
 from fastmamba.ops.ssd_scan.hopper.chunk_output import hopper_chunk_output_ok
-from fastmamba.ops.ssd_scan.chunked.kernel import NORM_SPAN, _segment_slots_kernel
+from fastmamba.ops.ssd_scan.chunked.kernel import _segment_slots_kernel
 from fastmamba.ops.ssd_scan.chunked.launch import ScanSegments, ssd_scan_launch
+from fastmamba.ops.ssd_scan.inputs import _DENSE, _VARLEN, _as_x_dtype, _check_common, _check_norm
+from fastmamba.ops.ssd_scan.plan import _check_cu_seqlens, _count_chunks, _dense_call_segments, chunk_count_bound
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
 from fastmamba.ops._common.host_math import cdiv
 from fastmamba.ops._common.launch import lean
 
-_DENSE = "mamba_chunk_scan_combined"
-_VARLEN = "ssd_scan_varlen"
 _INF = float("inf")
-
-
-def num_chunks(cu_seqlens: torch.Tensor, chunk_size: int) -> int:
-    """How many chunks the scan cuts the packed sequences into (chunks never cross a boundary).
-
-    Reads cu_seqlens on the host (once per tensor version). Chunk k of sequence b has index
-    ``chunk_offsets(cu_seqlens, chunk_size)[b] + k`` in ``chunk_states_out``.
-    """
-    return _count_chunks(host_list(cu_seqlens), chunk_size)
-
-
-def _count_chunks(cu: list[int], chunk_size: int) -> int:
-    return sum(cdiv(int(b) - int(a), chunk_size) for a, b in zip(cu[:-1], cu[1:]))
-
-
-def chunk_count_bound(tokens: int, n_seg: int, chunk_size: int) -> int:
-    """The most chunks ``n_seg`` sequences of ``tokens`` tokens in all can be cut into, without their
-    lengths: sum ceil(l / Q) <= sum (l + Q - 1) / Q = (tokens + n_seg (Q - 1)) / Q. Exact for one
-    sequence; the scan sizes its grids with it where it may not read cu_seqlens (graph capture)."""
-    return (tokens + n_seg * (chunk_size - 1)) // chunk_size
-
-
-def chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """[B] index of each sequence's first chunk in ``chunk_states_out`` (computed on the device)."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    n = torch.div(lens + chunk_size - 1, chunk_size, rounding_mode="floor")
-    return torch.cumsum(n, 0) - n
-
-
-def _check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, total: int, read: bool = True) -> list[int] | None:
-    """Shape and dtype; where host reads are allowed (and ``read``) also the values, which it
-    returns (one read serves the check, the chunk count and the fused path's length bound), else None."""
-    check_dtype(op, "cu_seqlens", cu_seqlens, INDEX_DTYPES)
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"{op}: `cu_seqlens` expected shape (B+1,) with B >= 1, got {tuple(cu_seqlens.shape)}")
-    if not read or not host_reads_allowed(cu_seqlens):
-        return None
-    values = host_list(cu_seqlens)
-    if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values[:-1], values[1:])):
-        shown = values if len(values) <= 10 else values[:5] + ["..."] + values[-3:]
-        raise ValueError(
-            f"{op}: `cu_seqlens` must start at 0, never decrease and end at the token count {total}; got {shown}"
-        )
-    return values
-
-
-def _as_x_dtype(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``B`` / ``C`` in x's dtype: fp32 B and C next to 16-bit x (as mamba_ssm's callers pass them)
-    are converted first, a copy of G*N values per token (small next to x's H*P); the scan's
-    tensor-core dots then take x's dtype, as they do when the dtypes match."""
-    return t if t.dtype == x.dtype else t.to(x.dtype)
-
-
-def _check_common(op, x, dt, A, B, C, D, z, dt_bias, lead):
-    """Shapes shared by both entries; ``lead`` are the leading (letter, size) pairs of x."""
-    check_same_device(op, [("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("dt_bias", dt_bias)])
-    check_dtype(op, "x", x, FLOAT_DTYPES)
-    H, P = x.shape[-2:]
-    check_shape(op, "dt", dt, [*lead, ("H", H)])
-    check_dtype(op, "dt", dt, FLOAT_DTYPES)
-    check_shape(op, "A", A, [("H", H)])
-    check_dtype(op, "A", A, FLOAT_DTYPES)
-    check_shape(op, "B", B, [*lead, ("G", None), ("N", None)])
-    G, N = B.shape[-2:]
-    if G < 1 or H % G != 0:
-        raise ValueError(f"{op}: heads H={H} must be a multiple of the groups G={G} of `B` (shape {tuple(B.shape)})")
-    check_shape(op, "C", C, [*lead, ("G", G), ("N", N)])
-    for name, t in (("B", B), ("C", C)):
-        check_dtype(op, name, t, FLOAT_DTYPES)  # another float dtype than x's: converted (_as_x_dtype)
-    if D is not None:
-        check_dtype(op, "D", D, FLOAT_DTYPES)
-        if tuple(D.shape) not in ((H,), (H, P)):
-            raise ValueError(f"{op}: `D` expected shape (H,)=({H},) or (H, P)=({H}, {P}), got {tuple(D.shape)}")
-    if z is not None:
-        check_shape(op, "z", z, [*lead, ("H", H), ("P", P)])
-        if z.dtype != x.dtype:
-            raise TypeError(f"{op}: `z` has dtype {z.dtype} but `x` has {x.dtype}; they must match")
-    if dt_bias is not None:
-        check_shape(op, "dt_bias", dt_bias, [("H", H)])
-        check_dtype(op, "dt_bias", dt_bias, FLOAT_DTYPES)
-    return H, P, G, N
 
 
 def mamba_chunk_scan_combined(
@@ -211,25 +130,6 @@ slot_errors.EFFECTS[_DENSE] = ("that call ran its tokens as one sequence: its ou
                                "ones asked for")
 
 
-# Segment tables of dense calls (one sequence per row), by (rows, length, device): constant index
-# tensors the kernels only read, made once instead of three small launches per call (issue 19).
-_DENSE_SEGMENTS: dict = {}
-
-
-def _dense_segments(nb: int, L: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(cu [nb+1] = 0, L, 2L, ..., row of each segment [nb] = 0..nb-1, [nb] of -1), cached; made
-    outside any CUDA-graph capture's pool where possible (a capture only reads them)."""
-    key = (nb, L, dev)
-    seg = _DENSE_SEGMENTS.get(key)
-    if seg is None:
-        seg = (torch.arange(0, nb * L + 1, L, dtype=torch.int32, device=dev),
-               torch.arange(nb, dtype=torch.int32, device=dev),
-               torch.full((nb,), -1, dtype=torch.int32, device=dev))
-        if len(_DENSE_SEGMENTS) < 256 and not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _DENSE_SEGMENTS[key] = seg
-    return seg
-
-
 def _nothing(x: torch.Tensor) -> torch.Tensor:
     """The placeholder for a state the caller did not ask for (a custom op returns tensors)."""
     return torch.empty(0, dtype=torch.float32, device=x.device)
@@ -273,40 +173,9 @@ def _mamba_chunk_scan_combined_impl(
         return out, final, varlen
     dev = x.device
     # segments in the flat token space f = row * L + position
-    if cu_seqlens is not None:
-        cu = cu_seqlens
-        n_seg = cu.shape[0] - 1
-        first_of_row = torch.zeros(n_seg, dtype=torch.bool, device=dev)
-        first_of_row[0] = True
-        last_of_row = torch.zeros(n_seg, dtype=torch.bool, device=dev)
-        last_of_row[-1] = True
-        row_of_seg = torch.zeros(n_seg, dtype=torch.int32, device=dev)
-        # the exact chunk count needs a host read; where the caller may not read (decided when it
-        # called, so a compiled graph keeps its answer), an upper bound
-        n_chunks = num_chunks(cu, chunk_size) if read_cu_seqlens else chunk_count_bound(L, n_seg, chunk_size)
-    elif seq_idx is not None:
-        bounds, rows, firsts, lasts = [], [], [], []
-        ids = seq_idx.tolist()
-        for b in range(nb):
-            cuts = [0] + [t for t in range(1, L) if ids[b][t] != ids[b][t - 1]] + [L]
-            for k, (s, e) in enumerate(zip(cuts[:-1], cuts[1:])):
-                bounds.append(b * L + s)
-                rows.append(b)
-                firsts.append(k == 0)
-                lasts.append(e == L)
-        bounds.append(nb * L)
-        cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
-        row_of_seg = torch.tensor(rows, dtype=torch.int32, device=dev)
-        first_of_row = torch.tensor(firsts, dtype=torch.bool, device=dev)
-        last_of_row = torch.tensor(lasts, dtype=torch.bool, device=dev)
-        n_chunks = sum(cdiv(e - s, chunk_size) for s, e in zip(bounds[:-1], bounds[1:]))
-    else:
-        cu, row_of_seg, none = _dense_segments(nb, L, dev)
-        first_of_row = last_of_row = None
-        n_chunks = nb * cdiv(L, chunk_size)
+    cu, n_chunks, row_of_seg, first_of_row, last_of_row, none = _dense_call_segments(
+        nb, L, dev, seq_idx, cu_seqlens, chunk_size, read_cu_seqlens)
     n_seg = cu.shape[0] - 1
-    if cu_seqlens is not None or seq_idx is not None:
-        none = torch.full((n_seg,), -1, dtype=torch.int32, device=dev)
 
     def where_row(flags):
         return row_of_seg if flags is None else torch.where(flags, row_of_seg, none)
@@ -532,25 +401,6 @@ def ssd_scan_varlen(
             bool(A_is_log), rand_seed, norm_weight, norm_sumsq,
         )
         return out
-
-
-def _check_norm(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_sumsq: torch.Tensor | None) -> None:
-    """ssd_scan_varlen's deferred-norm arguments (tensors or None: checked at the entry): both or
-    neither, shapes, dtypes, device."""
-    if (norm_weight is None) != (norm_sumsq is None):
-        raise ValueError(f"{_VARLEN}: pass both `norm_weight` and `norm_sumsq` (the deferred norm) or neither")
-    if norm_weight is None:
-        return
-    T, H, P = x.shape
-    if P % NORM_SPAN.value:
-        raise ValueError(f"{_VARLEN}: the deferred norm needs P (the head dim) a multiple of {NORM_SPAN.value}, got P = {P}")
-    check_same_device(_VARLEN, [("x", x), ("norm_weight", norm_weight), ("norm_sumsq", norm_sumsq)])
-    check_shape(_VARLEN, "norm_weight", norm_weight, [("H * P", H * P)])
-    check_dtype(_VARLEN, "norm_weight", norm_weight, FLOAT_DTYPES)
-    check_unit_stride(_VARLEN, "norm_weight", norm_weight, 0)
-    check_shape(_VARLEN, "norm_sumsq", norm_sumsq, [("T", T), ("H * P / 16", H * P // NORM_SPAN.value)])
-    check_dtype(_VARLEN, "norm_sumsq", norm_sumsq, (torch.float32,))
-    check_unit_stride(_VARLEN, "norm_sumsq", norm_sumsq, 1)
 
 
 VARLEN_NAMES = ("cache_indices", "cu_seqlens")  # argument numbers 1, 2 of the device check's record

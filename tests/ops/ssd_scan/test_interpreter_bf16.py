@@ -2,7 +2,7 @@
 
 Minimal reproducers, kernel against torch: each fails under the interpreter (``xfail``, strict,
 so a Triton release that fixes it turns the run red and the workaround in
-``fastmamba/ops/ssd_scan/chunked/kernel.py`` (``_mma``'s DOT_UPCAST) can go) and passes on a GPU.
+``fastmamba/ops/ssd_scan/chunked/kernel_common.py`` (``_mma``'s DOT_UPCAST) can go) and passes on a GPU.
 """
 from __future__ import annotations
 

@@ -329,10 +329,10 @@ def test_gpu_dense_2p7b_matches_reference(device):
 
 
 def test_chunk_count_bound_covers_every_length_mix_and_is_exact_for_one_sequence():
-    """api.chunk_count_bound (the grids' size where cu_seqlens may not be read, e.g. under graph
+    """plan.chunk_count_bound (the grids' size where cu_seqlens may not be read, e.g. under graph
     capture) is never below the exact count, and equals it for one sequence (a bound one chunk too
     high cost the graphed 2.7b scan ~6 us at 2048 tokens: a second wave of chunk-state programs)."""
-    from fastmamba.ops.ssd_scan.api import _count_chunks, chunk_count_bound
+    from fastmamba.ops.ssd_scan.plan import _count_chunks, chunk_count_bound
 
     g = torch.Generator().manual_seed(5)
     for Q in (16, 64, 256):

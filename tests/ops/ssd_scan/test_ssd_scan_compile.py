@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastmamba.ops.ssd_scan import api, mamba_chunk_scan_combined, ssd_scan_varlen
+from fastmamba.ops.ssd_scan import mamba_chunk_scan_combined, plan, ssd_scan_varlen
 from fastmamba.ops.ssd_scan.ref import mamba_chunk_scan_combined_ref, ssd_scan_varlen_ref
 from tests.helpers import seeded, tol
 from tests.ops.ssd_scan.test_ssd_scan import _inputs, _varlen_case
@@ -25,7 +25,7 @@ def no_host_reads(monkeypatch):
         reads.append(tuple(t.shape))
         return t.tolist()
 
-    monkeypatch.setattr(api, "host_list", counting)
+    monkeypatch.setattr(plan, "host_list", counting)
     monkeypatch.setattr(checks, "host_list", counting)
     torch._dynamo.reset()
     yield reads

@@ -9,6 +9,7 @@ from fastmamba.ops.ssd_scan import num_chunks, ssd_scan_varlen
 from fastmamba.ops.ssd_scan.fused import api as fused
 from fastmamba.ops.ssd_scan.fused import configs as fused_configs
 from fastmamba.ops.ssd_scan import api as scan_api
+from fastmamba.ops.ssd_scan import plan as scan_plan
 from fastmamba.ops.ssd_scan.ref import ssd_scan_varlen_ref
 from tests.helpers import nan_like, seeded, tol
 from tests.ops.ssd_scan.test_ssd_scan import _error_baseline_check, _inputs
@@ -272,7 +273,7 @@ def test_choice_without_a_host_read(device, launches, monkeypatch):
     def no_read(t):
         raise AssertionError("cu_seqlens read on the host inside trusted_inputs()")
 
-    monkeypatch.setattr(scan_api, "host_list", no_read)
+    monkeypatch.setattr(scan_plan, "host_list", no_read)
     with trusted_inputs():
         args, kw = _dispatch_case(device, (3, 6))  # T = 9 <= 10
         ssd_scan_varlen(*args, **kw)

@@ -26,9 +26,8 @@ from fastmamba.ops.ssd_scan.chunked.kernel import (
     _chunk_scan_kernel,
     _chunk_state_kernel,
     _state_passing_kernel,
-    d_strides,
-    strides4,
 )
+from fastmamba.ops.ssd_scan.chunked.kernel_common import d_strides, strides4
 from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 
 # C B^T tile (rows = columns); the chunk scan reads it in its own tiles. At least 64: the Hopper

@@ -33,7 +33,7 @@ from fastmamba.ops._common.dispatch import inline_asm_ok, interpreter_enabled
 from fastmamba.ops._common.jit_math import exp_approx, silu_approx, softplus
 from fastmamba.ops._common.pdl import TRIGGER_EARLY, pdl_active
 from fastmamba.ops.ssd_scan.fused.configs import pick_fused_config
-from fastmamba.ops.ssd_scan.chunked.kernel import (
+from fastmamba.ops.ssd_scan.chunked.kernel_common import (
     _defer_norm,
     _locate_segment,
     _mma,

@@ -39,7 +39,7 @@ import torch
 from fastmamba.ops._common.dispatch import interpreter_enabled
 from fastmamba.ops._common.launch import lean, register_descriptor_type
 from fastmamba.ops._common.pdl import pdl_chained, sm_count
-from fastmamba.ops.ssd_scan.chunked.kernel import d_strides
+from fastmamba.ops.ssd_scan.chunked.kernel_common import d_strides
 
 MIN_TOKENS = 1024  # timed from 2048 tokens up; shorter calls keep the Triton kernel (not measured there)
 EAGER_MIN_TOKENS = 8192  # the models' eager prefills of this many tokens and more take it (long_prefill_kernels)

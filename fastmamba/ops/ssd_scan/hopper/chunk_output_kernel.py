@@ -50,11 +50,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from fastmamba.ops.ssd_scan.chunked import kernel
+from fastmamba.ops.ssd_scan.chunked import kernel_common
 
 BM = gl.constexpr(64)  # output rows per item = tokens per C B^T / x tile = the head dim P
 HALF_N = gl.constexpr(64)  # C and S go in 64-column pieces (128-byte rows: one TMA box, 128-byte swizzle)
-NORM_SPAN = gl.constexpr(kernel.NORM_SPAN.value)  # columns per partial sum of squares of the deferred norm
+NORM_SPAN = gl.constexpr(kernel_common.NORM_SPAN.value)  # columns per partial sum of squares of the deferred norm
 
 
 @gluon.jit
@@ -75,7 +75,7 @@ def _silu(x):
 @gluon.jit
 def _wait_for_kernel_before(USE_PDL: gl.constexpr):
     """Under programmatic dependent launch: wait until the kernel before has finished and its writes
-    are visible (``griddepcontrol.wait``, as ``kernel._wait_for_kernel_before``). Each partition calls
+    are visible (``griddepcontrol.wait``, as ``kernel_common._wait_for_kernel_before``). Each partition calls
     it before its first global read."""
     if USE_PDL:
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
@@ -240,7 +240,7 @@ def _row_sums(y, span_of_col, span: gl.constexpr):
 def _store_rows(y, out_ptr, stride_o, tok, h, offs_m, offs_p, rows_left, nw_ptr, sq_ptr, stride_sq,
                 HAS_NORM: gl.constexpr):
     """Masked stores of y [BM, BM] (fp32, mma layout) for the rows offs_m < rows_left, with the deferred
-    norm's part first (``kernel._defer_norm``: sums of y^2 over each 16 columns, then y * norm_weight)."""
+    norm's part first (``kernel_common._defer_norm``: sums of y^2 over each 16 columns, then y * norm_weight)."""
     keep = offs_m < rows_left
     flat = (tok + offs_m).to(gl.int64)
     if HAS_NORM:
@@ -251,7 +251,7 @@ def _store_rows(y, out_ptr, stride_o, tok, h, offs_m, offs_p, rows_left, nw_ptr,
 
 @gluon.jit
 def _defer_norm_sm90(y, nw_ptr, sq_rows, h, offs_p, keep):
-    """``kernel._defer_norm`` for one head's BM = P columns: sums of y^2 over each 16 columns of row r go to
+    """``kernel_common._defer_norm`` for one head's BM = P columns: sums of y^2 over each 16 columns of row r go to
     sq_rows[r] + h * P / 16 + j (rows with keep), and y * norm_weight[h * P + p] comes back."""
     y2 = y * y
     span_of_col = offs_p // NORM_SPAN

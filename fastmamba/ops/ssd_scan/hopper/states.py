@@ -22,7 +22,7 @@ import torch
 from fastmamba.ops._common.launch import env_switch, lean, register_descriptor_type
 from fastmamba.ops._common.pdl import pdl_chained
 from fastmamba.ops.ssd_scan.hopper.chunk_output import _desc, _rows2d, _tma_rows
-from fastmamba.ops.ssd_scan.chunked.kernel import strides4
+from fastmamba.ops.ssd_scan.chunked.kernel_common import strides4
 
 STAGES = 4  # (x, B) ring slots of 64 tokens (6 and 3 measured no better)
 PRODUCER_REGS = 56

@@ -181,7 +181,7 @@ def _consumer(si_desc, co_desc, x_smem, b_smem, w_smem, si_smem, co_smem, ready,
 @gluon.jit
 def _segment(cu_ptr, n_seg, seg, Q: gl.constexpr, BLOCK_SEG: gl.constexpr):
     """Segment ``seg`` -> (index of its first chunk, its chunk count, first flat token, length), as
-    ``kernel._locate_segment`` (chunks are numbered segment after segment)."""
+    ``kernel_common._locate_segment`` (chunks are numbered segment after segment)."""
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     offs = gl.arange(0, BLOCK_SEG, layout=lay)
     inside = offs < n_seg
