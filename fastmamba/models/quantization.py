@@ -457,18 +457,25 @@ def _attention_layers(model: nn.Module) -> list[nn.Module]:
     return [b.mixer for b in layers if isinstance(getattr(b, "mixer", None), Attention)]
 
 
-def set_kv_cache_dtype(model: nn.Module, choice: str) -> str:
+def set_kv_cache_dtype(model: nn.Module, choice: str | None) -> str:
     """Set the K/V page dtype ``model``'s caches get (``new_cache``; each attention layer's
     ``kv_dtype``) and say which, for the start-up log.
 
-    choice  "auto": the checkpoint's (float8 when it ships k_scale / v_scale, else the model's dtype);
+    choice  None: leave the model's setting (what loading chose), only say what it is;
+            "auto": the checkpoint's (float8 when it ships k_scale / v_scale, else the model's dtype);
             "fp8" / "fp8_e4m3": float8_e4m3fn with the checkpoint's scales, else 1.0;
             "bf16" / "fp16" / "fp32": the model's own dtype (named, so a typo is not silently
             another dtype), float8 scales left unused
-    Raises ValueError for another value, or a 16/32-bit name that is not the model's dtype."""
+    Raises ValueError for another value, a 16/32-bit name that is not the model's dtype, or a
+    choice other than "auto" for a model without attention layers (it has no K/V pages)."""
+    if choice is None:
+        return kv_cache_note(model)
     if choice not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype: expected one of {KV_CACHE_DTYPES}, got {choice!r}")
+        raise ValueError(f"kv_cache_dtype: expected None or one of {KV_CACHE_DTYPES}, got {choice!r}")
     layers = _attention_layers(model)
+    if not layers and choice != "auto":
+        raise ValueError(f"kv_cache_dtype: {choice!r} sets the dtype of K/V pages; {type(model).__name__} has no "
+                         "attention layers (use None or 'auto')")
     dtype = model.lm_head.weight.dtype
     if choice in _16_BIT and _16_BIT[choice] != dtype:
         raise ValueError(f"kv_cache_dtype: {choice!r} is not the model's dtype ({dtype}); K/V pages are kept in the "

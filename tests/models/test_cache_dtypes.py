@@ -1,0 +1,118 @@
+"""The dtypes of a model's caches (issue 52): the SSM state dtype follows config.json's
+``mamba_ssm_cache_dtype`` unless the user chooses one (``Engine(ssm_dtype=)``, ``--ssm-dtype``),
+with stochastic rounding for 16-bit states either way; the K/V page dtype is the model's setting
+(float8 for a checkpoint with K/V scales) unless ``kv_cache_dtype`` / ``--kv-cache-dtype`` says;
+the engine, the CLI and the server's start-up line say which and why."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fastmamba.generation.engine import Engine
+from fastmamba.generation.sampling import SamplingParams
+from fastmamba.models.checkpoint_config import ssm_cache_dtype_of, ssm_state_dtype
+from fastmamba.models.nemotron_h import PRESETS, NemotronHConfig, NemotronHLM, random_init
+from fastmamba.models.quantization import KV_CACHE_DTYPES
+
+TINY = PRESETS["nemotron-h-tiny"]
+
+
+@pytest.fixture(autouse=True)
+def reference_ops(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the model tests' rule: the ops' PyTorch paths
+
+
+def tiny(**cfg_change) -> NemotronHLM:
+    return random_init(NemotronHLM(dataclasses.replace(TINY, **cfg_change), device="cpu", dtype=torch.float32)).eval()
+
+
+def engine(model, **kw) -> Engine:
+    return Engine(model, max_batch=2, max_seq_len=32, kv_page_size=4, **kw)
+
+
+@pytest.mark.parametrize("value, want", [("float32", "fp32"), ("bfloat16", "bf16"), ("float16", "fp16"),
+                                         ("torch.bfloat16", "bf16"), (None, None)])
+def test_mamba_ssm_cache_dtype_is_read(value, want):
+    assert ssm_cache_dtype_of({"mamba_ssm_cache_dtype": value}) == want
+    raw = {"model_type": "nemotron_h", "vocab_size": 64, "hidden_size": 32, "hybrid_override_pattern": "M*",
+           "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "mamba_num_heads": 4,
+           "mamba_head_dim": 8, "n_groups": 1, "ssm_state_size": 8, "mamba_ssm_cache_dtype": value}
+    assert NemotronHConfig.from_dict(raw).ssm_cache_dtype == want
+
+
+@pytest.mark.parametrize("value", ["float8", 16, "int8"])
+def test_bad_mamba_ssm_cache_dtype_is_named(value):
+    with pytest.raises(ValueError, match=r"NemotronHConfig: config.json: 'mamba_ssm_cache_dtype' expected one of "
+                                         r"'float32', 'bfloat16', 'float16', got"):
+        ssm_cache_dtype_of({"mamba_ssm_cache_dtype": value})
+
+
+def test_ssm_state_dtype_rule():
+    ckpt = dataclasses.replace(TINY, ssm_cache_dtype="fp16")
+    assert ssm_state_dtype(TINY) == (torch.float32, "fp32 (default)")
+    assert ssm_state_dtype(ckpt) == (torch.float16, "fp16 (config.json mamba_ssm_cache_dtype)")
+    assert ssm_state_dtype(ckpt, torch.float32) == (torch.float32, "fp32 (chosen)")  # the user's wins
+    assert ssm_state_dtype(ckpt, "bf16") == (torch.bfloat16, "bf16 (chosen)")
+    with pytest.raises(ValueError, match="ssm_dtype: expected torch.float32, torch.bfloat16 or torch.float16"):
+        ssm_state_dtype(ckpt, torch.float64)
+
+
+def test_engine_follows_the_checkpoints_ssm_dtype_unless_chosen():
+    model = tiny(ssm_cache_dtype="bf16")
+    eng = engine(model)
+    assert eng.cache.ssm[0].dtype == torch.bfloat16 and eng.ssm_dtype == torch.bfloat16 and eng.config.ssm_dtype is None
+    assert eng.ssm_dtype_source == "bf16 (config.json mamba_ssm_cache_dtype)"
+    rounded = engine(model, stochastic_rounding=True)  # 16-bit states from the checkpoint: rounding allowed
+    assert rounded.rounding is not None and rounded.cache.ssm[0].dtype == torch.bfloat16
+    out = rounded.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert len(out[0]) == 3
+    chosen = engine(model, ssm_dtype=torch.float32)
+    assert chosen.cache.ssm[0].dtype == torch.float32 and chosen.ssm_dtype_source == "fp32 (chosen)"
+    plain = tiny()
+    assert engine(plain).cache.ssm[0].dtype == torch.float32
+    with pytest.raises(ValueError, match="stochastic_rounding=True rounds 16-bit SSM states"):
+        engine(plain, stochastic_rounding=True)  # the checkpoint's fp32 (default) is not 16-bit
+
+
+def test_engine_kv_cache_dtype_option():
+    model = tiny()
+    eng = engine(model)
+    assert eng.cache.kv.k[0].dtype == torch.float32 and eng.kv_cache_note == "float32 (the model's dtype)"
+    fp8 = engine(model, kv_cache_dtype="fp8")
+    assert {t.dtype for t in fp8.cache.kv.k + fp8.cache.kv.v} == {torch.float8_e4m3fn}
+    assert fp8.kv_cache_note == "float8_e4m3fn (k_scale = v_scale = 1.0: the checkpoint ships no K/V scales)"
+    out = fp8.generate([[5, 6, 7, 8, 9]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert len(out[0]) == 3
+    # the engine set the model's choice: a later engine without the option keeps it, "auto" undoes it
+    assert engine(model).cache.kv.k[0].dtype == torch.float8_e4m3fn
+    assert engine(model, kv_cache_dtype="auto").cache.kv.k[0].dtype == torch.float32
+    with pytest.raises(ValueError, match="Engine: kv_cache_dtype must be None or one of"):
+        engine(model, kv_cache_dtype="e5m2")
+
+
+def test_cli_says_which_dtypes(capsys):
+    from fastmamba import cli
+
+    assert cli.KV_CACHE_DTYPES == KV_CACHE_DTYPES  # spelled out there (no torch import in the parser)
+    from fastmamba.serve import cli as serve_cli
+
+    assert serve_cli.KV_CACHE_DTYPES == KV_CACHE_DTYPES
+    rc = cli.main(["generate", "--model", "nemotron-h-tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "2",
+                   "--device", "cpu", "--kv-cache-dtype", "fp8", "--ssm-dtype", "bf16", "--stochastic-rounding"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert "[SSM states bf16 (chosen); K/V pages float8_e4m3fn (k_scale = v_scale = 1.0" in err
+    rc = cli.main(["generate", "--model", "nemotron-h-tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "2",
+                   "--device", "cpu"])
+    assert rc == 0 and "[SSM states fp32 (default); K/V pages float32 (the model's dtype)]" in capsys.readouterr().err
+
+
+def test_server_start_up_line_names_the_dtypes():
+    from fastmamba.serve.worker import describe_engine, log_lines
+
+    info = describe_engine(engine(tiny(ssm_cache_dtype="fp16"), kv_cache_dtype="fp8"))
+    line = log_lines(info, "tiny")
+    assert "SSM states fp16 (config.json mamba_ssm_cache_dtype)" in line
+    assert "K/V pages float8_e4m3fn (k_scale = v_scale = 1.0" in line
