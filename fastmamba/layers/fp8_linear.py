@@ -100,7 +100,8 @@ class FP8Experts(nn.Module):
         return out
 
     def run(self, h: torch.Tensor, routing) -> torch.Tensor:
-        """h [T, M'] -> [T, M'] in h's dtype: sum over each token's k experts (``fastmamba.ops.fp8.fp8_moe``)."""
+        """h [T, M'] -> [T, M'] in h's dtype: sum over each token's k experts (``fastmamba.ops.fp8.fp8_moe``:
+        the pair GEMV for a decode step's few tokens, the grouped W8A8 kernel above; no host read)."""
         return fp8_moe(h, self.up_proj, self.up_proj_weight_scale, self.down_proj, self.down_proj_weight_scale,
                        routing.weights, routing.ids, up_input_scale=self.up_proj_input_scale,
                        down_input_scale=self.down_proj_input_scale)

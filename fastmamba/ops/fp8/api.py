@@ -31,7 +31,10 @@ from fastmamba.ops.fp8.kernel import (
 )
 from fastmamba.ops.fp8.ref import FP8_DTYPE, fp8_linear_ref, fp8_moe_ref, quantize_per_token_ref, quantize_static_ref
 
-GEMV_MAX_ROWS = 16      # rows up to which fp8_linear / fp8_moe take the Triton GEMV (decode and verify steps)
+GEMV_MAX_ROWS = 16      # rows up to which fp8_linear takes the Triton GEMV (decode and verify steps)
+# tokens up to which fp8_moe takes the pair GEMV, above them the grouped kernel (untuned: the crossover is
+# the fastmamba-fp8 / fastmamba-fp8-grouped rows of `python -m fastmamba.bench fp8 --kinds moe`)
+MOE_GEMV_MAX_TOKENS = 16
 _FP8 = (FP8_DTYPE,)
 
 
@@ -247,12 +250,13 @@ def fp8_moe(x: torch.Tensor, w_up: torch.Tensor, up_scale: torch.Tensor, w_down:
     out               [T, M] x's dtype, any strides; written when given
     Returns [T, M] in x's dtype (``out`` when given). No host read of device values (CUDA-graph safe).
 
-    Paths: CPU without ``TRITON_INTERPRET=1``: the reference. At most 16 tokens (decode, verify): the
-    pair GEMV (``kernel._moe_pair_gemv_kernel``: one program per (token, chosen expert, block of
-    outputs), only the chosen experts read). More tokens, on a GPU with FP8 tensor cores (sm89+) or
-    the interpreter: ``fp8_moe_grouped``. More tokens on an older GPU (no e4m3 in Triton there): the
-    experts dequantised for the call (a transient 2 bytes a weight) through the 16-bit grouped
-    ``fused_moe`` (W8A8 up to a 16-bit rounding, except that down's input keeps 16 bits).
+    Paths: CPU without ``TRITON_INTERPRET=1``: the reference. At most ``MOE_GEMV_MAX_TOKENS`` (16)
+    tokens (decode, verify): the pair GEMV (``kernel._moe_pair_gemv_kernel``: one program per
+    (token, chosen expert, block of outputs), only the chosen experts read). More tokens, on a GPU
+    with FP8 tensor cores (sm89+) or the interpreter: ``fp8_moe_grouped``. More tokens on an older
+    GPU (no e4m3 in Triton there): the experts dequantised for the call (a transient 2 bytes a
+    weight) through the 16-bit grouped ``fused_moe`` (W8A8 up to a 16-bit rounding, except that
+    down's input keeps 16 bits).
     """
     T, M, F_, E, k = _check_moe("fp8_moe", x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
                                 up_input_scale, down_input_scale, out)
@@ -260,7 +264,7 @@ def fp8_moe(x: torch.Tensor, w_up: torch.Tensor, up_scale: torch.Tensor, w_down:
         y = fp8_moe_ref(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
                         up_input_scale=up_input_scale, down_input_scale=down_input_scale)
         return y if out is None else out.copy_(y)
-    if T <= GEMV_MAX_ROWS:
+    if T <= MOE_GEMV_MAX_TOKENS:
         y = _fp8_moe_gemv(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
                           up_input_scale, down_input_scale)
         return y if out is None else out.copy_(y)

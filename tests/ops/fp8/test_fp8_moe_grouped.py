@@ -253,7 +253,8 @@ def test_grouped_moe_on_gpu_at_nano_width(T, per_channel, static):
     nano's widths: bf16 output tolerance (out ~ 1: its rounding 2^-8; a flip of one h element moves it
     by ~2^-3 * |h| * |W_down| * tw ~ 1e-3); 2048 tokens take the atomic (padded-rows) alignment."""
     x, up, su, down, sd, wts, ids = nano_case(T, per_channel=per_channel)
-    xs = (torch.tensor(0.02, device="cuda"), torch.tensor(0.01, device="cuda")) if static else (None, None)
+    # static scales that fit x (randn: |x| < 448 * 0.02) and most of h (relu² of ~N(0, 1): 448 * 0.05 = 22)
+    xs = (torch.tensor(0.02, device="cuda"), torch.tensor(0.05, device="cuda")) if static else (None, None)
     want = fp8_moe_ref(x, up, su, down, sd, wts, ids, up_input_scale=xs[0], down_input_scale=xs[1])
     got = fp8_moe(x, up, su, down, sd, wts, ids, up_input_scale=xs[0], down_input_scale=xs[1])
     torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=2e-2)
