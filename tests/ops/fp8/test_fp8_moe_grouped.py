@@ -168,9 +168,16 @@ def test_fp8_moe_above_16_tokens_matches_reference(T, per_channel, static, dtype
         assert relative_error(got.cpu(), want) <= 1e-5
 
 
-def test_grouped_moe_reads_no_unwritten_workspace(device, monkeypatch):
+@pytest.mark.parametrize("lists_max", [None, 0], ids=["per-expert-lists", "padded-rows"])
+def test_grouped_moe_reads_no_unwritten_workspace(lists_max, device, monkeypatch):
     """Every buffer the op allocates starts poisoned (floats NaN, ints 2^30): pad rows of the sorted
-    order, rows of unchosen experts and the alignment's unused entries are never read."""
+    order, rows of unchosen experts and the alignment's unused entries are never read; in both of
+    ops/moe's alignment layouts (per-expert lists; padded rows written through atomic cursors, which
+    large batches take)."""
+    from fastmamba.ops.moe import kernel as moe_kernel
+
+    if lists_max is not None:
+        monkeypatch.setattr(moe_kernel, "ALIGN_LISTS_MAX", lists_max)
     g = torch.Generator().manual_seed(5)
     T, M, F = 19, 40, 48
     x, up, su, down, sd = grid_case(T, M, F, per_channel=True, g=g)
@@ -183,10 +190,24 @@ def test_grouped_moe_reads_no_unwritten_workspace(device, monkeypatch):
         t = empty(*a, **kw)
         return t.fill_(float("nan") if t.is_floating_point() else 2 ** 30)
 
-    monkeypatch.setattr(torch, "empty", poisoned)
-    got = fp8_moe_grouped(*args)
-    monkeypatch.undo()
+    with monkeypatch.context() as poison:
+        poison.setattr(torch, "empty", poisoned)
+        got = fp8_moe_grouped(*args)
     assert_close_to(got, want, 1e-5 * want.abs().max().item(), 1e-5)
+
+
+def test_pair_gemv_and_grouped_paths_agree(device):
+    """At the crossover (16 tokens) fp8_moe's pair GEMV and the grouped kernel give the same result
+    on grid inputs to fp32 order error: a prefill chunk and a decode step see the same experts."""
+    from fastmamba.ops.fp8 import MOE_GEMV_MAX_TOKENS
+
+    g = torch.Generator().manual_seed(16)
+    T, M, F = MOE_GEMV_MAX_TOKENS, 40, 48
+    x, up, su, down, sd = grid_case(T, M, F, per_channel=True, g=g)
+    ids, wts = routing(T, GRID_E, GRID_K, g)
+    args = to(device, x, up, su, down, sd, wts, ids)
+    gemv, grouped = fp8_moe(*args), fp8_moe_grouped(*args)
+    assert_close_to(gemv, grouped.cpu(), 1e-5 * grouped.abs().max().item(), 1e-5)
 
 
 def test_zero_tokens_and_a_zero_routing_weight(device):
