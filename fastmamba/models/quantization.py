@@ -490,6 +490,19 @@ def set_kv_cache_dtype(model: nn.Module, choice: str | None) -> str:
     return kv_cache_note(model)
 
 
+def plan_kv_cache_dtype(model: nn.Module, path: str | os.PathLike, choice: str | None) -> str:
+    """For a model built from a checkpoint's config alone (``capacity.meta_model``, no weights read):
+    the K/V page dtype loading ``path`` and then ``set_kv_cache_dtype(choice)`` would give, set on
+    it (float8 when the checkpoint's quantisation config has an FP8 K/V cache: its scales come with
+    the weights); returns ``set_kv_cache_dtype``'s note."""
+    q = read_quant_config(path) if os.path.isdir(os.fspath(path)) else None
+    if q is not None and q.kv_cache_fp8:
+        model.quantization = q
+        for m in _attention_layers(model):
+            m.kv_dtype = FP8_DTYPE
+    return set_kv_cache_dtype(model, choice)
+
+
 def kv_cache_note(model: nn.Module) -> str:
     """What ``set_kv_cache_dtype`` would say of the model's current setting (the loader's choice)."""
     layers = _attention_layers(model)

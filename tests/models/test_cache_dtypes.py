@@ -116,3 +116,26 @@ def test_server_start_up_line_names_the_dtypes():
     line = log_lines(info, "tiny")
     assert "SSM states fp16 (config.json mamba_ssm_cache_dtype)" in line
     assert "K/V pages float8_e4m3fn (k_scale = v_scale = 1.0" in line
+
+
+def test_capacity_plans_float8_pages_at_one_byte(tmp_path):
+    """The capacity planner counts what the caches will hold: a loaded model's meta twin keeps its
+    K/V page dtype (an fp32 model's float8 page costs a quarter), and the server's plan, made from
+    config.json before any weight is read, sees an FP8-K/V checkpoint's choice or --kv-cache-dtype."""
+    from fastmamba.generation.capacity import meta_model, meta_twin, per_request_bytes
+    from fastmamba.models.quantization import plan_kv_cache_dtype, set_kv_cache_dtype
+    from tests.models.test_fp8_checkpoints import write_checkpoint
+
+    model = tiny()
+    slot32, page32 = per_request_bytes(meta_twin(model))
+    set_kv_cache_dtype(model, "fp8")
+    slot8, page8 = per_request_bytes(meta_twin(model))
+    assert page8 * 4 == page32 and slot8 == slot32
+    root = tmp_path / "ckpt"
+    write_checkpoint(root, "modelopt-fp8")  # kv_cache_quant_algo FP8 in hf_quant_config.json
+    meta = meta_model(str(root))
+    _, page16 = per_request_bytes(meta)
+    assert plan_kv_cache_dtype(meta, root, None) == "float8_e4m3fn (k_scale / v_scale from the checkpoint)"
+    assert per_request_bytes(meta)[1] * 2 == page16
+    assert plan_kv_cache_dtype(meta, root, "bf16") == "bfloat16 (the model's dtype)"
+    assert per_request_bytes(meta)[1] == page16
