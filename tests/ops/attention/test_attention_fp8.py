@@ -199,3 +199,23 @@ def test_paged_decode_attention_fp8_nemotron_shape_gpu(dtype):
         got = paged_decode_attention(*(t.cuda() for t in (q, k8, v8, bt, seq_lens, slots)), num_splits=splits,
                                      k_scale=ks, v_scale=vs)
         torch.testing.assert_close(got.float().cpu(), want, **tol(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_attention_fp8_nemotron_shape_gpu(dtype):
+    """The prefill kernel on float8 pages at Nemotron-H's shape, long prompts and contexts (the
+    GPU tile), against the reference on the same bytes."""
+    from tests.ops.attention.test_prefill_attention import prefill_case
+
+    ctx, lens, slots = [0, 700, 30, 0], [1, 300, 1000, 129], [3, 1, 0, 2]
+    q, k_pool, v_pool, bt, sl, cu = prefill_case(Hq=32, Hkv=8, Dh=128, PAGE=16, ctx=ctx, lens=lens, slots=slots, S=4,
+                                                 dtype=torch.float32)
+    k8, v8 = to_fp8_pages(k_pool, v_pool, 1 / 64, 1 / 64)
+    q = q.to(dtype)
+    ks = torch.tensor(1 / 64, device="cuda")
+    safe_bt = bt.clamp(max=k8.shape[0] - 1)
+    want = varlen_prefill_attention_ref(q, k8, v8, safe_bt, sl, cu, torch.tensor(ctx), k_scale=1 / 64, v_scale=1 / 64)
+    got = varlen_prefill_attention(q.cuda(), k8.cuda(), v8.cuda(), bt.cuda(), sl.cuda(), cu.cuda(), ctx,
+                                   k_scale=ks, v_scale=ks)
+    torch.testing.assert_close(got.float().cpu(), want, **tol(dtype))
