@@ -1,6 +1,6 @@
 """FP8 (e4m3) W8A8 projections and MoE experts beside their bf16 forms (issue 52).
 
-    python -m fastmamba.bench fp8 [--ops linear,moe] [--batch 1,8,64,256,2048]
+    python -m fastmamba.bench fp8 [--kinds linear,moe] [--batch 1,8,16,17,64,256,2048]
 
 ``linear``: one projection of nemotron-3-nano (Mamba in_proj / out_proj, the shared expert's up
 projection) at T rows. Providers: fastmamba ``fp8_linear`` (Triton GEMV up to 16 rows,
