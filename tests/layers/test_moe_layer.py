@@ -1,0 +1,206 @@
+"""The MoE layer's decode path (T <= GEMV_MAX_TOKENS): the router and routing in one launch, the
+shared expert inside the routed experts' GEMVs where it fits (``MoE.shared_fused``), the k-sum in
+the down kernel: three kernels at T=1 and no other device op, the same map as the layer's
+definition (transformers' NemotronHMoE) for every T. CPU: the Triton interpreter (or the ops'
+references without it)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastmamba.layers.moe import MoE, MoEConfig
+from fastmamba.ops._common.dispatch import interpreter_enabled
+from fastmamba.ops.moe import kernel as moe_kernel
+from fastmamba.ops.moe.configs import GEMV_MAX_TOKENS
+from fastmamba.ops.moe.ref import moe_route_ref
+from tests.helpers import seeded, tol
+
+INTERPRETER_AT_START = interpreter_enabled()  # Triton reads TRITON_INTERPRET once, at import
+BASE = dict(d_model=48, n_experts=8, top_k=2, expert_width=20, shared_width=40, n_group=2, topk_group=1,
+            routed_scaling_factor=2.5)
+LAYERS = {  # id: MoEConfig fields over BASE
+    "shared-2-slices": {},
+    "shared-1-slice": dict(shared_width=20, top_k=3, n_group=1),
+    "shared-not-a-multiple": dict(shared_width=28),
+    "latent": dict(latent=24),
+    "bias": dict(bias=True),
+}
+
+
+def make_layer(dtype=torch.float32, seed=6, **fields) -> MoE:
+    layer = MoE(MoEConfig(**{**BASE, **fields}), dtype=dtype)
+    g = seeded(seed)
+    with torch.no_grad():  # outputs O(1): each matrix scaled by its fan-in
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1))
+        layer.gate.e_score_correction_bias.copy_(torch.randn(layer.cfg.n_experts, generator=g) * 0.1)
+    return layer
+
+
+def layer_ref(layer: MoE, u: torch.Tensor) -> torch.Tensor:
+    """transformers' NemotronHMoE in fp32 from the layer's weights: fp32 router, selection, relu²
+    experts (in the latent width when there is one), the shared MLP."""
+    c = layer.cfg
+    x = u.float()
+    r = moe_route_ref(x @ layer.gate.weight.float().t(), layer.gate.e_score_correction_bias, top_k=c.top_k,
+                      n_group=c.n_group, topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
+                      routed_scaling_factor=c.routed_scaling_factor)
+    lin = (lambda m, v: v @ m.weight.float().t() + (m.bias.float() if m.bias is not None else 0))
+    h = x if layer.fc1_latent_proj is None else lin(layer.fc1_latent_proj, x)
+    up, down = layer.experts.up_proj.float(), layer.experts.down_proj.float()
+    y = torch.zeros_like(h)
+    for t in range(x.shape[0]):
+        for j in range(c.top_k):
+            e = int(r.ids[t, j])
+            y[t] += r.weights[t, j] * (down[e] @ torch.relu(up[e] @ h[t]).square())
+    if layer.fc2_latent_proj is not None:
+        y = lin(layer.fc2_latent_proj, y)
+    sh = layer.shared_experts
+    return y + lin(sh.down_proj, torch.relu(lin(sh.up_proj, x)).square())
+
+
+def test_shared_fused_where_it_fits():
+    """S = Fs / F where the shared expert sees the routed experts' input and weights' kind; 0
+    otherwise (its own MLP): latent, biases, a width that is not a multiple, FP8 experts, TP."""
+    from fastmamba.layers.fp8_linear import FP8Experts
+
+    assert make_layer().shared_fused == 2
+    assert make_layer(dtype=torch.bfloat16, shared_width=20).shared_fused == 1
+    for fields in (dict(shared_width=28), dict(latent=24), dict(bias=True)):
+        assert make_layer(**fields).shared_fused == 0, fields
+    layer = make_layer()
+    layer.reduce = lambda y: y
+    assert layer.shared_fused == 0
+    layer = make_layer(dtype=torch.bfloat16)
+    layer.experts = FP8Experts.from_experts(layer.experts)
+    assert layer.shared_fused == 0
+
+
+@pytest.mark.parametrize("T", [1, 3, GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_layer_equals_its_definition(name, dtype, T, monkeypatch):
+    """Decode-sized calls (the fused path) and a prefill-sized one (T = GEMV_MAX_TOKENS + 1: router
+    GEMM, moe_route, fused_moe, the shared MLP) against the fp32 definition; u a strided view. With
+    the interpreter on, the ops' references must not run."""
+    layer = make_layer(dtype, **LAYERS[name])
+    wide = torch.randn(T, 2 * layer.cfg.d_model, generator=seeded(T)).to(dtype)
+    u = wide[:, ::2]
+    if INTERPRETER_AT_START:
+        for ref in ("fused_moe_ref", "moe_route_ref", "moe_gate_ref"):
+            monkeypatch.setattr(f"fastmamba.ops.moe.api.{ref}", lambda *a, **k: pytest.fail("a reference ran"))
+    got = layer(u)
+    assert got.shape == u.shape and got.dtype == dtype
+    want = layer_ref(layer, u)
+    t = tol(dtype)
+    if dtype != torch.float32:  # the layer rounds what the fp32 definition keeps (latent h, relu² rows,
+        t["atol"] *= max(1.0, float(want.abs().max()))  # contributions): its error grows with the output
+    torch.testing.assert_close(got.float(), want, **t)
+    assert not layer.decode_arrivals.any()
+
+
+class _Ops(TorchDispatchMode):
+    """The ATen ops a call dispatches (names), views and allocations included, outside the Triton
+    launches (the interpreter's own tensor copies are not the layer's ops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def count_kernels(monkeypatch, ops: _Ops) -> list[int]:
+    """[n]: the launches through ``ops.moe.kernel.lean`` from now on; ``ops`` records nothing inside them."""
+    count = [0]
+    real = moe_kernel.lean
+
+    def counting(fn):
+        k = real(fn)
+
+        class Counted:
+            def __getitem__(self, grid):
+                launch = k[grid]
+
+                def run(*args, **kwargs):
+                    count[0] += 1
+                    ops.paused = True
+                    try:
+                        return launch(*args, **kwargs)
+                    finally:
+                        ops.paused = False
+                return run
+        return Counted()
+
+    monkeypatch.setattr(moe_kernel, "lean", counting)
+    return count
+
+
+# ops that launch no device kernel: allocations, views and metadata
+NO_KERNEL = {"empty", "empty_strided", "view", "_unsafe_view", "reshape", "slice", "as_strided", "alias", "detach",
+             "t", "transpose", "expand", "select", "unsqueeze", "squeeze", "permute",
+             "min", "max", "_local_scalar_dense"}  # fused_moe's id range check, on CPU tensors only (not on a GPU)
+
+
+@pytest.mark.skipif(not INTERPRETER_AT_START, reason="counts the Triton launches: needs TRITON_INTERPRET=1 before "
+                    "Python starts (the GPU runs the same code)")
+@pytest.mark.parametrize("name,kernels,has_torch_ops", [("shared-2-slices", 3, False), ("shared-not-a-multiple", 3, True),
+                                                         ("latent", 3, True)])
+def test_decode_step_kernels(name, kernels, has_torch_ops, monkeypatch):
+    """One token through the layer: moe_gate, the up GEMV, the down GEMV (with the k-sum), and,
+    where the shared expert is fused, no other op that launches a kernel (no fp32 copy of u, no
+    router GEMV, no MLP, no add). Before this change: 11 (cast, router GEMV, route, up, down, sum,
+    shared up, relu, square, shared down, add)."""
+    layer = make_layer(torch.bfloat16, **LAYERS[name])
+    u = torch.randn(1, layer.cfg.d_model).to(torch.bfloat16)
+    ops = _Ops()
+    launches = count_kernels(monkeypatch, ops)
+    with ops:
+        layer(u)
+    assert launches[0] == kernels
+    torch_ops = [n for n in ops.names if n not in NO_KERNEL]
+    assert bool(torch_ops) == has_torch_ops, torch_ops
+
+
+def test_state_dict_is_the_checkpoints():
+    """The fused decode reads the shared expert in place: the layer's state dict keeps the
+    checkpoint's names and shapes, and the arrival counters are not in it."""
+    layer = make_layer()
+    sd = layer.state_dict()
+    assert set(sd) == {"gate.weight", "gate.e_score_correction_bias", "experts.up_proj", "experts.down_proj",
+                       "shared_experts.up_proj.weight", "shared_experts.down_proj.weight"}
+    assert sd["experts.up_proj"].shape == (8, 20, 48) and sd["shared_experts.down_proj.weight"].shape == (48, 40)
+
+
+def test_route_is_the_one_place_experts_are_picked(monkeypatch):
+    """``MoE.route`` (what a benchmark wraps to count the experts a step reads) sees every call, on
+    both paths, with the routed experts only (no shared slice ids)."""
+    layer = make_layer()
+    seen = []
+    route = MoE.route
+
+    def counting(self, x):
+        r = route(self, x)
+        seen.append(r.ids.clone())
+        return r
+
+    monkeypatch.setattr(MoE, "route", counting)
+    for T in (1, GEMV_MAX_TOKENS + 2):
+        layer(torch.randn(T, 48))
+    assert [tuple(s.shape) for s in seen] == [(1, 2), (GEMV_MAX_TOKENS + 2, 2)]
+    assert all(int(s.max()) < 8 for s in seen)
+
+
+def test_loaded_models_fuse_their_shared_experts():
+    """The tiny presets (shared width 64 = 2 x 32): every MoE layer, the MTP layer's too, runs its
+    shared expert inside the routed call at decode."""
+    from fastmamba.models import load_model
+
+    model = load_model("nemotron-3-tiny-mtp", device="cpu")
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    assert len(layers) == 3 and all(m.shared_fused == 2 for m in layers)
