@@ -16,24 +16,8 @@ The engine is three rooms and this one:
     verify calls, eagerly or from CUDA graphs) and emits their tokens, stopping requests.
 ``requests`` holds ``Request`` / ``StepOutput`` and the checks on a prompt and after a token.
 
-Intake, stopping, finished requests:
-  * ``add_request`` checks the prompt (Python ints or an integer tensor, ids in [0, V)) and the
-    ``SamplingParams`` before anything is queued; a refused request leaves no trace.
-  * A request stops after the token that meets its first stop condition (``Request.finish_reason``):
-    "eos" (one of the model's end-of-sequence ids, ``model.cfg.eos_token_ids``, unless
-    ``params.ignore_eos``), "stop" (one of ``params.stop_token_ids``, or the decoded output now
-    contains one of ``params.stop`` strings: needs ``tokenizer``), "length" (``max_new_tokens``).
-    The token that stopped it is kept in the output. Its slot is freed at once.
-  * Each finished request is handed out once: the ``StepOutput`` that carries its last token has
-    ``finished=True``, its ``finish_reason`` and the ``Request`` itself. The engine also keeps it in
-    ``finished`` (by id) until collected (``pop_finished``, or ``finished.pop(rid)``), but only the
-    newest ``max_finished`` uncollected ones: a caller that reads the step outputs and never
-    collects does not make the engine grow.
-  * An exception inside a step (the model, the sampler, the drafter) fails the requests of that
-    step: each is finished with finish_reason "error" (``Request.error`` holds the exception; it
-    is kept in ``finished`` like any finished request) and its slot freed; then the exception
-    propagates unchanged (on Python >= 3.11 with a note naming the failed requests). Other
-    requests stay queued and later steps run as usual.
+A request's life (intake checks, stop conditions, how finished and failed requests are handed
+out) is told in ``requests``' docstring.
 
 Hybrid models (``NemotronHLM``: Mamba-2, attention and MLP layers) run through the same calls;
 their cache (``HybridCache``) adds paged K/V for the attention layers, whose pages the scheduler
@@ -42,6 +26,7 @@ because none can advance). Speculative decoding is described in ``speculative``'
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import OrderedDict
@@ -56,7 +41,9 @@ from fastmamba.generation.rounding import StochasticRounding
 from fastmamba.generation.sampling import Sampler, SamplingParams
 from fastmamba.generation.scheduler import Scheduler
 from fastmamba.generation.speculative import Speculator
+from fastmamba.models.checkpoint_config import ssm_state_dtype
 from fastmamba.models.mamba2_lm import Mamba2LM
+from fastmamba.models.quantization import set_kv_cache_dtype
 
 __all__ = ["Engine", "EngineConfig", "Request", "StepOutput", "Detokenizer", "VERIFY_PATHS", "FINISH_REASONS"]
 
@@ -100,24 +87,17 @@ class Engine:
             raise TypeError(f"Engine: give the options in config or as keywords, not both; got config and "
                             f"{', '.join(sorted(options))}")
         self.eos_token_ids: tuple[int, ...] = config.check_model(model)
-        self.config = config
+        self.config = config  # as given; the rooms below get it with ``ssm_dtype`` resolved
+        # the SSM state dtype (the option, else the checkpoint's mamba_ssm_cache_dtype, else fp32) and
+        # the K/V page dtype (the option, else the model's: float8 for a checkpoint with K/V scales)
+        self.ssm_dtype, self.ssm_dtype_source = ssm_state_dtype(model.cfg, config.ssm_dtype)
+        config = dataclasses.replace(config, ssm_dtype=self.ssm_dtype)  # its checks again, with the dtype chosen
+        self.kv_cache_note = set_kv_cache_dtype(model, config.kv_cache_dtype)
         self.tokenizer = config.tokenizer
         self.max_finished = config.finished_kept
         self.max_batch, self.prefill_chunk = config.max_batch, config.prefill_chunk
         self.speculate = config.speculate or 0
-        kv_options = config.kv_options()
-        self.capacity = None
-        if config.gpu_memory_utilization is not None:
-            from fastmamba.generation.capacity import engine_plan
-
-            self.capacity = engine_plan(model, gpu_memory_utilization=config.gpu_memory_utilization,
-                                        max_batch=config.max_batch, max_seq_len=config.max_seq_len,
-                                        page_size=config.kv_page_size, ssm_dtype=config.ssm_dtype,
-                                        speculate=self.speculate, prefill_tokens=config.prefill_chunk,
-                                        other_bytes=config.prefix_cache_bytes or 0,
-                                        drafter=config.drafter if isinstance(config.drafter, str) else None)
-            if self.capacity.page_bytes and config.kv_num_pages is None and config.kv_budget_bytes is None:
-                kv_options["num_pages"] = self.capacity.kv_pages
+        self.capacity, kv_options = config.cache_plan(model)  # gpu_memory_utilization's plan, or None
         self.model = model
         self.device = model.lm_head.weight.device
         self.cache = model.new_cache(config.max_batch, ssm_dtype=config.ssm_dtype, speculate=self.speculate,
@@ -135,7 +115,7 @@ class Engine:
         graphs = self.device.type == "cuda" if config.cuda_graphs is None else config.cuda_graphs
         self.spec = Speculator(model, self.cache, config, seeds=self._rand_seed, stats=self.stats, graphs=graphs)
         self._seen: torch.Tensor | None = None  # [max_batch, V] bool: tokens of a slot's prompt + output, made
-        # at the first request with a repetition penalty or min_tokens (``_mark_seen``)
+        # at the first request with a repetition penalty or min_tokens (``_emit_first``)
         self.decoder = None
         if graphs and not self.speculate:
             from fastmamba.generation.cuda_graphs import GraphedDecoder
@@ -170,21 +150,10 @@ class Engine:
     legacy_max_batch = _from_spec("legacy_max_batch", "The largest batch a legacy verify step takes.")
     verifier = _from_spec("verifier", "The CUDA graphs of verify steps (None: eager, or no speculation).")
 
-    @property
-    def prefix(self):
-        """The ``PrefixCache`` (None: prefix caching is off); the scheduler's."""
-        return self.scheduler.prefix
-
-    @prefix.setter
-    def prefix(self, value) -> None:
-        self.scheduler.prefix = value
-
-    @property
-    def max_request_tokens(self) -> int | None:
-        """The most KV positions one request may use (a model with attention layers): its prompt
-        plus max_new_tokens - 1 must not exceed it (verify steps hold the drafts too). None: no
-        limit (a pure Mamba-2 model keeps a fixed-size state per request)."""
-        return self.scheduler.max_request_tokens
+    prefix = property(lambda self: self.scheduler.prefix, lambda self, v: setattr(self.scheduler, "prefix", v),
+                      doc="The ``PrefixCache`` (None: prefix caching is off).")
+    max_request_tokens = property(lambda self: self.scheduler.max_request_tokens,
+                                  doc="The most KV positions one request may use (``Scheduler.max_request_tokens``).")
 
     @property
     def prefix_stats(self) -> dict[str, int] | None:
@@ -234,32 +203,33 @@ class Engine:
         ValueError (empty prompt, ids out of range, stop strings without a tokenizer) before
         anything is queued.
         """
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"Engine.add_request: params must be a SamplingParams, got {type(params).__name__}")
-        self._check_stop_strings(params)
+        self._check_params(params, "Engine.add_request")
         ids = prompt_ids(prompt, self.model.cfg.vocab_size, "Engine.add_request: ")
-        return self.add_validated_request(ids, params)
+        self.scheduler.check_fits(ids, params, "Engine.add_request: ")
+        return self._queue(ids, params)
 
-    def _check_stop_strings(self, params: SamplingParams) -> None:
+    def _check_params(self, params: SamplingParams, who: str) -> None:
+        """What only the engine can say of ``params``: its kind, stop strings (they need the engine's
+        tokenizer), penalties (not with speculation)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"{who}: params must be a SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"Engine.add_request: stop strings {list(params.stop)!r} need a tokenizer to decode the "
                              "output; build the engine with Engine(model, tokenizer=...)")
-
-    def add_validated_request(self, ids: list[int], params: SamplingParams) -> int:
-        """``add_request`` for a prompt its caller has already checked: a list of Python ints in
-        [0, V), which the engine keeps (not copied). The server's engine process takes this path:
-        the HTTP side validated the request, and the 2k-token prompt's second check cost ~0.1 ms of
-        a prefix-cache hit's time to first token. The KV-page fit is still checked here."""
-        if type(ids) is not list or not ids:
-            raise TypeError(f"Engine.add_validated_request: ids must be a non-empty list of ints, got "
-                            f"{type(ids).__name__}{' (empty)' if isinstance(ids, list) else ''}")
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"Engine.add_validated_request: params must be a SamplingParams, got {type(params).__name__}")
-        self._check_stop_strings(params)
         if params.penalised and self.speculate:
             raise ValueError("Engine.add_request: min_tokens and repetition_penalty are not supported with "
                              f"speculative decoding (this engine has speculate={self.speculate})")
-        self.scheduler.check_fits(ids, params, "Engine.add_request: ")
+
+    def add_validated_request(self, ids: list[int], params: SamplingParams) -> int:
+        """``add_request`` for a request its caller has checked where it entered, and that the engine
+        trusts: ``ids`` a non-empty list of Python ints in [0, V) (kept, not copied), and prompt +
+        ``params.max_new_tokens`` - 1 within ``max_request_tokens``. The serving loop takes this path
+        (the server's ``ServerState`` checked both), so nothing is checked twice; only ``params``
+        is checked here, for what only the engine knows (its tokenizer, speculation)."""
+        self._check_params(params, "Engine.add_validated_request")
+        return self._queue(ids, params)
+
+    def _queue(self, ids: list[int], params: SamplingParams) -> int:
         req = Request(next(self._ids), ids, params)
         self.scheduler.add(req)
         return req.rid
@@ -289,27 +259,19 @@ class Engine:
     def abort(self, rid: int) -> bool:
         """Stop a waiting or running request (finish_reason "abort", its slot freed, kept in
         ``finished`` like any finished request). Returns False when no such request is unfinished."""
-        s = self.scheduler
-        for r in itertools.chain(s.waiting, s.prefilling, s.running):
-            if r.rid == rid:
-                self._finish(r, "abort")
-                s.remove(r)
-                return True
-        return False
+        r = self.scheduler.find(rid)
+        if r is not None:
+            self._finish(r, "abort")
+            self.scheduler.remove(r)
+        return r is not None
 
     def _finish(self, r: Request, reason: str, stop_reason: int | str | None = None,
                 error: BaseException | None = None) -> None:
         """Mark ``r`` finished, free its slot, keep it in ``finished`` (the oldest beyond max_finished go)."""
         r.finished, r.finish_reason, r.stop_reason, r.error = True, reason, stop_reason, error
-        self.spec.forget(r)  # a drafter's per-request state (MTP pages), the slot's replay history
-        prefix = self.scheduler.prefix
-        if (prefix is not None and r.slot >= 0 and reason in ("eos", "stop", "length") and not self.speculate
-                and r.prefilled == len(r.prompt) and r.output):
-            # the slot holds the state after the prompt and every output token but the last (not yet fed)
-            prefix.save(r.prompt + r.output[:-1], self.cache, r.slot)
-        if r.slot >= 0:
-            slot, r.slot = r.slot, -1
-            self.cache.free([slot])
+        if self.speculate:  # a drafter's per-request state (MTP pages), the slot's replay history
+            self.spec.forget(r)
+        self.scheduler.release(r)  # its slot (and its state into the prefix cache, when it ended by itself)
         self.finished[r.rid] = r
         while len(self.finished) > self.max_finished:
             self.finished.popitem(last=False)
@@ -425,7 +387,8 @@ class Engine:
             r.prefilled = len(r.prompt)
         self.scheduler.start_running(admitted)
         out = self._emit_first(admitted, logits)
-        self.spec.observe(admitted, [1] * len(admitted))
+        if self.speculate:
+            self.spec.observe(admitted, [1] * len(admitted))
         return out
 
     def _prefill_chunk(self, reqs: list[Request], chunks: list[list[int]]) -> list[StepOutput]:
@@ -449,7 +412,8 @@ class Engine:
         self.scheduler.start_running(complete)
         rows = logits if len(done) == len(reqs) else logits[torch.tensor(done, device=logits.device)]
         out = self._emit_first(complete, rows)
-        self.spec.observe_prefilled(complete, done)
+        if self.speculate:
+            self.spec.observe_prefilled(complete, done)
         return out
 
     # ------------------------------------------------------------------ the step

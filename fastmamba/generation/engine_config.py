@@ -18,6 +18,7 @@ import torch
 from fastmamba.generation.drafters import Drafter
 from fastmamba.generation.requests import Detokenizer, int_token
 from fastmamba.generation.spec_policy import SpeculationPolicy
+from fastmamba.models.quantization import KV_CACHE_DTYPES
 
 VERIFY_PATHS = ("auto", "replay", "legacy")
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -41,7 +42,12 @@ class EngineConfig:
 
     max_batch     requests decoded together (and slots in the state cache)
     cuda_graphs   replay decode (and verify) steps from CUDA graphs (GPU only; default: on when on a GPU)
-    ssm_dtype     SSM state dtype (fp32 default; bf16/fp16 halve the state traffic)
+    ssm_dtype     SSM state dtype (bf16/fp16 halve the state traffic); None (default): the
+                  checkpoint's ``mamba_ssm_cache_dtype``, else fp32 (``Engine.ssm_dtype_source`` says which)
+    kv_cache_dtype  K/V page dtype: None (default): the model's setting (float8_e4m3fn for a checkpoint
+                  that ships k_scale / v_scale, else the model's dtype); "auto", "fp8" (scale 1.0
+                  without checkpoint scales), "bf16" / "fp16" / "fp32" (the model's dtype):
+                  ``fastmamba.models.quantization.set_kv_cache_dtype`` (``Engine.kv_cache_note`` says which)
     pdl           programmatic dependent launch inside the graphs (Hopper+); None (default): on
                   where the GPU has it
     stochastic_rounding  with a 16-bit ``ssm_dtype``: every kernel that stores a state (prefill
@@ -123,7 +129,8 @@ class EngineConfig:
 
     max_batch: int = 64
     cuda_graphs: bool | None = None
-    ssm_dtype: torch.dtype = torch.float32
+    ssm_dtype: torch.dtype | None = None
+    kv_cache_dtype: str | None = None
     pdl: bool | None = None
     stochastic_rounding: bool = False
     rounding_seed: int = 0
@@ -158,14 +165,18 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise TypeError(f"Engine: {name} must be None or a bool, got {type(v).__name__} {v!r}")
-        if self.ssm_dtype not in STATE_DTYPES:
+        if self.ssm_dtype is not None and self.ssm_dtype not in STATE_DTYPES:
             raise TypeError(f"Engine: ssm_dtype must be torch.float32, torch.bfloat16 or torch.float16, "
-                            f"got {self.ssm_dtype!r}")
+                            f"got {self.ssm_dtype!r} (or None: the checkpoint's mamba_ssm_cache_dtype)")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"Engine: kv_cache_dtype must be None or one of {KV_CACHE_DTYPES}, got "
+                             f"{self.kv_cache_dtype!r}")
         _optional_int("prefill_chunk", self.prefill_chunk, 1, " (tokens per step)")
         _optional_int("graph_prefill_tokens", self.graph_prefill_tokens, 16)
         if not isinstance(self.stochastic_rounding, bool):
             raise TypeError(f"Engine: stochastic_rounding must be a bool, got {self.stochastic_rounding!r}")
-        if self.stochastic_rounding and self.ssm_dtype not in (torch.float16, torch.bfloat16):
+        # (ssm_dtype None: checked once the engine has read the checkpoint's, ``Engine.__init__``)
+        if self.stochastic_rounding and self.ssm_dtype not in (None, torch.float16, torch.bfloat16):
             raise ValueError(f"Engine: stochastic_rounding=True rounds 16-bit SSM states; it needs ssm_dtype="
                              f"torch.float16 or torch.bfloat16, got ssm_dtype={self.ssm_dtype} (fp32 states are "
                              "stored exactly)")
@@ -216,6 +227,24 @@ class EngineConfig:
     def kv_options(self) -> dict[str, int]:
         """The paged-KV options that were set, as ``model.new_cache`` keywords."""
         return {key: getattr(self, name) for name, key in KV_OPTIONS.items() if getattr(self, name) is not None}
+
+    def cache_plan(self, model) -> tuple[object, dict[str, int]]:
+        """``gpu_memory_utilization``'s plan (``capacity.CapacityPlan``; None without it) and the
+        ``model.new_cache`` K/V keywords: the options set, and the plan's pages when neither
+        ``kv_num_pages`` nor ``kv_budget_bytes`` says."""
+        kv = self.kv_options()
+        if self.gpu_memory_utilization is None:
+            return None, kv
+        from fastmamba.generation.capacity import engine_plan
+
+        plan = engine_plan(model, gpu_memory_utilization=self.gpu_memory_utilization, max_batch=self.max_batch,
+                           max_seq_len=self.max_seq_len, page_size=self.kv_page_size, ssm_dtype=self.ssm_dtype,
+                           speculate=self.speculate or 0, prefill_tokens=self.prefill_chunk,
+                           other_bytes=self.prefix_cache_bytes or 0,
+                           drafter=self.drafter if isinstance(self.drafter, str) else None)
+        if plan.page_bytes and self.kv_num_pages is None and self.kv_budget_bytes is None:
+            kv["num_pages"] = plan.kv_pages
+        return plan, kv
 
     def check_model(self, model) -> tuple[int, ...]:
         """The checks that need the model, before anything is built; returns its end-of-sequence ids
