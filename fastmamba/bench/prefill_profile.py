@@ -1,7 +1,17 @@
-"""Where a prefill's time goes (GPU): the kernels of a graphed prefill, or an eager prefill's host time.
+"""Where a step's time goes (GPU): the kernels of a graphed decode step or a graphed prefill, or an eager
+prefill's host time.
 
+    python -m fastmamba.bench profile decode  [--model nemotron-3-nano] [--batch 1] [--context 512] [--reps 50]
+                                              [--top 30] [--timeline 40] [--no-pdl]
     python -m fastmamba.bench profile graphed [--model mamba2-2.7b] [--shapes 1x64,1x128] [--reps 20] [--norm-pass]
     python -m fastmamba.bench profile eager   [--model mamba2-2.7b] [--shapes 1x16] [--reps 10] [--top 30]
+
+decode: ``batch`` requests prefilled with ``context`` random tokens, then greedy steps of the engine's
+``GraphedDecoder`` (CUDA graph, PDL where the GPU has it, unless --no-pdl): the median wall time of a
+step (synchronised, --reps steps), then one step under torch.profiler: kernels per step, their span,
+busy and idle time (launch gaps inside the graph), one row per kernel name, and with --timeline N
+the first N kernels of the step in order (start, duration, gap before each: one layer's kernels read
+as a row of the pattern).
 
 graphed: for each shape, one replay of ``GraphedPrefill`` under torch.profiler: the replay's median wall
 time (synchronised), the span from the first kernel's start to the last kernel's end, the sum of the
@@ -33,9 +43,16 @@ from fastmamba.bench.ttft import _shapes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("mode", choices=("graphed", "eager"), help="graphed: kernels of one graph replay; "
-                        "eager: wall vs GPU time and cProfile of an eager prefill")
-    parser.add_argument("--model", default="mamba2-2.7b", help="preset or checkpoint dir")
+    parser.add_argument("mode", choices=("decode", "graphed", "eager"), help="decode: kernels of one graphed decode "
+                        "step; graphed: kernels of one graphed prefill replay; eager: wall vs GPU time and cProfile "
+                        "of an eager prefill")
+    parser.add_argument("--model", default=None, help="preset or checkpoint dir (default: nemotron-3-nano for decode, "
+                        "mamba2-2.7b otherwise)")
+    parser.add_argument("--batch", type=int, default=1, help="decode: requests in the step (default 1)")
+    parser.add_argument("--context", type=int, default=512, help="decode: prompt tokens before the step (default 512)")
+    parser.add_argument("--timeline", type=int, default=0, metavar="N",
+                        help="decode: also list the step's first N kernels in order")
+    parser.add_argument("--no-pdl", action="store_true", help="decode: graphs without programmatic dependent launch")
     parser.add_argument("--shapes", type=_shapes, default=None,
                         help="B x L list (default: 1x64,1x128 graphed, 1x16 eager)")
     parser.add_argument("--reps", type=int, default=None, help="timed calls per shape (default: 20 graphed, 10 eager)")
@@ -57,6 +74,88 @@ def short_name(name: str, width: int = 60) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
+def summary(kernels: list[tuple[str, float, float]], top: int) -> list[str]:
+    """Markdown lines for ``kernel_events``' events of one replay: kernels, span, busy and idle time,
+    then the ``top`` kernel names by total time (calls, total µs, median µs a call, share of busy)."""
+    span = max(s + d for _, s, d in kernels) - kernels[0][1]
+    busy = sum(d for _, _, d in kernels)
+    lines = [f"kernels {len(kernels)}, span {span / 1e3:.3f} ms, busy {busy / 1e3:.3f} ms, idle between kernels "
+             f"{(span - busy) / 1e3:.3f} ms ({(span - busy) / max(1, len(kernels) - 1):.2f} µs a gap)",
+             "| kernel | calls | total µs | µs a call | share |", "|---|---:|---:|---:|---:|"]
+    by_name: dict[str, list[float]] = {}
+    for name, _, d in kernels:
+        by_name.setdefault(name, []).append(d)
+    for name, ds in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"| {short_name(name)} | {len(ds)} | {sum(ds):.1f} | {statistics.median(ds):.2f} | "
+                     f"{sum(ds) / busy:.1%} |")
+    return lines
+
+
+def timeline(kernels: list[tuple[str, float, float]], n: int) -> list[str]:
+    """Markdown lines for the first ``n`` kernels in start order: start (µs from the first), duration,
+    gap since the previous kernel ended."""
+    lines = ["| # | kernel | start µs | µs | gap µs |", "|---:|---|---:|---:|---:|"]
+    t0, end = kernels[0][1], kernels[0][1]
+    for i, (name, s, d) in enumerate(kernels[:n]):
+        lines.append(f"| {i} | {short_name(name)} | {s - t0:.1f} | {d:.2f} | {max(0.0, s - end):.2f} |")
+        end = max(end, s + d)
+    return lines
+
+
+def profiled_kernels(fn) -> list[tuple[str, float, float]]:
+    """The GPU kernels of one synchronised call of ``fn`` under torch.profiler (``kernel_events``)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        return kernel_events(path)
+
+
+def profile_decode(model, batch: int, context: int, reps: int, top: int, n_timeline: int, pdl: bool | None) -> None:
+    """One graphed greedy decode step of ``batch`` requests after a ``context``-token prefill."""
+    from fastmamba.generation.cuda_graphs import GraphedDecoder
+
+    warm = 5
+    paged = model.cfg.paged_cache if hasattr(model.cfg, "paged_cache") else False
+    if paged:
+        cache = model.new_cache(batch, max_seq_len=context + warm + reps + 16)
+    else:
+        cache = model.new_cache(batch)
+    slots = cache.alloc(batch)
+    slots_host, ones = slots.tolist(), [1] * batch
+    prompts = torch.randint(0, model.cfg.vocab_size, (batch, context), device="cuda")
+    tokens = model.prefill(prompts, cache, slots).argmax(-1)
+    decoder = GraphedDecoder(model, cache, batch, pdl=pdl)
+    state = {"tokens": tokens}
+
+    def step():
+        if paged:
+            cache.grow(slots_host, ones)  # the engine's host-side step: pages and lengths
+        state["tokens"] = decoder.decode(state["tokens"], slots).argmax(-1)
+
+    for _ in range(warm):  # the first captures the graph
+        step()
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    kernels = profiled_kernels(step)
+    print(f"\n## decode, batch {batch}, context {context}: step wall {statistics.median(walls):.3f} ms "
+          f"(median of {reps}, the host's grow and argmax included), PDL {'on' if decoder.pdl else 'off'}")
+    if not kernels:
+        print("the trace holds no kernels")
+        return
+    print("\n".join(summary(kernels, top)))
+    if n_timeline:
+        print(f"\nthe step's first {n_timeline} kernels in order:")
+        print("\n".join(timeline(kernels, n_timeline)))
+
+
 def profile_graphed(model, shapes, reps: int, top: int) -> None:
     from fastmamba.generation.prefill_graphs import GraphedPrefill
 
@@ -74,27 +173,12 @@ def profile_graphed(model, shapes, reps: int, top: int) -> None:
             gp.prefill(prompts, slots, False)
             torch.cuda.synchronize()
             walls.append((time.perf_counter() - t0) * 1e3)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            gp.prefill(prompts, slots, False)
-            torch.cuda.synchronize()
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "trace.json")
-            prof.export_chrome_trace(path)
-            kernels = kernel_events(path)
+        kernels = profiled_kernels(lambda: gp.prefill(prompts, slots, False))
         if not kernels:
             print(f"{b}x{length}: the trace holds no kernels")
             continue
-        span = max(s + d for _, s, d in kernels) - kernels[0][1]
-        busy = sum(d for _, _, d in kernels)
-        print(f"\n## {b} x {length}: replay wall {statistics.median(walls):.3f} ms (median of {reps}); "
-              f"kernels {len(kernels)}, span {span / 1e3:.3f} ms, busy {busy / 1e3:.3f} ms, "
-              f"idle between kernels {(span - busy) / 1e3:.3f} ms ({(span - busy) / max(1, len(kernels) - 1):.2f} µs a gap)")
-        by_name: dict[str, list[float]] = {}
-        for name, _, d in kernels:
-            by_name.setdefault(name, []).append(d)
-        print("| kernel | calls | total µs | µs a call | share |\n|---|---:|---:|---:|---:|")
-        for name, ds in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
-            print(f"| {short_name(name)} | {len(ds)} | {sum(ds):.1f} | {statistics.median(ds):.2f} | {sum(ds) / busy:.1%} |")
+        print(f"\n## {b} x {length}: replay wall {statistics.median(walls):.3f} ms (median of {reps})")
+        print("\n".join(summary(kernels, top)))
         del gp, cache
         torch.cuda.empty_cache()
 
@@ -140,16 +224,22 @@ def run(args: argparse.Namespace, command: str) -> int:
         return 2
     import fastmamba
 
+    if args.batch < 1 or args.context < 1 or args.timeline < 0:
+        print("error: --batch and --context must be >= 1, --timeline >= 0", file=sys.stderr)
+        return 2
     graphed = args.mode == "graphed"
+    name = args.model or ("nemotron-3-nano" if args.mode == "decode" else "mamba2-2.7b")
     shapes = args.shapes or ([(1, 64), (1, 128)] if graphed else [(1, 16)])
-    reps = args.reps or (20 if graphed else 10)
-    top = args.top or (14 if graphed else 30)
-    model = fastmamba.load_model(args.model, device="cuda", dtype=torch.bfloat16)
-    print(f"# {command}\n# {torch.cuda.get_device_name()}, {args.model} bf16, torch {torch.__version__}")
-    if graphed:
+    reps = args.reps or (50 if args.mode == "decode" else 20 if graphed else 10)
+    top = args.top or (30 if args.mode != "graphed" else 14)
+    model = fastmamba.load_model(name, device="cuda", dtype=torch.bfloat16)
+    print(f"# {command}\n# {torch.cuda.get_device_name()}, {name} bf16, torch {torch.__version__}")
+    if args.mode == "decode":
+        profile_decode(model, args.batch, args.context, reps, top, args.timeline, False if args.no_pdl else None)
+    elif graphed:
         if args.norm_pass:
             model.set_decode_tricks(norm_in_scan=False)
         profile_graphed(model, shapes, reps, top)
     else:
-        profile_eager(model, args.model, shapes, reps, top)
+        profile_eager(model, name, shapes, reps, top)
     return 0

@@ -1,0 +1,64 @@
+"""bench profile (CPU): the decode mode's arguments, its tables from a trace's kernel events, and the
+refusal without a GPU (the profile itself runs on a GPU: ``python -m fastmamba.bench profile decode``)."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from fastmamba.bench import prefill_profile as profile
+from fastmamba.bench import targets
+
+# (name, start µs, duration µs): three kernels of one step, 2 µs and 1 µs apart
+EVENTS = [("_gate_kernel", 100.0, 3.0), ("_up_gemv_kernel", 105.0, 20.0), ("_down_gemv_kernel", 126.0, 24.0),
+          ("_gate_kernel", 152.0, 3.0)]
+
+
+def test_summary_and_timeline_tables():
+    lines = profile.summary(EVENTS, top=2)
+    assert lines[0].startswith("kernels 4, span 0.055 ms, busy 0.050 ms, idle between kernels 0.005 ms (1.67 µs a gap)")
+    assert lines[3] == "| _down_gemv_kernel | 1 | 24.0 | 24.00 | 48.0% |" and len(lines) == 5  # top 2 names
+    rows = profile.timeline(EVENTS, 3)
+    assert rows[2:] == ["| 0 | _gate_kernel | 0.0 | 3.00 | 0.00 |", "| 1 | _up_gemv_kernel | 5.0 | 20.00 | 2.00 |",
+                        "| 2 | _down_gemv_kernel | 26.0 | 24.00 | 1.00 |"]
+
+
+def test_kernel_events_reads_a_chrome_trace(tmp_path):
+    trace = {"traceEvents": [{"cat": "kernel", "name": n, "ts": s, "dur": d} for n, s, d in reversed(EVENTS)]
+             + [{"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 90.0, "dur": 5.0}]}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    assert profile.kernel_events(str(path)) == EVENTS
+
+
+def test_decode_mode_needs_a_gpu(capsys):
+    if torch.cuda.is_available():
+        return  # the GPU run is the lead's command; here only the CPU refusal is checked
+    assert targets.main(["profile", "decode", "--batch", "2", "--context", "16", "--timeline", "10"]) == 2
+    assert "bench profile needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_decode_steps_on_a_cpu_model(monkeypatch, capsys):
+    """profile_decode's own steps (cache, prefill, the host's page growth, greedy steps) on the tiny
+    presets, with the graph replaced by the eager decode and the trace by the events above."""
+    import fastmamba
+    import fastmamba.generation.cuda_graphs as cuda_graphs
+
+    class EagerDecoder:
+        def __init__(self, model, cache, max_batch, *, pdl=None):
+            self.model, self.cache, self.pdl = model, cache, bool(pdl)
+
+        def decode(self, tokens, slots):
+            return self.model.decode(tokens, self.cache, slots)
+
+    monkeypatch.setattr(cuda_graphs, "GraphedDecoder", EagerDecoder)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(profile, "profiled_kernels", lambda fn: (fn(), EVENTS)[1])
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the ops' references: this checks the bench's wiring
+    real_randint = torch.randint
+    monkeypatch.setattr(torch, "randint", lambda *a, **k: real_randint(*a, **{**k, "device": "cpu"}))
+    for name in ("nemotron-3-tiny", "mamba2-tiny"):
+        model = fastmamba.load_model(name, device="cpu")
+        profile.profile_decode(model, batch=2, context=6, reps=3, top=5, n_timeline=2, pdl=None)
+        out = capsys.readouterr().out
+        assert "## decode, batch 2, context 6: step wall" in out and "| 1 | _up_gemv_kernel |" in out, name
