@@ -23,10 +23,21 @@ is deterministic run to run.
 
 GEMV path (few pairs): no alignment at all; each program streams one chosen expert's rows, so a
 step reads only the selected experts' weights (a pair per program keeps thousands of programs, so
-enough bytes are in flight at batch 1):
+enough bytes are in flight at batch 1). A shared expert of width S*F adds S pairs per token (its
+slices read in place, weight 1.0):
     h[p, F]     <- _up_gemv_kernel    one program per (pair, block of F)
-    y[p, M]     <- _down_gemv_kernel  one program per (pair, block of M), times the routing weight
-    out[t, M]   <- _sum_kernel        as above
+    y[p, M]     <- _down_gemv_kernel  one program per (pair, block of M), times the routing weight;
+                                      with arrival counters, the last of a token's pairs to finish
+                                      a block of M sums them (as _sum_kernel, same order)
+    out[t, M]   <- _sum_kernel        as above (without arrival counters)
+
+Router of a few tokens (``moe_gate``): _gate_kernel, the logits of ``rows`` experts per program,
+then the last program to arrive routes every token (``_select_experts``, as _route_kernel).
+
+Arrival counters (``_gate_kernel``, the fused k-sum): each program stores its results, a CTA
+barrier, then one acq_rel atomic add on its counter; the program that sees the last count reads
+the others' results through L2 (``.cg``), writes, and sets the counter back to 0 for the next call.
+The order of the sums never depends on which program arrives last, so results are deterministic.
 
 Under the CPU interpreter 16-bit ``tl.dot`` is wrong in Triton 3.6: ``DOT_FP32`` upcasts the tiles.
 """
