@@ -1,9 +1,10 @@
 """``fastmamba serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the engine.
 
-A request's path: HTTP handler (``app.py``) -> validated request (``protocol.py``) -> the serving
-loop's commands (``worker.py``: one loop, run in a process of its own by ``engine_process.py`` or in
-a thread by ``engine_thread.py``) -> ``Engine.step`` -> tokens back to the handler's queue ->
-server-sent events or one JSON body. The serving loop is the only one that touches the model.
+A request's path: HTTP handler (``handlers.py``; the app itself in ``app.py``) -> validated request
+(``protocol.py``'s schemas, then ``state.py``'s checks against the model, once) -> its choices
+(``choices.py``) -> the serving loop's commands (``worker.py``: one loop, run in a process of its
+own by ``engine_process.py`` or in a thread by ``engine_thread.py``) -> ``Engine.step`` -> tokens
+back to the handler's queue -> server-sent events or one JSON body. The serving loop is the only one that touches the model.
 
 Needs the optional extra: ``pip install 'fastmamba[serve]'``.
 """

@@ -67,6 +67,11 @@ class ServerMetrics:
                               "last step (-1: no policy, K every step)", registry=r),
         }
 
+    def observe_step(self, stats: dict, tokens: int) -> None:
+        """A serving-loop report (the worker's ``on_step``): ``tokens`` generated, the engine's gauges."""
+        self.generation_tokens.inc(tokens)
+        self.observe_engine(stats)
+
     def observe_engine(self, stats: dict) -> None:
         """Gauges from an engine's bookkeeping (``engine_thread.engine_stats``), after each step."""
         self.running.set(stats["running"])
