@@ -48,12 +48,12 @@ def layer_ref(layer: MoE, u: torch.Tensor) -> torch.Tensor:
                       routed_scaling_factor=c.routed_scaling_factor)
     lin = (lambda m, v: v @ m.weight.float().t() + (m.bias.float() if m.bias is not None else 0))
     h = x if layer.fc1_latent_proj is None else lin(layer.fc1_latent_proj, x)
-    up, down = layer.experts.up_proj.float(), layer.experts.down_proj.float()
+    up, down = layer.experts.up_proj, layer.experts.down_proj
     y = torch.zeros_like(h)
     for t in range(x.shape[0]):
         for j in range(c.top_k):
             e = int(r.ids[t, j])
-            y[t] += r.weights[t, j] * (down[e] @ torch.relu(up[e] @ h[t]).square())
+            y[t] += r.weights[t, j] * (down[e].float() @ torch.relu(up[e].float() @ h[t]).square())
     if layer.fc2_latent_proj is not None:
         y = lin(layer.fc2_latent_proj, y)
     sh = layer.shared_experts
@@ -204,3 +204,41 @@ def test_loaded_models_fuse_their_shared_experts():
     model = load_model("nemotron-3-tiny-mtp", device="cpu")
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     assert len(layers) == 3 and all(m.shared_fused == 2 for m in layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_gpu_nano_layer_decode_in_a_graph(T):
+    """Nano's MoE layer (M=2688, 128 experts of 1856, top-6, shared 3712 = 2 slices) in bf16: the
+    decode path against the fp32 definition, then 200 replays of a CUDA graph captured under PDL
+    on new inputs, each equal bit for bit to an eager call (the arrival counters reset every time)."""
+    from fastmamba.ops._common.pdl import programmatic_dependent_launch
+
+    dev = torch.device("cuda")
+    cfg = MoEConfig(d_model=2688, n_experts=128, top_k=6, expert_width=1856, shared_width=3712,
+                    routed_scaling_factor=2.5)
+    layer = MoE(cfg, device=dev, dtype=torch.bfloat16)
+    g = torch.Generator(device=dev).manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
+        layer.gate.e_score_correction_bias.normal_(0.0, 0.01, generator=g)
+    assert layer.shared_fused == 2
+    u = torch.randn(T, 2688, device=dev, generator=g).to(torch.bfloat16)
+    t = tol(torch.bfloat16)
+    want = layer_ref(layer, u)
+    t["atol"] *= max(1.0, float(want.abs().max()))
+    torch.testing.assert_close(layer(u).float(), want, **t)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer(u)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with programmatic_dependent_launch(True), torch.cuda.graph(graph):
+        captured = layer(u)
+    for i in range(200):
+        u.copy_(torch.randn(T, 2688, device=dev, generator=g).to(torch.bfloat16))
+        graph.replay()
+        assert torch.equal(captured, layer(u)), i
+    assert not layer.decode_arrivals.any()
