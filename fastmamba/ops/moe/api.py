@@ -163,7 +163,8 @@ def moe_gate(x: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tenso
     with on_device(x):
         launch_gate(x, weight, bias, logits, weights, ids, arrivals, top_k=top_k, n_group=n_group,
                     topk_group=topk_group, renorm=norm_topk_prob, scale=float(routed_scaling_factor), rows=cfg.rows,
-                    block_m=cfg.block_m, use_pdl=pdl_active(x, cdiv(E, cfg.rows), 4))
+                    block_m=cfg.block_m, num_warps=cfg.num_warps,
+                    use_pdl=pdl_active(x, cdiv(E, cfg.rows), cfg.num_warps))
     return Routing(weights, ids)
 
 

@@ -154,6 +154,7 @@ GATE_MAX_TOKENS = 16
 class GateConfig(NamedTuple):
     rows: int  # router rows (experts) per program
     block_m: int  # columns of M per step
+    num_warps: int = 4  # (the last program's routing reduces across them: fewer warps, shorter reductions)
 
 
 def gate_config(E: int, M: int, *, interpreter: bool = False) -> GateConfig:

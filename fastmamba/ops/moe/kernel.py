@@ -191,7 +191,7 @@ def _gate_kernel(
 
 
 def launch_gate(x, w, bias, logits, weights, ids, arrivals, *, top_k: int, n_group: int, topk_group: int,
-                renorm: bool, scale: float, rows: int, block_m: int, use_pdl: bool = False) -> None:
+                renorm: bool, scale: float, rows: int, block_m: int, num_warps: int = 4, use_pdl: bool = False) -> None:
     """x [T, M] any float dtype and strides; w [E, M] fp32 (rows of ``rows`` experts per program);
     bias [E] contiguous or None; logits [T, E] fp32 contiguous (scratch, written); weights [T, k]
     fp32 and ids [T, k] int32 with unit stride along k (written); arrivals: an int32 counter that is 0
@@ -205,7 +205,7 @@ def launch_gate(x, w, bias, logits, weights, ids, arrivals, *, top_k: int, n_gro
         HAS_BIAS=bias is not None, TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, TOP2=EG >= 2,
         RENORM=renorm, BLOCK_E=next_power_of_2(E), BLOCK_G=next_power_of_2(n_group),
         BLOCK_K=next_power_of_2(top_k), ROWS=rows, BLOCK_M=block_m, EVEN_M=M % block_m == 0, USE_PDL=use_pdl,
-        num_warps=4, launch_pdl=use_pdl,
+        num_warps=num_warps, launch_pdl=use_pdl,
     )
 
 
