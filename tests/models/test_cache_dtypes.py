@@ -15,6 +15,9 @@ from fastmamba.generation.sampling import SamplingParams
 from fastmamba.models.checkpoint_config import ssm_cache_dtype_of, ssm_state_dtype
 from fastmamba.models.nemotron_h import PRESETS, NemotronHConfig, NemotronHLM, random_init
 from fastmamba.models.quantization import KV_CACHE_DTYPES
+from fastmamba.ops._common.dispatch import interpreter_enabled
+
+INTERPRETER_AT_START = interpreter_enabled()  # Triton reads TRITON_INTERPRET once, at import
 
 TINY = PRESETS["nemotron-h-tiny"]
 
@@ -139,3 +142,31 @@ def test_capacity_plans_float8_pages_at_one_byte(tmp_path):
     assert per_request_bytes(meta)[1] * 2 == page16
     assert plan_kv_cache_dtype(meta, root, "bf16") == "bfloat16 (the model's dtype)"
     assert per_request_bytes(meta)[1] == page16
+
+
+@pytest.mark.skipif(not INTERPRETER_AT_START,
+                    reason="the Triton kernels run on the CPU only with TRITON_INTERPRET=1 set before Python starts")
+def test_fp8_pages_through_the_triton_kernels(monkeypatch):
+    """The tiny hybrid with float8 pages and scales other than 1 on the real kernels (interpreter):
+    greedy tokens through the engine (prefill kernel, decode kernel, chunked prefill over cached
+    float8 context) equal greedy full forwards, which round K and V through e4m3 the same way."""
+    from fastmamba.models.quantization import set_kv_cache_dtype
+    from tests.generation.test_engine_hybrid import build_model, greedy_reference
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = build_model()
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7, 1, 8, 2, 8]]
+    with torch.no_grad():
+        plain = model(torch.tensor([prompts[0]]))
+    set_kv_cache_dtype(model, "fp8")
+    for block in model.backbone.layers:
+        if block.kind == "*":
+            block.mixer.k_scale.fill_(0.02)  # scales other than 1 (values beyond 448 x scale saturate, in
+            block.mixer.v_scale.fill_(0.005)  # the forward as in the pages)
+    with torch.no_grad():
+        assert not torch.allclose(model(torch.tensor([prompts[0]])), plain, atol=1e-4)  # the rounding shows
+    want = [greedy_reference(model, p, 4) for p in prompts]
+    for chunk in (None, 4):
+        eng = Engine(model, max_batch=2, max_seq_len=32, kv_page_size=4, prefill_chunk=chunk)
+        assert eng.cache.kv.k[0].dtype == torch.float8_e4m3fn
+        assert eng.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True)) == want, chunk
