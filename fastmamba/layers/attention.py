@@ -102,8 +102,11 @@ def prefill_kv_values(ctx: Sequence[int], layout: Sequence[int], cu: Sequence[in
 
 def kv_cache_dtype_of(model: nn.Module) -> torch.dtype | None:
     """The K/V page dtype ``model``'s attention layers ask for (their ``kv_dtype``; the first one
-    that sets one), or None: the caller's default (the model's dtype)."""
-    for m in model.modules():
+    that sets one), or None: the caller's default (the model's dtype). An LM's backbone layers
+    only (an MTP drafter's attention keeps pages of its own)."""
+    layers = getattr(getattr(model, "backbone", None), "layers", None)
+    mods = [getattr(b, "mixer", None) for b in layers] if layers is not None else model.modules()
+    for m in mods:
         if isinstance(m, Attention) and m.kv_dtype is not None:
             return m.kv_dtype
     return None

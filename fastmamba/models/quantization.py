@@ -437,7 +437,8 @@ def apply_plan(model: nn.Module, plan: QuantPlan) -> nn.Module:
         m = model.get_submodule(attn)
         m.k_scale.copy_(k)
         m.v_scale.copy_(v)
-        m.kv_dtype = FP8_DTYPE  # the checkpoint's choice: float8 pages (set_kv_cache_dtype changes it)
+        if attn.startswith("backbone."):  # the checkpoint's choice: float8 pages (set_kv_cache_dtype changes it)
+            m.kv_dtype = FP8_DTYPE
     model.quantization = cfg
     return model
 
