@@ -23,6 +23,7 @@ pools and refused with others. float8 tiles need an sm_89+ GPU (Ada, Hopper) or 
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -47,6 +48,11 @@ from fastmamba.ops.fp8.ref import FP8_DTYPE
 KV_DTYPES = FLOAT_DTYPES + (FP8_DTYPE,)
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def _kv_scales(op: str, k_pages: torch.Tensor, v_pages: torch.Tensor, k_scale, v_scale):
     """(k_scale, v_scale) as one-element device tensors for float8 pools, None for others; raises
     ValueError when float8 pools lack a scale, other pools get one, or K and V pools disagree on
@@ -55,6 +61,10 @@ def _kv_scales(op: str, k_pages: torch.Tensor, v_pages: torch.Tensor, k_scale, v
     if fp8 != (v_pages.dtype == FP8_DTYPE):
         raise ValueError(f"{op}: `k_pages` and `v_pages` must both be float8_e4m3fn or neither, got "
                          f"{k_pages.dtype} and {v_pages.dtype}")
+    if fp8 and k_pages.is_cuda and _capability(k_pages.device.index) < (8, 9):
+        raise ValueError(f"{op}: float8_e4m3fn K/V pages need an sm_89+ GPU (Ada, Hopper: Triton's e4m3 type); "
+                         f"{k_pages.device} is sm_{''.join(map(str, _capability(k_pages.device.index)))}: use "
+                         "16-bit pages (kv_cache_dtype 'bf16' / 'fp16')")
     if not fp8:
         if k_scale is not None or v_scale is not None:
             raise ValueError(f"{op}: `k_scale` / `v_scale` go with float8_e4m3fn pools; the pools are {k_pages.dtype} "
