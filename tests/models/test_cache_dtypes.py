@@ -170,3 +170,21 @@ def test_fp8_pages_through_the_triton_kernels(monkeypatch):
         eng = Engine(model, max_batch=2, max_seq_len=32, kv_page_size=4, prefill_chunk=chunk)
         assert eng.cache.kv.k[0].dtype == torch.float8_e4m3fn
         assert eng.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True)) == want, chunk
+
+
+def test_serve_kv_cache_dtype_flag_reaches_the_engine():
+    """``fastmamba serve --kv-cache-dtype fp8``: parsed (a bad value is argparse's error) and handed to
+    the engine process's ``build_engine`` with the other Engine options."""
+    import argparse
+
+    from fastmamba.serve import cli as serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    assert parser.parse_args(["--model", "m", "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+    assert parser.parse_args(["--model", "m"]).kv_cache_dtype is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--kv-cache-dtype", "int8"])
+    eng = serve_cli.build_engine("nemotron-h-tiny", None, "cpu", {"max_batch": 1, "cuda_graphs": False,
+                                                                   "kv_cache_dtype": "fp8"})
+    assert eng.cache.kv.k[0].dtype == torch.float8_e4m3fn
