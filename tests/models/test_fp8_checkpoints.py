@@ -353,7 +353,8 @@ def engine_model(request, tmp_path_factory):
     write_checkpoint(root, fmt)
     model = load_nemotron_h(root, device="cpu")
     if kv is not None:
-        assert set_kv_cache_dtype(model, kv) == "float8_e4m3fn (k_scale = v_scale = 1.0: the checkpoint ships no K/V scales)"
+        note = set_kv_cache_dtype(model, kv)
+        assert note == "float8_e4m3fn (k_scale = v_scale = 1.0: the checkpoint ships no K/V scales)"
     model.fp8_kv = request.param != "ct-channel-token"  # what the tests expect of its pages
     return model
 
