@@ -9,7 +9,8 @@ the date and the bench row that justified it. Under the CPU interpreter ``INTERP
 
 Two paths (``MoeConfig.path``):
 - "gemv": few tokens. No alignment; one program per (pair, block of F) for up_proj + relu², one per
-  (token, block of M) for down_proj over its k experts. Reads only the chosen experts' weights.
+  (pair, block of M) for down_proj, then the k-sum (its own kernel, or the down kernel's last
+  program per block given arrival counters). Reads only the chosen experts' weights.
 - "grouped": token-expert pairs sorted by expert into blocks of ``block_m`` rows; tensor-core
   GEMMs per (row block, column block); the k contributions summed in a last kernel.
 """
