@@ -144,9 +144,9 @@ class Speculator:
 
     # ------------------------------------------------------------------ one verify step
 
-    def drafts(self, reqs: list[Request], k: int | None = None) -> list[list[int]]:
-        """The drafter's proposals, checked: 0..k token ids in [0, V) per request (k: default K)."""
-        K, V = self.K if k is None else k, self.model.cfg.vocab_size
+    def drafts(self, reqs: list[Request], k: int) -> list[list[int]]:
+        """The drafter's proposals, checked: 0..k token ids in [0, V) per request."""
+        K, V = k, self.model.cfg.vocab_size
         drafts = self.drafter.propose(reqs, K)
         if len(drafts) != len(reqs):
             raise ValueError(f"Engine: the drafter returned {len(drafts)} proposals for {len(reqs)} requests")
