@@ -188,3 +188,19 @@ def test_serve_kv_cache_dtype_flag_reaches_the_engine():
     eng = serve_cli.build_engine("nemotron-h-tiny", None, "cpu", {"max_batch": 1, "cuda_graphs": False,
                                                                    "kv_cache_dtype": "fp8"})
     assert eng.cache.kv.k[0].dtype == torch.float8_e4m3fn
+
+
+def test_fp8_pages_speculative_verify_keeps_greedy_tokens():
+    """Speculative decoding over float8 pages (verify writes the drafts' K/V, the rejected ones are
+    rolled back): the same greedy tokens as plain decoding over the same pages."""
+    from tests.generation.test_engine_hybrid import build_model
+
+    model = build_model()
+    prompts = [[3, 1, 4, 1, 3, 1, 4, 1, 3, 1], [2, 7, 2, 7, 2, 7, 2]]  # repeats: the n-gram drafter drafts
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    plain = engine(model, kv_cache_dtype="fp8")
+    want = plain.generate(prompts, params)
+    spec = engine(model, kv_cache_dtype="fp8", speculate=2)
+    assert spec.cache.kv.k[0].dtype == torch.float8_e4m3fn
+    assert spec.generate(prompts, params) == want
+    assert spec.stats["drafts_proposed"] > 0
