@@ -126,12 +126,13 @@ class _Req:  # what MTPDrafter reads of a request
 
 
 class _Experts:
-    """Distinct routed experts per moe_route call, recorded while ``on``."""
+    """Distinct routed experts per MoE layer call (``MoE.route``, the layer's one door to the router),
+    recorded while ``on``."""
 
     def __init__(self):
-        import fastmamba.layers.moe as moe_module
+        from fastmamba.layers.moe import MoE
 
-        self.module, self.route, self.calls, self.on = moe_module, moe_module.moe_route, [], False
+        self.module, self.route, self.calls, self.on = MoE, MoE.route, [], False
 
         def counting(*a, **kw):
             routing = self.route(*a, **kw)
@@ -139,14 +140,14 @@ class _Experts:
                 self.calls.append(int(routing.ids.unique().numel()))
             return routing
 
-        moe_module.moe_route = counting
+        MoE.route = counting
 
     def take(self) -> list[int]:
         out, self.calls = self.calls, []
         return out
 
     def close(self) -> None:
-        self.module.moe_route = self.route
+        self.module.route = self.route
 
 
 def _sync(device) -> None:

@@ -31,7 +31,7 @@ TARGETS = {
         Target("tune", "fastmamba.bench.tune", "sweep the kernels' launch configs (GPU only)"),
         Target("tune-attention", "fastmamba.bench.tune_attention", "sweep paged decode attention's launch configs (GPU only)"),
         Target("host", "fastmamba.bench.host", "host µs per call of every public op (CPU under TRITON_INTERPRET=1, or GPU)"),
-        Target("profile", "fastmamba.bench.prefill_profile", "where a prefill's time goes: graphed kernels or eager host time (GPU)"),
+        Target("profile", "fastmamba.bench.prefill_profile", "where a step's time goes: a graphed decode step's or prefill's kernels, or eager host time (GPU)"),
         Target("mtp", "fastmamba.bench.mtp", "MTP speculative decoding, cost-faithful oracle: draft / verify / commit vs plain, byte bound"),
         Target("spec", "fastmamba.bench.spec", "speculative verification: replay vs per-position states vs plain decode"),
         Target("e2e", "fastmamba.bench.e2e", "end-to-end prefill and decode tok/s vs the bandwidth roofline"),

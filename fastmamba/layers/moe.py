@@ -57,8 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastmamba.layers.mlp import MLP
-from fastmamba.ops.moe import Routing, decode_workspace, fused_moe, fused_moe_gemv, moe_gate, moe_route
-from fastmamba.ops.moe.configs import GEMV_MAX_TOKENS
+from fastmamba.ops.moe import GEMV_MAX_TOKENS, Routing, decode_workspace, fused_moe, fused_moe_gemv, moe_gate, moe_route
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,16 @@ from fastmamba.ops.add_rmsnorm import PendingNorm, add_rmsnorm
 from fastmamba.ops.conv1d import causal_conv1d_update
 from fastmamba.ops.conv1d_fn import causal_conv1d_fn, causal_conv1d_varlen
 from fastmamba.ops.gated_rmsnorm import RMSNormGated, rmsnorm_fn
-from fastmamba.ops.moe import Routing, append_shared_routing, fuse_shared_expert, fused_moe, fused_moe_gemv, moe_route
+from fastmamba.ops.moe import (
+    Routing,
+    append_shared_routing,
+    decode_workspace,
+    fuse_shared_expert,
+    fused_moe,
+    fused_moe_gemv,
+    moe_gate,
+    moe_route,
+)
 from fastmamba.ops.replay import (
     ReplayCache,
     allocate_replay_cache,
@@ -24,5 +33,5 @@ __all__ = [
     "mamba_chunk_scan_combined", "rmsnorm_fn", "selective_state_update", "ssd_scan_varlen",
     "ReplayCache", "allocate_replay_cache", "commit_accepted", "flush_replay_cache", "replay_selective_state_update",
     "raise_pending_slot_errors", "Routing", "append_shared_routing", "fuse_shared_expert", "fused_moe", "fused_moe_gemv",
-    "moe_route",
+    "moe_route", "moe_gate", "decode_workspace",
 ]
