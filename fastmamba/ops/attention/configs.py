@@ -48,6 +48,10 @@ TILES: dict[tuple[int, int], tuple[int, int, int]] = {
     (128, 2): (64, 4, 3),
     (64, 2): (64, 4, 3),
     (128, 4): (32, 4, 2),
+    # float8 pages (first-principles, not measured): the bf16 row's 64 tokens per trip (the same
+    # registers once each tile is converted to bf16) and one more stage, 48 KiB in flight per program
+    # (the fallback's 128-token tile would hold 64 KiB of converted K and V in registers)
+    (128, 1): (64, 4, 4),
 }
 SPLIT_TARGET_WAVES = 4  # aim for this many programs per SM ...
 MIN_SPLIT_TOKENS = 256  # ... with runs of at least this many tokens of the table's width
