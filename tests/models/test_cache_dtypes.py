@@ -204,3 +204,27 @@ def test_fp8_pages_speculative_verify_keeps_greedy_tokens():
     assert spec.cache.kv.k[0].dtype == torch.float8_e4m3fn
     assert spec.generate(prompts, params) == want
     assert spec.stats["drafts_proposed"] > 0
+
+
+def test_bench_e2e_kv_cache_dtype(tmp_path, capsys):
+    """``bench e2e --kv-cache-dtype fp8`` on a hybrid preset: the header and rows say which pages,
+    and a step's bytes count the K/V at one byte (the roofline the tok/s are held to)."""
+    import json
+
+    from fastmamba.bench import targets
+
+    def rows(name, extra):
+        path = tmp_path / f"{name}.jsonl"
+        argv = ["e2e", "--model", "nemotron-h-tiny", "--batch", "1", "--gen-len", "2", "--prompt-len", "4",
+                "--json", str(path), *extra]
+        assert targets.main(argv) == 0
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    (plain,) = rows("plain", [])
+    (fp8,) = rows("fp8", ["--kv-cache-dtype", "fp8"])
+    assert "K/V pages float8_e4m3fn (k_scale = v_scale = 1.0" in capsys.readouterr().out
+    assert plain["kv_cache"] == "float32 (the model's dtype)" and fp8["kv_cache"].startswith("float8_e4m3fn")
+    assert 0 < fp8["step_bytes"] < plain["step_bytes"] and fp8["decode_tok_s"] > 0
+    assert targets.main(["e2e", "--model", "mamba2-tiny", "--batch", "1", "--gen-len", "2", "--prompt-len", "4",
+                         "--kv-cache-dtype", "fp8"]) == 2  # no attention layers: said, not ignored
+    assert "--kv-cache-dtype: kv_cache_dtype: 'fp8' sets the dtype of K/V pages" in capsys.readouterr().err
