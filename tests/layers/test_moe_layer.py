@@ -11,11 +11,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastmamba.layers.moe import MoE, MoEConfig
 from fastmamba.ops._common.dispatch import interpreter_enabled
-from fastmamba.ops.moe import kernel as moe_kernel
+from fastmamba.ops.moe import align_kernel, gemv_kernel, kernel as moe_kernel, router_kernel
 from fastmamba.ops.moe.configs import GEMV_MAX_TOKENS
 from fastmamba.ops.moe.ref import moe_route_ref
 from tests.helpers import seeded, tol
 
+MOE_KERNEL_MODULES = (router_kernel, align_kernel, moe_kernel, gemv_kernel)
 INTERPRETER_AT_START = interpreter_enabled()  # Triton reads TRITON_INTERPRET once, at import
 BASE = dict(d_model=48, n_experts=8, top_k=2, expert_width=20, shared_width=40, n_group=2, topk_group=1,
             routed_scaling_factor=2.5)
@@ -116,9 +117,10 @@ class _Ops(TorchDispatchMode):
 
 
 def count_kernels(monkeypatch, ops: _Ops) -> list[int]:
-    """[n]: the launches through ``ops.moe.kernel.lean`` from now on; ``ops`` records nothing inside them."""
+    """[n]: the launches through ``lean`` of the ops.moe kernel modules from now on; ``ops`` records
+    nothing inside them."""
     count = [0]
-    real = moe_kernel.lean
+    real = moe_kernel.lean  # the one ``fastmamba.ops._common.launch.lean`` every module imports
 
     def counting(fn):
         k = real(fn)
@@ -137,7 +139,8 @@ def count_kernels(monkeypatch, ops: _Ops) -> list[int]:
                 return run
         return Counted()
 
-    monkeypatch.setattr(moe_kernel, "lean", counting)
+    for module in MOE_KERNEL_MODULES:
+        monkeypatch.setattr(module, "lean", counting)
     return count
 
 

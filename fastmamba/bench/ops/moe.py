@@ -69,7 +69,8 @@ from fastmamba.bench.ops._base import (
     fastmamba_pdl_provider,
 )
 from fastmamba.bench.timing import TimingConfig
-from fastmamba.ops.moe.kernel import AlignLayout, _padded_starts, grouped_rows, launch_align
+from fastmamba.ops.moe.align_kernel import launch_align
+from fastmamba.ops.moe.kernel_common import AlignLayout, _padded_starts, grouped_rows
 
 # name -> (M, F, E, k)
 GPU_SHAPES = {

@@ -16,14 +16,10 @@ import triton.language as tl
 
 from fastmamba.ops._common.launch import lean
 from fastmamba.ops.fp8.ref import AMAX_FLOOR, FP8_DTYPE as FP8_DTYPE_TORCH, FP8_MAX
-from fastmamba.ops.moe.kernel import (  # the alignment of ops/moe and its readers (see the grouped MoE below)
-    _block_of_program,
-    _load_pairs,
-    align_layout,
-    grouped_rows,
-    launch_align,
-    launch_sum,
-)
+# the alignment of ops/moe, its readers and its k-sum (see the grouped MoE below)
+from fastmamba.ops.moe.align_kernel import launch_align
+from fastmamba.ops.moe.kernel import launch_sum
+from fastmamba.ops.moe.kernel_common import align_layout, block_of_program, grouped_rows, load_pairs
 
 
 @triton.jit
@@ -211,7 +207,7 @@ def launch_moe_pair_gemv(q: torch.Tensor, sq: torch.Tensor, w: torch.Tensor, s: 
 # --- grouped W8A8 MoE (more tokens than the pair GEMV) --------------------------------------------
 # The alignment is ops/moe's (launch_align: each expert's (token, expert) pairs, BM-padded row
 # blocks found from the counts on the device), and so is the decoding of a program's block
-# (_block_of_program, _load_pairs) and the fixed-order k-sum (launch_sum): one layout, one reader.
+# (block_of_program, load_pairs) and the fixed-order k-sum (launch_sum): one layout, one reader.
 # Unlike ops/moe, the relu² rows are kept at the pair's row (h [P, F]), not in the sorted order, so
 # the per-row quantisation between up and down runs over exactly P rows.
 @triton.jit(do_not_specialize=["stride_se"])
@@ -227,13 +223,13 @@ def _moe_up_kernel(
     # cores with fp32 accumulation (products of two e4m3 values are exact), scales in the epilogue.
     # QUANT_H (a static down input scale hs): h is written as e4m3(clamp(h / hs)); else as fp32 for
     # the per-row quantisation kernel that follows.
-    pid_m, pid_n, e, e_start, e_count, rows_used = _block_of_program(counts_ptr, E, Fdim, BM, BLOCK_N, GROUP_M,
-                                                                     BLOCK_E)
+    pid_m, pid_n, e, e_start, e_count, rows_used = block_of_program(counts_ptr, E, Fdim, BM, BLOCK_N, GROUP_M,
+                                                                    BLOCK_E)
     if pid_m * BM >= rows_used:
         return
     offs_r = pid_m * BM + tl.arange(0, BM)
     real = (offs_r - e_start) < e_count
-    pair = _load_pairs(sorted_ptr, e, e_start, offs_r, real, stride_se, PER_EXPERT)
+    pair = load_pairs(sorted_ptr, e, e_start, offs_r, real, stride_se, PER_EXPERT)
     tok = (pair // K).to(tl.int64)
     e64 = e.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -279,13 +275,13 @@ def _moe_down_kernel(
     # one program per (block of BM sorted rows of expert e, block of BLOCK_N of M):
     # y[pair, n] = tw[pair] * sh[pair] * sd[e, n] * (hq[pair] . w_down[e, n]), e4m3 dot, fp32 out,
     # written at the pair's row (the k-sum reads it in a fixed order)
-    pid_m, pid_n, e, e_start, e_count, rows_used = _block_of_program(counts_ptr, E, Mdim, BM, BLOCK_N, GROUP_M,
-                                                                     BLOCK_E)
+    pid_m, pid_n, e, e_start, e_count, rows_used = block_of_program(counts_ptr, E, Mdim, BM, BLOCK_N, GROUP_M,
+                                                                    BLOCK_E)
     if pid_m * BM >= rows_used:
         return
     offs_r = pid_m * BM + tl.arange(0, BM)
     real = (offs_r - e_start) < e_count
-    pair = _load_pairs(sorted_ptr, e, e_start, offs_r, real, stride_se, PER_EXPERT).to(tl.int64)
+    pair = load_pairs(sorted_ptr, e, e_start, offs_r, real, stride_se, PER_EXPERT).to(tl.int64)
     e64 = e.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)

@@ -2,8 +2,9 @@
 
 The signatures are the contract the layer (``fastmamba.layers.moe``) and the transformers provider
 call. CUDA tensors (and CPU tensors under ``TRITON_INTERPRET=1``) run the Triton kernels of
-``kernel.py``; other CPU tensors run the references of ``ref.py``. Neither op reads a device value
-on the host: buffers are sized from the shapes alone, so both can be captured in a CUDA graph.
+``kernel.py`` and the other ``*_kernel.py`` files; other CPU tensors run the references of
+``ref.py``. Neither op reads a device value on the host: buffers are sized from the shapes alone,
+so both can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -25,15 +26,11 @@ from fastmamba.ops._common.launch import on_device
 from fastmamba.ops.moe import configs
 from fastmamba.ops._common.host_math import cdiv
 from fastmamba.ops._common.pdl import pdl_active
-from fastmamba.ops.moe.kernel import (
-    align_layout,
-    grouped_rows,
-    launch_align,
-    launch_gate,
-    launch_gemv,
-    launch_grouped,
-    launch_route,
-)
+from fastmamba.ops.moe.align_kernel import launch_align
+from fastmamba.ops.moe.gemv_kernel import launch_gemv
+from fastmamba.ops.moe.kernel import launch_grouped
+from fastmamba.ops.moe.kernel_common import align_layout, grouped_rows
+from fastmamba.ops.moe.router_kernel import launch_gate, launch_route
 from fastmamba.ops.moe.ref import Routing, fused_moe_ref, moe_gate_ref, moe_route_ref
 
 _ROUTE = "moe_route"

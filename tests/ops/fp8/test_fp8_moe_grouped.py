@@ -174,10 +174,10 @@ def test_grouped_moe_reads_no_unwritten_workspace(lists_max, device, monkeypatch
     order, rows of unchosen experts and the alignment's unused entries are never read; in both of
     ops/moe's alignment layouts (per-expert lists; padded rows written through atomic cursors, which
     large batches take)."""
-    from fastmamba.ops.moe import kernel as moe_kernel
+    from fastmamba.ops.moe import kernel_common as moe_common
 
     if lists_max is not None:
-        monkeypatch.setattr(moe_kernel, "ALIGN_LISTS_MAX", lists_max)
+        monkeypatch.setattr(moe_common, "ALIGN_LISTS_MAX", lists_max)
     g = torch.Generator().manual_seed(5)
     T, M, F = 19, 40, 48
     x, up, su, down, sd = grid_case(T, M, F, per_channel=True, g=g)

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from fastmamba.ops.moe import configs, fused_moe
-from fastmamba.ops.moe import kernel as moe_kernel
+from fastmamba.ops.moe import kernel_common as moe_common
 from fastmamba.ops.moe.api import fused_moe_gemv
-from fastmamba.ops.moe.kernel import align_layout, grouped_rows, launch_align
+from fastmamba.ops.moe.align_kernel import launch_align
+from fastmamba.ops.moe.kernel_common import align_layout, grouped_rows
 from fastmamba.ops.moe.ref import fused_moe_ref
 from tests.helpers import nan_like, seeded, tol
 
@@ -87,7 +88,7 @@ def test_experts_with_no_one_and_all_tokens(op, lists_max, device, monkeypatch):
     """T=18 > BM=16: expert 0's pairs span two row blocks; experts 3-5 get no token, and their
     weights are NaN: nothing of them may reach the output. The grouped path with either layout."""
     if lists_max is not None:
-        monkeypatch.setattr(moe_kernel, "ALIGN_LISTS_MAX", lists_max)
+        monkeypatch.setattr(moe_common, "ALIGN_LISTS_MAX", lists_max)
     x, w_up, w_down, tw, _ = make_inputs(18, 32, 24, 6, 2, torch.float32, device, seed=7)
     ids = skewed_routing(18, 6, device)
     want = fused_moe_ref(x, w_up, w_down, tw, ids)

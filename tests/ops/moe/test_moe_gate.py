@@ -12,7 +12,7 @@ import torch
 
 from fastmamba.ops._common.dispatch import interpreter_enabled
 from fastmamba.ops.moe import configs, decode_workspace, moe_gate
-from fastmamba.ops.moe import kernel as moe_kernel
+from fastmamba.ops.moe import router_kernel
 from fastmamba.ops.moe.ref import moe_gate_ref
 from tests.helpers import count_launches, seeded
 
@@ -75,7 +75,7 @@ def test_strided_inputs_and_reused_counter(device):
 def test_one_launch(device, monkeypatch):
     if device.type == "cpu" and not interpreter_enabled():
         pytest.skip("the reference runs on a CPU without TRITON_INTERPRET=1")
-    launches = count_launches(monkeypatch, moe_kernel)
+    launches = count_launches(monkeypatch, router_kernel)
     x, weight, bias = make_inputs(1, 48, 8, torch.bfloat16, device, seed=5)
     moe_gate(x, weight, bias, top_k=2, arrivals=decode_workspace(48, device=device)[:1])
     assert launches[0] == 1
