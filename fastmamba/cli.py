@@ -5,7 +5,8 @@
                        [--temperature T] [--top-k K] [--top-p P] [--seed S] [--batch B]
                        [--stop STR ...] [--stop-token-ids 1,2] [--ignore-eos]
                        [--speculate K [--drafter ngram|oracle|model [--draft-model DIR|PRESET]]]
-                       [--ssm-dtype fp32|fp16|bf16 [--stochastic-rounding]] [--dtype fp32|fp16|bf16]
+                       [--ssm-dtype auto|fp32|fp16|bf16 [--stochastic-rounding]] [--dtype fp32|fp16|bf16]
+                       [--kv-cache-dtype auto|fp8|bf16|fp16|fp32]
                        [--tp N]   (tensor parallelism: N processes, spawned or under torchrun)
     fastmamba serve --model DIR|PRESET [--port 8000] ...      (fastmamba/serve/cli.py; the serve extra)
 
@@ -38,6 +39,9 @@ from collections.abc import Sequence
 # commands import torch, the models and the benchmarks when they run
 from fastmamba import __version__
 from fastmamba.presets import PRESET_NAMES, hub_id_hint, preset_lines
+
+# fastmamba.models.quantization.KV_CACHE_DTYPES, spelled out: the parser imports no torch
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "bf16", "fp16", "fp32")
 
 EXIT_USAGE = 2  # argparse's status for a bad command line; ours for every user error
 
@@ -152,8 +156,13 @@ def build_parser(command: str | None = None) -> tuple[argparse.ArgumentParser, d
     gen.add_argument("--quantization", choices=("fp8",), default=None,
                      help="fp8: quantise a 16-bit checkpoint on load (e4m3 weights per channel, activations per "
                           "token; attention and lm_head stay 16-bit). FP8 checkpoints load as FP8 without it")
-    gen.add_argument("--ssm-dtype", choices=("fp32", "fp16", "bf16"), default="fp32",
-                     help="SSM state dtype (default fp32; fp16/bf16 halve the state traffic)")
+    gen.add_argument("--ssm-dtype", choices=("auto", "fp32", "fp16", "bf16"), default="auto",
+                     help="SSM state dtype (default auto: the checkpoint's mamba_ssm_cache_dtype, else fp32; "
+                          "fp16/bf16 halve the state traffic)")
+    gen.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                     help="K/V page dtype of attention layers (default: fp8 e4m3 when the checkpoint ships "
+                          "k_scale / v_scale, else the model's dtype); fp8: e4m3 pages (scale 1.0 without "
+                          "checkpoint scales), half the K/V bytes; bf16/fp16/fp32: the model's dtype")
     gen.add_argument("--stochastic-rounding", action="store_true",
                      help="with --ssm-dtype fp16|bf16: store the states with stochastic rounding (unbiased)")
     gen.set_defaults(_handler=_generate)
@@ -252,10 +261,12 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UsageError("--draft-model goes with --speculate K --drafter model (and that drafter needs it)")
     import torch
 
-    ssm_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.ssm_dtype]
+    ssm_dtype = {"auto": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.ssm_dtype]
     if args.stochastic_rounding and args.ssm_dtype == "fp32":
-        raise UsageError("--stochastic-rounding rounds 16-bit states; it needs --ssm-dtype fp16 or bf16")
-    state_kw = dict(ssm_dtype=ssm_dtype, stochastic_rounding=args.stochastic_rounding)
+        raise UsageError("--stochastic-rounding rounds 16-bit states; it needs --ssm-dtype fp16 or bf16 (or a "
+                         "checkpoint whose mamba_ssm_cache_dtype is one)")
+    state_kw = dict(ssm_dtype=ssm_dtype, stochastic_rounding=args.stochastic_rounding,
+                    kv_cache_dtype=args.kv_cache_dtype)
     try:
         stop_ids = [int(t) for t in (args.stop_token_ids or "").split(",") if t.strip()]
     except ValueError:
@@ -308,6 +319,7 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         from fastmamba.distributed.runtime import share_sampling_seed
 
         share_sampling_seed(_TP_GROUP, engine)
+    print(f"[SSM states {engine.ssm_dtype_source}; K/V pages {engine.kv_cache_note}]", file=sys.stderr)
     rids = [engine.add_request(ids, params) for _ in range(args.batch)]
     shown: list[int] = []
     text = codec.stream() if tok is not None else None  # prints a character once all its tokens came

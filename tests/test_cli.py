@@ -194,6 +194,9 @@ class _ScriptedEngine:
     """Stands in for the Engine (the real one runs in test_text_prompt_with_checkpoint_tokenizer):
     emits tokens 7, 9 for every request, then finishes."""
 
+    ssm_dtype_source = "fp32 (default)"  # what the CLI's start-up line reads
+    kv_cache_note = "none (no attention layers)"
+
     def __init__(self, model, max_batch, **kw):
         self.pending, self.rids = [[7, 9]], []
 

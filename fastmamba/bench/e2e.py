@@ -69,7 +69,7 @@ from fastmamba.bench.e2e_runs import (DTYPES, REPEAT_BLOCK, make_prompts, run_ba
                                       state_label, state_variants)
 from fastmamba.bench.e2e_spec import DRAFTERS, make_bench_drafter, run_speculative
 from fastmamba.bench.kernels import _int_list
-from fastmamba.models.quantization import QUANTIZATION_CHOICES
+from fastmamba.models.quantization import KV_CACHE_DTYPES, QUANTIZATION_CHOICES, set_kv_cache_dtype
 
 DRIFT_BATCH = 4  # requests of the drift measurement
 
@@ -101,6 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None,
                         help="fp8: quantise the 16-bit model on load (load_model(..., quantization='fp8'): per-channel "
                              "e4m3 weights, dynamic per-token activations), to set FP8 decode beside bf16")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                        help="hybrids: the K/V page dtype (default: the checkpoint's, fp8 e4m3 when it ships k_scale / "
+                             "v_scale; fp8: e4m3 pages at scale 1.0 on a preset, half the K/V bytes the roofline counts)")
     parser.add_argument("--verify-path", choices=("auto", "replay", "legacy"), default="auto",
                         help="with --speculate: the engine's verify path (auto: per step from the measured "
                         "crossover table, fastmamba.generation.spec_policy)")
@@ -210,7 +213,7 @@ def _run_hybrid(args, model, name, batches, prompt_len, gen_len, variants, copy_
     print_spec_table(spec_rows, hybrid=True)
     if args.json:
         append_json(args.json, rows + spec_rows, model=name, device=device_name(device), copy_gbs=copy_gbs,
-                    quantization=args.quantization, command=command)
+                    quantization=args.quantization, kv_cache=args.kv_cache, command=command)
     if args.plot:
         print("--plot: not drawn for hybrid models", file=sys.stderr)
     return 0
@@ -248,6 +251,11 @@ def run(args: argparse.Namespace, command: str) -> int:
     copy_gbs = measure_copy_bandwidth(device)
     model = fastmamba.load_model(name, device=device, dtype=DTYPES[args.dtype] if args.dtype else None,
                                  quantization=args.quantization)
+    try:
+        args.kv_cache = set_kv_cache_dtype(model, getattr(args, "kv_cache_dtype", None))  # the caches' page dtype
+    except ValueError as exc:
+        print(f"error: --kv-cache-dtype: {exc}", file=sys.stderr)
+        return 2
     draft_model, draft_name = None, None
     if K and args.drafter == "model":
         from fastmamba.generation.drafters import check_draft_vocab
@@ -267,6 +275,8 @@ def run(args: argparse.Namespace, command: str) -> int:
               f"{model.dtype}{', FP8 weights' if args.quantization else ''}), {device_name(device)}, copy {copy_gbs:.0f} GB/s, prompt {prompt_len}, "
               f"gen {gen_len}, CUDA graphs {'on' if cuda else 'off'}, PDL {'on' if args.pdl else 'off'}; "
               f"command: {command}")
+    if is_hybrid(model):
+        header += f"; K/V pages {args.kv_cache}"
     if K:
         header += (f"; speculate K={K}, drafter {args.drafter}"
                    f"{f' ({draft_name})' if draft_name else ''}, {'repetitive' if repetitive else 'random'} prompts")

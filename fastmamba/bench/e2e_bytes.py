@@ -120,7 +120,7 @@ def hybrid_step_bytes(model, batch: int, context: float, ssm_dtype: torch.dtype 
     """Minimum bytes of one decode step of a hybrid model: the weights it reads once
     (``decode_weight_bytes``: an untied embedding table only in its B rows); per request, every Mamba
     layer's conv state (model dtype) and SSM state (``ssm_dtype``) read and written, and every
-    attention layer's K and V (model dtype) read over ``context`` tokens plus the new token's K and V
+    attention layer's K and V (their page dtype: the model's, or float8) read over ``context`` tokens plus the new token's K and V
     written. The dtypes are the model's: a preset loads in bf16 on a GPU and fp32 on the CPU. MoE
     layers count the routed experts the step touched (``decode_weight_bytes``)."""
     c = model.cfg
@@ -132,6 +132,9 @@ def hybrid_step_bytes(model, batch: int, context: float, ssm_dtype: torch.dtype 
         per_layer = 2 * (conv + ssm)
         total += batch * c.pattern.count("M") * per_layer
     if "*" in c.pattern:
-        kv_token = 2 * c.n_kv_heads * c.head_dim * model.dtype.itemsize  # K and V of one token, one layer
+        from fastmamba.layers.attention import kv_cache_dtype_of
+
+        kv_dtype = kv_cache_dtype_of(model) or model.dtype  # float8 pages (an FP8-K/V checkpoint): 1 byte
+        kv_token = 2 * c.n_kv_heads * c.head_dim * kv_dtype.itemsize  # K and V of one token, one layer
         total += int(batch * c.pattern.count("*") * kv_token * (context + 1))
     return total

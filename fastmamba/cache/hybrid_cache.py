@@ -42,6 +42,7 @@ class HybridCache:
         ssm_dtype: torch.dtype = torch.float32,
         speculate: int = 0,
         paged: bool = True,
+        kv_dtype: torch.dtype | None = None,
     ):
         """max_batch    requests held at once (slots)
         mamba_cfg      the Mamba layers' config (``n_layer`` = their count) or None without any
@@ -54,6 +55,7 @@ class HybridCache:
                        (``StateCache(speculate=K)``: replay histories, legacy buffers); the KV
                        needs nothing more (a verify step grows it by T tokens, the commit
                        shortens it to the accepted ones: ``rollback``)
+        kv_dtype       the K/V pages' dtype (``KVPages``: float8_e4m3fn halves them); None: ``dtype``
         paged          True: each slot's length is tracked (``grow`` before a step writes tokens,
                        ``rollback``; K/V pages with attention layers). False (a pure Mamba-2 LM):
                        no lengths, no attention layers, slots as the ``StateCache`` hands them out
@@ -77,15 +79,17 @@ class HybridCache:
                       if mamba_cfg is not None else None)
         self.kv: KVPages | None = None
         if n_attn_layers:
+            kv_dtype = kv_dtype or dtype
             max_pages = -(-max_seq_len // page_size)
             if kv_budget_bytes is not None:
-                num_pages = kv_budget_bytes // KVPages.page_bytes(n_attn_layers, page_size, n_kv_heads, head_dim, dtype)
+                num_pages = kv_budget_bytes // KVPages.page_bytes(n_attn_layers, page_size, n_kv_heads, head_dim,
+                                                                  kv_dtype)
                 if num_pages < 1:
                     raise ValueError(f"HybridCache: `kv_budget_bytes`={kv_budget_bytes} is less than one page")
             elif num_pages is None:
                 num_pages = max_batch * max_pages
             self.kv = KVPages(n_attn_layers, num_pages, max_batch, max_pages, page_size=page_size,
-                              n_kv_heads=n_kv_heads, head_dim=head_dim, device=device, dtype=dtype)
+                              n_kv_heads=n_kv_heads, head_dim=head_dim, device=device, dtype=kv_dtype)
         self.device = torch.device(device)
         self._free = list(range(max_batch - 1, -1, -1))
         self._len = [0] * max_batch  # tokens each slot has consumed (its KV length too)

@@ -372,6 +372,8 @@ class PrefixCache:
         d = torch.tensor(dst_pages, dtype=torch.int64).to(dev, non_blocking=True)
         s = torch.tensor(src_pages, dtype=torch.int64).to(dev, non_blocking=True)
         for dk, dv, sk, sv in zip(dst_k, dst_v, src_k, src_v):
+            if dk.element_size() == 1:  # float8 pages: copied as bytes (index_copy_ has no float8 kernel)
+                dk, dv, sk, sv = (t.view(torch.uint8) for t in (dk, dv, sk, sv))
             dk.index_copy_(0, d, sk.index_select(0, s))
             dv.index_copy_(0, d, sv.index_select(0, s))
 

@@ -224,8 +224,16 @@ def plan_capacity(model: nn.Module, *, device_bytes: int, gpu_memory_utilization
 
 
 def meta_twin(model: nn.Module) -> nn.Module:
-    """A copy of a loaded model's structure on the meta device (no memory, no weights)."""
-    return type(model)(model.cfg, device="meta", dtype=model.dtype)
+    """A copy of a loaded model's structure on the meta device (no memory, no weights), with its
+    K/V page dtype (float8 pages: half the bytes a page costs)."""
+    from fastmamba.layers.attention import Attention, kv_cache_dtype_of
+
+    twin = type(model)(model.cfg, device="meta", dtype=model.dtype)
+    kv = kv_cache_dtype_of(model)
+    for m in twin.modules():
+        if isinstance(m, Attention):
+            m.kv_dtype = kv
+    return twin
 
 
 def meta_model(path_or_preset: str, dtype: torch.dtype | str | None = None) -> nn.Module:

@@ -527,7 +527,7 @@ class Engine:
         checked = [prompt_ids(p, V, f"Engine.generate: prompts[{i}]: ") for i, p in enumerate(prompts)]
         for i, (ids, sp) in enumerate(zip(checked, plist)):
             self.scheduler.check_fits(ids, sp, f"Engine.generate: prompts[{i}]: ")
-        rids = [self.add_request(p, sp) for p, sp in zip(checked, plist)]
+        rids = [self.add_validated_request(p, sp) for p, sp in zip(checked, plist)]  # checked above: not again
         mine, done = set(rids), {}
         try:
             while len(done) < len(rids) and self.has_unfinished():

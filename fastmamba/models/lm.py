@@ -28,6 +28,7 @@ and every method runs under ``torch.inference_mode()`` as outside it.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -35,7 +36,7 @@ from torch import nn
 
 from fastmamba.cache.hybrid_cache import HybridCache
 from fastmamba.cache.prefix_cache import DeviceSnapshots, SnapshotPlan, device_layer_snapshots, layer_snapshots
-from fastmamba.layers.attention import KVBatch, StagedPrefill, prefill_kv_values
+from fastmamba.layers.attention import KVBatch, StagedPrefill, kv_cache_dtype_of, prefill_kv_values
 from fastmamba.layers.mamba2 import DecodeTricks
 from fastmamba.models.blocks import Batch, RMSNorm, SpecBatch, build_blocks
 from fastmamba.models.inputs import check_index_tensor, check_rand_seed, embed, host_metadata
@@ -121,13 +122,15 @@ class HybridLM(nn.Module):
 
     def new_cache(self, max_batch: int, *, max_seq_len: int = 4096, page_size: int = 16, num_pages: int | None = None,
                   kv_budget_bytes: int | None = None, ssm_dtype: torch.dtype = torch.float32,
-                  speculate: int = 0) -> HybridCache:
+                  speculate: int = 0, kv_dtype: torch.dtype | None = None) -> HybridCache:
         """The cache for ``max_batch`` requests: Mamba slot pools (``ssm_dtype`` SSM states;
         ``speculate=K``: what ``verify`` with T = K+1 needs) and, for a hybrid (``cfg.paged_cache``),
         per-slot lengths and the attention layers' paged K/V (pages of ``page_size`` tokens:
         ``num_pages``, or as many as ``kv_budget_bytes`` holds, or enough for every request at
-        ``max_seq_len``). A pure Mamba-2 LM's cache has an empty attention part and no lengths
-        (``paged=False``; the K/V arguments are not used)."""
+        ``max_seq_len``; ``kv_dtype`` their dtype, None: what the attention layers ask for,
+        ``kv_cache_dtype_of``: float8 for a checkpoint with K/V scales, else the model's). A pure
+        Mamba-2 LM's cache has an empty attention part and no lengths (``paged=False``; the K/V
+        arguments are not used)."""
         c, dev = self.cfg, self.lm_head.weight.device
         if not c.paged_cache:
             return HybridCache(max_batch, mamba_cfg=c.mamba, n_attn_layers=0, device=dev, dtype=self.dtype,
@@ -136,7 +139,7 @@ class HybridLM(nn.Module):
             max_batch, mamba_cfg=c.mamba if "M" in c.pattern else None, n_attn_layers=c.pattern.count("*"),
             n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, max_seq_len=max_seq_len, page_size=page_size,
             num_pages=num_pages, kv_budget_bytes=kv_budget_bytes, device=dev, dtype=self.dtype, ssm_dtype=ssm_dtype,
-            speculate=speculate,
+            speculate=speculate, kv_dtype=kv_dtype or kv_cache_dtype_of(self),
         )
 
     def prefill_block_tokens(self) -> int:
@@ -319,9 +322,10 @@ class HybridLM(nn.Module):
             return packed[:nseq] != 0, None
         o = nseq + 2 * T + nseq
         positions, token_rows = packed[nseq:nseq + T], packed[nseq + T:nseq + 2 * T]
+        # no slots_host: the slots were checked (prefill_varlen, cache.grow) and the attention op's
+        # kernels do not need their host copy, which the op would check again in every layer
         kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions, token_rows, cu_seqlens, ctx,
-                     cu_host=cu, slots_host=sl, ctx_dev=packed[nseq + 2 * T:o],
-                     work=PrefillWork(packed[o:].view(-1, 2), block_m))
+                     cu_host=cu, ctx_dev=packed[nseq + 2 * T:o], work=PrefillWork(packed[o:].view(-1, 2), block_m))
         return packed[:nseq] != 0, kv
 
     def _staged_inputs(self, staged, flags, snapshots, cache, slots, cu_seqlens, cu, sl, nseq, T):
@@ -363,6 +367,13 @@ class HybridLM(nn.Module):
         cache.grow(sl, [ntok] * slots.shape[0])
         return hidden
 
+    @staticmethod
+    def _slots_checked(cache):
+        """A paged cache's slots were checked once as the cache grew (here, or by the caller that
+        grew it: ``grow=False``), so the layers' ops do not check them again (``trusted_inputs``); an
+        unpaged cache's slots are never read here: its ops check them."""
+        return trusted_inputs() if cache.paged else contextlib.nullcontext()
+
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, cache, slots: torch.Tensor, *,
                rand_seed: torch.Tensor | None = None, grow: bool = True) -> torch.Tensor:
@@ -371,9 +382,10 @@ class HybridLM(nn.Module):
         token_ids  [B] int32/int64 in [0, V) (a paged cache with ``grow``: checked in the slots'
                    host read, before any length, page or state moves)
         slots      [B] int32/int64; -1 marks a pad row (no state touched, its K/V go to the scratch page)
-        grow       (paged cache) True: ``cache.grow(slots, [1] * B)`` first (reads slots on the host).
-                   False: the caller grew it (a CUDA-graph replay: the positions come from
-                   ``cache.kv.seq_lens``). An unpaged cache reads nothing on the host.
+        grow       (paged cache) True: ``cache.grow(slots, [1] * B)`` first (reads slots on the host;
+                   the grow checks them, and the layers' ops then trust them). False: the caller
+                   grew it, which checked the slots (a CUDA-graph replay: the positions come from
+                   ``cache.kv.seq_lens``). An unpaged cache reads nothing on the host: its ops check the slots.
         rand_seed  int64 [n_layer] device tensor or None: stochastic rounding of 16-bit SSM states
         """
         who = self._who("decode")
@@ -389,8 +401,9 @@ class HybridLM(nn.Module):
             positions = cache.kv.seq_lens[slots.long().clamp(min=0)].long() - 1
             kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions)
         batch = Batch(slots, kv=kv, rand_seed=rand_seed)
-        return self._run(token_ids, lambda block, h: block.decode(h, cache, batch), hidden=hidden, who=who,
-                         ids_name="token_ids")
+        with self._slots_checked(cache):
+            return self._run(token_ids, lambda block, h: block.decode(h, cache, batch), hidden=hidden, who=who,
+                             ids_name="token_ids")
 
     step = decode
 
@@ -447,8 +460,9 @@ class HybridLM(nn.Module):
             kv_read = KVBatch(table, (positions + 1).to(torch.int32), rows, positions)
         spec = SpecBatch(ntok, path, cache.conv_accepted[sl], inter, no_dst, kv_read)
         batch = Batch(slots, kv=kv, rand_seed=rand_seed, spec=spec)
-        return self._run(token_ids.reshape(-1), lambda block, h: block.verify(h, cache, batch), hidden=hidden,
-                         who=who, ids_name="token_ids").view(nreq, ntok, -1)
+        with self._slots_checked(cache):
+            return self._run(token_ids.reshape(-1), lambda block, h: block.verify(h, cache, batch), hidden=hidden,
+                             who=who, ids_name="token_ids").view(nreq, ntok, -1)
 
     def commit(self, cache, slots: torch.Tensor, accepted: torch.Tensor, *, path: str = "replay",
                rollback: bool = True) -> None:

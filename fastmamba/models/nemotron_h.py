@@ -49,7 +49,7 @@ import torch
 from fastmamba.layers.attention import StagedPrefill, prefill_kv_values  # re-exported: their old home
 from fastmamba.layers.mamba2 import MambaLayerConfig
 from fastmamba.layers.moe import MoEConfig
-from fastmamba.models.checkpoint_config import _as_float, _Fields, checkpoint_eos_token_ids
+from fastmamba.models.checkpoint_config import _as_float, _Fields, checkpoint_eos_token_ids, ssm_cache_dtype_of
 from fastmamba.models.defaults import checkpoint_dtype, default_device, random_init  # random_init: re-exported for the presets
 from fastmamba.models.lm import HybridLM
 from fastmamba.models.mtp import build_mtp, mtp_pattern_of, prepare_mtp_state_dict
@@ -123,6 +123,7 @@ class NemotronHConfig:
     mtp_pattern: str = ""                            # the MTP layer's kinds (num_nextn_predict_layers: 1 and
                                                      # mtp_hybrid_override_pattern): fastmamba.models.mtp; "": none
     mtp_absent: bool = False                         # config.json names an MTP layer, the checkpoint has no mtp.*
+    ssm_cache_dtype: str | None = None               # mamba_ssm_cache_dtype as "fp32" / "bf16" / "fp16" (None: absent)
 
     def __post_init__(self) -> None:
         def bad(field: str, msg: str) -> ValueError:
@@ -307,6 +308,7 @@ class NemotronHConfig:
             eos_token_ids=eos,
             max_position_embeddings=None if mpe is None else _int(mpe, "max_position_embeddings"),
             mtp_pattern=mtp_pattern_of(cfg),
+            ssm_cache_dtype=ssm_cache_dtype_of(cfg),
         )
 
     @classmethod

@@ -52,6 +52,7 @@ DEFAULT_KV_LEN = 4096  # a hybrid's K/V per request when neither --max-model-len
 KV_MEMORY_FRACTION = 0.8  # without a capacity plan (a CPU): of the memory free after the weights, for the K/V pool
 DEFAULT_MAX_BATCH = 64  # without a capacity plan
 DRAFTERS = ("ngram", "mtp")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "bf16", "fp16", "fp32")  # models.quantization's (no torch here)
 PREFIX = "fastmamba serve"
 log = logging.getLogger("fastmamba.serve")
 
@@ -103,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
                         help="split the model over N ranks (N GPUs, or N CPU processes with --device cpu); the "
                              "engine process is rank 0 and starts the others (fastmamba/distributed/serve_workers.py)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                        help="K/V page dtype (default: fp8 e4m3 when the checkpoint ships k_scale / v_scale, else "
+                             "the model's dtype); fp8: e4m3 pages, scale 1.0 without checkpoint scales")
     parser.add_argument("--dtype", default=None, metavar="|".join(DTYPES[:3]) + "|...",
                         help="weights and activations, as load_model names them (default auto: the checkpoint's)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"))
@@ -222,6 +226,7 @@ def plan_serving(args: argparse.Namespace):
     import torch
 
     from fastmamba.generation.capacity import GiB, device_memory_bytes, meta_model, plan_capacity
+    from fastmamba.models.checkpoint_config import ssm_state_dtype
 
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -242,9 +247,12 @@ def plan_serving(args: argparse.Namespace):
     if total is None:
         args.max_batch = args.max_batch or DEFAULT_MAX_BATCH
         return None
+    from fastmamba.models.quantization import plan_kv_cache_dtype
+
+    plan_kv_cache_dtype(meta, args.model, getattr(args, "kv_cache_dtype", None))  # float8 pages: half the bytes
     length = args.max_model_len or getattr(meta.cfg, "max_position_embeddings", None) or DEFAULT_KV_LEN
     plan = plan_capacity(meta, device_bytes=total, gpu_memory_utilization=args.gpu_memory_utilization,
-                         max_batch=args.max_batch, max_seq_len=length, ssm_dtype=torch.float32,
+                         max_batch=args.max_batch, max_seq_len=length, ssm_dtype=ssm_state_dtype(meta.cfg)[0],
                          speculate=args.speculate, prefill_tokens=args.prefill_chunk or 2048,
                          other_bytes=int(args.prefix_cache_gb * GiB), drafter=args.drafter if args.speculate else None)
     if args.max_batch is None:
@@ -355,7 +363,8 @@ def build_app(args: argparse.Namespace, plan=None):
         codec = Codec(args.model if os.path.isdir(args.model) else None, chat_template=args.chat_template)
     budget = int(args.prefix_cache_gb * 2**30)
     kwargs = dict(max_batch=args.max_batch, prefill_chunk=args.prefill_chunk or None,
-                  prefix_cache_bytes=budget or None, prefix_block=args.prefix_block)
+                  prefix_cache_bytes=budget or None, prefix_block=args.prefix_block,
+                  kv_cache_dtype=getattr(args, "kv_cache_dtype", None))
     if args.speculate:  # a string crosses the process boundary; the engine builds the drafter
         kwargs.update(speculate=args.speculate, drafter="mtp" if args.drafter == "mtp" else None)
     max_model_len, num_kv_pages = args.max_model_len, args.num_kv_pages

@@ -108,7 +108,7 @@ def serve_engine(engine, poll: Callable[[float], Iterable[tuple]], report: Calla
                 if deadline is not None:
                     events.append((cid, "error", SHUTDOWN))
                     continue
-                try:  # the server checked the prompt (ids in the vocabulary) and the params
+                try:  # the server checked the prompt (ids in the vocabulary), its length and the params
                     rid = engine.add_validated_request(prompt, params)
                 except (TypeError, ValueError) as exc:  # but never wedge the loop
                     events.append((cid, "error", str(exc)))
@@ -319,7 +319,8 @@ def describe_engine(engine) -> dict:
             "max_request_tokens": engine.max_request_tokens,
             "max_position_embeddings": getattr(model.cfg, "max_position_embeddings", None),
             "kv_pages": None if kv is None else kv.num_pages, "kv_page_size": None if kv is None else kv.page_size,
-            "prefill_chunk": engine.prefill_chunk, "prefix_entries": None, "prefix_cache_bytes": None}
+            "prefill_chunk": engine.prefill_chunk, "prefix_entries": None, "prefix_cache_bytes": None,
+            "ssm_dtype": getattr(engine, "ssm_dtype_source", None), "kv_dtype": getattr(engine, "kv_cache_note", None)}
     prefix = engine.prefix
     if prefix is not None:
         kv_bytes = sum(t.numel() * t.element_size() for t in prefix.kv_k + prefix.kv_v)
@@ -336,8 +337,10 @@ def log_lines(info: dict, name: str) -> str:
     prefix = (f"prefix cache {info['prefix_entries']} snapshots in {prefix / 2**30:.3f} GiB" if prefix
               else "prefix cache off")
     chunk = info.get("prefill_chunk")
+    dtypes = "".join(f", {what} {info[key]}" for key, what in (("ssm_dtype", "SSM states"), ("kv_dtype", "K/V pages"))
+                     if info.get(key))
     return (f"model {name} ({info['model']}), dtype {info['dtype']}, device {info['device']}, {info['slots']} slots, "
-            f"{kv}, {prefix}, prefill chunk {chunk or 'off (whole prompts)'}")
+            f"{kv}, {prefix}, prefill chunk {chunk or 'off (whole prompts)'}{dtypes}")
 
 
 class ThreadTransport:

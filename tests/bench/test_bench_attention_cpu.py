@@ -21,9 +21,12 @@ def test_kernels_attention_rows(tmp_path):
     cases = {(r["batch"], r["params"]["L"]) for r in rows}
     assert cases == {(b, L) for b in (1, 3) for L in paged_attention.CPU_CONTEXTS}
     assert {r["provider"] for r in rows} == {"fastmamba", "sdpa (gathered)", "torch-ref"}
+    assert {r["dims"].endswith(" kv fp8") for r in rows} == {False, True}  # bf16 and float8 pages
     for r in rows:
         assert r["status"] == "ok"
-        assert r["bytes"] == paged_attention.attention_bytes(r["batch"], r["params"]["L"], 4, 2, 16, 4, torch.bfloat16)
+        kv = torch.float8_e4m3fn if r["params"].get("kv_dtype") else None
+        assert r["bytes"] == paged_attention.attention_bytes(r["batch"], r["params"]["L"], 4, 2, 16, 4, torch.bfloat16,
+                                                             kv)
         if r["provider"] == "fastmamba":
             assert r["check"] == "ok"
 
