@@ -7,7 +7,8 @@ the step consumed (``observe``): after a prefill the last prompt token's, after 
 accepted inputs' (row b: the last emitted token and the n accepted drafts), each paired with the
 token that followed it (the first sampled token; the accepted drafts and the bonus token).
 
-``propose(requests, k)`` then, for all requests in one batch:
+``propose_device(requests, k)`` then, for all requests in one batch (``draft_counts``: which
+requests get drafts, known on the host before anything runs):
 
 1. catch-up: runs the MTP over every observed (token, hidden) pair not yet consumed, one packed
    call of R = sum of the pairs rows; its K/V land at the request's next positions of the MTP's
@@ -17,16 +18,22 @@ token that followed it (the first sampled token; the accepted drafts and the bon
    forward; their K/V are written past the committed context and dropped afterwards (the pool
    row shrinks back), so a rejected draft costs nothing to undo.
 
-One host read per call (the drafts). The MTP's context starts at the request's last prompt token:
+It returns the drafts on the device (int64 [B, k]) with no host read and nothing waiting for
+the device (its one host-to-device copy of positions and rows is pinned and asynchronous): the
+engine (``speculative.Speculator``) builds its verify inputs from them on the device and queues
+the verify step behind the drafts on the same stream. ``propose`` is the host-list form (one
+read), for callers that want lists. The MTP's context starts at the request's last prompt token:
 the prompt's other positions are not run through the MTP (prefill keeps only its last hidden
 state), which a trained checkpoint's acceptance may feel on long prompts (a follow-up:
-prefill's hidden states of every position). The engine runs eagerly with this drafter (no CUDA
-graphs yet: the verify graphs do not expose their hidden states).
+prefill's hidden states of every position). The engine's prefill runs eagerly with this drafter
+(the prefill graphs do not keep the hidden states); its verify steps replay from graphs.
 
-``cuda_graphs=True`` (GPU; the MTP benchmark uses it): each MTP step (a batch of rows padded to a
-power of two, pad rows with pool row -1 write the scratch page and read nothing) replays from a
-CUDA graph per row bucket; the lm_head then scores every row of the bucket (the eager path scores
-only each request's last catch-up row).
+``cuda_graphs=True`` (GPU; the engine and the MTP benchmark use it): each MTP step (a batch of
+rows padded to a power of two, pad rows with pool row -1 write the scratch page and read
+nothing) replays from a CUDA graph per row bucket, and each step's draft is copied into one
+static drafts buffer [max_batch, k]; the lm_head then scores every row of the bucket (the eager
+path scores only each request's last catch-up row). The draft graphs and the verify graph are
+separate graphs chained on one stream (no host sync between them), not one graph.
 """
 from __future__ import annotations
 
@@ -52,6 +59,11 @@ def require_mtp(model) -> None:
                          "config.json has no `num_nextn_predict_layers: 1` with `mtp_hybrid_override_pattern`, "
                          "and the checkpoint no mtp.* tensors); use a checkpoint that ships one (Nemotron-3 Super, "
                          "Ultra, Nano 3.5 Lightning) or another drafter (ngram, model)")
+
+
+def _check_k(k) -> None:
+    if not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
+        raise ValueError(f"MTPDrafter.propose: k must be an int >= 1, got {k!r}")
 
 
 @dataclasses.dataclass
@@ -101,6 +113,7 @@ class MTPDrafter:
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("MTPDrafter: cuda_graphs=True needs the model on a CUDA device")
         self.graphs: dict[int, tuple] | None = {} if cuda_graphs else None
+        self._drafts: torch.Tensor | None = None  # with graphs: the static drafts buffer [max_batch, k]
         self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
 
     @property
@@ -150,54 +163,93 @@ class MTPDrafter:
 
     # -- drafting ------------------------------------------------------------------------------------
 
+    def draft_counts(self, requests: Sequence, k: int) -> list[int]:
+        """The drafts each request gets from the next ``propose`` / ``propose_device`` call: k where
+        positions were observed for it since its last call, else 0. Host bookkeeping only (nothing
+        runs): the engine picks its verify path and grows its cache from this before drafting."""
+        tracks = (self._tracks.get(id(r)) for r in requests)
+        return [k if t is not None and t.tokens else 0 for t in tracks]
+
     @torch.no_grad()
     def propose(self, requests: Sequence, k: int) -> list[list[int]]:
-        if not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
-            raise ValueError(f"MTPDrafter.propose: k must be an int >= 1, got {k!r}")
+        """The drafts as host lists (``draft_counts`` each): ``propose_device`` and one read."""
+        _check_k(k)
+        counts = self.draft_counts(requests, k)
+        if not any(counts):
+            return [[] for _ in requests]
+        return [row[:n] for row, n in zip(self.propose_device(requests, k).tolist(), counts)]
+
+    @torch.no_grad()
+    def propose_device(self, requests: Sequence, k: int) -> torch.Tensor:
+        """The drafts of ``requests`` without a host read: int64 [B, k] on the model's device (row i:
+        request i's k greedy drafts; a request with ``draft_counts`` 0 gets a row of zeros, which
+        are no drafts). Every id lies in [0, vocab_size) (argmax over the shared ``lm_head``). The
+        kernels are queued on the current stream and nothing waits for them: the caller can queue
+        its verify step behind them. With ``cuda_graphs`` the result is a view of a static buffer,
+        valid until the next call."""
+        _check_k(k)
         tracks = [self._tracks.get(id(r)) for r in requests]
         live = [i for i, t in enumerate(tracks) if t is not None and t.tokens]
-        out: list[list[int]] = [[] for _ in requests]  # a request with nothing observed gets no draft
         if not live:
-            return out
+            return torch.zeros(len(requests), k, dtype=torch.int64, device=self.device)
         ts = [tracks[i] for i in live]
         rows = [t.row for t in ts]
         counts = [len(t.tokens) for t in ts]
         base = self.pages.grow(rows, [c + k - 1 for c in counts])  # committed context lengths
         try:
-            drafts = self._draft(ts, rows, counts, base, k)
+            drafts = self._draft(ts, rows, counts, base, k, live, len(requests))
         finally:  # the speculative drafts' K/V go; the catch-up's stay (the MTP's context)
             self.pages.shrink(rows, [b + c for b, c in zip(base, counts)])
         for t in ts:
             t.hidden.clear()
             t.tokens.clear()
-        for i, d in zip(live, drafts):
-            out[i] = d
         self.stats["calls"] += 1
         self.stats["rows"] += sum(counts) + (k - 1) * len(ts)
-        return out
+        return drafts
 
-    def _draft(self, ts: list[_Track], rows: list[int], counts: list[int], base: list[int], k: int) -> list[list[int]]:
+    def _out(self, n: int, k: int) -> torch.Tensor:
+        """The drafts' output buffer [n, k] (static with CUDA graphs: no allocation per call)."""
+        if self.graphs is None:
+            return torch.empty(n, k, dtype=torch.int64, device=self.device)
+        buf = self._drafts
+        if buf is None or buf.shape[1] < k:
+            buf = self._drafts = torch.empty(self.max_batch, k, dtype=torch.int64, device=self.device)
+        return buf[:n, :k]
+
+    def _draft(self, ts: list[_Track], rows: list[int], counts: list[int], base: list[int], k: int,
+               live: list[int], n_req: int) -> torch.Tensor:
         dev, B = self.device, len(ts)
-        # one host-to-device copy: catch-up tokens, their rows and positions, each request's last
-        # row, the requests' rows and the position their next draft token takes
+        # one host-to-device copy (pinned, asynchronous on a GPU): catch-up tokens, their rows and
+        # positions, each request's last row, the requests' rows, the position their next draft
+        # token takes, and where each drafting request sits among the caller's requests
         toks = [tok for t in ts for tok in t.tokens]
         row_of = [r for r, c in zip(rows, counts) for _ in range(c)]
         pos = [b + j for b, c in zip(base, counts) for j in range(c)]
         last = [end - 1 for end in itertools.accumulate(counts)]
         R = len(toks)
-        meta = torch.tensor(toks + row_of + pos + last + rows + [b + c for b, c in zip(base, counts)],
-                            dtype=torch.int64).to(dev)
+        meta = torch.tensor(toks + row_of + pos + last + rows + [b + c for b, c in zip(base, counts)] + live,
+                            dtype=torch.int64)
+        meta = meta.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else meta.to(dev)
         tok_d, row_d, pos_d = meta[:R], meta[R:2 * R].to(torch.int32), meta[2 * R:3 * R]
         last_d = meta[3 * R:3 * R + B]
         req_rows = meta[3 * R + B:3 * R + 2 * B].to(torch.int32)
-        next_pos = meta[3 * R + 2 * B:]
+        next_pos = meta[3 * R + 2 * B:3 * R + 3 * B]
+        live_d = meta[3 * R + 3 * B:]
         hidden = torch.cat([h for t in ts for h in t.hidden], dim=0)  # [R, M]
+        out = self._out(n_req, k)
+        if B < n_req:
+            out.zero_()
+        # each step's draft is copied out at once: a graph's output buffer is its bucket's, which
+        # the next step of the same bucket overwrites
+        dst = out if B == n_req else torch.empty(B, k, dtype=torch.int64, device=dev)
         h, draft = self._step(tok_d, hidden, row_d, pos_d, select=last_d)  # [B, M], [B]
-        drafts = [draft]
+        dst[:, 0].copy_(draft)
         for j in range(1, k):
-            h, draft = self._step(draft, h, req_rows, next_pos + (j - 1))
-            drafts.append(draft)
-        return torch.stack(drafts, dim=1).tolist()
+            h, draft = self._step(dst[:, j - 1], h, req_rows, next_pos + (j - 1))
+            dst[:, j].copy_(draft)
+        if B < n_req:
+            out.index_copy_(0, live_d, dst)
+        return out
 
     def _step(self, tok, hidden, rows, pos, select=None):
         """One MTP step over R rows -> (hidden [R'], greedy draft [R']) of the rows ``select`` (all: None)."""

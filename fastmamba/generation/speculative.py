@@ -25,6 +25,13 @@ step has its replay history flushed into its state before a legacy or plain step
 ``stats`` count steps per path and drafts proposed / accepted. With CUDA graphs (the default on a
 GPU) the verify steps replay from graphs per (path, batch bucket) (``GraphedVerifier``).
 
+Host reads per speculative step: one, after the verify (``accept``: the target's tokens, and the
+rejection sampling's draws, in one transfer). A drafter with ``propose_device`` (the MTP drafter)
+leaves its drafts on the device: the verify inputs are built there and that same transfer reads
+them back with the target's tokens, so nothing between the draft and the verify waits for the
+host (its draft graphs and the verify graph are chained on one stream, two launches, not one
+graph). Other drafters (n-gram, model, oracle) propose host lists, copied to the device.
+
 Paged K/V (hybrid models): a verify step grows each request's KV by its T inputs before the model
 runs, the commit shortens it to the accepted ones (``HybridCache.rollback``).
 """
@@ -159,12 +166,52 @@ class Speculator:
             out.append(d)
         return out
 
+    def draft_counts(self, reqs: list[Request], k: int) -> list[int]:
+        """A device drafter's drafts per request in its next call (host bookkeeping), checked."""
+        counts = list(self.drafter.draft_counts(reqs, k))
+        if len(counts) != len(reqs) or not all(isinstance(n, int) and 0 <= n <= k for n in counts):
+            raise ValueError(f"Engine: the drafter's draft_counts must give one int in [0, {k}] per request "
+                             f"({len(reqs)}), got {counts[:8]}")
+        return counts
+
+    def device_inputs(self, reqs: list[Request], k: int, real: list[int]) -> torch.Tensor:
+        """The verify inputs int64 [B, K+1] built on the device from a device drafter's drafts
+        (``propose_device``): row b is request b's last token, its ``real[b]`` drafts, then its last
+        draft (or last token) repeated, as ``step`` pads host lists. The last tokens and counts are
+        copied to the device before the drafts are queued, and nothing after that waits for the
+        host: the verify step queues behind the drafts on the same stream."""
+        K, B = self.K, len(reqs)
+        meta = torch.tensor([r.output[-1] for r in reqs] + real, dtype=torch.int64)
+        meta = meta.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
+            else meta.to(self.device)
+        drafts = self.drafter.propose_device(reqs, k)
+        if not isinstance(drafts, torch.Tensor) or tuple(drafts.shape) != (B, k) or drafts.dtype != torch.int64 \
+                or drafts.device != self.device:
+            got = (tuple(drafts.shape), drafts.dtype, drafts.device) if isinstance(drafts, torch.Tensor) else type(drafts)
+            raise ValueError(f"Engine: the drafter's propose_device must return int64 [{B}, {k}] on {self.device}, "
+                             f"got {got}")
+        full = torch.cat([meta[:B, None], drafts], dim=1)  # [B, k+1]: last token, then the drafts
+        # input j takes column min(j, real): the last real draft (or the last token) pads the row
+        col = torch.minimum(torch.arange(K + 1, device=self.device)[None, :], meta[B:, None])
+        return full.gather(1, col)
+
     def step(self, reqs: list[Request], k: int, sampler: Sampler) -> Verified:
         """Draft (k per request; 0: a plain step), verify, accept and commit for the running
-        ``reqs`` (each one's last output token is its first input); the engine then emits."""
+        ``reqs`` (each one's last output token is its first input); the engine then emits.
+
+        A drafter with ``propose_device`` (MTP) keeps its drafts on the device: the verify path,
+        the cache's growth and the slots are settled from its ``draft_counts`` before it drafts,
+        the verify inputs are built on the device, and the step's one host read comes after the
+        verify (``accept``: the inputs and the target's tokens in one transfer). Other drafters'
+        host lists are checked (``drafts``) and copied to the device."""
         K = self.K
-        drafts = self.drafts(reqs, k) if k else [[] for _ in reqs]
-        real = [len(d) for d in drafts]
+        on_device = bool(k) and callable(getattr(self.drafter, "propose_device", None))
+        drafts = None
+        if on_device:
+            real = self.draft_counts(reqs, k)
+        else:
+            drafts = self.drafts(reqs, k) if k else [[] for _ in reqs]
+            real = [len(d) for d in drafts]
         path = self.choose_path(len(reqs)) if any(real) else "plain"
         if self.paged:  # room for this step's tokens: 1 (plain) or K+1 (verify), shortened at the commit
             self.cache.grow([r.slot for r in reqs], [1 if path == "plain" else K + 1] * len(reqs))
@@ -180,8 +227,12 @@ class Speculator:
             self.commit(reqs, slots, [1] * len(reqs), path)
             return Verified(None, logits, [1] * len(reqs), 1)
 
-        inputs = [[r.output[-1]] + d + [(d or [r.output[-1]])[-1]] * (K - len(d)) for r, d in zip(reqs, drafts)]
-        tokens = torch.tensor(inputs, dtype=torch.int64, device=self.device)
+        if on_device:  # draft, then verify: queued back to back, no host read between them
+            inputs = None
+            tokens = self.device_inputs(reqs, k, real)
+        else:
+            inputs = [[r.output[-1]] + d + [(d or [r.output[-1]])[-1]] * (K - len(d)) for r, d in zip(reqs, drafts)]
+            tokens = torch.tensor(inputs, dtype=torch.int64, device=self.device)
         logits = self.verify(tokens, slots, path)  # [B, T, V']
         runs, consumed = self.accept(reqs, inputs, real, tokens, logits, sampler)
         self.stats["drafts_proposed"] += sum(real)
@@ -191,28 +242,36 @@ class Speculator:
         self.commit(reqs, slots, consumed, path)
         return Verified(runs, logits, consumed, K + 1)
 
-    def accept(self, reqs: list[Request], inputs: list[list[int]], real: list[int], tokens: torch.Tensor,
+    def accept(self, reqs: list[Request], inputs: list[list[int]] | None, real: list[int], tokens: torch.Tensor,
                logits: torch.Tensor, sampler: Sampler) -> tuple[list[list[int]], list[int]]:
         """Each request's run (accepted drafts, then the bonus token) and inputs consumed.
 
-        inputs  [B][K+1] host ids (``tokens`` int64 [B, K+1] on the device): last token, then drafts
+        inputs  [B][K+1] host ids, or None (drafts on the device: read here from ``tokens``)
+        tokens  int64 [B, K+1] on the device: last token, then drafts
         real    drafts per request before its padding
         logits  [B, K+1, V'] the verify call's scores
         Greedy rows keep the longest prefix of drafts the argmax agrees with; sampled rows are
-        drawn by rejection sampling (``Sampler.speculative_sample``). A request's accepted drafts
-        are appended to ``Request.accepted``.
+        drawn by rejection sampling (``Sampler.speculative_sample``). One host read: the target's
+        tokens, the rejection sampling's results and (inputs None) the inputs, in one transfer.
+        A request's accepted drafts are appended to ``Request.accepted``.
         """
-        K = self.K
+        K, B = self.K, len(reqs)
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        spec = {}  # sampled rows: (drafts accepted, token emitted after them), by rejection sampling
-        if sampled:
+        parts = [] if inputs is not None else [tokens.flatten()]
+        if sampled:  # sampled rows: (drafts accepted, token emitted after them), by rejection sampling
             idx = torch.tensor(sampled, dtype=torch.int64, device=self.device)
             n_s, tok_s = sampler.speculative_sample(
                 logits[idx], tokens[idx, 1:], [reqs[i].params for i in sampled], [len(reqs[i].output) for i in sampled])
-            spec = dict(zip(sampled, zip(n_s.tolist(), tok_s.tolist())))
-        target = [None] * len(reqs)
-        if len(sampled) < len(reqs):
-            target = sampler.sample_greedy(logits.flatten(0, 1)).view(len(reqs), K + 1).tolist()
+            parts += [n_s.to(torch.int64), tok_s.to(torch.int64)]
+        if len(sampled) < B:
+            parts.append(sampler.sample_greedy(logits.flatten(0, 1)))
+        vals = torch.cat(parts).tolist()  # the step's one read back
+        if inputs is None:
+            inputs, vals = [vals[i * (K + 1):(i + 1) * (K + 1)] for i in range(B)], vals[B * (K + 1):]
+        S = len(sampled)
+        spec = dict(zip(sampled, zip(vals[:S], vals[S:2 * S])))
+        vals = vals[2 * S:]
+        target = [vals[i * (K + 1):(i + 1) * (K + 1)] for i in range(B)] if vals else [None] * B
         runs, consumed = [], []
         for i, (r, row, best) in enumerate(zip(reqs, inputs, target)):
             if i in spec:

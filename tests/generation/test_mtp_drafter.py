@@ -11,6 +11,7 @@ tests over MoE hybrids do; the kernels have their own tests."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -169,9 +170,15 @@ def test_first_drafts_equal_reference(model):
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8]]
     engine = Engine(model, max_batch=2, speculate=3, drafter="mtp", cuda_graphs=False, kv_page_size=PAGE,
                     max_seq_len=64, spec_policy=None)
-    seen = []
-    propose = engine.drafter.propose
-    engine.drafter.propose = lambda reqs, k: seen.append(propose(reqs, k)) or seen[-1]
+    seen = []  # the engine takes the drafts on the device (propose_device)
+    propose = engine.drafter.propose_device
+
+    def spy(reqs, k):
+        drafts = propose(reqs, k)
+        seen.append(drafts.tolist())
+        return drafts
+
+    engine.drafter.propose_device = spy
     for p in prompts:
         engine.add_request(p, SamplingParams(max_new_tokens=4, ignore_eos=True))
     engine.step()  # prefill: first tokens
@@ -251,6 +258,129 @@ def test_abort_mid_speculation_frees_everything(model):
     engine.cache.kv.check()
     assert engine.drafter.tracked == 0 and engine.drafter.pages_in_use == 0
     engine.drafter.pages.check()
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Logs every read of a tensor's values on the host (``tolist``, ``item``, ``bool``, ``int``,
+    ``float``, an index, ``cpu``, ``numpy``) with the fastmamba module that made it (the innermost
+    fastmamba frame), between the marks that ``mark`` adds."""
+
+    READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
+
+    def __init__(self):
+        super().__init__()
+        self.log: list[tuple[str, str]] = []
+
+    def mark(self, what: str) -> None:
+        self.log.append(("mark", what))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            import traceback
+
+            site = next((f.filename for f in reversed(traceback.extract_stack())
+                         if "/fastmamba/" in f.filename and "/tests/" not in f.filename), "?")
+            self.log.append(("read", site.split("/fastmamba/", 1)[-1] + f" ({func.__name__})"))
+        return func(*args, **(kwargs or {}))
+
+    def windows(self, start: str, end: str) -> list[list[str]]:
+        """The reads between each ``start`` mark and the next ``end`` mark."""
+        out, cur = [], None
+        for kind, what in self.log:
+            if kind == "mark" and what == start:
+                cur = []
+            elif kind == "mark" and what == end and cur is not None:
+                out.append(cur)
+                cur = None
+            elif kind == "read" and cur is not None:
+                cur.append(what)
+        return out
+
+
+def spy_on(obj, name: str, before: Callable | None = None, after: Callable | None = None) -> None:
+    f = getattr(obj, name)
+
+    def wrapped(*a, **kw):
+        if before:
+            before()
+        out = f(*a, **kw)
+        if after:
+            after()
+        return out
+
+    setattr(obj, name, wrapped)
+
+
+def test_no_host_read_between_draft_and_verify(model):
+    """The MTP path reads nothing back between the drafter's call and the verify call (the drafts
+    stay on the device; ``Speculator.device_inputs``), and one transfer after the verify decides
+    acceptance (the drafts, the target's tokens and the sampled row's draws together). Reads made
+    by the ops (fastmamba/ops: their CPU references, kernels on a GPU, where the gpu-marked test
+    checks the same window under ``torch.cuda.set_sync_debug_mode("error")``) are left out."""
+    engine = Engine(model, cuda_graphs=False, kv_page_size=PAGE, max_seq_len=64, max_batch=3, speculate=3,
+                    drafter="mtp", spec_policy=None)
+    reads = HostReads()
+    for name in ("propose", "propose_device"):  # whichever the engine calls
+        if hasattr(engine.drafter, name):
+            spy_on(engine.drafter, name, before=lambda: reads.mark("draft"))
+    spy_on(engine.spec, "verify", before=lambda: reads.mark("verify"), after=lambda: reads.mark("verified"))
+    spy_on(engine.spec, "commit", before=lambda: reads.mark("commit"))
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True),
+              SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.8, seed=5),
+              SamplingParams(max_new_tokens=12, ignore_eos=True)]
+    for p, sp in zip(PROMPTS[:3], params):
+        engine.add_request(p, sp)
+    engine.step()  # prefill
+    with reads:
+        for _ in range(3):
+            engine.step()
+    drafted = reads.windows("draft", "verify")
+    assert len(drafted) == 3  # every step drafted
+    outside_ops = [[w for w in win if not w.startswith("ops/")] for win in drafted]
+    assert outside_ops == [[]] * 3
+    accepted = [[w for w in win if not w.startswith("ops/")] for win in reads.windows("verified", "commit")]
+    assert accepted == [["generation/speculative.py (tolist)"]] * 3
+    assert engine.stats["drafts_proposed"] >= 3 * 3  # (the MTP's default policy picks k per step)
+
+
+def test_device_drafts_and_padding(model):
+    """``propose_device`` gives the host lists' drafts as int64 [B, k] on the device, a row of
+    zeros for a request with nothing observed (``draft_counts`` 0) among others; the verify inputs
+    built from device drafts (``Speculator.device_inputs``) pad each row as the host lists are
+    padded: the last real draft, or the last token where there is none."""
+    from types import SimpleNamespace
+
+    from fastmamba.generation.speculative import Speculator
+
+    g = torch.Generator().manual_seed(6)
+    hid = torch.randn(3, 2, CFG.d_model, generator=g)
+    got = {}
+    for form in ("host", "device"):
+        d = MTPDrafter(model, 3, max_seq_len=64)
+        reqs = [_Req([1, 2], [7, 3], 2), _Req([4], [9], 0), _Req([5, 5, 5], [11, 2], 1)]
+        d.observe([reqs[0], reqs[2]], hid[[0, 2]], [2, 1])
+        assert d.draft_counts(reqs, 3) == [3, 0, 3]
+        if form == "host":
+            got[form] = d.propose(reqs, 3)
+        else:
+            out = d.propose_device(reqs, 3)
+            assert out.dtype == torch.int64 and tuple(out.shape) == (3, 3) and out.device == d.device
+            got[form] = out.tolist()
+        assert d.draft_counts(reqs, 3) == [0, 0, 0] and d.pages.length(2) == 2 and d.pages.length(1) == 1
+    assert got["host"][1] == [] and got["device"][1] == [0, 0, 0]
+    assert [got["device"][0], got["device"][2]] == [got["host"][0], got["host"][2]]
+
+    class Fixed:  # a device drafter with fixed drafts
+        def propose_device(self, reqs, k):
+            return torch.tensor([[21, 22, 23], [31, 32, 33], [41, 42, 43]])
+
+    spec = SimpleNamespace(K=4, device=torch.device("cpu"), drafter=Fixed())
+    reqs = [_Req([0], [5], 0), _Req([0], [6], 1), _Req([0], [7], 2)]
+    tokens = Speculator.device_inputs(spec, reqs, 3, [2, 0, 3])
+    want = [[last] + d + [(d or [last])[-1]] * (4 - len(d)) for last, d in ((5, [21, 22]), (6, []), (7, [41, 42, 43]))]
+    assert tokens.tolist() == want
+    with pytest.raises(ValueError, match=r"propose_device must return int64 \[3, 2\]"):
+        Speculator.device_inputs(spec, reqs, 2, [2, 0, 2])
 
 
 def test_through_the_server(model, plain):
@@ -415,7 +545,8 @@ def test_gpu_greedy_equals_plain_and_graphed_drafts():
     """On a GPU (fp32): the engine with drafter="mtp" emits plain greedy's tokens, with CUDA graphs
     (verify steps and the MTP's steps; requests join and leave, so several buckets) and without, and
     the drafts equal the eager engine's (the graphs' hidden states are the ones the drafts came from);
-    the drafter's graphed MTP steps give the eager drafter's drafts."""
+    the drafter's graphed MTP steps give the eager drafter's drafts, as lists and on the device (k=3:
+    drafts 2 and 3 come from the same bucket's graph, whose output buffer each step overwrites)."""
     m = build_model().to("cuda")
     prompts, n_new = PROMPTS, N_NEW
     want, _ = greedy_on(m, prompts, n_new, max_batch=4)
@@ -437,8 +568,57 @@ def test_gpu_greedy_equals_plain_and_graphed_drafts():
         for r, x in zip(reqs, first):
             r.output += x[:2]
         d.observe(reqs, h, [2, 2])
-        drafts[graphs] = (first, d.propose(reqs, 3))
+        second = d.propose(reqs, 3)
+        for r, x in zip(reqs, second):
+            r.output += x[:1]
+        d.observe(reqs, h[:, 1:], [1, 1])
+        third = d.propose_device(reqs, 3)  # the graphs' static drafts buffer: each step's draft kept
+        assert third.device.type == "cuda" and third.dtype == torch.int64
+        drafts[graphs] = (first, second, third.tolist())
     assert drafts[True] == drafts[False]
+
+
+@pytest.mark.gpu
+def test_gpu_no_sync_between_draft_and_verify():
+    """On a GPU with CUDA graphs (fp32): a second run of the same requests (the first one captures
+    the graphs) drafts and verifies with nothing waiting for the host from the drafter's call to the
+    end of the verify call (``torch.cuda.set_sync_debug_mode("warn")`` in that window: no warning
+    in the windows that captured no graph), and emits plain greedy's tokens."""
+    import warnings
+
+    m = build_model().to("cuda")
+    want, _ = greedy_on(m, PROMPTS, N_NEW, max_batch=4)
+    engine = Engine(m, kv_page_size=PAGE, max_seq_len=64, max_batch=4, speculate=3, drafter="mtp")
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in N_NEW]
+    assert engine.generate(PROMPTS, params) == want
+    assert engine.verifier is not None and engine.drafter.graphs
+    windows, open_ = [], {}
+
+    def captures():
+        return engine.verifier.captured.count, len(engine.drafter.graphs)
+
+    def start():
+        open_["caught"] = warnings.catch_warnings(record=True)
+        open_["log"] = open_["caught"].__enter__()
+        warnings.simplefilter("always")
+        open_["captures"] = captures()
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def end():
+        torch.cuda.set_sync_debug_mode("default")
+        open_["caught"].__exit__(None, None, None)
+        syncs = [str(w.message) for w in open_["log"] if "synchroniz" in str(w.message)]
+        windows.append((captures() != open_["captures"], syncs))
+
+    spy_on(engine.drafter, "propose_device", before=start)
+    spy_on(engine.spec, "verify", after=end)
+    try:
+        assert engine.generate(PROMPTS, params) == want
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    steady = [syncs for captured, syncs in windows if not captured]
+    assert len(steady) >= 3, windows
+    assert steady == [[]] * len(steady), steady
 
 
 class _Req:
