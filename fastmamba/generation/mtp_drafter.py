@@ -30,10 +30,12 @@ prefill's hidden states of every position). The engine's prefill runs eagerly wi
 
 ``cuda_graphs=True`` (GPU; the engine and the MTP benchmark use it): each MTP step (a batch of
 rows padded to a power of two, pad rows with pool row -1 write the scratch page and read
-nothing) replays from a CUDA graph per row bucket, and each step's draft is copied into one
-static drafts buffer [max_batch, k]; the lm_head then scores every row of the bucket (the eager
-path scores only each request's last catch-up row). The draft graphs and the verify graph are
-separate graphs chained on one stream (no host sync between them), not one graph.
+nothing) replays from CUDA graphs: the catch-up from one per row bucket, drafts 2..k from one per
+(request bucket, k) (the k-1 steps captured back to back), both written into one static drafts
+buffer [max_batch, k]; the lm_head then scores every row of the bucket (the eager path scores
+only each request's last catch-up row). A speculative step is then three graph launches on one
+stream with no host sync between them: catch-up, drafts 2..k, verify (``GraphedVerifier``);
+not one graph (the catch-up's row count varies with the acceptance).
 """
 from __future__ import annotations
 
@@ -114,6 +116,7 @@ class MTPDrafter:
             raise ValueError("MTPDrafter: cuda_graphs=True needs the model on a CUDA device")
         self.graphs: dict[int, tuple] | None = {} if cuda_graphs else None
         self._drafts: torch.Tensor | None = None  # with graphs: the static drafts buffer [max_batch, k]
+        self.chains: dict[tuple[int, int], dict] = {}  # with graphs: drafts 2..k, per (row bucket, k - 1)
         self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
 
     @property
@@ -244,9 +247,13 @@ class MTPDrafter:
         dst = out if B == n_req else torch.empty(B, k, dtype=torch.int64, device=dev)
         h, draft = self._step(tok_d, hidden, row_d, pos_d, select=last_d)  # [B, M], [B]
         dst[:, 0].copy_(draft)
-        for j in range(1, k):
-            h, draft = self._step(dst[:, j - 1], h, req_rows, next_pos + (j - 1))
-            dst[:, j].copy_(draft)
+        if self.graphs is not None:  # drafts 2..k: one graph per (request bucket, k)
+            if k > 1:
+                dst[:, 1:].copy_(self._chain(draft, h, req_rows, next_pos, k - 1))
+        else:
+            for j in range(1, k):
+                h, draft = self._step(dst[:, j - 1], h, req_rows, next_pos + (j - 1))
+                dst[:, j].copy_(draft)
         if B < n_req:
             out.index_copy_(0, live_d, dst)
         return out
@@ -277,6 +284,42 @@ class MTPDrafter:
         st["graph"].replay()
         h, d = st["h"][:R], st["draft"][:R]
         return (h, d) if select is None else (h[select], d[select])
+
+    def _chain(self, tok, hidden, rows, pos, n: int) -> torch.Tensor:
+        """``n`` chained single-row MTP steps from one CUDA graph per (row bucket, n): step j
+        (0-based) feeds the previous step's hidden state and draft (first: ``tok`` [B], ``hidden``
+        [B, M]) at positions ``pos + j``; returns the drafts [B, n] (a view of the graph's output)."""
+        B = tok.shape[0]
+        b = 1 << max(0, (B - 1).bit_length())
+        st = self.chains.get((b, n))
+        if st is None:
+            st = self.chains[(b, n)] = self._static(b)
+        st["tok"][:B].copy_(tok)
+        st["tok"][B:].zero_()
+        st["hid"][:B].copy_(hidden)
+        st["hid"][B:].zero_()
+        st["rows"][:B].copy_(rows)
+        st["rows"][B:].fill_(-1)  # pad rows: K/V to the scratch page, nothing read
+        st["pos"][:B].copy_(pos)
+        st["pos"][B:].zero_()
+        if "graph" not in st:
+            def run():
+                with trusted_inputs():
+                    t, h, drafts = st["tok"], st["hid"], []
+                    for j in range(n):
+                        h = self.mtp.forward_rows(self.model.backbone.embeddings(t), h, self.pages, st["rows"],
+                                                  st["pos"] + j)
+                        t = self.model.lm_head(h).argmax(-1)
+                        drafts.append(t)
+                    return torch.stack(drafts, dim=1)
+
+            warm_up_padded(run, st["rows"])  # pad rows (-1): the warm-up writes only the scratch page
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                st["drafts"] = run()
+            st["graph"] = graph
+        st["graph"].replay()
+        return st["drafts"][:B]
 
     def _static(self, b: int) -> dict:
         M, dev, dt = self.model.cfg.d_model, self.device, self.model.lm_head.weight.dtype

@@ -595,7 +595,7 @@ def test_gpu_no_sync_between_draft_and_verify():
     windows, open_ = [], {}
 
     def captures():
-        return engine.verifier.captured.count, len(engine.drafter.graphs)
+        return engine.verifier.captured.count, len(engine.drafter.graphs), len(engine.drafter.chains)
 
     def start():
         open_["caught"] = warnings.catch_warnings(record=True)
