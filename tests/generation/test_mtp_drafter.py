@@ -588,7 +588,10 @@ def test_gpu_no_sync_between_draft_and_verify():
 
     m = build_model().to("cuda")
     want, _ = greedy_on(m, PROMPTS, N_NEW, max_batch=4)
-    engine = Engine(m, kv_page_size=PAGE, max_seq_len=64, max_batch=4, speculate=3, drafter="mtp")
+    # equal costs for every k: the policy drafts K=3 every step (acceptance seen above 0)
+    policy = SpeculationPolicy(3, cost=lambda batch, k: 1.0, prior_accept=0.9)
+    engine = Engine(m, kv_page_size=PAGE, max_seq_len=64, max_batch=4, speculate=3, drafter="mtp",
+                    spec_policy=policy)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in N_NEW]
     assert engine.generate(PROMPTS, params) == want
     assert engine.verifier is not None and engine.drafter.graphs
