@@ -188,7 +188,8 @@ class Speculator:
         drafts = self.drafter.propose_device(reqs, k)
         if not isinstance(drafts, torch.Tensor) or tuple(drafts.shape) != (B, k) or drafts.dtype != torch.int64 \
                 or drafts.device != self.device:
-            got = (tuple(drafts.shape), drafts.dtype, drafts.device) if isinstance(drafts, torch.Tensor) else type(drafts)
+            is_t = isinstance(drafts, torch.Tensor)
+            got = (tuple(drafts.shape), drafts.dtype, drafts.device) if is_t else type(drafts).__name__
             raise ValueError(f"Engine: the drafter's propose_device must return int64 [{B}, {k}] on {self.device}, "
                              f"got {got}")
         full = torch.cat([meta[:B, None], drafts], dim=1)  # [B, k+1]: last token, then the drafts
