@@ -46,7 +46,7 @@ from collections.abc import Sequence
 import torch
 
 from fastmamba.cache.kv_pages import KVPages
-from fastmamba.generation.cuda_graphs import warm_up_padded
+from fastmamba.generation.cuda_graphs import CaptureClock, warm_up_padded
 from fastmamba.ops.runtime import trusted_inputs
 
 
@@ -117,6 +117,7 @@ class MTPDrafter:
         self.graphs: dict[int, tuple] | None = {} if cuda_graphs else None
         self._drafts: torch.Tensor | None = None  # with graphs: the static drafts buffer [max_batch, k]
         self.chains: dict[tuple[int, int], dict] = {}  # with graphs: drafts 2..k, per (row bucket, k - 1)
+        self.captured = CaptureClock()  # graphs captured (the engine's ``graph_captures`` counts them)
         self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
 
     @property
@@ -280,7 +281,8 @@ class MTPDrafter:
         st["pos"][:R].copy_(pos)
         st["pos"][R:].zero_()
         if "graph" not in st:
-            self._capture(st)
+            with self.captured.timing():
+                self._capture(st)
         st["graph"].replay()
         h, d = st["h"][:R], st["draft"][:R]
         return (h, d) if select is None else (h[select], d[select])
@@ -313,10 +315,11 @@ class MTPDrafter:
                         drafts.append(t)
                     return torch.stack(drafts, dim=1)
 
-            warm_up_padded(run, st["rows"])  # pad rows (-1): the warm-up writes only the scratch page
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                st["drafts"] = run()
+            with self.captured.timing():
+                warm_up_padded(run, st["rows"])  # pad rows (-1): the warm-up writes only the scratch page
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    st["drafts"] = run()
             st["graph"] = graph
         st["graph"].replay()
         return st["drafts"][:B]
