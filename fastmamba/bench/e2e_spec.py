@@ -14,6 +14,15 @@ class CountingDrafter:
 
     def __init__(self, inner):
         self.inner, self.calls, self.proposed = inner, 0, 0
+        if callable(getattr(inner, "propose_device", None)):  # MTP: drafts on the device, counted on the host
+            self.propose_device = self._propose_device
+
+    def _propose_device(self, requests, k):
+        n = self.inner.draft_counts(requests, k)
+        drafts = self.inner.propose_device(requests, k)
+        self.calls += 1
+        self.proposed += sum(n)
+        return drafts
 
     def propose(self, requests, k):
         drafts = self.inner.propose(requests, k)

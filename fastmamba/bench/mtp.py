@@ -5,8 +5,8 @@
                                   [--path replay] [--ssm-dtype fp32] [--no-graphs] [--json PATH]
 
 Random weights accept almost nothing, so the speed of MTP drafting is measured in a **cost-faithful
-oracle** mode: every step runs the MTP drafter's full compute (``MTPDrafter.propose``: the catch-up
-over the accepted positions, then k-1 chained MTP steps, each with the shared lm_head), the verify of
+oracle** mode: every step runs the MTP drafter's full compute (``MTPDrafter.propose_device``: the
+catch-up over the accepted positions, then k-1 chained MTP steps, each with the shared lm_head), the verify of
 T = k+1 tokens and the commit, exactly as ``Engine(drafter="mtp")`` does, but the number of drafts
 accepted comes from a schedule instead of from the drafts: per step and request a run length r with
 P(r >= i) = p^i (seeded), accepted n = min(r, k). p solves ``sum_{i=0..A} p^i = L`` for the
@@ -29,8 +29,9 @@ context; drafts: k reads of the MTP layer's weights, its touched experts, and th
 measured speedup ``E[tokens per step] x plain / (draft + verify + commit)``, and the verify step's
 achieved bandwidth as a % of the measured copy peak. On a GPU the verify and commit steps and the
 plain step replay from CUDA graphs (``GraphedVerifier`` / ``GraphedDecoder``, as the engine runs
-them), and so does each MTP step of the drafter (``MTPDrafter(cuda_graphs=True)``; its time includes
-building the catch-up's inputs on the host and one host read of the drafts).
+them), and so does the drafter (``MTPDrafter(cuda_graphs=True)``: the catch-up, then drafts 2..k from
+one graph; its time includes building the catch-up's inputs on the host; the drafts stay on the
+device, as in the engine, and are read back with the verify's argmax).
 ``--engine-batches 8,64,256`` (``--engine-k``, ``--engine-gen-len``) adds the engine-level check of
 the speculation policy: per batch B, ``Engine(model, max_batch=B)`` (plain decoding) and
 ``Engine(model, max_batch=B, speculate=K, drafter="mtp")`` (its adaptive policy: it weighs the
@@ -290,10 +291,11 @@ def run_k(model, prompts, k: int, runs: list[list[int]], steps: int, *, path: st
     for s in range(total):
         counting = s >= steps + warm  # the last two steps: eager verify, routing counted
         experts.on = counting
-        drafts, secs_d = _timed(lambda: drafter.propose(reqs, k), device)
+        drafts_d, secs_d = _timed(lambda: drafter.propose_device(reqs, k), device)
         if counting:
             draft_experts += experts.take()
-        tokens = torch.tensor([[r.output[-1]] + d for r, d in zip(reqs, drafts)], dtype=torch.int64, device=device)
+        last = torch.tensor([[r.output[-1]] for r in reqs], dtype=torch.int64, device=device)
+        tokens = torch.cat([last, drafts_d], dim=1)  # the drafts never leave the device before the verify
 
         def verify():
             cache.grow(sl, [T] * B)
@@ -301,9 +303,11 @@ def run_k(model, prompts, k: int, runs: list[list[int]], steps: int, *, path: st
                 out = verifier.verify(tokens, slots, path)
             else:
                 out = model.verify(tokens, cache, slots, path=path, grow=False)
-            return out.argmax(-1).tolist()
+            return out.argmax(-1)
 
         best, secs_v = _timed(verify, device)
+        read = torch.cat([tokens[:, 1:], best], dim=1).tolist()  # one read: the drafts, then the argmax
+        drafts, best = [row[:k] for row in read], [row[k:] for row in read]
         if counting:
             verify_experts += experts.take()
         hidden = model.last_hidden[:B * T].view(B, T, M)  # a graph's bucket may hold pad rows after them

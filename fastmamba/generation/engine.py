@@ -162,9 +162,11 @@ class Engine:
 
     @property
     def graph_captures(self) -> dict[str, float]:
-        """CUDA graphs captured so far (decode, verify and prefill) and the host seconds the captures
-        took: {"count": n, "seconds": s}. Graphs are captured at a bucket's first use."""
+        """CUDA graphs captured so far (decode, verify, prefill and the MTP drafter's) and the host seconds
+        the captures took: {"count": n, "seconds": s}. Graphs are captured at a bucket's first use."""
         owners = [o for o in (self.decoder, self.verifier, self.prefiller) if o is not None]
+        if getattr(self.drafter, "captured", None) is not None:
+            owners.append(self.drafter)
         return {"count": sum(o.captured.count for o in owners), "seconds": sum(o.captured.seconds for o in owners)}
 
     def warm_up(self) -> None:
