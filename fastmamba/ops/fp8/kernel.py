@@ -7,6 +7,13 @@ writes equal the reference's. The explicit rounding is there for the CPU interpr
 fp32 -> fp8e4nv cast does not round to nearest even (124.3 became 64, 100 became 104, subnormals
 flushed: Triton 3.6); on a GPU the cast of an already representable value is exact, so it costs
 a few ALU ops in a bandwidth-bound kernel.
+
+Every e4m3 x e4m3 ``tl.dot`` passes ``max_num_imprecise_acc=BLOCK_K``: on sm_90 Triton's default
+(2^30) keeps the whole K sum in the tensor cores' FP8 accumulator, which holds about 14 bits
+(DeepSeek-V3's report on Hopper), so h drifted from the fp32 reference by ~2^-14 and its e4m3
+requantisation flipped grid values often enough to move 0.8% of Nano's outputs by up to 0.18 at
+1024 tokens (H100 run, 2026-12-06). With it, each K tile's products are added into the fp32
+accumulator in registers (DeepSeek-V3's promotion), as the reference sums them.
 """
 from __future__ import annotations
 
@@ -123,7 +130,7 @@ def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, T, N, K,
             if USE_DOT:
                 x = x.to(tl.float8e4nv)
         if USE_DOT:
-            acc = tl.dot(x, tl.trans(w), acc)
+            acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=BLOCK_K)  # fp32 sums per tile (see above)
         else:
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     sw = tl.load(sw_ptr + n * stride_sw_n, mask=n < N, other=0.0)
@@ -246,7 +253,7 @@ def _moe_up_kernel(
             mk = (k0 + offs_k) < Mdim
             a = tl.load(a_ptrs, mask=real[:, None] & mk[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=mk[:, None], other=0.0)
-        acc = tl.dot(a, b, acc)  # e4m3 x e4m3 -> fp32
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)  # e4m3 x e4m3 -> fp32 (see above)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_w_k
     sx = tl.load(sx_ptr + tok * stride_sx_t, mask=real, other=0.0)
@@ -296,7 +303,7 @@ def _moe_down_kernel(
             mk = (k0 + offs_k) < Fdim
             a = tl.load(a_ptrs, mask=real[:, None] & mk[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=mk[:, None], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_w_k
     sh = tl.load(sh_ptr + pair * stride_sh_p, mask=real, other=0.0)
