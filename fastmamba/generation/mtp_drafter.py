@@ -76,6 +76,21 @@ class _Track:
     tokens: list = dataclasses.field(default_factory=list)  # the token after each of those positions
 
 
+def _fill(st: dict, tok: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> None:
+    """Copy one step's inputs (tok [R], hidden [R, M], rows [R], pos [R]) into a graph's static
+    buffers of its bucket b >= R; the pad rows get token 0, zero hidden states, row -1 (K/V to the
+    scratch page, nothing read) and position 0."""
+    R = tok.shape[0]
+    st["tok"][:R].copy_(tok)
+    st["tok"][R:].zero_()
+    st["hid"][:R].copy_(hidden)
+    st["hid"][R:].zero_()
+    st["rows"][:R].copy_(rows)
+    st["rows"][R:].fill_(-1)
+    st["pos"][:R].copy_(pos)
+    st["pos"][R:].zero_()
+
+
 class MTPDrafter:
     """Greedy drafts from ``model.mtp`` (see the module docstring).
 
@@ -268,18 +283,10 @@ class MTPDrafter:
                 return h, self.model.lm_head(h).argmax(-1)
         R = tok.shape[0]
         b = 1 << max(0, (R - 1).bit_length())
-        entry = self.graphs.get(b)
-        if entry is None:
-            entry = self.graphs[b] = self._static(b)
-        st = entry
-        st["tok"][:R].copy_(tok)
-        st["tok"][R:].zero_()
-        st["hid"][:R].copy_(hidden)
-        st["hid"][R:].zero_()
-        st["rows"][:R].copy_(rows)
-        st["rows"][R:].fill_(-1)  # pad rows: K/V to the scratch page, nothing read
-        st["pos"][:R].copy_(pos)
-        st["pos"][R:].zero_()
+        st = self.graphs.get(b)
+        if st is None:
+            st = self.graphs[b] = self._static(b)
+        _fill(st, tok, hidden, rows, pos)
         if "graph" not in st:
             with self.captured.timing():
                 self._capture(st)
@@ -296,14 +303,7 @@ class MTPDrafter:
         st = self.chains.get((b, n))
         if st is None:
             st = self.chains[(b, n)] = self._static(b)
-        st["tok"][:B].copy_(tok)
-        st["tok"][B:].zero_()
-        st["hid"][:B].copy_(hidden)
-        st["hid"][B:].zero_()
-        st["rows"][:B].copy_(rows)
-        st["rows"][B:].fill_(-1)  # pad rows: K/V to the scratch page, nothing read
-        st["pos"][:B].copy_(pos)
-        st["pos"][B:].zero_()
+        _fill(st, tok, hidden, rows, pos)
         if "graph" not in st:
             def run():
                 with trusted_inputs():
