@@ -5,7 +5,6 @@ CPU tensors run ``ref.py``.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
