@@ -1,11 +1,31 @@
 """Drafting with the checkpoint's own multi-token-prediction layer (``fastmamba.models.mtp``).
 
 ``MTPDrafter(model, max_batch)`` drafts k tokens per request per step from the target's hidden
-states, batched over the requests. The engine (``Engine(model, speculate=K, drafter="mtp")``) hands
-it, after every step that emits tokens, the target's final-normed hidden state at each position
-the step consumed (``observe``): after a prefill the last prompt token's, after a verify step the
-accepted inputs' (row b: the last emitted token and the n accepted drafts), each paired with the
-token that followed it (the first sampled token; the accepted drafts and the bonus token).
+states, batched over the requests. The MTP layer at position t takes (embed(token[t+1]), h_t),
+h_t the target's final-normed hidden state at t, and attends causally over its own K/V of the
+request's earlier positions (as vLLM's nemotron_h_mtp and DeepSeek's MTP run it over the prompt).
+
+The engine (``Engine(model, speculate=K, drafter="mtp")``) hands it the target's hidden states:
+
+* after every prefill call, each fed prompt position's (``observe_prompt``; the engine's
+  ``Speculator`` sets the model's ``keep_all_hidden`` for it only with this drafter: no cost for
+  other engines, and drops the [T, M] buffer once handed over).
+  Position t pairs with token t+1: the next prompt token (a non-final chunk's last position: the
+  next chunk's first token), the prompt's last position the first sampled token. Every pair but
+  the prompt's last runs through the MTP at once, eagerly (never from a graph: a prompt's row
+  count is arbitrary), in pieces of at most ``prompt_rows`` rows, each piece reading the K/V the
+  earlier ones wrote; the prompt's last pair waits for the next catch-up (below), whose row then
+  attends over the whole prompt's MTP K/V and gives draft 1;
+* after every verify or plain step, the accepted inputs' (``observe``; row b: the last emitted
+  token and the n accepted drafts), each paired with the token that followed it (the accepted
+  drafts and the bonus token).
+
+Prefix-cache hits: the cached prefix's positions are not fed, so their hidden states never exist
+(a snapshot keeps the SSM states and K/V of the target, not its hidden states) and the MTP does
+not run over them: a request that reused a cached prefix of P tokens has an MTP context of its
+prompt positions P..L-1 (a cached prefix is shorter than its prompt, P <= L-1; P = L-1: the last
+position only, as before this drafter saw whole prompts), at MTP pool positions 0..L-1-P (its
+attention has no position embedding: only the order matters), then its decoded positions.
 
 ``propose_device(requests, k)`` then, for all requests in one batch (``draft_counts``: which
 requests get drafts, known on the host before anything runs):
@@ -22,11 +42,8 @@ It returns the drafts on the device (int64 [B, k]) with no host read and nothing
 the device (its one host-to-device copy of positions and rows is pinned and asynchronous): the
 engine (``speculative.Speculator``) builds its verify inputs from them on the device and queues
 the verify step behind the drafts on the same stream. ``propose`` is the host-list form (one
-read), for callers that want lists. The MTP's context starts at the request's last prompt token:
-the prompt's other positions are not run through the MTP (prefill keeps only its last hidden
-state), which a trained checkpoint's acceptance may feel on long prompts (a follow-up:
-prefill's hidden states of every position). The engine's prefill runs eagerly with this drafter
-(the prefill graphs do not keep the hidden states); its verify steps replay from graphs.
+read), for callers that want lists. The engine's prefill runs eagerly with this drafter (the
+prefill graphs do not keep the hidden states); its verify steps replay from graphs.
 
 ``cuda_graphs=True`` (GPU; the engine and the MTP benchmark use it): each MTP step (a batch of
 rows padded to a power of two, pad rows with pool row -1 write the scratch page and read
@@ -96,21 +113,24 @@ class MTPDrafter:
 
     model        a ``NemotronHLM`` with an MTP layer (else ValueError); its ``keep_hidden`` is set
     max_batch    the engine's slots: requests' ``slot`` values lie in [0, max_batch)
-    max_seq_len  the most positions one request's MTP context holds (its output length plus K)
+    max_seq_len  the most positions one request's MTP context holds (its prompt and output, plus K)
     page_size / num_pages  the MTP's K/V pool (one layer per attention block of the MTP pattern);
                  num_pages None: enough for every row at max_seq_len (never runs out)
     max_catch_up the most observed positions a request keeps for its next catch-up: while the
                  engine's policy has speculation off, only the newest ones are run through the MTP
-                 (its context then skips the older ones)
+                 (its context then skips the older ones; prompt positions are not held back)
+    prompt_rows  the most prompt positions one eager MTP call of ``observe_prompt`` runs
     cuda_graphs  MTP steps from CUDA graphs (see the module docstring)
     """
 
     needs_hidden = True
 
     def __init__(self, model, max_batch: int, *, max_seq_len: int = 4096, page_size: int = 16,
-                 num_pages: int | None = None, max_catch_up: int = 16, cuda_graphs: bool = False):
+                 num_pages: int | None = None, max_catch_up: int = 16, prompt_rows: int = 512,
+                 cuda_graphs: bool = False):
         require_mtp(model)
-        for name, v in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("max_catch_up", max_catch_up)):
+        for name, v in (("max_batch", max_batch), ("max_seq_len", max_seq_len), ("max_catch_up", max_catch_up),
+                        ("prompt_rows", prompt_rows)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"MTPDrafter: {name} must be an int >= 1, got {v!r}")
         self.model = model
@@ -125,8 +145,9 @@ class MTPDrafter:
                              device=self.device, dtype=w.dtype)
         self.max_batch = max_batch
         self.max_catch_up = max_catch_up
+        self.prompt_rows = prompt_rows
         self._tracks: dict[int, _Track] = {}
-        self.stats = {"calls": 0, "rows": 0}
+        self.stats = {"calls": 0, "rows": 0, "prompt_rows": 0}
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("MTPDrafter: cuda_graphs=True needs the model on a CUDA device")
         self.graphs: dict[int, tuple] | None = {} if cuda_graphs else None
@@ -173,6 +194,69 @@ class MTPDrafter:
             if len(t.tokens) > self.max_catch_up:
                 t.hidden = [torch.cat(t.hidden)[-self.max_catch_up:]]
                 t.tokens = t.tokens[-self.max_catch_up:]
+
+    @torch.no_grad()
+    def observe_prompt(self, requests: Sequence, hidden: torch.Tensor, lengths: Sequence[int]) -> None:
+        """After a prefill call: request i fed the ``lengths[i]`` prompt positions that end at its
+        ``prefilled`` (already advanced), whose target hidden states are its rows of ``hidden``
+        [T, M] (the call's chunks back to back, T = sum(lengths): the model's ``all_hidden``).
+
+        Position t pairs with token t+1: the next prompt token (inside a chunk, and for a chunk's
+        last position the next chunk's first token, known from the prompt), or for the prompt's
+        last position the first sampled token (``output[0]``: the call that completes a prompt is
+        observed after its first token is emitted). Every pair but the prompt's last runs through
+        the MTP now, eagerly, in pieces of at most ``prompt_rows`` rows (causal: each piece reads
+        the K/V the pieces before it wrote), so the MTP's K/V cover the prompt; the last pair waits
+        for the next catch-up, whose row gives draft 1. Finished requests are skipped (forgotten)."""
+        if hidden.dim() != 2 or len(lengths) != len(requests) or hidden.shape[0] != sum(lengths):
+            raise ValueError(f"MTPDrafter.observe_prompt: {len(requests)} requests, {len(lengths)} lengths summing "
+                             f"to {sum(lengths)} and hidden of shape {tuple(hidden.shape)} (expected [T, M], T the "
+                             "lengths' sum)")
+        plan, cu = [], 0  # (request, track, hidden start, prompt start, pairs to run now, prompt complete)
+        for r, n in zip(requests, lengths):
+            start, cu = cu, cu + n
+            if r.finished:
+                self.forget(r)
+                continue
+            L, end = len(r.prompt), r.prefilled
+            if not (isinstance(n, int) and 1 <= n <= end <= L) or (end == L and not r.output):
+                raise ValueError(f"MTPDrafter.observe_prompt: request {getattr(r, 'rid', '?')}: {n} positions "
+                                 f"ending at prefilled={end} of a {L}-token prompt with {len(r.output)} output "
+                                 "tokens (a completed prompt needs its first sampled token)")
+            t = self._tracks.get(id(r))
+            if t is None:
+                if not 0 <= r.slot < self.max_batch:
+                    raise ValueError(f"MTPDrafter.observe_prompt: request slot {r.slot} outside [0, {self.max_batch})")
+            plan.append((r, t, start, end - n, n - (end == L), end == L))
+        fresh = [r for r, t, *_ in plan if t is None]
+        if fresh:  # fresh requests in reused slots: empty contexts
+            self.pages.release([r.slot for r in fresh])
+        toks, row_of, pos, parts = [], [], [], []
+        grow = [(r, t, start, p0, m) for r, t, start, p0, m, _ in plan if m]
+        base = self.pages.grow([(t.row if t is not None else r.slot) for r, t, *_ in grow], [g[-1] for g in grow])
+        for (r, t, start, p0, m), b in zip(grow, base):
+            toks += r.prompt[p0 + 1:p0 + 1 + m]
+            row_of += [t.row if t is not None else r.slot] * m
+            pos += range(b, b + m)
+            parts.append(hidden[start:start + m])
+        for r, t, start, p0, m, last in plan:
+            if t is None:
+                t = self._tracks[id(r)] = _Track(r, r.slot)
+            if last:  # the prompt's last position: waits for the next catch-up
+                t.hidden.append(hidden[start + m:start + m + 1].clone())
+                t.tokens.append(r.output[0])
+        if not toks:
+            return
+        h_all = torch.cat(parts)
+        R, P = len(toks), self.prompt_rows
+        meta = torch.tensor(toks + row_of + pos, dtype=torch.int64)
+        meta = meta.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else meta
+        tok_d, row_d, pos_d = meta[:R], meta[R:2 * R].to(torch.int32), meta[2 * R:]
+        with trusted_inputs():  # the host built rows and positions: no per-op read back
+            for a in range(0, R, P):
+                self.mtp.forward_rows(self.model.backbone.embeddings(tok_d[a:a + P]), h_all[a:a + P], self.pages,
+                                      row_d[a:a + P], pos_d[a:a + P])
+        self.stats["prompt_rows"] += R
 
     def forget(self, request) -> None:
         """Drop a finished or aborted request: its MTP pages go back to the pool."""

@@ -1,10 +1,12 @@
 """MTP speculative decoding (fastmamba.generation.mtp_drafter, fastmamba.models.mtp): the MTP
 block equals a plain-PyTorch reference written here (rows of several requests, K/V context of its
-own); the drafter's drafts of a request's first step equal the reference chained from the target's
-hidden state; greedy speculative decoding with drafter="mtp" emits plain greedy's tokens (fp32)
-with requests of different lengths in one batch, chunked prefill and prefix-cache hits; aborting a
-request mid-speculation frees its slot, its K/V pages and the MTP's pages; the same
-through the serving loop (in-process app); the speculation policy's decisions on synthetic costs.
+own); the drafter's drafts of a request's first step equal the reference run over every prompt
+position (prompts prefilled whole or in chunks; after a prefix-cache hit, over the fed positions
+only), then chained on its own hidden state; greedy speculative decoding with drafter="mtp"
+emits plain greedy's tokens (fp32) with requests of different lengths in one batch, chunked
+prefill and prefix-cache hits; aborting a request mid-speculation frees its slot, its K/V pages
+and the MTP's pages; the same through the serving loop (in-process app); the speculation
+policy's decisions on synthetic costs.
 
 The ops run their PyTorch references (TRITON_INTERPRET=0 for these tests), as the other engine
 tests over MoE hybrids do; the kernels have their own tests."""
@@ -110,10 +112,52 @@ def mtp_ref(model, token: int, h: torch.Tensor, ctx: list) -> torch.Tensor:
 
 
 def target_hidden(model, ids: list[int]) -> torch.Tensor:
-    """The target's final-normed hidden state after ``ids`` (a full forward, no cache) [M]."""
+    """The target's final-normed hidden states at every position of ``ids`` (a full forward, no cache) [L, M]."""
     model.keep_hidden = True
     model(torch.tensor([ids]))
-    return model.last_hidden[0, -1].clone()
+    return model.last_hidden[0].clone()
+
+
+def ref_first_drafts(model, prompt: list[int], first: int, k: int, start: int = 0) -> list[int]:
+    """The reference's k drafts after a prefill: the MTP run over prompt positions start..L-1 (position
+    t: the token after it, prompt[t+1] or the first sampled token ``first`` for the last, and the
+    target's hidden state h_t; causal over its own K/V), its last position's output giving draft 1,
+    then drafts 2..k chained on its own hidden state and context."""
+    hs, ctx = target_hidden(model, prompt), []
+    nxt = prompt[1:] + [first]
+    for t in range(start, len(prompt)):
+        h = mtp_ref(model, nxt[t], hs[t], ctx)
+    want = []
+    for _ in range(k):
+        tok = int((model.lm_head.weight @ h).argmax())
+        want.append(tok)
+        h = mtp_ref(model, tok, h, ctx)
+    return want
+
+
+class AlwaysK(SpeculationPolicy):
+    """K drafts every step (the MTP drafter's default policy would weigh costs and acceptance)."""
+
+    def choose(self, batch: int) -> int:
+        super().choose(batch)
+        return self.max_k
+
+
+def first_drafts(engine) -> dict:
+    """Spies on the engine's drafter: rid -> (its first token, its first call's drafts)."""
+    d, seen = engine.drafter, {}
+    propose = d.propose_device
+
+    def spy(reqs, k):
+        counts = d.draft_counts(reqs, k)
+        drafts = propose(reqs, k)
+        for r, c, row in zip(reqs, counts, drafts.tolist()):
+            if c and r.rid not in seen:
+                seen[r.rid] = (r.output[0], row[:c])
+        return drafts
+
+    d.propose_device = spy
+    return seen
 
 
 def test_block_equals_reference(model):
@@ -163,34 +207,51 @@ def test_pad_rows_touch_nothing(model):
     assert torch.equal(pools[1][0] == 0, pools[0][0] == 0)  # the same entries written, no others
 
 
-def test_first_drafts_equal_reference(model):
-    """After a prompt's prefill, the drafter's k=3 drafts: draft 1 from the target's hidden state
-    at the last prompt token and the first emitted token, drafts 2-3 chained on the MTP's own
-    hidden state and context; two requests of different lengths in the batch."""
-    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8]]
+@pytest.mark.parametrize("chunk,rows", [(None, 512), (None, 2), (3, 512)],
+                         ids=["whole", "whole-pieces-of-2", "chunks-of-3"])
+def test_first_drafts_equal_reference(model, chunk, rows):
+    """After a prompt's prefill (whole, whole with the MTP's prompt pass in pieces of 2 rows, or in
+    chunks of 3 tokens), the drafter's k=3 drafts equal the reference's: the MTP run over every
+    prompt position (position t with token t+1, the last with the first emitted token; causal over
+    its own K/V), then drafts 2-3 chained; three requests of different lengths in the batch."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
+    engine = Engine(model, max_batch=3, speculate=3, drafter="mtp", cuda_graphs=False, kv_page_size=PAGE,
+                    max_seq_len=64, spec_policy=AlwaysK(3), prefill_chunk=chunk)
+    engine.drafter.prompt_rows = rows
+    seen = first_drafts(engine)
+    rids = [engine.add_request(p, SamplingParams(max_new_tokens=4, ignore_eos=True)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert sorted(seen) == sorted(rids)
+    for rid, p in zip(rids, prompts):
+        first, drafts = seen[rid]
+        assert drafts == ref_first_drafts(model, p, first, 3), (rid, chunk)
+    assert engine.drafter.stats["prompt_rows"] == sum(len(p) - 1 for p in prompts)
+    assert engine.drafter.tracked == 0 and engine.drafter.pages_in_use == 0
+
+
+def test_first_drafts_after_a_prefix_cache_hit(model):
+    """A prompt whose first 16 tokens come from the prefix cache: the MTP's context is the fed
+    positions 16..L-1 only (the cached ones have no hidden states), as the module docstring says:
+    its first drafts are the reference's over those positions, not over the whole prompt."""
+    prompt = PROMPTS[3][:20]
     engine = Engine(model, max_batch=2, speculate=3, drafter="mtp", cuda_graphs=False, kv_page_size=PAGE,
-                    max_seq_len=64, spec_policy=None)
-    seen = []  # the engine takes the drafts on the device (propose_device)
-    propose = engine.drafter.propose_device
-
-    def spy(reqs, k):
-        drafts = propose(reqs, k)
-        seen.append(drafts.tolist())
-        return drafts
-
-    engine.drafter.propose_device = spy
-    for p in prompts:
-        engine.add_request(p, SamplingParams(max_new_tokens=4, ignore_eos=True))
-    engine.step()  # prefill: first tokens
-    first = [list(r.output) for r in engine.running]
-    engine.step()  # the first verify step drafts
-    for p, out, drafts in zip(prompts, first, seen[0]):
-        h, ctx, tok, want = target_hidden(model, p), [], out[0], []
-        for _ in range(3):
-            h = mtp_ref(model, tok, h, ctx)
-            tok = int((model.lm_head.weight @ h).argmax())
-            want.append(tok)
-        assert drafts == want
+                    max_seq_len=64, spec_policy=AlwaysK(3), prefix_cache_entries=8, prefix_block=16)
+    seen = first_drafts(engine)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    a = engine.generate([prompt], [params])
+    rows = engine.drafter.stats["prompt_rows"]
+    rid = engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    P = engine.prefix_stats["hit_tokens"]
+    assert P == 16  # the one block-aligned prefix the first run saved
+    assert engine.drafter.stats["prompt_rows"] - rows == len(prompt) - 1 - P
+    first, drafts = seen[rid]
+    assert len(drafts) == 3
+    assert drafts == ref_first_drafts(model, prompt, first, 3, start=P)
+    assert drafts != ref_first_drafts(model, prompt, first, 3)  # the whole prompt's context drafts otherwise
+    assert engine.pop_finished(rid).output == a[0]
 
 
 def greedy(model, prompts, n, **kw):
@@ -475,6 +536,18 @@ def test_drafter_errors(model):
         Engine(model, max_batch=2, speculate=2, drafter="ngram", cuda_graphs=False)
     with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device"):
         MTPDrafter(model, 2, cuda_graphs=True)
+    with pytest.raises(ValueError, match="prompt_rows must be an int >= 1"):
+        MTPDrafter(model, 2, prompt_rows=0)
+    r = _Req([1, 2, 3], [], 0)
+    r.prefilled = 3
+    with pytest.raises(ValueError, match=r"lengths summing to 3 and hidden of shape \(2, "):
+        d.observe_prompt([r], torch.zeros(2, CFG.d_model), [3])
+    with pytest.raises(ValueError, match="a completed prompt needs its first sampled token"):
+        d.observe_prompt([r], torch.zeros(3, CFG.d_model), [3])
+    r.prefilled = 2
+    with pytest.raises(ValueError, match="3 positions ending at prefilled=2 of a 3-token prompt"):
+        d.observe_prompt([r], torch.zeros(3, CFG.d_model), [3])
+    assert d.tracked == 0 and d.pages_in_use == 0  # nothing kept from the refused calls
 
 
 # -- the speculation policy -------------------------------------------------------------------------
@@ -576,6 +649,32 @@ def test_gpu_greedy_equals_plain_and_graphed_drafts():
         assert third.device.type == "cuda" and third.dtype == torch.int64
         drafts[graphs] = (first, second, third.tolist())
     assert drafts[True] == drafts[False]
+
+
+@pytest.mark.gpu
+def test_gpu_first_drafts_over_a_long_prompt():
+    """On a GPU (fp32): a 700-token prompt, whole and in chunks of 256, with CUDA graphs and
+    without: the MTP's prompt pass runs eagerly in pieces of 512 rows, the catch-up and drafts 2..3
+    from graphs, whose row buckets stay at the catch-up's sizes (at most K+1 = 4 rows: no graph per
+    prompt length); the first drafts equal the reference's over all 700 positions."""
+    m = build_model().to("cuda")
+    prompt = torch.randint(0, 256, (700,), generator=torch.Generator().manual_seed(9)).tolist()
+    got = {}
+    for chunk in (None, 256):
+        for graphs in (False, True):
+            engine = Engine(m, max_batch=2, speculate=3, drafter="mtp", kv_page_size=PAGE, max_seq_len=1024,
+                            spec_policy=AlwaysK(3), prefill_chunk=chunk, cuda_graphs=graphs)
+            seen = first_drafts(engine)
+            rid = engine.add_request(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
+            got[chunk, graphs] = seen[rid]
+            assert engine.drafter.stats["prompt_rows"] == len(prompt) - 1
+            if graphs:
+                assert engine.drafter.graphs and max(engine.drafter.graphs) <= 4
+    first, drafts = got[None, False]
+    assert all(v == (first, drafts) for v in got.values()), got
+    assert drafts == ref_first_drafts(m, prompt, first, 3)
 
 
 @pytest.mark.gpu
