@@ -655,8 +655,8 @@ def test_gpu_greedy_equals_plain_and_graphed_drafts():
 def test_gpu_first_drafts_over_a_long_prompt():
     """On a GPU (fp32): a 700-token prompt, whole and in chunks of 256, with CUDA graphs and
     without: the MTP's prompt pass runs eagerly in pieces of 512 rows, the catch-up and drafts 2..3
-    from graphs, whose row buckets stay at the catch-up's sizes (at most K+1 = 4 rows: no graph per
-    prompt length); the first drafts equal the reference's over all 700 positions."""
+    from graphs, whose row buckets stay at the catch-up's few rows (no graph per prompt length); the
+    first drafts equal the reference's over all 700 positions."""
     m = build_model().to("cuda")
     prompt = torch.randint(0, 256, (700,), generator=torch.Generator().manual_seed(9)).tolist()
     got = {}
@@ -671,7 +671,7 @@ def test_gpu_first_drafts_over_a_long_prompt():
             got[chunk, graphs] = seen[rid]
             assert engine.drafter.stats["prompt_rows"] == len(prompt) - 1
             if graphs:
-                assert engine.drafter.graphs and max(engine.drafter.graphs) <= 4
+                assert engine.drafter.graphs and max(engine.drafter.graphs) <= 8  # not 1024: no prompt bucket
     first, drafts = got[None, False]
     assert all(v == (first, drafts) for v in got.values()), got
     assert drafts == ref_first_drafts(m, prompt, first, 3)
