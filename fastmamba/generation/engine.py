@@ -384,13 +384,14 @@ class Engine:
 
     def _prefill(self, admitted: list[Request]) -> list[StepOutput]:
         """Whole prompts of freshly admitted requests in one call, then their first tokens."""
-        logits = self._run_prefill(admitted, [r.prompt[r.prefilled:] for r in admitted])
+        chunks = [r.prompt[r.prefilled:] for r in admitted]
+        logits = self._run_prefill(admitted, chunks)
         for r in admitted:
             r.prefilled = len(r.prompt)
         self.scheduler.start_running(admitted)
         out = self._emit_first(admitted, logits)
-        if self.speculate:
-            self.spec.observe(admitted, [1] * len(admitted))
+        if self.speculate:  # (a drafter that drafts from hidden states: every prompt position's)
+            self.spec.observe_prefill(admitted, [len(c) for c in chunks], list(range(len(admitted))))
         return out
 
     def _prefill_chunk(self, reqs: list[Request], chunks: list[list[int]]) -> list[StepOutput]:
@@ -403,6 +404,8 @@ class Engine:
             if r.prefilled == len(r.prompt):
                 done.append(i)
         if not done:
+            if self.speculate:  # (an MTP drafter runs its layer over the chunk's positions)
+                self.spec.observe_prefill(reqs, [len(c) for c in chunks], [])
             # wait for the chunk now: the running requests' tokens of this step then come out after
             # one decode and one chunk, never after two chunks (without it, the chunk runs on into the
             # next step, and the step that completes a prompt waited for the chunk before and its own:
@@ -415,7 +418,7 @@ class Engine:
         rows = logits if len(done) == len(reqs) else logits[torch.tensor(done, device=logits.device)]
         out = self._emit_first(complete, rows)
         if self.speculate:
-            self.spec.observe_prefilled(complete, done)
+            self.spec.observe_prefill(reqs, [len(c) for c in chunks], done)
         return out
 
     # ------------------------------------------------------------------ the step

@@ -102,6 +102,8 @@ class Speculator:
         self.hidden_of: dict | None = None
         if getattr(drafter, "needs_hidden", False):
             self.hidden_of = {}
+            if callable(getattr(drafter, "observe_prompt", None)):  # every prompt position's (observe_prefill)
+                model.keep_hidden = model.keep_all_hidden = True
             policy = "adaptive" if policy is None else policy
         self.drafter = (drafter or NgramDrafter()) if K else None
         # speculation per step: K drafts always (None), or as the policy weighs cost and acceptance
@@ -333,17 +335,24 @@ class Speculator:
     def observe(self, reqs: list[Request], counts: list[int], ntok: int = 1) -> None:
         """Hand a drafter that drafts from the target's hidden states (MTP) those of the positions
         each request consumed in the call just run (``model.last_hidden``: its first B*ntok rows, [B*T, M]
-        after a verify of T tokens per request, [B, M] after a prefill or plain step; a graph's bucket
+        after a verify of T tokens per request, [B, M] after a plain step; a graph's bucket
         may hold pad rows after them)."""
         if self.hidden_of is not None and reqs:
             hidden = self.model.last_hidden[:len(reqs) * ntok].view(len(reqs), ntok, self.model.cfg.d_model)
             self.drafter.observe(reqs, hidden, counts)
 
-    def observe_prefilled(self, reqs: list[Request], rows: list[int]) -> None:
-        """``observe`` after a prefill chunk in which only ``reqs`` (rows ``rows`` of the call's
-        last_hidden [B, M]) completed their prompt."""
-        if self.hidden_of is not None:
-            self.drafter.observe(reqs, self.model.last_hidden[rows], [1] * len(reqs))
+    def observe_prefill(self, reqs: list[Request], lengths: list[int], done: list[int]) -> None:
+        """After a prefill call that fed ``reqs`` chunks of ``lengths`` tokens, in which the requests
+        at indices ``done`` completed their prompt (and emitted their first token): a drafter with
+        ``observe_prompt`` (MTP) gets every fed position's hidden state (``model.all_hidden`` [T, M]);
+        another one that needs hidden states gets the completed prompts' last ones (``observe``)."""
+        if self.hidden_of is None:
+            return
+        if callable(getattr(self.drafter, "observe_prompt", None)):
+            hidden, self.model.all_hidden = self.model.all_hidden, None  # ([T, M]: not held past its use)
+            self.drafter.observe_prompt(reqs, hidden, lengths)
+        elif done:
+            self.drafter.observe([reqs[i] for i in done], self.model.last_hidden[done], [1] * len(done))
 
     def forget(self, r: Request) -> None:
         """``r`` finished (its slot, still ``r.slot``, is about to be freed): drop what the drafter

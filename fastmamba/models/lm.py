@@ -69,6 +69,10 @@ class HybridLM(nn.Module):
             self.lm_head.weight = self.backbone.embeddings.weight
         self.keep_hidden = False  # True: _run keeps the lm_head input in last_hidden (an MTP drafter reads it)
         self.last_hidden: torch.Tensor | None = None
+        # True (with keep_hidden): a prefill also keeps every position's lm_head input in all_hidden
+        # [T, M] (its final norm then runs over all T positions, not only the B last ones)
+        self.keep_all_hidden = False
+        self.all_hidden: torch.Tensor | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -96,11 +100,15 @@ class HybridLM(nn.Module):
                 out, pending = mix(block, normed, sumsq), block.mixer.pending_norm(sumsq)
             else:
                 out, pending = mix(block, normed), None
-        if rows is not None:
+        keep_all = rows is not None and self.keep_hidden and self.keep_all_hidden
+        if rows is not None and not keep_all:
             out, residual = out[rows], residual[rows]
             pending = None if pending is None else pending._replace(sumsq=pending.sumsq[rows])
         norm_f = self.backbone.norm_f
         normed, _ = add_rmsnorm(out, residual, norm_f.weight, norm_f.eps, residual_dtype=rdtype, pending_norm=pending)
+        if keep_all:  # every position's final norm (row-wise: the ``rows`` of it equal a norm of those rows)
+            self.all_hidden = normed
+            normed = normed[rows]
         if self.keep_hidden:
             self.last_hidden = normed
         return self.lm_head(normed).float()
