@@ -124,6 +124,7 @@ class _Req:  # what MTPDrafter reads of a request
     slot: int
     finished: bool = False
     rid: int = 0
+    prefilled: int = 0  # prompt positions prefilled (observe_prompt reads it)
 
 
 class _Experts:
@@ -268,16 +269,18 @@ def run_k(model, prompts, k: int, runs: list[list[int]], steps: int, *, path: st
     B, L = prompts.shape
     warm = 3
     cap = L + (k + 1) * (steps + warm + 4) + 16
-    model.keep_hidden = True  # the prefill's last hidden states: the drafter's first input
+    model.keep_hidden = True  # the verify steps' hidden states: the drafter's input
+    model.keep_all_hidden = True  # and every prompt position's: the MTP runs over the whole prompt, as the engine
     cache = model.new_cache(B, max_seq_len=cap, ssm_dtype=ssm_dtype, speculate=k)
     if path == "legacy":
         cache.reserve_legacy(B)
     sl, logits = _prefill(model, cache, prompts, device)
     slots = torch.tensor(sl, dtype=torch.int32, device=device)
     first = logits.argmax(-1).tolist()
-    reqs = [_Req(prompts[b].tolist(), [first[b]], sl[b], rid=b) for b in range(B)]
+    reqs = [_Req(prompts[b].tolist(), [first[b]], sl[b], rid=b, prefilled=L) for b in range(B)]
     drafter = MTPDrafter(model, B, max_seq_len=cap, cuda_graphs=graphs)
-    drafter.observe(reqs, model.last_hidden, [1] * B)
+    hidden, model.all_hidden, model.keep_all_hidden = model.all_hidden, None, False
+    drafter.observe_prompt(reqs, hidden, [L] * B)  # untimed, as the engine's prefill
     verifier = None
     if graphs:
         from fastmamba.generation.cuda_graphs import GraphedVerifier
