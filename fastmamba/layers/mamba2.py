@@ -53,8 +53,25 @@ if TYPE_CHECKING:  # (``snapshot``: a fastmamba.cache.prefix_cache.LayerSnapshot
     LayerSnapshot = object
 
 
+class MambaSizes:
+    """The sizes a Mamba-2 layer derives from ``d_inner`` (D), ``headdim`` (P), ``ngroups`` (G) and
+    ``d_state`` (N): shared by ``MambaLayerConfig`` and the model configs that hold those fields."""
+
+    @property
+    def nheads(self) -> int:  # H
+        return self.d_inner // self.headdim
+
+    @property
+    def conv_dim(self) -> int:  # E = d_inner + 2 G N: the channels the conv sees (x, B, C)
+        return self.d_inner + 2 * self.ngroups * self.d_state
+
+    @property
+    def d_in_proj(self) -> int:  # z, xBC, dt
+        return self.d_inner + self.conv_dim + self.nheads
+
+
 @dataclasses.dataclass(frozen=True)
-class MambaLayerConfig:
+class MambaLayerConfig(MambaSizes):
     """What one ``Mamba2Mixer`` and the Mamba slot pools (``fastmamba.cache.StateCache``) read.
 
     The model configs build it (``Mamba2Config.mamba``, ``NemotronHConfig.mamba``); letters as in
@@ -75,18 +92,6 @@ class MambaLayerConfig:
     proj_bias: bool = False           # in_proj / out_proj bias
     norm_before_gate: bool = False    # Mamba-2's gated norm gates first: norm(y * silu(z))
     dt_limit: tuple[float, float] = (0.0, math.inf)
-
-    @property
-    def nheads(self) -> int:  # H
-        return self.d_inner // self.headdim
-
-    @property
-    def conv_dim(self) -> int:  # E = d_inner + 2 G N: the channels the conv sees (x, B, C)
-        return self.d_inner + 2 * self.ngroups * self.d_state
-
-    @property
-    def d_in_proj(self) -> int:  # z, xBC, dt
-        return self.d_inner + self.conv_dim + self.nheads
 
 
 @dataclasses.dataclass(frozen=True)

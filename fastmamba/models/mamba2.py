@@ -28,12 +28,12 @@ import math
 import os
 from typing import Any
 
-from fastmamba.layers.mamba2 import MambaLayerConfig
+from fastmamba.layers.mamba2 import MambaLayerConfig, MambaSizes
 from fastmamba.models.checkpoint_config import _check_eos, _describe, _Fields, _read_json, checkpoint_eos_token_ids
 
 
 @dataclasses.dataclass(frozen=True)
-class Mamba2Config:
+class Mamba2Config(MambaSizes):
     """Sizes of a Mamba-2 LM. Letters as in STYLE.md: H heads, P head dim, N state, G groups, W conv width."""
 
     paged_cache = False  # (not a field) its LM's cache: Mamba slot pools only, no per-slot lengths
@@ -87,18 +87,6 @@ class Mamba2Config:
     @property
     def d_inner(self) -> int:
         return self.expand * self.d_model
-
-    @property
-    def nheads(self) -> int:  # H
-        return self.d_inner // self.headdim
-
-    @property
-    def conv_dim(self) -> int:  # E = d_inner + 2 G N: the channels the conv sees (x, B, C)
-        return self.d_inner + 2 * self.ngroups * self.d_state
-
-    @property
-    def d_in_proj(self) -> int:  # z, xBC, dt
-        return self.d_inner + self.conv_dim + self.nheads
 
     @property
     def pattern(self) -> str:
