@@ -113,6 +113,21 @@ def profiled_kernels(fn) -> list[tuple[str, float, float]]:
         return kernel_events(path)
 
 
+def median_wall_ms(fn, reps: int, warm: int) -> float:
+    """``fn()``'s median wall time in ms over ``reps`` synchronised calls, after ``warm`` calls (the
+    first of which may capture a graph or compile) and a synchronise."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(walls)
+
+
 def profile_decode(model, batch: int, context: int, reps: int, top: int, n_timeline: int, pdl: bool | None) -> None:
     """One graphed greedy decode step of ``batch`` requests after a ``context``-token prefill."""
     from fastmamba.generation.cuda_graphs import GraphedDecoder
@@ -135,17 +150,9 @@ def profile_decode(model, batch: int, context: int, reps: int, top: int, n_timel
             cache.grow(slots_host, ones)  # the engine's host-side step: pages and lengths
         state["tokens"] = decoder.decode(state["tokens"], slots).argmax(-1)
 
-    for _ in range(warm):  # the first captures the graph
-        step()
-    torch.cuda.synchronize()
-    walls = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        walls.append((time.perf_counter() - t0) * 1e3)
+    wall = median_wall_ms(step, reps, warm)  # the first warm-up step captures the graph
     kernels = profiled_kernels(step)
-    print(f"\n## decode, batch {batch}, context {context}: step wall {statistics.median(walls):.3f} ms "
+    print(f"\n## decode, batch {batch}, context {context}: step wall {wall:.3f} ms "
           f"(median of {reps}, the host's grow and argmax included), PDL {'on' if decoder.pdl else 'off'}")
     if not kernels:
         print("the trace holds no kernels")
@@ -164,20 +171,15 @@ def profile_graphed(model, shapes, reps: int, top: int) -> None:
         slots = cache.alloc(b).tolist()
         prompts = torch.randint(0, model.cfg.vocab_size, (b, length)).tolist()
         gp = GraphedPrefill(model, cache, max_tokens=max(2048, b * length), max_requests=b)
-        for _ in range(5):
+        def replay():
             gp.prefill(prompts, slots, False)
-        torch.cuda.synchronize()
-        walls = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            gp.prefill(prompts, slots, False)
-            torch.cuda.synchronize()
-            walls.append((time.perf_counter() - t0) * 1e3)
-        kernels = profiled_kernels(lambda: gp.prefill(prompts, slots, False))
+
+        wall = median_wall_ms(replay, reps, warm=5)
+        kernels = profiled_kernels(replay)
         if not kernels:
             print(f"{b}x{length}: the trace holds no kernels")
             continue
-        print(f"\n## {b} x {length}: replay wall {statistics.median(walls):.3f} ms (median of {reps})")
+        print(f"\n## {b} x {length}: replay wall {wall:.3f} ms (median of {reps})")
         print("\n".join(summary(kernels, top)))
         del gp, cache
         torch.cuda.empty_cache()
@@ -192,21 +194,12 @@ def profile_eager(model, name: str, shapes, reps: int, top: int) -> None:
         def once():
             model.prefill(ids, cache, slots)
 
-        for _ in range(3):
-            once()
-        torch.cuda.synchronize()
-        walls = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            once()
-            torch.cuda.synchronize()
-            walls.append((time.perf_counter() - t0) * 1e3)
+        wall = median_wall_ms(once, reps, warm=3)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             once()
             torch.cuda.synchronize()
         gpu_us = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0 and
                      not e.key.startswith("cuda") and e.device_type == torch.autograd.DeviceType.CUDA)
-        wall = statistics.median(walls)
         print(f"\n## {name} {b}x{length} bf16 eager prefill: wall {wall:.2f} ms (median of {reps}), "
               f"GPU kernels {gpu_us / 1e3:.2f} ms, host-bound share {max(0.0, 1 - gpu_us / 1e3 / wall):.0%}")
         pr = cProfile.Profile()
