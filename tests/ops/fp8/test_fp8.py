@@ -17,6 +17,7 @@ from fastmamba.ops.fp8.ref import (
     quantize_weight_ref,
 )
 from tests.helpers import nan_like
+from tests.ops.fp8.test_fp8_moe_grouped import random_case
 
 FP32_SUM = dict(atol=1e-4, rtol=1e-5)  # fp32 sums of exact products in another order
 
@@ -138,14 +139,8 @@ def test_moe_matches_reference(T, dtype, per_channel, static, device):
     definition: each routed token's expert outputs summed with its weights. Odd widths (F 48, M 40)."""
     g = torch.Generator().manual_seed(T)
     M, E, F_, k = 40, 4, 48, 2
-    x = torch.randn(T, M, generator=g).to(device, dtype)
-    up, su = quantize_weight_ref(torch.randn(E * F_, M, generator=g) * 0.2, per_channel=per_channel)
-    down, sd = quantize_weight_ref(torch.randn(E * M, F_, generator=g) * 0.2, per_channel=per_channel)
-    if per_channel:
-        su, sd = su.view(E, F_), sd.view(E, M)
-    else:  # one scale per expert
-        su, sd = su.expand(E).clone(), (sd * torch.arange(1, E + 1)).float()
-    up, down = up.view(E, F_, M), down.view(E, M, F_)
+    x, up, su, down, sd = random_case(T, M, E, F_, per_channel=per_channel, g=g)
+    x = x.to(device, dtype)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
     wts = torch.rand(T, k, generator=g)
     xs = (torch.tensor(0.01), torch.tensor(0.02)) if static else (None, None)
