@@ -7,7 +7,8 @@ counts its cached tokens. The pool's last page (``Np - 1``) is a scratch page th
 write needs no host sync and nothing lands outside the pool.
 
 Three ops, in the order a layer calls them:
-  ``paged_kv_write``            K/V of T new tokens into their pages (PyTorch index_put; no host read)
+  ``paged_kv_write``            K/V of T new tokens into their pages: one Triton launch (PyTorch
+                                index_put on a plain CPU); no host read
   ``varlen_prefill_attention``  packed prompts' causal attention over their pages: a Triton kernel
                                 (a work table of query blocks; graph safe when the caller stages it),
                                 PyTorch's ``scaled_dot_product_attention`` per prompt on a plain CPU
@@ -42,6 +43,7 @@ from fastmamba.ops.attention.configs import (
 )
 from fastmamba.ops.attention.kernel import launch_paged_decode_attention
 from fastmamba.ops.attention.prefill_kernel import group_pad, launch_paged_prefill_attention, prefill_work
+from fastmamba.ops.attention.write_kernel import launch_paged_kv_write
 from fastmamba.ops.attention.ref import paged_decode_attention_ref, quantize_kv_ref
 from fastmamba.ops.fp8.ref import FP8_DTYPE
 
@@ -134,13 +136,16 @@ def paged_kv_write(
     token_rows   [T] int32/int64 or None (T == B, token t is request t): token t's request
     k_scale, v_scale  float8_e4m3fn pools only (required there): one-element float tensors on the
                  pools' device (or floats > 0), the per-tensor scales of the layer
-    No host read (graph safe). Reference: fastmamba.ops.attention.ref.paged_kv_write_ref
+    No host read (graph safe): one launch of ``write_kernel._paged_kv_write_kernel`` on a GPU and
+    in the interpreter. Reference: fastmamba.ops.attention.ref.paged_kv_write_ref
     """
     op = "paged_kv_write"
     Np, PAGE, Hkv, Dh = _check_pool(op, k, k_pages, v_pages, block_table, q_heads=False)
     scales = _kv_scales(op, k_pages, v_pages, k_scale, v_scale)
     T = k.shape[0]
     check_shape(op, "v", v, [("T", T), ("Hkv", Hkv), ("Dh", Dh)])
+    check_dtype(op, "k", k, FLOAT_DTYPES)
+    check_dtype(op, "v", v, FLOAT_DTYPES)
     check_dtype(op, "slots", slots, INDEX_DTYPES)
     check_dtype(op, "positions", positions, INDEX_DTYPES)
     check_shape(op, "positions", positions, [("T", T)])
@@ -151,8 +156,12 @@ def paged_kv_write(
         check_dtype(op, "token_rows", token_rows, INDEX_DTYPES)
         check_shape(op, "token_rows", token_rows, [("T", T)])
         s = slots.long()[token_rows.long()]
-    check_same_device(op, [("k", k), ("k_pages", k_pages), ("block_table", block_table), ("slots", slots),
-                           ("positions", positions)])
+    check_same_device(op, [("k", k), ("v", v), ("k_pages", k_pages), ("v_pages", v_pages),
+                           ("block_table", block_table), ("slots", slots), ("positions", positions)]
+                      + ([("token_rows", token_rows)] if token_rows is not None else []))
+    if use_triton(k):
+        launch_paged_kv_write(k, v, k_pages, v_pages, block_table, slots, positions, token_rows, scales)
+        return
     S, Pmax = block_table.shape
     pos = positions.long()
     col = pos // PAGE

@@ -98,6 +98,43 @@ def test_paged_kv_write_matches_ref_and_pads_write_scratch_only(device):
     assert not torch.equal(got_k[-1].cpu(), k_pool[-1])  # the pads landed on the scratch page
 
 
+@pytest.mark.parametrize("k_dtype,pool_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                 (torch.float32, torch.float16)], ids=["fp32", "bf16-into-fp32",
+                                                                                       "fp32-into-fp16"])
+def test_paged_kv_write_strided_odd_heads_and_bad_pages(k_dtype, pool_dtype, device, monkeypatch):
+    """K and V as strided column slices of one fused projection row (what a fused QKV GEMM gives),
+    odd Hkv and Dh, one token per request (no token_rows): the reference's values cast to the pool's
+    dtype; a token whose block-table entry is -1 or past the pool, or whose position lies beyond the
+    block table, lands on the scratch page only; one kernel launch on the kernels' path."""
+    from fastmamba.ops._common.dispatch import use_triton
+    from fastmamba.ops.attention import write_kernel
+
+    Hkv, Dh, PAGE, Np = 3, 24, 4, 12
+    k_pool, v_pool, bt, _ = paged_pool(S=6, Np=Np, PAGE=PAGE, Hkv=Hkv, Dh=Dh, lens=(5, 9, 2, 4, 1, 3),
+                                       dtype=pool_dtype, seed=5)
+    bt[3, 0] = -1       # request 3's page at position 2: never handed out
+    bt[4, 0] = Np - 1   # request 4's: the scratch page itself (not a page a request may hold)
+    fused = torch.randn(6, 7 + 2 * Hkv * Dh, generator=seeded(6)).to(k_dtype)  # [q | k | v] per token
+    k = fused[:, 7:7 + Hkv * Dh].view(6, Hkv, Dh)
+    v = fused[:, 7 + Hkv * Dh:].view(6, Hkv, Dh)
+    assert not k.is_contiguous() and not v.is_contiguous()
+    slots = torch.tensor([1, 0, 3, 4, 5, 2], dtype=torch.int64)
+    positions = torch.tensor([8, 4, 2, 0, 3, 1 + PAGE * bt.shape[1]], dtype=torch.int32)  # the last: beyond
+    keep = [0, 1, 4]  # tokens with a real page
+    want_k, want_v = k_pool.clone(), v_pool.clone()
+    paged_kv_write_ref(k[keep], v[keep], want_k, want_v, bt, slots[keep], positions[keep])
+    launches = []
+    real = write_kernel.lean
+    monkeypatch.setattr(write_kernel, "lean", lambda fn: launches.append(fn.__name__) or real(fn))
+    got_k, got_v = k_pool.clone().to(device), v_pool.clone().to(device)
+    paged_kv_write(*(t.to(device) for t in (k, v)), got_k, got_v, bt.to(device), slots.to(device),
+                   positions.to(device))
+    assert torch.equal(got_k[:-1].cpu(), want_k[:-1]) and torch.equal(got_v[:-1].cpu(), want_v[:-1])
+    assert not torch.equal(got_k[-1].cpu(), k_pool[-1])
+    if use_triton(got_k):
+        assert launches == ["_paged_kv_write_kernel"]
+
+
 @pytest.mark.parametrize("Hq,Hkv", [(4, 2), (3, 3)], ids=["GQA", "MHA"])
 def test_varlen_prefill_attention_matches_ref(Hq, Hkv, device):
     Dh, PAGE = 16, 4
