@@ -124,6 +124,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, **kw)
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, **kw)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, **kw)
+        self._alias_qkv()
         # float8 K/V pages: the per-tensor scales (stored value = K / k_scale), not in state_dict
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
@@ -133,11 +134,51 @@ class Attention(nn.Module):
         """The ops' scale arguments for these pools: the layer's scales for float8 pools, none else."""
         return {"k_scale": self.k_scale, "v_scale": self.v_scale} if k_pages.dtype == FP8_KV else {}
 
+    @torch.no_grad()
+    def _alias_qkv(self) -> None:
+        """Put q_proj's, k_proj's and v_proj's weights one after the other in one storage (each
+        weight a view of it, names and shapes unchanged), so that ``_qkv`` reads all three in one
+        GEMM. Weights loaded later are copied into the views, which keeps them there."""
+        ws = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        qkv = torch.cat([w.detach() for w in ws])
+        o = 0
+        for lin, w in zip((self.q_proj, self.k_proj, self.v_proj), ws):
+            lin.weight = nn.Parameter(qkv[o:o + w.shape[0]], requires_grad=w.requires_grad)
+            o += w.shape[0]
+
+    def qkv_weight(self) -> torch.Tensor | None:
+        """[(Hq + 2 Hkv) * Dh, M]: q_proj's, k_proj's and v_proj's weights as one matrix (a view,
+        no copy) while they still lie back to back in one storage, plain ``nn.Linear`` without
+        biases; else None. (``module.to(...)``, a quantised or sharded projection, or weights
+        assigned anew end the aliasing: ``_qkv`` then runs the three projections.)"""
+        q, k, v = self.q_proj, self.k_proj, self.v_proj
+        if not (type(q) is nn.Linear and type(k) is nn.Linear and type(v) is nn.Linear) or \
+                q.bias is not None or k.bias is not None or v.bias is not None:
+            return None
+        wq, wk, wv = q.weight, k.weight, v.weight
+        if not (wq.dtype == wk.dtype == wv.dtype and wq.is_contiguous() and wk.is_contiguous() and wv.is_contiguous()):
+            return None
+        size = wq.element_size()
+        if (wk.data_ptr() != wq.data_ptr() + wq.numel() * size or wv.data_ptr() != wk.data_ptr() + wk.numel() * size
+                or wq.untyped_storage().data_ptr() != wv.untyped_storage().data_ptr()):
+            return None
+        return wq.as_strided((wq.shape[0] + wk.shape[0] + wv.shape[0], wq.shape[1]), (wq.shape[1], 1))
+
     def _qkv(self, u: torch.Tensor):
+        """u [..., M] -> q [..., Hq, Dh], k and v [..., Hkv, Dh] (views of one GEMM's output where
+        ``qkv_weight`` holds, so k and v are strided along their first dims)."""
         lead = u.shape[:-1]
-        q = self.q_proj(u).view(*lead, self.n_heads, self.head_dim)
-        k = self.k_proj(u).view(*lead, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(u).view(*lead, self.n_kv_heads, self.head_dim)
+        w = self.qkv_weight()
+        if w is None:
+            q = self.q_proj(u).view(*lead, self.n_heads, self.head_dim)
+            k = self.k_proj(u).view(*lead, self.n_kv_heads, self.head_dim)
+            v = self.v_proj(u).view(*lead, self.n_kv_heads, self.head_dim)
+            return q, k, v
+        nq, nk = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        out = F.linear(u, w)
+        q = out[..., :nq].view(*lead, self.n_heads, self.head_dim)
+        k = out[..., nq:nq + nk].view(*lead, self.n_kv_heads, self.head_dim)
+        v = out[..., nq + nk:].view(*lead, self.n_kv_heads, self.head_dim)
         return q, k, v
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:

@@ -151,17 +151,16 @@ def paged_kv_write(
     check_shape(op, "positions", positions, [("T", T)])
     if token_rows is None:
         check_shape(op, "slots", slots, [("B=T", T)])
-        s = slots.long()
     else:
         check_dtype(op, "token_rows", token_rows, INDEX_DTYPES)
         check_shape(op, "token_rows", token_rows, [("T", T)])
-        s = slots.long()[token_rows.long()]
     check_same_device(op, [("k", k), ("v", v), ("k_pages", k_pages), ("v_pages", v_pages),
                            ("block_table", block_table), ("slots", slots), ("positions", positions)]
                       + ([("token_rows", token_rows)] if token_rows is not None else []))
     if use_triton(k):
         launch_paged_kv_write(k, v, k_pages, v_pages, block_table, slots, positions, token_rows, scales)
         return
+    s = slots.long() if token_rows is None else slots.long()[token_rows.long()]
     S, Pmax = block_table.shape
     pos = positions.long()
     col = pos // PAGE
