@@ -188,6 +188,37 @@ SSM_CACHE_DTYPES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16
                     "fp16": "fp16", "half": "fp16"}
 
 
+def agreed_pattern(cfg: dict[str, Any], string_key: str, list_keys: tuple[str, ...], char_of: dict[str, str], *,
+                   who: str = "NemotronHConfig") -> str | None:
+    """A layer pattern (one character per layer) from a config.json dict: the string under
+    ``string_key`` and the per-layer type lists under ``list_keys`` (mapped through ``char_of``);
+    where several are present they must agree. None when none is. ValueError naming the key for a
+    wrong type, a layer type ``char_of`` lacks, or a disagreement."""
+    found: list[tuple[str, str]] = []
+    pat = cfg.get(string_key)
+    if pat is not None:
+        if not isinstance(pat, str):
+            raise ValueError(f"{who}: `{string_key}` expected a string, got {_describe(pat)}")
+        found.append((string_key, pat))
+    for key in list_keys:
+        types = cfg.get(key)
+        if types is None:
+            continue
+        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+            raise ValueError(f"{who}: `{key}` expected a list of layer-type strings, got {types!r}")
+        unknown = sorted({t for t in types if t not in char_of})
+        if unknown:
+            raise ValueError(f"{who}: `{key}` has unknown layer types {unknown}; expected {sorted(char_of)}")
+        found.append((key, "".join(char_of[t] for t in types)))
+    if not found:
+        return None
+    (k0, p0), *rest = found
+    for k, p in rest:
+        if p != p0:
+            raise ValueError(f"{who}: `{k}` ({p!r} as a pattern) disagrees with `{k0}` ({p0!r})")
+    return p0
+
+
 def ssm_cache_dtype_of(cfg: dict, source: str = "config.json", *, who: str = "NemotronHConfig") -> str | None:
     """config.json's ``mamba_ssm_cache_dtype`` as "fp32" / "bf16" / "fp16", or None when absent or
     null; ValueError naming the file and field for another value."""

@@ -37,6 +37,7 @@ from torch import nn
 
 from fastmamba.layers.attention import KVBatch
 from fastmamba.models.blocks import Batch, RMSNorm, SpecBatch, build_blocks
+from fastmamba.models.checkpoint_config import agreed_pattern
 from fastmamba.ops import add_rmsnorm
 
 MTP_KINDS = "*-E"  # an MTP layer has no Mamba block (it keeps no recurrent state)
@@ -53,30 +54,12 @@ def mtp_pattern_of(cfg: dict[str, Any]) -> str:
     if n > 1:
         raise ValueError(f"NemotronHConfig: `num_nextn_predict_layers`={n}: only one MTP layer is supported "
                          "(every released Nemotron-3 checkpoint has one)")
-    found = []
-    pat = cfg.get("mtp_hybrid_override_pattern")
-    if pat is not None:
-        if not isinstance(pat, str):
-            raise ValueError(f"NemotronHConfig: `mtp_hybrid_override_pattern` expected a string, got {pat!r}")
-        found.append(("mtp_hybrid_override_pattern", pat))
-    types = cfg.get("mtp_layers_block_type")
-    if types is not None:
-        if not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
-            raise ValueError(f"NemotronHConfig: `mtp_layers_block_type` expected a list of strings, got {types!r}")
-        unknown = sorted({t for t in types if t not in _TYPE_TO_CHAR})
-        if unknown:
-            raise ValueError(f"NemotronHConfig: `mtp_layers_block_type` has layer types {unknown}; an MTP layer "
-                             f"takes {sorted(_TYPE_TO_CHAR)}")
-        found.append(("mtp_layers_block_type", "".join(_TYPE_TO_CHAR[t] for t in types)))
-    if not found:
+    pattern = agreed_pattern(cfg, "mtp_hybrid_override_pattern", ("mtp_layers_block_type",), _TYPE_TO_CHAR)
+    if pattern is None:
         raise ValueError("NemotronHConfig: `num_nextn_predict_layers`=1 but config.json names no MTP layer kinds "
                          "(`mtp_hybrid_override_pattern`, e.g. \"*E\", or `mtp_layers_block_type`)")
-    (k0, p0), *rest = found
-    for k, p in rest:
-        if p != p0:
-            raise ValueError(f"NemotronHConfig: `{k}` ({p!r} as a pattern) disagrees with `{k0}` ({p0!r})")
-    check_mtp_pattern(p0)
-    return p0
+    check_mtp_pattern(pattern)
+    return pattern
 
 
 def check_mtp_pattern(pattern: str) -> None:

@@ -49,7 +49,8 @@ import torch
 from fastmamba.layers.attention import StagedPrefill, prefill_kv_values  # re-exported: their old home
 from fastmamba.layers.mamba2 import MambaLayerConfig
 from fastmamba.layers.moe import MoEConfig
-from fastmamba.models.checkpoint_config import _as_float, _Fields, checkpoint_eos_token_ids, ssm_cache_dtype_of
+from fastmamba.models.checkpoint_config import (_as_float, _Fields, agreed_pattern, checkpoint_eos_token_ids,
+                                                ssm_cache_dtype_of)
 from fastmamba.models.defaults import checkpoint_dtype, default_device, random_init  # random_init: re-exported for the presets
 from fastmamba.models.lm import HybridLM
 from fastmamba.models.mtp import build_mtp, mtp_pattern_of, prepare_mtp_state_dict
@@ -339,31 +340,11 @@ def _int(v: Any, key: str) -> int:
 def _pattern_of(cfg: dict[str, Any]) -> str:
     """The layer pattern as M * - E characters from ``hybrid_override_pattern`` or the per-layer
     list (``layers_block_type`` / ``layer_types``); when several are present they must agree."""
-    found: list[tuple[str, str]] = []
-    pat = cfg.get("hybrid_override_pattern")
-    if pat is not None:
-        if not isinstance(pat, str):
-            raise ValueError(f"NemotronHConfig: `hybrid_override_pattern` expected a string, got {type(pat).__name__}")
-        found.append(("hybrid_override_pattern", pat))
-    for key in ("layers_block_type", "layer_types"):
-        types = cfg.get(key)
-        if types is None:
-            continue
-        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
-            raise ValueError(f"NemotronHConfig: `{key}` expected a list of layer-type strings, got {types!r}")
-        unknown = sorted({t for t in types if t not in _BLOCK_TYPE_TO_CHAR})
-        if unknown:
-            raise ValueError(f"NemotronHConfig: `{key}` has unknown layer types {unknown}; expected "
-                             f"{sorted(_BLOCK_TYPE_TO_CHAR)}")
-        found.append((key, "".join(_BLOCK_TYPE_TO_CHAR[t] for t in types)))
-    if not found:
+    pattern = agreed_pattern(cfg, "hybrid_override_pattern", ("layers_block_type", "layer_types"), _BLOCK_TYPE_TO_CHAR)
+    if pattern is None:
         raise ValueError("NemotronHConfig: config.json has no layer pattern (`hybrid_override_pattern`, "
                          "`layers_block_type` or `layer_types`)")
-    (k0, p0), *rest = found
-    for k, p in rest:
-        if p != p0:
-            raise ValueError(f"NemotronHConfig: `{k}` ({p!r} as a pattern) disagrees with `{k0}` ({p0!r})")
-    return p0
+    return pattern
 
 
 # Public shapes. Nemotron-H 8B and 4B (Base-8K): Megatron-Bridge's model page
