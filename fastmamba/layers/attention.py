@@ -149,11 +149,14 @@ class Attention(nn.Module):
     def qkv_weight(self) -> torch.Tensor | None:
         """[(Hq + 2 Hkv) * Dh, M]: q_proj's, k_proj's and v_proj's weights as one matrix (a view,
         no copy) while they still lie back to back in one storage, plain ``nn.Linear`` without
-        biases; else None. (``module.to(...)``, a quantised or sharded projection, or weights
-        assigned anew end the aliasing: ``_qkv`` then runs the three projections.)"""
+        biases and no forward hooks on them; else None. (``module.to(...)``, a quantised or sharded
+        projection, or weights assigned anew end the aliasing; a hook asks for the projection's own
+        call: ``_qkv`` then runs the three projections.)"""
         q, k, v = self.q_proj, self.k_proj, self.v_proj
         if not (type(q) is nn.Linear and type(k) is nn.Linear and type(v) is nn.Linear) or \
-                q.bias is not None or k.bias is not None or v.bias is not None:
+                q.bias is not None or k.bias is not None or v.bias is not None or \
+                q._forward_hooks or k._forward_hooks or v._forward_hooks or \
+                q._forward_pre_hooks or k._forward_pre_hooks or v._forward_pre_hooks:
             return None
         wq, wk, wv = q.weight, k.weight, v.weight
         if not (wq.dtype == wk.dtype == wv.dtype and wq.is_contiguous() and wk.is_contiguous() and wv.is_contiguous()):

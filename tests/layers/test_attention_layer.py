@@ -86,3 +86,17 @@ def test_a_replaced_or_biased_projection_runs_three():
         q, k, v = layer._qkv(u)
         torch.testing.assert_close(v, layer.v_proj(u).view(4, 2, 8))
         torch.testing.assert_close(q, F.linear(u, layer.q_proj.weight).view(4, 6, 8))
+
+
+def test_a_hook_on_a_projection_sees_its_call():
+    """A forward hook on k_proj (a user's, or a test's fake quantisation) is called with k_proj's
+    own output, and what it returns is what the layer uses."""
+    layer = make_layer()
+    seen = []
+    handle = layer.k_proj.register_forward_hook(lambda mod, args, out: seen.append(out.shape) or out * 0)
+    u = torch.randn(3, 40, generator=seeded(4))
+    with torch.no_grad():
+        q, k, v = layer._qkv(u)
+    assert seen == [torch.Size([3, 16])] and not k.any() and v.any()
+    handle.remove()
+    assert layer.qkv_weight() is not None
