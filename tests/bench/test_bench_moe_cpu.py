@@ -17,9 +17,15 @@ from fastmamba.bench import bytes as byte_models
 from fastmamba.bench.ops import moe as moe_bench
 from fastmamba.bench.ops._base import Provider
 from fastmamba.ops.moe import configs
+from fastmamba.ops._common.dispatch import interpreter_enabled
 from fastmamba.ops.moe.ref import fused_moe_ref
 
 CPU = torch.device("cpu")
+
+# launches Triton kernels on CPU tensors: only the interpreter runs those (a GPU machine, where
+# TRITON_INTERPRET is off, runs the same kernels in the GPU tests and `bench kernels --ops moe`)
+on_the_interpreter = pytest.mark.skipif(not interpreter_enabled(), reason="launches Triton kernels on CPU tensors: "
+                                        "needs TRITON_INTERPRET=1 before Python starts")
 
 
 def test_byte_and_flop_models_by_hand():
@@ -66,6 +72,7 @@ def test_grouped_mm_peer_matches_reference():
     torch.testing.assert_close(got, fused_moe_ref(*bench.args(case, inp)), atol=1e-4, rtol=1e-4)
 
 
+@on_the_interpreter
 def test_vllm_layout_of_the_alignment():
     """sorted ids with the sentinel P in pad rows, an expert id per block, the padded row count."""
     ids = torch.tensor([[0, 2], [2, 3], [0, 2]], dtype=torch.int32)  # expert 1 gets nothing
@@ -89,6 +96,7 @@ def test_vllm_default_config_rules():
     assert moe_bench.vllm_default_config(100000, 128)["GROUP_SIZE_M"] == 16
 
 
+@on_the_interpreter
 def test_vllm_peer_matches_reference():
     """vLLM's fused_moe_kernel (staged in peers/vllm_fused_moe) through the interpreter."""
     if moe_bench.vllm_moe_dir() is None:
