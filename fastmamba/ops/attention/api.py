@@ -41,9 +41,8 @@ from fastmamba.ops._common.host_values import host_list, host_reads_allowed
 from fastmamba.ops.attention.configs import (
     INTERPRET_CONFIG, DecodeConfig, PrefillTile, pick_prefill_tile, pick_splits, pick_tile, sm_count,
 )
-from fastmamba.ops.attention.kernel import launch_paged_decode_attention
+from fastmamba.ops.attention.kernel import launch_paged_decode_attention, launch_paged_kv_write
 from fastmamba.ops.attention.prefill_kernel import group_pad, launch_paged_prefill_attention, prefill_work
-from fastmamba.ops.attention.write_kernel import launch_paged_kv_write
 from fastmamba.ops.attention.ref import paged_decode_attention_ref, quantize_kv_ref
 from fastmamba.ops.fp8.ref import FP8_DTYPE
 
@@ -136,7 +135,7 @@ def paged_kv_write(
     token_rows   [T] int32/int64 or None (T == B, token t is request t): token t's request
     k_scale, v_scale  float8_e4m3fn pools only (required there): one-element float tensors on the
                  pools' device (or floats > 0), the per-tensor scales of the layer
-    No host read (graph safe): one launch of ``write_kernel._paged_kv_write_kernel`` on a GPU and
+    No host read (graph safe): one launch of ``kernel._paged_kv_write_kernel`` on a GPU and
     in the interpreter. Reference: fastmamba.ops.attention.ref.paged_kv_write_ref
     """
     op = "paged_kv_write"

@@ -107,7 +107,7 @@ def test_paged_kv_write_strided_odd_heads_and_bad_pages(k_dtype, pool_dtype, dev
     dtype; a token whose block-table entry is -1 or past the pool, or whose position lies beyond the
     block table, lands on the scratch page only; one kernel launch on the kernels' path."""
     from fastmamba.ops._common.dispatch import use_triton
-    from fastmamba.ops.attention import write_kernel
+    from fastmamba.ops.attention import kernel as attention_kernel
 
     Hkv, Dh, PAGE, Np = 3, 24, 4, 12
     k_pool, v_pool, bt, _ = paged_pool(S=6, Np=Np, PAGE=PAGE, Hkv=Hkv, Dh=Dh, lens=(5, 9, 2, 4, 1, 3),
@@ -124,8 +124,8 @@ def test_paged_kv_write_strided_odd_heads_and_bad_pages(k_dtype, pool_dtype, dev
     want_k, want_v = k_pool.clone(), v_pool.clone()
     paged_kv_write_ref(k[keep], v[keep], want_k, want_v, bt, slots[keep], positions[keep])
     launches = []
-    real = write_kernel.lean
-    monkeypatch.setattr(write_kernel, "lean", lambda fn: launches.append(fn.__name__) or real(fn))
+    real = attention_kernel.lean
+    monkeypatch.setattr(attention_kernel, "lean", lambda fn: launches.append(fn.__name__) or real(fn))
     got_k, got_v = k_pool.clone().to(device), v_pool.clone().to(device)
     paged_kv_write(*(t.to(device) for t in (k, v)), got_k, got_v, bt.to(device), slots.to(device),
                    positions.to(device))
