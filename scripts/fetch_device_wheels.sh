@@ -12,6 +12,12 @@ mkdir -p .whl
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
     fastapi uvicorn prometheus-client uvloop httptools openai httpx aiohttp
+# transformers 5.25 (the tests' parity target; the device has 5.17) with what it needs beyond the
+# device's packages: its hub client, tokenizers, safetensors, and `kernels` (0.19.1 <= v < 0.20),
+# which from_pretrained(use_kernels=True) / KernelConfig ask for (tests/integrations)
+"$py" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+    --no-deps transformers==5.25.0 huggingface_hub tokenizers safetensors kernels==0.19.1 tomlkit pyyaml
 MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE "$py" -m pip wheel -q --no-deps --no-build-isolation \
     mamba-ssm==2.3.2.post1 -w .whl
 ls .whl

@@ -26,8 +26,9 @@ mkdir -p "$TRITON_CACHE_DIR"
 # (e.g. prefixm-nemotron-h-4b: a hybrid, whose snapshots keep K/V too)
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-# the tests that load a full-size preset run one at a time after the parallel suite
-BIG="test_nano_preset_through_the_engine_on_gpu or test_8b_preset_through_the_engine_on_gpu or test_8b_preset_decodes_on_gpu or test_start_up_time or test_gpu_server_plans_from_the_cards_memory"
+# the tests that load a full-size preset (and the 5 torchrun launches, which a loaded 16-core machine
+# stretched past 200 s) run one at a time after the parallel suite
+BIG="test_torchrun_tp2_exits_0_every_time or test_nano_preset_through_the_engine_on_gpu or test_8b_preset_through_the_engine_on_gpu or test_8b_preset_decodes_on_gpu or test_start_up_time or test_gpu_server_plans_from_the_cards_memory"
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests tune kernels)
 for step in "${steps[@]}"; do
     echo "=== $step $(date +%T)"

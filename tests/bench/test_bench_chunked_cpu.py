@@ -15,7 +15,7 @@ def test_cpu_run(tmp_path, capsys):
     from fastmamba.bench.targets import main
 
     out = tmp_path / "chunked.jsonl"
-    assert main(["chunked", "--running", "2", "--prompt-len", "12", "--budgets", "none,4", "--json", str(out)]) == 0
+    assert main(["chunked", "--model", "mamba2-tiny", "--running", "2", "--prompt-len", "12", "--budgets", "none,4", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "| none (whole prompt) |" in text and "| 4 |" in text
     rows = [json.loads(line) for line in out.read_text().splitlines()]

@@ -22,8 +22,8 @@ SPEC_FIELDS = {"batch", "speculate", "decode_tok_s", "plain_decode_tok_s", "spee
 def test_e2e_speculate_oracle_cpu(tmp_path, capsys):
     """K=2, batch 1, gen-len 6: 7 tokens = the prefill's + 2 verify steps of 3 (every draft accepted)."""
     path = tmp_path / "e2e.jsonl"
-    argv = ["e2e", "--speculate", "2", "--drafter", "oracle", "--batch", "1", "--gen-len", "6", "--prompt-len", "8",
-            "--json", str(path)]
+    argv = ["e2e", "--model", "mamba2-tiny", "--speculate", "2", "--drafter", "oracle", "--batch", "1", "--gen-len", "6",
+            "--prompt-len", "8", "--json", str(path)]
     assert targets.main(argv) == 0
     out = capsys.readouterr().out
     assert "speculate K=2, drafter oracle, random prompts" in out

@@ -53,8 +53,10 @@ def test_byte_model_parts():
 def test_run_prints_and_writes_rows(tmp_path, capsys):
     out = tmp_path / "mtp.jsonl"
     assert "mtp" in targets.TARGETS
-    assert targets.main(["mtp", "--k", "1,2", "--batch", "1,2", "--steps", "2", "--prompt-len", "5",
-                         "--engine-batches", "2", "--engine-gen-len", "5", "--json", str(out)]) == 0
+    # (the tiny preset named: the default model on a GPU is the full-size Nano MTP shape)
+    assert targets.main(["mtp", "--model", "nemotron-3-tiny-mtp", "--k", "1,2", "--batch", "1,2", "--steps", "2",
+                         "--prompt-len", "5", "--engine-batches", "2", "--engine-gen-len", "5",
+                         "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "best k by the byte bound" in text and "nemotron-3-tiny-mtp" in text
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -67,7 +69,7 @@ def test_run_prints_and_writes_rows(tmp_path, capsys):
         assert r["record"] == "mtp_oracle" and r["draft_ms"] > 0 and r["verify_ms"] > 0 and r["commit_ms"] > 0
         assert 1 <= r["tokens_per_step"] <= r["k"] + 1
         assert 1 <= r["verify_experts_per_layer"] <= 8 and r["byte_bound_speedup"] > 0
-        assert "python -m fastmamba.bench mtp --k 1,2" in r["command"]
+        assert "python -m fastmamba.bench mtp --model nemotron-3-tiny-mtp --k 1,2" in r["command"]
 
 
 @pytest.mark.gpu

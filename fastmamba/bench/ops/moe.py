@@ -127,7 +127,7 @@ class MoeBench(OpBench):
             for T in tokens:
                 routing = self._routing[(shape, T)] = route_case(T, E, k)
                 touched = int(routing[3].unique().numel())
-                common = dict(M=M, F=F, E=E, k=k, act=act)
+                common = dict(M=M, F=F, E=E, k=k, act=act, device=str(device))
                 out.append(Case(op=ROUTE, shape=shape, dims=f"E{E} k{k}", dtype="fp32", batch=T,
                                 nbytes=byte_models.moe_route_bytes(T, E, k), params=dict(common)))
                 out.append(Case(op=EXPERTS, shape=shape, dims=f"M{M} F{F} E{E} k{k} ({touched} experts touched)",
@@ -156,7 +156,7 @@ class MoeBench(OpBench):
 
     def tune_table_key(self, configs: object, case: Case) -> tuple:
         p = case.params
-        family = configs.gpu_family(torch.device("cuda")) if torch.cuda.is_available() else "cpu"
+        family = configs.gpu_family(torch.device(p["device"]))  # the case's device (a CPU case on a GPU machine: "cpu")
         return (family, str(p["act"]).replace("torch.", ""), p["M"], p["F"], p["E"], p["k"],
                 configs.token_bucket(case.batch))
 
