@@ -34,8 +34,25 @@ from torch import nn
 from fastmamba.ops.attention import (PrefillWork, paged_decode_attention, paged_kv_write, prefill_work,
                                      varlen_prefill_attention)
 from fastmamba.ops.attention.ref import quantize_kv_ref
+from fastmamba.ops.gemv import gemv
+from fastmamba.ops.runtime import GEMV_MAX_ROWS
 
 FP8_KV = torch.float8_e4m3fn
+
+
+def _plain(layer: nn.Module) -> bool:
+    """An ``nn.Linear`` itself (not a quantised or tensor-parallel subclass) with no hooks on it."""
+    return type(layer) is nn.Linear and not layer._forward_hooks and not layer._forward_pre_hooks
+
+
+def project(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(u, weight, bias)``; a decode or verify step's few rows (CUDA, 16-bit, at most
+    GEMV_MAX_ROWS) through the Triton ``gemv`` (cuBLAS's small-M kernels read these projections at
+    65-75% of the copy rate: the H100 profile of a Nano decode step, 2026-12-06)."""
+    if (u.is_cuda and u.dtype in (torch.float16, torch.bfloat16) and weight.dtype == u.dtype
+            and u.numel() <= GEMV_MAX_ROWS * u.shape[-1] and u.stride(-1) == 1 and weight.stride(1) == 1):
+        return gemv(u, weight, bias)
+    return F.linear(u, weight, bias)
 
 
 class KVBatch(NamedTuple):
@@ -153,10 +170,7 @@ class Attention(nn.Module):
         projection, or weights assigned anew end the aliasing; a hook asks for the projection's own
         call: ``_qkv`` then runs the three projections.)"""
         q, k, v = self.q_proj, self.k_proj, self.v_proj
-        if not (type(q) is nn.Linear and type(k) is nn.Linear and type(v) is nn.Linear) or \
-                q.bias is not None or k.bias is not None or v.bias is not None or \
-                q._forward_hooks or k._forward_hooks or v._forward_hooks or \
-                q._forward_pre_hooks or k._forward_pre_hooks or v._forward_pre_hooks:
+        if not (_plain(q) and _plain(k) and _plain(v)) or q.bias is not None or k.bias is not None or v.bias is not None:
             return None
         wq, wk, wv = q.weight, k.weight, v.weight
         if not (wq.dtype == wk.dtype == wv.dtype and wq.is_contiguous() and wk.is_contiguous() and wv.is_contiguous()):
@@ -178,11 +192,15 @@ class Attention(nn.Module):
             v = self.v_proj(u).view(*lead, self.n_kv_heads, self.head_dim)
             return q, k, v
         nq, nk = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        out = F.linear(u, w)
+        out = project(u, w)
         q = out[..., :nq].view(*lead, self.n_heads, self.head_dim)
         k = out[..., nq:nq + nk].view(*lead, self.n_kv_heads, self.head_dim)
         v = out[..., nq + nk:].view(*lead, self.n_kv_heads, self.head_dim)
         return q, k, v
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        """o_proj of the attention output o [T, Hq*Dh] (``project`` where o_proj is a plain Linear)."""
+        return project(o, self.o_proj.weight, self.o_proj.bias) if _plain(self.o_proj) else self.o_proj(o)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         """u [B, L, M] -> [B, L, M]: causal attention within each row, nothing cached."""
@@ -206,7 +224,7 @@ class Attention(nn.Module):
         o = varlen_prefill_attention(q, k_pages, v_pages, kv.block_table, kv.slots, kv.cu_seqlens, ctx,
                                      k_new=k, v_new=v, scale=self.scale, cu_seqlens_host=kv.cu_host,
                                      slots_host=kv.slots_host, work=kv.work, **scales)
-        return self.o_proj(o.reshape(u.shape[0], -1))
+        return self._out(o.reshape(u.shape[0], -1))
 
     def step(self, u: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, kv: KVBatch) -> torch.Tensor:
         """One token per request u [B, M] -> [B, M]; its K/V land at ``kv.positions`` (mutated)."""
@@ -215,7 +233,7 @@ class Attention(nn.Module):
         paged_kv_write(k, v, k_pages, v_pages, kv.block_table, kv.slots, kv.positions, **scales)
         o = paged_decode_attention(q, k_pages, v_pages, kv.block_table, kv.seq_lens, kv.slots, scale=self.scale,
                                    **scales)
-        return self.o_proj(o.reshape(u.shape[0], -1))
+        return self._out(o.reshape(u.shape[0], -1))
 
     def verify(self, u: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, kv: KVBatch,
                kv_read: KVBatch) -> torch.Tensor:
@@ -227,4 +245,4 @@ class Attention(nn.Module):
         paged_kv_write(k, v, k_pages, v_pages, kv.block_table, kv.slots, kv.positions, kv.token_rows, **scales)
         o = paged_decode_attention(q, k_pages, v_pages, kv_read.block_table, kv_read.seq_lens, kv_read.slots,
                                    scale=self.scale, **scales)
-        return self.o_proj(o.reshape(u.shape[0], -1))
+        return self._out(o.reshape(u.shape[0], -1))

@@ -4,6 +4,7 @@ where the aliasing ends (``module.to``, a replaced projection) the layer runs th
 gives the same values."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,11 +23,11 @@ def make_layer(dtype=torch.float32) -> Attention:
     return layer
 
 
-def separate(layer: Attention, u: torch.Tensor):
+def separate(layer: Attention, u: torch.Tensor, hq: int = 6, hkv: int = 2, dh: int = 8):
     """The definition: three projections from the layer's own weights."""
     lead = u.shape[:-1]
-    return (F.linear(u, layer.q_proj.weight).view(*lead, 6, 8), F.linear(u, layer.k_proj.weight).view(*lead, 2, 8),
-            F.linear(u, layer.v_proj.weight).view(*lead, 2, 8))
+    return (F.linear(u, layer.q_proj.weight).view(*lead, hq, dh), F.linear(u, layer.k_proj.weight).view(*lead, hkv, dh),
+            F.linear(u, layer.v_proj.weight).view(*lead, hkv, dh))
 
 
 class _Linears(TorchDispatchMode):
@@ -100,3 +101,29 @@ def test_a_hook_on_a_projection_sees_its_call():
     assert seen == [torch.Size([3, 16])] and not k.any() and v.any()
     handle.remove()
     assert layer.qkv_weight() is not None
+
+
+@pytest.mark.gpu
+def test_decode_rows_take_the_triton_gemv_on_a_gpu(monkeypatch):
+    """On a GPU a decode step's rows (bf16, at most GEMV_MAX_ROWS) read Q/K/V and o_proj through
+    the Triton gemv (two launches), equal to F.linear within bf16 rounding; more rows take F.linear."""
+    import fastmamba.layers.attention as attention
+
+    layer = Attention(256, 4, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.05)
+    calls = []
+    real = attention.gemv
+    monkeypatch.setattr(attention, "gemv", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    u = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)
+    o = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = layer._qkv(u)
+        out = layer._out(o)
+        for g, want in zip(got, separate(layer, u, 4, 2, 64)):
+            torch.testing.assert_close(g, want, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(out, F.linear(o, layer.o_proj.weight), rtol=2e-2, atol=2e-2)
+        assert calls == [torch.Size([512, 256]), torch.Size([256, 256])]
+        layer._qkv(torch.randn(40, 256, device="cuda", dtype=torch.bfloat16))  # past GEMV_MAX_ROWS: F.linear
+    assert len(calls) == 2
