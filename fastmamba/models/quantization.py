@@ -521,15 +521,22 @@ def quantize_model(model: nn.Module) -> nn.Module:
     """``--quantization fp8``: a loaded 16-bit model's linears (Mamba in/out projections, MLPs,
     shared experts, latent projections) and routed experts quantised in place to e4m3 with
     per-channel weight scales and dynamic per-token activations; attention Q/K/V/O, lm_head, the
-    router (fp32) and conv1d stay as they are."""
+    router (fp32) and conv1d stay as they are. One module at a time, each 16-bit original freed
+    before the next is converted: the peak is the 16-bit model plus one module's FP8 copy (Nano's
+    63 GB of bf16 weights fit an 80 GB H100 this way)."""
     cfg = on_load_config()
-    for name, m in list(model.named_modules()):
+    embeddings = getattr(getattr(model, "backbone", None), "embeddings", None)
+    tied = getattr(embeddings, "weight", None)
+    targets = []  # names only: a list of the modules would keep every 16-bit weight alive to the end
+    for name, m in model.named_modules():
         if isinstance(m, nn.Linear) and not cfg.excluded(name):
-            if m.weight is getattr(getattr(model, "backbone", None), "embeddings", nn.Embedding(1, 1)).weight:
-                continue  # tied to the embeddings
-            _swap(model, name, FP8Linear.from_linear(m))
+            if m.weight is not tied:  # (a head tied to the embeddings stays)
+                targets.append((name, FP8Linear.from_linear))
         elif name.endswith("experts") and type(m).__name__ == "Experts":
-            _swap(model, name, FP8Experts.from_experts(m))
+            targets.append((name, FP8Experts.from_experts))
+    m = None  # (the first loop's last module: no reference kept)
+    for name, convert in targets:  # one module at a time: its 16-bit weights are freed before the next
+        _swap(model, name, convert(model.get_submodule(name)))
     model.quantization = cfg
     return model
 
