@@ -5,6 +5,7 @@ prefill's host time.
                                               [--top 30] [--timeline 40] [--no-pdl]
     python -m fastmamba.bench profile graphed [--model mamba2-2.7b] [--shapes 1x64,1x128] [--reps 20] [--norm-pass]
     python -m fastmamba.bench profile eager   [--model mamba2-2.7b] [--shapes 1x16] [--reps 10] [--top 30]
+    TRITON_INTERPRET=1 python -m fastmamba.bench profile launches [--model nemotron-3-tiny] [--batch 1] [--context 8]
 
 decode: ``batch`` requests prefilled with ``context`` random tokens, then greedy steps of the engine's
 ``GraphedDecoder`` (CUDA graph, PDL where the GPU has it, unless --no-pdl): the median wall time of a
@@ -43,15 +44,17 @@ from fastmamba.bench.ttft import _shapes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("mode", choices=("decode", "graphed", "eager"), help="decode: kernels of one graphed decode "
-                        "step; graphed: kernels of one graphed prefill replay; eager: wall vs GPU time and cProfile "
-                        "of an eager prefill")
+    parser.add_argument("mode", choices=("decode", "graphed", "eager", "launches"), help="decode: kernels of one "
+                        "graphed decode step; graphed: kernels of one graphed prefill replay; eager: wall vs GPU time "
+                        "and cProfile of an eager prefill; launches: the kernels one decode step launches, counted on "
+                        "the CPU under TRITON_INTERPRET=1 (bench/launches.py)")
     parser.add_argument("--model", default=None, help="preset or checkpoint dir (default: nemotron-3-nano for decode, "
-                        "mamba2-2.7b otherwise)")
+                        "nemotron-3-tiny for launches, mamba2-2.7b otherwise)")
     parser.add_argument("--batch", type=int, default=1, help="decode: requests in the step (default 1)")
-    parser.add_argument("--context", type=int, default=512, help="decode: prompt tokens before the step (default 512)")
+    parser.add_argument("--context", type=int, default=None,
+                        help="decode / launches: prompt tokens before the step (default 512 / 8)")
     parser.add_argument("--timeline", type=int, default=0, metavar="N",
-                        help="decode: also list the step's first N kernels in order")
+                        help="decode / launches: also list the step's first N kernels in order")
     parser.add_argument("--no-pdl", action="store_true", help="decode: graphs without programmatic dependent launch")
     parser.add_argument("--shapes", type=_shapes, default=None,
                         help="B x L list (default: 1x64,1x128 graphed, 1x16 eager)")
@@ -212,6 +215,12 @@ def profile_eager(model, name: str, shapes, reps: int, top: int) -> None:
 
 
 def run(args: argparse.Namespace, command: str) -> int:
+    if args.mode == "launches":  # the CPU mode
+        from fastmamba.bench import launches
+
+        args.context = 8 if args.context is None else args.context
+        return launches.run(args, command)
+    args.context = 512 if args.context is None else args.context
     if not torch.cuda.is_available():
         print("error: bench profile needs a CUDA GPU (torch sees none)", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 refusal without a GPU (the profile itself runs on a GPU: ``python -m fastmamba.bench profile decode``)."""
 from __future__ import annotations
 
+import collections
 import json
 
 import pytest
@@ -63,3 +64,33 @@ def test_decode_steps_on_a_cpu_model(monkeypatch, capsys):
         profile.profile_decode(model, batch=2, context=6, reps=3, top=5, n_timeline=2, pdl=None)
         out = capsys.readouterr().out
         assert "## decode, batch 2, context 6: step wall" in out and "| 1 | _up_gemv_kernel |" in out, name
+
+
+def test_launches_mode_counts_one_decode_steps_kernels(capsys):
+    """``profile launches`` on the tiny Nemotron-3 preset (6 layers: 2 Mamba, 1 attention, 2 MoE, 1
+    MLP): one Triton K/V write and one attention kernel for the attention layer, the MoE decode path's
+    three kernels per MoE layer, the norms, and the ATen ops with the package line that issued them."""
+    from fastmamba.ops._common.dispatch import interpreter_enabled
+
+    argv = ["profile", "launches", "--model", "nemotron-3-tiny", "--batch", "2", "--timeline", "5"]
+    if not interpreter_enabled():
+        assert targets.main(argv) == 2
+        assert "set TRITON_INTERPRET=1" in capsys.readouterr().err
+        return
+    from fastmamba.bench import launches
+    import fastmamba
+
+    model = fastmamba.load_model("nemotron-3-tiny", device="cpu", dtype=torch.float32)
+    events = launches.decode_step_launches(model, 2, 8)
+    triton = collections.Counter(name for kind, name, _ in events if kind == "triton")
+    assert triton["_paged_kv_write_kernel"] == 1 and triton["_paged_decode_attention_kernel"] == 1
+    assert triton["_gate_kernel"] == triton["_up_gemv_kernel"] == triton["_down_gemv_kernel"] == 2
+    assert triton["_selective_state_update_kernel"] == 2 and triton["_add_rmsnorm_kernel"] == 7
+    aten = [(name, where) for kind, name, where in events if kind == "aten"]
+    assert ("index_put_", "ops/attention/api.py") not in {(n, w.split(":")[0]) for n, w in aten}  # no PyTorch K/V write
+    assert all(w.split(":")[0].endswith(".py") for _, w in aten)
+    assert targets.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "launches in one decode step" in out
+    assert "| 1 | triton | _paged_kv_write_kernel | ops/attention/kernel.py:" in out  # (its launcher's line)
+    assert "the step's first 5 launches in order:" in out
