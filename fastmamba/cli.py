@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 # the parser is built from plain data: `fastmamba --help` must not import torch (seconds); the
@@ -199,6 +200,7 @@ def preset_notice(name: str) -> str:
 
 
 _TP_GROUP = None  # the tensor-parallel group while ``_generate`` runs on one of --tp N ranks
+_QUIET_RANK_WAIT_S = 30.0  # how long a rank other than 0 waits for rank 0 to report a launch error
 
 
 def _generate_on_rank(tp, args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -219,8 +221,6 @@ def _generate_on_rank(tp, args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    import time
-
     for flag, name in (("--model", args.model), ("--draft-model", args.draft_model)):
         hint = hub_id_hint(name, then=f"{flag} DIR") if name not in PRESET_NAMES else None
         if hint:
@@ -236,7 +236,10 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 device = check_launch(args.tp, args.device, who="fastmamba generate")
                 check_tp_source(args.model, args.tp, who="fastmamba generate --tp")
             except (ValueError, OSError):
-                if launch_rank() != 0:  # under torchrun every rank fails alike: rank 0 alone says why
+                if launch_rank() != 0:  # under torchrun every rank fails alike: rank 0 alone says why,
+                    # and the others wait for it (torchrun ends them when rank 0 exits): a rank that exited
+                    # first made torchrun end rank 0 before it had printed, on a loaded machine
+                    time.sleep(_QUIET_RANK_WAIT_S)
                     return EXIT_USAGE
                 raise
             return run_tp(_generate_on_rank, args.tp, args, list(argv), device=device)
