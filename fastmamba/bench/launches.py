@@ -38,7 +38,8 @@ def _where() -> str:
 
 
 class _Recorder(TorchDispatchMode):
-    """Records ("aten", op, where) outside Triton launches; ``launch`` records ("triton", kernel, where)."""
+    """Records ("aten", op, where) for the ATen ops dispatched outside Triton launches (``inside`` > 0
+    while ``decode_step_launches``'s wrapper of the interpreter's launch runs one)."""
 
     def __init__(self):
         super().__init__()

@@ -34,8 +34,7 @@ from torch import nn
 from fastmamba.ops.attention import (PrefillWork, paged_decode_attention, paged_kv_write, prefill_work,
                                      varlen_prefill_attention)
 from fastmamba.ops.attention.ref import quantize_kv_ref
-from fastmamba.ops.gemv import gemv
-from fastmamba.ops.runtime import GEMV_MAX_ROWS
+from fastmamba.ops.gemv import gemv, gemv_covers
 
 FP8_KV = torch.float8_e4m3fn
 
@@ -46,13 +45,10 @@ def _plain(layer: nn.Module) -> bool:
 
 
 def project(u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(u, weight, bias)``; a decode or verify step's few rows (CUDA, 16-bit, at most
-    GEMV_MAX_ROWS) through the Triton ``gemv`` (cuBLAS's small-M kernels read these projections at
-    65-75% of the copy rate: the H100 profile of a Nano decode step, 2026-12-06)."""
-    if (u.is_cuda and u.dtype in (torch.float16, torch.bfloat16) and weight.dtype == u.dtype
-            and u.numel() <= GEMV_MAX_ROWS * u.shape[-1] and u.stride(-1) == 1 and weight.stride(1) == 1):
-        return gemv(u, weight, bias)
-    return F.linear(u, weight, bias)
+    """``F.linear(u, weight, bias)``; a decode or verify step's few rows through the Triton ``gemv``
+    where it covers them (``gemv_covers``: the H100 profile of a Nano decode step, 2026-12-06, read
+    the attention projections in cuBLAS at 65-75% of the copy rate)."""
+    return gemv(u, weight, bias) if gemv_covers(u, weight) else F.linear(u, weight, bias)
 
 
 class KVBatch(NamedTuple):

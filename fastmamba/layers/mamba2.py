@@ -43,11 +43,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastmamba.ops import PendingNorm, RMSNormGated, causal_conv1d_update, causal_conv1d_varlen, selective_state_update
-from fastmamba.ops.gemv import gemv
+from fastmamba.ops.gemv import gemv, gemv_covers
 from fastmamba.ops.replay import ReplayCache, replay_selective_state_update
 from fastmamba.ops.snapshot_copy import copy_snapshots
 from fastmamba.ops.ssd_scan import ssd_scan_varlen
-from fastmamba.ops.runtime import GEMV_MAX_ROWS, NORM_SPAN
+from fastmamba.ops.runtime import NORM_SPAN
 
 if TYPE_CHECKING:  # (``snapshot``: a fastmamba.cache.prefix_cache.LayerSnapshot; the cache room sits above this one)
     LayerSnapshot = object
@@ -182,9 +182,7 @@ class Mamba2Mixer(nn.Module):
         A layer with ``reduce_output`` (``fastmamba.distributed.layers.RowParallelLinear``) gets its
         partial product summed over the tensor-parallel ranks after ``gemv`` too."""
         layer = getattr(self, name)
-        if (self.tricks.triton_gemv and name in GEMV_PROJECTIONS and u.is_cuda
-                and u.numel() <= GEMV_MAX_ROWS * u.shape[-1]
-                and u.dtype in (torch.float16, torch.bfloat16) and layer.weight.dtype == u.dtype):
+        if self.tricks.triton_gemv and name in GEMV_PROJECTIONS and gemv_covers(u, layer.weight):
             out = gemv(u, layer.weight, layer.bias)
             reduce = getattr(layer, "reduce_output", None)  # tensor parallel: a row-parallel out_proj's all-reduce
             return out if reduce is None else reduce(out)

@@ -265,9 +265,9 @@ def _store_tile(x_ptr, stride_x_h, stride_x_d, out_ptr, stride_o_h, stride_o_d, 
     x = tl.load(x_ptr + offs_h[:, None] * stride_x_h + offs_d[None, :] * stride_x_d, mask=mask, other=0.0)
     dst = out_ptr + offs_h[:, None] * stride_o_h + offs_d[None, :] * stride_o_d
     if FP8:
-        s = tl.load(scale_ptr).to(tl.float32)
-        y = tl.div_rn(x.to(tl.float32), tl.zeros_like(x.to(tl.float32)) + s)
-        y = tl.clamp(y, -QMAX, QMAX, propagate_nan=tl.PropagateNan.ALL)
+        xf = x.to(tl.float32)
+        y = tl.div_rn(xf, tl.load(scale_ptr).to(tl.float32) + tl.zeros_like(xf))
+        y = tl.clamp(y, -QMAX, QMAX, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as torch's clamp
         tl.store(dst, _round_e4m3(y).to(tl.float8e4nv), mask=mask)
     else:
         tl.store(dst, x.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,3 +1,3 @@
-from fastmamba.ops.gemv.api import gemv
+from fastmamba.ops.gemv.api import gemv, gemv_covers
 
-__all__ = ["gemv"]
+__all__ = ["gemv", "gemv_covers"]

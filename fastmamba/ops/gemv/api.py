@@ -17,6 +17,14 @@ _OP = "gemv"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def gemv_covers(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a decode-time projection ``F.linear(x, weight)`` should run as ``gemv``: CUDA, x fp16
+    / bf16 with the weight's dtype (not an FP8 weight), at most ``MAX_ROWS`` rows, unit stride along K
+    in both (where cuBLAS's small-M kernels read the weight at 65-75% of the copy rate)."""
+    return (x.is_cuda and x.dtype in HALF_DTYPES and weight.dtype == x.dtype and x.dim() >= 1
+            and x.numel() <= MAX_ROWS * x.shape[-1] and x.stride(-1) == 1 and weight.stride(-1) == 1)
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          out: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for at most 16 rows of x, as one bandwidth-bound kernel.

@@ -102,3 +102,19 @@ def test_gpu_2p7b_projections(rows, N, K):
         out.fill_(float("nan"))
         graph.replay()
     torch.testing.assert_close(out.float(), gemv_ref(x * 2, w, b).float(), **tol(torch.bfloat16))
+
+
+def test_gemv_covers_decode_rows_only():
+    """``gemv_covers`` (the projections' one rule for taking gemv): never on a CPU tensor; on a GPU
+    16-bit rows of the weight's dtype, at most MAX_ROWS, unit stride along K."""
+    from fastmamba.ops.gemv import gemv_covers
+    from fastmamba.ops.gemv.configs import MAX_ROWS
+
+    assert not gemv_covers(torch.randn(2, 64).half(), torch.randn(32, 64).half())
+    if not torch.cuda.is_available():
+        return
+    x, w = torch.randn(3, 64, device="cuda", dtype=torch.bfloat16), torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
+    assert gemv_covers(x, w) and gemv_covers(x[None], w)
+    assert not gemv_covers(torch.randn(MAX_ROWS + 1, 64, device="cuda", dtype=torch.bfloat16), w)
+    assert not gemv_covers(x.float(), w.float()) and not gemv_covers(x, w.half())
+    assert not gemv_covers(x, w.to(torch.float8_e4m3fn)) and not gemv_covers(x.t().contiguous().t(), w)
