@@ -40,15 +40,11 @@ from collections.abc import Sequence
 # commands import torch, the models and the benchmarks when they run
 from fastmamba import __version__
 from fastmamba.presets import PRESET_NAMES, hub_id_hint, preset_lines
+# what the CLI reports as ``fastmamba: error: <message>`` (exit 2) instead of a traceback: USER_ERRORS
+from fastmamba.extras import EXIT_USAGE, USER_ERRORS, report_user_error as _report
 
 # fastmamba.models.quantization.KV_CACHE_DTYPES, spelled out: the parser imports no torch
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "bf16", "fp16", "fp32")
-
-EXIT_USAGE = 2  # argparse's status for a bad command line; ours for every user error
-
-# what the CLI reports as ``fastmamba: error: <message>`` (exit 2) instead of a traceback: a missing
-# or unreadable path, a bad config / weight / tokenizer file, a bad option value, a missing package
-USER_ERRORS = (OSError, ValueError, TypeError, ImportError, NotImplementedError)
 
 # --dtype values, as load_model reads them (fastmamba.models.loader.parse_dtype checks them)
 DTYPE_HELP = "auto (default: the checkpoint's), bfloat16 / bf16, float16 / fp16 / half, float32 / fp32"
@@ -393,21 +389,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print("\nfastmamba: interrupted", file=sys.stderr)
         return 130
-
-
-def _report(exc: BaseException) -> int:
-    """``fastmamba: error: <message>`` on stderr (the message as raised: it names the file or option)."""
-    from fastmamba.extras import install_hint
-
-    msg = str(exc) if str(exc) else type(exc).__name__
-    if isinstance(exc, OSError) and exc.filename and exc.strerror and str(exc.filename) not in msg:
-        msg = f"{exc.strerror}: {exc.filename}"
-    hint = install_hint(exc) if isinstance(exc, ImportError) else None
-    if hint and hint not in msg:
-        msg = f"{msg}; install the extra: {hint}"
-    msg = " ".join(msg.split())  # one line
-    print(f"fastmamba: error: {msg}", file=sys.stderr)
-    return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -94,3 +94,18 @@ def test_launches_mode_counts_one_decode_steps_kernels(capsys):
     assert "launches in one decode step" in out
     assert "| 1 | triton | _paged_kv_write_kernel | ops/attention/kernel.py:" in out  # (its launcher's line)
     assert "the step's first 5 launches in order:" in out
+
+
+def test_python_m_bench_reports_a_user_error_in_one_line():
+    """``python -m fastmamba.bench`` answers a bad model name as ``fastmamba bench`` does: one line
+    naming it, exit status 2, no traceback (FASTMAMBA_DEBUG=1 keeps the traceback)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "FASTMAMBA_DEBUG"}
+    run = subprocess.run([sys.executable, "-m", "fastmamba.bench", "e2e", "--model", "no-such-model", "--batch", "1"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith(
+        "python -m fastmamba.bench: error: load_model: 'no-such-model' is neither a directory nor a preset")
