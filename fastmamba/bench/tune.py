@@ -54,7 +54,8 @@ from fastmamba.bench.peak import device_name, l2_cache_bytes, measure_copy_bandw
 from fastmamba.bench.timing import choose_n_sets, time_cpu, time_graph
 from fastmamba.ops.runtime import interpreter_enabled
 
-TUNE_OPS = {**OPS, **prefill.OPS, "replay": "fastmamba.bench.ops.spec_verify"}
+TUNE_OPS = {**OPS, **prefill.OPS, "replay": "fastmamba.bench.ops.spec_verify",
+            "gemv": "fastmamba.bench.ops.gemv"}
 CONFIG_MODULES = {
     "ssu": "fastmamba.ops.state_update.configs",
     "conv": "fastmamba.ops.conv1d.configs",
@@ -63,6 +64,7 @@ CONFIG_MODULES = {
     "ssd": "fastmamba.ops.ssd_scan.chunked.configs",
     "replay": "fastmamba.ops.replay.configs",
     "moe": "fastmamba.ops.moe.configs",  # swept when named: --ops moe
+    "gemv": "fastmamba.ops.gemv.configs",  # swept when named: --ops gemv
 }
 DEFAULT_BATCHES = {"replay": spec_verify.GPU_BATCHES}  # others: kernels.GPU_BATCHES
 CPU_SMOKE_OPS = ("replay",)  # ops with a sweep small enough for the interpreter

@@ -182,18 +182,19 @@ class OpBench:
 
 
 
-def fastmamba_provider(subpackage: str, attr: str) -> Provider:
+def fastmamba_provider(subpackage: str, attr: str, module: str | None = None) -> Provider:
+    """``fastmamba.ops.<attr>`` (or ``fastmamba.ops.<subpackage>.<module>.<attr>``) as our provider."""
     try:
-        fn = load_fastmamba(subpackage, attr)
+        fn = load_fastmamba(subpackage, attr, module)
     except Exception as exc:  # noqa: BLE001
         return Provider("fastmamba", "ours", _fastmamba_version(), None, reason=describe(exc))
     return Provider("fastmamba", "ours", _fastmamba_version(), fn)
 
 
-def fastmamba_pdl_provider(subpackage: str, attr: str, device: torch.device) -> Provider:
+def fastmamba_pdl_provider(subpackage: str, attr: str, device: torch.device, module: str | None = None) -> Provider:
     """Our op with programmatic dependent launch on (GPU, sm_90+): a graph of back-to-back calls
     then overlaps each launch with the previous kernel's tail, as a PDL decode step would."""
-    base = fastmamba_provider(subpackage, attr)
+    base = fastmamba_provider(subpackage, attr, module)
     name = "fastmamba+pdl"
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return Provider(name, "ours", base.version, None, reason="PDL needs a Hopper (sm_90) or newer GPU")

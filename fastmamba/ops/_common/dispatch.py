@@ -7,6 +7,7 @@ second hand-written copy of the math.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -43,3 +44,20 @@ def call_directly(x: torch.Tensor | None = None) -> bool:
     """
     return ((x is None or (type(x) is torch.Tensor and x.device.type != "meta")) and not torch.compiler.is_compiling()
             and _get_current_dispatch_mode() is None and not torch._C._is_torch_function_mode_enabled())
+
+
+def gpu_family(device: torch.device) -> str:
+    """The GPU family that keys the ops' tuning tables: "h100", "h200", "a100", ... from the device
+    name; "cpu" for a CPU tensor."""
+    if device.type != "cuda":
+        return "cpu"
+    return _cuda_family(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_family(index: int) -> str:
+    name = torch.cuda.get_device_name(index).lower()
+    for fam in ("h200", "h100", "h20", "gh200", "b200", "a100", "l40", "a10"):
+        if fam in name:
+            return fam
+    return name.replace(" ", "_")

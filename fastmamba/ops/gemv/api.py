@@ -65,7 +65,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if M and N and not K:  # an empty sum
         y.copy_(bias.expand(lead + (N,)) if bias is not None else torch.zeros((), dtype=y.dtype, device=y.device))
     elif M and N:
-        cfg = pick_config(M, K)
+        cfg = pick_config(M, K, N, device=x.device, dtype=x.dtype)
         # x.reshape: a view for the usual row-strided x
         launch_gemv(x.reshape(M, K), weight, bias, y.view(M, N), block_n=cfg.block_n, block_k=cfg.block_k,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, use_dot=cfg.use_dot,

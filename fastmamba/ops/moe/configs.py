@@ -17,11 +17,12 @@ Two paths (``MoeConfig.path``):
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
+
+from fastmamba.ops._common.dispatch import gpu_family  # noqa: F401  (the tables' key, used by tune)
 
 
 class MoeConfig(NamedTuple):
@@ -72,22 +73,6 @@ def forced_config(**fields) -> Iterator[None]:
         yield
     finally:
         _forced = previous
-
-
-def gpu_family(device: torch.device) -> str:
-    """"h100", "h200", "a100", ... from the device name; "cpu" for a CPU tensor."""
-    if device.type != "cuda":
-        return "cpu"
-    return _cuda_family(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_family(index: int) -> str:
-    name = torch.cuda.get_device_name(index).lower()
-    for fam in ("h200", "h100", "h20", "gh200", "b200", "a100", "l40", "a10"):
-        if fam in name:
-            return fam
-    return name.replace(" ", "_")
 
 
 def token_bucket(T: int) -> int:

@@ -42,6 +42,26 @@ def test_configs_cover_both_tile_kinds(monkeypatch):
     assert pick_config(1, 5120).block_k == 512 and pick_config(1, 2560).block_k == 256
 
 
+def test_table_entry_is_taken_for_its_shape_only(device, monkeypatch):
+    """A TABLE row (family, dtype, N, K) sets the launch of that shape on that GPU family, for every
+    row count, and leaves other shapes to the fallback; a forced config (tune) overrides both."""
+    entry = gemv_configs.GemvConfig(True, 16, 64, 4, 3)
+    key = gemv_configs.table_key(torch.device(device), torch.bfloat16, 40, 200)
+    monkeypatch.setitem(gemv_configs.TABLE, key, entry)
+    for rows in (1, 7, 16):
+        assert pick_config(rows, 200, 40, device=torch.device(device), dtype=torch.bfloat16) == entry
+    assert pick_config(1, 200, 41, device=torch.device(device), dtype=torch.bfloat16) == gemv_configs.heuristic(1, 200)
+    assert pick_config(1, 200, 40, device=torch.device(device), dtype=torch.float16) == gemv_configs.heuristic(1, 200)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 200, generator=g).to(device, torch.bfloat16)
+    w = torch.randn(40, 200, generator=g).to(device, torch.bfloat16)
+    torch.testing.assert_close(gemv(x, w).float(), gemv_ref(x, w).float(), **tol(torch.bfloat16))
+    with gemv_configs.forced_config(use_dot=True, block_n=32, block_k=128, num_warps=4, num_stages=2):
+        assert pick_config(1, 200, 40, device=torch.device(device), dtype=torch.bfloat16).block_n == 32
+        torch.testing.assert_close(gemv(x, w).float(), gemv_ref(x, w).float(), **tol(torch.bfloat16))
+    assert gemv_configs.CANDIDATES and all(c["use_dot"] for c in gemv_configs.CANDIDATES)
+
+
 def test_a_row_does_not_depend_on_the_others(device):
     """Row b of a call equals the same row alone, bit for bit (a plain decode step of B rows and
     a verify step of B*T rows then agree; see configs.ONE_ROW_FMA)."""
