@@ -13,13 +13,19 @@ from fastmamba.ops._common.launch import lean
 
 
 @triton.jit
-def _select_experts(logit, offs_e, me, bias_ptr, EG,
+def _select_experts(logit, logit_row_ptr, stride_le, offs_e, me, bias_ptr, EG,
                     HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                     TOP2: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
                     BLOCK_K: tl.constexpr):
-    """One token's selection from its fp32 logits [BLOCK_E] (``me``: the real experts): sigmoid, bias
-    for selection, grouped top-k (group score = sum of its best two), top-k by repeated argmax (ties:
-    the lower id), renorm. Returns (weights [BLOCK_K] fp32 before the scaling, ids [BLOCK_K] int32)."""
+    """One token's selection from its fp32 logits [BLOCK_E] (``me``: the real experts; the same
+    logits are in memory at ``logit_row_ptr``, ``stride_le`` apart): sigmoid, bias for selection,
+    grouped top-k (group score = sum of its best two), top-k by repeated argmax (ties: the lower id),
+    renorm. Returns (weights [BLOCK_K] fp32 before the scaling, ids [BLOCK_K] int32).
+
+    Each argmax is one int64 max over (the choice's bits mapped to a signed order, then BLOCK_E-1-id):
+    the larger choice, and on a tie the lower id, as max-then-min-id gives in two reductions; the
+    chosen experts' scores are then read back from memory (one gather) instead of a third reduction
+    per expert."""
     score = 1.0 / (1.0 + tl.exp(-logit))
     choice = score
     if HAS_BIAS:
@@ -47,15 +53,18 @@ def _select_experts(logit, offs_e, me, bias_ptr, EG,
         keep_e = tl.max((in_g & keep_g[:, None]).to(tl.int32), axis=0) > 0
         choice = tl.where(keep_e, choice, neg_inf)
     offs_k = tl.arange(0, BLOCK_K)
-    top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
     top_i = tl.zeros([BLOCK_K], dtype=tl.int32)
+    bits = choice.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed-int order = float order (no NaN)
+    key = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - offs_e).to(tl.int64)
+    taken = tl.full([BLOCK_E], -9223372036854775807 - 1, tl.int64)
     for j in tl.static_range(TOP_K):
-        m = tl.max(choice, axis=0)
-        i = tl.min(tl.where(choice == m, offs_e, BLOCK_E), axis=0)
-        w = tl.sum(tl.where(offs_e == i, score, 0.0), axis=0)
-        top_w = tl.where(offs_k == j, w, top_w)
+        i = (BLOCK_E - 1) - (tl.max(key, axis=0) & 0xFFFFFFFF).to(tl.int32)
         top_i = tl.where(offs_k == j, i, top_i)
-        choice = tl.where(offs_e == i, neg_inf, choice)
+        key = tl.where(offs_e == i, taken, key)
+    mk = offs_k < TOP_K
+    top_logit = tl.load(logit_row_ptr + top_i * stride_le, mask=mk, other=0.0, cache_modifier=".cg").to(tl.float32)
+    top_w = tl.where(mk, 1.0 / (1.0 + tl.exp(-top_logit)), 0.0)
     if RENORM:
         top_w = top_w / (tl.sum(top_w, axis=0) + 1e-20)
     return top_w, top_i
@@ -74,8 +83,8 @@ def _route_kernel(
     offs_e = tl.arange(0, BLOCK_E)
     me = offs_e < E
     logit = tl.load(logits_ptr + t * stride_lt + offs_e * stride_le, mask=me, other=0.0).to(tl.float32)
-    top_w, top_i = _select_experts(logit, offs_e, me, bias_ptr, EG, HAS_BIAS, TOP_K, N_GROUP, TOPK_GROUP, TOP2,
-                                   RENORM, BLOCK_E, BLOCK_G, BLOCK_K)
+    top_w, top_i = _select_experts(logit, logits_ptr + t * stride_lt, stride_le, offs_e, me, bias_ptr, EG, HAS_BIAS,
+                                   TOP_K, N_GROUP, TOPK_GROUP, TOP2, RENORM, BLOCK_E, BLOCK_G, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
     mk = offs_k < TOP_K
     tl.store(weights_ptr + t * stride_wt + offs_k, top_w * scale, mask=mk)
@@ -113,13 +122,19 @@ def _gate_kernel(
     mr = offs_r < E
     offs_m = tl.arange(0, BLOCK_M)
     w_ptrs = w_ptr + offs_r.to(tl.int64)[:, None] * stride_we + offs_m[None, :] * stride_wm
+    # the first tile of the router weights is read before the wait (no kernel writes them)
+    if EVEN_M:
+        w_first = tl.load(w_ptrs, mask=mr[:, None], other=0.0)
+    else:
+        w_first = tl.load(w_ptrs, mask=mr[:, None] & (offs_m < Mdim)[None, :], other=0.0)
     if USE_PDL:  # x comes from the kernel just before (the router weights do not)
         gdc_wait()
         gdc_launch_dependents()
     for t in range(T):
         x_ptrs = x_ptr + t * stride_xt + offs_m * stride_xm
-        acc = tl.zeros([ROWS, BLOCK_M], dtype=tl.float32)
-        for m0 in range(0, Mdim, BLOCK_M):
+        xv = tl.load(x_ptrs, mask=offs_m < Mdim, other=0.0)
+        acc = w_first.to(tl.float32) * xv.to(tl.float32)[None, :]
+        for m0 in range(BLOCK_M, Mdim, BLOCK_M):
             if EVEN_M:
                 xv = tl.load(x_ptrs + m0 * stride_xm)
                 w = tl.load(w_ptrs + m0 * stride_wm, mask=mr[:, None], other=0.0)
@@ -140,8 +155,8 @@ def _gate_kernel(
         mk = offs_k < TOP_K
         for t in range(T):
             logit = tl.load(logits_ptr + t * E + offs_e, mask=me, other=0.0, cache_modifier=".cg")
-            top_w, top_i = _select_experts(logit, offs_e, me, bias_ptr, EG, HAS_BIAS, TOP_K, N_GROUP, TOPK_GROUP,
-                                           TOP2, RENORM, BLOCK_E, BLOCK_G, BLOCK_K)
+            top_w, top_i = _select_experts(logit, logits_ptr + t * E, 1, offs_e, me, bias_ptr, EG, HAS_BIAS, TOP_K,
+                                           N_GROUP, TOPK_GROUP, TOP2, RENORM, BLOCK_E, BLOCK_G, BLOCK_K)
             tl.store(weights_ptr + t * stride_wt + offs_k, top_w * scale, mask=mk)
             tl.store(ids_ptr + t * stride_it + offs_k, top_i, mask=mk)
         tl.store(arrivals_ptr, 0)  # ready for the next call (the kernel boundary publishes it)

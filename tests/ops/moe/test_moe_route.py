@@ -58,6 +58,18 @@ def test_bias_selects_but_does_not_weigh(device):
     torch.testing.assert_close(r.weights.cpu(), torch.tensor([[0.5, torch.tensor(1.0).sigmoid().item()]] * 2))
 
 
+def test_ties_take_the_lower_id_and_negative_choices_keep_their_order(device):
+    """Equal choices go lowest id first; choices below zero (a negative bias) order as floats do
+    (the kernel's argmax compares the choices' bits mapped to a signed order)."""
+    logits = torch.tensor([[0.5, 1.0, 1.0, -3.0, 1.0, 0.5, -1.0]], device=device)
+    bias = torch.tensor([-2.0, -2.0, -2.0, 0.0, -2.0, 0.0, -2.5], device=device)
+    kw = dict(top_k=6, norm_topk_prob=False)
+    got, want = moe_route(logits, bias, **kw), moe_route_ref(logits, bias, **kw)
+    assert got.ids.cpu().tolist() == [[5, 3, 1, 2, 4, 0]]
+    assert sorted(want.ids.cpu().tolist()[0]) == [0, 1, 2, 3, 4, 5]  # torch.topk orders ties as it likes
+    torch.testing.assert_close(got.weights, want.weights, atol=1e-6, rtol=1e-5)  # tied experts weigh the same
+
+
 def test_no_tokens(device):
     r = moe_route(torch.empty(0, 8, device=device), None, top_k=2)
     assert r.weights.shape == (0, 2) and r.ids.shape == (0, 2)
