@@ -214,7 +214,9 @@ def test_loaded_models_fuse_their_shared_experts():
 def test_gpu_nano_layer_decode_in_a_graph(T):
     """Nano's MoE layer (M=2688, 128 experts of 1856, top-6, shared 3712 = 2 slices) in bf16: the
     decode path against the fp32 definition, then 200 replays of a CUDA graph captured under PDL
-    on new inputs, each equal bit for bit to an eager call (the arrival counters reset every time)."""
+    on new inputs, each equal bit for bit to an eager call (the arrival counters reset every time).
+    Inside the graph the layer's input is written by the kernel just before the router, as in a
+    model (the up kernel's shared-slice programs read it without waiting for the router)."""
     from fastmamba.ops._common.pdl import programmatic_dependent_launch
 
     dev = torch.device("cuda")
@@ -235,11 +237,11 @@ def test_gpu_nano_layer_decode_in_a_graph(T):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        layer(u)
+        layer(u * 1)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with programmatic_dependent_launch(True), torch.cuda.graph(graph):
-        captured = layer(u)
+        captured = layer(u * 1)
     for i in range(200):
         u.copy_(torch.randn(T, 2688, device=dev, generator=g).to(torch.bfloat16))
         graph.replay()

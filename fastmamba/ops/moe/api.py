@@ -250,6 +250,8 @@ def fused_moe_gemv(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, to
                  k-sum is done by the down kernel's last program per (token, block of M), in the
                  same order and rounding as the separate sum kernel, which then does not run.
 
+    Under programmatic dependent launch the shared slices' programs read x without waiting for the
+    kernel launched just before (the router, which writes the ids): that kernel must not write x.
     Reference: ``ref.fused_moe_ref`` (plus ``ref.shared_expert_ref``).
     """
     T, M, F, E, k = _check_moe(x, w_up, w_down, topk_weights, topk_ids, out)

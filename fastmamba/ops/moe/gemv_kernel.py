@@ -53,10 +53,17 @@ def _up_gemv_kernel(
     # one program per (pair p = t*(K+N_SHARED) + j, block of BLOCK_N of F):
     # h[p, n] = relu(w[n, :] @ x[t])², w = w_up[ids[t, j]] or slice j-K of the shared up_proj
     # (both have stride_wm along M)
-    if USE_PDL:  # ids and x come from the kernels just before: nothing to read earlier
-        gdc_wait()
-        gdc_launch_dependents()
     p = tl.program_id(0)
+    if USE_PDL:
+        # the ids come from the router, the kernel just before; x from the kernel before that, so it is
+        # visible once this grid runs (the router triggers its dependents after its own wait). A
+        # shared slice's program reads no ids: it streams its weights while the router still runs
+        if N_SHARED > 0:
+            if p % (K + N_SHARED) < K:
+                gdc_wait()
+        else:
+            gdc_wait()
+        gdc_launch_dependents()
     t, _, _, ok, base, row_stride = _gemv_pair(ids_ptr, w_ptr, sw_ptr, p, E, Fdim, stride_it, stride_ik, stride_we,
                                                stride_wf, stride_sf, stride_wm, K, N_SHARED, True)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -154,9 +161,10 @@ def launch_gemv(x, w_up, w_down, tw, ids, h, y, out, *, block_n_up: int, block_k
     weight 1.0 per token (its strides along M and F equal w_up's and w_down's).
 
     Under programmatic dependent launch (``fastmamba.ops._common.pdl``, grids of one wave) the down
-    kernel reads the ids, the routing weights and its first weight tile before its wait: the kernel
-    launched just before ``fused_moe`` must not write the weights (ids and routing weights are
-    read by the up kernel first, after its wait)."""
+    kernel reads the ids, the routing weights and its first weight tile before its wait, and the up
+    kernel's shared-slice programs read x and their weights without waiting: the kernel launched
+    just before ``fused_moe`` (the router) must write neither x nor the weights (ids and routing
+    weights are read by the up kernel's routed pairs first, after their wait)."""
     T, M = x.shape
     E, F, _ = w_up.shape
     K = ids.shape[1]
