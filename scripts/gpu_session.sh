@@ -20,7 +20,7 @@ mkdir -p "$TRITON_CACHE_DIR"
 # spec-<shape> runs the spec benchmark on one shape (nemotron-h, nemotron-h-tp8, mamba2-2.7b);
 # e2ef-<model> / e2ekv-<model>: e2e with --quantization fp8 / --kv-cache-dtype fp8; profile-decode-<model>: one
 # graphed decode step's kernels; mtp-<model>: the MTP oracle at k 1..7; fp8moe: the FP8 MoE op vs bf16 and _scaled_mm
-# tunemoe-<shape>: the MoE GEMV configs at 1, 2, 4 tokens on that bench shape (nemotron-3-nano), PDL on
+# tunemoe-<shape>: the MoE configs at TUNE_BATCH tokens (environment; default 1,2,4: the GEMV path) on that bench shape (nano), PDL on
 # apply-gemv / apply-moe: write the TABLE that tunegemv- / tunemoe- printed into the configs module, so that
 # the later steps of the same call run it (paste the same block from $OUT/tune-*.txt into the repository after)
 # tunegemv-<preset>: the gemv configs of that preset's decode projections (nemotron-3-nano, nemotron-h-8b, mamba2-2.7b; one row), PDL on
@@ -74,7 +74,7 @@ for step in "${steps[@]}"; do
         e2ekv-*)   timeout 400 python3 -m fastmamba.bench e2e --model "${step#e2ekv-}" --kv-cache-dtype fp8 ${E2E_ARGS:-} --json "$OUT/e2e.jsonl" >> "$OUT/e2e.txt" 2>> "$OUT/e2e.err"; echo "rc=$?"; tail -n 12 "$OUT/e2e.txt"; tail -3 "$OUT/e2e.err" ;;
         profile-decode-*) timeout 300 python3 -m fastmamba.bench profile decode --model "${step#profile-decode-}" --batch 1 --timeline 60 > "$OUT/profile-decode.txt" 2>&1; echo "rc=$?"; head -n 80 "$OUT/profile-decode.txt" ;;
         mtp-*)     timeout 500 python3 -m fastmamba.bench mtp --model "${step#mtp-}" --k 1,2,3,4,5,6,7 --batch 1 --prompt-len 512 --steps 64 --json "$OUT/mtp.jsonl" > "$OUT/mtp.txt" 2> "$OUT/mtp.err"; echo "rc=$?"; tail -n 30 "$OUT/mtp.txt"; tail -3 "$OUT/mtp.err" ;;
-        tunemoe-*) timeout 300 python3 -m fastmamba.bench tune --ops moe --batch 1,2,4 --cases "${step#tunemoe-}" --pdl > "$OUT/tune-moe.txt" 2>&1; echo "rc=$?"; tail -n 30 "$OUT/tune-moe.txt" ;;
+        tunemoe-*) timeout 300 python3 -m fastmamba.bench tune --ops moe --batch ${TUNE_BATCH:-1,2,4} --cases "${step#tunemoe-}" --pdl > "$OUT/tune-moe.txt" 2>&1; echo "rc=$?"; tail -n 30 "$OUT/tune-moe.txt" ;;
         tunegemv-*) timeout 300 python3 -m fastmamba.bench tune --ops gemv --pdl --cases "${step#tunegemv-}" >> "$OUT/tune-gemv.txt" 2>&1; echo "rc=$?"; tail -n 40 "$OUT/tune-gemv.txt" ;;
         apply-*)   python3 scripts/apply_tune_table.py "$OUT/tune-${step#apply-}.txt"; echo "rc=$?" ;;
         fp8moe)    timeout 300 python3 -m fastmamba.bench fp8 --kinds moe --batch 1,4,16,17,64,256,1024,4096 > "$OUT/fp8moe.txt" 2> "$OUT/fp8moe.err"; echo "rc=$?"; tail -n 40 "$OUT/fp8moe.txt"; tail -3 "$OUT/fp8moe.err" ;;
