@@ -39,6 +39,7 @@ PRESET_INFO: tuple[PresetInfo, ...] = (
     PresetInfo("nemotron-3-tiny-mtp", "nemotron_3", 6, 64, 256, 263_600),  # + one MTP layer (attention, MoE)
     PresetInfo("nemotron-3-nano-mtp", "nemotron_3", 52, 2688, 131_072, 32_913_263_168),  # + one MTP layer
     PresetInfo("nemotron-3-super-slice", "nemotron_3", 7, 4096, 131_072, 10_057_628_800),
+    PresetInfo("nemotron-3-super", "nemotron_3", 88, 4096, 131_072, 123_611_012_096),  # + one MTP layer; FP8 only
     PresetInfo("nemotron-h-4b", "nemotron_h", 52, 3072, 131_072, 4_489_223_040),
     PresetInfo("nemotron-h-8b", "nemotron_h", 52, 4096, 131_072, 8_100_852_736),
 )

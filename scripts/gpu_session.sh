@@ -23,6 +23,8 @@ mkdir -p "$TRITON_CACHE_DIR"
 # tunemoe-<shape>: the MoE configs at TUNE_BATCH tokens (environment; default 1,2,4: the GEMV path) on that bench shape (nano), PDL on
 # apply-gemv / apply-moe: write the TABLE that tunegemv- / tunemoe- printed into the configs module, so that
 # the later steps of the same call run it (paste the same block from $OUT/tune-*.txt into the repository after)
+# e2esuper: the whole Nemotron-3 Super (random weights) in FP8, built block by block, FP8 K/V, 16-bit SSM states
+# (NVIDIA's Hopper recipe), batch SUPER_BATCH (default 1,64): an H200 (~125 GB of weights)
 # tunegemv-<preset>: the gemv configs of that preset's decode projections (nemotron-3-nano, nemotron-h-8b, mamba2-2.7b; one row), PDL on
 # E2E_ARGS (environment) is appended to the e2em- / e2ef- / e2ekv- commands, e.g. E2E_ARGS="--batch 1"
 # e2e-spec: batch-1 speculative decoding, K=5, oracle then ngram drafter, against plain decoding
@@ -76,6 +78,7 @@ for step in "${steps[@]}"; do
         mtp-*)     timeout 500 python3 -m fastmamba.bench mtp --model "${step#mtp-}" --k 1,2,3,4,5,6,7 --batch 1 --prompt-len 512 --steps 64 --json "$OUT/mtp.jsonl" > "$OUT/mtp.txt" 2> "$OUT/mtp.err"; echo "rc=$?"; tail -n 30 "$OUT/mtp.txt"; tail -3 "$OUT/mtp.err" ;;
         tunemoe-*) timeout 300 python3 -m fastmamba.bench tune --ops moe --batch ${TUNE_BATCH:-1,2,4} --cases "${step#tunemoe-}" --pdl > "$OUT/tune-moe.txt" 2>&1; echo "rc=$?"; tail -n 30 "$OUT/tune-moe.txt" ;;
         tunegemv-*) timeout 300 python3 -m fastmamba.bench tune --ops gemv --pdl --cases "${step#tunegemv-}" >> "$OUT/tune-gemv.txt" 2>&1; echo "rc=$?"; tail -n 40 "$OUT/tune-gemv.txt" ;;
+        e2esuper)  timeout 540 python3 -m fastmamba.bench e2e --model nemotron-3-super --quantization fp8 --batch ${SUPER_BATCH:-1,64} --ssm-dtype fp16 --kv-cache-dtype fp8 --json "$OUT/e2e.jsonl" >> "$OUT/e2e.txt" 2>> "$OUT/e2e.err"; echo "rc=$?"; tail -n 12 "$OUT/e2e.txt"; tail -5 "$OUT/e2e.err" ;;
         apply-*)   python3 scripts/apply_tune_table.py "$OUT/tune-${step#apply-}.txt"; echo "rc=$?" ;;
         fp8moe)    timeout 300 python3 -m fastmamba.bench fp8 --kinds moe --batch 1,4,16,17,64,256,1024,4096 > "$OUT/fp8moe.txt" 2> "$OUT/fp8moe.err"; echo "rc=$?"; tail -n 40 "$OUT/fp8moe.txt"; tail -3 "$OUT/fp8moe.err" ;;
         hf-*)      timeout 400 python3 -m fastmamba.bench hf --model "${step#hf-}" --batch 1,16 --new-tokens 256 --repeats 1 --json "$OUT/hf.jsonl" >> "$OUT/hf.txt" 2>> "$OUT/hf.err"; echo "rc=$?"; tail -n 12 "$OUT/hf.txt"; tail -3 "$OUT/hf.err" ;;

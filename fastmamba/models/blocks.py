@@ -22,7 +22,9 @@ among the blocks of its kind. A new kind is a layer file, a Block subclass here 
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -191,13 +193,36 @@ class MoEBlock(Block):
 BLOCK_KINDS: dict[str, type[Block]] = {"M": MambaBlock, "*": AttentionBlock, "-": MLPBlock, "E": MoEBlock}
 
 
-def build_blocks(cfg, device=None, dtype=None) -> nn.ModuleList:
-    """One block per character of ``cfg.pattern``; ``cache_index`` counts each kind separately."""
+# finish(block, name) runs on each block as soon as it is built (``finishing_blocks``)
+_FINISH_BLOCK: contextvars.ContextVar[Callable[[nn.Module, str], None] | None] = contextvars.ContextVar(
+    "finish_block", default=None)
+
+
+@contextlib.contextmanager
+def finishing_blocks(finish: Callable[[nn.Module, str], None]) -> Iterator[None]:
+    """Within the block, ``build_blocks`` calls ``finish(block, name)`` on each block right after
+    building it (name: its qualified name in the model, e.g. ``backbone.layers.3``). The loaders use
+    it to turn a block's 16-bit matrices into FP8 before the next block is built, so that a model
+    whose 16-bit form does not fit the GPU (Nemotron-3 Super: 240 GB in bf16) never exists whole."""
+    token = _FINISH_BLOCK.set(finish)
+    try:
+        yield
+    finally:
+        _FINISH_BLOCK.reset(token)
+
+
+def build_blocks(cfg, device=None, dtype=None, *, name: str = "backbone.layers") -> nn.ModuleList:
+    """One block per character of ``cfg.pattern``; ``cache_index`` counts each kind separately.
+    ``name``: the ModuleList's qualified name in the model (for ``finishing_blocks``)."""
     seen: dict[str, int] = {}
     blocks = []
-    for c in cfg.pattern:
+    finish = _FINISH_BLOCK.get()
+    for i, c in enumerate(cfg.pattern):
         if c not in BLOCK_KINDS:
             raise ValueError(f"build_blocks: layer kind {c!r} is not supported (kinds: {''.join(BLOCK_KINDS)})")
-        blocks.append(BLOCK_KINDS[c](cfg, seen.get(c, 0), device=device, dtype=dtype))
+        block = BLOCK_KINDS[c](cfg, seen.get(c, 0), device=device, dtype=dtype)
+        if finish is not None:
+            finish(block, f"{name}.{i}")
+        blocks.append(block)
         seen[c] = seen.get(c, 0) + 1
     return nn.ModuleList(blocks)

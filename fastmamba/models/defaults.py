@@ -2,6 +2,9 @@
 dtype, and deterministic random weights (presets, demos, benchmarks)."""
 from __future__ import annotations
 
+import zlib
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -56,23 +59,34 @@ def default_device(device, *, where: str = "load_model") -> torch.device:
     return dev
 
 
+def _generator(device: torch.device, seed: int, name: str) -> torch.Generator:
+    """A generator on ``device`` seeded by (seed, a module's qualified name)."""
+    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62))
+
+
 @torch.no_grad()
-def random_init(model: nn.Module, seed: int = 0) -> nn.Module:
+def random_init(model: nn.Module, seed: int = 0, *, prefix: str = "", skip: Iterable[nn.Module] = ()) -> nn.Module:
     """Deterministic random weights of any of our LMs (presets, demos, benchmarks): N(0, 0.02)
     matrices (MoE routers and experts too, zero selection bias), Mamba-2's A_log / dt_bias / D
     initialisation in every ``Mamba2Mixer``, unit norms.
-    Same seed, same weights (the matrices and the SSM parameters draw from separate generators)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    dev_gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
-    for module in model.modules():
+
+    Each module draws from generators seeded by (seed, its qualified name), so a model gets the same
+    weights whether it is initialised whole or block by block as it is built: ``prefix`` is the
+    qualified name of ``model`` inside the whole (e.g. ``backbone.layers.3``), and the modules in
+    ``skip`` (initialised already; not their children added since) are left as they are."""
+    skip_ids = {id(m) for m in skip}
+    for rel, module in model.named_modules():
+        name = f"{prefix}.{rel}" if prefix and rel else (prefix or rel)
+        if id(module) in skip_ids:
+            continue
         if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
-            module.weight.normal_(0.0, 0.02, generator=dev_gen)
+            module.weight.normal_(0.0, 0.02, generator=_generator(module.weight.device, seed, name))
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()
         if isinstance(module, Mamba2Mixer):
-            module.reset_ssm_parameters(gen)
+            module.reset_ssm_parameters(_generator(torch.device("cpu"), seed, name + "/ssm"))
         if isinstance(module, MoE):  # router and the 3-D expert weights (its Linears are done above)
-            module.reset_parameters(dev_gen)
+            module.reset_parameters(_generator(module.gate.weight.device, seed, name + "/moe"))
     return model
 
 
@@ -86,3 +100,32 @@ def checkpoint_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype:
     else:
         dtype = next((t.dtype for t in state_dict.values() if t.is_floating_point()), torch.float32)
     return dtype if dtype in SUPPORTED_DTYPES else torch.float32
+
+
+def check_preset_fits(name: str, build_meta, device: torch.device, dtype: torch.dtype, *, quantized: bool,
+                      where: str = "load_model") -> None:
+    """Refuse (ValueError, before anything is allocated) a preset whose weights exceed the GPU's
+    free memory, saying how much it needs and what would fit: Nemotron-3 Super takes 247 GB in bf16
+    (no GPU) and ~126 GB in FP8 (one H200). ``build_meta()``: the model on the meta device, built
+    only when the parameter count alone cannot settle it. No check on a CPU."""
+    if device.type != "cuda":
+        return
+    from fastmamba.presets import PRESET_INFO
+
+    free = torch.cuda.mem_get_info(device)[0]
+    info = next((p for p in PRESET_INFO if p.name == name), None)
+    size = torch.tensor([], dtype=dtype).element_size()
+    if info is not None and info.params * (1 if quantized else size) * 1.05 < free:
+        return  # clearly fits (FP8 keeps some matrices in 16 bits: the estimate below is exact)
+    from fastmamba.models.quantization import built_bytes
+
+    meta = build_meta()
+    need = built_bytes(meta, quantized=quantized)
+    if need <= free:
+        return
+    gib = 1 << 30
+    hint = "" if quantized else (f"; with quantization='fp8' (--quantization fp8) it takes "
+                                 f"{built_bytes(meta, quantized=True) / gib:.1f} GiB")
+    raise ValueError(f"{where}: preset {name!r} takes {need / gib:.1f} GiB of weights "
+                     f"({'FP8' if quantized else str(dtype).replace('torch.', '')}), more than the "
+                     f"{free / gib:.1f} GiB free on {device}{hint}")

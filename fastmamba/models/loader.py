@@ -7,7 +7,8 @@ import os
 
 import torch
 
-from fastmamba.models.defaults import SUPPORTED_DTYPES, checkpoint_dtype, default_device, parse_dtype, random_init
+from fastmamba.models.defaults import (SUPPORTED_DTYPES, check_preset_fits, checkpoint_dtype, default_device, parse_dtype,
+                                       random_init)
 from fastmamba.models.mamba2 import PRESETS, Mamba2Config
 from fastmamba.models.mamba2_lm import Mamba2LM
 from fastmamba.models.nemotron_h import PRESETS as NEMOTRON_H_PRESETS, load_nemotron_h
@@ -40,7 +41,8 @@ def load_model(path_or_preset: str | os.PathLike, dtype: torch.dtype | str | Non
     ``load_into``), for weights holding NaN or inf (naming each such tensor: ``check_finite``), or for
     an unsupported ``dtype`` / ``device``.
     """
-    from fastmamba.models.quantization import apply_plan, check_quantization_arg, prepare_fp8_checkpoint, quantize_model
+    from fastmamba.models.quantization import (apply_plan, check_quantization_arg, prepare_fp8_checkpoint,
+                                               quantize_model, random_quantized)
 
     dtype = parse_dtype(dtype)
     device = default_device(device)
@@ -50,8 +52,10 @@ def load_model(path_or_preset: str | os.PathLike, dtype: torch.dtype | str | Non
         raise TypeError(f"load_model: expected a checkpoint directory or a preset name, got {type(key).__name__}")
     if key in PRESETS:
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        model = random_init(Mamba2LM(PRESETS[key], device=device, dtype=dtype))
-        return (quantize_model(model) if quantization else model).eval()
+        check_preset_fits(key, lambda: Mamba2LM(PRESETS[key], device="meta", dtype=dtype), device, dtype,
+                          quantized=bool(quantization))
+        build = lambda: Mamba2LM(PRESETS[key], device=device, dtype=dtype)  # noqa: E731
+        return (random_quantized(build) if quantization else random_init(build())).eval()
     if key in NEMOTRON_H_PRESETS:
         return load_nemotron_h(key, dtype=dtype, device=device, quantization=quantization)
     if os.path.isfile(key):

@@ -116,7 +116,7 @@ class MTP(nn.Module):
         self.pattern = cfg.mtp_pattern
         self.eps = cfg.norm_eps
         self.residual_in_fp32 = cfg.residual_in_fp32
-        self.layers = build_blocks(inner, device=device, dtype=dtype)
+        self.layers = build_blocks(inner, device=device, dtype=dtype, name="mtp.layers")
         M = cfg.d_model
         first, last = self.layers[0], self.layers[-1]
         first.enorm = RMSNorm(M, cfg.norm_eps, device=device, dtype=dtype)

@@ -51,7 +51,7 @@ from fastmamba.layers.mamba2 import MambaLayerConfig
 from fastmamba.layers.moe import MoEConfig
 from fastmamba.models.checkpoint_config import (_as_float, _Fields, agreed_pattern, checkpoint_eos_token_ids,
                                                 ssm_cache_dtype_of)
-from fastmamba.models.defaults import checkpoint_dtype, default_device, random_init  # random_init: re-exported for the presets
+from fastmamba.models.defaults import check_preset_fits, checkpoint_dtype, default_device, random_init  # random_init: re-exported for the presets
 from fastmamba.models.lm import HybridLM
 from fastmamba.models.mtp import build_mtp, mtp_pattern_of, prepare_mtp_state_dict
 
@@ -364,6 +364,7 @@ _NEMOTRON_H_PATTERN_52 = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 # 4096, 128 Mamba heads, 512 experts top-22 of width 2688 in a 1024-wide latent (LatentMoE), shared 5376,
 # scaling 5.0; the slice keeps a few layers of each kind for per-layer speed (the whole model needs FP8
 # or several GPUs).
+_NEMOTRON_3_SUPER_PATTERN = "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME"
 _NEMOTRON_3_NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 
 PRESETS: dict[str, NemotronHConfig] = {
@@ -392,6 +393,16 @@ PRESETS: dict[str, NemotronHConfig] = {
         chunk_size=128, n_routed_experts=512, num_experts_per_tok=22, moe_intermediate_size=2688,
         moe_shared_expert_intermediate_size=5376, moe_latent_size=1024, n_group=1, topk_group=1,
         norm_topk_prob=True, routed_scaling_factor=5.0,
+    ),
+    # Nemotron-3 Super 120B-A12B as released (config.json of nvidia/NVIDIA-Nemotron-3-Super-120B-A12B: 88
+    # layers, 40 M, 40 E, 8 *; LatentMoE; one MTP layer "*E"); random weights: 240 GB in bf16 fit no GPU, so
+    # it runs as `load_model("nemotron-3-super", quantization="fp8")` (built block by block, ~125 GB: one H200)
+    "nemotron-3-super": NemotronHConfig(
+        d_model=4096, vocab_size=131072, pattern=_NEMOTRON_3_SUPER_PATTERN, n_heads=32, n_kv_heads=2, head_dim=128,
+        intermediate_size=2688, mamba_nheads=128, mamba_headdim=64, n_groups=8, d_state=128, d_conv=4,
+        chunk_size=128, n_routed_experts=512, num_experts_per_tok=22, moe_intermediate_size=2688,
+        moe_shared_expert_intermediate_size=5376, moe_latent_size=1024, n_group=1, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=5.0, mtp_pattern="*E",
     ),
     # MTP: the tiny MoE hybrid plus one MTP layer ("*E"), for tests; Nano's layers plus one MTP layer of
     # attention + MoE (the Nano 3.5 Lightning shape: num_nextn_predict_layers 1, mtp_hybrid_override_pattern
@@ -446,14 +457,18 @@ def load_nemotron_h(path_or_preset: str | os.PathLike, dtype: torch.dtype | None
     ``cfg.eos_token_ids`` as ``NemotronHConfig.from_dir`` reads them. Checkpoint problems (missing,
     unexpected, misshaped tensors; NaN or inf weights) raise one ValueError listing them all, before
     anything is copied (``fastmamba.models.weights``: check_finite, stack_experts, load_into)."""
-    from fastmamba.models.quantization import apply_plan, check_quantization_arg, prepare_fp8_checkpoint, quantize_model
+    from fastmamba.models.quantization import (build_planned, check_quantization_arg, prepare_fp8_checkpoint,
+                                               quantize_model, random_quantized)
 
     device = default_device(device)
     key = str(path_or_preset)
     if key in PRESETS:
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        model = random_init(NemotronHLM(PRESETS[key], device=device, dtype=dtype))
-        return (quantize_model(model) if check_quantization_arg(quantization) else model).eval()
+        quantized = bool(check_quantization_arg(quantization))
+        check_preset_fits(key, lambda: NemotronHLM(PRESETS[key], device="meta", dtype=dtype), device, dtype,
+                          quantized=quantized, where="load_nemotron_h")
+        build = lambda: NemotronHLM(PRESETS[key], device=device, dtype=dtype)  # noqa: E731
+        return (random_quantized(build) if quantized else random_init(build())).eval()
     if not os.path.isdir(key):
         raise FileNotFoundError(f"load_nemotron_h: {key!r} is neither a directory nor a preset; presets: "
                                 f"{', '.join(PRESETS)}")
@@ -471,8 +486,9 @@ def load_nemotron_h(path_or_preset: str | os.PathLike, dtype: torch.dtype | None
     cfg = prepare_mtp_state_dict(state_dict, cfg)  # mtp.* tensors (fastmamba.models.mtp); none: no MTP layer
     if dtype is None:
         dtype = checkpoint_dtype(state_dict)  # the embeddings' (the router is fp32 in every checkpoint)
-    model = NemotronHLM(cfg, device=device, dtype=dtype)
-    if fp8_plan is not None:
-        apply_plan(model, fp8_plan)  # FP8 modules where the checkpoint stores FP8
+    if fp8_plan is None:
+        model = NemotronHLM(cfg, device=device, dtype=dtype)
+    else:  # FP8 modules where the checkpoint stores FP8, block by block (no whole 16-bit model)
+        model = build_planned(lambda dev: NemotronHLM(cfg, device=dev, dtype=dtype), fp8_plan, device)
     load_into(model, state_dict)
     return (quantize_model(model) if quantization and fp8_plan is None else model).eval()

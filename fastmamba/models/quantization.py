@@ -41,7 +41,7 @@ import fnmatch
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -401,17 +401,16 @@ def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, attr, new)
 
 
-def apply_plan(model: nn.Module, plan: QuantPlan) -> nn.Module:
-    """Replace the model's modules named by ``plan`` with empty FP8 modules (``load_into`` then
-    copies the checkpoint's bytes). Raises ValueError naming every ``nn.Linear`` that the config
-    neither excludes nor stores in FP8, every planned name that is not a Linear of that shape,
-    before anything is swapped."""
+def check_plan(model: nn.Module, plan: QuantPlan) -> None:
+    """Raise ValueError naming every ``nn.Linear`` of ``model`` (which may live on the meta device)
+    that the config neither excludes nor stores in FP8, and every planned name that is not a Linear
+    of that shape (or an FP8 one already) or no MoE experts."""
     cfg = plan.cfg
     problems = []
     modules = dict(model.named_modules())
     for name, n_out in plan.linears.items():
         m = modules.get(name)
-        if not isinstance(m, nn.Linear) or m.out_features != n_out:
+        if not isinstance(m, (nn.Linear, FP8Linear)) or m.out_features != n_out:
             problems.append(f"{name}: FP8 in the checkpoint, but the model has "
                             f"{type(m).__name__ if m is not None else 'no such module'} there")
     for name, m in modules.items():
@@ -423,24 +422,57 @@ def apply_plan(model: nn.Module, plan: QuantPlan) -> nn.Module:
     if problems:
         raise ValueError(f"FP8 checkpoint ({cfg.source}): the model and the checkpoint's FP8 modules disagree "
                          f"({len(problems)} problem(s))\n" + "\n".join("    " + p for p in problems[:20]))
-    for name in plan.linears:
-        m = modules[name]
-        _swap(model, name, FP8Linear(m.in_features, m.out_features, bias=m.bias is not None,
-                                     per_channel=cfg.per_channel, static_input=cfg.static_input,
-                                     device=m.weight.device, dtype=m.weight.dtype))
-    for name in plan.experts:
-        m = modules[name]
-        E, F_, M = m.up_proj.shape
-        _swap(model, name, FP8Experts(E, F_, M, per_channel=cfg.per_channel, static_input=cfg.static_input,
-                                      device=m.up_proj.device))
+
+
+def swap_planned(model: nn.Module, plan: QuantPlan, *, prefix: str = "") -> nn.Module:
+    """Replace the 16-bit modules of ``model`` that ``plan`` names (``prefix``: ``model``'s
+    qualified name when it is one block of a model being built) with empty FP8 modules; modules that
+    are FP8 already stay. No checks: ``check_plan`` does them."""
+    cfg = plan.cfg
+    targets = []
+    for rel, m in model.named_modules():
+        name = f"{prefix}.{rel}" if prefix and rel else (prefix or rel)
+        if isinstance(m, nn.Linear) and name in plan.linears:
+            targets.append((rel, lambda m: FP8Linear(m.in_features, m.out_features, bias=m.bias is not None,
+                                                     per_channel=cfg.per_channel, static_input=cfg.static_input,
+                                                     device=m.weight.device, dtype=m.weight.dtype)))
+        elif name in plan.experts and type(m).__name__ == "Experts":
+            targets.append((rel, lambda m: FP8Experts(*m.up_proj.shape, per_channel=cfg.per_channel,
+                                                      static_input=cfg.static_input, device=m.up_proj.device)))
+    m = None
+    for rel, make in targets:  # one at a time: each 16-bit original is freed before the next
+        _swap(model, rel, make(model.get_submodule(rel)))
+    return model
+
+
+def apply_plan(model: nn.Module, plan: QuantPlan) -> nn.Module:
+    """Replace the model's modules named by ``plan`` with empty FP8 modules (``load_into`` then
+    copies the checkpoint's bytes) and set the attention layers' K/V scales. Raises ValueError
+    (``check_plan``) before anything is swapped. Modules swapped already (a block of a model built
+    under ``finishing_blocks`` with ``swap_planned``) stay."""
+    check_plan(model, plan)
+    swap_planned(model, plan)
     for attn, (k, v) in plan.kv_scales.items():
         m = model.get_submodule(attn)
         m.k_scale.copy_(k)
         m.v_scale.copy_(v)
         if attn.startswith("backbone."):  # the checkpoint's choice: float8 pages (set_kv_cache_dtype changes it)
             m.kv_dtype = FP8_DTYPE
-    model.quantization = cfg
+    model.quantization = plan.cfg
     return model
+
+
+def build_planned(build: Callable[..., nn.Module], plan: QuantPlan, device: torch.device) -> nn.Module:
+    """``build(device)``'s model for an FP8 checkpoint without its whole 16-bit form: the plan is
+    checked on a meta-device build first (``check_plan``: nothing allocated), then each block's
+    planned modules become FP8 as the block is built (``finishing_blocks``), then ``apply_plan``
+    does the rest (Super's 120 B parameters are ~125 GB in FP8; 240 GB in bf16 would fit no GPU)."""
+    from fastmamba.models.blocks import finishing_blocks
+
+    check_plan(build(torch.device("meta")), plan)
+    with finishing_blocks(lambda block, name: swap_planned(block, plan, prefix=name)):
+        model = build(device)
+    return apply_plan(model, plan)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -517,28 +549,78 @@ def kv_cache_note(model: nn.Module) -> str:
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module) -> nn.Module:
+def quantize_model(model: nn.Module, *, prefix: str = "") -> nn.Module:
     """``--quantization fp8``: a loaded 16-bit model's linears (Mamba in/out projections, MLPs,
     shared experts, latent projections) and routed experts quantised in place to e4m3 with
     per-channel weight scales and dynamic per-token activations; attention Q/K/V/O, lm_head, the
     router (fp32) and conv1d stay as they are. One module at a time, each 16-bit original freed
     before the next is converted: the peak is the 16-bit model plus one module's FP8 copy (Nano's
-    63 GB of bf16 weights fit an 80 GB H100 this way)."""
+    63 GB of bf16 weights fit an 80 GB H100 this way). Modules that are FP8 already stay.
+
+    ``prefix``: ``model``'s qualified name when it is one block of a model being built (the
+    exclusions match the whole model's names); see ``random_quantized``."""
+    cfg = on_load_config()
+    # names only: a list of the modules would keep every 16-bit weight alive to the end
+    targets = [(name, FP8Experts.from_experts if experts else FP8Linear.from_linear)
+               for name, experts in on_load_targets(model, prefix=prefix)]
+    for name, convert in targets:  # one module at a time: its 16-bit weights are freed before the next
+        _swap(model, name, convert(model.get_submodule(name)))
+    if not prefix:
+        model.quantization = cfg
+    return model
+
+
+def on_load_targets(model: nn.Module, *, prefix: str = "") -> list[tuple[str, bool]]:
+    """(name relative to ``model``, is-experts) of each 16-bit module ``quantize_model`` converts:
+    the Linears the on-load recipe does not exclude (not a head tied to the embeddings) and the MoE
+    layers' routed experts."""
     cfg = on_load_config()
     embeddings = getattr(getattr(model, "backbone", None), "embeddings", None)
     tied = getattr(embeddings, "weight", None)
-    targets = []  # names only: a list of the modules would keep every 16-bit weight alive to the end
+    out = []
     for name, m in model.named_modules():
-        if isinstance(m, nn.Linear) and not cfg.excluded(name):
+        full = f"{prefix}.{name}" if prefix and name else (prefix or name)
+        if isinstance(m, nn.Linear) and not cfg.excluded(full):
             if m.weight is not tied:  # (a head tied to the embeddings stays)
-                targets.append((name, FP8Linear.from_linear))
-        elif name.endswith("experts") and type(m).__name__ == "Experts":
-            targets.append((name, FP8Experts.from_experts))
-    m = None  # (the first loop's last module: no reference kept)
-    for name, convert in targets:  # one module at a time: its 16-bit weights are freed before the next
-        _swap(model, name, convert(model.get_submodule(name)))
-    model.quantization = cfg
-    return model
+                out.append((name, False))
+        elif full.endswith("experts") and type(m).__name__ == "Experts":
+            out.append((name, True))
+    return out
+
+
+def built_bytes(meta_model: nn.Module, *, quantized: bool) -> int:
+    """The bytes the parameters and buffers of ``meta_model`` (built on the meta device) take once
+    built for real: as they are, or with ``quantized`` the on-load targets' matrices at one byte a
+    value plus their fp32 per-channel scales."""
+    total = sum(t.numel() * t.element_size() for t in (*meta_model.parameters(), *meta_model.buffers()))
+    if quantized:
+        for name, _ in on_load_targets(meta_model):
+            for p in meta_model.get_submodule(name).parameters():
+                if p.dim() >= 2:  # a matrix (or the experts' [E, N, K]): 1 byte a value, a scale per row
+                    total -= p.numel() * p.element_size() - p.numel() - p[..., 0].numel() * 4
+    return total
+
+
+def random_quantized(build: Callable[[], nn.Module]) -> nn.Module:
+    """``build()``'s model with random weights (``random_init``) quantised as ``quantize_model``
+    does, block by block while it is built (``finishing_blocks``): each block's 16-bit matrices are
+    drawn, converted and freed before the next block exists, so the peak is the FP8 model plus one
+    16-bit block (Nemotron-3 Super: ~125 GB in FP8 on one H200; 240 GB in bf16 would fit no GPU).
+    The weights are those ``random_init`` gives the whole 16-bit model, before quantisation."""
+    from fastmamba.models.blocks import finishing_blocks
+    from fastmamba.models.defaults import random_init
+
+    done: list[nn.Module] = []  # the blocks' modules, initialised (an MTP block gets more modules later)
+
+    def finish(block: nn.Module, name: str) -> None:
+        random_init(block, prefix=name)
+        done.extend(block.modules())
+        quantize_model(block, prefix=name)
+
+    with finishing_blocks(finish):
+        model = build()
+    random_init(model, skip=done)  # the embeddings, lm_head, an MTP layer's eh_proj and norms
+    return quantize_model(model)
 
 
 def prepare_fp8_checkpoint(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], model_cfg) -> QuantPlan | None:

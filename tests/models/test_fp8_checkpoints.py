@@ -691,3 +691,113 @@ def test_fp8_kv_pages_graphed_decode_gpu(tmp_path, monkeypatch):
         bf16_kv = gpu(ids).float()
     rel = float((fp8_kv - bf16_kv).norm() / bf16_kv.norm())
     assert 0 < rel <= 2 ** -2, rel
+
+
+def _blocks_built(model: nn.Module) -> list[str]:
+    return [f"backbone.layers.{i}" for i in range(len(model.backbone.layers))] + (
+        [f"mtp.layers.{i}" for i in range(len(model.mtp.layers))] if getattr(model, "mtp", None) is not None else [])
+
+
+def test_random_weights_are_the_same_built_whole_or_block_by_block():
+    """``random_init`` seeds each module by its qualified name: initialising each block as it is
+    built (``finishing_blocks``), then the rest, gives the weights of the whole model initialised at
+    once (the MTP preset has blocks in two lists: backbone.layers and mtp.layers)."""
+    from fastmamba.models.blocks import finishing_blocks
+    from fastmamba.models.nemotron_h import PRESETS
+
+    cfg = PRESETS["nemotron-3-tiny-mtp"]
+    whole = random_init(NemotronHLM(cfg, device="cpu", dtype=torch.float32), seed=5)
+    names: list[str] = []
+    done: list[nn.Module] = []
+    with finishing_blocks(lambda block, name: (random_init(block, seed=5, prefix=name), names.append(name),
+                                               done.extend(block.modules()))):
+        streamed = NemotronHLM(cfg, device="cpu", dtype=torch.float32)
+    random_init(streamed, seed=5, skip=done)  # (MTP's first block gets eh_proj after it is finished)
+    assert names == _blocks_built(whole) and names[-1].startswith("mtp.layers.")
+    a, b = whole.state_dict(), streamed.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    assert not torch.equal(a["backbone.layers.0.mixer.in_proj.weight"], a["backbone.layers.3.mixer.in_proj.weight"])
+
+
+def test_quantized_preset_is_built_block_by_block(monkeypatch):
+    """``load_model(preset, quantization="fp8")`` quantises each block right after building it: when
+    block i is finished, blocks 0..i-1 hold no 16-bit matrix that the on-load recipe converts (the
+    peak is the FP8 model plus one 16-bit block: Super's 240 GB of bf16 never exist whole); the
+    result equals quantising the whole 16-bit model."""
+    from fastmamba.models import quantization
+    from fastmamba.models.blocks import finishing_blocks as real_finishing
+
+    bf16_left_at_each_block: list[int] = []
+    built: list[nn.Module] = []
+
+    def counting(finish):
+        def run(block, name):
+            bf16_left_at_each_block.append(sum(isinstance(m, nn.Linear) and not quantization.on_load_config().excluded(
+                f"x.{n}") or type(m).__name__ == "Experts" for b in built for n, m in b.named_modules()))
+            finish(block, name)
+            built.append(block)
+        return real_finishing(run)
+
+    monkeypatch.setattr("fastmamba.models.blocks.finishing_blocks", counting)
+    q = load_model("nemotron-3-tiny", device="cpu", quantization="fp8")
+    assert len(built) == len(q.backbone.layers) and bf16_left_at_each_block == [0] * len(built)
+    want = quantization.quantize_model(load_model("nemotron-3-tiny", device="cpu"))
+    a, b = q.state_dict(), want.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k].view(torch.uint8) if a[k].dtype == torch.float8_e4m3fn else a[k],
+                           b[k].view(torch.uint8) if b[k].dtype == torch.float8_e4m3fn else b[k]), k
+
+
+def test_fp8_checkpoint_is_checked_on_meta_then_built_block_by_block(tmp_path, monkeypatch):
+    """An FP8 checkpoint's plan is checked against a meta-device build (nothing allocated), then
+    each block's FP8 modules replace its 16-bit ones as it is built (``swap_planned`` with the
+    block's name), before the next block exists."""
+    from fastmamba.models import quantization
+
+    write_checkpoint(tmp_path, "ct-channel-token")
+    calls: list[tuple[str, bool]] = []
+    real_swap, real_check = quantization.swap_planned, quantization.check_plan
+
+    def swap(model, plan, *, prefix=""):
+        calls.append((prefix, any(isinstance(m, nn.Linear) and n in plan.linears for n, m in
+                                  ((f"{prefix}.{r}" if prefix and r else prefix or r, m) for r, m in model.named_modules()))))
+        return real_swap(model, plan, prefix=prefix)
+
+    def check(model, plan):
+        calls.append(("check:" + next(model.parameters()).device.type, False))
+        return real_check(model, plan)
+    monkeypatch.setattr(quantization, "swap_planned", swap)
+    monkeypatch.setattr(quantization, "check_plan", check)
+    model = load_nemotron_h(tmp_path, device="cpu")
+    blocks = [c for c in calls if c[0].startswith("backbone.layers.")]
+    assert calls[0] == ("check:meta", False) and len(blocks) == len(model.backbone.layers)
+    assert any(had for _, had in blocks)  # the blocks' planned modules were swapped as they were built
+    assert calls[-1] == ("", False)  # apply_plan's pass over the whole model found nothing left to swap
+    assert any(isinstance(m, FP8Linear) for m in model.modules())
+
+
+def test_a_preset_larger_than_the_gpu_is_refused_before_it_is_built(monkeypatch):
+    """Nemotron-3 Super (123.6 B parameters with its MTP layer): 247 GB in bf16 is refused on any
+    GPU with the FP8 size in the message; in FP8 (~126 GB) it is refused on 80 GB and let through on
+    141 GB. Nothing is built on the device for the check (the meta device only)."""
+    from fastmamba.models.defaults import check_preset_fits
+    from fastmamba.models.nemotron_h import PRESETS
+
+    cuda = torch.device("cuda")
+    meta = lambda: NemotronHLM(PRESETS["nemotron-3-super"], device="meta", dtype=torch.bfloat16)  # noqa: E731
+    free = {"gib": 80}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["gib"] << 30, free["gib"] << 30))
+    with pytest.raises(ValueError, match=r"preset 'nemotron-3-super' takes 230\.\d GiB of weights \(bfloat16\), "
+                                         r"more than the 80\.0 GiB free on cuda; with quantization='fp8' "
+                                         r"\(--quantization fp8\) it takes 11\d\.\d GiB"):
+        check_preset_fits("nemotron-3-super", meta, cuda, torch.bfloat16, quantized=False)
+    with pytest.raises(ValueError, match=r"takes 11\d\.\d GiB of weights \(FP8\), more than the 80\.0 GiB free"):
+        check_preset_fits("nemotron-3-super", meta, cuda, torch.bfloat16, quantized=True)
+    free["gib"] = 139
+    check_preset_fits("nemotron-3-super", meta, cuda, torch.bfloat16, quantized=True)  # one H200
+    free["gib"] = 75
+    check_preset_fits("nemotron-3-nano", lambda: pytest.fail("the count settles it"), cuda, torch.bfloat16,
+                      quantized=False)
+    check_preset_fits("nemotron-3-super", lambda: pytest.fail("no check on a CPU"), torch.device("cpu"),
+                      torch.bfloat16, quantized=False)
