@@ -100,32 +100,3 @@ def checkpoint_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype:
     else:
         dtype = next((t.dtype for t in state_dict.values() if t.is_floating_point()), torch.float32)
     return dtype if dtype in SUPPORTED_DTYPES else torch.float32
-
-
-def check_preset_fits(name: str, build_meta, device: torch.device, dtype: torch.dtype, *, quantized: bool,
-                      where: str = "load_model") -> None:
-    """Refuse (ValueError, before anything is allocated) a preset whose weights exceed the GPU's
-    free memory, saying how much it needs and what would fit: Nemotron-3 Super takes 247 GB in bf16
-    (no GPU) and ~126 GB in FP8 (one H200). ``build_meta()``: the model on the meta device, built
-    only when the parameter count alone cannot settle it. No check on a CPU."""
-    if device.type != "cuda":
-        return
-    from fastmamba.presets import PRESET_INFO
-
-    free = torch.cuda.mem_get_info(device)[0]
-    info = next((p for p in PRESET_INFO if p.name == name), None)
-    size = torch.tensor([], dtype=dtype).element_size()
-    if info is not None and info.params * (1 if quantized else size) * 1.05 < free:
-        return  # clearly fits (FP8 keeps some matrices in 16 bits: the estimate below is exact)
-    from fastmamba.models.quantization import built_bytes
-
-    meta = build_meta()
-    need = built_bytes(meta, quantized=quantized)
-    if need <= free:
-        return
-    gib = 1 << 30
-    hint = "" if quantized else (f"; with quantization='fp8' (--quantization fp8) it takes "
-                                 f"{built_bytes(meta, quantized=True) / gib:.1f} GiB")
-    raise ValueError(f"{where}: preset {name!r} takes {need / gib:.1f} GiB of weights "
-                     f"({'FP8' if quantized else str(dtype).replace('torch.', '')}), more than the "
-                     f"{free / gib:.1f} GiB free on {device}{hint}")

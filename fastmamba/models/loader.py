@@ -7,8 +7,7 @@ import os
 
 import torch
 
-from fastmamba.models.defaults import (SUPPORTED_DTYPES, check_preset_fits, checkpoint_dtype, default_device, parse_dtype,
-                                       random_init)
+from fastmamba.models.defaults import SUPPORTED_DTYPES, checkpoint_dtype, default_device, parse_dtype, random_init
 from fastmamba.models.mamba2 import PRESETS, Mamba2Config
 from fastmamba.models.mamba2_lm import Mamba2LM
 from fastmamba.models.nemotron_h import PRESETS as NEMOTRON_H_PRESETS, load_nemotron_h
@@ -41,8 +40,8 @@ def load_model(path_or_preset: str | os.PathLike, dtype: torch.dtype | str | Non
     ``load_into``), for weights holding NaN or inf (naming each such tensor: ``check_finite``), or for
     an unsupported ``dtype`` / ``device``.
     """
-    from fastmamba.models.quantization import (apply_plan, check_quantization_arg, prepare_fp8_checkpoint,
-                                               quantize_model, random_quantized)
+    from fastmamba.models.building import check_preset_fits, random_quantized
+    from fastmamba.models.quantization import apply_plan, check_quantization_arg, prepare_fp8_checkpoint, quantize_model
 
     dtype = parse_dtype(dtype)
     device = default_device(device)

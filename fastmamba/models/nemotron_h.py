@@ -51,7 +51,7 @@ from fastmamba.layers.mamba2 import MambaLayerConfig
 from fastmamba.layers.moe import MoEConfig
 from fastmamba.models.checkpoint_config import (_as_float, _Fields, agreed_pattern, checkpoint_eos_token_ids,
                                                 ssm_cache_dtype_of)
-from fastmamba.models.defaults import check_preset_fits, checkpoint_dtype, default_device, random_init  # random_init: re-exported for the presets
+from fastmamba.models.defaults import checkpoint_dtype, default_device, random_init  # random_init: re-exported for the presets
 from fastmamba.models.lm import HybridLM
 from fastmamba.models.mtp import build_mtp, mtp_pattern_of, prepare_mtp_state_dict
 
@@ -457,8 +457,8 @@ def load_nemotron_h(path_or_preset: str | os.PathLike, dtype: torch.dtype | None
     ``cfg.eos_token_ids`` as ``NemotronHConfig.from_dir`` reads them. Checkpoint problems (missing,
     unexpected, misshaped tensors; NaN or inf weights) raise one ValueError listing them all, before
     anything is copied (``fastmamba.models.weights``: check_finite, stack_experts, load_into)."""
-    from fastmamba.models.quantization import (build_planned, check_quantization_arg, prepare_fp8_checkpoint,
-                                               quantize_model, random_quantized)
+    from fastmamba.models.building import build_planned, check_preset_fits, random_quantized
+    from fastmamba.models.quantization import check_quantization_arg, prepare_fp8_checkpoint, quantize_model
 
     device = default_device(device)
     key = str(path_or_preset)

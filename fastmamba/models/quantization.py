@@ -41,7 +41,7 @@ import fnmatch
 import json
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -462,19 +462,6 @@ def apply_plan(model: nn.Module, plan: QuantPlan) -> nn.Module:
     return model
 
 
-def build_planned(build: Callable[..., nn.Module], plan: QuantPlan, device: torch.device) -> nn.Module:
-    """``build(device)``'s model for an FP8 checkpoint without its whole 16-bit form: the plan is
-    checked on a meta-device build first (``check_plan``: nothing allocated), then each block's
-    planned modules become FP8 as the block is built (``finishing_blocks``), then ``apply_plan``
-    does the rest (Super's 120 B parameters are ~125 GB in FP8; 240 GB in bf16 would fit no GPU)."""
-    from fastmamba.models.blocks import finishing_blocks
-
-    check_plan(build(torch.device("meta")), plan)
-    with finishing_blocks(lambda block, name: swap_planned(block, plan, prefix=name)):
-        model = build(device)
-    return apply_plan(model, plan)
-
-
 # ---------------------------------------------------------------------------------------------
 # the K/V cache dtype
 
@@ -586,41 +573,6 @@ def on_load_targets(model: nn.Module, *, prefix: str = "") -> list[tuple[str, bo
         elif full.endswith("experts") and type(m).__name__ == "Experts":
             out.append((name, True))
     return out
-
-
-def built_bytes(meta_model: nn.Module, *, quantized: bool) -> int:
-    """The bytes the parameters and buffers of ``meta_model`` (built on the meta device) take once
-    built for real: as they are, or with ``quantized`` the on-load targets' matrices at one byte a
-    value plus their fp32 per-channel scales."""
-    total = sum(t.numel() * t.element_size() for t in (*meta_model.parameters(), *meta_model.buffers()))
-    if quantized:
-        for name, _ in on_load_targets(meta_model):
-            for p in meta_model.get_submodule(name).parameters():
-                if p.dim() >= 2:  # a matrix (or the experts' [E, N, K]): 1 byte a value, a scale per row
-                    total -= p.numel() * p.element_size() - p.numel() - p[..., 0].numel() * 4
-    return total
-
-
-def random_quantized(build: Callable[[], nn.Module]) -> nn.Module:
-    """``build()``'s model with random weights (``random_init``) quantised as ``quantize_model``
-    does, block by block while it is built (``finishing_blocks``): each block's 16-bit matrices are
-    drawn, converted and freed before the next block exists, so the peak is the FP8 model plus one
-    16-bit block (Nemotron-3 Super: ~125 GB in FP8 on one H200; 240 GB in bf16 would fit no GPU).
-    The weights are those ``random_init`` gives the whole 16-bit model, before quantisation."""
-    from fastmamba.models.blocks import finishing_blocks
-    from fastmamba.models.defaults import random_init
-
-    done: list[nn.Module] = []  # the blocks' modules, initialised (an MTP block gets more modules later)
-
-    def finish(block: nn.Module, name: str) -> None:
-        random_init(block, prefix=name)
-        done.extend(block.modules())
-        quantize_model(block, prefix=name)
-
-    with finishing_blocks(finish):
-        model = build()
-    random_init(model, skip=done)  # the embeddings, lm_head, an MTP layer's eh_proj and norms
-    return quantize_model(model)
 
 
 def prepare_fp8_checkpoint(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], model_cfg) -> QuantPlan | None:

@@ -738,7 +738,7 @@ def test_quantized_preset_is_built_block_by_block(monkeypatch):
             built.append(block)
         return real_finishing(run)
 
-    monkeypatch.setattr("fastmamba.models.blocks.finishing_blocks", counting)
+    monkeypatch.setattr("fastmamba.models.building.finishing_blocks", counting)
     q = load_model("nemotron-3-tiny", device="cpu", quantization="fp8")
     assert len(built) == len(q.backbone.layers) and bf16_left_at_each_block == [0] * len(built)
     want = quantization.quantize_model(load_model("nemotron-3-tiny", device="cpu"))
@@ -753,7 +753,7 @@ def test_fp8_checkpoint_is_checked_on_meta_then_built_block_by_block(tmp_path, m
     """An FP8 checkpoint's plan is checked against a meta-device build (nothing allocated), then
     each block's FP8 modules replace its 16-bit ones as it is built (``swap_planned`` with the
     block's name), before the next block exists."""
-    from fastmamba.models import quantization
+    from fastmamba.models import building, quantization
 
     write_checkpoint(tmp_path, "ct-channel-token")
     calls: list[tuple[str, bool]] = []
@@ -767,8 +767,9 @@ def test_fp8_checkpoint_is_checked_on_meta_then_built_block_by_block(tmp_path, m
     def check(model, plan):
         calls.append(("check:" + next(model.parameters()).device.type, False))
         return real_check(model, plan)
-    monkeypatch.setattr(quantization, "swap_planned", swap)
-    monkeypatch.setattr(quantization, "check_plan", check)
+    for module in (quantization, building):  # (building's own references, and apply_plan's)
+        monkeypatch.setattr(module, "swap_planned", swap)
+        monkeypatch.setattr(module, "check_plan", check)
     model = load_nemotron_h(tmp_path, device="cpu")
     blocks = [c for c in calls if c[0].startswith("backbone.layers.")]
     assert calls[0] == ("check:meta", False) and len(blocks) == len(model.backbone.layers)
@@ -781,7 +782,7 @@ def test_a_preset_larger_than_the_gpu_is_refused_before_it_is_built(monkeypatch)
     """Nemotron-3 Super (123.6 B parameters with its MTP layer): 247 GB in bf16 is refused on any
     GPU with the FP8 size in the message; in FP8 (~126 GB) it is refused on 80 GB and let through on
     141 GB. Nothing is built on the device for the check (the meta device only)."""
-    from fastmamba.models.defaults import check_preset_fits
+    from fastmamba.models.building import check_preset_fits
     from fastmamba.models.nemotron_h import PRESETS
 
     cuda = torch.device("cuda")
