@@ -75,9 +75,9 @@ CONFIG_JSON = dict(model_type="nemotron_h", vocab_size=VOCAB, hidden_size=64, hy
                    norm_topk_prob=True, routed_scaling_factor=2.5, eos_token_id=3, tie_word_embeddings=False)
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LAYER = 3  # the "-" of the pattern: excluded as a whole in every format (modules kept in 16 bits)
-FORMATS = ["modelopt-fp8", "modelopt-channel", "ct-channel-token", "ct-tensor-static"]
+FORMATS = ["modelopt-fp8", "modelopt-channel", "modelopt-mixed", "ct-channel-token", "ct-tensor-static"]
 SPEC = {  # format -> (per_channel weight scales, static input scales)
-    "modelopt-fp8": (False, True), "modelopt-channel": (True, False),
+    "modelopt-fp8": (False, True), "modelopt-channel": (True, False), "modelopt-mixed": (False, True),
     "ct-channel-token": (True, False), "ct-tensor-static": (False, True),
 }
 CALIBRATION = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -177,6 +177,12 @@ def write_checkpoint(root, fmt: str, *, edit=None) -> dict[str, torch.Tensor]:
         for i in NemotronHConfig.from_dict(CONFIG_JSON).layers_of("*"):
             sd[f"backbone.layers.{i}.mixer.k_proj.k_scale"] = torch.tensor(0.02)
             sd[f"backbone.layers.{i}.mixer.v_proj.v_scale"] = torch.tensor(0.03)
+    elif fmt == "modelopt-mixed":  # MIXED_PRECISION, every listed module FP8 (experts listed per expert)
+        listed = [f"{n}.{e}.{p}" for n in names if n.endswith("experts") for e in range(CONFIG_JSON["n_routed_experts"])
+                  for p in ("up_proj", "down_proj")] + [n for n in names if not n.endswith("experts")]
+        hf_quant = {"producer": {"name": "modelopt"}, "quantization": {
+            "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
+            "quantized_layers": {n: {"quant_algo": "FP8"} for n in listed}}}
     elif fmt == "modelopt-channel":
         config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN",
                                          "exclude_modules": ["lm_head", "*.[qkvo]_proj",
@@ -503,6 +509,12 @@ def _quant(**change):
     return edit
 
 
+def _mixed_entry(name, **spec):
+    def edit(sd, config, hf):
+        hf["quantization"]["quantized_layers"][name] = spec
+    return edit
+
+
 def _ct_group(key, **change):
     def edit(sd, config, hf):
         g = config["quantization_config"]["config_groups"]["group_0"]
@@ -523,7 +535,13 @@ def _ct_group(key, **change):
     ("ct-channel-token", _ct_group("weights", num_bits=4, type="int"), "num_bits=4 type='int'"),
     ("ct-channel-token", _ct_group("input_activations"), "input_activations` is null (weight-only FP8"),
     ("ct-channel-token", _quant(format="pack-quantized"), "`format` 'pack-quantized'"),
-], ids=["nvfp4", "kv-int8", "gptq", "awq-smoothing", "modelopt-groups", "group-scales", "int4", "weight-only", "packed"])
+    ("modelopt-mixed", _mixed_entry("backbone.layers.2.mixer.experts.0.up_proj", quant_algo="NVFP4", group_size=16),
+     "`quantized_layers['backbone.layers.2.mixer.experts.0.up_proj'].quant_algo` 'NVFP4' is not supported"),
+    ("modelopt-mixed", _mixed_entry("backbone.layers.1.mixer.in_proj", quant_algo="FP8_PER_CHANNEL_PER_TOKEN"),
+     "FP8_PER_CHANNEL_PER_TOKEN (backbone.layers.1.mixer.in_proj, ...): fastmamba reads one FP8 scale scheme"),
+    ("modelopt-mixed", _quant(quantized_layers={}), "`quantized_layers` expected a non-empty object"),
+], ids=["nvfp4", "kv-int8", "gptq", "awq-smoothing", "modelopt-groups", "group-scales", "int4", "weight-only", "packed",
+        "mixed-nvfp4", "mixed-schemes", "mixed-empty"])
 def test_unsupported_schemes_are_named_before_loading(tmp_path, fmt, edit, message):
     root = tmp_path / "ckpt"
     write_checkpoint(root, fmt, edit=edit)
