@@ -113,11 +113,12 @@ def tensor_bytes(obj, *, _seen: set[int] | None = None) -> int:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Parameters and buffers of ``model``, each shared tensor (tied embeddings) once."""
+    """Parameters and buffers of ``model``, each shared tensor (tied embeddings) once. Views of one
+    storage at other offsets (attention's Q/K/V weights, aliased in one buffer) each count."""
     seen: set[tuple] = set()
     total = 0
     for t in [*model.parameters(), *model.buffers()]:
-        key = (id(t),) if t.device.type == "meta" else (t.untyped_storage().data_ptr(),)
+        key = (id(t),) if t.device.type == "meta" else (t.data_ptr(), t.numel())
         if key not in seen:
             seen.add(key)
             total += t.numel() * t.element_size()
@@ -236,22 +237,30 @@ def meta_twin(model: nn.Module) -> nn.Module:
     return twin
 
 
-def meta_model(path_or_preset: str, dtype: torch.dtype | str | None = None) -> nn.Module:
+def meta_model(path_or_preset: str, dtype: torch.dtype | str | None = None, *,
+               quantization: str | None = None) -> nn.Module:
     """The model a checkpoint directory or preset describes, built on the meta device from its
     ``config.json`` alone (no weight is read): what ``plan_capacity`` needs before loading.
-    dtype: default the config's ``torch_dtype`` / ``dtype``, else bfloat16."""
+    dtype: default the config's ``torch_dtype`` / ``dtype``, else bfloat16. An FP8 checkpoint (its
+    quantisation config) or ``quantization="fp8"`` gives the FP8 modules it will hold
+    (``fastmamba.models.building.fp8_twin``); an unsupported scheme raises here, before loading."""
     import json
     import os
 
     from fastmamba.models import NEMOTRON_H_PRESETS, PRESETS, Mamba2Config, Mamba2LM, NemotronHConfig, NemotronHLM
+    from fastmamba.models.building import fp8_twin
     from fastmamba.models.loader import parse_dtype
+    from fastmamba.models.quant_config import check_quantization_arg, on_load_config, read_quant_config
 
     dtype = parse_dtype(dtype, where="meta_model")
+    on_load = on_load_config() if check_quantization_arg(quantization, "meta_model") else None
     key = os.fspath(path_or_preset)
     if key in PRESETS:
-        return Mamba2LM(PRESETS[key], device="meta", dtype=dtype or torch.bfloat16)
+        model = Mamba2LM(PRESETS[key], device="meta", dtype=dtype or torch.bfloat16)
+        return fp8_twin(model, on_load) if on_load else model
     if key in NEMOTRON_H_PRESETS:
-        return NemotronHLM(NEMOTRON_H_PRESETS[key], device="meta", dtype=dtype or torch.bfloat16)
+        model = NemotronHLM(NEMOTRON_H_PRESETS[key], device="meta", dtype=dtype or torch.bfloat16)
+        return fp8_twin(model, on_load) if on_load else model
     config_path = os.path.join(key, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"meta_model: {key!r} is neither a preset nor a directory with config.json")
@@ -262,8 +271,11 @@ def meta_model(path_or_preset: str, dtype: torch.dtype | str | None = None) -> n
         dtype = (parse_dtype(named, where=f"{config_path}: torch_dtype") if isinstance(named, str) else None) \
             or torch.bfloat16
     if raw.get("model_type") == "nemotron_h":
-        return NemotronHLM(NemotronHConfig.from_dir(key), device="meta", dtype=dtype)
-    return Mamba2LM(Mamba2Config.from_dir(key), device="meta", dtype=dtype)
+        model = NemotronHLM(NemotronHConfig.from_dir(key), device="meta", dtype=dtype)
+    else:
+        model = Mamba2LM(Mamba2Config.from_dir(key), device="meta", dtype=dtype)
+    fp8 = read_quant_config(key, raw) or on_load
+    return fp8_twin(model, fp8) if fp8 else model
 
 
 def device_memory_bytes(device: torch.device | str | None = None) -> int | None:

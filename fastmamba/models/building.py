@@ -10,8 +10,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from fastmamba.layers.fp8_linear import FP8Experts, FP8Linear
 from fastmamba.models.blocks import finishing_blocks
 from fastmamba.models.defaults import random_init
+from fastmamba.models.quant_config import QuantConfig
 from fastmamba.models.quantization import QuantPlan, apply_plan, check_plan, on_load_targets, quantize_model, swap_planned
 
 
@@ -83,3 +85,25 @@ def check_preset_fits(name: str, build_meta, device: torch.device, dtype: torch.
     raise ValueError(f"{where}: preset {name!r} takes {need / gib:.1f} GiB of weights "
                      f"({'FP8' if quantized else str(dtype).replace('torch.', '')}), more than the "
                      f"{free / gib:.1f} GiB free on {device}{hint}")
+
+
+def fp8_twin(meta_model: nn.Module, cfg: QuantConfig) -> nn.Module:
+    """``meta_model`` (built on the meta device) with the modules that an FP8 checkpoint of config
+    ``cfg`` (or ``--quantization fp8``: ``on_load_config()``) holds in FP8 turned into FP8 meta
+    modules: the structure, and the bytes, of the model once loaded (the capacity plan's weights:
+    Nemotron-3 Super plans at ~126 GB, not its 247 GB of bf16). In place; returns it."""
+    embeddings = getattr(getattr(meta_model, "backbone", None), "embeddings", None)
+    tied = getattr(embeddings, "weight", None)
+    targets = []
+    for name, m in meta_model.named_modules():
+        if isinstance(m, nn.Linear) and not cfg.excluded(name) and m.weight is not tied:
+            targets.append((name, FP8Linear(m.in_features, m.out_features, bias=m.bias is not None,
+                                            per_channel=cfg.per_channel, static_input=cfg.static_input,
+                                            device="meta", dtype=m.weight.dtype)))
+        elif name.endswith("experts") and type(m).__name__ == "Experts" and not cfg.excluded(name):
+            targets.append((name, FP8Experts(*m.up_proj.shape, per_channel=cfg.per_channel,
+                                             static_input=cfg.static_input, device="meta")))
+    for name, new in targets:
+        parent, _, attr = name.rpartition(".")
+        setattr(meta_model.get_submodule(parent) if parent else meta_model, attr, new)
+    return meta_model

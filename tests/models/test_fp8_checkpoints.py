@@ -820,3 +820,21 @@ def test_a_preset_larger_than_the_gpu_is_refused_before_it_is_built(monkeypatch)
                       quantized=False)
     check_preset_fits("nemotron-3-super", lambda: pytest.fail("no check on a CPU"), torch.device("cpu"),
                       torch.bfloat16, quantized=False)
+
+
+def test_capacity_plan_counts_the_fp8_bytes(fp8_dir):
+    """``meta_model`` (what ``fastmamba serve`` plans with before loading) of an FP8 checkpoint holds
+    the FP8 modules the loader will build: its weight bytes equal the loaded model's, byte for byte
+    (Super: ~126 GB planned, not the 247 GB of its bf16 form); the same for ``quantization="fp8"``."""
+    from fastmamba.generation.capacity import meta_model, weight_bytes
+
+    fmt, root = fp8_dir
+    loaded = load_nemotron_h(root, device="cpu")
+    meta = meta_model(str(root), torch.float32)
+    assert weight_bytes(meta) == weight_bytes(loaded)
+    assert [n for n, m in meta.named_modules() if isinstance(m, (FP8Linear, FP8Experts))] == \
+        [n for n, m in loaded.named_modules() if isinstance(m, (FP8Linear, FP8Experts))]
+    if fmt == FORMATS[0]:
+        q = load_model("nemotron-3-tiny", device="cpu", quantization="fp8")
+        assert weight_bytes(meta_model("nemotron-3-tiny", torch.float32, quantization="fp8")) == weight_bytes(q)
+        assert weight_bytes(meta_model("nemotron-3-tiny", torch.float32)) > weight_bytes(q)
