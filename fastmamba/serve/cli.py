@@ -109,6 +109,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the model's dtype); fp8: e4m3 pages, scale 1.0 without checkpoint scales")
     parser.add_argument("--dtype", default=None, metavar="|".join(DTYPES[:3]) + "|...",
                         help="weights and activations, as load_model names them (default auto: the checkpoint's)")
+    parser.add_argument("--quantization", choices=("fp8",), default=None,
+                        help="fp8: quantise a 16-bit checkpoint or preset on load, block by block (e4m3 weights per "
+                             "channel, activations per token; attention and lm_head stay 16-bit). FP8 checkpoints "
+                             "load as FP8 without it")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"))
 
 
@@ -178,6 +182,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--served-model-name: expected non-empty names, got {args.served_model_name}")
     if args.dtype is not None and args.dtype.strip().lower().removeprefix("torch.") not in DTYPES:
         raise ValueError(f"--dtype: expected one of {', '.join(DTYPES)}, got {args.dtype!r}")
+    if args.quantization and args.tensor_parallel_size > 1:
+        raise ValueError(f"--quantization {args.quantization} with --tensor-parallel-size {args.tensor_parallel_size}: "
+                         "tensor parallelism does not shard FP8 weights and their scales yet (use one of the two)")
     if args.tokenizer is not None:
         if os.path.isfile(args.tokenizer):
             raise ValueError(f"--tokenizer: {args.tokenizer!r} is a file; pass the directory that holds tokenizer.json")
@@ -240,7 +247,8 @@ def plan_serving(args: argparse.Namespace):
             total = _cuda_total_bytes(device)
     if args.tensor_parallel_size > 1:  # each rank holds a share: not planned yet (ranks size their own pools)
         total = None
-    meta = meta_model(args.model, _load_dtype(args, device)) if total is not None or args.drafter == "mtp" else None
+    meta = (meta_model(args.model, _load_dtype(args, device), quantization=args.quantization)
+            if total is not None or args.drafter == "mtp" else None)
     if args.drafter == "mtp" and getattr(meta, "mtp", None) is None:
         raise ValueError(f"--drafter mtp: {args.model} has no MTP layer (its config names none: "
                          "num_nextn_predict_layers); use --drafter ngram")
@@ -324,13 +332,14 @@ def kv_options(lm, max_batch: int, max_model_len: int | None, num_kv_pages: int 
 
 
 def build_engine(model: str, dtype: str | None, device: str | None, engine_kwargs: dict,
-                 max_model_len: int | None = None, num_kv_pages: int | None = None):
-    """Load ``model`` and build its ``Engine`` (runs in the engine process). With a capacity plan
-    the caller passes its length and pages (``max_model_len``, ``num_kv_pages``)."""
+                 max_model_len: int | None = None, num_kv_pages: int | None = None, quantization: str | None = None):
+    """Load ``model`` (``quantization``: as ``load_model``) and build its ``Engine`` (runs in the
+    engine process). With a capacity plan the caller passes its length and pages (``max_model_len``,
+    ``num_kv_pages``)."""
     import fastmamba
     from fastmamba.generation.engine import Engine
 
-    lm = fastmamba.load_model(model, dtype=dtype, device=device)
+    lm = fastmamba.load_model(model, dtype=dtype, device=device, quantization=quantization)
     kwargs = dict(engine_kwargs)
     kwargs.update(kv_options(lm, kwargs["max_batch"], max_model_len, num_kv_pages,
                              kwargs.get("prefix_cache_bytes") or 0))
@@ -375,9 +384,10 @@ def build_app(args: argparse.Namespace, plan=None):
             num_kv_pages = plan.kv_pages if num_kv_pages is None else num_kv_pages
     dtype = None if args.dtype in (None, "auto") else args.dtype
     names = args.served_model_name or [args.model]
-    log.info(f"{PREFIX}: starting the engine process for {args.model} (dtype {args.dtype or 'auto'}, device "
-             f"{args.device or 'auto'})")
-    factory = functools.partial(build_engine, args.model, dtype, args.device, kwargs, max_model_len, num_kv_pages)
+    log.info(f"{PREFIX}: starting the engine process for {args.model} (dtype {args.dtype or 'auto'}"
+             f"{', FP8 weights' if args.quantization else ''}, device {args.device or 'auto'})")
+    factory = functools.partial(build_engine, args.model, dtype, args.device, kwargs, max_model_len, num_kv_pages,
+                                quantization=args.quantization)
     if args.tensor_parallel_size > 1:  # the engine process becomes rank 0 of N (the same engine, SPMD)
         from fastmamba.distributed.serve_workers import build_tp_engine
 

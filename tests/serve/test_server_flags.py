@@ -27,6 +27,7 @@ BAD = [
     (["--shutdown-timeout", "nan"], "--shutdown-timeout"), (["--dtype", "float64"], "--dtype"),
     (["--chat-template", "/nonexistent.jinja"], "--chat-template"), (["--num-kv-pages", "0"], "--num-kv-pages"),
     (["--served-model-name", ""], "--served-model-name"),
+    (["--quantization", "fp8", "--tensor-parallel-size", "2", "--device", "cpu"], "--quantization fp8 with"),
 ]
 
 
@@ -89,6 +90,32 @@ def test_load_model_dtype_names_are_accepted(dtype, monkeypatch):
     args = serve_cli.argparse.ArgumentParser()
     serve_cli.add_arguments(args)
     serve_cli.check_args(args.parse_args(["--model", "mamba2-tiny", "--dtype", dtype]))
+
+
+def test_quantization_reaches_the_engine_and_the_plan(monkeypatch):
+    """--quantization fp8: the engine process loads FP8 weights (block by block), and the capacity
+    plan is made with the FP8 model's bytes (``meta_model(..., quantization="fp8")``)."""
+    from fastmamba.layers.fp8_linear import FP8Linear
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    engine = serve_cli.build_engine("nemotron-3-tiny", "float32", "cpu", {"max_batch": 1, "cuda_graphs": False},
+                                    quantization="fp8")
+    assert any(isinstance(m, FP8Linear) for m in engine.model.modules())
+    from fastmamba.generation import capacity
+
+    seen = {}
+    real = capacity.meta_model
+
+    def spy(*a, **kw):
+        seen.update(kw)
+        return real(*a, **kw)
+    monkeypatch.setattr(capacity, "meta_model", spy)
+    args = serve_cli.argparse.ArgumentParser()
+    serve_cli.add_arguments(args)
+    parsed = args.parse_args(["--model", "nemotron-3-tiny", "--quantization", "fp8", "--device", "cpu",
+                              "--device-memory-gib", "8"])
+    serve_cli.check_args(parsed)
+    assert serve_cli.plan_serving(parsed) is not None and seen.get("quantization") == "fp8"
 
 
 def test_bfloat16_engine(monkeypatch):
