@@ -65,8 +65,8 @@ from fastmamba.bench.e2e_bytes import hybrid_step_bytes, moe_layers, step_bytes
 from fastmamba.bench.e2e_peers import run_peer, run_peer_hybrid
 from fastmamba.bench.e2e_report import (append_json, plot_decode, print_decode_table, print_drift_table,
                                         print_hybrid_table, print_spec_table)
-from fastmamba.bench.e2e_runs import (DTYPES, REPEAT_BLOCK, make_prompts, run_batch, run_batch_hybrid, run_drift,
-                                      state_label, state_variants)
+from fastmamba.bench.e2e_runs import (DTYPES, LOGIT_POSITIONS, REPEAT_BLOCK, fp8_logit_error, last_logits, make_prompts,
+                                      run_batch, run_batch_hybrid, run_drift, state_label, state_variants)
 from fastmamba.bench.e2e_spec import DRAFTERS, make_bench_drafter, run_speculative
 from fastmamba.bench.kernels import _int_list
 from fastmamba.models.quantization import KV_CACHE_DTYPES, QUANTIZATION_CHOICES, set_kv_cache_dtype
@@ -282,9 +282,16 @@ def run(args: argparse.Namespace, command: str) -> int:
                    f"{f' ({draft_name})' if draft_name else ''}, {'repetitive' if repetitive else 'random'} prompts")
     print(header)
     rows, spec_rows = [], []
+    if args.quantization:  # the FP8 model's logits now, the 16-bit model's once the FP8 one is freed (the end)
+        logit_ids = make_prompts(model.cfg.vocab_size, 1, max(prompt_len, LOGIT_POSITIONS)).to(device)
+        fp8_logits = last_logits(model, logit_ids)
     if is_hybrid(model):
-        return _run_hybrid(args, model, name, batches, prompt_len, gen_len, variants, copy_gbs, header, device,
-                           command)
+        rc = _run_hybrid(args, model, name, batches, prompt_len, gen_len, variants, copy_gbs, header, device,
+                         command)
+        if rc == 0 and args.quantization:
+            del model
+            _report_fp8_logits(args, name, fp8_logits, logit_ids, device, command)
+        return rc
     for b in batches:
         prompts = make_prompts(model.cfg.vocab_size, b, prompt_len, repetitive=repetitive)
         for v, (ssm_dtype, rounding) in enumerate(variants):  # the first one is speculation's baseline
@@ -350,4 +357,30 @@ def run(args: argparse.Namespace, command: str) -> int:
                     copy_gbs=copy_gbs, quantization=args.quantization, command=command)
     if args.plot:
         plot_decode(args.plot, rows, f"{name}, {device_name(device)}")
+    if args.quantization:
+        del model
+        _report_fp8_logits(args, name, fp8_logits, logit_ids, device, command)
     return 0
+
+
+def _report_fp8_logits(args, name, fp8_logits, ids, device, command) -> None:
+    """Free the FP8 model (the caller dropped its reference), load the same preset or checkpoint in 16
+    bits, print and record the logits' relative error (``e2e_runs.fp8_logit_error``)."""
+    import gc
+
+    import fastmamba
+    from fastmamba.bench.peak import device_name
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    row = fp8_logit_error(fp8_logits, lambda: fastmamba.load_model(name, device=device, dtype=dtype), ids, device)
+    if "skipped" in row:
+        print(f"# FP8 vs 16-bit logits: not measured: {row['skipped']}")
+    else:
+        print(f"# FP8 vs 16-bit logits (same weights, the last {row['positions']} positions of a {row['prompt_len']}-token "
+              f"prompt): relative error {row['rel_err_norm']:.4f} in norm, {row['rel_err_max']:.4f} max |diff| / max |l|")
+    if args.json:
+        append_json(args.json, [row], model=name, device=device_name(device), quantization=args.quantization,
+                    command=command)

@@ -288,3 +288,33 @@ def run_drift(model, prompts: torch.Tensor, n_tokens: int, variants: list[tuple[
         })
     return rows
 
+
+
+LOGIT_POSITIONS = 16  # the last prompt positions whose logits the FP8 / 16-bit comparison reads
+
+
+@torch.no_grad()
+def last_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [B, LOGIT_POSITIONS, V] of the last prompt positions of a full forward (no cache)."""
+    return model(ids)[:, -LOGIT_POSITIONS:].float()
+
+
+def fp8_logit_error(fp8_logits: torch.Tensor, load_16bit, ids: torch.Tensor, device: torch.device) -> dict:
+    """The FP8 model's logits (``last_logits``, taken before it was freed) against the same random
+    weights in 16 bits (``load_16bit()``, loaded now): relative error in norm ``|l8 - l16| / |l16|``
+    over the positions and the largest ``max|l8 - l16| / max|l16|`` of a position. A 16-bit model
+    that does not fit (``check_preset_fits``: Super's 247 GB) gives a row that says so."""
+    row = {"provider": "FP8 vs 16-bit logits", "batch": int(ids.shape[0]), "prompt_len": int(ids.shape[1]),
+           "positions": int(fp8_logits.shape[1])}
+    try:
+        ref_model = load_16bit()
+    except (ValueError, torch.OutOfMemoryError) as exc:
+        return dict(row, skipped=f"the 16-bit model does not load here: {str(exc).splitlines()[0]}")
+    ref = last_logits(ref_model, ids).to(fp8_logits.device)
+    del ref_model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    diff = fp8_logits - ref
+    per_pos = diff.abs().amax(-1) / ref.abs().amax(-1).clamp(min=1e-30)
+    return dict(row, rel_err_norm=float(diff.norm() / ref.norm().clamp(min=1e-30)), rel_err_max=float(per_pos.max()),
+                dtype_16bit=str(ref.dtype))

@@ -33,9 +33,13 @@ def test_e2e_quantization_fp8_loads_fp8_and_counts_its_bytes(tmp_path, monkeypat
 
     monkeypatch.setattr(fastmamba, "load_model", spy)
     (plain,) = _rows(tmp_path, "plain", [])
-    (fp8,) = _rows(tmp_path, "fp8", ["--quantization", "fp8"])
-    assert seen == [None, "fp8"]
-    assert "FP8 weights" in capsys.readouterr().out
+    fp8, logits = _rows(tmp_path, "fp8", ["--quantization", "fp8"])
+    assert seen == [None, "fp8", None]  # the 16-bit model for the logits, loaded once the FP8 one is done
+    out = capsys.readouterr().out
+    assert "FP8 weights" in out and "# FP8 vs 16-bit logits (same weights, the last 16 positions" in out
+    # FP8 rounding of weights and activations moves the logits (e4m3: ~2^-4 relative per value), a little
+    assert logits["provider"] == "FP8 vs 16-bit logits" and 2 ** -12 < logits["rel_err_norm"] < 0.5
+    assert logits["rel_err_norm"] <= logits["rel_err_max"] * 4 and logits["quantization"] == "fp8"
     assert plain["quantization"] is None and fp8["quantization"] == "fp8"
     # the experts' and projections' weights are read as 1-byte floats (attention and lm_head stay 16/32-bit)
     assert 0 < fp8["step_bytes"] < plain["step_bytes"]
@@ -47,3 +51,18 @@ def test_e2e_quantization_rejects_unknown_scheme(capsys):
         targets.main(["e2e", "--model", "nemotron-3-tiny", "--quantization", "int4"])
     assert exc.value.code == 2
     assert "--quantization" in capsys.readouterr().err
+
+
+def test_e2e_fp8_logits_say_why_when_the_16bit_model_does_not_load(tmp_path, monkeypatch, capsys):
+    """A 16-bit model that does not fit (Super's 247 GB) gives a row that says so; the run succeeds."""
+    load = fastmamba.load_model
+
+    def only_fp8(*args, **kwargs):
+        if not kwargs.get("quantization"):
+            raise ValueError("preset 'x' takes 230.4 GiB of weights (bfloat16), more than the 139.0 GiB free")
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(fastmamba, "load_model", only_fp8)
+    fp8, logits = _rows(tmp_path, "fp8", ["--quantization", "fp8"])
+    assert fp8["decode_tok_s"] > 0 and logits["skipped"].startswith("the 16-bit model does not load here: preset")
+    assert "# FP8 vs 16-bit logits: not measured: the 16-bit model does not load here" in capsys.readouterr().out
