@@ -283,7 +283,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     print(header)
     rows, spec_rows = [], []
     if args.quantization:  # the FP8 model's logits now, the 16-bit model's once the FP8 one is freed (the end)
-        logit_ids = make_prompts(model.cfg.vocab_size, 1, max(prompt_len, LOGIT_POSITIONS)).to(device)
+        logit_ids = make_prompts(model.cfg.vocab_size, 1, max(min(prompt_len, 128), LOGIT_POSITIONS)).to(device)
         fp8_logits = last_logits(model, logit_ids)
     if is_hybrid(model):
         rc = _run_hybrid(args, model, name, batches, prompt_len, gen_len, variants, copy_gbs, header, device,
