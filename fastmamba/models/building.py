@@ -62,15 +62,15 @@ def build_planned(build: Callable[..., nn.Module], plan: QuantPlan, device: torc
 
 def check_preset_fits(name: str, build_meta, device: torch.device, dtype: torch.dtype, *, quantized: bool,
                       where: str = "load_model") -> None:
-    """Refuse (ValueError, before anything is allocated) a preset whose weights exceed the GPU's
-    free memory, saying how much it needs and what would fit: Nemotron-3 Super takes 247 GB in bf16
-    (no GPU) and ~126 GB in FP8 (one H200). ``build_meta()``: the model on the meta device, built
-    only when the parameter count alone cannot settle it. No check on a CPU."""
-    if device.type != "cuda":
-        return
+    """Refuse (ValueError, before anything is allocated) a preset whose weights exceed the device's
+    free memory (a GPU's, or a CPU's available RAM), saying how much it needs and what would fit:
+    Nemotron-3 Super takes 247 GB in bf16 (no GPU) and ~126 GB in FP8 (one H200). ``build_meta()``:
+    the model on the meta device, built only when the parameter count alone cannot settle it."""
     from fastmamba.presets import PRESET_INFO
 
-    free = torch.cuda.mem_get_info(device)[0]
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else _available_ram()
+    if free is None:
+        return
     info = next((p for p in PRESET_INFO if p.name == name), None)
     size = torch.tensor([], dtype=dtype).element_size()
     if info is not None and info.params * (1 if quantized else size) * 1.05 < free:
@@ -85,6 +85,18 @@ def check_preset_fits(name: str, build_meta, device: torch.device, dtype: torch.
     raise ValueError(f"{where}: preset {name!r} takes {need / gib:.1f} GiB of weights "
                      f"({'FP8' if quantized else str(dtype).replace('torch.', '')}), more than the "
                      f"{free / gib:.1f} GiB free on {device}{hint}")
+
+
+def _available_ram() -> int | None:
+    """The host's available memory in bytes (Linux: /proc/meminfo's MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def fp8_twin(meta_model: nn.Module, cfg: QuantConfig) -> nn.Module:

@@ -799,7 +799,8 @@ def test_fp8_checkpoint_is_checked_on_meta_then_built_block_by_block(tmp_path, m
 def test_a_preset_larger_than_the_gpu_is_refused_before_it_is_built(monkeypatch):
     """Nemotron-3 Super (123.6 B parameters with its MTP layer): 247 GB in bf16 is refused on any
     GPU with the FP8 size in the message; in FP8 (~126 GB) it is refused on 80 GB and let through on
-    141 GB. Nothing is built on the device for the check (the meta device only)."""
+    141 GB; on a CPU the bound is the available RAM. Nothing is built on the device for the check (the
+    meta device only)."""
     from fastmamba.models.building import check_preset_fits
     from fastmamba.models.nemotron_h import PRESETS
 
@@ -818,8 +819,15 @@ def test_a_preset_larger_than_the_gpu_is_refused_before_it_is_built(monkeypatch)
     free["gib"] = 75
     check_preset_fits("nemotron-3-nano", lambda: pytest.fail("the count settles it"), cuda, torch.bfloat16,
                       quantized=False)
-    check_preset_fits("nemotron-3-super", lambda: pytest.fail("no check on a CPU"), torch.device("cpu"),
-                      torch.bfloat16, quantized=False)
+    from fastmamba.models import building
+
+    monkeypatch.setattr(building, "_available_ram", lambda: 64 << 30)  # a CPU: its available RAM
+    with pytest.raises(ValueError, match=r"takes 460\.\d GiB of weights \(float32\), more than the 64\.0 GiB free on cpu"):
+        check_preset_fits("nemotron-3-super", lambda: NemotronHLM(PRESETS["nemotron-3-super"], device="meta",
+                                                                  dtype=torch.float32),
+                          torch.device("cpu"), torch.float32, quantized=False)
+    check_preset_fits("nemotron-3-tiny", lambda: pytest.fail("the count settles it"), torch.device("cpu"),
+                      torch.float32, quantized=False)
 
 
 def test_capacity_plan_counts_the_fp8_bytes(fp8_dir):
