@@ -243,23 +243,21 @@ def meta_model(path_or_preset: str, dtype: torch.dtype | str | None = None, *,
     ``config.json`` alone (no weight is read): what ``plan_capacity`` needs before loading.
     dtype: default the config's ``torch_dtype`` / ``dtype``, else bfloat16. An FP8 checkpoint (its
     quantisation config) or ``quantization="fp8"`` gives the FP8 modules it will hold
-    (``fastmamba.models.building.fp8_twin``); an unsupported scheme raises here, before loading."""
+    (``fastmamba.models.quantization.fp8_twin``); an unsupported scheme raises here, before loading."""
     import json
     import os
 
     from fastmamba.models import NEMOTRON_H_PRESETS, PRESETS, Mamba2Config, Mamba2LM, NemotronHConfig, NemotronHLM
-    from fastmamba.models.building import fp8_twin
     from fastmamba.models.loader import parse_dtype
     from fastmamba.models.quant_config import check_quantization_arg, on_load_config, read_quant_config
+    from fastmamba.models.quantization import fp8_twin
 
     dtype = parse_dtype(dtype, where="meta_model")
     on_load = on_load_config() if check_quantization_arg(quantization, "meta_model") else None
     key = os.fspath(path_or_preset)
-    if key in PRESETS:
-        model = Mamba2LM(PRESETS[key], device="meta", dtype=dtype or torch.bfloat16)
-        return fp8_twin(model, on_load) if on_load else model
-    if key in NEMOTRON_H_PRESETS:
-        model = NemotronHLM(NEMOTRON_H_PRESETS[key], device="meta", dtype=dtype or torch.bfloat16)
+    if key in PRESETS or key in NEMOTRON_H_PRESETS:
+        lm, presets = (Mamba2LM, PRESETS) if key in PRESETS else (NemotronHLM, NEMOTRON_H_PRESETS)
+        model = lm(presets[key], device="meta", dtype=dtype or torch.bfloat16)
         return fp8_twin(model, on_load) if on_load else model
     config_path = os.path.join(key, "config.json")
     if not os.path.isfile(config_path):

@@ -1,8 +1,8 @@
 """Building a model block by block (``fastmamba.models.blocks.finishing_blocks``), so that one whose
 16-bit form does not fit the GPU loads in FP8: a random-weight preset quantised as it is built
-(``random_quantized``), an FP8 checkpoint's modules swapped in as each block is built
+(``random_quantized``, ``random_preset``), an FP8 checkpoint's modules swapped in as each block is built
 (``build_planned``), and the check that refuses a preset larger than the GPU before it is built
-(``check_preset_fits``, with ``built_bytes``). Nemotron-3 Super: 247 GB in bf16, ~126 GB in FP8."""
+(``check_preset_fits``, with ``fp8_twin``). Nemotron-3 Super: 247 GB in bf16, ~126 GB in FP8."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -10,24 +10,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fastmamba.layers.fp8_linear import FP8Experts, FP8Linear
 from fastmamba.models.blocks import finishing_blocks
 from fastmamba.models.defaults import random_init
-from fastmamba.models.quant_config import QuantConfig
-from fastmamba.models.quantization import QuantPlan, apply_plan, check_plan, on_load_targets, quantize_model, swap_planned
+from fastmamba.models.quant_config import on_load_config
+from fastmamba.models.quantization import QuantPlan, apply_plan, check_plan, fp8_twin, quantize_model, swap_planned
 
 
-def built_bytes(meta_model: nn.Module, *, quantized: bool) -> int:
-    """The bytes the parameters and buffers of ``meta_model`` (built on the meta device) take once
-    built for real: as they are, or with ``quantized`` the on-load targets' matrices at one byte a
-    value plus their fp32 per-channel scales."""
-    total = sum(t.numel() * t.element_size() for t in (*meta_model.parameters(), *meta_model.buffers()))
-    if quantized:
-        for name, _ in on_load_targets(meta_model):
-            for p in meta_model.get_submodule(name).parameters():
-                if p.dim() >= 2:  # a matrix (or the experts' [E, N, K]): 1 byte a value, a scale per row
-                    total -= p.numel() * p.element_size() - p.numel() - p[..., 0].numel() * 4
-    return total
+def _bytes(model: nn.Module) -> int:
+    """The bytes of ``model``'s parameters and buffers (a meta-device model: once built for real)."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
 def random_quantized(build: Callable[[], nn.Module]) -> nn.Module:
@@ -60,6 +51,16 @@ def build_planned(build: Callable[..., nn.Module], plan: QuantPlan, device: torc
     return apply_plan(model, plan)
 
 
+def random_preset(name: str, make: Callable[[torch.device | str], nn.Module], device: torch.device,
+                  dtype: torch.dtype, *, quantized: bool, where: str = "load_model") -> nn.Module:
+    """Preset ``name``'s model with its random weights, in eval mode: ``make(device)`` builds it;
+    refused first when it cannot fit (``check_preset_fits``, on a meta build), then drawn whole
+    (``random_init``) or, ``quantized``, block by block into FP8 (``random_quantized``)."""
+    check_preset_fits(name, lambda: make("meta"), device, dtype, quantized=quantized, where=where)
+    build = lambda: make(device)  # noqa: E731
+    return (random_quantized(build) if quantized else random_init(build())).eval()
+
+
 def check_preset_fits(name: str, build_meta, device: torch.device, dtype: torch.dtype, *, quantized: bool,
                       where: str = "load_model") -> None:
     """Refuse (ValueError, before anything is allocated) a preset whose weights exceed the device's
@@ -76,12 +77,13 @@ def check_preset_fits(name: str, build_meta, device: torch.device, dtype: torch.
     if info is not None and info.params * (1 if quantized else size) * 1.05 < free:
         return  # clearly fits (FP8 keeps some matrices in 16 bits: the estimate below is exact)
     meta = build_meta()
-    need = built_bytes(meta, quantized=quantized)
+    need_16 = _bytes(meta)
+    need_fp8 = _bytes(fp8_twin(meta, on_load_config()))  # (meta is its FP8 twin from here on)
+    need = need_fp8 if quantized else need_16
     if need <= free:
         return
     gib = 1 << 30
-    hint = "" if quantized else (f"; with quantization='fp8' (--quantization fp8) it takes "
-                                 f"{built_bytes(meta, quantized=True) / gib:.1f} GiB")
+    hint = "" if quantized else f"; with quantization='fp8' (--quantization fp8) it takes {need_fp8 / gib:.1f} GiB"
     raise ValueError(f"{where}: preset {name!r} takes {need / gib:.1f} GiB of weights "
                      f"({'FP8' if quantized else str(dtype).replace('torch.', '')}), more than the "
                      f"{free / gib:.1f} GiB free on {device}{hint}")
@@ -97,25 +99,3 @@ def _available_ram() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
-
-
-def fp8_twin(meta_model: nn.Module, cfg: QuantConfig) -> nn.Module:
-    """``meta_model`` (built on the meta device) with the modules that an FP8 checkpoint of config
-    ``cfg`` (or ``--quantization fp8``: ``on_load_config()``) holds in FP8 turned into FP8 meta
-    modules: the structure, and the bytes, of the model once loaded (the capacity plan's weights:
-    Nemotron-3 Super plans at ~126 GB, not its 247 GB of bf16). In place; returns it."""
-    embeddings = getattr(getattr(meta_model, "backbone", None), "embeddings", None)
-    tied = getattr(embeddings, "weight", None)
-    targets = []
-    for name, m in meta_model.named_modules():
-        if isinstance(m, nn.Linear) and not cfg.excluded(name) and m.weight is not tied:
-            targets.append((name, FP8Linear(m.in_features, m.out_features, bias=m.bias is not None,
-                                            per_channel=cfg.per_channel, static_input=cfg.static_input,
-                                            device="meta", dtype=m.weight.dtype)))
-        elif name.endswith("experts") and type(m).__name__ == "Experts" and not cfg.excluded(name):
-            targets.append((name, FP8Experts(*m.up_proj.shape, per_channel=cfg.per_channel,
-                                             static_input=cfg.static_input, device="meta")))
-    for name, new in targets:
-        parent, _, attr = name.rpartition(".")
-        setattr(meta_model.get_submodule(parent) if parent else meta_model, attr, new)
-    return meta_model

@@ -3,7 +3,7 @@ dtype, and deterministic random weights (presets, demos, benchmarks)."""
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -59,6 +59,14 @@ def default_device(device, *, where: str = "load_model") -> torch.device:
     return dev
 
 
+def named_modules_in(model: nn.Module, prefix: str = "") -> Iterator[tuple[str, str, nn.Module]]:
+    """(name relative to ``model``, qualified name in the whole model, module) of every module of
+    ``model``; ``prefix``: ``model``'s own qualified name when it is one block of a model being built
+    (``fastmamba.models.blocks.finishing_blocks``), else ""."""
+    for rel, module in model.named_modules():
+        yield rel, (f"{prefix}.{rel}" if prefix and rel else (prefix or rel)), module
+
+
 def _generator(device: torch.device, seed: int, name: str) -> torch.Generator:
     """A generator on ``device`` seeded by (seed, a module's qualified name)."""
     return torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62))
@@ -75,8 +83,7 @@ def random_init(model: nn.Module, seed: int = 0, *, prefix: str = "", skip: Iter
     qualified name of ``model`` inside the whole (e.g. ``backbone.layers.3``), and the modules in
     ``skip`` (initialised already; not their children added since) are left as they are."""
     skip_ids = {id(m) for m in skip}
-    for rel, module in model.named_modules():
-        name = f"{prefix}.{rel}" if prefix and rel else (prefix or rel)
+    for _, name, module in named_modules_in(model, prefix):
         if id(module) in skip_ids:
             continue
         if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):

@@ -40,7 +40,7 @@ def load_model(path_or_preset: str | os.PathLike, dtype: torch.dtype | str | Non
     ``load_into``), for weights holding NaN or inf (naming each such tensor: ``check_finite``), or for
     an unsupported ``dtype`` / ``device``.
     """
-    from fastmamba.models.building import check_preset_fits, random_quantized
+    from fastmamba.models.building import random_preset
     from fastmamba.models.quantization import apply_plan, check_quantization_arg, prepare_fp8_checkpoint, quantize_model
 
     dtype = parse_dtype(dtype)
@@ -51,10 +51,8 @@ def load_model(path_or_preset: str | os.PathLike, dtype: torch.dtype | str | Non
         raise TypeError(f"load_model: expected a checkpoint directory or a preset name, got {type(key).__name__}")
     if key in PRESETS:
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        check_preset_fits(key, lambda: Mamba2LM(PRESETS[key], device="meta", dtype=dtype), device, dtype,
-                          quantized=bool(quantization))
-        build = lambda: Mamba2LM(PRESETS[key], device=device, dtype=dtype)  # noqa: E731
-        return (random_quantized(build) if quantization else random_init(build())).eval()
+        return random_preset(key, lambda dev: Mamba2LM(PRESETS[key], device=dev, dtype=dtype), device, dtype,
+                             quantized=bool(quantization))
     if key in NEMOTRON_H_PRESETS:
         return load_nemotron_h(key, dtype=dtype, device=device, quantization=quantization)
     if os.path.isfile(key):

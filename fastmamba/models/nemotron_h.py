@@ -457,18 +457,15 @@ def load_nemotron_h(path_or_preset: str | os.PathLike, dtype: torch.dtype | None
     ``cfg.eos_token_ids`` as ``NemotronHConfig.from_dir`` reads them. Checkpoint problems (missing,
     unexpected, misshaped tensors; NaN or inf weights) raise one ValueError listing them all, before
     anything is copied (``fastmamba.models.weights``: check_finite, stack_experts, load_into)."""
-    from fastmamba.models.building import build_planned, check_preset_fits, random_quantized
+    from fastmamba.models.building import build_planned, random_preset
     from fastmamba.models.quantization import check_quantization_arg, prepare_fp8_checkpoint, quantize_model
 
     device = default_device(device)
     key = str(path_or_preset)
     if key in PRESETS:
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        quantized = bool(check_quantization_arg(quantization))
-        check_preset_fits(key, lambda: NemotronHLM(PRESETS[key], device="meta", dtype=dtype), device, dtype,
-                          quantized=quantized, where="load_nemotron_h")
-        build = lambda: NemotronHLM(PRESETS[key], device=device, dtype=dtype)  # noqa: E731
-        return (random_quantized(build) if quantized else random_init(build())).eval()
+        return random_preset(key, lambda dev: NemotronHLM(PRESETS[key], device=dev, dtype=dtype), device, dtype,
+                             quantized=bool(check_quantization_arg(quantization)), where="load_nemotron_h")
     if not os.path.isdir(key):
         raise FileNotFoundError(f"load_nemotron_h: {key!r} is neither a directory nor a preset; presets: "
                                 f"{', '.join(PRESETS)}")

@@ -49,10 +49,11 @@ import torch
 from torch import nn
 
 from fastmamba.layers.fp8_linear import FP8Experts, FP8Linear
-from fastmamba.ops.fp8 import FP8_DTYPE
+from fastmamba.models.defaults import named_modules_in
 from fastmamba.models.quant_config import (  # noqa: F401  (the configs' names, re-exported here)
     HF_QUANT_CONFIG, MODELOPT_ALGOS, ON_LOAD_EXCLUDE, QUANTIZATION_CHOICES, QuantConfig, check_quantization_arg,
     on_load_config, parse_compressed_tensors, parse_modelopt, read_quant_config)
+from fastmamba.ops.fp8 import FP8_DTYPE
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,25 +249,37 @@ def check_plan(model: nn.Module, plan: QuantPlan) -> None:
                          f"({len(problems)} problem(s))\n" + "\n".join("    " + p for p in problems[:20]))
 
 
+def empty_fp8(m: nn.Module, cfg: QuantConfig) -> nn.Module:
+    """An empty FP8 module (``load_into`` fills it) in place of 16-bit module ``m`` (an ``nn.Linear``
+    or a MoE layer's ``Experts``) on ``m``'s device (the meta device too), with ``cfg``'s scales (per
+    channel or tensor, static inputs or not)."""
+    if isinstance(m, nn.Linear):
+        return FP8Linear(m.in_features, m.out_features, bias=m.bias is not None, per_channel=cfg.per_channel,
+                         static_input=cfg.static_input, device=m.weight.device, dtype=m.weight.dtype)
+    return FP8Experts(*m.up_proj.shape, per_channel=cfg.per_channel, static_input=cfg.static_input,
+                      device=m.up_proj.device)
+
+
 def swap_planned(model: nn.Module, plan: QuantPlan, *, prefix: str = "") -> nn.Module:
     """Replace the 16-bit modules of ``model`` that ``plan`` names (``prefix``: ``model``'s
     qualified name when it is one block of a model being built) with empty FP8 modules; modules that
     are FP8 already stay. No checks: ``check_plan`` does them."""
-    cfg = plan.cfg
-    targets = []
-    for rel, m in model.named_modules():
-        name = f"{prefix}.{rel}" if prefix and rel else (prefix or rel)
-        if isinstance(m, nn.Linear) and name in plan.linears:
-            targets.append((rel, lambda m: FP8Linear(m.in_features, m.out_features, bias=m.bias is not None,
-                                                     per_channel=cfg.per_channel, static_input=cfg.static_input,
-                                                     device=m.weight.device, dtype=m.weight.dtype)))
-        elif name in plan.experts and type(m).__name__ == "Experts":
-            targets.append((rel, lambda m: FP8Experts(*m.up_proj.shape, per_channel=cfg.per_channel,
-                                                      static_input=cfg.static_input, device=m.up_proj.device)))
-    m = None
-    for rel, make in targets:  # one at a time: each 16-bit original is freed before the next
-        _swap(model, rel, make(model.get_submodule(rel)))
+    targets = [rel for rel, name, m in named_modules_in(model, prefix)  # names only (see quantize_model)
+               if (isinstance(m, nn.Linear) and name in plan.linears)
+               or (name in plan.experts and type(m).__name__ == "Experts")]
+    for rel in targets:  # one at a time: each 16-bit original is freed before the next
+        _swap(model, rel, empty_fp8(model.get_submodule(rel), plan.cfg))
     return model
+
+
+def fp8_twin(meta_model: nn.Module, cfg: QuantConfig) -> nn.Module:
+    """``meta_model`` (built on the meta device) with the modules that an FP8 checkpoint of config
+    ``cfg`` (or ``--quantization fp8``: ``on_load_config()``) holds in FP8 turned into FP8 meta
+    modules: the structure, and the bytes, of the model once loaded (the capacity plan's weights:
+    Nemotron-3 Super plans at ~126 GB, not its 247 GB of bf16). In place; returns it."""
+    for rel, _ in fp8_targets(meta_model, cfg):
+        _swap(meta_model, rel, empty_fp8(meta_model.get_submodule(rel), cfg))
+    return meta_model
 
 
 def apply_plan(model: nn.Module, plan: QuantPlan) -> nn.Module:
@@ -373,7 +386,7 @@ def quantize_model(model: nn.Module, *, prefix: str = "") -> nn.Module:
     cfg = on_load_config()
     # names only: a list of the modules would keep every 16-bit weight alive to the end
     targets = [(name, FP8Experts.from_experts if experts else FP8Linear.from_linear)
-               for name, experts in on_load_targets(model, prefix=prefix)]
+               for name, experts in fp8_targets(model, cfg, prefix=prefix)]
     for name, convert in targets:  # one module at a time: its 16-bit weights are freed before the next
         _swap(model, name, convert(model.get_submodule(name)))
     if not prefix:
@@ -381,21 +394,19 @@ def quantize_model(model: nn.Module, *, prefix: str = "") -> nn.Module:
     return model
 
 
-def on_load_targets(model: nn.Module, *, prefix: str = "") -> list[tuple[str, bool]]:
-    """(name relative to ``model``, is-experts) of each 16-bit module ``quantize_model`` converts:
-    the Linears the on-load recipe does not exclude (not a head tied to the embeddings) and the MoE
-    layers' routed experts."""
-    cfg = on_load_config()
+def fp8_targets(model: nn.Module, cfg: QuantConfig, *, prefix: str = "") -> list[tuple[str, bool]]:
+    """(name relative to ``model``, is-experts) of each 16-bit module that ``cfg`` keeps in FP8: the
+    Linears it does not exclude (not a head tied to the embeddings) and the MoE layers' routed
+    experts it does not exclude. With ``on_load_config()``: what ``quantize_model`` converts."""
     embeddings = getattr(getattr(model, "backbone", None), "embeddings", None)
     tied = getattr(embeddings, "weight", None)
     out = []
-    for name, m in model.named_modules():
-        full = f"{prefix}.{name}" if prefix and name else (prefix or name)
-        if isinstance(m, nn.Linear) and not cfg.excluded(full):
+    for rel, name, m in named_modules_in(model, prefix):
+        if isinstance(m, nn.Linear) and not cfg.excluded(name):
             if m.weight is not tied:  # (a head tied to the embeddings stays)
-                out.append((name, False))
-        elif full.endswith("experts") and type(m).__name__ == "Experts":
-            out.append((name, True))
+                out.append((rel, False))
+        elif name.endswith("experts") and type(m).__name__ == "Experts" and not cfg.excluded(name):
+            out.append((rel, True))
     return out
 
 
