@@ -42,10 +42,21 @@ def apply(module: str, entries: list[str]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    found = blocks(open(argv[1]).read())
+    if len(argv) != 2:
+        print("usage: python3 scripts/apply_tune_table.py TUNE_OUTPUT.txt", file=sys.stderr)
+        return 2
+    try:
+        text = open(argv[1]).read()
+    except OSError as exc:
+        print(f"apply_tune_table: cannot read {argv[1]}: {exc.strerror}", file=sys.stderr)
+        return 1
+    found = blocks(text)
+    if not found:
+        print(f"apply_tune_table: no paste-ready TABLE in {argv[1]} (did the tune step fail?)", file=sys.stderr)
+        return 1
     for module, entries in found:
         print(f"{apply(module, entries)}: TABLE of {len(entries)} lines from {argv[1]}")
-    return 0 if found else 1
+    return 0
 
 
 if __name__ == "__main__":
