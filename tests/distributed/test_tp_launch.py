@@ -35,6 +35,11 @@ def _as_torchrun_rank(monkeypatch, rank: int, world: int = 2) -> None:
 
 @pytest.mark.parametrize("tp", [["--tp", "1"], []], ids=["tp1", "no-tp"])
 def test_torchrun_world_size_other_than_tp_is_refused_by_rank_0_only(monkeypatch, capfd, tp):
+    import fastmamba.cli
+
+    # a rank other than 0 waits for rank 0 to print before it exits (30 s under torchrun, which ends it
+    # sooner); here no rank 0 runs beside it, so the wait only costs the suite time
+    monkeypatch.setattr(fastmamba.cli, "_QUIET_RANK_WAIT_S", 0.0)
     _as_torchrun_rank(monkeypatch, 0)
     assert main(GEN + ["--device", "cpu", *tp]) == 2
     out, err = capfd.readouterr()
