@@ -95,7 +95,7 @@ def causal_conv1d_update(
         try:
             key = (x.shape, x.stride(), x.dtype, x.device, sig(conv_state), sig(weight), sig(bias),
                    sig(cache_seqlens), sig(conv_state_indices), sig(out), activation, pad_slot_id, _pdl._enabled,
-                   conv_configs._forced, _device_check(conv_state_indices))
+                   conv_configs._forced.value, _device_check(conv_state_indices))
         except (AttributeError, TypeError):  # a non-tensor or an unhashable activation: the checks say which
             key = None
         checked_on_device = key is not None and key[-1]

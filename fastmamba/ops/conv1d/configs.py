@@ -8,9 +8,10 @@ one channel per lane; the state_len-4 kernel gives each thread 4 channels' 16-by
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import NamedTuple
 
+from fastmamba.ops._common.forced import Forced
 from fastmamba.ops._common.host_math import cdiv
 
 
@@ -27,19 +28,12 @@ CANDIDATES = [
     if 1 <= bd // (32 * w) <= 4
 ]
 
-_forced: Conv1dUpdateConfig | None = None
+_forced: Forced[Conv1dUpdateConfig] = Forced()
 
 
-@contextlib.contextmanager
-def forced_config(block_d: int, num_warps: int) -> Iterator[None]:
+def forced_config(block_d: int, num_warps: int) -> contextlib.AbstractContextManager[None]:
     """Use this config for every launch inside the block (the tuning sweep's hook)."""
-    global _forced, _forced_flat, _forced_rows
-    previous = (_forced, _forced_flat, _forced_rows)
-    _forced = _forced_flat = _forced_rows = Conv1dUpdateConfig(block_d, num_warps)
-    try:
-        yield
-    finally:
-        _forced, _forced_flat, _forced_rows = previous
+    return _forced.use(Conv1dUpdateConfig(block_d, num_warps))
 
 
 def pick_config(D: int, B: int, live_columns: int, *, interpreter: bool) -> Conv1dUpdateConfig:
@@ -50,8 +44,8 @@ def pick_config(D: int, B: int, live_columns: int, *, interpreter: bool) -> Conv
     best or within 4% of best at every batch (D=10240, batch 256: 16.7 us vs 19.0 us for 512 x 8
     warps). Under the interpreter the smallest block is used (its cost grows with programs).
     """
-    if _forced is not None:
-        return _forced
+    if _forced.value is not None:
+        return _forced.value
     if interpreter:
         return Conv1dUpdateConfig(block_d=32, num_warps=1)
     return Conv1dUpdateConfig(block_d=128, num_warps=4)
@@ -67,17 +61,11 @@ def use_vec4_kernel(D: int, B: int) -> bool:
 def pick_vec4_config(D: int, B: int, *, interpreter: bool) -> Conv1dUpdateConfig:
     """(BLOCK_D, num_warps) for the state_len-4 fast path. One warp per 128 channels keeps every
     column split inside a thread (no shared memory: checked in the sm_90 compile)."""
-    if _forced_flat is not None:
-        return _forced_flat
+    if _forced.value is not None:
+        return _forced.value
     if interpreter:
         return Conv1dUpdateConfig(block_d=32, num_warps=1)
     return Conv1dUpdateConfig(block_d=128, num_warps=1)  # H200 tune: best at batch 64 and 256
-
-
-_forced_flat: Conv1dUpdateConfig | None = None
-
-
-_forced_rows: Conv1dUpdateConfig | None = None
 
 
 def use_rows_kernel(D: int, B: int) -> bool:
@@ -99,8 +87,8 @@ def pick_rows_config(
     fits the GPU in one wave: where 256x1 does not and 1024x4 does, 1024x4 runs under PDL (H200,
     D=5376 batch 256: 7.96 us vs 8.24 us for 256x1 launched with the exit trigger; at D=10240 no
     tile fits one wave and 256x1 with the exit trigger is the fastest, 13.14 us)."""
-    if _forced_rows is not None:
-        return _forced_rows
+    if _forced.value is not None:
+        return _forced.value
     if interpreter:
         return Conv1dUpdateConfig(block_d=64, num_warps=1)
     small, wide = Conv1dUpdateConfig(block_d=256, num_warps=1), Conv1dUpdateConfig(block_d=1024, num_warps=4)

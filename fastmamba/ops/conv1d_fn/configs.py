@@ -15,9 +15,9 @@ Two tile shapes, one per kernel (see kernel.py and varlen_kernel.py):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import NamedTuple
 
+from fastmamba.ops._common.forced import Forced
 
 
 class ConvFnConfig(NamedTuple):
@@ -51,20 +51,14 @@ CANDIDATES_CHANNEL_FIRST = [
     if 8 <= bl * bd // (32 * w) <= 64
 ]
 
-_forced: ConvFnConfig | None = None
+_forced: Forced[ConvFnConfig] = Forced()
 
 
-@contextlib.contextmanager
-def forced_config(block_l: int, block_d: int, num_warps: int) -> Iterator[None]:
+def forced_config(block_l: int, block_d: int, num_warps: int) -> contextlib.AbstractContextManager[None]:
     """Use this config for every launch inside the block (the tuning sweep's hook); it applies to
     whichever kernel the layout picks, so sweep CANDIDATES on channel-last cases and
     CANDIDATES_CHANNEL_FIRST on channel-first ones."""
-    global _forced
-    previous, _forced = _forced, ConvFnConfig(block_l, block_d, num_warps)
-    try:
-        yield
-    finally:
-        _forced = previous
+    return _forced.use(ConvFnConfig(block_l, block_d, num_warps))
 
 
 def vector_width(element_size: int, W: int) -> int:
@@ -96,8 +90,8 @@ def pick_rows_config(D: int, rows: int, element_size: int, *, interpreter: bool,
     Under the interpreter: 8 rows by 64 channels (its cost grows with programs x unrolled rows).
     """
     del element_size
-    if _forced is not None:
-        return _forced
+    if _forced.value is not None:
+        return _forced.value
     if interpreter:
         return ConvFnConfig(block_l=8, block_d=64, num_warps=1)
     if not varlen and rows * D <= SMALL_ROWS_ELEMENTS:
@@ -114,8 +108,8 @@ def pick_cols_config(D: int, L: int, B: int, V: int, *, interpreter: bool) -> Co
     tune's choice for large inputs; 1 x 2048 13.6 / 23.7 us (76% / 83%). Under the interpreter: two
     chunks by 64 channels.
     """
-    if _forced is not None:
-        return _forced
+    if _forced.value is not None:
+        return _forced.value
     if interpreter:
         return ConvFnConfig(block_l=2 * V, block_d=64, num_warps=1)
     del D, L, B

@@ -454,7 +454,7 @@ def causal_conv1d_fn_launch(
     if B == 0 or D == 0:
         return
     xs, os_ = x.stride(), out.stride()
-    key = (B, D, L, xs, os_, x.dtype, W, silu, x.is_cuda, configs._forced)
+    key = (B, D, L, xs, os_, x.dtype, W, silu, x.is_cuda, configs._forced.value)
     plan = _fn_plans.get(key)
     if plan is None:
         plan = _fn_plans.remember(key, _fn_plan(x, W, xs, os_, silu))

@@ -192,7 +192,7 @@ def causal_conv1d_varlen_launch(
     if B == 0 or D == 0:
         return
     xs, os_ = x.stride(), out.stride()
-    key = (T, D, B, xs, os_, x.dtype, W, silu, x.is_cuda, configs._forced)
+    key = (T, D, B, xs, os_, x.dtype, W, silu, x.is_cuda, configs._forced.value)
     plan = _varlen_plans.get(key)
     if plan is None:
         plan = _varlen_plans.remember(key, _varlen_plan(x, B, W, xs, os_, silu))

@@ -25,10 +25,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from fastmamba.ops._common.forced import Forced
 from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 
 MAX_TILE_N = 8192        # widest group kept whole in registers (columns)
@@ -94,18 +94,12 @@ def heuristic(M: int, group_size: int, G: int, dtype: torch.dtype, num_sms: int)
 # what `python -m fastmamba.bench tune --ops norm` tries (BLOCK_N stays the heuristic's)
 CANDIDATES = [dict(block_m=bm, num_warps=w) for bm in (1, 2, 4, 8) for w in (2, 4, 8, 16)]
 
-_forced: dict | None = None
+_forced: Forced[dict] = Forced()
 
 
-@contextlib.contextmanager
-def forced_config(block_m: int, num_warps: int) -> Iterator[None]:
+def forced_config(block_m: int, num_warps: int) -> contextlib.AbstractContextManager[None]:
     """Override rows per program and warps inside the block (the tuning sweep's hook)."""
-    global _forced
-    previous, _forced = _forced, dict(block_m=block_m, num_warps=num_warps)
-    try:
-        yield
-    finally:
-        _forced = previous
+    return _forced.use(dict(block_m=block_m, num_warps=num_warps))
 
 
 def pick_config(M: int, group_size: int, G: int, dtype: torch.dtype, device: torch.device) -> GatedRMSNormConfig:
@@ -116,6 +110,6 @@ def pick_config(M: int, group_size: int, G: int, dtype: torch.dtype, device: tor
     family, num_sms = _sm_info(index)
     entry = TABLE.get((family, dtype, group_size, 1 << (M - 1).bit_length() if M > 1 else 1))  # next pow2
     cfg = entry if entry is not None else heuristic(M, group_size, G, dtype, num_sms)
-    if _forced is not None and cfg.single_tile:
-        cfg = dataclasses.replace(cfg, **_forced)
+    if _forced.value is not None and cfg.single_tile:
+        cfg = dataclasses.replace(cfg, **_forced.value)
     return cfg

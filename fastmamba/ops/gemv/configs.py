@@ -17,12 +17,12 @@ decode step and a verify step give the same logits. Under the interpreter the sa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 
 from fastmamba.ops._common.dispatch import gpu_family
+from fastmamba.ops._common.forced import Forced
 
 MAX_ROWS = 16  # rows of x one call takes (one tensor-core tile); more rows: use a GEMM
 # One row could take the FMA tiles (1.5% faster at batch 1 end to end: 2.117 vs 2.150 ms per
@@ -52,18 +52,12 @@ CANDIDATES: list[dict] = [
     if bn * bk * 2 * s <= 192 * 1024  # the pipelined weight tiles in shared memory
 ]
 
-_forced: GemvConfig | None = None
+_forced: Forced[GemvConfig] = Forced()
 
 
-@contextlib.contextmanager
-def forced_config(**fields) -> Iterator[None]:
+def forced_config(**fields) -> contextlib.AbstractContextManager[None]:
     """Within the block every ``gemv`` call launches this config (``tune``'s hook)."""
-    global _forced
-    previous, _forced = _forced, GemvConfig(**fields)
-    try:
-        yield
-    finally:
-        _forced = previous
+    return _forced.use(GemvConfig(**fields))
 
 
 def heuristic(rows: int, K: int) -> GemvConfig:
@@ -82,8 +76,8 @@ def pick_config(rows: int, K: int, N: int | None = None, *, device: torch.device
                 dtype: torch.dtype | None = None) -> GemvConfig:
     """The config for ``rows`` rows of x against an (N, K) weight: forced (tune), the table's for
     this GPU family, dtype and shape, or the fallback's."""
-    if _forced is not None:
-        return _forced
+    if _forced.value is not None:
+        return _forced.value
     if TABLE and N is not None and device is not None and dtype is not None:
         cfg = TABLE.get(table_key(device, dtype, N, K))
         if cfg is not None:

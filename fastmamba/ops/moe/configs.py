@@ -17,12 +17,12 @@ Two paths (``MoeConfig.path``):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 
 from fastmamba.ops._common.dispatch import gpu_family  # noqa: F401  (the tables' key, used by tune)
+from fastmamba.ops._common.forced import Forced
 
 
 class MoeConfig(NamedTuple):
@@ -62,18 +62,12 @@ CANDIDATES: list[dict] = (
             group_m=8, num_warps=8, num_stages=st) for bm in (64, 128) for st in (3, 4)]
 )
 
-_forced: MoeConfig | None = None
+_forced: Forced[MoeConfig] = Forced()
 
 
-@contextlib.contextmanager
-def forced_config(**fields) -> Iterator[None]:
+def forced_config(**fields) -> contextlib.AbstractContextManager[None]:
     """Within the block every ``fused_moe`` call launches this config (``tune``'s hook)."""
-    global _forced
-    previous, _forced = _forced, MoeConfig(**fields)
-    try:
-        yield
-    finally:
-        _forced = previous
+    return _forced.use(MoeConfig(**fields))
 
 
 def token_bucket(T: int) -> int:
@@ -120,8 +114,8 @@ def heuristic(T: int, M: int, F: int, E: int, k: int) -> MoeConfig:
 def pick_config(device: torch.device, dtype: torch.dtype, T: int, M: int, F: int, E: int, k: int, *,
                 interpreter: bool = False) -> MoeConfig:
     """The config of one call: forced (tune), the interpreter's, the table's, or the heuristic's."""
-    if _forced is not None:
-        return _forced
+    if _forced.value is not None:
+        return _forced.value
     if interpreter:
         return INTERPRETER_GEMV if T <= GEMV_MAX_TOKENS else INTERPRETER
     if not TABLE:

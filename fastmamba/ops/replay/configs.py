@@ -11,9 +11,9 @@ the end; TABLE's header comment records the GPU, Triton version, date and comman
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import NamedTuple
 
+from fastmamba.ops._common.forced import Forced
 from fastmamba.ops._common.host_math import next_power_of_2
 
 
@@ -95,20 +95,14 @@ CANDIDATES = [
     for bp, w in ((32, 4), (64, 4)) for hd, wp in ((8, 4), (16, 2))
 ]
 
-_forced: ReplayConfig | None = None
+_forced: Forced[ReplayConfig] = Forced()
 
 
-@contextlib.contextmanager
 def forced_config(block_p: int, num_warps: int, heads: int, warps_pre: int = 4, split: bool = False,
-                  out_block_p: int | None = None, out_warps: int | None = None) -> Iterator[None]:
+                  out_block_p: int | None = None, out_warps: int | None = None) -> contextlib.AbstractContextManager[None]:
     """Use this config for every launch inside the block (the tuning sweep's and the tests' hook);
     the split path's output tile defaults to OUT_TILES' for the state dtype."""
-    global _forced
-    previous, _forced = _forced, ReplayConfig(block_p, num_warps, heads, warps_pre, split, out_block_p, out_warps)
-    try:
-        yield
-    finally:
-        _forced = previous
+    return _forced.use(ReplayConfig(block_p, num_warps, heads, warps_pre, split, out_block_p, out_warps))
 
 
 def padded_tokens(T: int) -> int:
@@ -191,8 +185,8 @@ def pick_config(
     key: every measured shape has N = 128.
     """
     p_cap = next_power_of_2(headdim)
-    if _forced is not None:
-        cfg = _forced
+    if _forced.value is not None:
+        cfg = _forced.value
     elif interpreter:
         cfg = ReplayConfig(block_p=16, num_warps=1, heads=min(4, _guess(t_pad).heads), warps_pre=1)
     else:

@@ -123,7 +123,7 @@ _PLANS = PlanCache("selective_state_update", 1024)
 def _plan_key(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx, pad_slot_id, A_is_log) -> tuple:
     return (x.shape, x.stride(), x.dtype, x.device, sig(state), sig(dt), sig(A), sig(B), sig(C),
             sig(D), sig(z), sig(dt_bias), sig(idx), dt_softplus, pad_slot_id, A_is_log,
-            _pdl._enabled, ssu_configs._forced, ssu_configs.STORE_EARLY, _device_check(idx))
+            _pdl._enabled, ssu_configs._forced.value, ssu_configs.STORE_EARLY, _device_check(idx))
 
 
 # Registered so torch.compile and graph capture see the in-place writes; plain eager calls skip

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 
 
 from fastmamba.ops._common.dispatch import interpreter_enabled
+from fastmamba.ops._common.forced import Forced
 from fastmamba.ops._common.host_math import next_power_of_2
 
 
@@ -27,7 +27,7 @@ CANDIDATES = [
     if 4 <= bp * 128 // (32 * w) <= 128  # 4..128 state elements per thread at N=128
 ]
 
-_forced: tuple[int, int] | None = None
+_forced: Forced[tuple[int, int]] = Forced()
 
 # Where the kernel stores the final state: before the last token's output reduction ("early":
 # its fp32 tile dies sooner; sm_90 compile, P=64, N=128, (16, 1) tile: bf16 state 127 -> 111
@@ -46,15 +46,9 @@ def store_state_early(programs_per_block: int) -> bool:
     return bool(STORE_EARLY)
 
 
-@contextlib.contextmanager
-def forced_config(block_p: int, num_warps: int) -> Iterator[None]:
+def forced_config(block_p: int, num_warps: int) -> contextlib.AbstractContextManager[None]:
     """Use (block_p, num_warps) for every launch inside the block (the tuning sweep's hook)."""
-    global _forced
-    previous, _forced = _forced, (block_p, num_warps)
-    try:
-        yield
-    finally:
-        _forced = previous
+    return _forced.use((block_p, num_warps))
 
 
 # Measured on one NVIDIA H200 (Triton 3.6.0, torch 2.11, 2026-11-22) with
@@ -79,8 +73,8 @@ def pick_config(
     Few (request, head) pairs are latency bound: more warps per program. Many are bandwidth
     bound: one warp holding 16 x N state elements gives each thread 16 loads of 16 bytes in flight.
     """
-    if _forced is not None:
-        return _forced
+    if _forced.value is not None:
+        return _forced.value
     if interpreter_enabled():
         return min(next_power_of_2(headdim), 16), 1
     return _pick_config(programs_per_block, headdim, dstate, state_bytes, pdl)

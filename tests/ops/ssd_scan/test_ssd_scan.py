@@ -368,7 +368,7 @@ def test_config_token_step_must_divide_row_block(device, monkeypatch):
     from fastmamba.ops.ssd_scan.chunked import configs
 
     base = configs.pick_config(4, 8, 8, 4, interpreter=interpreter_enabled())
-    monkeypatch.setattr(configs, "_forced", base._replace(block_k=2 * base.block_m))
+    monkeypatch.setattr(configs._forced, "value", base._replace(block_k=2 * base.block_m))
     inp = _inputs((1, 20), 2, 8, 1, 8, torch.float32, device, seed=76)
     with pytest.raises(ValueError, match="must divide block_m"):
         mamba_chunk_scan_combined(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 16)
@@ -382,7 +382,7 @@ def test_chunk_scan_token_step_smaller_than_row_block(device, monkeypatch):
     from fastmamba.ops.ssd_scan.chunked import configs
 
     base = configs.pick_config(4, 8, 8, 4, interpreter=interpreter_enabled())
-    monkeypatch.setattr(configs, "_forced", base._replace(block_m=32, block_k=16))
+    monkeypatch.setattr(configs._forced, "value", base._replace(block_m=32, block_k=16))
     nb, L, H, P, G, N = 2, 83, 4, 8, 2, 8
     inp = _inputs((nb, L), H, P, G, N, torch.float32, device, seed=77)
     D = torch.randn(H, P, generator=seeded(78)).to(device)

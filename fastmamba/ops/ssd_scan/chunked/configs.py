@@ -7,9 +7,9 @@ smallest tiles that tl.dot accepts (16) are used, since its cost grows with the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import NamedTuple
 
+from fastmamba.ops._common.forced import Forced
 from fastmamba.ops._common.host_math import next_power_of_2
 
 
@@ -39,25 +39,18 @@ CANDIDATES = [
     for hm in (0, 1)
 ]
 
-_forced: SsdScanConfig | None = None
+_forced: Forced[SsdScanConfig] = Forced()
 
 
-@contextlib.contextmanager
-def forced_config(**fields: int) -> Iterator[None]:
+def forced_config(**fields: int) -> contextlib.AbstractContextManager[None]:
     """Use this config for every launch inside the block (the tuning sweep's hook)."""
-    global _forced
-    previous = _forced
-    _forced = SsdScanConfig(**fields)
-    try:
-        yield
-    finally:
-        _forced = previous
+    return _forced.use(SsdScanConfig(**fields))
 
 
 def pick_config(H: int, P: int, N: int, dtype_bytes: int, *, interpreter: bool) -> SsdScanConfig:
     """Choose the tiles for head dim P, state size N and activation width ``dtype_bytes``."""
-    if _forced is not None:
-        return _forced
+    if _forced.value is not None:
+        return _forced.value
     if interpreter:
         # state passing is elementwise: the interpreter's cost is per program, not per element
         return SsdScanConfig(16, 16, 1, 16, 16, 16, 1, 1, 256, 0)

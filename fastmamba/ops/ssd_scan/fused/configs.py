@@ -11,9 +11,9 @@ mamba2-2.7b layer shape, bf16, fp32 state); its comment gives the run.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import NamedTuple
 
+from fastmamba.ops._common.forced import Forced
 from fastmamba.ops._common.host_math import next_power_of_2
 
 # every sequence of a call at most this many tokens -> the fused kernel. Measured on an H100
@@ -64,25 +64,18 @@ TABLE: list[tuple[int, int, FusedScanConfig]] = [
 # The table never used 64.
 MAX_BLOCK_T = 32
 
-_forced: FusedScanConfig | None = None
+_forced: Forced[FusedScanConfig] = Forced()
 
 
-@contextlib.contextmanager
-def forced_fused_config(**fields: int) -> Iterator[None]:
+def forced_fused_config(**fields: int) -> contextlib.AbstractContextManager[None]:
     """Use this config for every fused launch inside the block (the experiment's sweep hook)."""
-    global _forced
-    previous = _forced
-    _forced = FusedScanConfig(**fields)
-    try:
-        yield
-    finally:
-        _forced = previous
+    return _forced.use(FusedScanConfig(**fields))
 
 
 def pick_fused_config(max_len: int, nseq: int, H: int, P: int, *, interpreter: bool) -> FusedScanConfig:
     """Tiles for sequences of at most ``max_len`` tokens (a host bound), ``nseq`` sequences of H heads."""
-    if _forced is not None:
-        cfg = _forced
+    if _forced.value is not None:
+        cfg = _forced.value
     elif interpreter:
         # the interpreter's cost is per program and loop trip: the smallest tiles tl.dot accepts
         cfg = FusedScanConfig(block_t=16, block_p=16, num_warps=1)
