@@ -229,6 +229,9 @@ def _generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
             from fastmamba.distributed.launch import check_launch, run_tp
 
             try:  # before any process starts or joins: torchrun's world size, --device, the shapes
+                if args.speculate and args.drafter == "mtp":
+                    raise ValueError(f"--drafter mtp with --tp {args.tp}: tensor parallelism does not shard the "
+                                     "MTP layer (a rank's model has none); use --drafter ngram, or --tp 1")
                 device = check_launch(args.tp, args.device, who="fastmamba generate")
                 check_tp_source(args.model, args.tp, who="fastmamba generate --tp")
             except (ValueError, OSError):

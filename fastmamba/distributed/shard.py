@@ -255,7 +255,8 @@ def _fill(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], plan: Mapping
             problems.append(f"{name}: expected {shapes[name]}, got {tuple(available[name][0])}")
             continue
         jobs.append((targets[name], name))
-    unexpected = [n for n in available if n not in shapes]
+    skipped = getattr(model, "tp_skipped_prefixes", ())  # whole-model tensors no rank holds (an MTP layer)
+    unexpected = [n for n in available if n not in shapes and not (skipped and n.startswith(skipped))]
     problems += [f"unexpected in the checkpoint: {n}" for n in unexpected[:20]]
     if problems:
         raise ValueError(f"{where}: checkpoint does not fit the model ({len(problems)} problem(s); nothing was "
@@ -304,6 +305,30 @@ def _safetensors_files(root: Path) -> list[Path]:
                             "to safetensors first)")
 
 
+def _per_expert_members(model: nn.Module, available: dict[str, tuple[tuple[int, ...], torch.dtype]]
+                        ) -> dict[str, list[str]]:
+    """MoE experts stored one by one (``experts.{e}.up_proj.weight``, NVIDIA's and transformers 5.25's
+    form) as the fused tensors the model holds: ``available`` gets each fused name with its stacked
+    shape in place of its per-expert names; returns {fused name: the per-expert names, in expert
+    order}. The checks (an expert missing or extra, shapes that differ, both forms) are
+    ``weights.stack_experts``'s, run on meta tensors (nothing is read)."""
+    layers, n_experts = getattr(model, "tp_moe_layers", ((), 0))
+    if not layers:
+        return {}
+    from fastmamba.models.weights import stack_experts
+
+    meta = {n: torch.empty(shape, dtype=dtype, device="meta") for n, (shape, dtype) in available.items()}
+    stack_experts(meta, layers, n_experts)
+    members = {}
+    for name in [n for n in meta if n not in available]:  # the fused names it stacked
+        base, proj = name.rsplit(".", 1)
+        members[name] = [f"{base}.{e}.{proj}.weight" for e in range(n_experts)]
+        available[name] = (tuple(meta[name].shape), meta[name].dtype)
+        for n in members[name]:
+            del available[n]
+    return members
+
+
 def load_safetensors_slices(model: nn.Module, root: str | os.PathLike) -> LoadStats:
     """Fill a ``build_tp_mamba2`` (or ``build_tp_nemotron_h``) model from the safetensors checkpoint in ``root``, reading only this
     rank's slices (``get_slice``); the headers are read first and checked (names, shapes, ties)."""
@@ -332,16 +357,26 @@ def load_safetensors_slices(model: nn.Module, root: str | os.PathLike) -> LoadSt
                     n *= s
                 stats.checkpoint_bytes += n * torch.empty((), dtype=dtype).element_size()
 
-        def read(name, s):
+        stacked = _per_expert_members(model, available)
+
+        def read_one(name, dim, ranges):
             path, key = where_is[name]
             sl = handles[path].get_slice(key)
+            if ranges is None:
+                return sl[:]
+            pieces = [sl[(slice(None),) * dim + (slice(a, b),)] for a, b in ranges]
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+        def read(name, s):
             if s is not None and s.zeros:
                 return torch.zeros(available[name][0])
-            if s is None:
-                part = sl[:]
+            ranges = None if s is None else s.ranges
+            if name in stacked:  # one expert's tensor at a time: dim d of the fused form is dim d-1 of each
+                if s is not None and s.dim == 0:
+                    raise RuntimeError(f"load_tp_model: {name}: a plan that splits the experts themselves")
+                part = torch.stack([read_one(n, 0 if s is None else s.dim - 1, ranges) for n in stacked[name]])
             else:
-                pieces = [sl[a:b] if s.dim == 0 else sl[:, a:b] for a, b in s.ranges]
-                part = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=s.dim)
+                part = read_one(name, 0 if s is None else s.dim, ranges)
             stats.bytes_read += part.numel() * part.element_size()
             stats.tensors_read += 1
             return part

@@ -182,6 +182,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--served-model-name: expected non-empty names, got {args.served_model_name}")
     if args.dtype is not None and args.dtype.strip().lower().removeprefix("torch.") not in DTYPES:
         raise ValueError(f"--dtype: expected one of {', '.join(DTYPES)}, got {args.dtype!r}")
+    if args.drafter == "mtp" and args.tensor_parallel_size > 1:
+        raise ValueError(f"--drafter mtp with --tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism "
+                         "does not shard the MTP layer (a rank's model has none); use --drafter ngram, or tp=1")
     if args.quantization and args.tensor_parallel_size > 1:
         raise ValueError(f"--quantization {args.quantization} with --tensor-parallel-size {args.tensor_parallel_size}: "
                          "tensor parallelism does not shard FP8 weights and their scales yet (use one of the two)")

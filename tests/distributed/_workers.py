@@ -146,3 +146,18 @@ def tp_dirs_greedy(tp, dirs: list[str], prompt_lists: list[list[int]], max_new_t
     destroy_tp()
     out["gloo_threads_after_destroy"] = live_gloo_threads()
     return out
+
+
+def tp_moe(tp, cases, prompts, steps, ckpt_dir: str, prompt_lists: list[list[int]], max_new_tokens: int) -> dict:
+    """MoE hybrids on this rank: ``tp_nemotron_h``'s logits for ``cases``; the greedy outputs of the
+    save_pretrained checkpoint ``ckpt_dir`` (per-expert tensors, read as slices) and of the
+    ``nemotron-3-tiny-mtp`` preset (whose MTP layer a rank's model leaves out)."""
+    out = {"rank": tp.rank, "logits": tp_nemotron_h(tp, cases, prompts, steps)}
+    model = load_tp_model(ckpt_dir, tp)
+    out["reduced"] = [b.mixer.reduce is not None for b in model.backbone.layers if b.kind == "E"]
+    out["dir_greedy"] = greedy(model, prompt_lists, max_new_tokens)
+    out["dir_bytes"] = (model.load_stats.bytes_read, model.load_stats.checkpoint_bytes)
+    mtp = load_tp_model("nemotron-3-tiny-mtp", tp)
+    out["mtp_dropped"] = mtp.mtp is None
+    out["mtp_greedy"] = greedy(mtp, prompt_lists, max_new_tokens)
+    return out
