@@ -32,6 +32,7 @@ import dataclasses
 import torch
 
 from fastmamba.distributed.group import TPGroup
+from fastmamba.layers.buffers import reset_runtime_buffers
 from fastmamba.distributed.layers import RowParallelLinear, TPGatedRMSNorm, VocabParallelEmbedding, VocabParallelLMHead
 from fastmamba.distributed.shard import WHOLE, Slices, check_tp, mamba_mixer_plan, vocab_plan
 
@@ -167,6 +168,7 @@ def build_tp_nemotron_h(cfg, tp: TPGroup, *, dtype: torch.dtype, fuse_norm_reduc
             mixer.down_proj = RowParallelLinear(local.intermediate_size, cfg.d_model, tp, bias=cfg.mlp_bias,
                                                 device=meta, dtype=dtype)
     model.to_empty(device=tp.device)
+    reset_runtime_buffers(model)  # the buffers no checkpoint fills (K/V scales, MoE counters)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.backbone.embeddings.weight
     model.tp = tp

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from fastmamba.distributed.group import TPGroup
+from fastmamba.layers.buffers import reset_runtime_buffers
 from fastmamba.distributed.layers import (RowParallelLinear, TPGatedRMSNorm, VocabParallelEmbedding,
                                           VocabParallelLMHead, split_range)
 from fastmamba.models.config import Mamba2Config
@@ -216,6 +217,7 @@ def build_tp_mamba2(cfg: Mamba2Config, tp: TPGroup, *, dtype: torch.dtype, fuse_
             mixer.norm = TPGatedRMSNorm(local.d_inner, cfg.d_inner, tp, cfg.norm_eps, cfg.norm_before_gate,
                                         device=meta, dtype=dtype, defer_to=mixer.out_proj if fuse else None)
     model.to_empty(device=tp.device)
+    reset_runtime_buffers(model)  # the buffers no checkpoint fills (K/V scales, MoE counters)
     if cfg.tie_embeddings:  # to_empty gives each module its own new tensor
         model.lm_head.weight = model.backbone.embeddings.weight
     model.tp = tp

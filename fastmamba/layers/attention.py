@@ -143,6 +143,12 @@ class Attention(nn.Module):
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32, device=device), persistent=False)
         self.kv_dtype: torch.dtype | None = None  # the page dtype caches should use (None: the activations')
 
+    @torch.no_grad()
+    def reset_runtime_buffers(self) -> None:
+        """The non-persistent buffers' built values (``fastmamba.layers.buffers``): scales of 1."""
+        self.k_scale.fill_(1.0)
+        self.v_scale.fill_(1.0)
+
     def _scales(self, k_pages: torch.Tensor) -> dict:
         """The ops' scale arguments for these pools: the layer's scales for float8 pools, none else."""
         return {"k_scale": self.k_scale, "v_scale": self.v_scale} if k_pages.dtype == FP8_KV else {}

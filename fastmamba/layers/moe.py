@@ -119,6 +119,11 @@ class MoE(nn.Module):
         # the decode kernels' arrival counters (zeros, left zero by them; not a weight: not saved)
         self.register_buffer("decode_arrivals", decode_workspace(cfg.expert_in, device=device), persistent=False)
 
+    @torch.no_grad()
+    def reset_runtime_buffers(self) -> None:
+        """The non-persistent buffers' built values (``fastmamba.layers.buffers``): zero counters."""
+        self.decode_arrivals.zero_()
+
     @property
     def shared_fused(self) -> int:
         """S, the slices of width F the decode path runs the shared expert as inside the routed
