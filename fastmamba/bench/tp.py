@@ -42,27 +42,39 @@ def _int_list(text: str) -> list[int]:
     return vals
 
 
+def _layer_collective(layer) -> str:
+    """What one layer's step reduces: "fused" (a Mamba layer whose distributed norm rides in
+    out_proj's all-reduce: [B, M + 1] fp32), "separate" (that norm's own [B, 1] all-reduce, then
+    out_proj's [B, M]) or "plain" (one [B, M] all-reduce: out_proj, o_proj, down_proj, MoE)."""
+    from fastmamba.distributed.layers import TPGatedRMSNorm
+
+    norm = getattr(layer.mixer, "norm", None)
+    if isinstance(norm, TPGatedRMSNorm):
+        return "fused" if norm.defer_to else "separate"
+    return "plain"
+
+
 def collective_ms(model, tp: TPGroup, batch: int, reps: int = 50) -> float:
-    """ms of one decode step's collectives alone (graphed on CUDA); 0 at TP=1."""
+    """ms of one decode step's collectives alone (graphed on CUDA); 0 at TP=1. Mamba-2 LMs and
+    hybrids alike: the embedding's all-reduce, each layer's (``_layer_collective``), the logits'
+    all-gather."""
     if tp.world_size == 1:
         return 0.0
-    cfg = model.cfg
-    M, dtype = cfg.d_model, model.dtype
-    fused = any(getattr(layer.mixer.norm, "defer_to", None) for layer in model.backbone.layers)
+    M, dtype = model.cfg.d_model, model.dtype
+    kinds = [_layer_collective(layer) for layer in model.backbone.layers]
     split = [n for n in model.lm_head.sizes]
     bufs = {"emb": torch.zeros(batch, M, device=tp.device, dtype=dtype),
-            "layer": torch.zeros(batch, M + 1, device=tp.device, dtype=torch.float32) if fused
-            else torch.zeros(batch, M, device=tp.device, dtype=dtype),
+            "fused": torch.zeros(batch, M + 1, device=tp.device, dtype=torch.float32),
+            "plain": torch.zeros(batch, M, device=tp.device, dtype=dtype),
             "logits": torch.zeros(batch, split[tp.rank], device=tp.device, dtype=dtype)}
-    separate_norm = (not fused) and cfg.groups_replicated
     sumsq = torch.zeros(batch, 1, device=tp.device, dtype=torch.float32)
 
     def step():
         tp.all_reduce(bufs["emb"])
-        for _ in range(cfg.n_layer):
-            if separate_norm:
+        for kind in kinds:
+            if kind == "separate":
                 tp.all_reduce(sumsq)
-            tp.all_reduce(bufs["layer"])
+            tp.all_reduce(bufs["fused" if kind == "fused" else "plain"])
         tp.all_gather_last(bufs["logits"], split)
 
     if tp.device.type != "cuda":
@@ -91,7 +103,7 @@ def collective_ms(model, tp: TPGroup, batch: int, reps: int = 50) -> float:
 
 
 def _rank_bench(tp: TPGroup, opts: dict) -> dict:
-    from fastmamba.bench.e2e_runs import make_prompts, run_batch
+    from fastmamba.bench.e2e_runs import make_prompts, run_batch, run_batch_hybrid
     from fastmamba.distributed.runtime import check_ranks_agree
     from fastmamba.distributed.loading import load_tp_model
 
@@ -101,14 +113,16 @@ def _rank_bench(tp: TPGroup, opts: dict) -> dict:
         from fastmamba.bench.peak import measure_copy_bandwidth
 
         copy_gbs = measure_copy_bandwidth(tp.device)
+    hybrid = model.cfg.paged_cache  # attention K/V pages: the hybrid runner
     rows = []
     for batch in opts["batch"]:
         prompts = make_prompts(model.cfg.vocab_size, batch, opts["prompt_len"])
-        cache = model.new_cache(1)
+        cache = model.new_cache(1, max_seq_len=opts["prompt_len"]) if hybrid else model.new_cache(1)
         logits = model.prefill(prompts[:1].to(tp.device), cache, cache.alloc(1)).cpu()
         del cache
-        row = run_batch(model, batch, opts["prompt_len"], opts["gen_len"], pdl=opts["pdl"], device=tp.device,
-                        prompts=prompts, record=True)
+        run = run_batch_hybrid if hybrid else run_batch
+        row = run(model, batch, opts["prompt_len"], opts["gen_len"], pdl=opts["pdl"], device=tp.device,
+                  prompts=prompts, record=True)
         check_ranks_agree(tp, row["tokens"], who="fastmamba.bench.tp")
         row["coll_ms"] = collective_ms(model, tp, batch)
         row["roofline_ms"] = 1e3 * row["step_bytes"] / (copy_gbs * 1e9) if copy_gbs else None
@@ -121,7 +135,8 @@ def _rank_bench(tp: TPGroup, opts: dict) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="mamba2-2.7b", help="Mamba-2 preset or safetensors checkpoint directory")
+    p.add_argument("--model", default="mamba2-2.7b",
+                   help="a Mamba-2 or Nemotron-H / Nemotron-3 preset, or a safetensors checkpoint directory")
     p.add_argument("--tp", type=_int_list, default=[1, 2], help="TP sizes, e.g. 1,2,8 (default 1,2)")
     p.add_argument("--batch", type=_int_list, default=[1], help="batch sizes (default 1)")
     p.add_argument("--dtype", default=None, help="fp32, fp16, bf16 (default: bf16 on a GPU, fp32 on a CPU)")

@@ -37,3 +37,30 @@ def test_bench_tp_refuses_before_spawning(monkeypatch, capsys):
     monkeypatch.setattr(tp_bench, "spawn_tp", lambda *a, **k: (_ for _ in ()).throw(AssertionError("spawned")))
     with pytest.raises(ValueError, match=r"fastmamba.bench.tp: cannot shard 8 heads \(nheads=8\) over world size 3"):
         targets.main(["tp", "--model", "mamba2-tiny", "--tp", "1,3", "--device", "cpu"])
+
+
+def test_bench_tp_runs_a_moe_hybrid(monkeypatch, capsys):
+    """A hybrid preset takes the hybrid runner (paged K/V; it was the Mamba-2 one: an AttributeError)."""
+    monkeypatch.setattr(tp_bench, "spawn_tp", lambda fn, world_size, *args, **kwargs: [fn(TPGroup.single("cpu"), *args)])
+    assert targets.main(["tp", "--model", "nemotron-3-tiny", "--tp", "1", "--batch", "2", "--prompt-len", "5",
+                         "--gen-len", "2", "--device", "cpu", "--require-equal"]) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln and not ln.startswith("#")]
+    assert rows[1][:2] == ["1", "2"] and rows[1][-2] == "yes"
+
+
+def test_collectives_per_layer_kind():
+    """One all-reduce per layer; a Mamba layer whose norm spans the ranks (one B/C group) rides
+    its sum of squares in out_proj's ([B, M + 1]), or reduces it on its own when not fused."""
+    import dataclasses
+
+    import torch
+
+    from fastmamba.distributed.nemotron_h import build_tp_nemotron_h
+    from fastmamba.models.nemotron_h import PRESETS
+
+    cfg = dataclasses.replace(PRESETS["nemotron-3-tiny"], n_groups=1)
+    tp = TPGroup(rank=0, world_size=2, device=torch.device("cpu"))
+    for fuse, mamba in ((True, "fused"), (False, "separate")):
+        model = build_tp_nemotron_h(cfg, tp, dtype=torch.float32, fuse_norm_reduce=fuse)
+        kinds = [tp_bench._layer_collective(b) for b in model.backbone.layers]
+        assert kinds == [mamba if c == "M" else "plain" for c in cfg.pattern]
