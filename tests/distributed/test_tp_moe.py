@@ -153,3 +153,29 @@ def test_drafter_mtp_with_tp_is_one_line_before_loading(capfd):
                  "--speculate", "2", "--drafter", "mtp"]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--drafter mtp with --tp 2: tensor parallelism does not shard the MTP layer" in err[0]
+
+
+@pytest.mark.parametrize("form", ["per-expert", "fused-3d"])
+def test_rank_reads_its_expert_slices_in_either_form(tmp_path, form):
+    """Rank 1 of 2 (no process group needed to load) from a checkpoint whose experts come one by one
+    (as save_pretrained writes them) or fused [E, F, M']: every tensor is its plan's slice of the
+    whole model; per-expert tensors missing an expert are refused by name before anything is read."""
+    import fastmamba
+    from fastmamba.distributed import load_tp_model
+    from tests.models.test_nemotron3_moe import fused, per_expert, rewrite
+
+    src = tmp_path / "src"
+    save_moe_checkpoint(src)
+    path = tmp_path / form
+    rewrite(src, path, per_expert if form == "per-expert" else fused)
+    whole = fastmamba.load_model(str(path), device="cpu").state_dict()
+    part = load_tp_model(str(path), TPGroup(rank=1, world_size=2, device=torch.device("cpu")))
+    plan = part.tp_plan
+    assert plan["backbone.layers.2.mixer.experts.down_proj"].dim == 2
+    for name, t in part.state_dict().items():
+        torch.testing.assert_close(t, slice_tensor(whole[name], plan[name]), rtol=0, atol=0, msg=name)
+    if form == "per-expert":
+        bad = tmp_path / "missing"
+        rewrite(src, bad, per_expert, edit=lambda sd: sd.pop("backbone.layers.5.mixer.experts.3.up_proj.weight"))
+        with pytest.raises(ValueError, match=r"experts\.3\.up_proj\.weight: missing \(n_routed_experts=8\)"):
+            load_tp_model(str(bad), TPGroup(rank=1, world_size=2, device=torch.device("cpu")))
