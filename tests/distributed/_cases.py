@@ -87,3 +87,19 @@ def hybrid_model(cfg, seed):
             elif name.endswith("norm.weight"):
                 p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
     return model
+
+
+def assert_rank_shapes_are_its_slices(cfg, rank: int, world_size: int) -> None:
+    """Rank ``rank``'s ``build_tp_nemotron_h`` model (no process group) holds, for every tensor,
+    exactly the shape of its plan's slice of the whole model's."""
+    from fastmamba.distributed import TPGroup
+    from fastmamba.distributed.nemotron_h import build_tp_nemotron_h
+    from fastmamba.distributed.shard import slice_tensor
+    from fastmamba.models.nemotron_h import NemotronHLM
+
+    model = build_tp_nemotron_h(cfg, TPGroup(rank=rank, world_size=world_size, device=torch.device("cpu")),
+                                dtype=torch.float32)
+    full = NemotronHLM(cfg, device="meta").state_dict()
+    for name, t in model.state_dict().items():
+        want = slice_tensor(torch.empty(full[name].shape, device="meta"), model.tp_plan[name]).shape
+        assert tuple(t.shape) == tuple(want), name

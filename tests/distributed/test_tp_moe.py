@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from fastmamba.distributed import TPGroup
-from fastmamba.distributed.nemotron_h import build_tp_nemotron_h, check_tp_nemotron_h, nemotron_h_shard_plan
+from fastmamba.distributed.nemotron_h import check_tp_nemotron_h, nemotron_h_shard_plan
 from fastmamba.distributed.shard import slice_tensor
-from fastmamba.models.nemotron_h import PRESETS, NemotronHLM
+from fastmamba.models.nemotron_h import PRESETS
+from tests.distributed._cases import assert_rank_shapes_are_its_slices
 
 TINY = PRESETS["nemotron-3-tiny"]
 LATENT = dataclasses.replace(TINY, moe_latent_size=24, mlp_bias=True, n_routed_experts=6, num_experts_per_tok=3,
@@ -130,11 +131,7 @@ def test_moe_plan_slices_and_local_shapes():
     assert plan[m + "gate.weight"] is None and plan[m + "fc1_latent_proj.weight"] is None
     assert plan[m + "fc2_latent_proj.bias"].zeros and plan[m + "shared_experts.down_proj.bias"].zeros
     assert nemotron_h_shard_plan(LATENT, 0, 2)[m + "fc2_latent_proj.bias"] is None  # rank 0 adds it
-    model = build_tp_nemotron_h(LATENT, TPGroup(rank=1, world_size=2, device=torch.device("cpu")),
-                                dtype=torch.float32)
-    full = NemotronHLM(LATENT, device="meta").state_dict()
-    for name, t in model.state_dict().items():
-        assert tuple(t.shape) == tuple(slice_tensor(torch.empty(full[name].shape, device="meta"), plan[name]).shape), name
+    assert_rank_shapes_are_its_slices(LATENT, 1, 2)
 
 
 @pytest.mark.parametrize("change, match", [

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from fastmamba.distributed import TPGroup
-from fastmamba.distributed.nemotron_h import build_tp_nemotron_h, check_tp_nemotron_h, nemotron_h_shard_plan
-from fastmamba.models.nemotron_h import PRESETS, NemotronHLM
+from fastmamba.distributed.nemotron_h import check_tp_nemotron_h, nemotron_h_shard_plan
+from fastmamba.models.nemotron_h import PRESETS
+from tests.distributed._cases import assert_rank_shapes_are_its_slices
 
 TINY = PRESETS["nemotron-h-tiny"]
 REPLICATED = dataclasses.replace(TINY, n_kv_heads=1, n_groups=1)
@@ -37,13 +38,7 @@ def test_nemotron_h_plan_slices_and_local_shapes():
     Dh = REPLICATED.head_dim
     assert plan[f"backbone.layers.{attn}.mixer.q_proj.weight"].ranges == ((2 * Dh, 4 * Dh),)
     assert plan[f"backbone.layers.{attn}.mixer.k_proj.weight"].ranges == ((0, Dh),)
-    model = build_tp_nemotron_h(REPLICATED, TPGroup(rank=1, world_size=2, device=torch.device("cpu")),
-                                dtype=torch.float32)
-    full = NemotronHLM(REPLICATED, device="meta").state_dict()
-    from fastmamba.distributed.shard import slice_tensor
-
-    for name, t in model.state_dict().items():
-        assert tuple(t.shape) == tuple(slice_tensor(torch.empty(full[name].shape, device="meta"), plan[name]).shape), name
+    assert_rank_shapes_are_its_slices(REPLICATED, 1, 2)
 
 
 @pytest.mark.parametrize("cfg, world, match", [
