@@ -32,9 +32,9 @@ import dataclasses
 import torch
 
 from fastmamba.distributed.group import TPGroup
-from fastmamba.layers.buffers import reset_runtime_buffers
 from fastmamba.distributed.layers import RowParallelLinear, TPGatedRMSNorm, VocabParallelEmbedding, VocabParallelLMHead
 from fastmamba.distributed.shard import WHOLE, Slices, check_tp, mamba_mixer_plan, vocab_plan
+from fastmamba.layers.buffers import reset_runtime_buffers
 
 
 def check_tp_nemotron_h(cfg, world_size: int, *, who: str = "check_tp_nemotron_h") -> None:

@@ -42,9 +42,9 @@ import torch
 from torch import nn
 
 from fastmamba.distributed.group import TPGroup
-from fastmamba.layers.buffers import reset_runtime_buffers
 from fastmamba.distributed.layers import (RowParallelLinear, TPGatedRMSNorm, VocabParallelEmbedding,
                                           VocabParallelLMHead, split_range)
+from fastmamba.layers.buffers import reset_runtime_buffers
 from fastmamba.models.config import Mamba2Config
 from fastmamba.models.mamba2_lm import Mamba2LM
 
