@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -155,8 +156,13 @@ def test_build_runs_without_an_installed_fastmamba(build_dir, tmp_path):
         assert y.shape == x.shape and torch.isfinite(y).all()
         print("OK", sorted(k.layers.HOOK_LAYERS))
     """)
+    # PYTHONPATH may hold where the other packages are (the GPU machine installs kernels, transformers
+    # there); only the repository's own entry is dropped, as above
+    keep = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and Path(p).resolve() != REPO and not (Path(p) / "fastmamba").is_dir()]
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
-                       env={"TRITON_INTERPRET": "0", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+                       env={"TRITON_INTERPRET": "0", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+                            "PYTHONPATH": os.pathsep.join(keep)})
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 

@@ -53,4 +53,12 @@ def test_bf16_within_transformers_noise(kind, batch, checkpoints):
     err_theirs = (theirs - exact).abs().max().item()
     err_ours = (ours - exact).abs().max().item()
     assert err_ours <= 2 * err_theirs + 1e-2, (err_ours, err_theirs)
-    assert ours.argmax(-1).eq(exact.argmax(-1)).float().mean() >= theirs.argmax(-1).eq(exact.argmax(-1)).float().mean() - 0.1
+    # greedy choices: at the positions the fp32 run decides by more than the noise of either bf16 run
+    # (top-1 ahead of top-2 by more than twice the larger max error), both runs must pick its token; a
+    # closer call is a tie within bf16 noise, which either run may break either way (seen: one of 7
+    # positions, margin under the noise, flipped with the provider and not without it)
+    top2 = exact.topk(2, dim=-1).values
+    decided = (top2[..., 0] - top2[..., 1]) > 2 * max(err_ours, err_theirs)
+    assert decided.float().mean() >= 0.5, "the tiny checkpoint's logits are too flat to test greedy choices"
+    for run in (ours, theirs):
+        assert torch.equal(run.argmax(-1)[decided], exact.argmax(-1)[decided])
