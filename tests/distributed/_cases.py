@@ -89,6 +89,27 @@ def hybrid_model(cfg, seed):
     return model
 
 
+def moe_model(cfg, seed):
+    """``hybrid_model`` with the MoE tensors enlarged too: a router whose top-k is decided by clear
+    margins (so TP's different summation order cannot flip a choice) and experts that move the logits."""
+    model = hybrid_model(cfg, seed)
+    g = torch.Generator().manual_seed(seed + 200)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):
+                p.mul_(25)
+            elif name.endswith("experts.up_proj"):
+                p.mul_(10)
+            elif name.endswith("experts.down_proj"):
+                p.mul_(30)
+            elif name.endswith(".bias") and "mixer" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    return model
+
+
 def assert_rank_shapes_are_its_slices(cfg, rank: int, world_size: int) -> None:
     """Rank ``rank``'s ``build_tp_nemotron_h`` model (no process group) holds, for every tensor,
     exactly the shape of its plan's slice of the whole model's."""

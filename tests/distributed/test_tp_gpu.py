@@ -67,15 +67,17 @@ def test_tp_bench_fp32_outputs_equal():
 
 def test_tp2_gpu_nemotron_h_graphs_equal_tp1():
     """The hybrid (nemotron-h-tiny: KV heads and Mamba groups split; and 1 KV head / 1 group:
-    replicated, the gated norm's sums all-reduced) on 2 GPUs, fp32: the graphed packed prefill's
+    replicated, the gated norm's sums all-reduced; and the MoE nemotron-3-tiny, whose decode
+    kernels' counters a rank must start at zero) on 2 GPUs, fp32: the graphed packed prefill's
     logits and the engine's greedy tokens (graphed prefill and decode) equal one GPU's."""
     import dataclasses
 
     from fastmamba.models.nemotron_h import PRESETS
-    from tests.distributed._cases import hybrid_model
+    from tests.distributed._cases import hybrid_model, moe_model
 
     tiny = PRESETS["nemotron-h-tiny"]
-    models = [hybrid_model(tiny, 1), hybrid_model(dataclasses.replace(tiny, n_kv_heads=1, n_groups=1), 2)]
+    models = [hybrid_model(tiny, 1), hybrid_model(dataclasses.replace(tiny, n_kv_heads=1, n_groups=1), 2),
+              moe_model(PRESETS["nemotron-3-tiny"], 3)]  # MoE: each rank's expert channels, one all-reduce
     g = torch.Generator().manual_seed(5)
     prompt_lists = [torch.randint(0, tiny.vocab_size, (n,), generator=g).tolist() for n in (9, 2, 21)]
     refs = [run_nemotron_h_graphed(m.to("cuda:0"), prompt_lists, 8) for m in models]

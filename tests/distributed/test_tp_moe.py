@@ -15,36 +15,13 @@ from fastmamba.distributed import TPGroup
 from fastmamba.distributed.nemotron_h import check_tp_nemotron_h, nemotron_h_shard_plan
 from fastmamba.distributed.shard import slice_tensor
 from fastmamba.models.nemotron_h import PRESETS
-from tests.distributed._cases import assert_rank_shapes_are_its_slices
+from tests.distributed._cases import assert_rank_shapes_are_its_slices, moe_model
 
 TINY = PRESETS["nemotron-3-tiny"]
 LATENT = dataclasses.replace(TINY, moe_latent_size=24, mlp_bias=True, n_routed_experts=6, num_experts_per_tok=3,
                              norm_topk_prob=False)
 PROMPTS = [[5, 17, 60, 3, 44], [9, 2], [70, 71, 72, 10, 11, 12, 1]]
 MAX_NEW = 5
-
-
-def moe_model(cfg, seed):
-    """``hybrid_model`` with the MoE tensors enlarged too: a router whose top-k is decided by clear
-    margins (so TP's different summation order cannot flip a choice) and experts that move the logits."""
-    from tests.distributed._cases import hybrid_model
-
-    model = hybrid_model(cfg, seed)
-    g = torch.Generator().manual_seed(seed + 200)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("gate.weight"):
-                p.mul_(25)
-            elif name.endswith("experts.up_proj"):
-                p.mul_(10)
-            elif name.endswith("experts.down_proj"):
-                p.mul_(30)
-            elif name.endswith(".bias") and "mixer" in name:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
-    return model
 
 
 def save_moe_checkpoint(path) -> str:
