@@ -113,14 +113,13 @@ def _rank_bench(tp: TPGroup, opts: dict) -> dict:
         from fastmamba.bench.peak import measure_copy_bandwidth
 
         copy_gbs = measure_copy_bandwidth(tp.device)
-    hybrid = model.cfg.paged_cache  # attention K/V pages: the hybrid runner
+    run = run_batch_hybrid if model.cfg.paged_cache else run_batch  # attention K/V pages: the hybrid runner
     rows = []
     for batch in opts["batch"]:
         prompts = make_prompts(model.cfg.vocab_size, batch, opts["prompt_len"])
-        cache = model.new_cache(1, max_seq_len=opts["prompt_len"]) if hybrid else model.new_cache(1)
+        cache = model.new_cache(1, max_seq_len=opts["prompt_len"])  # (a Mamba-2 LM's cache has no K/V to size)
         logits = model.prefill(prompts[:1].to(tp.device), cache, cache.alloc(1)).cpu()
         del cache
-        run = run_batch_hybrid if hybrid else run_batch
         row = run(model, batch, opts["prompt_len"], opts["gen_len"], pdl=opts["pdl"], device=tp.device,
                   prompts=prompts, record=True)
         check_ranks_agree(tp, row["tokens"], who="fastmamba.bench.tp")

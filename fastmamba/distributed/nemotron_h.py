@@ -174,8 +174,8 @@ def build_tp_nemotron_h(cfg, tp: TPGroup, *, dtype: torch.dtype, fuse_norm_reduc
     model.tp = tp
     model.tp_full_cfg = cfg
     model.tp_plan = nemotron_h_shard_plan(cfg, tp.rank, tp.world_size)
-    model.tp_full_shapes = {k: tuple(v.shape) for k, v in NemotronHLM(cfg, device=meta).state_dict().items()
-                            if not k.startswith("mtp.")}
     model.tp_skipped_prefixes = ("mtp.",) if cfg.mtp_pattern else ()  # in a checkpoint, not in a rank's model
+    model.tp_full_shapes = {k: tuple(v.shape) for k, v in NemotronHLM(cfg, device=meta).state_dict().items()
+                            if not k.startswith(model.tp_skipped_prefixes)}
     model.tp_moe_layers = (cfg.layers_of("E"), cfg.n_routed_experts)  # per-expert checkpoint tensors: stacked
     return model
