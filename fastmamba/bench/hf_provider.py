@@ -9,7 +9,9 @@ prompt of ``--prompt-len`` random ids) is timed per batch size and provider:
   torch      transformers' PyTorch path (its function hooks forced to their torch code)
   default    transformers as loaded: mamba_ssm's / causal_conv1d's ops where they import (a row
              only when one of them does; otherwise it is the torch path)
-  fastmamba  ``fastmamba.integrations.transformers.use(model)``
+  fastmamba-eager  ``use(model, cuda_graphs=False)``: fastmamba's ops, every step launched from Python
+  fastmamba  ``fastmamba.integrations.transformers.use(model)``: the same, decode steps replayed
+             from CUDA graphs (fastmamba.integrations.hf_graphs)
 
 Each timing is the median of ``--repeats`` runs after a short warm-up; the table gives seconds,
 generated tokens/s (batch x new tokens / time), ms per generated step, the speedup over the torch
@@ -31,7 +33,7 @@ import torch
 
 _FUNCTION_HOOKS = ("causal_conv1d_fn", "causal_conv1d_update", "selective_state_update",
                    "mamba_chunk_scan_combined")
-PROVIDERS = ("torch", "default", "fastmamba")
+PROVIDERS = ("torch", "default", "fastmamba-eager", "fastmamba")
 
 
 def _int_list(text: str) -> list[int]:
@@ -205,7 +207,8 @@ def _sync(device: torch.device) -> None:
 
 
 def time_generate(model, ids: torch.Tensor, new_tokens: int, repeats: int, device: torch.device):
-    """Median seconds of greedy generate of exactly ``new_tokens`` tokens, and the tokens."""
+    """Median seconds of greedy generate of exactly ``new_tokens`` tokens, the tokens [B, new_tokens]
+    and the prompt's last-position logits [B, V] fp32 (one more forward, untimed)."""
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True,
               attention_mask=torch.ones_like(ids))
     times, out = [], None
@@ -217,7 +220,8 @@ def time_generate(model, ids: torch.Tensor, new_tokens: int, repeats: int, devic
             out = model.generate(ids, **kw)
             _sync(device)
             times.append(time.perf_counter() - t0)
-    return statistics.median(times), out[:, ids.shape[1]:]
+        last = model(ids, attention_mask=kw["attention_mask"]).logits[:, -1].float()  # the prompt's last logits
+    return statistics.median(times), out[:, ids.shape[1]:], last
 
 
 def run(args: argparse.Namespace, command: str) -> int:
@@ -282,7 +286,7 @@ def _measure(model, name, batches, new_tokens, prompt_len, repeats, device, dtyp
     for b in batches:
         g = torch.Generator().manual_seed(b)
         ids = torch.randint(1, vocab, (b, prompt_len), generator=g).to(device)
-        results: dict[str, tuple[float, torch.Tensor]] = {}
+        results: dict[str, tuple[float, torch.Tensor, torch.Tensor]] = {}
         for p in providers:
             if p == "default" and default == "torch":
                 continue  # the same path as "torch"
@@ -295,13 +299,17 @@ def _measure(model, name, batches, new_tokens, prompt_len, repeats, device, dtyp
             elif p == "default":
                 results[p] = time_generate(model, ids, new_tokens, repeats, device)
             else:
-                with provider.use(model):
+                with provider.use(model, cuda_graphs=p == "fastmamba") as used:
                     results[p] = time_generate(model, ids, new_tokens, repeats, device)
+                    if used.graphs is not None:
+                        st = used.graphs.stats
+                        print(f"# batch {b} {p}: {st.captures} graph captures, {st.replays} replays, eager steps "
+                              f"{dict(st.eager)}", file=sys.stderr)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         base_torch = results.get("torch")
         base_default = results.get("default")
-        for p, (sec, tokens) in results.items():
+        for p, (sec, tokens, last) in results.items():
             rows.append({
                 "model": name, "dtype": str(dtype).replace("torch.", ""), "batch": b, "prompt_len": prompt_len,
                 "new_tokens": new_tokens, "provider": p if p != "default" else f"default ({default})",
@@ -309,6 +317,10 @@ def _measure(model, name, batches, new_tokens, prompt_len, repeats, device, dtyp
                 "vs_torch": base_torch[0] / sec if base_torch else None,
                 "vs_default": base_default[0] / sec if base_default else None,
                 "same_tokens_as_torch": (float((tokens == base_torch[1]).float().mean()) if base_torch else None),
+                # random weights give near-uniform logits: greedy tokens part at the first near-tie, so
+                # the prompt's logits against the torch path's say more (relative error, Frobenius norm)
+                "logits_rel_err_vs_torch": (float((last - base_torch[2]).norm() / base_torch[2].norm())
+                                            if base_torch else None),
             })
     return rows
 
@@ -320,11 +332,13 @@ def format_table(rows: list[dict], header: dict) -> str:
     lines = [f"# transformers {header['transformers']} generate, {header['device']}; default path ops: "
              f"{header['default_ops']}",
              f"# {header['command']}",
-             "| model | dtype | batch | provider | s | tok/s | ms/step | vs torch | vs default | same tokens as torch |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| model | dtype | batch | provider | s | tok/s | ms/step | vs torch | vs default | same tokens as torch | "
+             "prompt logits rel. err vs torch |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         same = "-" if r["same_tokens_as_torch"] is None else f"{100 * r['same_tokens_as_torch']:.0f}%"
+        err = "-" if r["logits_rel_err_vs_torch"] is None else f"{r['logits_rel_err_vs_torch']:.1e}"
         lines.append(f"| {r['model']} | {r['dtype']} | {r['batch']} | {r['provider']} | {r['seconds']:.3f} | "
                      f"{r['tok_s']:.1f} | {r['ms_per_step']:.2f} | {x(r['vs_torch'])} | {x(r['vs_default'])} | "
-                     f"{same} |")
+                     f"{same} | {err} |")
     return "\n".join(lines)

@@ -2,7 +2,8 @@
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
     fastmamba.integrations.transformers.use(model)      # or: with use(model): ...
-    model.generate(...)                                 # conv, scan, state update, gated norm, MoE on fastmamba
+    model.generate(...)                                 # conv, scan, state update, gated norm, MoE on fastmamba,
+                                                        # decode steps replayed from CUDA graphs (hf_graphs)
     fastmamba.integrations.transformers.unuse(model)    # transformers' own path again
 
 What ``use`` replaces, per model (other models in the process are untouched):
@@ -18,7 +19,9 @@ release accepts, as 0.19 for 5.17) the hooks are replaced in the modeling module
 (installed on the first ``use``, removed with the last ``unuse``) that run fastmamba only inside the
 forward of a used model's mixer (its instance ``forward`` marks the call), transformers' code
 everywhere else. transformers 5.17 has only the function hooks (its mixers keep the cache logic and
-already update the states in place). See README.md here.
+already update the states in place). With ``cuda_graphs`` (the default), each run of graph-safe
+decoder blocks replays its one-token decode step from a CUDA graph (fastmamba.integrations.hf_graphs;
+transformers 5.25+ caches on CUDA). See README.md here.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from types import MethodType
 import torch
 
 from fastmamba.integrations import hf_ops
+from fastmamba.integrations.hf_graphs import DecodeGraphs
 
 SUPPORTED_TRANSFORMERS = ">=5.17,<6"
 EXPERTS_NAME = "fastmamba"
@@ -79,6 +83,7 @@ class Provider:
     forwards: list[tuple[torch.nn.Module, object]] = field(default_factory=list)  # (module, its previous own forward)
     experts_before: dict | None = None  # the model's experts implementation before ``use``
     modeling: list[str] = field(default_factory=list)  # modeling modules whose dispatchers this model holds
+    graphs: DecodeGraphs | None = None  # the decode step's CUDA graphs (``use(..., cuda_graphs=True)``)
 
     def __enter__(self) -> "Provider":
         return self
@@ -92,10 +97,14 @@ def is_used(model: torch.nn.Module) -> bool:
     return isinstance(model.__dict__.get(_ATTR), Provider)
 
 
-def use(model: torch.nn.Module) -> Provider:
+def use(model: torch.nn.Module, cuda_graphs: bool = True) -> Provider:
     """Run ``model``'s Mamba-2 mixers (conv, scan, state update, gated norm) and Nemotron MoE layers
     (router, experts) on fastmamba's ops; returns the Provider (``with use(model): ...`` undoes it
     on exit). Calling it again on the same model returns the same Provider.
+
+    cuda_graphs: replay one-token decode steps of the Mamba / MLP / MoE blocks from CUDA graphs
+    (hf_graphs: CUDA tensors and a transformers 5.25+ cache; other calls run eagerly); False runs
+    every step eagerly. ``provider.graphs.stats`` counts captures, replays and eager steps.
 
     model: transformers' Mamba2ForCausalLM / Mamba2Model / NemotronHForCausalLM / NemotronHModel
     (or any module holding their mixers). Raises RuntimeError for an unsupported transformers
@@ -137,6 +146,9 @@ def use(model: torch.nn.Module) -> Provider:
         for name in p.modeling:
             _dispatcher_acquire(name)
     _use_experts(p)
+    if cuda_graphs:
+        p.graphs = DecodeGraphs(model, moe_graph_safe=p.experts_before is not None)
+        p.graphs.install(lambda module, fn: _set_forward(p, module, fn))
     model.__dict__[_ATTR] = p
     return p
 

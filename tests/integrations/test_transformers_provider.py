@@ -171,7 +171,8 @@ def _hook_state(model) -> list:
         for w in getattr(m, "_kernel_funcs", {}).values():
             out.append(("hook", w.__dict__.get("forward")))
         if type(m).__name__ in ("Mamba2Mixer", "NemotronHMamba2Mixer", "Mamba2RMSNormGated", "NemotronHRMSNormGated",
-                                "MambaRMSNormGated", "Zamba2RMSNormGated", "NemotronHTopkRouter"):
+                                "MambaRMSNormGated", "Zamba2RMSNormGated", "NemotronHTopkRouter",
+                                "Mamba2Block", "NemotronHBlock"):  # blocks: the decode graphs' runs
             out.append((type(m).__name__, m.__dict__.get("forward")))
     return out
 
