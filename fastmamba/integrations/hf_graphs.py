@@ -12,10 +12,12 @@ experts). Attention blocks stay eager between runs (transformers' default cache 
 with ``torch.cat``). The first block of a run replays the run's graph and returns the run's output;
 the other blocks of the run see that very tensor come in and pass it on.
 
-A block call is replayed only when all of these hold (otherwise every block runs as transformers
-wrote it):
-  * one token per sequence (``hidden_states [B, 1, D]``) on a CUDA device, gradients off, no graph
-    capture already under way on the stream, no hidden states / attentions being collected;
+A model whose blocks sit on several devices (``device_map``) or carry accelerate's offload hooks
+gets no runs. A block call is replayed only when all of these hold (otherwise every block runs as
+transformers wrote it):
+  * one token per sequence (``hidden_states [B, 1, D]``) on the run's CUDA device, eval mode,
+    gradients off, no graph capture already under way on the stream, no hidden states / attentions
+    being collected;
   * a transformers 5.25+ cache whose Mamba layers of the run hold a previous state and do not
     record past states (assisted decoding);
   * every other argument a tensor (copied into the graph's input buffers each step) or a plain
@@ -27,6 +29,7 @@ the kernels before capture); at most ``max_graphs`` graphs are kept per run, the
 from __future__ import annotations
 
 import collections
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -62,23 +65,26 @@ class Run:
         # the cache layers the run's blocks read (Mamba layers): their index in the cache
         self.cache_layers = [b.layer_idx for b in blocks if _is_mamba(b)]
         self.graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()
-        self.passing: torch.Tensor | None = None  # the run's output of this step, passed on by the other blocks
+        # the run's output of this step, passed on by the other blocks (per thread: a model may serve two)
+        self._local = threading.local()
+        self._weight = next(blocks[0].parameters())  # its device is the run's (read per call: the model may move)
         self.warm: set = set()  # call shapes this run has run eagerly once (kernels compiled and tuned)
 
     def head(self, block, hidden_states, *args, **kwargs):
         """The run's first block: the whole run, replayed from a graph where the call allows."""
-        self.passing = None
+        self._local.passing = None
         why, key, cache = self._check(hidden_states, args, kwargs)
         if why is not None:
             self.owner.stats.eager[why] += 1
             return type(block).forward(block, hidden_states, *args, **kwargs)
         out = self._replay(key, hidden_states, kwargs, cache)
-        self.passing = out
+        self._local.passing = out
         return out
 
     def tail(self, block, hidden_states, *args, **kwargs):
         """A later block of the run: passes the run's output on when the head replayed the run."""
-        if self.passing is not None and hidden_states is self.passing:
+        passing = getattr(self._local, "passing", None)
+        if passing is not None and hidden_states is passing:
             return hidden_states
         return type(block).forward(block, hidden_states, *args, **kwargs)
 
@@ -90,8 +96,11 @@ class Run:
             return "positional arguments", None, None
         if x.dim() != 3 or x.shape[1] != 1:
             return "not one token", None, None
-        if x.device.type != "cuda" or torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
+        if (x.device.type != "cuda" or torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing()
+                or self.blocks[0].training):
             return "not a CUDA inference step", None, None
+        if x.device != self._weight.device:
+            return "input on another device than the run's weights", None, None
         if _collecting_outputs():
             return "collecting outputs", None, None
         cache = next((kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None), None)
@@ -170,8 +179,9 @@ class DecodeGraphs:
         self.runs: list[Run] = []
         for blocks in _layer_lists(model):
             run: list[torch.nn.Module] = []
+            devices = {p.device for p in blocks.parameters()}
             for b in list(blocks) + [None]:
-                if b is not None and _graph_safe(b, moe_graph_safe):
+                if b is not None and len(devices) == 1 and _graph_safe(b, moe_graph_safe):
                     run.append(b)
                     continue
                 if run:
@@ -199,6 +209,8 @@ def _is_mamba(block) -> bool:
 
 
 def _graph_safe(block, moe_graph_safe: bool) -> bool:
+    if any(hasattr(m, "_hf_hook") for m in block.modules()):  # accelerate's offload hooks move weights per call
+        return False
     if type(block).__name__ == "Mamba2Block":
         return True
     kind = getattr(block, "block_type", None)
