@@ -320,13 +320,11 @@ def _per_expert_members(model: nn.Module, available: dict[str, tuple[tuple[int, 
     from fastmamba.models.weights import stack_experts
 
     meta = {n: torch.empty(shape, dtype=dtype, device="meta") for n, (shape, dtype) in available.items()}
-    stack_experts(meta, layers, n_experts)
-    members = {}
-    for name in [n for n in meta if n not in available]:  # the fused names it stacked
-        base, proj = name.rsplit(".", 1)
-        members[name] = [f"{base}.{e}.{proj}.weight" for e in range(n_experts)]
+    members: dict[str, list[str]] = {}
+    stack_experts(meta, layers, n_experts, members=members)
+    for name, names in members.items():
         available[name] = (tuple(meta[name].shape), meta[name].dtype)
-        for n in members[name]:
+        for n in names:
             del available[n]
     return members
 

@@ -265,7 +265,8 @@ def check_finite(state_dict: Mapping[str, torch.Tensor], *, where: str = "load_m
 
 
 def stack_experts(state_dict: dict[str, torch.Tensor], layers: Iterable[int], n_experts: int, *,
-                  prefix: str = "backbone.layers.{i}.mixer.experts.") -> dict[str, torch.Tensor]:
+                  prefix: str = "backbone.layers.{i}.mixer.experts.",
+                  members: dict[str, list[str]] | None = None) -> dict[str, torch.Tensor]:
     """Per-expert MoE tensors stacked into the fused 3-D form the model holds.
 
     NVIDIA's released Nemotron-3 checkpoints store each routed expert on its own
@@ -274,7 +275,8 @@ def stack_experts(state_dict: dict[str, torch.Tensor], layers: Iterable[int], n_
     For each MoE layer i in ``layers`` whose experts come one by one, they are stacked under the
     fused names **in ``state_dict`` itself** (each layer's per-expert tensors removed as it is stacked,
     so the host holds one extra layer, not a second copy of every expert); returns ``state_dict``.
-    A layer in the fused form passes through (``load_into`` checks its shape).
+    A layer in the fused form passes through (``load_into`` checks its shape). ``members``, if given,
+    gets {fused name: the per-expert names stacked into it, in expert order}.
 
     Raises ValueError listing every problem before anything is stacked: a layer holding both forms,
     an expert missing (e not present for some e < n_experts), an expert id >= n_experts, and a
@@ -316,6 +318,8 @@ def stack_experts(state_dict: dict[str, torch.Tensor], layers: Iterable[int], n_
                 problems += shapes
                 continue
             out[fused] = torch.stack([state_dict[by_id[e]] for e in range(n_experts)])
+            if members is not None:
+                members[fused] = [by_id[e] for e in range(n_experts)]
             for e in range(n_experts):
                 del out[by_id[e]]
     if problems:
