@@ -428,3 +428,27 @@ def test_moe_layer_splits_over_ranks_by_width(latent, bias):
     summed.reduce = lambda y: y + sum(partials[:-1])  # what an all-reduce over the ranks gives rank w-1
     torch.testing.assert_close(sum(partials), whole(u), **FP32)
     torch.testing.assert_close(summed(u), whole(u), **FP32)
+
+
+def test_stack_experts_reports_what_it_stacked():
+    """stack_experts stacks each layer's per-expert tensors under the fused name, in expert order,
+    removes them, leaves fused layers alone, and lists the per-expert names behind each fused one."""
+    from fastmamba.models.weights import stack_experts
+
+    E, F, M = 3, 5, 4
+    sd = {f"backbone.layers.1.mixer.experts.{e}.{p}.weight": torch.randn((F, M) if p == "up_proj" else (M, F))
+          for e in (2, 0, 1) for p in ("up_proj", "down_proj")}
+    fused_up = torch.randn(E, F, M)
+    sd["backbone.layers.3.mixer.experts.up_proj"] = fused_up
+    sd["backbone.layers.3.mixer.experts.down_proj"] = torch.randn(E, M, F)
+    expect = {p: torch.stack([sd[f"backbone.layers.1.mixer.experts.{e}.{p}.weight"] for e in range(E)])
+              for p in ("up_proj", "down_proj")}
+    members = {}
+    out = stack_experts(sd, [1, 3], E, members=members)
+    assert out is sd
+    assert members == {f"backbone.layers.1.mixer.experts.{p}": [f"backbone.layers.1.mixer.experts.{e}.{p}.weight"
+                                                                for e in range(E)] for p in ("up_proj", "down_proj")}
+    for p in ("up_proj", "down_proj"):
+        assert torch.equal(sd[f"backbone.layers.1.mixer.experts.{p}"], expect[p])
+    assert not any(".experts.0." in n or ".experts.2." in n for n in sd)
+    assert sd["backbone.layers.3.mixer.experts.up_proj"] is fused_up
