@@ -87,13 +87,23 @@ def compile_sm90(name: str) -> int:
     return len(k.asm["ptx"])
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_index_check_kernels_compile_for_sm90(name):
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    """Every variant compiled in one subprocess: one Triton import (~2 s of a CPU) instead of one per
+    variant. A failed compile fails each test of the module with the subprocess's traceback."""
     from tests.helpers import compile_in_subprocess  # not at the top: __main__ runs without tests/ on the path
 
-    assert compile_in_subprocess(__file__, name, ROOT) > 0
+    return compile_in_subprocess(__file__, "all", ROOT)
 
 
-if __name__ == "__main__":
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_index_check_kernels_compile_for_sm90(name, compiled):
+    assert compiled[name] > 0
+
+
+if __name__ == "__main__":  # argument: a variant's name, or "all" for {name: result}
     sys.path.insert(0, ROOT)
-    print(json.dumps(compile_sm90(sys.argv[1])))
+    if sys.argv[1] == "all":
+        print(json.dumps({name: compile_sm90(name) for name in VARIANTS}))
+    else:
+        print(json.dumps(compile_sm90(sys.argv[1])))

@@ -58,15 +58,26 @@ def compile_sm90(name: str) -> int:
     return k.metadata.shared
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_hopper_kernel_compiles_for_sm90(name):
-    from fastmamba.ops.ssd_scan.hopper.chunk_output import PROGRAMS_PER_SM
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    """Every variant compiled in one subprocess: one Triton import (~2 s of a CPU) instead of one per
+    variant. A failed compile fails each test of the module with the subprocess's traceback."""
     from tests.helpers import compile_in_subprocess  # not at the top: __main__ runs without tests/ on the path
 
-    shared = compile_in_subprocess(__file__, name, ROOT)
+    return compile_in_subprocess(__file__, "all", ROOT)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_hopper_kernel_compiles_for_sm90(name, compiled):
+    from fastmamba.ops.ssd_scan.hopper.chunk_output import PROGRAMS_PER_SM
+
+    shared = compiled[name]
     assert 0 < shared * PROGRAMS_PER_SM <= SMEM_PER_SM, f"{shared} bytes of shared memory per program"
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # argument: a variant's name, or "all" for {name: result}
     sys.path.insert(0, ROOT)
-    print(json.dumps(compile_sm90(sys.argv[1])))
+    if sys.argv[1] == "all":
+        print(json.dumps({name: compile_sm90(name) for name in VARIANTS}))
+    else:
+        print(json.dumps(compile_sm90(sys.argv[1])))
