@@ -9,6 +9,8 @@ prompt of ``--prompt-len`` random ids) is timed per batch size and provider:
   torch      transformers' PyTorch path (its function hooks forced to their torch code)
   default    transformers as loaded: mamba_ssm's / causal_conv1d's ops where they import (a row
              only when one of them does; otherwise it is the torch path)
+  mamba_ssm  the torch path with mamba_ssm's Triton scan ops in the scan hooks (what transformers
+             picks when mamba_ssm imports; a row only on a GPU where its ops load)
   fastmamba-eager  ``use(model, cuda_graphs=False)``: fastmamba's ops, every step launched from Python
   fastmamba  ``fastmamba.integrations.transformers.use(model)``: the same, decode steps replayed
              from CUDA graphs (fastmamba.integrations.hf_graphs)
@@ -33,7 +35,7 @@ import torch
 
 _FUNCTION_HOOKS = ("causal_conv1d_fn", "causal_conv1d_update", "selective_state_update",
                    "mamba_chunk_scan_combined")
-PROVIDERS = ("torch", "default", "fastmamba-eager", "fastmamba")
+PROVIDERS = ("torch", "default", "mamba_ssm", "fastmamba-eager", "fastmamba")
 
 
 def _int_list(text: str) -> list[int]:
@@ -147,11 +149,27 @@ def _mixer_modules(model) -> list:
                    if type(m).__name__ in ("Mamba2Mixer", "NemotronHMamba2Mixer")}, key=lambda m: m.__name__)
 
 
-def force_torch_path(model) -> list:
+# the modeling module's function behind each hook name (transformers 5.25)
+_MODULE_FUNCTION_OF = dict(zip(_FUNCTION_HOOKS, ("causal_conv1d_fn", "causal_conv1d_update",
+                                                 "mamba2_selective_state_update", "mamba2_chunk_scan")))
+
+
+def _with_kwargs_of(fn):
+    """``fn`` called with only the keyword arguments it declares (transformers' hub fallback does
+    the same for an original package's function)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return fn
+    return lambda *a, **k: fn(*a, **{n: v for n, v in k.items() if n in params})
+
+
+def force_torch_path(model, overrides: dict | None = None) -> list:
     """Make the model's Mamba function hooks run transformers' PyTorch code (not mamba_ssm's /
-    causal_conv1d's); returns what changed, for ``release_torch_path``. With per-mixer wrappers
-    (kernels installed) each wrapper's instance ``forward``; without, the modeling module's
-    functions themselves (for the duration of the row)."""
+    causal_conv1d's), or ``overrides[hook name]`` where given (a function with the hook's
+    signature, e.g. mamba_ssm's Triton op); returns what changed, for ``release_torch_path``. With
+    per-mixer wrappers (kernels installed) each wrapper's instance ``forward``; without, the
+    modeling module's functions themselves (for the duration of the row)."""
+    overrides = {n: _with_kwargs_of(f) for n, f in (overrides or {}).items()}
     changed = []
     for m in model.modules():
         funcs = getattr(m, "_kernel_funcs", None)
@@ -159,7 +177,7 @@ def force_torch_path(model) -> list:
             continue
         for name in _FUNCTION_HOOKS:
             w = funcs[name]
-            fn = _hook_function(w)
+            fn = overrides.get(name) or _hook_function(w)
             if fn is None:
                 raise RuntimeError(f"cannot find transformers' torch code behind hook {name}")
             fn = inspect.unwrap(fn)
@@ -167,10 +185,11 @@ def force_torch_path(model) -> list:
             changed.append(("instance", w, None))
     if changed:
         return changed
+    by_attr = {_MODULE_FUNCTION_OF[n]: f for n, f in overrides.items()}
     for mod in _mixer_modules(model):
         for attr in _MODULE_FUNCTIONS:
             original = getattr(mod, attr, None)
-            fn = _hook_function(original)
+            fn = by_attr.get(attr) or _hook_function(original)
             if fn is None:
                 continue
             setattr(mod, attr, inspect.unwrap(fn))
@@ -199,6 +218,22 @@ def default_ops(model) -> str:
             if impl is not None and torch_fn is not None and impl is not torch_fn:
                 found.add(impl.__module__.split(".")[0])
     return "+".join(sorted(found)) if found else "torch"
+
+
+def mamba_ssm_hooks(device: torch.device) -> tuple[dict, str]:
+    """mamba_ssm's Triton scan ops for transformers' ``selective_state_update`` and
+    ``mamba_chunk_scan_combined`` hooks, as transformers itself would pick them were ``import
+    mamba_ssm`` to work (its pure-Python wheel's package import needs CUDA extensions: the ops are
+    loaded without it, fastmamba.bench.peers); the conv hooks keep transformers' torch code
+    (causal_conv1d is a CUDA build). Returns ({hook name: function}, "") or ({}, why not)."""
+    if device.type != "cuda":
+        return {}, "mamba_ssm's Triton ops need a CUDA device"
+    from fastmamba.bench import peers
+
+    ssu, scan = peers.mamba_ssm_selective_state_update(), peers.mamba_ssm_chunk_scan_combined()
+    if not (ssu.available and scan.available):
+        return {}, ssu.reason or scan.reason
+    return {"selective_state_update": ssu.fn, "mamba_chunk_scan_combined": scan.fn}, ""
 
 
 def _sync(device: torch.device) -> None:
@@ -290,8 +325,14 @@ def _measure(model, name, batches, new_tokens, prompt_len, repeats, device, dtyp
         for p in providers:
             if p == "default" and default == "torch":
                 continue  # the same path as "torch"
-            if p == "torch":
-                changed = force_torch_path(model)
+            if p in ("torch", "mamba_ssm"):
+                overrides = {}
+                if p == "mamba_ssm":
+                    overrides, why = mamba_ssm_hooks(device)
+                    if not overrides:
+                        print(f"# batch {b}: no mamba_ssm row: {why}", file=sys.stderr)
+                        continue
+                changed = force_torch_path(model, overrides)
                 try:
                     results[p] = time_generate(model, ids, new_tokens, repeats, device)
                 finally:
@@ -309,6 +350,7 @@ def _measure(model, name, batches, new_tokens, prompt_len, repeats, device, dtyp
                 torch.cuda.empty_cache()
         base_torch = results.get("torch")
         base_default = results.get("default")
+        base_ssm = results.get("mamba_ssm")
         for p, (sec, tokens, last) in results.items():
             rows.append({
                 "model": name, "dtype": str(dtype).replace("torch.", ""), "batch": b, "prompt_len": prompt_len,
@@ -316,6 +358,7 @@ def _measure(model, name, batches, new_tokens, prompt_len, repeats, device, dtyp
                 "seconds": sec, "tok_s": b * new_tokens / sec, "ms_per_step": 1e3 * sec / new_tokens,
                 "vs_torch": base_torch[0] / sec if base_torch else None,
                 "vs_default": base_default[0] / sec if base_default else None,
+                "vs_mamba_ssm": base_ssm[0] / sec if base_ssm else None,
                 "same_tokens_as_torch": (float((tokens == base_torch[1]).float().mean()) if base_torch else None),
                 # random weights give near-uniform logits: greedy tokens part at the first near-tie, so
                 # the prompt's logits against the torch path's say more (relative error, Frobenius norm)
@@ -332,13 +375,14 @@ def format_table(rows: list[dict], header: dict) -> str:
     lines = [f"# transformers {header['transformers']} generate, {header['device']}; default path ops: "
              f"{header['default_ops']}",
              f"# {header['command']}",
-             "| model | dtype | batch | provider | s | tok/s | ms/step | vs torch | vs default | same tokens as torch | "
-             "prompt logits rel. err vs torch |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| model | dtype | batch | provider | s | tok/s | ms/step | vs torch | vs default | vs mamba_ssm | "
+             "same tokens as torch | prompt logits rel. err vs torch |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         same = "-" if r["same_tokens_as_torch"] is None else f"{100 * r['same_tokens_as_torch']:.0f}%"
         err = "-" if r["logits_rel_err_vs_torch"] is None else f"{r['logits_rel_err_vs_torch']:.1e}"
         lines.append(f"| {r['model']} | {r['dtype']} | {r['batch']} | {r['provider']} | {r['seconds']:.3f} | "
                      f"{r['tok_s']:.1f} | {r['ms_per_step']:.2f} | {x(r['vs_torch'])} | {x(r['vs_default'])} | "
+                     f"{x(r['vs_mamba_ssm'])} | "
                      f"{same} | {err} |")
     return "\n".join(lines)

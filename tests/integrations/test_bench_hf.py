@@ -70,3 +70,50 @@ def test_force_torch_path_switches_and_restores(tmp_path):
         release_torch_path(changed)
     assert not any("forward" in w.__dict__ for kind, w, _ in changed if kind == "instance")
     assert {n: getattr(mm, n) for n in module_before} == module_before
+
+
+def test_bench_hf_mamba_ssm_row_needs_a_gpu(tmp_path, capsys):
+    """The mamba_ssm row (its Triton scan ops in transformers' hooks) is left out on a CPU, saying why."""
+    rc = main(["hf", "--model", "mamba2-tiny", "--batch", "1", "--new-tokens", "2", "--prompt-len", "4",
+               "--dtype", "fp32", "--providers", "torch,mamba_ssm"])
+    assert rc == 0
+    cap = capsys.readouterr()
+    assert "no mamba_ssm row: mamba_ssm's Triton ops need a CUDA device" in cap.err
+    assert "| torch |" in cap.out and "| mamba_ssm |" not in cap.out
+
+
+def test_forced_hooks_run_the_override_and_are_released(tmp_path):
+    """force_torch_path with overrides: the scan hook runs the given function (called with only the
+    keyword arguments it declares, as transformers calls mamba_ssm's), the other hooks transformers'
+    torch code; release_torch_path restores the hooks."""
+    import math
+
+    import torch
+
+    from fastmamba.bench.hf_provider import force_torch_path, release_torch_path
+    from fastmamba.integrations import hf_ops
+    from tests.integrations import tiny_hf
+
+    model = tiny_hf.load(tiny_hf.build("mamba2", tmp_path / "ckpt"))
+    ids, mask = tiny_hf.prompts(1)
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+    seen = []
+
+    def scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, dt_softplus=False,
+             dt_limit=(0.0, math.inf), return_final_states=False):  # mamba_ssm's keywords, no **kwargs
+        seen.append(x.shape)
+        return hf_ops.chunk_scan(x, dt, A, B, C, chunk_size, D, dt_bias, initial_states, dt_softplus, dt_limit,
+                                 return_final_states, z=z)
+
+    before = [w.__dict__.get("forward") for m in model.modules() for w in getattr(m, "_kernel_funcs", {}).values()]
+    changed = force_torch_path(model, {"mamba_chunk_scan_combined": scan})
+    try:
+        with torch.no_grad():
+            got = model(ids, attention_mask=mask).logits
+    finally:
+        release_torch_path(changed)
+    assert len(seen) == model.config.num_hidden_layers
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    after = [w.__dict__.get("forward") for m in model.modules() for w in getattr(m, "_kernel_funcs", {}).values()]
+    assert after == before
