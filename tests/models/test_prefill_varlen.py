@@ -61,10 +61,14 @@ def test_packed_prefill_continues_from_slots_then_decodes(model):
     """Teacher forcing against one full forward per sequence: a packed prefill of two prefixes, a
     packed call where both continue from their slots (the second across a scan chunk boundary)
     next to a new prompt that must not read its poisoned slot, then decode steps; each equals the
-    full forward's logits at the same position."""
+    full forward's logits at the same position. The full forwards are the yardstick and run the
+    ops' references (TRITON_INTERPRET=0 at call time): an independent one, while the packed
+    prefills and decode steps under test run the kernels."""
     first, rest, fresh, steps = (1, 6), (3, 12), 2, 2
     seqs = prompts_of([a + b + steps for a, b in zip(first, rest)] + [fresh + steps], 2)
-    full = [model(s[None])[0] for s in seqs]  # [L, V] each
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "0")
+        full = [model(s[None])[0] for s in seqs]  # [L, V] each
     cache = model.new_cache(4)
     poison(cache, 3)
     slots = torch.tensor([3, 1, 0], dtype=torch.int32)
