@@ -24,12 +24,15 @@ transformers wrote it):
     value (None, bool, int, float, str: part of the graph's key).
 A graph's key also holds the addresses of the run's cache tensors, so a new cache (the next
 ``generate``) captures anew (the first step of a shape ever seen runs eagerly, to compile and tune
-the kernels before capture); at most ``max_graphs`` graphs are kept per run, the oldest dropped.
+the kernels before capture); at most ``max_graphs`` graphs are kept per run, the oldest dropped. A
+cache whose tensors keep moving (beam search reorders them each step) runs eagerly after
+``MAX_CAPTURES_PER_CACHE`` captures.
 """
 from __future__ import annotations
 
 import collections
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +40,7 @@ import torch
 _PLAIN = (type(None), bool, int, float, str)
 _CACHE_KEYS = ("cache", "cache_params", "past_key_values")
 _BLOCKS = ("Mamba2Block", "NemotronHBlock")
+MAX_CAPTURES_PER_CACHE = 2
 
 
 @dataclass
@@ -69,6 +73,10 @@ class Run:
         self._local = threading.local()
         self._weight = next(blocks[0].parameters())  # its device is the run's (read per call: the model may move)
         self.warm: set = set()  # call shapes this run has run eagerly once (kernels compiled and tuned)
+        # captures per cache object: a cache whose tensors move between steps (beam search reorders them
+        # with index_select) would be captured again every step, slower than running it; after
+        # MAX_CAPTURES_PER_CACHE captures such a cache runs eagerly
+        self.captures_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def head(self, block, hidden_states, *args, **kwargs):
         """The run's first block: the whole run, replayed from a graph where the call allows."""
@@ -135,6 +143,9 @@ class Run:
                 self.warm.add(shape)
                 self.owner.stats.eager["warm-up"] += 1
                 return self._eager(x, kwargs)
+            if not self._may_capture(cache):
+                self.owner.stats.eager["cache tensors move"] += 1
+                return self._eager(x, kwargs)
             g = self._capture(x, kwargs, cache)
             self.graphs[key] = g
             while len(self.graphs) > self.owner.max_graphs:
@@ -147,6 +158,17 @@ class Run:
         g.graph.replay()
         self.owner.stats.replays += 1
         return g.out.clone()
+
+    def _may_capture(self, cache) -> bool:
+        """Whether ``cache`` may be captured once more (counts the capture)."""
+        try:
+            n = self.captures_of.get(cache, 0)
+            if n >= MAX_CAPTURES_PER_CACHE:
+                return False
+            self.captures_of[cache] = n + 1
+        except TypeError:  # a cache object without weak references or hashing: no limit kept
+            pass
+        return True
 
     def _capture(self, x: torch.Tensor, kwargs: dict, cache) -> _Graph:
         hidden = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)

@@ -83,3 +83,23 @@ def test_gpu_graphed_generate_equals_eager(kind, batch, checkpoints):
         assert torch.equal(tokens, eager_tokens) and torch.equal(tokens, theirs_tokens)
         torch.testing.assert_close(logits, eager_logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(logits, theirs_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_cache_whose_tensors_move_is_captured_at_most_twice():
+    """A cache captured MAX_CAPTURES_PER_CACHE times (its tensors moved: beam search) gets no more
+    captures; another cache still does, and a dead cache's count goes with it."""
+    import gc
+
+    from fastmamba.integrations import hf_graphs
+
+    class Cache:  # stands in for transformers' cache object (weak-referenceable, hashed by identity)
+        pass
+
+    run = hf_graphs.Run.__new__(hf_graphs.Run)
+    run.captures_of = __import__("weakref").WeakKeyDictionary()
+    moving, other = Cache(), Cache()
+    assert [run._may_capture(moving) for _ in range(4)] == [True] * hf_graphs.MAX_CAPTURES_PER_CACHE + [False] * 2
+    assert run._may_capture(other)
+    del moving
+    gc.collect()
+    assert len(run.captures_of) == 1
