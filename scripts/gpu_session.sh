@@ -26,7 +26,9 @@ mkdir -p "$TRITON_CACHE_DIR"
 # e2esuper: the whole Nemotron-3 Super (random weights) in FP8, built block by block, FP8 K/V, 16-bit SSM states
 # (NVIDIA's Hopper recipe), batch SUPER_BATCH (default 1,64): an H200 (~125 GB of weights)
 # tunegemv-<preset>: the gemv configs of that preset's decode projections (nemotron-3-nano, nemotron-h-8b, mamba2-2.7b; one row), PDL on
-# E2E_ARGS (environment) is appended to the e2em- / e2ef- / e2ekv- commands, e.g. E2E_ARGS="--batch 1"
+# E2E_ARGS (environment) is appended to the e2em- / e2ef- / e2ekv- / ttftm- commands, e.g. E2E_ARGS="--batch 1"
+# ttftm-<model>: bench ttft on that model at TTFT_SHAPES (default 1x8192,8x2048; the floor counts a MoE's active
+# experts), e.g. E2E_ARGS="--quantization fp8" bash scripts/gpu_session.sh ttftm-nemotron-3-nano
 # e2e-spec: batch-1 speculative decoding, K=5, oracle then ngram drafter, against plain decoding
 # prefix-<client>: the prefix-cache test (mamba2-2.7b) with that HTTP client; prefixm-<model>: with that model
 # (e.g. prefixm-nemotron-h-4b: a hybrid, whose snapshots keep K/V too)
@@ -53,6 +55,7 @@ for step in "${steps[@]}"; do
         host)      timeout 120 python3 -m fastmamba.bench host --device cuda > "$OUT/host.txt" 2>&1; echo "rc=$?"; cat "$OUT/host.txt" ;;
         tune-attention) timeout 280 python3 -m fastmamba.bench tune-attention --budget-s 100 > "$OUT/tune-attention.txt" 2>&1; echo "rc=$?"; tail -n 40 "$OUT/tune-attention.txt" ;;
         ttft)      timeout 500 python3 -m fastmamba.bench ttft --peer --json "$OUT/ttft.jsonl" > "$OUT/ttft.txt" 2> "$OUT/ttft.err"; echo "rc=$?"; cat "$OUT/ttft.txt"; tail -3 "$OUT/ttft.err" ;;
+        ttftm-*)   timeout 400 python3 -m fastmamba.bench ttft --model "${step#ttftm-}" --shapes "${TTFT_SHAPES:-1x8192,8x2048}" ${E2E_ARGS:-} --json "$OUT/ttft.jsonl" >> "$OUT/ttft.txt" 2>> "$OUT/ttft.err"; echo "rc=$?"; tail -n 8 "$OUT/ttft.txt"; tail -3 "$OUT/ttft.err" ;;
         ttft-*)    timeout 400 python3 -m fastmamba.bench ttft --shapes "${step#ttft-}" --json "$OUT/ttft.jsonl" >> "$OUT/ttft.txt" 2>> "$OUT/ttft.err"; echo "rc=$?"; tail -n 14 "$OUT/ttft.txt"; tail -3 "$OUT/ttft.err" ;;
         serve)     timeout 500 python3 -m fastmamba.bench serve --json "$OUT/serve.jsonl" > "$OUT/serve.txt" 2> "$OUT/serve.err"; echo "rc=$?"; cat "$OUT/serve.txt"; tail -3 "$OUT/serve.err" ;;
         profile-graph) timeout 200 python3 -m fastmamba.bench profile graphed > "$OUT/profile-graph.txt" 2>&1; echo "rc=$?"; cat "$OUT/profile-graph.txt" ;;

@@ -75,6 +75,29 @@ def measure_matmul_tflops(device: torch.device | str, n: int = 8192) -> float:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
+def measure_fp8_matmul_tflops(device: torch.device | str, n: int = 8192) -> float | None:
+    """TFLOP/s of ``torch._scaled_mm`` of two n x n e4m3 matrices (per-tensor scales, bf16 out),
+    2*n**3 flops per call: the rate cuBLASLt's FP8 tensor-core GEMM reaches here. None where no FP8
+    GEMM runs (a CPU, a GPU before compute capability 8.9, a torch without ``_scaled_mm``)."""
+    from triton.testing import do_bench
+
+    device = torch.device(device)
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return None
+    try:
+        a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt wants
+        one = torch.ones((), device=device)
+        with torch.cuda.device(device):
+            ms = do_bench(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                          warmup=50, rep=300, return_mode="median")
+    except (RuntimeError, AttributeError):
+        return None
+    finally:
+        torch.cuda.empty_cache()
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
 def _cuda_matmul_ms(device: torch.device, n: int) -> float:
     from triton.testing import do_bench
 

@@ -10,10 +10,12 @@ times to warm up, then ``--reps`` times timed (wall clock around the call, synch
 eager time. Where the packed batch fits the graph buckets (``GraphedPrefill.fits``: B*L tokens plus
 a padding request within ``--graph-max-tokens``, or B*L exactly a token bucket),
 ``GraphedPrefill`` (fastmamba/generation/prefill_graphs.py) runs the same prompts from a CUDA graph
-(host-side copy of the batch included). The floor is max(weight bytes / copy bandwidth, 2 x
-parameters x tokens / bf16 matmul rate), both measured in the same run: the prefill must read
-every weight once and do the projections' FLOPs. Without a GPU: the tiny preset on the CPU, which
-checks the plumbing only.
+(host-side copy of the batch included). The floor (fastmamba.bench.prefill_floor) is max(weight
+bytes / copy bandwidth, 2 x tokens x active matrix parameters / matmul rate), the rates measured in
+the same run (bf16, and FP8 for FP8 weights): the prefill must read every weight it can reach once
+and do the projections' FLOPs -- of a MoE layer top_k of its E experts per token, of the LM head
+the last positions only. ``--quantization fp8`` / ``--kv-cache-dtype`` load the model as ``bench
+e2e`` does. Without a GPU: the tiny preset on the CPU, which checks the plumbing only.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import sys
 import time
 
 import torch
+
+from fastmamba.models.quantization import KV_CACHE_DTYPES, QUANTIZATION_CHOICES, set_kv_cache_dtype
 
 DEFAULT_SHAPES = "1x16,1x128,1x512,1x2048,1x8192,8x2048,32x512"
 
@@ -56,22 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--norm-pass", action="store_true",
                         help="the mixers' norm as its own pass (DecodeTricks.norm_in_scan off; pure Mamba-2 "
                              "models): the baseline of the deferred norm")
+    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None,
+                        help="fp8: quantise the 16-bit model on load (as bench e2e --quantization); the floor then "
+                             "counts the FP8 matrices' FLOPs at the FP8 matmul rate")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                        help="hybrids: the K/V page dtype (as bench e2e --kv-cache-dtype)")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line per shape")
-
-
-def weight_bytes_and_params(model) -> tuple[int, int]:
-    seen, nbytes, params = set(), 0, 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            nbytes += p.numel() * p.element_size()
-            params += p.numel()
-    return nbytes, params
-
-
-def floor_ms(weight_bytes: int, params: int, tokens: int, copy_gbs: float, matmul_tflops: float) -> float:
-    """max(weights read once, the 2 x params FLOPs per token at the matmul rate), in ms."""
-    return 1e3 * max(weight_bytes / (copy_gbs * 1e9), 2 * params * tokens / (matmul_tflops * 1e12))
 
 
 def _median_ms(fn, reps: int, cuda: bool, warmup: int = 3, setup=None) -> float:
@@ -137,7 +131,9 @@ def load_peer(model, device: torch.device):
 
 def run(args: argparse.Namespace, command: str) -> int:
     import fastmamba
-    from fastmamba.bench.peak import device_name, measure_copy_bandwidth, measure_matmul_tflops
+    from fastmamba.bench.peak import (device_name, measure_copy_bandwidth, measure_fp8_matmul_tflops,
+                                      measure_matmul_tflops)
+    from fastmamba.bench.prefill_floor import prefill_work
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -149,15 +145,24 @@ def run(args: argparse.Namespace, command: str) -> int:
               "say nothing about GPU speed", file=sys.stderr)
     copy_gbs = measure_copy_bandwidth(device)
     mm_tflops = measure_matmul_tflops(device)
-    model = fastmamba.load_model(name, device=device)
+    fp8_tflops = measure_fp8_matmul_tflops(device) if args.quantization else None
+    model = fastmamba.load_model(name, device=device, quantization=args.quantization)
+    try:
+        kv = set_kv_cache_dtype(model, args.kv_cache_dtype)
+    except ValueError as exc:
+        print(f"error: --kv-cache-dtype: {exc}", file=sys.stderr)
+        return 2
     if args.norm_pass:
         if not hasattr(model, "set_decode_tricks"):
             print(f"error: --norm-pass needs a pure Mamba-2 model; {name} has no such switch", file=sys.stderr)
             return 2
         model.set_decode_tricks(norm_in_scan=False)
-    wbytes, params = weight_bytes_and_params(model)
-    print(f"# ttft: {name} ({params / 1e9:.2f} B params, {model.dtype}), {device_name(device)}, copy {copy_gbs:.0f} "
-          f"GB/s, matmul {mm_tflops:.0f} TFLOP/s, median of {reps} warm prefills; command: {command}")
+    active = prefill_work(model, 1, 1).active_params
+    fp8_txt = f", FP8 matmul {fp8_tflops:.0f} TFLOP/s" if fp8_tflops else ""
+    print(f"# ttft: {name} ({active / 1e9:.2f} B active matrix params, {model.dtype}"
+          f"{', FP8 weights' if args.quantization else ''}{f', K/V {kv}' if kv else ''}), {device_name(device)}, "
+          f"copy {copy_gbs:.0f} GB/s, matmul {mm_tflops:.0f} TFLOP/s{fp8_txt}, median of {reps} warm prefills; "
+          f"command: {command}")
     peer, peer_note = load_peer(model, device) if args.peer else (None, "")
     if args.peer:
         print(f"# peer: {peer_note if peer is not None else 'mamba_ssm unavailable: ' + peer_note}; its MambaLMHeadModel "
@@ -197,10 +202,13 @@ def run(args: argparse.Namespace, command: str) -> int:
                 graphed = _median_ms(lambda: gp.prefill(prompts, held["slots"], False), reps, cuda, warmup=3,
                                      setup=setup)
             del gp
-        floor = floor_ms(wbytes, params, b * length, copy_gbs, mm_tflops)
+        work = prefill_work(model, b, length)
+        floor = work.floor_ms(copy_gbs, mm_tflops, fp8_tflops)
         row = {"model": name, "batch": b, "length": length, "eager_ms": eager, "graphed_ms": graphed,
                "floor_ms": floor, "device": device_name(device), "command": command,
-               "norm_in_scan": not args.norm_pass}
+               "norm_in_scan": not args.norm_pass, "quantization": args.quantization, "kv_cache": kv,
+               "weight_bytes": work.weight_bytes, "flops_16": work.flops_16, "flops_8": work.flops_8,
+               "copy_gbs": copy_gbs, "matmul_tflops": mm_tflops, "fp8_matmul_tflops": fp8_tflops}
         ptxt = ""
         if peer is not None:
             peer_ms, diff = _peer_row(peer, model, ids_dev, reps)
