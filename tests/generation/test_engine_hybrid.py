@@ -6,6 +6,7 @@ a clear error) and every slot and page comes back under churn, aborts and failed
 from __future__ import annotations
 
 import random
+import weakref
 
 import pytest
 import torch
@@ -40,16 +41,19 @@ def model():
     return build_model()
 
 
-_REFERENCE: dict[tuple[int, ...], list[int]] = {}
+# per model (weakly: a model's entries go with it, and a new model at a dead one's address starts
+# empty), then per prompt: the tokens decoded so far
+_REFERENCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def greedy_reference(model, prompt, n):
     """Greedy decoding by full forwards of the whole sequence (no cache): the definition."""
+    known = _REFERENCE.setdefault(model, {})
     key = tuple(prompt)
-    ids = list(prompt) + _REFERENCE.get(key, [])
+    ids = list(prompt) + known.get(key, [])
     while len(ids) - len(prompt) < n:
         ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    _REFERENCE[key] = ids[len(prompt):]
+    known[key] = ids[len(prompt):]
     return ids[len(prompt):len(prompt) + n]
 
 
