@@ -83,7 +83,11 @@ def _stub_package(name: str, path: str) -> types.ModuleType:
 def import_without_init(package: str, submodule: str, search_path: list[str] | None = None) -> types.ModuleType:
     """Import ``package.submodule`` (dotted) without running the ``__init__.py`` of any parent.
 
-    Parents already in ``sys.modules`` (really imported, or stubbed by an earlier call) are kept.
+    Parents already in ``sys.modules`` (really imported) are kept. The stand-in parents this call
+    registers are removed again once the import is done: left in ``sys.modules`` they would make a
+    later ``import package`` succeed, and e.g. transformers (which imports mamba_ssm at import time
+    and takes its ops where that works) would run the peer's kernels where it reports its own. The
+    imported submodules stay (a later ``from package.a.b import f`` finds them).
     """
     root = find_package_dir(package, search_path)
     if root is None:
@@ -91,13 +95,19 @@ def import_without_init(package: str, submodule: str, search_path: list[str] | N
     parts = submodule.split(".")
     path = root
     name = package
-    for part in [None, *parts[:-1]]:
-        if part is not None:
-            name = f"{name}.{part}"
-            path = os.path.join(path, part)
-        if name not in sys.modules:
-            sys.modules[name] = _stub_package(name, path)
-    return importlib.import_module(f"{package}.{submodule}")
+    added = []
+    try:
+        for part in [None, *parts[:-1]]:
+            if part is not None:
+                name = f"{name}.{part}"
+                path = os.path.join(path, part)
+            if name not in sys.modules:
+                sys.modules[name] = _stub_package(name, path)
+                added.append(name)
+        return importlib.import_module(f"{package}.{submodule}")
+    finally:
+        for name in added:
+            sys.modules.pop(name, None)
 
 
 def _mamba_ssm_version(search_path: list[str] | None = None) -> str:

@@ -138,6 +138,16 @@ def test_import_without_init_skips_package_init(fake_package, monkeypatch):
         __import__(name)
     module = peers.import_without_init(name, "ops.triton.update")  # ...this one does not
     assert module.update(1) == 4
+    # no stand-in parent stays behind: a later ordinary import fails as before (transformers imports
+    # mamba_ssm itself and would take a stand-in's ops for the real package's), the submodules stay
+    with pytest.raises(ImportError):
+        __import__(name)
+    assert name not in sys.modules and f"{name}.ops" not in sys.modules
+    assert sys.modules[f"{name}.ops.triton.update"] is module
+    from importlib import import_module
+    assert import_module(f"{name}.ops.triton.softplus").softplus(1) == 2  # cached submodules import alone
+    again = peers.import_without_init(name, "ops.triton.softplus")  # and the stand-ins come back for a call
+    assert again.softplus(2) == 3 and name not in sys.modules
 
 
 def test_missing_peer_gives_reason(monkeypatch):
