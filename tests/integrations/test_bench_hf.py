@@ -21,9 +21,9 @@ def references(monkeypatch):
 @pytest.mark.parametrize("preset", ["mamba2-tiny", "nemotron-3-tiny"])
 def test_bench_hf_table_and_rows(preset, tmp_path, capsys):
     out = tmp_path / "rows.jsonl"
-    # the providers named: on a GPU machine the default list adds mamba_ssm's row (and a default row
-    # where transformers' hooks resolved to mamba_ssm: fastmamba.bench.peers' stand-in packages let
-    # a later import of the modeling module find it)
+    # the providers named: on a GPU machine the default list adds mamba_ssm's row, and a default row
+    # where transformers' hooks resolved to mamba_ssm (an earlier test in the process may have loaded
+    # mamba_ssm's model as a peer, after which `import mamba_ssm` works)
     rc = main(["hf", "--model", preset, "--batch", "1,2", "--new-tokens", "3", "--prompt-len", "5", "--dtype", "fp32",
                "--providers", "torch,fastmamba-eager,fastmamba", "--json", str(out)])
     assert rc == 0
