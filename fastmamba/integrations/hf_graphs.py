@@ -146,7 +146,7 @@ class Run:
             if not self._may_capture(cache):
                 self.owner.stats.eager["cache tensors move"] += 1
                 return self._eager(x, kwargs)
-            g = self._capture(x, kwargs, cache)
+            g = self._capture(x, kwargs)
             self.graphs[key] = g
             while len(self.graphs) > self.owner.max_graphs:
                 self.graphs.popitem(last=False)
@@ -170,15 +170,9 @@ class Run:
             pass
         return True
 
-    def _capture(self, x: torch.Tensor, kwargs: dict, cache) -> _Graph:
-        hidden = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-        hidden.copy_(x)
-        tensors = {}
-        for name, value in kwargs.items():
-            if isinstance(value, torch.Tensor) and value is not cache:
-                buf = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
-                buf.copy_(value)
-                tensors[name] = buf
+    def _capture(self, x: torch.Tensor, kwargs: dict) -> _Graph:
+        hidden = _buffer_of(x)
+        tensors = {name: _buffer_of(v) for name, v in kwargs.items() if isinstance(v, torch.Tensor)}
         call = {**kwargs, **tensors}
         graph = torch.cuda.CUDAGraph()
         if self.owner.pool is None:
@@ -219,6 +213,13 @@ class DecodeGraphs:
                 set_forward(b, run.tail)
 
 
+def _buffer_of(t: torch.Tensor) -> torch.Tensor:
+    """A graph's input buffer: a copy of ``t`` with its shape, strides, dtype and device, allocated
+    outside the graph's pool (the caller copies each step's value into it)."""
+    buf = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return buf.copy_(t)
+
+
 def _layer_lists(model: torch.nn.Module):
     """The ModuleLists of transformers' decoder blocks inside ``model``."""
     for m in model.modules():
@@ -233,10 +234,8 @@ def _is_mamba(block) -> bool:
 def _graph_safe(block, moe_graph_safe: bool) -> bool:
     if any(hasattr(m, "_hf_hook") for m in block.modules()):  # accelerate's offload hooks move weights per call
         return False
-    if type(block).__name__ == "Mamba2Block":
-        return True
     kind = getattr(block, "block_type", None)
-    if kind in ("linear_attention", "mamba", "mlp"):
+    if _is_mamba(block) or kind == "mlp":
         return True
     return kind == "moe" and moe_graph_safe  # transformers' own experts loop reads the routing on the host
 
