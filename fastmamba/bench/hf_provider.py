@@ -150,8 +150,7 @@ def _mixer_modules(model) -> list:
 
 
 # the modeling module's function behind each hook name (transformers 5.25)
-_MODULE_FUNCTION_OF = dict(zip(_FUNCTION_HOOKS, ("causal_conv1d_fn", "causal_conv1d_update",
-                                                 "mamba2_selective_state_update", "mamba2_chunk_scan")))
+_MODULE_FUNCTION_OF = dict(zip(_FUNCTION_HOOKS, _MODULE_FUNCTIONS))
 
 
 def _with_kwargs_of(fn):

@@ -79,8 +79,6 @@ def measure_fp8_matmul_tflops(device: torch.device | str, n: int = 8192) -> floa
     """TFLOP/s of ``torch._scaled_mm`` of two n x n e4m3 matrices (per-tensor scales, bf16 out),
     2*n**3 flops per call: the rate cuBLASLt's FP8 tensor-core GEMM reaches here. None where no FP8
     GEMM runs (a CPU, a GPU before compute capability 8.9, a torch without ``_scaled_mm``)."""
-    from triton.testing import do_bench
-
     device = torch.device(device)
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
         return None
@@ -88,9 +86,8 @@ def measure_fp8_matmul_tflops(device: torch.device | str, n: int = 8192) -> floa
         a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
         b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt wants
         one = torch.ones((), device=device)
-        with torch.cuda.device(device):
-            ms = do_bench(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
-                          warmup=50, rep=300, return_mode="median")
+        ms = _cuda_median_ms(device, lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one,
+                                                               out_dtype=torch.bfloat16))
     except (RuntimeError, AttributeError):
         return None
     finally:
@@ -99,12 +96,17 @@ def measure_fp8_matmul_tflops(device: torch.device | str, n: int = 8192) -> floa
 
 
 def _cuda_matmul_ms(device: torch.device, n: int) -> float:
-    from triton.testing import do_bench
-
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    return _cuda_median_ms(device, lambda: torch.matmul(a, b))
+
+
+def _cuda_median_ms(device: torch.device, fn) -> float:
+    """Median ms of ``fn()`` on ``device`` (``triton.testing.do_bench``: 50 ms warm-up, 300 ms timed)."""
+    from triton.testing import do_bench
+
     with torch.cuda.device(device):
-        return do_bench(lambda: torch.matmul(a, b), warmup=50, rep=300, return_mode="median")
+        return do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
 def _cpu_matmul_tflops(n: int, reps: int = 5) -> float:
