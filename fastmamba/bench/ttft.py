@@ -61,8 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the mixers' norm as its own pass (DecodeTricks.norm_in_scan off; pure Mamba-2 "
                              "models): the baseline of the deferred norm")
     parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None,
-                        help="fp8: quantise the 16-bit model on load (as bench e2e --quantization); the floor then "
-                             "counts the FP8 matrices' FLOPs at the FP8 matmul rate")
+                        help="fp8: quantise the 16-bit model on load (as bench e2e --quantization); the floor counts "
+                             "FP8 matrices' FLOPs (these, or an FP8 checkpoint's) at the FP8 matmul rate")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                         help="hybrids: the K/V page dtype (as bench e2e --kv-cache-dtype)")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line per shape")
@@ -145,7 +145,6 @@ def run(args: argparse.Namespace, command: str) -> int:
               "say nothing about GPU speed", file=sys.stderr)
     copy_gbs = measure_copy_bandwidth(device)
     mm_tflops = measure_matmul_tflops(device)
-    fp8_tflops = measure_fp8_matmul_tflops(device) if args.quantization else None
     model = fastmamba.load_model(name, device=device, quantization=args.quantization)
     try:
         kv = set_kv_cache_dtype(model, args.kv_cache_dtype)
@@ -157,10 +156,12 @@ def run(args: argparse.Namespace, command: str) -> int:
             print(f"error: --norm-pass needs a pure Mamba-2 model; {name} has no such switch", file=sys.stderr)
             return 2
         model.set_decode_tricks(norm_in_scan=False)
-    active = prefill_work(model, 1, 1).active_params
+    one_token = prefill_work(model, 1, 1)
+    fp8 = one_token.flops_8 > 0  # FP8 matrices: quantised here (--quantization fp8) or shipped by the checkpoint
+    fp8_tflops = measure_fp8_matmul_tflops(device) if fp8 else None
     fp8_txt = f", FP8 matmul {fp8_tflops:.0f} TFLOP/s" if fp8_tflops else ""
-    print(f"# ttft: {name} ({active / 1e9:.2f} B active matrix params, {model.dtype}"
-          f"{', FP8 weights' if args.quantization else ''}{f', K/V {kv}' if kv else ''}), {device_name(device)}, "
+    print(f"# ttft: {name} ({one_token.active_params / 1e9:.2f} B active matrix params, {model.dtype}"
+          f"{', FP8 weights' if fp8 else ''}{f', K/V {kv}' if kv else ''}), {device_name(device)}, "
           f"copy {copy_gbs:.0f} GB/s, matmul {mm_tflops:.0f} TFLOP/s{fp8_txt}, median of {reps} warm prefills; "
           f"command: {command}")
     peer, peer_note = load_peer(model, device) if args.peer else (None, "")
