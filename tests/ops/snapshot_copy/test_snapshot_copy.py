@@ -106,16 +106,6 @@ def compile_sm90(name: str) -> dict:
 COMPILE_VARIANTS = ["fp32-bf16", "bf16-bf16", "fp32-fp32"]
 
 
-@pytest.fixture(scope="module")
-def compiled() -> dict:
-    """Every variant compiled in one subprocess: one Triton import (~2 s of a CPU) instead of one per
-    variant. A failed compile fails each compile test with the subprocess's traceback."""
-    from tests.helpers import compile_in_subprocess  # not at the top: as above
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    return compile_in_subprocess(__file__, "all", root)
-
-
 @pytest.mark.parametrize("name", COMPILE_VARIANTS)
 def test_kernel_compiles_for_sm90(name, compiled):
     assert compiled[name]["ptx_lines"] > 0

@@ -58,15 +58,6 @@ def compile_sm90(name: str) -> int:
     return k.metadata.shared
 
 
-@pytest.fixture(scope="module")
-def compiled() -> dict:
-    """Every variant compiled in one subprocess: one Triton import (~2 s of a CPU) instead of one per
-    variant. A failed compile fails each test of the module with the subprocess's traceback."""
-    from tests.helpers import compile_in_subprocess  # not at the top: __main__ runs without tests/ on the path
-
-    return compile_in_subprocess(__file__, "all", ROOT)
-
-
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_hopper_kernel_compiles_for_sm90(name, compiled):
     from fastmamba.ops.ssd_scan.hopper.chunk_output import PROGRAMS_PER_SM
