@@ -108,8 +108,12 @@ def use(model: torch.nn.Module, cuda_graphs: bool = True) -> Provider:
 
     model: transformers' Mamba2ForCausalLM / Mamba2Model / NemotronHForCausalLM / NemotronHModel
     (or any module holding their mixers). Raises RuntimeError for an unsupported transformers
-    version, ValueError for a model without Mamba-2 mixers; nothing is changed then.
+    version, ValueError for a model without Mamba-2 mixers, TypeError for a ``cuda_graphs`` that is
+    not a bool; nothing is changed then.
     """
+    if not isinstance(cuda_graphs, bool):  # a string such as "false" would be truthy
+        raise TypeError(f"fastmamba.integrations.transformers.use: cuda_graphs must be True or False, got "
+                        f"{cuda_graphs!r}")
     check_transformers_version()
     if is_used(model):
         return model.__dict__[_ATTR]

@@ -54,6 +54,9 @@ def test_runs_cut_at_attention_and_unuse_restores_the_blocks(kind, checkpoints, 
     assert all("forward" not in b.__dict__ for b in blocks(model))
     with provider.use(model, cuda_graphs=False) as p:
         assert p.graphs is None and all("forward" not in b.__dict__ for b in blocks(model))
+    with pytest.raises(TypeError, match="cuda_graphs must be True or False, got 'false'"):
+        provider.use(model, cuda_graphs="false")
+    assert not provider.is_used(model) and all("forward" not in b.__dict__ for b in blocks(model))
 
 
 def _generate(model, ids, mask, n=12):
