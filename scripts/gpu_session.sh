@@ -13,7 +13,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # Triton's compile cache travels between calls as one tarball (each call gets a fresh machine)
 export TRITON_CACHE_DIR=/tmp/triton-cache
 mkdir -p "$TRITON_CACHE_DIR"
-[ -f .tcache/triton-cache.tgz ] && tar -xzf .tcache/triton-cache.tgz -C "$TRITON_CACHE_DIR"
+# (only the cubins, launchers and metadata: Triton skips a cached group's missing IR files, and the IR
+# made the tarball 9x larger, past the 16 MiB a returned file may have)
+[ -f .tcache/triton-cache.txz ] && tar -xJf .tcache/triton-cache.txz -C "$TRITON_CACHE_DIR"
 
 # at most 8 files come back from $OUT (tests.log, tune.*, kernels.*, prefill.*, spec.*, e2e.*, the cache): pick steps to fit
 # tune-<op> sweeps one op, e.g. tune-conv_fn, tune-ssd (the prefill ops are not in the default tune)
@@ -88,5 +90,6 @@ for step in "${steps[@]}"; do
         *)         echo "unknown step $step" ;;
     esac
 done
-tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
+tar -cJf "$OUT/triton-cache.txz" --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.ptx' \
+    --exclude='*.source' -C "$TRITON_CACHE_DIR" . 2>/dev/null
 ls -la "$OUT"
