@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from fastmamba.ops.runtime import hopper_kernels
+from fastmamba.ops.runtime import graph_capture, hopper_kernels
 
 Call = Callable[[], object]
 MakeCall = Callable[[int], Call]
@@ -145,7 +145,7 @@ def time_graph(make_call: MakeCall, n_sets: int, config: TimingConfig = TimingCo
 
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            with graph_capture(graph):
                 for call in seq:
                     call()
             graph.replay()

@@ -29,6 +29,7 @@ import time
 import torch
 
 from fastmamba.distributed.group import TPGroup
+from fastmamba.ops.runtime import graph_capture
 from fastmamba.distributed.launch import spawn_tp
 
 
@@ -89,7 +90,7 @@ def collective_ms(model, tp: TPGroup, batch: int, reps: int = 50) -> float:
         step()  # warm up outside capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         step()
     graph.replay()
     torch.cuda.synchronize()

@@ -24,7 +24,7 @@ import torch
 from fastmamba.cache.hybrid_cache import HybridCache
 from fastmamba.cache.state_cache import StateCache
 from fastmamba.models.lm import HybridLM
-from fastmamba.ops.runtime import pdl_supported, programmatic_dependent_launch
+from fastmamba.ops.runtime import graph_capture, pdl_supported, programmatic_dependent_launch
 
 PAD_SLOT = -1
 
@@ -127,7 +127,7 @@ class GraphedDecoder:
         with pdl:
             warm_up_padded(run, slots)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with graph_capture(graph, pool=self.pool):
                 logits = run()
         return graph, logits
 
@@ -236,7 +236,7 @@ class GraphedVerifier:
         with pdl:
             warm_up_padded(run, slots)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with graph_capture(graph, pool=self.pool):
                 logits = run()
         return graph, logits
 
@@ -272,6 +272,6 @@ class GraphedVerifier:
         # capturing then records the same kernels without running them again
         run()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with graph_capture(graph, pool=self.pool):
             run()
         self.commit_graphs[(path, b)] = graph

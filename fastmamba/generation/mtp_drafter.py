@@ -64,7 +64,7 @@ import torch
 
 from fastmamba.cache.kv_pages import KVPages
 from fastmamba.generation.cuda_graphs import CaptureClock, warm_up_padded
-from fastmamba.ops.runtime import trusted_inputs
+from fastmamba.ops.runtime import graph_capture, trusted_inputs
 
 
 def require_mtp(model) -> None:
@@ -402,7 +402,7 @@ class MTPDrafter:
             with self.captured.timing():
                 warm_up_padded(run, st["rows"])  # pad rows (-1): the warm-up writes only the scratch page
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                with graph_capture(graph, pool=self.pool):
                     st["drafts"] = run()
             st["graph"] = graph
         st["graph"].replay()
@@ -423,6 +423,6 @@ class MTPDrafter:
 
         warm_up_padded(run, st["rows"])  # pad rows (-1): the warm-up writes only the scratch page
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with graph_capture(graph, pool=self.pool):
             st["h"], st["draft"] = run()
         st["graph"] = graph

@@ -54,7 +54,8 @@ from fastmamba.layers.attention import StagedPrefill, prefill_kv_values
 from fastmamba.models.lm import HybridLM
 from fastmamba.ops.attention import PrefillWork, work_items_bound
 from fastmamba.ops.runtime import (
-    chunk_count_bound, hopper_kernels, next_power_of_2, pdl_supported, programmatic_dependent_launch, trusted_inputs,
+    chunk_count_bound, graph_capture, hopper_kernels, next_power_of_2, pdl_supported, programmatic_dependent_launch,
+    trusted_inputs,
 )
 
 PAD_SLOT = -1
@@ -277,7 +278,7 @@ class GraphedPrefill:
             torch.cuda.current_stream().wait_stream(side)
             slots.copy_(saved)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with graph_capture(graph, pool=self.pool):
                 logits = run(slots_host)
         return graph, logits
 

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fastmamba.ops.runtime import graph_capture
+
 _PLAIN = (type(None), bool, int, float, str)
 _CACHE_KEYS = ("cache", "cache_params", "past_key_values")
 _BLOCKS = ("Mamba2Block", "NemotronHBlock")
@@ -178,7 +180,7 @@ class Run:
         if self.owner.pool is None:
             self.owner.pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(x.device)
-        with torch.cuda.graph(graph, pool=self.owner.pool):  # records only: the step runs at the replay
+        with graph_capture(graph, pool=self.owner.pool):  # records only: the step runs at the replay
             out = self._eager(hidden, call)
         self.owner.stats.captures += 1
         return _Graph(graph, hidden, tensors, out)

@@ -12,6 +12,9 @@ Trusted inputs, host values
     CUDA graph is being captured, under ``torch.compile`` or inside ``trusted_inputs()``).
     ``host_list(t)``: ``t.tolist()``, read afresh every call. ``check_host_copies(op, copies)``:
     ValueError when a caller's host copy of an index tensor has another length than the tensor.
+CUDA graphs
+    ``graph_capture(graph, pool)``: ``torch.cuda.graph`` with Python's garbage collector paused (a
+    collection inside a capture can destroy another graph, which breaks the capture).
 PDL (programmatic dependent launch)
     ``programmatic_dependent_launch()``: the block under which our kernels launch with PDL (graphs
     capture inside it); ``pdl_supported(t)``: whether ``t``'s GPU can (sm_90 or newer).
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 from fastmamba.ops._common.checks import check_host_copies
 from fastmamba.ops._common.dispatch import interpreter_enabled
+from fastmamba.ops._common.graph_capture import graph_capture
 from fastmamba.ops._common.host_math import cdiv, next_power_of_2
 from fastmamba.ops._common.host_values import host_list, host_reads_allowed, trusted_inputs
 from fastmamba.ops._common.pdl import pdl_supported, programmatic_dependent_launch
@@ -45,7 +49,7 @@ from fastmamba.ops.ssd_scan.plan import chunk_count_bound
 from fastmamba.ops.ssd_scan.hopper import hopper_kernels, long_prefill_kernels
 
 __all__ = [
-    "GEMV_MAX_ROWS", "NORM_SPAN", "cdiv", "check_host_copies", "chunk_count_bound", "host_list",
+    "GEMV_MAX_ROWS", "NORM_SPAN", "cdiv", "check_host_copies", "chunk_count_bound", "graph_capture", "host_list",
     "host_reads_allowed", "hopper_kernels", "interpreter_enabled", "long_prefill_kernels", "next_power_of_2",
     "pdl_supported", "programmatic_dependent_launch", "raise_pending_slot_errors", "scatter_rows",
     "trusted_inputs",
