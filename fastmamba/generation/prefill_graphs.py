@@ -50,9 +50,9 @@ from fastmamba.cache.prefix_cache import DeviceSnapshots, SnapshotPlan, snapshot
 from fastmamba.cache.state_cache import StateCache
 from fastmamba.generation.cuda_graphs import CaptureClock
 from fastmamba.generation.staging import StagedInputs
-from fastmamba.layers.attention import StagedPrefill, prefill_kv_values
+from fastmamba.layers.attention import StagedPrefill
 from fastmamba.models.lm import HybridLM
-from fastmamba.ops.attention import PrefillWork, work_items_bound
+from fastmamba.ops.attention import PrefillWork, prefill_kv_values, work_items_bound
 from fastmamba.ops.runtime import (
     chunk_count_bound, graph_capture, hopper_kernels, next_power_of_2, pdl_supported, programmatic_dependent_launch,
     trusted_inputs,

@@ -24,15 +24,13 @@ it stays the definition of what the cached paths compute.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastmamba.ops.attention import (PrefillWork, paged_decode_attention, paged_kv_write, prefill_work,
-                                     varlen_prefill_attention)
+from fastmamba.ops.attention import PrefillWork, paged_decode_attention, paged_kv_write, varlen_prefill_attention
 from fastmamba.ops.attention.ref import quantize_kv_ref
 from fastmamba.ops.gemv import gemv, gemv_covers
 
@@ -95,22 +93,6 @@ class StagedPrefill(NamedTuple):
     token_rows: torch.Tensor | None
     ctx_lens: torch.Tensor | None
     work: PrefillWork | None
-
-
-def prefill_kv_values(ctx: Sequence[int], layout: Sequence[int], cu: Sequence[int], block_m: int,
-                      capacity: int | None = None) -> dict[str, list[int]]:
-    """A packed prefill's attention metadata as host lists, what ``StagedPrefill`` holds.
-
-    ctx       tokens each real request held before the call (the first len(ctx) requests)
-    layout    every request's token count, real then padding requests (slot -1, if any)
-    cu        layout's cumulative sums from 0 (the call's cu_seqlens)
-    Returns positions (each real token's position, 0 for padding tokens), token_rows (each token's
-    request), ctx (0 for padding requests) and work (``prefill_work(cu, block_m, capacity)``)."""
-    real = sum(layout[:len(ctx)])
-    return {"positions": [c + i for c, n in zip(ctx, layout) for i in range(n)] + [0] * (cu[-1] - real),
-            "token_rows": [b for b, n in enumerate(layout) for _ in range(n)],
-            "ctx": list(ctx) + [0] * (len(layout) - len(ctx)),
-            "work": prefill_work(cu, block_m, capacity)}
 
 
 def kv_cache_dtype_of(model: nn.Module) -> torch.dtype | None:

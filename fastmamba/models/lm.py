@@ -36,12 +36,12 @@ from torch import nn
 
 from fastmamba.cache.hybrid_cache import HybridCache
 from fastmamba.cache.prefix_cache import DeviceSnapshots, SnapshotPlan, device_layer_snapshots, layer_snapshots
-from fastmamba.layers.attention import KVBatch, StagedPrefill, kv_cache_dtype_of, prefill_kv_values
+from fastmamba.layers.attention import KVBatch, StagedPrefill, kv_cache_dtype_of
 from fastmamba.layers.mamba2 import DecodeTricks
 from fastmamba.models.blocks import Batch, RMSNorm, SpecBatch, build_blocks
 from fastmamba.models.inputs import check_index_tensor, check_rand_seed, embed, host_metadata
 from fastmamba.ops import add_rmsnorm
-from fastmamba.ops.attention import PrefillWork, prefill_block_tokens
+from fastmamba.ops.attention import PrefillWork, prefill_block_tokens, prefill_kv_values
 from fastmamba.ops.runtime import check_host_copies, host_list, host_reads_allowed, long_prefill_kernels, trusted_inputs
 
 PATHS = ("replay", "legacy", "plain")

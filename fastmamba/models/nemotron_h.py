@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 
-from fastmamba.layers.attention import StagedPrefill, prefill_kv_values  # re-exported: their old home
+from fastmamba.layers.attention import StagedPrefill  # re-exported: its old home
+from fastmamba.ops.attention import prefill_kv_values  # re-exported: its old home (the op's host metadata)
 from fastmamba.layers.mamba2 import MambaLayerConfig
 from fastmamba.layers.moe import MoEConfig
 from fastmamba.models.checkpoint_config import (_as_float, _Fields, agreed_pattern, checkpoint_eos_token_ids,

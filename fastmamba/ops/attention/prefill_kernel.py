@@ -132,6 +132,23 @@ def prefill_work(cu_seqlens: Sequence[int], block_m: int, capacity: int | None =
     return out
 
 
+def prefill_kv_values(ctx: Sequence[int], layout: Sequence[int], cu: Sequence[int], block_m: int,
+                      capacity: int | None = None) -> dict[str, list[int]]:
+    """A packed prefill's attention metadata as host lists (what the runtime's ``StagedPrefill``
+    holds as tensors: the inputs of ``varlen_prefill_attention`` beyond q, k, v and the pages).
+
+    ctx       tokens each real request held before the call (the first len(ctx) requests)
+    layout    every request's token count, real then padding requests (slot -1, if any)
+    cu        layout's cumulative sums from 0 (the call's cu_seqlens)
+    Returns positions (each real token's position, 0 for padding tokens), token_rows (each token's
+    request), ctx (0 for padding requests) and work (``prefill_work(cu, block_m, capacity)``)."""
+    real = sum(layout[:len(ctx)])
+    return {"positions": [c + i for c, n in zip(ctx, layout) for i in range(n)] + [0] * (cu[-1] - real),
+            "token_rows": [b for b, n in enumerate(layout) for _ in range(n)],
+            "ctx": list(ctx) + [0] * (len(layout) - len(ctx)),
+            "work": prefill_work(cu, block_m, capacity)}
+
+
 def launch_paged_prefill_attention(q, k_pages, v_pages, block_table, slots, cu_seqlens, ctx_lens, work, out,
                                    scale: float, block_m: int, config, k_scale=None, v_scale=None) -> None:
     """q, out [T, Hq, Dh]; k_pages, v_pages [Np, PAGE, Hkv, Dh]; block_table [S, Pmax]; slots [B];
