@@ -102,7 +102,6 @@ class GraphedDecoder:
             pdl = pdl_supported(model.lm_head.weight)
         self.model, self.cache, self.max_batch, self.pdl = model, cache, max_batch, pdl
         self.rand_seed = rand_seed
-        self.paged = cache.paged  # per-slot lengths (grow before each step), K/V pages with attention layers
         dev = model.lm_head.weight.device
         self.buckets = buckets_up_to(max_batch)
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=dev)
@@ -117,9 +116,9 @@ class GraphedDecoder:
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         pdl = programmatic_dependent_launch() if self.pdl else contextlib.nullcontext()
         tokens, slots = self.tokens[:b], self.slots[:b]
-        # a paged KV cache (hybrid models) is grown by the caller before each replay: the graph
+        # the caller grows a paged KV cache (and checks the slots) before each replay: the graph
         # reads its block table and lengths as static buffers
-        grow = {"grow": False} if self.paged else {}
+        grow = {"grow": False}
 
         def run() -> torch.Tensor:
             return self.model.decode(tokens, self.cache, slots, rand_seed=self.rand_seed, **grow)
@@ -228,7 +227,7 @@ class GraphedVerifier:
         pdl = programmatic_dependent_launch() if self.pdl else contextlib.nullcontext()
         tokens, slots = self.tokens[path][:b], self.slots[:b]
 
-        grow = {"grow": False} if self.paged else {}
+        grow = {"grow": False}  # grown (slots checked) by the caller, as for decode
 
         def run() -> torch.Tensor:
             return self.model.verify(tokens, self.cache, slots, path=path, rand_seed=self.rand_seed, **grow)

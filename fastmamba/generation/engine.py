@@ -105,7 +105,7 @@ class Engine:
         # a paged KV cache (hybrid models): the scheduler grows it on the host before each decode
         # step, so the model (or its graph) must not
         self._paged = self.cache.paged
-        self._no_grow = {"grow": False} if self._paged else {}
+        self._no_grow = {"grow": False}  # grown (or the slots checked) by the scheduler
         self.rounding = (StochasticRounding(model.cfg.n_layer, self.device, config.rounding_seed)
                          if config.stochastic_rounding else None)
         self.sampler = Sampler(model.cfg.vocab_size, self.device, config.max_batch)

@@ -88,7 +88,7 @@ class Speculator:
         self.paged = cache.paged
         # a paged KV cache (hybrid models): the engine grows it on the host before each verify step
         # and shrinks it after the commit, so the model (or its graph) must do neither
-        self._no_grow = {"grow": False} if self.paged else {}
+        self._no_grow = {"grow": False}  # the engine grew the cache (or checked the slots)
         self._no_rollback = {"rollback": False} if self.paged else {}
         drafter, policy = config.drafter, config.spec_policy
         if isinstance(drafter, str):  # "mtp": the checkpoint's MTP layer (fastmamba.generation.mtp_drafter)

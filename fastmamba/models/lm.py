@@ -28,7 +28,6 @@ and every method runs under ``torch.inference_mode()`` as outside it.
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -365,10 +364,20 @@ class HybridLM(nn.Module):
         return flags, kv, snap
 
     def _grow(self, who, token_ids, slots, cache, ntok, grow):
-        """With a paged cache and ``grow``: one host read of the slots (which checks the token ids'
-        range too), the embeddings looked up, then ``cache.grow(slots, [ntok] * B)``; returns the
-        embeddings, or None (the caller grew it: a CUDA-graph replay reads static buffers only)."""
-        if not (cache.paged and grow):
+        """With ``grow``: one host read of the slots (which checks the token ids' range too); a paged
+        cache then looks the embeddings up and runs ``cache.grow(slots, [ntok] * B)`` (which checks
+        that the slots are allocated), an unpaged one checks the slots' range. Returns the embeddings,
+        or None. Without ``grow`` the caller grew the cache or checked the slots (the engine, a
+        CUDA-graph replay): nothing is read. Either way the layers' ops then trust the slots."""
+        if not grow:
+            return None
+        if not cache.paged:
+            if host_reads_allowed(slots):  # not while a graph is captured, traced or trusted
+                (sl,) = host_metadata(who, "token_ids", token_ids, self.cfg.vocab_size, [slots])
+                bad = [s for s in sl if s != -1 and not 0 <= s < cache.num_slots][:4]
+                if bad:
+                    raise ValueError(f"{who}: `slots` values must lie in [0, {cache.num_slots}) (the cache's "
+                                     f"slots) or be -1 (a pad row), got {bad}")
             return None
         (sl,) = host_metadata(who, "token_ids", token_ids, self.cfg.vocab_size, [slots])
         hidden = embed(self.backbone.embeddings, token_ids.reshape(-1), who, "token_ids")
@@ -376,11 +385,10 @@ class HybridLM(nn.Module):
         return hidden
 
     @staticmethod
-    def _slots_checked(cache):
-        """A paged cache's slots were checked once as the cache grew (here, or by the caller that
-        grew it: ``grow=False``), so the layers' ops do not check them again (``trusted_inputs``); an
-        unpaged cache's slots are never read here: its ops check them."""
-        return trusted_inputs() if cache.paged else contextlib.nullcontext()
+    def _slots_checked():
+        """The slots were checked once (``_grow``, or by the caller: ``grow=False``), so the layers'
+        ops do not read them again (``trusted_inputs``): one host read per step, not one per layer."""
+        return trusted_inputs()
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, cache, slots: torch.Tensor, *,
@@ -390,10 +398,10 @@ class HybridLM(nn.Module):
         token_ids  [B] int32/int64 in [0, V) (a paged cache with ``grow``: checked in the slots'
                    host read, before any length, page or state moves)
         slots      [B] int32/int64; -1 marks a pad row (no state touched, its K/V go to the scratch page)
-        grow       (paged cache) True: ``cache.grow(slots, [1] * B)`` first (reads slots on the host;
-                   the grow checks them, and the layers' ops then trust them). False: the caller
-                   grew it, which checked the slots (a CUDA-graph replay: the positions come from
-                   ``cache.kv.seq_lens``). An unpaged cache reads nothing on the host: its ops check the slots.
+        grow       True: one host read checks the slots and token ids, and a paged cache is grown
+                   (``cache.grow(slots, [1] * B)``); the layers' ops then trust the slots. False:
+                   the caller grew the cache or checked the slots (the engine; a CUDA-graph
+                   replay, whose positions come from ``cache.kv.seq_lens``): nothing is read.
         rand_seed  int64 [n_layer] device tensor or None: stochastic rounding of 16-bit SSM states
         """
         who = self._who("decode")
@@ -409,7 +417,7 @@ class HybridLM(nn.Module):
             positions = cache.kv.seq_lens[slots.long().clamp(min=0)].long() - 1
             kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions)
         batch = Batch(slots, kv=kv, rand_seed=rand_seed)
-        with self._slots_checked(cache):
+        with self._slots_checked():
             return self._run(token_ids, lambda block, h: block.decode(h, cache, batch), hidden=hidden, who=who,
                              ids_name="token_ids")
 
@@ -430,8 +438,9 @@ class HybridLM(nn.Module):
                    read the slots' SSM states directly: their replay histories must be empty
                    (after prefill, a legacy or plain commit, or ``cache.flush(slots)``)
         rand_seed  int64 [n_layer] device tensor or None: stochastic rounding of the 16-bit states
-        grow       (paged cache) True: ``cache.grow(slots, [T] * B)`` first (reads slots on the
-                   host); False: the caller grew it (a CUDA-graph replay)
+        grow       True: one host read checks the slots and token ids, and a paged cache is grown
+                   (``cache.grow(slots, [T] * B)``); False: the caller grew it or checked the slots
+                   (the engine, a CUDA-graph replay): nothing is read
         Attention layers write the T tokens' K/V at positions ctx .. ctx+T-1 and token t attends to
         its first ctx + t + 1 tokens. Call ``commit`` with the same path and the accepted counts
         before the next verify on these slots.
@@ -468,7 +477,7 @@ class HybridLM(nn.Module):
             kv_read = KVBatch(table, (positions + 1).to(torch.int32), rows, positions)
         spec = SpecBatch(ntok, path, cache.conv_accepted[sl], inter, no_dst, kv_read)
         batch = Batch(slots, kv=kv, rand_seed=rand_seed, spec=spec)
-        with self._slots_checked(cache):
+        with self._slots_checked():
             return self._run(token_ids.reshape(-1), lambda block, h: block.verify(h, cache, batch), hidden=hidden,
                              who=who, ids_name="token_ids").view(nreq, ntok, -1)
 

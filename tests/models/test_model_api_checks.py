@@ -117,6 +117,8 @@ def calls(model, cache, slots):
         probes += [
             ("prefill_varlen-slot-out-of-range",
              lambda: model.prefill_varlen(ids5, cu, cache, torch.tensor([7, 0])), ValueError, r"`slots` values must lie"),
+            ("decode-slot-out-of-range", lambda: model.decode(torch.tensor([1, 2]), cache, torch.tensor([0, 3])),
+             ValueError, rf"{name}.decode: `slots` values must lie in \[0, 3\) .* got \[3\]"),
         ]
     return {label: rest for label, *rest in probes}
 
@@ -198,8 +200,9 @@ def test_load_model_refuses_non_finite_weights(tmp_path, family, tensor, value):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_checks_add_no_synchronize_on_gpu(preset, monkeypatch):
     """On a GPU the checks cost no device-to-host sync where the call read nothing before: a prefill
-    with the host's lists and a decode whose cache the caller grew (the engine's and the CUDA
-    graphs' calls) run under torch.cuda.set_sync_debug_mode("error"); the MoE layers included."""
+    with the host's lists and a decode whose cache the caller grew or whose slots it checked
+    (``grow=False``: the engine's and the CUDA graphs' calls) run under
+    torch.cuda.set_sync_debug_mode("error"); the MoE layers included."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     model = load_model(preset, device="cuda", dtype=torch.float32)
     hybrid = is_hybrid(model)
@@ -209,7 +212,7 @@ def test_checks_add_no_synchronize_on_gpu(preset, monkeypatch):
     ids = torch.arange(3, 10, device="cuda")
     cu = torch.tensor([0, 3, 7], dtype=torch.int32, device="cuda")
     tok = torch.tensor([4, 5], device="cuda")
-    grow = {"grow": False} if hybrid else {}
+    grow = {"grow": False}
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
