@@ -72,6 +72,8 @@ def test_through_the_fastmamba_command(capsys, nothing_starts):
 
 
 def test_taken_port_is_one_line_before_the_model_loads(capsys, monkeypatch):
+    """Also where a capacity plan is made (a GPU's memory; here given by flag), whose log line
+    would otherwise come first: the port is bound before anything is planned."""
     def refuse(*a, **k):
         raise AssertionError("the engine started although the port is taken")
 
@@ -79,7 +81,7 @@ def test_taken_port_is_one_line_before_the_model_loads(capsys, monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        rc = serve_cli.main(["--model", "mamba2-tiny", "--port", str(s.getsockname()[1])])
+        rc = serve_cli.main(["--model", "mamba2-tiny", "--port", str(s.getsockname()[1]), "--device-memory-gib", "80"])
     err = capsys.readouterr().err
     assert_one_line(rc, err, "--host/--port")
     assert "in use" in err
