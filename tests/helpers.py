@@ -112,9 +112,15 @@ def compile_in_subprocess(script: str, name: str, root: str):
     import subprocess
     import sys
 
+    import tempfile
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, script, name], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
+    # a Triton cache of its own: the tests read each kernel's PTX, which a cache hit need not carry
+    # (scripts/gpu_session.sh brings a cache of cubins only)
+    with tempfile.TemporaryDirectory(prefix="fastmamba-sm90-") as cache_dir:
+        env["TRITON_CACHE_DIR"] = cache_dir
+        done = subprocess.run([sys.executable, script, name], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=300, check=False)
     if done.returncode != 0:
         if "ptxas" in done.stderr and ("not found" in done.stderr or "No such file" in done.stderr):
             pytest.skip("Triton's NVIDIA backend has no ptxas here")

@@ -17,7 +17,7 @@ from fastmamba.ops.fp8.ref import (
     quantize_weight_ref,
 )
 from tests.helpers import nan_like
-from tests.ops.fp8.test_fp8_moe_grouped import random_case
+from tests.ops.fp8.test_fp8_moe_grouped import assert_close_but_hidden_flips, random_case
 
 FP32_SUM = dict(atol=1e-4, rtol=1e-5)  # fp32 sums of exact products in another order
 
@@ -33,7 +33,7 @@ def test_rounding_edges_are_exact(device):
                          2 ** -7, 3 * 2 ** -10, 2 ** -10, 2 ** -11, 2 ** -12, 37.6, 223.0, 0.01])
     x = vals[None, :].to(device)
     q = quantize_static(x, torch.ones((), device=device))
-    want = quantize_static_ref(x, torch.ones(()))
+    want = quantize_static_ref(x.cpu(), torch.ones(()))
     assert torch.equal(bits(q).cpu(), bits(want))
     assert q.float().abs().max() == 448.0 and not q.float().isnan().any()
     assert q.float()[0, 2] == 96.0 and q.float()[0, 0] == 128.0
@@ -181,7 +181,7 @@ def test_fp8_linear_on_gpu(T, per_channel, static):
 def test_moe_on_gpu_at_nano_width(T):
     """fp8_moe at nemotron-3-nano's expert sizes (E 128, k 6, F 1856, M 2688): pair GEMV up to 16
     tokens, the grouped W8A8 kernel above (tests/ops/fp8/test_fp8_moe_grouped.py), vs the reference
-    (bf16 tolerance)."""
+    (bf16 tolerance, up to a rare flipped hidden code: ``assert_close_but_hidden_flips``)."""
     g = torch.Generator().manual_seed(T)
     E, k, F_, M = 128, 6, 1856, 2688
     x = torch.randn(T, M, generator=g).to(torch.bfloat16)
@@ -192,7 +192,7 @@ def test_moe_on_gpu_at_nano_width(T):
     wts = torch.rand(T, k, generator=g)
     want = fp8_moe_ref(x, up, su, down, sd, wts, ids)
     got = fp8_moe(*(a.cuda() for a in (x, up, su, down, sd, wts, ids)))
-    torch.testing.assert_close(got.float().cpu(), want.float(), atol=5e-2, rtol=2e-2)
+    assert_close_but_hidden_flips(got, want, x, up.cuda(), su.cuda(), down, sd, wts, ids)
 
 
 def test_moe_dequantised_fallback_is_close_to_the_reference(device):
