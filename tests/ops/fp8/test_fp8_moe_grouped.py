@@ -251,6 +251,31 @@ def test_grouped_moe_rejects_bad_inputs(device):
 
 
 # --- GPU ----------------------------------------------------------------------------------------
+def assert_close_but_hidden_flips(got, want, x, up, su, down, sd, wts, ids, atol=5e-2, rtol=2e-2):
+    """``got`` [T, M] vs the reference ``want`` within the bf16 output tolerance, except where one
+    e4m3 code of an expert's hidden h = relu(up x)² flipped.
+
+    The kernel and the reference sum ``up x`` in another order (tensor cores vs one fp32 matmul);
+    where the two sums land on either side of an e4m3 rounding boundary of h (scaled per token or by
+    a static scale), the quantised h differs by one code: at most 2^-3 |h| (e4m3 keeps 3 mantissa
+    bits). That moves the token's outputs by up to 2^-3 · max|h| · max|W_down| · max routing weight,
+    which at nano's widths (|h| up to ~20 at the relu² tail) is ~0.07, above the bf16 tolerance.
+    Such flips are rare (a few of ~10^6 outputs per 1024 tokens): at most 1e-4 of the outputs may
+    leave the tight tolerance, and none may leave it by more than one flip's bound."""
+    got, want = got.float().cpu(), want.float().cpu()
+    dev = up.device
+    hmax = 0.0
+    for e in ids.unique().tolist():
+        tok = (ids == e).any(-1).nonzero().squeeze(-1).to(dev)
+        h = torch.relu(x.to(dev)[tok].float() @ dequantize_ref(up[e], su[e]).T).square()
+        hmax = max(hmax, float(h.max()) if h.numel() else 0.0)
+    flip = 2.0 ** -3 * hmax * float(dequantize_ref(down, sd).abs().max()) * float(wts.abs().max())
+    tight = atol + rtol * want.abs()
+    off = (got - want).abs() > tight
+    assert int(off.sum()) <= 1e-4 * got.numel(), f"{int(off.sum())} of {got.numel()} outputs off"
+    torch.testing.assert_close(got, want, atol=atol + flip, rtol=rtol)
+
+
 def nano_case(T: int, *, per_channel: bool, seed: int = 0):
     """nemotron-3-nano's routed experts (E 128, k 6, F 1856, M 2688), routing from random logits."""
     from fastmamba.ops.moe import moe_route
@@ -271,14 +296,14 @@ def nano_case(T: int, *, per_channel: bool, seed: int = 0):
 @pytest.mark.parametrize("per_channel,static", [(True, False), (False, True)], ids=["channel-dynamic", "tensor-static"])
 def test_grouped_moe_on_gpu_at_nano_width(T, per_channel, static):
     """fp8_moe above 16 tokens (the grouped kernel on Hopper's e4m3 tensor cores) vs the reference at
-    nano's widths: bf16 output tolerance (out ~ 1: its rounding 2^-8; a flip of one h element moves it
-    by ~2^-3 * |h| * |W_down| * tw ~ 1e-3); 2048 tokens take the atomic (padded-rows) alignment."""
+    nano's widths: bf16 output tolerance, up to a rare flipped code of a hidden element
+    (``assert_close_but_hidden_flips``); 2048 tokens take the atomic (padded-rows) alignment."""
     x, up, su, down, sd, wts, ids = nano_case(T, per_channel=per_channel)
     # static scales that fit x (randn: |x| < 448 * 0.02) and most of h (relu² of ~N(0, 1): 448 * 0.05 = 22)
     xs = (torch.tensor(0.02, device="cuda"), torch.tensor(0.05, device="cuda")) if static else (None, None)
     want = fp8_moe_ref(x, up, su, down, sd, wts, ids, up_input_scale=xs[0], down_input_scale=xs[1])
     got = fp8_moe(x, up, su, down, sd, wts, ids, up_input_scale=xs[0], down_input_scale=xs[1])
-    torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=2e-2)
+    assert_close_but_hidden_flips(got, want, x, up, su, down, sd, wts, ids)
     again = fp8_moe(x, up, su, down, sd, wts, ids, up_input_scale=xs[0], down_input_scale=xs[1])
     assert torch.equal(got, again)  # deterministic, also with the atomic alignment
 
