@@ -314,7 +314,7 @@ class _FakeCuda:
                 fake.replays += 1
 
         @contextlib.contextmanager
-        def graph(g):
+        def graph(g, pool=None):  # torch.cuda.graph's signature (graph_capture passes pool)
             fake.capturing = True
             try:
                 yield
