@@ -29,7 +29,7 @@ context; drafts: k reads of the MTP layer's weights, its touched experts, and th
 measured speedup ``E[tokens per step] x plain / (draft + verify + commit)``, and the verify step's
 achieved bandwidth as a % of the measured copy peak. On a GPU the verify and commit steps and the
 plain step replay from CUDA graphs (``GraphedVerifier`` / ``GraphedDecoder``, as the engine runs
-them), and so does the drafter (``MTPDrafter(cuda_graphs=True)``: the catch-up, then drafts 2..k from
+them), and so does the drafter (``MTPDrafter(cuda_graphs=True)``: the catch-up and drafts 2..k from
 one graph; its time includes building the catch-up's inputs on the host; the drafts stay on the
 device, as in the engine, and are read back with the verify's argmax).
 ``--engine-batches 8,64,256`` (``--engine-k``, ``--engine-gen-len``) adds the engine-level check of

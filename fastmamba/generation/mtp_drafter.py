@@ -45,14 +45,14 @@ the verify step behind the drafts on the same stream. ``propose`` is the host-li
 read), for callers that want lists. The engine's prefill runs eagerly with this drafter (the
 prefill graphs do not keep the hidden states); its verify steps replay from graphs.
 
-``cuda_graphs=True`` (GPU; the engine and the MTP benchmark use it): each MTP step (a batch of
-rows padded to a power of two, pad rows with pool row -1 write the scratch page and read
-nothing) replays from CUDA graphs: the catch-up from one per row bucket, drafts 2..k from one per
-(request bucket, k) (the k-1 steps captured back to back), both written into one static drafts
-buffer [max_batch, k]; the lm_head then scores every row of the bucket (the eager path scores
-only each request's last catch-up row). A speculative step is then three graph launches on one
-stream with no host sync between them: catch-up, drafts 2..k, verify (``GraphedVerifier``);
-not one graph (the catch-up's row count varies with the acceptance).
+``cuda_graphs=True`` (GPU; the engine and the MTP benchmark use it): the whole draft, the
+catch-up and drafts 2..k back to back, replays from one CUDA graph per (catch-up row bucket,
+request bucket, k), buckets powers of two (pad rows and pad requests have pool row -1: they write
+the scratch page and read nothing; a pad request selects catch-up row 0). Its drafts are copied
+into one static buffer [max_batch, k]. A speculative step is then two graph launches on one
+stream with no host sync between them: the draft and the verify (``GraphedVerifier``); not one
+(the draft's graph is picked by the catch-up's row count, which varies with the acceptance, the
+verify's by the batch alone).
 """
 from __future__ import annotations
 
@@ -91,6 +91,19 @@ class _Track:
     row: int
     hidden: list = dataclasses.field(default_factory=list)  # [n, M] tensors not yet run through the MTP
     tokens: list = dataclasses.field(default_factory=list)  # the token after each of those positions
+
+
+def _record(run, pool):
+    """``run()`` captured in a CUDA graph: (the graph, run's outputs, which every replay rewrites)."""
+    graph = torch.cuda.CUDAGraph()
+    with graph_capture(graph, pool=pool):
+        out = run()
+    return graph, out
+
+
+def _bucket(n: int) -> int:
+    """The power of two a graph's bucket for n >= 1 rows (or requests) has."""
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def _fill(st: dict, tok: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> None:
@@ -150,9 +163,9 @@ class MTPDrafter:
         self.stats = {"calls": 0, "rows": 0, "prompt_rows": 0}
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("MTPDrafter: cuda_graphs=True needs the model on a CUDA device")
-        self.graphs: dict[int, tuple] | None = {} if cuda_graphs else None
-        self._drafts: torch.Tensor | None = None  # with graphs: the static drafts buffer [max_batch, k]
-        self.chains: dict[tuple[int, int], dict] = {}  # with graphs: drafts 2..k, per (row bucket, k - 1)
+        # with graphs: one per (catch-up row bucket, request bucket, k), and the static drafts buffer
+        self.graphs: dict[tuple[int, int, int], dict] | None = {} if cuda_graphs else None
+        self._drafts: torch.Tensor | None = None
         self.captured = CaptureClock()  # graphs captured (the engine's ``graph_captures`` counts them)
         self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
 
@@ -340,71 +353,48 @@ class MTPDrafter:
         live_d = meta[3 * R + 3 * B:]
         hidden = torch.cat([h for t in ts for h in t.hidden], dim=0)  # [R, M]
         out = self._out(n_req, k)
+        if self.graphs is not None:  # catch-up and drafts 2..k from one graph
+            drafts = self._graphed(tok_d, hidden, row_d, pos_d, last_d, req_rows, next_pos, k)  # [B, k]
+        else:
+            drafts = torch.empty(B, k, dtype=torch.int64, device=dev)
+            h, draft = self._step(tok_d, hidden, row_d, pos_d, select=last_d)  # [B, M], [B]
+            drafts[:, 0].copy_(draft)
+            for j in range(1, k):
+                h, draft = self._step(drafts[:, j - 1], h, req_rows, next_pos + (j - 1))
+                drafts[:, j].copy_(draft)
         if B < n_req:
             out.zero_()
-        # each step's draft is copied out at once: a graph's output buffer is its bucket's, which
-        # the next step of the same bucket overwrites
-        dst = out if B == n_req else torch.empty(B, k, dtype=torch.int64, device=dev)
-        h, draft = self._step(tok_d, hidden, row_d, pos_d, select=last_d)  # [B, M], [B]
-        dst[:, 0].copy_(draft)
-        if self.graphs is not None:  # drafts 2..k: one graph per (request bucket, k)
-            if k > 1:
-                dst[:, 1:].copy_(self._chain(draft, h, req_rows, next_pos, k - 1))
+            out.index_copy_(0, live_d, drafts)
         else:
-            for j in range(1, k):
-                h, draft = self._step(dst[:, j - 1], h, req_rows, next_pos + (j - 1))
-                dst[:, j].copy_(draft)
-        if B < n_req:
-            out.index_copy_(0, live_d, dst)
+            out.copy_(drafts)
         return out
 
     def _step(self, tok, hidden, rows, pos, select=None):
-        """One MTP step over R rows -> (hidden [R'], greedy draft [R']) of the rows ``select`` (all: None)."""
-        if self.graphs is None:
-            with trusted_inputs():  # the host built rows and positions: no per-op read back
-                h = self.mtp.forward_rows(self.model.backbone.embeddings(tok), hidden, self.pages, rows, pos)
-                h = h if select is None else h[select]
-                return h, self.model.lm_head(h).argmax(-1)
-        R = tok.shape[0]
-        b = 1 << max(0, (R - 1).bit_length())
-        st = self.graphs.get(b)
+        """One eager MTP step over R rows -> (hidden [R'], greedy draft [R']) of the rows ``select`` (all: None)."""
+        with trusted_inputs():  # the host built rows and positions: no per-op read back
+            h = self.mtp.forward_rows(self.model.backbone.embeddings(tok), hidden, self.pages, rows, pos)
+            h = h if select is None else h[select]
+            return h, self.model.lm_head(h).argmax(-1)
+
+    def _graphed(self, tok, hidden, rows, pos, last, req_rows, next_pos, k: int) -> torch.Tensor:
+        """The eager path's steps (a catch-up over R rows, then k-1 single-row steps per request) from
+        one CUDA graph per (row bucket, request bucket, k); returns the drafts [B, k] (a view of the
+        graph's output, valid until its next replay)."""
+        R, B = tok.shape[0], last.shape[0]
+        key = (_bucket(R), _bucket(B), k)
+        st = self.graphs.get(key)
         if st is None:
-            st = self.graphs[b] = self._static(b)
+            st = self.graphs[key] = {**self._static(key[0]), **self._static_requests(key[1])}
         _fill(st, tok, hidden, rows, pos)
+        st["last"][:B].copy_(last)
+        st["last"][B:].zero_()  # pad requests select row 0 and write only the scratch page
+        st["req_rows"][:B].copy_(req_rows)
+        st["req_rows"][B:].fill_(-1)
+        st["next_pos"][:B].copy_(next_pos)
+        st["next_pos"][B:].zero_()
         if "graph" not in st:
             with self.captured.timing():
-                self._capture(st)
-        st["graph"].replay()
-        h, d = st["h"][:R], st["draft"][:R]
-        return (h, d) if select is None else (h[select], d[select])
-
-    def _chain(self, tok, hidden, rows, pos, n: int) -> torch.Tensor:
-        """``n`` chained single-row MTP steps from one CUDA graph per (row bucket, n): step j
-        (0-based) feeds the previous step's hidden state and draft (first: ``tok`` [B], ``hidden``
-        [B, M]) at positions ``pos + j``; returns the drafts [B, n] (a view of the graph's output)."""
-        B = tok.shape[0]
-        b = 1 << max(0, (B - 1).bit_length())
-        st = self.chains.get((b, n))
-        if st is None:
-            st = self.chains[(b, n)] = self._static(b)
-        _fill(st, tok, hidden, rows, pos)
-        if "graph" not in st:
-            def run():
-                with trusted_inputs():
-                    t, h, drafts = st["tok"], st["hid"], []
-                    for j in range(n):
-                        h = self.mtp.forward_rows(self.model.backbone.embeddings(t), h, self.pages, st["rows"],
-                                                  st["pos"] + j)
-                        t = self.model.lm_head(h).argmax(-1)
-                        drafts.append(t)
-                    return torch.stack(drafts, dim=1)
-
-            with self.captured.timing():
-                warm_up_padded(run, st["rows"])  # pad rows (-1): the warm-up writes only the scratch page
-                graph = torch.cuda.CUDAGraph()
-                with graph_capture(graph, pool=self.pool):
-                    st["drafts"] = run()
-            st["graph"] = graph
+                self._capture(st, k)
         st["graph"].replay()
         return st["drafts"][:B]
 
@@ -414,15 +404,28 @@ class MTPDrafter:
                 "rows": torch.full((b,), -1, dtype=torch.int32, device=dev),
                 "pos": torch.zeros(b, dtype=torch.int64, device=dev)}
 
-    def _capture(self, st: dict) -> None:
+    def _static_requests(self, b: int) -> dict:
+        dev = self.device
+        return {"last": torch.zeros(b, dtype=torch.int64, device=dev),
+                "req_rows": torch.full((b,), -1, dtype=torch.int32, device=dev),
+                "next_pos": torch.zeros(b, dtype=torch.int64, device=dev)}
+
+    def _capture(self, st: dict, k: int) -> None:
         def run():
             with trusted_inputs():
                 h = self.mtp.forward_rows(self.model.backbone.embeddings(st["tok"]), st["hid"], self.pages,
-                                          st["rows"], st["pos"])
-                return h, self.model.lm_head(h).argmax(-1)
+                                          st["rows"], st["pos"])[st["last"]]
+                t = self.model.lm_head(h).argmax(-1)
+                drafts = [t]
+                for j in range(1, k):
+                    h = self.mtp.forward_rows(self.model.backbone.embeddings(t), h, self.pages, st["req_rows"],
+                                              st["next_pos"] + (j - 1))
+                    t = self.model.lm_head(h).argmax(-1)
+                    drafts.append(t)
+                return torch.stack(drafts, dim=1)
 
-        warm_up_padded(run, st["rows"])  # pad rows (-1): the warm-up writes only the scratch page
-        graph = torch.cuda.CUDAGraph()
-        with graph_capture(graph, pool=self.pool):
-            st["h"], st["draft"] = run()
-        st["graph"] = graph
+        saved = st["req_rows"].clone()
+        st["req_rows"].fill_(-1)  # the warm-up writes only the scratch page (its catch-up rows too)
+        warm_up_padded(run, st["rows"])
+        st["req_rows"].copy_(saved)
+        st["graph"], st["drafts"] = _record(run, self.pool)

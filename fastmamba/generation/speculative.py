@@ -29,8 +29,8 @@ Host reads per speculative step: one, after the verify (``accept``: the target's
 rejection sampling's draws, in one transfer). A drafter with ``propose_device`` (the MTP drafter)
 leaves its drafts on the device: the verify inputs are built there and that same transfer reads
 them back with the target's tokens, so nothing between the draft and the verify waits for the
-host: with CUDA graphs the step is three launches on one stream (the MTP's catch-up graph, its
-drafts 2..k graph, the verify graph), not one graph. Other drafters (n-gram, model, oracle)
+host: with CUDA graphs the step is two graph launches on one stream (the MTP's draft graph: its
+catch-up and drafts 2..k; the verify graph), not one graph. Other drafters (n-gram, model, oracle)
 propose host lists, copied to the device.
 
 Paged K/V (hybrid models): a verify step grows each request's KV by its T inputs before the model

@@ -444,6 +444,54 @@ def test_device_drafts_and_padding(model):
         Speculator.device_inputs(spec, reqs, 2, [2, 0, 2])
 
 
+class _EagerGraph:
+    """Stands in for a captured CUDA graph on the CPU: a replay runs the captured function again on
+    the static buffers as they are now and writes its result into the first run's output tensor."""
+
+    def __init__(self, run):
+        self.run, self.out, self.replays = run, run(), 0
+
+    def replay(self):
+        self.out.copy_(self.run())
+        self.replays += 1
+
+
+def test_graphed_drafts_equal_eager_on_cpu(model, monkeypatch):
+    """The graphed draft's bookkeeping, on the CPU with an eager stand-in for the graph: one graph
+    per (catch-up row bucket, request bucket, k), its static buffers filled and padded per call
+    (3 catch-up rows in a bucket of 4, a request with nothing observed among three, a bucket of
+    requests reused with other rows), give the eager drafter's drafts, step after step."""
+    from fastmamba.generation import mtp_drafter
+
+    monkeypatch.setattr(mtp_drafter, "_record", lambda run, pool: (g := _EagerGraph(run), g.out))
+    monkeypatch.setattr(mtp_drafter, "warm_up_padded", lambda run, rows: None)
+    g = torch.Generator().manual_seed(8)
+    hid = torch.randn(3, 2, CFG.d_model, generator=g)
+    got = {}
+    for graphed in (False, True):
+        d = MTPDrafter(model, 3, max_seq_len=64)
+        if graphed:
+            d.graphs, d.pool = {}, None
+        reqs = [_Req([1, 2], [7, 3], 2), _Req([4], [9], 0), _Req([5, 5, 5], [11, 2], 1)]
+        steps = []
+        d.observe([reqs[0], reqs[2]], hid[[0, 2]], [2, 1])  # 3 rows, 2 of 3 requests draft
+        steps.append(d.propose_device(reqs, 3).tolist())
+        for r, x in zip(reqs, steps[-1]):
+            r.output += x[:1]
+        d.observe(reqs, hid[:, :1], [1, 1, 1])  # 3 rows, 3 requests: the same graph's bucket
+        steps.append(d.propose_device(reqs, 3).tolist())
+        for r, x in zip(reqs, steps[-1]):
+            r.output += x[:2]
+        d.observe(reqs, hid, [2, 2, 2])  # 6 rows: a bucket of 8
+        steps.append(d.propose_device(reqs, 2).tolist())
+        got[graphed] = steps
+        if graphed:
+            assert sorted(d.graphs) == [(4, 2, 3), (4, 4, 3), (8, 4, 2)]
+            assert all(st["graph"].replays == 1 for st in d.graphs.values())
+    assert got[True] == got[False]
+    assert got[False][0][1] == [0, 0, 0] and got[False][1][1] != [0, 0, 0]
+
+
 def test_through_the_server(model, plain):
     """The serving loop (``create_app`` around an engine with drafter="mtp", in-process): concurrent
     greedy completions of different lengths equal plain greedy's tokens; an aborted stream frees its
@@ -618,8 +666,8 @@ def test_gpu_greedy_equals_plain_and_graphed_drafts():
     """On a GPU (fp32): the engine with drafter="mtp" emits plain greedy's tokens, with CUDA graphs
     (verify steps and the MTP's steps; requests join and leave, so several buckets) and without, and
     the drafts equal the eager engine's (the graphs' hidden states are the ones the drafts came from);
-    the drafter's graphed MTP steps give the eager drafter's drafts, as lists and on the device (k=3:
-    drafts 2 and 3 come from the same bucket's graph, whose output buffer each step overwrites)."""
+    the drafter's graphed drafts (catch-up and drafts 2..3 from one graph per (row bucket, request
+    bucket, k)) give the eager drafter's drafts, as lists and on the device."""
     m = build_model().to("cuda")
     prompts, n_new = PROMPTS, N_NEW
     want, _ = greedy_on(m, prompts, n_new, max_batch=4)
@@ -655,7 +703,7 @@ def test_gpu_greedy_equals_plain_and_graphed_drafts():
 def test_gpu_first_drafts_over_a_long_prompt():
     """On a GPU (fp32): a 700-token prompt, whole and in chunks of 256, with CUDA graphs and
     without: the MTP's prompt pass runs eagerly in pieces of 512 rows, the catch-up and drafts 2..3
-    from graphs, whose row buckets stay at the catch-up's few rows (no graph per prompt length); the
+    from one graph, whose row buckets stay at the catch-up's few rows (no graph per prompt length); the
     first drafts equal the reference's over all 700 positions."""
     m = build_model().to("cuda")
     prompt = torch.randint(0, 256, (700,), generator=torch.Generator().manual_seed(9)).tolist()
@@ -671,7 +719,8 @@ def test_gpu_first_drafts_over_a_long_prompt():
             got[chunk, graphs] = seen[rid]
             assert engine.drafter.stats["prompt_rows"] == len(prompt) - 1
             if graphs:
-                assert engine.drafter.graphs and max(engine.drafter.graphs) <= 8  # not 1024: no prompt bucket
+                # (catch-up row bucket, request bucket, k): not 1024 rows, no graph per prompt length
+                assert engine.drafter.graphs and max(rows for rows, _, _ in engine.drafter.graphs) <= 8
     first, drafts = got[None, False]
     assert all(v == (first, drafts) for v in got.values()), got
     assert drafts == ref_first_drafts(m, prompt, first, 3)
@@ -697,7 +746,7 @@ def test_gpu_no_sync_between_draft_and_verify():
     windows, open_ = [], {}
 
     def captures():
-        return engine.verifier.captured.count, len(engine.drafter.graphs), len(engine.drafter.chains)
+        return engine.verifier.captured.count, len(engine.drafter.graphs)
 
     def start():
         open_["caught"] = warnings.catch_warnings(record=True)
