@@ -183,6 +183,23 @@ def expected_mode(model) -> str:
     return "instance" if all(hasattr(m, "_kernel_funcs") for m in mixers) else "dispatch"
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_static_cache_generate_equals_transformers(kind, checkpoints, calls, references):
+    """``generate(cache_implementation="static")`` (K/V written in place into preallocated tensors)
+    under the provider: transformers' tokens and step logits, the provider's ops doing the work."""
+    model = tiny_hf.load(checkpoints[kind])
+    ids, mask = tiny_hf.prompts(3)
+    kw = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+              cache_implementation="static", return_dict_in_generate=True, output_logits=True)
+    with torch.no_grad():
+        want = model.generate(ids, **kw)
+        with provider.use(model):
+            got = model.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert rel_err(torch.stack(got.logits, 1), torch.stack(want.logits, 1)) <= 1e-4
+    assert sum(calls.values()) > 0
+
+
 @pytest.mark.parametrize("kind", ["mamba2", "nemotron-3-moe"])
 def test_unuse_restores_transformers(kind, checkpoints, calls, references):
     model = tiny_hf.load(checkpoints[kind])
