@@ -46,6 +46,14 @@ from fastmamba.ops.runtime import check_host_copies, host_list, host_reads_allow
 PATHS = ("replay", "legacy", "plain")
 
 
+def _check_slot_range(who: str, live: Sequence[int], num_slots: int) -> None:
+    """ValueError unless every non-pad slot (``live``, host values) lies in [0, num_slots)."""
+    bad = [v for v in live if not 0 <= v < num_slots]
+    if bad:
+        raise ValueError(f"{who}: `slots` values must lie in [0, {num_slots}) (the cache's slots) or "
+                         f"be -1 (padding); got {bad[:4]}")
+
+
 class Backbone(nn.Module):
     def __init__(self, cfg, device=None, dtype=None):
         super().__init__()
@@ -255,10 +263,7 @@ class HybridLM(nn.Module):
             if len(set(live)) != len(live) or (staged is None and len(live) != len(sl)):
                 raise ValueError(f"{who}: `slots` must be distinct allocated slots, got {sl[:16]}")
         else:
-            bad = [v for v in live if not 0 <= v < cache.num_slots]
-            if bad:
-                raise ValueError(f"{who}: `slots` values must lie in [0, {cache.num_slots}) (the cache's slots) or "
-                                 f"be -1 (padding); got {bad[:4]}")
+            _check_slot_range(who, live, cache.num_slots)
             if len(set(live)) != len(live):
                 dup = sorted({v for v in live if live.count(v) > 1})
                 raise ValueError(f"{who}: two prompts must not share a slot; slots {dup[:4]} appear more than once")
@@ -369,26 +374,16 @@ class HybridLM(nn.Module):
         that the slots are allocated), an unpaged one checks the slots' range. Returns the embeddings,
         or None. Without ``grow`` the caller grew the cache or checked the slots (the engine, a
         CUDA-graph replay): nothing is read. Either way the layers' ops then trust the slots."""
-        if not grow:
-            return None
-        if not cache.paged:
-            if host_reads_allowed(slots):  # not while a graph is captured, traced or trusted
-                (sl,) = host_metadata(who, "token_ids", token_ids, self.cfg.vocab_size, [slots])
-                bad = [s for s in sl if s != -1 and not 0 <= s < cache.num_slots][:4]
-                if bad:
-                    raise ValueError(f"{who}: `slots` values must lie in [0, {cache.num_slots}) (the cache's "
-                                     f"slots) or be -1 (a pad row), got {bad}")
+        # an unpaged cache reads nothing while a graph is captured, traced or the inputs are trusted
+        if not grow or not (cache.paged or host_reads_allowed(slots)):
             return None
         (sl,) = host_metadata(who, "token_ids", token_ids, self.cfg.vocab_size, [slots])
+        if not cache.paged:
+            _check_slot_range(who, [s for s in sl if s != -1], cache.num_slots)
+            return None
         hidden = embed(self.backbone.embeddings, token_ids.reshape(-1), who, "token_ids")
         cache.grow(sl, [ntok] * slots.shape[0])
         return hidden
-
-    @staticmethod
-    def _slots_checked():
-        """The slots were checked once (``_grow``, or by the caller: ``grow=False``), so the layers'
-        ops do not read them again (``trusted_inputs``): one host read per step, not one per layer."""
-        return trusted_inputs()
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, cache, slots: torch.Tensor, *,
@@ -417,7 +412,7 @@ class HybridLM(nn.Module):
             positions = cache.kv.seq_lens[slots.long().clamp(min=0)].long() - 1
             kv = KVBatch(cache.kv.block_table, cache.kv.seq_lens, slots, positions)
         batch = Batch(slots, kv=kv, rand_seed=rand_seed)
-        with self._slots_checked():
+        with trusted_inputs():  # the slots were checked once (_grow or the caller): not per layer
             return self._run(token_ids, lambda block, h: block.decode(h, cache, batch), hidden=hidden, who=who,
                              ids_name="token_ids")
 
@@ -477,7 +472,7 @@ class HybridLM(nn.Module):
             kv_read = KVBatch(table, (positions + 1).to(torch.int32), rows, positions)
         spec = SpecBatch(ntok, path, cache.conv_accepted[sl], inter, no_dst, kv_read)
         batch = Batch(slots, kv=kv, rand_seed=rand_seed, spec=spec)
-        with self._slots_checked():
+        with trusted_inputs():  # the slots were checked once (_grow or the caller): not per layer
             return self._run(token_ids.reshape(-1), lambda block, h: block.verify(h, cache, batch), hidden=hidden,
                              who=who, ids_name="token_ids").view(nreq, ntok, -1)
 
