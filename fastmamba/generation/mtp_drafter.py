@@ -48,8 +48,9 @@ prefill graphs do not keep the hidden states); its verify steps replay from grap
 ``cuda_graphs=True`` (GPU; the engine and the MTP benchmark use it): the whole draft, the
 catch-up and drafts 2..k back to back, replays from one CUDA graph per (catch-up row bucket,
 request bucket, k), buckets powers of two (pad rows and pad requests have pool row -1: they write
-the scratch page and read nothing; a pad request selects catch-up row 0). Its drafts are copied
-into one static buffer [max_batch, k]. A speculative step is then two graph launches on one
+the scratch page and read nothing; a pad request selects catch-up row 0). The drafts are the
+graph's output (where some requests draft nothing, scattered among zeros into one static buffer
+[max_batch, k]). A speculative step is then two graph launches on one
 stream with no host sync between them: the draft and the verify (``GraphedVerifier``); not one
 (the draft's graph is picked by the catch-up's row count, which varies with the acceptance, the
 verify's by the batch alone).
@@ -352,7 +353,6 @@ class MTPDrafter:
         next_pos = meta[3 * R + 2 * B:3 * R + 3 * B]
         live_d = meta[3 * R + 3 * B:]
         hidden = torch.cat([h for t in ts for h in t.hidden], dim=0)  # [R, M]
-        out = self._out(n_req, k)
         if self.graphs is not None:  # catch-up and drafts 2..k from one graph
             drafts = self._graphed(tok_d, hidden, row_d, pos_d, last_d, req_rows, next_pos, k)  # [B, k]
         else:
@@ -362,11 +362,11 @@ class MTPDrafter:
             for j in range(1, k):
                 h, draft = self._step(drafts[:, j - 1], h, req_rows, next_pos + (j - 1))
                 drafts[:, j].copy_(draft)
-        if B < n_req:
-            out.zero_()
-            out.index_copy_(0, live_d, drafts)
-        else:
-            out.copy_(drafts)
+        if B == n_req:
+            return drafts
+        out = self._out(n_req, k)  # the drafting requests' rows among zeros
+        out.zero_()
+        out.index_copy_(0, live_d, drafts)
         return out
 
     def _step(self, tok, hidden, rows, pos, select=None):
