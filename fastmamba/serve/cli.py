@@ -232,8 +232,7 @@ def plan_serving(args: argparse.Namespace):
     """Before the port is bound and any weight is read: ``--drafter mtp`` needs an MTP layer, and on
     a CUDA device (or with a device-memory override) the capacity plan from the checkpoint's config
     alone. Sets ``args.max_batch`` (the plan's when not given, else DEFAULT_MAX_BATCH without a
-    plan; ``args.planned_max_batch`` when the plan chose it, for ``run``'s log line once the port is
-    bound) and returns the ``CapacityPlan`` or None; CapacityError (a ValueError) names the numbers."""
+    plan) and returns the ``CapacityPlan`` or None; CapacityError (a ValueError) names the numbers."""
     import torch
 
     from fastmamba.generation.capacity import GiB, device_memory_bytes, meta_model, plan_capacity
@@ -267,8 +266,6 @@ def plan_serving(args: argparse.Namespace):
                          max_batch=args.max_batch, max_seq_len=length, ssm_dtype=ssm_state_dtype(meta.cfg)[0],
                          speculate=args.speculate, prefill_tokens=args.prefill_chunk or 2048,
                          other_bytes=int(args.prefix_cache_gb * GiB), drafter=args.drafter if args.speculate else None)
-    if args.max_batch is None:
-        args.planned_max_batch = plan.max_batch  # logged once the port is bound (a taken port is one line)
     args.max_batch = plan.max_batch
     return plan
 
@@ -434,12 +431,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_args(args)
         _setup_logging(args.log_level)
+        given = args.max_batch
         plan = plan_serving(args)  # before the port is bound and any weight is read
         sock = bind(args.host, args.port)
-        planned = getattr(args, "planned_max_batch", None)
-        if planned is not None:
-            log.info(f"{PREFIX}: --max-batch not given: {planned}, what the capacity plan holds"
-                     f"{' (at most 256)' if planned == 256 else ''}")
+        if plan is not None and given is None:  # logged once the port is bound: a taken port is one line
+            log.info(f"{PREFIX}: --max-batch not given: {plan.max_batch}, what the capacity plan holds"
+                     f"{' (at most 256)' if plan.max_batch == 256 else ''}")
         # SIGTERM while the model loads: nothing to drain, leave quietly (uvicorn handles it from then on)
         signal.signal(signal.SIGTERM, _exit_quietly)
         try:
