@@ -14,10 +14,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_CACHE_DIR=/tmp/triton-cache
 mkdir -p "$TRITON_CACHE_DIR"
 # (only the cubins, launchers and metadata: Triton skips a cached group's missing IR files, and the IR
-# made the tarball 9x larger, past the 16 MiB a returned file may have)
-[ -f .tcache/triton-cache.txz ] && tar -xJf .tcache/triton-cache.txz -C "$TRITON_CACHE_DIR"
+# made the tarball 9x larger), in parts of 15 MiB (a returned file may have 16 MiB): copy every
+# $OUT/triton-cache.txz.part* into .tcache/ (replacing the old parts) after checking them with
+# `cat .tcache/triton-cache.txz.part* | xz -t`
+ls .tcache/triton-cache.txz.part* >/dev/null 2>&1 && cat .tcache/triton-cache.txz.part* | tar -xJf - -C "$TRITON_CACHE_DIR"
 
-# at most 8 files come back from $OUT (tests.log, tune.*, kernels.*, prefill.*, spec.*, e2e.*, the cache): pick steps to fit
+# at most 8 files come back from $OUT (tests.log, tune.*, kernels.*, prefill.*, spec.*, e2e.*, the cache's parts): pick steps to fit
 # tune-<op> sweeps one op, e.g. tune-conv_fn, tune-ssd (the prefill ops are not in the default tune)
 # spec-<shape> runs the spec benchmark on one shape (nemotron-h, nemotron-h-tp8, mamba2-2.7b);
 # e2ef-<model> / e2ekv-<model>: e2e with --quantization fp8 / --kv-cache-dtype fp8; profile-decode-<model>: one
@@ -72,12 +74,12 @@ for step in "${steps[@]}"; do
         # the ops only: suite-ops 286 s, suite-rest 92% in 530 s (its cache, tarred past the call's limit, was
         # lost: keep SUITE_S 60 s under the call's limit). --durations names the slowest tests.
         # SUITE_S / SUITE_N (environment): their cap in seconds (500) and pytest-xdist workers (12)
-        suite-ops)  timeout -s INT ${SUITE_S:-500} python3 -m pytest -q -n ${SUITE_N:-12} --tb=short -rfE --durations=25 --timeout 200 -p no:cacheprovider tests/ops > "$OUT/tests-ops.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/tests-ops.log" | cut -c1-250 | tail -n 40 ;;
-        suite-rest) timeout -s INT ${SUITE_S:-500} python3 -m pytest -q -n ${SUITE_N:-12} --tb=short -rfE --durations=40 --timeout 200 -p no:cacheprovider tests --ignore=tests/ops -k "not ($BIG)" > "$OUT/tests-rest.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/tests-rest.log" | cut -c1-250 | tail -n 40 ;;
-        suite-rest-a) timeout -s INT ${SUITE_S:-500} python3 -m pytest -q -n ${SUITE_N:-12} --tb=short -rfE --durations=30 --timeout 200 -p no:cacheprovider tests/generation tests/models tests/layers tests/cache tests/runtime -k "not ($BIG)" > "$OUT/tests-rest-a.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/tests-rest-a.log" | cut -c1-250 | tail -n 40 ;;
-        suite-rest-b) timeout -s INT ${SUITE_S:-500} python3 -m pytest -q -n ${SUITE_N:-12} --tb=short -rfE --durations=30 --timeout 200 -p no:cacheprovider tests --ignore=tests/ops --ignore=tests/generation --ignore=tests/models --ignore=tests/layers --ignore=tests/cache --ignore=tests/runtime -k "not ($BIG)" > "$OUT/tests-rest-b.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/tests-rest-b.log" | cut -c1-250 | tail -n 40 ;;
+        suite-ops)  FASTMAMBA_FAILURE_LOG="$OUT/failures.txt" timeout -s INT ${SUITE_S:-500} python3 -m pytest -q -n ${SUITE_N:-12} --tb=short -rfE --durations=25 --timeout 200 -p no:cacheprovider tests/ops > "$OUT/tests-ops.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/tests-ops.log" | cut -c1-250 | tail -n 40 ;;
+        suite-rest) FASTMAMBA_FAILURE_LOG="$OUT/failures.txt" timeout -s INT ${SUITE_S:-500} python3 -m pytest -q -n ${SUITE_N:-12} --tb=short -rfE --durations=40 --timeout 200 -p no:cacheprovider tests --ignore=tests/ops -k "not ($BIG)" > "$OUT/tests-rest.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/tests-rest.log" | cut -c1-250 | tail -n 40 ;;
+        suite-rest-a) FASTMAMBA_FAILURE_LOG="$OUT/failures.txt" timeout -s INT ${SUITE_S:-500} python3 -m pytest -q -n ${SUITE_N:-12} --tb=short -rfE --durations=30 --timeout 200 -p no:cacheprovider tests/generation tests/models tests/layers tests/cache tests/runtime -k "not ($BIG)" > "$OUT/tests-rest-a.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/tests-rest-a.log" | cut -c1-250 | tail -n 40 ;;
+        suite-rest-b) FASTMAMBA_FAILURE_LOG="$OUT/failures.txt" timeout -s INT ${SUITE_S:-500} python3 -m pytest -q -n ${SUITE_N:-12} --tb=short -rfE --durations=30 --timeout 200 -p no:cacheprovider tests --ignore=tests/ops --ignore=tests/generation --ignore=tests/models --ignore=tests/layers --ignore=tests/cache --ignore=tests/runtime -k "not ($BIG)" > "$OUT/tests-rest-b.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/tests-rest-b.log" | cut -c1-250 | tail -n 40 ;;
         suite-big) timeout 300 python3 -m pytest -q -s --durations=10 --timeout 280 -p no:cacheprovider tests -k "$BIG" > "$OUT/tests-big.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed|start-up|load" "$OUT/tests-big.log" | tail -n 40 ;;
-        tests-*)   timeout 400 python3 -m pytest -q -n 8 ${step#tests-} > "$OUT/tests.log" 2>&1; echo "rc=$?"; tail -n 15 "$OUT/tests.log" ;;
+        tests-*)   FASTMAMBA_FAILURE_LOG="$OUT/failures.txt" timeout -s INT ${TESTS_S:-400} python3 -m pytest -q -n ${TESTS_N:-8} --tb=short -rfE --timeout 200 -p no:cacheprovider ${step#tests-} >> "$OUT/tests.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/tests.log" | cut -c1-250 | tail -n 20 ;;
         crossover) FASTMAMBA_GIT_COMMIT=${FASTMAMBA_GIT_COMMIT:-unknown} timeout 400 python3 -m fastmamba.bench spec --shapes mamba2-2.7b,nemotron-h --tokens 2,4,6,8,16 --state fp32,fp16 --write-table > "$OUT/crossover.txt" 2> "$OUT/crossover.err"; echo "rc=$?"; tail -n 30 "$OUT/crossover.txt"; tail -3 "$OUT/crossover.err"; cp fastmamba/generation/verify_crossover.json "$OUT/" ;;
         eager-*)   timeout 540 python3 -m fastmamba.bench kernels --eager --quick --ops "${step#eager-}" --json "$OUT/eager.jsonl" > "$OUT/eager.txt" 2> "$OUT/eager.err"; echo "rc=$?"; cat "$OUT/eager.txt"; tail -3 "$OUT/eager.err" ;;
         moe)       timeout 300 python3 -m fastmamba.bench kernels --ops moe --json "$OUT/moe.jsonl" --markdown "$OUT/moe.md" > "$OUT/moe.txt" 2> "$OUT/moe.err"; echo "rc=$?"; cat "$OUT/moe.txt"; tail -3 "$OUT/moe.err" ;;
@@ -95,6 +97,6 @@ for step in "${steps[@]}"; do
         *)         echo "unknown step $step" ;;
     esac
 done
-XZ_OPT=-T0 tar -cJf "$OUT/triton-cache.txz" --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.ptx' \
-    --exclude='*.source' -C "$TRITON_CACHE_DIR" . 2>/dev/null
+XZ_OPT=-T0 tar -cJf - --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.ptx' \
+    --exclude='*.source' -C "$TRITON_CACHE_DIR" . 2>/dev/null | split -b 15M -d - "$OUT/triton-cache.txz.part"
 ls -la "$OUT"

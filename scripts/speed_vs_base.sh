@@ -11,7 +11,7 @@
 #   HEAD first (ABBA; the table takes the median per side). Same command, same flags, both sides;
 #   each side's import path is checked before it runs. Nothing is left running between runs.
 #   Results: $OUT/speed-base.jsonl, $OUT/speed-head.jsonl (the benches' --json rows), $OUT/speed.log
-#   (every run's stdout and stderr), $OUT/speed.md (the table), $OUT/triton-cache.txz (as gpu_session.sh).
+#   (every run's stdout and stderr), $OUT/speed.md (the table), $OUT/triton-cache.txz.part* (as gpu_session.sh).
 #
 # Steps (estimated device time for BOTH sides, one round, H100, Triton cache cold; not yet measured:
 # replace with the wall times of the first run):
@@ -100,7 +100,8 @@ run_steps() {
     fi
     export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
     mkdir -p "$TRITON_CACHE_DIR"
-    [ -f "$ROOT/.tcache/triton-cache.txz" ] && tar -xJf "$ROOT/.tcache/triton-cache.txz" -C "$TRITON_CACHE_DIR"
+    ls "$ROOT"/.tcache/triton-cache.txz.part* >/dev/null 2>&1 \
+        && cat "$ROOT"/.tcache/triton-cache.txz.part* | tar -xJf - -C "$TRITON_CACHE_DIR"
     touch "$OUT/speed-base.jsonl" "$OUT/speed-head.jsonl"
     CWD=$(mktemp -d /tmp/speed-cwd.XXXXXX)  # empty: `python3 -m` puts the working directory first on sys.path
     local steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
@@ -124,8 +125,8 @@ run_steps() {
     done
     rmdir "$CWD" 2>/dev/null
     "$PY" "$ROOT/scripts/speed_table.py" --base "$OUT/speed-base.jsonl" --head "$OUT/speed-head.jsonl" | tee "$OUT/speed.md"
-    XZ_OPT=-T0 tar -cJf "$OUT/triton-cache.txz" --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' \
-        --exclude='*.ptx' --exclude='*.source' -C "$TRITON_CACHE_DIR" . 2>/dev/null  # as gpu_session.sh
+    XZ_OPT=-T0 tar -cJf - --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.ptx' \
+        --exclude='*.source' -C "$TRITON_CACHE_DIR" . 2>/dev/null | split -b 15M -d - "$OUT/triton-cache.txz.part"  # as gpu_session.sh
     ls -la "$OUT"
 }
 
