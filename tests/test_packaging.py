@@ -124,6 +124,18 @@ def test_missing_extra_is_one_line_with_the_install_hint(tmp_path, hidden, argv,
     assert re.match(r"fastmamba( serve)?: error: ", lines[0]) and f"pip install 'fastmamba[{extra}]'" in lines[0], lines
 
 
+def test_a_broken_serve_dependency_is_named_not_called_missing(tmp_path):
+    """fastapi present but failing on a dependency of its own: the error names that failure, not the extra."""
+    d = tmp_path / "broken"
+    d.mkdir()
+    (d / "fastapi.py").write_text("raise ModuleNotFoundError(\"No module named 'some_dep'\", name='some_dep')\n")
+    proc = python("-m", "fastmamba.cli", "serve", "--model", "mamba2-tiny", "--device", "cpu", path=d)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "fastapi is installed but importing it failed: No module named 'some_dep'" in lines[0], lines
+    assert "pip install" not in lines[0], lines
+
+
 # ---------------------------------------------------------------------------------------------
 # the static preset table of the CLI's help
 

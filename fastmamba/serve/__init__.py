@@ -14,12 +14,15 @@ EXTRA_HINT = "fastmamba serve needs the optional extra: pip install 'fastmamba[s
 
 
 def require_serve_deps() -> None:
-    """Raise ImportError naming the extra when a serving dependency is missing."""
+    """Raise ImportError naming the extra when a serving dependency is missing, or naming the error
+    when one is installed but fails to import (a broken install is not a missing extra)."""
     missing = []
     for name in ("fastapi", "uvicorn", "prometheus_client"):
         try:
             __import__(name)
-        except ImportError:
+        except ImportError as e:
+            if e.name not in (None, name) and not (e.name or "").startswith(name + "."):
+                raise ImportError(f"fastmamba serve: {name} is installed but importing it failed: {e}") from e
             missing.append(name)
     if missing:
         raise ImportError(f"{EXTRA_HINT}; missing: {', '.join(missing)}")
