@@ -68,12 +68,14 @@ for step in "${steps[@]}"; do
         prefixm-*) timeout 500 python3 -m fastmamba.bench serve --model "${step#prefixm-}" --shared-prefix 2048 --requests 16 --prompt-len 64 --output-len 16 --json "$OUT/prefix.jsonl" >> "$OUT/prefix.txt" 2>> "$OUT/prefix.err"; echo "rc=$?"; tail -n 9 "$OUT/prefix.txt"; tail -3 "$OUT/prefix.err" ;;
         prefix-*)  timeout 400 python3 -m fastmamba.bench serve --shared-prefix 2048 --requests 16 --prompt-len 64 --output-len 16 --client "${step#prefix-}" --json "$OUT/prefix.jsonl" >> "$OUT/prefix.txt" 2>> "$OUT/prefix.err"; echo "rc=$?"; tail -n 9 "$OUT/prefix.txt"; tail -3 "$OUT/prefix.err" ;;
         chunked)   timeout 300 python3 -m fastmamba.bench chunked --json "$OUT/chunked.jsonl" > "$OUT/chunked.txt" 2> "$OUT/chunked.err"; echo "rc=$?"; cat "$OUT/chunked.txt" ;;
-        # the whole GPU suite does not fit one call (-n 8 reached 60% in 420 s on an H100, Triton compiles
-        # included): suite-ops, then suite-rest (or its halves suite-rest-a, suite-rest-b), then suite-big,
-        # one call each; SIGINT keeps pytest's summary. H100, 2026-12-07, -n 14, the Triton cache warm for
-        # the ops only: suite-ops 286 s, suite-rest 92% in 530 s (its cache, tarred past the call's limit, was
-        # lost: keep SUITE_S 60 s under the call's limit). --durations names the slowest tests.
-        # SUITE_S / SUITE_N (environment): their cap in seconds (500) and pytest-xdist workers (12)
+        # the GPU suite: `suite` (everything but $BIG in one pytest), then `suite-big`; or in parts, one call
+        # each: suite-ops, suite-rest (or its halves suite-rest-a, suite-rest-b). H100, 2026-12-07, -n 14, the
+        # Triton cache warm: suite-ops 214 s; suite-rest-a 480 s before the tests' CPU threads were limited
+        # to a worker's share of the cores (14 x 16 threads: its CPU tests hit the 200 s timeout), its three
+        # slowest files 21 s after; suite-rest-b 102 s. Keep SUITE_S 60 s under the call's limit (the cache is
+        # tarred after it). --durations names the slowest tests; $OUT/failures.txt each failure as it happens.
+        # SUITE_S / SUITE_N (environment): their cap in seconds and pytest-xdist workers
+        suite)      FASTMAMBA_FAILURE_LOG="$OUT/failures.txt" timeout -s INT ${SUITE_S:-520} python3 -m pytest -q -n ${SUITE_N:-14} --tb=short -rfE --durations=40 --timeout 200 -p no:cacheprovider tests -k "not ($BIG)" > "$OUT/tests-suite.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/tests-suite.log" | cut -c1-250 | tail -n 40 ;;
         suite-ops)  FASTMAMBA_FAILURE_LOG="$OUT/failures.txt" timeout -s INT ${SUITE_S:-500} python3 -m pytest -q -n ${SUITE_N:-12} --tb=short -rfE --durations=25 --timeout 200 -p no:cacheprovider tests/ops > "$OUT/tests-ops.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/tests-ops.log" | cut -c1-250 | tail -n 40 ;;
         suite-rest) FASTMAMBA_FAILURE_LOG="$OUT/failures.txt" timeout -s INT ${SUITE_S:-500} python3 -m pytest -q -n ${SUITE_N:-12} --tb=short -rfE --durations=40 --timeout 200 -p no:cacheprovider tests --ignore=tests/ops -k "not ($BIG)" > "$OUT/tests-rest.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/tests-rest.log" | cut -c1-250 | tail -n 40 ;;
         suite-rest-a) FASTMAMBA_FAILURE_LOG="$OUT/failures.txt" timeout -s INT ${SUITE_S:-500} python3 -m pytest -q -n ${SUITE_N:-12} --tb=short -rfE --durations=30 --timeout 200 -p no:cacheprovider tests/generation tests/models tests/layers tests/cache tests/runtime -k "not ($BIG)" > "$OUT/tests-rest-a.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/tests-rest-a.log" | cut -c1-250 | tail -n 40 ;;
