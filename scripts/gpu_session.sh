@@ -33,6 +33,8 @@ ls .tcache/triton-cache.txz.part* >/dev/null 2>&1 && cat .tcache/triton-cache.tx
 # E2E_ARGS (environment) is appended to the e2em- / e2ef- / e2ekv- / ttftm- commands, e.g. E2E_ARGS="--batch 1"
 # ttftm-<model>: bench ttft on that model at TTFT_SHAPES (default 1x8192,8x2048; the floor counts a MoE's active
 # experts), e.g. E2E_ARGS="--quantization fp8" bash scripts/gpu_session.sh ttftm-nemotron-3-nano
+# capacity-<model>: the planner's max_batch at CAPACITY_CONTEXT (default 8192) on this card, and the start-up time
+# (load, engine build, warm-up); E2E_ARGS is appended (e.g. "--quantization fp8 --kv-cache-dtype fp8")
 # e2e-spec: batch-1 speculative decoding, K=5, oracle then ngram drafter, against plain decoding
 # prefix-<client>: the prefix-cache test (mamba2-2.7b) with that HTTP client; prefixm-<model>: with that model
 # (e.g. prefixm-nemotron-h-4b: a hybrid, whose snapshots keep K/V too)
@@ -92,6 +94,7 @@ for step in "${steps[@]}"; do
         mtp-*)     timeout 500 python3 -m fastmamba.bench mtp --model "${step#mtp-}" --k 1,2,3,4,5,6,7 --batch 1 --prompt-len 512 --steps 64 --json "$OUT/mtp.jsonl" > "$OUT/mtp.txt" 2> "$OUT/mtp.err"; echo "rc=$?"; tail -n 30 "$OUT/mtp.txt"; tail -3 "$OUT/mtp.err" ;;
         tunemoe-*) timeout 300 python3 -m fastmamba.bench tune --ops moe --batch ${TUNE_BATCH:-1,2,4} --cases "${step#tunemoe-}" --pdl > "$OUT/tune-moe.txt" 2>&1; echo "rc=$?"; tail -n 30 "$OUT/tune-moe.txt" ;;
         tunegemv-*) timeout 300 python3 -m fastmamba.bench tune --ops gemv --pdl --cases "${step#tunegemv-}" >> "$OUT/tune-gemv.txt" 2>&1; echo "rc=$?"; tail -n 40 "$OUT/tune-gemv.txt" ;;
+        capacity-*) timeout 400 python3 -m fastmamba.bench capacity --model "${step#capacity-}" --context ${CAPACITY_CONTEXT:-8192} --startup ${E2E_ARGS:-} --json "$OUT/capacity.jsonl" >> "$OUT/capacity.txt" 2>> "$OUT/capacity.err"; echo "rc=$?"; tail -n 8 "$OUT/capacity.txt"; tail -3 "$OUT/capacity.err" ;;
         e2esuper)  timeout 540 python3 -m fastmamba.bench e2e --model nemotron-3-super --quantization fp8 --batch ${SUPER_BATCH:-1,64} --ssm-dtype fp16 --kv-cache-dtype fp8 --json "$OUT/e2e.jsonl" >> "$OUT/e2e.txt" 2>> "$OUT/e2e.err"; echo "rc=$?"; tail -n 12 "$OUT/e2e.txt"; tail -5 "$OUT/e2e.err" ;;
         apply-*)   python3 scripts/apply_tune_table.py "$OUT/tune-${step#apply-}.txt"; echo "rc=$?" ;;
         fp8moe)    timeout 300 python3 -m fastmamba.bench fp8 --kinds moe --batch 1,4,16,17,64,256,1024,4096 > "$OUT/fp8moe.txt" 2> "$OUT/fp8moe.err"; echo "rc=$?"; tail -n 40 "$OUT/fp8moe.txt"; tail -3 "$OUT/fp8moe.err" ;;

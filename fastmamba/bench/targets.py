@@ -36,6 +36,7 @@ TARGETS = {
         Target("spec", "fastmamba.bench.spec", "speculative verification: replay vs per-position states vs plain decode"),
         Target("e2e", "fastmamba.bench.e2e", "end-to-end prefill and decode tok/s vs the bandwidth roofline"),
         Target("chunked", "fastmamba.bench.chunked", "inter-token latency of running requests while a long prompt arrives, chunked or not"),
+        Target("capacity", "fastmamba.bench.capacity", "what the capacity planner admits (max_batch, K/V pages) and, with --startup, the start-up time"),
         Target("serve", "fastmamba.bench.serve", "load test of fastmamba serve on loopback vs the offline engine"),
         Target("ttft", "fastmamba.bench.ttft", "time to first token: warm whole-model prefill (eager and graphed) vs its floor"),
         Target("tp", "fastmamba.bench.tp", "tensor-parallel decode at several TP sizes: speedup, collectives, equal outputs"),
