@@ -26,10 +26,11 @@ import time
 
 import torch
 
+from fastmamba.bench.e2e import _dtype_list
 from fastmamba.bench.e2e_runs import DTYPES
 from fastmamba.bench.kernels import _int_list
-from fastmamba.generation.capacity import (GiB, MiB, CapacityError, device_memory_bytes, meta_model, pages_for,
-                                           plan_capacity)
+from fastmamba.generation.capacity import (GiB, MiB, CapacityError, check_utilization, device_memory_bytes,
+                                           meta_model, pages_for, plan_capacity)
 from fastmamba.models.quantization import KV_CACHE_DTYPES, QUANTIZATION_CHOICES, plan_kv_cache_dtype
 
 LARGEST_SEARCHED = 1 << 20  # max_batch beyond this is reported as ">= LARGEST_SEARCHED"
@@ -45,23 +46,6 @@ def _gib_list(text: str) -> list[float]:
     return values
 
 
-def _dtype_list(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    if not names or any(n not in DTYPES for n in names):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {sorted(DTYPES)}, got {text!r}")
-    return names
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="nemotron-3-nano", help="preset or checkpoint dir (default nemotron-3-nano)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -69,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=_int_list, default=[8192], help="tokens one request may reach (default 8192)")
     parser.add_argument("--device-gib", type=_gib_list, default=None,
                         help="device memory sizes to plan for, GiB (default: the CUDA device's total memory)")
-    parser.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
                         help="the fraction of the device's memory the engine may use (default 0.9, as serve)")
     parser.add_argument("--ssm-dtype", type=_dtype_list, default=None,
                         help="SSM state dtypes, comma-separated from fp32,fp16,bf16 (default: the checkpoint's, else fp32)")
@@ -182,6 +166,11 @@ def run(args: argparse.Namespace, command: str) -> int:
     from fastmamba.bench.peak import device_name
     from fastmamba.models.checkpoint_config import ssm_state_dtype
 
+    try:
+        check_utilization(args.gpu_memory_utilization)
+    except CapacityError as exc:
+        print(f"error: --gpu-memory-utilization: {exc}", file=sys.stderr)
+        return 2
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     sizes = [int(g * GiB) for g in args.device_gib] if args.device_gib else []
