@@ -76,8 +76,14 @@ for step in "${steps[@]}"; do
         # to a worker's share of the cores (14 x 16 threads: its CPU tests hit the 200 s timeout), its three
         # slowest files 21 s after; suite-rest-b 102 s. Keep SUITE_S 60 s under the call's limit (the cache is
         # tarred after it). --durations names the slowest tests; $OUT/failures.txt each failure as it happens.
-        # SUITE_S / SUITE_N (environment): their cap in seconds and pytest-xdist workers
-        suite)      FASTMAMBA_FAILURE_LOG="$OUT/failures.txt" timeout -s INT ${SUITE_S:-520} python3 -m pytest -q -n ${SUITE_N:-14} --tb=short -rfE --durations=40 --timeout 200 -p no:cacheprovider tests -k "not ($BIG)" > "$OUT/tests-suite.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/tests-suite.log" | cut -c1-250 | tail -n 40 ;;
+        # SUITE_S / SUITE_N (environment): their cap in seconds and pytest-xdist workers. `suite` lists the tests
+        # that passed or skipped in $OUT/suite-done.txt: copy it to .tcache/ and SUITE_RESUME=1 runs only the
+        # rest (a suite cut at the call's limit goes on in the next call, same commit)
+        suite)      if [ "${SUITE_RESUME:-0}" = 1 ] && [ -f .tcache/suite-done.txt ]; then
+                        cp .tcache/suite-done.txt "$OUT/suite-done.txt"; export FASTMAMBA_RESUME_FROM=.tcache/suite-done.txt
+                        echo "resuming: $(wc -l < .tcache/suite-done.txt) tests done before are left out"
+                    fi
+                    FASTMAMBA_DONE_LOG="$OUT/suite-done.txt" FASTMAMBA_FAILURE_LOG="$OUT/failures.txt" timeout -s INT ${SUITE_S:-520} python3 -m pytest -q -n ${SUITE_N:-14} --tb=short -rfE --durations=40 --timeout 200 -p no:cacheprovider tests -k "not ($BIG)" > "$OUT/tests-suite.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/tests-suite.log" | cut -c1-250 | tail -n 40; unset FASTMAMBA_RESUME_FROM ;;
         suite-ops)  FASTMAMBA_FAILURE_LOG="$OUT/failures.txt" timeout -s INT ${SUITE_S:-500} python3 -m pytest -q -n ${SUITE_N:-12} --tb=short -rfE --durations=25 --timeout 200 -p no:cacheprovider tests/ops > "$OUT/tests-ops.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/tests-ops.log" | cut -c1-250 | tail -n 40 ;;
         suite-rest) FASTMAMBA_FAILURE_LOG="$OUT/failures.txt" timeout -s INT ${SUITE_S:-500} python3 -m pytest -q -n ${SUITE_N:-12} --tb=short -rfE --durations=40 --timeout 200 -p no:cacheprovider tests --ignore=tests/ops -k "not ($BIG)" > "$OUT/tests-rest.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/tests-rest.log" | cut -c1-250 | tail -n 40 ;;
         suite-rest-a) FASTMAMBA_FAILURE_LOG="$OUT/failures.txt" timeout -s INT ${SUITE_S:-500} python3 -m pytest -q -n ${SUITE_N:-12} --tb=short -rfE --durations=30 --timeout 200 -p no:cacheprovider tests/generation tests/models tests/layers tests/cache tests/runtime -k "not ($BIG)" > "$OUT/tests-rest-a.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/tests-rest-a.log" | cut -c1-250 | tail -n 40 ;;

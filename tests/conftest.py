@@ -35,6 +35,16 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # FASTMAMBA_RESUME_FROM=FILE (a FASTMAMBA_DONE_LOG of an earlier run): deselect the tests it lists,
+    # so a GPU suite cut at a device call's limit goes on where it stopped in the next call
+    done_path = os.environ.get("FASTMAMBA_RESUME_FROM")
+    if done_path and os.path.isfile(done_path):
+        with open(done_path) as f:
+            done = {line.strip() for line in f if line.strip()}
+        gone = [item for item in items if item.nodeid in done]
+        if gone:
+            items[:] = [item for item in items if item.nodeid not in done]
+            config.hook.pytest_deselected(items=gone)
     if HAS_CUDA:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (full shapes, bf16 arithmetic, CUDA graphs)")
@@ -45,11 +55,19 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_runtest_logreport(report):
     # FASTMAMBA_FAILURE_LOG=FILE: append each failure (test id and traceback) to FILE as it happens,
-    # so a suite cut at a device call's time limit still tells which tests failed and why
+    # so a suite cut at a device call's time limit still tells which tests failed and why;
+    # FASTMAMBA_DONE_LOG=FILE: append the id of each test that passed or was skipped (what a resumed
+    # run, FASTMAMBA_RESUME_FROM, leaves out). Both from the controller only (xdist's workers report to it)
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return
     path = os.environ.get("FASTMAMBA_FAILURE_LOG")
-    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:  # once: the controller's copy
+    if path and report.failed:
         with open(path, "a") as log:
             log.write(f"=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+    done = os.environ.get("FASTMAMBA_DONE_LOG")
+    if done and (report.skipped or (report.passed and report.when == "call")):
+        with open(done, "a") as log:
+            log.write(report.nodeid + "\n")
 
 
 @pytest.fixture
