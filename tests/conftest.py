@@ -24,7 +24,11 @@ if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
 
+_LOGS_HERE = [True]  # False in an xdist worker: the controller writes the logs below, once per test
+
+
 def pytest_configure(config):
+    _LOGS_HERE[0] = not hasattr(config, "workerinput")
     # FASTMAMBA_TEST_PLAIN_CPU=1: run without the interpreter anyway, so CPU tensors take the plain
     # PyTorch paths, as the CPU-device tests do on a GPU machine (where TRITON_INTERPRET is off)
     if not HAS_CUDA and not INTERPRET and os.environ.get("FASTMAMBA_TEST_PLAIN_CPU") != "1":
@@ -58,7 +62,7 @@ def pytest_runtest_logreport(report):
     # so a suite cut at a device call's time limit still tells which tests failed and why;
     # FASTMAMBA_DONE_LOG=FILE: append the id of each test that passed or was skipped (what a resumed
     # run, FASTMAMBA_RESUME_FROM, leaves out). Both from the controller only (xdist's workers report to it)
-    if "PYTEST_XDIST_WORKER" in os.environ:
+    if not _LOGS_HERE[0]:
         return
     path = os.environ.get("FASTMAMBA_FAILURE_LOG")
     if path and report.failed:

@@ -37,6 +37,8 @@ def pytest_run(tmp_path, **env) -> subprocess.CompletedProcess:
     for key in ("FASTMAMBA_FAILURE_LOG", "FASTMAMBA_DONE_LOG", "FASTMAMBA_RESUME_FROM"):
         if key not in env:
             full.pop(key, None)
+    for key in [k for k in full if k.startswith("PYTEST_")]:  # this test's own run (an xdist worker in CI)
+        full.pop(key)
     # the repository's conftest.py holds the hooks: the cases run from a copy of the tests package
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider",
                            str(tmp_path / "tests" / "test_cases.py")], cwd=tmp_path, env=full,
