@@ -40,6 +40,14 @@ ls .tcache/triton-cache.txz.part* >/dev/null 2>&1 && cat .tcache/triton-cache.tx
 # (e.g. prefixm-nemotron-h-4b: a hybrid, whose snapshots keep K/V too)
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+python3 -c "
+import importlib
+for name in ('transformers', 'fastapi', 'uvicorn', 'prometheus_client', 'openai', 'mamba_ssm'):
+    try:
+        print(name, getattr(importlib.import_module(name), '__version__', '?'), end='; ')
+    except Exception as e:
+        print(name, 'FAILS:', repr(e)[:200], end='; ')
+print()" 2>&1 | tail -1
 # the tests that load a full-size preset (and the 5 torchrun launches, which a loaded 16-core machine
 # stretched past 200 s) run one at a time after the parallel suite
 BIG="test_torchrun_tp2_exits_0_every_time or test_nano_preset_through_the_engine_on_gpu or test_8b_preset_through_the_engine_on_gpu or test_8b_preset_decodes_on_gpu or test_start_up_time or test_gpu_server_plans_from_the_cards_memory"
