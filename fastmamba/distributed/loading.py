@@ -117,3 +117,19 @@ def load_tp_model(path_or_preset: str | os.PathLike, tp: TPGroup, *, dtype: torc
     model = build(cfg, tp, dtype=dtype, fuse_norm_reduce=fuse_norm_reduce)
     load_safetensors_slices(model, root)
     return model.eval()
+
+
+def tp_meta_model(path_or_preset: str | os.PathLike, world_size: int, dtype: torch.dtype | str | None = None):
+    """Rank 0's share of a preset or checkpoint directory for ``world_size`` ranks, built on the meta
+    device from config.json alone (no memory, no weight read): what capacity planning needs per GPU
+    under tensor parallelism. Rank 0 holds the largest share (an uneven vocabulary split gives the
+    first ranks a row more). dtype: as ``capacity.meta_model`` resolves it (the checkpoint's
+    ``torch_dtype``, else bf16). The sizes are checked as ``check_tp_source`` checks them."""
+    from fastmamba.generation.capacity import meta_model
+    from fastmamba.models.loader import parse_dtype
+
+    key = os.fspath(path_or_preset)
+    family, cfg, _ = _source(key, world_size, "tp_meta_model")
+    dtype = parse_dtype(dtype, where="tp_meta_model") or meta_model(key).dtype
+    build = build_tp_nemotron_h if family == "nemotron_h" else build_tp_mamba2
+    return build(cfg, TPGroup(0, world_size, torch.device("meta")), dtype=dtype)

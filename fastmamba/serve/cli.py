@@ -23,8 +23,10 @@ Mamba slots (one per request, speculative buffers included) and the K/V pages. A
 that does not fit is refused with the numbers; without one the plan's (every request at
 ``--max-model-len``, at most 256) is taken; the K/V pool gets the plan's pages (requests then wait
 for pages, never run out mid-run). ``FASTMAMBA_DEVICE_MEMORY_GIB`` (or the hidden
-``--device-memory-gib``) plans against a given size, on any device (tests plan on the CPU so). The
-start-up log prints the plan and the time to load and warm up (graph capture included).
+``--device-memory-gib``) plans against a given size, on any device (tests plan on the CPU so). Under
+``--tensor-parallel-size N`` each GPU is planned for rank 0's share (``distributed.loading.tp_meta_model``:
+1/N of the heads, channels and vocabulary; the largest share). The start-up log prints the plan and the
+time to load and warm up (graph capture included).
 
 ``--speculate K`` verifies K drafts per request per step; ``--drafter mtp`` drafts with the
 checkpoint's multi-token-prediction layer (refused for a model without one), ``ngram`` (default)
@@ -248,10 +250,13 @@ def plan_serving(args: argparse.Namespace):
         total = device_memory_bytes("cpu")
         if total is None and device.type == "cuda":
             total = _cuda_total_bytes(device)
-    if args.tensor_parallel_size > 1:  # each rank holds a share: not planned yet (ranks size their own pools)
-        total = None
-    meta = (meta_model(args.model, _load_dtype(args, device), quantization=args.quantization)
-            if total is not None or args.drafter == "mtp" else None)
+    if args.tensor_parallel_size > 1 and total is not None:  # each GPU holds rank 0's share (the largest)
+        from fastmamba.distributed.loading import tp_meta_model
+
+        meta = tp_meta_model(args.model, args.tensor_parallel_size, _load_dtype(args, device))
+    else:
+        meta = (meta_model(args.model, _load_dtype(args, device), quantization=args.quantization)
+                if total is not None or args.drafter == "mtp" else None)
     if args.drafter == "mtp" and getattr(meta, "mtp", None) is None:
         raise ValueError(f"--drafter mtp: {args.model} has no MTP layer (its config names none: "
                          "num_nextn_predict_layers); use --drafter ngram")
@@ -378,7 +383,8 @@ def build_app(args: argparse.Namespace, plan=None):
         kwargs.update(speculate=args.speculate, drafter="mtp" if args.drafter == "mtp" else None)
     max_model_len, num_kv_pages = args.max_model_len, args.num_kv_pages
     if plan is not None:
-        log.info(f"{PREFIX}: {plan.summary()}")
+        tp = args.tensor_parallel_size
+        log.info(f"{PREFIX}: {plan.summary()}" + (f" (per GPU: rank 0's share of {tp})" if tp > 1 else ""))
         if plan.page_bytes:  # the plan's pages (unless --num-kv-pages says) at the length it planned
             max_model_len = plan.max_seq_len if max_model_len is None else max_model_len
             num_kv_pages = plan.kv_pages if num_kv_pages is None else num_kv_pages

@@ -161,3 +161,14 @@ def tp_moe(tp, cases, prompts, steps, ckpt_dir: str, prompt_lists: list[list[int
     out["mtp_dropped"] = mtp.mtp is None
     out["mtp_greedy"] = greedy(mtp, prompt_lists, max_new_tokens)
     return out
+
+
+def tp_cache_bytes(tp, names: list[str]) -> dict:
+    """{name: (weight bytes, slot bytes, page bytes)} of this rank's loaded share of each preset (fp32)."""
+    from fastmamba.generation.capacity import per_request_bytes, weight_bytes
+
+    out = {}
+    for name in names:
+        model = load_tp_model(name, tp, dtype=torch.float32)
+        out[name] = (weight_bytes(model), *per_request_bytes(model, max_seq_len=256))
+    return out
