@@ -2,7 +2,8 @@
 
     python -m fastmamba.bench capacity [--model nemotron-3-nano] [--dtype bf16] [--context 8192] [--device-gib 79.6,140]
                                        [--gpu-memory-utilization 0.9] [--ssm-dtype fp32,fp16]
-                                       [--quantization fp8] [--kv-cache-dtype fp8] [--startup] [--json PATH]
+                                       [--quantization fp8] [--kv-cache-dtype fp8] [--tp N] [--startup]
+                                       [--json PATH]
 
 The plan is made as ``fastmamba serve`` makes it, from the checkpoint's config alone on the meta
 device (``capacity.meta_model``: no weight is read, so it also runs on a CPU). One row per device
@@ -11,6 +12,8 @@ size, context and SSM state dtype: the weights, one request's Mamba slot and its
 largest ``max_batch`` the planner admits (the slots plus one full-length request's K/V: pages are
 shared, so more requests than the pool holds at full length wait for pages), found by bisection on
 ``plan_capacity`` itself. Device sizes: ``--device-gib``, else the CUDA device's total memory.
+``--tp N``: each GPU of N tensor-parallel ranks, planned for rank 0's share (as ``serve
+--tensor-parallel-size N``).
 
 ``--startup``: the time to load the weights (``load_model`` onto the device, synchronised), to build
 the engine as the server does at the first row's plan (its ``max_batch`` and K/V pages, CUDA graphs on
@@ -61,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fp8: plan (and load) the model quantised on load")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                         help="the K/V page dtype (default: the checkpoint's)")
+    parser.add_argument("--tp", type=int, default=1, metavar="N",
+                        help="tensor-parallel ranks: plan each GPU for rank 0's share (as serve --tensor-parallel-size N)")
     parser.add_argument("--startup", action="store_true",
                         help="also load the weights, build the engine at the first row's plan and warm it up, timed")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line per row")
@@ -180,10 +185,24 @@ def run(args: argparse.Namespace, command: str) -> int:
             print("error: no CUDA device to plan for: give --device-gib (e.g. 79.6 for an H100 80GB)", file=sys.stderr)
             return 2
         sizes = [total]
-    meta = meta_model(args.model, DTYPES[args.dtype] if args.dtype else None, quantization=args.quantization)
+    if args.tp < 1:
+        print(f"error: --tp: expected an integer >= 1, got {args.tp}", file=sys.stderr)
+        return 2
+    if args.tp > 1 and (args.startup or args.quantization):
+        print("error: --tp N plans only: --startup and --quantization run at tp 1 (as serve, which refuses FP8 "
+              "weights under tensor parallelism)", file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    if args.tp > 1:
+        from fastmamba.distributed.loading import tp_meta_model
+
+        meta = tp_meta_model(args.model, args.tp, dtype)
+    else:
+        meta = meta_model(args.model, dtype, quantization=args.quantization)
     kv_note = plan_kv_cache_dtype(meta, args.model, args.kv_cache_dtype)
     states = [DTYPES[n] for n in args.ssm_dtype] if args.ssm_dtype else [ssm_state_dtype(meta.cfg)[0]]
-    print(f"# capacity: {args.model} ({meta.dtype}{', FP8 weights' if args.quantization else ''}; K/V pages "
+    print(f"# capacity: {args.model} ({meta.dtype}{', FP8 weights' if args.quantization else ''}"
+          f"{f'; per GPU, rank 0 of {args.tp}' if args.tp > 1 else ''}; K/V pages "
           f"{kv_note}), planned from its config alone; {device_name(device)}; command: {command}")
     rows = [plan_row(meta, device_bytes=b, utilization=args.gpu_memory_utilization, context=c, ssm_dtype=s)
             | {"dtype": meta.dtype} for b in sizes for c in args.context for s in states]
@@ -203,5 +222,5 @@ def run(args: argparse.Namespace, command: str) -> int:
         r["dtype"] = str(r.get("dtype", meta.dtype)).removeprefix("torch.")
     if args.json:
         append_json(args.json, rows, model=args.model, device=device_name(device), quantization=args.quantization,
-                    command=command)
+                    tp=args.tp, command=command)
     return 0

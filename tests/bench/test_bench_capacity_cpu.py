@@ -109,3 +109,17 @@ def test_startup_builds_the_planned_engine(tmp_path, capsys):
     assert start["startup_s"] == pytest.approx(start["load_s"] + start["build_s"] + start["warm_up_s"])
     assert start["weights_gib_loaded"] == pytest.approx(plan["weights_gib"], rel=0.05)
     assert "# start-up at max_batch" in capsys.readouterr().out
+
+
+def test_tp_plans_each_gpu_for_rank_0s_share(tmp_path, capsys):
+    from fastmamba.distributed.loading import tp_meta_model
+
+    rc, (row,) = bench(tmp_path, "--model", "nemotron-3-nano", "--device-gib", "79.6", "--tp", "2")
+    assert rc == 0 and row["tp"] == 2
+    plan = plan_capacity(tp_meta_model("nemotron-3-nano", 2), device_bytes=int(79.6 * GiB), gpu_memory_utilization=0.9,
+                         max_seq_len=8192, ssm_dtype=torch.float32)
+    assert row["weights_gib"] == pytest.approx(plan.weight_bytes / GiB) and row["max_batch"] == plan.max_batch
+    assert "per GPU, rank 0 of 2" in capsys.readouterr().out
+    for bad in (["--tp", "0"], ["--tp", "2", "--startup"], ["--tp", "2", "--quantization", "fp8"]):
+        rc, rows = bench(tmp_path / bad[-1], "--model", "nemotron-3-nano", "--device-gib", "79.6", *bad)
+        assert rc == 2 and rows == [] and "error: --tp" in capsys.readouterr().err
