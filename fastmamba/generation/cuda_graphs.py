@@ -118,10 +118,9 @@ class GraphedDecoder:
         tokens, slots = self.tokens[:b], self.slots[:b]
         # the caller grows a paged KV cache (and checks the slots) before each replay: the graph
         # reads its block table and lengths as static buffers
-        grow = {"grow": False}
 
         def run() -> torch.Tensor:
-            return self.model.decode(tokens, self.cache, slots, rand_seed=self.rand_seed, **grow)
+            return self.model.decode(tokens, self.cache, slots, rand_seed=self.rand_seed, grow=False)
 
         with pdl:
             warm_up_padded(run, slots)
@@ -227,10 +226,8 @@ class GraphedVerifier:
         pdl = programmatic_dependent_launch() if self.pdl else contextlib.nullcontext()
         tokens, slots = self.tokens[path][:b], self.slots[:b]
 
-        grow = {"grow": False}  # grown (slots checked) by the caller, as for decode
-
-        def run() -> torch.Tensor:
-            return self.model.verify(tokens, self.cache, slots, path=path, rand_seed=self.rand_seed, **grow)
+        def run() -> torch.Tensor:  # grown (slots checked) by the caller, as for decode
+            return self.model.verify(tokens, self.cache, slots, path=path, rand_seed=self.rand_seed, grow=False)
 
         with pdl:
             warm_up_padded(run, slots)

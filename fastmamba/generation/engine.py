@@ -103,9 +103,8 @@ class Engine:
         self.cache = model.new_cache(config.max_batch, ssm_dtype=config.ssm_dtype, speculate=self.speculate,
                                      **kv_options)
         # a paged KV cache (hybrid models): the scheduler grows it on the host before each decode
-        # step, so the model (or its graph) must not
+        # step (or checks the slots of an unpaged one), so the model (or its graph) runs with grow=False
         self._paged = self.cache.paged
-        self._no_grow = {"grow": False}  # grown (or the slots checked) by the scheduler
         self.rounding = (StochasticRounding(model.cfg.n_layer, self.device, config.rounding_seed)
                          if config.stochastic_rounding else None)
         self.sampler = Sampler(model.cfg.vocab_size, self.device, config.max_batch)
@@ -484,7 +483,7 @@ class Engine:
         if self.decoder is not None:
             logits = self.decoder.decode(tokens, slots)
         else:
-            logits = self.model.decode(tokens, self.cache, slots, rand_seed=seed, **self._no_grow)
+            logits = self.model.decode(tokens, self.cache, slots, rand_seed=seed, grow=False)
         return self._emit(reqs, logits)
 
     def _verify_step(self) -> list[StepOutput]:

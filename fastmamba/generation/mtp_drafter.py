@@ -65,7 +65,7 @@ import torch
 
 from fastmamba.cache.kv_pages import KVPages
 from fastmamba.generation.cuda_graphs import CaptureClock, warm_up_padded
-from fastmamba.ops.runtime import graph_capture, trusted_inputs
+from fastmamba.ops.runtime import graph_capture, next_power_of_2, trusted_inputs
 
 
 def require_mtp(model) -> None:
@@ -100,11 +100,6 @@ def _record(run, pool):
     with graph_capture(graph, pool=pool):
         out = run()
     return graph, out
-
-
-def _bucket(n: int) -> int:
-    """The power of two a graph's bucket for n >= 1 rows (or requests) has."""
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _fill(st: dict, tok: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> None:
@@ -381,7 +376,7 @@ class MTPDrafter:
         one CUDA graph per (row bucket, request bucket, k); returns the drafts [B, k] (a view of the
         graph's output, valid until its next replay)."""
         R, B = tok.shape[0], last.shape[0]
-        key = (_bucket(R), _bucket(B), k)
+        key = (next_power_of_2(R), next_power_of_2(B), k)  # R, B >= 1
         st = self.graphs.get(key)
         if st is None:
             st = self.graphs[key] = {**self._static(key[0]), **self._static_requests(key[1])}

@@ -87,8 +87,8 @@ class Speculator:
         self.device = model.lm_head.weight.device
         self.paged = cache.paged
         # a paged KV cache (hybrid models): the engine grows it on the host before each verify step
-        # and shrinks it after the commit, so the model (or its graph) must do neither
-        self._no_grow = {"grow": False}  # the engine grew the cache (or checked the slots)
+        # (or checks the slots of an unpaged one) and shrinks it after the commit, so the model (or its
+        # graph) must do neither: verify runs with grow=False
         self._no_rollback = {"rollback": False} if self.paged else {}
         drafter, policy = config.drafter, config.spec_policy
         if isinstance(drafter, str):  # "mtp": the checkpoint's MTP layer (fastmamba.generation.mtp_drafter)
@@ -311,7 +311,7 @@ class Speculator:
                 self.hidden_of[key] = self.model.last_hidden
             self.model.last_hidden = self.hidden_of[key]
             return logits
-        return self.model.verify(tokens, self.cache, slots, path=path, rand_seed=seed, **self._no_grow)
+        return self.model.verify(tokens, self.cache, slots, path=path, rand_seed=seed, grow=False)
 
     def commit(self, reqs: list[Request], slots: torch.Tensor, consumed: list[int], path: str) -> None:
         """Keep the state after each request's ``consumed`` inputs (slots int32 [B]); the rejected
