@@ -33,7 +33,7 @@ from fastmamba.bench.e2e import _dtype_list
 from fastmamba.bench.e2e_runs import DTYPES
 from fastmamba.bench.kernels import _int_list
 from fastmamba.generation.capacity import (GiB, MiB, CapacityError, check_utilization, device_memory_bytes,
-                                           meta_model, pages_for, plan_capacity)
+                                           meta_model, pages_for, plan_capacity, weight_bytes)
 from fastmamba.models.quantization import KV_CACHE_DTYPES, QUANTIZATION_CHOICES, plan_kv_cache_dtype
 
 LARGEST_SEARCHED = 1 << 20  # max_batch beyond this is reported as ">= LARGEST_SEARCHED"
@@ -134,8 +134,9 @@ def print_plan_table(rows: list[dict]) -> None:
                      f"{r['max_batch']} | {largest} | {r['kv_pages_at_largest']} |")
 
 
-def startup(args, row: dict, device: torch.device) -> dict:
-    """Load, build (at ``row``'s plan) and warm up an engine, each timed; returns the timings."""
+def startup(args, row: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """Load (in ``dtype``, the plan's), build (at ``row``'s plan) and warm up an engine, each timed;
+    returns the timings."""
     import fastmamba
     from fastmamba.generation.engine import Engine
     from fastmamba.models.quantization import set_kv_cache_dtype
@@ -145,7 +146,7 @@ def startup(args, row: dict, device: torch.device) -> dict:
             torch.cuda.synchronize(device)
 
     t0 = time.perf_counter()
-    model = fastmamba.load_model(args.model, device=device, dtype=row["dtype"], quantization=args.quantization)
+    model = fastmamba.load_model(args.model, device=device, dtype=dtype, quantization=args.quantization)
     sync()
     load_s = time.perf_counter() - t0
     set_kv_cache_dtype(model, args.kv_cache_dtype)
@@ -160,9 +161,8 @@ def startup(args, row: dict, device: torch.device) -> dict:
     sync()
     warm_s = time.perf_counter() - t0
     graphs = engine.graph_captures
-    weight_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / GiB
     return {"load_s": load_s, "build_s": build_s, "warm_up_s": warm_s, "graphs": graphs["count"],
-            "capture_s": graphs["seconds"], "weights_gib_loaded": weight_gib, "max_batch": row["max_batch"],
+            "capture_s": graphs["seconds"], "weights_gib_loaded": weight_bytes(model) / GiB, "max_batch": row["max_batch"],
             "context": row["context"], "startup_s": load_s + build_s + warm_s}
 
 
@@ -176,6 +176,13 @@ def run(args: argparse.Namespace, command: str) -> int:
     except CapacityError as exc:
         print(f"error: --gpu-memory-utilization: {exc}", file=sys.stderr)
         return 2
+    if args.tp < 1:
+        print(f"error: --tp: expected an integer >= 1, got {args.tp}", file=sys.stderr)
+        return 2
+    if args.tp > 1 and (args.startup or args.quantization):
+        print("error: --tp N plans only: --startup and --quantization run at tp 1 (as serve, which refuses FP8 "
+              "weights under tensor parallelism)", file=sys.stderr)
+        return 2
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     sizes = [int(g * GiB) for g in args.device_gib] if args.device_gib else []
@@ -185,13 +192,6 @@ def run(args: argparse.Namespace, command: str) -> int:
             print("error: no CUDA device to plan for: give --device-gib (e.g. 79.6 for an H100 80GB)", file=sys.stderr)
             return 2
         sizes = [total]
-    if args.tp < 1:
-        print(f"error: --tp: expected an integer >= 1, got {args.tp}", file=sys.stderr)
-        return 2
-    if args.tp > 1 and (args.startup or args.quantization):
-        print("error: --tp N plans only: --startup and --quantization run at tp 1 (as serve, which refuses FP8 "
-              "weights under tensor parallelism)", file=sys.stderr)
-        return 2
     dtype = DTYPES[args.dtype] if args.dtype else None
     if args.tp > 1:
         from fastmamba.distributed.loading import tp_meta_model
@@ -204,8 +204,9 @@ def run(args: argparse.Namespace, command: str) -> int:
     print(f"# capacity: {args.model} ({meta.dtype}{', FP8 weights' if args.quantization else ''}"
           f"{f'; per GPU, rank 0 of {args.tp}' if args.tp > 1 else ''}; K/V pages "
           f"{kv_note}), planned from its config alone; {device_name(device)}; command: {command}")
+    dtype_name = str(meta.dtype).removeprefix("torch.")
     rows = [plan_row(meta, device_bytes=b, utilization=args.gpu_memory_utilization, context=c, ssm_dtype=s)
-            | {"dtype": meta.dtype} for b in sizes for c in args.context for s in states]
+            | {"dtype": dtype_name} for b in sizes for c in args.context for s in states]
     print_plan_table(rows)
     if args.startup:
         if not rows[0]["fits"]:
@@ -213,13 +214,11 @@ def run(args: argparse.Namespace, command: str) -> int:
             return 2
         if not cuda:
             print("no GPU: --startup on the CPU checks the plumbing; its times say nothing about a GPU's", file=sys.stderr)
-        s = startup(args, rows[0], device)
+        s = startup(args, rows[0], device, meta.dtype)
         print(f"# start-up at max_batch {s['max_batch']}, context {s['context']}: weights loaded in {s['load_s']:.1f} s "
               f"({s['weights_gib_loaded']:.2f} GiB), engine built in {s['build_s']:.1f} s, warm-up {s['warm_up_s']:.1f} s "
               f"({s['graphs']} CUDA graphs captured in {s['capture_s']:.1f} s); {s['startup_s']:.1f} s in all")
-        rows.append(dict(s, kind="startup"))
-    for r in rows:
-        r["dtype"] = str(r.get("dtype", meta.dtype)).removeprefix("torch.")
+        rows.append(dict(s, kind="startup", dtype=dtype_name))
     if args.json:
         append_json(args.json, rows, model=args.model, device=device_name(device), quantization=args.quantization,
                     tp=args.tp, command=command)

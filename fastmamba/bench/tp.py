@@ -29,8 +29,8 @@ import time
 import torch
 
 from fastmamba.distributed.group import TPGroup
-from fastmamba.ops.runtime import graph_capture
 from fastmamba.distributed.launch import spawn_tp
+from fastmamba.ops.runtime import graph_capture
 
 
 def _int_list(text: str) -> list[int]:
