@@ -111,7 +111,6 @@ def compile_in_subprocess(script: str, name: str, root: str):
     import os
     import subprocess
     import sys
-
     import tempfile
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
