@@ -244,10 +244,10 @@ def meta_model(path_or_preset: str, dtype: torch.dtype | str | None = None, *,
     dtype: default the config's ``torch_dtype`` / ``dtype``, else bfloat16. An FP8 checkpoint (its
     quantisation config) or ``quantization="fp8"`` gives the FP8 modules it will hold
     (``fastmamba.models.quantization.fp8_twin``); an unsupported scheme raises here, before loading."""
-    import json
     import os
 
     from fastmamba.models import NEMOTRON_H_PRESETS, PRESETS, Mamba2Config, Mamba2LM, NemotronHConfig, NemotronHLM
+    from fastmamba.models.checkpoint_config import _read_json
     from fastmamba.models.loader import parse_dtype
     from fastmamba.models.quant_config import check_quantization_arg, on_load_config, read_quant_config
     from fastmamba.models.quantization import fp8_twin
@@ -262,8 +262,7 @@ def meta_model(path_or_preset: str, dtype: torch.dtype | str | None = None, *,
     config_path = os.path.join(key, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"meta_model: {key!r} is neither a preset nor a directory with config.json")
-    with open(config_path, encoding="utf-8") as f:
-        raw = json.load(f)
+    raw = _read_json(config_path)  # ValueError naming the file when it is not valid JSON
     if dtype is None:
         named = raw.get("torch_dtype") or raw.get("dtype")
         dtype = (parse_dtype(named, where=f"{config_path}: torch_dtype") if isinstance(named, str) else None) \

@@ -125,3 +125,15 @@ def test_tp_plans_each_gpu_for_rank_0s_share(tmp_path, capsys):
     for bad in (["--tp", "0"], ["--tp", "2", "--startup"], ["--tp", "2", "--quantization", "fp8"]):
         rc, rows = bench(tmp_path / bad[-1], "--model", "nemotron-3-nano", "--device-gib", "79.6", *bad)
         assert rc == 2 and rows == [] and "error: --tp" in capsys.readouterr().err
+
+
+def test_a_corrupt_config_is_named(tmp_path, capsys):
+    """A checkpoint directory whose config.json is not JSON: one line naming the file (the planner
+    reads it before anything else, as serve's plan does)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=f"{ckpt / 'config.json'} is not valid JSON"):
+        meta_model(str(ckpt))
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        main(["capacity", "--model", str(ckpt), "--device-gib", "80"])
