@@ -69,7 +69,7 @@ def check_preset_fits(name: str, build_meta, device: torch.device, dtype: torch.
     the model on the meta device, built only when the parameter count alone cannot settle it."""
     from fastmamba.presets import PRESET_INFO
 
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else _available_ram()
+    free = cuda_free_bytes(device) if device.type == "cuda" else _available_ram()
     if free is None:
         return
     info = next((p for p in PRESET_INFO if p.name == name), None)
@@ -87,6 +87,13 @@ def check_preset_fits(name: str, build_meta, device: torch.device, dtype: torch.
     raise ValueError(f"{where}: preset {name!r} takes {need / gib:.1f} GiB of weights "
                      f"({'FP8' if quantized else str(dtype).replace('torch.', '')}), more than the "
                      f"{free / gib:.1f} GiB free on {device}{hint}")
+
+
+def cuda_free_bytes(device: torch.device) -> int:
+    """The bytes this process can still allocate on a CUDA device: the driver's free memory plus what
+    torch's caching allocator holds reserved but unallocated (a model deleted in this process leaves
+    its blocks cached: the driver alone would call a 58 GiB card full after Nano is freed)."""
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def _available_ram() -> int | None:

@@ -292,10 +292,10 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def _free_bytes(device) -> int:
-    import torch
-
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        from fastmamba.models.building import cuda_free_bytes
+
+        return cuda_free_bytes(device)
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
