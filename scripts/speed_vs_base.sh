@@ -28,6 +28,8 @@
 # Each run is cut at SPEED_TIMEOUT seconds (default 270), so a step stays under ~9 minutes.
 # The table again, over several calls' files:
 #   python3 scripts/speed_table.py --base A/speed-base.jsonl B/speed-base.jsonl --head A/speed-head.jsonl ...
+# SPEED_E2E_ARGS / SPEED_SERVE_ARGS are appended to every e2e / serve step, both sides alike (e.g.
+# SPEED_E2E_ARGS="--prompt-len 512 --gen-len 64": shorter prefills and runs, when the device time is short).
 # Environment: OUT (default /tmp/fastmamba-out), SPEED_ROUNDS (1), SPEED_TIMEOUT (270 s a run), SPEED_TTFT_SHAPES,
 # PYTHON (python3), SPEED_BASE_DIR (.base; tests/scripts/test_speed_vs_base.py points it at a temporary folder).
 # CPU dry run (the tiny presets, TRITON_INTERPRET=1; the benches' CPU defaults: checks the plumbing only):
@@ -79,11 +81,11 @@ step_args() {
     case "$step" in
         e2e-*)  model=${step#e2e-}; batches=1,8,64,256
                 if [[ $model == *@* ]]; then batches=${model#*@}; model=${model%%@*}; fi
-                printf '%s\n' e2e --model "$model" --batch "$batches" ;;
+                printf '%s\n' e2e --model "$model" --batch "$batches" ${SPEED_E2E_ARGS:-} ;;
         ttft)   step_args ttft-mamba2-2.7b ;;
         ttft-*) printf '%s\n' ttft --model "${step#ttft-}" --shapes "${SPEED_TTFT_SHAPES:-1x128,1x2048}" ;;
         serve)  step_args serve-mamba2-2.7b ;;
-        serve-*) printf '%s\n' serve --model "${step#serve-}" ;;
+        serve-*) printf '%s\n' serve --model "${step#serve-}" ${SPEED_SERVE_ARGS:-} ;;
     esac
 }
 

@@ -138,11 +138,13 @@ def test_run_dry_on_cpu(tmp_path, git_head):
     # the script's plumbing is under test, not the kernels (tests/ops run those under the interpreter):
     # the benches run the PyTorch reference ops, a few seconds a side instead of forty
     env["TRITON_INTERPRET"] = "0"
+    env["SPEED_E2E_ARGS"] = "--gen-len 6"  # appended on both sides
     res = _script("run", "e2e-mamba2-tiny@1", "no-such-step", env=env)
     assert res.returncode == 0, res.stderr
     log = (out / "speed.log").read_text()
     assert f"--- base ({base.resolve()})" in log and f"--- head ({ROOT})" in log, log
     assert log.count("rc=0") == 2 and "unknown step no-such-step" in log, log
+    assert log.count("-m fastmamba.bench e2e --model mamba2-tiny --batch 1 --gen-len 6 --json speed-") == 2, log
     for side in ("base", "head"):
         rows = [json.loads(line) for line in (out / f"speed-{side}.jsonl").read_text().splitlines()]
         assert [(r["model"], r["batch"], r["provider"]) for r in rows] == [("mamba2-tiny", 1, "fastmamba")]
