@@ -234,7 +234,11 @@ def plan_serving(args: argparse.Namespace):
     """Before the port is bound and any weight is read: ``--drafter mtp`` needs an MTP layer, and on
     a CUDA device (or with a device-memory override) the capacity plan from the checkpoint's config
     alone. Sets ``args.max_batch`` (the plan's when not given, else DEFAULT_MAX_BATCH without a
-    plan) and returns the ``CapacityPlan`` or None; CapacityError (a ValueError) names the numbers."""
+    plan) and returns the ``CapacityPlan`` or None; CapacityError (a ValueError) names the numbers.
+    Logs how long the plan took (torch's import included) and the card's memory query in it."""
+    import time
+
+    t0 = time.perf_counter()
     import torch
 
     from fastmamba.generation.capacity import GiB, device_memory_bytes, meta_model, plan_capacity
@@ -244,12 +248,15 @@ def plan_serving(args: argparse.Namespace):
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as exc:
         raise ValueError(f"--device: {exc}") from None
+    asked = None  # seconds the card's memory took to ask, where it was asked
     if args.device_memory_gib is not None:
         total = int(args.device_memory_gib * GiB)
     else:  # FASTMAMBA_DEVICE_MEMORY_GIB, else a CUDA device's total, else (a CPU) no plan
         total = device_memory_bytes("cpu")
         if total is None and device.type == "cuda":
+            t_ask = time.perf_counter()
             total = _cuda_total_bytes(device)
+            asked = time.perf_counter() - t_ask
     if args.tensor_parallel_size > 1 and total is not None:  # each GPU holds rank 0's share (the largest)
         from fastmamba.distributed.loading import tp_meta_model
 
@@ -272,6 +279,8 @@ def plan_serving(args: argparse.Namespace):
                          speculate=args.speculate, prefill_tokens=args.prefill_chunk or 2048,
                          other_bytes=int(args.prefix_cache_gb * GiB), drafter=args.drafter if args.speculate else None)
     args.max_batch = plan.max_batch
+    log.info(f"{PREFIX}: capacity plan made in {time.perf_counter() - t0:.1f} s (torch's import included"
+             + (f"; the card's memory asked in a child process in {asked:.1f} s)" if asked is not None else ")"))
     return plan
 
 
@@ -365,6 +374,7 @@ def build_app(args: argparse.Namespace, plan=None):
 
     from fastmamba.serve import require_serve_deps
 
+    t_http = time.perf_counter()
     require_serve_deps()
     from fastmamba.serve.app import create_app
     from fastmamba.serve.engine_process import EngineProcess
@@ -391,7 +401,8 @@ def build_app(args: argparse.Namespace, plan=None):
     dtype = None if args.dtype in (None, "auto") else args.dtype
     names = args.served_model_name or [args.model]
     log.info(f"{PREFIX}: starting the engine process for {args.model} (dtype {args.dtype or 'auto'}"
-             f"{', FP8 weights' if args.quantization else ''}, device {args.device or 'auto'})")
+             f"{', FP8 weights' if args.quantization else ''}, device {args.device or 'auto'}; the HTTP side's "
+             f"imports and tokenizer took {time.perf_counter() - t_http:.1f} s)")
     factory = functools.partial(build_engine, args.model, dtype, args.device, kwargs, max_model_len, num_kv_pages,
                                 quantization=args.quantization)
     if args.tensor_parallel_size > 1:  # the engine process becomes rank 0 of N (the same engine, SPMD)

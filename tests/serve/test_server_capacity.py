@@ -116,6 +116,10 @@ def test_default_max_batch_and_kv_pages_are_the_plans(tmp_path):
         assert plan.summary() in log
         assert f"{plan.kv_pages} K/V pages of 16 tokens" in log
         assert re.search(r"start-up took [0-9.]+ s: load \+ build [0-9.]+ s, warm-up took [0-9.]+ s", log), log
+        # where the time before the engine process goes (--device-memory-gib: no card to ask)
+        assert re.search(r"capacity plan made in [0-9.]+ s \(torch's import included\)\n", log), log
+        assert re.search(r"starting the engine process for nemotron-h-tiny \(.*; the HTTP side's imports and "
+                         r"tokenizer took [0-9.]+ s\)", log), log
     finally:
         assert s.terminate() == 0, s.output()
 
@@ -152,6 +156,7 @@ def test_gpu_server_plans_from_the_cards_memory(tmp_path):
                     time.sleep(0.5)
             text = log_path.read_text()
             assert plan.summary() in text, text
+            assert re.search(r"the card's memory asked in a child process in [0-9.]+ s\)", text), text
             assert f"{plan.max_batch} slots" in text
         finally:
             proc.terminate()
