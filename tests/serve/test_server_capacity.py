@@ -156,7 +156,6 @@ def test_gpu_server_plans_from_the_cards_memory(tmp_path):
                     time.sleep(0.5)
             text = log_path.read_text()
             assert plan.summary() in text, text
-            assert re.search(r"the card's memory asked in a child process in [0-9.]+ s\)", text), text
             assert f"{plan.max_batch} slots" in text
         finally:
             proc.terminate()
