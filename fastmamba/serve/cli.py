@@ -47,6 +47,7 @@ import re
 import signal
 import socket
 import sys
+import time
 from collections.abc import Sequence
 
 DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
@@ -235,10 +236,7 @@ def plan_serving(args: argparse.Namespace):
     a CUDA device (or with a device-memory override) the capacity plan from the checkpoint's config
     alone. Sets ``args.max_batch`` (the plan's when not given, else DEFAULT_MAX_BATCH without a
     plan) and returns the ``CapacityPlan`` or None; CapacityError (a ValueError) names the numbers.
-    Logs how long the plan took (torch's import included) and the card's memory query in it."""
-    import time
-
-    t0 = time.perf_counter()
+    Sets ``args.card_memory_query_s``: the seconds the card's memory took to ask (None where not asked)."""
     import torch
 
     from fastmamba.generation.capacity import GiB, device_memory_bytes, meta_model, plan_capacity
@@ -248,7 +246,7 @@ def plan_serving(args: argparse.Namespace):
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as exc:
         raise ValueError(f"--device: {exc}") from None
-    asked = None  # seconds the card's memory took to ask, where it was asked
+    args.card_memory_query_s = None
     if args.device_memory_gib is not None:
         total = int(args.device_memory_gib * GiB)
     else:  # FASTMAMBA_DEVICE_MEMORY_GIB, else a CUDA device's total, else (a CPU) no plan
@@ -256,7 +254,7 @@ def plan_serving(args: argparse.Namespace):
         if total is None and device.type == "cuda":
             t_ask = time.perf_counter()
             total = _cuda_total_bytes(device)
-            asked = time.perf_counter() - t_ask
+            args.card_memory_query_s = time.perf_counter() - t_ask
     if args.tensor_parallel_size > 1 and total is not None:  # each GPU holds rank 0's share (the largest)
         from fastmamba.distributed.loading import tp_meta_model
 
@@ -279,9 +277,14 @@ def plan_serving(args: argparse.Namespace):
                          speculate=args.speculate, prefill_tokens=args.prefill_chunk or 2048,
                          other_bytes=int(args.prefix_cache_gb * GiB), drafter=args.drafter if args.speculate else None)
     args.max_batch = plan.max_batch
-    log.info(f"{PREFIX}: capacity plan made in {time.perf_counter() - t0:.1f} s (torch's import included"
-             + (f"; the card's memory asked in a child process in {asked:.1f} s)" if asked is not None else ")"))
     return plan
+
+
+def plan_timing_line(seconds: float, card_memory_query_s: float | None) -> str:
+    """The log line of how long ``plan_serving`` took (torch's import included) and its memory query."""
+    asked = ("" if card_memory_query_s is None
+             else f"; the card's memory asked in a child process in {card_memory_query_s:.1f} s")
+    return f"{PREFIX}: capacity plan made in {seconds:.1f} s (torch's import included{asked})"
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -370,7 +373,6 @@ def build_app(args: argparse.Namespace, plan=None):
     """The app with its engine process started (the model loaded and warm): load errors surface here.
     ``plan``: ``plan_serving``'s CapacityPlan (its K/V pages and length size the pool), or None."""
     import functools
-    import time
 
     from fastmamba.serve import require_serve_deps
 
@@ -449,9 +451,13 @@ def run(args: argparse.Namespace) -> int:
         check_args(args)
         _setup_logging(args.log_level)
         given = args.max_batch
+        t_plan = time.perf_counter()
         plan = plan_serving(args)  # before the port is bound and any weight is read
+        t_plan = time.perf_counter() - t_plan
         sock = bind(args.host, args.port)
-        if plan is not None and given is None:  # logged once the port is bound: a taken port is one line
+        if plan is not None:  # logged once the port is bound: a taken port is one line
+            log.info(plan_timing_line(t_plan, args.card_memory_query_s))
+        if plan is not None and given is None:
             log.info(f"{PREFIX}: --max-batch not given: {plan.max_batch}, what the capacity plan holds"
                      f"{' (at most 256)' if plan.max_batch == 256 else ''}")
         # SIGTERM while the model loads: nothing to drain, leave quietly (uvicorn handles it from then on)

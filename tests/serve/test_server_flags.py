@@ -159,3 +159,23 @@ def test_kv_sizing_clamps_to_memory(monkeypatch):
     with pytest.raises(ValueError, match="--max-model-len 8192"):
         serve_cli.kv_options(lm, 4, 8192, None, 0)
     assert serve_cli.kv_options(fastmamba.load_model("mamba2-tiny", device="cpu"), 4, 8192, None, 0) == {}
+
+
+def test_plan_on_a_cuda_device_times_the_cards_memory_query(monkeypatch):
+    """On a CUDA device (its memory query stubbed here: no GPU on CI) the plan asks the card's total
+    memory once and keeps how long that took for the start-up log's timing line."""
+    asked = []
+    monkeypatch.setattr(serve_cli, "_cuda_total_bytes", lambda device: asked.append(device) or 8 << 30)
+    monkeypatch.delenv("FASTMAMBA_DEVICE_MEMORY_GIB", raising=False)
+    parser = serve_cli.argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    parsed = parser.parse_args(["--model", "nemotron-h-tiny", "--device", "cuda", "--dtype", "fp32"])
+    serve_cli.check_args(parsed)
+    plan = serve_cli.plan_serving(parsed)
+    assert plan is not None and [d.type for d in asked] == ["cuda"]
+    assert isinstance(parsed.card_memory_query_s, float) and parsed.card_memory_query_s >= 0
+    assert serve_cli.plan_timing_line(2.04, parsed.card_memory_query_s) == (
+        "fastmamba serve: capacity plan made in 2.0 s (torch's import included; the card's memory asked in a "
+        f"child process in {parsed.card_memory_query_s:.1f} s)")
+    assert serve_cli.plan_timing_line(2.04, None) == ("fastmamba serve: capacity plan made in 2.0 s "
+                                                      "(torch's import included)")
