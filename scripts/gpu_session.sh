@@ -49,7 +49,8 @@ for name in ('transformers', 'fastapi', 'uvicorn', 'prometheus_client', 'openai'
         print(name, 'FAILS:', repr(e)[:200], end='; ')
 print()" 2>&1 | tail -1
 # the tests that load a full-size preset (and the 5 torchrun launches, which a loaded 16-core machine
-# stretched past 200 s) run one at a time after the parallel suite
+# stretched past 200 s) run one at a time after the parallel suite; BIG_K (environment) picks some of
+# them for suite-big (a -k expression; BIG itself is set here, so setting it outside does nothing)
 BIG="test_torchrun_tp2_exits_0_every_time or test_nano_preset_through_the_engine_on_gpu or test_8b_preset_through_the_engine_on_gpu or test_8b_preset_decodes_on_gpu or test_start_up_time or test_gpu_server_plans_from_the_cards_memory"
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests tune kernels)
 for step in "${steps[@]}"; do
@@ -100,7 +101,7 @@ for step in "${steps[@]}"; do
                        cp .tcache/big-done.txt "$OUT/big-done.txt"; export FASTMAMBA_RESUME_FROM=.tcache/big-done.txt
                        echo "resuming: $(wc -l < .tcache/big-done.txt) tests done before are left out"
                    fi
-                   FASTMAMBA_DONE_LOG="$OUT/big-done.txt" FASTMAMBA_FAILURE_LOG="$OUT/failures.txt" timeout -s INT ${BIG_S:-450} python3 -m pytest -q -s --durations=10 --timeout 280 -p no:cacheprovider tests -k "$BIG" > "$OUT/tests-big.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed|start-up|load" "$OUT/tests-big.log" | tail -n 40; unset FASTMAMBA_RESUME_FROM ;;
+                   FASTMAMBA_DONE_LOG="$OUT/big-done.txt" FASTMAMBA_FAILURE_LOG="$OUT/failures.txt" timeout -s INT ${BIG_S:-450} python3 -m pytest -q -s -rs --durations=10 --timeout 280 -p no:cacheprovider tests -k "${BIG_K:-$BIG}" > "$OUT/tests-big.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed|start-up|load" "$OUT/tests-big.log" | tail -n 40; unset FASTMAMBA_RESUME_FROM ;;
         tests-*)   FASTMAMBA_FAILURE_LOG="$OUT/failures.txt" timeout -s INT ${TESTS_S:-400} python3 -m pytest -q -n ${TESTS_N:-8} --tb=short -rfEs --timeout 200 -p no:cacheprovider ${step#tests-} >> "$OUT/tests.log" 2>&1; echo "rc=$?"; grep -E "^(FAILED|ERROR) |passed|failed" "$OUT/tests.log" | cut -c1-250 | tail -n 20 ;;
         crossover) FASTMAMBA_GIT_COMMIT=${FASTMAMBA_GIT_COMMIT:-unknown} timeout 400 python3 -m fastmamba.bench spec --shapes mamba2-2.7b,nemotron-h --tokens 2,4,6,8,16 --state fp32,fp16 --write-table > "$OUT/crossover.txt" 2> "$OUT/crossover.err"; echo "rc=$?"; tail -n 30 "$OUT/crossover.txt"; tail -3 "$OUT/crossover.err"; cp fastmamba/generation/verify_crossover.json "$OUT/" ;;
         eager-*)   timeout 540 python3 -m fastmamba.bench kernels --eager --quick --ops "${step#eager-}" --json "$OUT/eager.jsonl" > "$OUT/eager.txt" 2> "$OUT/eager.err"; echo "rc=$?"; cat "$OUT/eager.txt"; tail -3 "$OUT/eager.err" ;;
