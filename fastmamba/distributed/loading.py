@@ -125,11 +125,11 @@ def tp_meta_model(path_or_preset: str | os.PathLike, world_size: int, dtype: tor
     under tensor parallelism. Rank 0 holds the largest share (an uneven vocabulary split gives the
     first ranks a row more). dtype: as ``capacity.meta_model`` resolves it (the checkpoint's
     ``torch_dtype``, else bf16). The sizes are checked as ``check_tp_source`` checks them."""
-    from fastmamba.generation.capacity import meta_model
+    from fastmamba.generation.capacity import default_dtype
     from fastmamba.models.loader import parse_dtype
 
     key = os.fspath(path_or_preset)
     family, cfg, _ = _source(key, world_size, "tp_meta_model")
-    dtype = parse_dtype(dtype, where="tp_meta_model") or meta_model(key).dtype
+    dtype = parse_dtype(dtype, where="tp_meta_model") or default_dtype(key)
     build = build_tp_nemotron_h if family == "nemotron_h" else build_tp_mamba2
     return build(cfg, TPGroup(0, world_size, torch.device("meta")), dtype=dtype)

@@ -263,16 +263,38 @@ def meta_model(path_or_preset: str, dtype: torch.dtype | str | None = None, *,
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"meta_model: {key!r} is neither a preset nor a directory with config.json")
     raw = _read_json(config_path)  # ValueError naming the file when it is not valid JSON
-    if dtype is None:
-        named = raw.get("torch_dtype") or raw.get("dtype")
-        dtype = (parse_dtype(named, where=f"{config_path}: torch_dtype") if isinstance(named, str) else None) \
-            or torch.bfloat16
+    dtype = dtype or _config_dtype(raw, config_path)
     if raw.get("model_type") == "nemotron_h":
         model = NemotronHLM(NemotronHConfig.from_dir(key), device="meta", dtype=dtype)
     else:
         model = Mamba2LM(Mamba2Config.from_dir(key), device="meta", dtype=dtype)
     fp8 = read_quant_config(key, raw) or on_load
     return fp8_twin(model, fp8) if fp8 else model
+
+
+def _config_dtype(raw: dict, config_path: str) -> torch.dtype:
+    """The weights' dtype a config.json (``raw``, read from ``config_path``) names as ``torch_dtype`` /
+    ``dtype``, else bfloat16."""
+    from fastmamba.models.loader import parse_dtype
+
+    named = raw.get("torch_dtype") or raw.get("dtype")
+    return (parse_dtype(named, where=f"{config_path}: torch_dtype") if isinstance(named, str) else None) \
+        or torch.bfloat16
+
+
+def default_dtype(path_or_preset: str) -> torch.dtype:
+    """The dtype ``meta_model`` builds ``path_or_preset`` in when none is given: a preset's bfloat16, a
+    checkpoint directory's config.json ``torch_dtype`` (else bfloat16). Reads config.json only."""
+    import os
+
+    from fastmamba.models import NEMOTRON_H_PRESETS, PRESETS
+    from fastmamba.models.checkpoint_config import _read_json
+
+    key = os.fspath(path_or_preset)
+    config_path = os.path.join(key, "config.json")
+    if key in PRESETS or key in NEMOTRON_H_PRESETS or not os.path.isfile(config_path):
+        return torch.bfloat16
+    return _config_dtype(_read_json(config_path), config_path)
 
 
 def device_memory_bytes(device: torch.device | str | None = None) -> int | None:

@@ -41,6 +41,18 @@ def test_a_share_is_about_half(name):
     assert slot <= 0.55 * s1 and page == p1 // 2
 
 
+def test_the_share_takes_the_dtype_meta_model_takes(tmp_path):
+    """Without a dtype the share is built in the dtype ``meta_model`` picks: a preset's bfloat16, a
+    checkpoint directory's config.json ``torch_dtype`` (float32 here, as save_pretrained writes it)."""
+    pytest.importorskip("transformers")
+    from tests.distributed._checkpoints import save_nemotron_h
+
+    assert tp_meta_model("nemotron-h-tiny", 2).lm_head.weight.dtype == torch.bfloat16
+    d = save_nemotron_h(tmp_path / "ckpt")
+    assert meta_model(d).lm_head.weight.dtype == torch.float32
+    assert tp_meta_model(d, 2).lm_head.weight.dtype == torch.float32
+
+
 def test_a_shape_that_does_not_split_is_named():
     with pytest.raises(ValueError, match="tp_meta_model: cannot shard"):
         tp_meta_model("nemotron-h-tiny", 3)
