@@ -457,9 +457,9 @@ def run(args: argparse.Namespace) -> int:
         sock = bind(args.host, args.port)
         if plan is not None:  # logged once the port is bound: a taken port is one line
             log.info(plan_timing_line(t_plan, args.card_memory_query_s))
-        if plan is not None and given is None:
-            log.info(f"{PREFIX}: --max-batch not given: {plan.max_batch}, what the capacity plan holds"
-                     f"{' (at most 256)' if plan.max_batch == 256 else ''}")
+            if given is None:
+                log.info(f"{PREFIX}: --max-batch not given: {plan.max_batch}, what the capacity plan holds"
+                         f"{' (at most 256)' if plan.max_batch == 256 else ''}")
         # SIGTERM while the model loads: nothing to drain, leave quietly (uvicorn handles it from then on)
         signal.signal(signal.SIGTERM, _exit_quietly)
         try:
