@@ -237,15 +237,11 @@ def plan_serving(args: argparse.Namespace):
     alone. Sets ``args.max_batch`` (the plan's when not given, else DEFAULT_MAX_BATCH without a
     plan) and returns the ``CapacityPlan`` or None; CapacityError (a ValueError) names the numbers.
     Sets ``args.card_memory_query_s``: the seconds the card's memory took to ask (None where not asked)."""
-    import torch
-
     from fastmamba.generation.capacity import GiB, device_memory_bytes, meta_model, plan_capacity
     from fastmamba.models.checkpoint_config import ssm_state_dtype
+    from fastmamba.models.defaults import default_device
 
-    try:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError as exc:
-        raise ValueError(f"--device: {exc}") from None
+    device = default_device(args.device, where="--device")  # (no CUDA GPU for 'cuda': one line, not a traceback)
     args.card_memory_query_s = None
     if args.device_memory_gib is not None:
         total = int(args.device_memory_gib * GiB)

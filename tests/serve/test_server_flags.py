@@ -164,8 +164,11 @@ def test_kv_sizing_clamps_to_memory(monkeypatch):
 def test_plan_on_a_cuda_device_times_the_cards_memory_query(monkeypatch):
     """On a CUDA device (its memory query stubbed here: no GPU on CI) the plan asks the card's total
     memory once and keeps how long that took for the start-up log's timing line."""
+    import torch
+
     asked = []
     monkeypatch.setattr(serve_cli, "_cuda_total_bytes", lambda device: asked.append(device) or 8 << 30)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (the device check; nothing touches CUDA)
     monkeypatch.delenv("FASTMAMBA_DEVICE_MEMORY_GIB", raising=False)
     parser = serve_cli.argparse.ArgumentParser()
     serve_cli.add_arguments(parser)
@@ -179,3 +182,19 @@ def test_plan_on_a_cuda_device_times_the_cards_memory_query(monkeypatch):
         f"child process in {parsed.card_memory_query_s:.1f} s)")
     assert serve_cli.plan_timing_line(2.04, None) == ("fastmamba serve: capacity plan made in 2.0 s "
                                                       "(torch's import included)")
+
+
+def test_device_cuda_without_a_gpu_is_one_line():
+    """``--device cuda`` where torch sees no CUDA GPU: one line naming --device, before the port is
+    bound or anything loads (it was a traceback from the card's memory query)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTMAMBA_DEVICE_MEMORY_GIB")}
+    r = subprocess.run([sys.executable, "-m", "fastmamba.serve", "--model", "nemotron-h-tiny", "--device", "cuda",
+                        "--port", "1"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        "fastmamba serve: error: --device: `device` 'cuda' asks for CUDA but torch sees no CUDA GPU; use "
+        "device='cpu' (the kernels then need TRITON_INTERPRET=1)"], r.stderr
