@@ -31,8 +31,10 @@ def random_quantized(build: Callable[[], nn.Module]) -> nn.Module:
 
     def finish(block: nn.Module, name: str) -> None:
         random_init(block, prefix=name)
-        done.extend(block.modules())
         quantize_model(block, prefix=name)
+        # the modules the block holds now: holding those quantisation replaced would keep every
+        # block's 16-bit matrices alive (Nano in FP8 then took 79 GB of an H100 and failed)
+        done.extend(block.modules())
 
     with finishing_blocks(finish):
         model = build()
