@@ -29,6 +29,8 @@ ls .tcache/triton-cache.txz.part* >/dev/null 2>&1 && cat .tcache/triton-cache.tx
 # the later steps of the same call run it (paste the same block from $OUT/tune-*.txt into the repository after)
 # e2esuper: the whole Nemotron-3 Super (random weights) in FP8, built block by block, FP8 K/V, 16-bit SSM states
 # (NVIDIA's Hopper recipe), batch SUPER_BATCH (default 1,64): an H200 (~125 GB of weights)
+# tunefp8: the FP8 decode GEMVs' configs (fp8_gemv at 1 and 8 rows, the MoE pair GEMV) on the fp8 bench's cases
+# (TUNE_FP8_CASES, default nano), PDL on; apply-fp8 writes its TABLE (then e2ef- runs it)
 # tunegemv-<preset>: the gemv configs of that preset's decode projections (nemotron-3-nano, nemotron-h-8b, mamba2-2.7b; one row), PDL on
 # E2E_ARGS (environment) is appended to the e2em- / e2ef- / e2ekv- / ttftm- commands, e.g. E2E_ARGS="--batch 1"
 # ttftm-<model>: bench ttft on that model at TTFT_SHAPES (default 1x8192,8x2048; the floor counts a MoE's active
@@ -112,6 +114,7 @@ for step in "${steps[@]}"; do
         profile-decode-*) timeout 300 python3 -m fastmamba.bench profile decode --model "${step#profile-decode-}" --batch 1 --timeline 60 > "$OUT/profile-decode.txt" 2>&1; echo "rc=$?"; head -n 80 "$OUT/profile-decode.txt" ;;
         mtp-*)     timeout 500 python3 -m fastmamba.bench mtp --model "${step#mtp-}" --k 1,2,3,4,5,6,7 --batch 1 --prompt-len 512 --steps 64 ${MTP_ARGS:-} --json "$OUT/mtp.jsonl" > "$OUT/mtp.txt" 2> "$OUT/mtp.err"; echo "rc=$?"; tail -n 30 "$OUT/mtp.txt"; tail -3 "$OUT/mtp.err" ;;
         tunemoe-*) timeout 300 python3 -m fastmamba.bench tune --ops moe --batch ${TUNE_BATCH:-1,2,4} --cases "${step#tunemoe-}" --pdl > "$OUT/tune-moe.txt" 2>&1; echo "rc=$?"; tail -n 30 "$OUT/tune-moe.txt" ;;
+        tunefp8)   timeout 400 python3 -m fastmamba.bench tune --ops fp8 --pdl --cases "${TUNE_FP8_CASES:-nano}" > "$OUT/tune-fp8.txt" 2>&1; echo "rc=$?"; tail -n 30 "$OUT/tune-fp8.txt" ;;
         tunegemv-*) timeout 300 python3 -m fastmamba.bench tune --ops gemv --pdl --cases "${step#tunegemv-}" >> "$OUT/tune-gemv.txt" 2>&1; echo "rc=$?"; tail -n 40 "$OUT/tune-gemv.txt" ;;
         capacity-*) timeout 400 python3 -m fastmamba.bench capacity --model "${step#capacity-}" --context ${CAPACITY_CONTEXT:-8192} --startup ${E2E_ARGS:-} --json "$OUT/capacity.jsonl" >> "$OUT/capacity.txt" 2>> "$OUT/capacity.err"; echo "rc=$?"; tail -n 8 "$OUT/capacity.txt"; tail -3 "$OUT/capacity.err" ;;
         e2esuper)  timeout 540 python3 -m fastmamba.bench e2e --model nemotron-3-super --quantization fp8 --batch ${SUPER_BATCH:-1,64} --ssm-dtype fp16 --kv-cache-dtype fp8 --json "$OUT/e2e.jsonl" >> "$OUT/e2e.txt" 2>> "$OUT/e2e.err"; echo "rc=$?"; tail -n 12 "$OUT/e2e.txt"; tail -5 "$OUT/e2e.err" ;;

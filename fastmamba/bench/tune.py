@@ -55,7 +55,7 @@ from fastmamba.bench.timing import choose_n_sets, time_cpu, time_graph
 from fastmamba.ops.runtime import interpreter_enabled
 
 TUNE_OPS = {**OPS, **prefill.OPS, "replay": "fastmamba.bench.ops.spec_verify",
-            "gemv": "fastmamba.bench.ops.gemv"}
+            "gemv": "fastmamba.bench.ops.gemv", "fp8": "fastmamba.bench.ops.fp8"}
 CONFIG_MODULES = {
     "ssu": "fastmamba.ops.state_update.configs",
     "conv": "fastmamba.ops.conv1d.configs",
@@ -65,8 +65,9 @@ CONFIG_MODULES = {
     "replay": "fastmamba.ops.replay.configs",
     "moe": "fastmamba.ops.moe.configs",  # swept when named: --ops moe
     "gemv": "fastmamba.ops.gemv.configs",  # swept when named: --ops gemv
+    "fp8": "fastmamba.ops.fp8.configs",  # swept when named: --ops fp8 (the FP8 decode GEMVs)
 }
-DEFAULT_BATCHES = {"replay": spec_verify.GPU_BATCHES}  # others: kernels.GPU_BATCHES
+DEFAULT_BATCHES = {"replay": spec_verify.GPU_BATCHES, "fp8": (1, 8)}  # others: kernels.GPU_BATCHES
 CPU_SMOKE_OPS = ("replay",)  # ops with a sweep small enough for the interpreter
 CPU_BATCHES = (1,)
 

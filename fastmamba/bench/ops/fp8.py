@@ -37,7 +37,7 @@ from fastmamba.bench.ops.moe import route_case
 
 # name -> (N, K): nemotron-3-nano (d_model 2688, Mamba 64 heads x 64, 8 groups x 128 state)
 LINEARS = {"nano-in_proj": (4096 + 4096 + 2 * 8 * 128 + 64, 2688), "nano-out_proj": (2688, 4096),
-           "nano-shared-up": (3712, 2688)}
+           "nano-shared-up": (3712, 2688), "nano-shared-down": (2688, 3712)}
 CPU_LINEARS = {"tiny": (96, 64)}
 MOE = {"nano-experts": (128, 6, 1856, 2688)}   # E, k, F, M
 CPU_MOE = {"tiny": (8, 2, 32, 64)}
@@ -115,7 +115,7 @@ class FP8Bench(OpBench):
                 for T in batches:
                     out.append(Case(op="fp8-linear", shape=shape, dims=f"N{N} K{K}", dtype="e4m3/bf16", batch=T,
                                     nbytes=N * K + 2 * T * (K + N) + 4 * (N + T), flops=2 * T * N * K,
-                                    params=dict(kind="linear", N=N, K=K)))
+                                    params=dict(kind="linear", N=N, K=K, device=str(device))))
         if "moe" in self.kinds:
             for shape, (E, k, F_, M) in (MOE if cuda else CPU_MOE).items():
                 for T in batches:
@@ -124,8 +124,34 @@ class FP8Bench(OpBench):
                     out.append(Case(op="fp8-moe", shape=shape, dims=f"E{E} k{k} F{F_} M{M} ({touched} experts touched)",
                                     dtype="e4m3/bf16", batch=T, nbytes=moe_fp8_bytes(T, M, F_, k, touched),
                                     flops=2 * 2 * T * k * F_ * M,
-                                    params=dict(kind="moe", E=E, k=k, F=F_, M=M, touched=touched)))
+                                    params=dict(kind="moe", E=E, k=k, F=F_, M=M, touched=touched,
+                                                device=str(device))))
         return out
+
+    # --- ``tune --ops fp8``: the decode GEMVs' configs (fastmamba.ops.fp8.configs) ---------------------
+    def tune_cases(self, device: torch.device, batches: Sequence[int]) -> list[Case]:
+        """The linear cases at tune's row counts up to 16 (its default for fp8: 1 and 8, the FMA and
+        the tensor-core path) and the MoE cases at 1 token (the pair GEMV: one path at every count)."""
+        rows = [b for b in batches if b <= 16]
+        return [c for c in self.cases(device, sorted(set(rows) | {1}))
+                if (c.params["kind"] == "linear" and c.batch in rows) or (c.params["kind"] == "moe" and c.batch == 1)]
+
+    def tune_candidates(self, configs: object, case: Case) -> list[dict]:
+        """FMA path (the pair GEMV, a linear of 1-2 rows): block_n <= 32, block_k >= 512, and the
+        rows x block_n x block_k products held in registers at most 32k; tensor-core path: tiles of
+        at least 16 features, block_k <= 512."""
+        rows = 1 if case.params["kind"] == "moe" else case.batch
+        if rows <= configs.FMA_MAX_ROWS:
+            return [c for c in configs.CANDIDATES
+                    if c["block_n"] <= 32 and c["block_k"] >= 512 and rows * c["block_n"] * c["block_k"] <= 32768]
+        return [c for c in configs.CANDIDATES if c["block_n"] >= 16 and c["block_k"] <= 512]
+
+    def tune_table_key(self, configs: object, case: Case) -> tuple:
+        p = case.params
+        dev = torch.device(p["device"])
+        if p["kind"] == "moe":
+            return configs.table_key(dev, "moe", "fma", p["F"], p["M"])
+        return configs.table_key(dev, "linear", "fma" if case.batch <= configs.FMA_MAX_ROWS else "dot", p["N"], p["K"])
 
     def providers(self, device: torch.device) -> list[Provider]:
         from fastmamba.ops.fp8 import (
@@ -207,7 +233,7 @@ class FP8Bench(OpBench):
             w8, sw = quantize_weight_ref(w16)
             xq, sx = quantize_per_token(x)
             return {"x": x, "w16": w16, "w8": w8, "sw": sw, "xq": xq, "sx": sx}
-        E, k, F_, M = p["E"], p["k"], p["F"], p["M"]
+        E, F_, M = p["E"], p["F"], p["M"]
         x = torch.randn(T, M, generator=g, device=device).to(DTYPE)
         # 1/sqrt(fan-in) (nano: 0.019): outputs of order 1, so the check's bf16 atol (5e-2) bites at every width
         up16 = (torch.randn(E, F_, M, generator=g, device=device) * M ** -0.5).to(DTYPE)

@@ -20,13 +20,14 @@ from fastmamba.ops._common.dispatch import interpreter_enabled, use_triton
 from fastmamba.ops._common.host_values import host_reads_allowed
 from fastmamba.ops._common.launch import on_device
 from fastmamba.ops.fp8 import kernel
-from fastmamba.ops.fp8.configs import moe_grouped_config
+from fastmamba.ops.fp8.configs import gemv_config, moe_grouped_config
 from fastmamba.ops.fp8.kernel import (
     launch_fp8_gemv,
     launch_moe_grouped,
     launch_moe_pair_gemv,
     launch_quantize_per_token,
     launch_quantize_static,
+    launch_sum,
 )
 from fastmamba.ops.fp8.ref import FP8_DTYPE, fp8_linear_ref, fp8_moe_ref, quantize_per_token_ref, quantize_static_ref
 
@@ -141,13 +142,15 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     if T and N:
         if kernel.FUSE_QUANT:  # x quantised inside the GEMV: one launch
             scale = None if input_scale is None else input_scale.reshape(1).float()
-            launch_fp8_gemv(x2, scale, weight, sw, bias, y.view(T, N), quant=1 if input_scale is None else 2)
+            launch_fp8_gemv(x2, scale, weight, sw, bias, y.view(T, N), quant=1 if input_scale is None else 2,
+                            cfg=gemv_config(x2.device, "linear", T, N, K))
         else:
             if input_scale is None:
                 q, sx = quantize_per_token(x2)
             else:
                 q, sx = quantize_static(x2, input_scale), input_scale.reshape(1).expand(T)
-            launch_fp8_gemv(q, sx.contiguous(), weight, sw, bias, y.view(T, N), quant=0)
+            launch_fp8_gemv(q, sx.contiguous(), weight, sw, bias, y.view(T, N), quant=0,
+                            cfg=gemv_config(x2.device, "linear", T, N, K))
     return y
 
 
@@ -337,8 +340,7 @@ def _fp8_moe_gemv(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
     k = topk_ids.shape[1]
     P = T * k
     dev = x.device
-    ids = topk_ids.reshape(P).to(torch.int32)
-    ids = torch.where((ids >= 0) & (ids < E), ids, -1)   # an id outside [0, E) reads nothing, adds nothing
+    ids = topk_ids.reshape(P)  # an id outside [0, E) reads nothing; the k-sum skips its pair
     tw = topk_weights.reshape(P).float().contiguous()
     su = up_scale.reshape(E, 1).expand(E, F_) if up_scale.dim() == 1 else up_scale
     sd = down_scale.reshape(E, 1).expand(E, M) if down_scale.dim() == 1 else down_scale
@@ -352,13 +354,16 @@ def _fp8_moe_gemv(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
         xq, sx = quantize_static(x, up_input_scale), up_input_scale.reshape(1).expand(T).contiguous()
     h = torch.empty(P, F_, dtype=torch.float32, device=dev)
     yp = torch.empty(P, M, dtype=torch.float32, device=dev)
-    launch_moe_pair_gemv(xq, sx, w_up, su, ids, tw, h, top_k=k, per_pair=False, relu2=True)
+    cfg = gemv_config(dev, "moe", 1, F_, M)
+    launch_moe_pair_gemv(xq, sx, w_up, su, ids, tw, h, top_k=k, per_pair=False, relu2=True, cfg=cfg)
     if down_input_scale is None:
         hq, sh = quantize_per_token(h)
     else:
         hq, sh = quantize_static(h, down_input_scale), down_input_scale.reshape(1).expand(P).contiguous()
-    launch_moe_pair_gemv(hq, sh, w_down, sd, ids, tw, yp, top_k=k, per_pair=True, relu2=False)
-    return yp.view(T, k, M).sum(1).to(x.dtype)
+    launch_moe_pair_gemv(hq, sh, w_down, sd, ids, tw, yp, top_k=k, per_pair=True, relu2=False, cfg=cfg)
+    out = torch.empty(T, M, dtype=x.dtype, device=dev)
+    launch_sum(yp, out, topk_ids, E)  # the k pairs of each token in order, fp32, one launch
+    return out
 
 
 def _fp8_moe_dequantised(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids, up_input_scale):

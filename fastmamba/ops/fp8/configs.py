@@ -1,5 +1,22 @@
-"""Launch configs of the grouped W8A8 MoE (``fp8_moe_grouped``): a heuristic keyed by the mean rows
-per expert, no measured table yet.
+"""Launch configs of the FP8 kernels: the decode GEMVs (``fp8_gemv`` and the MoE pair GEMV of
+``fp8_moe``: a tuning table keyed by (GPU family, kind, path, N, K) over a measured default) and the
+grouped W8A8 MoE (``fp8_moe_grouped``: a heuristic keyed by the mean rows per expert, no table yet).
+
+Decode GEMVs. ``GemvConfig`` (block_n, block_k, num_warps, num_stages) for the FMA path (at most
+``FMA_MAX_ROWS`` rows: decode at batch 1-2, the MoE pair GEMV always) and the tensor-core path
+(3-16 rows, padded to 16). The default FMA tile, 16 features x 1024 columns, 4 warps, was the best
+of a sweep on an H100 (Triton 3.6.0, 2026-12-07, CUDA-graph timing, one row, Nano's four decode
+shapes; the first cut's 32 x 128 took 3-4x longer):
+
+    shape (N x K)            32 x 128 (first cut)   16 x 1024   weight bytes / 3.0 TB/s
+    in_proj  10304 x 2688          51.3 µs            15.5 µs          9.2 µs
+    out_proj  2688 x 4096          47.7 µs            10.3 µs          3.7 µs
+    shared up 3712 x 2688          31.7 µs             9.3 µs          3.3 µs
+    shared dn 2688 x 3712          43.2 µs            11.3 µs          3.3 µs
+
+The sweep's grid ended at 16 features and 1024 columns, so smaller / longer tiles may be better:
+``python -m fastmamba.bench tune --ops fp8`` sweeps ``CANDIDATES`` on the ``fp8`` bench's linear and
+MoE cases at 1 and 8 rows and prints TABLE entries.
 
 Untuned first cut (Triton 3.6.0): the row block follows the mean number of (token, expert) pairs an
 expert gets (T * k / E), so a block is mostly real rows at decode-to-prefill sizes; K steps of 128
@@ -10,7 +27,66 @@ Under the CPU interpreter ``INTERPRETER`` runs (its cost grows with the number o
 """
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
+
+import torch
+
+from fastmamba.ops._common.dispatch import gpu_family
+from fastmamba.ops._common.forced import Forced
+
+FMA_MAX_ROWS = 2  # more rows take the tensor-core dot (rows padded to 16)
+
+
+class GemvConfig(NamedTuple):
+    block_n: int    # output features per program
+    block_k: int    # columns of the reduction per loop step (at most the next power of two of K is used)
+    num_warps: int
+    num_stages: int
+
+
+FMA_DEFAULT = GemvConfig(16, 1024, 4, 2)   # measured (the table above)
+DOT_DEFAULT = GemvConfig(64, 128, 4, 2)    # the first cut (rows padded to 16; not yet swept)
+
+# (family, kind, path, N, K) -> GemvConfig or its dict; kind "linear" (fp8_gemv: N, K of the weight)
+# or "moe" (the pair GEMV: N, K = F, M of the experts, one config for the up and the down launch);
+# path "fma" (at most FMA_MAX_ROWS rows; the pair GEMV) or "dot"
+TABLE: dict[tuple[str, str, str, int, int], GemvConfig | dict] = {}
+
+# what ``tune --ops fp8`` tries; the bench keeps per case those of its path (``FP8Bench.tune_candidates``):
+# FMA, the products of rows x block_n x block_k held in registers: block_n <= 32, block_k >= 512, at most
+# 32k products; tensor cores: block_n >= 16, block_k <= 512
+CANDIDATES: list[dict] = [
+    dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+    for bn in (8, 16, 32, 64) for bk in (128, 256, 512, 1024, 2048) for w in (4, 8) for s in (2, 3)
+]
+
+_forced: Forced[GemvConfig] = Forced()
+
+
+def forced_config(**fields) -> contextlib.AbstractContextManager[None]:
+    """Within the block every FP8 decode GEMV (``fp8_gemv``, the pair GEMV) launches this config
+    (``tune``'s hook)."""
+    return _forced.use(GemvConfig(**fields))
+
+
+def table_key(device: torch.device, kind: str, path: str, N: int, K: int) -> tuple[str, str, str, int, int]:
+    return (gpu_family(device), kind, path, N, K)
+
+
+def gemv_config(device: torch.device, kind: str, rows: int, N: int, K: int) -> GemvConfig:
+    """The config of an FP8 decode GEMV: forced (tune), the table's, or the default of its path.
+    ``rows``: x's rows (``fp8_gemv``) or 1 for the pair GEMV (always the FMA path)."""
+    path = "fma" if rows <= FMA_MAX_ROWS else "dot"
+    if _forced.value is not None:
+        cfg = _forced.value
+    else:
+        cfg = TABLE.get(table_key(device, kind, path, N, K)) if TABLE else None
+        cfg = (cfg if isinstance(cfg, GemvConfig) else GemvConfig(**cfg)) if cfg is not None else None
+        cfg = cfg or (FMA_DEFAULT if path == "fma" else DOT_DEFAULT)
+    if path == "dot" and cfg.block_n < 16:  # a tensor-core tile needs 16 features
+        cfg = cfg._replace(block_n=16)
+    return cfg
 
 
 class MoeGroupedConfig(NamedTuple):

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from fastmamba.ops._common.launch import lean
+from fastmamba.ops.fp8.configs import FMA_MAX_ROWS, GemvConfig
 from fastmamba.ops.fp8.ref import AMAX_FLOOR, FP8_DTYPE as FP8_DTYPE_TORCH, FP8_MAX
 # the alignment of ops/moe, its readers and its k-sum (see the grouped MoE below)
 from fastmamba.ops.moe.align_kernel import launch_align
@@ -141,30 +142,29 @@ def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, T, N, K,
              mask=(t[:, None] < T) & (n[None, :] < N))
 
 
-FMA_MAX_ROWS = 2  # more rows take the tensor-core dot (rows padded to 16)
 FUSE_QUANT = True  # fp8_gemv quantises x inside the GEMV (False: a quantisation kernel first; for the bench)
 
 
 def launch_fp8_gemv(x: torch.Tensor, sx: torch.Tensor | None, w: torch.Tensor, sw: torch.Tensor,
-                    bias: torch.Tensor | None, y: torch.Tensor, *, quant: int) -> None:
+                    bias: torch.Tensor | None, y: torch.Tensor, *, quant: int, cfg: GemvConfig) -> None:
     """x [T, K] (unit stride along K): e4m3 with sx [T] fp32 (quant 0), or 16/32-bit quantised in
     the kernel per token (quant 1, sx None) or with the one static scale sx (quant 2); w [N, K] e4m3,
     sw [N] fp32 (stride 0 for one scale), bias [N] or None -> y [T, N] (written). T <= 16.
-    Untuned first cut (a configs.py table comes with the GPU benchmark: python -m fastmamba.bench fp8)."""
+    ``cfg``: ``configs.gemv_config`` (FMA rows up to ``configs.FMA_MAX_ROWS``, else the dot)."""
     T, K = x.shape
     N = w.shape[0]
     use_dot = T > FMA_MAX_ROWS
     block_t = 16 if use_dot else T
-    block_n = 64 if use_dot else 32
-    block_k = min(128, max(32, triton.next_power_of_2(K)))
-    _fp8_gemv_kernel[(triton.cdiv(N, block_n),)](x, sx if sx is not None else sw, w, sw, bias, y, T, N, K,
-                                                 x.stride(0), w.stride(0), sw.stride(0), y.stride(0), QUANT=quant,
-                                                 USE_DOT=use_dot, AMAX_MIN=AMAX_FLOOR, QMAX=FP8_MAX,
-                                                 BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    block_k = min(cfg.block_k, max(32, triton.next_power_of_2(K)))
+    _fp8_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](x, sx if sx is not None else sw, w, sw, bias, y, T, N, K,
+                                                     x.stride(0), w.stride(0), sw.stride(0), y.stride(0), QUANT=quant,
+                                                     USE_DOT=use_dot, AMAX_MIN=AMAX_FLOOR, QMAX=FP8_MAX,
+                                                     BLOCK_T=block_t, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+                                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 @triton.jit(do_not_specialize=["P"])
-def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr, P, N, K, TOP_K,
+def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr, P, N, K, TOP_K, E,
                           stride_q_r, stride_w_e, stride_w_n, stride_s_e, stride_se_n, stride_o_p,
                           Q_PER_PAIR: tl.constexpr, RELU2: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -172,20 +172,21 @@ def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
     # expert rows are streamed once (only the chosen experts are read), e4m3 x e4m3 products summed
     # in fp32. The input row is q[t] (up: Q_PER_PAIR False) or q[p] (down: Q_PER_PAIR True).
     # RELU2 (up): out = relu(acc * sq * s)^2; else (down): out = acc * sq * s * topk_weight[p].
-    # An expert id outside [0, E) is not read and writes zeros.
+    # An expert id outside [0, E) is not read and writes zeros (the k-sum then skips its row).
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     t = p // TOP_K
     row = p if Q_PER_PAIR else t
     e = tl.load(ids_ptr + p).to(tl.int64)
+    valid = (e >= 0) & (e < E)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(q_ptr + row * stride_q_r + k, mask=k < K, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + e * stride_w_e + n[:, None] * stride_w_n + k[None, :],
-                    mask=(n[:, None] < N) & (k[None, :] < K) & (e >= 0), other=0.0).to(tl.float32)
+                    mask=(n[:, None] < N) & (k[None, :] < K) & valid, other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
-    sw = tl.load(s_ptr + e * stride_s_e + n * stride_se_n, mask=(n < N) & (e >= 0), other=0.0)
+    sw = tl.load(s_ptr + e * stride_s_e + n * stride_se_n, mask=(n < N) & valid, other=0.0)
     y = acc * tl.load(sq_ptr + row) * sw
     if RELU2:
         y = tl.maximum(y, 0.0)
@@ -196,19 +197,19 @@ def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
 
 
 def launch_moe_pair_gemv(q: torch.Tensor, sq: torch.Tensor, w: torch.Tensor, s: torch.Tensor, ids: torch.Tensor,
-                         tw: torch.Tensor, out: torch.Tensor, *, top_k: int, per_pair: bool, relu2: bool) -> None:
+                         tw: torch.Tensor, out: torch.Tensor, *, top_k: int, per_pair: bool, relu2: bool,
+                         cfg: GemvConfig) -> None:
     """q [T or P, K] e4m3 (unit stride along K), sq [T or P] fp32; w [E, N, K] e4m3 (unit stride
-    along K); s [E, N] fp32 (stride 0 along N for per-tensor scales); ids [P] int32, the flattened
-    [T, top_k] (an id outside [0, E) must come as -1: see fp8_moe); tw [P] fp32; out [P, N] fp32
-    (written)."""
+    along K); s [E, N] fp32 (stride 0 along N for per-tensor scales); ids [P] int32 / int64, the
+    flattened [T, top_k] (an id outside [0, E) reads nothing, writes zeros); tw [P] fp32; out [P, N] fp32
+    (written). ``cfg``: ``configs.gemv_config(..., "moe", 1, F, M)``."""
     P = ids.shape[0]
     E, N, K = w.shape
-    block_n = 32
-    block_k = min(128, max(32, triton.next_power_of_2(K)))
-    _moe_pair_gemv_kernel[(P, triton.cdiv(N, block_n))](
-        q, sq, w, s, ids, tw, out, P, N, K, top_k, q.stride(0), w.stride(0), w.stride(1), s.stride(0),
-        s.stride(1), out.stride(0), Q_PER_PAIR=per_pair, RELU2=relu2, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4)
+    block_k = min(cfg.block_k, max(32, triton.next_power_of_2(K)))
+    _moe_pair_gemv_kernel[(P, triton.cdiv(N, cfg.block_n))](
+        q, sq, w, s, ids, tw, out, P, N, K, top_k, E, q.stride(0), w.stride(0), w.stride(1), s.stride(0),
+        s.stride(1), out.stride(0), Q_PER_PAIR=per_pair, RELU2=relu2, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 # --- grouped W8A8 MoE (more tokens than the pair GEMV) --------------------------------------------

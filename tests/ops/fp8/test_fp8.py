@@ -215,3 +215,27 @@ def test_moe_dequantised_fallback_is_close_to_the_reference(device):
     got = api._fp8_moe_dequantised(x, *(a.to(device) for a in (up, su, down, sd, wts, ids)), None)
     assert got.dtype == torch.bfloat16 and got.shape == (T, M)
     assert 0 < relative_error(got.float().cpu(), want.float()) <= 2 ** -4
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_moe_pair_gemv_ids_outside_the_experts_add_nothing(T, device):
+    """On the device an id outside [0, E) is not checked (no host read): the pair GEMV reads no
+    weight for it and the k-sum skips it, so the token gets its other experts' sum. CPU tensors are
+    checked on the host, so the unchecked path runs here under ``trusted_inputs`` (as in a graph)."""
+    from fastmamba.ops.runtime import trusted_inputs
+
+    g = torch.Generator().manual_seed(7 + T)
+    M, E, F_, k = 40, 4, 48, 3
+    x, up, su, down, sd = random_case(T, M, E, F_, per_channel=True, g=g)
+    x = x.to(device, torch.float32)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    wts = torch.rand(T, k, generator=g)
+    bad = ids.clone()
+    bad[:, 1] = torch.tensor([-1, E, E + 5, -7, 2 * E])[:T].to(torch.int32) if T <= 5 else -1
+    kept_w = wts.clone()
+    kept_w[:, 1] = 0.0  # the reference: the same pairs with weight 0 (an in-range id: any expert)
+    want = fp8_moe_ref(x.cpu(), up, su, down, sd, kept_w, ids)
+    dev = [a.to(device) for a in (up, su, down, sd)]
+    with trusted_inputs():
+        got = fp8_moe(x, *dev, wts.to(device), bad.to(device))
+    torch.testing.assert_close(got.float().cpu(), want.float(), **FP32_SUM)
