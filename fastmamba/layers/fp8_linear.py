@@ -30,6 +30,8 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
 class FP8Linear(nn.Module):
     """``nn.Linear``'s drop-in with e4m3 weights (see the module doc for the tensors)."""
 
+    fuses_relu2_input = True  # forward(x, relu2_input=True, add=...): an MLP's down projection in one launch
+
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False, per_channel: bool = True,
                  static_input: bool = False, device=None, dtype=None):
         super().__init__()
@@ -59,9 +61,11 @@ class FP8Linear(nn.Module):
             out.bias.copy_(linear.bias)
         return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., N] in x's dtype."""
-        return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
+    def forward(self, x: torch.Tensor, *, relu2_input: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype. ``relu2_input``: of relu(x)² instead of x; ``add``
+        [..., N]: plus it (both fused into the decode GEMV: ``fastmamba.ops.fp8.fp8_linear``)."""
+        return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias, relu2_input=relu2_input,
+                          add=add)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -180,5 +180,5 @@ class MoE(nn.Module):
         if self.fc2_latent_proj is not None:
             y = self.fc2_latent_proj(y)
         if not S:
-            y = y + self.shared_experts(x)
+            y = self.shared_experts(x, add=y)  # y + shared(x) (an FP8 shared expert adds in its down GEMV)
         return (y if self.reduce is None else self.reduce(y)).view(u.shape)

@@ -247,3 +247,26 @@ def test_gpu_nano_layer_decode_in_a_graph(T):
         graph.replay()
         assert torch.equal(captured, layer(u)), i
     assert not layer.decode_arrivals.any()
+
+
+@pytest.mark.parametrize("T", [1, 4, 20], ids=["gemv-1", "gemv-4", "unfused-20"])
+def test_fp8_mlp_takes_relu2_and_the_sum_into_its_down_gemv(T, device):
+    """An MLP whose down projection is an ``FP8Linear`` hands it relu² and the residual sum (one
+    launch at decode sizes): bit-equal to relu², the FP8 projection and ``+`` as separate ops, at
+    GEMV sizes and above them (where fp8_linear applies them around cuBLASLt / the reference)."""
+    from fastmamba.layers.fp8_linear import FP8Linear
+    from fastmamba.layers.mlp import MLP
+
+    g = torch.Generator().manual_seed(T)
+    mlp = MLP(40, 56, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for lin in (mlp.up_proj, mlp.down_proj):
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.1)
+    mlp.up_proj, mlp.down_proj = FP8Linear.from_linear(mlp.up_proj), FP8Linear.from_linear(mlp.down_proj)
+    mlp = mlp.to(device)
+    u = torch.randn(T, 40, generator=g).to(device, torch.bfloat16)
+    add = torch.randn(T, 40, generator=g).to(device, torch.bfloat16)
+    with torch.no_grad():
+        plain = mlp.down_proj(torch.relu(mlp.up_proj(u)).square())
+        assert torch.equal(mlp(u), plain)
+        assert torch.equal(mlp(u, add=add), plain + add)

@@ -667,7 +667,8 @@ def test_fp8_checkpoint_on_gpu_matches_cpu_and_graphs_match_eager(tmp_path, fmt,
 @pytest.mark.skipif(not INTERPRETER_AT_START, reason="the Triton kernels run on the CPU only with TRITON_INTERPRET=1 set before Python starts")
 def test_fp8_layers_run_the_triton_kernels(engine_model, monkeypatch):
     """The loaded FP8 modules on the Triton path (interpreter): a Mamba in_proj (GEMV), a MoE
-    layer (quantisation, pair GEMV up and down) for 1 and 3 tokens equal their reference path."""
+    layer (pair GEMVs up and down, each quantising its input rows, and the k-sum) for 1 and 3
+    tokens equal their reference path."""
     g = torch.Generator().manual_seed(9)
     moe = engine_model.backbone.layers[engine_model.cfg.layers_of("E")[0]].mixer
     lin = engine_model.backbone.layers[engine_model.cfg.layers_of("M")[0]].mixer.in_proj

@@ -12,6 +12,7 @@ from fastmamba.ops._common.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_dtype,
+    check_flag,
     check_same_device,
     check_tensors,
     check_unit_stride,
@@ -101,7 +102,8 @@ def _channel_scale(op: str, scale: torch.Tensor, N: int) -> torch.Tensor:
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, relu2_input: bool = False,
+             add: torch.Tensor | None = None) -> torch.Tensor:
     """W8A8 ``x @ (weight * weight_scale)^T + bias`` for at most 16 rows (decode / verify steps):
     the activation is quantised to e4m3 (per token, or with the static ``input_scale``), then one
     bandwidth-bound kernel reads each weight tile once for all rows.
@@ -112,13 +114,19 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     input_scale   None (dynamic per token) or [] / [1] fp32
     bias          [N] or None
     out           [..., N] x's dtype, contiguous; written when given
-    Returns y [..., N] in x's dtype. Reference: fastmamba.ops.fp8.ref.fp8_linear_ref.
+    relu2_input   the product reads relu(x)² (rounded to x's dtype) instead of x: an MLP's down
+                  projection fed its up projection's output, in one launch
+    add           [..., N] x's dtype or None: returns add + the product (each rounded to x's dtype, as
+                  ``y + add`` would be): a residual sum in the same launch
+    Returns y [..., N] in x's dtype. Reference: fastmamba.ops.fp8.ref.fp8_linear_ref (of relu(x)²
+    when ``relu2_input``, plus ``add``).
     """
     op = "fp8_gemv"
     x2 = _rows(op, x)
     check_tensors(op, [("weight", weight), ("weight_scale", weight_scale)],
-                  [("input_scale", input_scale), ("bias", bias), ("out", out)])
+                  [("input_scale", input_scale), ("bias", bias), ("out", out), ("add", add)])
     check_dtype(op, "weight", weight, _FP8)
+    relu2_input = check_flag(op, "relu2_input", relu2_input)
     K = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != K:
         raise ValueError(f"{op}: `weight` expected shape (N, K={K}), got {tuple(weight.shape)}")
@@ -130,27 +138,34 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"{op}: `bias` expected shape ({N},), got {tuple(bias.shape)}")
     check_same_device(op, [("x", x), ("weight", weight), ("weight_scale", weight_scale),
-                           ("input_scale", input_scale), ("bias", bias), ("out", out)])
+                           ("input_scale", input_scale), ("bias", bias), ("out", out), ("add", add)])
     lead = tuple(x.shape[:-1])
     if out is not None and (out.dtype != x.dtype or tuple(out.shape) != lead + (N,) or not out.is_contiguous()):
         raise ValueError(f"{op}: `out` expected a contiguous {x.dtype} tensor of shape {lead + (N,)}, got "
                          f"{out.dtype} {tuple(out.shape)}")
+    if add is not None and (add.dtype != x.dtype or tuple(add.shape) != lead + (N,) or add.stride(-1) != 1):
+        raise ValueError(f"{op}: `add` expected a {x.dtype} tensor of shape {lead + (N,)} with unit stride along N, "
+                         f"got {add.dtype} {tuple(add.shape)} strides {add.stride()}")
     if not use_triton(x2):
-        y = fp8_linear_ref(x, weight, weight_scale, input_scale, bias)
+        y = fp8_linear_ref(torch.relu(x).square() if relu2_input else x, weight, weight_scale, input_scale, bias)
+        y = y if add is None else y + add
         return y if out is None else out.copy_(y)
     y = out if out is not None else torch.empty(lead + (N,), dtype=x.dtype, device=x.device)
     if T and N:
+        add2 = add.reshape(T, N) if add is not None else None
         if kernel.FUSE_QUANT:  # x quantised inside the GEMV: one launch
             scale = None if input_scale is None else input_scale.reshape(1).float()
             launch_fp8_gemv(x2, scale, weight, sw, bias, y.view(T, N), quant=1 if input_scale is None else 2,
-                            cfg=gemv_config(x2.device, "linear", T, N, K))
+                            cfg=gemv_config(x2.device, "linear", T, N, K), relu2_input=relu2_input, add=add2)
         else:
+            if relu2_input:
+                x2 = torch.relu(x2).square()
             if input_scale is None:
                 q, sx = quantize_per_token(x2)
             else:
                 q, sx = quantize_static(x2, input_scale), input_scale.reshape(1).expand(T)
             launch_fp8_gemv(q, sx.contiguous(), weight, sw, bias, y.view(T, N), quant=0,
-                            cfg=gemv_config(x2.device, "linear", T, N, K))
+                            cfg=gemv_config(x2.device, "linear", T, N, K), add=add2)
     return y
 
 
@@ -160,10 +175,12 @@ def scaled_mm_supported(device: torch.device) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
+               relu2_input: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
     """W8A8 linear with the path picked by shape and device.
 
-    Same arguments as ``fp8_gemv`` (any number of rows). Paths: at most 16 rows and a Triton
+    Same arguments as ``fp8_gemv`` (any number of rows; ``relu2_input`` and ``add`` are fused into
+    the GEMV, applied as PyTorch ops around the other paths). Paths: at most 16 rows and a Triton
     device (CUDA, or the CPU interpreter): ``fp8_gemv``; CUDA with FP8 tensor cores (sm89+):
     activation quantised by ``quantize_per_token`` / ``quantize_static``, then ``torch._scaled_mm``
     (cuBLASLt) with row-wise scales (the per-tensor weight scale broadcast to [1, N]); otherwise
@@ -172,7 +189,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() else x
     T = x2.shape[0] if x2.dim() == 2 else 0
     if T <= GEMV_MAX_ROWS and use_triton(x) and (not x.is_cuda or scaled_mm_supported(x.device)):
-        return fp8_gemv(x, weight, weight_scale, input_scale, bias)
+        return fp8_gemv(x, weight, weight_scale, input_scale, bias, relu2_input=relu2_input, add=add)
+    if relu2_input:
+        x = torch.relu(x).square()
+        x2 = x.reshape(-1, x.shape[-1]) if x.dim() else x
+    y = _fp8_linear_unfused(x, x2, T, weight, weight_scale, input_scale, bias)
+    return y if add is None else y + add
+
+
+def _fp8_linear_unfused(x, x2, T, weight, weight_scale, input_scale, bias) -> torch.Tensor:
+    """``fp8_linear`` above 16 rows (or without Triton): cuBLASLt where it runs e4m3, else the reference."""
     if x.is_cuda and scaled_mm_supported(x.device) and x.dtype in (torch.float16, torch.bfloat16):
         N, K = weight.shape
         if K % 16 == 0 and N % 16 == 0:
@@ -333,6 +359,11 @@ def _fp8_moe_grouped(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_i
     return y
 
 
+def _static(scale: torch.Tensor | None) -> torch.Tensor | None:
+    """A static input scale as the kernels read it: one fp32 value (None: dynamic per row)."""
+    return None if scale is None else scale.reshape(1).float()
+
+
 def _fp8_moe_gemv(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids, up_input_scale, down_input_scale):
     """The pair-GEMV path of ``fp8_moe`` (checked arguments; T <= 16)."""
     T, M = x.shape
@@ -346,21 +377,17 @@ def _fp8_moe_gemv(x, w_up, up_scale, w_down, down_scale, topk_weights, topk_ids,
     sd = down_scale.reshape(E, 1).expand(E, M) if down_scale.dim() == 1 else down_scale
     if P == 0 or M == 0:
         return torch.zeros(T, M, dtype=x.dtype, device=dev)
-    if x.stride(-1) != 1:  # T <= 16 rows: a copy of a few KB for the unit-stride quantisation entries
+    if x.stride(-1) != 1:  # T <= 16 rows: a copy of a few KB for the kernel's unit-stride rows
         x = x.contiguous()
-    if up_input_scale is None:
-        xq, sx = quantize_per_token(x)
-    else:
-        xq, sx = quantize_static(x, up_input_scale), up_input_scale.reshape(1).expand(T).contiguous()
+    # x and h are quantised inside the pair GEMVs, per row as quantize_per_token does (or with the
+    # static input scales): three launches with the k-sum, no quantisation kernel between them
     h = torch.empty(P, F_, dtype=torch.float32, device=dev)
     yp = torch.empty(P, M, dtype=torch.float32, device=dev)
     cfg = gemv_config(dev, "moe", 1, F_, M)
-    launch_moe_pair_gemv(xq, sx, w_up, su, ids, tw, h, top_k=k, per_pair=False, relu2=True, cfg=cfg)
-    if down_input_scale is None:
-        hq, sh = quantize_per_token(h)
-    else:
-        hq, sh = quantize_static(h, down_input_scale), down_input_scale.reshape(1).expand(P).contiguous()
-    launch_moe_pair_gemv(hq, sh, w_down, sd, ids, tw, yp, top_k=k, per_pair=True, relu2=False, cfg=cfg)
+    launch_moe_pair_gemv(x, _static(up_input_scale), w_up, su, ids, tw, h, top_k=k, per_pair=False, relu2=True,
+                         quant=1 if up_input_scale is None else 2, cfg=cfg)
+    launch_moe_pair_gemv(h, _static(down_input_scale), w_down, sd, ids, tw, yp, top_k=k, per_pair=True, relu2=False,
+                         quant=1 if down_input_scale is None else 2, cfg=cfg)
     out = torch.empty(T, M, dtype=x.dtype, device=dev)
     launch_sum(yp, out, topk_ids, E)  # the k pairs of each token in order, fp32, one launch
     return out

@@ -91,18 +91,41 @@ def launch_quantize_static(x: torch.Tensor, scale: torch.Tensor, q: torch.Tensor
                                                        QMAX=FP8_MAX, BLOCK_K=block, num_warps=4)
 
 
-@triton.heuristics({"HAS_BIAS": lambda a: a["b_ptr"] is not None})
+@triton.jit
+def _round_as_torch(x, dtype: tl.constexpr):
+    """fp32 x rounded to ``dtype`` (nearest, ties to even, as PyTorch's elementwise ops round) and
+    back to fp32. bf16 by its bits: the CPU interpreter's fp32 -> bf16 cast truncates (Triton 3.6),
+    where a GPU's cast rounds to nearest even; both then give PyTorch's value."""
+    if dtype == tl.bfloat16:
+        b = x.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        return b.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _relu2_in_dtype(x, dtype: tl.constexpr):
+    """relu(x)² of fp32 x rounded to ``dtype`` and back: what ``torch.relu(h).square()`` gives for
+    an h of that dtype (the square computed in fp32, rounded once)."""
+    r = tl.maximum(x, 0.0)
+    return _round_as_torch(r * r, dtype)
+
+
+@triton.heuristics({"HAS_BIAS": lambda a: a["b_ptr"] is not None, "HAS_ADD": lambda a: a["add_ptr"] is not None})
 @triton.jit(do_not_specialize=["T"])
-def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, T, N, K,
-                     stride_x_t, stride_w_n, stride_sw_n, stride_y_t,
-                     HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, USE_DOT: tl.constexpr,
-                     AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, BLOCK_T: tl.constexpr,
+def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, add_ptr, y_ptr, T, N, K,
+                     stride_x_t, stride_w_n, stride_sw_n, stride_add_t, stride_y_t,
+                     HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, RELU2_IN: tl.constexpr, QUANT: tl.constexpr,
+                     USE_DOT: tl.constexpr, AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # one program per block of N output features, all T (<= BLOCK_T) rows: each weight tile is read
     # once. USE_DOT: an e4m3 x e4m3 tensor-core dot over rows padded to 16; else FMA (1-2 rows).
     # QUANT 0: x is e4m3 with row scales sx; 1: x in 16/32 bits, quantised here per token (a first
     # pass over x for the row maxima; x is small and L2-resident); 2: x quantised here with the
     # static scale sx[0]. Products of two e4m3 values are exact in fp32; sums in fp32.
+    # RELU2_IN (QUANT 1 / 2): the input is relu(x)² rounded to x's dtype (an MLP's down projection
+    # reading its up projection's output). HAS_ADD: y = round(round(y) + add) (a residual sum).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     t = tl.arange(0, BLOCK_T)
     if QUANT == 0:
@@ -113,6 +136,8 @@ def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, T, N, K,
             k = k0 + tl.arange(0, BLOCK_K)
             xa = tl.load(x_ptr + t[:, None] * stride_x_t + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K),
                          other=0.0).to(tl.float32)
+            if RELU2_IN:
+                xa = _relu2_in_dtype(xa, x_ptr.dtype.element_ty)
             amax = tl.maximum(amax, tl.max(tl.abs(xa), axis=1))
         sx = tl.div_rn(tl.maximum(amax, AMAX_MIN), QMAX + tl.zeros_like(amax))
     else:
@@ -126,6 +151,8 @@ def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, T, N, K,
                     other=0.0)                                                   # [BLOCK_T, BLOCK_K]
         if QUANT != 0:  # the e4m3 value as fp32 (exact), as quantize_per_token / quantize_static write it
             xf = x.to(tl.float32)
+            if RELU2_IN:
+                xf = _relu2_in_dtype(xf, x_ptr.dtype.element_ty)
             xq = tl.minimum(tl.maximum(tl.div_rn(xf, sx[:, None] + tl.zeros_like(xf)), -QMAX), QMAX)
             x = _round_e4m3(xq)
             if USE_DOT:
@@ -138,6 +165,10 @@ def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, T, N, K,
     y = acc * sx[:, None] * sw[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    if HAS_ADD:  # the product as this kernel would store it, plus add, rounded as PyTorch's `+` (then stored exactly)
+        y = _round_as_torch(y.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(
+            add_ptr + t[:, None] * stride_add_t + n[None, :], mask=(t[:, None] < T) & (n[None, :] < N),
+            other=0.0).to(tl.float32), y_ptr.dtype.element_ty)
     tl.store(y_ptr + t[:, None] * stride_y_t + n[None, :], y.to(y_ptr.dtype.element_ty),
              mask=(t[:, None] < T) & (n[None, :] < N))
 
@@ -146,18 +177,23 @@ FUSE_QUANT = True  # fp8_gemv quantises x inside the GEMV (False: a quantisation
 
 
 def launch_fp8_gemv(x: torch.Tensor, sx: torch.Tensor | None, w: torch.Tensor, sw: torch.Tensor,
-                    bias: torch.Tensor | None, y: torch.Tensor, *, quant: int, cfg: GemvConfig) -> None:
+                    bias: torch.Tensor | None, y: torch.Tensor, *, quant: int, cfg: GemvConfig,
+                    relu2_input: bool = False, add: torch.Tensor | None = None) -> None:
     """x [T, K] (unit stride along K): e4m3 with sx [T] fp32 (quant 0), or 16/32-bit quantised in
     the kernel per token (quant 1, sx None) or with the one static scale sx (quant 2); w [N, K] e4m3,
     sw [N] fp32 (stride 0 for one scale), bias [N] or None -> y [T, N] (written). T <= 16.
+    relu2_input (quant 1 / 2): the input is relu(x)² in x's dtype; add [T, N] (unit stride along N,
+    y's dtype) or None: y = add + the product, each rounded to y's dtype as two PyTorch ops would.
     ``cfg``: ``configs.gemv_config`` (FMA rows up to ``configs.FMA_MAX_ROWS``, else the dot)."""
     T, K = x.shape
     N = w.shape[0]
     use_dot = T > FMA_MAX_ROWS
     block_t = 16 if use_dot else T
     block_k = min(cfg.block_k, max(32, triton.next_power_of_2(K)))
-    _fp8_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](x, sx if sx is not None else sw, w, sw, bias, y, T, N, K,
-                                                     x.stride(0), w.stride(0), sw.stride(0), y.stride(0), QUANT=quant,
+    _fp8_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](x, sx if sx is not None else sw, w, sw, bias, add, y, T, N, K,
+                                                     x.stride(0), w.stride(0), sw.stride(0),
+                                                     add.stride(0) if add is not None else 0, y.stride(0),
+                                                     RELU2_IN=relu2_input, QUANT=quant,
                                                      USE_DOT=use_dot, AMAX_MIN=AMAX_FLOOR, QMAX=FP8_MAX,
                                                      BLOCK_T=block_t, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -166,11 +202,14 @@ def launch_fp8_gemv(x: torch.Tensor, sx: torch.Tensor | None, w: torch.Tensor, s
 @triton.jit(do_not_specialize=["P"])
 def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr, P, N, K, TOP_K, E,
                           stride_q_r, stride_w_e, stride_w_n, stride_s_e, stride_se_n, stride_o_p,
-                          Q_PER_PAIR: tl.constexpr, RELU2: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          Q_PER_PAIR: tl.constexpr, RELU2: tl.constexpr, QUANT: tl.constexpr,
+                          AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # one program per (token-expert pair p = t * TOP_K + j, block of BLOCK_N outputs): the pair's
     # expert rows are streamed once (only the chosen experts are read), e4m3 x e4m3 products summed
     # in fp32. The input row is q[t] (up: Q_PER_PAIR False) or q[p] (down: Q_PER_PAIR True).
+    # QUANT 0: q is e4m3 with row scales sq; 1: q in 16/32 bits, quantised here per row as
+    # quantize_per_token does (a first pass over the row for its maximum: a few KB, L2-resident);
+    # 2: q in 16/32 bits, quantised here with the one static scale sq[0] (as quantize_static).
     # RELU2 (up): out = relu(acc * sq * s)^2; else (down): out = acc * sq * s * topk_weight[p].
     # An expert id outside [0, E) is not read and writes zeros (the k-sum then skips its row).
     p = tl.program_id(0)
@@ -179,15 +218,28 @@ def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
     row = p if Q_PER_PAIR else t
     e = tl.load(ids_ptr + p).to(tl.int64)
     valid = (e >= 0) & (e < E)
+    if QUANT == 1:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xa = tl.load(q_ptr + row * stride_q_r + k, mask=k < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(xa))
+        sx = tl.div_rn(tl.maximum(tl.max(amax, axis=0), AMAX_MIN), QMAX)
+    elif QUANT == 2:
+        sx = tl.load(sq_ptr)
+    else:
+        sx = tl.load(sq_ptr + row)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(q_ptr + row * stride_q_r + k, mask=k < K, other=0.0).to(tl.float32)
+        if QUANT != 0:  # the e4m3 value as fp32 (exact), as quantize_per_token / quantize_static write it
+            x = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, sx + tl.zeros_like(x)), -QMAX), QMAX))
         w = tl.load(w_ptr + e * stride_w_e + n[:, None] * stride_w_n + k[None, :],
                     mask=(n[:, None] < N) & (k[None, :] < K) & valid, other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
     sw = tl.load(s_ptr + e * stride_s_e + n * stride_se_n, mask=(n < N) & valid, other=0.0)
-    y = acc * tl.load(sq_ptr + row) * sw
+    y = acc * sx * sw
     if RELU2:
         y = tl.maximum(y, 0.0)
         y = y * y
@@ -196,20 +248,21 @@ def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
     tl.store(out_ptr + p * stride_o_p + n, y, mask=n < N)
 
 
-def launch_moe_pair_gemv(q: torch.Tensor, sq: torch.Tensor, w: torch.Tensor, s: torch.Tensor, ids: torch.Tensor,
+def launch_moe_pair_gemv(q: torch.Tensor, sq: torch.Tensor | None, w: torch.Tensor, s: torch.Tensor, ids: torch.Tensor,
                          tw: torch.Tensor, out: torch.Tensor, *, top_k: int, per_pair: bool, relu2: bool,
-                         cfg: GemvConfig) -> None:
-    """q [T or P, K] e4m3 (unit stride along K), sq [T or P] fp32; w [E, N, K] e4m3 (unit stride
-    along K); s [E, N] fp32 (stride 0 along N for per-tensor scales); ids [P] int32 / int64, the
-    flattened [T, top_k] (an id outside [0, E) reads nothing, writes zeros); tw [P] fp32; out [P, N] fp32
-    (written). ``cfg``: ``configs.gemv_config(..., "moe", 1, F, M)``."""
+                         quant: int, cfg: GemvConfig) -> None:
+    """q [T or P, K] (unit stride along K): e4m3 with sq [T or P] fp32 (quant 0), or 16/32-bit
+    quantised in the kernel per row (quant 1, sq None) or with the one static scale sq (quant 2);
+    w [E, N, K] e4m3 (unit stride along K); s [E, N] fp32 (stride 0 along N for per-tensor scales);
+    ids [P] int32 / int64, the flattened [T, top_k] (an id outside [0, E) reads nothing, writes
+    zeros); tw [P] fp32; out [P, N] fp32 (written). ``cfg``: ``configs.gemv_config(..., "moe", 1, F, M)``."""
     P = ids.shape[0]
     E, N, K = w.shape
     block_k = min(cfg.block_k, max(32, triton.next_power_of_2(K)))
     _moe_pair_gemv_kernel[(P, triton.cdiv(N, cfg.block_n))](
-        q, sq, w, s, ids, tw, out, P, N, K, top_k, E, q.stride(0), w.stride(0), w.stride(1), s.stride(0),
-        s.stride(1), out.stride(0), Q_PER_PAIR=per_pair, RELU2=relu2, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        q, sq if sq is not None else s, w, s, ids, tw, out, P, N, K, top_k, E, q.stride(0), w.stride(0), w.stride(1),
+        s.stride(0), s.stride(1), out.stride(0), Q_PER_PAIR=per_pair, RELU2=relu2, QUANT=quant, AMAX_MIN=AMAX_FLOOR,
+        QMAX=FP8_MAX, BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 # --- grouped W8A8 MoE (more tokens than the pair GEMV) --------------------------------------------

@@ -239,3 +239,38 @@ def test_moe_pair_gemv_ids_outside_the_experts_add_nothing(T, device):
     with trusted_inputs():
         got = fp8_moe(x, *dev, wts.to(device), bad.to(device))
     torch.testing.assert_close(got.float().cpu(), want.float(), **FP32_SUM)
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 16], ids=["T1-fma", "T2-fma", "T5-dot", "T16-dot"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_gemv_relu2_input_and_add_are_the_unfused_ops_bit_for_bit(T, dtype, static, device):
+    """``relu2_input`` and ``add`` give exactly ``fp8_gemv(relu(h).square()) + add`` (an MLP's down
+    projection and a MoE layer's routed sum in one launch): relu² rounded to h's dtype, the product
+    rounded as the GEMV stores it, the sum rounded as PyTorch's ``+``. Odd sizes, strided h rows."""
+    g = torch.Generator().manual_seed(T * 10 + static)
+    N, K = 40, 72
+    h = (torch.randn(T, K + 8, generator=g) * 2).to(dtype)[:, 3:K + 3]     # rows of stride K + 8
+    w8, sw = quantize_weight_ref(torch.randn(N, K, generator=g) * 0.1)
+    add = torch.randn(T, N, generator=g).to(dtype)
+    xs = torch.tensor(0.05) if static else None
+    h, w8, sw, add = h.to(device), w8.to(device), sw.to(device), add.to(device)
+    xs = xs.to(device) if xs is not None else None
+    want = fp8_gemv(torch.relu(h).square(), w8, sw, xs)
+    got = fp8_gemv(h, w8, sw, xs, relu2_input=True)
+    assert torch.equal(got, want)
+    got_sum = fp8_gemv(h, w8, sw, xs, relu2_input=True, add=add)
+    assert torch.equal(got_sum, want + add)
+    assert torch.equal(fp8_linear(h, w8, sw, xs, relu2_input=True, add=add), want + add)
+
+
+def test_gemv_add_is_checked(device):
+    x = torch.randn(2, 32, device=device)
+    w8, sw = quantize_weight_ref(torch.randn(8, 32))
+    w8, sw = w8.to(device), sw.to(device)
+    with pytest.raises(ValueError, match=r"`add` expected a torch.float32 tensor of shape \(2, 8\)"):
+        fp8_gemv(x, w8, sw, add=torch.zeros(2, 9, device=device))
+    with pytest.raises(ValueError, match="`add` expected a torch.float32 tensor"):
+        fp8_gemv(x, w8, sw, add=torch.zeros(2, 8, device=device, dtype=torch.float16))
+    with pytest.raises(TypeError, match="relu2_input"):
+        fp8_gemv(x, w8, sw, relu2_input="yes")
