@@ -18,7 +18,7 @@ The sweep's grid ended at 16 features and 1024 columns, so smaller / longer tile
 ``python -m fastmamba.bench tune --ops fp8`` sweeps ``CANDIDATES`` on the ``fp8`` bench's linear and
 MoE cases at 1 and 8 rows and prints TABLE entries.
 
-Untuned first cut (Triton 3.6.0): the row block follows the mean number of (token, expert) pairs an
+Grouped MoE. Untuned first cut (Triton 3.6.0): the row block follows the mean number of (token, expert) pairs an
 expert gets (T * k / E), so a block is mostly real rows at decode-to-prefill sizes; K steps of 128
 e4m3 values are 128-byte rows. The lead measures it with ``python -m fastmamba.bench fp8 --kinds moe``
 (providers fastmamba-fp8-grouped, bf16 fused_moe, torch._scaled_mm per expert); a table keyed like
@@ -45,8 +45,8 @@ class GemvConfig(NamedTuple):
     num_stages: int
 
 
-FMA_DEFAULT = GemvConfig(16, 1024, 4, 2)   # measured (the table above)
-DOT_DEFAULT = GemvConfig(64, 128, 4, 2)    # the first cut (rows padded to 16; not yet swept)
+FMA_DEFAULT = GemvConfig(16, 1024, 4, 2)   # measured on fp8_gemv (the table above); the pair GEMV's loop is the same, untimed
+DOT_DEFAULT = GemvConfig(64, 128, 4, 3)    # the first cut (rows padded to 16; Triton's default stages; not yet swept)
 
 # (family, kind, path, N, K) -> GemvConfig or its dict; kind "linear" (fp8_gemv: N, K of the weight)
 # or "moe" (the pair GEMV: N, K = F, M of the experts, one config for the up and the down launch);
