@@ -612,29 +612,38 @@ def test_quantization_fp8_on_a_preset_and_from_the_cli(monkeypatch, capsys):
     assert " ".join(map(str, want)) in capsys.readouterr().out
 
 
-def test_quantization_frees_each_16bit_module_before_the_next(monkeypatch):
-    """``quantize_model`` converts one module at a time and keeps no reference to the ones it has
-    replaced, so the peak is the 16-bit model plus one FP8 copy (a list of the modules kept every
-    16-bit weight alive: out of memory quantising Nano on an 80 GB H100)."""
+def watch_replaced_modules(monkeypatch) -> tuple[list, list[int]]:
+    """Wrap the 16-bit -> FP8 conversions: returns (weak references to every module converted,
+    how many earlier ones were still alive, after a gc, when each conversion began)."""
     import gc
     import weakref
 
-    from fastmamba.models.quantization import quantize_model
-
-    model = load_model("nemotron-3-tiny", device="cpu")
-    seen: list[weakref.ref] = []
-    alive_at_each_call = []
+    replaced: list[weakref.ref] = []
+    alive_at_each_call: list[int] = []
 
     def watching(convert):
         def run(module):
             gc.collect()
-            alive_at_each_call.append(sum(r() is not None for r in seen))
-            seen.append(weakref.ref(module))
+            alive_at_each_call.append(sum(r() is not None for r in replaced))
+            replaced.append(weakref.ref(module))
             return convert(module)
         return run
 
     monkeypatch.setattr(FP8Linear, "from_linear", watching(FP8Linear.from_linear))
     monkeypatch.setattr(FP8Experts, "from_experts", watching(FP8Experts.from_experts))
+    return replaced, alive_at_each_call
+
+
+def test_quantization_frees_each_16bit_module_before_the_next(monkeypatch):
+    """``quantize_model`` converts one module at a time and keeps no reference to the ones it has
+    replaced, so the peak is the 16-bit model plus one FP8 copy (a list of the modules kept every
+    16-bit weight alive: out of memory quantising Nano on an 80 GB H100)."""
+    import gc
+
+    from fastmamba.models.quantization import quantize_model
+
+    model = load_model("nemotron-3-tiny", device="cpu")
+    seen, alive_at_each_call = watch_replaced_modules(monkeypatch)
     quantize_model(model)
     gc.collect()
     assert len(seen) > 4 and alive_at_each_call == [0] * len(seen)
@@ -774,21 +783,8 @@ def test_quantized_preset_keeps_no_16bit_module_it_replaced(monkeypatch):
     modules already initialised once held the originals, so every block's 16-bit matrices lived to
     the end (FP8 Nano on an 80 GB H100: out of memory at 79 GB, GPU run 23 of 2026-12-07)."""
     import gc
-    import weakref
 
-    replaced: list[weakref.ref] = []
-    alive_at_each_call = []
-
-    def watching(convert):
-        def run(module):
-            gc.collect()
-            alive_at_each_call.append(sum(r() is not None for r in replaced))
-            replaced.append(weakref.ref(module))
-            return convert(module)
-        return run
-
-    monkeypatch.setattr(FP8Linear, "from_linear", watching(FP8Linear.from_linear))
-    monkeypatch.setattr(FP8Experts, "from_experts", watching(FP8Experts.from_experts))
+    replaced, alive_at_each_call = watch_replaced_modules(monkeypatch)
     model = load_model("nemotron-3-tiny", device="cpu", quantization="fp8")
     gc.collect()
     assert len(replaced) > 4 and isinstance(model.backbone.layers[0].mixer.in_proj, FP8Linear)
