@@ -94,8 +94,8 @@ def launch_quantize_static(x: torch.Tensor, scale: torch.Tensor, q: torch.Tensor
 @triton.jit
 def _round_as_torch(x, dtype: tl.constexpr):
     """fp32 x rounded to ``dtype`` (nearest, ties to even, as PyTorch's elementwise ops round) and
-    back to fp32. bf16 by its bits: the CPU interpreter's fp32 -> bf16 cast truncates (Triton 3.6),
-    where a GPU's cast rounds to nearest even; both then give PyTorch's value."""
+    back to fp32. bf16 by its bits: the CPU interpreter's fp32 -> bf16 cast truncates (Triton 3.6,
+    docs/interpreter_bf16.md) where a GPU's rounds to nearest even; both then give PyTorch's value."""
     if dtype == tl.bfloat16:
         b = x.to(tl.int32, bitcast=True)
         b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
