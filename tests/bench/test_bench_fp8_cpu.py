@@ -109,6 +109,7 @@ def test_tune_sweeps_the_decode_gemvs_and_writes_the_table(monkeypatch):
     assert configs.gemv_config(CPU, "linear", 8, N, K) == configs.GemvConfig(**table[("cpu", "linear", "dot", N, K)])
     assert configs.gemv_config(CPU, "moe", 1, F_, M) == configs.GemvConfig(**table[("cpu", "moe", "fma", F_, M)])
     assert configs.gemv_config(CPU, "linear", 1, 7, 9) == configs.FMA_DEFAULT  # a shape not in the table
+    assert configs.gemv_config(CPU, "linear", 2, 7, 9) == configs.FMA_DEFAULT._replace(block_k=512)  # 2 rows: 16k products
     assert configs.gemv_config(CPU, "linear", 3, 7, 9) == configs.DOT_DEFAULT
     with configs.forced_config(block_n=8, block_k=256, num_warps=4, num_stages=2):
         assert configs.gemv_config(CPU, "linear", 4, N, K).block_n == 16  # a tensor-core tile needs 16 features

@@ -83,7 +83,9 @@ def gemv_config(device: torch.device, kind: str, rows: int, N: int, K: int) -> G
     else:
         cfg = TABLE.get(table_key(device, kind, path, N, K)) if TABLE else None
         cfg = (cfg if isinstance(cfg, GemvConfig) else GemvConfig(**cfg)) if cfg is not None else None
-        cfg = cfg or (FMA_DEFAULT if path == "fma" else DOT_DEFAULT)
+        # two FMA rows: half the columns per step, so rows x block_n x block_k stays at 16k products
+        cfg = cfg or (FMA_DEFAULT._replace(block_k=FMA_DEFAULT.block_k // max(rows, 1)) if path == "fma"
+                      else DOT_DEFAULT)
     if path == "dot" and cfg.block_n < 16:  # a tensor-core tile needs 16 features
         cfg = cfg._replace(block_n=16)
     return cfg
