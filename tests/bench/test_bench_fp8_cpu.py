@@ -71,14 +71,14 @@ def _cpu_scaled_mm_takes_row_scales() -> bool:
 @pytest.mark.skipif(not __import__("fastmamba.ops.runtime", fromlist=["x"]).interpreter_enabled(),
                     reason="runs the Triton kernels: TRITON_INTERPRET=1 on the CPU")
 def test_tune_sweeps_the_decode_gemvs_and_writes_the_table(monkeypatch):
-    """``tune --ops fp8``: the linear cases at 1 and 8 rows (FMA / tensor-core path) and the MoE
-    pair GEMV at 1 token, each with its path's candidates, forced into the real kernels; the
-    paste-ready table is valid Python keyed (family, kind, path, N, K) and gemv_config reads it."""
+    """``tune --ops fp8``: the linear cases at 1 row (FMA and dot tiles compete) and 8 rows (dot
+    tiles) and the MoE pair GEMV at 1 token (FMA tiles), each forced into the real kernels; the
+    paste-ready table is valid Python keyed (family, kind, rows, N, K) and gemv_config reads it."""
     from fastmamba.bench import tune
     from fastmamba.ops.fp8 import configs
 
-    fma = dict(block_n=8, block_k=512, num_warps=4, num_stages=2)
-    dot = dict(block_n=16, block_k=128, num_warps=4, num_stages=2)
+    fma = dict(use_dot=False, block_n=8, block_k=512, num_warps=4, num_stages=2)
+    dot = dict(use_dot=True, block_n=16, block_k=128, num_warps=4, num_stages=2)
     monkeypatch.setattr(configs, "CANDIDATES", [fma, dict(fma, block_n=16), dot, dict(dot, block_k=256)])
     sweep = tune.plan_sweeps(["fp8"], CPU)[0]
     assert not sweep.reason, sweep.reason
@@ -89,27 +89,32 @@ def test_tune_sweeps_the_decode_gemvs_and_writes_the_table(monkeypatch):
 
     def spy(device, kind, rows, N, K):
         cfg = real_gemv(device, kind, rows, N, K)
-        launched.append((kind, cfg))
+        launched.append((kind, rows, cfg))
         return cfg
 
     monkeypatch.setattr("fastmamba.ops.fp8.api.gemv_config", spy)
     results = [tune._sweep_case(sweep, case, CPU, 0, 1.0, False, None) for case in cases]
-    by_case = {(c.params["kind"], c.batch): sorted(tuple(cfg.values()) for _, cfg in r.results)
-               for c, r in zip(cases, results)}
-    assert by_case[("linear", 1)] == by_case[("moe", 1)] == sorted([tuple(fma.values()), (16, 512, 4, 2)])
-    assert by_case[("linear", 8)] == sorted([tuple(dot.values()), (16, 256, 4, 2), (16, 512, 4, 2)])
-    assert {cfg for _, cfg in launched} >= {configs.GemvConfig(**fma), configs.GemvConfig(**dot)}
+    tried = {(c.params["kind"], c.batch): sorted(tuple(cfg.values()) for _, cfg in r.results)
+             for c, r in zip(cases, results)}
+    as_tuples = lambda *cs: sorted(tuple(c.values()) for c in cs)  # noqa: E731
+    assert tried[("linear", 1)] == as_tuples(fma, dict(fma, block_n=16), dot, dict(dot, block_k=256))
+    assert tried[("linear", 8)] == as_tuples(dot, dict(dot, block_k=256))
+    assert tried[("moe", 1)] == as_tuples(fma, dict(fma, block_n=16))
+    # the forced configs reached the launches: a dot tile at one row of a linear, FMA in the pair GEMV
+    assert ("linear", 1, configs.GemvConfig(**dot)) in launched and ("moe", 1, configs.GemvConfig(**fma)) in launched
     lines = tune.paste_ready_table(sweep, results, "test")
     namespace: dict = {}
     exec("\n".join(lines[1:]), namespace)  # valid Python, as it would be pasted
     table = namespace["TABLE"]
     (N, K), (F_, M) = (cases[0].params["N"], cases[0].params["K"]), (32, 64)
-    assert set(table) == {("cpu", "linear", "fma", N, K), ("cpu", "linear", "dot", N, K), ("cpu", "moe", "fma", F_, M)}
+    assert set(table) == {("cpu", "linear", "1-2", N, K), ("cpu", "linear", "3-16", N, K), ("cpu", "moe", "1-2", F_, M)}
     monkeypatch.setattr(configs, "TABLE", table)
-    assert configs.gemv_config(CPU, "linear", 8, N, K) == configs.GemvConfig(**table[("cpu", "linear", "dot", N, K)])
-    assert configs.gemv_config(CPU, "moe", 1, F_, M) == configs.GemvConfig(**table[("cpu", "moe", "fma", F_, M)])
+    assert configs.gemv_config(CPU, "linear", 8, N, K) == configs.GemvConfig(**table[("cpu", "linear", "3-16", N, K)])
+    assert configs.gemv_config(CPU, "moe", 1, F_, M) == configs.GemvConfig(**table[("cpu", "moe", "1-2", F_, M)])
     assert configs.gemv_config(CPU, "linear", 1, 7, 9) == configs.FMA_DEFAULT  # a shape not in the table
     assert configs.gemv_config(CPU, "linear", 2, 7, 9) == configs.FMA_DEFAULT._replace(block_k=512)  # 2 rows: 16k products
     assert configs.gemv_config(CPU, "linear", 3, 7, 9) == configs.DOT_DEFAULT
-    with configs.forced_config(block_n=8, block_k=256, num_warps=4, num_stages=2):
-        assert configs.gemv_config(CPU, "linear", 4, N, K).block_n == 16  # a tensor-core tile needs 16 features
+    with configs.forced_config(**dict(fma, block_n=8)):
+        assert configs.gemv_config(CPU, "linear", 4, N, K) == configs.GemvConfig(True, 16, 512, 4, 2)  # dot, 16 wide
+    with configs.forced_config(**dot):
+        assert configs.gemv_config(CPU, "moe", 1, F_, M).use_dot is False  # the pair GEMV has no dot

@@ -137,21 +137,21 @@ class FP8Bench(OpBench):
                 if (c.params["kind"] == "linear" and c.batch in rows) or (c.params["kind"] == "moe" and c.batch == 1)]
 
     def tune_candidates(self, configs: object, case: Case) -> list[dict]:
-        """FMA path (the pair GEMV, a linear of 1-2 rows): block_n <= 32, block_k >= 512, and the
-        rows x block_n x block_k products held in registers at most 32k; tensor-core path: tiles of
-        at least 16 features, block_k <= 512."""
+        """The pair GEMV (MoE): the FMA tiles; a linear of 1-2 rows: the FMA tiles holding at most 32k
+        products and every dot tile; 3-16 rows: the dot tiles."""
         rows = 1 if case.params["kind"] == "moe" else case.batch
-        if rows <= configs.FMA_MAX_ROWS:
-            return [c for c in configs.CANDIDATES
-                    if c["block_n"] <= 32 and c["block_k"] >= 512 and rows * c["block_n"] * c["block_k"] <= 32768]
-        return [c for c in configs.CANDIDATES if c["block_n"] >= 16 and c["block_k"] <= 512]
+        fma = [c for c in configs.CANDIDATES if not c["use_dot"] and rows * c["block_n"] * c["block_k"] <= 32768]
+        dot = [c for c in configs.CANDIDATES if c["use_dot"]]
+        if case.params["kind"] == "moe":
+            return fma
+        return fma + dot if rows <= configs.FMA_MAX_ROWS else dot
 
     def tune_table_key(self, configs: object, case: Case) -> tuple:
         p = case.params
         dev = torch.device(p["device"])
         if p["kind"] == "moe":
-            return configs.table_key(dev, "moe", "fma", p["F"], p["M"])
-        return configs.table_key(dev, "linear", "fma" if case.batch <= configs.FMA_MAX_ROWS else "dot", p["N"], p["K"])
+            return configs.table_key(dev, "moe", 1, p["F"], p["M"])
+        return configs.table_key(dev, "linear", case.batch, p["N"], p["K"])
 
     def providers(self, device: torch.device) -> list[Provider]:
         from fastmamba.ops.fp8 import (

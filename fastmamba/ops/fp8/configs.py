@@ -2,9 +2,10 @@
 ``fp8_moe``: a tuning table keyed by (GPU family, kind, path, N, K) over a measured default) and the
 grouped W8A8 MoE (``fp8_moe_grouped``: a heuristic keyed by the mean rows per expert, no table yet).
 
-Decode GEMVs. ``GemvConfig`` (block_n, block_k, num_warps, num_stages) for the FMA path (at most
-``FMA_MAX_ROWS`` rows: decode at batch 1-2, the MoE pair GEMV always) and the tensor-core path
-(3-16 rows, padded to 16). The default FMA tile, 16 features x 1024 columns, 4 warps, was the best
+Decode GEMVs. ``GemvConfig`` (use_dot, block_n, block_k, num_warps, num_stages): fp32 FMAs (at most
+``FMA_MAX_ROWS`` rows: decode at batch 1-2; the MoE pair GEMV always) or the e4m3 tensor-core dot
+(rows padded to 16; 3-16 rows always; 1-2 rows where the table says so: then every row count of
+a linear runs the same sums, as the bf16 ``gemv`` does). The default FMA tile, 16 features x 1024 columns, 4 warps, was the best
 of a sweep on an H100 (Triton 3.6.0, 2026-12-07, CUDA-graph timing, one row, Nano's four decode
 shapes; the first cut's 32 x 128 took 3-4x longer):
 
@@ -15,8 +16,8 @@ shapes; the first cut's 32 x 128 took 3-4x longer):
     shared dn 2688 x 3712          43.2 µs            11.3 µs          3.3 µs
 
 The sweep's grid ended at 16 features and 1024 columns, so smaller / longer tiles may be better:
-``python -m fastmamba.bench tune --ops fp8`` sweeps ``CANDIDATES`` on the ``fp8`` bench's linear and
-MoE cases at 1 and 8 rows and prints TABLE entries.
+``python -m fastmamba.bench tune --ops fp8`` sweeps ``CANDIDATES`` (FMA and dot tiles at 1 row, dot
+tiles at 8) on the ``fp8`` bench's linear and MoE cases and prints TABLE entries.
 
 Grouped MoE. Untuned first cut (Triton 3.6.0): the row block follows the mean number of (token, expert) pairs an
 expert gets (T * k / E), so a block is mostly real rows at decode-to-prefill sizes; K steps of 128
@@ -35,30 +36,33 @@ import torch
 from fastmamba.ops._common.dispatch import gpu_family
 from fastmamba.ops._common.forced import Forced
 
-FMA_MAX_ROWS = 2  # more rows take the tensor-core dot (rows padded to 16)
+FMA_MAX_ROWS = 2  # the FMA loop holds rows x block_n x block_k products: more rows take the tensor-core dot
 
 
 class GemvConfig(NamedTuple):
-    block_n: int    # output features per program
+    use_dot: bool   # e4m3 tensor-core dot over rows padded to 16, or fp32 FMAs (1-2 rows; the pair GEMV: always)
+    block_n: int    # output features per program (>= 16 with the dot)
     block_k: int    # columns of the reduction per loop step (at most the next power of two of K is used)
     num_warps: int
     num_stages: int
 
 
-FMA_DEFAULT = GemvConfig(16, 1024, 4, 2)   # measured on fp8_gemv (the table above); the pair GEMV's loop is the same, untimed
-DOT_DEFAULT = GemvConfig(64, 128, 4, 3)    # the first cut (rows padded to 16; Triton's default stages; not yet swept)
+FMA_DEFAULT = GemvConfig(False, 16, 1024, 4, 2)  # measured on fp8_gemv (the table above); the pair GEMV's loop is the same, untimed
+DOT_DEFAULT = GemvConfig(True, 64, 128, 4, 3)    # the first cut (Triton's default stages; not yet swept)
 
-# (family, kind, path, N, K) -> GemvConfig or its dict; kind "linear" (fp8_gemv: N, K of the weight)
+# (family, kind, rows, N, K) -> GemvConfig or its dict; kind "linear" (fp8_gemv: N, K of the weight)
 # or "moe" (the pair GEMV: N, K = F, M of the experts, one config for the up and the down launch);
-# path "fma" (at most FMA_MAX_ROWS rows; the pair GEMV) or "dot"
+# rows "1-2" (at most FMA_MAX_ROWS rows; the pair GEMV) or "3-16"
 TABLE: dict[tuple[str, str, str, int, int], GemvConfig | dict] = {}
 
-# what ``tune --ops fp8`` tries; the bench keeps per case those of its path (``FP8Bench.tune_candidates``):
-# FMA, the products of rows x block_n x block_k held in registers: block_n <= 32, block_k >= 512, at most
-# 32k products; tensor cores: block_n >= 16, block_k <= 512
+# what ``tune --ops fp8`` tries (36 tiles); the bench keeps per case those that fit
+# (``FP8Bench.tune_candidates``): the FMA tiles at 1-2 rows and in the pair GEMV (at most 32k products
+# held), the dot tiles for a linear at any rows. At 1-2 rows both compete.
 CANDIDATES: list[dict] = [
-    dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
-    for bn in (8, 16, 32, 64) for bk in (128, 256, 512, 1024, 2048) for w in (4, 8) for s in (2, 3)
+    *(dict(use_dot=False, block_n=bn, block_k=bk, num_warps=w, num_stages=2)   # stages: no effect on the FMA loop
+      for bn in (8, 16, 32) for bk in (512, 1024, 2048) for w in (4, 8)),
+    *(dict(use_dot=True, block_n=bn, block_k=bk, num_warps=4, num_stages=s)     # 4 warps: the bf16 gemv's best
+      for bn in (16, 32, 64) for bk in (128, 256, 512) for s in (3, 4)),
 ]
 
 _forced: Forced[GemvConfig] = Forced()
@@ -70,23 +74,31 @@ def forced_config(**fields) -> contextlib.AbstractContextManager[None]:
     return _forced.use(GemvConfig(**fields))
 
 
-def table_key(device: torch.device, kind: str, path: str, N: int, K: int) -> tuple[str, str, str, int, int]:
-    return (gpu_family(device), kind, path, N, K)
+def rows_class(rows: int) -> str:
+    return "1-2" if rows <= FMA_MAX_ROWS else "3-16"
+
+
+def table_key(device: torch.device, kind: str, rows: int, N: int, K: int) -> tuple[str, str, str, int, int]:
+    return (gpu_family(device), kind, rows_class(rows), N, K)
 
 
 def gemv_config(device: torch.device, kind: str, rows: int, N: int, K: int) -> GemvConfig:
-    """The config of an FP8 decode GEMV: forced (tune), the table's, or the default of its path.
-    ``rows``: x's rows (``fp8_gemv``) or 1 for the pair GEMV (always the FMA path)."""
-    path = "fma" if rows <= FMA_MAX_ROWS else "dot"
+    """The config of an FP8 decode GEMV: forced (tune), the table's, or the default for ``rows``
+    (x's rows; 1 for the pair GEMV). Whatever the source: the pair GEMV (kind "moe") and 3-16 rows
+    take only the FMA loop / only the dot, and a dot tile has at least 16 features."""
     if _forced.value is not None:
         cfg = _forced.value
     else:
-        cfg = TABLE.get(table_key(device, kind, path, N, K)) if TABLE else None
+        cfg = TABLE.get(table_key(device, kind, rows, N, K)) if TABLE else None
         cfg = (cfg if isinstance(cfg, GemvConfig) else GemvConfig(**cfg)) if cfg is not None else None
         # two FMA rows: half the columns per step, so rows x block_n x block_k stays at 16k products
-        cfg = cfg or (FMA_DEFAULT._replace(block_k=FMA_DEFAULT.block_k // max(rows, 1)) if path == "fma"
+        cfg = cfg or (FMA_DEFAULT._replace(block_k=FMA_DEFAULT.block_k // max(rows, 1)) if rows <= FMA_MAX_ROWS
                       else DOT_DEFAULT)
-    if path == "dot" and cfg.block_n < 16:  # a tensor-core tile needs 16 features
+    if kind == "moe":
+        cfg = cfg._replace(use_dot=False)
+    elif rows > FMA_MAX_ROWS:
+        cfg = cfg._replace(use_dot=True)
+    if cfg.use_dot and cfg.block_n < 16:  # a tensor-core tile needs 16 features
         cfg = cfg._replace(block_n=16)
     return cfg
 

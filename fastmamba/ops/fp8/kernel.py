@@ -184,10 +184,10 @@ def launch_fp8_gemv(x: torch.Tensor, sx: torch.Tensor | None, w: torch.Tensor, s
     sw [N] fp32 (stride 0 for one scale), bias [N] or None -> y [T, N] (written). T <= 16.
     relu2_input (quant 1 / 2): the input is relu(x)² in x's dtype; add [T, N] (unit stride along N,
     y's dtype) or None: y = add + the product, each rounded to y's dtype as two PyTorch ops would.
-    ``cfg``: ``configs.gemv_config`` (FMA rows up to ``configs.FMA_MAX_ROWS``, else the dot)."""
+    ``cfg``: ``configs.gemv_config`` (its use_dot; more than ``configs.FMA_MAX_ROWS`` rows: always the dot)."""
     T, K = x.shape
     N = w.shape[0]
-    use_dot = T > FMA_MAX_ROWS
+    use_dot = cfg.use_dot or T > FMA_MAX_ROWS
     block_t = 16 if use_dot else T
     block_k = min(cfg.block_k, max(32, triton.next_power_of_2(K)))
     _fp8_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](x, sx if sx is not None else sw, w, sw, bias, add, y, T, N, K,

@@ -274,3 +274,21 @@ def test_gemv_add_is_checked(device):
         fp8_gemv(x, w8, sw, add=torch.zeros(2, 8, device=device, dtype=torch.float16))
     with pytest.raises(TypeError, match="relu2_input"):
         fp8_gemv(x, w8, sw, relu2_input="yes")
+
+
+def test_gemv_dot_tiles_at_one_row_give_each_row_the_same_sums_as_more_rows(device):
+    """A table may give 1-2 rows the tensor-core dot (``configs.GemvConfig.use_dot``): then a row's
+    result does not depend on how many rows share the call (a decode step's and a verify step's
+    rows round alike), and it equals the reference within fp32 summation order."""
+    from fastmamba.ops.fp8 import configs
+
+    g = torch.Generator().manual_seed(3)
+    N, K = 48, 96
+    x = torch.randn(5, K, generator=g).to(device)
+    w8, sw = quantize_weight_ref(torch.randn(N, K, generator=g) * 0.1)
+    w8, sw = w8.to(device), sw.to(device)
+    with configs.forced_config(use_dot=True, block_n=16, block_k=32, num_warps=4, num_stages=2):
+        one = fp8_gemv(x[:1], w8, sw)
+        five = fp8_gemv(x, w8, sw)
+    assert torch.equal(one[0], five[0])
+    torch.testing.assert_close(five.cpu(), fp8_linear_ref(x.cpu(), w8.cpu(), sw.cpu()), **FP32_SUM)
