@@ -74,6 +74,21 @@ def new_timing() -> dict:
             "spec_request_steps": 0}
 
 
+def _commands(poll: Callable[[float], Iterable[tuple]], timeout: float, max_rounds: int = 64) -> Iterable[tuple]:
+    """The commands to take before the next step, one at a time: ``poll(timeout)``'s, then, after
+    each batch is handled, whatever came meanwhile (``poll(0)``) until none is waiting, for at most
+    ``max_rounds`` polls (a steady flood of commands never starves the step). A burst of requests
+    that keeps arriving while the first ones are added joins the same step, as in the serving loop
+    of 6625510; draining the pipe only once, before adding, left a burst's later requests to the
+    next step (issue 49: the load test's TTFT p99 was 3% above 6625510's, engine steps equal)."""
+    for _ in range(max_rounds):
+        msgs = list(poll(timeout))
+        if not msgs:
+            return
+        yield from msgs
+        timeout = 0
+
+
 def serve_engine(engine, poll: Callable[[float], Iterable[tuple]], report: Callable[[list, dict, dict], None]) -> None:
     """Run ``engine`` until a "stop" command's drain ends.
 
@@ -101,7 +116,7 @@ def serve_engine(engine, poll: Callable[[float], Iterable[tuple]], report: Calla
         if not busy:
             last_end = None
         events, changed = [], False
-        for msg in poll(0 if busy else 0.05):
+        for msg in _commands(poll, 0 if busy else 0.05):
             changed = True
             if msg[0] == "add":
                 _, cid, prompt, params = msg
