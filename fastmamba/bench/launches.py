@@ -48,10 +48,13 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        # (our registered ops, namespace "fastmamba", only wrap the Triton launches counted below)
-        if not self.inside and func.namespace == "aten" and name not in NO_KERNEL:
+        out = func(*args, **(kwargs or {}))
+        # (our registered ops, namespace "fastmamba", only wrap the Triton launches counted below);
+        # a `to` that returns its input (already that dtype and device) launches nothing
+        if (not self.inside and func.namespace == "aten" and name not in NO_KERNEL
+                and not (name == "to" and args and out is args[0])):
             self.events.append(("aten", name, _where()))
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 def decode_step_launches(model, batch: int, context: int) -> list[tuple[str, str, str]]:
@@ -108,7 +111,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     import fastmamba
 
     name = args.model or "nemotron-3-tiny"
-    model = fastmamba.load_model(name, device="cpu", dtype=torch.float32)
+    model = fastmamba.load_model(name, device="cpu", dtype=torch.float32, quantization=getattr(args, "quantization", None))
     events = decode_step_launches(model, args.batch, args.context)
     triton_n = sum(kind == "triton" for kind, _, _ in events)
     print(f"# {command}\n# {name} on the CPU (Triton interpreter), batch {args.batch}, context {args.context}: "

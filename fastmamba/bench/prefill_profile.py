@@ -41,6 +41,7 @@ import time
 import torch
 
 from fastmamba.bench.ttft import _shapes
+from fastmamba.models.quantization import QUANTIZATION_CHOICES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=None, help="rows shown (default: 14 kernels, 30 functions)")
     parser.add_argument("--norm-pass", action="store_true", help="graphed: the mixers' norm as its own pass "
                         "(norm_in_scan off)")
+    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None,
+                        help="fp8: quantise the 16-bit model on load (as bench e2e --quantization)")
 
 
 def kernel_events(trace_path: str) -> list[tuple[str, float, float]]:
@@ -234,8 +237,9 @@ def run(args: argparse.Namespace, command: str) -> int:
     shapes = args.shapes or ([(1, 64), (1, 128)] if graphed else [(1, 16)])
     reps = args.reps or (50 if args.mode == "decode" else 20 if graphed else 10)
     top = args.top or (30 if args.mode != "graphed" else 14)
-    model = fastmamba.load_model(name, device="cuda", dtype=torch.bfloat16)
-    print(f"# {command}\n# {torch.cuda.get_device_name()}, {name} bf16, torch {torch.__version__}")
+    model = fastmamba.load_model(name, device="cuda", dtype=torch.bfloat16, quantization=args.quantization)
+    print(f"# {command}\n# {torch.cuda.get_device_name()}, {name} bf16{', FP8 weights' if args.quantization else ''}, "
+          f"torch {torch.__version__}")
     if args.mode == "decode":
         profile_decode(model, args.batch, args.context, reps, top, args.timeline, False if args.no_pdl else None)
     elif graphed:

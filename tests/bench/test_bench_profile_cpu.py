@@ -96,6 +96,29 @@ def test_launches_mode_counts_one_decode_steps_kernels(capsys):
     assert "the step's first 5 launches in order:" in out
 
 
+@pytest.mark.skipif(not __import__("fastmamba.ops._common.dispatch", fromlist=["x"]).interpreter_enabled(),
+                    reason="counts the Triton launches under the interpreter: TRITON_INTERPRET=1 on the CPU")
+def test_launches_of_an_fp8_decode_step(capsys):
+    """``profile launches --quantization fp8``: a MoE layer in six kernels (router, pair GEMV up and
+    down quantising their inputs, the k-sum, the shared expert's two GEMVs with relu² and the sum
+    inside), an MLP in two, no quantisation kernel and no relu / square / add in PyTorch; a ``to``
+    that returns its input is not counted as a launch."""
+    from fastmamba.bench import launches
+    import fastmamba
+
+    model = fastmamba.load_model("nemotron-3-tiny", device="cpu", dtype=torch.float32, quantization="fp8")
+    events = launches.decode_step_launches(model, 1, 8)
+    triton = collections.Counter(name for kind, name, _ in events if kind == "triton")
+    aten = collections.Counter((name, where.split(":")[0]) for kind, name, where in events if kind == "aten")
+    n_moe, n_mamba, n_mlp = 2, 2, 1  # nemotron-3-tiny: "M*EM-E"
+    assert triton["_gate_kernel"] == triton["_sum_kernel"] == n_moe and triton["_moe_pair_gemv_kernel"] == 2 * n_moe
+    assert triton["_fp8_gemv_kernel"] == 2 * (n_mamba + n_moe + n_mlp)
+    assert not [n for n in triton if "quantize" in n]
+    assert not [k for k in aten if k[1].startswith(("layers/mlp", "layers/moe", "layers/fp8", "ops/fp8"))], aten
+    assert targets.main(["profile", "launches", "--quantization", "fp8", "--batch", "1"]) == 0
+    assert "| 4 | triton | _moe_pair_gemv_kernel |" in capsys.readouterr().out
+
+
 def test_python_m_bench_reports_a_user_error_in_one_line():
     """``python -m fastmamba.bench`` answers a bad model name as ``fastmamba bench`` does: one line
     naming it, exit status 2, no traceback (FASTMAMBA_DEBUG=1 keeps the traceback)."""
