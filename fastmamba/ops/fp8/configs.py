@@ -2,10 +2,11 @@
 ``fp8_moe``: a tuning table keyed by (GPU family, kind, path, N, K) over a measured default) and the
 grouped W8A8 MoE (``fp8_moe_grouped``: a heuristic keyed by the mean rows per expert, no table yet).
 
-Decode GEMVs. ``GemvConfig`` (use_dot, block_n, block_k, num_warps, num_stages): fp32 FMAs (at most
-``FMA_MAX_ROWS`` rows: decode at batch 1-2; the MoE pair GEMV always) or the e4m3 tensor-core dot
-(rows padded to 16; 3-16 rows always; 1-2 rows where the table says so: then every row count of
-a linear runs the same sums, as the bf16 ``gemv`` does). The default FMA tile, 16 features x 1024 columns, 4 warps, was the best
+Decode GEMVs. ``GemvConfig`` (use_dot, block_n, block_k, num_warps, num_stages): fp32 FMAs over the
+converted weights (at most ``FMA_MAX_ROWS`` rows: decode at batch 1-2; the MoE pair GEMV's one row)
+or the e4m3 tensor-core dot, which reads the weights as they are (rows padded to 16; 3-16 rows
+always; 1-2 rows and the pair GEMV where the table says so: then every row count of a linear runs
+the same sums, as the bf16 ``gemv`` does). The default FMA tile, 16 features x 1024 columns, 4 warps, was the best
 of a sweep on an H100 (Triton 3.6.0, 2026-12-07, CUDA-graph timing, one row, Nano's four decode
 shapes; the first cut's 32 x 128 took 3-4x longer):
 
@@ -40,7 +41,7 @@ FMA_MAX_ROWS = 2  # the FMA loop holds rows x block_n x block_k products: more r
 
 
 class GemvConfig(NamedTuple):
-    use_dot: bool   # e4m3 tensor-core dot over rows padded to 16, or fp32 FMAs (1-2 rows; the pair GEMV: always)
+    use_dot: bool   # e4m3 tensor-core dot over rows padded to 16 (the pair GEMV: its one row), or fp32 FMAs (1-2 rows)
     block_n: int    # output features per program (>= 16 with the dot)
     block_k: int    # columns of the reduction per loop step (at most the next power of two of K is used)
     num_warps: int
@@ -57,7 +58,7 @@ TABLE: dict[tuple[str, str, str, int, int], GemvConfig | dict] = {}
 
 # what ``tune --ops fp8`` tries (36 tiles); the bench keeps per case those that fit
 # (``FP8Bench.tune_candidates``): the FMA tiles at 1-2 rows and in the pair GEMV (at most 32k products
-# held), the dot tiles for a linear at any rows. At 1-2 rows both compete.
+# held), the dot tiles everywhere. At 1-2 rows and in the pair GEMV both compete.
 CANDIDATES: list[dict] = [
     *(dict(use_dot=False, block_n=bn, block_k=bk, num_warps=w, num_stages=2)   # stages: no effect on the FMA loop
       for bn in (8, 16, 32) for bk in (512, 1024, 2048) for w in (4, 8)),
@@ -84,8 +85,8 @@ def table_key(device: torch.device, kind: str, rows: int, N: int, K: int) -> tup
 
 def gemv_config(device: torch.device, kind: str, rows: int, N: int, K: int) -> GemvConfig:
     """The config of an FP8 decode GEMV: forced (tune), the table's, or the default for ``rows``
-    (x's rows; 1 for the pair GEMV). Whatever the source: the pair GEMV (kind "moe") and 3-16 rows
-    take only the FMA loop / only the dot, and a dot tile has at least 16 features."""
+    (x's rows; 1 for the pair GEMV). Whatever the source: 3-16 rows take the dot, and a dot tile has
+    at least 16 features."""
     if _forced.value is not None:
         cfg = _forced.value
     else:
@@ -94,9 +95,7 @@ def gemv_config(device: torch.device, kind: str, rows: int, N: int, K: int) -> G
         # two FMA rows: half the columns per step, so rows x block_n x block_k stays at 16k products
         cfg = cfg or (FMA_DEFAULT._replace(block_k=FMA_DEFAULT.block_k // max(rows, 1)) if rows <= FMA_MAX_ROWS
                       else DOT_DEFAULT)
-    if kind == "moe":
-        cfg = cfg._replace(use_dot=False)
-    elif rows > FMA_MAX_ROWS:
+    if rows > FMA_MAX_ROWS:
         cfg = cfg._replace(use_dot=True)
     if cfg.use_dot and cfg.block_n < 16:  # a tensor-core tile needs 16 features
         cfg = cfg._replace(block_n=16)

@@ -202,7 +202,7 @@ def launch_fp8_gemv(x: torch.Tensor, sx: torch.Tensor | None, w: torch.Tensor, s
 @triton.jit(do_not_specialize=["P"])
 def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr, P, N, K, TOP_K, E,
                           stride_q_r, stride_w_e, stride_w_n, stride_s_e, stride_se_n, stride_o_p,
-                          Q_PER_PAIR: tl.constexpr, RELU2: tl.constexpr, QUANT: tl.constexpr,
+                          Q_PER_PAIR: tl.constexpr, RELU2: tl.constexpr, QUANT: tl.constexpr, USE_DOT: tl.constexpr,
                           AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # one program per (token-expert pair p = t * TOP_K + j, block of BLOCK_N outputs): the pair's
     # expert rows are streamed once (only the chosen experts are read), e4m3 x e4m3 products summed
@@ -211,7 +211,9 @@ def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
     # quantize_per_token does (a first pass over the row for its maximum: a few KB, L2-resident);
     # 2: q in 16/32 bits, quantised here with the one static scale sq[0] (as quantize_static).
     # RELU2 (up): out = relu(acc * sq * s)^2; else (down): out = acc * sq * s * topk_weight[p].
-    # An expert id outside [0, E) is not read and writes zeros (the k-sum then skips its row).
+    # USE_DOT: the sums on the tensor cores (the row padded to 16 with zeros; BLOCK_N >= 16, BLOCK_K >= 32)
+    # instead of fp32 FMAs over converted weights. An expert id outside [0, E) is not read and writes
+    # zeros (the k-sum then skips its row).
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     t = p // TOP_K
@@ -229,15 +231,25 @@ def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
         sx = tl.load(sq_ptr)
     else:
         sx = tl.load(sq_ptr + row)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if USE_DOT:
+        acc16 = tl.zeros([16, BLOCK_N], dtype=tl.float32)  # the pair's row, then 15 rows of zeros
+        first = tl.arange(0, 16)[:, None] == 0
+    else:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(q_ptr + row * stride_q_r + k, mask=k < K, other=0.0).to(tl.float32)
         if QUANT != 0:  # the e4m3 value as fp32 (exact), as quantize_per_token / quantize_static write it
             x = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, sx + tl.zeros_like(x)), -QMAX), QMAX))
         w = tl.load(w_ptr + e * stride_w_e + n[:, None] * stride_w_n + k[None, :],
-                    mask=(n[:, None] < N) & (k[None, :] < K) & valid, other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :], axis=1)
+                    mask=(n[:, None] < N) & (k[None, :] < K) & valid, other=0.0)          # [BLOCK_N, BLOCK_K] e4m3
+        if USE_DOT:  # the e4m3 tiles straight into the tensor cores (no conversion of the weights)
+            x16 = tl.where(first, x[None, :], 0.0).to(tl.float8e4nv)
+            acc16 = tl.dot(x16, tl.trans(w), acc16, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if USE_DOT:
+        acc = tl.sum(acc16, axis=0)  # row 0 (the others are exact zeros)
     sw = tl.load(s_ptr + e * stride_s_e + n * stride_se_n, mask=(n < N) & valid, other=0.0)
     y = acc * sx * sw
     if RELU2:
@@ -258,10 +270,11 @@ def launch_moe_pair_gemv(q: torch.Tensor, sq: torch.Tensor | None, w: torch.Tens
     zeros); tw [P] fp32; out [P, N] fp32 (written). ``cfg``: ``configs.gemv_config(..., "moe", 1, F, M)``."""
     P = ids.shape[0]
     E, N, K = w.shape
-    block_k = min(cfg.block_k, max(32, triton.next_power_of_2(K)))
+    block_k = min(cfg.block_k, max(32, triton.next_power_of_2(K)))  # (>= 32: the e4m3 dot's minimum)
     _moe_pair_gemv_kernel[(P, triton.cdiv(N, cfg.block_n))](
         q, sq if sq is not None else s, w, s, ids, tw, out, P, N, K, top_k, E, q.stride(0), w.stride(0), w.stride(1),
-        s.stride(0), s.stride(1), out.stride(0), Q_PER_PAIR=per_pair, RELU2=relu2, QUANT=quant, AMAX_MIN=AMAX_FLOOR,
+        s.stride(0), s.stride(1), out.stride(0), Q_PER_PAIR=per_pair, RELU2=relu2, QUANT=quant, USE_DOT=cfg.use_dot,
+        AMAX_MIN=AMAX_FLOOR,
         QMAX=FP8_MAX, BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

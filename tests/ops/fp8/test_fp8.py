@@ -292,3 +292,33 @@ def test_gemv_dot_tiles_at_one_row_give_each_row_the_same_sums_as_more_rows(devi
         five = fp8_gemv(x, w8, sw)
     assert torch.equal(one[0], five[0])
     torch.testing.assert_close(five.cpu(), fp8_linear_ref(x.cpu(), w8.cpu(), sw.cpu()), **FP32_SUM)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_moe_pair_gemv_on_the_tensor_cores_equals_the_fma_loop(static, device):
+    """The pair GEMV's dot variant (a table's ``use_dot`` for kind "moe": each pair's row padded to
+    16, the e4m3 weight tiles into the dot unconverted) gives the FMA loop's result within fp32
+    summation order, for routed ids, odd widths (F 48, M 40) and an id outside the experts."""
+    from fastmamba.ops.fp8 import configs
+    from fastmamba.ops.runtime import trusted_inputs
+
+    g = torch.Generator().manual_seed(11 + static)
+    T, M, E, F_, k = 3, 40, 4, 48, 2
+    x, up, su, down, sd = random_case(T, M, E, F_, per_channel=True, g=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    ids[1, 0] = E  # reads nothing, adds nothing
+    wts = torch.rand(T, k, generator=g)
+    xs = (torch.tensor(0.02), torch.tensor(0.05)) if static else (None, None)
+    dev = [a.to(device) for a in (x, up, su, down, sd, wts, ids)]
+    dxs = [None if s is None else s.to(device) for s in xs]
+    out = {}
+    for use_dot in (False, True):
+        with configs.forced_config(use_dot=use_dot, block_n=16, block_k=32, num_warps=4, num_stages=2), trusted_inputs():
+            out[use_dot] = fp8_moe(*dev, up_input_scale=dxs[0], down_input_scale=dxs[1]).cpu()
+    torch.testing.assert_close(out[True], out[False], **FP32_SUM)
+    kept = wts.clone()
+    kept[1, 0] = 0.0
+    safe = ids.clone()
+    safe[1, 0] = 0
+    want = fp8_moe_ref(x, up, su, down, sd, kept, safe, up_input_scale=xs[0], down_input_scale=xs[1])
+    torch.testing.assert_close(out[True], want.to(out[True].dtype), **FP32_SUM)
