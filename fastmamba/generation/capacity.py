@@ -285,8 +285,6 @@ def _config_dtype(raw: dict, config_path: str) -> torch.dtype:
 def default_dtype(path_or_preset: str) -> torch.dtype:
     """The dtype ``meta_model`` builds ``path_or_preset`` in when none is given: a preset's bfloat16, a
     checkpoint directory's config.json ``torch_dtype`` (else bfloat16). Reads config.json only."""
-    import os
-
     from fastmamba.models import NEMOTRON_H_PRESETS, PRESETS
     from fastmamba.models.checkpoint_config import _read_json
 

@@ -44,23 +44,41 @@ def _round_e4m3(x):
     return tl.where(r == 0.0, x * 0.0, r * step)  # a zero keeps x's sign (-0.0 as torch's cast)
 
 
+@triton.jit
+def _e4m3_of(x, scale, QMAX: tl.constexpr):
+    """fp32 x / scale (``div_rn``, broadcast), clamped to +-QMAX, as the nearest e4m3 value in fp32
+    (exact): every quantisation in this file, so that the fused ones equal ``quantize_per_token``."""
+    return _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, scale + tl.zeros_like(x)), -QMAX), QMAX))
+
+
+@triton.jit
+def _dynamic_scale(amax, AMAX_MIN: tl.constexpr, QMAX: tl.constexpr):
+    """A row's scale from its largest |x| (a scalar, or one per row): max(amax, AMAX_MIN) / QMAX."""
+    m = tl.maximum(amax, AMAX_MIN)
+    return tl.div_rn(m, QMAX + tl.zeros_like(m))
+
+
+@triton.jit
+def _row_amax(row_ptr, stride_k, K, BLOCK_K: tl.constexpr):
+    """The largest |x| of one row of K values (any dtype, read as fp32), in BLOCK_K steps."""
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        amax = tl.maximum(amax, tl.abs(tl.load(row_ptr + k * stride_k, mask=k < K, other=0.0).to(tl.float32)))
+    return tl.max(amax, axis=0)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _quantize_per_token_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_x_t, stride_x_k, stride_q_t,
                                AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, BLOCK_K: tl.constexpr):
     # one program per row t: amax over K (first pass), then scale and cast (second pass)
     t = tl.program_id(0)
-    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + t * stride_x_t + k * stride_x_k, mask=k < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), AMAX_MIN), QMAX)
+    scale = _dynamic_scale(_row_amax(x_ptr + t * stride_x_t, stride_x_k, K, BLOCK_K), AMAX_MIN, QMAX)
     tl.store(s_ptr + t, scale)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + t * stride_x_t + k * stride_x_k, mask=k < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.div_rn(x, scale + tl.zeros_like(x)), -QMAX), QMAX)
-        tl.store(q_ptr + t * stride_q_t + k, _round_e4m3(q.to(tl.float32)).to(tl.float8e4nv), mask=k < K)
+        tl.store(q_ptr + t * stride_q_t + k, _e4m3_of(x, scale, QMAX).to(tl.float8e4nv), mask=k < K)
 
 
 def launch_quantize_per_token(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
@@ -78,9 +96,7 @@ def _quantize_static_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_x_t, stride_x_k, s
     t = tl.program_id(0)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     x = tl.load(x_ptr + t * stride_x_t + k * stride_x_k, mask=k < K, other=0.0).to(tl.float32)
-    scale = tl.load(s_ptr) + tl.zeros_like(x)
-    q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -QMAX), QMAX)
-    tl.store(q_ptr + t * stride_q_t + k, _round_e4m3(q.to(tl.float32)).to(tl.float8e4nv), mask=k < K)
+    tl.store(q_ptr + t * stride_q_t + k, _e4m3_of(x, tl.load(s_ptr), QMAX).to(tl.float8e4nv), mask=k < K)
 
 
 def launch_quantize_static(x: torch.Tensor, scale: torch.Tensor, q: torch.Tensor) -> None:
@@ -139,7 +155,7 @@ def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, add_ptr, y_ptr, T, N, 
             if RELU2_IN:
                 xa = _relu2_in_dtype(xa, x_ptr.dtype.element_ty)
             amax = tl.maximum(amax, tl.max(tl.abs(xa), axis=1))
-        sx = tl.div_rn(tl.maximum(amax, AMAX_MIN), QMAX + tl.zeros_like(amax))
+        sx = _dynamic_scale(amax, AMAX_MIN, QMAX)
     else:
         sx = tl.load(sx_ptr) + tl.zeros([BLOCK_T], dtype=tl.float32)
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
@@ -153,8 +169,7 @@ def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, add_ptr, y_ptr, T, N, 
             xf = x.to(tl.float32)
             if RELU2_IN:
                 xf = _relu2_in_dtype(xf, x_ptr.dtype.element_ty)
-            xq = tl.minimum(tl.maximum(tl.div_rn(xf, sx[:, None] + tl.zeros_like(xf)), -QMAX), QMAX)
-            x = _round_e4m3(xq)
+            x = _e4m3_of(xf, sx[:, None], QMAX)
             if USE_DOT:
                 x = x.to(tl.float8e4nv)
         if USE_DOT:
@@ -221,12 +236,7 @@ def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
     e = tl.load(ids_ptr + p).to(tl.int64)
     valid = (e >= 0) & (e < E)
     if QUANT == 1:
-        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            xa = tl.load(q_ptr + row * stride_q_r + k, mask=k < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(xa))
-        sx = tl.div_rn(tl.maximum(tl.max(amax, axis=0), AMAX_MIN), QMAX)
+        sx = _dynamic_scale(_row_amax(q_ptr + row * stride_q_r, 1, K, BLOCK_K), AMAX_MIN, QMAX)
     elif QUANT == 2:
         sx = tl.load(sq_ptr)
     else:
@@ -240,7 +250,7 @@ def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(q_ptr + row * stride_q_r + k, mask=k < K, other=0.0).to(tl.float32)
         if QUANT != 0:  # the e4m3 value as fp32 (exact), as quantize_per_token / quantize_static write it
-            x = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, sx + tl.zeros_like(x)), -QMAX), QMAX))
+            x = _e4m3_of(x, sx, QMAX)
         w = tl.load(w_ptr + e * stride_w_e + n[:, None] * stride_w_n + k[None, :],
                     mask=(n[:, None] < N) & (k[None, :] < K) & valid, other=0.0)          # [BLOCK_N, BLOCK_K] e4m3
         if USE_DOT:  # the e4m3 tiles straight into the tensor cores (no conversion of the weights)
@@ -274,8 +284,8 @@ def launch_moe_pair_gemv(q: torch.Tensor, sq: torch.Tensor | None, w: torch.Tens
     _moe_pair_gemv_kernel[(P, triton.cdiv(N, cfg.block_n))](
         q, sq if sq is not None else s, w, s, ids, tw, out, P, N, K, top_k, E, q.stride(0), w.stride(0), w.stride(1),
         s.stride(0), s.stride(1), out.stride(0), Q_PER_PAIR=per_pair, RELU2=relu2, QUANT=quant, USE_DOT=cfg.use_dot,
-        AMAX_MIN=AMAX_FLOOR,
-        QMAX=FP8_MAX, BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        AMAX_MIN=AMAX_FLOOR, QMAX=FP8_MAX, BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
 
 
 # --- grouped W8A8 MoE (more tokens than the pair GEMV) --------------------------------------------
