@@ -137,10 +137,11 @@ class FP8Bench(OpBench):
                 if (c.params["kind"] == "linear" and c.batch in rows) or (c.params["kind"] == "moe" and c.batch == 1)]
 
     def tune_candidates(self, configs: object, case: Case) -> list[dict]:
-        """The pair GEMV (MoE, one row per pair) and a linear of 1-2 rows: the FMA tiles holding at
-        most 32k products and every dot tile; a linear of 3-16 rows: the dot tiles."""
+        """The pair GEMV (MoE, one row per pair) and a linear of 1-2 rows: the FMA tiles whose partial
+        sums fit in registers (``configs.fma_fits``) and every dot tile; a linear of 3-16 rows: the dot tiles."""
         rows = 1 if case.params["kind"] == "moe" else case.batch
-        fma = [c for c in configs.CANDIDATES if not c["use_dot"] and rows * c["block_n"] * c["block_k"] <= 32768]
+        fma = [c for c in configs.CANDIDATES
+               if not c["use_dot"] and configs.fma_fits(rows, c["block_n"], c["block_k"], c["num_warps"])]
         dot = [c for c in configs.CANDIDATES if c["use_dot"]]
         return fma + dot if rows <= configs.FMA_MAX_ROWS else dot
 

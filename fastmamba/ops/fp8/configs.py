@@ -2,7 +2,7 @@
 ``fp8_moe``: a tuning table keyed by (GPU family, kind, path, N, K) over a measured default) and the
 grouped W8A8 MoE (``fp8_moe_grouped``: a heuristic keyed by the mean rows per expert, no table yet).
 
-Decode GEMVs. ``GemvConfig`` (use_dot, block_n, block_k, num_warps, num_stages): fp32 FMAs over the
+Decode GEMVs. ``GemvConfig`` (use_dot, block_n, block_k, num_warps, num_stages, swap_ab): fp32 FMAs over the
 converted weights (at most ``FMA_MAX_ROWS`` rows: decode at batch 1-2; the MoE pair GEMV's one row)
 or the e4m3 tensor-core dot, which reads the weights as they are (rows padded to 16; 3-16 rows
 always; 1-2 rows and the pair GEMV where the table says so: then every row count of a linear runs
@@ -46,6 +46,7 @@ class GemvConfig(NamedTuple):
     block_k: int    # columns of the reduction per loop step (at most the next power of two of K is used)
     num_warps: int
     num_stages: int
+    swap_ab: bool = False  # (with use_dot) the weight tile as the MMA's left operand: BLOCK_N rows, the padded rows as 16 columns
 
 
 FMA_DEFAULT = GemvConfig(False, 16, 1024, 4, 2)  # measured on fp8_gemv (the table above); the pair GEMV's loop is the same, untimed
@@ -56,15 +57,26 @@ DOT_DEFAULT = GemvConfig(True, 64, 128, 4, 3)    # the first cut (Triton's defau
 # rows "1-2" (at most FMA_MAX_ROWS rows; the pair GEMV) or "3-16"
 TABLE: dict[tuple[str, str, str, int, int], GemvConfig | dict] = {}
 
-# what ``tune --ops fp8`` tries (36 tiles); the bench keeps per case those that fit
-# (``FP8Bench.tune_candidates``): the FMA tiles at 1-2 rows and in the pair GEMV (at most 32k products
-# held), the dot tiles everywhere. At 1-2 rows and in the pair GEMV both compete.
+# what ``tune --ops fp8`` tries (42 tiles); the bench keeps per case those that fit (``FP8Bench.tune_candidates``):
+# the FMA tiles at 1-2 rows and in the pair GEMV (``fma_fits``), the dot tiles everywhere. At 1-2 rows and
+# in the pair GEMV both compete. Dropped: tiles that spill registers on sm_90 (ptxas, Triton 3.6): the
+# dot's 32 / 64 x 512 without the swap, the swap's 128 x 512.
 CANDIDATES: list[dict] = [
     *(dict(use_dot=False, block_n=bn, block_k=bk, num_warps=w, num_stages=2)   # stages: no effect on the FMA loop
       for bn in (8, 16, 32) for bk in (512, 1024, 2048) for w in (4, 8)),
     *(dict(use_dot=True, block_n=bn, block_k=bk, num_warps=4, num_stages=s)     # 4 warps: the bf16 gemv's best
-      for bn in (16, 32, 64) for bk in (128, 256, 512) for s in (3, 4)),
+      for bn, bk in ((16, 128), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128), (64, 256)) for s in (3, 4)),
+    *(dict(use_dot=True, block_n=bn, block_k=bk, num_warps=4, num_stages=s, swap_ab=True)  # Hopper's wgmma: M >= 64
+      for bn, bk in ((64, 128), (64, 256), (64, 512), (128, 128), (128, 256)) for s in (3, 4)),
 ]
+
+
+def fma_fits(rows: int, block_n: int, block_k: int, num_warps: int) -> bool:
+    """Whether an FMA tile's partial sums (rows x block_n x block_k fp32, kept across the K loop)
+    fit in registers: at most 128 per thread (every CANDIDATES tile within it compiles for sm_90
+    without spills; 256 per thread spilled 0.5-1.4 KB)."""
+    return rows * block_n * block_k <= 4096 * num_warps
+
 
 _forced: Forced[GemvConfig] = Forced()
 

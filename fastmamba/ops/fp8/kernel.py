@@ -20,8 +20,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from fastmamba.ops._common.dispatch import interpreter_enabled
 from fastmamba.ops._common.launch import lean
+from fastmamba.ops._common.pdl import pdl_active
 from fastmamba.ops.fp8.configs import FMA_MAX_ROWS, GemvConfig
 from fastmamba.ops.fp8.ref import AMAX_FLOOR, FP8_DTYPE as FP8_DTYPE_TORCH, FP8_MAX
 # the alignment of ops/moe, its readers and its k-sum (see the grouped MoE below)
@@ -45,10 +48,23 @@ def _round_e4m3(x):
 
 
 @triton.jit
-def _e4m3_of(x, scale, QMAX: tl.constexpr):
+def _e4m3_of(x, scale, QMAX: tl.constexpr, HW_CAST: tl.constexpr = False):
     """fp32 x / scale (``div_rn``, broadcast), clamped to +-QMAX, as the nearest e4m3 value in fp32
-    (exact): every quantisation in this file, so that the fused ones equal ``quantize_per_token``."""
-    return _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, scale + tl.zeros_like(x)), -QMAX), QMAX))
+    (exact): every quantisation in this file, so that the fused ones equal ``quantize_per_token``.
+    HW_CAST (a GPU: ``hw_cast``): the rounding is the cast's own (sm_89+ converts fp32 to e4m3 with
+    round-to-nearest-even, the same value as ``_round_e4m3`` in fewer instructions: the decode GEMVs
+    quantise their input in every program)."""
+    c = tl.minimum(tl.maximum(tl.div_rn(x, scale + tl.zeros_like(x)), -QMAX), QMAX)
+    if HW_CAST:
+        return c.to(tl.float8e4nv).to(tl.float32)
+    else:
+        return _round_e4m3(c)
+
+
+def hw_cast(x: torch.Tensor) -> bool:
+    """Whether kernels launched on ``x`` may round to e4m3 with the cast itself: a CUDA tensor (sm_89+,
+    which FP8 needs anyway) outside the interpreter, whose cast rounds otherwise."""
+    return x.is_cuda and not interpreter_enabled()
 
 
 @triton.jit
@@ -128,28 +144,81 @@ def _relu2_in_dtype(x, dtype: tl.constexpr):
     return _round_as_torch(r * r, dtype)
 
 
+@triton.jit
+def _gemv_x_tile(x_ptr, t, k, T, K, stride_x_t, sx, RELU2_IN: tl.constexpr, QUANT: tl.constexpr,
+                 USE_DOT: tl.constexpr, HW_CAST: tl.constexpr, QMAX: tl.constexpr, EVEN: tl.constexpr):
+    """x[t, k] [BLOCK_T, BLOCK_K] as the GEMV multiplies it: e4m3 for the dot, its fp32 value for FMA."""
+    if EVEN:
+        x = tl.load(x_ptr + t[:, None] * stride_x_t + k[None, :], mask=t[:, None] < T, other=0.0)
+    else:
+        x = tl.load(x_ptr + t[:, None] * stride_x_t + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K), other=0.0)
+    if QUANT != 0:  # the e4m3 value as fp32 (exact), as quantize_per_token / quantize_static write it
+        xf = x.to(tl.float32)
+        if RELU2_IN:
+            xf = _relu2_in_dtype(xf, x_ptr.dtype.element_ty)
+        x = _e4m3_of(xf, sx[:, None], QMAX, HW_CAST)
+        if USE_DOT:
+            x = x.to(tl.float8e4nv)
+    elif not USE_DOT:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _gemv_w_tile(w_rows, n, k, N, K, EVEN: tl.constexpr):
+    """w[n, k] [BLOCK_N, BLOCK_K] e4m3 (zeros outside N x K)."""
+    if EVEN:
+        return tl.load(w_rows + k[None, :])
+    else:
+        return tl.load(w_rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _gemv_mul(acc, x, w, USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + the products of one tile: x [BLOCK_T, BLOCK_K] (``_gemv_x_tile``), w [BLOCK_N, BLOCK_K]
+    e4m3; acc [BLOCK_N, BLOCK_T] (SWAP_AB), [BLOCK_T, BLOCK_N] (dot) or [BLOCK_T, BLOCK_N, BLOCK_K] (FMA)."""
+    if USE_DOT and SWAP_AB:
+        return tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)
+    elif USE_DOT:
+        return tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=BLOCK_K)  # fp32 sums per tile (module docstring)
+    else:
+        return acc + x[:, None, :] * w.to(tl.float32)[None, :, :]
+
+
 @triton.heuristics({"HAS_BIAS": lambda a: a["b_ptr"] is not None, "HAS_ADD": lambda a: a["add_ptr"] is not None})
 @triton.jit(do_not_specialize=["T"])
 def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, add_ptr, y_ptr, T, N, K,
                      stride_x_t, stride_w_n, stride_sw_n, stride_add_t, stride_y_t,
                      HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, RELU2_IN: tl.constexpr, QUANT: tl.constexpr,
-                     USE_DOT: tl.constexpr, AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, BLOCK_T: tl.constexpr,
+                     USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, HW_CAST: tl.constexpr, EVEN: tl.constexpr,
+                     USE_PDL: tl.constexpr, AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # one program per block of N output features, all T (<= BLOCK_T) rows: each weight tile is read
-    # once. USE_DOT: an e4m3 x e4m3 tensor-core dot over rows padded to 16; else FMA (1-2 rows).
+    # once, under PDL the first one before the grid-dependency wait (weights are never written by
+    # the kernel before). USE_DOT: an e4m3 x e4m3 tensor-core dot over rows padded to 16; else fp32
+    # FMAs (1-2 rows) into a [BLOCK_T, BLOCK_N, BLOCK_K] accumulator summed once at the end.
+    # SWAP_AB (with USE_DOT): the weight tile is the dot's left operand (y^T = w x^T: BLOCK_N rows
+    # of the MMA, the padded rows its 16 columns), the shape Hopper's warpgroup MMA takes at M >= 64.
     # QUANT 0: x is e4m3 with row scales sx; 1: x in 16/32 bits, quantised here per token (a first
     # pass over x for the row maxima; x is small and L2-resident); 2: x quantised here with the
     # static scale sx[0]. Products of two e4m3 values are exact in fp32; sums in fp32.
     # RELU2_IN (QUANT 1 / 2): the input is relu(x)² rounded to x's dtype (an MLP's down projection
     # reading its up projection's output). HAS_ADD: y = round(round(y) + add) (a residual sum).
+    # EVEN: N and K are multiples of the tile (no masks on the weight).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     t = tl.arange(0, BLOCK_T)
+    kb = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_w_n
+    w = _gemv_w_tile(w_rows, n, kb, N, K, EVEN)                                      # [BLOCK_N, BLOCK_K] e4m3
+    if USE_PDL:
+        gdc_wait()  # x comes from the kernel before; the first weight tile is already in flight
+        gdc_launch_dependents()
     if QUANT == 0:
         sx = tl.load(sx_ptr + t, mask=t < T, other=0.0)
     elif QUANT == 1:
         amax = tl.zeros([BLOCK_T], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
+            k = k0 + kb
             xa = tl.load(x_ptr + t[:, None] * stride_x_t + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K),
                          other=0.0).to(tl.float32)
             if RELU2_IN:
@@ -158,24 +227,23 @@ def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, add_ptr, y_ptr, T, N, 
         sx = _dynamic_scale(amax, AMAX_MIN, QMAX)
     else:
         sx = tl.load(sx_ptr) + tl.zeros([BLOCK_T], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + n[:, None] * stride_w_n + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
-                    other=0.0)                                                   # [BLOCK_N, BLOCK_K] e4m3
-        x = tl.load(x_ptr + t[:, None] * stride_x_t + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K),
-                    other=0.0)                                                   # [BLOCK_T, BLOCK_K]
-        if QUANT != 0:  # the e4m3 value as fp32 (exact), as quantize_per_token / quantize_static write it
-            xf = x.to(tl.float32)
-            if RELU2_IN:
-                xf = _relu2_in_dtype(xf, x_ptr.dtype.element_ty)
-            x = _e4m3_of(xf, sx[:, None], QMAX)
-            if USE_DOT:
-                x = x.to(tl.float8e4nv)
-        if USE_DOT:
-            acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=BLOCK_K)  # fp32 sums per tile (see above)
-        else:
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if USE_DOT and SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    elif USE_DOT:
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    x = _gemv_x_tile(x_ptr, t, kb, T, K, stride_x_t, sx, RELU2_IN, QUANT, USE_DOT, HW_CAST, QMAX, EVEN)
+    acc = _gemv_mul(acc, x, w, USE_DOT, SWAP_AB, BLOCK_K)
+    for k0 in range(BLOCK_K, K, BLOCK_K):  # (the dot's weight loads: Triton pipelines them, num_stages deep)
+        k = k0 + kb
+        w = _gemv_w_tile(w_rows, n, k, N, K, EVEN)
+        x = _gemv_x_tile(x_ptr, t, k, T, K, stride_x_t, sx, RELU2_IN, QUANT, USE_DOT, HW_CAST, QMAX, EVEN)
+        acc = _gemv_mul(acc, x, w, USE_DOT, SWAP_AB, BLOCK_K)
+    if USE_DOT and SWAP_AB:
+        acc = tl.trans(acc)
+    elif not USE_DOT:
+        acc = tl.sum(acc, axis=2)
     sw = tl.load(sw_ptr + n * stride_sw_n, mask=n < N, other=0.0)
     y = acc * sx[:, None] * sw[None, :]
     if HAS_BIAS:
@@ -205,19 +273,21 @@ def launch_fp8_gemv(x: torch.Tensor, sx: torch.Tensor | None, w: torch.Tensor, s
     use_dot = cfg.use_dot or T > FMA_MAX_ROWS
     block_t = 16 if use_dot else T
     block_k = min(cfg.block_k, max(32, triton.next_power_of_2(K)))
-    _fp8_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](x, sx if sx is not None else sw, w, sw, bias, add, y, T, N, K,
-                                                     x.stride(0), w.stride(0), sw.stride(0),
-                                                     add.stride(0) if add is not None else 0, y.stride(0),
-                                                     RELU2_IN=relu2_input, QUANT=quant,
-                                                     USE_DOT=use_dot, AMAX_MIN=AMAX_FLOOR, QMAX=FP8_MAX,
-                                                     BLOCK_T=block_t, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-                                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    programs = triton.cdiv(N, cfg.block_n)
+    use_pdl = pdl_active(x, programs, cfg.num_warps)
+    lean(_fp8_gemv_kernel)[(programs,)](
+        x, sx if sx is not None else sw, w, sw, bias, add, y, T, N, K, x.stride(0), w.stride(0), sw.stride(0),
+        add.stride(0) if add is not None else 0, y.stride(0), RELU2_IN=relu2_input, QUANT=quant, USE_DOT=use_dot,
+        SWAP_AB=use_dot and cfg.swap_ab, HW_CAST=hw_cast(x), EVEN=N % cfg.block_n == 0 and K % block_k == 0,
+        USE_PDL=use_pdl, AMAX_MIN=AMAX_FLOOR, QMAX=FP8_MAX, BLOCK_T=block_t, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
 
 
 @triton.jit(do_not_specialize=["P"])
 def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr, P, N, K, TOP_K, E,
                           stride_q_r, stride_w_e, stride_w_n, stride_s_e, stride_se_n, stride_o_p,
                           Q_PER_PAIR: tl.constexpr, RELU2: tl.constexpr, QUANT: tl.constexpr, USE_DOT: tl.constexpr,
+                          SWAP_AB: tl.constexpr, HW_CAST: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr,
                           AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # one program per (token-expert pair p = t * TOP_K + j, block of BLOCK_N outputs): the pair's
     # expert rows are streamed once (only the chosen experts are read), e4m3 x e4m3 products summed
@@ -227,12 +297,18 @@ def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
     # 2: q in 16/32 bits, quantised here with the one static scale sq[0] (as quantize_static).
     # RELU2 (up): out = relu(acc * sq * s)^2; else (down): out = acc * sq * s * topk_weight[p].
     # USE_DOT: the sums on the tensor cores (the row padded to 16 with zeros; BLOCK_N >= 16, BLOCK_K >= 32)
-    # instead of fp32 FMAs over converted weights. An expert id outside [0, E) is not read and writes
-    # zeros (the k-sum then skips its row).
+    # instead of fp32 FMAs over converted weights; SWAP_AB (with USE_DOT): the weight tile as the dot's
+    # left operand and the row as column 0 of its right one (as in the GEMV above). An expert id
+    # outside [0, E) is not read and writes zeros (the k-sum then skips its row). The FMA loop keeps
+    # [BLOCK_N, BLOCK_K] partial sums, summed once at the end. USE_PDL: the ids come from the kernel before, so the
+    # program waits first (the launch itself is what PDL hides). EVEN: N and K are multiples of the tile.
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     t = p // TOP_K
     row = p if Q_PER_PAIR else t
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     e = tl.load(ids_ptr + p).to(tl.int64)
     valid = (e >= 0) & (e < E)
     if QUANT == 1:
@@ -241,25 +317,42 @@ def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
         sx = tl.load(sq_ptr)
     else:
         sx = tl.load(sq_ptr + row)
-    if USE_DOT:
+    if USE_DOT and SWAP_AB:
+        acc16 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)  # the pair's column, then 15 columns of zeros
+        first = tl.arange(0, 16)[None, :] == 0
+    elif USE_DOT:
         acc16 = tl.zeros([16, BLOCK_N], dtype=tl.float32)  # the pair's row, then 15 rows of zeros
         first = tl.arange(0, 16)[:, None] == 0
     else:
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    kb = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + e * stride_w_e + n.to(tl.int64)[:, None] * stride_w_n
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(q_ptr + row * stride_q_r + k, mask=k < K, other=0.0).to(tl.float32)
+        k = k0 + kb
+        if EVEN:
+            w = tl.load(w_rows + k[None, :], mask=valid, other=0.0)                            # [BLOCK_N, BLOCK_K] e4m3
+        else:
+            w = tl.load(w_rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K) & valid, other=0.0)
+        if EVEN:
+            x = tl.load(q_ptr + row * stride_q_r + k).to(tl.float32)
+        else:
+            x = tl.load(q_ptr + row * stride_q_r + k, mask=k < K, other=0.0).to(tl.float32)
         if QUANT != 0:  # the e4m3 value as fp32 (exact), as quantize_per_token / quantize_static write it
-            x = _e4m3_of(x, sx, QMAX)
-        w = tl.load(w_ptr + e * stride_w_e + n[:, None] * stride_w_n + k[None, :],
-                    mask=(n[:, None] < N) & (k[None, :] < K) & valid, other=0.0)          # [BLOCK_N, BLOCK_K] e4m3
-        if USE_DOT:  # the e4m3 tiles straight into the tensor cores (no conversion of the weights)
+            x = _e4m3_of(x, sx, QMAX, HW_CAST)
+        if USE_DOT and SWAP_AB:
+            x16 = tl.where(first, x[:, None], 0.0).to(tl.float8e4nv)                          # [BLOCK_K, 16]
+            acc16 = tl.dot(w, x16, acc16, max_num_imprecise_acc=BLOCK_K)
+        elif USE_DOT:  # the e4m3 tiles straight into the tensor cores (no conversion of the weights)
             x16 = tl.where(first, x[None, :], 0.0).to(tl.float8e4nv)
             acc16 = tl.dot(x16, tl.trans(w), acc16, max_num_imprecise_acc=BLOCK_K)
         else:
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    if USE_DOT:
+            acc2 += w.to(tl.float32) * x[None, :]
+    if USE_DOT and SWAP_AB:
+        acc = tl.sum(acc16, axis=1)  # column 0 (the others are exact zeros)
+    elif USE_DOT:
         acc = tl.sum(acc16, axis=0)  # row 0 (the others are exact zeros)
+    else:
+        acc = tl.sum(acc2, axis=1)
     sw = tl.load(s_ptr + e * stride_s_e + n * stride_se_n, mask=(n < N) & valid, other=0.0)
     y = acc * sx * sw
     if RELU2:
@@ -281,11 +374,14 @@ def launch_moe_pair_gemv(q: torch.Tensor, sq: torch.Tensor | None, w: torch.Tens
     P = ids.shape[0]
     E, N, K = w.shape
     block_k = min(cfg.block_k, max(32, triton.next_power_of_2(K)))  # (>= 32: the e4m3 dot's minimum)
-    _moe_pair_gemv_kernel[(P, triton.cdiv(N, cfg.block_n))](
+    grid = (P, triton.cdiv(N, cfg.block_n))
+    use_pdl = pdl_active(q, grid[0] * grid[1], cfg.num_warps)
+    lean(_moe_pair_gemv_kernel)[grid](
         q, sq if sq is not None else s, w, s, ids, tw, out, P, N, K, top_k, E, q.stride(0), w.stride(0), w.stride(1),
         s.stride(0), s.stride(1), out.stride(0), Q_PER_PAIR=per_pair, RELU2=relu2, QUANT=quant, USE_DOT=cfg.use_dot,
-        AMAX_MIN=AMAX_FLOOR, QMAX=FP8_MAX, BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        SWAP_AB=cfg.use_dot and cfg.swap_ab, HW_CAST=hw_cast(q), EVEN=N % cfg.block_n == 0 and K % block_k == 0,
+        USE_PDL=use_pdl, AMAX_MIN=AMAX_FLOOR, QMAX=FP8_MAX, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
 
 
 # --- grouped W8A8 MoE (more tokens than the pair GEMV) --------------------------------------------

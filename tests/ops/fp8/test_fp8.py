@@ -115,6 +115,30 @@ def test_fused_quantisation_equals_the_separate_kernel(T, static, device, monkey
     assert torch.equal(fp8_gemv(x, w, sw, sx), fused)
 
 
+@pytest.mark.parametrize("use_dot", [False, True], ids=["fma", "dot"])
+def test_gemv_rounds_its_input_to_e4m3_as_the_reference_at_ties_and_edges(use_dot, device):
+    """The GEMV's own quantisation (on a GPU the cast's round-to-nearest-even, in the interpreter
+    ``_round_e4m3``) gives quantize_static's values at the midpoints between e4m3 neighbours (ties
+    go to the even one), subnormals, zeros and the clamp at +-448: through an identity weight with
+    scale 1, y is the quantised x itself."""
+    from fastmamba.ops.fp8 import configs
+
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    grid = grid[torch.isfinite(grid) & (grid >= 0)].unique()                          # 0 .. 448
+    mids = (grid[1:] + grid[:-1]) / 2                                                 # ties: exact in fp32
+    vals = torch.cat([grid, mids, mids.nextafter(torch.tensor(0.0)), torch.tensor([500.0, 1e4, 2.0 ** -12, 0.0])])
+    vals = torch.cat([vals, -vals])
+    K = vals.numel()
+    x = vals[None, :]
+    w8 = torch.eye(K).to(FP8_DTYPE)
+    sw = torch.ones(K)
+    scale = torch.tensor(1.0)
+    want = quantize_static_ref(x, scale).float()
+    with configs.forced_config(use_dot=use_dot, block_n=16, block_k=64, num_warps=4, num_stages=2):
+        got = fp8_gemv(x.to(device), w8.to(device), sw.to(device), scale.to(device)).cpu()
+    assert torch.equal(got, want), (vals[got[0] != want[0]], got[got != want])
+
+
 def test_gemv_rejects_bad_inputs(device):
     x = torch.randn(2, 32, device=device, dtype=torch.bfloat16)
     w = torch.zeros(8, 32, dtype=FP8_DTYPE, device=device)
@@ -276,10 +300,12 @@ def test_gemv_add_is_checked(device):
         fp8_gemv(x, w8, sw, relu2_input="yes")
 
 
-def test_gemv_dot_tiles_at_one_row_give_each_row_the_same_sums_as_more_rows(device):
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["rows-left", "weights-left"])
+def test_gemv_dot_tiles_at_one_row_give_each_row_the_same_sums_as_more_rows(swap_ab, device):
     """A table may give 1-2 rows the tensor-core dot (``configs.GemvConfig.use_dot``): then a row's
     result does not depend on how many rows share the call (a decode step's and a verify step's
-    rows round alike), and it equals the reference within fp32 summation order."""
+    rows round alike), and it equals the reference within fp32 summation order; with the weight
+    tile as the MMA's left operand (``swap_ab``) too."""
     from fastmamba.ops.fp8 import configs
 
     g = torch.Generator().manual_seed(3)
@@ -287,7 +313,7 @@ def test_gemv_dot_tiles_at_one_row_give_each_row_the_same_sums_as_more_rows(devi
     x = torch.randn(5, K, generator=g).to(device)
     w8, sw = quantize_weight_ref(torch.randn(N, K, generator=g) * 0.1)
     w8, sw = w8.to(device), sw.to(device)
-    with configs.forced_config(use_dot=True, block_n=16, block_k=32, num_warps=4, num_stages=2):
+    with configs.forced_config(use_dot=True, block_n=16, block_k=32, num_warps=4, num_stages=2, swap_ab=swap_ab):
         one = fp8_gemv(x[:1], w8, sw)
         five = fp8_gemv(x, w8, sw)
     assert torch.equal(one[0], five[0])
@@ -298,7 +324,8 @@ def test_gemv_dot_tiles_at_one_row_give_each_row_the_same_sums_as_more_rows(devi
 def test_moe_pair_gemv_on_the_tensor_cores_equals_the_fma_loop(static, device):
     """The pair GEMV's dot variant (a table's ``use_dot`` for kind "moe": each pair's row padded to
     16, the e4m3 weight tiles into the dot unconverted) gives the FMA loop's result within fp32
-    summation order, for routed ids, odd widths (F 48, M 40) and an id outside the experts."""
+    summation order, for routed ids, odd widths (F 48, M 40) and an id outside the experts; with
+    the weight tile as the MMA's left operand (``swap_ab``) too."""
     from fastmamba.ops.fp8 import configs
     from fastmamba.ops.runtime import trusted_inputs
 
@@ -312,10 +339,13 @@ def test_moe_pair_gemv_on_the_tensor_cores_equals_the_fma_loop(static, device):
     dev = [a.to(device) for a in (x, up, su, down, sd, wts, ids)]
     dxs = [None if s is None else s.to(device) for s in xs]
     out = {}
-    for use_dot in (False, True):
-        with configs.forced_config(use_dot=use_dot, block_n=16, block_k=32, num_warps=4, num_stages=2), trusted_inputs():
-            out[use_dot] = fp8_moe(*dev, up_input_scale=dxs[0], down_input_scale=dxs[1]).cpu()
-    torch.testing.assert_close(out[True], out[False], **FP32_SUM)
+    for variant in ("fma", "dot", "swap"):
+        with configs.forced_config(use_dot=variant != "fma", block_n=16, block_k=32, num_warps=4, num_stages=2,
+                                   swap_ab=variant == "swap"), trusted_inputs():
+            out[variant] = fp8_moe(*dev, up_input_scale=dxs[0], down_input_scale=dxs[1]).cpu()
+    torch.testing.assert_close(out["dot"], out["fma"], **FP32_SUM)
+    torch.testing.assert_close(out["swap"], out["fma"], **FP32_SUM)
+    out[True] = out["dot"]
     kept = wts.clone()
     kept[1, 0] = 0.0
     safe = ids.clone()
