@@ -6,7 +6,9 @@ Decode GEMVs. ``GemvConfig`` (use_dot, block_n, block_k, num_warps, num_stages, 
 converted weights (at most ``FMA_MAX_ROWS`` rows: decode at batch 1-2; the MoE pair GEMV's one row)
 or the e4m3 tensor-core dot, which reads the weights as they are (rows padded to 16; 3-16 rows
 always; 1-2 rows and the pair GEMV where the table says so: then every row count of a linear runs
-the same sums, as the bf16 ``gemv`` does). The default FMA tile, 16 features x 1024 columns, 4 warps, was the best
+the same sums, as the bf16 ``gemv`` does). ``swap_ab`` puts the weight tile on the dot's left (64 or 128
+rows: Hopper's warpgroup MMA on the e4m3 tiles, fed by Triton's cp.async pipeline; the rows-left dot of
+16 rows takes mma.sync over f16 copies); unmeasured on a GPU so far (docs/experiments/moe.md). The default FMA tile, 16 features x 1024 columns, 4 warps, was the best
 of a sweep on an H100 (Triton 3.6.0, 2026-12-07, CUDA-graph timing, one row, Nano's four decode
 shapes; the first cut's 32 x 128 took 3-4x longer):
 
