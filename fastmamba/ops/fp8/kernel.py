@@ -137,6 +137,19 @@ def _round_as_torch(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _add_unfused(a, b, ON_GPU: tl.constexpr):
+    """fp32 a + b, rounded once as an add of its own. On a GPU an ``add.rn`` (PTX: an add with an
+    explicit rounding mode is never contracted with the multiply before it into an fma; a plain
+    add was, so an fp32 GEMV's ``y = acc * s + add`` skipped the product's rounding that PyTorch's
+    ``fp8_gemv(...) + add`` has: H100, 2026-12-07). The interpreter never fuses."""
+    if ON_GPU:
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return a + b
+
+
+@triton.jit
 def _relu2_in_dtype(x, dtype: tl.constexpr):
     """relu(x)² of fp32 x rounded to ``dtype`` and back: what ``torch.relu(h).square()`` gives for
     an h of that dtype (the square computed in fp32, rounded once)."""
@@ -249,9 +262,9 @@ def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, add_ptr, y_ptr, T, N, 
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
     if HAS_ADD:  # the product as this kernel would store it, plus add, rounded as PyTorch's `+` (then stored exactly)
-        y = _round_as_torch(y.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(
+        y = _round_as_torch(_add_unfused(y.to(y_ptr.dtype.element_ty).to(tl.float32), tl.load(
             add_ptr + t[:, None] * stride_add_t + n[None, :], mask=(t[:, None] < T) & (n[None, :] < N),
-            other=0.0).to(tl.float32), y_ptr.dtype.element_ty)
+            other=0.0).to(tl.float32), HW_CAST), y_ptr.dtype.element_ty)
     tl.store(y_ptr + t[:, None] * stride_y_t + n[None, :], y.to(y_ptr.dtype.element_ty),
              mask=(t[:, None] < T) & (n[None, :] < N))
 
