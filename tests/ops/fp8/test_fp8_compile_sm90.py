@@ -59,6 +59,10 @@ VARIANTS.update({
                                                   BLOCK_K=128), dict(num_warps=4, num_stages=3)),
     "gemv-swap": ("_fp8_gemv_kernel", _GEMV, dict(_GEMV_C, USE_DOT=True, SWAP_AB=True, BLOCK_T=16, BLOCK_N=64,
                                                    BLOCK_K=128), dict(num_warps=4, num_stages=3)),
+    # fp32 with add=: the sum must stay an add of its own (add.rn), not an fma with the product
+    "gemv-fma-add-fp32": ("_fp8_gemv_kernel", dict(_GEMV, x_ptr="*fp32", add_ptr="*fp32", y_ptr="*fp32"),
+                          dict({k: v for k, v in _GEMV_C.items() if k != "add_ptr"}, HAS_ADD=True, USE_DOT=False, SWAP_AB=False, BLOCK_T=1,
+                               BLOCK_N=16, BLOCK_K=1024), dict(num_warps=4, num_stages=2)),
     "pair-fma": ("_moe_pair_gemv_kernel", _PAIR, dict(_PAIR_C, USE_DOT=False, SWAP_AB=False, BLOCK_N=16,
                                                       BLOCK_K=1024), dict(num_warps=4, num_stages=2)),
     "pair-swap": ("_moe_pair_gemv_kernel", _PAIR, dict(_PAIR_C, USE_DOT=True, SWAP_AB=True, BLOCK_N=64,
@@ -92,7 +96,7 @@ def compile_sm90(name: str) -> dict:
     ptx = compile_triton_sm90(kernel, consts, types, **options).asm["ptx"]
     mmas = {line.split()[0] for line in ptx.splitlines() if "mma" in line and line.split()[0].startswith(("mma", "wgmma.mma"))}
     return {"ptx": len(ptx), "fp8_wgmma": any(m.startswith("wgmma.mma_async") and "e4m3.e4m3" in m for m in mmas),
-            "mma_sync": any(m.startswith("mma.sync") for m in mmas),
+            "mma_sync": any(m.startswith("mma.sync") for m in mmas), "add_rn": "add.rn.f32" in ptx,
             "spills": spill_lines(ptxas_report(ptx, name))}
 
 
@@ -109,6 +113,7 @@ def test_fp8_kernels_compile_for_sm90_without_spills():
         mma = expected_mma(name)
         assert result["fp8_wgmma"] == (mma == "wgmma"), name  # 64+ rows / the weight on the left: Hopper's warpgroup MMA
         assert result["mma_sync"] == (mma == "mma"), name
+        assert result["add_rn"] or "add" not in name, name
         assert all("0 bytes spill stores, 0 bytes spill loads" in s for s in result["spills"]), (name, result["spills"])
 
 
