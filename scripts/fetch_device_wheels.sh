@@ -4,9 +4,10 @@
 # x86-64 Linux, and mamba_ssm's pure-Python wheel (a benchmark peer: its Triton ops, no CUDA build).
 # The device already has torch, triton, transformers, numpy and pytest. scripts/gpu_session.sh
 # installs .whl/*.whl into /tmp/site there.
-#   bash scripts/fetch_device_wheels.sh [python]      (python: the one that builds mamba_ssm's wheel)
+#   bash scripts/fetch_device_wheels.sh [python]      (python: the one that builds mamba_ssm's wheel;
+#   default: .venv/bin/python when `make` has made it, since the build imports torch, else python3)
 set -euo pipefail
-py=${1:-python3}
+if [ $# -ge 1 ]; then py=$1; elif [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
 mkdir -p .whl
 "$py" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
@@ -18,6 +19,8 @@ mkdir -p .whl
 "$py" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
     --no-deps transformers==5.25.0 huggingface_hub tokenizers safetensors kernels==0.19.1 tomlkit pyyaml
+# (--no-build-isolation: mamba_ssm's setup.py imports torch and wheel from the building Python)
+"$py" -c "import torch, wheel" 2>/dev/null || "$py" -m pip install -q wheel setuptools
 MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE "$py" -m pip wheel -q --no-deps --no-build-isolation \
     mamba-ssm==2.3.2.post1 -w .whl
 ls .whl
