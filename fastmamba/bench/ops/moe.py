@@ -20,7 +20,8 @@ Rows per case:
   GEMMs with its own tuned table when one exists for (E, N=F, GPU), else its default-config rules;
   see below), and the reference (a host loop over experts; the check's oracle, timed only on the CPU).
 
-vLLM: its kernel file is staged from the wheel (the kernels only; nothing else of vLLM runs):
+vLLM: its kernel file is staged from the wheel (the kernels only; nothing else of vLLM runs;
+``scripts/fetch_vllm_peer.sh`` does these steps):
     python -m pip download --no-deps vllm==0.33.0 -d /tmp/vllm_whl
     unzip -q /tmp/vllm_whl/vllm-*.whl 'vllm/model_executor/layers/fused_moe/fused_moe.py' \\
         'vllm/model_executor/layers/fused_moe/configs/*' -d /tmp/vx
