@@ -71,15 +71,16 @@ def _cpu_scaled_mm_takes_row_scales() -> bool:
 @pytest.mark.skipif(not __import__("fastmamba.ops.runtime", fromlist=["x"]).interpreter_enabled(),
                     reason="runs the Triton kernels: TRITON_INTERPRET=1 on the CPU")
 def test_tune_sweeps_the_decode_gemvs_and_writes_the_table(monkeypatch):
-    """``tune --ops fp8``: the linear cases at 1 row and the MoE pair GEMV at 1 token (FMA and dot
-    tiles compete) and the linear at 8 rows (dot tiles), each forced into the real kernels; the
+    """``tune --ops fp8``: the linear cases at 1 row and the MoE pair GEMV at 1 token (FMA, dot and
+    swapped dot tiles compete) and the linear at 8 rows (dot tiles), each forced into the real kernels; the
     paste-ready table is valid Python keyed (family, kind, rows, N, K) and gemv_config reads it."""
     from fastmamba.bench import tune
     from fastmamba.ops.fp8 import configs
 
     fma = dict(use_dot=False, block_n=8, block_k=512, num_warps=4, num_stages=2)
     dot = dict(use_dot=True, block_n=16, block_k=128, num_warps=4, num_stages=2)
-    monkeypatch.setattr(configs, "CANDIDATES", [fma, dict(fma, block_n=16), dot, dict(dot, block_k=256)])
+    swap = dict(dot, swap_ab=True)  # the weight tile on the dot's left (Hopper's wgmma at 64+ rows)
+    monkeypatch.setattr(configs, "CANDIDATES", [fma, dict(fma, block_n=16), dot, dict(dot, block_k=256), swap])
     sweep = tune.plan_sweeps(["fp8"], CPU)[0]
     assert not sweep.reason, sweep.reason
     cases = sweep.bench.tune_cases(CPU, tune.DEFAULT_BATCHES["fp8"])
@@ -97,12 +98,12 @@ def test_tune_sweeps_the_decode_gemvs_and_writes_the_table(monkeypatch):
     tried = {(c.params["kind"], c.batch): sorted(tuple(cfg.values()) for _, cfg in r.results)
              for c, r in zip(cases, results)}
     as_tuples = lambda *cs: sorted(tuple(c.values()) for c in cs)  # noqa: E731
-    assert tried[("linear", 1)] == as_tuples(fma, dict(fma, block_n=16), dot, dict(dot, block_k=256))
-    assert tried[("linear", 8)] == as_tuples(dot, dict(dot, block_k=256))
+    assert tried[("linear", 1)] == as_tuples(fma, dict(fma, block_n=16), dot, dict(dot, block_k=256), swap)
+    assert tried[("linear", 8)] == as_tuples(dot, dict(dot, block_k=256), swap)
     assert tried[("moe", 1)] == tried[("linear", 1)]
     # the forced configs reached the launches: FMA and dot tiles at one row of a linear and in the pair GEMV
     for kind in ("linear", "moe"):
-        assert {(kind, 1, configs.GemvConfig(**c)) for c in (fma, dot)} <= set(launched), kind
+        assert {(kind, 1, configs.GemvConfig(**c)) for c in (fma, dot, swap)} <= set(launched), kind
     lines = tune.paste_ready_table(sweep, results, "test")
     namespace: dict = {}
     exec("\n".join(lines[1:]), namespace)  # valid Python, as it would be pasted
