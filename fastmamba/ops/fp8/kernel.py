@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from fastmamba.ops._common.dispatch import interpreter_enabled
+from fastmamba.ops._common.dispatch import inline_asm_ok
 from fastmamba.ops._common.launch import lean
 from fastmamba.ops._common.pdl import pdl_active
 from fastmamba.ops.fp8.configs import FMA_MAX_ROWS, GemvConfig
@@ -48,23 +48,18 @@ def _round_e4m3(x):
 
 
 @triton.jit
-def _e4m3_of(x, scale, QMAX: tl.constexpr, HW_CAST: tl.constexpr = False):
+def _e4m3_of(x, scale, QMAX: tl.constexpr, ON_GPU: tl.constexpr = False):
     """fp32 x / scale (``div_rn``, broadcast), clamped to +-QMAX, as the nearest e4m3 value in fp32
     (exact): every quantisation in this file, so that the fused ones equal ``quantize_per_token``.
-    HW_CAST (a GPU: ``hw_cast``): the rounding is the cast's own (sm_89+ converts fp32 to e4m3 with
-    round-to-nearest-even, the same value as ``_round_e4m3`` in fewer instructions: the decode GEMVs
-    quantise their input in every program)."""
+    ON_GPU (a CUDA tensor outside the interpreter: ``inline_asm_ok``): the rounding is the cast's own
+    (sm_89+ converts fp32 to e4m3 with round-to-nearest-even, the same value as ``_round_e4m3`` in
+    fewer instructions: the decode GEMVs quantise their input in every program); the interpreter's
+    cast does not round so."""
     c = tl.minimum(tl.maximum(tl.div_rn(x, scale + tl.zeros_like(x)), -QMAX), QMAX)
-    if HW_CAST:
+    if ON_GPU:
         return c.to(tl.float8e4nv).to(tl.float32)
     else:
         return _round_e4m3(c)
-
-
-def hw_cast(x: torch.Tensor) -> bool:
-    """Whether kernels launched on ``x`` may round to e4m3 with the cast itself: a CUDA tensor (sm_89+,
-    which FP8 needs anyway) outside the interpreter, whose cast rounds otherwise."""
-    return x.is_cuda and not interpreter_enabled()
 
 
 @triton.jit
@@ -159,7 +154,7 @@ def _relu2_in_dtype(x, dtype: tl.constexpr):
 
 @triton.jit
 def _gemv_x_tile(x_ptr, t, k, T, K, stride_x_t, sx, RELU2_IN: tl.constexpr, QUANT: tl.constexpr,
-                 USE_DOT: tl.constexpr, HW_CAST: tl.constexpr, QMAX: tl.constexpr, EVEN: tl.constexpr):
+                 USE_DOT: tl.constexpr, ON_GPU: tl.constexpr, QMAX: tl.constexpr, EVEN: tl.constexpr):
     """x[t, k] [BLOCK_T, BLOCK_K] as the GEMV multiplies it: e4m3 for the dot, its fp32 value for FMA."""
     if EVEN:
         x = tl.load(x_ptr + t[:, None] * stride_x_t + k[None, :], mask=t[:, None] < T, other=0.0)
@@ -169,7 +164,7 @@ def _gemv_x_tile(x_ptr, t, k, T, K, stride_x_t, sx, RELU2_IN: tl.constexpr, QUAN
         xf = x.to(tl.float32)
         if RELU2_IN:
             xf = _relu2_in_dtype(xf, x_ptr.dtype.element_ty)
-        x = _e4m3_of(xf, sx[:, None], QMAX, HW_CAST)
+        x = _e4m3_of(xf, sx[:, None], QMAX, ON_GPU)
         if USE_DOT:
             x = x.to(tl.float8e4nv)
     elif not USE_DOT:
@@ -203,7 +198,7 @@ def _gemv_mul(acc, x, w, USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_K: 
 def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, add_ptr, y_ptr, T, N, K,
                      stride_x_t, stride_w_n, stride_sw_n, stride_add_t, stride_y_t,
                      HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, RELU2_IN: tl.constexpr, QUANT: tl.constexpr,
-                     USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, HW_CAST: tl.constexpr, EVEN: tl.constexpr,
+                     USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, ON_GPU: tl.constexpr, EVEN: tl.constexpr,
                      USE_PDL: tl.constexpr, AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # one program per block of N output features, all T (<= BLOCK_T) rows: each weight tile is read
@@ -246,12 +241,12 @@ def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, add_ptr, y_ptr, T, N, 
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    x = _gemv_x_tile(x_ptr, t, kb, T, K, stride_x_t, sx, RELU2_IN, QUANT, USE_DOT, HW_CAST, QMAX, EVEN)
+    x = _gemv_x_tile(x_ptr, t, kb, T, K, stride_x_t, sx, RELU2_IN, QUANT, USE_DOT, ON_GPU, QMAX, EVEN)
     acc = _gemv_mul(acc, x, w, USE_DOT, SWAP_AB, BLOCK_K)
     for k0 in range(BLOCK_K, K, BLOCK_K):  # (the dot's weight loads: Triton pipelines them, num_stages deep)
         k = k0 + kb
         w = _gemv_w_tile(w_rows, n, k, N, K, EVEN)
-        x = _gemv_x_tile(x_ptr, t, k, T, K, stride_x_t, sx, RELU2_IN, QUANT, USE_DOT, HW_CAST, QMAX, EVEN)
+        x = _gemv_x_tile(x_ptr, t, k, T, K, stride_x_t, sx, RELU2_IN, QUANT, USE_DOT, ON_GPU, QMAX, EVEN)
         acc = _gemv_mul(acc, x, w, USE_DOT, SWAP_AB, BLOCK_K)
     if USE_DOT and SWAP_AB:
         acc = tl.trans(acc)
@@ -264,7 +259,7 @@ def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, add_ptr, y_ptr, T, N, 
     if HAS_ADD:  # the product as this kernel would store it, plus add, rounded as PyTorch's `+` (then stored exactly)
         y = _round_as_torch(_add_unfused(y.to(y_ptr.dtype.element_ty).to(tl.float32), tl.load(
             add_ptr + t[:, None] * stride_add_t + n[None, :], mask=(t[:, None] < T) & (n[None, :] < N),
-            other=0.0).to(tl.float32), HW_CAST), y_ptr.dtype.element_ty)
+            other=0.0).to(tl.float32), ON_GPU), y_ptr.dtype.element_ty)
     tl.store(y_ptr + t[:, None] * stride_y_t + n[None, :], y.to(y_ptr.dtype.element_ty),
              mask=(t[:, None] < T) & (n[None, :] < N))
 
@@ -291,7 +286,7 @@ def launch_fp8_gemv(x: torch.Tensor, sx: torch.Tensor | None, w: torch.Tensor, s
     lean(_fp8_gemv_kernel)[(programs,)](
         x, sx if sx is not None else sw, w, sw, bias, add, y, T, N, K, x.stride(0), w.stride(0), sw.stride(0),
         add.stride(0) if add is not None else 0, y.stride(0), RELU2_IN=relu2_input, QUANT=quant, USE_DOT=use_dot,
-        SWAP_AB=use_dot and cfg.swap_ab, HW_CAST=hw_cast(x), EVEN=N % cfg.block_n == 0 and K % block_k == 0,
+        SWAP_AB=use_dot and cfg.swap_ab, ON_GPU=inline_asm_ok(x), EVEN=N % cfg.block_n == 0 and K % block_k == 0,
         USE_PDL=use_pdl, AMAX_MIN=AMAX_FLOOR, QMAX=FP8_MAX, BLOCK_T=block_t, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
 
@@ -300,7 +295,7 @@ def launch_fp8_gemv(x: torch.Tensor, sx: torch.Tensor | None, w: torch.Tensor, s
 def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr, P, N, K, TOP_K, E,
                           stride_q_r, stride_w_e, stride_w_n, stride_s_e, stride_se_n, stride_o_p,
                           Q_PER_PAIR: tl.constexpr, RELU2: tl.constexpr, QUANT: tl.constexpr, USE_DOT: tl.constexpr,
-                          SWAP_AB: tl.constexpr, HW_CAST: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr,
+                          SWAP_AB: tl.constexpr, ON_GPU: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr,
                           AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # one program per (token-expert pair p = t * TOP_K + j, block of BLOCK_N outputs): the pair's
     # expert rows are streamed once (only the chosen experts are read), e4m3 x e4m3 products summed
@@ -344,14 +339,12 @@ def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
         k = k0 + kb
         if EVEN:
             w = tl.load(w_rows + k[None, :], mask=valid, other=0.0)                            # [BLOCK_N, BLOCK_K] e4m3
-        else:
-            w = tl.load(w_rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K) & valid, other=0.0)
-        if EVEN:
             x = tl.load(q_ptr + row * stride_q_r + k).to(tl.float32)
         else:
+            w = tl.load(w_rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K) & valid, other=0.0)
             x = tl.load(q_ptr + row * stride_q_r + k, mask=k < K, other=0.0).to(tl.float32)
         if QUANT != 0:  # the e4m3 value as fp32 (exact), as quantize_per_token / quantize_static write it
-            x = _e4m3_of(x, sx, QMAX, HW_CAST)
+            x = _e4m3_of(x, sx, QMAX, ON_GPU)
         if USE_DOT and SWAP_AB:
             x16 = tl.where(first, x[:, None], 0.0).to(tl.float8e4nv)                          # [BLOCK_K, 16]
             acc16 = tl.dot(w, x16, acc16, max_num_imprecise_acc=BLOCK_K)
@@ -392,7 +385,7 @@ def launch_moe_pair_gemv(q: torch.Tensor, sq: torch.Tensor | None, w: torch.Tens
     lean(_moe_pair_gemv_kernel)[grid](
         q, sq if sq is not None else s, w, s, ids, tw, out, P, N, K, top_k, E, q.stride(0), w.stride(0), w.stride(1),
         s.stride(0), s.stride(1), out.stride(0), Q_PER_PAIR=per_pair, RELU2=relu2, QUANT=quant, USE_DOT=cfg.use_dot,
-        SWAP_AB=cfg.use_dot and cfg.swap_ab, HW_CAST=hw_cast(q), EVEN=N % cfg.block_n == 0 and K % block_k == 0,
+        SWAP_AB=cfg.use_dot and cfg.swap_ab, ON_GPU=inline_asm_ok(q), EVEN=N % cfg.block_n == 0 and K % block_k == 0,
         USE_PDL=use_pdl, AMAX_MIN=AMAX_FLOOR, QMAX=FP8_MAX, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
 

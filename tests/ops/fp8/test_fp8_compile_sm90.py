@@ -44,11 +44,11 @@ VARIANTS = {
 # 2 rows, DOT_DEFAULT at 16) and the weight-left dot (swap_ab, which should take Hopper's wgmma)
 _GEMV = dict(x_ptr="*bf16", sx_ptr="*fp32", w_ptr="*fp8e4nv", sw_ptr="*fp32", b_ptr="*bf16", add_ptr="*bf16",
              y_ptr="*bf16")
-_GEMV_C = dict(HAS_BIAS=False, HAS_ADD=False, RELU2_IN=False, QUANT=1, HW_CAST=True, EVEN=True, USE_PDL=True,
+_GEMV_C = dict(HAS_BIAS=False, HAS_ADD=False, RELU2_IN=False, QUANT=1, ON_GPU=True, EVEN=True, USE_PDL=True,
                AMAX_MIN=1e-12, QMAX=448.0, b_ptr=None, add_ptr=None)
 _PAIR = dict(q_ptr="*bf16", sq_ptr="*fp32", w_ptr="*fp8e4nv", s_ptr="*fp32", ids_ptr="*i32", tw_ptr="*fp32",
              out_ptr="*fp32")
-_PAIR_C = dict(Q_PER_PAIR=False, RELU2=True, QUANT=1, HW_CAST=True, EVEN=True, USE_PDL=True, AMAX_MIN=1e-12,
+_PAIR_C = dict(Q_PER_PAIR=False, RELU2=True, QUANT=1, ON_GPU=True, EVEN=True, USE_PDL=True, AMAX_MIN=1e-12,
                QMAX=448.0)
 VARIANTS.update({
     "gemv-fma-1row": ("_fp8_gemv_kernel", _GEMV, dict(_GEMV_C, USE_DOT=False, SWAP_AB=False, BLOCK_T=1, BLOCK_N=16,
