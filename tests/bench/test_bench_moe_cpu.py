@@ -39,13 +39,22 @@ def test_cases_count_the_experts_touched():
     bench = moe_bench.MoeBench((3,))
     cases = bench.cases(CPU, [])
     experts = [c for c in cases if c.op == moe_bench.EXPERTS]
-    assert [c.op for c in cases] == [moe_bench.ROUTE, moe_bench.EXPERTS] and len(experts) == 1
+    assert [c.op for c in cases] == [moe_bench.ROUTE, moe_bench.EXPERTS, moe_bench.EXPERTS]
+    assert [c.shape for c in experts] == ["tiny", "tiny+shared"]
     case = experts[0]
     ids = bench._routing[(case.shape, 3)][3]
     M, F, E, k = moe_bench.CPU_SHAPES["tiny"]
     touched = int(ids.unique().numel())
     assert case.nbytes == byte_models.moe_bytes(3, M, F, k, touched, act_dtype=torch.float32)
     assert f"({touched} experts touched)" in case.dims and case.flops == 4 * 3 * k * M * F
+    # the decode call with the shared expert: its S slices are read like S more experts
+    shared = experts[1]
+    M, F, E, k, S = moe_bench.CPU_SHARED_SHAPES["tiny+shared"]
+    touched = int(bench._routing[("tiny+shared", 3)][3].unique().numel())
+    assert shared.nbytes == byte_models.moe_bytes(3, M, F, k, touched + S, act_dtype=torch.float32)
+    assert shared.flops == 4 * 3 * (k + S) * M * F and f"+{S} shared slices" in shared.dims
+    # only the GEMV path's token counts
+    assert [c.batch for c in moe_bench.MoeBench((1, 4, 5)).cases(CPU, []) if c.shape == "tiny+shared"] == [1, 4]
 
 
 def _experts_case_and_set(T=5):
@@ -110,14 +119,48 @@ def test_vllm_peer_matches_reference():
 
 def test_tune_hooks():
     bench = moe_bench.MoeBench()
-    cases = bench.tune_cases(CPU, [1, 64])
-    assert [c.batch for c in cases] == [1, 64] and all(c.op == moe_bench.EXPERTS for c in cases)
-    one, many = (bench.tune_candidates(configs, c) for c in cases)
+    cases = bench.tune_cases(CPU, [1, 4, 64])
+    assert [(c.shape, c.batch) for c in cases] == [("tiny", 1), ("tiny", 4), ("tiny", 64), ("tiny+shared", 1),
+                                                   ("tiny+shared", 4)]
+    assert all(c.op == moe_bench.EXPERTS for c in cases)
+    one, four, many, shared_one, shared_four = (bench.tune_candidates(configs, c) for c in cases)
     assert one and all(c["path"] == "gemv" for c in one)
+    assert {c["path"] for c in four} == {"gemv", "grouped"}
     assert many and all(c["path"] == "grouped" for c in many)
+    assert shared_one == shared_four == one  # the decode call is always the GEMV path
     with configs.forced_config(**many[0]):
         assert configs.pick_config(CPU, torch.float32, 64, 48, 40, 8, 2, interpreter=True) == configs.MoeConfig(**many[0])
-    assert bench.tune_table_key(configs, cases[0]) == ("cpu", "float32", 48, 40, 8, 2, 1)
+    # the key holds S, the shared slices (0: the routed-only op), as configs.pick_config looks it up
+    assert bench.tune_table_key(configs, cases[0]) == ("cpu", "float32", 48, 40, 8, 2, 0, 1)
+    assert bench.tune_table_key(configs, cases[4]) == ("cpu", "float32", 48, 40, 8, 2, 2, 4)
+    assert bench.tune_table_key(configs, cases[4]) == configs.table_key(CPU, torch.float32, 3, 48, 40, 8, 2, shared=2)
+
+
+@on_the_interpreter
+def test_shared_case_runs_the_decode_call():
+    """The +shared case: ours runs fused_moe_gemv with the slices in place (and its fused k-sum),
+    the peers fused_moe over the E+S experts; both equal the reference, a wrong slice is caught."""
+    bench = moe_bench.MoeBench((2,))
+    bench.providers(CPU)
+    case = next(c for c in bench.cases(CPU, []) if c.shape == "tiny+shared")
+    inp = bench.make_set(case, CPU, seed=3)
+    M, F, E, k, S = moe_bench.CPU_SHARED_SHAPES["tiny+shared"]
+    x, w_up, w_down, weights, ids = bench.args(case, inp)
+    assert w_up.shape == (E + S, F, M) and ids[:, k:].tolist() == [[E, E + 1]] * 2 and (weights[:, k:] == 1).all()
+    ref = Provider("torch-ref", "ref", "t", fused_moe_ref)
+    calls = []
+    ours = Provider("fastmamba", "ours", "t", lambda *a: calls.append(a))  # never called: the decode call runs
+    assert bench.check(ours, ref, case, inp) == "ok" and not calls
+    assert not inp["decode"]["arrivals"].any()  # the fused sum ran and left its counters zero
+    grouped = moe_bench.grouped_mm_provider(CPU)
+    if grouped.available:
+        assert bench.check(grouped, ref, case, inp) == "ok"
+    inp["decode"]["shared_down"].mul_(-1)  # the layer's form of slice data now disagrees with the peers'
+    assert bench.check(ours, ref, case, inp).startswith("FAIL")
+    d = inp["decode"]
+    want = fused_moe_ref(*d["args"], shared_up=d["shared_up"], shared_down=d["shared_down"])
+    torch.testing.assert_close(bench.bind(ours, case, inp)(), want, atol=1e-4, rtol=1e-4)
+    assert "is the GEMV path" in bench.skip_reason(Provider("fastmamba-gemv", "ours", "t", None), case)
 
 
 def test_end_to_end_through_the_command_line(tmp_path):
@@ -150,4 +193,4 @@ def test_tune_sweep_runs_every_candidate(monkeypatch):
     result = tune._sweep_case(sweep, case, CPU, 0, 1.0, False, None)
     assert [cfg["path"] for _, cfg in result.results] == ["gemv", "grouped"]
     table = "\n".join(tune.paste_ready_table(sweep, [result], "test"))
-    assert "('cpu', 'float32', 48, 40, 8, 2, 4): {" in table
+    assert "('cpu', 'float32', 48, 40, 8, 2, 0, 4): {" in table

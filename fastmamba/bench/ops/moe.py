@@ -5,6 +5,11 @@ experts (``fused_moe``: routing alignment, up_proj + relu², down_proj + routing
 
 Shapes (bf16 experts, fp32 router): Nemotron-3 Nano (M=2688, F=1856, E=128, k=6) and Super's
 latent MoE (M=1024, F=2688, E=512, k=22); tokens 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096.
+``nemotron-3-nano+shared`` is Nano's decode call as its layer makes it at 1, 2 and 4 tokens
+(``fused_moe_gemv``: the 3712-wide shared expert read in place as S=2 more pairs of weight 1.0
+beside the 6 routed ones, the k-sum in the down kernel): its GEMV grids are 8/6 of the routed-only
+op's, so its launch configs have their own table key (``tune`` sweeps them; ``--cases nano``
+takes both shapes). Peers run it as fused_moe over the E+S experts (the slices appended, top-k+S).
 Each case routes its tokens once, on the host, with the reference router (seeded logits, a small
 selection bias, scaling 2.5), so every provider and every input set runs the same routing and the
 byte model knows how many distinct experts it touches. Input sets rotate x and both expert weight
@@ -79,6 +84,10 @@ GPU_SHAPES = {
     "nemotron-3-super-latent": (1024, 2688, 512, 22),
 }
 CPU_SHAPES = {"tiny": (48, 40, 8, 2)}
+# the decode call of a layer whose shared expert runs in the routed GEMVs (``fastmamba.layers.moe``'s
+# ``shared_fused``): shape -> (M, F, E, k, S); only its GEMV-path token counts (T <= GEMV_MAX_TOKENS)
+GPU_SHARED_SHAPES = {"nemotron-3-nano+shared": (2688, 1856, 128, 6, 2)}
+CPU_SHARED_SHAPES = {"tiny+shared": (48, 40, 8, 2, 2)}
 GPU_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 CPU_TOKENS = (1, 5)
 GEMV_ROWS_MAX_T = 64  # the forced-GEMV provider runs up to this many tokens
@@ -135,6 +144,19 @@ class MoeBench(OpBench):
                                 dtype=DTYPE_NAMES[act], batch=T,
                                 nbytes=byte_models.moe_bytes(T, M, F, k, touched, act_dtype=act),
                                 flops=byte_models.moe_flops(T, M, F, k), params=dict(common, touched=touched)))
+        from fastmamba.ops.moe.configs import GEMV_MAX_TOKENS
+
+        for shape, (M, F, E, k, S) in (GPU_SHARED_SHAPES if cuda else CPU_SHARED_SHAPES).items():
+            for T in (t for t in tokens if t <= GEMV_MAX_TOKENS):
+                routing = self._routing[(shape, T)] = route_case(T, E, k)
+                touched = int(routing[3].unique().numel())
+                # the shared slices are read like S more experts (weights of S*F features each way)
+                out.append(Case(op=EXPERTS, shape=shape,
+                                dims=f"M{M} F{F} E{E} k{k} +{S} shared slices ({touched} experts touched)",
+                                dtype=DTYPE_NAMES[act], batch=T,
+                                nbytes=byte_models.moe_bytes(T, M, F, k, touched + S, act_dtype=act),
+                                flops=byte_models.moe_flops(T, M, F, k + S),
+                                params=dict(M=M, F=F, E=E, k=k, S=S, act=act, device=str(device), touched=touched)))
         return out
 
     def tune_cases(self, device: torch.device, batches: Sequence[int]) -> list[Case]:
@@ -143,7 +165,8 @@ class MoeBench(OpBench):
 
     def tune_candidates(self, configs: object, case: Case) -> list[dict]:
         """The GEMV configs for T <= 2 * GEMV_MAX_TOKENS, the grouped ones whose rows per block
-        fit the mean rows per expert (within 4x) for T >= GEMV_MAX_TOKENS."""
+        fit the mean rows per expert (within 4x) for T >= GEMV_MAX_TOKENS; a +shared case (the decode
+        call, always the GEMV path) the GEMV ones."""
         p, T = case.params, case.batch
         per_expert = T * p["k"] / p["E"]
         out = []
@@ -151,15 +174,14 @@ class MoeBench(OpBench):
             if c["path"] == "gemv":
                 if T <= 2 * configs.GEMV_MAX_TOKENS:
                     out.append(c)
-            elif T >= configs.GEMV_MAX_TOKENS and c["block_m"] <= max(16, 4 * per_expert):
+            elif not p.get("S") and T >= configs.GEMV_MAX_TOKENS and c["block_m"] <= max(16, 4 * per_expert):
                 out.append(c)
         return out
 
     def tune_table_key(self, configs: object, case: Case) -> tuple:
-        p = case.params
-        family = configs.gpu_family(torch.device(p["device"]))  # the case's device (a CPU case on a GPU machine: "cpu")
-        return (family, str(p["act"]).replace("torch.", ""), p["M"], p["F"], p["E"], p["k"],
-                configs.token_bucket(case.batch))
+        p = case.params  # the case's device (a CPU case on a GPU machine: family "cpu")
+        return configs.table_key(torch.device(p["device"]), p["act"], case.batch, p["M"], p["F"], p["E"], p["k"],
+                                 p.get("S", 0))
 
     def providers(self, device: torch.device) -> list[Provider]:
         version = _fastmamba_version()
@@ -185,6 +207,8 @@ class MoeBench(OpBench):
     def skip_reason(self, prov: Provider, case: Case) -> str:
         if case.op == ROUTE:
             return "" if prov.name in self._route else "runs the experts only"
+        if prov.name == "fastmamba-gemv" and case.params.get("S"):
+            return "the decode call is the GEMV path (row fastmamba)"
         if prov.name == "fastmamba-gemv" and case.batch > GEMV_ROWS_MAX_T:
             return f"the GEMV path is for few tokens (rows up to T={GEMV_ROWS_MAX_T})"
         if prov.name == "fastmamba+pdl":
@@ -208,44 +232,57 @@ class MoeBench(OpBench):
         logits, bias, weights, ids = self._routing[(case.shape, case.batch)]
         if case.op == ROUTE:
             return {"logits": logits.to(device), "bias": bias.to(device)}
-        M, F, E, T, act = p["M"], p["F"], p["E"], case.batch, p["act"]
+        M, F, E, T, act, S = p["M"], p["F"], p["E"], case.batch, p["act"], p.get("S", 0)
         g = torch.Generator(device=device).manual_seed(seed)
 
         def randn(*shape, scale=1.0):
             return (torch.randn(*shape, generator=g, device=device) * scale).to(act)
 
-        return {
+        inp = {
             "x": randn(T, M),
-            "w_up": randn(E, F, M, scale=M ** -0.5),
-            "w_down": randn(E, M, F, scale=F ** -0.5),
+            "w_up": randn(E + S, F, M, scale=M ** -0.5),
+            "w_down": randn(E + S, M, F, scale=F ** -0.5),
             "weights": weights.to(device),
             "ids": ids.to(device),
         }
+        if S:  # experts E.. are the shared expert's slices: the peers' form, and the layer's
+            inp["decode"] = dict(
+                args=(inp["x"], inp["w_up"][:E], inp["w_down"][:E], inp["weights"], inp["ids"]),
+                shared_up=inp["w_up"][E:].reshape(S * F, M),  # [S*F, M], a view
+                shared_down=inp["w_down"][E:].permute(1, 0, 2).reshape(M, S * F),  # [M, S*F], a copy
+                arrivals=torch.zeros(T * M, dtype=torch.int32, device=device))
+            inp["weights"] = torch.cat([inp["weights"], inp["weights"].new_ones(T, S)], dim=1)
+            inp["ids"] = torch.cat([inp["ids"], torch.arange(E, E + S, dtype=ids.dtype, device=device).expand(T, S)],
+                                   dim=1)
+        return inp
 
     def args(self, case: Case, inp: dict) -> tuple:
+        """A +shared case: fused_moe's arguments over the E+S experts (the peers' and the reference's form)."""
         if case.op == ROUTE:
             return (inp["logits"], inp["bias"])
         return (inp["x"], inp["w_up"], inp["w_down"], inp["weights"], inp["ids"])
 
-    def _call(self, prov: Provider, case: Case) -> Callable:
+    def _call(self, prov: Provider, case: Case, inp: dict) -> Callable:
         if case.op == ROUTE:
             fn = self._route[prov.name]
             k = case.params["k"]
             return lambda logits, bias: fn(logits, bias, top_k=k, routed_scaling_factor=ROUTE_SCALE)
+        if case.params.get("S") and prov.kind == "ours":
+            return _decode_call(prov, inp["decode"])
         return prov.fn
 
     def bind(self, prov: Provider, case: Case, inp: dict) -> Callable[[], object]:
-        fn = self._call(prov, case)
+        fn = self._call(prov, case, inp)
         args = self.args(case, inp)
         return lambda: fn(*args)
 
     def check(self, prov: Provider, ref: Provider, case: Case, inp: dict) -> str:
         try:
-            got = self._call(prov, case)(*self.args(case, inp))
+            got = self._call(prov, case, inp)(*self.args(case, inp))
         except Exception as exc:  # noqa: BLE001
             return f"FAIL raised {describe(exc)}"
         try:
-            want = self._call(ref, case)(*self.args(case, inp))
+            want = self._call(ref, case, inp)(*self.args(case, inp))
         except Exception as exc:  # noqa: BLE001
             return f"ref error: {describe(exc)}"
         if case.op == ROUTE:
@@ -256,6 +293,27 @@ class MoeBench(OpBench):
             tol = FP32_TOL if case.params["act"] == torch.float32 else self.out_tol
             problem = _compare("y", got, want, tol)
         return "ok" if not problem else "FAIL " + problem
+
+
+def _decode_call(prov: Provider, decode: dict) -> Callable:
+    """Ours on a +shared case, whatever the peers' arguments: the layer's decode call
+    (``fused_moe_gemv`` on the routed experts, the shared slices read in place, the k-sum by the
+    down kernel's arrival counters), under programmatic dependent launch for fastmamba+pdl (the
+    other rows keep the caller's setting: ``tune --pdl`` turns it on around them)."""
+    import contextlib
+
+    from fastmamba.ops.moe.api import fused_moe_gemv
+    from fastmamba.ops.runtime import programmatic_dependent_launch
+
+    args = decode["args"]
+    kwargs = dict(shared_up=decode["shared_up"], shared_down=decode["shared_down"], arrivals=decode["arrivals"])
+    pdl = prov.name == "fastmamba+pdl"
+
+    def call(*_peer_args):
+        with programmatic_dependent_launch() if pdl else contextlib.nullcontext():
+            return fused_moe_gemv(*args, **kwargs)
+
+    return call
 
 
 # --- torch._grouped_mm: transformers' grouped_mm experts path -----------------------------------------
@@ -376,7 +434,7 @@ def vllm_config_note(case: Case) -> str:
     if folder is None:
         return ""
     p = case.params
-    return vllm_config(folder, case.batch, p["E"], p["F"])[1]
+    return vllm_config(folder, case.batch, p["E"] + p.get("S", 0), p["F"])[1]  # (+shared: E+S experts)
 
 
 @triton.jit

@@ -260,7 +260,7 @@ def fused_moe_gemv(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, to
         y = fused_moe_ref(x, w_up, w_down, topk_weights, topk_ids, shared_up=shared_up, shared_down=shared_down)
         return y if out is None else out.copy_(y)
     interp = interpreter_enabled()
-    cfg = configs.pick_config(x.device, x.dtype, T, M, F, E, k, interpreter=interp)
+    cfg = configs.pick_config(x.device, x.dtype, T, M, F, E, k, shared=S, interpreter=interp)
     cfg = configs.gemv_config(cfg, T, M, F, interpreter=interp)
     return _launch(x, w_up, w_down, topk_weights, topk_ids, out, cfg, T, M, F, E, k, interp,
                    shared=(shared_up, shared_down) if S else None, arrivals=arrivals)

@@ -1,5 +1,7 @@
-"""Launch configs of ``fused_moe``: a tuning table keyed by (GPU family, dtype, M, F, E, k, token
-bucket) and a fallback heuristic for every other key.
+"""Launch configs of ``fused_moe``: a tuning table keyed by (GPU family, dtype, M, F, E, k, S, token
+bucket) and a fallback heuristic for every other key. S is the number of shared-expert slices the
+call runs beside the k routed experts (``fused_moe_gemv``'s ``shared_up``: Nano's decode step runs
+6 routed + 2 shared slices, so its GEMV grids are 8/6 of the routed-only op's; 0 elsewhere).
 
 TABLE is empty until it is measured: the lead fills the Nano (M=2688, F=1856, E=128, k=6) and
 Super-latent (M=1024, F=2688, E=512, k=22) rows on an H100 / H200 with
@@ -21,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from fastmamba.ops._common.dispatch import gpu_family  # noqa: F401  (the tables' key, used by tune)
+from fastmamba.ops._common.dispatch import gpu_family
 from fastmamba.ops._common.forced import Forced
 
 
@@ -41,19 +43,26 @@ class MoeConfig(NamedTuple):
 GEMV_MAX_TOKENS = 4
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
-# (family, dtype, M, F, E, k, token bucket) -> MoeConfig; family: "h100", "h200", ... (gpu_family)
-TABLE: dict[tuple[str, str, int, int, int, int, int], MoeConfig | dict] = {}
+# (family, dtype, M, F, E, k, S, token bucket) -> MoeConfig; family: "h100", "h200", ... (gpu_family)
+TABLE: dict[tuple[str, str, int, int, int, int, int, int], MoeConfig | dict] = {}
 
 INTERPRETER = MoeConfig("grouped", 16, 32, 32, 32, 32, 1, 4, 1)
 INTERPRETER_GEMV = MoeConfig("gemv", 16, 16, 32, 16, 32, 1, 4, 1)
 
 # the configs ``tune`` tries (its bench keeps, per case, the GEMV ones for T <= 2 * GEMV_MAX_TOKENS and
-# the grouped ones whose block_m fits the mean rows per expert): 36 GEMV, 66 grouped. vLLM's H100 table for
-# Nano's shape picks [64, 128, 128] x 4 stages at 1024 tokens and [128, 256, 64] x 4 at 4096: both among them
+# the grouped ones whose block_m fits the mean rows per expert): 41 GEMV, 66 grouped. vLLM's H100 table for
+# Nano's shape picks [64, 128, 128] x 4 stages at 1024 tokens and [128, 256, 64] x 4 at 4096: both among them.
+# The GEMV tiles' loops are not pipelined (a program waits for each tile), so a grid a few programs
+# past a whole number of waves ends on those few at one program's pace. How many programs an SM holds
+# follows from the registers (sm_90, Triton 3.6, ptxas): [16, 256] x 4 warps takes 72 a thread, 7
+# programs an SM, 924 on 132 SMs, while Nano's decode step launches 928 up programs (8 pairs x 116
+# blocks of 16 of F=1856) at batch 1, 1856 at 2, 3712 at 4. 2 warps on tiles of at most 2048 values
+# (47-72 registers, 14-21 programs an SM) shift those edges; larger 2-warp tiles take 150+ registers
 CANDIDATES: list[dict] = (
     [dict(path="gemv", block_m=16, block_n_up=bn, block_k_up=bk, block_n_down=bnd, block_k_down=bk,
           group_m=1, num_warps=w, num_stages=2)
-     for bn in (8, 16, 32) for bnd in (8, 16, 32) for bk in (128, 256) for w in (4, 8)]
+     for bn in (8, 16, 32) for bnd in (8, 16, 32) for bk in (128, 256) for w in (2, 4, 8)
+     if w > 2 or max(bn, bnd) * bk <= 2048]
     + [dict(path="grouped", block_m=bm, block_n_up=bn, block_k_up=bk, block_n_down=bn, block_k_down=bk,
             group_m=1 if bm <= 32 else 8, num_warps=w, num_stages=st)
        for bm in (16, 32, 64, 128) for bn in (64, 128) for bk in (64, 128) for w in (4, 8) for st in (3, 4)
@@ -76,6 +85,12 @@ def token_bucket(T: int) -> int:
         if T <= b:
             return b
     return TOKEN_BUCKETS[-1]
+
+
+def table_key(device: torch.device, dtype: torch.dtype, T: int, M: int, F: int, E: int, k: int,
+              shared: int = 0) -> tuple[str, str, int, int, int, int, int, int]:
+    """TABLE's key of a call (also ``tune``'s, through the bench's ``tune_table_key``)."""
+    return (gpu_family(device), str(dtype).replace("torch.", ""), M, F, E, k, shared, token_bucket(T))
 
 
 def _even_block(K: int, wanted: int) -> int:
@@ -112,15 +127,16 @@ def heuristic(T: int, M: int, F: int, E: int, k: int) -> MoeConfig:
 
 
 def pick_config(device: torch.device, dtype: torch.dtype, T: int, M: int, F: int, E: int, k: int, *,
-                interpreter: bool = False) -> MoeConfig:
-    """The config of one call: forced (tune), the interpreter's, the table's, or the heuristic's."""
+                shared: int = 0, interpreter: bool = False) -> MoeConfig:
+    """The config of one call (``shared``: S, the shared-expert slices run in the same GEMVs):
+    forced (tune), the interpreter's, the table's, or the heuristic's."""
     if _forced.value is not None:
         return _forced.value
     if interpreter:
         return INTERPRETER_GEMV if T <= GEMV_MAX_TOKENS else INTERPRETER
     if not TABLE:
         return heuristic(T, M, F, E, k)
-    key = (gpu_family(device), str(dtype).replace("torch.", ""), M, F, E, k, token_bucket(T))
+    key = table_key(device, dtype, T, M, F, E, k, shared)
     cfg = TABLE.get(key)
     if cfg is None:
         return heuristic(T, M, F, E, k)

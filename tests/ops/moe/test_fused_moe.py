@@ -159,8 +159,14 @@ def test_path_choice(monkeypatch):
     """Few tokens take the GEMV path, more the grouped one; the table wins over the heuristic."""
     cpu = torch.device("cpu")
     entry = configs.heuristic(64, 16, 16, 4, 2)._replace(num_stages=7)
-    monkeypatch.setitem(configs.TABLE, ("cpu", "bfloat16", 16, 16, 4, 2, 64), entry)
+    monkeypatch.setitem(configs.TABLE, ("cpu", "bfloat16", 16, 16, 4, 2, 0, 64), entry)
     assert configs.pick_config(cpu, torch.bfloat16, 40, 16, 16, 4, 2) == entry
+    # a call with shared-expert slices has its own key (its GEMV grids are larger): not this entry ...
+    assert configs.pick_config(cpu, torch.bfloat16, 40, 16, 16, 4, 2, shared=2) == configs.heuristic(40, 16, 16, 4, 2)
+    gemv = configs.gemv_heuristic(1, 16, 16)._replace(num_warps=2)
+    monkeypatch.setitem(configs.TABLE, configs.table_key(cpu, torch.bfloat16, 1, 16, 16, 4, 2, shared=2), gemv)
+    assert configs.pick_config(cpu, torch.bfloat16, 1, 16, 16, 4, 2, shared=2) == gemv  # ... but this one
+    assert configs.pick_config(cpu, torch.bfloat16, 1, 16, 16, 4, 2) == configs.heuristic(1, 16, 16, 4, 2)
     assert configs.pick_config(cpu, torch.bfloat16, 1, 2688, 1856, 128, 6).path == "gemv"
     assert configs.pick_config(cpu, torch.bfloat16, configs.GEMV_MAX_TOKENS + 1, 2688, 1856, 128, 6).path == "grouped"
     big = configs.heuristic(4096, 2688, 1856, 128, 6)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastmamba.ops._common.dispatch import use_triton
 from fastmamba.ops.moe import Routing, append_shared_routing, fuse_shared_expert, fused_moe
 from fastmamba.ops.moe.api import fused_moe_gemv
 from fastmamba.ops.moe.ref import fused_moe_ref
@@ -124,6 +125,23 @@ def test_gemv_launches(device, monkeypatch):
     assert (gemvs[0], sums[0]) == (2, 0)
     fused_moe_gemv(x, w_up, w_down, tw, ids, shared_up=su, shared_down=sd)
     assert (gemvs[0], sums[0]) == (4, 1)
+
+
+def test_gemv_config_is_keyed_by_the_shared_slices(device, monkeypatch):
+    """fused_moe_gemv asks for the config of its grid: S shared slices beside the k routed pairs (a
+    tuned table entry for Nano's decode call is not the routed-only op's)."""
+    from fastmamba.ops.moe import configs
+
+    asked = []
+    pick = configs.pick_config
+    monkeypatch.setattr(configs, "pick_config", lambda *a, **kw: asked.append(kw.get("shared", 0)) or pick(*a, **kw))
+    x, w_up, w_down, tw, ids = make_inputs(1, 48, 40, 6, 2, torch.float32, device, seed=24)
+    su, sd = shared_weights(3, 40, 48, torch.float32, device)
+    want = fused_moe_ref(x, w_up, w_down, tw, ids, shared_up=su, shared_down=sd)
+    got = fused_moe_gemv(x, w_up, w_down, tw, ids, shared_up=su, shared_down=sd)
+    torch.testing.assert_close(got, want, **tol(torch.float32))
+    fused_moe_gemv(x, w_up, w_down, tw, ids)
+    assert asked == ([3, 0] if use_triton(x) else [])  # (the reference path picks no config)
 
 
 @pytest.mark.parametrize("change,exc,match", [
