@@ -307,13 +307,15 @@ def _launch(x, w_up, w_down, tw, ids, out, cfg: configs.MoeConfig, T: int, M: in
     dev = x.device
     with on_device(x):
         if cfg.path == "gemv":
+            cfg = configs.gemv_config(cfg, T, M, F, interpreter=interp)  # (a tensor-core tile's 16 features)
             shared_up, shared_down = shared if shared is not None else (None, None)
             P = T * (k + (0 if shared_up is None else shared_up.shape[0] // F))
             h = torch.empty(P, F, dtype=x.dtype, device=dev)
             yp = torch.empty(P, M, dtype=x.dtype, device=dev)  # each pair's weighted contribution
             launch_gemv(x, w_up, w_down, tw, ids, h, yp, y, block_n_up=cfg.block_n_up, block_k_up=cfg.block_k_up,
                         block_n_down=cfg.block_n_down, block_k_down=cfg.block_k_down, num_warps=cfg.num_warps,
-                        num_stages=cfg.num_stages, shared_up=shared_up, shared_down=shared_down, arrivals=arrivals)
+                        num_stages=cfg.num_stages, shared_up=shared_up, shared_down=shared_down, arrivals=arrivals,
+                        use_dot=cfg.gemv_dot, dot_fp32=interp)
             return y
         if cfg.path != "grouped":
             raise ValueError(f"{_MOE}: config path {cfg.path!r}: expected 'gemv' or 'grouped'")

@@ -37,6 +37,7 @@ class MoeConfig(NamedTuple):
     group_m: int  # grouped: row blocks per L2 group
     num_warps: int
     num_stages: int
+    gemv_dot: bool = False  # gemv: the tensor-core tiles (a pipelined weight stream; block_n >= 16), not FMAs
 
 
 # the largest token count that takes the GEMV path (a bucket boundary: tokens 1, 2, 4)
@@ -50,7 +51,7 @@ INTERPRETER = MoeConfig("grouped", 16, 32, 32, 32, 32, 1, 4, 1)
 INTERPRETER_GEMV = MoeConfig("gemv", 16, 16, 32, 16, 32, 1, 4, 1)
 
 # the configs ``tune`` tries (its bench keeps, per case, the GEMV ones for T <= 2 * GEMV_MAX_TOKENS and
-# the grouped ones whose block_m fits the mean rows per expert): 41 GEMV, 66 grouped. vLLM's H100 table for
+# the grouped ones whose block_m fits the mean rows per expert): 53 GEMV (12 on tensor cores), 66 grouped. vLLM's H100 table for
 # Nano's shape picks [64, 128, 128] x 4 stages at 1024 tokens and [128, 256, 64] x 4 at 4096: both among them.
 # The GEMV tiles' loops are not pipelined (a program waits for each tile), so a grid a few programs
 # past a whole number of waves ends on those few at one program's pace. How many programs an SM holds
@@ -63,6 +64,10 @@ CANDIDATES: list[dict] = (
           group_m=1, num_warps=w, num_stages=2)
      for bn in (8, 16, 32) for bnd in (8, 16, 32) for bk in (128, 256) for w in (2, 4, 8)
      if w > 2 or max(bn, bnd) * bk <= 2048]
+    # the GEMV path on tensor-core tiles: the weight tiles stream through cp.async, num_stages deep (12)
+    + [dict(path="gemv", block_m=16, block_n_up=bn, block_k_up=bk, block_n_down=bn, block_k_down=bk,
+            group_m=1, num_warps=4, num_stages=st, gemv_dot=True)
+       for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4)]
     + [dict(path="grouped", block_m=bm, block_n_up=bn, block_k_up=bk, block_n_down=bn, block_k_down=bk,
             group_m=1 if bm <= 32 else 8, num_warps=w, num_stages=st)
        for bm in (16, 32, 64, 128) for bn in (64, 128) for bk in (64, 128) for w in (4, 8) for st in (3, 4)
@@ -167,7 +172,10 @@ def gate_config(E: int, M: int, *, interpreter: bool = False) -> GateConfig:
 
 
 def gemv_config(cfg: MoeConfig, T: int, M: int, F: int, *, interpreter: bool = False) -> MoeConfig:
-    """``cfg`` if it is a GEMV config, else the GEMV heuristic's (``fused_moe_gemv`` forced on more tokens)."""
-    if cfg.path == "gemv":
-        return cfg
-    return INTERPRETER_GEMV if interpreter else gemv_heuristic(T, M, F)
+    """``cfg`` if it is a GEMV config, else the GEMV heuristic's (``fused_moe_gemv`` forced on more
+    tokens); a tensor-core tile has at least 16 features."""
+    if cfg.path != "gemv":
+        return INTERPRETER_GEMV if interpreter else gemv_heuristic(T, M, F)
+    if cfg.gemv_dot and min(cfg.block_n_up, cfg.block_n_down) < 16:
+        return cfg._replace(block_n_up=max(16, cfg.block_n_up), block_n_down=max(16, cfg.block_n_down))
+    return cfg

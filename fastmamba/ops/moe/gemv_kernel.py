@@ -1,8 +1,16 @@
 """The GEMV path of a few tokens (see ``kernel.py``'s docstring): ``_up_gemv_kernel`` and
 ``_down_gemv_kernel``, one program per (pair, block of features), a shared expert's slices read in
-place, the k-sum in the down kernel's last arrivals (or ``launch_sum``)."""
+place, the k-sum in the down kernel's last arrivals (or ``launch_sum``).
+
+Two ways to multiply a weight tile w [BLOCK_N, BLOCK_K] by the pair's row v [BLOCK_K] (``USE_DOT``):
+fp32 FMAs into [BLOCK_N, BLOCK_K] partial sums, reduced once at the end; or a tensor-core dot of v
+as row 0 of a [16, BLOCK_K] tile of zeros with w^T (the bf16 ``gemv``'s way: only then does Triton
+stream the weight tiles through its cp.async pipeline, ``num_stages`` deep, so that one program
+keeps several tiles in flight instead of waiting for each; the zero rows add exact zeros, and row 0
+is the result)."""
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -43,12 +51,39 @@ def _gemv_pair(ids_ptr, w_ptr, sw_ptr, p, E, Fdim, stride_it, stride_ik, stride_
 
 
 @triton.jit
+def _row_times_tile(acc, v, w, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc + w @ v: v [BLOCK_K] (the pair's row), w [BLOCK_N, BLOCK_K]. USE_DOT: acc [16, BLOCK_N] fp32
+    (row 0 holds the sums: v is row 0 of a 16-row tile of zeros); else acc [BLOCK_N, BLOCK_K] fp32
+    partial sums (``_row_sums`` reduces either to [BLOCK_N])."""
+    if USE_DOT:
+        rows = tl.arange(0, 16)[:, None]
+        v16 = tl.where(rows == 0, v[None, :], tl.zeros_like(v)[None, :])  # [16, BLOCK_K]
+        if DOT_FP32:  # fp32 weights (full-precision products, not tf32), or the CPU interpreter (its 16-bit dot is wrong)
+            acc = tl.dot(v16.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(v16.to(w.dtype), tl.trans(w), acc)
+    else:
+        acc = acc + w.to(tl.float32) * v.to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _row_sums(acc, USE_DOT: tl.constexpr):
+    """[BLOCK_N] fp32: the sums ``_row_times_tile`` gathered (the dot's rows 1-15 are exact zeros)."""
+    if USE_DOT:
+        out = tl.sum(acc, axis=0)
+    else:
+        out = tl.sum(acc, axis=1)
+    return out
+
+
+@triton.jit
 def _up_gemv_kernel(
     x_ptr, w_ptr, sw_ptr, h_ptr, ids_ptr,
     E, Fdim, Mdim,
     stride_xt, stride_xm, stride_we, stride_wf, stride_wm, stride_sf, stride_hp, stride_it, stride_ik,
     K: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, USE_DOT: tl.constexpr = False, DOT_FP32: tl.constexpr = False,
 ):
     # one program per (pair p = t*(K+N_SHARED) + j, block of BLOCK_N of F):
     # h[p, n] = relu(w[n, :] @ x[t])², w = w_up[ids[t, j]] or slice j-K of the shared up_proj
@@ -71,7 +106,10 @@ def _up_gemv_kernel(
     mn = (offs_n < Fdim) & ok
     x_ptrs = x_ptr + t.to(tl.int64) * stride_xt + offs_k * stride_xm
     w_ptrs = base + offs_n[:, None] * row_stride + offs_k[None, :] * stride_wm
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if USE_DOT:
+        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, Mdim, BLOCK_K):
         if EVEN_K:
             xv = tl.load(x_ptrs)
@@ -80,10 +118,10 @@ def _up_gemv_kernel(
             mk = (k0 + offs_k) < Mdim
             xv = tl.load(x_ptrs, mask=mk, other=0.0)
             w = tl.load(w_ptrs, mask=mn[:, None] & mk[None, :], other=0.0)
-        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        acc = _row_times_tile(acc, xv, w, USE_DOT, DOT_FP32)
         x_ptrs += BLOCK_K * stride_xm
         w_ptrs += BLOCK_K * stride_wm
-    hv = tl.maximum(tl.sum(acc, axis=1), 0.0)
+    hv = tl.maximum(_row_sums(acc, USE_DOT), 0.0)
     tl.store(h_ptr + p.to(tl.int64) * stride_hp + offs_n, (hv * hv).to(h_ptr.dtype.element_ty), mask=offs_n < Fdim)
 
 
@@ -94,7 +132,7 @@ def _down_gemv_kernel(
     stride_hp, stride_we, stride_wm, stride_wf, stride_sm, stride_yp, stride_it, stride_ik, stride_twt, stride_twk,
     stride_ot, stride_om,
     K: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr, FUSED_SUM: tl.constexpr,
+    USE_PDL: tl.constexpr, FUSED_SUM: tl.constexpr, USE_DOT: tl.constexpr = False, DOT_FP32: tl.constexpr = False,
 ):
     # one program per (pair p = t*(K+N_SHARED) + j, block of BLOCK_N of M):
     # y[p, n] = tw[t, j] * w[n, :] @ h[p], w = w_down[ids[t, j]] or slice j-K of the shared down_proj
@@ -119,7 +157,11 @@ def _down_gemv_kernel(
         gdc_wait()  # h comes from the up kernel
         gdc_launch_dependents()
     hv = tl.load(h_ptrs, mask=offs_k < Fdim, other=0.0)
-    acc = w.to(tl.float32) * hv.to(tl.float32)[None, :]
+    if USE_DOT:
+        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = _row_times_tile(acc, hv, w, USE_DOT, DOT_FP32)
     h_ptrs += BLOCK_K
     w_ptrs += BLOCK_K * stride_wf
     for k0 in range(BLOCK_K, Fdim, BLOCK_K):
@@ -130,10 +172,10 @@ def _down_gemv_kernel(
             mk = (k0 + offs_k) < Fdim
             hv = tl.load(h_ptrs, mask=mk, other=0.0)
             w = tl.load(w_ptrs, mask=mn[:, None] & mk[None, :], other=0.0)
-        acc += w.to(tl.float32) * hv.to(tl.float32)[None, :]
+        acc = _row_times_tile(acc, hv, w, USE_DOT, DOT_FP32)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wf
-    y = tl.sum(acc, axis=1) * tw
+    y = _row_sums(acc, USE_DOT) * tw
     mo = offs_n < Mdim
     tl.store(y_ptr + p.to(tl.int64) * stride_yp + offs_n, y.to(y_ptr.dtype.element_ty), mask=mo)
     if FUSED_SUM:
@@ -151,7 +193,7 @@ def _down_gemv_kernel(
 
 def launch_gemv(x, w_up, w_down, tw, ids, h, y, out, *, block_n_up: int, block_k_up: int, block_n_down: int,
                 block_k_down: int, num_warps: int, num_stages: int, shared_up=None, shared_down=None,
-                arrivals=None) -> None:
+                arrivals=None, use_dot: bool = False, dot_fp32: bool = False) -> None:
     """h [P, F], y [P, M] (unit stride along the last dim; P = T*(k+S)): each pair's relu²
     activations and its weighted contribution, written then read; then the fixed-order sum into
     out [T, M]: by the down kernel's last arrivals when ``arrivals`` (int32, at least
@@ -159,6 +201,9 @@ def launch_gemv(x, w_up, w_down, tw, ids, h, y, out, *, block_n_up: int, block_k
 
     shared_up [S*F, M], shared_down [M, S*F] (or None): a relu² shared expert run as S more pairs of
     weight 1.0 per token (its strides along M and F equal w_up's and w_down's).
+
+    ``use_dot``: the tensor-core tiles (block_n_* >= 16; see the module docstring), in fp32 with fp32
+    weights or ``dot_fp32`` (the interpreter's).
 
     Under programmatic dependent launch (``fastmamba.ops._common.pdl``, grids of one wave) the down
     kernel reads the ids, the routing weights and its first weight tile before its wait, and the up
@@ -170,6 +215,7 @@ def launch_gemv(x, w_up, w_down, tw, ids, h, y, out, *, block_n_up: int, block_k
     K = ids.shape[1]
     S = 0 if shared_up is None else shared_up.shape[0] // F
     P = T * (K + S)
+    dot_fp32 = dot_fp32 or x.dtype == torch.float32
     grid_up, grid_down = (P, cdiv(F, block_n_up)), (P, cdiv(M, block_n_down))
     pdl_up = pdl_active(x, grid_up[0] * grid_up[1], num_warps)
     pdl_down = pdl_active(x, grid_down[0] * grid_down[1], num_warps)
@@ -180,7 +226,7 @@ def launch_gemv(x, w_up, w_down, tw, ids, h, y, out, *, block_n_up: int, block_k
         x.stride(0), x.stride(1), w_up.stride(0), w_up.stride(1), w_up.stride(2), sf, h.stride(0),
         ids.stride(0), ids.stride(1),
         K=K, N_SHARED=S, BLOCK_N=block_n_up, BLOCK_K=block_k_up, EVEN_K=M % block_k_up == 0, USE_PDL=pdl_up,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_up,
+        USE_DOT=use_dot, DOT_FP32=dot_fp32, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_up,
     )
     fused_sum = arrivals is not None
     lean(_down_gemv_kernel)[grid_down](
@@ -188,7 +234,8 @@ def launch_gemv(x, w_up, w_down, tw, ids, h, y, out, *, block_n_up: int, block_k
         h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), sm, y.stride(0),
         ids.stride(0), ids.stride(1), tw.stride(0), tw.stride(1), out.stride(0), out.stride(1),
         K=K, N_SHARED=S, BLOCK_N=block_n_down, BLOCK_K=block_k_down, EVEN_K=F % block_k_down == 0,
-        USE_PDL=pdl_down, FUSED_SUM=fused_sum, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_down,
+        USE_PDL=pdl_down, FUSED_SUM=fused_sum, USE_DOT=use_dot, DOT_FP32=dot_fp32, num_warps=num_warps,
+        num_stages=num_stages, launch_pdl=pdl_down,
     )
     if not fused_sum:
         launch_sum(y, out, ids, E, n_shared=S,

@@ -5,6 +5,7 @@ GPU lowering (tl.histogram, atomics, early returns, bf16 tl.dot), and ptxas repo
 The compile runs in a subprocess without ``TRITON_INTERPRET`` (Triton reads it at import)."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -65,6 +66,17 @@ VARIANTS = {
                                                               out_ptr="*bf16", arrivals_ptr="*i32"),
                                     dict(K=6, N_SHARED=2, BLOCK_N=16, BLOCK_K=128, EVEN_K=False, USE_PDL=True,
                                          FUSED_SUM=True, **_DOWN_UNIT), dict(num_warps=2, num_stages=2)),
+    # the tensor-core tiles (gemv_dot): the weight tiles stream through cp.async
+    "up-gemv-shared-dot": ("_up_gemv_kernel", dict(x_ptr="*bf16", w_ptr="*bf16", sw_ptr="*bf16", h_ptr="*bf16",
+                                                   ids_ptr="*i32"),
+                           dict(K=6, N_SHARED=2, BLOCK_N=32, BLOCK_K=128, EVEN_K=True, USE_PDL=True, USE_DOT=True,
+                                DOT_FP32=False, **_UP_UNIT), dict(num_warps=4, num_stages=4)),
+    "down-gemv-shared-sum-dot": ("_down_gemv_kernel", dict(h_ptr="*bf16", w_ptr="*bf16", sw_ptr="*bf16",
+                                                           y_ptr="*bf16", ids_ptr="*i32", tw_ptr="*fp32",
+                                                           out_ptr="*bf16", arrivals_ptr="*i32"),
+                                 dict(K=6, N_SHARED=2, BLOCK_N=32, BLOCK_K=128, EVEN_K=False, USE_PDL=True,
+                                      FUSED_SUM=True, USE_DOT=True, DOT_FP32=False, **_DOWN_UNIT),
+                                 dict(num_warps=4, num_stages=4)),
     "down-gemv": ("_down_gemv_kernel", dict(h_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", ids_ptr="*i32",
                                             tw_ptr="*fp32", out_ptr="*bf16"),
                   dict(sw_ptr=None, arrivals_ptr=None, K=22, N_SHARED=0, BLOCK_N=16, BLOCK_K=256, EVEN_K=False,
@@ -102,6 +114,8 @@ def compile_sm90(name: str) -> dict:
     kernel = next(getattr(m, kernel_name) for m in map(importlib.import_module, K) if hasattr(m, kernel_name))
     names = kernel.arg_names
     consts = {**{n: 1 for n in UNIT_STRIDES if n in names}, **consts}  # a launch specialises ints equal to 1
+    consts = {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.name not in consts
+                 and p.default is not inspect.Parameter.empty}, **consts}  # constexprs left at their defaults
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     # pointers, strides and the widths (Nano's and Super's are multiples of 16: a launch specialises them)
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -111,7 +125,8 @@ def compile_sm90(name: str) -> dict:
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = k.asm["ptx"]
     return {"ptx": len(ptx), "spills": spill_lines(ptxas_report(ptx, name)), "v4_loads": ptx.count("ld.global.v4"),
-            "acq_rel_atomics": ptx.count("atom.global.gpu.acq_rel"), "cg_loads": ptx.count("ld.global.cg")}
+            "acq_rel_atomics": ptx.count("atom.global.gpu.acq_rel"), "cg_loads": ptx.count("ld.global.cg"),
+            "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), "mma": ptx.count("mma.sync")}
 
 
 def test_moe_kernels_compile_for_sm90_without_spills():
@@ -127,8 +142,12 @@ def test_moe_kernels_compile_for_sm90_without_spills():
     # tiles stay 16-byte loads, as many as without it
     assert results["up-gemv-shared-pdl"]["v4_loads"] == results["up-gemv-pdl"]["v4_loads"] > 0
     assert results["down-gemv-shared-sum-pdl"]["v4_loads"] == results["down-gemv"]["v4_loads"] > 0
+    # the tensor-core tiles stream the weights through Triton's cp.async pipeline (the FMA loops do not)
+    for name in ("up-gemv-shared-dot", "down-gemv-shared-sum-dot"):
+        assert results[name]["cp_async"] > 0 and results[name]["mma"] > 0, (name, results[name])
+    assert results["up-gemv-shared-pdl"]["cp_async"] == 0
     # the arrival counters: an acquire-release atomic, and the other programs' rows read through L2
-    for name in ("down-gemv-shared-sum-pdl", "gate-nano-pdl", "gate-super-grouped"):
+    for name in ("down-gemv-shared-sum-pdl", "down-gemv-shared-sum-dot", "gate-nano-pdl", "gate-super-grouped"):
         assert results[name]["acq_rel_atomics"] == 1 and results[name]["cg_loads"] > 0, (name, results[name])
 
 

@@ -73,6 +73,37 @@ def test_gemv_shared_in_place(T, M, F, E, k, S, dtype, fused_sum, device):
         assert not arrivals.any()
 
 
+GEMV_DOT_CASES = {  # id: (T, dtype, block_n, block_k, shared, fused sum); M=48, F=40, E=6, k=2 (odd tiles)
+    "T1-fp32-16x32-shared-sum": (1, torch.float32, 16, 32, True, True),
+    "T4-bf16-32x16-shared-sum": (4, torch.bfloat16, 32, 16, True, True),
+    "T2-fp16-16x64-routed-kernel": (2, torch.float16, 16, 64, False, False),
+    "T3-fp32-8x32-clamped-to-16": (3, torch.float32, 8, 32, True, True),
+}
+
+
+@pytest.mark.parametrize("T,dtype,bn,bk,shared,fused_sum", list(GEMV_DOT_CASES.values()), ids=list(GEMV_DOT_CASES))
+def test_gemv_on_tensor_core_tiles(T, dtype, bn, bk, shared, fused_sum, device):
+    """The GEMV path with ``gemv_dot`` (each pair's row as row 0 of a 16-row dot): the reference,
+    NaN-poisoned out, counters left zero, and the FMA tiles' result within the dtype's rounding."""
+    from fastmamba.ops.moe import configs
+
+    M, F, E, k, S = 48, 40, 6, 2, 2
+    x, w_up, w_down, tw, ids = make_inputs(T, M, F, E, k, dtype, device, seed=30 + T)
+    extra = dict(zip(("shared_up", "shared_down"), shared_weights(S, F, M, dtype, device))) if shared else {}
+    want = fused_moe_ref(x, w_up, w_down, tw, ids, **extra)
+    arrivals = torch.zeros(T * M, dtype=torch.int32, device=device) if fused_sum else None
+    cfg = dict(path="gemv", block_m=16, block_n_up=bn, block_k_up=bk, block_n_down=bn, block_k_down=bk, group_m=1,
+               num_warps=4, num_stages=3)
+    with configs.forced_config(**cfg, gemv_dot=True):
+        got = fused_moe_gemv(x, w_up, w_down, tw, ids, out=nan_like(want), arrivals=arrivals, **extra)
+    torch.testing.assert_close(got.float(), want.float(), **tol(dtype))
+    if fused_sum:
+        assert not arrivals.any()
+    with configs.forced_config(**cfg):
+        fma = fused_moe_gemv(x, w_up, w_down, tw, ids, **extra)
+    torch.testing.assert_close(got.float(), fma.float(), **tol(dtype))
+
+
 def test_gemv_shared_strided(device):
     """x a transposed view, out every other column of a NaN buffer, the shared weights row slices
     of taller ones (their row strides differ from the experts')."""
