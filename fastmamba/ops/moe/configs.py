@@ -51,8 +51,8 @@ INTERPRETER = MoeConfig("grouped", 16, 32, 32, 32, 32, 1, 4, 1)
 INTERPRETER_GEMV = MoeConfig("gemv", 16, 16, 32, 16, 32, 1, 4, 1)
 
 # the configs ``tune`` tries (its bench keeps, per case, the GEMV ones for T <= 2 * GEMV_MAX_TOKENS and
-# the grouped ones whose block_m fits the mean rows per expert): 53 GEMV (12 on tensor cores), 66 grouped. vLLM's H100 table for
-# Nano's shape picks [64, 128, 128] x 4 stages at 1024 tokens and [128, 256, 64] x 4 at 4096: both among them.
+# the grouped ones whose block_m fits the mean rows per expert): 53 GEMV (12 on tensor cores), 70 grouped (vLLM's
+# H100 table for Nano's shape among them).
 # The GEMV tiles' loops are not pipelined (a program waits for each tile), so a grid a few programs
 # past a whole number of waves ends on those few at one program's pace. How many programs an SM holds
 # follows from the registers (sm_90, Triton 3.6, ptxas): [16, 256] x 4 warps takes 72 a thread, 7
@@ -74,6 +74,11 @@ CANDIDATES: list[dict] = (
        if (bm * bk + bk * bn) * 2 * st <= 200 * 1024]  # shared memory of the pipelined tiles (H100: 227 KiB)
     + [dict(path="grouped", block_m=bm, block_n_up=256, block_k_up=64, block_n_down=256, block_k_down=64,
             group_m=8, num_warps=8, num_stages=st) for bm in (64, 128) for st in (3, 4)]
+    # vLLM 0.33's H100 table for Nano's experts (E=128, N=1856) as it stands, L2 groups of 1 row block:
+    # 512-1024 tokens, 1536, 2048, 3072-4096
+    + [dict(path="grouped", block_m=bm, block_n_up=bn, block_k_up=bk, block_n_down=bn, block_k_down=bk,
+            group_m=1, num_warps=w, num_stages=st)
+       for bm, bn, bk, w, st in ((64, 128, 128, 8, 4), (128, 128, 64, 4, 3), (128, 128, 64, 8, 5), (128, 256, 64, 8, 4))]
 )
 
 _forced: Forced[MoeConfig] = Forced()
