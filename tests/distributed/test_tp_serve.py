@@ -58,7 +58,8 @@ def _serve_tp2_equals_tp1(nemotron_dir: str, tmp_path, device: str) -> None:
         for t in threads:
             t.join(180)
         assert [got.get(i) for i in range(len(PROMPTS))] == want, server.output()
-        sampled = ask(PROMPTS[0], temperature=1.0)  # no seed: the ranks share one generator's draws
+        # no seed: the ranks share one generator's draws; min_tokens keeps a drawn EOS from ending it early
+        sampled = ask(PROMPTS[0], temperature=1.0, extra_body={"min_tokens": MAX_NEW})
         assert len(sampled.model_extra["token_ids"]) == MAX_NEW and sampled.finish_reason == "length"
         with httpx.Client(base_url=server.url, timeout=120) as http:  # hang up after two chunks
             body = {"prompt": PROMPTS[2], "max_tokens": 40, "temperature": 0, "stream": True}
