@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import hashlib
 import importlib.util
 import inspect
 import json
@@ -362,6 +363,11 @@ def vllm_moe_dir() -> str | None:
     return path if os.path.isfile(os.path.join(path, "fused_moe.py")) else None
 
 
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
 @functools.lru_cache(maxsize=None)
 def vllm_kernel_module(folder: str):
     """The ``@triton.jit`` functions of ``folder``/fused_moe.py, written to a module of their own
@@ -377,10 +383,17 @@ def vllm_kernel_module(folder: str):
             start = min(d.lineno for d in node.decorator_list) - 1
             lines = text.splitlines()[start:node.end_lineno]
             parts.append("\n".join(lines) + "\n")
-    out_dir = tempfile.mkdtemp(prefix="fastmamba_vllm_moe_")
+    source = "\n\n".join(parts)
+    # one folder per extracted source (Triton reads the kernels from it while they run), reused by later
+    # runs instead of a new temporary folder each time
+    out_dir = os.path.join(tempfile.gettempdir(), "fastmamba_vllm_moe_" + hashlib.sha256(source.encode()).hexdigest()[:16])
+    os.makedirs(out_dir, exist_ok=True)
     out = os.path.join(out_dir, "vllm_fused_moe_kernels.py")
-    with open(out, "w", encoding="utf-8") as f:
-        f.write("\n\n".join(parts))
+    if not os.path.isfile(out) or _read(out) != source:
+        tmp = f"{out}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(source)
+        os.replace(tmp, out)  # atomic: a concurrent run never reads a half-written file
     spec = importlib.util.spec_from_file_location("fastmamba_vllm_fused_moe_kernels", out)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
