@@ -196,13 +196,28 @@ def test_gemv_extras_bad_input(change, exc, match):
         fused_moe_gemv(x, w_up, w_down, tw, ids, **a)
 
 
+GPU_DOT_TILE = dict(path="gemv", block_m=16, block_n_up=32, block_k_up=128, block_n_down=32, block_k_down=128,
+                    group_m=1, num_warps=4, num_stages=4, gemv_dot=True)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", ["default", "dot-32x128"])
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("T", [1, 4])
-def test_gpu_nano_shared_fused_sum_in_graph(T, pdl):
+def test_gpu_nano_shared_fused_sum_in_graph(T, pdl, tile):
     """Nano's shape in bf16 (128 experts, top-6, the 3712-wide shared expert as 2 slices, the fused
     sum): the reference, then 300 replays of a CUDA graph on new routings, each equal bit for bit to
-    the eager three-kernel path (the arrivals must reset and publish every time)."""
+    the eager three-kernel path (the arrivals must reset and publish every time); with the default
+    tile and a tensor-core one (``gemv_dot``: cp.async-pipelined weight tiles)."""
+    import contextlib
+
+    from fastmamba.ops.moe import configs
+
+    with configs.forced_config(**GPU_DOT_TILE) if tile != "default" else contextlib.nullcontext():
+        _nano_shared_fused_sum_in_graph(T, pdl)
+
+
+def _nano_shared_fused_sum_in_graph(T, pdl):
     from fastmamba.ops._common.pdl import programmatic_dependent_launch
 
     M, F, E, k, S = 2688, 1856, 128, 6, 2
