@@ -78,6 +78,28 @@ def test_arrows_point_down():
     assert not bad, "imports that point up or sideways:\n" + "\n".join(bad)
 
 
+# the rooms that run (not ``bench``, whose tuners and profilers reach into the ops' configs and kernels)
+RUNTIME_ROOMS = {"layers", "cache", "models", "generation", "serve", "distributed", "integrations", "cli", "llm"}
+
+
+def test_runtime_enters_the_ops_by_their_doors():
+    """Outside ``fastmamba/ops`` the runtime imports ``fastmamba.ops``, an op's package (its
+    ``__init__``: the op's public names) or ``fastmamba.ops.runtime`` (what the runtime needs from the
+    ops' internals), never an op's inner module (kernel, configs, ref, ``_common``, ...)."""
+    modules = _modules()
+    doors = {"fastmamba.ops", "fastmamba.ops.runtime"} | {m for m in modules if m.count(".") == 2
+                                                            and m.startswith("fastmamba.ops.")
+                                                            and modules[m].name == "__init__.py"}
+    bad = []
+    for name, path in modules.items():
+        if _room(name) not in RUNTIME_ROOMS:
+            continue
+        for line, target in _imports(path, modules):
+            if _room(target) == "ops" and target not in doors:
+                bad.append(f"{path.relative_to(PACKAGE.parent)}:{line}: imports {target}")
+    assert not bad, "imports of an op's inner modules (use its package or fastmamba.ops.runtime):\n" + "\n".join(bad)
+
+
 def test_no_import_circles():
     modules = _modules()
     graph = {m: {t for _, t in _imports(p, modules) if t in modules and t != m}

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastmamba.ops.attention import PrefillWork, paged_decode_attention, paged_kv_write, varlen_prefill_attention
-from fastmamba.ops.attention.ref import quantize_kv_ref
+from fastmamba.ops.attention import (PrefillWork, paged_decode_attention, paged_kv_write, quantize_kv_ref,
+                                     varlen_prefill_attention)
 from fastmamba.ops.gemv import gemv, gemv_covers
 
 FP8_KV = torch.float8_e4m3fn
