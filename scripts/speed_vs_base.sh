@@ -109,7 +109,8 @@ run_steps() {
     local steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
     [ "${steps[*]}" = all ] && steps=(e2e-mamba2-2.7b e2e-nemotron-h-8b ttft serve)
     { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
-      echo "base $(cat "$BASE_DIR/COMMIT" 2>/dev/null || echo '(unknown)'), head $(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo '(working tree, no .git)')"
+      # (the device machine's copy carries the working tree; its .git may name an older commit: say so when the tree differs)
+      echo "base $(cat "$BASE_DIR/COMMIT" 2>/dev/null || echo '(unknown)'), head $(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo '(working tree, no .git)')$( [ -n "$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null)" ] && echo ' + a working tree that differs from it')"
       "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee -a "$OUT/speed.log"
     local step r
     local -a args

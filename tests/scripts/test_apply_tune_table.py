@@ -24,6 +24,11 @@ DOT = dict(path="gemv", block_m=16, block_n_up=32, block_k_up=128, block_n_down=
 FMA = dict(DOT, block_n_up=16, block_k_up=256, block_n_down=16, block_k_down=256, num_stages=2, gemv_dot=False)
 
 
+def _entries(table: dict) -> dict:
+    """TABLE with every entry a MoeConfig (tune prints dicts while the real TABLE is empty, MoeConfigs after)."""
+    return {k: v if isinstance(v, configs.MoeConfig) else configs.MoeConfig(**v) for k, v in table.items()}
+
+
 def _tune_output(module: str, rows: list[tuple[object, list[tuple[float, dict]]]]) -> str:
     """What ``tune`` prints: a sweep's lines, then its paste-ready block (the real printer's)."""
     sweep = tune.Sweep("moe", configs=configs)
@@ -44,7 +49,7 @@ def test_apply_writes_the_table_and_pick_config_reads_it(tmp_path, monkeypatch):
     out.write_text(_tune_output("fake_moe_configs", [(KEY, [(40.0, FMA), (30.0, DOT)])]))
     assert apply_tune_table.main(["apply_tune_table.py", str(out)]) == 0
     fake = importlib.import_module("fake_moe_configs")
-    assert fake.TABLE == {KEY: DOT} and fake.AFTER == "kept"
+    assert _entries(fake.TABLE) == {KEY: configs.MoeConfig(**DOT)} and fake.AFTER == "kept"
     assert "TABLE: dict[tuple[str, str, int, int, int, int, int, int], MoeConfig | dict] = {" in module.read_text()
     # the written entry is what pick_config returns for that call (a dict entry becomes a MoeConfig)
     monkeypatch.setattr(configs, "TABLE", fake.TABLE)
@@ -56,7 +61,8 @@ def test_apply_writes_the_table_and_pick_config_reads_it(tmp_path, monkeypatch):
     out.write_text(_tune_output("fake_moe_configs", [(KEY, [(20.0, FMA), (30.0, DOT)]), (other, [(9.0, DOT)])]))
     assert apply_tune_table.main(["apply_tune_table.py", str(out)]) == 0
     fake = importlib.reload(fake)
-    assert fake.TABLE == {KEY: FMA, other: DOT} and fake.AFTER == "kept"
+    assert _entries(fake.TABLE) == {KEY: configs.MoeConfig(**FMA), other: configs.MoeConfig(**DOT)}
+    assert fake.AFTER == "kept"
 
 
 def test_no_block_and_no_file(tmp_path, capsys):
