@@ -130,35 +130,32 @@ class MoeBench(OpBench):
         return self._cases(device, self.tokens or (GPU_TOKENS if device.type == "cuda" else CPU_TOKENS))
 
     def _cases(self, device: torch.device, tokens: Sequence[int]) -> list[Case]:
-        cuda = device.type == "cuda"
-        shapes = GPU_SHAPES if cuda else CPU_SHAPES
-        act = torch.bfloat16 if cuda else torch.float32
-        out = []
-        for shape, (M, F, E, k) in shapes.items():
-            for T in tokens:
-                routing = self._routing[(shape, T)] = route_case(T, E, k)
-                touched = int(routing[3].unique().numel())
-                common = dict(M=M, F=F, E=E, k=k, act=act, device=str(device))
-                out.append(Case(op=ROUTE, shape=shape, dims=f"E{E} k{k}", dtype="fp32", batch=T,
-                                nbytes=byte_models.moe_route_bytes(T, E, k), params=dict(common)))
-                out.append(Case(op=EXPERTS, shape=shape, dims=f"M{M} F{F} E{E} k{k} ({touched} experts touched)",
-                                dtype=DTYPE_NAMES[act], batch=T,
-                                nbytes=byte_models.moe_bytes(T, M, F, k, touched, act_dtype=act),
-                                flops=byte_models.moe_flops(T, M, F, k), params=dict(common, touched=touched)))
         from fastmamba.ops.moe.configs import GEMV_MAX_TOKENS
 
+        cuda = device.type == "cuda"
+        act = torch.bfloat16 if cuda else torch.float32
+        out = []
+        for shape, (M, F, E, k) in (GPU_SHAPES if cuda else CPU_SHAPES).items():
+            for T in tokens:
+                out.append(Case(op=ROUTE, shape=shape, dims=f"E{E} k{k}", dtype="fp32", batch=T,
+                                nbytes=byte_models.moe_route_bytes(T, E, k),
+                                params=dict(M=M, F=F, E=E, k=k, act=act, device=str(device))))
+                out.append(self._experts_case(shape, T, M, F, E, k, 0, act, device))
         for shape, (M, F, E, k, S) in (GPU_SHARED_SHAPES if cuda else CPU_SHARED_SHAPES).items():
-            for T in (t for t in tokens if t <= GEMV_MAX_TOKENS):
-                routing = self._routing[(shape, T)] = route_case(T, E, k)
-                touched = int(routing[3].unique().numel())
-                # the shared slices are read like S more experts (weights of S*F features each way)
-                out.append(Case(op=EXPERTS, shape=shape,
-                                dims=f"M{M} F{F} E{E} k{k} +{S} shared slices ({touched} experts touched)",
-                                dtype=DTYPE_NAMES[act], batch=T,
-                                nbytes=byte_models.moe_bytes(T, M, F, k, touched + S, act_dtype=act),
-                                flops=byte_models.moe_flops(T, M, F, k + S),
-                                params=dict(M=M, F=F, E=E, k=k, S=S, act=act, device=str(device), touched=touched)))
+            out += [self._experts_case(shape, T, M, F, E, k, S, act, device) for T in tokens if T <= GEMV_MAX_TOKENS]
         return out
+
+    def _experts_case(self, shape: str, T: int, M: int, F: int, E: int, k: int, S: int, act: torch.dtype,
+                      device: torch.device) -> Case:
+        """The ``fused_moe`` case of T tokens routed once (kept for ``make_set``); S shared slices are read
+        like S more experts (weights of S*F features each way) and add S pairs per token."""
+        routing = self._routing[(shape, T)] = route_case(T, E, k)
+        touched = int(routing[3].unique().numel())
+        params = dict(M=M, F=F, E=E, k=k, act=act, device=str(device), touched=touched, **({"S": S} if S else {}))
+        return Case(op=EXPERTS, shape=shape, batch=T, dtype=DTYPE_NAMES[act],
+                    dims=f"M{M} F{F} E{E} k{k}{f' +{S} shared slices' if S else ''} ({touched} experts touched)",
+                    nbytes=byte_models.moe_bytes(T, M, F, k, touched + S, act_dtype=act),
+                    flops=byte_models.moe_flops(T, M, F, k + S), params=params)
 
     def tune_cases(self, device: torch.device, batches: Sequence[int]) -> list[Case]:
         """The fused_moe cases at tune's token counts (its --batch; default 1, 8, 64, 256)."""

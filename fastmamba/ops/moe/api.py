@@ -307,7 +307,6 @@ def _launch(x, w_up, w_down, tw, ids, out, cfg: configs.MoeConfig, T: int, M: in
     dev = x.device
     with on_device(x):
         if cfg.path == "gemv":
-            cfg = configs.gemv_config(cfg, T, M, F, interpreter=interp)  # (a tensor-core tile's 16 features)
             shared_up, shared_down = shared if shared is not None else (None, None)
             P = T * (k + (0 if shared_up is None else shared_up.shape[0] // F))
             h = torch.empty(P, F, dtype=x.dtype, device=dev)

@@ -3,10 +3,10 @@ bucket) and a fallback heuristic for every other key. S is the number of shared-
 call runs beside the k routed experts (``fused_moe_gemv``'s ``shared_up``: Nano's decode step runs
 6 routed + 2 shared slices, so its GEMV grids are 8/6 of the routed-only op's; 0 elsewhere).
 
-TABLE is empty until it is measured: the lead fills the Nano (M=2688, F=1856, E=128, k=6) and
-Super-latent (M=1024, F=2688, E=512, k=22) rows on an H100 / H200 with
-``python -m fastmamba.bench tune --ops moe`` (Triton 3.6.0); each row's comment then names the GPU,
-the date and the bench row that justified it. Under the CPU interpreter ``INTERPRETER`` runs
+TABLE holds measured rows only (so far Nano's decode call at one token on an H100); the lead adds
+the Nano (M=2688, F=1856, E=128, k=6) and Super-latent (M=1024, F=2688, E=512, k=22) rows on an
+H100 / H200 with ``python -m fastmamba.bench tune --ops moe`` (Triton 3.6.0); each row's comment
+names the GPU, the date and the bench row that justified it. Under the CPU interpreter ``INTERPRETER`` runs
 (its cost grows with the number of programs, not the tile width).
 
 Two paths (``MoeConfig.path``):
@@ -59,7 +59,8 @@ INTERPRETER_GEMV = MoeConfig("gemv", 16, 16, 32, 16, 32, 1, 4, 1)
 # the grouped ones whose block_m fits the mean rows per expert): 53 GEMV (12 on tensor cores), 70 grouped (vLLM's
 # H100 table for Nano's shape among them).
 # The GEMV tiles' loops are not pipelined (a program waits for each tile), so a grid a few programs
-# past a whole number of waves ends on those few at one program's pace. How many programs an SM holds
+# past a whole number of waves ends on those few at one program's pace (worth 3% of Nano's decode
+# call when measured: the TABLE row). How many programs an SM holds
 # follows from the registers (sm_90, Triton 3.6, ptxas): [16, 256] x 4 warps takes 72 a thread, 7
 # programs an SM, 924 on 132 SMs, while Nano's decode step launches 928 up programs (8 pairs x 116
 # blocks of 16 of F=1856) at batch 1, 1856 at 2, 3712 at 4. 2 warps on tiles of at most 2048 values
@@ -146,16 +147,20 @@ def pick_config(device: torch.device, dtype: torch.dtype, T: int, M: int, F: int
     """The config of one call (``shared``: S, the shared-expert slices run in the same GEMVs):
     forced (tune), the interpreter's, the table's, or the heuristic's."""
     if _forced.value is not None:
-        return _forced.value
+        return _dot_tile_fits(_forced.value)
     if interpreter:
         return INTERPRETER_GEMV if T <= GEMV_MAX_TOKENS else INTERPRETER
-    if not TABLE:
-        return heuristic(T, M, F, E, k)
-    key = table_key(device, dtype, T, M, F, E, k, shared)
-    cfg = TABLE.get(key)
+    cfg = TABLE.get(table_key(device, dtype, T, M, F, E, k, shared)) if TABLE else None
     if cfg is None:
         return heuristic(T, M, F, E, k)
-    return cfg if isinstance(cfg, MoeConfig) else MoeConfig(**cfg)  # tune prints dicts while TABLE is empty
+    return _dot_tile_fits(cfg if isinstance(cfg, MoeConfig) else MoeConfig(**cfg))  # (tune prints dicts)
+
+
+def _dot_tile_fits(cfg: MoeConfig) -> MoeConfig:
+    """A forced or tabled config as it can launch: a GEMV tensor-core tile has at least 16 features."""
+    if cfg.path == "gemv" and cfg.gemv_dot and min(cfg.block_n_up, cfg.block_n_down) < 16:
+        return cfg._replace(block_n_up=max(16, cfg.block_n_up), block_n_down=max(16, cfg.block_n_down))
+    return cfg
 
 
 # moe_gate: the router's GEMV and the routing in one launch, for up to this many tokens (one program
@@ -182,10 +187,7 @@ def gate_config(E: int, M: int, *, interpreter: bool = False) -> GateConfig:
 
 
 def gemv_config(cfg: MoeConfig, T: int, M: int, F: int, *, interpreter: bool = False) -> MoeConfig:
-    """``cfg`` if it is a GEMV config, else the GEMV heuristic's (``fused_moe_gemv`` forced on more
-    tokens); a tensor-core tile has at least 16 features."""
-    if cfg.path != "gemv":
-        return INTERPRETER_GEMV if interpreter else gemv_heuristic(T, M, F)
-    if cfg.gemv_dot and min(cfg.block_n_up, cfg.block_n_down) < 16:
-        return cfg._replace(block_n_up=max(16, cfg.block_n_up), block_n_down=max(16, cfg.block_n_down))
-    return cfg
+    """``cfg`` if it is a GEMV config, else the GEMV heuristic's (``fused_moe_gemv`` forced on more tokens)."""
+    if cfg.path == "gemv":
+        return cfg
+    return INTERPRETER_GEMV if interpreter else gemv_heuristic(T, M, F)
