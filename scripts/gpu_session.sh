@@ -23,7 +23,8 @@ ls .tcache/triton-cache.txz.part* >/dev/null 2>&1 && cat .tcache/triton-cache.tx
 # tune-<op> sweeps one op, e.g. tune-conv_fn, tune-ssd (the prefill ops are not in the default tune)
 # spec-<shape> runs the spec benchmark on one shape (nemotron-h, nemotron-h-tp8, mamba2-2.7b);
 # e2ef-<model> / e2ekv-<model>: e2e with --quantization fp8 / --kv-cache-dtype fp8; profile-decode-<model>: one
-# graphed decode step's kernels; mtp-<model>: the MTP oracle at k 1..7 (MTP_ARGS appended, e.g. "--engine-batches 8,64,256"); fp8moe: the FP8 MoE op vs bf16 and _scaled_mm
+# graphed decode step's kernels (PROFILE_ARGS appended, e.g. "--quantization fp8"); fp8err-<model>: where the FP8
+# model's logit error comes from, block by block (kernels vs references, FP8 vs 16 bits, drift); mtp-<model>: the MTP oracle at k 1..7 (MTP_ARGS appended, e.g. "--engine-batches 8,64,256"); fp8moe: the FP8 MoE op vs bf16 and _scaled_mm
 # tunemoe-<shape>: the MoE configs at TUNE_BATCH tokens (environment; default 1,2,4: the GEMV path) on that bench shape (nano:
 # routed-only and the decode call with the shared expert; nano+shared: the decode call alone), PDL on, cut at TUNE_S (300) s
 # apply-gemv / apply-moe: write the TABLE that tunegemv- / tunemoe- printed into the configs module, so that
@@ -112,7 +113,7 @@ for step in "${steps[@]}"; do
         e2em-*)    timeout 400 python3 -m fastmamba.bench e2e --model "${step#e2em-}" ${E2E_ARGS:-} --json "$OUT/e2e.jsonl" >> "$OUT/e2e.txt" 2>> "$OUT/e2e.err"; echo "rc=$?"; tail -n 12 "$OUT/e2e.txt"; tail -3 "$OUT/e2e.err" ;;
         e2ef-*)    timeout 400 python3 -m fastmamba.bench e2e --model "${step#e2ef-}" --quantization fp8 ${E2E_ARGS:-} --json "$OUT/e2e.jsonl" >> "$OUT/e2e.txt" 2>> "$OUT/e2e.err"; echo "rc=$?"; tail -n 12 "$OUT/e2e.txt"; tail -3 "$OUT/e2e.err" ;;
         e2ekv-*)   timeout 400 python3 -m fastmamba.bench e2e --model "${step#e2ekv-}" --kv-cache-dtype fp8 ${E2E_ARGS:-} --json "$OUT/e2e.jsonl" >> "$OUT/e2e.txt" 2>> "$OUT/e2e.err"; echo "rc=$?"; tail -n 12 "$OUT/e2e.txt"; tail -3 "$OUT/e2e.err" ;;
-        profile-decode-*) timeout 300 python3 -m fastmamba.bench profile decode --model "${step#profile-decode-}" --batch 1 --timeline 60 > "$OUT/profile-decode.txt" 2>&1; echo "rc=$?"; head -n 80 "$OUT/profile-decode.txt" ;;
+        profile-decode-*) timeout 300 python3 -m fastmamba.bench profile decode --model "${step#profile-decode-}" --batch 1 --timeline 60 ${PROFILE_ARGS:-} >> "$OUT/profile-decode.txt" 2>&1; echo "rc=$?"; head -n 80 "$OUT/profile-decode.txt" ;;
         mtp-*)     timeout 500 python3 -m fastmamba.bench mtp --model "${step#mtp-}" --k 1,2,3,4,5,6,7 --batch 1 --prompt-len 512 --steps 64 ${MTP_ARGS:-} --json "$OUT/mtp.jsonl" > "$OUT/mtp.txt" 2> "$OUT/mtp.err"; echo "rc=$?"; tail -n 30 "$OUT/mtp.txt"; tail -3 "$OUT/mtp.err" ;;
         tunemoe-*) timeout ${TUNE_S:-300} python3 -m fastmamba.bench tune --ops moe --batch ${TUNE_BATCH:-1,2,4} --cases "${step#tunemoe-}" --pdl > "$OUT/tune-moe.txt" 2>&1; echo "rc=$?"; tail -n 30 "$OUT/tune-moe.txt" ;;
         tunefp8)   timeout 400 python3 -m fastmamba.bench tune --ops fp8 --pdl --cases "${TUNE_FP8_CASES:-nano}" > "$OUT/tune-fp8.txt" 2>&1; echo "rc=$?"; tail -n 30 "$OUT/tune-fp8.txt" ;;
@@ -120,6 +121,7 @@ for step in "${steps[@]}"; do
         capacity-*) timeout 400 python3 -m fastmamba.bench capacity --model "${step#capacity-}" --context ${CAPACITY_CONTEXT:-8192} --startup ${E2E_ARGS:-} --json "$OUT/capacity.jsonl" >> "$OUT/capacity.txt" 2>> "$OUT/capacity.err"; echo "rc=$?"; tail -n 8 "$OUT/capacity.txt"; tail -3 "$OUT/capacity.err" ;;
         e2esuper)  timeout 540 python3 -m fastmamba.bench e2e --model nemotron-3-super --quantization fp8 --batch ${SUPER_BATCH:-1,64} --ssm-dtype fp16 --kv-cache-dtype fp8 --json "$OUT/e2e.jsonl" >> "$OUT/e2e.txt" 2>> "$OUT/e2e.err"; echo "rc=$?"; tail -n 12 "$OUT/e2e.txt"; tail -5 "$OUT/e2e.err" ;;
         apply-*)   python3 scripts/apply_tune_table.py "$OUT/tune-${step#apply-}.txt"; echo "rc=$?" ;;
+        fp8err-*)  timeout 400 python3 -m fastmamba.bench fp8-error --model "${step#fp8err-}" --json "$OUT/fp8err.jsonl" > "$OUT/fp8err.txt" 2> "$OUT/fp8err.err"; echo "rc=$?"; cat "$OUT/fp8err.txt"; tail -3 "$OUT/fp8err.err" ;;
         fp8moe)    timeout 300 python3 -m fastmamba.bench fp8 --kinds moe --batch 1,4,16,17,64,256,1024,4096 > "$OUT/fp8moe.txt" 2> "$OUT/fp8moe.err"; echo "rc=$?"; tail -n 40 "$OUT/fp8moe.txt"; tail -3 "$OUT/fp8moe.err" ;;
         hf-*)      timeout 400 python3 -m fastmamba.bench hf --model "${step#hf-}" --batch 1,16 --new-tokens 256 --repeats 1 --json "$OUT/hf.jsonl" >> "$OUT/hf.txt" 2>> "$OUT/hf.err"; echo "rc=$?"; tail -n 12 "$OUT/hf.txt"; tail -3 "$OUT/hf.err" ;;
         *)         echo "unknown step $step" ;;

@@ -42,6 +42,7 @@ TARGETS = {
         Target("tp", "fastmamba.bench.tp", "tensor-parallel decode at several TP sizes: speedup, collectives, equal outputs"),
         Target("hf", "fastmamba.bench.hf_provider", "transformers' generate with and without fastmamba as its kernel provider"),
         Target("fp8", "fastmamba.bench.ops.fp8", "FP8 W8A8 projections and MoE vs bf16 and torch._scaled_mm"),
+        Target("fp8-error", "fastmamba.bench.fp8_error", "where FP8's logit error comes from: per block, kernels vs references, FP8 vs 16 bits, drift"),
     )
 }
 PLANNED: tuple[str, ...] = ()

@@ -1,0 +1,157 @@
+"""Target ``fp8-error``: where an FP8 model's logit error against its 16-bit weights comes from.
+
+    python -m fastmamba.bench fp8-error [--model nemotron-3-nano] [--prompt-len 64] [--dtype bf16]
+                                        [--device auto] [--json PATH]
+
+``bench e2e --quantization fp8`` reports one number, the relative error of the FP8 model's logits
+against the same random weights in 16 bits (Nano: 0.91 in norm on an H100). This target tells its
+parts apart, block by block, on one random prompt:
+
+- **kernels vs ref**: the block run by the kernels on the device against the same block run by the
+  plain-PyTorch references on the CPU (``ops/*/ref.py``), on the same input: a fault of a GPU-only
+  path (the tensor-core GEMV, ``torch._scaled_mm``, the grouped W8A8 MoE) shows here. FP8 blocks at
+  the prompt's length (the prefill paths) and at 8 and 1 rows (the decode GEMVs); 16-bit blocks at
+  the prompt's length, as the yardstick of what the dtype's own rounding gives.
+- **FP8 vs 16-bit**: the FP8 block against the 16-bit block, both by the references, on the same
+  input (the 16-bit model's input to that block): the quantisation error of one block.
+- **drift**: the FP8 model's block output against the 16-bit model's in two whole runs: the
+  error each block inherits and adds, as the logits see it.
+
+All relative errors are ``|a - b| / |b|`` over the block's output [B, L, D]. On a CPU under
+``TRITON_INTERPRET=1`` the kernels run in the interpreter (the tiny presets: a check of the wiring).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+import torch
+
+from fastmamba.bench.e2e_report import append_json
+from fastmamba.bench.e2e_runs import DTYPES
+from fastmamba.bench.peak import device_name
+
+DECODE_ROWS = (8, 1)  # the decode GEMVs' row counts: the tensor-core dot (3-16 rows) and the FMA loop (1-2)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="nemotron-3-nano", help="preset or checkpoint dir (default nemotron-3-nano)")
+    parser.add_argument("--prompt-len", type=int, default=64, help="tokens of the random prompt (default 64)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="the 16-bit model's dtype (default bf16)")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--seed", type=int, default=0, help="of the prompt's token ids (default 0)")
+    parser.add_argument("--json", metavar="PATH", help="append one JSON line per block here")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| in fp32 over all elements (0 when both are zero)."""
+    a, b = a.float().cpu(), b.float().cpu()
+    den = float(b.norm())
+    return float((a - b).norm()) / den if den > 0 else float((a - b).norm())
+
+
+@contextlib.contextmanager
+def references_only():
+    """CPU tensors run the ops' PyTorch references inside the block, even under TRITON_INTERPRET=1
+    (``ops._common.dispatch.interpreter_enabled`` reads the variable at each call)."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+@torch.no_grad()
+def whole_run(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """One forward of ``ids`` [B, L]: each block's input and output [B, L, D] (fp32, on the CPU) and
+    the logits of the last position [B, V] (fp32, CPU)."""
+    ins, outs = [], []
+
+    def record(module, args, out):
+        ins.append(args[0].detach().float().cpu())
+        outs.append(out.detach().float().cpu())
+
+    hooks = [b.register_forward_hook(record) for b in model.backbone.layers]
+    try:
+        logits = model(ids)[:, -1].float().cpu()
+    finally:
+        for h in hooks:
+            h.remove()
+    return ins, outs, logits
+
+
+@torch.no_grad()
+def block_outputs(block, x: torch.Tensor, device: torch.device, dtype: torch.dtype,
+                  rows: tuple[int, ...]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """The block on ``x`` [B, L, D] (fp32, CPU) and on its first r positions for each r in ``rows``:
+    by the kernels on ``device``, then (the block moved to the CPU, where it stays) by the references.
+    Returns ({r: output}, {r: reference output}), fp32 on the CPU."""
+    xs = {r: x[:, :r].to(dtype) for r in rows}
+    dev = {r: block(xr.to(device)).float().cpu() for r, xr in xs.items()}
+    block.to("cpu")
+    with references_only():
+        ref = {r: block(xr).float() for r, xr in xs.items()}
+    return dev, ref
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    import fastmamba
+
+    if args.prompt_len < 1:
+        print(f"error: --prompt-len must be >= 1, got {args.prompt_len}", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    dtype = DTYPES[args.dtype]
+    L = args.prompt_len
+    rows = (L, *(r for r in DECODE_ROWS if r < L))
+    g = torch.Generator().manual_seed(args.seed)
+
+    model = fastmamba.load_model(args.model, device=device, dtype=dtype)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, L), generator=g).to(device)
+    kinds = [b.kind for b in model.backbone.layers]
+    x16, y16, logits16 = whole_run(model, ids)
+    ref16 = []
+    for i, block in enumerate(model.backbone.layers):
+        _, ref = block_outputs(block, x16[i], device, dtype, (L,))
+        ref16.append(ref[L])
+    del model, block
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    model = fastmamba.load_model(args.model, device=device, dtype=dtype, quantization="fp8")
+    _, y8, logits8 = whole_run(model, ids)
+    print(f"# {command}\n# {device_name(device)}, {args.model}, {args.dtype} vs FP8 (--quantization fp8), "
+          f"one prompt of {L} tokens, torch {torch.__version__}")
+    print(f"# logits of the last position, FP8 vs {args.dtype}: relative error {rel(logits8, logits16):.4f}; "
+          f"same argmax: {bool((logits8.argmax(-1) == logits16.argmax(-1)).all())}")
+    head = " | ".join(f"FP8 kernels vs ref, {r} rows" for r in rows)
+    print(f"| block | kind | {args.dtype} kernels vs ref | {head} | FP8 vs {args.dtype}, same input | drift (whole run) |")
+    print("|---:|---|" + "---:|" * (len(rows) + 3))
+    out_rows = []
+    for i, block in enumerate(model.backbone.layers):
+        dev, ref = block_outputs(block, x16[i], device, dtype, rows)
+        row = {"block": i, "kind": kinds[i], "kernels_vs_ref_16bit": rel(y16[i], ref16[i]),
+               **{f"kernels_vs_ref_fp8_{r}": rel(dev[r], ref[r]) for r in rows},
+               "fp8_vs_16bit": rel(ref[L], ref16[i]), "drift": rel(y8[i], y16[i])}
+        out_rows.append(row)
+        cells = " | ".join(f"{row[f'kernels_vs_ref_fp8_{r}']:.4f}" for r in rows)
+        print(f"| {i} | {kinds[i]} | {row['kernels_vs_ref_16bit']:.4f} | {cells} | {row['fp8_vs_16bit']:.4f} | "
+              f"{row['drift']:.4f} |")
+    worst = max(max(r[f"kernels_vs_ref_fp8_{n}"] for n in rows) for r in out_rows)
+    print(f"# largest FP8 kernels-vs-ref error {worst:.4f} (the {args.dtype} blocks': "
+          f"{max(r['kernels_vs_ref_16bit'] for r in out_rows):.4f}); FP8 vs {args.dtype} on the same input: "
+          f"median {sorted(r['fp8_vs_16bit'] for r in out_rows)[len(out_rows) // 2]:.4f}")
+    if args.json:
+        append_json(args.json, out_rows, model=args.model, device=device_name(device), prompt_len=L,
+                    logit_rel_err=rel(logits8, logits16), command=command)
+    return 0
