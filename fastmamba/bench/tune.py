@@ -199,7 +199,12 @@ def run(args: argparse.Namespace, command: str) -> int:
             cases = sw.bench.tune_cases(device, batches)
             if args.cases:
                 cases = [c for c in cases if any(sub in c.label for sub in args.cases)]
-            done.append((sw, [_sweep_case(sw, case, device, l2, copy_gbs, args.pdl, out) for case in cases]))
+            results: list[CaseResult] = []
+            done.append((sw, results))
+            for case in cases:
+                results.append(_sweep_case(sw, case, device, l2, copy_gbs, args.pdl, out))
+    except KeyboardInterrupt:  # `timeout -s INT` (gpu_session.sh): the cases finished so far still make a table
+        print("[tune] interrupted: the tables below hold the cases finished before it", file=sys.stderr, flush=True)
     finally:
         if out:
             out.close()

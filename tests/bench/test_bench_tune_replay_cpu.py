@@ -186,6 +186,31 @@ def test_tune_sweep_loop_with_stand_in_timings(monkeypatch, tmp_path, capsys):
     assert again[again.index("TABLE: dict"):] == table.rstrip("\n") + "\n"
 
 
+def test_an_interrupted_tune_still_prints_the_cases_it_finished(monkeypatch, capsys):
+    """gpu_session.sh cuts a sweep with `timeout -s INT`: the cases done before the interrupt still
+    give their rows and a paste-ready table; the case cut short gives none."""
+    monkeypatch.setattr(tune, "interpreter_enabled", lambda: True)
+    cases = SpecVerifyBench().tune_cases(CPU, [1])
+    assert len(cases) >= 2
+    times = iter(range(10**6, 0, -1))
+    monkeypatch.setattr(tune, "_time", lambda *args: float(next(times)))
+    sweep_case, started = tune._sweep_case, []
+
+    def cut_at_the_second_case(*args, **kwargs):
+        started.append(args[1].label)
+        if len(started) == 2:
+            raise KeyboardInterrupt  # as SIGINT arrives in the middle of a case
+        return sweep_case(*args, **kwargs)
+
+    monkeypatch.setattr(tune, "_sweep_case", cut_at_the_second_case)
+    assert cli.main(["bench", "tune", "--ops", "replay", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert "[tune] interrupted: the tables below hold the cases finished before it" in captured.err
+    rows = [ln for ln in captured.out.splitlines() if ln.startswith("spec ")]
+    assert [r.split("  ")[0] for r in rows] == [cases[0].label]
+    assert "TABLE: dict" in captured.out and "# 1 case" in captured.out
+
+
 def test_table_from_several_files(tmp_path, capsys):
     """Two parts of a split sweep share a key: the table weighs the cases of both."""
     def line(case, cfg, us, default):
