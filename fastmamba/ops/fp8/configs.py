@@ -59,13 +59,15 @@ DOT_DEFAULT = GemvConfig(True, 64, 128, 4, 3)    # the first cut (Triton's defau
 # rows "1-2" (at most FMA_MAX_ROWS rows; the pair GEMV) or "3-16"
 TABLE: dict[tuple[str, str, str, int, int], GemvConfig | dict] = {}
 
-# what ``tune --ops fp8`` tries (42 tiles); the bench keeps per case those that fit (``FP8Bench.tune_candidates``):
+# what ``tune --ops fp8`` tries (46 tiles); the bench keeps per case those that fit (``FP8Bench.tune_candidates``):
 # the FMA tiles at 1-2 rows and in the pair GEMV (``fma_fits``), the dot tiles everywhere. At 1-2 rows and
 # in the pair GEMV both compete. Dropped: tiles that spill registers on sm_90 (ptxas, Triton 3.6): the
 # dot's 32 / 64 x 512 without the swap, the swap's 128 x 512.
 CANDIDATES: list[dict] = [
     *(dict(use_dot=False, block_n=bn, block_k=bk, num_warps=w, num_stages=2)   # stages: no effect on the FMA loop
       for bn in (8, 16, 32) for bk in (512, 1024, 2048) for w in (4, 8)),
+    # the bf16 gemv's winners in bytes per step (8 / 16 x 128 bf16, 2 warps: ops/moe's TABLE) as e4m3 tiles
+    *(dict(use_dot=False, block_n=bn, block_k=256, num_warps=w, num_stages=2) for bn in (8, 16) for w in (2, 4)),
     *(dict(use_dot=True, block_n=bn, block_k=bk, num_warps=4, num_stages=s)     # 4 warps: the bf16 gemv's best
       for bn, bk in ((16, 128), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128), (64, 256)) for s in (3, 4)),
     *(dict(use_dot=True, block_n=bn, block_k=bk, num_warps=4, num_stages=s, swap_ab=True)  # Hopper's wgmma: M >= 64
