@@ -311,10 +311,11 @@ def fp8_logit_error(fp8_logits: torch.Tensor, load_16bit, ids: torch.Tensor, dev
     except (ValueError, torch.OutOfMemoryError) as exc:
         return dict(row, skipped=f"the 16-bit model does not load here: {str(exc).splitlines()[0]}")
     ref = last_logits(ref_model, ids).to(fp8_logits.device)
+    dtype_16bit = str(ref_model.dtype)  # the model's (the logits are fp32 either way)
     del ref_model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     diff = fp8_logits - ref
     per_pos = diff.abs().amax(-1) / ref.abs().amax(-1).clamp(min=1e-30)
     return dict(row, rel_err_norm=float(diff.norm() / ref.norm().clamp(min=1e-30)), rel_err_max=float(per_pos.max()),
-                dtype_16bit=str(ref.dtype))
+                dtype_16bit=dtype_16bit)

@@ -39,11 +39,25 @@ def test_e2e_quantization_fp8_loads_fp8_and_counts_its_bytes(tmp_path, monkeypat
     assert "FP8 weights" in out and "# FP8 vs 16-bit logits (same weights, the last 16 positions" in out
     # FP8 rounding of weights and activations moves the logits (e4m3: ~2^-4 relative per value), a little
     assert logits["provider"] == "FP8 vs 16-bit logits" and 2 ** -12 < logits["rel_err_norm"] < 0.5
+
     assert logits["rel_err_norm"] <= logits["rel_err_max"] * 4 and logits["quantization"] == "fp8"
     assert plain["quantization"] is None and fp8["quantization"] == "fp8"
     # the experts' and projections' weights are read as 1-byte floats (attention and lm_head stay 16/32-bit)
     assert 0 < fp8["step_bytes"] < plain["step_bytes"]
     assert fp8["decode_tok_s"] > 0
+
+
+def test_fp8_logit_error_names_the_reference_models_dtype():
+    import torch
+
+    from fastmamba.bench.e2e_runs import fp8_logit_error, last_logits
+
+    ids = torch.randint(0, 256, (1, 20))
+    fp8 = fastmamba.load_model("nemotron-3-tiny", device="cpu", dtype=torch.bfloat16, quantization="fp8")
+    row = fp8_logit_error(last_logits(fp8, ids), lambda: fastmamba.load_model("nemotron-3-tiny", device="cpu",
+                                                                               dtype=torch.bfloat16), ids, torch.device("cpu"))
+    assert row["dtype_16bit"] == "torch.bfloat16"  # the model's, not its logits' (fp32 either way)
+    assert row["positions"] == 16 and 0 < row["rel_err_norm"] < 0.5
 
 
 def test_e2e_quantization_rejects_unknown_scheme(capsys):
