@@ -15,7 +15,9 @@ parts apart, block by block, on one random prompt:
 - **FP8 vs 16-bit**: the FP8 block against the 16-bit block, both by the references, on the same
   input (the 16-bit model's input to that block): the quantisation error of one block.
 - **drift**: the FP8 model's block output against the 16-bit model's in two whole runs: the
-  error each block inherits and adds, as the logits see it.
+  error each block inherits and adds, as the logits see it; for a MoE block also the share of
+  (token, expert) choices the FP8 run's router made differently (a flipped expert replaces a whole
+  term of the sum: random routers' scores are close, so small input errors flip many).
 
 All relative errors are ``|a - b| / |b|`` over the block's output [B, L, D]. On a CPU under
 ``TRITON_INTERPRET=1`` the kernels run in the interpreter (the tiny presets: a check of the wiring).
@@ -26,6 +28,7 @@ import argparse
 import contextlib
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -67,23 +70,51 @@ def references_only():
             os.environ["TRITON_INTERPRET"] = old
 
 
+class Run(NamedTuple):
+    """What ``whole_run`` records: per block its input and output [B, L, D] (fp32, CPU), per MoE block
+    (by index) the experts each token was routed to [B * L, k] (CPU), and the last position's logits
+    [B, V] (fp32, CPU)."""
+    ins: list[torch.Tensor]
+    outs: list[torch.Tensor]
+    experts: dict[int, torch.Tensor]
+    logits: torch.Tensor
+
+
 @torch.no_grad()
-def whole_run(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """One forward of ``ids`` [B, L]: each block's input and output [B, L, D] (fp32, on the CPU) and
-    the logits of the last position [B, V] (fp32, CPU)."""
-    ins, outs = [], []
+def whole_run(model, ids: torch.Tensor) -> Run:
+    """One forward of ``ids`` [B, L], recorded (``Run``)."""
+    run = Run([], [], {}, torch.empty(0))
 
     def record(module, args, out):
-        ins.append(args[0].detach().float().cpu())
-        outs.append(out.detach().float().cpu())
+        run.ins.append(args[0].detach().float().cpu())
+        run.outs.append(out.detach().float().cpu())
 
-    hooks = [b.register_forward_hook(record) for b in model.backbone.layers]
+    def recording_route(i, route):
+        def routed(x):
+            routing = route(x)
+            run.experts[i] = routing.ids.detach().cpu()
+            return routing
+        return routed
+
+    blocks = list(model.backbone.layers)
+    hooks = [b.register_forward_hook(record) for b in blocks]
+    moes = [(i, b.mixer) for i, b in enumerate(blocks) if hasattr(b.mixer, "route")]
+    for i, moe in moes:
+        moe.route = recording_route(i, moe.route)  # an instance attribute over the method, removed below
     try:
         logits = model(ids)[:, -1].float().cpu()
     finally:
         for h in hooks:
             h.remove()
-    return ins, outs, logits
+        for _, moe in moes:
+            del moe.route
+    return run._replace(logits=logits)
+
+
+def experts_changed(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The fraction of (token, expert) choices in ``a`` [T, k] that ``b`` [T, k] does not make (as sets per token)."""
+    same = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1).sum()
+    return 1.0 - float(same) / max(a.numel(), 1)
 
 
 @torch.no_grad()
@@ -119,39 +150,44 @@ def run(args: argparse.Namespace, command: str) -> int:
     model = fastmamba.load_model(args.model, device=device, dtype=dtype)
     ids = torch.randint(0, model.cfg.vocab_size, (1, L), generator=g).to(device)
     kinds = [b.kind for b in model.backbone.layers]
-    x16, y16, logits16 = whole_run(model, ids)
+    run16 = whole_run(model, ids)
     ref16 = []
     for i, block in enumerate(model.backbone.layers):
-        _, ref = block_outputs(block, x16[i], device, dtype, (L,))
+        _, ref = block_outputs(block, run16.ins[i], device, dtype, (L,))
         ref16.append(ref[L])
     del model, block
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
     model = fastmamba.load_model(args.model, device=device, dtype=dtype, quantization="fp8")
-    _, y8, logits8 = whole_run(model, ids)
+    run8 = whole_run(model, ids)
+    logit_err = rel(run8.logits, run16.logits)
     print(f"# {command}\n# {device_name(device)}, {args.model}, {args.dtype} vs FP8 (--quantization fp8), "
           f"one prompt of {L} tokens, torch {torch.__version__}")
-    print(f"# logits of the last position, FP8 vs {args.dtype}: relative error {rel(logits8, logits16):.4f}; "
-          f"same argmax: {bool((logits8.argmax(-1) == logits16.argmax(-1)).all())}")
+    print(f"# logits of the last position, FP8 vs {args.dtype}: relative error {logit_err:.4f}; "
+          f"same argmax: {bool((run8.logits.argmax(-1) == run16.logits.argmax(-1)).all())}")
     head = " | ".join(f"FP8 kernels vs ref, {r} rows" for r in rows)
-    print(f"| block | kind | {args.dtype} kernels vs ref | {head} | FP8 vs {args.dtype}, same input | drift (whole run) |")
-    print("|---:|---|" + "---:|" * (len(rows) + 3))
+    print(f"| block | kind | {args.dtype} kernels vs ref | {head} | FP8 vs {args.dtype}, same input | drift (whole run) "
+          f"| experts changed (whole run) |")
+    print("|---:|---|" + "---:|" * (len(rows) + 4))
     out_rows = []
     for i, block in enumerate(model.backbone.layers):
-        dev, ref = block_outputs(block, x16[i], device, dtype, rows)
-        row = {"block": i, "kind": kinds[i], "kernels_vs_ref_16bit": rel(y16[i], ref16[i]),
+        dev, ref = block_outputs(block, run16.ins[i], device, dtype, rows)
+        row = {"block": i, "kind": kinds[i], "kernels_vs_ref_16bit": rel(run16.outs[i], ref16[i]),
                **{f"kernels_vs_ref_fp8_{r}": rel(dev[r], ref[r]) for r in rows},
-               "fp8_vs_16bit": rel(ref[L], ref16[i]), "drift": rel(y8[i], y16[i])}
+               "fp8_vs_16bit": rel(ref[L], ref16[i]), "drift": rel(run8.outs[i], run16.outs[i]),
+               "experts_changed": (experts_changed(run8.experts[i], run16.experts[i]) if i in run16.experts
+                                   else None)}
         out_rows.append(row)
         cells = " | ".join(f"{row[f'kernels_vs_ref_fp8_{r}']:.4f}" for r in rows)
+        changed = "" if row["experts_changed"] is None else f"{row['experts_changed']:.1%}"
         print(f"| {i} | {kinds[i]} | {row['kernels_vs_ref_16bit']:.4f} | {cells} | {row['fp8_vs_16bit']:.4f} | "
-              f"{row['drift']:.4f} |")
+              f"{row['drift']:.4f} | {changed} |")
     worst = max(max(r[f"kernels_vs_ref_fp8_{n}"] for n in rows) for r in out_rows)
     print(f"# largest FP8 kernels-vs-ref error {worst:.4f} (the {args.dtype} blocks': "
           f"{max(r['kernels_vs_ref_16bit'] for r in out_rows):.4f}); FP8 vs {args.dtype} on the same input: "
           f"median {sorted(r['fp8_vs_16bit'] for r in out_rows)[len(out_rows) // 2]:.4f}")
     if args.json:
         append_json(args.json, out_rows, model=args.model, device=device_name(device), prompt_len=L,
-                    logit_rel_err=rel(logits8, logits16), command=command)
+                    logit_rel_err=logit_err, command=command)
     return 0

@@ -31,8 +31,20 @@ def test_fp8_error_tells_kernels_quantisation_and_drift_apart(tmp_path, capsys):
         else:  # e4m3 weights and activations: ~2^-4 relative per value, a few % over a block's sums
             assert 0.005 < r["fp8_vs_16bit"] < 0.2, r
         assert r["drift"] >= 0.0
+        # the routers' choices in the two whole runs: a share for the MoE blocks, nothing for the others
+        assert (0.0 <= r["experts_changed"] <= 1.0) if r["kind"] == "E" else r["experts_changed"] is None, r
     assert rows[0]["drift"] == pytest.approx(rows[0]["fp8_vs_16bit"], rel=1e-4, abs=1e-6)  # block 0: same input
     assert 0 < rows[0]["logit_rel_err"] < 0.5
+
+
+def test_experts_changed_compares_sets_per_token():
+    import torch
+
+    from fastmamba.bench.fp8_error import experts_changed
+
+    a = torch.tensor([[1, 2], [3, 4]])
+    assert experts_changed(a, torch.tensor([[2, 1], [3, 4]])) == 0.0  # order within a token does not count
+    assert experts_changed(a, torch.tensor([[1, 5], [6, 7]])) == 0.75
 
 
 def test_fp8_error_rejects_a_bad_prompt_length(capsys):
