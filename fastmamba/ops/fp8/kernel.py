@@ -1,7 +1,8 @@
 """Triton kernels of the FP8 ops (e4m3 = ``tl.float8e4nv`` = ``torch.float8_e4m3fn``), one
 launcher per kernel. The math each implements is in ``ref.py``; the checks are in ``api.py``.
 
-Quantisation divides with ``div_rn`` (IEEE round-to-nearest, like torch's ``/``), clamps to
+Quantisation multiplies by the scale's reciprocal (one ``div_rn`` a row: IEEE round-to-nearest, like
+torch's ``1 / s``; a division per value was ~10 instructions in the decode GEMVs), clamps to
 +-448 and rounds to the e4m3 grid in fp32 (``_round_e4m3``) before the cast, so the bytes it
 writes equal the reference's. The explicit rounding is there for the CPU interpreter, whose
 fp32 -> fp8e4nv cast does not round to nearest even (124.3 became 64, 100 became 104, subnormals
@@ -48,14 +49,20 @@ def _round_e4m3(x):
 
 
 @triton.jit
-def _e4m3_of(x, scale, QMAX: tl.constexpr, ON_GPU: tl.constexpr = False):
-    """fp32 x / scale (``div_rn``, broadcast), clamped to +-QMAX, as the nearest e4m3 value in fp32
+def _reciprocal(scale):
+    """1 / scale in fp32, IEEE round-to-nearest (as torch's ``1.0 / s``): the factor ``_e4m3_of`` takes."""
+    return tl.div_rn(1.0 + tl.zeros_like(scale), scale)
+
+
+@triton.jit
+def _e4m3_of(x, inv_scale, QMAX: tl.constexpr, ON_GPU: tl.constexpr = False):
+    """fp32 x * inv_scale (``_reciprocal`` of the scale, broadcast), clamped to +-QMAX, as the nearest e4m3 value in fp32
     (exact): every quantisation in this file, so that the fused ones equal ``quantize_per_token``.
     ON_GPU (a CUDA tensor outside the interpreter: ``inline_asm_ok``): the rounding is the cast's own
     (sm_89+ converts fp32 to e4m3 with round-to-nearest-even, the same value as ``_round_e4m3`` in
     fewer instructions: the decode GEMVs quantise their input in every program); the interpreter's
     cast does not round so."""
-    c = tl.minimum(tl.maximum(tl.div_rn(x, scale + tl.zeros_like(x)), -QMAX), QMAX)
+    c = tl.minimum(tl.maximum(x * inv_scale, -QMAX), QMAX)
     if ON_GPU:
         return c.to(tl.float8e4nv).to(tl.float32)
     else:
@@ -86,10 +93,11 @@ def _quantize_per_token_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_x_t, stride_x_k
     t = tl.program_id(0)
     scale = _dynamic_scale(_row_amax(x_ptr + t * stride_x_t, stride_x_k, K, BLOCK_K), AMAX_MIN, QMAX)
     tl.store(s_ptr + t, scale)
+    inv = _reciprocal(scale)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + t * stride_x_t + k * stride_x_k, mask=k < K, other=0.0).to(tl.float32)
-        tl.store(q_ptr + t * stride_q_t + k, _e4m3_of(x, scale, QMAX).to(tl.float8e4nv), mask=k < K)
+        tl.store(q_ptr + t * stride_q_t + k, _e4m3_of(x, inv, QMAX).to(tl.float8e4nv), mask=k < K)
 
 
 def launch_quantize_per_token(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
@@ -107,7 +115,7 @@ def _quantize_static_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_x_t, stride_x_k, s
     t = tl.program_id(0)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     x = tl.load(x_ptr + t * stride_x_t + k * stride_x_k, mask=k < K, other=0.0).to(tl.float32)
-    tl.store(q_ptr + t * stride_q_t + k, _e4m3_of(x, tl.load(s_ptr), QMAX).to(tl.float8e4nv), mask=k < K)
+    tl.store(q_ptr + t * stride_q_t + k, _e4m3_of(x, _reciprocal(tl.load(s_ptr)), QMAX).to(tl.float8e4nv), mask=k < K)
 
 
 def launch_quantize_static(x: torch.Tensor, scale: torch.Tensor, q: torch.Tensor) -> None:
@@ -153,9 +161,10 @@ def _relu2_in_dtype(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _gemv_x_tile(x_ptr, t, k, T, K, stride_x_t, sx, RELU2_IN: tl.constexpr, QUANT: tl.constexpr,
+def _gemv_x_tile(x_ptr, t, k, T, K, stride_x_t, sx_inv, RELU2_IN: tl.constexpr, QUANT: tl.constexpr,
                  USE_DOT: tl.constexpr, ON_GPU: tl.constexpr, QMAX: tl.constexpr, EVEN: tl.constexpr):
-    """x[t, k] [BLOCK_T, BLOCK_K] as the GEMV multiplies it: e4m3 for the dot, its fp32 value for FMA."""
+    """x[t, k] [BLOCK_T, BLOCK_K] as the GEMV multiplies it: e4m3 for the dot, its fp32 value for FMA
+    (QUANT 1 / 2: quantised with sx_inv [BLOCK_T], the reciprocals of the rows' scales)."""
     if EVEN:
         x = tl.load(x_ptr + t[:, None] * stride_x_t + k[None, :], mask=t[:, None] < T, other=0.0)
     else:
@@ -164,7 +173,7 @@ def _gemv_x_tile(x_ptr, t, k, T, K, stride_x_t, sx, RELU2_IN: tl.constexpr, QUAN
         xf = x.to(tl.float32)
         if RELU2_IN:
             xf = _relu2_in_dtype(xf, x_ptr.dtype.element_ty)
-        x = _e4m3_of(xf, sx[:, None], QMAX, ON_GPU)
+        x = _e4m3_of(xf, sx_inv[:, None], QMAX, ON_GPU)
         if USE_DOT:
             x = x.to(tl.float8e4nv)
     elif not USE_DOT:
@@ -235,18 +244,19 @@ def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, add_ptr, y_ptr, T, N, 
         sx = _dynamic_scale(amax, AMAX_MIN, QMAX)
     else:
         sx = tl.load(sx_ptr) + tl.zeros([BLOCK_T], dtype=tl.float32)
+    sx_inv = _reciprocal(sx) if QUANT != 0 else sx  # (QUANT 0: not read)
     if USE_DOT and SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
     elif USE_DOT:
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    x = _gemv_x_tile(x_ptr, t, kb, T, K, stride_x_t, sx, RELU2_IN, QUANT, USE_DOT, ON_GPU, QMAX, EVEN)
+    x = _gemv_x_tile(x_ptr, t, kb, T, K, stride_x_t, sx_inv, RELU2_IN, QUANT, USE_DOT, ON_GPU, QMAX, EVEN)
     acc = _gemv_mul(acc, x, w, USE_DOT, SWAP_AB, BLOCK_K)
     for k0 in range(BLOCK_K, K, BLOCK_K):  # (the dot's weight loads: Triton pipelines them, num_stages deep)
         k = k0 + kb
         w = _gemv_w_tile(w_rows, n, k, N, K, EVEN)
-        x = _gemv_x_tile(x_ptr, t, k, T, K, stride_x_t, sx, RELU2_IN, QUANT, USE_DOT, ON_GPU, QMAX, EVEN)
+        x = _gemv_x_tile(x_ptr, t, k, T, K, stride_x_t, sx_inv, RELU2_IN, QUANT, USE_DOT, ON_GPU, QMAX, EVEN)
         acc = _gemv_mul(acc, x, w, USE_DOT, SWAP_AB, BLOCK_K)
     if USE_DOT and SWAP_AB:
         acc = tl.trans(acc)
@@ -325,6 +335,7 @@ def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
         sx = tl.load(sq_ptr)
     else:
         sx = tl.load(sq_ptr + row)
+    sx_inv = _reciprocal(sx) if QUANT != 0 else sx  # (QUANT 0: not read)
     if USE_DOT and SWAP_AB:
         acc16 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)  # the pair's column, then 15 columns of zeros
         first = tl.arange(0, 16)[None, :] == 0
@@ -344,7 +355,7 @@ def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
             w = tl.load(w_rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K) & valid, other=0.0)
             x = tl.load(q_ptr + row * stride_q_r + k, mask=k < K, other=0.0).to(tl.float32)
         if QUANT != 0:  # the e4m3 value as fp32 (exact), as quantize_per_token / quantize_static write it
-            x = _e4m3_of(x, sx, QMAX, ON_GPU)
+            x = _e4m3_of(x, sx_inv, QMAX, ON_GPU)
         if USE_DOT and SWAP_AB:
             x16 = tl.where(first, x[:, None], 0.0).to(tl.float8e4nv)                          # [BLOCK_K, 16]
             acc16 = tl.dot(w, x16, acc16, max_num_imprecise_acc=BLOCK_K)
@@ -407,7 +418,7 @@ def _moe_up_kernel(
     # one program per (block of BM sorted rows = pairs of one expert e, block of BLOCK_N of F):
     # h[pair, n] = relu(sx[t] * sw[e, n] * (xq[t] . w_up[e, n]))², xq and w_up e4m3, the dot on tensor
     # cores with fp32 accumulation (products of two e4m3 values are exact), scales in the epilogue.
-    # QUANT_H (a static down input scale hs): h is written as e4m3(clamp(h / hs)); else as fp32 for
+    # QUANT_H (a static down input scale hs): h is written as e4m3(clamp(h * (1 / hs))); else as fp32 for
     # the per-row quantisation kernel that follows.
     pid_m, pid_n, e, e_start, e_count, rows_used = block_of_program(counts_ptr, E, Fdim, BM, BLOCK_N, GROUP_M,
                                                                     BLOCK_E)
@@ -442,8 +453,8 @@ def _moe_up_kernel(
     mask = real[:, None] & (offs_n < Fdim)[None, :]
     out_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_h_p + offs_n[None, :]
     if QUANT_H:
-        hs = tl.load(hs_ptr) + tl.zeros_like(h)
-        q = tl.minimum(tl.div_rn(h, hs), QMAX)  # h >= 0
+        hs_inv = _reciprocal(tl.load(hs_ptr))
+        q = tl.minimum(h * hs_inv, QMAX)  # h >= 0
         tl.store(out_ptrs, _round_e4m3(q).to(tl.float8e4nv), mask=mask)
     else:
         tl.store(out_ptrs, h, mask=mask)

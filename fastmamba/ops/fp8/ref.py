@@ -4,15 +4,18 @@ the kernels of ``kernel.py`` and ``fastmamba.layers.fp8_linear.FP8Linear`` compu
 Letters: T rows (tokens), K input features, N output features; MoE: M model width, E experts,
 F expert width, k experts per token.
 
-    quantize_per_token_ref(x)   s[t] = max(amax(|x[t]|), AMAX_FLOOR) / 448;  q[t] = e4m3(x[t] / s[t])
-    quantize_static_ref(x, s)   q = e4m3(clamp(x / s, -448, 448))
+    quantize_per_token_ref(x)   s[t] = max(amax(|x[t]|), AMAX_FLOOR) / 448;  q[t] = e4m3(x[t] * (1 / s[t]))
+    quantize_static_ref(x, s)   q = e4m3(clamp(x * (1 / s), -448, 448))
     quantize_weight_ref(w)      per channel (s[n] over row n) or per tensor (one s)
     fp8_linear_ref(x, w, sw, sx) (q(x) * sx) @ (w * sw)^T + bias, in x's dtype
     fp8_moe_ref(...)            fused_moe_ref with every expert GEMM as fp8_linear_ref
 
 e4m3 here is ``torch.float8_e4m3fn`` (max 448, no infinity), rounded to nearest even; values are
-clamped to +-448 first because torch's cast turns out-of-range values into NaN. Divisions are IEEE
-divisions (the kernels use ``div_rn``), so a kernel's quantised bytes equal these bit for bit.
+clamped to +-448 first because torch's cast turns out-of-range values into NaN. Activations are
+scaled by a multiply with the fp32 reciprocal of their scale (one IEEE division a row, ``div_rn`` in
+the kernels), so a kernel's quantised bytes equal these bit for bit; a division per value cost the
+decode GEMVs ~10 instructions each (docs/experiments/moe.md). Weights are quantised on load only
+(here), by division.
 """
 from __future__ import annotations
 
@@ -32,12 +35,12 @@ def quantize_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """x [T, K] float -> (q [T, K] e4m3, scale [T] fp32) with x[t] ~= q[t] * scale[t]."""
     xf = x.float()
     scale = xf.abs().amax(dim=-1).clamp(min=AMAX_FLOOR) / FP8_MAX
-    return to_fp8_ref(xf / scale[:, None]), scale
+    return to_fp8_ref(xf * (1.0 / scale)[:, None]), scale
 
 
 def quantize_static_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [T, K] float, scale [] or [1] fp32 (a checkpoint's ``input_scale``) -> q [T, K] e4m3."""
-    return to_fp8_ref(x.float() / scale.float().reshape(()))
+    return to_fp8_ref(x.float() * (1.0 / scale.float().reshape(())))
 
 
 def quantize_weight_ref(w: torch.Tensor, *, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
