@@ -202,6 +202,50 @@ def _gemv_mul(acc, x, w, USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_K: 
         return acc + x[:, None, :] * w.to(tl.float32)[None, :, :]
 
 
+@triton.jit
+def _one_row_x(x_ptr, k, K, sx_inv, RELU2_IN: tl.constexpr, QUANT: tl.constexpr, ON_GPU: tl.constexpr,
+               EVEN: tl.constexpr, QMAX: tl.constexpr):
+    """x[k] [BLOCK_K] of the one row as fp32: its e4m3 value (QUANT 1 / 2, with sx_inv the reciprocal
+    of its scale, as quantize_per_token / quantize_static write it), or x's own (QUANT 0: e4m3)."""
+    if EVEN:
+        x = tl.load(x_ptr + k).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    if QUANT != 0:
+        if RELU2_IN:
+            x = _relu2_in_dtype(x, x_ptr.dtype.element_ty)
+        x = _e4m3_of(x, sx_inv, QMAX, ON_GPU)
+    return x
+
+
+@triton.jit
+def _one_row_fma(x_ptr, sx_ptr, w, w_rows, n, kb, N, K, RELU2_IN: tl.constexpr, QUANT: tl.constexpr,
+                 ON_GPU: tl.constexpr, EVEN: tl.constexpr, AMAX_MIN: tl.constexpr, QMAX: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``_fp8_gemv_kernel``'s K loop for one row on fp32 FMAs (``w`` its first weight tile, loaded):
+    the sums [1, BLOCK_N] and the row's scale [1]. x stays a [BLOCK_K] vector that broadcasts over the
+    tile's rows; as a [1, BLOCK_K] tile against a [1, BLOCK_N, BLOCK_K] product it cost 2-3 more SASS
+    instructions a weight (layout changes through shared memory; sm_90, Triton 3.6)."""
+    if QUANT == 1:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kb
+            xa = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            if RELU2_IN:
+                xa = _relu2_in_dtype(xa, x_ptr.dtype.element_ty)
+            amax = tl.maximum(amax, tl.abs(xa))
+        sx = _dynamic_scale(tl.max(amax, axis=0), AMAX_MIN, QMAX)
+    else:  # QUANT 0: x's row scale; 2: the static scale
+        sx = tl.load(sx_ptr)
+    sx_inv = _reciprocal(sx) if QUANT != 0 else sx  # (QUANT 0: not read)
+    acc = w.to(tl.float32) * _one_row_x(x_ptr, kb, K, sx_inv, RELU2_IN, QUANT, ON_GPU, EVEN, QMAX)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        k = k0 + kb
+        w = _gemv_w_tile(w_rows, n, k, N, K, EVEN)
+        acc += w.to(tl.float32) * _one_row_x(x_ptr, k, K, sx_inv, RELU2_IN, QUANT, ON_GPU, EVEN, QMAX)[None, :]
+    return tl.sum(acc, axis=1)[None, :], sx + tl.zeros([1], dtype=tl.float32)
+
+
 @triton.heuristics({"HAS_BIAS": lambda a: a["b_ptr"] is not None, "HAS_ADD": lambda a: a["add_ptr"] is not None})
 @triton.jit(do_not_specialize=["T"])
 def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, add_ptr, y_ptr, T, N, K,
@@ -209,7 +253,7 @@ def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, add_ptr, y_ptr, T, N, 
                      HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, RELU2_IN: tl.constexpr, QUANT: tl.constexpr,
                      USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, ON_GPU: tl.constexpr, EVEN: tl.constexpr,
                      USE_PDL: tl.constexpr, AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_ROW: tl.constexpr = False):
     # one program per block of N output features, all T (<= BLOCK_T) rows: each weight tile is read
     # once, under PDL the first one before the grid-dependency wait (weights are never written by
     # the kernel before). USE_DOT: an e4m3 x e4m3 tensor-core dot over rows padded to 16; else fp32
@@ -221,7 +265,8 @@ def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, add_ptr, y_ptr, T, N, 
     # static scale sx[0]. Products of two e4m3 values are exact in fp32; sums in fp32.
     # RELU2_IN (QUANT 1 / 2): the input is relu(x)² rounded to x's dtype (an MLP's down projection
     # reading its up projection's output). HAS_ADD: y = round(round(y) + add) (a residual sum).
-    # EVEN: N and K are multiples of the tile (no masks on the weight).
+    # EVEN: N and K are multiples of the tile (no masks on the weight). ONE_ROW (BLOCK_T 1, FMA):
+    # the K loop of ``_one_row_fma``.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     t = tl.arange(0, BLOCK_T)
     kb = tl.arange(0, BLOCK_K)
@@ -230,38 +275,42 @@ def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, add_ptr, y_ptr, T, N, 
     if USE_PDL:
         gdc_wait()  # x comes from the kernel before; the first weight tile is already in flight
         gdc_launch_dependents()
-    if QUANT == 0:
-        sx = tl.load(sx_ptr + t, mask=t < T, other=0.0)
-    elif QUANT == 1:
-        amax = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + kb
-            xa = tl.load(x_ptr + t[:, None] * stride_x_t + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K),
-                         other=0.0).to(tl.float32)
-            if RELU2_IN:
-                xa = _relu2_in_dtype(xa, x_ptr.dtype.element_ty)
-            amax = tl.maximum(amax, tl.max(tl.abs(xa), axis=1))
-        sx = _dynamic_scale(amax, AMAX_MIN, QMAX)
+    if ONE_ROW:  # one row of fp32 FMAs: x a [BLOCK_K] vector over the tile's rows
+        acc, sx = _one_row_fma(x_ptr, sx_ptr, w, w_rows, n, kb, N, K, RELU2_IN, QUANT, ON_GPU, EVEN, AMAX_MIN, QMAX,
+                               BLOCK_N, BLOCK_K)
     else:
-        sx = tl.load(sx_ptr) + tl.zeros([BLOCK_T], dtype=tl.float32)
-    sx_inv = _reciprocal(sx) if QUANT != 0 else sx  # (QUANT 0: not read)
-    if USE_DOT and SWAP_AB:
-        acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-    elif USE_DOT:
-        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    x = _gemv_x_tile(x_ptr, t, kb, T, K, stride_x_t, sx_inv, RELU2_IN, QUANT, USE_DOT, ON_GPU, QMAX, EVEN)
-    acc = _gemv_mul(acc, x, w, USE_DOT, SWAP_AB, BLOCK_K)
-    for k0 in range(BLOCK_K, K, BLOCK_K):  # (the dot's weight loads: Triton pipelines them, num_stages deep)
-        k = k0 + kb
-        w = _gemv_w_tile(w_rows, n, k, N, K, EVEN)
-        x = _gemv_x_tile(x_ptr, t, k, T, K, stride_x_t, sx_inv, RELU2_IN, QUANT, USE_DOT, ON_GPU, QMAX, EVEN)
+        if QUANT == 0:
+            sx = tl.load(sx_ptr + t, mask=t < T, other=0.0)
+        elif QUANT == 1:
+            amax = tl.zeros([BLOCK_T], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + kb
+                xa = tl.load(x_ptr + t[:, None] * stride_x_t + k[None, :], mask=(t[:, None] < T) & (k[None, :] < K),
+                             other=0.0).to(tl.float32)
+                if RELU2_IN:
+                    xa = _relu2_in_dtype(xa, x_ptr.dtype.element_ty)
+                amax = tl.maximum(amax, tl.max(tl.abs(xa), axis=1))
+            sx = _dynamic_scale(amax, AMAX_MIN, QMAX)
+        else:
+            sx = tl.load(sx_ptr) + tl.zeros([BLOCK_T], dtype=tl.float32)
+        sx_inv = _reciprocal(sx) if QUANT != 0 else sx  # (QUANT 0: not read)
+        if USE_DOT and SWAP_AB:
+            acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+        elif USE_DOT:
+            acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        x = _gemv_x_tile(x_ptr, t, kb, T, K, stride_x_t, sx_inv, RELU2_IN, QUANT, USE_DOT, ON_GPU, QMAX, EVEN)
         acc = _gemv_mul(acc, x, w, USE_DOT, SWAP_AB, BLOCK_K)
-    if USE_DOT and SWAP_AB:
-        acc = tl.trans(acc)
-    elif not USE_DOT:
-        acc = tl.sum(acc, axis=2)
+        for k0 in range(BLOCK_K, K, BLOCK_K):  # (the dot's weight loads: Triton pipelines them, num_stages deep)
+            k = k0 + kb
+            w = _gemv_w_tile(w_rows, n, k, N, K, EVEN)
+            x = _gemv_x_tile(x_ptr, t, k, T, K, stride_x_t, sx_inv, RELU2_IN, QUANT, USE_DOT, ON_GPU, QMAX, EVEN)
+            acc = _gemv_mul(acc, x, w, USE_DOT, SWAP_AB, BLOCK_K)
+        if USE_DOT and SWAP_AB:
+            acc = tl.trans(acc)
+        elif not USE_DOT:
+            acc = tl.sum(acc, axis=2)
     sw = tl.load(sw_ptr + n * stride_sw_n, mask=n < N, other=0.0)
     y = acc * sx[:, None] * sw[None, :]
     if HAS_BIAS:
@@ -298,7 +347,7 @@ def launch_fp8_gemv(x: torch.Tensor, sx: torch.Tensor | None, w: torch.Tensor, s
         add.stride(0) if add is not None else 0, y.stride(0), RELU2_IN=relu2_input, QUANT=quant, USE_DOT=use_dot,
         SWAP_AB=use_dot and cfg.swap_ab, ON_GPU=inline_asm_ok(x), EVEN=N % cfg.block_n == 0 and K % block_k == 0,
         USE_PDL=use_pdl, AMAX_MIN=AMAX_FLOOR, QMAX=FP8_MAX, BLOCK_T=block_t, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
+        ONE_ROW=block_t == 1 and not use_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
 
 
 @triton.jit(do_not_specialize=["P"])

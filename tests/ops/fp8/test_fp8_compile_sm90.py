@@ -44,7 +44,7 @@ VARIANTS = {
 # 2 rows, DOT_DEFAULT at 16) and the weight-left dot (swap_ab, which should take Hopper's wgmma)
 _GEMV = dict(x_ptr="*bf16", sx_ptr="*fp32", w_ptr="*fp8e4nv", sw_ptr="*fp32", b_ptr="*bf16", add_ptr="*bf16",
              y_ptr="*bf16")
-_GEMV_C = dict(HAS_BIAS=False, HAS_ADD=False, RELU2_IN=False, QUANT=1, ON_GPU=True, EVEN=True, USE_PDL=True,
+_GEMV_C = dict(HAS_BIAS=False, HAS_ADD=False, RELU2_IN=False, QUANT=1, ON_GPU=True, EVEN=True, USE_PDL=True, ONE_ROW=False,
                AMAX_MIN=1e-12, QMAX=448.0, b_ptr=None, add_ptr=None)
 _PAIR = dict(q_ptr="*bf16", sq_ptr="*fp32", w_ptr="*fp8e4nv", s_ptr="*fp32", ids_ptr="*i32", tw_ptr="*fp32",
              out_ptr="*fp32")
@@ -52,7 +52,7 @@ _PAIR_C = dict(Q_PER_PAIR=False, RELU2=True, QUANT=1, ON_GPU=True, EVEN=True, US
                QMAX=448.0)
 VARIANTS.update({
     "gemv-fma-1row": ("_fp8_gemv_kernel", _GEMV, dict(_GEMV_C, USE_DOT=False, SWAP_AB=False, BLOCK_T=1, BLOCK_N=16,
-                                                       BLOCK_K=1024), dict(num_warps=4, num_stages=2)),
+                                                       BLOCK_K=1024, ONE_ROW=True), dict(num_warps=4, num_stages=2)),
     "gemv-fma-2rows": ("_fp8_gemv_kernel", _GEMV, dict(_GEMV_C, USE_DOT=False, SWAP_AB=False, BLOCK_T=2, BLOCK_N=16,
                                                         BLOCK_K=512), dict(num_warps=4, num_stages=2)),
     "gemv-dot": ("_fp8_gemv_kernel", _GEMV, dict(_GEMV_C, USE_DOT=True, SWAP_AB=False, BLOCK_T=16, BLOCK_N=64,
@@ -62,7 +62,7 @@ VARIANTS.update({
     # fp32 with add=: the sum must stay an add of its own (add.rn), not an fma with the product
     "gemv-fma-add-fp32": ("_fp8_gemv_kernel", dict(_GEMV, x_ptr="*fp32", add_ptr="*fp32", y_ptr="*fp32"),
                           dict({k: v for k, v in _GEMV_C.items() if k != "add_ptr"}, HAS_ADD=True, USE_DOT=False, SWAP_AB=False, BLOCK_T=1,
-                               BLOCK_N=16, BLOCK_K=1024), dict(num_warps=4, num_stages=2)),
+                               BLOCK_N=16, BLOCK_K=1024, ONE_ROW=True), dict(num_warps=4, num_stages=2)),
     "pair-fma": ("_moe_pair_gemv_kernel", _PAIR, dict(_PAIR_C, USE_DOT=False, SWAP_AB=False, BLOCK_N=16,
                                                       BLOCK_K=1024), dict(num_warps=4, num_stages=2)),
     "pair-swap": ("_moe_pair_gemv_kernel", _PAIR, dict(_PAIR_C, USE_DOT=True, SWAP_AB=True, BLOCK_N=64,
