@@ -22,13 +22,12 @@ from fastmamba.ops._common.host_values import host_reads_allowed
 from fastmamba.ops._common.launch import on_device
 from fastmamba.ops.fp8 import kernel
 from fastmamba.ops.fp8.configs import gemv_config, moe_grouped_config
+from fastmamba.ops.fp8.grouped_kernel import launch_moe_grouped, launch_sum
 from fastmamba.ops.fp8.kernel import (
     launch_fp8_gemv,
-    launch_moe_grouped,
     launch_moe_pair_gemv,
     launch_quantize_per_token,
     launch_quantize_static,
-    launch_sum,
 )
 from fastmamba.ops.fp8.ref import FP8_DTYPE, fp8_linear_ref, fp8_moe_ref, quantize_per_token_ref, quantize_static_ref
 
@@ -311,7 +310,7 @@ def fp8_moe_grouped(x: torch.Tensor, w_up: torch.Tensor, up_scale: torch.Tensor,
     arguments and result. Needs a GPU with FP8 tensor cores (sm89+) or the CPU interpreter; other
     CPU tensors run the reference.
 
-    Steps (kernel.launch_moe_grouped): x quantised to e4m3 (per token, or with ``up_input_scale``);
+    Steps (grouped_kernel.launch_moe_grouped): x quantised to e4m3 (per token, or with ``up_input_scale``);
     ops/moe's alignment sorts the (token, expert) pairs by expert into blocks of BM rows (no host
     read: buffers sized from (T, k, E, BM)); up GEMM, e4m3 x e4m3 ``tl.dot`` with fp32 accumulation,
     scales and relu² in the epilogue, one row per pair; those rows quantised per row (or with

@@ -12,6 +12,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 K = "fastmamba.ops.fp8.kernel"
+GROUPED = "fastmamba.ops.fp8.grouped_kernel"  # _moe_up_kernel, _moe_down_kernel
 _UP = dict(xq_ptr="*fp8e4nv", sx_ptr="*fp32", w_ptr="*fp8e4nv", sw_ptr="*fp32", hs_ptr="*fp32",
            sorted_ptr="*i32", counts_ptr="*i32")
 _DOWN = dict(hq_ptr="*fp8e4nv", sh_ptr="*fp32", w_ptr="*fp8e4nv", sw_ptr="*fp32", tw_ptr="*fp32", y_ptr="*fp32",
@@ -89,7 +90,8 @@ def compile_sm90(name: str) -> dict:
     from tests.helpers import compile_triton_sm90, ptxas_report, spill_lines
 
     kernel_name, types, consts, options = VARIANTS[name]
-    kernel = getattr(importlib.import_module(K), kernel_name)
+    kernel = getattr(importlib.import_module(GROUPED if kernel_name.startswith("_moe_") and "pair" not in kernel_name
+                                             else K), kernel_name)
     if isinstance(kernel, Heuristics):
         kernel = kernel.fn
     consts = {**{n: v for n, v in _UNIT.items() if n in kernel.arg_names}, **consts}
