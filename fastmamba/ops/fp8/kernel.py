@@ -73,12 +73,16 @@ def _dynamic_scale(amax, AMAX_MIN: tl.constexpr, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _row_amax(row_ptr, stride_k, K, BLOCK_K: tl.constexpr):
-    """The largest |x| of one row of K values (any dtype, read as fp32), in BLOCK_K steps."""
+def _row_amax(row_ptr, stride_k, K, BLOCK_K: tl.constexpr, RELU2: tl.constexpr = False):
+    """The largest |x| of one row of K values (any dtype, read as fp32), in BLOCK_K steps; RELU2: of
+    relu(x)² rounded to x's dtype (``_relu2_in_dtype``) instead."""
     amax = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        amax = tl.maximum(amax, tl.abs(tl.load(row_ptr + k * stride_k, mask=k < K, other=0.0).to(tl.float32)))
+        x = tl.load(row_ptr + k * stride_k, mask=k < K, other=0.0).to(tl.float32)
+        if RELU2:
+            x = _relu2_in_dtype(x, row_ptr.dtype.element_ty)
+        amax = tl.maximum(amax, tl.abs(x))
     return tl.max(amax, axis=0)
 
 
@@ -223,14 +227,7 @@ def _one_row_fma(x_ptr, sx_ptr, w, w_rows, n, kb, N, K, RELU2_IN: tl.constexpr, 
     tile's rows; as a [1, BLOCK_K] tile against a [1, BLOCK_N, BLOCK_K] product it cost 2-3 more SASS
     instructions a weight (layout changes through shared memory; sm_90, Triton 3.6)."""
     if QUANT == 1:
-        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + kb
-            xa = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            if RELU2_IN:
-                xa = _relu2_in_dtype(xa, x_ptr.dtype.element_ty)
-            amax = tl.maximum(amax, tl.abs(xa))
-        sx = _dynamic_scale(tl.max(amax, axis=0), AMAX_MIN, QMAX)
+        sx = _dynamic_scale(_row_amax(x_ptr, 1, K, BLOCK_K, RELU2_IN), AMAX_MIN, QMAX)
     else:  # QUANT 0: x's row scale; 2: the static scale
         sx = tl.load(sx_ptr)
     sx_inv = _reciprocal(sx) if QUANT != 0 else sx  # (QUANT 0: not read)
@@ -395,12 +392,9 @@ def _moe_pair_gemv_kernel(q_ptr, sq_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
         k = k0 + kb
         if EVEN:
             w = tl.load(w_rows + k[None, :], mask=valid, other=0.0)                            # [BLOCK_N, BLOCK_K] e4m3
-            x = tl.load(q_ptr + row * stride_q_r + k).to(tl.float32)
         else:
             w = tl.load(w_rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K) & valid, other=0.0)
-            x = tl.load(q_ptr + row * stride_q_r + k, mask=k < K, other=0.0).to(tl.float32)
-        if QUANT != 0:  # the e4m3 value as fp32 (exact), as quantize_per_token / quantize_static write it
-            x = _e4m3_of(x, sx_inv, QMAX, ON_GPU)
+        x = _one_row_x(q_ptr + row * stride_q_r, k, K, sx_inv, False, QUANT, ON_GPU, EVEN, QMAX)  # [BLOCK_K] fp32
         if USE_DOT and SWAP_AB:
             x16 = tl.where(first, x[:, None], 0.0).to(tl.float8e4nv)                          # [BLOCK_K, 16]
             acc16 = tl.dot(w, x16, acc16, max_num_imprecise_acc=BLOCK_K)
