@@ -19,7 +19,8 @@ parts apart, block by block, on one random prompt:
   (token, expert) choices the FP8 run's router made differently (a flipped expert replaces a whole
   term of the sum: random routers' scores are close, so small input errors flip many).
 
-All relative errors are ``|a - b| / |b|`` over the block's output [B, L, D]. On a CPU under
+All relative errors are ``|a - b| / |b|`` over the block's output [B, L, D] (``bench.ops._base.relative_error``:
+inf where the FP8 side is not finite). On a CPU under
 ``TRITON_INTERPRET=1`` the kernels run in the interpreter (the tiny presets: a check of the wiring).
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 
 from fastmamba.bench.e2e_report import append_json
 from fastmamba.bench.e2e_runs import DTYPES
+from fastmamba.bench.ops._base import relative_error as rel  # |a - b| / |b| (inf where a is not finite)
 from fastmamba.bench.peak import device_name
 
 DECODE_ROWS = (8, 1)  # the decode GEMVs' row counts: the tensor-core dot (3-16 rows) and the FMA loop (1-2)
@@ -46,13 +48,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--seed", type=int, default=0, help="of the prompt's token ids (default 0)")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line per block here")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """|a - b| / |b| in fp32 over all elements (0 when both are zero)."""
-    a, b = a.float().cpu(), b.float().cpu()
-    den = float(b.norm())
-    return float((a - b).norm()) / den if den > 0 else float((a - b).norm())
 
 
 @contextlib.contextmanager
@@ -71,7 +66,7 @@ def references_only():
 
 
 class Run(NamedTuple):
-    """What ``whole_run`` records: per block its input and output [B, L, D] (fp32, CPU), per MoE block
+    """What ``whole_run`` records: per block its input (if asked) and output [B, L, D] (fp32, CPU), per MoE block
     (by index) the experts each token was routed to [B * L, k] (CPU), and the last position's logits
     [B, V] (fp32, CPU)."""
     ins: list[torch.Tensor]
@@ -81,12 +76,13 @@ class Run(NamedTuple):
 
 
 @torch.no_grad()
-def whole_run(model, ids: torch.Tensor) -> Run:
-    """One forward of ``ids`` [B, L], recorded (``Run``)."""
+def whole_run(model, ids: torch.Tensor, *, inputs: bool = True) -> Run:
+    """One forward of ``ids`` [B, L], recorded (``Run``; ``inputs`` False: no block inputs)."""
     run = Run([], [], {}, torch.empty(0))
 
     def record(module, args, out):
-        run.ins.append(args[0].detach().float().cpu())
+        if inputs:
+            run.ins.append(args[0].detach().float().cpu())
         run.outs.append(out.detach().float().cpu())
 
     def recording_route(i, route):
@@ -160,7 +156,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         torch.cuda.empty_cache()
 
     model = fastmamba.load_model(args.model, device=device, dtype=dtype, quantization="fp8")
-    run8 = whole_run(model, ids)
+    run8 = whole_run(model, ids, inputs=False)  # every block below runs on the 16-bit run's inputs
     logit_err = rel(run8.logits, run16.logits)
     print(f"# {command}\n# {device_name(device)}, {args.model}, {args.dtype} vs FP8 (--quantization fp8), "
           f"one prompt of {L} tokens, torch {torch.__version__}")
